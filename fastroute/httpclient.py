@@ -1,0 +1,172 @@
+"""Small one-shot async HTTP/1.1 client for the control plane.
+
+Owns the router's *control* traffic to workers: registration handshake, load polls, health
+probes and admin fan-outs (/flush_cache, /metrics, /health_generate, server/model info). It is
+deliberately not used on the request path (the data path has its own pooled upstream): every
+call opens one connection, sends ``Connection: close`` and parses the answer with
+``httptools.HttpResponseParser``. The whole exchange, connect included, is bounded by one
+total timeout.
+
+Failures are reported as one exception family so callers can treat "worker unreachable"
+uniformly: :class:`HttpConnectError` (could not connect), :class:`HttpTimeout` (total timeout
+exceeded) and :class:`HttpProtocolError` (malformed or truncated response), all subclasses of
+:class:`HttpClientError`.
+"""
+from __future__ import annotations
+
+import asyncio
+import ssl as _ssl
+from typing import Iterable, Mapping, Union
+from urllib.parse import urlsplit
+
+import httptools
+
+__all__ = [
+    "HttpClientError",
+    "HttpConnectError",
+    "HttpTimeout",
+    "HttpProtocolError",
+    "request",
+    "header",
+]
+
+HeadersIn = Union[Mapping[str, str], Iterable[tuple[str, str]], None]
+HeaderList = list[tuple[str, str]]
+
+_READ_CHUNK = 65536
+
+
+class HttpClientError(Exception):
+    """Base class: the request did not produce a complete HTTP response."""
+
+
+class HttpConnectError(HttpClientError):
+    """TCP (or TLS) connection to the worker could not be established or was reset."""
+
+
+class HttpTimeout(HttpClientError):
+    """The total timeout elapsed before the response was complete."""
+
+
+class HttpProtocolError(HttpClientError):
+    """The peer sent something that is not a complete, well-formed HTTP response."""
+
+
+class _Collector:
+    """httptools callback target; accumulates one response."""
+
+    __slots__ = ("headers", "chunks", "complete", "headers_done")
+
+    def __init__(self) -> None:
+        self.headers: HeaderList = []
+        self.chunks: list[bytes] = []
+        self.complete = False
+        self.headers_done = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.decode("latin-1").lower(), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        self.headers_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+
+def header(headers: HeaderList, name: str) -> str | None:
+    """First value of header ``name`` (lower-case) in a response header list, or None."""
+    for k, v in headers:
+        if k == name:
+            return v
+    return None
+
+
+def _split_url(url: str) -> tuple[str, int, bool, str, str]:
+    """-> (connect host, port, tls, Host header value, path+query)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise HttpConnectError(f"unsupported URL scheme in {url!r}")
+    host = parts.hostname
+    if not host:
+        raise HttpConnectError(f"no host in URL {url!r}")
+    tls = parts.scheme == "https"
+    try:
+        port = parts.port or (443 if tls else 80)
+    except ValueError as exc:  # port out of range / not a number
+        raise HttpConnectError(f"bad port in URL {url!r}") from exc
+    target = parts.path or "/"
+    if parts.query:
+        target = f"{target}?{parts.query}"
+    netloc = parts.netloc.rpartition("@")[2]
+    return host, port, tls, netloc, target
+
+
+def _encode_request(method: str, netloc: str, target: str, body: bytes, headers: HeadersIn) -> bytes:
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {netloc}", "Connection: close"]
+    if body or method in ("POST", "PUT", "PATCH"):
+        lines.append(f"Content-Length: {len(body)}")
+    if headers:
+        items = headers.items() if isinstance(headers, Mapping) else headers
+        for k, v in items:
+            lines.append(f"{k}: {v}")
+    head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+    return head + body if body else head
+
+
+async def _exchange(method: str, url: str, body: bytes, headers: HeadersIn) -> tuple[int, HeaderList, bytes]:
+    host, port, tls, netloc, target = _split_url(url)
+    try:
+        reader, writer = await asyncio.open_connection(
+            host, port, ssl=_ssl.create_default_context() if tls else None
+        )
+    except OSError as exc:
+        raise HttpConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
+    col = _Collector()
+    parser = httptools.HttpResponseParser(col)
+    try:
+        writer.write(_encode_request(method, netloc, target, body, headers))
+        await writer.drain()
+        while not col.complete:
+            data = await reader.read(_READ_CHUNK)
+            if not data:
+                # EOF. A response without Content-Length/chunked framing ends at EOF, which
+                # httptools cannot be told about; accept it only in that case.
+                if col.headers_done and header(col.headers, "content-length") is None and \
+                        "chunked" not in (header(col.headers, "transfer-encoding") or ""):
+                    break
+                raise HttpProtocolError(f"connection closed before the response from {url} was complete")
+            try:
+                parser.feed_data(data)
+            except httptools.HttpParserUpgrade:  # pragma: no cover - never requested
+                raise HttpProtocolError(f"unexpected protocol upgrade from {url}") from None
+            except httptools.HttpParserError as exc:
+                raise HttpProtocolError(f"malformed response from {url}: {exc}") from exc
+        status = parser.get_status_code()
+    except (ConnectionError, OSError) as exc:
+        raise HttpConnectError(f"connection to {host}:{port} failed: {exc}") from exc
+    finally:
+        writer.close()
+    return status, col.headers, b"".join(col.chunks)
+
+
+async def request(
+    method: str,
+    url: str,
+    body: bytes = b"",
+    headers: HeadersIn = None,
+    timeout: float = 5.0,
+) -> tuple[int, HeaderList, bytes]:
+    """Send one request and return ``(status, headers, body)``.
+
+    ``headers`` in the result is a list of ``(lower-case name, value)`` string pairs.
+    Raises :class:`HttpClientError` subclasses on connect failure, timeout (``timeout`` bounds
+    the whole exchange) or a malformed/truncated response. Non-2xx statuses are returned,
+    not raised.
+    """
+    try:
+        return await asyncio.wait_for(_exchange(method, url, body, headers), timeout)
+    except asyncio.TimeoutError:
+        raise HttpTimeout(f"{method} {url} timed out after {timeout:g}s") from None

@@ -1,0 +1,211 @@
+"""A recording fake SGLang worker for the control-plane tests.
+
+Real loopback HTTP server (asyncio + httptools request parser) that runs inside the test's
+event loop. It serves the control endpoints a router talks to (/health, /server_info,
+/get_server_info, /model_info, /get_model_info, /v1/loads, /get_load, /flush_cache, /metrics,
+/health_generate, /v1/models) and records every request (method, path, query, headers, body)
+so tests can assert on wire behaviour. Knobs are plain attributes that tests flip at any time.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import httptools
+
+
+@dataclass
+class Recorded:
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class FakeWorker:
+    dp_size: int = 1
+    # Per-rank loads: list index = rank; keys num_running_reqs, num_waiting_reqs, num_used_tokens.
+    loads: list[dict[str, int]] = field(default_factory=list)
+    # "v1" -> /v1/loads works; "get_load" -> /v1/loads 404s, /get_load works; "none" -> both 404;
+    # "error" -> /v1/loads answers 500.
+    load_mode: str = "v1"
+    server_info_404: bool = False  # /server_info 404 -> router must use /get_server_info
+    model_info_404: bool = False
+    omit_dp_size: bool = False
+    served_model_name: str | None = None
+    model_path: str = "/models/org/Fake-Model-7B"
+    health_status: int = 200
+    health_delay: float = 0.0
+    health_generate_status: int = 200
+    flush_status: int = 200
+    metrics_text: str = "# HELP fake_gauge A gauge\n# TYPE fake_gauge gauge\nfake_gauge 1\n"
+    requests: list[Recorded] = field(default_factory=list)
+    port: int = 0
+    _server: asyncio.AbstractServer | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> "FakeWorker":
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Conn(self), "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    def paths(self) -> list[str]:
+        return [r.path for r in self.requests]
+
+    def count(self, path: str) -> int:
+        return sum(1 for r in self.requests if r.path == path)
+
+    def rank_loads(self) -> list[dict[str, int]]:
+        out = []
+        for r in range(self.dp_size):
+            d = self.loads[r] if r < len(self.loads) else {}
+            out.append({
+                "num_running_reqs": d.get("num_running_reqs", 0),
+                "num_waiting_reqs": d.get("num_waiting_reqs", 0),
+                "num_used_tokens": d.get("num_used_tokens", 0),
+            })
+        return out
+
+    # ---- routing -------------------------------------------------------------------------
+    async def handle(self, rec: Recorded) -> tuple[int, bytes, str]:
+        p = rec.path
+        if p == "/health":
+            if self.health_delay:
+                await asyncio.sleep(self.health_delay)
+            return self.health_status, b"", "text/plain"
+        if p == "/health_generate":
+            return self.health_generate_status, b"", "text/plain"
+        if p in ("/server_info", "/get_server_info"):
+            if p == "/server_info" and self.server_info_404:
+                return 404, b'{"detail":"Not Found"}', "application/json"
+            info: dict[str, Any] = {
+                "model_path": self.model_path,
+                "tp_size": 1,
+                "max_total_num_tokens": 100000,
+                "internal_states": [{"rank": r, "avg_spec_accept_length": 1.0} for r in range(self.dp_size)],
+                "version": "0.0-fake",
+            }
+            if self.served_model_name:
+                info["served_model_name"] = self.served_model_name
+            if not self.omit_dp_size:
+                info["dp_size"] = self.dp_size
+            return 200, json.dumps(info).encode(), "application/json"
+        if p in ("/model_info", "/get_model_info"):
+            if p == "/model_info" and self.model_info_404:
+                return 404, b'{"detail":"Not Found"}', "application/json"
+            info = {"model_path": self.model_path, "is_generation": True, "model_type": "fake"}
+            return 200, json.dumps(info).encode(), "application/json"
+        if p == "/v1/loads":
+            if self.load_mode == "error":
+                return 500, b"boom", "text/plain"
+            if self.load_mode != "v1":
+                return 404, b'{"detail":"Not Found"}', "application/json"
+            loads = []
+            for r, d in enumerate(self.rank_loads()):
+                loads.append({
+                    "dp_rank": r,
+                    "num_running_reqs": d["num_running_reqs"],
+                    "num_waiting_reqs": d["num_waiting_reqs"],
+                    "num_total_reqs": d["num_running_reqs"] + d["num_waiting_reqs"],
+                    "num_used_tokens": d["num_used_tokens"],
+                    "max_total_num_tokens": 100000,
+                    "token_usage": d["num_used_tokens"] / 100000,
+                })
+            doc = {"timestamp": "2026-01-01T00:00:00+00:00", "dp_rank_count": self.dp_size, "loads": loads}
+            return 200, json.dumps(doc).encode(), "application/json"
+        if p == "/get_load":
+            if self.load_mode not in ("get_load",):
+                return 404, b'{"detail":"Not Found"}', "application/json"
+            arr = [{"dp_rank": r, "num_reqs": d["num_running_reqs"] + d["num_waiting_reqs"],
+                    "num_waiting_reqs": d["num_waiting_reqs"], "num_tokens": d["num_used_tokens"]}
+                   for r, d in enumerate(self.rank_loads())]
+            return 200, json.dumps(arr).encode(), "application/json"
+        if p == "/flush_cache":
+            return self.flush_status, b"Cache flushed." if self.flush_status == 200 else b"busy", "text/plain"
+        if p == "/metrics":
+            return 200, self.metrics_text.encode(), "text/plain; version=0.0.4"
+        if p == "/v1/models":
+            name = self.served_model_name or self.model_path
+            return 200, json.dumps({"object": "list", "data": [{"id": name, "object": "model"}]}).encode(), \
+                "application/json"
+        return 404, b'{"detail":"Not Found"}', "application/json"
+
+
+class _Conn(asyncio.Protocol):
+    """One client connection; handles requests sequentially (keep-alive honoured)."""
+
+    def __init__(self, worker: FakeWorker) -> None:
+        self.w = worker
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._body: list[bytes] = []
+        self._tasks: set[asyncio.Task] = set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self.transport:
+                self.transport.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for t in self._tasks:
+            t.cancel()
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = {}
+        self._body = []
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        u = httptools.parse_url(self._url)
+        rec = Recorded(
+            method=self.parser.get_method().decode(),
+            path=u.path.decode(),
+            query=(u.query or b"").decode(),
+            headers=self._headers,
+            body=b"".join(self._body),
+        )
+        self.w.requests.append(rec)
+        keep = self.parser.should_keep_alive()
+        t = asyncio.get_running_loop().create_task(self._respond(rec, keep))
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _respond(self, rec: Recorded, keep: bool) -> None:
+        status, body, ctype = await self.w.handle(rec)
+        if self.transport is None or self.transport.is_closing():
+            return
+        head = (f"HTTP/1.1 {status} X\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                f"Connection: {'keep-alive' if keep else 'close'}\r\n\r\n").encode()
+        self.transport.write(head + body)
+        if not keep:
+            self.transport.close()
