@@ -1,0 +1,24 @@
+# Column layout of the shared target table (mirrored by fastroute/table.py; a unit test checks they agree).
+# One row per target, 16 int64 cells = 128 bytes = two cache lines, so processes updating neighbouring
+# targets never share a line.
+cdef enum:
+    COL_IN_FLIGHT = 0            # requests booked and not yet released (router-side, live)
+    COL_IN_FLIGHT_TOKENS = 1     # sum of the input tokens of those requests
+    COL_POLLED_RUNNING = 2       # last /v1/loads num_running_reqs
+    COL_POLLED_WAITING = 3       # last /v1/loads num_waiting_reqs
+    COL_POLLED_TOKENS = 4        # last /v1/loads num_used_tokens (/get_load num_tokens)
+    COL_POLLED_AT = 5            # ms since the epoch of that poll; -1 = never polled or unknown
+    COL_HEALTHY = 6              # 1 healthy, 0 not
+    COL_PICKS = 7                # picks total (monotonic)
+    COL_CIRCUIT = 8              # 0 closed, 1 open, 2 half-open
+    COL_POLLED_MAX_TOKENS = 9    # max_total_num_tokens of the rank, -1 unknown
+    COL_ALLOCATED = 10           # row in use
+    COL_TOKENS_AT_POLL = 11      # in-flight tokens when the last poll landed (KV deltas since poll)
+    NCOLS = 16
+
+cdef enum:
+    HDR_MAGIC = 0
+    HDR_CAPACITY = 1
+    HDR_UNDERFLOWS = 2           # releases that found the counter at zero (a bug signal)
+    HDR_GENERATION = 3           # bumped when the target set changes
+    NHDR = 8

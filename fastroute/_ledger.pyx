@@ -1,0 +1,270 @@
+"""The ledger: booking and releasing targets in the shared table, and the compiled picker.
+
+A ``Lease`` is the only way a booking is undone: it holds the target row and the tokens it
+added, and its ``release()`` subtracts them exactly once however often it is called.  A release
+that finds the counter already at zero is not applied; it is counted in the table header
+(``HDR_UNDERFLOWS``) because it means some path released a booking it did not own.
+
+``Picker`` is the per-request entry point: one Python call runs the policy kernel and books the
+winner, so the I/O layer never loops over targets in Python.
+"""
+cimport cython
+from libc.stdint cimport int64_t, uint64_t
+from fastroute._atomic cimport fr_load_i64, fr_store_i64, fr_add_i64, fr_cas_i64
+from fastroute._layout cimport (
+    COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS, COL_POLLED_RUNNING, COL_POLLED_WAITING,
+    COL_POLLED_TOKENS, COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_TOKENS_AT_POLL, HDR_UNDERFLOWS,
+    NCOLS, NHDR,
+)
+from fastroute._policy cimport (
+    pick_round_robin, pick_random, pick_p2c, pick_demand, pick_ring, rng_next, hash_bytes,
+    METRIC_TOKENS, METRIC_REQUESTS, METRIC_LEAST_REQUESTS,
+)
+import numpy as np
+
+cdef enum:
+    KIND_ROUND_ROBIN = 0
+    KIND_RANDOM = 1
+    KIND_P2C = 2
+    KIND_RING = 3
+
+DEMAND_OFF, DEMAND_SHADOW, DEMAND_ON = 0, 1, 2
+KINDS = {"round_robin": KIND_ROUND_ROBIN, "random": KIND_RANDOM, "power_of_two": KIND_P2C,
+         "consistent_hashing": KIND_RING}
+
+
+cdef inline void _book(int64_t *row, int64_t tokens) noexcept nogil:
+    fr_add_i64(&row[COL_IN_FLIGHT], 1)
+    fr_add_i64(&row[COL_IN_FLIGHT_TOKENS], tokens)
+    fr_add_i64(&row[COL_PICKS], 1)
+
+
+cdef inline bint _dec_floor(int64_t *cell, int64_t v) noexcept nogil:
+    # Subtract v unless that would take the cell below zero; CAS loop so concurrent releases
+    # from other processes are never lost.  Returns False (nothing applied) on underflow.
+    cdef int64_t cur = fr_load_i64(cell)
+    while True:
+        if cur < v:
+            return False
+        if fr_cas_i64(cell, &cur, cur - v):
+            return True
+
+
+cdef inline void _release(int64_t *row, int64_t tokens, int64_t *header) noexcept nogil:
+    if not _dec_floor(&row[COL_IN_FLIGHT], 1):
+        fr_add_i64(&header[HDR_UNDERFLOWS], 1)
+        return
+    if not _dec_floor(&row[COL_IN_FLIGHT_TOKENS], tokens):
+        fr_add_i64(&header[HDR_UNDERFLOWS], 1)
+
+
+@cython.freelist(256)
+cdef class Lease:
+    """One booking of one target; ``release()`` undoes it exactly once."""
+    cdef int64_t *_row
+    cdef int64_t *_header
+    cdef readonly int64_t target
+    cdef readonly int64_t tokens
+    cdef bint _released
+    cdef object _keep          # the buffer owner, so the row pointer stays valid
+
+    def release(self):
+        if self._released:
+            return False
+        self._released = True
+        _release(self._row, self.tokens, self._header)
+        return True
+
+    @property
+    def released(self):
+        return self._released
+
+    def __repr__(self):
+        return f"<Lease target={self.target} tokens={self.tokens} released={self._released}>"
+
+
+cdef Lease _new_lease(int64_t[:, ::1] tab, int64_t *header, int64_t t, int64_t tokens, object keep):
+    cdef Lease lease = Lease.__new__(Lease)
+    lease._row = &tab[t, 0]
+    lease._header = header
+    lease.target = t
+    lease.tokens = tokens
+    lease._released = False
+    lease._keep = keep
+    _book(lease._row, tokens)
+    return lease
+
+
+def book(int64_t[:, ::1] tab, int64_t[::1] header, int64_t t, int64_t tokens, keep=None):
+    """Book target ``t`` directly (used by reclaim tests and the KV-fit path); returns its Lease."""
+    if t < 0 or t >= tab.shape[0]:
+        raise IndexError(f"target {t} out of range")
+    return _new_lease(tab, &header[0], t, tokens, keep)
+
+
+def stress_book_release(int64_t[:, ::1] tab, int64_t[::1] header, const int64_t[::1] targets,
+                        int64_t rounds, int64_t tokens):
+    """Book every target then release it, ``rounds`` times, without the GIL: the multi-process
+    test runs this in several processes at once and checks that the totals come back exact."""
+    cdef int64_t r
+    cdef Py_ssize_t k
+    with nogil:
+        for r in range(rounds):
+            for k in range(targets.shape[0]):
+                _book(&tab[targets[k], 0], tokens)
+            for k in range(targets.shape[0]):
+                _release(&tab[targets[k], 0], tokens, &header[0])
+
+
+# ---- atomic access for the Python side of the table (monitor, metrics, tests) --------------------
+
+def load(int64_t[:, ::1] tab, int64_t t, int col):
+    return fr_load_i64(&tab[t, col])
+
+
+def store(int64_t[:, ::1] tab, int64_t t, int col, int64_t v):
+    fr_store_i64(&tab[t, col], v)
+
+
+def add(int64_t[:, ::1] tab, int64_t t, int col, int64_t v):
+    return fr_add_i64(&tab[t, col], v)
+
+
+def store_polled(int64_t[:, ::1] tab, int64_t t, int64_t running, int64_t waiting,
+                 int64_t tokens, int64_t max_tokens, int64_t at_ms):
+    # POLLED_AT goes last: a reader that sees the new timestamp sees the new values too.
+    fr_store_i64(&tab[t, COL_POLLED_RUNNING], running)
+    fr_store_i64(&tab[t, COL_POLLED_WAITING], waiting)
+    fr_store_i64(&tab[t, COL_POLLED_TOKENS], tokens)
+    fr_store_i64(&tab[t, COL_POLLED_MAX_TOKENS], max_tokens)
+    fr_store_i64(&tab[t, COL_TOKENS_AT_POLL], fr_load_i64(&tab[t, COL_IN_FLIGHT_TOKENS]))
+    fr_store_i64(&tab[t, COL_POLLED_AT], at_ms)
+
+
+def snapshot(int64_t[:, ::1] tab, int64_t n):
+    """Atomic-load copy of the first n rows (a consistent value per cell, not across cells)."""
+    out = np.empty((n, NCOLS), dtype=np.int64)
+    cdef int64_t[:, ::1] o = out
+    cdef int64_t t
+    cdef int c
+    for t in range(n):
+        for c in range(NCOLS):
+            o[t, c] = fr_load_i64(&tab[t, c])
+    return out
+
+
+cdef class Picker:
+    """A candidate set with its policy, compiled: ``acquire(tokens, key)`` picks and books.
+
+    policy: round_robin | random | power_of_two | consistent_hashing; metric for power_of_two;
+    demand: 0 off, 1 shadow (pick by policy, also compute the demand pick and count agreement),
+    2 on (pick by demand cost).  Candidates and ring are replaced wholesale when workers change.
+    """
+    cdef int64_t[:, ::1] tab
+    cdef int64_t[::1] header
+    cdef int64_t[::1] cands
+    cdef uint64_t[::1] ring_hash
+    cdef int64_t[::1] ring_target
+    cdef int kind
+    cdef int metric
+    cdef readonly int demand
+    cdef readonly int64_t weight
+    cdef uint64_t rng
+    cdef int64_t cursor
+    cdef object keep
+    cdef readonly int64_t shadow_agree
+    cdef readonly int64_t shadow_disagree
+    cdef readonly int64_t last_legacy
+    cdef readonly int64_t last_demand
+
+    def __init__(self, table_array, header_array, str policy, str metric="tokens", int demand=0,
+                 int64_t weight=0, seed=None):
+        if policy not in KINDS:
+            raise ValueError(f"policy {policy!r} has no compiled picker")
+        if metric not in ("tokens", "requests", "least_requests"):
+            raise ValueError(f"unknown load metric {metric!r}")
+        if demand not in (0, 1, 2):
+            raise ValueError("demand must be 0 (off), 1 (shadow) or 2 (on)")
+        if weight < 0:
+            raise ValueError("request weight must be >= 0")
+        self.tab = table_array
+        self.header = header_array
+        self.keep = (table_array, header_array)
+        self.kind = KINDS[policy]
+        self.metric = {"tokens": METRIC_TOKENS, "requests": METRIC_REQUESTS,
+                       "least_requests": METRIC_LEAST_REQUESTS}[metric]
+        self.demand = demand
+        self.weight = weight
+        if seed is None:
+            seed = int.from_bytes(__import__("os").urandom(8), "little")
+        self.rng = <uint64_t>(int(seed) & 0xFFFFFFFFFFFFFFFF)
+        self.cursor = 0
+        self.cands = np.zeros(0, dtype=np.int64)
+        self.ring_hash = np.zeros(0, dtype=np.uint64)
+        self.ring_target = np.zeros(0, dtype=np.int64)
+        self.last_legacy = -1
+        self.last_demand = -1
+
+    def set_candidates(self, cands):
+        arr = np.ascontiguousarray(cands, dtype=np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.tab.shape[0]):
+            raise IndexError("candidate target out of the table's range")
+        self.cands = arr
+        if self.cursor >= arr.shape[0]:
+            self.cursor = 0
+
+    def set_ring(self, hashes, targets):
+        h = np.ascontiguousarray(hashes, dtype=np.uint64)
+        t = np.ascontiguousarray(targets, dtype=np.int64)
+        if h.shape != t.shape:
+            raise ValueError("ring hashes and targets differ in length")
+        self.ring_hash = h
+        self.ring_target = t
+
+    cdef int64_t _legacy(self, const unsigned char *key, Py_ssize_t klen) noexcept nogil:
+        if self.kind == KIND_P2C:
+            return pick_p2c(self.tab, self.cands, self.metric, &self.rng)
+        if self.kind == KIND_ROUND_ROBIN:
+            return pick_round_robin(self.tab, self.cands, &self.cursor)
+        if self.kind == KIND_RING and key != NULL:
+            return pick_ring(self.tab, self.ring_hash, self.ring_target, hash_bytes(key, klen))
+        return pick_random(self.tab, self.cands, &self.rng)
+
+    cpdef int64_t pick(self, int64_t tokens=0, bytes key=None):
+        """The target the policy chooses now (no booking), or -1."""
+        cdef const unsigned char *k = NULL
+        cdef Py_ssize_t klen = 0
+        cdef int64_t a, b
+        if key is not None:
+            k = key
+            klen = len(key)
+        if self.demand == 2:
+            return pick_demand(self.tab, self.cands, tokens, self.weight, &self.rng)
+        a = self._legacy(k, klen)
+        if self.demand == 1:
+            b = pick_demand(self.tab, self.cands, tokens, self.weight, &self.rng)
+            self.last_legacy = a
+            self.last_demand = b
+            if a == b:
+                self.shadow_agree += 1
+            else:
+                self.shadow_disagree += 1
+        return a
+
+    def acquire(self, int64_t tokens=0, bytes key=None, text=None):
+        """Pick and book in one call; returns a Lease, or None when no target is eligible.
+        ``text`` is accepted for call compatibility with text-aware policies and ignored."""
+        cdef int64_t t = self.pick(tokens, key)
+        if t < 0:
+            return None
+        return _new_lease(self.tab, &self.header[0], t, tokens, self.keep)
+
+    def book_target(self, int64_t t, int64_t tokens=0):
+        """Book a target chosen elsewhere (cache_aware picks in Python); returns its Lease."""
+        if t < 0 or t >= self.tab.shape[0]:
+            raise IndexError(f"target {t} out of range")
+        return _new_lease(self.tab, &self.header[0], t, tokens, self.keep)
+
+    @property
+    def candidates(self):
+        return np.asarray(self.cands).copy()

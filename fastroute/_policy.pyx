@@ -1,0 +1,245 @@
+"""Compiled policy kernels over the shared target table.
+
+Every kernel is a pure function: it reads counters through the atomics header, never writes the
+table (booking is the ledger's job), and breaks ties at random from explicit RNG state so that no
+rank wins ties by being first.  ``fastroute._reference`` holds a NumPy twin of each kernel that
+consumes the RNG identically; the differential tests compare them pick for pick.
+"""
+from libc.stdint cimport int64_t, uint64_t
+from fastroute._atomic cimport fr_load_i64
+from fastroute._layout cimport (
+    COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_POLLED_TOKENS, COL_POLLED_AT, COL_HEALTHY,
+    COL_CIRCUIT, NCOLS,
+)
+import numpy as np
+
+
+cdef inline uint64_t _mix(uint64_t z) noexcept nogil:
+    z = (z ^ (z >> 30)) * <uint64_t>0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * <uint64_t>0x94D049BB133111EB
+    return z ^ (z >> 31)
+
+
+cdef uint64_t rng_next(uint64_t *state) noexcept nogil:
+    # splitmix64: one add and a finaliser; state is per process (or per group), seedable.
+    state[0] += <uint64_t>0x9E3779B97F4A7C15
+    return _mix(state[0])
+
+
+cdef uint64_t rng_below(uint64_t *state, uint64_t n) noexcept nogil:
+    # Multiply-shift on the top 32 bits: unbiased enough for n < 2^32 (bias < n / 2^32).
+    return ((rng_next(state) >> 32) * n) >> 32
+
+
+cdef uint64_t hash_bytes(const unsigned char *data, Py_ssize_t n) noexcept nogil:
+    # FNV-1a for speed, then the splitmix finaliser so that similar keys land far apart on the ring.
+    cdef uint64_t h = <uint64_t>0xCBF29CE484222325
+    cdef Py_ssize_t i
+    for i in range(n):
+        h = (h ^ data[i]) * <uint64_t>0x100000001B3
+    return _mix(h)
+
+
+cdef bint eligible(int64_t[:, ::1] tab, int64_t t) noexcept nogil:
+    return fr_load_i64(&tab[t, COL_HEALTHY]) == 1 and fr_load_i64(&tab[t, COL_CIRCUIT]) != 1
+
+
+cdef inline int64_t _nth_eligible(int64_t[:, ::1] tab, const int64_t[::1] cands,
+                                  int64_t nth) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef int64_t seen = 0
+    for i in range(cands.shape[0]):
+        if eligible(tab, cands[i]):
+            if seen == nth:
+                return cands[i]
+            seen += 1
+    return -1
+
+
+cdef inline int64_t _count_eligible(int64_t[:, ::1] tab, const int64_t[::1] cands) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef int64_t m = 0
+    for i in range(cands.shape[0]):
+        if eligible(tab, cands[i]):
+            m += 1
+    return m
+
+
+cdef int64_t pick_round_robin(int64_t[:, ::1] tab, const int64_t[::1] cands,
+                              int64_t *cursor) noexcept nogil:
+    cdef Py_ssize_t n = cands.shape[0], k
+    cdef int64_t c
+    if n == 0:
+        return -1
+    for k in range(n):
+        c = (cursor[0] + k) % n
+        if eligible(tab, cands[c]):
+            cursor[0] = (c + 1) % n
+            return cands[c]
+    return -1
+
+
+cdef int64_t pick_random(int64_t[:, ::1] tab, const int64_t[::1] cands,
+                         uint64_t *rng) noexcept nogil:
+    cdef int64_t m = _count_eligible(tab, cands)
+    if m == 0:
+        return -1
+    return _nth_eligible(tab, cands, <int64_t>rng_below(rng, <uint64_t>m))
+
+
+cdef int64_t pick_p2c(int64_t[:, ::1] tab, const int64_t[::1] cands, int metric,
+                      uint64_t *rng) noexcept nogil:
+    cdef int64_t m, i, j, a, b, ra, rb, ta, tb, t, best, best_req, best_tok, req, tok
+    cdef int64_t ties
+    cdef bint pa, pb, any_polled
+    cdef Py_ssize_t k
+    if metric == METRIC_LEAST_REQUESTS:
+        # Every eligible candidate; only those the monitor has polled, unless none has been.
+        any_polled = False
+        for k in range(cands.shape[0]):
+            t = cands[k]
+            if eligible(tab, t) and fr_load_i64(&tab[t, COL_POLLED_AT]) >= 0:
+                any_polled = True
+                break
+        best = -1
+        best_req = 0
+        best_tok = 0
+        ties = 0
+        for k in range(cands.shape[0]):
+            t = cands[k]
+            if not eligible(tab, t):
+                continue
+            if any_polled and fr_load_i64(&tab[t, COL_POLLED_AT]) < 0:
+                continue
+            req = fr_load_i64(&tab[t, COL_IN_FLIGHT])
+            tok = fr_load_i64(&tab[t, COL_POLLED_TOKENS]) if any_polled else 0
+            if best < 0 or req < best_req or (req == best_req and tok < best_tok):
+                best, best_req, best_tok, ties = t, req, tok, 1
+            elif req == best_req and tok == best_tok:
+                # Reservoir sampling over the tied minimum: each of N tied targets wins 1/N.
+                ties += 1
+                if rng_below(rng, <uint64_t>ties) == 0:
+                    best = t
+        return best
+
+    m = _count_eligible(tab, cands)
+    if m == 0:
+        return -1
+    if m == 1:
+        return _nth_eligible(tab, cands, 0)
+    # Two distinct random candidates; a is as likely to be either, so "a wins ties" is random.
+    i = <int64_t>rng_below(rng, <uint64_t>m)
+    j = <int64_t>rng_below(rng, <uint64_t>(m - 1))
+    if j >= i:
+        j += 1
+    a = _nth_eligible(tab, cands, i)
+    b = _nth_eligible(tab, cands, j)
+    if a < 0 or b < 0:          # health changed between the two scans
+        return a if a >= 0 else b
+    ra = fr_load_i64(&tab[a, COL_IN_FLIGHT])
+    rb = fr_load_i64(&tab[b, COL_IN_FLIGHT])
+    pa = fr_load_i64(&tab[a, COL_POLLED_AT]) >= 0
+    pb = fr_load_i64(&tab[b, COL_POLLED_AT]) >= 0
+    ta = fr_load_i64(&tab[a, COL_POLLED_TOKENS])
+    tb = fr_load_i64(&tab[b, COL_POLLED_TOKENS])
+    if metric == METRIC_REQUESTS:
+        if ra != rb:
+            return a if ra < rb else b
+        if pa and pb and ta != tb:
+            return a if ta < tb else b
+        return a
+    # METRIC_TOKENS: polled tokens when both are known and differ, else in-flight requests.
+    if pa and pb and ta != tb:
+        return a if ta < tb else b
+    if ra != rb:
+        return a if ra < rb else b
+    return a
+
+
+cdef int64_t pick_demand(int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens,
+                         int64_t weight, uint64_t *rng) noexcept nogil:
+    # cost = in-flight input tokens + this request's tokens + weight x requests held.
+    cdef int64_t best = -1, best_cost = 0, cost, t, ties = 0
+    cdef Py_ssize_t k
+    for k in range(cands.shape[0]):
+        t = cands[k]
+        if not eligible(tab, t):
+            continue
+        cost = (fr_load_i64(&tab[t, COL_IN_FLIGHT_TOKENS]) + tokens
+                + weight * fr_load_i64(&tab[t, COL_IN_FLIGHT]))
+        if best < 0 or cost < best_cost:
+            best, best_cost, ties = t, cost, 1
+        elif cost == best_cost:
+            ties += 1
+            if rng_below(rng, <uint64_t>ties) == 0:
+                best = t
+    return best
+
+
+cdef int64_t pick_ring(int64_t[:, ::1] tab, const uint64_t[::1] ring_hash,
+                       const int64_t[::1] ring_target, uint64_t key) noexcept nogil:
+    # First ring point at or after the key (lower bound), then clockwise to the first eligible target.
+    cdef Py_ssize_t n = ring_hash.shape[0], lo = 0, hi = n, mid, k
+    cdef int64_t t
+    if n == 0:
+        return -1
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if ring_hash[mid] < key:
+            lo = mid + 1
+        else:
+            hi = mid
+    for k in range(n):
+        t = ring_target[(lo + k) % n]
+        if eligible(tab, t):
+            return t
+    return -1
+
+
+# ---- thin Python wrappers, for tests and the reference comparison ------------------------------
+
+def _rng_state(state):
+    if not (isinstance(state, np.ndarray) and state.dtype == np.uint64 and state.shape == (1,)):
+        raise TypeError("rng state must be a numpy uint64 array of shape (1,)")
+    return state
+
+
+def round_robin(int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t[::1] cursor):
+    return pick_round_robin(tab, cands, &cursor[0])
+
+
+def random_pick(int64_t[:, ::1] tab, const int64_t[::1] cands, state):
+    cdef uint64_t[::1] s = _rng_state(state)
+    return pick_random(tab, cands, &s[0])
+
+
+def power_of_two(int64_t[:, ::1] tab, const int64_t[::1] cands, int metric, state):
+    cdef uint64_t[::1] s = _rng_state(state)
+    return pick_p2c(tab, cands, metric, &s[0])
+
+
+def demand(int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens, int64_t weight, state):
+    cdef uint64_t[::1] s = _rng_state(state)
+    return pick_demand(tab, cands, tokens, weight, &s[0])
+
+
+def ring_lookup(int64_t[:, ::1] tab, const uint64_t[::1] ring_hash,
+                const int64_t[::1] ring_target, uint64_t key):
+    return pick_ring(tab, ring_hash, ring_target, key)
+
+
+def hash64(const unsigned char[::1] data):
+    """64-bit hash of a byte string (ring positions and routing keys)."""
+    if data.shape[0] == 0:
+        return hash_bytes(NULL, 0)
+    return hash_bytes(&data[0], data.shape[0])
+
+
+def layout():
+    """The compiled column/header constants, so tests can check table.py mirrors them."""
+    return dict(COL_IN_FLIGHT=COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS=COL_IN_FLIGHT_TOKENS,
+                COL_POLLED_TOKENS=COL_POLLED_TOKENS, COL_POLLED_AT=COL_POLLED_AT,
+                COL_HEALTHY=COL_HEALTHY, COL_CIRCUIT=COL_CIRCUIT, NCOLS=NCOLS)
+
+METRICS = {"tokens": METRIC_TOKENS, "requests": METRIC_REQUESTS,
+           "least_requests": METRIC_LEAST_REQUESTS}

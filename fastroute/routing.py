@@ -1,0 +1,145 @@
+"""Bridge between the proxy and the compiled kernels: groups of targets with a policy.
+
+The proxy never touches arrays: it asks a ``Group`` for a lease with ``acquire(tokens, key)`` and
+gets back a ``Lease`` (plain ints and an idempotent ``release()``) or None when no target is
+eligible.  For the compiled policies ``Group.acquire`` *is* the compiled ``Picker.acquire``, so a
+pick costs one Python call.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence
+
+import numpy as np
+
+from fastroute import _ledger, _policy
+from fastroute.table import TargetTable
+
+log = logging.getLogger("fastroute.routing")
+
+POLICIES = ("round_robin", "random", "power_of_two", "consistent_hashing", "cache_aware")
+LOAD_METRICS = ("tokens", "requests", "least_requests")
+DEMAND_MODES = {"off": 0, "shadow": 1, "on": 2}
+RING_POINTS_PER_TARGET = 160
+
+
+def hash64(data: bytes) -> int:
+    """The 64-bit hash the ring uses for target names and routing keys."""
+    return _policy.hash64(data)
+
+
+def build_ring(targets: Sequence[int], names: Sequence[str],
+               points: int = RING_POINTS_PER_TARGET) -> tuple[np.ndarray, np.ndarray]:
+    """Ring of ``points`` positions per target name, sorted by position.  Positions depend only on
+    the name, so removing a target moves only the keys that lived on it."""
+    if len(targets) != len(names):
+        raise ValueError("targets and names differ in length")
+    hashes = np.empty(len(targets) * points, dtype=np.uint64)
+    owners = np.empty(len(targets) * points, dtype=np.int64)
+    k = 0
+    for t, name in zip(targets, names):
+        base = name.encode()
+        for i in range(points):
+            hashes[k] = hash64(base + b"#" + str(i).encode())
+            owners[k] = t
+            k += 1
+    order = np.argsort(hashes, kind="stable")
+    return hashes[order], owners[order]
+
+
+class Group:
+    """A candidate set (e.g. all decode ranks) with its policy; see module docstring."""
+
+    def __init__(self, router: "Router", policy: str, load_metric: str, demand: str,
+                 request_weight: int, seed: int) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; fastroute implements {', '.join(POLICIES)}")
+        if load_metric not in LOAD_METRICS:
+            raise ValueError(f"unknown load metric {load_metric!r}")
+        if demand not in DEMAND_MODES:
+            raise ValueError(f"decode input demand must be off, shadow or on, not {demand!r}")
+        if request_weight and demand == "off":
+            raise ValueError("a decode request weight needs decode input demand shadow or on")
+        self.policy = policy
+        self.load_metric = load_metric
+        self.demand = demand
+        self.request_weight = int(request_weight)
+        self.targets: list[int] = []
+        self.names: list[str] = []
+        self._table = router.table
+        compiled = "random" if policy == "cache_aware" else policy
+        self._picker = _ledger.Picker(router.table.array, router.table.header, compiled,
+                                      load_metric, DEMAND_MODES[demand], self.request_weight, seed)
+        self._text_policy = None
+        if policy == "cache_aware":
+            from fastroute.cache_aware import CacheAwarePolicy  # the prefix-tree policy
+            self._text_policy = CacheAwarePolicy(router.table, router.config)
+            self.acquire = self._acquire_text
+        elif demand == "shadow":
+            self.acquire = self._acquire_shadow
+        else:
+            self.acquire = self._picker.acquire
+
+    # The three acquire flavours share one signature: (tokens=0, key=None, text=None) -> Lease|None.
+    def acquire(self, tokens: int = 0, key: bytes | None = None, text: str | None = None):
+        raise NotImplementedError  # replaced per instance in __init__
+
+    def _acquire_shadow(self, tokens: int = 0, key: bytes | None = None, text: str | None = None):
+        lease = self._picker.acquire(tokens, key)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("decode_demand legacy=%s demand=%s weight=%s tokens=%s",
+                      self._picker.last_legacy, self._picker.last_demand, self.request_weight,
+                      tokens)
+        return lease
+
+    def _acquire_text(self, tokens: int = 0, key: bytes | None = None, text: str | None = None):
+        t = self._text_policy.pick(text, self.targets)
+        if t < 0:
+            return None
+        return self._picker.book_target(t, tokens)
+
+    def pick(self, tokens: int = 0, key: bytes | None = None) -> int:
+        """The target the policy would choose now, without booking (tests, /health_generate)."""
+        return self._picker.pick(tokens, key)
+
+    def set_targets(self, targets: Sequence[int], names: Sequence[str] | None = None) -> None:
+        targets = [int(t) for t in targets]
+        names = list(names) if names is not None else [str(t) for t in targets]
+        if len(names) != len(targets):
+            raise ValueError("targets and names differ in length")
+        self._picker.set_candidates(np.asarray(targets, dtype=np.int64))
+        if self.policy == "consistent_hashing":
+            self._picker.set_ring(*build_ring(targets, names))
+        if self._text_policy is not None:
+            self._text_policy.set_targets(targets, names)
+        self.targets = targets
+        self.names = names
+
+    @property
+    def shadow_agree(self) -> int:
+        return self._picker.shadow_agree
+
+    @property
+    def shadow_disagree(self) -> int:
+        return self._picker.shadow_disagree
+
+
+class Router:
+    """Owns the per-process RNG seeds and builds groups over one target table."""
+
+    def __init__(self, table: TargetTable, seed: int | None = None, config=None) -> None:
+        self.table = table
+        self.config = config
+        self._seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed)
+        self._groups = 0
+
+    def group(self, targets: Sequence[int], policy: str, *, load_metric: str = "tokens",
+              demand: str = "off", request_weight: int = 0,
+              names: Sequence[str] | None = None) -> Group:
+        # Each group gets its own RNG stream, derived from the router seed and its creation order.
+        seed = (self._seed + 0x9E3779B97F4A7C15 * (self._groups + 1)) & 0xFFFFFFFFFFFFFFFF
+        self._groups += 1
+        g = Group(self, policy, load_metric, demand, request_weight, seed)
+        g.set_targets(targets, names)
+        return g

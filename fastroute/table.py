@@ -1,0 +1,169 @@
+"""The target table: one row of int64 counters per target, in shared memory.
+
+A *target* is a worker, or one DP rank of a worker under ``--dp-aware``.  The supervisor creates
+the table; proxy processes attach it by name, so every pick sees every process's bookings.  Rows
+are 16 cells (128 bytes, two cache lines).  Every read and write of a shared cell goes through the
+compiled atomics (``fastroute._ledger``); the NumPy view is handed to compiled code only.
+
+Layout constants mirror ``fastroute/_layout.pxd``; ``tests/unit/test_table.py`` checks they agree.
+"""
+from __future__ import annotations
+
+import os
+import time
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+
+from fastroute import _ledger
+
+COL_IN_FLIGHT = 0
+COL_IN_FLIGHT_TOKENS = 1
+COL_POLLED_RUNNING = 2
+COL_POLLED_WAITING = 3
+COL_POLLED_TOKENS = 4
+COL_POLLED_AT = 5
+COL_HEALTHY = 6
+COL_PICKS = 7
+COL_CIRCUIT = 8
+COL_POLLED_MAX_TOKENS = 9
+COL_ALLOCATED = 10
+COL_TOKENS_AT_POLL = 11
+NCOLS = 16
+
+HDR_MAGIC = 0
+HDR_CAPACITY = 1
+HDR_UNDERFLOWS = 2
+HDR_GENERATION = 3
+NHDR = 8
+
+MAGIC = 0x66726F7574653031  # "frout01" in ASCII
+CIRCUIT_CLOSED, CIRCUIT_OPEN, CIRCUIT_HALF_OPEN = 0, 1, 2
+
+
+class TargetTable:
+    """Shared-memory table of targets (see module docstring)."""
+
+    def __init__(self, capacity: int = 1024, name: str | None = None, create: bool = True) -> None:
+        if create:
+            if capacity < 1:
+                raise ValueError("capacity must be >= 1")
+            size = (NHDR + capacity * NCOLS) * 8
+            if name is None:
+                name = f"fastroute-{os.getpid()}-{os.urandom(4).hex()}"
+            self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        else:
+            if name is None:
+                raise ValueError("attaching needs the table's name")
+            self._shm = shared_memory.SharedMemory(name=name, create=False)
+            # Python < 3.13 registers attached segments with the resource tracker, which would
+            # unlink the creator's table when this process exits.  Only the creator owns it.
+            try:
+                resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
+            except Exception:  # pragma: no cover - tracker not running in this process
+                pass
+            capacity = int(np.ndarray((NHDR,), np.int64, buffer=self._shm.buf)[HDR_CAPACITY])
+        self.name: str = self._shm.name
+        self.capacity = capacity
+        self.owner = create
+        self.header = np.ndarray((NHDR,), dtype=np.int64, buffer=self._shm.buf)
+        self._hdr2 = self.header.reshape(1, NHDR)  # 2-D view for the atomic accessors
+        self.array = np.ndarray((capacity, NCOLS), dtype=np.int64, buffer=self._shm.buf,
+                                offset=NHDR * 8)
+        if create:
+            self.array[:] = 0
+            self.array[:, COL_POLLED_AT] = -1
+            self.array[:, COL_POLLED_MAX_TOKENS] = -1
+            self.header[:] = 0
+            self.header[HDR_CAPACITY] = capacity
+            self.header[HDR_MAGIC] = MAGIC
+        elif int(self.header[HDR_MAGIC]) != MAGIC:
+            raise ValueError(f"shared memory {name!r} is not a fastroute target table")
+
+    @classmethod
+    def attach(cls, name: str) -> "TargetTable":
+        return cls(name=name, create=False)
+
+    # ---- rows (control plane: the supervisor allocates, never the hot path) ----------------------
+    def alloc(self) -> int:
+        """A free row, reset: healthy, nothing in flight, never polled."""
+        for t in range(self.capacity):
+            if _ledger.load(self.array, t, COL_ALLOCATED) == 0:
+                for c in range(NCOLS):
+                    _ledger.store(self.array, t, c, 0)
+                _ledger.store(self.array, t, COL_POLLED_AT, -1)
+                _ledger.store(self.array, t, COL_POLLED_MAX_TOKENS, -1)
+                _ledger.store(self.array, t, COL_HEALTHY, 1)
+                _ledger.store(self.array, t, COL_ALLOCATED, 1)
+                _ledger.add(self._hdr2, 0, HDR_GENERATION, 1)
+                return t
+        raise RuntimeError(f"target table full ({self.capacity} targets)")
+
+    def free(self, t: int) -> None:
+        _ledger.store(self.array, t, COL_HEALTHY, 0)
+        _ledger.store(self.array, t, COL_ALLOCATED, 0)
+        _ledger.add(self._hdr2, 0, HDR_GENERATION, 1)
+
+    # ---- writers ------------------------------------------------------------------------------
+    def set_polled(self, t: int, running: int, waiting: int, tokens: int,
+                   max_tokens: int = -1) -> None:
+        _ledger.store_polled(self.array, t, int(running), int(waiting), int(tokens),
+                             int(max_tokens), int(time.time() * 1000))
+
+    def mark_unpolled(self, t: int) -> None:
+        """The last poll failed or had no entry for this target: its load is unknown, not zero."""
+        _ledger.store(self.array, t, COL_POLLED_AT, -1)
+
+    def set_healthy(self, t: int, ok: bool) -> None:
+        _ledger.store(self.array, t, COL_HEALTHY, 1 if ok else 0)
+
+    def set_circuit(self, t: int, state: int) -> None:
+        _ledger.store(self.array, t, COL_CIRCUIT, int(state))
+
+    # ---- readers ------------------------------------------------------------------------------
+    def get(self, t: int, col: int) -> int:
+        return _ledger.load(self.array, t, col)
+
+    def in_flight(self, t: int) -> int:
+        return _ledger.load(self.array, t, COL_IN_FLIGHT)
+
+    def in_flight_tokens(self, t: int) -> int:
+        return _ledger.load(self.array, t, COL_IN_FLIGHT_TOKENS)
+
+    def snapshot(self, n: int | None = None) -> np.ndarray:
+        return _ledger.snapshot(self.array, self.capacity if n is None else n)
+
+    @property
+    def underflows(self) -> int:
+        return _ledger.load(self._hdr2, 0, HDR_UNDERFLOWS)
+
+    @property
+    def generation(self) -> int:
+        return _ledger.load(self._hdr2, 0, HDR_GENERATION)
+
+    # ---- lifetime -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drop this process's mapping.  Compiled pickers may still hold views; then the mapping
+        stays until they are gone (the segment itself is removed by unlink())."""
+        self.array = None  # type: ignore[assignment]
+        self.header = None  # type: ignore[assignment]
+        self._hdr2 = None
+        try:
+            self._shm.close()
+        except BufferError:
+            pass
+
+    def unlink(self) -> None:
+        """Remove the segment name (creator only); idempotent."""
+        try:
+            self._shm.unlink()
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> "TargetTable":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.owner:
+            self.unlink()
+        self.close()
