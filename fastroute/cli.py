@@ -1,0 +1,472 @@
+"""The `fastroute` command: sglang-router compatible flags, logging set-up, dispatch.
+
+Owns the argparse surface only. An operator replaces `python -m sglang_router.launch_router
+ARGS` with `fastroute ARGS`: every sglang-router 0.3.2 flag keeps its meaning and default (the
+defaults are read from `fastroute.config.Config`, the single source of truth), smg additions are
+accepted, each routing flag also answers to its `--router-` spelling (as passed by
+`sglang.launch_server`), and flags with no meaning for fastroute are accepted with one warning
+each. Turning the namespace into a validated `Config` is `fastroute.config`'s job; running it is
+`fastroute.server.run`'s. `fastroute demo ...` hands over to `fastroute.sim.demo`.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any, Sequence
+
+from fastroute import __version__
+from fastroute.config import (
+    ALL_POLICIES,
+    DEMAND_MODES,
+    DP_RANK_FIELDS,
+    ENV_DECODE_REQUEST_WEIGHT,
+    ENV_P2C_LOAD_METRIC,
+    P2C_LOAD_METRIC_ALIASES,
+    P2C_LOAD_METRICS,
+    PREFILL_ONLY_POLICIES,
+    SUPPORTED_POLICIES,
+    Config,
+    ConfigError,
+    config_from_args,
+    default,
+)
+
+__all__ = ["build_parser", "parse_namespace", "parse_args", "configure_logging", "main"]
+
+ROUTER_PREFIX = "--router-"
+# Flags that sglang.launch_server never prefixes with --router- (protocol.md 9).
+_NEVER_PREFIXED = frozenset({"--host", "--port", "--worker-urls"})
+
+# 0.3.2 flags (protocol.md 9.3), the mini-lb switch and the smg additions fastroute does not
+# implement. Each is accepted with any number of values and logged once as ignored.
+IGNORED_FLAGS: tuple[str, ...] = (
+    "--mini-lb",
+    "--bucket-adjust-interval-secs",
+    "--assignment-mode",
+    "--enable-igw",
+    "--service-discovery",
+    "--selector",
+    "--service-discovery-port",
+    "--service-discovery-namespace",
+    "--prefill-selector",
+    "--decode-selector",
+    "--bootstrap-port-annotation",
+    "--model-path",
+    "--tokenizer-path",
+    "--chat-template",
+    "--reasoning-parser",
+    "--tool-call-parser",
+    "--mcp-config-path",
+    "--backend",
+    "--history-backend",
+    "--client-cert-path",
+    "--client-key-path",
+    "--ca-cert-paths",
+    "--tls-cert-path",
+    "--tls-key-path",
+    "--enable-trace",
+    "--otlp-traces-endpoint",
+    "--control-plane-api-keys",
+    "--control-plane-audit-enabled",
+    # smg additions with no fastroute implementation yet (protocol.md 9.2)
+    "--routing-key-override",
+    "--sticky-sessions",
+    "--max-idle-secs",
+    "--dp-minimum-tokens-scheduler",
+    "--prefill-max-inflight-requests-per-worker",
+    "--prefill-queue-size",
+    "--prefill-queue-timeout-secs",
+    "--pd-admission-wait-secs",
+    "--worker-startup-delay",
+    "--disable-tokenizer-autoload",
+    "--health-check-port",
+)
+# Whole flag families of 0.3.2 / smg (`--redis-url`, `--jwt-issuer`, ...): matched by prefix
+# before argparse sees the command line, because their members are not enumerable here.
+IGNORED_FAMILIES: tuple[str, ...] = (
+    "--tokenizer-cache-",
+    "--oracle-",
+    "--postgres-",
+    "--redis-",
+    "--jwt-",
+)
+
+_LOG_FORMAT = "%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s"
+_LOG_LEVEL_CHOICES = ("debug", "info", "warn", "warning", "error", "critical")
+
+
+class _IgnoredFlag(argparse.Action):
+    """Swallow a compatibility flag and its values; remember its name for one warning."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        kwargs.setdefault("nargs", "*")
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        flag = _canonical(option_string or self.option_strings[0])
+        namespace.ignored_flags.append(flag)
+
+
+def _canonical(flag: str) -> str:
+    flag = flag.split("=", 1)[0]
+    if flag.startswith(ROUTER_PREFIX):
+        return "--" + flag[len(ROUTER_PREFIX):]
+    return flag
+
+
+def _workers_value(text: str) -> int | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor 'auto'") from None
+
+
+def _p2c_metric(text: str) -> str:
+    value = text.strip().lower()
+    if value in P2C_LOAD_METRICS or value in P2C_LOAD_METRIC_ALIASES:
+        return P2C_LOAD_METRIC_ALIASES.get(value, value)
+    raise argparse.ArgumentTypeError(
+        f"invalid choice {text!r} (choose from "
+        + ", ".join(P2C_LOAD_METRICS + tuple(P2C_LOAD_METRIC_ALIASES)) + ")"
+    )
+
+
+class _Adder:
+    """Adds a flag to a help group plus its hidden `--router-` alias on the parser."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+        self.group: Any = parser
+
+    def section(self, title: str, description: str | None = None) -> "_Adder":
+        self.group = self.parser.add_argument_group(title, description)
+        return self
+
+    def __call__(self, *names: str, **kwargs: Any) -> None:
+        action = self.group.add_argument(*names, **kwargs)
+        if names[0] in _NEVER_PREFIXED:
+            return
+        alias_kwargs = dict(kwargs)
+        alias_kwargs["help"] = argparse.SUPPRESS
+        if not isinstance(action, _IgnoredFlag):
+            # Share the dest; the visible flag alone supplies the default.
+            alias_kwargs["dest"] = action.dest
+            if "default" in alias_kwargs or action.default is not None:
+                alias_kwargs["default"] = argparse.SUPPRESS
+        aliases = [ROUTER_PREFIX + n[2:] for n in names if n.startswith("--")]
+        self.parser.add_argument(*aliases, **alias_kwargs)
+
+
+def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
+    """The full flag surface, grouped like sglang-router's --help."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        usage="%(prog)s [OPTIONS]  |  %(prog)s demo [DEMO-OPTIONS]",
+        description=(
+            "fastroute: drop-in replacement for the SGLang router (sglang-router / smg) that "
+            "balances prefill/decode disaggregated serving down to decode DP ranks. Every "
+            "routing flag also accepts the --router- prefixed spelling (e.g. --router-policy)."
+        ),
+        epilog="Subcommand: 'fastroute demo ...' runs the built-in simulation demo.",
+    )
+    parser.add_argument("--version", action="version", version=f"fastroute {__version__}")
+    add = _Adder(parser)
+    d = default
+
+    add.section("Worker configuration", "Listener, worker list and worker start-up.")
+    add("--host", default=d("host"), help="Bind address, IPv4 or IPv6 (default: %(default)s).")
+    add("--port", type=int, default=d("port"), help="Bind port (default: %(default)s).")
+    add("--worker-urls", nargs="*", default=d("worker_urls"), metavar="URL",
+        help="Regular-mode (non-PD) worker URLs, http:// or https:// (default: none; workers "
+             "can also be added at run time through /workers).")
+    add("--api-key", default=None,
+        help="Require 'Authorization: Bearer KEY' on inference and worker-management "
+             "endpoints and send it to workers (default: none, client header forwarded).")
+    add("--dp-aware", action="store_true",
+        help="Treat each DP rank of a worker as its own target and send the chosen rank in "
+             "the request body (default: off).")
+    add("--worker-startup-timeout-secs", type=int, default=d("worker_startup_timeout_secs"),
+        help="How long to wait for a worker to become healthy at registration "
+             "(default: %(default)s s).")
+    add("--worker-startup-check-interval", type=int,
+        default=d("worker_startup_check_interval"),
+        help="Seconds between registration health probes (default: %(default)s s).")
+    add("--request-timeout-secs", type=int, default=d("request_timeout_secs"),
+        help="Upper bound for one whole upstream request (default: %(default)s s).")
+    add("--max-payload-size", type=int, default=d("max_payload_size"),
+        help="Largest accepted request body in bytes; larger bodies get 413 "
+             "(default: %(default)s).")
+    add("--cors-allowed-origins", nargs="*", default=d("cors_allowed_origins"),
+        metavar="ORIGIN", help="Origins allowed by CORS (default: none).")
+    add("--shutdown-grace-period-secs", type=int, default=d("shutdown_grace_period_secs"),
+        help="Time to drain in-flight requests after SIGTERM (default: %(default)s s).")
+    add("--header-read-timeout-secs", type=float, default=d("header_read_timeout_secs"),
+        help="Close a client connection whose request head does not arrive within this "
+             "time (default: %(default)s s).")
+    add("--idle-connection-timeout-secs", type=float,
+        default=d("idle_connection_timeout_secs"),
+        help="Close an idle keep-alive client connection after this time "
+             "(default: %(default)s s).")
+    add("--upstream-pool-idle-timeout-secs", type=float,
+        default=d("upstream_pool_idle_timeout_secs"),
+        help="Drop pooled worker connections idle this long; keep below SGLang's 5 s "
+             "keep-alive (default: %(default)s s).")
+    add("--sse-keepalive-secs", type=float, default=d("sse_keepalive_secs"),
+        help="Interval of SSE keep-alive comments on quiet streams (default: %(default)s s).")
+
+    add.section("Routing policy",
+                f"Implemented policies: {', '.join(SUPPORTED_POLICIES)}. The other names are "
+                "accepted by the parser so peer command lines parse, but fail at start-up.")
+    add("--policy", choices=ALL_POLICIES, default=d("policy"),
+        help="Policy of regular mode and default of both PD roles (default: %(default)s).")
+    add("--prefill-policy", choices=ALL_POLICIES + PREFILL_ONLY_POLICIES, default=None,
+        help="PD prefill policy (default: same as --policy).")
+    add("--decode-policy", choices=ALL_POLICIES, default=None,
+        help="PD decode policy (default: same as --policy).")
+    add("--power-of-two-load-metric", "--p2c-load-metric", dest="p2c_load_metric",
+        type=_p2c_metric, default=None, metavar="{tokens,requests,least_requests}",
+        help="What power_of_two compares: polled tokens (tie: in-flight requests), "
+             "in-flight requests (tie: polled tokens), or least_requests over all targets; "
+             "expected_wait is an alias of tokens (default: $" + ENV_P2C_LOAD_METRIC
+             + " if set, else tokens).")
+    add("--load-monitor-interval", type=float, default=d("load_monitor_interval"),
+        help="Seconds between /v1/loads polls of each worker, minimum 0.1 "
+             "(default: %(default)s s).")
+    add("--disable-load-monitoring", action="store_true",
+        help="Poll worker loads only when a policy needs them (default: off).")
+    add("--routing-key-headers", nargs="*", default=d("routing_key_headers"), metavar="HEADER",
+        help="Extra headers used as consistent_hashing key after X-SMG-Routing-Key "
+             "(default: none).")
+    add("--cache-threshold", type=float, default=d("cache_threshold"),
+        help="cache_aware: minimum prefix match ratio to follow the cache "
+             "(default: %(default)s).")
+    add("--balance-abs-threshold", type=int, default=d("balance_abs_threshold"),
+        help="cache_aware: balance instead when max-min load > this AND max > min x "
+             "--balance-rel-threshold (default: %(default)s).")
+    add("--balance-rel-threshold", type=float, default=d("balance_rel_threshold"),
+        help="cache_aware: relative part of the balance rule (default: %(default)s).")
+    add("--eviction-interval-secs", type=int, default=d("eviction_interval_secs"),
+        help="cache_aware: seconds between prefix tree evictions (default: %(default)s).")
+    add("--max-tree-size", type=int, default=d("max_tree_size"),
+        help="cache_aware: prefix tree size bound (default: %(default)s).")
+
+    add.section("PD disaggregation", "Prefill/decode disaggregated serving.")
+    add("--pd-disaggregation", action="store_true",
+        help="Run in PD mode: each request goes to one prefill and one decode worker "
+             "(default: off; cannot be combined with --worker-urls).")
+    add("--prefill", nargs="+", action="append", metavar=("URL", "BOOTSTRAP_PORT"),
+        help="A prefill worker and its KV bootstrap port; the port is an integer, 'none' or "
+             "absent (= null). Repeat for several workers (default: none).")
+    add("--decode", action="append", metavar="URL",
+        help="A decode worker; repeat for several (default: none).")
+
+    add.section("Retries")
+    add("--retry-max-retries", type=int, default=d("retry_max_retries"),
+        help="Total attempts per request on 408/429/500/502/503/504 (default: %(default)s).")
+    add("--retry-initial-backoff-ms", type=int, default=d("retry_initial_backoff_ms"),
+        help="Delay before the second attempt (default: %(default)s ms).")
+    add("--retry-max-backoff-ms", type=int, default=d("retry_max_backoff_ms"),
+        help="Cap of the retry delay (default: %(default)s ms).")
+    add("--retry-backoff-multiplier", type=float, default=d("retry_backoff_multiplier"),
+        help="Growth factor of the retry delay (default: %(default)s).")
+    add("--retry-jitter-factor", type=float, default=d("retry_jitter_factor"),
+        help="Random +/- fraction applied to each delay (default: %(default)s).")
+    add("--disable-retries", action="store_true", help="One attempt only (default: off).")
+
+    add.section("Circuit breaker", "Per worker (per rank with --dp-aware).")
+    add("--cb-failure-threshold", type=int, default=d("cb_failure_threshold"),
+        help="Consecutive failures that open the circuit (default: %(default)s).")
+    add("--cb-success-threshold", type=int, default=d("cb_success_threshold"),
+        help="Consecutive half-open successes that close it (default: %(default)s).")
+    add("--cb-timeout-duration-secs", type=int, default=d("cb_timeout_duration_secs"),
+        help="Time open before a half-open trial (default: %(default)s s).")
+    add("--cb-window-duration-secs", type=int, default=d("cb_window_duration_secs"),
+        help="Failure window, kept for compatibility (default: %(default)s s).")
+    add("--disable-circuit-breaker", action="store_true",
+        help="Never open circuits (default: off).")
+
+    add.section("Health checks")
+    add("--health-failure-threshold", type=int, default=d("health_failure_threshold"),
+        help="Consecutive failed probes that mark a worker unhealthy (default: %(default)s).")
+    add("--health-success-threshold", type=int, default=d("health_success_threshold"),
+        help="Consecutive good probes that mark it healthy again (default: %(default)s).")
+    add("--health-check-timeout-secs", type=int, default=d("health_check_timeout_secs"),
+        help="Timeout of one probe (default: %(default)s s).")
+    add("--health-check-interval-secs", type=int, default=d("health_check_interval_secs"),
+        help="Seconds between probes of each worker (default: %(default)s s).")
+    add("--health-check-endpoint", default=d("health_check_endpoint"),
+        help="Path probed on each worker (default: %(default)s).")
+    add("--disable-health-check", action="store_true",
+        help="Do not probe workers at run time (default: off).")
+
+    add.section("Admission/Rate limiting")
+    add("--max-concurrent-requests", type=int, default=d("max_concurrent_requests"),
+        help="Requests in flight before queueing; -1 = unlimited (default: %(default)s).")
+    add("--queue-size", type=int, default=d("queue_size"),
+        help="Requests that may wait for a slot; 0 = reject at once with 429 "
+             "(default: %(default)s).")
+    add("--queue-timeout-secs", type=int, default=d("queue_timeout_secs"),
+        help="Longest wait in the queue before 408 (default: %(default)s s).")
+    add("--rate-limit-tokens-per-second", type=int, default=None,
+        help="Token-bucket refill rate (default: none = --max-concurrent-requests).")
+
+    add.section("Prometheus")
+    add("--prometheus-host", default=d("prometheus_host"),
+        help="Bind address of the /metrics listener (default: %(default)s).")
+    add("--prometheus-port", type=int, default=d("prometheus_port"),
+        help="Port of the /metrics listener (default: %(default)s).")
+    add("--prometheus-duration-buckets", nargs="+", type=float,
+        default=d("prometheus_duration_buckets"), metavar="SECS",
+        help="Request duration histogram buckets (default: the sglang-router legacy list, "
+             "0.001 ... 240 s).")
+
+    add.section("Logging")
+    add("--log-level", type=str.lower, choices=_LOG_LEVEL_CHOICES, default=d("log_level"),
+        help="Log verbosity (default: %(default)s).")
+    add("--log-dir", default=None,
+        help="Also write logs to DIR/fastroute.log (default: console only).")
+    add("--request-id-headers", nargs="*", default=d("request_id_headers"), metavar="HEADER",
+        help="Request headers whose first present value becomes x-request-id "
+             "(default: " + " ".join(d("request_id_headers")) + ").")
+
+    add.section("fastroute extensions", "Not in sglang-router; defaults keep peer behaviour.")
+    add("--decode-input-demand", choices=DEMAND_MODES, default=d("decode_input_demand"),
+        help="Pick decode targets by in-flight input tokens + request tokens (+ W x held "
+             "requests): off, shadow (count agreement, dispatch legacy pick) or on "
+             "(default: %(default)s).")
+    add("--decode-request-weight", type=int, default=None, metavar="W",
+        help="Token charge per request a decode target already holds in the demand cost; "
+             "nonzero needs --decode-input-demand shadow or on (default: $"
+             + ENV_DECODE_REQUEST_WEIGHT + " if set, else 0).")
+    add("--dp-rank-field", choices=DP_RANK_FIELDS, default=None,
+        help="Body key carrying the chosen DP rank (default: routed_dp_rank on the PD decode "
+             "leg, data_parallel_rank in regular mode).")
+    add("--seed", type=int, default=None,
+        help="Seed of the tie-break RNG, for reproducible runs (default: random).")
+    add("--workers", type=_workers_value, default=d("workers"), metavar="N|auto",
+        help="Proxy processes sharing the port and one in-flight ledger; auto = one per CPU "
+             "(default: %(default)s).")
+    add("--decode-kv-fit", choices=DEMAND_MODES, default=d("decode_kv_fit"),
+        help="Reserved for KV-fit decode placement: off, shadow or on "
+             "(default: %(default)s).")
+    add("--decode-kv-reserve-tokens", type=int, default=d("decode_kv_reserve_tokens"),
+        metavar="TOKENS",
+        help="KV tokens held back per decode target by --decode-kv-fit "
+             "(default: %(default)s).")
+
+    add.section(
+        "Ignored for compatibility",
+        "Accepted (with any values) so existing launch scripts keep working; each logs one "
+        "warning. Also every flag starting with " + ", ".join(IGNORED_FAMILIES) + ".",
+    )
+    for flag in IGNORED_FLAGS:
+        add(flag, action=_IgnoredFlag, metavar="VALUE", help="ignored by fastroute")
+    return parser
+
+
+def _strip_ignored_families(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Remove flag-family options (and their values) argparse cannot know by name."""
+    kept: list[str] = []
+    dropped: list[str] = []
+    i = 0
+    n = len(argv)
+    while i < n:
+        token = argv[i]
+        if token == "--":
+            kept.extend(argv[i:])
+            break
+        name = _canonical(token)
+        if token.startswith("--") and name.startswith(IGNORED_FAMILIES):
+            dropped.append(name)
+            i += 1
+            if "=" not in token:
+                # Values never start with "--"; a lone "-1" still counts as a value.
+                while i < n and not argv[i].startswith("--"):
+                    i += 1
+            continue
+        kept.append(token)
+        i += 1
+    return kept, dropped
+
+
+def parse_namespace(
+    argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None
+) -> argparse.Namespace:
+    """Parse flags into a raw namespace (argparse exits with status 2 on a bad flag)."""
+    parser = parser or build_parser()
+    args = list(sys.argv[1:] if argv is None else argv)
+    kept, families = _strip_ignored_families(args)
+    ns = argparse.Namespace(ignored_flags=[])
+    parser.parse_args(kept, namespace=ns)
+    ns.ignored_flags.extend(families)
+    return ns
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Config:
+    """Parse and validate a command line; exits with status 2 and a message naming the flag."""
+    parser = build_parser()
+    ns = parse_namespace(argv, parser)
+    try:
+        return config_from_args(ns)
+    except ConfigError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+_HANDLER_TAG = "_fastroute_handler"
+
+
+def configure_logging(level: str = "info", log_dir: str | None = None) -> None:
+    """Root logging: timestamp, level, pid and logger name on stderr (and DIR/fastroute.log).
+
+    Replaces only handlers this function installed earlier, so a host application's (or
+    pytest's) own handlers survive.
+    """
+    name = "warning" if level.lower() == "warn" else level.lower()
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, _HANDLER_TAG, False):
+            root.removeHandler(handler)
+            handler.close()
+    formatter = logging.Formatter(_LOG_FORMAT)
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+        handlers.append(logging.FileHandler(os.path.join(log_dir, "fastroute.log")))
+    for handler in handlers:
+        setattr(handler, _HANDLER_TAG, True)
+        handler.setFormatter(formatter)
+        root.addHandler(handler)
+    root.setLevel(getattr(logging, name.upper()))
+
+
+def main(argv: Sequence[str] | None = None) -> int | None:
+    """Entry point of the `fastroute` console script and `python -m fastroute`."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "demo":
+        from fastroute.sim.demo import main as demo_main
+
+        return demo_main(args[1:])
+    if args and args[0] == "launch":
+        # `smg launch ARGS` / `sglang-router launch ARGS` spelling.
+        args = args[1:]
+    parser = build_parser()
+    ns = parse_namespace(args, parser)
+    try:
+        configure_logging(ns.log_level, ns.log_dir)
+    except OSError as exc:
+        parser.error(f"argument --log-dir: {exc}")
+    try:
+        config = config_from_args(ns)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    from fastroute.server import run
+
+    try:
+        return run(config)
+    except KeyboardInterrupt:
+        return 130

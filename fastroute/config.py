@@ -1,0 +1,521 @@
+"""Validated router configuration: the `Config` dataclass and its construction from parsed flags.
+
+This module owns the data (field names are the argparse dest names of the sglang-router flags,
+dashes turned into underscores), the defaults (the single source of truth: the CLI reads its
+defaults from the dataclass), the environment fallbacks and every start-up validation rule.
+It does no I/O beyond reading the environment and logs nothing except the one-line
+"ignored by fastroute" warnings for compatibility flags.
+
+A `Config` is validated on construction (`__post_init__`), so a hand-built `Config(...)` in a
+test is held to the same rules as one built from a command line. Errors raise `ConfigError`,
+which names the offending flag; the CLI turns it into an argparse-style exit (status 2).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Iterable
+from urllib.parse import urlsplit
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "config_from_args",
+    "parse_args",
+    "ALL_POLICIES",
+    "SUPPORTED_POLICIES",
+    "P2C_LOAD_METRICS",
+    "DEMAND_MODES",
+    "DP_RANK_FIELDS",
+    "LOG_LEVELS",
+    "DEFAULT_REQUEST_ID_HEADERS",
+    "DEFAULT_DURATION_BUCKETS",
+    "ENV_P2C_LOAD_METRIC",
+    "ENV_DECODE_REQUEST_WEIGHT",
+]
+
+logger = logging.getLogger(__name__)
+
+# Every policy name the peers' CLIs accept (sglang-router 0.3.2 + smg 1.13.0), so that any
+# existing command line parses; only SUPPORTED_POLICIES actually run. The rest are rejected at
+# start-up by name rather than silently remapped to something with different behaviour.
+ALL_POLICIES: tuple[str, ...] = (
+    "random",
+    "round_robin",
+    "cache_aware",
+    "power_of_two",
+    "manual",
+    "consistent_hashing",
+    "prefix_hash",
+    "least_load",
+    "passthrough",
+)
+PREFILL_ONLY_POLICIES: tuple[str, ...] = ("bucket",)
+SUPPORTED_POLICIES: tuple[str, ...] = (
+    "random",
+    "round_robin",
+    "cache_aware",
+    "power_of_two",
+    "consistent_hashing",
+)
+
+# smg spells the token metric `expected_wait`; fastroute maps it to `tokens` (protocol.md 5.5).
+P2C_LOAD_METRICS: tuple[str, ...] = ("tokens", "requests", "least_requests")
+P2C_LOAD_METRIC_ALIASES: dict[str, str] = {"expected_wait": "tokens"}
+DEMAND_MODES: tuple[str, ...] = ("off", "shadow", "on")
+DP_RANK_FIELDS: tuple[str, ...] = ("routed_dp_rank", "data_parallel_rank")
+# Stored as Python logging level names; `warn` (the peers' spelling) is normalised to `warning`.
+LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error", "critical")
+
+DEFAULT_REQUEST_ID_HEADERS: tuple[str, ...] = (
+    "x-request-id",
+    "x-correlation-id",
+    "x-trace-id",
+    "request-id",
+)
+# Legacy sglang-router duration histogram buckets (protocol.md 8), in seconds.
+DEFAULT_DURATION_BUCKETS: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 30.0, 45.0,
+    60.0, 90.0, 120.0, 180.0, 240.0,
+)
+
+ENV_P2C_LOAD_METRIC = "SGLANG_ROUTER_P2C_LOAD_METRIC"
+ENV_DECODE_REQUEST_WEIGHT = "FASTROUTE_DECODE_REQUEST_WEIGHT"
+
+MIN_LOAD_MONITOR_INTERVAL = 0.1
+
+
+class ConfigError(ValueError):
+    """A start-up configuration error; `flag` names the option (or env var) at fault."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        self.flag = flag
+        self.message = message
+        super().__init__(f"argument {flag}: {message}")
+
+
+def _list(default: Iterable[Any]) -> Any:
+    items = list(default)
+    return field(default_factory=lambda: list(items))
+
+
+@dataclass
+class Config:
+    """Everything the router needs to start. Field names = sglang-router argparse dests."""
+
+    # --- Worker configuration -------------------------------------------------------------
+    host: str = "0.0.0.0"
+    port: int = 30000
+    worker_urls: list[str] = _list(())
+    api_key: str | None = None
+    dp_aware: bool = False
+    worker_startup_timeout_secs: int = 1800
+    worker_startup_check_interval: int = 30
+    request_timeout_secs: int = 1800
+    max_payload_size: int = 536870912
+
+    # --- PD disaggregation ----------------------------------------------------------------
+    pd_disaggregation: bool = False
+    # (url, bootstrap port); None = the prefill has no bootstrap port (JSON null in bodies).
+    prefill: list[tuple[str, int | None]] = _list(())
+    decode: list[str] = _list(())
+
+    # --- Routing policy -------------------------------------------------------------------
+    policy: str = "cache_aware"
+    # None on input means "same as policy"; always a policy name after __post_init__.
+    prefill_policy: str | None = None
+    decode_policy: str | None = None
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    eviction_interval_secs: int = 60
+    max_tree_size: int = 67108864
+    p2c_load_metric: str = "tokens"
+    load_monitor_interval: float = 1.0
+    disable_load_monitoring: bool = False
+    # Lower-cased once here so the request path compares without case folding.
+    routing_key_headers: list[str] = _list(())
+
+    # --- Retries --------------------------------------------------------------------------
+    retry_max_retries: int = 5
+    retry_initial_backoff_ms: int = 50
+    retry_max_backoff_ms: int = 30000
+    retry_backoff_multiplier: float = 1.5
+    retry_jitter_factor: float = 0.2
+    disable_retries: bool = False
+
+    # --- Circuit breaker ------------------------------------------------------------------
+    cb_failure_threshold: int = 10
+    cb_success_threshold: int = 3
+    cb_timeout_duration_secs: int = 60
+    cb_window_duration_secs: int = 120
+    disable_circuit_breaker: bool = False
+
+    # --- Health checks --------------------------------------------------------------------
+    health_failure_threshold: int = 3
+    health_success_threshold: int = 2
+    health_check_timeout_secs: int = 5
+    health_check_interval_secs: int = 60
+    health_check_endpoint: str = "/health"
+    disable_health_check: bool = False
+
+    # --- Admission / rate limiting --------------------------------------------------------
+    max_concurrent_requests: int = -1
+    queue_size: int = 100
+    queue_timeout_secs: int = 60
+    rate_limit_tokens_per_second: int | None = None
+
+    # --- Prometheus -----------------------------------------------------------------------
+    prometheus_host: str = "0.0.0.0"
+    prometheus_port: int = 29000
+    prometheus_duration_buckets: list[float] = _list(DEFAULT_DURATION_BUCKETS)
+
+    # --- Logging / front door -------------------------------------------------------------
+    log_level: str = "info"
+    log_dir: str | None = None
+    # Lower-cased once here (HTTP header names are case-insensitive).
+    request_id_headers: list[str] = _list(DEFAULT_REQUEST_ID_HEADERS)
+    cors_allowed_origins: list[str] = _list(())
+    shutdown_grace_period_secs: int = 180
+    header_read_timeout_secs: float = 30.0
+    idle_connection_timeout_secs: float = 60.0
+    # Keep below SGLang's 5 s keep-alive so the router never reuses a socket the worker closed.
+    upstream_pool_idle_timeout_secs: float = 3.0
+    sse_keepalive_secs: float = 15.0
+
+    # --- fastroute extensions -------------------------------------------------------------
+    decode_input_demand: str = "off"
+    decode_request_weight: int = 0
+    # None = by mode: routed_dp_rank on the PD decode leg, data_parallel_rank in regular mode.
+    dp_rank_field: str | None = None
+    seed: int | None = None
+    workers: int = 1
+    decode_kv_fit: str = "off"
+    decode_kv_reserve_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prefill_policy is None:
+            self.prefill_policy = self.policy
+        if self.decode_policy is None:
+            self.decode_policy = self.policy
+        self.p2c_load_metric = P2C_LOAD_METRIC_ALIASES.get(
+            self.p2c_load_metric, self.p2c_load_metric
+        )
+        if self.log_level == "warn":
+            self.log_level = "warning"
+        # Normalise containers so callers may pass tuples / generators.
+        self.worker_urls = [_strip_url(u) for u in self.worker_urls]
+        self.decode = [_strip_url(u) for u in self.decode]
+        self.prefill = [(_strip_url(u), p) for u, p in self.prefill]
+        self.request_id_headers = [h.strip().lower() for h in self.request_id_headers]
+        self.routing_key_headers = [h.strip().lower() for h in self.routing_key_headers]
+        self.cors_allowed_origins = list(self.cors_allowed_origins)
+        self.prometheus_duration_buckets = sorted(
+            {float(b) for b in self.prometheus_duration_buckets}
+        )
+        self.validate()
+
+    # ------------------------------------------------------------------ derived values
+    def rank_field(self, leg: str = "decode") -> str:
+        """Body key carrying the DP rank for `leg` ("decode" or "regular")."""
+        if self.dp_rank_field is not None:
+            return self.dp_rank_field
+        return "routed_dp_rank" if leg == "decode" else "data_parallel_rank"
+
+    @property
+    def max_attempts(self) -> int:
+        """Total upstream attempts per request (retry_max_retries counts attempts, 7.2)."""
+        return 1 if self.disable_retries else max(1, self.retry_max_retries)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise ConfigError naming the first offending flag; no side effects."""
+        self._validate_workers()
+        self._validate_policies()
+        self._validate_numbers()
+        self._validate_extensions()
+
+    def _validate_workers(self) -> None:
+        if self.pd_disaggregation and self.worker_urls:
+            raise ConfigError(
+                "--worker-urls",
+                "cannot be combined with --pd-disaggregation; use --prefill and --decode",
+            )
+        if not self.pd_disaggregation and (self.prefill or self.decode):
+            flag = "--prefill" if self.prefill else "--decode"
+            raise ConfigError(flag, "requires --pd-disaggregation")
+        seen: dict[str, str] = {}
+        for flag, urls in (
+            ("--worker-urls", self.worker_urls),
+            ("--prefill", [u for u, _ in self.prefill]),
+            ("--decode", self.decode),
+        ):
+            for url in urls:
+                _check_url(flag, url)
+                if url in seen:
+                    raise ConfigError(flag, f"{url} is already given by {seen[url]}")
+                seen[url] = flag
+        for url, port in self.prefill:
+            if port is not None and not 1 <= port <= 65535:
+                raise ConfigError("--prefill", f"bootstrap port {port} of {url} is not in 1..65535")
+        if not self.host:
+            raise ConfigError("--host", "must not be empty")
+        _check_port("--port", self.port)
+
+    def _validate_policies(self) -> None:
+        for flag, value, extra in (
+            ("--policy", self.policy, ()),
+            ("--prefill-policy", self.prefill_policy, PREFILL_ONLY_POLICIES),
+            ("--decode-policy", self.decode_policy, ()),
+        ):
+            if value in SUPPORTED_POLICIES:
+                continue
+            supported = ", ".join(SUPPORTED_POLICIES)
+            if value in ALL_POLICIES or value in extra:
+                raise ConfigError(
+                    flag,
+                    f"policy {value!r} is not implemented by fastroute; supported: {supported}",
+                )
+            raise ConfigError(flag, f"unknown policy {value!r}; supported: {supported}")
+        if self.p2c_load_metric not in P2C_LOAD_METRICS:
+            raise ConfigError(
+                "--power-of-two-load-metric",
+                f"invalid value {self.p2c_load_metric!r}; choose from "
+                + ", ".join(P2C_LOAD_METRICS + tuple(P2C_LOAD_METRIC_ALIASES)),
+            )
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ConfigError("--cache-threshold", "must be within 0.0..1.0")
+        _at_least("--balance-abs-threshold", self.balance_abs_threshold, 0)
+        _finite_at_least("--balance-rel-threshold", self.balance_rel_threshold, 0.0)
+        _at_least("--eviction-interval-secs", self.eviction_interval_secs, 1)
+        _at_least("--max-tree-size", self.max_tree_size, 1)
+        if not math.isfinite(self.load_monitor_interval) or (
+            self.load_monitor_interval < MIN_LOAD_MONITOR_INTERVAL
+        ):
+            raise ConfigError(
+                "--load-monitor-interval",
+                f"must be at least {MIN_LOAD_MONITOR_INTERVAL} seconds "
+                f"(got {self.load_monitor_interval})",
+            )
+        for name in self.routing_key_headers:
+            _check_header("--routing-key-headers", name)
+
+    def _validate_numbers(self) -> None:
+        _at_least("--worker-startup-timeout-secs", self.worker_startup_timeout_secs, 1)
+        _at_least("--worker-startup-check-interval", self.worker_startup_check_interval, 1)
+        _at_least("--request-timeout-secs", self.request_timeout_secs, 1)
+        _at_least("--max-payload-size", self.max_payload_size, 1)
+        _at_least("--retry-max-retries", self.retry_max_retries, 0)
+        _at_least("--retry-initial-backoff-ms", self.retry_initial_backoff_ms, 0)
+        _at_least("--retry-max-backoff-ms", self.retry_max_backoff_ms, 0)
+        _finite_at_least("--retry-backoff-multiplier", self.retry_backoff_multiplier, 1.0)
+        if not 0.0 <= self.retry_jitter_factor <= 1.0:
+            raise ConfigError("--retry-jitter-factor", "must be within 0.0..1.0")
+        _at_least("--cb-failure-threshold", self.cb_failure_threshold, 1)
+        _at_least("--cb-success-threshold", self.cb_success_threshold, 1)
+        _at_least("--cb-timeout-duration-secs", self.cb_timeout_duration_secs, 0)
+        _at_least("--cb-window-duration-secs", self.cb_window_duration_secs, 1)
+        _at_least("--health-failure-threshold", self.health_failure_threshold, 1)
+        _at_least("--health-success-threshold", self.health_success_threshold, 1)
+        _at_least("--health-check-timeout-secs", self.health_check_timeout_secs, 1)
+        _at_least("--health-check-interval-secs", self.health_check_interval_secs, 1)
+        if not self.health_check_endpoint.startswith("/"):
+            raise ConfigError("--health-check-endpoint", "must be a path starting with '/'")
+        # -1 = unlimited (sglang-router's default); 0 is left to mean the same.
+        _at_least("--max-concurrent-requests", self.max_concurrent_requests, -1)
+        _at_least("--queue-size", self.queue_size, 0)
+        _at_least("--queue-timeout-secs", self.queue_timeout_secs, 0)
+        if self.rate_limit_tokens_per_second is not None:
+            _at_least("--rate-limit-tokens-per-second", self.rate_limit_tokens_per_second, 1)
+        if not self.prometheus_host:
+            raise ConfigError("--prometheus-host", "must not be empty")
+        _check_port("--prometheus-port", self.prometheus_port)
+        for b in self.prometheus_duration_buckets:
+            if not math.isfinite(b) or b <= 0:
+                raise ConfigError("--prometheus-duration-buckets", f"bucket {b} is not > 0")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError("--log-level", f"invalid level {self.log_level!r}")
+        for name in self.request_id_headers:
+            _check_header("--request-id-headers", name)
+        _at_least("--shutdown-grace-period-secs", self.shutdown_grace_period_secs, 0)
+        _finite_at_least("--header-read-timeout-secs", self.header_read_timeout_secs, 0.001)
+        _finite_at_least(
+            "--idle-connection-timeout-secs", self.idle_connection_timeout_secs, 0.001
+        )
+        _finite_at_least(
+            "--upstream-pool-idle-timeout-secs", self.upstream_pool_idle_timeout_secs, 0.0
+        )
+        _finite_at_least("--sse-keepalive-secs", self.sse_keepalive_secs, 0.0)
+
+    def _validate_extensions(self) -> None:
+        if self.decode_input_demand not in DEMAND_MODES:
+            raise ConfigError(
+                "--decode-input-demand",
+                f"invalid value {self.decode_input_demand!r}; choose from off, shadow, on",
+            )
+        _at_least("--decode-request-weight", self.decode_request_weight, 0)
+        if self.decode_request_weight and self.decode_input_demand == "off":
+            # The weight only enters the demand cost; with demand off it would do nothing,
+            # which an operator setting it surely did not intend (seed PR semantics).
+            raise ConfigError(
+                "--decode-request-weight",
+                f"{self.decode_request_weight} (or {ENV_DECODE_REQUEST_WEIGHT}) requires "
+                "--decode-input-demand shadow or on (it is off)",
+            )
+        if self.dp_rank_field is not None and self.dp_rank_field not in DP_RANK_FIELDS:
+            raise ConfigError(
+                "--dp-rank-field",
+                f"invalid value {self.dp_rank_field!r}; choose from " + ", ".join(DP_RANK_FIELDS),
+            )
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ConfigError("--seed", "must be within 0..2**64-1")
+        _at_least("--workers", self.workers, 1)
+        if self.decode_kv_fit not in DEMAND_MODES:
+            raise ConfigError(
+                "--decode-kv-fit", f"invalid value {self.decode_kv_fit!r}; choose from off, shadow, on"
+            )
+        _at_least("--decode-kv-reserve-tokens", self.decode_kv_reserve_tokens, 0)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _strip_url(url: str) -> str:
+    # A trailing slash would turn `url + "/generate"` into `//generate`.
+    return url.strip().rstrip("/")
+
+
+def _check_url(flag: str, url: str) -> None:
+    if not (url.startswith("http://") or url.startswith("https://")):
+        raise ConfigError(flag, f"{url!r} must start with http:// or https://")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a malformed port
+    except ValueError as exc:
+        raise ConfigError(flag, f"{url!r} is not a valid URL: {exc}") from None
+    if not parts.hostname:
+        raise ConfigError(flag, f"{url!r} has no host")
+
+
+def _check_port(flag: str, port: int) -> None:
+    # 0 asks the OS for an ephemeral port (tests use it).
+    if not 0 <= port <= 65535:
+        raise ConfigError(flag, f"port {port} is not in 0..65535")
+
+
+def _check_header(flag: str, name: str) -> None:
+    if not name or any(c in name for c in " \t\r\n:"):
+        raise ConfigError(flag, f"{name!r} is not a valid header name")
+
+
+def _at_least(flag: str, value: int, lo: int) -> None:
+    if value < lo:
+        raise ConfigError(flag, f"must be >= {lo} (got {value})")
+
+
+def _finite_at_least(flag: str, value: float, lo: float) -> None:
+    if not math.isfinite(value) or value < lo:
+        raise ConfigError(flag, f"must be a finite number >= {lo} (got {value})")
+
+
+def _field_names() -> frozenset[str]:
+    return frozenset(f.name for f in fields(Config))
+
+
+def default(name: str) -> Any:
+    """Default value of Config field `name` (a fresh copy for list fields)."""
+    for f in fields(Config):
+        if f.name == name:
+            if f.default_factory is not MISSING:
+                return f.default_factory()
+            return f.default
+    raise KeyError(name)
+
+
+def _p2c_metric_from_env(environ: dict[str, str] | os._Environ[str]) -> str:
+    raw = environ.get(ENV_P2C_LOAD_METRIC, "").strip().lower()
+    if not raw:
+        return "tokens"
+    value = P2C_LOAD_METRIC_ALIASES.get(raw, raw)
+    if value not in P2C_LOAD_METRICS:
+        # The patched power_of_two this mirrors treats any other value as `tokens`; keep that
+        # so an existing environment still starts, but say so once.
+        logger.warning(
+            "%s=%r is not one of %s; using tokens", ENV_P2C_LOAD_METRIC, raw,
+            ", ".join(P2C_LOAD_METRICS),
+        )
+        return "tokens"
+    return value
+
+
+def _weight_from_env(environ: dict[str, str] | os._Environ[str]) -> int:
+    raw = environ.get(ENV_DECODE_REQUEST_WEIGHT, "").strip()
+    if not raw:
+        return 0
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(ENV_DECODE_REQUEST_WEIGHT, f"{raw!r} is not an integer") from None
+
+
+def config_from_args(ns: Any, environ: dict[str, str] | None = None) -> Config:
+    """Build and validate a Config from an argparse namespace produced by `fastroute.cli`.
+
+    Namespace attributes that are Config fields are copied; `prefill`/`decode` arrive raw
+    (lists of tokens) and are parsed here; flags left at None fall back to the environment
+    (`environ`, default os.environ). Logs one warning per distinct ignored flag recorded in
+    `ns.ignored_flags`. Raises ConfigError.
+    """
+    env = os.environ if environ is None else environ
+    raw = vars(ns)
+    names = _field_names()
+    kwargs: dict[str, Any] = {k: v for k, v in raw.items() if k in names and v is not None}
+
+    kwargs["prefill"] = [_parse_prefill(tokens) for tokens in raw.get("prefill") or ()]
+    kwargs["decode"] = [
+        tokens[0] if isinstance(tokens, list) else tokens for tokens in raw.get("decode") or ()
+    ]
+    # Explicit None means "not given": the policy sub-flags then resolve to --policy.
+    kwargs["prefill_policy"] = raw.get("prefill_policy")
+    kwargs["decode_policy"] = raw.get("decode_policy")
+    kwargs["dp_rank_field"] = raw.get("dp_rank_field")
+    kwargs["seed"] = raw.get("seed")
+    if raw.get("p2c_load_metric") is None:
+        kwargs["p2c_load_metric"] = _p2c_metric_from_env(env)
+    if raw.get("decode_request_weight") is None:
+        kwargs["decode_request_weight"] = _weight_from_env(env)
+    workers = raw.get("workers")
+    if workers == "auto":
+        kwargs["workers"] = os.cpu_count() or 1
+
+    config = Config(**kwargs)
+
+    for flag in dict.fromkeys(raw.get("ignored_flags") or ()):
+        logger.warning("%s is accepted for compatibility and ignored by fastroute", flag)
+    return config
+
+
+def _parse_prefill(tokens: list[str]) -> tuple[str, int | None]:
+    if not 1 <= len(tokens) <= 2:
+        raise ConfigError(
+            "--prefill", f"takes URL [BOOTSTRAP_PORT], got {len(tokens)} values: {tokens}"
+        )
+    url = tokens[0]
+    if len(tokens) == 1 or tokens[1].strip().lower() == "none":
+        return url, None
+    try:
+        return url, int(tokens[1])
+    except ValueError:
+        raise ConfigError(
+            "--prefill",
+            f"bootstrap port {tokens[1]!r} of {url} must be an integer or 'none'",
+        ) from None
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Parse an sglang-router style command line into a validated Config (see fastroute.cli)."""
+    from fastroute.cli import parse_args as _cli_parse_args
+
+    return _cli_parse_args(argv)
