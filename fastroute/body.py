@@ -1,0 +1,732 @@
+"""Request bodies on the per-request path: parse once, inject without re-serialising.
+
+Owns:
+
+* ``parse_request(path, body) -> RequestMeta``: one ``json.loads`` of the client
+  body, type checks of the fields the router reads (wrong type -> RouterError
+  400 naming the field), and what routing needs: ``stream``, ``batch`` (protocol.md
+  3.3: None for a scalar request, B for a batch of B), ``input_tokens``,
+  ``return_logprob``, ``max_new_tokens``, ``model``.
+* ``inject(body, fields)``: splice pre-encoded ``"k":v`` pairs before the final
+  ``}`` of the client's bytes.  The client JSON is forwarded unchanged apart from
+  the added keys (protocol.md 3.3 [REC]); it is never re-serialised.  If the
+  client already sent an injected key, the added copy comes last and wins with
+  every JSON parser that keeps the last duplicate (Python's json, pydantic).
+* ``pd_fields`` / ``pd_leg_fields`` / ``rank_field_bytes`` / ``draw_room``: the
+  PD keys ``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room`` (scalars, or
+  lists of length B for batches) and the DP rank key, pre-encoded.
+* ``merge_logprobs_json`` and ``SSELogprobMerger``: prefill input logprobs
+  prepended to the decode response (protocol.md 3.5), JSON and SSE.
+
+Batch rules (protocol.md 3.3), per endpoint:
+
+* ``/generate``: ``input_ids`` a list of lists, or ``text`` a list (accepted like
+  mini_lb, rejected by the Rust routers) -> batch of ``len``; otherwise scalar,
+  whatever ``sampling_params.n``.
+* ``/v1/completions``: ``prompt`` an array of strings or of token lists -> batch
+  of ``len`` (regardless of ``n``).  A flat array of ints is ONE tokenized prompt
+  (OpenAI semantics; SGLang serves it as a single request), so it is scalar.
+* ``/v1/chat/completions``: ``n > 1`` -> batch of ``n``; otherwise scalar.
+
+Validation is deliberately shallow where depth costs per-token work: the shape
+of ``input_ids`` is decided by its first element and each batch item must be a
+list, but the individual ids are not type-checked (the worker validates them;
+the router only needs their count).  JSON ``null`` for any field means "absent".
+``sampling_params`` may be an object or, as SGLang accepts for batches, a list
+of objects.
+
+Input token estimate (``input_tokens``): exact ``len(input_ids)`` when ids are
+given (summed over a batch).  For text we have no tokenizer, so
+``estimate_tokens`` uses ``ceil(utf8_bytes / 4)``: byte-level BPE vocabularies of
+current LLMs average close to 4 bytes per token on English prose and code, and
+for CJK text (3 bytes per character) it gives 0.75 tokens per character, in the
+range of Qwen/DeepSeek-style vocabularies.  For ASCII text the byte count is
+``len(text)`` (no encode); only non-ASCII text pays one ``encode``.  Measured
+against the GPT-2 BPE (the only vocabulary available offline): see
+``bench/token_estimate.py``.  Chat messages add 4 tokens each for the template.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Any, Protocol
+
+from fastroute.errors import CODE_BAD_REQUEST, RouterError
+
+__all__ = [
+    "ROOM_LIMIT",
+    "RequestMeta",
+    "parse_request",
+    "estimate_tokens",
+    "inject",
+    "inject_parts",
+    "draw_room",
+    "pd_fields",
+    "pd_leg_fields",
+    "rank_field_bytes",
+    "merge_logprobs_json",
+    "SSELogprobMerger",
+]
+
+# Rooms are drawn from [0, ROOM_LIMIT).  SGLang expands a scalar room for n > 1
+# to room, room+1, ..., room+n-1, so 2^16 of headroom keeps every derived room
+# inside int64 (protocol.md 3.3 [REC]).
+ROOM_LIMIT = (1 << 63) - (1 << 16)
+# Rejection sampling from 63 random bits accepts with probability 1 - 2^-47; the
+# bound only matters for a broken RNG, which then gets a modulo fallback.
+_MAX_ROOM_TRIES = 8
+
+GENERATE = "/generate"
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+_CHAT_TOKENS_PER_MESSAGE = 4
+
+_JSON_WS = frozenset(b" \t\n\r")
+_OPEN = 0x7B  # "{"
+_CLOSE = 0x7D  # "}"
+
+_compact = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+class _RandomBits(Protocol):
+    def getrandbits(self, k: int, /) -> int: ...
+
+
+def _bad(message: str) -> RouterError:
+    return RouterError(400, CODE_BAD_REQUEST, message)
+
+
+class RequestMeta:
+    """What the router needs to know about one client request.
+
+    ``obj`` is the parsed body (the proxy may read e.g. ``rid`` from it but must
+    not mutate it for forwarding: the original bytes are forwarded).
+    """
+
+    __slots__ = (
+        "obj",
+        "stream",
+        "batch",
+        "input_tokens",
+        "return_logprob",
+        "max_new_tokens",
+        "model",
+        "path",
+    )
+
+    def __init__(
+        self,
+        obj: dict,
+        stream: bool = False,
+        batch: int | None = None,
+        input_tokens: int = 0,
+        return_logprob: bool = False,
+        max_new_tokens: int | None = None,
+        model: str | None = None,
+        path: str = "",
+    ) -> None:
+        self.obj = obj
+        self.stream = stream
+        self.batch = batch
+        self.input_tokens = input_tokens
+        self.return_logprob = return_logprob
+        self.max_new_tokens = max_new_tokens
+        self.model = model
+        self.path = path
+
+    def routing_text(self) -> str | None:
+        """Text for prefix-aware policies (cache_aware), computed on demand.
+
+        The first prompt of a batch, the chat message contents joined by
+        newlines, or None when the request only has token ids.
+        """
+        obj = self.obj
+        if self.path == CHAT:
+            parts = []
+            for msg in obj.get("messages") or ():
+                content = msg.get("content")
+                if type(content) is str:
+                    parts.append(content)
+                elif type(content) is list:
+                    for part in content:
+                        if type(part) is dict and type(part.get("text")) is str:
+                            parts.append(part["text"])
+            return "\n".join(parts) if parts else None
+        value = obj.get("prompt") if self.path == COMPLETIONS else obj.get("text")
+        if type(value) is list:
+            value = value[0] if value else None
+        return value if type(value) is str else None
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestMeta(path={self.path!r}, stream={self.stream}, batch={self.batch}, "
+            f"input_tokens={self.input_tokens}, return_logprob={self.return_logprob}, "
+            f"max_new_tokens={self.max_new_tokens}, model={self.model!r})"
+        )
+
+
+def estimate_tokens(text: str) -> int:
+    """ceil(utf8 bytes / 4); see the module docstring for why."""
+    # str.isascii() is O(1) in CPython (a flag on the string object), so ASCII
+    # text is estimated without touching its characters.
+    n = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+    return (n + 3) >> 2
+
+
+def _opt_int(obj: dict, key: str, where: str = "") -> int | None:
+    value = obj.get(key)
+    # bool is a subclass of int; JSON true is not a count.
+    if value is None or type(value) is int:
+        return value
+    raise _bad(f"'{where}{key}' must be an integer")
+
+
+def _texts_tokens(items: list, field: str) -> int:
+    total = 0
+    for item in items:
+        if type(item) is not str:
+            raise _bad(f"'{field}' must be a string or a list of strings")
+        total += estimate_tokens(item)
+    return total
+
+
+def _id_lists_tokens(items: list, field: str) -> int:
+    total = 0
+    for item in items:
+        if type(item) is not list:
+            raise _bad(f"'{field}' must be a list of token ids or a list of lists of token ids")
+        total += len(item)
+    return total
+
+
+def _parse_generate(obj: dict, meta: RequestMeta) -> None:
+    ids = obj.get("input_ids")
+    text = obj.get("text")
+    if ids is not None:
+        if type(ids) is not list:
+            raise _bad("'input_ids' must be a list of token ids or a list of lists of token ids")
+        if ids and type(ids[0]) is list:
+            meta.batch = len(ids)
+            meta.input_tokens = _id_lists_tokens(ids, "input_ids")
+        else:
+            if ids and type(ids[0]) is not int:
+                raise _bad("'input_ids' must be a list of token ids or a list of lists of token ids")
+            meta.input_tokens = len(ids)
+    if text is not None:
+        if type(text) is str:
+            if ids is None:
+                meta.input_tokens = estimate_tokens(text)
+        elif type(text) is list:
+            tokens = _texts_tokens(text, "text")
+            if ids is None:
+                # input_ids, when also given, decides the shape (SGLang itself
+                # rejects requests carrying both).
+                meta.batch = len(text)
+                meta.input_tokens = tokens
+        else:
+            raise _bad("'text' must be a string or a list of strings")
+
+    sp = obj.get("sampling_params")
+    if sp is not None:
+        if type(sp) is dict:
+            meta.max_new_tokens = _opt_int(sp, "max_new_tokens", "sampling_params.")
+            _opt_int(sp, "n", "sampling_params.")
+        elif type(sp) is list:
+            # SGLang's per-item sampling params for a batch; the largest budget
+            # is the one that bounds the request.
+            best = None
+            for item in sp:
+                if type(item) is not dict:
+                    raise _bad("'sampling_params' must be an object (or a list of objects for a batch)")
+                m = _opt_int(item, "max_new_tokens", "sampling_params.")
+                _opt_int(item, "n", "sampling_params.")
+                if m is not None and (best is None or m > best):
+                    best = m
+            meta.max_new_tokens = best
+        else:
+            raise _bad("'sampling_params' must be an object")
+
+    rl = obj.get("return_logprob")
+    if rl is not None:
+        if type(rl) is bool:
+            meta.return_logprob = rl
+        elif type(rl) is list:
+            for flag in rl:
+                if type(flag) is not bool:
+                    raise _bad("'return_logprob' must be a boolean or a list of booleans")
+            meta.return_logprob = True in rl
+        else:
+            raise _bad("'return_logprob' must be a boolean or a list of booleans")
+
+
+def _openai_common(obj: dict, meta: RequestMeta) -> int | None:
+    n = _opt_int(obj, "n")
+    max_completion = _opt_int(obj, "max_completion_tokens")
+    max_tokens = _opt_int(obj, "max_tokens")
+    meta.max_new_tokens = max_completion if max_completion is not None else max_tokens
+    rl = obj.get("return_logprob")
+    if rl is not None:
+        if type(rl) is not bool:
+            raise _bad("'return_logprob' must be a boolean")
+        meta.return_logprob = rl
+    return n
+
+
+def _parse_completions(obj: dict, meta: RequestMeta) -> None:
+    _openai_common(obj, meta)
+    prompt = obj.get("prompt")
+    if prompt is None:
+        return
+    if type(prompt) is str:
+        meta.input_tokens = estimate_tokens(prompt)
+    elif type(prompt) is list:
+        if not prompt:
+            meta.batch = 0
+            return
+        first = type(prompt[0])
+        if first is str:
+            meta.batch = len(prompt)
+            meta.input_tokens = _texts_tokens(prompt, "prompt")
+        elif first is list:
+            meta.batch = len(prompt)
+            meta.input_tokens = _id_lists_tokens(prompt, "prompt")
+        elif first is int:
+            meta.input_tokens = len(prompt)  # one tokenized prompt
+        else:
+            raise _bad("'prompt' must be a string, a list of strings or a list of token ids")
+    else:
+        raise _bad("'prompt' must be a string, a list of strings or a list of token ids")
+
+
+def _parse_chat(obj: dict, meta: RequestMeta) -> None:
+    n = _openai_common(obj, meta)
+    if n is not None and n > 1:
+        meta.batch = n
+    messages = obj.get("messages")
+    if messages is None:
+        return
+    if type(messages) is not list:
+        raise _bad("'messages' must be a list")
+    tokens = 0
+    for msg in messages:
+        if type(msg) is not dict:
+            raise _bad("'messages' must be a list of objects")
+        tokens += _CHAT_TOKENS_PER_MESSAGE
+        content = msg.get("content")
+        if type(content) is str:
+            tokens += estimate_tokens(content)
+        elif type(content) is list:
+            for part in content:
+                if type(part) is dict:
+                    text = part.get("text")
+                    if type(text) is str:
+                        tokens += estimate_tokens(text)
+        elif content is not None:
+            raise _bad("'messages[].content' must be a string or a list of content parts")
+    meta.input_tokens = tokens
+
+
+_PARSERS = {GENERATE: _parse_generate, COMPLETIONS: _parse_completions, CHAT: _parse_chat}
+
+
+def parse_request(path: str, body: bytes) -> RequestMeta:
+    """Parse a client body once; raise RouterError(400) on anything malformed.
+
+    ``path`` selects the batch rules (a query string, if any, is ignored).
+    Other paths get only the generic fields (stream, model).
+    """
+    try:
+        # Decoding ourselves (instead of json.loads(bytes)) pins the encoding to
+        # UTF-8: json.loads would also accept UTF-16/32 and a BOM, and inject()
+        # splices ASCII bytes, which is only correct for UTF-8 bodies.
+        obj = json.loads(str(body, "utf-8"))
+    except UnicodeDecodeError:
+        raise _bad("Request body is not valid UTF-8") from None
+    except RecursionError:
+        raise _bad("Request body is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, over-long integers
+        raise _bad(f"Request body is not valid JSON: {exc}") from None
+    if type(obj) is not dict:
+        raise _bad("Request body must be a JSON object")
+
+    stream = obj.get("stream")
+    if stream is None:
+        stream = False
+    elif type(stream) is not bool:
+        raise _bad("'stream' must be a boolean")
+    model = obj.get("model")
+    if model is not None and type(model) is not str:
+        raise _bad("'model' must be a string")
+
+    if "?" in path:
+        path = path.partition("?")[0]
+    meta = RequestMeta(obj, stream, None, 0, False, None, model, path)
+    parser = _PARSERS.get(path)
+    if parser is not None:
+        parser(obj, meta)
+    return meta
+
+
+# ---------------------------------------------------------------------------
+# Injection
+
+
+def _object_bounds(body: bytes | bytearray | memoryview) -> tuple[int, bool]:
+    """Index of the top-level closing brace, and whether the object is empty.
+
+    Raises RouterError(400) unless the bytes (modulo JSON whitespace) start with
+    ``{`` and end with ``}``.  Assumes the body already parsed as JSON (parse_request).
+    """
+    ws = _JSON_WS
+    end = len(body) - 1
+    while end >= 0 and body[end] in ws:
+        end -= 1
+    start = 0
+    while start < end and body[start] in ws:
+        start += 1
+    if end <= start or body[end] != _CLOSE or body[start] != _OPEN:
+        raise _bad("Request body must be a JSON object")
+    # In a valid object the token before the closing brace is either the
+    # object's own opening brace (empty object) or the end of a value, which is
+    # never "{"; so one backwards scan over whitespace decides the separator.
+    j = end - 1
+    while j > start and body[j] in ws:
+        j -= 1
+    return end, j == start
+
+
+def inject_parts(body: bytes, fields: bytes) -> tuple[memoryview, bytes, memoryview]:
+    """inject() without the copy: (head, middle, tail) for ``transport.writelines``.
+
+    ``head`` and ``tail`` are views of ``body``; the forwarded length is the sum
+    of the three lengths.
+    """
+    view = memoryview(body)
+    if not fields:
+        return view, b"", view[len(view):]
+    end, empty = _object_bounds(body)
+    return view[:end], (fields if empty else b"," + fields), view[end:]
+
+
+def inject(body: bytes, fields: bytes) -> bytes:
+    """Splice pre-encoded ``"k":v[,"k2":v2]`` pairs into the top-level object.
+
+    One output allocation; the client bytes (including whitespace, key order,
+    number formatting and unicode escapes) are preserved exactly.
+    """
+    if not fields:
+        return bytes(body)
+    end, empty = _object_bounds(body)
+    view = memoryview(body)
+    return b"".join((view[:end], fields if empty else b"," + fields, view[end:]))
+
+
+# ---------------------------------------------------------------------------
+# PD fields
+
+
+def draw_room(rng: _RandomBits, prefill_dp_size: int = 1, prefill_rank: int | None = None) -> int:
+    """A bootstrap room uniform in [0, ROOM_LIMIT).
+
+    With ``prefill_rank`` p and ``prefill_dp_size`` N > 1 the room is moved to
+    ``room - room % N + p`` so that a prefill using ``follow_bootstrap_room``
+    places it on rank p and the decode derives the same rank (protocol.md 4.3);
+    if that lands at or above ROOM_LIMIT (only possible in the last partial
+    block of N), it steps back by N, which keeps ``room % N == p``.
+    """
+    getbits = rng.getrandbits
+    for _ in range(_MAX_ROOM_TRIES):
+        room = getbits(63)
+        if 0 <= room < ROOM_LIMIT:
+            break
+    else:
+        room %= ROOM_LIMIT
+    if prefill_rank is not None and prefill_dp_size > 1:
+        if not 0 <= prefill_rank < prefill_dp_size:
+            raise ValueError(f"prefill_rank {prefill_rank} outside [0, {prefill_dp_size})")
+        room += prefill_rank - room % prefill_dp_size
+        if room >= ROOM_LIMIT:
+            room -= prefill_dp_size
+    return room
+
+
+@lru_cache(maxsize=1024)
+def _host_port(host: str, port: int | None) -> tuple[bytes, bytes]:
+    """Encoded host and port values, cached per prefill worker."""
+    # A bare IPv6 literal must be bracketed: SGLang builds http://host:port
+    # from it (mini_lb does the same; the Rust routers keep the URL's brackets).
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    port_b = b"null" if port is None else str(int(port)).encode()
+    return json.dumps(host).encode(), port_b
+
+
+@lru_cache(maxsize=64)
+def _field_key(field: str) -> bytes:
+    return json.dumps(field).encode() + b":"
+
+
+def rank_field_bytes(field: str, rank: int) -> bytes:
+    """``"<field>":<rank>``, e.g. ``"data_parallel_rank":3`` for regular --dp-aware."""
+    return _field_key(field) + str(int(rank)).encode()
+
+
+def _bootstrap_fields(
+    batch: int | None,
+    host: str,
+    port: int | None,
+    rng: _RandomBits,
+    prefill_dp_size: int,
+    prefill_rank: int | None,
+) -> bytes:
+    host_b, port_b = _host_port(host, port)
+    if batch is None:
+        room = draw_room(rng, prefill_dp_size, prefill_rank)
+        return b'"bootstrap_host":%b,"bootstrap_port":%b,"bootstrap_room":%d' % (host_b, port_b, room)
+    # Rooms of one batch must be distinct (each item is its own KV transfer);
+    # a collision among 63-bit draws is astronomically rare but cheap to rule out.
+    rooms: set[int] = set()
+    order: list[int] = []
+    while len(order) < batch:
+        room = draw_room(rng, prefill_dp_size, prefill_rank)
+        if room not in rooms:
+            rooms.add(room)
+            order.append(room)
+    return b'"bootstrap_host":[%b],"bootstrap_port":[%b],"bootstrap_room":[%b]' % (
+        b",".join([host_b] * batch),
+        b",".join([port_b] * batch),
+        b",".join([b"%d" % r for r in order]),
+    )
+
+
+def pd_fields(
+    meta: RequestMeta,
+    host: str,
+    port: int | None,
+    room_rng: _RandomBits,
+    rank_field: str | None,
+    rank: int | None,
+    prefill_dp_size: int = 1,
+    prefill_rank: int | None = None,
+) -> bytes:
+    """Pre-encoded PD keys for one attempt (a fresh room each call).
+
+    ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room`` are scalars, or
+    lists of length ``meta.batch`` with distinct rooms.  When ``rank_field`` and
+    ``rank`` are given, ``"<rank_field>":rank`` (a scalar even for batches) is
+    appended: that is the decode leg's body.  The prefill leg must get the same
+    room without the rank key, so a caller building both legs uses
+    ``pd_leg_fields`` (one draw, two byte strings).
+    """
+    out = _bootstrap_fields(meta.batch, host, port, room_rng, prefill_dp_size, prefill_rank)
+    if rank_field is not None and rank is not None:
+        out += b"," + rank_field_bytes(rank_field, rank)
+    return out
+
+
+def pd_leg_fields(
+    meta: RequestMeta,
+    host: str,
+    port: int | None,
+    room_rng: _RandomBits,
+    rank_field: str | None,
+    rank: int | None,
+    prefill_dp_size: int = 1,
+    prefill_rank: int | None = None,
+) -> tuple[bytes, bytes]:
+    """(prefill fields, decode fields) sharing one room draw.
+
+    The prefill never gets a rank key: its rank is carried by the room
+    arithmetic (``prefill_rank``), see draw_room.
+    """
+    common = _bootstrap_fields(meta.batch, host, port, room_rng, prefill_dp_size, prefill_rank)
+    if rank_field is not None and rank is not None:
+        return common, common + b"," + rank_field_bytes(rank_field, rank)
+    return common, common
+
+
+# ---------------------------------------------------------------------------
+# Logprob merge (protocol.md 3.5)
+
+
+def _prefill_logprobs(obj: Any) -> list | None:
+    if type(obj) is dict:
+        meta = obj.get("meta_info")
+        if type(meta) is dict:
+            lp = meta.get("input_token_logprobs")
+            if type(lp) is list:
+                return lp
+    return None
+
+
+def _prepend(prefill_lp: list, obj: Any) -> bool:
+    """Prepend prefill logprobs to obj.meta_info.input_token_logprobs in place."""
+    if type(obj) is not dict:
+        return False
+    meta = obj.get("meta_info")
+    if type(meta) is not dict or "input_token_logprobs" not in meta:
+        return False
+    cur = meta["input_token_logprobs"]
+    if cur is None:
+        cur = []
+    elif type(cur) is not list:
+        return False
+    meta["input_token_logprobs"] = prefill_lp + cur
+    return True
+
+
+def merge_logprobs_json(prefill: bytes, decode: bytes) -> bytes:
+    """Decode JSON with the prefill's input_token_logprobs prepended.
+
+    Batch responses (JSON lists) are merged item by item.  If either body is
+    not the expected shape, the decode body is returned unchanged (the client
+    still gets the decode's answer; logprobs are best effort).
+    """
+    try:
+        p = json.loads(prefill)
+        d = json.loads(decode)
+    except (ValueError, RecursionError, TypeError):
+        return decode
+    changed = False
+    if type(d) is list:
+        if type(p) is list:
+            for p_item, d_item in zip(p, d):
+                lp = _prefill_logprobs(p_item)
+                if lp is not None and _prepend(lp, d_item):
+                    changed = True
+    else:
+        lp = _prefill_logprobs(p)
+        if lp is not None:
+            changed = _prepend(lp, d)
+    return _compact(d).encode() if changed else decode
+
+
+def _event_json(event: bytes) -> Any:
+    """The JSON object of a ``data: {...}`` SSE event, or None."""
+    if not event.startswith(b"data:"):
+        return None
+    payload = event[5:].strip()
+    if not payload.startswith(b"{"):
+        return None
+    try:
+        return json.loads(payload)
+    except (ValueError, RecursionError):
+        return None
+
+
+class SSELogprobMerger:
+    """mini_lb-style streaming merge of prefill input logprobs into decode events.
+
+    Use only when the request has ``return_logprob: true``.  Feed the prefill
+    SSE body with ``feed_prefill`` (whole or in chunks) before relaying decode
+    bytes; then pass every decode chunk through ``transform`` and send what it
+    returns; at decode EOF send ``flush()``.
+
+    The first prefill event carrying ``meta_info.input_token_logprobs`` for each
+    ``index`` supplies that index's prefix (mini_lb uses the very first event for
+    everything; that is the fallback for indexes the prefill did not report).
+    Decode events are split on the blank line (``\\n\\n``, SGLang's framing);
+    partial events are held until complete.  Events that need no change are
+    relayed byte for byte; only events whose ``meta_info`` has
+    ``input_token_logprobs`` are re-encoded as ``data: <json>\\n\\n``.
+    """
+
+    __slots__ = ("_pbuf", "_first", "_by_index", "_buf", "_scan")
+
+    def __init__(self) -> None:
+        self._pbuf = bytearray()
+        self._first: list | None = None
+        self._by_index: dict[int, list] = {}
+        self._buf = bytearray()
+        self._scan = 0
+
+    @property
+    def ready(self) -> bool:
+        """True once some prefill input logprobs are known."""
+        return self._first is not None
+
+    def feed_prefill(self, data: bytes) -> None:
+        buf = self._pbuf
+        buf += data
+        start = 0
+        while True:
+            i = buf.find(b"\n\n", start)
+            if i < 0:
+                break
+            self._prefill_event(bytes(buf[start:i]))
+            start = i + 2
+        del buf[:start]
+        # A non-streaming prefill answer (one JSON document, no SSE framing).
+        if buf[:1] == b"{" and self._first is None:
+            try:
+                obj = json.loads(buf)
+            except (ValueError, RecursionError):
+                return
+            self._record(obj)
+            buf.clear()
+
+    def _prefill_event(self, event: bytes) -> None:
+        obj = _event_json(event)
+        if obj is not None:
+            self._record(obj)
+
+    def _record(self, obj: Any) -> None:
+        lp = _prefill_logprobs(obj)
+        if lp is None:
+            return
+        index = obj.get("index", 0)
+        if type(index) is not int:
+            index = 0
+        if self._first is None:
+            self._first = lp
+        self._by_index.setdefault(index, lp)
+
+    def _decode_event(self, event: bytes) -> bytes:
+        obj = _event_json(event)
+        if type(obj) is not dict:
+            return event
+        index = obj.get("index", 0)
+        lp = self._by_index.get(index) if type(index) is int else None
+        if lp is None:
+            lp = self._first
+        if lp is None or not _prepend(lp, obj):
+            return event
+        return b"data: " + _compact(obj).encode() + b"\n\n"
+
+    def transform(self, chunk: bytes) -> bytes:
+        """Complete decode events of ``chunk`` (plus held bytes), merged."""
+        buf = self._buf
+        if not buf and self._first is None:
+            return bytes(chunk)  # nothing to merge: pure passthrough
+        buf += chunk
+        out = []
+        start = 0
+        # Resume the separator search where the previous call stopped (minus
+        # one byte for a "\n\n" split across chunks): no quadratic rescans of
+        # a large event delivered in small chunks.
+        scan = self._scan
+        while True:
+            i = buf.find(b"\n\n", scan)
+            if i < 0:
+                break
+            end = i + 2
+            out.append(self._decode_event(bytes(buf[start:end])))
+            start = scan = end
+        del buf[:start]
+        self._scan = max(len(buf) - 1, 0)
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        """Whatever is held at decode EOF (an unterminated last event), merged if possible."""
+        buf = self._buf
+        if not buf:
+            return b""
+        rest = bytes(buf)
+        buf.clear()
+        self._scan = 0
+        if self._first is None:
+            return rest
+        # An unterminated last event; if it is merged it comes back terminated.
+        return self._decode_event(rest)
