@@ -1,0 +1,281 @@
+"""Load monitor and health checker: the only writer of polled load and health into the table.
+
+Owns two background loops over the *physical* workers of the :class:`~fastroute.workers.Registry`
+(one HTTP call per server per tick, however many rank targets it has):
+
+* load polling (protocol.md 4.4, 5.1, 5.2) every ``load_monitor_interval`` seconds:
+  ``GET /v1/loads?include=core``, falling back to ``GET /get_load`` when the worker answers 404
+  (the working endpoint is remembered per worker). Entries are parsed defensively and fanned
+  out by ``dp_rank`` to the rank targets with ``table.set_polled``. Anything missing or failed
+  becomes ``table.mark_unpolled`` -- unknown, never zero, so a policy cannot mistake a dead or
+  mute worker for an idle one.
+* health checks (protocol.md 7.1) every ``health_check_interval_secs`` seconds on
+  ``health_check_endpoint`` with ``health_check_timeout_secs``; a worker turns unhealthy after
+  ``health_failure_threshold`` consecutive failures and healthy again after
+  ``health_success_threshold`` consecutive successes; the verdict goes to every target of it.
+
+Invariant: results are written only if the worker is still ``ready`` after the await, because
+a removed worker's rows may already be reallocated to another worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from typing import Any
+
+from fastroute import httpclient
+from fastroute.httpclient import HttpClientError
+from fastroute.workers import Registry, Worker
+
+log = logging.getLogger("fastroute.monitor")
+
+V1_LOADS = "/v1/loads"
+GET_LOAD = "/get_load"
+_V1_QUERY = "/v1/loads?include=core"
+
+# One parsed rank entry: (running, waiting, used tokens, max tokens or -1).
+RankLoad = tuple[int, int, int, int]
+
+
+def _count(v: Any) -> int | None:
+    """A non-negative integer count from JSON, or None when absent/garbage."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return int(v) if v >= 0 else None
+
+
+def parse_v1_loads(doc: Any) -> list[tuple[int | None, RankLoad | None]]:
+    """``/v1/loads`` body -> [(dp_rank or None, load or None if unusable)]."""
+    entries = doc.get("loads") if isinstance(doc, dict) else None
+    out: list[tuple[int | None, RankLoad | None]] = []
+    if not isinstance(entries, list):
+        return out
+    for e in entries:
+        if not isinstance(e, dict):
+            continue
+        waiting = _count(e.get("num_waiting_reqs"))
+        running = _count(e.get("num_running_reqs"))
+        if running is None:
+            total = _count(e.get("num_total_reqs"))
+            if total is not None:
+                running = max(total - (waiting or 0), 0)
+        tokens = _count(e.get("num_used_tokens"))
+        mx = _count(e.get("max_total_num_tokens"))
+        load = None
+        if running is not None and tokens is not None:
+            load = (running, waiting or 0, tokens, -1 if mx is None else mx)
+        out.append((_count(e.get("dp_rank")), load))
+    return out
+
+
+def parse_get_load(doc: Any) -> list[tuple[int | None, RankLoad | None]]:
+    """Legacy ``/get_load`` body (array per rank; ``num_reqs`` = running + waiting) -> as above.
+
+    A build that reports ``num_pages`` instead of ``num_tokens`` gives no token count: unknown.
+    """
+    if isinstance(doc, dict):
+        doc = doc.get("loads", [doc])
+    out: list[tuple[int | None, RankLoad | None]] = []
+    if not isinstance(doc, list):
+        return out
+    for e in doc:
+        if not isinstance(e, dict):
+            continue
+        total = _count(e.get("num_reqs"))
+        waiting = _count(e.get("num_waiting_reqs")) or 0
+        tokens = _count(e.get("num_tokens"))
+        load = None
+        if total is not None and tokens is not None:
+            load = (max(total - waiting, 0), waiting, tokens, -1)
+        out.append((_count(e.get("dp_rank")), load))
+    return out
+
+
+class Monitor:
+    """Background load polling and health checking for every ready worker of a Registry."""
+
+    def __init__(self, config: Any, registry: Registry, table: Any) -> None:
+        self.config = config
+        self.registry = registry
+        self.table = table
+        self._tasks: list[asyncio.Task] = []
+        # (worker url, "v1_loads" | "get_load" | "failed") -> polls; read by metrics.
+        self.polls: dict[tuple[str, str], int] = {}
+        # (worker role, "success" | "failure") -> health probes; read by metrics.
+        self.health_checks: dict[tuple[str, str], int] = {}
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the loops on the running event loop (disabled ones are skipped)."""
+        loop = asyncio.get_running_loop()
+        if not self.config.disable_load_monitoring:
+            self._tasks.append(loop.create_task(self._load_loop(), name="load monitor"))
+        if not self.config.disable_health_check:
+            self._tasks.append(loop.create_task(self._health_loop(), name="health checker"))
+
+    async def stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _every(self, period: float, tick: Any) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            try:
+                await tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let one bad tick end the loop
+                log.exception("monitor tick failed")
+            # A tick that overran its period starts the next one right away (no burst catch-up).
+            await asyncio.sleep(max(period - (loop.time() - started), 0.0))
+
+    async def _load_loop(self) -> None:
+        await self._every(float(self.config.load_monitor_interval), self.poll_once)
+
+    async def _health_loop(self) -> None:
+        period = float(self.config.health_check_interval_secs)
+        # The first probe comes one interval after start: registration has just checked /health.
+        await asyncio.sleep(period)
+        await self._every(period, self.check_once)
+
+    # ---- load polling -------------------------------------------------------------------------
+    def _poll_timeout(self) -> float:
+        # A loaded engine may answer late; dropping its answer after 100 ms would discard the data
+        # exactly when it matters, so allow at least 1 s (the next tick simply starts later).
+        return max(float(self.config.load_monitor_interval), 1.0)
+
+    async def poll_once(self) -> None:
+        """Poll every ready worker once, concurrently, and write the results to the table."""
+        workers = self.registry.ready_workers()
+        if workers:
+            timeout = self._poll_timeout()
+            await asyncio.gather(*(self.poll_worker(w, timeout) for w in workers))
+
+    async def poll_worker(self, w: Worker, timeout: float) -> bool:
+        """One load poll of one physical worker; True when usable data arrived."""
+        entries: list[tuple[int | None, RankLoad | None]] | None = None
+        mode = "failed"
+        headers = self.registry.auth_headers(w)
+        try:
+            if w.load_path != GET_LOAD:
+                status, _, body = await httpclient.request("GET", w.url + _V1_QUERY, headers=headers,
+                                                           timeout=timeout)
+                if status == 200:
+                    w.load_path = V1_LOADS
+                    entries, mode = parse_v1_loads(json.loads(body)), "v1_loads"
+                elif status == 404:
+                    w.load_path = GET_LOAD  # older SGLang: remember, don't ask /v1/loads again
+                else:
+                    log.debug("load poll %s%s: HTTP %s", w.url, V1_LOADS, status)
+            if entries is None and w.load_path == GET_LOAD:
+                status, _, body = await httpclient.request("GET", w.url + GET_LOAD, headers=headers,
+                                                           timeout=timeout)
+                if status == 200:
+                    entries, mode = parse_get_load(json.loads(body)), "get_load"
+                else:
+                    if status == 404:
+                        # Neither endpoint (or the server was replaced): probe both again next time.
+                        w.load_path = None
+                    log.debug("load poll %s%s: HTTP %s", w.url, GET_LOAD, status)
+        except (HttpClientError, ValueError) as exc:  # ValueError: body is not JSON
+            log.debug("load poll %s failed: %s", w.url, exc)
+            entries = None
+        key = (w.url, mode)
+        self.polls[key] = self.polls.get(key, 0) + 1
+        if w.status != "ready":  # removed during the await: its rows may belong to someone else now
+            return False
+        return self._apply(w, entries)
+
+    def _apply(self, w: Worker, entries: list[tuple[int | None, RankLoad | None]] | None) -> bool:
+        tab = self.table
+        if not entries:
+            for t in w.targets:
+                tab.mark_unpolled(t)
+            return False
+        if not w.split:
+            # One target for the whole server: sum over its ranks; one unusable rank makes the
+            # sum unknown (a partial sum would look lighter than the server is).
+            t = w.targets[0]
+            if any(load is None for _, load in entries):
+                tab.mark_unpolled(t)
+                return False
+            running = waiting = tokens = mx = 0
+            for _, (r, q, k, m) in entries:  # type: ignore[misc]
+                running += r
+                waiting += q
+                tokens += k
+                mx = -1 if (m < 0 or mx < 0) else mx + m
+            tab.set_polled(t, running, waiting, tokens, mx)
+            return True
+        by_rank: dict[int, RankLoad] = {}
+        for rank, load in entries:
+            if rank is not None and load is not None:
+                by_rank[rank] = load
+        any_ok = False
+        for rank, t in enumerate(w.targets):
+            load = by_rank.get(rank)
+            if load is None:
+                tab.mark_unpolled(t)
+            else:
+                tab.set_polled(t, load[0], load[1], load[2], load[3])
+                any_ok = True
+        return any_ok
+
+    # ---- health checks ------------------------------------------------------------------------
+    async def check_once(self) -> None:
+        """Probe every ready worker once, concurrently, and apply the thresholds."""
+        workers = self.registry.ready_workers()
+        if workers:
+            await asyncio.gather(*(self.check_worker(w) for w in workers))
+
+    async def check_worker(self, w: Worker) -> bool:
+        """One health probe of one physical worker; returns the probe outcome."""
+        cfg = self.config
+        path = cfg.health_check_endpoint or "/health"
+        if not path.startswith("/"):
+            path = "/" + path
+        # The API key goes to workers on everything but /health (protocol.md 2).
+        headers = None if path.split("?", 1)[0] == "/health" else self.registry.auth_headers(w)
+        try:
+            status, _, _ = await httpclient.request("GET", w.url + path, headers=headers,
+                                                    timeout=float(cfg.health_check_timeout_secs))
+            ok = 200 <= status < 300
+        except HttpClientError as exc:
+            log.debug("health probe %s failed: %s", w.url, exc)
+            ok = False
+        key = (w.role, "success" if ok else "failure")
+        self.health_checks[key] = self.health_checks.get(key, 0) + 1
+        if w.status == "ready":
+            self.record_health(w, ok)
+        return ok
+
+    def record_health(self, w: Worker, ok: bool) -> None:
+        """Apply one probe outcome to the consecutive counters and flip health at the thresholds."""
+        cfg = self.config
+        if ok:
+            w.health_failures = 0
+            w.health_successes += 1
+            if not w.healthy and w.health_successes >= max(int(cfg.health_success_threshold), 1):
+                self._set_health(w, True)
+        else:
+            w.health_successes = 0
+            w.health_failures += 1
+            if w.healthy and w.health_failures >= max(int(cfg.health_failure_threshold), 1):
+                self._set_health(w, False)
+
+    def _set_health(self, w: Worker, ok: bool) -> None:
+        w.healthy = ok
+        for t in w.targets:
+            self.table.set_healthy(t, ok)
+        if ok:
+            log.info("worker %s is healthy again", w.url)
+        else:
+            log.warning("worker %s is unhealthy after %d failed health checks", w.url, w.health_failures)
