@@ -39,9 +39,9 @@ ROUTER_PREFIX = "--router-"
 # Flags that sglang.launch_server never prefixes with --router- (protocol.md 9).
 _NEVER_PREFIXED = frozenset({"--host", "--port", "--worker-urls"})
 
-# 0.3.2 flags (protocol.md 9.3), the mini-lb switch and the smg additions fastroute does not
-# implement. Each is accepted with any number of values and logged once as ignored.
-IGNORED_FLAGS: tuple[str, ...] = (
+# 0.3.2 flags with no meaning for fastroute (protocol.md 9.3, plus --mini-lb). Like every
+# ignored flag, accepted with any number of values and logged once as ignored.
+COMPAT_FLAGS: tuple[str, ...] = (
     "--mini-lb",
     "--bucket-adjust-interval-secs",
     "--assignment-mode",
@@ -70,7 +70,10 @@ IGNORED_FLAGS: tuple[str, ...] = (
     "--otlp-traces-endpoint",
     "--control-plane-api-keys",
     "--control-plane-audit-enabled",
-    # smg additions with no fastroute implementation yet (protocol.md 9.2)
+)
+# smg additions (protocol.md 9.2) that fastroute does not implement: accepted so smg command
+# lines start, but said out loud rather than silently half-honoured.
+UNIMPLEMENTED_SMG_FLAGS: tuple[str, ...] = (
     "--routing-key-override",
     "--sticky-sessions",
     "--max-idle-secs",
@@ -83,6 +86,7 @@ IGNORED_FLAGS: tuple[str, ...] = (
     "--disable-tokenizer-autoload",
     "--health-check-port",
 )
+IGNORED_FLAGS: tuple[str, ...] = COMPAT_FLAGS + UNIMPLEMENTED_SMG_FLAGS
 # Whole flag families of 0.3.2 / smg (`--redis-url`, `--jwt-issuer`, ...): matched by prefix
 # before argparse sees the command line, because their members are not enumerable here.
 IGNORED_FAMILIES: tuple[str, ...] = (
@@ -102,7 +106,9 @@ class _IgnoredFlag(argparse.Action):
 
     def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
         kwargs.setdefault("nargs", "*")
-        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, **kwargs)
+        super().__init__(
+            option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, **kwargs
+        )
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
         flag = _canonical(option_string or self.option_strings[0])
@@ -219,13 +225,15 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
         help="Interval of SSE keep-alive comments on quiet streams (default: %(default)s s).")
 
     add.section("Routing policy",
-                f"Implemented policies: {', '.join(SUPPORTED_POLICIES)}. The other names are "
-                "accepted by the parser so peer command lines parse, but fail at start-up.")
-    add("--policy", choices=ALL_POLICIES, default=d("policy"),
+                f"Implemented policies: {', '.join(SUPPORTED_POLICIES)}. The peers' other "
+                "names (" + ", ".join(p for p in ALL_POLICIES if p not in SUPPORTED_POLICIES)
+                + "; bucket for prefill) parse but fail at start-up with an error.")
+    add("--policy", choices=ALL_POLICIES, default=d("policy"), metavar="POLICY",
         help="Policy of regular mode and default of both PD roles (default: %(default)s).")
     add("--prefill-policy", choices=ALL_POLICIES + PREFILL_ONLY_POLICIES, default=None,
+        metavar="POLICY",
         help="PD prefill policy (default: same as --policy).")
-    add("--decode-policy", choices=ALL_POLICIES, default=None,
+    add("--decode-policy", choices=ALL_POLICIES, default=None, metavar="POLICY",
         help="PD decode policy (default: same as --policy).")
     add("--power-of-two-load-metric", "--p2c-load-metric", dest="p2c_load_metric",
         type=_p2c_metric, default=None, metavar="{tokens,requests,least_requests}",
@@ -363,8 +371,11 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
         "Accepted (with any values) so existing launch scripts keep working; each logs one "
         "warning. Also every flag starting with " + ", ".join(IGNORED_FAMILIES) + ".",
     )
-    for flag in IGNORED_FLAGS:
+    for flag in COMPAT_FLAGS:
         add(flag, action=_IgnoredFlag, metavar="VALUE", help="ignored by fastroute")
+    for flag in UNIMPLEMENTED_SMG_FLAGS:
+        add(flag, action=_IgnoredFlag, metavar="VALUE",
+            help="smg feature not implemented; ignored by fastroute")
     return parser
 
 

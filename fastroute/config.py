@@ -24,8 +24,11 @@ __all__ = [
     "ConfigError",
     "config_from_args",
     "parse_args",
+    "default",
     "ALL_POLICIES",
+    "PREFILL_ONLY_POLICIES",
     "SUPPORTED_POLICIES",
+    "P2C_LOAD_METRIC_ALIASES",
     "P2C_LOAD_METRICS",
     "DEMAND_MODES",
     "DP_RANK_FIELDS",
@@ -124,7 +127,8 @@ class Config:
 
     # --- Routing policy -------------------------------------------------------------------
     policy: str = "cache_aware"
-    # None on input means "same as policy"; always a policy name after __post_init__.
+    # None on input means "same as policy"; always a policy name after __post_init__ (so
+    # dataclasses.replace(config, policy=...) does not re-derive them).
     prefill_policy: str | None = None
     decode_policy: str | None = None
     cache_threshold: float = 0.3
@@ -374,7 +378,8 @@ class Config:
         _at_least("--workers", self.workers, 1)
         if self.decode_kv_fit not in DEMAND_MODES:
             raise ConfigError(
-                "--decode-kv-fit", f"invalid value {self.decode_kv_fit!r}; choose from off, shadow, on"
+                "--decode-kv-fit",
+                f"invalid value {self.decode_kv_fit!r}; choose from off, shadow, on",
             )
         _at_least("--decode-kv-reserve-tokens", self.decode_kv_reserve_tokens, 0)
 

@@ -1,0 +1,504 @@
+"""Command line and Config: peer defaults, aliases, env fallbacks, validation, dispatch."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from fastroute import cli
+from fastroute.cli import IGNORED_FLAGS, build_parser, main, parse_args, parse_namespace
+from fastroute.config import (
+    ENV_DECODE_REQUEST_WEIGHT,
+    ENV_P2C_LOAD_METRIC,
+    SUPPORTED_POLICIES,
+    Config,
+    ConfigError,
+    config_from_args,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_P2C_LOAD_METRIC, raising=False)
+    monkeypatch.delenv(ENV_DECODE_REQUEST_WEIGHT, raising=False)
+
+
+@pytest.fixture
+def restore_root_logging():
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in list(root.handlers):
+        if h not in handlers:
+            root.removeHandler(h)
+            h.close()
+    root.setLevel(level)
+
+
+def pd(*extra: str) -> list[str]:
+    return ["--pd-disaggregation", *extra]
+
+
+def fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Parse argv expecting an argparse-style exit 2; return stderr."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- defaults (protocol.md 9.1)
+
+PEER_DEFAULTS = {
+    "host": "0.0.0.0",
+    "port": 30000,
+    "worker_urls": [],
+    "pd_disaggregation": False,
+    "prefill": [],
+    "decode": [],
+    "policy": "cache_aware",
+    "prefill_policy": "cache_aware",
+    "decode_policy": "cache_aware",
+    "dp_aware": False,
+    "api_key": None,
+    "worker_startup_timeout_secs": 1800,
+    "worker_startup_check_interval": 30,
+    "request_timeout_secs": 1800,
+    "max_concurrent_requests": -1,
+    "queue_size": 100,
+    "queue_timeout_secs": 60,
+    "rate_limit_tokens_per_second": None,
+    "max_payload_size": 536870912,
+    "retry_max_retries": 5,
+    "retry_initial_backoff_ms": 50,
+    "retry_max_backoff_ms": 30000,
+    "retry_backoff_multiplier": 1.5,
+    "retry_jitter_factor": 0.2,
+    "disable_retries": False,
+    "cb_failure_threshold": 10,
+    "cb_success_threshold": 3,
+    "cb_timeout_duration_secs": 60,
+    "cb_window_duration_secs": 120,
+    "disable_circuit_breaker": False,
+    "health_failure_threshold": 3,
+    "health_success_threshold": 2,
+    "health_check_timeout_secs": 5,
+    "health_check_interval_secs": 60,
+    "health_check_endpoint": "/health",
+    "disable_health_check": False,
+    "prometheus_host": "0.0.0.0",
+    "prometheus_port": 29000,
+    "prometheus_duration_buckets": [
+        0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 30, 45, 60, 90,
+        120, 180, 240,
+    ],
+    "request_id_headers": ["x-request-id", "x-correlation-id", "x-trace-id", "request-id"],
+    "log_level": "info",
+    "log_dir": None,
+    "cors_allowed_origins": [],
+    "shutdown_grace_period_secs": 180,
+    "cache_threshold": 0.3,
+    "balance_abs_threshold": 64,
+    "balance_rel_threshold": 1.5,
+    "eviction_interval_secs": 60,
+    "max_tree_size": 67108864,
+    # smg additions / fastroute extensions
+    "p2c_load_metric": "tokens",
+    "load_monitor_interval": 1.0,
+    "disable_load_monitoring": False,
+    "routing_key_headers": [],
+    "decode_input_demand": "off",
+    "decode_request_weight": 0,
+    "dp_rank_field": None,
+    "seed": None,
+    "workers": 1,
+    "decode_kv_fit": "off",
+    "decode_kv_reserve_tokens": 0,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PEER_DEFAULTS))
+def test_default_matches_peer(name: str) -> None:
+    config = parse_args([])
+    assert getattr(config, name) == PEER_DEFAULTS[name]
+
+
+def test_empty_command_line_equals_default_config() -> None:
+    assert parse_args([]) == Config()
+
+
+def test_explicit_values_override_defaults() -> None:
+    c = parse_args(
+        ["--host", "::1", "--port", "0", "--retry-max-retries", "2", "--cache-threshold",
+         "0.5", "--disable-retries", "--api-key", "k", "--request-id-headers", "X-Req",
+         "--prometheus-duration-buckets", "2", "0.5", "--log-level", "WARN"]
+    )
+    assert (c.host, c.port, c.retry_max_retries, c.cache_threshold) == ("::1", 0, 2, 0.5)
+    assert c.disable_retries and c.max_attempts == 1 and c.api_key == "k"
+    assert c.request_id_headers == ["x-req"]  # lower-cased once, matched case-insensitively
+    assert c.prometheus_duration_buckets == [0.5, 2.0]
+    assert c.log_level == "warning"
+
+
+# ---------------------------------------------------------------- aliases
+
+
+@pytest.mark.parametrize("flag", ["--power-of-two-load-metric", "--p2c-load-metric",
+                                  "--router-power-of-two-load-metric", "--router-p2c-load-metric"])
+@pytest.mark.parametrize("value,expected", [("tokens", "tokens"), ("requests", "requests"),
+                                            ("least_requests", "least_requests"),
+                                            ("expected_wait", "tokens")])
+def test_p2c_metric_spellings(flag: str, value: str, expected: str) -> None:
+    assert parse_args([flag, value]).p2c_load_metric == expected
+
+
+def test_router_prefixed_routing_flags() -> None:
+    c = parse_args(
+        ["--router-pd-disaggregation", "--router-policy", "round_robin",
+         "--router-decode-policy", "power_of_two", "--router-prefill", "http://p1:1", "8998",
+         "--prefill", "http://p2:2", "--router-decode", "http://d1:3", "--decode", "http://d2:4",
+         "--router-dp-aware", "--router-balance-abs-threshold", "7",
+         "--router-decode-input-demand", "on", "--router-decode-request-weight", "3"]
+    )
+    assert c.pd_disaggregation and c.dp_aware
+    assert (c.policy, c.prefill_policy, c.decode_policy) == (
+        "round_robin", "round_robin", "power_of_two")
+    assert c.prefill == [("http://p1:1", 8998), ("http://p2:2", None)]
+    assert c.decode == ["http://d1:3", "http://d2:4"]
+    assert c.balance_abs_threshold == 7
+    assert (c.decode_input_demand, c.decode_request_weight) == ("on", 3)
+
+
+def test_every_prefixable_flag_has_router_alias() -> None:
+    parser = build_parser()
+    known = {s for a in parser._actions for s in a.option_strings}
+    visible = [
+        s for a in parser._actions if a.help != "==SUPPRESS==" for s in a.option_strings
+        if s.startswith("--") and s not in ("--help", "--version", "--host", "--port",
+                                            "--worker-urls")
+    ]
+    assert len(visible) > 60
+    missing = [s for s in visible if "--router-" + s[2:] not in known]
+    assert missing == []
+
+
+@pytest.mark.parametrize("flag,value", [("--router-host", "h"), ("--router-port", "1"),
+                                        ("--router-worker-urls", "http://a")])
+def test_host_port_worker_urls_are_never_prefixed(flag, value, capsys) -> None:
+    assert "unrecognized arguments" in fails([flag, value], capsys)
+
+
+# ---------------------------------------------------------------- environment
+
+
+def test_p2c_env_used_without_flag(monkeypatch) -> None:
+    monkeypatch.setenv(ENV_P2C_LOAD_METRIC, "least_requests")
+    assert parse_args([]).p2c_load_metric == "least_requests"
+    monkeypatch.setenv(ENV_P2C_LOAD_METRIC, "Expected_Wait")
+    assert parse_args([]).p2c_load_metric == "tokens"
+
+
+def test_p2c_flag_beats_env(monkeypatch) -> None:
+    monkeypatch.setenv(ENV_P2C_LOAD_METRIC, "least_requests")
+    assert parse_args(["--p2c-load-metric", "requests"]).p2c_load_metric == "requests"
+
+
+def test_p2c_env_unknown_value_warns_and_uses_tokens(monkeypatch, caplog) -> None:
+    monkeypatch.setenv(ENV_P2C_LOAD_METRIC, "bogus")
+    with caplog.at_level(logging.WARNING):
+        assert parse_args([]).p2c_load_metric == "tokens"
+    assert any(ENV_P2C_LOAD_METRIC in r.getMessage() for r in caplog.records)
+
+
+def test_weight_env_and_flag_precedence(monkeypatch, capsys) -> None:
+    monkeypatch.setenv(ENV_DECODE_REQUEST_WEIGHT, "4096")
+    assert parse_args(["--decode-input-demand", "on"]).decode_request_weight == 4096
+    assert parse_args(["--decode-input-demand", "shadow", "--decode-request-weight", "7"]
+                      ).decode_request_weight == 7
+    # The env weight obeys the same rule as the flag: demand off rejects it.
+    assert "--decode-input-demand" in fails([], capsys)
+    monkeypatch.setenv(ENV_DECODE_REQUEST_WEIGHT, "many")
+    assert ENV_DECODE_REQUEST_WEIGHT in fails(["--decode-input-demand", "on"], capsys)
+
+
+def test_config_from_args_takes_an_explicit_environment() -> None:
+    ns = parse_namespace([])
+    env = {ENV_P2C_LOAD_METRIC: "requests"}
+    assert config_from_args(ns, environ=env).p2c_load_metric == "requests"
+
+
+# ---------------------------------------------------------------- --prefill parsing
+
+
+@pytest.mark.parametrize("tokens,expected", [
+    (["http://p:1", "8998"], ("http://p:1", 8998)),
+    (["http://p:1", "none"], ("http://p:1", None)),
+    (["http://p:1", "NoNe"], ("http://p:1", None)),
+    (["http://p:1"], ("http://p:1", None)),
+    (["http://p:1/"], ("http://p:1", None)),
+])
+def test_prefill_port_forms(tokens, expected) -> None:
+    assert parse_args(pd("--prefill", *tokens)).prefill == [expected]
+
+
+@pytest.mark.parametrize("tokens", [["http://p:1", "abc"], ["http://p:1", "1.5"],
+                                    ["http://p:1", "70000"], ["http://p:1", "1", "2"]])
+def test_prefill_bad_port_names_the_flag(tokens, capsys) -> None:
+    err = fails(pd("--prefill", *tokens), capsys)
+    assert "argument --prefill" in err
+
+
+def test_decode_takes_exactly_one_url(capsys) -> None:
+    assert parse_args(pd("--decode", "http://d:1")).decode == ["http://d:1"]
+    assert "unrecognized arguments" in fails(pd("--decode", "http://d:1", "http://d:2"), capsys)
+
+
+def test_pd_mode_may_start_without_workers() -> None:
+    c = parse_args(pd())
+    assert c.pd_disaggregation and c.prefill == [] and c.decode == []
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (pd("--worker-urls", "http://w:1"), "--worker-urls"),
+    (["--worker-urls", "w:1"], "--worker-urls"),
+    (["--worker-urls", "ftp://w:1"], "--worker-urls"),
+    (pd("--prefill", "grpc://p:1"), "--prefill"),
+    (pd("--decode", "localhost:8000"), "--decode"),
+    (pd("--decode", "http://d:1", "--decode", "http://d:1"), "--decode"),
+    (pd("--prefill", "http://x:1", "--decode", "http://x:1"), "--decode"),
+    (["--prefill", "http://p:1"], "--prefill"),
+    (["--decode", "http://d:1"], "--decode"),
+    (["--worker-urls", "http://w:notaport"], "--worker-urls"),
+])
+def test_worker_url_validation(argv, flag, capsys) -> None:
+    assert f"argument {flag}" in fails(argv, capsys)
+
+
+# ---------------------------------------------------------------- policies
+
+
+@pytest.mark.parametrize("policy", SUPPORTED_POLICIES)
+def test_supported_policies_start(policy: str) -> None:
+    c = parse_args(pd("--policy", policy))
+    assert c.policy == c.prefill_policy == c.decode_policy == policy
+
+
+@pytest.mark.parametrize("flag,policy", [
+    ("--policy", "manual"), ("--policy", "prefix_hash"), ("--policy", "least_load"),
+    ("--policy", "passthrough"), ("--decode-policy", "manual"),
+    ("--prefill-policy", "bucket"), ("--router-prefill-policy", "least_load"),
+])
+def test_unsupported_policy_is_a_clear_startup_error(flag, policy, capsys) -> None:
+    err = fails(pd(flag, policy), capsys)
+    canonical = flag.replace("--router-", "--")
+    assert f"argument {canonical}" in err
+    assert policy in err and "not implemented by fastroute" in err
+    for name in SUPPORTED_POLICIES:
+        assert name in err
+
+
+def test_bucket_only_for_prefill(capsys) -> None:
+    assert "invalid choice" in fails(pd("--decode-policy", "bucket"), capsys)
+
+
+# ---------------------------------------------------------------- fastroute extensions
+
+
+@pytest.mark.parametrize("demand", ["shadow", "on"])
+def test_weight_accepted_with_demand(demand: str) -> None:
+    c = parse_args(["--decode-input-demand", demand, "--decode-request-weight", "8192"])
+    assert (c.decode_input_demand, c.decode_request_weight) == (demand, 8192)
+
+
+def test_weight_rejected_without_demand(capsys) -> None:
+    err = fails(["--decode-request-weight", "8"], capsys)
+    assert "--decode-request-weight" in err and "--decode-input-demand" in err
+    assert parse_args(["--decode-request-weight", "0"]).decode_request_weight == 0
+
+
+def test_negative_weight_rejected(capsys) -> None:
+    err = fails(["--decode-input-demand", "on", "--decode-request-weight", "-1"], capsys)
+    assert "argument --decode-request-weight" in err
+
+
+def test_workers_number_and_auto(capsys) -> None:
+    assert parse_args(["--workers", "3"]).workers == 3
+    assert parse_args(["--workers", "auto"]).workers == (os.cpu_count() or 1)
+    assert "argument --workers" in fails(["--workers", "0"], capsys)
+    assert "argument --workers" in fails(["--workers", "many"], capsys)
+
+
+def test_rank_field_by_mode_and_override() -> None:
+    assert Config().rank_field("regular") == "data_parallel_rank"
+    assert Config().rank_field("decode") == "routed_dp_rank"
+    c = parse_args(["--dp-rank-field", "data_parallel_rank"])
+    assert c.rank_field("decode") == c.rank_field("regular") == "data_parallel_rank"
+
+
+def test_misc_extension_values(capsys) -> None:
+    c = parse_args(["--seed", "42", "--decode-kv-fit", "shadow",
+                    "--decode-kv-reserve-tokens", "512", "--load-monitor-interval", "0.1",
+                    "--disable-load-monitoring", "--routing-key-headers", "X-Session-Id"])
+    assert (c.seed, c.decode_kv_fit, c.decode_kv_reserve_tokens) == (42, "shadow", 512)
+    assert c.load_monitor_interval == 0.1 and c.disable_load_monitoring
+    assert c.routing_key_headers == ["x-session-id"]
+    assert "argument --load-monitor-interval" in fails(["--load-monitor-interval", "0.05"],
+                                                       capsys)
+    assert "argument --seed" in fails(["--seed", "-3"], capsys)
+    assert "argument --decode-kv-reserve-tokens" in fails(
+        ["--decode-kv-reserve-tokens", "-1"], capsys)
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--port", "70000"], "--port"),
+    (["--port", "x"], "--port"),
+    (["--prometheus-port", "-1"], "--prometheus-port"),
+    (["--retry-jitter-factor", "1.5"], "--retry-jitter-factor"),
+    (["--retry-backoff-multiplier", "0.5"], "--retry-backoff-multiplier"),
+    (["--cache-threshold", "2"], "--cache-threshold"),
+    (["--health-check-endpoint", "health"], "--health-check-endpoint"),
+    (["--cb-failure-threshold", "0"], "--cb-failure-threshold"),
+    (["--queue-size", "-1"], "--queue-size"),
+    (["--max-concurrent-requests", "-2"], "--max-concurrent-requests"),
+    (["--log-level", "verbose"], "--log-level"),
+    (["--request-id-headers", "bad header"], "--request-id-headers"),
+])
+def test_bad_values_name_the_flag(argv, flag, capsys) -> None:
+    assert f"argument {flag}" in fails(argv, capsys)
+
+
+def test_hand_built_config_is_validated() -> None:
+    with pytest.raises(ConfigError) as exc:
+        Config(pd_disaggregation=True, worker_urls=["http://w:1"])
+    assert exc.value.flag == "--worker-urls"
+    c = Config(policy="random", decode_policy="power_of_two")
+    assert (c.prefill_policy, c.decode_policy) == ("random", "power_of_two")
+
+
+# ---------------------------------------------------------------- ignored flags
+
+
+def _ignored_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "ignored by fastroute" in r.getMessage()]
+
+
+def test_ignored_flags_warn_once_each_and_swallow_values(caplog) -> None:
+    argv = ["--mini-lb", "--model-path", "/models/x", "--router-model-path", "/models/y",
+            "--selector", "app=sglang", "tier=gpu", "--enable-igw", "--redis-url",
+            "redis://r:6379", "--router-jwt-issuer=https://i", "--oracle-pool-min", "-1",
+            "--policy", "random", "--tokenizer-cache-enable-l0"]
+    with caplog.at_level(logging.WARNING, logger="fastroute.config"):
+        c = parse_args(argv)
+    assert c.policy == "random"
+    lines = _ignored_lines(caplog)
+    flags = [line.split()[0] for line in lines]
+    assert flags == ["--mini-lb", "--model-path", "--selector", "--enable-igw", "--redis-url",
+                     "--jwt-issuer", "--oracle-pool-min", "--tokenizer-cache-enable-l0"]
+
+
+@pytest.mark.parametrize("flag", IGNORED_FLAGS)
+def test_each_ignored_flag_is_accepted_with_one_warning(flag: str, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="fastroute.config"):
+        parse_args([flag, "v", "--router-" + flag[2:]])
+    assert _ignored_lines(caplog) == [f"{flag} is accepted for compatibility and ignored by "
+                                      "fastroute"]
+
+
+def test_no_warning_without_ignored_flags(caplog) -> None:
+    with caplog.at_level(logging.WARNING):
+        parse_args(pd("--prefill", "http://p:1", "--decode", "http://d:1"))
+    assert caplog.records == []
+
+
+def test_unknown_flag_is_still_an_error(capsys) -> None:
+    assert "unrecognized arguments: --no-such-flag" in fails(["--no-such-flag"], capsys)
+
+
+# ---------------------------------------------------------------- main / dispatch / help
+
+
+def test_main_runs_server_with_config(monkeypatch, restore_root_logging, tmp_path) -> None:
+    seen: list[Config] = []
+    server = types.ModuleType("fastroute.server")
+    server.run = lambda config: seen.append(config) or 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fastroute.server", server)
+    log_dir = tmp_path / "logs"
+    rc = main(["--port", "0", "--log-level", "warn", "--log-dir", str(log_dir),
+               "--enable-trace"])
+    assert rc == 0 and len(seen) == 1 and seen[0].port == 0
+    assert logging.getLogger().level == logging.WARNING
+    # The ignored-flag warning went through the configured handlers into the log file.
+    for h in logging.getLogger().handlers:
+        h.flush()
+    text = (log_dir / "fastroute.log").read_text()
+    assert "WARNING" in text and "fastroute.config" in text and "--enable-trace" in text
+
+
+def test_main_accepts_launch_subcommand(monkeypatch, restore_root_logging) -> None:
+    seen: list[Config] = []
+    server = types.ModuleType("fastroute.server")
+    server.run = seen.append  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fastroute.server", server)
+    main(["launch", "--policy", "round_robin"])
+    assert seen[0].policy == "round_robin"
+
+
+def test_main_dispatches_demo(monkeypatch) -> None:
+    got: list[list[str]] = []
+    demo = types.ModuleType("fastroute.sim.demo")
+    demo.main = lambda argv: got.append(list(argv)) or 5  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fastroute.sim.demo", demo)
+    assert main(["demo", "--policy", "x", "--anything"]) == 5
+    assert got == [["--policy", "x", "--anything"]]
+
+
+def test_main_bad_config_exits_2_before_server(monkeypatch, restore_root_logging, capsys):
+    server = types.ModuleType("fastroute.server")
+    server.run = lambda config: pytest.fail("server must not start")  # type: ignore
+    monkeypatch.setitem(sys.modules, "fastroute.server", server)
+    with pytest.raises(SystemExit) as exc:
+        main(["--policy", "manual"])
+    assert exc.value.code == 2
+    assert "argument --policy" in capsys.readouterr().err
+
+
+def test_configure_logging_keeps_foreign_handlers(restore_root_logging) -> None:
+    root = logging.getLogger()
+    foreign = logging.NullHandler()
+    root.addHandler(foreign)
+    cli.configure_logging("debug")
+    cli.configure_logging("error")
+    ours = [h for h in root.handlers if getattr(h, "_fastroute_handler", False)]
+    assert foreign in root.handlers and len(ours) == 1
+    assert root.level == logging.ERROR
+    root.removeHandler(foreign)
+
+
+def test_help_lists_groups_and_defaults() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastroute", "--help"], cwd=REPO, capture_output=True,
+        text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for group in ("Worker configuration", "Routing policy", "PD disaggregation", "Retries",
+                  "Circuit breaker", "Health checks", "Admission/Rate limiting", "Prometheus",
+                  "Logging", "fastroute extensions", "Ignored for compatibility"):
+        assert f"{group}:" in out
+    assert "--p2c-load-metric" in out and "default: 30000" in out
+    # The --router- aliases work but stay out of the help listing.
+    assert "--router-decode-policy" not in out and "--router-mini-lb" not in out
+
+
+def test_config_survives_pickling_for_proxy_processes() -> None:
+    import pickle
+
+    c = parse_args(pd("--prefill", "http://p:1", "9", "--decode", "http://d:1", "--seed", "1"))
+    assert pickle.loads(pickle.dumps(c)) == c
