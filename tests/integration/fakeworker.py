@@ -209,3 +209,83 @@ class _Conn(asyncio.Protocol):
         self.transport.write(head + body)
         if not keep:
             self.transport.close()
+
+
+# ---- shared helpers for the control-plane tests ---------------------------------------------------
+# Timing knobs the tests shrink below what Config validation allows for real deployments; they are
+# set after construction so Config's CLI-level validation stays untouched.
+FAST_TIMING = {
+    "worker_startup_check_interval": 0.02,
+    "worker_startup_timeout_secs": 5.0,
+    "health_check_timeout_secs": 1.0,
+    "health_check_interval_secs": 0.05,
+    "load_monitor_interval": 0.1,
+}
+
+
+def make_config(**overrides: Any) -> Any:
+    """A real fastroute Config (round_robin unless given) with fast control-plane timing."""
+    from fastroute.config import Config
+
+    timing = {**FAST_TIMING, **{k: overrides.pop(k) for k in list(overrides) if k in FAST_TIMING}}
+    overrides.setdefault("policy", "round_robin")
+    cfg = Config(**overrides)
+    for k, v in timing.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def run(fn: Any, timeout: float = 30.0) -> Any:
+    """Run ``await fn()`` in a fresh event loop, bounded by ``timeout`` seconds."""
+    return asyncio.run(asyncio.wait_for(fn(), timeout))
+
+
+async def wait_until(pred: Any, timeout: float = 5.0, step: float = 0.01) -> None:
+    """Poll ``pred()`` until true; fail (AssertionError) after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not pred():
+        if loop.time() > end:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(step)
+
+
+class Plane:
+    """Real table + router + registry + monitor (monitor loops not started) for one test."""
+
+    def __init__(self, config: Any, capacity: int = 64) -> None:
+        self.config = config
+        self.capacity = capacity
+
+    async def __aenter__(self) -> "Plane":
+        from fastroute.monitor import Monitor
+        from fastroute.routing import Router
+        from fastroute.table import TargetTable
+        from fastroute.workers import Registry
+
+        self.table = TargetTable(capacity=self.capacity)
+        self.router = Router(self.table, seed=7)
+        self.registry = Registry(self.config, self.table, self.router)
+        self.monitor = Monitor(self.config, self.registry, self.table)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.monitor.stop()
+        await self.registry.stop()
+        self.table.close()
+        self.table.unlink()
+
+    async def add(self, fw: FakeWorker, role: str = "regular", **kw: Any) -> Any:
+        w = self.registry.add_worker(fw.url, role, **kw)
+        assert await self.registry.wait_registered(w), w.error
+        return w
+
+    async def admin(self, method: str, path: str, body: Any = b"", headers: Any = None) -> tuple[int, Any, bytes]:
+        """handle_admin with the query split off; JSON answers are decoded."""
+        path, _, query = path.partition("?")
+        if not isinstance(body, bytes):
+            body = json.dumps(body).encode()
+        status, out, ctype = await self.registry.handle_admin(method, path, query, body, headers or [])
+        if ctype.startswith(b"application/json"):
+            return status, json.loads(out), ctype
+        return status, out, ctype
