@@ -56,6 +56,7 @@ from fastroute.errors import CODE_BAD_REQUEST, RouterError
 
 __all__ = [
     "ROOM_LIMIT",
+    "MAX_N",
     "RequestMeta",
     "parse_request",
     "estimate_tokens",
@@ -82,6 +83,9 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
 _CHAT_TOKENS_PER_MESSAGE = 4
+# A chat batch is n rooms drawn and encoded by the router; n comes straight
+# from the client, so it is bounded (list batches are bounded by the body size).
+MAX_N = 1024
 
 _JSON_WS = frozenset(b" \t\n\r")
 _OPEN = 0x7B  # "{"
@@ -303,6 +307,8 @@ def _parse_completions(obj: dict, meta: RequestMeta) -> None:
 def _parse_chat(obj: dict, meta: RequestMeta) -> None:
     n = _openai_common(obj, meta)
     if n is not None and n > 1:
+        if n > MAX_N:
+            raise _bad(f"'n' must be at most {MAX_N}")
         meta.batch = n
     messages = obj.get("messages")
     if messages is None:

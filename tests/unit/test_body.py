@@ -336,6 +336,7 @@ def test_unknown_path_only_generic() -> None:
         ("/v1/chat/completions", b'{"messages":[{"role":"user","content":5}]}', "content"),
         ("/v1/chat/completions", b'{"messages":[],"n":"2"}', "n"),
         ("/v1/chat/completions", b'{"messages":[],"n":2.0}', "n"),
+        ("/v1/chat/completions", b'{"messages":[],"n":1099511627776}', "n"),
         ("/v1/completions", b'{"prompt":"x","n":true}', "n"),
         ("/generate", b'{"text":"a","sampling_params":[1]}', "sampling_params"),
         ("/generate", b'{"text":"a","sampling_params":"greedy"}', "sampling_params"),
