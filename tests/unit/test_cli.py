@@ -502,3 +502,10 @@ def test_config_survives_pickling_for_proxy_processes() -> None:
 
     c = parse_args(pd("--prefill", "http://p:1", "9", "--decode", "http://d:1", "--seed", "1"))
     assert pickle.loads(pickle.dumps(c)) == c
+
+
+def test_config_module_parse_args_is_the_cli_parser() -> None:
+    from fastroute import config
+
+    assert config.parse_args(["--port", "1", "--router-policy", "random"]) == Config(
+        port=1, policy="random")
