@@ -35,6 +35,7 @@ HDR_MAGIC = 0
 HDR_CAPACITY = 1
 HDR_UNDERFLOWS = 2
 HDR_GENERATION = 3
+HDR_CREATOR_PID = 4
 NHDR = 8
 
 MAGIC = 0x66726F7574653031  # "frout01" in ASCII
@@ -56,13 +57,22 @@ class TargetTable:
             if name is None:
                 raise ValueError("attaching needs the table's name")
             self._shm = shared_memory.SharedMemory(name=name, create=False)
+            hdr = np.ndarray((NHDR,), np.int64, buffer=self._shm.buf)
+            if int(hdr[HDR_MAGIC]) != MAGIC:
+                del hdr
+                self._shm.close()
+                raise ValueError(f"shared memory {name!r} is not a fastroute target table")
             # Python < 3.13 registers attached segments with the resource tracker, which would
-            # unlink the creator's table when this process exits.  Only the creator owns it.
-            try:
-                resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
-            except Exception:  # pragma: no cover - tracker not running in this process
-                pass
-            capacity = int(np.ndarray((NHDR,), np.int64, buffer=self._shm.buf)[HDR_CAPACITY])
+            # unlink the creator's table when this process exits.  Only the creator owns it (its
+            # registration is the safety net that removes the segment if the creator is killed).
+            # Within the creator's own process the registration is shared, so leave it alone.
+            if int(hdr[HDR_CREATOR_PID]) != os.getpid():
+                try:
+                    resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
+                except Exception:  # pragma: no cover - tracker not running in this process
+                    pass
+            capacity = int(hdr[HDR_CAPACITY])
+            del hdr
         self.name: str = self._shm.name
         self.capacity = capacity
         self.owner = create
@@ -76,9 +86,8 @@ class TargetTable:
             self.array[:, COL_POLLED_MAX_TOKENS] = -1
             self.header[:] = 0
             self.header[HDR_CAPACITY] = capacity
+            self.header[HDR_CREATOR_PID] = os.getpid()
             self.header[HDR_MAGIC] = MAGIC
-        elif int(self.header[HDR_MAGIC]) != MAGIC:
-            raise ValueError(f"shared memory {name!r} is not a fastroute target table")
 
     @classmethod
     def attach(cls, name: str) -> "TargetTable":
