@@ -1,0 +1,981 @@
+"""Downstream side of the data path: the client HTTP protocol and the relay.
+
+Owns, per client connection, the HTTP/1.1 request parsing (httptools, keep-alive,
+pipelining answered in order, chunked request bodies, header read timeout,
+payload limit, API key), the dispatch of each request (inline health answers,
+admin paths delegated to the registry, inference paths proxied), and the relay
+of the upstream response back to the client chunk by chunk with flow control.
+
+Lease invariant (protocol.md 3.8): every lease obtained from a group is owned by
+exactly one exchange (:class:`Relay` or :class:`PDRelay`) and released exactly
+once in ``_Exchange._finish``, which every ending funnels into: response EOF,
+client disconnect, upstream failure, request timeout, or an exception while
+starting the exchange.
+
+Per-request work is kept to: one header scan (lower-cased name -> flag table),
+one parse of the JSON body (``body.parse_request``), one pick, one framed write
+upstream, and one write per upstream body chunk. Byte constants (status lines,
+fixed headers) are built at import. Nothing is logged per request at info.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import secrets
+import socket
+from http import HTTPStatus
+from typing import Any
+
+import httptools
+
+from fastroute import body as _body
+from fastroute import errors as _errors
+from fastroute.errors import RouterError
+from fastroute.upstream import Pool
+
+log = logging.getLogger("fastroute.proxy")
+
+# --------------------------------------------------------------------------- constants
+
+
+def _status_line(code: int) -> bytes:
+    try:
+        phrase = HTTPStatus(code).phrase
+    except ValueError:
+        phrase = "Unknown"
+    return b"HTTP/1.1 %d %s\r\n" % (code, phrase.encode("latin-1"))
+
+
+_STATUS: dict[int, bytes] = {s.value: _status_line(s.value) for s in HTTPStatus}
+
+
+def status_line(code: int) -> bytes:
+    """Prebuilt ``HTTP/1.1 <code> <phrase>\\r\\n`` (built on the fly for exotic codes)."""
+    line = _STATUS.get(code)
+    return line if line is not None else _status_line(code)
+
+
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_OK_BODY = b"OK"
+_HEALTH_KA = (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\n"
+              b"content-length: 2\r\n\r\nOK")
+_HEALTH_CLOSE = (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                 b"content-length: 2\r\nconnection: close\r\n\r\nOK")
+_LAST_CHUNK = b"0\r\n\r\n"
+_CT_JSON = b"application/json"
+_CT_SSE = b"text/event-stream"
+
+_INFERENCE = {
+    b"/generate": "/generate",
+    b"/v1/completions": "/v1/completions",
+    b"/v1/chat/completions": "/v1/chat/completions",
+}
+# Paths answered by registry.handle_admin. Of those, only probes and the model
+# list stay open under --api-key (protocol.md 6.7).
+_ADMIN = frozenset({
+    b"/workers", b"/add_worker", b"/remove_worker", b"/list_workers", b"/get_loads",
+    b"/flush_cache", b"/get_server_info", b"/server_info", b"/get_model_info", b"/model_info",
+    b"/v1/models", b"/readiness", b"/health_generate", b"/engine_metrics",
+})
+_OPEN = frozenset({b"/readiness", b"/v1/models"})
+
+# Response headers never copied from the worker (hop-by-hop, or set by us).
+_HOP = frozenset({
+    b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
+    b"proxy-authorization", b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade",
+    b"content-encoding", b"host", b"content-length", b"x-request-id",
+})
+
+# Request header flags (bitmask) by lower-cased name; see ClientProtocol.on_header.
+_F_FWD = 1       # forwarded verbatim to the worker (3.4 whitelist)
+_F_AUTH = 2      # Authorization
+_F_RID = 4       # candidate for the x-request-id response header
+_F_KEY = 8       # routing key for consistent hashing
+_F_CL = 16       # Content-Length
+_F_EXPECT = 32   # Expect: 100-continue
+
+_RID_PREFIX = {b"/generate": b"gnt-", b"/v1/completions": b"cmpl-",
+               b"/v1/chat/completions": b"chatcmpl-"}
+
+_PIPELINE_LIMIT = 32          # queued pipelined requests before we stop reading the client
+_PD_BUFFER_LIMIT = 1 << 20    # decode bytes buffered while the prefill finishes
+
+
+def _new_request_id(path: bytes) -> bytes:
+    # 24 lowercase hex characters: alphanumeric as 6.1 asks, and the cheapest
+    # unpredictable source in the stdlib.
+    return _RID_PREFIX.get(path, b"req-") + secrets.token_hex(12).encode()
+
+
+# --------------------------------------------------------------------------- app state
+
+
+class App:
+    """Per-process data-path state shared by every client connection."""
+
+    def __init__(self, config: Any, registry: Any, loop: asyncio.AbstractEventLoop | None = None,
+                 room_rng: Any = None) -> None:
+        import random
+
+        self.config = config
+        self.registry = registry
+        self.loop = loop or asyncio.get_event_loop()
+        self.pools: dict[str, Pool] = {}
+        self.connections: set[ClientProtocol] = set()
+        self.exchanges: set[_Exchange] = set()
+        self.admin_tasks: set[asyncio.Task] = set()
+        self.pd = bool(config.pd_disaggregation)
+        self.dp_aware = bool(config.dp_aware)
+        self.max_payload = int(config.max_payload_size)
+        self.timeout = float(config.request_timeout_secs)
+        self.header_timeout = float(getattr(config, "header_read_timeout_secs", 30.0) or 30.0)
+        self.idle_timeout = float(getattr(config, "idle_connection_timeout_secs", 60.0) or 60.0)
+        self.pool_idle = float(getattr(config, "upstream_pool_idle_timeout_secs", 3.0) or 3.0)
+        self.room_rng = room_rng if room_rng is not None else random.Random(config.seed)
+        field = config.dp_rank_field
+        self.rank_field_regular = field or "data_parallel_rank"
+        self.rank_field_decode = field or "routed_dp_rank"
+        self.accepting = True
+
+        key = config.api_key
+        self.api_key: bytes | None = ("Bearer " + key).encode() if key else None
+        flags: dict[bytes, int] = {
+            b"x-request-id": _F_FWD, b"x-correlation-id": _F_FWD, b"traceparent": _F_FWD,
+            b"tracestate": _F_FWD, b"x-smg-routing-key": _F_FWD | _F_KEY,
+            b"authorization": _F_AUTH, b"content-length": _F_CL, b"expect": _F_EXPECT,
+        }
+        self.rid_headers = tuple(h.encode("latin-1") for h in config.request_id_headers)
+        for h in self.rid_headers:
+            flags[h] = flags.get(h, 0) | _F_RID
+        self.key_headers = (b"x-smg-routing-key",) + tuple(
+            h.encode("latin-1") for h in config.routing_key_headers)
+        for h in self.key_headers:
+            flags[h] = flags.get(h, 0) | _F_KEY
+        self.header_flags = flags
+        self._sweep_handle: asyncio.TimerHandle | None = None
+        self._sweep_every = max(0.05, min(1.0, self.timeout / 4, self.header_timeout / 4))
+
+    # -- lifecycle ----------------------------------------------------------
+    def start(self) -> None:
+        """Start the periodic sweep (request timeouts, header read timeouts)."""
+        if self._sweep_handle is None:
+            self._sweep_handle = self.loop.call_later(self._sweep_every, self._sweep)
+
+    def protocol_factory(self) -> ClientProtocol:
+        return ClientProtocol(self)
+
+    @property
+    def active(self) -> int:
+        """Requests being answered (proxied exchanges + admin calls)."""
+        return len(self.exchanges) + len(self.admin_tasks)
+
+    def stop_accepting(self) -> None:
+        """Shutdown phase 1: close idle client connections; busy ones close after their response."""
+        self.accepting = False
+        for conn in list(self.connections):
+            if not conn.busy and not conn.closed and conn.transport is not None:
+                conn.closed = True
+                conn.transport.close()
+
+    def close(self) -> None:
+        """Abort everything still open (end of the shutdown grace period)."""
+        self.accepting = False
+        if self._sweep_handle is not None:
+            self._sweep_handle.cancel()
+            self._sweep_handle = None
+        for ex in list(self.exchanges):
+            ex.cancel()
+        for conn in list(self.connections):
+            if conn.transport is not None:
+                conn.transport.close()
+        for t in list(self.admin_tasks):
+            t.cancel()
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
+
+    def _sweep(self) -> None:
+        # One timer for all deadlines instead of a TimerHandle per request:
+        # per-request cost is a float store, the sweep is O(open requests).
+        now = self.loop.time()
+        try:
+            for ex in [e for e in self.exchanges if e.deadline <= now]:
+                ex.on_timeout()
+            for conn in [c for c in self.connections if 0.0 < c.head_deadline <= now]:
+                conn.on_header_timeout()
+        except Exception:  # a bug here must not stop the sweeper forever
+            log.exception("sweep failed")
+        self._sweep_handle = self.loop.call_later(self._sweep_every, self._sweep)
+
+    def pool_for(self, worker: Any) -> Pool:
+        pool = self.pools.get(worker.url)
+        if pool is None:
+            pool = Pool(worker.host, int(worker.port), self.pool_idle, self.loop)
+            # With --api-key (or a per-worker key from POST /workers) the worker
+            # always gets that key; the client's own header was checked equal.
+            key = getattr(worker, "api_key", None) or self.config.api_key
+            if key:
+                pool.auth = b"Authorization: Bearer " + key.encode("latin-1") + b"\r\n"
+            self.pools[worker.url] = pool
+        return pool
+
+    # -- dispatch -----------------------------------------------------------
+    def handle(self, proto: ClientProtocol, req: Request) -> None:
+        """Answer one parsed request; ends with proto.response_done() (maybe later)."""
+        path, _, query = req.url.partition(b"?")
+        if path in _INFERENCE:
+            if req.method != b"POST":
+                proto.send_error(RouterError(405, "method_not_allowed",
+                                             "Method Not Allowed (%s %s)" % (req.method.decode("latin-1"),
+                                                                            path.decode("latin-1"))),
+                                 req)
+            elif self.api_key is not None and not self._authorized(req):
+                proto.send_error(_errors.invalid_api_key(), req)
+            else:
+                self.proxy(proto, req, path)
+        elif path == b"/health" or path == b"/liveness":
+            proto.reply(_HEALTH_KA if req.keep_alive else _HEALTH_CLOSE, req.keep_alive)
+        elif path in _ADMIN or path.startswith(b"/workers/"):
+            if self.api_key is not None and path not in _OPEN and not self._authorized(req):
+                proto.send_error(_errors.invalid_api_key(), req)
+                return
+            task = self.loop.create_task(self._admin(proto, req, path, query))
+            self.admin_tasks.add(task)
+            task.add_done_callback(self.admin_tasks.discard)
+        else:
+            proto.send_error(_errors.unknown_url(req.method.decode("latin-1"),
+                                                 path.decode("latin-1")), req)
+
+    def _authorized(self, req: Request) -> bool:
+        got = req.auth
+        return got is not None and hmac.compare_digest(got, self.api_key)  # type: ignore[arg-type]
+
+    async def _admin(self, proto: ClientProtocol, req: Request, path: bytes, query: bytes) -> None:
+        try:
+            status, body, ctype = await self.registry.handle_admin(
+                req.method.decode("latin-1"), path.decode("latin-1"), query.decode("latin-1"),
+                req.body, req.headers)
+        except asyncio.CancelledError:
+            raise
+        except RouterError as exc:
+            proto.send_error(exc, req)
+            return
+        except Exception:
+            log.exception("admin handler failed for %s", path)
+            proto.send_error(RouterError(500, "internal_error", "internal error"), req)
+            return
+        if isinstance(ctype, str):
+            ctype = ctype.encode("latin-1")
+        proto.reply_simple(status, ctype, body, req)
+
+    def proxy(self, proto: ClientProtocol, req: Request, path: bytes) -> None:
+        if req.too_large:
+            proto.send_error(_errors.payload_too_large(req.body_len, self.max_payload), req)
+            return
+        registry = self.registry
+        if not registry.ready():
+            proto.send_error(RouterError(503, _errors.CODE_NO_AVAILABLE_WORKERS,
+                                         "No available workers (router is still registering workers)"),
+                             req)
+            return
+        try:
+            meta = _body.parse_request(_INFERENCE[path], req.body)
+        except RouterError as exc:
+            proto.send_error(exc, req)
+            return
+        if self.pd:
+            self._proxy_pd(proto, req, path, meta)
+        else:
+            self._proxy_regular(proto, req, path, meta)
+
+    def _frame(self, pool: Pool, req: Request, body: bytes) -> bytes:
+        auth = pool.auth
+        if not auth and req.auth is not None:
+            auth = b"Authorization: " + req.auth + b"\r\n"
+        return b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b%b\r\n%b" % (
+            req.url, pool.authority, len(body), req.fwd, auth, body)
+
+    def _acquire(self, group: Any, meta: Any, req: Request) -> Any:
+        text = meta.routing_text() if group.policy == "cache_aware" else None
+        return group.acquire(meta.input_tokens, req.key, text)
+
+    def _proxy_regular(self, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
+        registry = self.registry
+        lease = self._acquire(registry.group("regular"), meta, req)
+        if lease is None:
+            proto.send_error(_errors.no_available_workers(), req)
+            return
+        ex = Relay(self, proto, req, path, (lease,))
+        try:
+            worker, rank = registry.target_info[lease.target]
+            body = req.body
+            if rank is not None and self.dp_aware:
+                body = _body.inject(body, _body.rank_field_bytes(self.rank_field_regular, rank))
+            pool = self.pool_for(worker)
+            pool.send(self._frame(pool, req, body), ex)
+        except BaseException:
+            ex.fail_internal()
+            raise
+
+    def _proxy_pd(self, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
+        registry = self.registry
+        plea = self._acquire(registry.group("prefill"), meta, req)
+        if plea is None:
+            proto.send_error(_errors.no_available_workers("prefill"), req)
+            return
+        dlea = self._acquire(registry.group("decode"), meta, req)
+        if dlea is None:
+            plea.release()
+            proto.send_error(_errors.no_available_workers("decode"), req)
+            return
+        ex = PDRelay(self, proto, req, path, (plea, dlea), meta.stream, meta.return_logprob)
+        try:
+            pworker, prank = registry.target_info[plea.target]
+            dworker, drank = registry.target_info[dlea.target]
+            # Prefill rank travels in the room (room % prefill_dp_size == rank, 4.3),
+            # never as a body key on the prefill leg; one room for both legs.
+            pfields, dfields = _body.pd_leg_fields(
+                meta, pworker.host, pworker.bootstrap_port, self.room_rng,
+                self.rank_field_decode if drank is not None else None, drank,
+                int(pworker.dp_size) if prank is not None else 1, prank)
+            pbody = _body.inject(req.body, pfields)
+            dbody = pbody if dfields is pfields else _body.inject(req.body, dfields)
+            ppool = self.pool_for(pworker)
+            dpool = self.pool_for(dworker)
+            # Both legs leave in the same loop iteration (3.4: concurrent dispatch).
+            ppool.send(self._frame(ppool, req, pbody), ex.p)
+            dpool.send(self._frame(dpool, req, dbody), ex.d)
+        except BaseException:
+            ex.fail_internal()
+            raise
+
+
+# --------------------------------------------------------------------------- client protocol
+
+
+class Request:
+    """One parsed client request (kept only until it is answered)."""
+
+    __slots__ = ("method", "url", "headers", "fwd", "auth", "rid", "key", "body", "body_len",
+                 "too_large", "keep_alive", "http11")
+
+    def __init__(self) -> None:
+        self.method = b"GET"
+        self.url = b"/"
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.fwd = b""
+        self.auth: bytes | None = None
+        self.rid: bytes | None = None
+        self.key: bytes | None = None
+        self.body = b""
+        self.body_len = 0
+        self.too_large = False
+        self.keep_alive = True
+        self.http11 = True
+
+
+class ClientProtocol(asyncio.Protocol):
+    """One client connection: parse requests, answer them strictly in order."""
+
+    def __init__(self, app: App) -> None:
+        self.app = app
+        self.loop = app.loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.closed = False
+        self.busy = False                 # a response is in progress
+        self.queue: list[Request] = []    # pipelined requests waiting for their turn
+        self.draining = False
+        self.bad_request = False          # parse error seen: answer what is queued, then 400 + close
+        self.read_paused = False
+        self.write_paused = False
+        self.exchange: _Exchange | None = None
+        self.head_deadline = 0.0
+        self.in_head = False
+        # per-message parse state
+        self._req: Request | None = None
+        self._url = b""
+        self._fwd: list[bytes] = []
+        self._chunks: list[bytes] = []
+        self._rid_vals: dict[bytes, bytes] | None = None
+        self._key_vals: dict[bytes, bytes] | None = None
+        self._expect = False
+        self._cl = -1
+
+    # -- asyncio.Protocol ---------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except (OSError, AttributeError):
+                pass
+        self.app.connections.add(self)
+        self.head_deadline = self.loop.time() + self.app.header_timeout
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.app.connections.discard(self)
+        self.queue.clear()
+        ex = self.exchange
+        if ex is not None:
+            ex.cancel()  # client gone: abort upstream legs, release leases
+
+    def data_received(self, data: bytes) -> None:
+        if self.bad_request:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._parse_failed("Upgrade is not supported")
+        except httptools.HttpParserError as exc:
+            self._parse_failed("Malformed HTTP request: %s" % exc)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        ex = self.exchange
+        if ex is not None:
+            ex.client_paused()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        ex = self.exchange
+        if ex is not None:
+            ex.client_resumed()
+
+    # -- httptools callbacks --------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._req = Request()
+        self._url = b""
+        self._fwd = []
+        self._chunks = []
+        self._rid_vals = None
+        self._key_vals = None
+        self._expect = False
+        self._cl = -1
+        self.in_head = True
+        self.head_deadline = self.loop.time() + self.app.header_timeout
+
+    def on_url(self, url: bytes) -> None:
+        self._url = url if not self._url else self._url + url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        req = self._req
+        req.headers.append((name, value))  # type: ignore[union-attr]
+        n = name.lower()
+        f = self.app.header_flags.get(n)
+        if f is None:
+            if n.startswith(b"x-request-id-"):
+                self._fwd.append(name + b": " + value + b"\r\n")
+            return
+        if f & _F_FWD:
+            self._fwd.append(name + b": " + value + b"\r\n")
+        if f & _F_AUTH:
+            req.auth = value  # type: ignore[union-attr]
+        if f & _F_RID:
+            if self._rid_vals is None:
+                self._rid_vals = {}
+            self._rid_vals.setdefault(n, value)
+        if f & _F_KEY:
+            if self._key_vals is None:
+                self._key_vals = {}
+            self._key_vals.setdefault(n, value)
+        if f & _F_CL:
+            try:
+                self._cl = int(value)
+            except ValueError:
+                self._cl = -1
+        if f & _F_EXPECT and value.lower() == b"100-continue":
+            self._expect = True
+
+    def on_headers_complete(self) -> None:
+        self.in_head = False
+        self.head_deadline = 0.0
+        req = self._req
+        app = self.app
+        req.method = self.parser.get_method()  # type: ignore[union-attr]
+        if self._cl > app.max_payload:
+            req.too_large = True  # type: ignore[union-attr]
+            req.body_len = self._cl  # type: ignore[union-attr]
+        elif self._expect and not self.busy and not self.queue:
+            # Only when nothing is being written: a 100 must not land inside another response.
+            self.transport.write(_CONTINUE)  # type: ignore[union-attr]
+
+    def on_body(self, body: bytes) -> None:
+        req = self._req
+        if req.too_large:  # type: ignore[union-attr]
+            return
+        n = req.body_len + len(body)  # type: ignore[union-attr]
+        req.body_len = n  # type: ignore[union-attr]
+        if n > self.app.max_payload:
+            req.too_large = True  # type: ignore[union-attr]
+            self._chunks = []
+            return
+        self._chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        req = self._req
+        self._req = None
+        p = self.parser
+        req.url = self._url  # type: ignore[union-attr]
+        req.keep_alive = p.should_keep_alive()  # type: ignore[union-attr]
+        req.http11 = p.get_http_version() == "1.1"  # type: ignore[union-attr]
+        chunks = self._chunks
+        if chunks:
+            req.body = chunks[0] if len(chunks) == 1 else b"".join(chunks)  # type: ignore[union-attr]
+        app = self.app
+        if self._fwd:
+            req.fwd = b"".join(self._fwd)  # type: ignore[union-attr]
+        rv = self._rid_vals
+        if rv:
+            for h in app.rid_headers:
+                v = rv.get(h)
+                if v is not None:
+                    req.rid = v  # type: ignore[union-attr]
+                    break
+        kv = self._key_vals
+        if kv:
+            for h in app.key_headers:
+                v = kv.get(h)
+                if v is not None:
+                    req.key = v  # type: ignore[union-attr]
+                    break
+        if self.busy or self.queue:
+            self.queue.append(req)  # type: ignore[arg-type]
+            if len(self.queue) >= _PIPELINE_LIMIT and not self.read_paused:
+                self.read_paused = True
+                self.transport.pause_reading()  # type: ignore[union-attr]
+        else:
+            self._start(req)  # type: ignore[arg-type]
+
+    # -- request sequencing ---------------------------------------------------
+    def _start(self, req: Request) -> None:
+        self.busy = True
+        try:
+            self.app.handle(self, req)
+        except Exception:
+            log.exception("request handling failed")
+            if self.busy and self.exchange is None:
+                self.send_error(RouterError(500, "internal_error", "internal error"), req)
+
+    def response_done(self, keep_alive: bool) -> None:
+        """The current response is fully written (or abandoned)."""
+        self.busy = False
+        self.exchange = None
+        if self.closed:
+            return
+        if not keep_alive or not self.app.accepting:
+            self.closed = True
+            self.transport.close()  # type: ignore[union-attr]
+            return
+        if self.draining:
+            return  # the loop below picks up the next request
+        self.draining = True
+        try:
+            while not self.busy and not self.closed:
+                if self.queue:
+                    req = self.queue.pop(0)
+                    if self.read_paused and len(self.queue) < _PIPELINE_LIMIT // 2:
+                        self.read_paused = False
+                        self.transport.resume_reading()  # type: ignore[union-attr]
+                    self._start(req)
+                    continue
+                if self.bad_request:
+                    self._write_bad_request()
+                elif not self.in_head:
+                    self.head_deadline = self.loop.time() + self.app.idle_timeout
+                break
+        finally:
+            self.draining = False
+
+    def _parse_failed(self, message: str) -> None:
+        self.bad_request = True
+        self._bad_message = message
+        if not self.read_paused:
+            self.read_paused = True
+            self.transport.pause_reading()  # type: ignore[union-attr]
+        if not self.busy and not self.queue:
+            self._write_bad_request()
+
+    def _write_bad_request(self) -> None:
+        body = _errors.error_response(400, _errors.CODE_BAD_REQUEST, self._bad_message)
+        self.transport.write(b"%bcontent-type: application/json\r\nx-smg-error-code: bad_request\r\n"  # type: ignore[union-attr]
+                             b"content-length: %d\r\nconnection: close\r\n\r\n%b"
+                             % (_STATUS[400], len(body), body))
+        self.closed = True
+        self.transport.close()  # type: ignore[union-attr]
+
+    def on_header_timeout(self) -> None:
+        """Client too slow to send a request head (or idle keep-alive too long)."""
+        if self.busy or self.closed:
+            return
+        self.closed = True
+        self.head_deadline = 0.0
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- simple responses -----------------------------------------------------
+    def reply(self, data: bytes, keep_alive: bool) -> None:
+        if not self.closed:
+            self.transport.write(data)  # type: ignore[union-attr]
+        self.response_done(keep_alive)
+
+    def reply_simple(self, status: int, ctype: bytes, body: bytes, req: Request,
+                     extra: bytes = b"") -> None:
+        ka = req.keep_alive
+        head = b"%bcontent-type: %b\r\ncontent-length: %d\r\n%b%b\r\n" % (
+            status_line(status), ctype, len(body), extra, b"" if ka else b"connection: close\r\n")
+        self.reply(head + body, ka)
+
+    def send_error(self, exc: RouterError, req: Request, sse: bool = False) -> None:
+        extra = b"x-smg-error-code: " + exc.code.encode("latin-1") + b"\r\n"
+        for k, v in exc.headers:
+            extra += k + b": " + v + b"\r\n"
+        if sse:
+            self.reply_simple(exc.status, _CT_SSE, exc.sse(), req, extra)
+        else:
+            self.reply_simple(exc.status, _CT_JSON, exc.body(), req, extra)
+
+
+# --------------------------------------------------------------------------- exchanges
+
+
+class _Exchange:
+    """Client-facing half of one proxied request: framing, flow control, the lease release."""
+
+    __slots__ = ("app", "proto", "req", "leases", "deadline", "chunked", "head", "started",
+                 "finished", "keep_alive", "rid", "relay_conn")
+
+    def __init__(self, app: App, proto: ClientProtocol, req: Request, path: bytes,
+                 leases: tuple) -> None:
+        self.app = app
+        self.proto = proto
+        self.req = req
+        self.leases = leases
+        self.deadline = app.loop.time() + app.timeout
+        self.chunked = False
+        self.head: bytes | None = None   # client head not yet written (sent with the first body bytes)
+        self.started = False             # client head built: errors now end the connection
+        self.finished = False
+        self.keep_alive = req.keep_alive
+        self.rid = req.rid if req.rid is not None else _new_request_id(path)
+        self.relay_conn: Any = None      # upstream connection whose body we relay (flow control)
+        app.exchanges.add(self)
+        proto.exchange = self
+
+    # -- client writing -----------------------------------------------------
+    def _start_response(self, status: int, headers: list, length: bytes | None = None,
+                        ctype: bytes | None = None) -> None:
+        """Build the client head from the upstream head (hop-by-hop stripped).
+
+        ``length``: the upstream Content-Length to keep (byte-exact relay), or
+        None to pick chunked framing. ``ctype`` overrides Content-Type.
+        """
+        parts = [status_line(status)]
+        ap = parts.append
+        for name, value in headers:
+            n = name.lower()
+            if n in _HOP:
+                continue
+            if ctype is not None and n == b"content-type":
+                continue
+            ap(name + b": " + value + b"\r\n")
+        if ctype is not None:
+            ap(b"content-type: " + ctype + b"\r\n")
+        if length is not None:
+            ap(b"content-length: " + length + b"\r\n")
+        elif status >= 200 and status not in (204, 304):
+            if self.req.http11:
+                ap(b"transfer-encoding: chunked\r\n")
+                self.chunked = True
+            else:
+                self.keep_alive = False  # HTTP/1.0: body delimited by close
+        ap(b"x-request-id: " + self.rid + b"\r\n")
+        if not self.keep_alive:
+            ap(b"connection: close\r\n")
+        ap(b"\r\n")
+        self.head = b"".join(parts)
+        self.started = True
+
+    def _write(self, data: bytes) -> None:
+        if self.proto.closed:
+            return
+        if self.chunked:
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        head = self.head
+        if head is not None:
+            self.head = None
+            data = head + data
+        self.proto.transport.write(data)  # type: ignore[union-attr]
+
+    def _end(self) -> None:
+        """Response complete: write what is left, release, hand the connection back."""
+        if not self.proto.closed:
+            tail = _LAST_CHUNK if self.chunked else b""
+            head = self.head
+            if head is not None:
+                self.head = None
+                tail = head + tail
+            if tail:
+                self.proto.transport.write(tail)  # type: ignore[union-attr]
+        self._finish(self.keep_alive)
+
+    def _finish(self, keep_alive: bool) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.relay_conn = None
+        self.app.exchanges.discard(self)
+        try:
+            for lease in self.leases:
+                lease.release()
+        finally:
+            if self.proto.exchange is self:
+                self.proto.response_done(keep_alive)
+
+    def _fail_client(self, exc: RouterError, sse: bool = False) -> None:
+        """Upstream failed. Before any client byte: a JSON (or SSE) error; after: cut the stream."""
+        if self.finished:
+            return
+        self._abort_legs()
+        if self.started:
+            # Chunked: no terminating 0-chunk, so the client sees a truncated
+            # response rather than a clean end; Content-Length: short body.
+            if self.head is None:
+                self._finish(False)
+                if not self.proto.closed:
+                    self.proto.closed = True
+                    self.proto.transport.close()  # type: ignore[union-attr]
+                return
+            self.head = None  # nothing sent yet: still free to answer with an error
+        self.finished = True
+        self.app.exchanges.discard(self)
+        try:
+            for lease in self.leases:
+                lease.release()
+        finally:
+            self.proto.exchange = None
+            self.proto.send_error(exc, self.req, sse)
+
+    # -- control --------------------------------------------------------------
+    def client_paused(self) -> None:
+        c = self.relay_conn
+        if c is not None:
+            c.pause()
+
+    def client_resumed(self) -> None:
+        c = self.relay_conn
+        if c is not None:
+            c.resume()
+
+    def cancel(self) -> None:
+        """Client disconnected (or shutdown): drop the upstream legs, release."""
+        if self.finished:
+            return
+        self._abort_legs()
+        self._finish(False)
+
+    def on_timeout(self) -> None:
+        if self.finished:
+            return
+        self._fail_client(_errors.gateway_timeout())
+
+    def fail_internal(self) -> None:
+        """Exception while starting the exchange: make sure the leases come back."""
+        self._fail_client(RouterError(500, "internal_error", "internal error"))
+
+    def _abort_legs(self) -> None:
+        raise NotImplementedError
+
+
+class Relay(_Exchange):
+    """Regular mode: one worker, response relayed as it arrives. Is its own leg."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self, app: App, proto: ClientProtocol, req: Request, path: bytes,
+                 leases: tuple) -> None:
+        super().__init__(app, proto, req, path, leases)
+        self.conn: Any = None
+
+    # leg callbacks (from upstream.UpstreamConnection)
+    def up_head(self, status: int, headers: list) -> None:
+        length = None
+        for name, value in headers:
+            if len(name) == 14 and name.lower() == b"content-length":
+                length = value
+                break
+        self._start_response(status, headers, length)
+        conn = self.conn
+        self.relay_conn = conn
+        if self.proto.write_paused and conn is not None:
+            conn.pause()
+
+    def up_body(self, data: bytes) -> None:
+        self._write(data)
+
+    def up_done(self) -> None:
+        self.conn = None
+        self._end()
+
+    def up_error(self, exc: BaseException) -> None:
+        self.conn = None
+        self._fail_client(_errors.bad_gateway("Upstream request failed: %s" % exc))
+
+    def _abort_legs(self) -> None:
+        c = self.conn
+        self.conn = None
+        if c is not None:
+            c.abort()
+
+
+class _PDLeg:
+    """One leg of a PD exchange; forwards upstream callbacks to the PDRelay."""
+
+    __slots__ = ("ex", "conn", "role", "status", "headers", "chunks", "size", "done")
+
+    def __init__(self, ex: PDRelay, role: str) -> None:
+        self.ex = ex
+        self.conn: Any = None
+        self.role = role
+        self.status = 0
+        self.headers: list = []
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.done = False
+
+    def up_head(self, status: int, headers: list) -> None:
+        self.status = status
+        self.headers = headers
+        self.ex.pd_progress()
+
+    def up_body(self, data: bytes) -> None:
+        ex = self.ex
+        if ex.relaying and self is ex.d:
+            ex.relay_body(data)
+            return
+        self.chunks.append(data)
+        self.size += len(data)
+        if self.size > _PD_BUFFER_LIMIT and self.conn is not None:
+            self.conn.pause()
+
+    def up_done(self) -> None:
+        self.conn = None
+        self.done = True
+        ex = self.ex
+        if ex.relaying and self is ex.d:
+            ex.relay_end()
+        else:
+            ex.pd_progress()
+
+    def up_error(self, exc: BaseException) -> None:
+        self.conn = None
+        self.ex.leg_failed(self, exc)
+
+    def body(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+class PDRelay(_Exchange):
+    """PD mode (protocol.md 3.5): both heads, decode status first, drain prefill, relay decode."""
+
+    __slots__ = ("p", "d", "stream", "merge", "relaying", "merger")
+
+    def __init__(self, app: App, proto: ClientProtocol, req: Request, path: bytes,
+                 leases: tuple, stream: bool, return_logprob: bool) -> None:
+        super().__init__(app, proto, req, path, leases)
+        self.p = _PDLeg(self, "prefill")
+        self.d = _PDLeg(self, "decode")
+        self.stream = bool(stream)
+        self.merge = bool(return_logprob)
+        self.relaying = False
+        self.merger: Any = None
+
+    def pd_progress(self) -> None:
+        """Re-evaluate after any leg event until the relay starts (or an error is sent)."""
+        if self.relaying or self.finished:
+            return
+        p, d = self.p, self.d
+        if not d.status or not p.status:
+            return  # 3.5 step 1: both heads first
+        if not 200 <= d.status < 300:
+            if d.done:  # 3.5 step 2: decode status decides first; its body is the message
+                self._leg_error(d)
+            return
+        if not p.done:
+            return  # 3.5 step 3: prefill read to completion
+        if not 200 <= p.status < 300:
+            self._leg_error(p)
+            return
+        if self.merge and not self.stream:
+            if not d.done:
+                return
+            merged = _body.merge_logprobs_json(p.body(), d.body())
+            self.relaying = True
+            self._start_response(d.status, d.headers, b"%d" % len(merged), _CT_JSON)
+            self._write(merged)
+            self._end()
+            return
+        self.relaying = True
+        length = None
+        if self.merge:
+            merger = _body.SSELogprobMerger()
+            merger.feed_prefill(p.body())
+            self.merger = merger
+        else:
+            for name, value in d.headers:
+                if len(name) == 14 and name.lower() == b"content-length":
+                    length = value  # byte-exact relay keeps the decode's length
+                    break
+        p.chunks = []
+        self._start_response(d.status, d.headers, length)
+        buffered = d.chunks
+        d.chunks = []
+        for c in buffered:
+            self.relay_body(c)
+        if d.done:
+            self.relay_end()
+            return
+        conn = d.conn
+        self.relay_conn = conn
+        if conn is not None:
+            if self.proto.write_paused:
+                conn.pause()
+            else:
+                conn.resume()  # may have been paused by the pre-relay buffer limit
+
+    def relay_body(self, data: bytes) -> None:
+        m = self.merger
+        if m is not None:
+            data = m.transform(data)
+            if not data:
+                return
+        self._write(data)
+
+    def relay_end(self) -> None:
+        m = self.merger
+        if m is not None:
+            tail = m.flush()
+            if tail:
+                self._write(tail)
+        self._end()
+
+    def _leg_error(self, leg: _PDLeg) -> None:
+        exc = _errors.leg_error(leg.role, leg.status, leg.body())
+        self._fail_client(exc, self.stream)
+
+    def leg_failed(self, leg: _PDLeg, exc: BaseException) -> None:
+        if self.finished:
+            return
+        self._fail_client(_errors.bad_gateway("PD disaggregation request failed (%s leg: %s)"
+                                              % (leg.role, exc)))
+
+    def _abort_legs(self) -> None:
+        for leg in (self.p, self.d):
+            c = leg.conn
+            leg.conn = None
+            if c is not None:
+                c.abort()

@@ -1,0 +1,311 @@
+"""Upstream side of the data path: keep-alive connection pools to workers.
+
+This module owns the TCP connections from the router to SGLang workers: one
+:class:`Pool` per worker (host, port), each holding idle keep-alive
+:class:`UpstreamConnection` objects (``asyncio.Protocol`` + ``httptools``
+response parser). It knows nothing about routing, leases or PD; the proxy hands
+it fully framed request bytes and a *leg* object that receives callbacks.
+
+Leg interface (duck-typed, implemented by the proxy)::
+
+    leg.conn                       # set by the pool to the connection serving it
+    leg.up_head(status, headers)   # headers: list[(name bytes, value bytes)]
+    leg.up_body(data)              # de-chunked body bytes, in order
+    leg.up_done()                  # response complete (connection already pooled or closed)
+    leg.up_error(exc)              # transport failure / malformed response; no more callbacks
+
+Invariants:
+
+* A connection serves at most one leg at a time and is returned to the idle list
+  only after its response was read completely and both sides allow keep-alive.
+  A connection whose response was not fully read is aborted, never reused.
+* A request sent on a *reused* connection that dies before any response byte
+  arrives is re-sent once on a fresh connection: the worker closed the idle
+  socket (keep-alive race) and cannot have processed it.
+* Idle connections are closed after ``idle_timeout`` (default 3 s, below
+  SGLang's 5 s keep-alive) so we never write into a socket the server is about
+  to close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Any
+
+import httptools
+
+log = logging.getLogger("fastroute.upstream")
+
+_IDLE_TIMEOUT = 3.0
+
+
+def _nodelay(transport: asyncio.BaseTransport) -> None:
+    # Small SSE events must leave immediately: without TCP_NODELAY, Nagle plus
+    # the peer's delayed ACK adds ~40 ms to every small write after the first.
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except (OSError, AttributeError):  # not TCP (e.g. a unix socket)
+            pass
+
+
+class UpstreamError(ConnectionError):
+    """The upstream connection failed before the response completed."""
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One TCP connection to a worker; parses responses with httptools."""
+
+    __slots__ = (
+        "pool", "transport", "parser", "leg", "request", "reused", "got_bytes",
+        "headers", "head_done", "length_known", "keep_alive", "closed",
+        "idle_since", "connect_task", "paused",
+    )
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.leg: Any = None
+        self.request: bytes | None = None  # kept until the first response byte (for the one re-send)
+        self.reused = False
+        self.got_bytes = False
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.head_done = False
+        self.length_known = False
+        self.keep_alive = True
+        self.closed = False
+        self.idle_since = 0.0
+        self.connect_task: asyncio.Task | None = None
+        self.paused = False
+
+    # -- asyncio.Protocol -------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        _nodelay(transport)
+        if self.closed:  # aborted while connecting
+            transport.abort()
+            return
+        if self.paused:
+            transport.pause_reading()  # type: ignore[attr-defined]
+        req = self.request
+        if req is not None:
+            transport.write(req)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        if not self.got_bytes:
+            self.got_bytes = True
+            self.request = None
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamError("malformed upstream response: %s" % exc))
+
+    def eof_received(self) -> bool | None:
+        return None  # let the transport close; connection_lost does the bookkeeping
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool.discard(self)
+        leg = self.leg
+        if leg is None:
+            return
+        self.leg = None
+        if self.head_done and not self.length_known:
+            # Close-delimited body (no Content-Length, not chunked): EOF ends it.
+            leg.up_done()
+            return
+        if self.reused and not self.got_bytes and self.request is not None:
+            # Keep-alive race: the worker closed the idle socket as we wrote.
+            req = self.request
+            self.request = None
+            self.pool.send(req, leg, fresh=True)
+            return
+        leg.up_error(UpstreamError(str(exc) if exc else "upstream closed the connection"))
+
+    # -- httptools callbacks ---------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.head_done = True
+        p = self.parser
+        self.keep_alive = p.should_keep_alive()
+        status = p.get_status_code()
+        length_known = status < 200 or status in (204, 304)
+        if not length_known:
+            for name, value in self.headers:
+                n = name.lower()
+                if n == b"content-length" or (n == b"transfer-encoding" and b"chunked" in value.lower()):
+                    length_known = True
+                    break
+        self.length_known = length_known
+        leg = self.leg
+        if leg is not None:
+            leg.up_head(status, self.headers)
+
+    def on_body(self, body: bytes) -> None:
+        leg = self.leg
+        if leg is not None:
+            leg.up_body(body)
+
+    def on_message_complete(self) -> None:
+        leg = self.leg
+        self.leg = None
+        self.headers = []
+        self.head_done = False
+        if self.keep_alive and not self.closed:
+            self.pool.release(self)
+        else:
+            self.abort()
+        if leg is not None:
+            leg.up_done()
+
+    # -- control from the proxy ------------------------------------------
+    def pause(self) -> None:
+        """Stop reading from the worker (client transport is full)."""
+        if not self.paused:
+            self.paused = True
+            t = self.transport
+            if t is not None and not self.closed:
+                t.pause_reading()
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            t = self.transport
+            if t is not None and not self.closed:
+                t.resume_reading()
+
+    def abort(self) -> None:
+        """Drop the connection now (response unread, client gone, timeout).
+
+        No leg callback follows. The worker sees the socket close, which SGLang
+        treats as an abort of the request.
+        """
+        self.leg = None
+        if self.closed:
+            return
+        self.closed = True
+        self.pool.discard(self)
+        t = self.transport
+        if t is not None:
+            t.abort()
+        elif self.connect_task is not None:
+            self.connect_task.cancel()
+
+    def _fail(self, exc: Exception) -> None:
+        leg = self.leg
+        self.abort()
+        if leg is not None:
+            leg.up_error(exc)
+
+
+class Pool:
+    """Keep-alive connections to one worker ``host:port``."""
+
+    __slots__ = ("host", "port", "idle", "busy", "idle_timeout", "loop", "_sweep_handle", "closed",
+                 "authority", "auth")
+
+    def __init__(self, host: str, port: int, idle_timeout: float = _IDLE_TIMEOUT,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.host = host[1:-1] if host.startswith("[") else host  # bracketed IPv6 -> connect form
+        self.port = port
+        self.idle: list[UpstreamConnection] = []  # oldest first; reuse from the end (warmest)
+        self.busy: set[UpstreamConnection] = set()
+        self.idle_timeout = idle_timeout
+        self.loop = loop or asyncio.get_event_loop()
+        self._sweep_handle: asyncio.TimerHandle | None = None
+        self.closed = False
+        # Request-framing constants owned by the user of the pool (the proxy):
+        # the Host header value and an optional fixed Authorization line.
+        self.authority = ("%s:%d" % (host, port)).encode("idna")
+        self.auth = b""
+
+    def send(self, request: bytes, leg: Any, fresh: bool = False) -> UpstreamConnection:
+        """Send framed ``request`` bytes; callbacks go to ``leg``. Sets ``leg.conn``."""
+        conn = None
+        if not fresh:
+            idle = self.idle
+            deadline = self.loop.time() - self.idle_timeout
+            while idle:
+                c = idle.pop()
+                if c.idle_since >= deadline and not c.closed:
+                    conn = c
+                    break
+                c.abort()
+        if conn is not None:
+            conn.reused = True
+            conn.got_bytes = False
+            conn.request = request
+            conn.leg = leg
+            self.busy.add(conn)
+            leg.conn = conn
+            conn.transport.write(request)  # type: ignore[union-attr]
+            return conn
+        conn = UpstreamConnection(self)
+        conn.request = request
+        conn.leg = leg
+        self.busy.add(conn)
+        leg.conn = conn
+        conn.connect_task = self.loop.create_task(self._connect(conn))
+        return conn
+
+    async def _connect(self, conn: UpstreamConnection) -> None:
+        try:
+            await self.loop.create_connection(lambda: conn, self.host, self.port)
+        except asyncio.CancelledError:
+            return
+        except OSError as exc:
+            conn.closed = True
+            self.discard(conn)
+            leg = conn.leg
+            conn.leg = None
+            if leg is not None:
+                leg.up_error(UpstreamError("connect to %s:%s failed: %s" % (self.host, self.port, exc)))
+        finally:
+            conn.connect_task = None
+
+    def release(self, conn: UpstreamConnection) -> None:
+        """Return a connection whose response was fully read to the idle list."""
+        self.busy.discard(conn)
+        if self.closed:
+            conn.abort()
+            return
+        conn.resume()  # a finished response may have been paused by a slow client
+        conn.reused = False
+        conn.idle_since = self.loop.time()
+        self.idle.append(conn)
+        if self._sweep_handle is None:
+            self._sweep_handle = self.loop.call_later(self.idle_timeout, self._sweep)
+
+    def discard(self, conn: UpstreamConnection) -> None:
+        self.busy.discard(conn)
+        try:
+            self.idle.remove(conn)
+        except ValueError:
+            pass
+
+    def _sweep(self) -> None:
+        self._sweep_handle = None
+        deadline = self.loop.time() - self.idle_timeout
+        idle = self.idle
+        while idle and idle[0].idle_since <= deadline:
+            idle.pop(0).abort()
+        if idle:
+            delay = idle[0].idle_since + self.idle_timeout - self.loop.time()
+            self._sweep_handle = self.loop.call_later(max(delay, 0.05), self._sweep)
+
+    def close(self) -> None:
+        """Close idle connections and abort busy ones (shutdown)."""
+        self.closed = True
+        if self._sweep_handle is not None:
+            self._sweep_handle.cancel()
+            self._sweep_handle = None
+        for c in list(self.idle) + list(self.busy):
+            c.abort()
+        self.idle.clear()
+        self.busy.clear()

@@ -1,0 +1,284 @@
+"""Regular-mode data path over real loopback sockets: wire compatibility, streaming,
+in-flight accounting, keep-alive, pipelining, bad inputs, auth, dp-aware balance."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from tests.integration.conftest import (
+    DataWorker, RawClient, Router, call, get, post, run, until, workers,
+)
+
+
+def test_generate_forwards_body_and_whitelisted_headers_only() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(worker_urls=[w.url]) as r:
+            raw = b'{"text": "hi",  "sampling_params": {"max_new_tokens": 2}, "x": "\\u00e9"}'
+            res = await call(r.port, post("/generate", raw, {
+                "Authorization": "Bearer client", "X-Request-Id": "abc", "traceparent": "tp",
+                "x-request-id-extra": "e", "User-Agent": "ua", "X-Other": "no",
+                "X-SMG-Routing-Key": "k1"}))
+            assert res.status == 200
+            assert res.json["text"] == f"hello from {w.name}"
+            assert res.headers["x-request-id"] == "abc"
+            assert res.headers["content-type"] == "application/json"
+            (rec,) = w.inference()
+            assert rec.method == "POST" and rec.path == "/generate"
+            assert rec.body == raw  # forwarded byte for byte
+            h = rec.headers
+            assert h["authorization"] == "Bearer client"
+            assert h["x-request-id"] == "abc" and h["traceparent"] == "tp"
+            assert h["x-request-id-extra"] == "e" and h["x-smg-routing-key"] == "k1"
+            assert h["content-type"] == "application/json"
+            assert h["content-length"] == str(len(raw))
+            assert "user-agent" not in h and "x-other" not in h
+    run(body())
+
+
+def test_request_id_generated_with_path_prefix() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(worker_urls=[w.url]) as r:
+            for path, prefix in (("/generate", "gnt-"), ("/v1/completions", "cmpl-"),
+                                 ("/v1/chat/completions", "chatcmpl-")):
+                obj = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else \
+                    {"prompt": "x"} if "compl" in path else {"text": "x"}
+                res = await call(r.port, post(path, obj))
+                rid = res.headers["x-request-id"]
+                assert rid.startswith(prefix) and len(rid) == len(prefix) + 24 and rid[len(prefix):].isalnum()
+            res = await call(r.port, post("/generate", {"text": "x"}, {"x-correlation-id": "corr-1"}))
+            assert res.headers["x-request-id"] == "corr-1"
+    run(body())
+
+
+def test_sse_stream_is_relayed_byte_exact_and_chunked() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        w.events = 5
+        async with Router(worker_urls=[w.url]) as r:
+            c = await RawClient(r.port).connect()
+            c.send(post("/generate", {"text": "x", "stream": True}))
+            res = await c.response()
+            assert res.status == 200 and res.chunked
+            assert res.headers["content-type"] == "text/event-stream"
+            expected = b"".join(w.sse_event(i, {}) for i in range(5)) + b"data: [DONE]\n\n"
+            assert res.body == expected
+            assert await until_zero(r, w)
+            c.close()
+    run(body())
+
+
+async def until_zero(r: Router, w: DataWorker) -> bool:
+    await until(lambda: r.in_flight(w) == 0, 5.0, "in_flight back to 0")
+    return True
+
+
+def test_in_flight_visible_while_held_and_zero_after_eof() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(worker_urls=[w.url]) as r:
+            w.hold()
+            clients = [await RawClient(r.port).connect() for _ in range(3)]
+            for c in clients:
+                c.send(post("/generate", {"text": "x"}))
+            await until(lambda: w.held == 3, what="3 held")
+            assert r.in_flight(w) == 3
+            w.release()
+            for c in clients:
+                assert (await c.response()).status == 200
+                c.close()
+            await until_zero(r, w)
+    run(body())
+
+
+def test_client_disconnect_mid_stream_aborts_upstream_and_releases() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        w.stream_gate = asyncio.Event()
+        async with Router(worker_urls=[w.url]) as r:
+            c = await RawClient(r.port).connect()
+            c.send(post("/generate", {"text": "x", "stream": True}))
+            await c.until_body(b"tok0")
+            assert r.in_flight(w) == 1
+            c.close()
+            await until(lambda: w.aborted == 1, what="worker sees the disconnect")
+            await until_zero(r, w)
+            # still serving
+            assert (await call(r.port, post("/generate", {"text": "x"}))).status == 200
+    run(body())
+
+
+def test_worker_dying_mid_stream_truncates_client_and_releases() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        w.events, w.die_after = 5, 2
+        async with Router(worker_urls=[w.url]) as r:
+            c = await RawClient(r.port).connect()
+            c.send(post("/generate", {"text": "x", "stream": True}))
+            assert await c.closed()
+            res = c.p.responses[0]
+            assert res.status == 200 and not res.done  # no terminating chunk
+            assert b"tok1" in res.body and b"[DONE]" not in res.body
+            await until_zero(r, w)
+    run(body())
+
+
+def test_keep_alive_reuses_client_and_upstream_connections() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(worker_urls=[w.url]) as r:
+            base = w.connections
+            c = await RawClient(r.port).connect()
+            for i in range(5):
+                c.send(post("/generate", {"text": f"x{i}"}))
+                assert (await c.response()).status == 200
+            c.close()
+            conn_ids = {rec.conn_id for rec in w.inference()}
+            assert len(conn_ids) == 1 and w.connections == base + 1
+    run(body())
+
+
+def test_pipelined_requests_answered_in_order() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(worker_urls=[w.url]) as r:
+            c = await RawClient(r.port).connect()
+            c.send(post("/generate", {"text": "a"}, {"X-Request-Id": "r1"})
+                   + get("/health")
+                   + post("/generate", {"text": "b", "stream": True}, {"X-Request-Id": "r3"})
+                   + get("/nope"))
+            res = [await c.response(i) for i in range(4)]
+            assert [x.status for x in res] == [200, 200, 200, 404]
+            assert res[0].headers["x-request-id"] == "r1" and res[1].body == b"OK"
+            assert res[2].headers["x-request-id"] == "r3" and res[2].body.endswith(b"data: [DONE]\n\n")
+            assert res[3].json["error"]["code"] == "unknown_url"
+            c.close()
+    run(body())
+
+
+def test_chunked_request_body_is_forwarded_with_content_length() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(worker_urls=[w.url]) as r:
+            payload = b'{"text": "chunked body"}'
+            data = (b"POST /generate HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    + b"%x\r\n%b\r\n" % (5, payload[:5]) + b"%x\r\n%b\r\n" % (len(payload) - 5, payload[5:])
+                    + b"0\r\n\r\n")
+            res = await call(r.port, data)
+            assert res.status == 200
+            (rec,) = w.inference()
+            assert rec.body == payload and rec.headers["content-length"] == str(len(payload))
+            assert "transfer-encoding" not in rec.headers
+    run(body())
+
+
+def test_bad_inputs_get_json_errors_and_router_keeps_serving() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(worker_urls=[w.url], max_payload_size=1000) as r:
+            c = await RawClient(r.port).connect()
+            c.send(b"GARBAGE\x00 / HTTP/9\r\n\r\n")
+            res = await c.response()
+            assert res.status == 400 and res.json["error"]["code"] == "bad_request"
+            assert await c.closed()
+            res = await call(r.port, post("/generate", b'{"text": '))
+            assert res.status == 400 and "error" in res.json
+            res = await call(r.port, post("/generate", {"text": "x" * 2000}))
+            assert res.status == 413 and res.json["error"]["code"] == "payload_too_large"
+            res = await call(r.port, get("/no/such/path"))
+            assert res.status == 404 and res.json["error"]["code"] == "unknown_url"
+            assert w.inference() == []
+            res = await call(r.port, post("/generate", {"text": "ok"}))
+            assert res.status == 200
+    run(body())
+
+
+def test_api_key_gates_data_plane_and_is_sent_to_workers() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(worker_urls=[w.url], api_key="sekret") as r:
+            res = await call(r.port, post("/generate", {"text": "x"}))
+            assert res.status == 401 and res.json["error"]["code"] == "invalid_api_key"
+            assert res.headers["www-authenticate"].startswith("Bearer")
+            res = await call(r.port, post("/generate", {"text": "x"}, {"Authorization": "Bearer wrong"}))
+            assert res.status == 401
+            res = await call(r.port, get("/workers"))
+            assert res.status == 401
+            for open_path in ("/health", "/liveness", "/readiness", "/v1/models"):
+                assert (await call(r.port, get(open_path))).status == 200, open_path
+            res = await call(r.port, post("/generate", {"text": "x"}, {"Authorization": "Bearer sekret"}))
+            assert res.status == 200
+            (rec,) = w.inference()
+            assert rec.headers["authorization"] == "Bearer sekret"
+            assert (await call(r.port, get("/workers", {"Authorization": "Bearer sekret"}))).status == 200
+    run(body())
+
+
+def test_no_worker_ready_gives_503() -> None:
+    async def body() -> None:
+        w = await DataWorker().start()
+        await w.stop()  # nothing listens there: registration never completes
+        r = Router(worker_urls=[w.url])
+        await r.server.start()
+        try:
+            res = await call(r.port, post("/generate", {"text": "x"}))
+            assert res.status == 503 and res.json["error"]["code"] == "no_available_workers"
+            assert (await call(r.port, get("/health"))).status == 200
+        finally:
+            await r.server.stop(grace=0.1)
+    run(body())
+
+
+def test_dead_worker_gives_502_and_releases() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(worker_urls=[w.url]) as r:
+            await w.stop()
+            res = await call(r.port, post("/generate", {"text": "x"}))
+            assert res.status == 502 and res.json["error"]["code"] == "bad_gateway"
+            await until_zero(r, w)
+    run(body())
+
+
+def test_dp_aware_regular_injects_data_parallel_rank() -> None:
+    async def body() -> None:
+        (w,) = await workers(1, dp_size=4)
+        async with Router(worker_urls=[w.url], dp_aware=True) as r:
+            for i in range(8):
+                assert (await call(r.port, post("/generate", {"text": "x"}))).status == 200
+            ranks = [rec.json["data_parallel_rank"] for rec in w.inference()]
+            assert sorted(ranks) == [0, 0, 1, 1, 2, 2, 3, 3]
+    run(body())
+
+
+def test_admin_paths_are_delegated_to_registry() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(worker_urls=[w.url]) as r:
+            res = await call(r.port, get("/workers"))
+            assert res.status == 200 and res.json["workers"][0]["url"] == w.url
+            assert (await call(r.port, get("/readiness"))).status == 200
+    run(body())
+
+
+def test_openai_client_streaming_and_not() -> None:
+    import openai
+
+    async def body() -> None:
+        (w,) = await workers(1)
+        w.events = 4
+        async with Router(worker_urls=[w.url]) as r:
+            client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="k", max_retries=0, timeout=10)
+            out = await client.chat.completions.create(
+                model="fake-model", messages=[{"role": "user", "content": "hi"}])
+            assert out.choices[0].message.content == f"hi from {w.name}"
+            stream = await client.chat.completions.create(
+                model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=True)
+            parts = [chunk.choices[0].delta.content async for chunk in stream]
+            assert "".join(p or "" for p in parts) == "t0 t1 t2 t3 "
+            await client.close()
+            await until_zero(r, w)
+            assert all(rec.headers["authorization"] == "Bearer k" for rec in w.inference())
+    run(body())
