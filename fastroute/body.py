@@ -41,9 +41,15 @@ given (summed over a batch).  For text we have no tokenizer, so
 current LLMs average close to 4 bytes per token on English prose and code, and
 for CJK text (3 bytes per character) it gives 0.75 tokens per character, in the
 range of Qwen/DeepSeek-style vocabularies.  For ASCII text the byte count is
-``len(text)`` (no encode); only non-ASCII text pays one ``encode``.  Measured
-against the GPT-2 BPE (the only vocabulary available offline): see
-``bench/token_estimate.py``.  Chat messages add 4 tokens each for the template.
+``len(text)`` (no encode); only non-ASCII text pays one ``encode``.  Chat
+messages add 4 tokens each for the template.  Measured against the GPT-2 BPE
+(the only vocabulary available offline; ``python tests/bench/test_bench_body.py``),
+2 KB chunks: English prose est/true 1.07 (mean |error| 9%), Markdown 0.89 (14%),
+Python code 0.55 (45%) -- GPT-2 spends one token per indentation space, which
+current vocabularies merge, so the code figure overstates the error for them.
+smg's 1.3 x words rule measured 0.88 / 0.55 / 0.27 on the same chunks.  The
+estimate only feeds the decode input-demand balance, where a consistent
+relative measure matters more than the absolute count.
 """
 
 from __future__ import annotations
