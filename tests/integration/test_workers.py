@@ -4,9 +4,10 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import pytest
 from fakeworker import FakeWorker, Plane, make_config, run, wait_until
 
-from fastroute.table import COL_ALLOCATED, COL_HEALTHY, COL_POLLED_AT
+from fastroute.table import COL_ALLOCATED, COL_HEALTHY
 from fastroute.workers import split_host_port
 
 
@@ -370,3 +371,56 @@ def test_server_info_model_info_and_engine_metrics():
 
 def dec_states(n: int) -> list[dict]:
     return [{"rank": r, "avg_spec_accept_length": 1.0} for r in range(n)]
+
+
+# ---- httpclient edge cases (raw sockets answering fixed bytes) ------------------------------------
+async def raw_server(reply: bytes, close: bool = True, delay: float = 0.0):
+    async def handle(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        if delay:
+            await asyncio.sleep(delay)
+        writer.write(reply)
+        await writer.drain()
+        if close:
+            writer.close()
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return srv, f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+
+
+def test_httpclient_framing_and_errors():
+    from fastroute import httpclient as hc
+
+    async def body():
+        srv, url = await raw_server(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: b\r\n\r\n"
+                                    b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+        status, headers, data = await hc.request("GET", url + "/x")
+        assert (status, data, hc.header(headers, "x-a")) == (200, b"abcde", "b")
+        srv.close()
+        # No framing headers: the body ends at EOF.
+        srv, url = await raw_server(b"HTTP/1.1 201 Created\r\n\r\nuntil-eof")
+        assert (await hc.request("GET", url))[::2] == (201, b"until-eof")
+        srv.close()
+        # Truncated body (Content-Length larger than what arrives).
+        srv, url = await raw_server(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        with pytest.raises(hc.HttpProtocolError):
+            await hc.request("GET", url)
+        srv.close()
+        srv, url = await raw_server(b"NOT HTTP AT ALL\r\n\r\n")
+        with pytest.raises(hc.HttpProtocolError):
+            await hc.request("GET", url)
+        srv.close()
+        srv, url = await raw_server(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", delay=1.0)
+        with pytest.raises(hc.HttpTimeout):
+            await hc.request("GET", url, timeout=0.1)
+        srv.close()
+        with pytest.raises(hc.HttpConnectError):
+            await hc.request("GET", "ftp://127.0.0.1/x")
+        # Request bytes: method, path+query, Host, Content-Length and custom headers.
+        fw = await FakeWorker().start()
+        await hc.request("POST", fw.url + "/flush_cache?a=1", body=b"{}", headers=[("X-Y", "z")])
+        r = fw.requests[-1]
+        assert (r.method, r.path, r.query, r.body) == ("POST", "/flush_cache", "a=1", b"{}")
+        assert r.headers["x-y"] == "z" and r.headers["content-length"] == "2"
+        assert r.headers["host"] == f"127.0.0.1:{fw.port}"
+        await fw.stop()
+    run(body)
