@@ -550,6 +550,9 @@ def pd_leg_fields(
 ) -> tuple[bytes, bytes]:
     """(prefill fields, decode fields) sharing one room draw.
 
+    Without a rank key both elements are the same bytes object, so a caller may
+    test ``decode is prefill`` and reuse the prefill body for the decode leg.
+
     The prefill never gets a rank key: its rank is carried by the room
     arithmetic (``prefill_rank``), see draw_room.
     """

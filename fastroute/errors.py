@@ -128,6 +128,8 @@ def error_response(status: int, code: str, message: str) -> bytes:
     """smg-shaped JSON error body: ``{"error":{"type","code","message","param":null}}``."""
     # json.dumps escapes quotes/control characters in the message; ensure_ascii
     # keeps the body pure ASCII whatever an upstream put in its error text.
+    if type(message) is not str:
+        message = str(message)
     return (
         b'{"error":{"type":"'
         + error_type(status).encode()
@@ -141,6 +143,8 @@ def error_response(status: int, code: str, message: str) -> bytes:
 
 def sse_error(message: str, status: int) -> bytes:
     """A complete SSE error event followed by the ``[DONE]`` terminator."""
+    if type(message) is not str:
+        message = str(message)
     return (
         b'data: {"error": {"message": '
         + json.dumps(message).encode()

@@ -274,6 +274,19 @@ def test_inject_preserves_unicode_and_escapes_verbatim() -> None:
     assert json.loads(out)["text"] == "h\u00e9llo \u4e16\u754c \U0001f600"
 
 
+def test_bytearray_and_memoryview_bodies() -> None:
+    raw = b'{"text":"a"}'
+    for body in (bytearray(raw), memoryview(raw)):
+        assert parse_request("/generate", body).input_tokens == 1
+        assert inject(body, F) == b'{"text":"a","k":1}'
+
+
+def test_pd_leg_fields_without_rank_share_one_object() -> None:
+    meta = parse_request("/generate", b'{"text":"a"}')
+    prefill, decode = pd_leg_fields(meta, "h", 1, random.Random(0), None, None)
+    assert prefill is decode
+
+
 def test_inject_empty_fields_is_identity() -> None:
     assert inject(b' {"a":1} ', b"") == b' {"a":1} '
 

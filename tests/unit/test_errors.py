@@ -126,3 +126,9 @@ def test_factories_statuses() -> None:
     auth = errors.invalid_api_key()
     assert auth.status == 401 and auth.code == "invalid_api_key"
     assert (b"WWW-Authenticate", b'Bearer realm="data-plane"') in auth.headers
+
+
+def test_non_string_message_is_stringified() -> None:
+    exc = ConnectionResetError("peer reset")
+    assert json.loads(error_response(502, "bad_gateway", exc))["error"]["message"] == "peer reset"
+    assert b'"message": "peer reset"' in sse_error(exc, 502)
