@@ -101,6 +101,7 @@ _RID_PREFIX = {b"/generate": b"gnt-", b"/v1/completions": b"cmpl-",
 
 _PIPELINE_LIMIT = 32          # queued pipelined requests before we stop reading the client
 _PD_BUFFER_LIMIT = 1 << 20    # decode bytes buffered while the prefill finishes
+_ERROR_BODY_LIMIT = 1 << 16   # bytes of a failed leg's body kept for the error message
 
 
 def _new_request_id(path: bytes) -> bytes:
@@ -854,9 +855,21 @@ class _PDLeg:
 
     def up_body(self, data: bytes) -> None:
         ex = self.ex
-        if ex.relaying and self is ex.d:
-            ex.relay_body(data)
+        if ex.relaying:
+            if self is ex.d:
+                ex.relay_body(data)
             return
+        ok = 200 <= self.status < 300
+        if self is ex.p or not ok:
+            # Read to completion, never paused (we wait for its end). Kept only
+            # when needed: the whole body for a logprob merge, else the first
+            # bytes for an error message.
+            if (ok and ex.merge) or (not ok and self.size < _ERROR_BODY_LIMIT):
+                self.chunks.append(data)
+                self.size += len(data)
+            return
+        # Decode 2xx before the relay starts (prefill still running): buffer,
+        # and stop reading past the limit; the relay start resumes it.
         self.chunks.append(data)
         self.size += len(data)
         if self.size > _PD_BUFFER_LIMIT and self.conn is not None:
