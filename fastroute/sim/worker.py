@@ -483,7 +483,6 @@ class DecodeEngine:
                     pass
                 continue
             step_ms = p.step_base_ms + cost
-            t0 = loop.time()
             await asyncio.sleep(step_ms * p.time_scale / 1000.0)
             self.steps += 1
             self.last_step_ms = step_ms
@@ -518,7 +517,9 @@ class DecodeEngine:
                     self._admit(rk)
             now = loop.time()
             if now - self._last_sample >= p.sample_interval_s:
-                self._sample(now, (now - t0) * 1000.0 / p.time_scale)
+                # The modelled step time (what the balance decides), not the wall time, which
+                # also carries this process's scheduling overhead.
+                self._sample(now, step_ms)
 
     def _sample(self, now: float, step_ms: float) -> None:
         self._last_sample = now

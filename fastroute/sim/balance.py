@@ -1,0 +1,366 @@
+"""Decode-rank balance benchmark: the policy matrix of seeds 000/001 on the simulator.
+
+Owns the matrix (round_robin; power_of_two with tokens / requests / least_requests; decode
+input demand on with W = 0 and W = 1e6, optionally the W sweep), running each cell (a router
+subprocess in front of 1 simulated prefill + 1 simulated decode of 8 DP ranks, the closed-loop
+load generator, the decode's per-rank samples), the statistics of seed 001's balance table and
+the markdown / JSON / PNG output. ``sglang_router`` and ``smg`` are benchmarked on the same
+workload when importable. The simulators and the load generator share this process's event
+loop; each router runs as its own process, as in production.
+
+Times in the tables are *simulated* milliseconds (wall / time_scale) and throughput is
+simulated tokens/s, so runs at different ``--time-scale`` compare directly. Balance statistics
+are means over the decode's 100 ms samples inside the measured window: CV = std / mean across
+the 8 ranks of one sample; "busiest batch" = largest running batch of a sample; "KV max/mean" =
+busiest rank's KV tokens over the mean rank's.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from fastroute.sim.http import HttpError, fetch
+from fastroute.sim.loadgen import Target, run_load, synthetic_trace
+from fastroute.sim.worker import SimCluster, SimParams, start_cluster
+
+
+@dataclass
+class Cell:
+    """One column of the comparison: a router implementation and its policy flags."""
+
+    label: str
+    router: str  # "fastroute" | "sglang_router" | "smg" | "direct" (loadgen plays mini-router)
+    args: list[str] = field(default_factory=list)
+
+
+def fastroute_cells(sweep: bool = False) -> list[Cell]:
+    """The fastroute matrix; the prefill leg is round_robin everywhere so only decode picks differ."""
+    base = ["--prefill-policy", "round_robin"]
+    cells = [
+        Cell("round_robin", "fastroute", ["--policy", "round_robin"] + base),
+        Cell("p2c tokens", "fastroute", ["--policy", "power_of_two", "--p2c-load-metric", "tokens"] + base),
+        Cell("p2c requests", "fastroute", ["--policy", "power_of_two", "--p2c-load-metric", "requests"] + base),
+        Cell("p2c least_requests", "fastroute",
+             ["--policy", "power_of_two", "--p2c-load-metric", "least_requests"] + base),
+    ]
+    weights = [0, 100_000, 200_000, 500_000, 1_000_000] if sweep else [0, 1_000_000]
+    for w in weights:
+        cells.append(Cell(f"demand W={w:g}", "fastroute",
+                          ["--policy", "power_of_two", "--p2c-load-metric", "least_requests",
+                           "--decode-input-demand", "on", "--decode-request-weight", str(w)] + base))
+    return cells
+
+
+def peer_cells() -> list[Cell]:
+    """The same workload through the PyPI routers, when installed.
+
+    sglang-router 0.3.2 runs *without* --dp-aware: in PD mode its dp-aware path sends requests to
+    ``host@rank`` URLs that resolve to unrelated hosts (protocol.md 4.2), so it is benchmarked as
+    what it can do, ranks placed by the decode's own round-robin."""
+    cells = []
+    if importlib.util.find_spec("sglang_router") is not None:
+        cells.append(Cell("sglang-router round_robin (no dp-aware)", "sglang_router", ["--policy", "round_robin"]))
+    if importlib.util.find_spec("smg") is not None:
+        cells.append(Cell("smg round_robin", "smg", ["--policy", "round_robin", "--dp-aware"]))
+        cells.append(Cell("smg p2c least_requests", "smg",
+                          ["--policy", "power_of_two", "--power-of-two-load-metric", "least_requests",
+                           "--dp-aware"]))
+    return cells
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def router_command(cell: Cell, prefill_url: str, bootstrap_port: int, decode_url: str, port: int,
+                   prom_port: int, python: str = sys.executable) -> list[str]:
+    module = {"fastroute": "fastroute", "sglang_router": "sglang_router.launch_router",
+              "smg": "smg.launch_router"}[cell.router]
+    cmd = [python, "-m", module, "--pd-disaggregation", "--prefill", prefill_url, str(bootstrap_port),
+           "--decode", decode_url, "--host", "127.0.0.1", "--port", str(port),
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom_port),
+           "--worker-startup-check-interval", "1"]
+    if cell.router == "fastroute":
+        cmd += ["--dp-aware", "--load-monitor-interval", "1", "--log-level", "warn"]
+    elif cell.router == "smg":
+        cmd += ["--load-monitor-interval", "1"]
+    return cmd + cell.args
+
+
+class RouterProcess:
+    """A router subprocess; ``start`` returns once /readiness answers 200."""
+
+    def __init__(self, cmd: list[str], port: int, log_path: str) -> None:
+        self.cmd = cmd
+        self.port = port
+        self.log_path = log_path
+        self.proc: Optional[subprocess.Popen] = None
+        self._log: Any = None
+
+    async def start(self, timeout: float = 60.0) -> None:
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited with {self.proc.returncode}: {self.tail()}")
+            try:
+                status, _ = await fetch("127.0.0.1", self.port, "GET", "/readiness", timeout=2.0)
+                if status == 200:
+                    return
+            except (HttpError, asyncio.TimeoutError, OSError):
+                pass
+            await asyncio.sleep(0.2)
+        await self.stop()
+        raise RuntimeError(f"router not ready after {timeout:.0f} s: {self.tail()}")
+
+    def tail(self, n: int = 1500) -> str:
+        try:
+            with open(self.log_path, "rb") as fh:
+                return fh.read()[-n:].decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(5)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def balance_stats(samples: list[tuple]) -> dict:
+    """Seed 001's balance statistics from decode samples (t, step_ms, running, outstanding, kv)."""
+    import numpy as np
+
+    busy = [s for s in samples if sum(s[3]) > 0]
+    if not busy:
+        return {"samples": 0}
+    run = np.array([s[2] for s in busy], dtype=float)
+    out = np.array([s[3] for s in busy], dtype=float)
+    kv = np.array([s[4] for s in busy], dtype=float)
+    step = np.array([s[1] for s in busy if s[1] > 0], dtype=float)
+
+    def cv(a: Any) -> float:
+        m = a.mean(axis=1)
+        ok = m > 0
+        return float((a[ok].std(axis=1) / m[ok]).mean()) if ok.any() else float("nan")
+
+    kv_mean = kv.mean(axis=1)
+    ok = kv_mean > 0
+    return {
+        "samples": len(busy),
+        "outstanding_cv": cv(out), "running_cv": cv(run),
+        "busiest_batch": float(run.max(axis=1).mean()), "mean_batch": float(run.mean()),
+        "kv_busiest_over_mean": float((kv.max(axis=1)[ok] / kv_mean[ok]).mean()) if ok.any() else float("nan"),
+        "step_ms": float(step.mean()) if len(step) else float("nan"),
+    }
+
+
+async def _drain(cluster: SimCluster, timeout: float = 30.0) -> None:
+    """Wait until the simulators hold no request (aborted streams free their ranks at once)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        loads = [x for w in cluster.decodes + cluster.prefills for x in w.rank_loads()]
+        if all(r == 0 and q == 0 for r, q, _ in loads):
+            return
+        await asyncio.sleep(0.1)
+
+
+async def run_cell(cell: Cell, concurrency: int, cluster: SimCluster, trace: list, duration: float,
+                   warmup: float, out_dir: str, seed: int = 0, progress: bool = False) -> dict:
+    """One (cell, concurrency) point: returns load summary + balance statistics + raw samples."""
+    prefill, decode = cluster.prefills[0], cluster.decodes[0]
+    assert prefill.bootstrap_port is not None and decode.decode is not None
+    router: Optional[RouterProcess] = None
+    if cell.router == "direct":
+        target = Target("127.0.0.1", decode.port, prefill=("127.0.0.1", prefill.port, prefill.bootstrap_port))
+    else:
+        port, prom = _free_port(), _free_port()
+        cmd = router_command(cell, prefill.url, prefill.bootstrap_port, decode.url, port, prom)
+        safe = "".join(ch if ch.isalnum() else "_" for ch in cell.label)
+        router = RouterProcess(cmd, port, os.path.join(out_dir, f"router_{safe}_c{concurrency}.log"))
+        await router.start()
+        target = Target("127.0.0.1", port)
+    loop = asyncio.get_running_loop()
+    wall_offset = time.time() - loop.time()
+    try:
+        res = await run_load(target, trace, concurrency, duration, warmup, seed=seed, progress=progress)
+    finally:
+        if router is not None:
+            await router.stop()
+        await _drain(cluster)
+    t0, t1 = res.window[0] + wall_offset, res.window[1] + wall_offset
+    samples = [s for s in decode.decode.samples if t0 <= s[0] <= t1]
+    summary = res.summary()
+    scale = decode.p.time_scale
+    for k in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "itl_p50_ms", "itl_p90_ms"):
+        summary[k] = summary[k] / scale
+    for k in ("output_tok_s", "requests_per_s", "interactivity_p50", "interactivity_p90"):
+        summary[k] = summary[k] * scale
+    return {"label": cell.label, "router": cell.router, "concurrency": concurrency,
+            "load": summary, "balance": balance_stats(samples), "samples": samples, "t0": t0}
+
+
+def _f(x: Any, nd: int = 2) -> str:
+    try:
+        if x != x:  # NaN
+            return "-"
+        return f"{x:.{nd}f}"
+    except (TypeError, ValueError):
+        return str(x)
+
+
+def markdown_table(results: list[dict], time_scale: float) -> str:
+    """One table per concurrency, columns as in seed 001's balance table plus latency/throughput."""
+    lines = []
+    for conc in sorted({r["concurrency"] for r in results}):
+        lines.append(f"\n### concurrency {conc} (1P1D, decode 8 DP ranks, time scale {time_scale:g}; "
+                     "times in simulated ms)\n")
+        lines.append("| policy | outstanding CV | running CV | busiest batch | KV busiest/mean | step ms "
+                     "| TPOT p50 / p90 | TTFT p50 / p90 | interactivity p50 / p90 | out tok/s | done | err |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in results:
+            if r["concurrency"] != conc:
+                continue
+            b, ld = r["balance"], r["load"]
+            lines.append(
+                f"| {r['label']} | {_f(b.get('outstanding_cv'))} | {_f(b.get('running_cv'))} | "
+                f"{_f(b.get('busiest_batch'), 1)} | {_f(b.get('kv_busiest_over_mean'))} | {_f(b.get('step_ms'), 1)} | "
+                f"{_f(ld['tpot_p50_ms'], 1)} / {_f(ld['tpot_p90_ms'], 1)} | "
+                f"{_f(ld['ttft_p50_ms'], 0)} / {_f(ld['ttft_p90_ms'], 0)} | "
+                f"{_f(ld['interactivity_p50'], 1)} / {_f(ld['interactivity_p90'], 1)} | "
+                f"{_f(ld['output_tok_s'], 0)} | {ld['completed']} | {ld['errors']} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(results: list[dict], out_dir: str) -> list[str]:
+    """Per-rank outstanding requests over time, one panel per policy, one PNG per concurrency."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping plots (pip install matplotlib)", file=sys.stderr)
+        return []
+    paths = []
+    for conc in sorted({r["concurrency"] for r in results}):
+        rows = [r for r in results if r["concurrency"] == conc and r["samples"]]
+        if not rows:
+            continue
+        fig, axes = plt.subplots(len(rows), 1, figsize=(10, 2.2 * len(rows)), sharex=True, squeeze=False)
+        for ax, r in zip(axes[:, 0], rows):
+            t = [s[0] - r["t0"] for s in r["samples"]]
+            n_ranks = len(r["samples"][0][3])
+            for k in range(n_ranks):
+                ax.plot(t, [s[3][k] for s in r["samples"]], lw=0.8, label=f"rank {k}")
+            ax.set_title(f"{r['label']}: outstanding CV {_f(r['balance'].get('outstanding_cv'))}", fontsize=9)
+            ax.set_ylabel("outstanding")
+        axes[-1, 0].set_xlabel("seconds (wall) in the measured window")
+        axes[0, 0].legend(ncol=8, fontsize=6, loc="upper right")
+        fig.suptitle(f"Per-rank outstanding requests (running + waiting), concurrency {conc}")
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"outstanding_c{conc}.png")
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+async def run_matrix(cells: list[Cell], concurrencies: list[int], duration: float, warmup: float,
+                     params: SimParams, out_dir: str, seed: int = 0, progress: bool = True,
+                     prefill_params: Optional[SimParams] = None) -> list[dict]:
+    """Start the simulators, run every (concurrency, cell) point, return the results."""
+    os.makedirs(out_dir, exist_ok=True)
+    trace = synthetic_trace(seed=seed)
+    cluster = await start_cluster(1, 1, params, prefill_params)
+    results = []
+    try:
+        for conc in concurrencies:
+            for cell in cells:
+                print(f"== {cell.label} @ C={conc}", file=sys.stderr, flush=True)
+                try:
+                    r = await run_cell(cell, conc, cluster, trace, duration, warmup, out_dir, seed, progress)
+                except RuntimeError as exc:
+                    print(f"   skipped: {exc}", file=sys.stderr, flush=True)
+                    continue
+                ld = r["load"]
+                print(f"   done={ld['completed']} err={ld['errors']} outstanding CV="
+                      f"{_f(r['balance'].get('outstanding_cv'))} TPOT p50={_f(ld['tpot_p50_ms'], 1)} ms",
+                      file=sys.stderr, flush=True)
+                results.append(r)
+    finally:
+        await cluster.stop()
+    return results
+
+
+def write_outputs(results: list[dict], out_dir: str, time_scale: float) -> str:
+    table = markdown_table(results, time_scale)
+    with open(os.path.join(out_dir, "balance.md"), "w") as fh:
+        fh.write(table)
+    with open(os.path.join(out_dir, "balance.json"), "w") as fh:
+        json.dump([{k: v for k, v in r.items() if k != "samples"} for r in results], fh, indent=1)
+    write_plots(results, out_dir)
+    return table
+
+
+def add_common_flags(ap: argparse.ArgumentParser, duration: float, warmup: float, time_scale: float) -> None:
+    ap.add_argument("--duration", type=float, default=duration, help="measured wall seconds per point")
+    ap.add_argument("--warmup", type=float, default=warmup, help="unmeasured wall seconds per point")
+    ap.add_argument("--time-scale", type=float, default=time_scale,
+                    help="simulated durations are multiplied by this (0.25 = 4x faster than real time)")
+    ap.add_argument("--out", default="bench/out", help="output directory (tables, JSON, PNG, router logs)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dp-size", type=int, default=8)
+    ap.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python bench/balance.py", description="Decode DP-rank balance benchmark "
+                                 "(seed 001's table) on simulated 1P1D with 8 decode ranks")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 192])
+    ap.add_argument("--sweep", action="store_true", help="demand W sweep {0, 1e5, 2e5, 5e5, 1e6}")
+    ap.add_argument("--no-peers", action="store_true", help="skip sglang-router / smg even when installed")
+    ap.add_argument("--no-direct", action="store_true",
+                    help="skip the no-router baseline (loadgen as mini-router, decode places ranks round-robin)")
+    ap.add_argument("--only", nargs="*", help="run only cells whose label contains one of these strings")
+    add_common_flags(ap, duration=30.0, warmup=10.0, time_scale=0.25)
+    ns = ap.parse_args(argv)
+    cells = ([] if ns.no_direct else [Cell("no router (decode round-robin)", "direct")])
+    cells += fastroute_cells(ns.sweep) + ([] if ns.no_peers else peer_cells())
+    if ns.only:
+        cells = [c for c in cells if any(o in c.label for o in ns.only)]
+    params = SimParams(dp_size=ns.dp_size, time_scale=ns.time_scale)
+
+    async def go() -> list[dict]:
+        return await run_matrix(cells, ns.concurrency, ns.duration, ns.warmup, params, ns.out, ns.seed,
+                                not ns.quiet)
+
+    import uvloop
+    results = uvloop.run(go())
+    print(write_outputs(results, ns.out, ns.time_scale))
+    print(f"wrote {ns.out}/balance.md, balance.json and outstanding_c*.png", file=sys.stderr)
+    return 0 if results else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
