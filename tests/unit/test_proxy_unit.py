@@ -1,0 +1,322 @@
+"""ClientProtocol and relay, driven with raw bytes and a mock transport (no sockets).
+
+The upstream pool is replaced by a recorder so each test plays the worker's side
+by calling the leg callbacks (up_head / up_body / up_done / up_error) directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import httptools
+import pytest
+
+from fastroute.config import Config
+from fastroute.proxy import App, ClientProtocol
+
+
+class FakeTransport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = bytearray()
+        self.closed = False
+        self.reading = True
+
+    def write(self, data: Any) -> None:
+        assert not self.closed, "write after close"
+        self.out += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+
+class FakeConn:
+    def __init__(self) -> None:
+        self.paused = False
+        self.aborted = False
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class FakePool:
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, Any]] = []
+        self.authority = b"127.0.0.1:9"
+        self.auth = b""
+
+    def send(self, request: bytes, leg: Any) -> FakeConn:
+        conn = FakeConn()
+        leg.conn = conn
+        self.sent.append((request, leg))
+        return conn
+
+
+class Lease:
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.tokens = 0
+        self.releases = 0
+
+    def release(self) -> bool:
+        self.releases += 1
+        return self.releases == 1
+
+
+class Group:
+    policy = "round_robin"
+
+    def __init__(self) -> None:
+        self.leases: list[Lease] = []
+
+    def acquire(self, tokens: int = 0, key: bytes | None = None, text: str | None = None) -> Lease:
+        lease = Lease(0)
+        self.leases.append(lease)
+        return lease
+
+
+class Registry:
+    def __init__(self) -> None:
+        self.worker = SimpleNamespace(url="http://127.0.0.1:9", host="127.0.0.1", port=9, api_key=None,
+                                      bootstrap_port=None, dp_size=1)
+        self.target_info = [(self.worker, None)]
+        self.groups = {"regular": Group()}
+        self.is_ready = True
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    def group(self, role: str) -> Group:
+        return self.groups[role]
+
+
+@pytest.fixture()
+def env():
+    loop = asyncio.new_event_loop()
+    cfg = Config(worker_urls=["http://127.0.0.1:9"], max_payload_size=100, request_timeout_secs=60)
+    reg = Registry()
+    app = App(cfg, reg, loop)
+    pool = FakePool()
+    app.pool_for = lambda worker: pool  # type: ignore[method-assign]
+    proto = ClientProtocol(app)
+    tr = FakeTransport()
+    proto.connection_made(tr)
+    yield SimpleNamespace(loop=loop, app=app, reg=reg, pool=pool, proto=proto, tr=tr)
+    loop.close()
+
+
+class _Parsed:
+    def __init__(self) -> None:
+        self.items: list[dict] = []
+        self.p = httptools.HttpResponseParser(self)
+
+    def on_message_begin(self) -> None:
+        self.items.append({"headers": {}, "body": b"", "done": False})
+
+    def on_header(self, n: bytes, v: bytes) -> None:
+        self.items[-1]["headers"][n.decode().lower()] = v.decode()
+
+    def on_headers_complete(self) -> None:
+        self.items[-1]["status"] = self.p.get_status_code()
+
+    def on_body(self, b: bytes) -> None:
+        self.items[-1]["body"] += b
+
+    def on_message_complete(self) -> None:
+        self.items[-1]["done"] = True
+
+
+def responses(out: bytes) -> list[dict]:
+    parsed = _Parsed()
+    if out:
+        parsed.p.feed_data(bytes(out))
+    return parsed.items
+
+
+def post(body: bytes = b'{"text": "hi"}', extra: bytes = b"") -> bytes:
+    return (b"POST /generate HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n%b\r\n%b"
+            % (len(body), extra, body))
+
+
+def test_health_is_answered_inline_with_keep_alive(env) -> None:
+    env.proto.data_received(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\nGET /liveness HTTP/1.1\r\nHost: r\r\n\r\n")
+    res = responses(env.tr.out)
+    assert [(r["status"], r["body"]) for r in res] == [(200, b"OK"), (200, b"OK")]
+    assert not env.tr.closed and env.pool.sent == []
+
+
+def test_upstream_request_is_framed_with_whitelisted_headers(env) -> None:
+    env.proto.data_received(post(extra=b"X-Request-Id: r1\r\nUser-Agent: ua\r\nAuthorization: Bearer c\r\n"
+                                       b"tracestate: ts\r\n"))
+    ((req, _leg),) = env.pool.sent
+    head, _, body = req.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"POST /generate HTTP/1.1"
+    assert set(lines[1:]) == {b"Host: 127.0.0.1:9", b"Content-Type: application/json",
+                              b"Content-Length: 14", b"X-Request-Id: r1", b"tracestate: ts",
+                              b"Authorization: Bearer c"}
+    assert body == b'{"text": "hi"}'
+
+
+def test_pipelined_health_waits_for_proxied_response_then_order_kept(env) -> None:
+    env.proto.data_received(post() + b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
+    assert env.tr.out == b""  # /health must not overtake the pending proxied response
+    (_, leg), = env.pool.sent
+    leg.up_head(200, [(b"Content-Type", b"application/json"), (b"Content-Length", b"2"),
+                      (b"Connection", b"keep-alive"), (b"Keep-Alive", b"timeout=5")])
+    leg.up_body(b"{}")
+    leg.up_done()
+    res = responses(env.tr.out)
+    assert [r["status"] for r in res] == [200, 200]
+    assert res[0]["body"] == b"{}" and res[1]["body"] == b"OK"
+    h = res[0]["headers"]
+    assert h["content-length"] == "2" and "keep-alive" not in h and "connection" not in h
+    assert h["x-request-id"].startswith("gnt-")
+    (lease,) = env.reg.groups["regular"].leases
+    assert lease.releases == 1
+
+
+def test_chunked_upstream_is_relayed_chunk_by_chunk(env) -> None:
+    env.proto.data_received(post(b'{"text": "hi", "stream": true}'))
+    (_, leg), = env.pool.sent
+    leg.up_head(200, [(b"Content-Type", b"text/event-stream"), (b"Transfer-Encoding", b"chunked")])
+    assert env.tr.out == b""  # head goes out with the first body bytes (one write)
+    leg.up_body(b"data: 1\n\n")
+    first = bytes(env.tr.out)
+    assert first.endswith(b"\r\n\r\n9\r\ndata: 1\n\n\r\n")
+    assert b"transfer-encoding: chunked\r\n" in first
+    leg.up_body(b"data: [DONE]\n\n")
+    leg.up_done()
+    (res,) = responses(env.tr.out)
+    assert res["done"] and res["body"] == b"data: 1\n\ndata: [DONE]\n\n"
+    assert env.tr.out.endswith(b"0\r\n\r\n")
+
+
+def test_client_write_backpressure_pauses_upstream_reading(env) -> None:
+    env.proto.data_received(post(b'{"text": "hi", "stream": true}'))
+    (_, leg), = env.pool.sent
+    leg.up_head(200, [(b"Transfer-Encoding", b"chunked")])
+    env.proto.pause_writing()
+    assert leg.conn.paused
+    env.proto.resume_writing()
+    assert not leg.conn.paused
+
+
+def test_client_disconnect_aborts_upstream_and_releases_exactly_once(env) -> None:
+    env.proto.data_received(post(b'{"text": "hi", "stream": true}'))
+    (_, leg), = env.pool.sent
+    conn = leg.conn
+    leg.up_head(200, [(b"Transfer-Encoding", b"chunked")])
+    leg.up_body(b"data: 1\n\n")
+    env.tr.closed = True
+    env.proto.connection_lost(None)
+    assert conn.aborted
+    (lease,) = env.reg.groups["regular"].leases
+    assert lease.releases == 1
+    assert env.app.exchanges == set()
+
+
+def test_upstream_error_before_head_is_502_after_head_cuts_stream(env) -> None:
+    env.proto.data_received(post())
+    (_, leg), = env.pool.sent
+    leg.up_error(ConnectionResetError("reset"))
+    (res,) = responses(env.tr.out)
+    assert res["status"] == 502 and b"bad_gateway" in res["body"]
+    assert not env.tr.closed
+    env.tr.out.clear()
+    env.proto.data_received(post(b'{"text": "hi", "stream": true}'))
+    (_, leg2) = env.pool.sent[1]
+    leg2.up_head(200, [(b"Transfer-Encoding", b"chunked")])
+    leg2.up_body(b"data: 1\n\n")
+    leg2.up_error(ConnectionResetError("reset"))
+    assert env.tr.closed and not env.tr.out.endswith(b"0\r\n\r\n")
+    assert [lease.releases for lease in env.reg.groups["regular"].leases] == [1, 1]
+
+
+def test_request_timeout_gives_504_and_releases(env) -> None:
+    env.proto.data_received(post())
+    (_, leg), = env.pool.sent
+    for ex in list(env.app.exchanges):
+        ex.deadline = 0.0
+    env.app._sweep()
+    (res,) = responses(env.tr.out)
+    assert res["status"] == 504
+    assert leg.conn is None or leg.conn.aborted
+    assert env.reg.groups["regular"].leases[0].releases == 1
+
+
+def test_malformed_request_gets_400_json_and_close(env) -> None:
+    env.proto.data_received(b"NOT HTTP AT ALL\r\n\r\n")
+    (res,) = responses(env.tr.out)
+    assert res["status"] == 400 and b'"code":"bad_request"' in res["body"]
+    assert env.tr.closed
+
+
+def test_payload_limit_413_without_reading_upstream(env) -> None:
+    env.proto.data_received(post(b'{"text": "' + b"x" * 200 + b'"}'))
+    (res,) = responses(env.tr.out)
+    assert res["status"] == 413 and env.pool.sent == []
+
+
+def test_expect_100_continue(env) -> None:
+    env.proto.data_received(b"POST /generate HTTP/1.1\r\nHost: r\r\nContent-Length: 14\r\n"
+                            b"Expect: 100-continue\r\n\r\n")
+    assert env.tr.out == b"HTTP/1.1 100 Continue\r\n\r\n"
+    env.proto.data_received(b'{"text": "hi"}')
+    assert len(env.pool.sent) == 1
+
+
+def test_header_read_timeout_closes_idle_but_not_busy_connections(env) -> None:
+    env.proto.data_received(b"GET /health HTTP/1.1\r\nHo")  # head never completes
+    env.proto.head_deadline = 0.001
+    env.app._sweep()
+    assert env.tr.closed
+    busy = ClientProtocol(env.app)
+    tr = FakeTransport()
+    busy.connection_made(tr)
+    busy.data_received(post())
+    assert busy.head_deadline == 0.0  # no header timeout while a response is pending
+    env.app._sweep()
+    assert not tr.closed
+
+
+def test_not_ready_is_503(env) -> None:
+    env.reg.is_ready = False
+    env.proto.data_received(post())
+    (res,) = responses(env.tr.out)
+    assert res["status"] == 503 and b"no_available_workers" in res["body"]
+    assert res["headers"]["x-smg-error-code"] == "no_available_workers"
+
+
+def test_http10_client_gets_close_delimited_stream(env) -> None:
+    body = b'{"text": "hi", "stream": true}'
+    env.proto.data_received(b"POST /generate HTTP/1.0\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+    (_, leg), = env.pool.sent
+    leg.up_head(200, [(b"Transfer-Encoding", b"chunked")])
+    leg.up_body(b"data: 1\n\n")
+    leg.up_done()
+    assert b"transfer-encoding" not in bytes(env.tr.out).lower()
+    assert env.tr.out.endswith(b"\r\n\r\ndata: 1\n\n") and env.tr.closed
