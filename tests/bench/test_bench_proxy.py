@@ -1,0 +1,194 @@
+"""Benchmarks of the per-request proxy path with a mock transport (no sockets).
+
+Opt-in: ``python -m pytest tests/bench/test_bench_proxy.py --benchmark-only``.
+
+Each round is one complete request on a keep-alive client connection: parse the
+client bytes, parse the JSON body, pick (stub group), frame the upstream request,
+relay the upstream head and body back, release the lease. The worker side is
+played by calling the leg callbacks, so this measures the router's own CPU per
+request: what the data path adds on top of the kernel's socket work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from fastroute.config import Config
+from fastroute.proxy import App, ClientProtocol
+
+
+class _Transport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def write(self, data: Any) -> None:
+        self.n += len(data)
+
+    def close(self) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+
+class _Conn:
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+class _Pool:
+    authority = b"127.0.0.1:9"
+    auth = b""
+
+    def __init__(self) -> None:
+        self.last: Any = None
+        self.conn = _Conn()
+
+    def send(self, request: bytes, leg: Any) -> _Conn:
+        leg.conn = self.conn
+        self.last = leg
+        return self.conn
+
+
+class _Lease:
+    __slots__ = ("target", "tokens", "done")
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.tokens = 0
+        self.done = False
+
+    def release(self) -> bool:
+        first = not self.done
+        self.done = True
+        return first
+
+
+class _Group:
+    policy = "round_robin"
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+
+    def acquire(self, tokens: int = 0, key: bytes | None = None, text: str | None = None) -> _Lease:
+        return _Lease(self.target)
+
+
+class _Registry:
+    def __init__(self) -> None:
+        w = SimpleNamespace(url="http://127.0.0.1:9", host="127.0.0.1", port=9, api_key=None,
+                            bootstrap_port=8998, dp_size=1)
+        self.target_info = [(w, None), (w, 3)]
+        self.groups = {"regular": _Group(0), "prefill": _Group(0), "decode": _Group(1)}
+
+    def ready(self) -> bool:
+        return True
+
+    def group(self, role: str) -> _Group:
+        return self.groups[role]
+
+
+def _setup(**cfg: Any) -> tuple[ClientProtocol, _Pool, asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    app = App(Config(**cfg), _Registry(), loop)
+    pool = _Pool()
+    app.pool_for = lambda worker: pool  # type: ignore[method-assign]
+    proto = ClientProtocol(app)
+    proto.connection_made(_Transport())
+    return proto, pool, loop
+
+
+BODY = b'{"text": "The capital of France is", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}'
+REQ = (b"POST /generate HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+       b"User-Agent: python-requests/2.31\r\nAccept: */*\r\nX-Request-Id: bench-1\r\n"
+       b"Content-Length: %d\r\n\r\n%b" % (len(BODY), BODY))
+SSE_REQ_BODY = BODY[:-1] + b', "stream": true}'
+SSE_REQ = (b"POST /generate HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+           b"Content-Length: %d\r\n\r\n%b" % (len(SSE_REQ_BODY), SSE_REQ_BODY))
+JSON_HEAD = [(b"date", b"Sun, 29 Nov 2026 00:00:00 GMT"), (b"server", b"uvicorn"),
+             (b"content-length", b"120"), (b"content-type", b"application/json")]
+SSE_HEAD = [(b"date", b"Sun, 29 Nov 2026 00:00:00 GMT"), (b"server", b"uvicorn"),
+            (b"content-type", b"text/event-stream"), (b"transfer-encoding", b"chunked")]
+JSON_BODY = b'{"text": " Paris.", "meta_info": {"id": "x", "prompt_tokens": 6, "completion_tokens": 2}}'.ljust(120)
+EVENT = b'data: {"text": " tok", "output_ids": [21], "meta_info": {"id": "x"}, "index": 0}\n\n'
+
+
+@pytest.mark.benchmark(group="proxy")
+def test_bench_regular_json_request(benchmark) -> None:
+    proto, pool, loop = _setup(worker_urls=["http://127.0.0.1:9"])
+
+    def one() -> None:
+        proto.data_received(REQ)
+        leg = pool.last
+        leg.up_head(200, JSON_HEAD)
+        leg.up_body(JSON_BODY)
+        leg.up_done()
+
+    benchmark(one)
+    assert not proto.busy and not proto.app.exchanges
+    loop.close()
+
+
+@pytest.mark.benchmark(group="proxy")
+def test_bench_regular_sse_8_events(benchmark) -> None:
+    proto, pool, loop = _setup(worker_urls=["http://127.0.0.1:9"])
+
+    def one() -> None:
+        proto.data_received(SSE_REQ)
+        leg = pool.last
+        leg.up_head(200, SSE_HEAD)
+        for _ in range(8):
+            leg.up_body(EVENT)
+        leg.up_body(b"data: [DONE]\n\n")
+        leg.up_done()
+
+    benchmark(one)
+    assert not proto.busy
+    loop.close()
+
+
+@pytest.mark.benchmark(group="proxy")
+def test_bench_pd_sse_8_events_dp_aware(benchmark) -> None:
+    proto, pool, loop = _setup(pd_disaggregation=True, prefill=[("http://127.0.0.1:9", 8998)],
+                               decode=["http://127.0.0.1:10"], dp_aware=True)
+    ex_legs: list = []
+    pool.send = lambda request, leg: (setattr(leg, "conn", _Conn()), ex_legs.append(leg))  # type: ignore[method-assign]
+
+    def one() -> None:
+        ex_legs.clear()
+        proto.data_received(SSE_REQ)
+        p, d = ex_legs
+        p.up_head(200, SSE_HEAD)
+        d.up_head(200, SSE_HEAD)
+        p.up_body(EVENT)
+        p.up_done()
+        for _ in range(8):
+            d.up_body(EVENT)
+        d.up_body(b"data: [DONE]\n\n")
+        d.up_done()
+
+    benchmark(one)
+    assert not proto.busy
+    loop.close()
+
+
+@pytest.mark.benchmark(group="proxy")
+def test_bench_health_inline(benchmark) -> None:
+    proto, _pool, loop = _setup(worker_urls=["http://127.0.0.1:9"])
+    req = b"GET /health HTTP/1.1\r\nHost: router\r\n\r\n"
+    benchmark(proto.data_received, req)
+    loop.close()
