@@ -66,7 +66,7 @@ class SimParams:
     step_mtoken_ms: float = 4.0
     prefill_base_ms: float = 20.0
     prefill_tokens_per_s: float = 120_000.0  # per prefill rank
-    chars_per_token: float = 4.0  # text -> token estimate
+    chars_per_token: float = 4.0  # text -> token estimate (utf-8 bytes per token)
     time_scale: float = 1.0
     sample_interval_s: float = 0.1
     rendezvous_timeout_s: float = 120.0
@@ -77,8 +77,12 @@ class SimParams:
 
 
 def estimate_text_tokens(text: str, chars_per_token: float = 4.0) -> int:
-    """Token count the simulator assumes for ``text`` (no tokenizer): ceil(len / chars_per_token)."""
-    return max(1, math.ceil(len(text) / chars_per_token)) if text else 0
+    """Token count the simulator assumes for ``text`` (no tokenizer): ceil(utf-8 bytes / 4), the
+    router's own estimate, so both sides agree on what a text request weighs."""
+    if not text:
+        return 0
+    n = len(text) if text.isascii() else len(text.encode())
+    return max(1, math.ceil(n / chars_per_token))
 
 
 class BadRequest(Exception):
@@ -152,7 +156,7 @@ def parse_inference(path: str, body: bytes, params: SimParams) -> ParsedGen:
         msgs = obj.get("messages")
         if not isinstance(msgs, list):
             raise BadRequest("messages must be a list")
-        n_in = 0
+        n_in = 4 * len(msgs)  # chat template overhead per message, as the router estimates it
         for m in msgs:
             c = m.get("content") if isinstance(m, dict) else None
             if isinstance(c, str):

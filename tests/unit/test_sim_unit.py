@@ -1,0 +1,257 @@
+"""Simulator pieces without sockets: request parsing, the decode engine's step model, KV
+prealloc and abort, room rendezvous, trace/encoding, SSE counting and balance statistics."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+
+from fastroute.sim.balance import balance_stats, fastroute_cells, markdown_table
+from fastroute.sim.loadgen import (ReqRecord, TraceItem, _SSECounter, encode_request, load_trace,
+                                   synthetic_trace)
+from fastroute.sim.worker import (BadRequest, DecodeEngine, DecodeReq, Rendezvous, SimParams,
+                                  estimate_text_tokens, parse_inference)
+
+
+def run(coro, timeout: float = 20.0):
+    async def bounded():
+        return await asyncio.wait_for(coro, timeout)
+    return asyncio.run(bounded())
+
+
+P = SimParams()
+
+
+# -- parsing ----------------------------------------------------------------------------------
+
+def test_parse_generate_ids_text_and_rank_fields() -> None:
+    g = parse_inference("/generate", json.dumps({"input_ids": [1] * 37, "sampling_params": {"max_new_tokens": 9},
+                                                 "routed_dp_rank": 5, "data_parallel_rank": 2,
+                                                 "bootstrap_room": 7, "bootstrap_port": 8998,
+                                                 "bootstrap_host": "h", "stream": True}).encode(), P)
+    assert (g.input_tokens, g.max_new, g.rank, g.room, g.bootstrap_port, g.stream) == (37, 9, 5, 7, 8998, True)
+    g = parse_inference("/generate", b'{"text": "abcdefghi", "data_parallel_rank": 3}', P)
+    assert g.input_tokens == 3 and g.rank == 3 and g.max_new == P.max_new_tokens and g.room is None
+
+
+def test_parse_openai_paths() -> None:
+    g = parse_inference("/v1/completions", b'{"prompt": [1,2,3,4], "max_tokens": 4}', P)
+    assert (g.kind, g.input_tokens, g.max_new) == ("completions", 4, 4)
+    g = parse_inference("/v1/chat/completions",
+                        b'{"messages": [{"role": "user", "content": "abcdefgh"}], "max_completion_tokens": 2,'
+                        b' "stream": true, "stream_options": {"include_usage": true}}', P)
+    assert (g.kind, g.input_tokens, g.max_new, g.include_usage) == ("chat", 4 + 2, 2, True)
+
+
+@pytest.mark.parametrize("body", [b"[1]", b"{bad", b'{"input_ids": [1], "routed_dp_rank": "1"}',
+                                  b'{"text": "x", "sampling_params": {"max_new_tokens": 0}}', b'{}',
+                                  b'{"input_ids": [[1], [2]]}', b'{"text": "x", "bootstrap_room": 1.5}'])
+def test_parse_rejects_malformed(body: bytes) -> None:
+    with pytest.raises(BadRequest):
+        parse_inference("/generate", body, P)
+
+
+def test_text_estimate_agrees_with_router_estimator() -> None:
+    body = pytest.importorskip("fastroute.body")
+    for text in ["", "a", "abcd", "abcde", "héllo wörld", "日本語のテキスト" * 3, "x" * 4001]:
+        assert estimate_text_tokens(text) == (body.estimate_tokens(text) if text else 0)
+
+
+def test_encoded_requests_weigh_the_same_for_router_and_sim() -> None:
+    body = pytest.importorskip("fastroute.body")
+    for item in [TraceItem(1, 5), TraceItem(31_000, 200), TraceItem(300_000, 100), TraceItem(3, 7, text="héllo"),
+                 TraceItem(3, 7, input_ids=[4, 5, 6])]:
+        for fmt in ("text", "ids"):
+            raw = encode_request(item, fmt)
+            meta = body.parse_request("/generate", raw)
+            g = parse_inference("/generate", raw, P)
+            assert meta.input_tokens == g.input_tokens
+            assert meta.stream and g.max_new == item.output_tokens
+            if item.text is None and item.input_ids is None:
+                assert g.input_tokens == item.input_tokens
+
+
+# -- decode engine ----------------------------------------------------------------------------
+
+def _req(eng: DecodeEngine, rank: int, n_in: int, n_out: int, tokens: list | None = None) -> DecodeReq:
+    loop = asyncio.get_running_loop()
+    emit = (lambda r: tokens.append((r.rid, r.generated))) if tokens is not None else None
+    r = DecodeReq(f"r{rank}-{n_in}-{id(object())}", rank, n_in, n_out, emit, loop.create_future())
+    eng.submit(r)
+    eng.kv_arrived(r)
+    return r
+
+
+def test_step_time_is_set_by_the_busiest_rank() -> None:
+    async def scenario(per_rank: list[int], n_in: int) -> float:
+        p = SimParams(dp_size=8, time_scale=0.001, sample_interval_s=0.0)
+        eng = DecodeEngine(p)
+        eng.start()
+        reqs = [_req(eng, rank, n_in, 3) for rank, n in enumerate(per_rank) for _ in range(n)]
+        await asyncio.gather(*(r.done for r in reqs))
+        await eng.stop()
+        # First step of the batch: every request present with its input as context.
+        return max(s[1] for s in eng.samples)
+
+    p = SimParams()
+    spread = run(scenario([1] * 8, 30_000))
+    hot = run(scenario([8] + [0] * 7, 30_000))
+    assert spread == pytest.approx(p.step_base_ms + p.step_request_ms * 1 + p.step_mtoken_ms * 30_001 / 1e6, abs=0.01)
+    assert hot == pytest.approx(p.step_base_ms + p.step_request_ms * 8 + p.step_mtoken_ms * 8 * 30_000 / 1e6,
+                                abs=0.05)
+    # The seed-000 calibration: 6 -> ~40 ms, 8 -> ~44 ms, 9 -> ~46-48 ms at ~30k context each.
+    six, eight, nine = (p.step_base_ms + p.step_seconds(n, n * 30_000) for n in (6, 8, 9))
+    assert 39 <= six <= 42 and 43 <= eight <= 46 and 45 <= nine <= 49
+    # Context alone moves it too: 0.5M more tokens cost one more request.
+    assert p.step_seconds(1, 500_000) == pytest.approx(p.step_seconds(2, 0))
+
+
+def test_kv_prealloc_queues_until_the_rank_has_room_and_abort_frees() -> None:
+    async def scenario() -> None:
+        p = SimParams(dp_size=2, max_total_num_tokens=1_000, time_scale=0.001)
+        eng = DecodeEngine(p)
+        eng.start()
+        first = _req(eng, 0, 600, 50)
+        second = _req(eng, 0, 600, 50)  # does not fit next to the first: waits in prealloc
+        assert first.state in ("ready", "running") and second.state == "prealloc"
+        assert eng.rank_loads()[0][1] >= 1  # reported as waiting
+        third = _req(eng, 1, 600, 50)  # the other rank is free
+        assert third.state != "prealloc"
+        await first.done
+        for _ in range(100):
+            if second.state in ("ready", "running"):
+                break
+            await asyncio.sleep(0.001)
+        assert second.state in ("ready", "running")
+        eng.abort(second)
+        eng.abort(second)  # idempotent
+        assert second.state == "done"
+        await third.done
+        assert eng.rank_loads() == [(0, 0, 0), (0, 0, 0)]
+        assert all(r.reserved == 0 and r.ctx == 0 for r in eng.ranks)
+        assert eng.completed == 2 and eng.aborted == 1
+        await eng.stop()
+    run(scenario())
+
+
+def test_one_token_per_step_and_rank_round_robin() -> None:
+    async def scenario() -> None:
+        eng = DecodeEngine(SimParams(dp_size=3, time_scale=0.001))
+        assert [eng.pick_rank(None) for _ in range(5)] == [0, 1, 2, 0, 1]
+        assert eng.pick_rank(2) == 2
+        with pytest.raises(BadRequest):
+            eng.pick_rank(3)
+        eng.start()
+        toks: list = []
+        r = _req(eng, 0, 10, 4, toks)
+        await r.done
+        assert [n for _, n in toks] == [1, 2, 3, 4] and eng.tokens_out == 4
+        await eng.stop()
+    run(scenario())
+
+
+def test_request_larger_than_a_rank_is_rejected() -> None:
+    async def scenario() -> None:
+        eng = DecodeEngine(SimParams(dp_size=1, max_total_num_tokens=100))
+        with pytest.raises(BadRequest):
+            _req(eng, 0, 95, 10)
+    run(scenario())
+
+
+# -- rendezvous -------------------------------------------------------------------------------
+
+def test_rendezvous_orders_and_timeout() -> None:
+    async def scenario() -> None:
+        b = Rendezvous()
+        b.mark_ready(1)  # prefill first
+        assert await b.wait(1, 1.0) is True
+        assert not b.is_ready(1)  # consumed
+        w = asyncio.ensure_future(b.wait(2, 5.0))  # decode first
+        await asyncio.sleep(0)
+        assert not w.done()
+        b.mark_ready(2)
+        assert await w is True
+        assert await b.wait(3, 0.01) is False  # never ready
+        assert b.pending() == 0
+    run(scenario())
+
+
+def test_rendezvous_forgets_unclaimed_rooms_after_ttl() -> None:
+    b = Rendezvous(ttl_s=0.0)
+    b.mark_ready(10)
+    b.mark_ready(11)  # prunes everything older than the TTL
+    assert not b.is_ready(10)
+
+
+# -- loadgen pieces ---------------------------------------------------------------------------
+
+def test_synthetic_trace_is_seeded_and_input_heavy() -> None:
+    a, b, c = synthetic_trace(2000, seed=1), synthetic_trace(2000, seed=1), synthetic_trace(2000, seed=2)
+    assert a == b and a != c
+    mean_in = sum(t.input_tokens for t in a) / len(a)
+    mean_out = sum(t.output_tokens for t in a) / len(a)
+    assert 20_000 <= mean_in <= 40_000
+    assert 100 <= min(t.output_tokens for t in a) and max(t.output_tokens for t in a) <= 500
+    assert 180 <= mean_out <= 320
+    assert max(t.input_tokens for t in a) > 4 * mean_in  # heavy tail
+
+
+def test_load_trace_jsonl(tmp_path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"input_tokens": 100, "output_tokens": 7}\n\n{"text": "abcdefgh", "output_tokens": 3}\n'
+                    '{"input_ids": [1,2,3]}\n')
+    items = load_trace(str(path))
+    assert [(i.input_tokens, i.output_tokens) for i in items] == [(100, 7), (2, 3), (3, 256)]
+    path.write_text('{"output_tokens": 3}\n')
+    with pytest.raises(ValueError):
+        load_trace(str(path))
+
+
+def test_sse_counter_handles_split_events() -> None:
+    clock = iter(range(100))
+    rec = ReqRecord(0.0, 1)
+    c = _SSECounter(rec, lambda: float(next(clock)))
+    stream = b'data: {"a":1}\n\ndata: {"a":2}\n\n: keep-alive\n\ndata: {"a":3}\n\ndata: [DONE]\n\n'
+    for i in range(0, len(stream), 7):
+        c.feed(stream[i:i + 7])
+    assert rec.n_tokens == 3 and c.done and not c.error
+    rec2 = ReqRecord(0.0, 1)
+    c2 = _SSECounter(rec2, lambda: 1.0)
+    c2.feed(b'data: {"error": {"message": "boom"}}\n\ndata: [DONE]\n\n')
+    assert "boom" in c2.error and rec2.n_tokens == 0
+
+
+# -- balance statistics -----------------------------------------------------------------------
+
+def test_balance_stats_of_known_samples() -> None:
+    even = (0.0, 40.0, (4, 4, 4, 4), (5, 5, 5, 5), (100, 100, 100, 100))
+    skew = (0.1, 50.0, (8, 0, 4, 4), (10, 0, 5, 5), (300, 100, 0, 0))
+    idle = (0.2, 0.0, (0, 0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0))
+    s = balance_stats([even, skew, idle])
+    assert s["samples"] == 2  # idle samples are left out
+    cv_skew = math.sqrt(((10 - 5) ** 2 + 25 + 0 + 0) / 4) / 5
+    assert s["outstanding_cv"] == pytest.approx(cv_skew / 2)
+    assert s["busiest_batch"] == pytest.approx(6.0)
+    assert s["kv_busiest_over_mean"] == pytest.approx((1.0 + 3.0) / 2)
+    assert s["step_ms"] == pytest.approx(45.0)
+    assert balance_stats([idle]) == {"samples": 0}
+
+
+def test_matrix_and_table_shape() -> None:
+    labels = [c.label for c in fastroute_cells()]
+    assert labels == ["round_robin", "p2c tokens", "p2c requests", "p2c least_requests",
+                      "demand W=0", "demand W=1e+06"]
+    assert len(fastroute_cells(sweep=True)) == 4 + 5
+    load = {k: 1.0 for k in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "interactivity_p50",
+                             "interactivity_p90", "output_tok_s")}
+    load.update(completed=3, errors=0)
+    res = [{"label": "round_robin", "concurrency": 64, "load": load,
+            "balance": {"outstanding_cv": 0.2, "running_cv": 0.1, "busiest_batch": 9.0,
+                        "kv_busiest_over_mean": 1.4, "step_ms": 44.0}},
+           {"label": "p2c requests", "concurrency": 192, "load": load, "balance": {"samples": 0}}]
+    md = markdown_table(res, 0.25)
+    assert "### concurrency 64" in md and "### concurrency 192" in md
+    row = [ln for ln in md.splitlines() if ln.startswith("| round_robin")][0]
+    assert row.count("|") == 13 and "0.20" in row and "9.0" in row
