@@ -134,6 +134,10 @@ def model_id_of(requested: str | None, server_info: Mapping[str, Any], model_inf
     return "unknown"
 
 
+class DuplicateWorker(ValueError):
+    """A worker with that URL is already registered (or registering)."""
+
+
 class _Transient(Exception):
     """A handshake step failed in a way worth retrying until the startup deadline."""
 
@@ -258,8 +262,8 @@ class Registry:
     def add_worker(self, url: str, role: str, *, bootstrap_port: int | None = None,
                    model_id: str | None = None, priority: int | None = None, cost: float | None = None,
                    labels: Mapping[str, str] | None = None, api_key: str | None = None) -> Worker:
-        """Queue a worker for background registration. Raises ValueError on a duplicate URL or a
-        bad role; the handshake outcome is visible as ``Worker.status``."""
+        """Queue a worker for background registration. Raises DuplicateWorker (a ValueError) on a
+        known URL and ValueError on a bad role; the handshake outcome is ``Worker.status``."""
         return self._queue(url, role, bootstrap_port=bootstrap_port, model_id=model_id,
                            priority=priority, cost=cost, labels=labels, api_key=api_key)
 
@@ -270,7 +274,7 @@ class Registry:
             raise ValueError(f"unknown worker_type {role!r} (expected one of {', '.join(ROLES)})")
         url = normalize_url(url)
         if self.find(url) is not None:
-            raise ValueError(f"worker {url} already exists")
+            raise DuplicateWorker(f"worker {url} already exists")
         host, port = split_host_port(url)
         if not host:
             raise ValueError(f"no host in worker URL {url!r}")
@@ -561,7 +565,7 @@ class Registry:
                                 priority=req.get("priority"), cost=req.get("cost"), labels=labels,
                                 api_key=req.get("api_key"))
         except ValueError as exc:
-            status, code = (409, "worker_already_exists") if "already exists" in str(exc) else (400, "bad_request")
+            status, code = (409, "worker_already_exists") if isinstance(exc, DuplicateWorker) else (400, "bad_request")
             return status, error_response(status, code, str(exc)), _JSON
         return 202, _json({"status": "accepted", "worker_id": w.id, "url": w.url,
                            "location": f"/workers/{w.id}",
