@@ -648,7 +648,7 @@ class _Exchange:
     """Client-facing half of one proxied request: framing, flow control, the lease release."""
 
     __slots__ = ("app", "proto", "req", "leases", "deadline", "chunked", "head", "started",
-                 "finished", "keep_alive", "rid", "relay_conn")
+                 "finished", "keep_alive", "rid", "relay_conn", "out")
 
     def __init__(self, app: App, proto: ClientProtocol, req: Request, path: bytes,
                  leases: tuple) -> None:
@@ -664,6 +664,10 @@ class _Exchange:
         self.keep_alive = req.keep_alive
         self.rid = req.rid if req.rid is not None else _new_request_id(path)
         self.relay_conn: Any = None      # upstream connection whose body we relay (flow control)
+        # Client bytes produced while one upstream read is parsed; written with a
+        # single transport.write when the read is done (up_flush), so a burst of
+        # SSE events costs one syscall, not one per event.
+        self.out: list[bytes] = []
         app.exchanges.add(self)
         proto.exchange = self
 
@@ -702,26 +706,33 @@ class _Exchange:
         self.started = True
 
     def _write(self, data: bytes) -> None:
-        if self.proto.closed:
-            return
         if self.chunked:
             data = b"%x\r\n%b\r\n" % (len(data), data)
         head = self.head
         if head is not None:
             self.head = None
             data = head + data
-        self.proto.transport.write(data)  # type: ignore[union-attr]
+        self.out.append(data)
+
+    def flush(self) -> None:
+        out = self.out
+        if out:
+            data = out[0] if len(out) == 1 else b"".join(out)
+            out.clear()
+            if not self.proto.closed:
+                self.proto.transport.write(data)  # type: ignore[union-attr]
+
+    up_flush = flush
 
     def _end(self) -> None:
         """Response complete: write what is left, release, hand the connection back."""
-        if not self.proto.closed:
-            tail = _LAST_CHUNK if self.chunked else b""
-            head = self.head
-            if head is not None:
-                self.head = None
-                tail = head + tail
-            if tail:
-                self.proto.transport.write(tail)  # type: ignore[union-attr]
+        head = self.head
+        if head is not None:
+            self.head = None
+            self.out.append(head)
+        if self.chunked:
+            self.out.append(_LAST_CHUNK)
+        self.flush()
         self._finish(self.keep_alive)
 
     def _finish(self, keep_alive: bool) -> None:
@@ -746,12 +757,14 @@ class _Exchange:
             # Chunked: no terminating 0-chunk, so the client sees a truncated
             # response rather than a clean end; Content-Length: short body.
             if self.head is None:
+                self.flush()  # bytes already committed to the client go out before the cut
                 self._finish(False)
                 if not self.proto.closed:
                     self.proto.closed = True
                     self.proto.transport.close()  # type: ignore[union-attr]
                 return
             self.head = None  # nothing sent yet: still free to answer with an error
+            self.out.clear()
         self.finished = True
         self.app.exchanges.discard(self)
         try:
@@ -891,6 +904,9 @@ class _PDLeg:
     def body(self) -> bytes:
         return b"".join(self.chunks)
 
+    def up_flush(self) -> None:
+        self.ex.flush()
+
 
 class PDRelay(_Exchange):
     """PD mode (protocol.md 3.5): both heads, decode status first, drain prefill, relay decode."""
@@ -952,6 +968,7 @@ class PDRelay(_Exchange):
         if d.done:
             self.relay_end()
             return
+        self.flush()  # we may be inside the prefill's read: nothing else flushes these bytes
         conn = d.conn
         self.relay_conn = conn
         if conn is not None:

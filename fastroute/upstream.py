@@ -12,6 +12,7 @@ Leg interface (duck-typed, implemented by the proxy)::
     leg.up_head(status, headers)   # headers: list[(name bytes, value bytes)]
     leg.up_body(data)              # de-chunked body bytes, in order
     leg.up_done()                  # response complete (connection already pooled or closed)
+    leg.up_flush()                 # end of one upstream read: write what up_body produced
     leg.up_error(exc)              # transport failure / malformed response; no more callbacks
 
 Invariants:
@@ -103,6 +104,10 @@ class UpstreamConnection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError("malformed upstream response: %s" % exc))
+            return
+        leg = self.leg
+        if leg is not None:
+            leg.up_flush()  # one client write per upstream read
 
     def eof_received(self) -> bool | None:
         return None  # let the transport close; connection_lost does the bookkeeping

@@ -153,6 +153,7 @@ def test_bench_regular_sse_8_events(benchmark) -> None:
         leg.up_head(200, SSE_HEAD)
         for _ in range(8):
             leg.up_body(EVENT)
+            leg.up_flush()  # worst case: one upstream read per event
         leg.up_body(b"data: [DONE]\n\n")
         leg.up_done()
 
@@ -178,6 +179,7 @@ def test_bench_pd_sse_8_events_dp_aware(benchmark) -> None:
         p.up_done()
         for _ in range(8):
             d.up_body(EVENT)
+            d.up_flush()
         d.up_body(b"data: [DONE]\n\n")
         d.up_done()
 
@@ -192,3 +194,152 @@ def test_bench_health_inline(benchmark) -> None:
     req = b"GET /health HTTP/1.1\r\nHost: router\r\n\r\n"
     benchmark(proto.data_received, req)
     loop.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Script mode: loopback throughput, router vs direct.
+#
+#   python tests/bench/test_bench_proxy.py [--seconds 5] [--conns 32] [--stream]
+#
+# Starts a minimal fixed-answer worker (httptools, one process), the router as a subprocess
+# (``python -m fastroute``), and N keep-alive client connections in this process; reports
+# completed requests per second through the router and directly against the worker.  On a
+# 2-core machine all three share the cores, so absolute numbers are a lower bound.
+
+
+def _worker_main(port: int, stream: bool) -> None:
+    import httptools
+    import uvloop
+
+    if stream:
+        events = b"".join(b"%x\r\n%b\r\n" % (len(EVENT), EVENT) for _ in range(8))
+        done = b"data: [DONE]\n\n"
+        answer = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                  + events + b"%x\r\n%b\r\n0\r\n\r\n" % (len(done), done))
+    else:
+        answer = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+                  % (len(JSON_BODY), JSON_BODY))
+    info = b'{"model_path": "/m/fake", "dp_size": 1}'
+    info_answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b" % (
+        len(info), info)
+
+    class W(asyncio.Protocol):
+        def connection_made(self, t: Any) -> None:
+            self.t = t
+            self.url = b""
+            self.p = httptools.HttpRequestParser(self)
+
+        def data_received(self, data: bytes) -> None:
+            self.p.feed_data(data)
+
+        def on_url(self, url: bytes) -> None:
+            self.url = url
+
+        def on_message_complete(self) -> None:
+            if self.url.startswith((b"/generate", b"/v1/")) and self.p.get_method() == b"POST":
+                self.t.write(answer)
+            else:
+                self.t.write(info_answer)
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(W, "127.0.0.1", port)
+        await server.serve_forever()
+
+    uvloop.run(main())
+
+
+async def _load(port: int, conns: int, seconds: float, body: bytes) -> int:
+    import httptools
+
+    req = (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+    count = 0
+    loop = asyncio.get_running_loop()
+    stop_at = loop.time() + seconds
+
+    class C(asyncio.Protocol):
+        def __init__(self) -> None:
+            self.p = httptools.HttpResponseParser(self)
+            self.fin: asyncio.Future = loop.create_future()
+
+        def connection_made(self, t: Any) -> None:
+            self.t = t
+            t.write(req)
+
+        def data_received(self, data: bytes) -> None:
+            self.p.feed_data(data)
+
+        def on_message_complete(self) -> None:
+            nonlocal count
+            count += 1
+            if loop.time() < stop_at:
+                self.t.write(req)
+            elif not self.fin.done():
+                self.fin.set_result(None)
+
+        def connection_lost(self, exc: Any) -> None:
+            if not self.fin.done():
+                self.fin.set_result(None)
+
+    protos = []
+    for _ in range(conns):
+        _t, pr = await loop.create_connection(C, "127.0.0.1", port)
+        protos.append(pr)
+    await asyncio.gather(*(p.fin for p in protos))
+    for p in protos:
+        p.t.close()
+    return count
+
+
+def _script() -> None:
+    import argparse
+    import multiprocessing
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import uvloop
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--conns", type=int, default=32)
+    ap.add_argument("--stream", action="store_true")
+    args = ap.parse_args()
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    wport, rport = free_port(), free_port()
+    worker = multiprocessing.Process(target=_worker_main, args=(wport, args.stream), daemon=True)
+    worker.start()
+    router = subprocess.Popen([sys.executable, "-m", "fastroute", "--host", "127.0.0.1", "--port", str(rport),
+                               "--worker-urls", f"http://127.0.0.1:{wport}", "--policy", "round_robin",
+                               "--disable-health-check", "--disable-load-monitoring",
+                               "--prometheus-port", str(free_port()), "--log-level", "warn"])
+    body = SSE_REQ_BODY if args.stream else BODY
+    try:
+        deadline = time.time() + 15
+        while True:
+            try:
+                if uvloop.run(_load(rport, 1, 0.01, body)) > 0:
+                    break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                raise SystemExit("router did not become ready")
+            time.sleep(0.2)
+        for name, port in (("direct", wport), ("router", rport)):
+            n = uvloop.run(_load(port, args.conns, args.seconds, body))
+            print(f"{name:7s} {'sse' if args.stream else 'json'} conns={args.conns}: "
+                  f"{n / args.seconds:10.0f} req/s")
+    finally:
+        router.terminate()
+        router.wait(10)
+        worker.terminate()
+
+
+if __name__ == "__main__":
+    _script()

@@ -205,6 +205,8 @@ def test_chunked_upstream_is_relayed_chunk_by_chunk(env) -> None:
     leg.up_head(200, [(b"Content-Type", b"text/event-stream"), (b"Transfer-Encoding", b"chunked")])
     assert env.tr.out == b""  # head goes out with the first body bytes (one write)
     leg.up_body(b"data: 1\n\n")
+    assert env.tr.out == b""  # coalesced until the end of the upstream read
+    leg.up_flush()
     first = bytes(env.tr.out)
     assert first.endswith(b"\r\n\r\n9\r\ndata: 1\n\n\r\n")
     assert b"transfer-encoding: chunked\r\n" in first
@@ -251,6 +253,7 @@ def test_upstream_error_before_head_is_502_after_head_cuts_stream(env) -> None:
     (_, leg2) = env.pool.sent[1]
     leg2.up_head(200, [(b"Transfer-Encoding", b"chunked")])
     leg2.up_body(b"data: 1\n\n")
+    leg2.up_flush()
     leg2.up_error(ConnectionResetError("reset"))
     assert env.tr.closed and not env.tr.out.endswith(b"0\r\n\r\n")
     assert [lease.releases for lease in env.reg.groups["regular"].leases] == [1, 1]
