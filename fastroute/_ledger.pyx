@@ -17,7 +17,8 @@ from fastroute._layout cimport (
     NCOLS, NHDR,
 )
 from fastroute._policy cimport (
-    pick_round_robin, pick_random, pick_p2c, pick_demand, pick_ring, rng_next, hash_bytes,
+    pick_round_robin, pick_random, pick_p2c, pick_demand, pick_ring, pick_kv_fit, rng_next,
+    hash_bytes,
     METRIC_TOKENS, METRIC_REQUESTS, METRIC_LEAST_REQUESTS,
 )
 import numpy as np
@@ -176,9 +177,14 @@ cdef class Picker:
     cdef readonly int64_t shadow_disagree
     cdef readonly int64_t last_legacy
     cdef readonly int64_t last_demand
+    cdef readonly int kv_fit
+    cdef readonly int64_t kv_reserve
+    cdef readonly int64_t kv_agree
+    cdef readonly int64_t kv_disagree
+    cdef readonly int64_t kv_fallback
 
     def __init__(self, table_array, header_array, str policy, str metric="tokens", int demand=0,
-                 int64_t weight=0, seed=None):
+                 int64_t weight=0, seed=None, int kv_fit=0, int64_t kv_reserve=0):
         if policy not in KINDS:
             raise ValueError(f"policy {policy!r} has no compiled picker")
         if metric not in ("tokens", "requests", "least_requests"):
@@ -187,6 +193,12 @@ cdef class Picker:
             raise ValueError("demand must be 0 (off), 1 (shadow) or 2 (on)")
         if weight < 0:
             raise ValueError("request weight must be >= 0")
+        if kv_fit not in (0, 1, 2):
+            raise ValueError("kv_fit must be 0 (off), 1 (shadow) or 2 (on)")
+        if kv_reserve < 0:
+            raise ValueError("kv reserve must be >= 0")
+        self.kv_fit = kv_fit
+        self.kv_reserve = kv_reserve
         self.tab = table_array
         self.header = header_array
         self.keep = (table_array, header_array)
@@ -230,17 +242,31 @@ cdef class Picker:
             return pick_ring(self.tab, self.ring_hash, self.ring_target, hash_bytes(key, klen))
         return pick_random(self.tab, self.cands, &self.rng)
 
-    cpdef int64_t pick(self, int64_t tokens=0, bytes key=None):
-        """The target the policy chooses now (no booking), or -1."""
+    cpdef int64_t pick(self, int64_t tokens=0, bytes key=None, int64_t out_tokens=0):
+        """The target the policy chooses now (no booking), or -1.
+
+        With KV fit on, the candidates are first narrowed to the ranks where this request's
+        input + ``out_tokens`` + the configured reserve fit in estimated free KV (see
+        ``_policy.kv_free``); in shadow the usual pick is dispatched and agreement counted."""
         cdef const unsigned char *k = NULL
         cdef Py_ssize_t klen = 0
-        cdef int64_t a, b
+        cdef int64_t a, b, f = -2
         if key is not None:
             k = key
             klen = len(key)
+        if self.kv_fit != 0:
+            f = pick_kv_fit(self.tab, self.cands, tokens, tokens + out_tokens + self.kv_reserve,
+                            self.demand == 2, self.weight, &self.rng)
+            if f == -2:
+                self.kv_fallback += 1
+            elif self.kv_fit == 2:
+                return f
         if self.demand == 2:
-            return pick_demand(self.tab, self.cands, tokens, self.weight, &self.rng)
+            a = pick_demand(self.tab, self.cands, tokens, self.weight, &self.rng)
+            self._count_kv(a, f)
+            return a
         a = self._legacy(k, klen)
+        self._count_kv(a, f)
         if self.demand == 1:
             b = pick_demand(self.tab, self.cands, tokens, self.weight, &self.rng)
             self.last_legacy = a
@@ -251,10 +277,17 @@ cdef class Picker:
                 self.shadow_disagree += 1
         return a
 
-    def acquire(self, int64_t tokens=0, bytes key=None, text=None):
+    cdef inline void _count_kv(self, int64_t dispatched, int64_t fit) noexcept:
+        if self.kv_fit == 1 and fit >= 0:
+            if fit == dispatched:
+                self.kv_agree += 1
+            else:
+                self.kv_disagree += 1
+
+    def acquire(self, int64_t tokens=0, bytes key=None, text=None, int64_t out_tokens=0):
         """Pick and book in one call; returns a Lease, or None when no target is eligible.
         ``text`` is accepted for call compatibility with text-aware policies and ignored."""
-        cdef int64_t t = self.pick(tokens, key)
+        cdef int64_t t = self.pick(tokens, key, out_tokens)
         if t < 0:
             return None
         return _new_lease(self.tab, &self.header[0], t, tokens, self.keep)

@@ -23,3 +23,7 @@ cdef int64_t pick_demand(int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t 
                          int64_t weight, uint64_t *rng) noexcept nogil
 cdef int64_t pick_ring(int64_t[:, ::1] tab, const uint64_t[::1] ring_hash,
                        const int64_t[::1] ring_target, uint64_t key) noexcept nogil
+cdef int64_t kv_free(int64_t[:, ::1] tab, int64_t t) noexcept nogil
+cdef int64_t pick_kv_fit(int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens,
+                         int64_t need, bint use_demand, int64_t weight,
+                         uint64_t *rng) noexcept nogil

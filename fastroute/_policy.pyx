@@ -5,11 +5,11 @@ table (booking is the ledger's job), and breaks ties at random from explicit RNG
 rank wins ties by being first.  ``fastroute._reference`` holds a NumPy twin of each kernel that
 consumes the RNG identically; the differential tests compare them pick for pick.
 """
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int64_t, uint64_t, INT64_MIN
 from fastroute._atomic cimport fr_load_i64
 from fastroute._layout cimport (
     COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_POLLED_TOKENS, COL_POLLED_AT, COL_HEALTHY,
-    COL_CIRCUIT, NCOLS,
+    COL_CIRCUIT, COL_POLLED_MAX_TOKENS, COL_TOKENS_AT_POLL, NCOLS,
 )
 import numpy as np
 
@@ -196,6 +196,70 @@ cdef int64_t pick_ring(int64_t[:, ::1] tab, const uint64_t[::1] ring_hash,
     return -1
 
 
+cdef int64_t kv_free(int64_t[:, ::1] tab, int64_t t) noexcept nogil:
+    """Estimated free KV tokens of a rank now, or INT64_MIN when its capacity is unknown.
+
+    The poll says what the engine had allocated then; since then the router booked and released
+    input tokens on this rank, so used ~= polled used + (in-flight tokens now - at the poll).
+    Requests still in prefill or in the prealloc queue hold no KV in the engine yet but will,
+    so the rank is never credited with less than all its in-flight input tokens."""
+    cdef int64_t cap = fr_load_i64(&tab[t, COL_POLLED_MAX_TOKENS])
+    cdef int64_t used, live
+    if cap <= 0 or fr_load_i64(&tab[t, COL_POLLED_AT]) < 0:
+        return INT64_MIN
+    live = fr_load_i64(&tab[t, COL_IN_FLIGHT_TOKENS])
+    used = fr_load_i64(&tab[t, COL_POLLED_TOKENS]) + live - fr_load_i64(&tab[t, COL_TOKENS_AT_POLL])
+    if used < live:
+        used = live
+    return cap - used
+
+
+cdef int64_t pick_kv_fit(int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens,
+                         int64_t need, bint use_demand, int64_t weight,
+                         uint64_t *rng) noexcept nogil:
+    """Among the ranks where ``need`` more KV tokens fit, the least-requests pick (ties: more free
+    KV, then random) or, with ``use_demand``, the demand-cost pick.  When no polled rank fits,
+    the rank with the most free KV (ties random).  Ranks of unknown capacity are never treated
+    as empty; if no rank has a known capacity, -2 tells the caller to use its usual policy."""
+    cdef int64_t best = -1, best_a = 0, best_b = 0, a, b, t, free, ties = 0
+    cdef int64_t room = -1, room_free = 0, room_ties = 0
+    cdef bint known = False
+    cdef Py_ssize_t k
+    for k in range(cands.shape[0]):
+        t = cands[k]
+        if not eligible(tab, t):
+            continue
+        free = kv_free(tab, t)
+        if free == INT64_MIN:
+            continue
+        known = True
+        # fallback candidate: most free KV
+        if room < 0 or free > room_free:
+            room, room_free, room_ties = t, free, 1
+        elif free == room_free:
+            room_ties += 1
+            if rng_below(rng, <uint64_t>room_ties) == 0:
+                room = t
+        if free < need:
+            continue
+        if use_demand:
+            a = (fr_load_i64(&tab[t, COL_IN_FLIGHT_TOKENS]) + tokens
+                 + weight * fr_load_i64(&tab[t, COL_IN_FLIGHT]))
+            b = 0
+        else:
+            a = fr_load_i64(&tab[t, COL_IN_FLIGHT])
+            b = -free
+        if best < 0 or a < best_a or (a == best_a and b < best_b):
+            best, best_a, best_b, ties = t, a, b, 1
+        elif a == best_a and b == best_b:
+            ties += 1
+            if rng_below(rng, <uint64_t>ties) == 0:
+                best = t
+    if not known:
+        return -2
+    return best if best >= 0 else room
+
+
 # ---- thin Python wrappers, for tests and the reference comparison ------------------------------
 
 def _rng_state(state):
@@ -221,6 +285,18 @@ def power_of_two(int64_t[:, ::1] tab, const int64_t[::1] cands, int metric, stat
 def demand(int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens, int64_t weight, state):
     cdef uint64_t[::1] s = _rng_state(state)
     return pick_demand(tab, cands, tokens, weight, &s[0])
+
+
+def kv_fit(int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens, int64_t need,
+           bint use_demand, int64_t weight, state):
+    cdef uint64_t[::1] s = _rng_state(state)
+    return pick_kv_fit(tab, cands, tokens, need, use_demand, weight, &s[0])
+
+
+def free_kv(int64_t[:, ::1] tab, int64_t t):
+    """Estimated free KV tokens of target t, or None when its capacity is unknown."""
+    cdef int64_t f = kv_free(tab, t)
+    return None if f == INT64_MIN else f
 
 
 def ring_lookup(int64_t[:, ::1] tab, const uint64_t[::1] ring_hash,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from fastroute.table import (COL_CIRCUIT, COL_HEALTHY, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS,
+                             COL_POLLED_MAX_TOKENS, COL_TOKENS_AT_POLL,
                              COL_POLLED_AT, COL_POLLED_TOKENS)
 
 M64 = (1 << 64) - 1
@@ -125,3 +126,45 @@ def ring_lookup(tab: np.ndarray, ring_hash: np.ndarray, ring_target: np.ndarray,
         if tab[t, COL_HEALTHY] == 1 and tab[t, COL_CIRCUIT] != 1:
             return t
     return -1
+
+
+def free_kv(tab: np.ndarray, t: int) -> int | None:
+    cap = int(tab[t, COL_POLLED_MAX_TOKENS])
+    if cap <= 0 or tab[t, COL_POLLED_AT] < 0:
+        return None
+    live = int(tab[t, COL_IN_FLIGHT_TOKENS])
+    used = max(int(tab[t, COL_POLLED_TOKENS]) + live - int(tab[t, COL_TOKENS_AT_POLL]), live)
+    return cap - used
+
+
+def kv_fit(tab: np.ndarray, cands, tokens: int, need: int, use_demand: bool, weight: int,
+           rng: Rng) -> int:
+    best, best_key, ties = -1, None, 0
+    room, room_free, room_ties = -1, 0, 0
+    known = False
+    for t in _eligible(tab, cands):
+        free = free_kv(tab, t)
+        if free is None:
+            continue
+        known = True
+        if room < 0 or free > room_free:
+            room, room_free, room_ties = t, free, 1
+        elif free == room_free:
+            room_ties += 1
+            if rng.below(room_ties) == 0:
+                room = t
+        if free < need:
+            continue
+        if use_demand:
+            key = (int(tab[t, COL_IN_FLIGHT_TOKENS]) + tokens + weight * int(tab[t, COL_IN_FLIGHT]), 0)
+        else:
+            key = (int(tab[t, COL_IN_FLIGHT]), -free)
+        if best < 0 or key < best_key:
+            best, best_key, ties = t, key, 1
+        elif key == best_key:
+            ties += 1
+            if rng.below(ties) == 0:
+                best = t
+    if not known:
+        return -2
+    return best if best >= 0 else room

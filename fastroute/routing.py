@@ -52,7 +52,7 @@ class Group:
     """A candidate set (e.g. all decode ranks) with its policy; see module docstring."""
 
     def __init__(self, router: "Router", policy: str, load_metric: str, demand: str,
-                 request_weight: int, seed: int) -> None:
+                 request_weight: int, seed: int, kv_fit: str = "off", kv_reserve: int = 0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; fastroute implements {', '.join(POLICIES)}")
         if load_metric not in LOAD_METRICS:
@@ -61,6 +61,9 @@ class Group:
             raise ValueError(f"decode input demand must be off, shadow or on, not {demand!r}")
         if request_weight and demand == "off":
             raise ValueError("a decode request weight needs decode input demand shadow or on")
+        if kv_fit not in DEMAND_MODES:
+            raise ValueError(f"decode KV fit must be off, shadow or on, not {kv_fit!r}")
+        self.kv_fit = kv_fit
         self.policy = policy
         self.load_metric = load_metric
         self.demand = demand
@@ -70,7 +73,8 @@ class Group:
         self._table = router.table
         compiled = "random" if policy == "cache_aware" else policy
         self._picker = _ledger.Picker(router.table.array, router.table.header, compiled,
-                                      load_metric, DEMAND_MODES[demand], self.request_weight, seed)
+                                      load_metric, DEMAND_MODES[demand], self.request_weight, seed,
+                                      DEMAND_MODES[kv_fit], int(kv_reserve))
         self._text_policy = None
         if policy == "cache_aware":
             from fastroute.cache_aware import CacheAwarePolicy  # the prefix-tree policy
@@ -81,27 +85,31 @@ class Group:
         else:
             self.acquire = self._picker.acquire
 
-    # The three acquire flavours share one signature: (tokens=0, key=None, text=None) -> Lease|None.
-    def acquire(self, tokens: int = 0, key: bytes | None = None, text: str | None = None):
+    # The acquire flavours share one signature:
+    # (tokens=0, key=None, text=None, out_tokens=0) -> Lease | None.
+    def acquire(self, tokens: int = 0, key: bytes | None = None, text: str | None = None,
+                out_tokens: int = 0):
         raise NotImplementedError  # replaced per instance in __init__
 
-    def _acquire_shadow(self, tokens: int = 0, key: bytes | None = None, text: str | None = None):
-        lease = self._picker.acquire(tokens, key)
+    def _acquire_shadow(self, tokens: int = 0, key: bytes | None = None, text: str | None = None,
+                        out_tokens: int = 0):
+        lease = self._picker.acquire(tokens, key, None, out_tokens)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("decode_demand legacy=%s demand=%s weight=%s tokens=%s",
                       self._picker.last_legacy, self._picker.last_demand, self.request_weight,
                       tokens)
         return lease
 
-    def _acquire_text(self, tokens: int = 0, key: bytes | None = None, text: str | None = None):
+    def _acquire_text(self, tokens: int = 0, key: bytes | None = None, text: str | None = None,
+                      out_tokens: int = 0):
         t = self._text_policy.pick(text, self.targets)
         if t < 0:
             return None
         return self._picker.book_target(t, tokens)
 
-    def pick(self, tokens: int = 0, key: bytes | None = None) -> int:
+    def pick(self, tokens: int = 0, key: bytes | None = None, out_tokens: int = 0) -> int:
         """The target the policy would choose now, without booking (tests, /health_generate)."""
-        return self._picker.pick(tokens, key)
+        return self._picker.pick(tokens, key, out_tokens)
 
     def set_targets(self, targets: Sequence[int], names: Sequence[str] | None = None) -> None:
         targets = [int(t) for t in targets]
@@ -115,6 +123,12 @@ class Group:
             self._text_policy.set_targets(targets, names)
         self.targets = targets
         self.names = names
+
+    @property
+    def kv_counts(self) -> dict[str, int]:
+        """KV-fit decisions: agree/disagree (shadow) and fallback (no rank had known capacity)."""
+        p = self._picker
+        return {"agree": p.kv_agree, "disagree": p.kv_disagree, "fallback": p.kv_fallback}
 
     @property
     def shadow_agree(self) -> int:
@@ -136,10 +150,11 @@ class Router:
 
     def group(self, targets: Sequence[int], policy: str, *, load_metric: str = "tokens",
               demand: str = "off", request_weight: int = 0,
-              names: Sequence[str] | None = None) -> Group:
+              names: Sequence[str] | None = None, kv_fit: str = "off",
+              kv_reserve: int = 0) -> Group:
         # Each group gets its own RNG stream, derived from the router seed and its creation order.
         seed = (self._seed + 0x9E3779B97F4A7C15 * (self._groups + 1)) & 0xFFFFFFFFFFFFFFFF
         self._groups += 1
-        g = Group(self, policy, load_metric, demand, request_weight, seed)
+        g = Group(self, policy, load_metric, demand, request_weight, seed, kv_fit, kv_reserve)
         g.set_targets(targets, names)
         return g

@@ -187,7 +187,9 @@ class Registry:
                                     request_weight=weight, names=[]),
             "prefill": router.group([], config.prefill_policy, load_metric=metric, names=[]),
             "decode": router.group([], config.decode_policy, load_metric=metric, demand=demand,
-                                   request_weight=weight, names=[]),
+                                   request_weight=weight, names=[],
+                                   kv_fit=getattr(config, "decode_kv_fit", "off"),
+                                   kv_reserve=getattr(config, "decode_kv_reserve_tokens", 0)),
         }
 
     # ---- lifecycle ----------------------------------------------------------------------------

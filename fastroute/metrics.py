@@ -1,0 +1,338 @@
+"""Prometheus metrics: the ``smg_*`` series dashboards use, and fastroute's per-target series.
+
+Nothing here runs per request.  The proxy bumps plain ints and fixed-bucket histograms in a
+``Stats`` object it owns (a dict increment or a bisect, no label lookups, no locks); the
+collector turns those, the shared target table and the registry into metric families at scrape
+time.  Per-target values (in-flight requests and tokens, polled load, picks, health, circuit)
+are read from the table with atomic loads, so they are exactly what the policies see.
+
+Labels stay bounded: target names (``url`` or ``url@rank``), roles, known paths, status codes.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from bisect import bisect_left
+from typing import Any, Iterable
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from fastroute import table as T
+
+log = logging.getLogger("fastroute.metrics")
+
+DEFAULT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 30, 45,
+                   60, 90, 120, 180, 240)
+# Router-side work is measured in microseconds: its own buckets.
+FAST_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
+                5e-2, 0.1, 0.25, 1.0)
+
+
+class Hist:
+    """A fixed-bucket histogram with an O(log buckets) observe and no locking (one process,
+    one event loop).  Buckets are cumulated at scrape time."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Iterable[float] = DEFAULT_BUCKETS) -> None:
+        self.bounds = tuple(sorted(float(b) for b in bounds))
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect_left(self.bounds, v)] += 1
+        self.sum += v
+
+    def buckets(self) -> list[tuple[str, int]]:
+        out, acc = [], 0
+        for b, c in zip(self.bounds, self.counts):
+            acc += c
+            out.append((repr(b), acc))
+        out.append(("+Inf", acc + self.counts[-1]))
+        return out
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+
+class Stats:
+    """Per-process request statistics, bumped by the proxy and read by the collector."""
+
+    def __init__(self, duration_buckets: Iterable[float] = DEFAULT_BUCKETS) -> None:
+        self.http_requests: dict[tuple[str, str], int] = {}
+        self.http_responses: dict[tuple[str, str], int] = {}
+        self.router_requests: dict[tuple[str, str, str], int] = {}
+        self.router_errors: dict[tuple[str, str, str], int] = {}
+        self.router_duration: dict[tuple[str, str], Hist] = {}
+        self.retries: dict[tuple[str, str], int] = {}
+        self.reclaimed: dict[str, int] = {}
+        self.connections_active = 0
+        self.pick_seconds = Hist(FAST_BUCKETS)
+        self.overhead_seconds = Hist(FAST_BUCKETS)
+        self._duration_buckets = tuple(duration_buckets)
+
+    def count(self, d: dict, key: Any, n: int = 1) -> None:
+        d[key] = d.get(key, 0) + n
+
+    def duration(self, backend: str, endpoint: str, seconds: float) -> None:
+        h = self.router_duration.get((backend, endpoint))
+        if h is None:
+            h = self.router_duration[(backend, endpoint)] = Hist(self._duration_buckets)
+        h.observe(seconds)
+
+    def reclaim(self, reason: str) -> None:
+        self.reclaimed[reason] = self.reclaimed.get(reason, 0) + 1
+
+
+def _hist_family(name: str, doc: str, labels: list[str]) -> HistogramMetricFamily:
+    return HistogramMetricFamily(name, doc, labels=labels)
+
+
+class Collector:
+    """Builds every family from the table, the registry and the Stats objects at scrape time."""
+
+    def __init__(self, table: Any, registry: Any, stats: list[Stats], config: Any = None) -> None:
+        self.table = table
+        self.registry = registry
+        self.stats = stats
+        self.config = config
+
+    def _targets(self) -> list[tuple[int, str, str, str]]:
+        """(row, target name, role, model) of every registered target."""
+        out = []
+        info = getattr(self.registry, "target_info", None) or []
+        for t, entry in enumerate(info):
+            if entry is None:
+                continue
+            w, rank = entry
+            name = w.url if rank is None else f"{w.url}@{rank}"
+            out.append((t, name, w.role, getattr(w, "model_id", "unknown") or "unknown"))
+        return out
+
+    def collect(self):
+        targets = self._targets()
+        snap = self.table.snapshot() if targets else None
+        yield from self._per_target(targets, snap)
+        yield from self._groups(targets, snap)
+        yield from self._requests()
+
+    def _per_target(self, targets, snap):
+        def gauge(name, doc, col, labels=("target",)):
+            g = GaugeMetricFamily(name, doc, labels=list(labels))
+            for t, name_, role, _ in targets:
+                g.add_metric([name_], float(snap[t, col]))
+            return g
+
+        active = GaugeMetricFamily("smg_worker_requests_active", "Requests in flight per worker",
+                                   labels=["worker"])
+        health = GaugeMetricFamily("smg_worker_health", "Worker health (1 healthy, 0 not)",
+                                   labels=["worker"])
+        cb = GaugeMetricFamily("smg_worker_cb_state",
+                               "Circuit state (0 closed, 1 open, 2 half-open)", labels=["worker"])
+        picks = CounterMetricFamily("fastroute_target_picks", "Picks of each target",
+                                    labels=["target", "role"])
+        for t, name, role, _ in targets:
+            active.add_metric([name], float(snap[t, T.COL_IN_FLIGHT]))
+            health.add_metric([name], float(snap[t, T.COL_HEALTHY]))
+            cb.add_metric([name], float(snap[t, T.COL_CIRCUIT]))
+            picks.add_metric([name, role], float(snap[t, T.COL_PICKS]))
+        yield from (active, health, cb, picks)
+        yield gauge("fastroute_target_in_flight_requests",
+                    "Requests booked on the target and not yet released", T.COL_IN_FLIGHT)
+        yield gauge("fastroute_target_in_flight_tokens",
+                    "Input tokens of the requests in flight on the target", T.COL_IN_FLIGHT_TOKENS)
+        yield gauge("fastroute_target_healthy", "1 healthy, 0 not", T.COL_HEALTHY)
+        yield gauge("fastroute_target_circuit_state", "0 closed, 1 open, 2 half-open", T.COL_CIRCUIT)
+        polled = [(t, n, r, m) for t, n, r, m in targets if snap[t, T.COL_POLLED_AT] >= 0]
+        for col, name, doc in ((T.COL_POLLED_RUNNING, "running", "num_running_reqs"),
+                               (T.COL_POLLED_WAITING, "waiting", "num_waiting_reqs"),
+                               (T.COL_POLLED_TOKENS, "tokens", "num_used_tokens")):
+            g = GaugeMetricFamily(f"fastroute_target_polled_{name}",
+                                  f"Last polled {doc} of the target (absent while unknown)",
+                                  labels=["target"])
+            for t, n, _, _ in polled:
+                g.add_metric([n], float(snap[t, col]))
+            yield g
+        age = GaugeMetricFamily("fastroute_target_poll_age_seconds",
+                                "Seconds since the target's load was last polled successfully",
+                                labels=["target"])
+        now_ms = time.time() * 1000
+        for t, n, _, _ in polled:
+            age.add_metric([n], max(0.0, (now_ms - snap[t, T.COL_POLLED_AT]) / 1000))
+        yield age
+        under = CounterMetricFamily("fastroute_lease_underflows",
+                                    "Releases that found a counter at zero (a bug signal)")
+        under.add_metric([], float(self.table.underflows))
+        yield under
+
+    def _groups(self, targets, snap):
+        groups = getattr(self.registry, "_groups", None) or {}
+        sel = CounterMetricFamily("smg_worker_selection", "Worker selections by role and policy",
+                                  labels=["worker_type", "connection_mode", "model", "policy"])
+        pool = GaugeMetricFamily("smg_worker_pool_size", "Registered workers by role",
+                                 labels=["worker_type", "connection_mode", "model"])
+        dreq = GaugeMetricFamily("fastroute_decode_demand_requests",
+                                 "Requests held by each target, as the demand cost counts them",
+                                 labels=["target"])
+        dtok = GaugeMetricFamily("fastroute_decode_demand_tokens",
+                                 "In-flight input tokens of each target, as the demand cost counts them",
+                                 labels=["target"])
+        shadow = CounterMetricFamily("fastroute_decode_demand_shadow_decisions",
+                                     "Shadow demand picks that agreed / disagreed with the dispatched pick",
+                                     labels=["role", "result"])
+        by_role: dict[tuple[str, str], list[int]] = {}
+        for t, name, role, model in targets:
+            by_role.setdefault((role, model), []).append(t)
+        workers: dict[tuple[str, str], set] = {}
+        for entry in getattr(self.registry, "target_info", None) or []:
+            if entry is not None:
+                w = entry[0]
+                workers.setdefault((w.role, getattr(w, "model_id", "unknown") or "unknown"),
+                                   set()).add(w.url)
+        for (role, model), urls in workers.items():
+            pool.add_metric([role, "http", model], float(len(urls)))
+        for (role, model), rows in by_role.items():
+            g = groups.get(role)
+            policy = getattr(g, "policy", "unknown")
+            sel.add_metric([role, "http", model, policy], float(sum(int(snap[t, T.COL_PICKS]) for t in rows)))
+        for role, g in groups.items():
+            if getattr(g, "demand", "off") == "off":
+                continue
+            shadow.add_metric([role, "agree"], float(g.shadow_agree))
+            shadow.add_metric([role, "disagree"], float(g.shadow_disagree))
+            for t, name, r, _ in targets:
+                if r == role:
+                    dreq.add_metric([name], float(snap[t, T.COL_IN_FLIGHT]))
+                    dtok.add_metric([name], float(snap[t, T.COL_IN_FLIGHT_TOKENS]))
+        yield from (sel, pool, dreq, dtok, shadow)
+
+    def _requests(self):
+        def merged(attr):
+            out: dict = {}
+            for s in self.stats:
+                for k, v in getattr(s, attr).items():
+                    out[k] = out.get(k, 0) + v
+            return out
+
+        c = CounterMetricFamily("smg_http_requests", "HTTP requests by method and path",
+                                labels=["method", "path"])
+        for (m, p), v in merged("http_requests").items():
+            c.add_metric([m, p], float(v))
+        yield c
+        c = CounterMetricFamily("smg_http_responses", "HTTP responses by status and error code",
+                                labels=["status_code", "error_code"])
+        for (s, e), v in merged("http_responses").items():
+            c.add_metric([s, e], float(v))
+        yield c
+        g = GaugeMetricFamily("smg_http_connections_active", "Open client connections")
+        g.add_metric([], float(sum(s.connections_active for s in self.stats)))
+        yield g
+        labels = ["router_type", "backend_type", "connection_mode", "model", "endpoint"]
+        c = CounterMetricFamily("smg_router_requests", "Routed inference requests",
+                                labels=labels + ["streaming"])
+        for (b, e, st), v in merged("router_requests").items():
+            c.add_metric(["http", b, "http", "default", e, st], float(v))
+        yield c
+        c = CounterMetricFamily("smg_router_request_errors", "Routed requests that failed",
+                                labels=labels + ["error_type"])
+        for (b, e, et), v in merged("router_errors").items():
+            c.add_metric(["http", b, "http", "default", e, et], float(v))
+        yield c
+        c = CounterMetricFamily("smg_worker_retries", "Retried attempts",
+                                labels=["worker_type", "endpoint"])
+        for (r, e), v in merged("retries").items():
+            c.add_metric([r, e], float(v))
+        yield c
+        c = CounterMetricFamily("fastroute_leases_reclaimed",
+                                "Leases reclaimed by the safety net rather than released by their owner",
+                                labels=["reason"])
+        for r, v in merged("reclaimed").items():
+            c.add_metric([r], float(v))
+        yield c
+        h = _hist_family("smg_router_request_duration_seconds", "Routed request duration (success)",
+                         labels)
+        keys = set()
+        for s in self.stats:
+            keys.update(s.router_duration)
+        for key in sorted(keys):
+            hs = [s.router_duration[key] for s in self.stats if key in s.router_duration]
+            yield_h = _merge_hists(hs)
+            h.add_metric(["http", key[0], "http", "default", key[1]], yield_h.buckets(), yield_h.sum)
+        yield h
+        for attr, name, doc in (("pick_seconds", "fastroute_pick_seconds",
+                                 "Time spent choosing and booking a target"),
+                                ("overhead_seconds", "fastroute_router_overhead_seconds",
+                                 "Router-added latency to the first response byte (time not spent waiting on a worker)")):
+            m = _merge_hists([getattr(s, attr) for s in self.stats])
+            f = _hist_family(name, doc, [])
+            f.add_metric([], m.buckets(), m.sum)
+            yield f
+
+
+def _merge_hists(hs: list[Hist]) -> Hist:
+    out = Hist(hs[0].bounds)
+    for h in hs:
+        for i, c in enumerate(h.counts):
+            out.counts[i] += c
+        out.sum += h.sum
+    return out
+
+
+class MetricsServer:
+    """``GET /metrics`` on ``--prometheus-host:--prometheus-port``, served by the event loop."""
+
+    def __init__(self, collector: Collector) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(collector)
+        self.collector = collector
+        self.server: asyncio.AbstractServer | None = None
+        self.port = 0
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def start(self, host: str, port: int) -> None:
+        self.server = await asyncio.start_server(self._handle, host, port, reuse_address=True)
+        self.port = self.server.sockets[0].getsockname()[1]
+        log.info("metrics on http://%s:%d/metrics", host, self.port)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            line = head.split(b"\r\n", 1)[0].split()
+            if len(line) >= 2 and line[0] == b"GET" and line[1].split(b"?")[0] == b"/metrics":
+                body = self.render()
+                status = b"200 OK"
+                ctype = b"text/plain; version=0.0.4; charset=utf-8"
+            else:
+                body, status, ctype = b"not found\n", b"404 Not Found", b"text/plain"
+            writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype
+                         + b"\r\nContent-Length: " + str(len(body)).encode()
+                         + b"\r\nConnection: close\r\n\r\n" + body)
+            await writer.drain()
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError,
+                asyncio.LimitOverrunError):
+            pass
+        finally:
+            writer.close()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+            self.server = None
+
+
+async def start_metrics(config: Any, table: Any, registry: Any,
+                        stats: Stats | None = None) -> MetricsServer:
+    """Start the metrics listener (called by server.Server.start)."""
+    buckets = getattr(config, "prometheus_duration_buckets", None) or DEFAULT_BUCKETS
+    stats = stats if stats is not None else Stats(buckets)
+    m = MetricsServer(Collector(table, registry, [stats], config))
+    m.stats = stats  # type: ignore[attr-defined]
+    await m.start(getattr(config, "prometheus_host", "0.0.0.0"),
+                  int(getattr(config, "prometheus_port", 29000)))
+    return m
