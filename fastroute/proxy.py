@@ -237,7 +237,8 @@ class App:
             else:
                 self.proxy(proto, req, path)
         elif path == b"/health" or path == b"/liveness":
-            proto.reply(_HEALTH_KA if req.keep_alive else _HEALTH_CLOSE, req.keep_alive)
+            ka = req.keep_alive and self.accepting
+            proto.reply(_HEALTH_KA if ka else _HEALTH_CLOSE, ka)
         elif path in _ADMIN or path.startswith(b"/workers/"):
             if self.api_key is not None and path not in _OPEN and not self._authorized(req):
                 proto.send_error(_errors.invalid_api_key(), req)
@@ -626,7 +627,7 @@ class ClientProtocol(asyncio.Protocol):
 
     def reply_simple(self, status: int, ctype: bytes, body: bytes, req: Request,
                      extra: bytes = b"") -> None:
-        ka = req.keep_alive
+        ka = req.keep_alive and self.app.accepting
         head = b"%bcontent-type: %b\r\ncontent-length: %d\r\n%b%b\r\n" % (
             status_line(status), ctype, len(body), extra, b"" if ka else b"connection: close\r\n")
         self.reply(head + body, ka)
@@ -699,6 +700,8 @@ class _Exchange:
             else:
                 self.keep_alive = False  # HTTP/1.0: body delimited by close
         ap(b"x-request-id: " + self.rid + b"\r\n")
+        if not self.app.accepting:
+            self.keep_alive = False  # draining: this connection closes after the response
         if not self.keep_alive:
             ap(b"connection: close\r\n")
         ap(b"\r\n")

@@ -282,3 +282,94 @@ def test_openai_client_streaming_and_not() -> None:
             await until_zero(r, w)
             assert all(rec.headers["authorization"] == "Bearer k" for rec in w.inference())
     run(body())
+
+
+def test_slow_client_header_read_timeout_closes_connection() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(worker_urls=[w.url], header_read_timeout_secs=0.2) as r:
+            c = await RawClient(r.port).connect()
+            c.send(b"POST /generate HTTP/1.1\r\nHost: r\r\nContent-")  # head never completes
+            assert await c.closed(timeout=5.0)
+            assert w.inference() == []
+            assert (await call(r.port, post("/generate", {"text": "x"}))).status == 200
+    run(body())
+
+
+def test_request_timeout_gives_504_and_aborts_upstream() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(worker_urls=[w.url], request_timeout_secs=1) as r:
+            w.hold()
+            res = await call(r.port, post("/generate", {"text": "x"}))
+            assert res.status == 504 and res.json["error"]["code"] == "gateway_timeout"
+            await until(lambda: w.aborted == 1, what="upstream closed on timeout")
+            await until_zero(r, w)
+            w.release()
+    run(body())
+
+
+def test_graceful_stop_finishes_in_flight_request_then_refuses() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        r = Router(worker_urls=[w.url])
+        await r.__aenter__()
+        port = r.port
+        w.hold()
+        c = await RawClient(port).connect()
+        c.send(post("/generate", {"text": "x"}))
+        await until(lambda: w.held == 1, what="held")
+        stopping = asyncio.get_running_loop().create_task(r.server.stop(grace=10))
+        await until(lambda: r.server.listener is not None and not r.server.listener.is_serving(),
+                    what="listener closed")
+        assert not stopping.done()  # waiting for the held request
+        w.release()
+        res = await c.response()
+        assert res.status == 200 and res.headers.get("connection") == "close"
+        await asyncio.wait_for(stopping, 5)
+        try:
+            await call(port, get("/health"), timeout=2)
+            refused = False
+        except OSError:
+            refused = True
+        assert refused
+    run(body())
+
+
+def test_subprocess_router_serves_and_exits_on_sigterm() -> None:
+    import os
+    import signal
+    import socket
+    import sys
+
+    async def body() -> None:
+        (w,) = await workers(1)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            mport = s.getsockname()[1]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fastroute", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", w.url, "--policy", "round_robin", "--prometheus-port", str(mport),
+            "--log-level", "warn", env={**os.environ, "PYTHONPATH": os.getcwd()})
+        try:
+            async def ready() -> None:
+                while True:
+                    try:
+                        res = await call(port, post("/generate", {"text": "x"}), timeout=2)
+                        if res.status == 200:
+                            return
+                    except OSError:
+                        pass
+                    await asyncio.sleep(0.05)
+            await asyncio.wait_for(ready(), 15)
+            assert w.inference()[-1].json == {"text": "x"}
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), 15) == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    run(body(), timeout=40)
