@@ -37,7 +37,7 @@ def ext(name):
 
 setup(
     ext_modules=cythonize(
-        [ext("_policy"), ext("_ledger")],
+        [ext("_policy"), ext("_ledger"), ext("_tree")],
         compiler_directives=directives,
         include_path=["fastroute"],
     ),

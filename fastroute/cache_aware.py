@@ -1,0 +1,104 @@
+"""The ``cache_aware`` policy (sglang-router's default): route a request to the target most likely
+to hold its prompt prefix in KV cache, unless in-flight loads are out of balance.
+
+One pick, over the group's eligible targets (healthy, circuit not open):
+
+1. Imbalanced -- ``max - min > balance_abs_threshold`` and ``max > min * balance_rel_threshold``
+   over their in-flight requests -- picks the least-loaded target.
+2. Otherwise the longest prefix match in the shared tree wins if ``match / len(text) >
+   cache_threshold`` (a random one of the targets holding that match).
+3. Otherwise the target with the smallest tree (fewest bytes held), which spreads new prompts.
+
+The text is then inserted under the chosen target.  No text picks the least-loaded target and
+inserts nothing.  Every tie is broken at random.  The tree, matching and eviction live in
+``fastroute._tree`` (see its docstring: bytes, per-target LRU lists, inline eviction that keeps
+every target within ``max_tree_size`` bytes after every pick).
+
+Each proxy process keeps its own tree: what a target caches is learned from the requests this
+process routed, while the loads come from the shared table and so cover every process.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from fastroute import _tree
+from fastroute.table import TargetTable
+
+DEFAULTS = {
+    "cache_threshold": 0.3,
+    "balance_abs_threshold": 64,
+    "balance_rel_threshold": 1.5,
+    "eviction_interval_secs": 60,
+    "max_tree_size": 67108864,
+}
+REASONS = {
+    _tree.REASON_NONE: "none",
+    _tree.REASON_NO_TEXT: "no_text",
+    _tree.REASON_BALANCE: "balance",
+    _tree.REASON_HIT: "cache_hit",
+    _tree.REASON_SMALLEST: "smallest_tree",
+}
+
+
+class CacheAwarePolicy:
+    """Prefix-tree policy for one group of targets; ``pick`` does not book (the Group does)."""
+
+    def __init__(self, table: TargetTable, config: Any = None, *, seed: int | None = None) -> None:
+        params = {k: getattr(config, k, v) if config is not None else v
+                  for k, v in DEFAULTS.items()}
+        if not 0.0 <= float(params["cache_threshold"]) <= 1.0:
+            raise ValueError("cache_threshold must be within [0, 1]")
+        if int(params["max_tree_size"]) < 1:
+            raise ValueError("max_tree_size must be >= 1")
+        if seed is None:
+            seed = getattr(config, "seed", None)
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little")
+        # Accepted for sglang-router compatibility; eviction needs no timer here because it runs
+        # on the insert that crosses max_tree_size, in time proportional to what it evicts.
+        self.eviction_interval_secs = params["eviction_interval_secs"]
+        self.tree = _tree.PrefixTree(
+            table.array,
+            float(params["cache_threshold"]),
+            int(params["balance_abs_threshold"]),
+            float(params["balance_rel_threshold"]),
+            int(params["max_tree_size"]),
+            int(seed) & 0xFFFFFFFFFFFFFFFF,
+        )
+        self._names: dict[int, str] = {}
+        # The per-request entry point is the compiled method itself: one call per pick.
+        self.pick = self.tree.pick
+
+    def pick(self, text: str | None, targets: list[int]) -> int:  # replaced in __init__
+        """Target row for a request with this text, or -1 when no target is eligible."""
+        return self.tree.pick(text, targets)
+
+    def set_targets(self, targets: Sequence[int], names: Sequence[str] | None = None) -> None:
+        """New candidate set.  A removed target's entries are dropped, and so are a kept row's
+        when its name changed (the row was freed and reused for another worker)."""
+        targets = [int(t) for t in targets]
+        names = list(names) if names is not None else [str(t) for t in targets]
+        if len(names) != len(targets):
+            raise ValueError("targets and names differ in length")
+        for t, name in zip(targets, names):
+            old = self._names.get(t)
+            if old is not None and old != name:
+                self.tree.drop(t)
+        self.tree.set_targets(targets)
+        self._names = dict(zip(targets, names))
+
+    # ---- observability (metrics, /get_loads debugging, tests) ---------------------------------
+    def tree_sizes(self) -> dict[str, int]:
+        """Bytes of prompt text held per target name."""
+        return {self._names.get(t, str(t)): n for t, n in self.tree.sizes().items()}
+
+    @property
+    def last_reason(self) -> str:
+        return REASONS[self.tree.last_reason]
+
+    @property
+    def counters(self) -> dict[str, int]:
+        t = self.tree
+        return {"cache_hits": t.hits, "cache_misses": t.misses, "balanced": t.balanced,
+                "evicted_bytes": t.evicted_bytes, "nodes": t.node_count}
