@@ -502,13 +502,22 @@ class ClientProtocol(asyncio.Protocol):
         if self._cl > app.max_payload:
             req.too_large = True  # type: ignore[union-attr]
             req.body_len = self._cl  # type: ignore[union-attr]
+            if not self.busy and not self.queue:
+                # Answer now instead of reading (or waiting for, under Expect:
+                # 100-continue) a body we will refuse; then close, since the
+                # unread body makes the stream unusable.
+                self._req = None
+                self.bad_request = True  # ignore whatever else arrives
+                req.keep_alive = False  # type: ignore[union-attr]
+                self.busy = True
+                self.send_error(_errors.payload_too_large(self._cl, app.max_payload), req)  # type: ignore[arg-type]
         elif self._expect and not self.busy and not self.queue:
             # Only when nothing is being written: a 100 must not land inside another response.
             self.transport.write(_CONTINUE)  # type: ignore[union-attr]
 
     def on_body(self, body: bytes) -> None:
         req = self._req
-        if req.too_large:  # type: ignore[union-attr]
+        if req is None or req.too_large:
             return
         n = req.body_len + len(body)  # type: ignore[union-attr]
         req.body_len = n  # type: ignore[union-attr]
@@ -520,6 +529,8 @@ class ClientProtocol(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         req = self._req
+        if req is None:  # already answered (413 at the head)
+            return
         self._req = None
         p = self.parser
         req.url = self._url  # type: ignore[union-attr]

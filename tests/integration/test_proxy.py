@@ -373,3 +373,35 @@ def test_subprocess_router_serves_and_exits_on_sigterm() -> None:
                 proc.kill()
                 await proc.wait()
     run(body(), timeout=40)
+
+
+def test_routing_key_header_sticks_under_consistent_hashing() -> None:
+    async def body() -> None:
+        ws = await workers(3)
+        async with Router(worker_urls=[w.url for w in ws], policy="consistent_hashing",
+                          routing_key_headers=["x-session"]) as r:
+            for key_header in ("X-SMG-Routing-Key", "X-Session"):
+                for key in ("alpha", "beta", "gamma"):
+                    before = [len(w.inference()) for w in ws]
+                    for _ in range(4):
+                        res = await call(r.port, post("/generate", {"text": "x"}, {key_header: key}))
+                        assert res.status == 200
+                    gained = [len(w.inference()) - b for w, b in zip(ws, before)]
+                    assert sorted(gained) == [0, 0, 4], (key_header, key, gained)
+    run(body())
+
+
+def test_close_delimited_upstream_stream_reaches_client_chunked() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        w.sse_chunked = False
+        async with Router(worker_urls=[w.url]) as r:
+            c = await RawClient(r.port).connect()
+            for _ in range(2):
+                c.send(post("/generate", {"text": "x", "stream": True}))
+                res = await c.response()
+                assert res.chunked and res.body.endswith(b"data: [DONE]\n\n")
+            assert len({rec.conn_id for rec in w.inference()}) == 2  # not reused after EOF framing
+            c.close()
+            await until_zero(r, w)
+    run(body())

@@ -323,3 +323,71 @@ def test_http10_client_gets_close_delimited_stream(env) -> None:
     leg.up_done()
     assert b"transfer-encoding" not in bytes(env.tr.out).lower()
     assert env.tr.out.endswith(b"\r\n\r\ndata: 1\n\n") and env.tr.closed
+
+
+def test_payload_limit_by_content_length_answers_before_the_body(env) -> None:
+    env.proto.data_received(b"POST /generate HTTP/1.1\r\nHost: r\r\nContent-Length: 5000\r\n"
+                            b"Expect: 100-continue\r\n\r\n")
+    (res,) = responses(env.tr.out)
+    assert res["status"] == 413 and b"payload_too_large" in res["body"]
+    assert env.tr.closed and env.pool.sent == []
+    env.proto.data_received(b"x" * 100)  # late body bytes are ignored
+
+
+class _StubPool:
+    def __init__(self) -> None:
+        self.resent: list[tuple[bytes, Any, bool]] = []
+        self.discarded = 0
+
+    def send(self, request: bytes, leg: Any, fresh: bool = False) -> None:
+        self.resent.append((request, leg, fresh))
+
+    def discard(self, conn: Any) -> None:
+        self.discarded += 1
+
+
+class _Leg:
+    def __init__(self) -> None:
+        self.conn = None
+        self.events: list[Any] = []
+
+    def up_head(self, status: int, headers: list) -> None:
+        self.events.append(("head", status))
+
+    def up_body(self, data: bytes) -> None:
+        self.events.append(("body", data))
+
+    def up_done(self) -> None:
+        self.events.append("done")
+
+    def up_error(self, exc: BaseException) -> None:
+        self.events.append(("error", type(exc).__name__))
+
+    def up_flush(self) -> None:
+        pass
+
+
+def test_reused_connection_closed_before_any_byte_is_resent_once_on_a_fresh_one() -> None:
+    from fastroute.upstream import UpstreamConnection
+
+    pool, leg = _StubPool(), _Leg()
+    conn = UpstreamConnection(pool)  # type: ignore[arg-type]
+    conn.leg, conn.request, conn.reused = leg, b"REQ", True
+    conn.connection_lost(None)
+    assert pool.resent == [(b"REQ", leg, True)] and leg.events == []
+    # a fresh connection failing the same way is an error, not another resend
+    conn2 = UpstreamConnection(pool)  # type: ignore[arg-type]
+    conn2.leg, conn2.request = leg, b"REQ"
+    conn2.connection_lost(ConnectionResetError())
+    assert leg.events == [("error", "UpstreamError")] and len(pool.resent) == 1
+
+
+def test_close_delimited_upstream_response_ends_at_eof() -> None:
+    from fastroute.upstream import UpstreamConnection
+
+    pool, leg = _StubPool(), _Leg()
+    conn = UpstreamConnection(pool)  # type: ignore[arg-type]
+    conn.leg = leg
+    conn.data_received(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\ndata: 1\n\n")
+    conn.connection_lost(None)
+    assert leg.events == [("head", 200), ("body", b"data: 1\n\n"), "done"]
