@@ -41,6 +41,7 @@ class Cell:
     label: str
     router: str  # "fastroute" | "sglang_router" | "smg" | "direct" (loadgen plays mini-router)
     args: list[str] = field(default_factory=list)
+    python: str = sys.executable  # interpreter that runs the router (peers may live in their own venv)
 
 
 def fastroute_cells(sweep: bool = False) -> list[Cell]:
@@ -61,20 +62,31 @@ def fastroute_cells(sweep: bool = False) -> list[Cell]:
     return cells
 
 
-def peer_cells() -> list[Cell]:
-    """The same workload through the PyPI routers, when installed.
+def _importable(python: str, module: str) -> bool:
+    if python == sys.executable:
+        return importlib.util.find_spec(module) is not None
+    try:
+        return subprocess.run([python, "-c", f"import {module}"], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def peer_cells(sglang_router_python: str = sys.executable, smg_python: str = sys.executable) -> list[Cell]:
+    """The same workload through the PyPI routers, when importable by the given interpreters
+    (the two wheels both install an ``smg`` command, so they are best kept in separate venvs).
 
     sglang-router 0.3.2 runs *without* --dp-aware: in PD mode its dp-aware path sends requests to
     ``host@rank`` URLs that resolve to unrelated hosts (protocol.md 4.2), so it is benchmarked as
     what it can do, ranks placed by the decode's own round-robin."""
     cells = []
-    if importlib.util.find_spec("sglang_router") is not None:
-        cells.append(Cell("sglang-router round_robin (no dp-aware)", "sglang_router", ["--policy", "round_robin"]))
-    if importlib.util.find_spec("smg") is not None:
-        cells.append(Cell("smg round_robin", "smg", ["--policy", "round_robin", "--dp-aware"]))
+    if _importable(sglang_router_python, "sglang_router"):
+        cells.append(Cell("sglang-router round_robin (no dp-aware)", "sglang_router", ["--policy", "round_robin"],
+                          sglang_router_python))
+    if _importable(smg_python, "smg"):
+        cells.append(Cell("smg round_robin", "smg", ["--policy", "round_robin", "--dp-aware"], smg_python))
         cells.append(Cell("smg p2c least_requests", "smg",
                           ["--policy", "power_of_two", "--power-of-two-load-metric", "least_requests",
-                           "--dp-aware"]))
+                           "--dp-aware"], smg_python))
     return cells
 
 
@@ -85,10 +97,10 @@ def _free_port() -> int:
 
 
 def router_command(cell: Cell, prefill_url: str, bootstrap_port: int, decode_url: str, port: int,
-                   prom_port: int, python: str = sys.executable) -> list[str]:
+                   prom_port: int) -> list[str]:
     module = {"fastroute": "fastroute", "sglang_router": "sglang_router.launch_router",
               "smg": "smg.launch_router"}[cell.router]
-    cmd = [python, "-m", module, "--pd-disaggregation", "--prefill", prefill_url, str(bootstrap_port),
+    cmd = [cell.python, "-m", module, "--pd-disaggregation", "--prefill", prefill_url, str(bootstrap_port),
            "--decode", decode_url, "--host", "127.0.0.1", "--port", str(port),
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom_port),
            "--worker-startup-check-interval", "1"]
@@ -342,11 +354,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-peers", action="store_true", help="skip sglang-router / smg even when installed")
     ap.add_argument("--no-direct", action="store_true",
                     help="skip the no-router baseline (loadgen as mini-router, decode places ranks round-robin)")
+    ap.add_argument("--sglang-router-python", default=sys.executable,
+                    help="interpreter with sglang-router installed (default: this one)")
+    ap.add_argument("--smg-python", default=sys.executable, help="interpreter with smg installed (default: this one)")
     ap.add_argument("--only", nargs="*", help="run only cells whose label contains one of these strings")
     add_common_flags(ap, duration=30.0, warmup=10.0, time_scale=0.25)
     ns = ap.parse_args(argv)
     cells = ([] if ns.no_direct else [Cell("no router (decode round-robin)", "direct")])
-    cells += fastroute_cells(ns.sweep) + ([] if ns.no_peers else peer_cells())
+    cells += fastroute_cells(ns.sweep) + ([] if ns.no_peers else peer_cells(ns.sglang_router_python,
+                                                                              ns.smg_python))
     if ns.only:
         cells = [c for c in cells if any(o in c.label for o in ns.only)]
     params = SimParams(dp_size=ns.dp_size, time_scale=ns.time_scale)

@@ -315,7 +315,8 @@ class HttpConnection:
         proto.body = []
         proto.headers = {}
         proto.on_chunk = on_chunk
-        proto.head_done = loop.create_future()
+        # Only awaited when the caller wants the head early; an unawaited failed future would warn.
+        proto.head_done = loop.create_future() if on_head is not None else None
         proto.complete = loop.create_future()
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()) if headers else ""
         head = (f"{method} {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
