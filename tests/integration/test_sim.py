@@ -294,3 +294,50 @@ def test_demo_runs_end_to_end(tmp_path) -> None:
     assert (out / "balance.md").exists()
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "outstanding_c8.png").stat().st_size > 1000
+
+
+def test_worker_cli_processes_rendezvous_over_the_bootstrap_port() -> None:
+    """Prefill and decode as separate `python -m fastroute.sim.worker` processes."""
+    import socket
+
+    def free() -> int:
+        with socket.socket() as s:
+            s.bind((H, 0))
+            return s.getsockname()[1]
+
+    pp, boot, dp = free(), free(), free()
+    common = [sys.executable, "-m", "fastroute.sim.worker", "--dp-size", "2", "--time-scale", "0.01"]
+    procs = [subprocess.Popen(common + ["--role", "prefill", "--port", str(pp), "--bootstrap-port", str(boot)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT),
+             subprocess.Popen(common + ["--role", "decode", "--port", str(dp)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)]
+    try:
+        async def scenario() -> None:
+            for port in (pp, dp):
+                async def up(port: int = port) -> bool:
+                    try:
+                        return (await fetch(H, port, "GET", "/health", timeout=1.0))[0] == 200
+                    except Exception:
+                        return False
+                for _ in range(200):
+                    if await up():
+                        break
+                    await asyncio.sleep(0.05)
+                else:
+                    raise AssertionError(f"sim worker on {port} did not come up")
+            body = gen_body(30, 2, bootstrap_host=H, bootstrap_port=boot, bootstrap_room=99, routed_dp_rank=1)
+            (ps, pb), (ds, db) = await asyncio.gather(fetch(H, pp, "POST", "/generate", body),
+                                                      fetch(H, dp, "POST", "/generate", body))
+            assert ps == 200 and ds == 200 and json.loads(db)["meta_info"]["completion_tokens"] == 2
+            st, stats = await get_json(dp, "/sim/stats")
+            assert stats["placed"] == [0, 1] and stats["completed"] == 1
+        run(scenario())
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
