@@ -942,11 +942,17 @@ class PDRelay(_Exchange):
         if self.relaying or self.finished:
             return
         p, d = self.p, self.d
-        if not d.status or not p.status:
-            return  # 3.5 step 1: both heads first
-        if not 200 <= d.status < 300:
-            if d.done:  # 3.5 step 2: decode status decides first; its body is the message
+        # 3.5: decode status decides first, its body is the message. We do not
+        # wait for the prefill head once the decode error is complete: the
+        # answer cannot change, and a prefill waiting for a decode that
+        # will never bootstrap would only hold the client until the timeout.
+        if d.status and not 200 <= d.status < 300:
+            if d.done:
                 self._leg_error(d)
+            return
+        if not d.status or not p.status:
+            # A failed prefill still waits for the decode head (the decode's
+            # own error, if any, takes precedence); request_timeout_secs bounds it.
             return
         if not p.done:
             return  # 3.5 step 3: prefill read to completion

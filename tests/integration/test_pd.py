@@ -226,3 +226,18 @@ def test_least_requests_spreads_64_held_requests_over_8_decode_ranks() -> None:
                 c.close()
             await until(lambda: r.rank_in_flight(d) == [0] * 8, what="all released")
     run(body(), timeout=60)
+
+
+def test_decode_error_answers_without_waiting_for_a_stuck_prefill() -> None:
+    async def body() -> None:
+        (p,) = await workers(1, role="prefill")
+        (d,) = await workers(1, role="decode")
+        async with pd_router([p], [d]) as r:
+            p.hold()  # the prefill is stuck; the decode fails
+            d.status, d.error_body = 400, b'{"error": {"message": "bad"}}'
+            res = await call(r.port, post("/generate", {"text": "x"}))
+            assert res.status == 400 and res.json["error"]["code"] == "decode_bad_request"
+            await until(lambda: p.aborted == 1, what="prefill leg cancelled")
+            await until(lambda: r.in_flight(p) == 0 and r.in_flight(d) == 0, what="released")
+            p.release()
+    run(body())
