@@ -814,6 +814,7 @@ cdef class PrefixTree:
         for s in range(self.nslots):
             if self.slot_target[s] < 0:
                 continue
+            sizes[self.slot_target[s]] = 0
             e = self.slot_head[s]
             pos = 0
             prev = -1
@@ -851,7 +852,7 @@ cdef class PrefixTree:
                 assert e in order, "holder missing from its slot's LRU list"
                 seen.add(s)
                 t = self.slot_target[s]
-                sizes[t] = sizes.get(t, 0) + nd.len
+                sizes[t] += nd.len
                 if nd.parent > 0:
                     f = self.nodes[nd.parent].holders
                     while f >= 0 and self.ents[f].slot != s:
@@ -864,5 +865,5 @@ cdef class PrefixTree:
         assert len(order) == self.live_ents, "live entry count"
         for s in range(self.nslots):
             if self.slot_target[s] >= 0:
-                assert sizes.get(self.slot_target[s], 0) == self.slot_size[s], "size accounting"
+                assert sizes[self.slot_target[s]] == self.slot_size[s], "size accounting"
         return sizes
