@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shlex
@@ -106,7 +107,8 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile of an already sorted sequence (q in 0..100)."""
     if not sorted_values:
         raise ValueError("no values")
-    k = max(0, min(len(sorted_values) - 1, int(round(q / 100.0 * len(sorted_values) + 0.5)) - 1))
+    # Rank ceil(q% of n), 1-based; clamped so q=0 gives the minimum.
+    k = max(0, min(len(sorted_values) - 1, math.ceil(q / 100.0 * len(sorted_values)) - 1))
     return sorted_values[k]
 
 
