@@ -96,6 +96,15 @@ _F_KEY = 8       # routing key for consistent hashing
 _F_CL = 16       # Content-Length
 _F_EXPECT = 32   # Expect: 100-continue
 
+# Bounded label values for metrics (unknown paths/methods collapse to one value).
+_PATH_LABEL = {p: p.decode() for p in (
+    b"/generate", b"/v1/completions", b"/v1/chat/completions", b"/health", b"/liveness",
+    b"/readiness", b"/workers", b"/add_worker", b"/remove_worker", b"/list_workers", b"/get_loads",
+    b"/flush_cache", b"/get_server_info", b"/server_info", b"/get_model_info", b"/model_info",
+    b"/v1/models", b"/health_generate", b"/engine_metrics")}
+_METHOD_LABEL = {m: m.decode() for m in (b"GET", b"POST", b"PUT", b"DELETE", b"HEAD", b"PATCH", b"OPTIONS")}
+_STATUS_LABEL = {s.value: str(s.value) for s in HTTPStatus}
+
 _RID_PREFIX = {b"/generate": b"gnt-", b"/v1/completions": b"cmpl-",
                b"/v1/chat/completions": b"chatcmpl-"}
 
@@ -139,6 +148,10 @@ class App:
         self.rank_field_regular = field or "data_parallel_rank"
         self.rank_field_decode = field or "routed_dp_rank"
         self.accepting = True
+        # fastroute.metrics.Stats of this process (set by the server when metrics
+        # run): plain dict increments per request, turned into series at scrape time.
+        self.stats: Any = None
+        self.backend = "pd" if self.pd else "regular"
 
         key = config.api_key
         self.api_key: bytes | None = ("Bearer " + key).encode() if key else None
@@ -226,6 +239,11 @@ class App:
     def handle(self, proto: ClientProtocol, req: Request) -> None:
         """Answer one parsed request; ends with proto.response_done() (maybe later)."""
         path, _, query = req.url.partition(b"?")
+        st = self.stats
+        if st is not None:
+            label = _PATH_LABEL.get(path, "other")
+            key = (_METHOD_LABEL.get(req.method, "OTHER"), label)
+            st.http_requests[key] = st.http_requests.get(key, 0) + 1
         if path in _INFERENCE:
             if req.method != b"POST":
                 proto.send_error(RouterError(405, "method_not_allowed",
@@ -238,6 +256,8 @@ class App:
                 self.proxy(proto, req, path)
         elif path == b"/health" or path == b"/liveness":
             ka = req.keep_alive and self.accepting
+            if st is not None:
+                self.count_response(200, "")
             proto.reply(_HEALTH_KA if ka else _HEALTH_CLOSE, ka)
         elif path in _ADMIN or path.startswith(b"/workers/"):
             if self.api_key is not None and path not in _OPEN and not self._authorized(req):
@@ -249,6 +269,24 @@ class App:
         else:
             proto.send_error(_errors.unknown_url(req.method.decode("latin-1"),
                                                  path.decode("latin-1")), req)
+
+    def _count_routed(self, path: bytes, stream: bool) -> None:
+        d = self.stats.router_requests
+        key = (self.backend, _INFERENCE[path], "true" if stream else "false")
+        d[key] = d.get(key, 0) + 1
+
+    def count_response(self, status: int, code: str, path: bytes | None = None) -> None:
+        """smg_http_responses, and smg_router_request_errors for failed inference requests."""
+        st = self.stats
+        d = st.http_responses
+        key = (_STATUS_LABEL.get(status) or str(status), code)
+        d[key] = d.get(key, 0) + 1
+        if code and path is not None:
+            endpoint = _INFERENCE.get(path)
+            if endpoint is not None:
+                e = st.router_errors
+                key2 = (self.backend, endpoint, code)
+                e[key2] = e.get(key2, 0) + 1
 
     def _authorized(self, req: Request) -> bool:
         got = req.auth
@@ -309,6 +347,8 @@ class App:
         if lease is None:
             proto.send_error(_errors.no_available_workers(), req)
             return
+        if self.stats is not None:
+            self._count_routed(path, meta.stream)
         ex = Relay(self, proto, req, path, (lease,))
         try:
             worker, rank = registry.target_info[lease.target]
@@ -332,6 +372,8 @@ class App:
             plea.release()
             proto.send_error(_errors.no_available_workers("decode"), req)
             return
+        if self.stats is not None:
+            self._count_routed(path, meta.stream)
         ex = PDRelay(self, proto, req, path, (plea, dlea), meta.stream, meta.return_logprob)
         try:
             pworker, prank = registry.target_info[plea.target]
@@ -416,11 +458,16 @@ class ClientProtocol(asyncio.Protocol):
             except (OSError, AttributeError):
                 pass
         self.app.connections.add(self)
+        if self.app.stats is not None:
+            self.app.stats.connections_active += 1
         self.head_deadline = self.loop.time() + self.app.header_timeout
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self.app.connections.discard(self)
+        if self in self.app.connections:
+            self.app.connections.discard(self)
+            if self.app.stats is not None:
+                self.app.stats.connections_active -= 1
         self.queue.clear()
         ex = self.exchange
         if ex is not None:
@@ -637,8 +684,10 @@ class ClientProtocol(asyncio.Protocol):
         self.response_done(keep_alive)
 
     def reply_simple(self, status: int, ctype: bytes, body: bytes, req: Request,
-                     extra: bytes = b"") -> None:
+                     extra: bytes = b"", code: str = "") -> None:
         ka = req.keep_alive and self.app.accepting
+        if self.app.stats is not None:
+            self.app.count_response(status, code, req.url.partition(b"?")[0])
         head = b"%bcontent-type: %b\r\ncontent-length: %d\r\n%b%b\r\n" % (
             status_line(status), ctype, len(body), extra, b"" if ka else b"connection: close\r\n")
         self.reply(head + body, ka)
@@ -648,9 +697,9 @@ class ClientProtocol(asyncio.Protocol):
         for k, v in exc.headers:
             extra += k + b": " + v + b"\r\n"
         if sse:
-            self.reply_simple(exc.status, _CT_SSE, exc.sse(), req, extra)
+            self.reply_simple(exc.status, _CT_SSE, exc.sse(), req, extra, exc.code)
         else:
-            self.reply_simple(exc.status, _CT_JSON, exc.body(), req, extra)
+            self.reply_simple(exc.status, _CT_JSON, exc.body(), req, extra, exc.code)
 
 
 # --------------------------------------------------------------------------- exchanges
@@ -660,7 +709,7 @@ class _Exchange:
     """Client-facing half of one proxied request: framing, flow control, the lease release."""
 
     __slots__ = ("app", "proto", "req", "leases", "deadline", "chunked", "head", "started",
-                 "finished", "keep_alive", "rid", "relay_conn", "out")
+                 "finished", "keep_alive", "rid", "relay_conn", "out", "started_at", "path", "status")
 
     def __init__(self, app: App, proto: ClientProtocol, req: Request, path: bytes,
                  leases: tuple) -> None:
@@ -668,7 +717,8 @@ class _Exchange:
         self.proto = proto
         self.req = req
         self.leases = leases
-        self.deadline = app.loop.time() + app.timeout
+        self.started_at = app.loop.time()
+        self.deadline = self.started_at + app.timeout
         self.chunked = False
         self.head: bytes | None = None   # client head not yet written (sent with the first body bytes)
         self.started = False             # client head built: errors now end the connection
@@ -680,6 +730,8 @@ class _Exchange:
         # single transport.write when the read is done (up_flush), so a burst of
         # SSE events costs one syscall, not one per event.
         self.out: list[bytes] = []
+        self.path = path
+        self.status = 0
         app.exchanges.add(self)
         proto.exchange = self
 
@@ -693,6 +745,7 @@ class _Exchange:
         """
         parts = [status_line(status)]
         ap = parts.append
+        self.status = status
         for name, value in headers:
             n = name.lower()
             if n in _HOP:
@@ -747,6 +800,12 @@ class _Exchange:
         if self.chunked:
             self.out.append(_LAST_CHUNK)
         self.flush()
+        st = self.app.stats
+        if st is not None:
+            app = self.app
+            app.count_response(self.status, "")
+            if 200 <= self.status < 300:
+                st.duration(app.backend, _INFERENCE[self.path], app.loop.time() - self.started_at)
         self._finish(self.keep_alive)
 
     def _finish(self, keep_alive: bool) -> None:
@@ -772,6 +831,8 @@ class _Exchange:
             # response rather than a clean end; Content-Length: short body.
             if self.head is None:
                 self.flush()  # bytes already committed to the client go out before the cut
+                if self.app.stats is not None:
+                    self.app.count_response(self.status, exc.code, self.path)
                 self._finish(False)
                 if not self.proto.closed:
                     self.proto.closed = True

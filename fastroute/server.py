@@ -57,6 +57,7 @@ class Server:
             self.monitor = Monitor(cfg, self.registry, self.table)
             self.metrics = await _start_metrics(cfg, self.table, self.registry)
             self.app = App(cfg, self.registry, loop)
+            self.app.stats = getattr(self.metrics, "stats", None)
             self.listener = await loop.create_server(
                 self.app.protocol_factory, cfg.host, cfg.port,
                 reuse_address=True, reuse_port=hasattr(socket, "SO_REUSEPORT"), backlog=4096)

@@ -300,6 +300,8 @@ class Router:
         cfg.setdefault("worker_startup_check_interval", 1)
         cfg.setdefault("disable_health_check", True)
         cfg.setdefault("shutdown_grace_period_secs", 1)
+        cfg.setdefault("prometheus_host", "127.0.0.1")
+        cfg.setdefault("prometheus_port", 0)
         self.config = Config(**cfg)
         self.server = Server(self.config)
 

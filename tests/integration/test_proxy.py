@@ -405,3 +405,29 @@ def test_close_delimited_upstream_stream_reaches_client_chunked() -> None:
             c.close()
             await until_zero(r, w)
     run(body())
+
+
+def test_request_metrics_are_counted() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(worker_urls=[w.url]) as r:
+            assert (await call(r.port, post("/generate", {"text": "x"}))).status == 200
+            assert (await call(r.port, post("/generate", {"text": "x", "stream": True}))).status == 200
+            assert (await call(r.port, post("/generate", b"{bad"))).status == 400
+            assert (await call(r.port, get("/health"))).status == 200
+            res = await call(r.server.metrics.port, get("/metrics"))
+            text = res.body.decode()
+            lines = [line for line in text.splitlines() if not line.startswith("#")]
+
+            def value(prefix: str, *needles: str) -> float:
+                for line in lines:
+                    if line.startswith(prefix) and all(n in line for n in needles):
+                        return float(line.rsplit(" ", 1)[1])
+                raise AssertionError(f"{prefix} {needles} missing")
+            assert value("smg_router_requests_total", 'endpoint="/generate"', 'streaming="false"') == 1
+            assert value("smg_router_requests_total", 'endpoint="/generate"', 'streaming="true"') == 1
+            assert value("smg_http_requests_total", 'path="/generate"', 'method="POST"') == 3
+            assert value("smg_http_responses_total", 'status_code="200"', 'error_code=""') == 3
+            assert value("smg_http_responses_total", 'status_code="400"') == 1
+            assert value("smg_router_request_duration_seconds_count", 'endpoint="/generate"') == 2
+    run(body())
