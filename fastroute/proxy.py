@@ -58,7 +58,6 @@ def status_line(code: int) -> bytes:
 
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_OK_BODY = b"OK"
 _HEALTH_KA = (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\n"
               b"content-length: 2\r\n\r\nOK")
 _HEALTH_CLOSE = (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\n"

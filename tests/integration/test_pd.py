@@ -3,7 +3,6 @@ mapping per failing leg, cancellation of both legs, logprob merge, decode-rank b
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import json
 
