@@ -338,7 +338,8 @@ class App:
 
     def _acquire(self, group: Any, meta: Any, req: Request) -> Any:
         text = meta.routing_text() if group.policy == "cache_aware" else None
-        return group.acquire(meta.input_tokens, req.key, text)
+        # out_tokens only matters to KV-fit placement (the decode group); 0 when not given.
+        return group.acquire(meta.input_tokens, req.key, text, meta.max_new_tokens or 0)
 
     def _proxy_regular(self, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
         registry = self.registry
