@@ -69,6 +69,11 @@ class Stats:
         self.router_duration: dict[tuple[str, str], Hist] = {}
         self.retries: dict[tuple[str, str], int] = {}
         self.reclaimed: dict[str, int] = {}
+        # Resilience (fastroute.breaker / admission / proxy retries).
+        self.retries_exhausted: dict[tuple[str, str], int] = {}
+        self.cb_outcomes: dict[tuple[str, str], int] = {}            # (worker, outcome)
+        self.cb_transitions: dict[tuple[str, str, str], int] = {}    # (worker, from, to)
+        self.rate_limit: dict[str, int] = {}                         # result
         self.connections_active = 0
         self.pick_seconds = Hist(FAST_BUCKETS)
         self.overhead_seconds = Hist(FAST_BUCKETS)
@@ -250,6 +255,27 @@ class Collector:
                                 "Leases reclaimed by the safety net rather than released by their owner",
                                 labels=["reason"])
         for r, v in merged("reclaimed").items():
+            c.add_metric([r], float(v))
+        yield c
+        c = CounterMetricFamily("smg_worker_retries_exhausted",
+                                "Requests that failed after using every attempt",
+                                labels=["worker_type", "endpoint"])
+        for (r, e), v in merged("retries_exhausted").items():
+            c.add_metric([r, e], float(v))
+        yield c
+        c = CounterMetricFamily("smg_worker_cb_outcomes", "Circuit breaker outcomes per worker",
+                                labels=["worker", "outcome"])
+        for (w, o), v in merged("cb_outcomes").items():
+            c.add_metric([w, o], float(v))
+        yield c
+        c = CounterMetricFamily("smg_worker_cb_transitions", "Circuit state transitions per worker",
+                                labels=["worker", "from", "to"])
+        for (w, f, t), v in merged("cb_transitions").items():
+            c.add_metric([w, f, t], float(v))
+        yield c
+        c = CounterMetricFamily("smg_http_rate_limit", "Admission decisions",
+                                labels=["result"])
+        for r, v in merged("rate_limit").items():
             c.add_metric([r], float(v))
         yield c
         h = _hist_family("smg_router_request_duration_seconds", "Routed request duration (success)",
