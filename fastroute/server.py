@@ -8,7 +8,9 @@ unlink the shared table). The listener starts before any worker is registered:
 inference requests get 503 until the registry reports ready (protocol.md 2).
 
 ``Server`` is the in-process form used by tests; ``run(config)`` is what the
-CLI calls (uvloop, signal handlers, blocking until shutdown).
+CLI calls (uvloop, signal handlers, blocking until shutdown). With ``--workers N``
+(N > 1) ``run`` delegates to :mod:`fastroute.supervisor`, which runs this same
+proxy code in N processes over one shared target table.
 """
 
 from __future__ import annotations
@@ -69,9 +71,6 @@ class Server:
         self.app.start()
         log.info("fastroute listening on %s:%d (%s mode)", cfg.host, self.port,
                  "PD" if cfg.pd_disaggregation else "regular")
-        if getattr(cfg, "workers", 1) > 1:
-            log.warning("--workers %d: multi-process proxying is not implemented; serving from one process",
-                        cfg.workers)
         await self.registry.start()
         self.monitor.start()
 
@@ -156,7 +155,16 @@ async def serve(config: Any) -> int:
 
 
 def run(config: Any) -> int:
-    """Blocking entry point used by the CLI: uvloop event loop + ``serve``."""
+    """Blocking entry point used by the CLI: uvloop event loop + ``serve``.
+
+    ``--workers N`` with N > 1 (or ``auto`` on a multi-core machine) hands over to
+    :mod:`fastroute.supervisor`; one process keeps this single-process path unchanged."""
     import uvloop
 
+    from fastroute.supervisor import resolve_processes
+
+    if resolve_processes(config) > 1:
+        from fastroute import supervisor
+
+        return supervisor.run(config)
     return uvloop.run(serve(config))
