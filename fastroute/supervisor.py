@@ -286,20 +286,30 @@ def _header(headers: Any, name: str) -> str | None:
 
 
 def merge_stats(dst: Any, src: Any) -> None:
-    """Add ``src``'s counters and histograms into ``dst`` (gauges are not carried over)."""
-    for attr in ("http_requests", "http_responses", "router_requests", "router_errors",
-                 "retries", "reclaimed"):
-        d = getattr(dst, attr)
-        for k, v in getattr(src, attr, {}).items():
-            d[k] = d.get(k, 0) + v
-    for key, h in getattr(src, "router_duration", {}).items():
-        mine = dst.router_duration.get(key)
-        if mine is None:
-            from fastroute.metrics import Hist
-            mine = dst.router_duration[key] = Hist(h.bounds)
-        _add_hist(mine, h)
-    _add_hist(dst.pick_seconds, src.pick_seconds)
-    _add_hist(dst.overhead_seconds, src.overhead_seconds)
+    """Add ``src``'s counters and histograms into ``dst`` (two ``metrics.Stats``).
+
+    Generic over the attributes, so counters the proxy adds later are merged too: a dict of
+    ints is a labelled counter, a dict of ``Hist`` a labelled histogram, a ``Hist`` a histogram.
+    Plain ints (``connections_active``) are gauges of a live process and are not carried over."""
+    from fastroute.metrics import Hist
+
+    for attr, val in vars(src).items():
+        if isinstance(val, Hist):
+            mine = getattr(dst, attr, None)
+            if isinstance(mine, Hist):
+                _add_hist(mine, val)
+        elif isinstance(val, dict):
+            d = getattr(dst, attr, None)
+            if not isinstance(d, dict):
+                continue
+            for k, v in val.items():
+                if isinstance(v, Hist):
+                    h = d.get(k)
+                    if h is None:
+                        h = d[k] = Hist(v.bounds)
+                    _add_hist(h, v)
+                elif isinstance(v, (int, float)):
+                    d[k] = d.get(k, 0) + v
 
 
 def _add_hist(dst: Any, src: Any) -> None:

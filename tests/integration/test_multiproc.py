@@ -281,3 +281,96 @@ def test_worker_added_through_any_process_reaches_both() -> None:
         await a.stop()
         await b.stop()
     run(body(), timeout=60)
+
+
+# ---- the pieces without sockets (reclaim arithmetic, stats merge, snapshot apply) ----------------
+
+
+def test_reclaim_subtracts_exactly_the_dead_process_ledger() -> None:
+    from fastroute.routing import Router
+    from fastroute.supervisor import reclaim, track
+    from fastroute.table import TargetTable
+
+    with TargetTable(capacity=8) as table, TargetTable(capacity=8) as la, \
+            TargetTable(capacity=8) as lb:
+        rows = [table.alloc() for _ in range(3)]
+        ga = Router(table, seed=1).group(rows, "round_robin")
+        gb = Router(table, seed=2).group(rows, "round_robin")
+        acq_a, acq_b = track(ga.acquire, la), track(gb.acquire, lb)
+        held_a = [acq_a(10) for _ in range(5)]
+        held_b = [acq_b(7) for _ in range(4)]
+        held_a[0].release()                       # released leases are not reclaimed
+        assert held_a[0].release() is False       # and release stays idempotent
+        reqs, toks = reclaim(table, la)           # process a "died" holding 4 leases
+        assert (reqs, toks) == (4, 40)
+        assert sum(table.in_flight(t) for t in rows) == 4
+        assert sum(table.in_flight_tokens(t) for t in rows) == 28
+        assert la.snapshot()[:, :2].sum() == 0
+        assert reclaim(table, la) == (0, 0)       # idempotent
+        for lease in held_b:
+            lease.release()
+        assert sum(table.in_flight(t) for t in rows) == 0
+        assert table.underflows == 0
+        del ga, gb, held_a, held_b, acq_a, acq_b
+
+
+def test_merge_stats_adds_counters_and_histograms_not_gauges() -> None:
+    from fastroute.metrics import Stats
+    from fastroute.supervisor import merge_stats
+
+    a, b = Stats(), Stats()
+    a.count(a.http_requests, ("POST", "/generate"), 3)
+    b.count(b.http_requests, ("POST", "/generate"), 2)
+    b.count(b.reclaimed, "process_exit", 5)
+    b.duration("regular", "/generate", 0.2)
+    b.pick_seconds.observe(1e-5)
+    b.connections_active = 7
+    merge_stats(a, b)
+    merge_stats(a, b)
+    assert a.http_requests == {("POST", "/generate"): 7}
+    assert a.reclaimed == {"process_exit": 10}
+    assert a.router_duration[("regular", "/generate")].count == 2
+    assert a.pick_seconds.count == 2
+    assert a.connections_active == 0
+
+
+def test_follower_applies_snapshots_and_forgets_removed_workers() -> None:
+    from fastroute.config import Config
+    from fastroute.routing import Router
+    from fastroute.supervisor import FollowerRegistry
+    from fastroute.table import TargetTable
+
+    cfg = Config(worker_urls=[], policy="round_robin", dp_aware=True)
+    with TargetTable(capacity=8) as table, TargetTable(capacity=8) as ledger:
+        reg = FollowerRegistry(cfg, table, Router(table, seed=3, config=cfg), ledger, "/nonexistent",
+                               "http://127.0.0.1:1", "s")
+        assert not reg.ready()
+
+        def worker(url: str, wid: str, targets: list[int], status: str = "ready") -> dict:
+            return {"url": url, "role": "regular", "id": wid, "host": "127.0.0.1", "port": 1,
+                    "bootstrap_port": None, "dp_size": len(targets), "targets": targets,
+                    "names": [f"{url}@{i}" for i in range(len(targets))], "model_id": "m",
+                    "server_info": {}, "model_info": {}, "healthy": True, "status": status,
+                    "priority": 50, "cost": 1.0, "labels": {}, "api_key": None,
+                    "requested_model_id": None, "error": None, "server_info_path": "/server_info",
+                    "model_info_path": "/model_info"}
+        rows = [table.alloc() for _ in range(3)]
+        reg.apply({"version": 1, "workers": [worker("http://a:1", "a", rows[:2]),
+                                             worker("http://b:1", "b", [rows[2]]),
+                                             worker("http://c:1", "c", [], status="pending")]})
+        assert reg.ready() and reg.version == 1
+        assert reg.group("regular").targets == rows
+        wa = reg.target_info[rows[1]][0]
+        assert reg.target_info[rows[1]] == (wa, 1) and reg.target_info[rows[2]][1] is None
+        lease = reg.group("regular").acquire(5)
+        assert ledger.in_flight(lease.target) == 1 and table.in_flight(lease.target) == 1
+        lease.release()
+        assert ledger.in_flight(lease.target) == 0 and table.in_flight(lease.target) == 0
+        reg.apply({"version": 2, "workers": [worker("http://a:1", "a", rows[:2])]})
+        assert reg.group("regular").targets == rows[:2]
+        assert reg.target_info[rows[2]] is None
+        assert reg.find("http://a:1") is wa               # identity kept across snapshots
+        assert reg.find("http://b:1") is None
+        reg.apply({"version": 3, "workers": []})
+        assert not reg.ready() and reg.group("regular").acquire(1) is None
+        del reg, lease
