@@ -476,3 +476,59 @@ def test_eviction_and_removal_keep_invariants(tab, ops, limit, drop):
         sizes = tree.check()
         assert drop not in sizes
     assert sum(sizes.values()) >= 0
+
+
+def oracle_pick(held, sizes, loads, eligible, text: bytes | None, cfg):
+    """Allowed targets for one pick and the rule that decides it (ties: any of the set)."""
+    if not eligible:
+        return "none", set()
+    lo = min(loads[t] for t in eligible)
+    hi = max(loads[t] for t in eligible)
+    least = {t for t in eligible if loads[t] == lo}
+    if not text:
+        return "no_text", least
+    if hi - lo > cfg.balance_abs_threshold and hi > lo * cfg.balance_rel_threshold:
+        return "balance", least
+    m, who = oracle_match(held, text, eligible)
+    if who and m > cfg.cache_threshold * len(text):
+        return "cache_hit", set(who)
+    small = min(sizes[t] for t in eligible)
+    return "smallest_tree", {t for t in eligible if sizes[t] == small}
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reqs=st.lists(st.tuples(st.one_of(st.none(), texts_st),
+                               st.lists(st.integers(0, 80), min_size=4, max_size=4),
+                               st.sets(st.integers(0, 3), max_size=4)),
+                     min_size=1, max_size=40),
+       threshold=st.sampled_from([0.0, 0.3, 0.5, 0.9]))
+def test_pick_matches_oracle(tab, reqs, threshold):
+    ids = list(range(4))
+    if tab.generation == 0:
+        for _ in ids:
+            tab.alloc()
+    cfg = SimpleNamespace(**{**_DEFAULTS, "cache_threshold": threshold,
+                             "balance_abs_threshold": 20})
+    pol = CacheAwarePolicy(tab, cfg, seed=3)
+    pol.set_targets(ids, [str(t) for t in ids])
+    held: dict[int, list[bytes]] = {t: [] for t in ids}
+    try:
+        for text, loads, unhealthy in reqs:
+            for t in ids:
+                set_load(tab, t, loads[t])
+                tab.set_healthy(t, t not in unhealthy)
+            sizes = {t: len({s[:k] for s in held[t] for k in range(1, len(s) + 1)}) for t in ids}
+            eligible = set(ids) - unhealthy
+            reason, allowed = oracle_pick(held, sizes, dict(zip(ids, loads)), eligible, text, cfg)
+            got = pol.pick(text, ids)
+            if reason == "none":
+                assert got == -1
+                continue
+            assert (pol.last_reason, got in allowed) == (reason, True), (text, loads, allowed)
+            if text:
+                held[got].append(text)
+        pol.tree.check()
+    finally:
+        for t in ids:
+            set_load(tab, t, 0)
+            tab.set_healthy(t, True)
