@@ -234,6 +234,8 @@ async def run_cell(cell: Cell, concurrency: int, cluster: SimCluster, trace: lis
 
 
 def _f(x: Any, nd: int = 2) -> str:
+    if x is None:
+        return "-"
     try:
         if x != x:  # NaN
             return "-"
@@ -274,6 +276,7 @@ def write_plots(results: list[dict], out_dir: str) -> list[str]:
     except ImportError:
         print("matplotlib is not installed: skipping plots (pip install matplotlib)", file=sys.stderr)
         return []
+    os.makedirs(out_dir, exist_ok=True)
     paths = []
     for conc in sorted({r["concurrency"] for r in results}):
         rows = [r for r in results if r["concurrency"] == conc and r["samples"]]
@@ -288,9 +291,9 @@ def write_plots(results: list[dict], out_dir: str) -> list[str]:
             ax.set_title(f"{r['label']}: outstanding CV {_f(r['balance'].get('outstanding_cv'))}", fontsize=9)
             ax.set_ylabel("outstanding")
         axes[-1, 0].set_xlabel("seconds (wall) in the measured window")
-        axes[0, 0].legend(ncol=8, fontsize=6, loc="upper right")
+        fig.legend(*axes[0, 0].get_legend_handles_labels(), ncol=8, fontsize=7, loc="lower center")
         fig.suptitle(f"Per-rank outstanding requests (running + waiting), concurrency {conc}")
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0.03, 1, 0.97))  # leave room for the suptitle
         path = os.path.join(out_dir, f"outstanding_c{conc}.png")
         fig.savefig(path, dpi=90)
         plt.close(fig)
@@ -326,6 +329,7 @@ async def run_matrix(cells: list[Cell], concurrencies: list[int], duration: floa
 
 
 def write_outputs(results: list[dict], out_dir: str, time_scale: float) -> str:
+    os.makedirs(out_dir, exist_ok=True)
     table = markdown_table(results, time_scale)
     with open(os.path.join(out_dir, "balance.md"), "w") as fh:
         fh.write(table)
@@ -333,6 +337,11 @@ def write_outputs(results: list[dict], out_dir: str, time_scale: float) -> str:
         json.dump([{k: v for k, v in r.items() if k != "samples"} for r in results], fh, indent=1)
     write_plots(results, out_dir)
     return table
+
+
+def failed_cells(results: list[dict]) -> list[str]:
+    """Labels of points where no request completed (router broken, sim misconfigured...)."""
+    return [f"{r['label']} @ C={r['concurrency']}" for r in results if not r["load"]["completed_total"]]
 
 
 def add_common_flags(ap: argparse.ArgumentParser, duration: float, warmup: float, time_scale: float) -> None:
@@ -375,7 +384,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     results = uvloop.run(go())
     print(write_outputs(results, ns.out, ns.time_scale))
     print(f"wrote {ns.out}/balance.md, balance.json and outstanding_c*.png", file=sys.stderr)
-    return 0 if results else 1
+    bad = failed_cells(results)
+    if bad:
+        print(f"no request completed in: {', '.join(bad)} (router logs in {ns.out}/)", file=sys.stderr)
+    return 0 if results and not bad else 1
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ import argparse
 import sys
 from typing import Optional
 
-from fastroute.sim.balance import Cell, add_common_flags, fastroute_cells, run_matrix, write_outputs
+from fastroute.sim.balance import (Cell, add_common_flags, failed_cells, fastroute_cells, run_matrix,
+                                   write_outputs)
 from fastroute.sim.worker import SimParams
 
 DEMO_LABELS = ("round_robin", "p2c least_requests", "demand W=1e+06")
@@ -50,6 +51,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1
     print(write_outputs(results, ns.out, ns.time_scale))
     print(f"table, JSON and plot written to {ns.out}/", flush=True)
+    bad = failed_cells(results)
+    if bad:
+        print(f"demo: no request completed in {', '.join(bad)}; see the router logs in {ns.out}/",
+              file=sys.stderr)
+        return 1
     return 0
 
 
