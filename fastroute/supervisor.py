@@ -119,14 +119,16 @@ class TrackedLease:
 
 def track(acquire: Callable[..., Any], ledger: Any) -> Callable[..., Any]:
     """Wrap a group's ``acquire`` so each lease is also booked in ``ledger`` (a TargetTable)."""
-    arr, hdr, book = ledger.array, ledger.header, _ledger.book
+    # A compiled picker over the ledger used only for ``book_target``: its memoryviews are
+    # acquired once here, so the second booking costs no buffer setup per request.
+    book = _ledger.Picker(ledger.array, ledger.header, "random").book_target
 
     def acquire_tracked(tokens: int = 0, key: bytes | None = None, text: str | None = None,
                         out_tokens: int = 0) -> Any:
         lease = acquire(tokens, key, text, out_tokens)
         if lease is None:
             return None
-        return TrackedLease(lease, book(arr, hdr, lease.target, lease.tokens, arr))
+        return TrackedLease(lease, book(lease.target, lease.tokens))
     return acquire_tracked
 
 
