@@ -374,3 +374,66 @@ def test_follower_applies_snapshots_and_forgets_removed_workers() -> None:
         reg.apply({"version": 3, "workers": []})
         assert not reg.ready() and reg.group("regular").acquire(1) is None
         del reg, lease
+
+
+def test_sigterm_stops_accepting_everywhere_and_finishes_in_flight() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        w.hold()
+        async with MultiRouter("--worker-urls", w.url, "--policy", "round_robin") as r:
+            clients = []
+            for i in range(4):
+                c = await RawClient(r.port).connect()
+                c.send(post("/generate", {"text": "x"}))
+                clients.append(c)
+                await until(lambda: w.held == i + 1, 5.0, "request held")
+            pid = r.proc.pid
+            r.proc.send_signal(signal.SIGTERM)
+
+            async def refused() -> bool:
+                try:
+                    c = await RawClient(r.port).connect()
+                except OSError:
+                    return True
+                c.close()
+                return False
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while not await refused():
+                assert loop.time() < deadline, "a proxy process kept accepting after SIGTERM"
+                await asyncio.sleep(0.02)
+            assert r.proc.returncode is None      # still draining the held requests
+            w.release()
+            for c in clients:
+                res = await c.response(timeout=5)
+                assert res.status == 200
+                c.close()
+            assert await asyncio.wait_for(r.proc.wait(), 15) == 0
+            assert _segments(pid) == []
+        await w.stop()
+    run(body(), timeout=60)
+
+
+def test_killed_supervisor_takes_its_proxy_processes_and_segments_along() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with MultiRouter("--worker-urls", w.url, "--policy", "round_robin") as r:
+            m = await r.metrics()
+            children = [int(v) for v in per_process(m, "fastroute_proxy_process_pid").values()]
+            assert len(children) == 2
+            pid = r.proc.pid
+            r.proc.kill()
+            await r.proc.wait()
+
+            def gone() -> bool:
+                alive = []
+                for c in children:
+                    try:
+                        with open(f"/proc/{c}/stat") as f:
+                            alive.append(f.read().split(") ", 1)[1][0] != "Z")
+                    except OSError:
+                        alive.append(False)
+                return not any(alive) and not _segments(pid)
+            await until(gone, 10.0, "proxy processes exited and shared memory removed")
+        await w.stop()
+    run(body(), timeout=60)
