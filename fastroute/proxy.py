@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import random
 import secrets
 import socket
 from http import HTTPStatus
@@ -32,6 +33,8 @@ import httptools
 
 from fastroute import body as _body
 from fastroute import errors as _errors
+from fastroute.admission import Admission
+from fastroute.breaker import NEUTRAL_STATUSES, Breakers
 from fastroute.errors import RouterError
 from fastroute.upstream import Pool
 
@@ -108,8 +111,23 @@ _RID_PREFIX = {b"/generate": b"gnt-", b"/v1/completions": b"cmpl-",
                b"/v1/chat/completions": b"chatcmpl-"}
 
 _PIPELINE_LIMIT = 32          # queued pipelined requests before we stop reading the client
+_HEAD_LIMIT = 1 << 16         # bytes of request line + headers before 431
+# Upstream statuses worth another attempt on another target (protocol.md 7.2).
+_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_RETRY_AFTER = ((b"Retry-After", b"1"),)
+_LEAK_EVERY = 5.0             # seconds between passes of the lease safety net
+_LEAK_SLACK = 5.0             # grace past request_timeout_secs before a booking counts as leaked
 _PD_BUFFER_LIMIT = 1 << 20    # decode bytes buffered while the prefill finishes
 _ERROR_BODY_LIMIT = 1 << 16   # bytes of a failed leg's body kept for the error message
+
+
+def _never_connected(conn: Any) -> bool:
+    """The upstream connection failed before TCP connected (its transport is set on connect).
+
+    Only then is the request known not to have reached the worker, so only then
+    is a transport failure retried.
+    """
+    return conn is not None and getattr(conn, "transport", False) is None
 
 
 def _new_request_id(path: bytes) -> bytes:
@@ -126,8 +144,6 @@ class App:
 
     def __init__(self, config: Any, registry: Any, loop: asyncio.AbstractEventLoop | None = None,
                  room_rng: Any = None) -> None:
-        import random
-
         self.config = config
         self.registry = registry
         self.loop = loop or asyncio.get_event_loop()
@@ -147,10 +163,40 @@ class App:
         self.rank_field_regular = field or "data_parallel_rank"
         self.rank_field_decode = field or "routed_dp_rank"
         self.accepting = True
-        # fastroute.metrics.Stats of this process (set by the server when metrics
-        # run): plain dict increments per request, turned into series at scrape time.
-        self.stats: Any = None
+        self._stats: Any = None
         self.backend = "pd" if self.pd else "regular"
+
+        # -- resilience (protocol.md 7.2-7.4) --
+        self.max_attempts = max(1, int(getattr(config, "max_attempts", 1)))
+        self.backoff_initial = float(getattr(config, "retry_initial_backoff_ms", 50)) / 1000.0
+        self.backoff_max = float(getattr(config, "retry_max_backoff_ms", 30000)) / 1000.0
+        self.backoff_mult = float(getattr(config, "retry_backoff_multiplier", 1.5))
+        self.backoff_jitter = float(getattr(config, "retry_jitter_factor", 0.2))
+        self.retry_rng = random.Random(config.seed)
+        table = getattr(registry, "table", None)
+        self.breakers: Breakers | None = None
+        self.reconciler: Any = None
+        if table is not None:
+            self.breakers = Breakers(
+                table, int(table.capacity), int(getattr(config, "cb_failure_threshold", 10)),
+                int(getattr(config, "cb_success_threshold", 3)),
+                float(getattr(config, "cb_timeout_duration_secs", 60)),
+                not getattr(config, "disable_circuit_breaker", False),
+                name_of=getattr(registry, "target_name", None), clock=self.loop.time)
+            # Imported here, not at module level: the monitor side pulls in the
+            # table (NumPy); the data path itself never touches it.
+            from fastroute.monitor import Reconciler
+            self.reconciler = Reconciler(table, self.timeout, self._reconcile_mismatch)
+            self._row_owner: dict[int, Any] = {}
+            add_listener = getattr(registry, "add_listener", None)
+            if add_listener is not None:
+                add_listener(self._targets_changed)
+        self.admission = Admission(int(getattr(config, "max_concurrent_requests", -1)),
+                                   int(getattr(config, "queue_size", 100)),
+                                   float(getattr(config, "queue_timeout_secs", 60)), self.loop)
+        self.leak_every = _LEAK_EVERY
+        self.leak_slack = _LEAK_SLACK
+        self._next_leak = 0.0
 
         key = config.api_key
         self.api_key: bytes | None = ("Bearer " + key).encode() if key else None
@@ -168,7 +214,25 @@ class App:
             flags[h] = flags.get(h, 0) | _F_KEY
         self.header_flags = flags
         self._sweep_handle: asyncio.TimerHandle | None = None
-        self._sweep_every = max(0.05, min(1.0, self.timeout / 4, self.header_timeout / 4))
+        every = [1.0, self.timeout / 4, self.header_timeout / 4]
+        if self.admission.enabled:
+            every.append(self.admission.queue_timeout / 4)
+        if self.breakers is not None:
+            every.append(self.breakers.timeout / 4)
+        self._sweep_every = max(0.05, min(every))
+
+    # fastroute.metrics.Stats of this process (set by the server when metrics
+    # run): plain dict increments per request, turned into series at scrape time.
+    @property
+    def stats(self) -> Any:
+        return self._stats
+
+    @stats.setter
+    def stats(self, stats: Any) -> None:
+        self._stats = stats
+        self.admission.stats = stats
+        if self.breakers is not None:
+            self.breakers.stats = stats
 
     # -- lifecycle ----------------------------------------------------------
     def start(self) -> None:
@@ -181,8 +245,8 @@ class App:
 
     @property
     def active(self) -> int:
-        """Requests being answered (proxied exchanges + admin calls)."""
-        return len(self.exchanges) + len(self.admin_tasks)
+        """Requests being answered (proxied exchanges + admin calls + admission queue)."""
+        return len(self.exchanges) + len(self.admin_tasks) + len(self.admission.queue)
 
     def stop_accepting(self) -> None:
         """Shutdown phase 1: close idle client connections; busy ones close after their response."""
@@ -199,7 +263,7 @@ class App:
             self._sweep_handle.cancel()
             self._sweep_handle = None
         for ex in list(self.exchanges):
-            ex.cancel()
+            ex.cancel(503, "shutdown")
         for conn in list(self.connections):
             if conn.transport is not None:
                 conn.transport.close()
@@ -218,9 +282,86 @@ class App:
                 ex.on_timeout()
             for conn in [c for c in self.connections if 0.0 < c.head_deadline <= now]:
                 conn.on_header_timeout()
+            if self.admission.queue:
+                self.admission.expire(now)
+            if self.breakers is not None:
+                self.breakers.tick(now)
+            if now >= self._next_leak:
+                self._next_leak = now + self.leak_every
+                self.check_leaks(now)
         except Exception:  # a bug here must not stop the sweeper forever
             log.exception("sweep failed")
         self._sweep_handle = self.loop.call_later(self._sweep_every, self._sweep)
+
+    # -- lease safety net -----------------------------------------------------
+    def check_leaks(self, now: float | None = None) -> int:
+        """Reclaim bookings their owner should have released; returns how many leases.
+
+        Owners release in ``_Exchange._close_books``; this pass only catches bugs.
+        Suspicious: an exchange still registered after it finished, one whose
+        client connection is gone (connection_lost should have cancelled it), or
+        one older than request_timeout_secs + slack (the timeout sweep should
+        have ended it). Each reclaimed lease is logged and counted in
+        ``fastroute_leases_reclaimed_total{reason}``.
+        """
+        if now is None:
+            now = self.loop.time()
+        limit = self.timeout + self.leak_slack
+        n = 0
+        for ex in list(self.exchanges):
+            if ex.finished:
+                reason = "finished"
+            elif ex.proto.closed:
+                reason = "client_gone"
+            elif now - ex.started_at > limit:
+                reason = "expired"
+            else:
+                continue
+            n += self._reclaim(ex, reason, now)
+        if self.reconciler is not None:
+            self.reconciler.check(getattr(self.registry, "target_info", None) or (), now)
+        return n
+
+    def _reclaim(self, ex: _Exchange, reason: str, now: float) -> int:
+        n = 0
+        for lease in ex.leases:
+            if lease.release():
+                n += 1
+                log.warning("reclaimed a leaked lease on target %s (%s, request %s, age %.1f s)",
+                            lease.target, reason, ex.rid.decode("latin-1"), now - ex.started_at)
+                if self._stats is not None:
+                    self._stats.reclaim(reason)
+        ex.leases = ()
+        try:
+            if reason == "expired" and not ex.finished:
+                ex.on_timeout()   # answers 504 (or cuts the stream) like the timeout sweep
+            elif not ex.finished:
+                ex.cancel()
+        except Exception:
+            log.exception("cleanup of a leaked exchange failed")
+        ex._close_books()
+        self.exchanges.discard(ex)
+        return n
+
+    def _reconcile_mismatch(self, name: str) -> None:
+        if self._stats is not None:
+            self._stats.reclaim("reconcile_mismatch")
+
+    def _targets_changed(self, role: str) -> None:
+        # A table row handed to another worker must not inherit the old
+        # worker's circuit history (control plane: runs on add/remove only).
+        owners = self._row_owner
+        for t, entry in enumerate(self.registry.target_info):
+            w = entry[0] if entry is not None else None
+            if owners.get(t) is not w:
+                owners[t] = w
+                self.breakers.reset(t)  # type: ignore[union-attr]
+
+    def backoff(self, retry: int) -> float:
+        """Delay in seconds before retry number ``retry`` (0-based), with jitter (7.2)."""
+        d = min(self.backoff_initial * self.backoff_mult ** retry, self.backoff_max)
+        j = self.backoff_jitter
+        return d * self.retry_rng.uniform(1.0 - j, 1.0 + j) if j else d
 
     def pool_for(self, worker: Any) -> Pool:
         pool = self.pools.get(worker.url)
@@ -310,6 +451,7 @@ class App:
         proto.reply_simple(status, ctype, body, req)
 
     def proxy(self, proto: ClientProtocol, req: Request, path: bytes) -> None:
+        st = self._stats
         if req.too_large:
             proto.send_error(_errors.payload_too_large(req.body_len, self.max_payload), req)
             return
@@ -324,10 +466,48 @@ class App:
         except RouterError as exc:
             proto.send_error(exc, req)
             return
-        if self.pd:
-            self._proxy_pd(proto, req, path, meta)
+        # Every parsed inference request counts once here (whatever answers it:
+        # relay, 429/408 admission, 503 no target, retries); malformed ones
+        # count only in smg_http_responses_total.
+        if st is not None:
+            self._count_routed(path, meta.stream)
+        if self.admission.try_enter():
+            self._begin(proto, req, path, meta)
         else:
-            self._proxy_regular(proto, req, path, meta)
+            self._wait(proto, req, path, meta)
+
+    def _begin(self, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
+        """Start the exchange of an admitted request (it owns the admission slot from here)."""
+        if self.pd:
+            ex: _Exchange = PDRelay(self, proto, req, path, meta)
+        else:
+            ex = Relay(self, proto, req, path, meta)
+        ex.attempt()
+
+    def _wait(self, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
+        """Over --max-concurrent-requests: queue (FIFO) or refuse with 429."""
+        def start() -> None:
+            proto.waiter = None
+            if proto.closed:  # client left between the dequeue and this callback
+                self.admission.leave()
+                return
+            try:
+                self._begin(proto, req, path, meta)
+            except Exception:
+                log.exception("request handling failed")
+
+        def expired() -> None:
+            proto.waiter = None
+            if not proto.closed:
+                proto.send_error(_errors.queue_timeout(), req)
+
+        waiter = self.admission.wait(start, expired, self.loop.time())
+        if waiter is None:
+            exc = _errors.queue_full()
+            exc.headers = _RETRY_AFTER
+            proto.send_error(exc, req)
+            return
+        proto.waiter = waiter
 
     def _frame(self, pool: Pool, req: Request, body: bytes) -> bytes:
         auth = pool.auth
@@ -340,60 +520,6 @@ class App:
         text = meta.routing_text() if group.policy == "cache_aware" else None
         # out_tokens only matters to KV-fit placement (the decode group); 0 when not given.
         return group.acquire(meta.input_tokens, req.key, text, meta.max_new_tokens or 0)
-
-    def _proxy_regular(self, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
-        registry = self.registry
-        lease = self._acquire(registry.group("regular"), meta, req)
-        if lease is None:
-            proto.send_error(_errors.no_available_workers(), req)
-            return
-        if self.stats is not None:
-            self._count_routed(path, meta.stream)
-        ex = Relay(self, proto, req, path, (lease,))
-        try:
-            worker, rank = registry.target_info[lease.target]
-            body = req.body
-            if rank is not None and self.dp_aware:
-                body = _body.inject(body, _body.rank_field_bytes(self.rank_field_regular, rank))
-            pool = self.pool_for(worker)
-            pool.send(self._frame(pool, req, body), ex)
-        except BaseException:
-            ex.fail_internal()
-            raise
-
-    def _proxy_pd(self, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
-        registry = self.registry
-        plea = self._acquire(registry.group("prefill"), meta, req)
-        if plea is None:
-            proto.send_error(_errors.no_available_workers("prefill"), req)
-            return
-        dlea = self._acquire(registry.group("decode"), meta, req)
-        if dlea is None:
-            plea.release()
-            proto.send_error(_errors.no_available_workers("decode"), req)
-            return
-        if self.stats is not None:
-            self._count_routed(path, meta.stream)
-        ex = PDRelay(self, proto, req, path, (plea, dlea), meta.stream, meta.return_logprob)
-        try:
-            pworker, prank = registry.target_info[plea.target]
-            dworker, drank = registry.target_info[dlea.target]
-            # Prefill rank travels in the room (room % prefill_dp_size == rank, 4.3),
-            # never as a body key on the prefill leg; one room for both legs.
-            pfields, dfields = _body.pd_leg_fields(
-                meta, pworker.host, pworker.bootstrap_port, self.room_rng,
-                self.rank_field_decode if drank is not None else None, drank,
-                int(pworker.dp_size) if prank is not None else 1, prank)
-            pbody = _body.inject(req.body, pfields)
-            dbody = pbody if dfields is pfields else _body.inject(req.body, dfields)
-            ppool = self.pool_for(pworker)
-            dpool = self.pool_for(dworker)
-            # Both legs leave in the same loop iteration (3.4: concurrent dispatch).
-            ppool.send(self._frame(ppool, req, pbody), ex.p)
-            dpool.send(self._frame(dpool, req, dbody), ex.d)
-        except BaseException:
-            ex.fail_internal()
-            raise
 
 
 # --------------------------------------------------------------------------- client protocol
@@ -447,6 +573,10 @@ class ClientProtocol(asyncio.Protocol):
         self._key_vals: dict[bytes, bytes] | None = None
         self._expect = False
         self._cl = -1
+        self._head_size = 0
+        self.waiter: Any = None           # admission queue entry while the request waits for a slot
+        self._bad_message = ""
+        self._bad_status = 400
 
     # -- asyncio.Protocol ---------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -472,6 +602,11 @@ class ClientProtocol(asyncio.Protocol):
         ex = self.exchange
         if ex is not None:
             ex.cancel()  # client gone: abort upstream legs, release leases
+        w = self.waiter
+        if w is not None:
+            self.waiter = None
+            if self.app.admission.cancel(w) and self.app.stats is not None:
+                self.app.count_response(499, "client_closed")
 
     def data_received(self, data: bytes) -> None:
         if self.bad_request:
@@ -505,15 +640,27 @@ class ClientProtocol(asyncio.Protocol):
         self._key_vals = None
         self._expect = False
         self._cl = -1
+        self._head_size = 0
         self.in_head = True
         self.head_deadline = self.loop.time() + self.app.header_timeout
 
     def on_url(self, url: bytes) -> None:
         self._url = url if not self._url else self._url + url
+        self._head_size += len(url)
+        if self._head_size > _HEAD_LIMIT:
+            self._head_too_large()
 
     def on_header(self, name: bytes, value: bytes) -> None:
         req = self._req
-        req.headers.append((name, value))  # type: ignore[union-attr]
+        if req is None:  # head already refused (431)
+            return
+        # httptools has no limit of its own on the head; without one a client
+        # could make us buffer headers forever.
+        self._head_size += len(name) + len(value) + 4
+        if self._head_size > _HEAD_LIMIT:
+            self._head_too_large()
+            return
+        req.headers.append((name, value))
         n = name.lower()
         f = self.app.header_flags.get(n)
         if f is None:
@@ -541,9 +688,11 @@ class ClientProtocol(asyncio.Protocol):
             self._expect = True
 
     def on_headers_complete(self) -> None:
+        req = self._req
+        if req is None:
+            return
         self.in_head = False
         self.head_deadline = 0.0
-        req = self._req
         app = self.app
         req.method = self.parser.get_method()  # type: ignore[union-attr]
         if self._cl > app.max_payload:
@@ -576,7 +725,7 @@ class ClientProtocol(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         req = self._req
-        if req is None:  # already answered (413 at the head)
+        if req is None or self.bad_request:  # already answered (413/431 at the head)
             return
         self._req = None
         p = self.parser
@@ -651,9 +800,17 @@ class ClientProtocol(asyncio.Protocol):
         finally:
             self.draining = False
 
-    def _parse_failed(self, message: str) -> None:
+    def _head_too_large(self) -> None:
+        # Drop the request being parsed; later callbacks of this feed see _req None.
+        self._req = None
+        self._parse_failed("Request header section exceeds %d bytes" % _HEAD_LIMIT, 431)
+
+    def _parse_failed(self, message: str, status: int = 400) -> None:
+        if self.bad_request:
+            return
         self.bad_request = True
         self._bad_message = message
+        self._bad_status = status
         if not self.read_paused:
             self.read_paused = True
             self.transport.pause_reading()  # type: ignore[union-attr]
@@ -661,10 +818,14 @@ class ClientProtocol(asyncio.Protocol):
             self._write_bad_request()
 
     def _write_bad_request(self) -> None:
-        body = _errors.error_response(400, _errors.CODE_BAD_REQUEST, self._bad_message)
-        self.transport.write(b"%bcontent-type: application/json\r\nx-smg-error-code: bad_request\r\n"  # type: ignore[union-attr]
+        status = self._bad_status
+        code = _errors.CODE_BAD_REQUEST if status == 400 else "header_too_large"
+        body = _errors.error_response(status, code, self._bad_message)
+        if self.app.stats is not None:
+            self.app.count_response(status, code)
+        self.transport.write(b"%bcontent-type: application/json\r\nx-smg-error-code: %b\r\n"  # type: ignore[union-attr]
                              b"content-length: %d\r\nconnection: close\r\n\r\n%b"
-                             % (_STATUS[400], len(body), body))
+                             % (status_line(status), code.encode(), len(body), body))
         self.closed = True
         self.transport.close()  # type: ignore[union-attr]
 
@@ -709,14 +870,20 @@ class _Exchange:
     """Client-facing half of one proxied request: framing, flow control, the lease release."""
 
     __slots__ = ("app", "proto", "req", "leases", "deadline", "chunked", "head", "started",
-                 "finished", "keep_alive", "rid", "relay_conn", "out", "started_at", "path", "status")
+                 "finished", "keep_alive", "rid", "relay_conn", "out", "started_at", "path", "status",
+                 "meta", "tries", "retry_handle", "slot", "gave_up")
 
     def __init__(self, app: App, proto: ClientProtocol, req: Request, path: bytes,
-                 leases: tuple) -> None:
+                 meta: Any) -> None:
         self.app = app
         self.proto = proto
         self.req = req
-        self.leases = leases
+        self.meta = meta
+        self.leases: tuple = ()          # bookings of the current attempt
+        self.tries = 0                   # attempts started
+        self.retry_handle: asyncio.TimerHandle | None = None
+        self.slot = True                 # holds an admission slot until _close_books
+        self.gave_up = False             # retries_exhausted counted
         self.started_at = app.loop.time()
         self.deadline = self.started_at + app.timeout
         self.chunked = False
@@ -808,6 +975,29 @@ class _Exchange:
                 st.duration(app.backend, _INFERENCE[self.path], app.loop.time() - self.started_at)
         self._finish(self.keep_alive)
 
+    def _release_leases(self) -> None:
+        leases = self.leases
+        self.leases = ()
+        for lease in leases:
+            lease.release()
+
+    def _close_books(self) -> None:
+        """Give back everything the exchange holds: leases, retry timer, admission slot.
+
+        Idempotent; every ending funnels here (the lease invariant in the module
+        docstring), and the safety net calls it too.
+        """
+        h = self.retry_handle
+        if h is not None:
+            self.retry_handle = None
+            h.cancel()
+        try:
+            self._release_leases()
+        finally:
+            if self.slot:
+                self.slot = False
+                self.app.admission.leave()
+
     def _finish(self, keep_alive: bool) -> None:
         if self.finished:
             return
@@ -815,8 +1005,7 @@ class _Exchange:
         self.relay_conn = None
         self.app.exchanges.discard(self)
         try:
-            for lease in self.leases:
-                lease.release()
+            self._close_books()
         finally:
             if self.proto.exchange is self:
                 self.proto.response_done(keep_alive)
@@ -843,11 +1032,11 @@ class _Exchange:
         self.finished = True
         self.app.exchanges.discard(self)
         try:
-            for lease in self.leases:
-                lease.release()
+            self._close_books()
         finally:
-            self.proto.exchange = None
-            self.proto.send_error(exc, self.req, sse)
+            if self.proto.exchange is self:
+                self.proto.exchange = None
+                self.proto.send_error(exc, self.req, sse)
 
     # -- control --------------------------------------------------------------
     def client_paused(self) -> None:
@@ -860,20 +1049,74 @@ class _Exchange:
         if c is not None:
             c.resume()
 
-    def cancel(self) -> None:
-        """Client disconnected (or shutdown): drop the upstream legs, release."""
+    def cancel(self, status: int = 499, code: str = "client_closed") -> None:
+        """Client disconnected (or shutdown): drop the upstream legs, release.
+
+        Counted as a response (nginx's 499 for a client that left) so every
+        request has exactly one smg_http_responses_total sample.
+        """
         if self.finished:
             return
         self._abort_legs()
+        if self.app._stats is not None:
+            self.app.count_response(status, code, self.path)
         self._finish(False)
 
     def on_timeout(self) -> None:
         if self.finished:
             return
+        self._blame_timeout()
         self._fail_client(_errors.gateway_timeout())
 
+    # -- retries (protocol.md 7.2) -----------------------------------------------
+    def can_retry(self) -> bool:
+        """Another attempt is allowed: attempts left and no client byte committed."""
+        return self.tries < self.app.max_attempts and not self.started and not self.finished
+
+    def retry_later(self, role: str) -> None:
+        """Drop this attempt (legs aborted, leases released) and schedule a fresh pick.
+
+        The delay is a timer on the loop (never a sleep); the request timeout
+        and a client disconnect still apply while it waits.
+        """
+        self._abort_legs()
+        self._release_leases()
+        app = self.app
+        st = app._stats
+        if st is not None:
+            key = (role, _INFERENCE[self.path])
+            st.retries[key] = st.retries.get(key, 0) + 1
+        self.retry_handle = app.loop.call_later(app.backoff(self.tries - 1), self._retry)
+
+    def _retry(self) -> None:
+        self.retry_handle = None
+        if self.finished:
+            return
+        try:
+            self.attempt()
+        except Exception:
+            log.exception("retry failed")
+
+    def exhausted(self, role: str) -> None:
+        """The last allowed attempt failed retryably: count it (only when retries are on)."""
+        if self.gave_up:
+            return
+        self.gave_up = True
+        app = self.app
+        st = app._stats
+        if st is not None and app.max_attempts > 1:
+            key = (role, _INFERENCE[self.path])
+            st.retries_exhausted[key] = st.retries_exhausted.get(key, 0) + 1
+
+    def attempt(self) -> None:
+        raise NotImplementedError
+
+    def _blame_timeout(self) -> None:
+        raise NotImplementedError
+
     def fail_internal(self) -> None:
-        """Exception while starting the exchange: make sure the leases come back."""
+        """Exception while starting an attempt: make sure the leases come back."""
+        self._abort_legs()
         self._fail_client(RouterError(500, "internal_error", "internal error"))
 
     def _abort_legs(self) -> None:
@@ -883,15 +1126,48 @@ class _Exchange:
 class Relay(_Exchange):
     """Regular mode: one worker, response relayed as it arrives. Is its own leg."""
 
-    __slots__ = ("conn",)
+    __slots__ = ("conn", "target")
 
     def __init__(self, app: App, proto: ClientProtocol, req: Request, path: bytes,
-                 leases: tuple) -> None:
-        super().__init__(app, proto, req, path, leases)
+                 meta: Any) -> None:
+        super().__init__(app, proto, req, path, meta)
         self.conn: Any = None
+        self.target = -1
+
+    def attempt(self) -> None:
+        """Pick a target and send (first attempt and every retry)."""
+        self.tries += 1
+        app = self.app
+        registry = app.registry
+        lease = app._acquire(registry.group("regular"), self.meta, self.req)
+        if lease is None:
+            self._fail_client(_errors.no_available_workers())
+            return
+        self.leases = (lease,)
+        self.target = lease.target
+        self.status = 0
+        try:
+            worker, rank = registry.target_info[lease.target]
+            req = self.req
+            body = req.body
+            if rank is not None and app.dp_aware:
+                body = _body.inject(body, _body.rank_field_bytes(app.rank_field_regular, rank))
+            pool = app.pool_for(worker)
+            pool.send(app._frame(pool, req, body), self)
+        except BaseException:
+            self.fail_internal()
+            raise
 
     # leg callbacks (from upstream.UpstreamConnection)
     def up_head(self, status: int, headers: list) -> None:
+        if status in _RETRY_STATUS:
+            br = self.app.breakers
+            if self.can_retry():
+                if br is not None:
+                    br.status(self.target, status)
+                self.retry_later("regular")  # aborts this connection: no more callbacks
+                return
+            self.exhausted("regular")
         length = None
         for name, value in headers:
             if len(name) == 14 and name.lower() == b"content-length":
@@ -908,11 +1184,36 @@ class Relay(_Exchange):
 
     def up_done(self) -> None:
         self.conn = None
+        br = self.app.breakers
+        if br is not None:
+            st = self.status
+            if st < 500 and st not in NEUTRAL_STATUSES:
+                br.success(self.target)  # the common case: no set lookups, no clock
+            else:
+                br.status(self.target, st)
         self._end()
 
     def up_error(self, exc: BaseException) -> None:
+        conn = self.conn
         self.conn = None
+        if self.finished:
+            return
+        br = self.app.breakers
+        if br is not None:
+            br.failure(self.target)  # connect error, reset, or a stream cut short
+        # Only a connect failure proves the worker never saw the request; a
+        # connection that died later may have run it, so that is not retried.
+        if _never_connected(conn):
+            if self.can_retry():
+                self.retry_later("regular")
+                return
+            self.exhausted("regular")
         self._fail_client(_errors.bad_gateway("Upstream request failed: %s" % exc))
+
+    def _blame_timeout(self) -> None:
+        br = self.app.breakers
+        if br is not None and self.leases and self.conn is not None:
+            br.failure(self.target)
 
     def _abort_legs(self) -> None:
         c = self.conn
@@ -924,12 +1225,13 @@ class Relay(_Exchange):
 class _PDLeg:
     """One leg of a PD exchange; forwards upstream callbacks to the PDRelay."""
 
-    __slots__ = ("ex", "conn", "role", "status", "headers", "chunks", "size", "done")
+    __slots__ = ("ex", "conn", "role", "status", "headers", "chunks", "size", "done", "target")
 
-    def __init__(self, ex: PDRelay, role: str) -> None:
+    def __init__(self, ex: PDRelay, role: str, target: int = -1) -> None:
         self.ex = ex
         self.conn: Any = None
         self.role = role
+        self.target = target
         self.status = 0
         self.headers: list = []
         self.chunks: list[bytes] = []
@@ -967,14 +1269,23 @@ class _PDLeg:
         self.conn = None
         self.done = True
         ex = self.ex
+        br = ex.app.breakers
+        if br is not None:
+            st = self.status
+            if st < 500 and st not in NEUTRAL_STATUSES:
+                br.success(self.target)
+            else:
+                br.status(self.target, st)
         if ex.relaying and self is ex.d:
             ex.relay_end()
         else:
             ex.pd_progress()
 
     def up_error(self, exc: BaseException) -> None:
+        conn = self.conn
         self.conn = None
-        self.ex.leg_failed(self, exc)
+        # A connect failure proves this leg's worker never saw the request.
+        self.ex.leg_failed(self, exc, _never_connected(conn))
 
     def body(self) -> bytes:
         return b"".join(self.chunks)
@@ -989,14 +1300,69 @@ class PDRelay(_Exchange):
     __slots__ = ("p", "d", "stream", "merge", "relaying", "merger")
 
     def __init__(self, app: App, proto: ClientProtocol, req: Request, path: bytes,
-                 leases: tuple, stream: bool, return_logprob: bool) -> None:
-        super().__init__(app, proto, req, path, leases)
+                 meta: Any) -> None:
+        super().__init__(app, proto, req, path, meta)
         self.p = _PDLeg(self, "prefill")
         self.d = _PDLeg(self, "decode")
-        self.stream = bool(stream)
-        self.merge = bool(return_logprob)
+        self.stream = bool(meta.stream)
+        self.merge = bool(meta.return_logprob)
         self.relaying = False
         self.merger: Any = None
+
+    def attempt(self) -> None:
+        """Pick a fresh pair, draw a fresh room, send both legs (first attempt and retries)."""
+        self.tries += 1
+        app = self.app
+        registry = app.registry
+        meta, req = self.meta, self.req
+        plea = app._acquire(registry.group("prefill"), meta, req)
+        if plea is None:
+            self._fail_client(_errors.no_available_workers("prefill"))
+            return
+        dlea = app._acquire(registry.group("decode"), meta, req)
+        if dlea is None:
+            plea.release()
+            self._fail_client(_errors.no_available_workers("decode"))
+            return
+        self.leases = (plea, dlea)
+        # New leg objects per attempt: callbacks of an aborted attempt can never
+        # reach the new one.
+        p = self.p = _PDLeg(self, "prefill", plea.target)
+        d = self.d = _PDLeg(self, "decode", dlea.target)
+        try:
+            pworker, prank = registry.target_info[plea.target]
+            dworker, drank = registry.target_info[dlea.target]
+            # Prefill rank travels in the room (room % prefill_dp_size == rank, 4.3),
+            # never as a body key on the prefill leg; one room for both legs.
+            pfields, dfields = _body.pd_leg_fields(
+                meta, pworker.host, pworker.bootstrap_port, app.room_rng,
+                app.rank_field_decode if drank is not None else None, drank,
+                int(pworker.dp_size) if prank is not None else 1, prank)
+            pbody = _body.inject(req.body, pfields)
+            dbody = pbody if dfields is pfields else _body.inject(req.body, dfields)
+            ppool = app.pool_for(pworker)
+            dpool = app.pool_for(dworker)
+            # Both legs leave in the same loop iteration (3.4: concurrent dispatch).
+            ppool.send(app._frame(ppool, req, pbody), p)
+            dpool.send(app._frame(dpool, req, dbody), d)
+        except BaseException:
+            self.fail_internal()
+            raise
+
+    def _retry_head(self, leg: _PDLeg) -> bool:
+        """A leg answered a retryable status before the relay: retry if allowed.
+
+        The outcome is recorded on that leg's target only (the other leg is
+        aborted by us and says nothing about its worker).
+        """
+        if not self.can_retry():
+            self.exhausted(leg.role)
+            return False
+        br = self.app.breakers
+        if br is not None:
+            br.status(leg.target, leg.status)
+        self.retry_later(leg.role)
+        return True
 
     def pd_progress(self) -> None:
         """Re-evaluate after any leg event until the relay starts (or an error is sent)."""
@@ -1008,8 +1374,14 @@ class PDRelay(_Exchange):
         # answer cannot change, and a prefill waiting for a decode that
         # will never bootstrap would only hold the client until the timeout.
         if d.status and not 200 <= d.status < 300:
+            if d.status in _RETRY_STATUS and not d.done and self._retry_head(d):
+                return
             if d.done:
                 self._leg_error(d)
+            return
+        if p.status in _RETRY_STATUS and not p.done and self._retry_head(p):
+            # Retried at the prefill head: a decode that cannot bootstrap from
+            # it would only answer (or hang) later.
             return
         if not d.status or not p.status:
             # A failed prefill still waits for the decode head (the decode's
@@ -1078,11 +1450,31 @@ class PDRelay(_Exchange):
         exc = _errors.leg_error(leg.role, leg.status, leg.body())
         self._fail_client(exc, self.stream)
 
-    def leg_failed(self, leg: _PDLeg, exc: BaseException) -> None:
-        if self.finished:
+    def leg_failed(self, leg: _PDLeg, exc: BaseException, connect_failed: bool = False) -> None:
+        if self.finished or leg is not self.p and leg is not self.d:
             return
+        br = self.app.breakers
+        if br is not None:
+            br.failure(leg.target)  # only the leg that failed (the other may be fine)
+        if connect_failed and not self.relaying:
+            if self.can_retry():
+                self.retry_later(leg.role)
+                return
+            self.exhausted(leg.role)
         self._fail_client(_errors.bad_gateway("PD disaggregation request failed (%s leg: %s)"
                                               % (leg.role, exc)))
+
+    def _blame_timeout(self) -> None:
+        # The leg the exchange is still waiting for is the slow one: the
+        # prefill while it has not finished (the decode waits on it), else the decode.
+        br = self.app.breakers
+        if br is None or not self.leases:
+            return
+        p, d = self.p, self.d
+        if not p.done and p.conn is not None:
+            br.failure(p.target)
+        elif not d.done and d.conn is not None:
+            br.failure(d.target)
 
     def _abort_legs(self) -> None:
         for leg in (self.p, self.d):

@@ -1,0 +1,116 @@
+"""Admission control: the concurrency limit and its FIFO wait queue (protocol.md 7.4).
+
+Owns how many inference requests this process lets through at once
+(``--max-concurrent-requests``, -1 or 0 = unlimited) and the requests waiting
+for a slot (``--queue-size``, ``--queue-timeout-secs``).
+
+Invariants:
+
+* ``active`` counts admitted requests; each admitted request calls ``leave()``
+  exactly once (the proxy ties it to the same once-only ending that releases
+  its leases).
+* Under the limit, ``try_enter()`` is one comparison and one increment: no queue
+  entry, no task, no timer.
+* Over the limit a waiter is an entry in an ordered dict (FIFO, O(1) removal
+  when its client goes away). A freed slot is handed to the oldest waiter
+  directly, so ``active`` never dips below the limit while someone waits and a
+  newcomer cannot overtake the queue.
+* Expiry is checked by the proxy's periodic sweep (``expire``); every waiter
+  has the same timeout, so only the head of the queue needs looking at.
+"""
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from typing import Any, Callable
+
+class Waiter:
+    """One queued request: ``start()`` when admitted, ``expired()`` past the queue timeout."""
+
+    __slots__ = ("start", "expired", "deadline")
+
+    def __init__(self, start: Callable[[], None], expired: Callable[[], None], deadline: float) -> None:
+        self.start = start
+        self.expired = expired
+        self.deadline = deadline
+
+
+class Admission:
+    """Concurrency limit + FIFO queue (see module docstring)."""
+
+    def __init__(self, limit: int = -1, queue_size: int = 100, queue_timeout: float = 60.0,
+                 loop: Any = None, stats: Any = None) -> None:
+        self.enabled = limit > 0
+        self.limit = int(limit) if limit > 0 else sys.maxsize
+        self.queue_size = max(0, int(queue_size))
+        self.queue_timeout = float(queue_timeout)
+        self.loop = loop
+        self.stats = stats
+        self.active = 0
+        self.queue: OrderedDict[Waiter, None] = OrderedDict()
+
+    def _count(self, result: str) -> None:
+        st = self.stats
+        if st is not None:
+            d = st.rate_limit
+            d[result] = d.get(result, 0) + 1
+
+    def try_enter(self) -> bool:
+        """Take a slot now if one is free and nobody waits (the per-request fast path)."""
+        if self.active < self.limit and not self.queue:
+            self.active += 1
+            if self.enabled:
+                self._count("allowed")
+            return True
+        return False
+
+    def wait(self, start: Callable[[], None], expired: Callable[[], None],
+             now: float) -> Waiter | None:
+        """Queue a request that found no slot; None when the queue is full (reject it).
+
+        The waiter is later either ``start``-ed (its slot already taken) or
+        ``expired``-ed; the caller drops it with ``cancel(waiter)``.
+        """
+        if len(self.queue) >= self.queue_size:
+            self._count("rejected")
+            return None
+        w = Waiter(start, expired, now + self.queue_timeout)
+        self.queue[w] = None
+        self._count("queued")
+        return w
+
+    def leave(self) -> None:
+        """An admitted request ended: its slot goes to the oldest waiter, if any."""
+        self.active -= 1
+        if self.queue and self.active < self.limit:
+            w, _ = self.queue.popitem(last=False)
+            self.active += 1
+            self._count("dequeued")
+            # Not inline: leave() runs inside another request's ending, and the
+            # next request must not start (and maybe end) inside that call stack.
+            if self.loop is not None:
+                self.loop.call_soon(w.start)
+            else:
+                w.start()
+
+    def cancel(self, w: Waiter) -> bool:
+        """Drop a waiter (its client went away); False if it already left the queue."""
+        try:
+            del self.queue[w]
+        except KeyError:
+            return False
+        return True
+
+    def expire(self, now: float) -> int:
+        """Time out waiters past their deadline (FIFO + one timeout: only the head can be due)."""
+        n = 0
+        q = self.queue
+        while q:
+            w = next(iter(q))
+            if w.deadline > now:
+                break
+            del q[w]
+            n += 1
+            self._count("timeout")
+            w.expired()
+        return n
