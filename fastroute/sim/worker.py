@@ -33,6 +33,12 @@ default on a decode). Prefill ranks follow the room (``room % dp_size``) unless
 ``routed_dp_rank`` is given. Streaming ``/generate`` events carry the new token only
 (incremental), not SGLang's cumulative text, so a long stream stays O(tokens) bytes.
 A client that closes its connection aborts its request and frees its slot and KV.
+
+Batches (protocol.md 3.3: ``input_ids`` list of lists, ``text`` list, ``prompt`` list, chat
+``n > 1``) run as one request per item, each with its own room (a list, or a scalar room
+expanded to room, room+1, ... as SGLang does) and rank; ``/generate`` answers a JSON list, the
+OpenAI paths one body with a choice per item; stream events carry the item's index. If any
+item's room never arrives the whole batch fails (500) and every item is freed.
 """
 from __future__ import annotations
 
@@ -113,6 +119,37 @@ class ParsedGen:
     return_logprob: bool
     include_usage: bool
     model: str
+    index: int = 0  # position inside a batch
+    batch: Optional[int] = None  # None = scalar request, B = batch of B (protocol.md 3.3)
+    items: list = field(default_factory=list)  # one scalar ParsedGen per batch item ([self] if scalar)
+
+
+def _per_item(obj: dict, name: str, b: int, check: Any) -> list:
+    """A scalar or a per-item list field of a batch, as ``b`` values (checked by ``check``)."""
+    v = obj.get(name)
+    if isinstance(v, list):
+        if len(v) != b:
+            raise BadRequest(f"{name} has {len(v)} entries for a batch of {b}")
+        return [check(x, name) for x in v]
+    return [check(v, name)] * b
+
+
+def _chk_int(v: Any, name: str) -> Optional[int]:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+        raise BadRequest(f"{name} must be an integer")
+    return v
+
+
+def _chk_str(v: Any, name: str) -> Optional[str]:
+    return v if isinstance(v, str) else None
+
+
+def _chk_max_new(v: Any, default: int) -> int:
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise BadRequest("max_new_tokens must be a positive integer")
+    return v
 
 
 def parse_inference(path: str, body: bytes, params: SimParams) -> ParsedGen:
@@ -123,24 +160,29 @@ def parse_inference(path: str, body: bytes, params: SimParams) -> ParsedGen:
     if not isinstance(obj, dict):
         raise BadRequest("body must be a JSON object")
     cpt = params.chars_per_token
+    per_item: Optional[list[int]] = None  # input tokens per item when the body is a batch
+    item_max_new: Optional[list[int]] = None
     if path == "/generate":
         kind = "generate"
         ids = obj.get("input_ids")
         text = obj.get("text")
         if isinstance(ids, list):
             if ids and isinstance(ids[0], list):
-                raise BadRequest("batched requests are not supported by the simulator")
+                per_item = [len(x) if isinstance(x, list) else _bad_item("input_ids") for x in ids]
             n_in = len(ids)
         elif isinstance(text, str):
             n_in = estimate_text_tokens(text, cpt)
         elif isinstance(text, list):
-            raise BadRequest("batched requests are not supported by the simulator")
+            per_item = [estimate_text_tokens(t, cpt) if isinstance(t, str) else _bad_item("text") for t in text]
         else:
             raise BadRequest("either text or input_ids should be provided")
         sp = obj.get("sampling_params") or {}
-        if not isinstance(sp, dict):
+        if isinstance(sp, list) and per_item is not None and len(sp) == len(per_item):
+            item_max_new = [_chk_max_new(x.get("max_new_tokens") if isinstance(x, dict) else None,
+                                         params.max_new_tokens) for x in sp]
+        elif not isinstance(sp, dict):
             raise BadRequest("sampling_params must be an object")
-        max_new = sp.get("max_new_tokens")
+        max_new = sp.get("max_new_tokens") if isinstance(sp, dict) else None
     elif path == "/v1/completions":
         kind = "completions"
         prompt = obj.get("prompt")
@@ -148,6 +190,10 @@ def parse_inference(path: str, body: bytes, params: SimParams) -> ParsedGen:
             n_in = estimate_text_tokens(prompt, cpt)
         elif isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
             n_in = len(prompt)
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            per_item = [estimate_text_tokens(t, cpt) if isinstance(t, str) else _bad_item("prompt") for t in prompt]
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+            per_item = [len(x) if isinstance(x, list) else _bad_item("prompt") for x in prompt]
         else:
             raise BadRequest("prompt must be a string or a list of token ids")
         max_new = obj.get("max_tokens")
@@ -166,10 +212,17 @@ def parse_inference(path: str, body: bytes, params: SimParams) -> ParsedGen:
                     if isinstance(part, dict) and isinstance(part.get("text"), str):
                         n_in += estimate_text_tokens(part["text"], cpt)
         max_new = obj.get("max_completion_tokens", obj.get("max_tokens"))
-    if max_new is None:
-        max_new = params.max_new_tokens
-    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
-        raise BadRequest("max_new_tokens must be a positive integer")
+        n = obj.get("n")
+        per_item = [n_in] * n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else None
+    max_new = _chk_max_new(max_new, params.max_new_tokens)
+    so = obj.get("stream_options")
+    stream = bool(obj.get("stream", False))
+    return_logprob = bool(obj.get("return_logprob", False))
+    include_usage = isinstance(so, dict) and bool(so.get("include_usage"))
+    model = obj.get("model") if isinstance(obj.get("model"), str) else params.model
+    if per_item is not None:
+        return _parse_batch(obj, kind, per_item, item_max_new or [max_new] * len(per_item),
+                            stream, return_logprob, include_usage, model)
     room = _int_field(obj, "bootstrap_room")
     port = obj.get("bootstrap_port")
     if port is not None and (isinstance(port, bool) or not isinstance(port, int)):
@@ -178,12 +231,37 @@ def parse_inference(path: str, body: bytes, params: SimParams) -> ParsedGen:
     rank = _int_field(obj, "routed_dp_rank")
     if rank is None:
         rank = _int_field(obj, "data_parallel_rank")
-    so = obj.get("stream_options")
-    return ParsedGen(kind, bool(obj.get("stream", False)), n_in, max_new, room,
-                     host if isinstance(host, str) else None, port, rank,
-                     bool(obj.get("return_logprob", False)),
-                     isinstance(so, dict) and bool(so.get("include_usage")),
-                     obj.get("model") if isinstance(obj.get("model"), str) else params.model)
+    g = ParsedGen(kind, stream, n_in, max_new, room, host if isinstance(host, str) else None, port, rank,
+                  return_logprob, include_usage, model)
+    g.items = [g]
+    return g
+
+
+def _bad_item(name: str) -> int:
+    raise BadRequest(f"{name}: every batch item must have the same type")
+
+
+def _parse_batch(obj: dict, kind: str, per_item: list[int], max_new: list[int], stream: bool,
+                 return_logprob: bool, include_usage: bool, model: str) -> ParsedGen:
+    """A batch of B (protocol.md 3.3): bootstrap keys and rank keys may be scalars or lists of B.
+
+    A scalar room is expanded to room, room+1, ... like SGLang does for parallel sampling."""
+    b = len(per_item)
+    if b == 0:
+        raise BadRequest("empty batch")
+    rooms = _per_item(obj, "bootstrap_room", b, _chk_int)
+    if rooms and not isinstance(obj.get("bootstrap_room"), list) and rooms[0] is not None:
+        rooms = [rooms[0] + i for i in range(b)]
+    ports = _per_item(obj, "bootstrap_port", b, _chk_int)
+    hosts = _per_item(obj, "bootstrap_host", b, _chk_str)
+    ranks = _per_item(obj, "routed_dp_rank", b, _chk_int)
+    if all(r is None for r in ranks):
+        ranks = _per_item(obj, "data_parallel_rank", b, _chk_int)
+    items = [ParsedGen(kind, stream, per_item[i], max_new[i], rooms[i], hosts[i], ports[i], ranks[i],
+                       return_logprob, include_usage, model, i) for i in range(b)]
+    g = ParsedGen(kind, stream, sum(per_item), max(max_new), rooms[0], hosts[0], ports[0], ranks[0],
+                  return_logprob, include_usage, model, 0, b, items)
+    return g
 
 
 # ---------------------------------------------------------------------------------------------
@@ -578,15 +656,21 @@ def _generate_body(rid: str, g: ParsedGen, n_out: int, role: str) -> dict:
     return {"text": " t" * n_out, "output_ids": [1] * n_out, "meta_info": meta}
 
 
-def _openai_body(rid: str, g: ParsedGen, n_out: int) -> dict:
-    usage = {"prompt_tokens": g.input_tokens, "completion_tokens": n_out, "total_tokens": g.input_tokens + n_out}
+def _openai_body(rid: str, g: ParsedGen, outs: list[int]) -> dict:
+    """One OpenAI response for all items of ``g`` (choices by index); ``outs`` = tokens per item."""
+    n_out = sum(outs)
+    # n > 1 samples one prompt: it counts once; a batch of prompts counts each.
+    n_in = g.items[0].input_tokens if g.kind == "chat" else g.input_tokens
+    usage = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
     if g.kind == "chat":
+        choices = [{"index": i, "message": {"role": "assistant", "content": " t" * k},
+                    "finish_reason": "length", "logprobs": None} for i, k in enumerate(outs)]
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": g.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": " t" * n_out},
-                             "finish_reason": "length", "logprobs": None}], "usage": usage}
+                "choices": choices, "usage": usage}
+    choices = [{"index": i, "text": " t" * k, "finish_reason": "length", "logprobs": None}
+               for i, k in enumerate(outs)]
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": g.model,
-            "choices": [{"index": 0, "text": " t" * n_out, "finish_reason": "length", "logprobs": None}],
-            "usage": usage}
+            "choices": choices, "usage": usage}
 
 
 def _make_emitter(resp: Responder, rid: str, g: ParsedGen) -> Any:
@@ -596,23 +680,27 @@ def _make_emitter(resp: Responder, rid: str, g: ParsedGen) -> Any:
             b'","prompt_tokens":' + str(g.input_tokens).encode() + b',"completion_tokens":'
         last = g.max_new
 
+        tail_mid = b',"finish_reason":null},"index":%d}\n\n' % g.index
+        tail_end = b',"finish_reason":{"type":"length","length":%d}},"index":' + b"%d" % g.index + b"}\n\n"
+
         def emit(req: DecodeReq) -> None:
             n = req.generated
             if n < last:
-                resp.write_chunk(head + b"%d" % n + b',"finish_reason":null},"index":0}\n\n')
+                resp.write_chunk(head + b"%d" % n + tail_mid)
             else:
-                resp.write_chunk(head + b"%d" % n + b',"finish_reason":{"type":"length","length":%d}},"index":0}\n\n' % n)
+                resp.write_chunk(head + b"%d" % n + tail_end % n)
         return emit
     created = int(time.time())
     if g.kind == "chat":
         head = (b'data: {"id":"' + rid.encode() + b'","object":"chat.completion.chunk","created":'
                 + str(created).encode() + b',"model":' + json.dumps(g.model).encode()
-                + b',"choices":[{"index":0,"delta":{')
+                + b',"choices":[{"index":%d,"delta":{' % g.index)
         mid_first = b'"role":"assistant","content":" t"},"logprobs":null,"finish_reason":'
         mid = b'"content":" t"},"logprobs":null,"finish_reason":'
     else:
         head = (b'data: {"id":"' + rid.encode() + b'","object":"text_completion","created":'
-                + str(created).encode() + b',"model":' + json.dumps(g.model).encode() + b',"choices":[{"index":0,')
+                + str(created).encode() + b',"model":' + json.dumps(g.model).encode()
+                + b',"choices":[{"index":%d,' % g.index)
         mid_first = mid = b'"text":" t","logprobs":null,"finish_reason":'
     last = g.max_new
 
@@ -624,10 +712,10 @@ def _make_emitter(resp: Responder, rid: str, g: ParsedGen) -> Any:
 
 
 def _usage_event(rid: str, g: ParsedGen, n_out: int) -> bytes:
+    n_in = g.items[0].input_tokens if g.kind == "chat" else g.input_tokens
     obj = {"id": rid, "object": "chat.completion.chunk" if g.kind == "chat" else "text_completion",
            "created": int(time.time()), "model": g.model, "choices": [],
-           "usage": {"prompt_tokens": g.input_tokens, "completion_tokens": n_out,
-                     "total_tokens": g.input_tokens + n_out}}
+           "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}}
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
@@ -731,71 +819,101 @@ class SimWorker:
                                  "message": str(exc), "type": "BadRequestError", "code": 400})
 
     async def _serve_prefill(self, g: ParsedGen, resp: Responder) -> None:
-        assert self.prefill is not None
-        rank = self.prefill.rank_for(g)
-        if not 0 <= rank < self.p.dp_size:
-            raise BadRequest(f"dp rank {rank} out of range [0, {self.p.dp_size})")
+        eng = self.prefill
+        assert eng is not None
+        ranks = [eng.rank_for(it) for it in g.items]
+        for rank in ranks:
+            if not 0 <= rank < self.p.dp_size:
+                raise BadRequest(f"dp rank {rank} out of range [0, {self.p.dp_size})")
         rid = self._ids.next()
-        await self.prefill.run(g, rank)
+        if g.batch is None:
+            await eng.run(g, ranks[0])
+        else:
+            # Items compute on their own ranks concurrently; cancelling the gather cancels them all.
+            await asyncio.gather(*(eng.run(it, r) for it, r in zip(g.items, ranks)))
         # The prefill returns after its compute with one sampled token, like SGLang's PD prefill.
-        if g.kind == "generate":
+        if g.kind != "generate":
+            body: Any = _openai_body(rid, g, [1] * len(g.items))
+        elif g.batch is None:
             body = _generate_body(rid, g, 1, "prefill")
         else:
-            body = _openai_body(rid, g, 1)
+            body = [_generate_body(f"{rid}.{it.index}", it, 1, "prefill") for it in g.items]
         if g.stream:
             resp.start_stream()
-            resp.write_chunk(b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n")
+            events = body if isinstance(body, list) else [body]
+            resp.write_chunk(b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+                             + b"data: [DONE]\n\n")
             resp.end_stream()
         else:
             resp.send_json(200, body)
+
+    async def _await_kv(self, it: ParsedGen, dreq: DecodeReq) -> bool:
+        """Wait for item ``it``'s bootstrap room, then let its request join the batch."""
+        if self.role == "decode" and it.room is not None:
+            board = self.boards.get(it.bootstrap_port) if it.bootstrap_port is not None else None
+            if board is not None:
+                ok = await board.wait(it.room, self.p.rendezvous_timeout_s)
+            elif it.bootstrap_host and it.bootstrap_port:
+                ok = await _rendezvous_http(it.bootstrap_host, it.bootstrap_port, it.room,
+                                            self.p.rendezvous_timeout_s)
+            else:
+                ok = False
+            if not ok:
+                return False
+        assert self.decode is not None
+        self.decode.kv_arrived(dreq)
+        return True
 
     async def _serve_decode(self, g: ParsedGen, resp: Responder) -> None:
         eng = self.decode
         assert eng is not None
         loop = asyncio.get_running_loop()
-        rank = eng.pick_rank(g.rank)
         rid = self._ids.next()
-        emit = _make_emitter(resp, rid, g) if g.stream else None
-        dreq = DecodeReq(rid, rank, g.input_tokens, g.max_new, emit, loop.create_future())
-        eng.submit(dreq)
-        if g.stream:
-            # Like Starlette's StreamingResponse, the head goes out before any token.
-            resp.start_stream()
+        dreqs: list[DecodeReq] = []
         try:
-            if self.role == "decode" and g.room is not None:
-                board = self.boards.get(g.bootstrap_port) if g.bootstrap_port is not None else None
-                if board is not None:
-                    ok = await board.wait(g.room, self.p.rendezvous_timeout_s)
-                elif g.bootstrap_host and g.bootstrap_port:
-                    ok = await _rendezvous_http(g.bootstrap_host, g.bootstrap_port, g.room,
-                                                self.p.rendezvous_timeout_s)
+            for it in g.items:
+                irid = rid if g.batch is None else f"{rid}.{it.index}"
+                emit = _make_emitter(resp, irid, it) if g.stream else None
+                dreq = DecodeReq(irid, eng.pick_rank(it.rank), it.input_tokens, it.max_new, emit,
+                                 loop.create_future())
+                eng.submit(dreq)
+                dreqs.append(dreq)
+            if g.stream:
+                # Like Starlette's StreamingResponse, the head goes out before any token.
+                resp.start_stream()
+            if g.batch is None:
+                oks = [await self._await_kv(g, dreqs[0])]
+            else:
+                oks = await asyncio.gather(*(self._await_kv(it, d) for it, d in zip(g.items, dreqs)))
+            if not all(oks):
+                bad = [it.room for it, ok in zip(g.items, oks) if not ok]
+                msg = f"KV transfer for bootstrap_room {bad[0] if len(bad) == 1 else bad} did not arrive"
+                if g.stream:
+                    err = json.dumps({"error": {"message": msg, "code": 500}}).encode()
+                    resp.write_chunk(b"data: " + err + b"\n\ndata: [DONE]\n\n")
+                    resp.end_stream()
                 else:
-                    ok = False
-                if not ok:
-                    eng.abort(dreq)
-                    msg = f"KV transfer for bootstrap_room {g.room} did not arrive"
-                    if g.stream:
-                        err = json.dumps({"error": {"message": msg, "code": 500}}).encode()
-                        resp.write_chunk(b"data: " + err + b"\n\ndata: [DONE]\n\n")
-                        resp.end_stream()
-                    else:
-                        resp.send_json(500, {"error": {"message": msg, "code": 500}, "object": "error",
-                                             "message": msg, "type": "InternalServerError", "code": 500})
-                    return
-            eng.kv_arrived(dreq)
-            await dreq.done
+                    resp.send_json(500, {"error": {"message": msg, "code": 500}, "object": "error",
+                                         "message": msg, "type": "InternalServerError", "code": 500})
+                return
+            for d in dreqs:
+                await d.done
         finally:
-            if dreq.state != "done":
-                eng.abort(dreq)
+            for d in dreqs:
+                if d.state != "done":
+                    eng.abort(d)
+        outs = [d.generated for d in dreqs]
         if g.stream:
             if g.include_usage and g.kind != "generate":
-                resp.write_chunk(_usage_event(rid, g, dreq.generated))
+                resp.write_chunk(_usage_event(rid, g, sum(outs)))
             resp.write_chunk(b"data: [DONE]\n\n")
             resp.end_stream()
-        elif g.kind == "generate":
-            resp.send_json(200, _generate_body(rid, g, dreq.generated, "decode"))
+        elif g.kind != "generate":
+            resp.send_json(200, _openai_body(rid, g, outs))
+        elif g.batch is None:
+            resp.send_json(200, _generate_body(rid, g, outs[0], "decode"))
         else:
-            resp.send_json(200, _openai_body(rid, g, dreq.generated))
+            resp.send_json(200, [_generate_body(d.rid, it, d.generated, "decode") for it, d in zip(g.items, dreqs)])
 
     # -- load / info ----------------------------------------------------------------------
     def rank_loads(self) -> list[tuple[int, int, int]]:

@@ -341,3 +341,49 @@ def test_worker_cli_processes_rendezvous_over_the_bootstrap_port() -> None:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+
+
+def test_batches_rendezvous_per_item_and_answer_per_item() -> None:
+    async def scenario() -> None:
+        c = await start_cluster(params=SimParams(dp_size=4, time_scale=0.01))
+        try:
+            p, d = c.prefills[0], c.decodes[0]
+            body = json.dumps({"input_ids": [[1] * 10, [1] * 20, [1] * 30], "bootstrap_host": [H] * 3,
+                               "bootstrap_port": [p.bootstrap_port] * 3, "bootstrap_room": [7, 9, 12],
+                               "routed_dp_rank": [3, 3, 1], "sampling_params": {"max_new_tokens": 2}}).encode()
+            (ps, pb), (ds, db) = await asyncio.gather(fetch(H, p.port, "POST", "/generate", body),
+                                                      fetch(H, d.port, "POST", "/generate", body))
+            assert ps == 200 and len(json.loads(pb)) == 3
+            assert ds == 200
+            out = json.loads(db)
+            assert [o["meta_info"]["prompt_tokens"] for o in out] == [10, 20, 30]
+            assert [o["meta_info"]["completion_tokens"] for o in out] == [2, 2, 2]
+            assert d.decode.placed == [0, 1, 0, 2] and p.prefill.completed == 3
+
+            # Streaming completions batch with a scalar room: rooms room, room+1 on both legs.
+            body = json.dumps({"prompt": ["abcd" * 5, "abcd" * 6], "max_tokens": 3, "stream": True,
+                               "bootstrap_host": H, "bootstrap_port": p.bootstrap_port,
+                               "bootstrap_room": 100}).encode()
+            got: list[bytes] = []
+            dconn = HttpConnection(H, d.port)
+            (ps, _), (ds, _, _) = await asyncio.gather(
+                fetch(H, p.port, "POST", "/v1/completions", body),
+                dconn.request("POST", "/v1/completions", body, on_chunk=got.append))
+            dconn.close()
+            events = [json.loads(e[6:]) for e in b"".join(got).split(b"\n\n") if e.startswith(b"data: {")]
+            assert ps == 200 and ds == 200
+            assert sorted(e["choices"][0]["index"] for e in events) == [0, 0, 0, 1, 1, 1]
+
+            # A batch whose second room never comes back fails as a whole and frees everything.
+            d.p.rendezvous_timeout_s = 0.3
+            body = json.dumps({"text": ["a", "b"], "bootstrap_host": H, "bootstrap_port": p.bootstrap_port,
+                               "bootstrap_room": [500, 501]}).encode()
+            one = json.dumps({"text": "a", "bootstrap_room": 500, "bootstrap_host": H,
+                              "bootstrap_port": p.bootstrap_port}).encode()
+            (ps, _), (ds, db) = await asyncio.gather(fetch(H, p.port, "POST", "/generate", one),
+                                                     fetch(H, d.port, "POST", "/generate", body))
+            assert ps == 200 and ds == 500 and b"501" in db
+            await until(lambda: all(x == (0, 0, 0) for x in d.rank_loads()), what="batch freed")
+        finally:
+            await c.stop()
+    run(scenario())

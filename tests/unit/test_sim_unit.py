@@ -47,7 +47,8 @@ def test_parse_openai_paths() -> None:
 
 @pytest.mark.parametrize("body", [b"[1]", b"{bad", b'{"input_ids": [1], "routed_dp_rank": "1"}',
                                   b'{"text": "x", "sampling_params": {"max_new_tokens": 0}}', b'{}',
-                                  b'{"input_ids": [[1], [2]]}', b'{"text": "x", "bootstrap_room": 1.5}'])
+                                  b'{"input_ids": [[1], 2]}', b'{"text": "x", "bootstrap_room": 1.5}',
+                                  b'{"text": ["a", "b"], "bootstrap_room": [1]}'])
 def test_parse_rejects_malformed(body: bytes) -> None:
     with pytest.raises(BadRequest):
         parse_inference("/generate", body, P)
@@ -255,3 +256,21 @@ def test_matrix_and_table_shape() -> None:
     assert "### concurrency 64" in md and "### concurrency 192" in md
     row = [ln for ln in md.splitlines() if ln.startswith("| round_robin")][0]
     assert row.count("|") == 13 and "0.20" in row and "9.0" in row
+
+
+def test_parse_batches_per_protocol_3_3() -> None:
+    g = parse_inference("/generate", json.dumps({
+        "input_ids": [[1, 2], [3, 4, 5]], "bootstrap_host": ["h", "h"], "bootstrap_port": [7, 7],
+        "bootstrap_room": [10, 20], "routed_dp_rank": [1, 0],
+        "sampling_params": [{"max_new_tokens": 3}, {"max_new_tokens": 4}]}).encode(), P)
+    assert g.batch == 2 and g.input_tokens == 5
+    assert [(i.index, i.input_tokens, i.room, i.rank, i.max_new, i.bootstrap_port) for i in g.items] == \
+        [(0, 2, 10, 1, 3, 7), (1, 3, 20, 0, 4, 7)]
+    g = parse_inference("/generate", b'{"text": ["abcd", "abcdefgh", "x"], "bootstrap_room": 5}', P)
+    assert [(i.input_tokens, i.room) for i in g.items] == [(1, 5), (2, 6), (1, 7)]  # scalar room expands
+    g = parse_inference("/v1/completions", b'{"prompt": ["abcd", "abcd"], "bootstrap_room": [1, 2]}', P)
+    assert g.batch == 2 and [i.room for i in g.items] == [1, 2]
+    g = parse_inference("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "abcd"}], "n": 3}', P)
+    assert g.batch == 3 and all(i.input_tokens == 5 for i in g.items)
+    g = parse_inference("/generate", b'{"input_ids": [1, 2, 3]}', P)
+    assert g.batch is None and g.items == [g]
