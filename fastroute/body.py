@@ -108,6 +108,9 @@ def _bad(message: str) -> RouterError:
     return RouterError(400, CODE_BAD_REQUEST, message)
 
 
+ROUTING_IDS_MAX = 8192
+
+
 class RequestMeta:
     """What the router needs to know about one client request.
 
@@ -165,8 +168,15 @@ class RequestMeta:
                             parts.append(part["text"])
             return "\n".join(parts) if parts else None
         value = obj.get("prompt") if self.path == COMPLETIONS else obj.get("text")
+        if value is None and self.path != COMPLETIONS:
+            value = obj.get("input_ids")
+        if type(value) is list and value and type(value[0]) in (list, str):
+            value = value[0]                      # a batch: route by its first prompt
         if type(value) is list:
-            value = value[0] if value else None
+            # Token ids: rendered as text for the prefix tree.  Only the first
+            # ROUTING_IDS_MAX ids, so a 100k-token prompt costs a bounded join; a
+            # prefix that long already tells cached prompts apart.
+            return " ".join(map(str, value[:ROUTING_IDS_MAX])) if value else None
         return value if type(value) is str else None
 
     def __repr__(self) -> str:

@@ -78,7 +78,7 @@ class Group:
         self._text_policy = None
         if policy == "cache_aware":
             from fastroute.cache_aware import CacheAwarePolicy  # the prefix-tree policy
-            self._text_policy = CacheAwarePolicy(router.table, router.config)
+            self._text_policy = CacheAwarePolicy(router.table, router.config, seed=seed)
             self.acquire = self._acquire_text
         elif demand == "shadow":
             self.acquire = self._acquire_shadow

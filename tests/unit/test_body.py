@@ -412,7 +412,13 @@ def test_estimate_tokens_non_ascii_counts_bytes() -> None:
 def test_routing_text() -> None:
     assert parse_request("/generate", b'{"text":"abc"}').routing_text() == "abc"
     assert parse_request("/generate", b'{"text":["p","q"]}').routing_text() == "p"
-    assert parse_request("/generate", b'{"input_ids":[1]}').routing_text() is None
+    # token ids are rendered as text so cache_aware can still match prefixes
+    assert parse_request("/generate", b'{"input_ids":[1]}').routing_text() == "1"
+    assert parse_request("/generate", b'{"input_ids":[[7,8],[9]]}').routing_text() == "7 8"
+    assert parse_request("/v1/completions", b'{"prompt":[5,6]}').routing_text() == "5 6"
+    assert parse_request("/generate", b'{"input_ids":[]}').routing_text() is None
+    long_ids = parse_request("/generate", json.dumps({"input_ids": list(range(20000))}).encode())
+    assert long_ids.routing_text().split() == [str(i) for i in range(8192)]
     assert parse_request("/v1/completions", b'{"prompt":"zz"}').routing_text() == "zz"
     chat = parse_request("/v1/chat/completions", b'{"messages":[{"role":"system","content":"s"},{"role":"user","content":"u"}]}')
     assert chat.routing_text() == "s\nu"
