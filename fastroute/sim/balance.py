@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from fastroute.sim.http import HttpError, fetch
-from fastroute.sim.loadgen import Target, run_load, synthetic_trace
+from fastroute.sim.loadgen import Target, run_load, scale_summary, synthetic_trace
 from fastroute.sim.worker import SimCluster, SimParams, start_cluster
 
 
@@ -223,12 +223,7 @@ async def run_cell(cell: Cell, concurrency: int, cluster: SimCluster, trace: lis
         await _drain(cluster)
     t0, t1 = res.window[0] + wall_offset, res.window[1] + wall_offset
     samples = [s for s in decode.decode.samples if t0 <= s[0] <= t1]
-    summary = res.summary()
-    scale = decode.p.time_scale
-    for k in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "itl_p50_ms", "itl_p90_ms"):
-        summary[k] = summary[k] / scale
-    for k in ("output_tok_s", "requests_per_s", "interactivity_p50", "interactivity_p90"):
-        summary[k] = summary[k] * scale
+    summary = scale_summary(res.summary(), decode.p.time_scale)
     return {"label": cell.label, "router": cell.router, "concurrency": concurrency,
             "load": summary, "balance": balance_stats(samples), "samples": samples, "t0": t0}
 

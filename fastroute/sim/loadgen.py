@@ -327,6 +327,16 @@ async def run_load(target: Target, trace: list[TraceItem], concurrency: int, dur
     return LoadResult(concurrency, t_stop - t_measure, records, (t_measure, t_stop), errors)
 
 
+def scale_summary(s: dict, time_scale: float) -> dict:
+    """Convert a summary measured against simulators running at ``time_scale`` to simulated time."""
+    out = dict(s)
+    for k in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "itl_p50_ms", "itl_p90_ms"):
+        out[k] = s[k] / time_scale
+    for k in ("output_tok_s", "requests_per_s", "interactivity_p50", "interactivity_p90"):
+        out[k] = s[k] * time_scale
+    return out
+
+
 def format_summary(s: dict) -> str:
     return (f"C={s['concurrency']} completed={s['completed']} errors={s['errors']} "
             f"out_tok/s={s['output_tok_s']:.1f} TTFT p50/p90={s['ttft_p50_ms']:.0f}/{s['ttft_p90_ms']:.0f} ms "
@@ -355,6 +365,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--output-mean", type=float, default=250)
     ap.add_argument("--input-format", choices=("text", "ids"), default="text")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
+    ap.add_argument("--time-scale", type=float, default=1.0,
+                    help="the simulators' --time-scale: report simulated time (wall / scale); 1 = wall clock")
     ns = ap.parse_args(argv)
     if ns.url:
         h, p = _hostport(ns.url)
@@ -372,7 +384,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     async def run() -> dict:
         res = await run_load(target, trace, ns.concurrency, ns.duration, ns.warmup, ns.input_format,
                              ns.seed, progress=True)
-        return res.summary()
+        return scale_summary(res.summary(), ns.time_scale)
 
     import uvloop
     s = uvloop.run(run())

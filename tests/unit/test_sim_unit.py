@@ -274,3 +274,13 @@ def test_parse_batches_per_protocol_3_3() -> None:
     assert g.batch == 3 and all(i.input_tokens == 5 for i in g.items)
     g = parse_inference("/generate", b'{"input_ids": [1, 2, 3]}', P)
     assert g.batch is None and g.items == [g]
+
+
+def test_scale_summary_converts_to_simulated_time() -> None:
+    from fastroute.sim.loadgen import scale_summary
+    s = {"ttft_p50_ms": 10.0, "ttft_p90_ms": 20.0, "tpot_p50_ms": 5.0, "tpot_p90_ms": 6.0, "itl_p50_ms": 5.0,
+         "itl_p90_ms": 7.0, "output_tok_s": 400.0, "requests_per_s": 2.0, "interactivity_p50": 200.0,
+         "interactivity_p90": 160.0, "completed": 3}
+    out = scale_summary(s, 0.25)
+    assert out["tpot_p50_ms"] == 20.0 and out["ttft_p90_ms"] == 80.0 and out["output_tok_s"] == 100.0
+    assert out["interactivity_p50"] == 50.0 and out["completed"] == 3 and s["tpot_p50_ms"] == 5.0
