@@ -32,9 +32,8 @@ import json
 import math
 import random
 import sys
-import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 from fastroute.sim.http import HttpConnection, HttpError
 
