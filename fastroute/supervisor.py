@@ -57,7 +57,8 @@ import numpy as np
 
 from fastroute import _ledger, httpclient
 from fastroute.httpclient import HttpClientError
-from fastroute.table import COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS, HDR_GENERATION, NHDR
+from fastroute.table import (COL_ALLOCATED, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS,
+                             HDR_GENERATION, NHDR)
 from fastroute.workers import Registry, Worker
 
 log = logging.getLogger("fastroute.supervisor")
@@ -228,6 +229,11 @@ class FollowerRegistry(Registry):
                 split = len(w.targets) > 1
                 for r, t in enumerate(w.targets):
                     info[t] = (w, r if split else None)
+        # Like the supervisor's registry, keep a removed worker's rows resolvable while the row
+        # is still allocated (requests in flight on it), so a late lookup finds its worker.
+        for t, old in enumerate(self.target_info):
+            if old is not None and info[t] is None and self.table.get(t, COL_ALLOCATED):
+                info[t] = old
         # Swap in one synchronous step: a request sees the old view or the new one, not a mix.
         self.workers = workers
         self.target_info = info

@@ -366,12 +366,17 @@ def test_follower_applies_snapshots_and_forgets_removed_workers() -> None:
         assert ledger.in_flight(lease.target) == 1 and table.in_flight(lease.target) == 1
         lease.release()
         assert ledger.in_flight(lease.target) == 0 and table.in_flight(lease.target) == 0
+        wb = reg.target_info[rows[2]][0]
         reg.apply({"version": 2, "workers": [worker("http://a:1", "a", rows[:2])]})
         assert reg.group("regular").targets == rows[:2]
-        assert reg.target_info[rows[2]] is None
         assert reg.find("http://a:1") is wa               # identity kept across snapshots
         assert reg.find("http://b:1") is None
-        reg.apply({"version": 3, "workers": []})
+        # b's row still resolves until the supervisor frees it (a late lookup of a lease) ...
+        assert reg.target_info[rows[2]] == (wb, None)
+        table.free(rows[2])
+        reg.apply({"version": 3, "workers": [worker("http://a:1", "a", rows[:2])]})
+        assert reg.target_info[rows[2]] is None           # ... and not after
+        reg.apply({"version": 4, "workers": []})
         assert not reg.ready() and reg.group("regular").acquire(1) is None
         del reg, lease
 
