@@ -811,13 +811,17 @@ class ClientProtocol(asyncio.Protocol):
         self.bad_request = True
         self._bad_message = message
         self._bad_status = status
-        if not self.read_paused:
+        if not self.read_paused and not self.closed:
             self.read_paused = True
             self.transport.pause_reading()  # type: ignore[union-attr]
         if not self.busy and not self.queue:
             self._write_bad_request()
 
     def _write_bad_request(self) -> None:
+        if self.closed:
+            # e.g. bytes after an HTTP/1.0 or "Connection: close" request that
+            # was already answered and closed: nobody is left to tell.
+            return
         status = self._bad_status
         code = _errors.CODE_BAD_REQUEST if status == 400 else "header_too_large"
         body = _errors.error_response(status, code, self._bad_message)
