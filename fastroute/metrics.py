@@ -19,7 +19,7 @@ from typing import Any, Iterable
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from fastroute import table as T
+from fastroute import _policy, table as T
 
 log = logging.getLogger("fastroute.metrics")
 
@@ -212,7 +212,24 @@ class Collector:
                 if r == role:
                     dreq.add_metric([name], float(snap[t, T.COL_IN_FLIGHT]))
                     dtok.add_metric([name], float(snap[t, T.COL_IN_FLIGHT_TOKENS]))
-        yield from (sel, pool, dreq, dtok, shadow)
+        kv = CounterMetricFamily("fastroute_decode_kv_fit_decisions",
+                                 "KV-fit placement: shadow agreement with the dispatched pick, and picks "
+                                 "where no rank had a known KV capacity (usual policy used)",
+                                 labels=["role", "result"])
+        free = GaugeMetricFamily("fastroute_target_kv_free_tokens",
+                                 "Estimated free KV tokens of the target (poll + live bookings since)",
+                                 labels=["target"])
+        for role, g in groups.items():
+            if getattr(g, "kv_fit", "off") == "off":
+                continue
+            for result, n in g.kv_counts.items():
+                kv.add_metric([role, result], float(n))
+            for t, name, r, _ in targets:
+                if r == role:
+                    f = _policy.free_kv(self.table.array, t)
+                    if f is not None:
+                        free.add_metric([name], float(f))
+        yield from (sel, pool, dreq, dtok, shadow, kv, free)
 
     def _requests(self):
         def merged(attr):
