@@ -442,3 +442,45 @@ def test_killed_supervisor_takes_its_proxy_processes_and_segments_along() -> Non
             await until(gone, 10.0, "proxy processes exited and shared memory removed")
         await w.stop()
     run(body(), timeout=60)
+
+
+def test_pd_mode_balances_decode_ranks_across_both_processes() -> None:
+    async def body() -> None:
+        (p,) = await workers(1, role="prefill")
+        (d,) = await workers(1, role="decode", dp_size=2)
+        d.hold()
+        async with MultiRouter("--pd-disaggregation", "--prefill", p.url, "8998", "--decode", d.url,
+                               "--dp-aware", "--policy", "power_of_two", "--p2c-load-metric",
+                               "least_requests") as r:
+            clients: list[RawClient] = []
+            while True:
+                c = await RawClient(r.port).connect()
+                c.send(post("/generate", {"text": "x"}))
+                clients.append(c)
+                n = len(clients)
+                await until(lambda: d.held == n, 5.0, f"{n} decode legs held")
+                if n >= 4 and n % 2 == 0:
+                    inflight = per_process(await r.metrics(),
+                                           "fastroute_proxy_process_in_flight_requests")
+                    # Two leases (prefill + decode) per request, booked by the process that took it.
+                    if len(inflight) == 2 and min(inflight.values()) > 0:
+                        assert sum(inflight.values()) == 2 * n
+                        break
+                assert n < 64, "connections never reached both proxy processes"
+            loads = await get_loads(r.port)
+            decode = [e["in_flight_requests"] for e in loads["loads"] if e["worker_type"] == "decode"]
+            assert decode == [n // 2, n // 2], decode
+            ranks = sorted(rec.json["routed_dp_rank"] for rec in d.inference())
+            assert ranks == [0] * (n // 2) + [1] * (n // 2)
+            d.release()
+            for c in clients:
+                assert (await c.response(timeout=5)).status == 200
+                c.close()
+            loads = await get_loads(r.port)
+            assert loads["aggregate"]["total_in_flight_requests"] == 0
+            pid = r.proc.pid
+            assert await r.stop() == 0
+            assert _segments(pid) == []
+        await p.stop()
+        await d.stop()
+    run(body(), timeout=60)
