@@ -12,6 +12,15 @@ once in ``_Exchange._finish``, which every ending funnels into: response EOF,
 client disconnect, upstream failure, request timeout, or an exception while
 starting the exchange.
 
+Resilience (protocol.md 7.2-7.4): an attempt that fails before any client byte
+(connect failure, or a 408/429/500/502/503/504 head) is retried with a fresh pick
+(PD: fresh pair and room) after a loop-timer backoff; outcomes feed the
+per-target circuit breakers (:mod:`fastroute.breaker`) on the leg that failed;
+``--max-concurrent-requests`` is enforced by :mod:`fastroute.admission`, whose
+slot is released together with the leases. ``App.exchanges`` is the registry of
+live exchanges that the lease safety net (``App.check_leaks``) scans every few
+seconds for bookings their owner failed to release.
+
 Per-request work is kept to: one header scan (lower-cased name -> flag table),
 one parse of the JSON body (``body.parse_request``), one pick, one framed write
 upstream, and one write per upstream body chunk. Byte constants (status lines,
@@ -379,7 +388,7 @@ class App:
     def handle(self, proto: ClientProtocol, req: Request) -> None:
         """Answer one parsed request; ends with proto.response_done() (maybe later)."""
         path, _, query = req.url.partition(b"?")
-        st = self.stats
+        st = self._stats
         if st is not None:
             label = _PATH_LABEL.get(path, "other")
             key = (_METHOD_LABEL.get(req.method, "OTHER"), label)
@@ -411,13 +420,13 @@ class App:
                                                  path.decode("latin-1")), req)
 
     def _count_routed(self, path: bytes, stream: bool) -> None:
-        d = self.stats.router_requests
+        d = self._stats.router_requests
         key = (self.backend, _INFERENCE[path], "true" if stream else "false")
         d[key] = d.get(key, 0) + 1
 
     def count_response(self, status: int, code: str, path: bytes | None = None) -> None:
         """smg_http_responses, and smg_router_request_errors for failed inference requests."""
-        st = self.stats
+        st = self._stats
         d = st.http_responses
         key = (_STATUS_LABEL.get(status) or str(status), code)
         d[key] = d.get(key, 0) + 1
@@ -471,7 +480,12 @@ class App:
         # count only in smg_http_responses_total.
         if st is not None:
             self._count_routed(path, meta.stream)
-        if self.admission.try_enter():
+        adm = self.admission
+        if adm.active < adm.limit and not adm.queue:
+            # Admission.try_enter inlined: a free slot and nobody waiting.
+            adm.active += 1
+            if adm.enabled and st is not None:
+                st.rate_limit["allowed"] = st.rate_limit.get("allowed", 0) + 1
             self._begin(proto, req, path, meta)
         else:
             self._wait(proto, req, path, meta)
@@ -588,16 +602,16 @@ class ClientProtocol(asyncio.Protocol):
             except (OSError, AttributeError):
                 pass
         self.app.connections.add(self)
-        if self.app.stats is not None:
-            self.app.stats.connections_active += 1
+        if self.app._stats is not None:
+            self.app._stats.connections_active += 1
         self.head_deadline = self.loop.time() + self.app.header_timeout
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if self in self.app.connections:
             self.app.connections.discard(self)
-            if self.app.stats is not None:
-                self.app.stats.connections_active -= 1
+            if self.app._stats is not None:
+                self.app._stats.connections_active -= 1
         self.queue.clear()
         ex = self.exchange
         if ex is not None:
@@ -605,7 +619,7 @@ class ClientProtocol(asyncio.Protocol):
         w = self.waiter
         if w is not None:
             self.waiter = None
-            if self.app.admission.cancel(w) and self.app.stats is not None:
+            if self.app.admission.cancel(w) and self.app._stats is not None:
                 self.app.count_response(499, "client_closed")
 
     def data_received(self, data: bytes) -> None:
@@ -825,7 +839,7 @@ class ClientProtocol(asyncio.Protocol):
         status = self._bad_status
         code = _errors.CODE_BAD_REQUEST if status == 400 else "header_too_large"
         body = _errors.error_response(status, code, self._bad_message)
-        if self.app.stats is not None:
+        if self.app._stats is not None:
             self.app.count_response(status, code)
         self.transport.write(b"%bcontent-type: application/json\r\nx-smg-error-code: %b\r\n"  # type: ignore[union-attr]
                              b"content-length: %d\r\nconnection: close\r\n\r\n%b"
@@ -851,7 +865,7 @@ class ClientProtocol(asyncio.Protocol):
     def reply_simple(self, status: int, ctype: bytes, body: bytes, req: Request,
                      extra: bytes = b"", code: str = "") -> None:
         ka = req.keep_alive and self.app.accepting
-        if self.app.stats is not None:
+        if self.app._stats is not None:
             self.app.count_response(status, code, req.url.partition(b"?")[0])
         head = b"%bcontent-type: %b\r\ncontent-length: %d\r\n%b%b\r\n" % (
             status_line(status), ctype, len(body), extra, b"" if ka else b"connection: close\r\n")
@@ -971,7 +985,7 @@ class _Exchange:
         if self.chunked:
             self.out.append(_LAST_CHUNK)
         self.flush()
-        st = self.app.stats
+        st = self.app._stats
         if st is not None:
             app = self.app
             app.count_response(self.status, "")
@@ -1024,7 +1038,7 @@ class _Exchange:
             # response rather than a clean end; Content-Length: short body.
             if self.head is None:
                 self.flush()  # bytes already committed to the client go out before the cut
-                if self.app.stats is not None:
+                if self.app._stats is not None:
                     self.app.count_response(self.status, exc.code, self.path)
                 self._finish(False)
                 if not self.proto.closed:
