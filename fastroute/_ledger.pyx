@@ -17,7 +17,7 @@ from fastroute._layout cimport (
     NCOLS, NHDR,
 )
 from fastroute._policy cimport (
-    pick_round_robin, pick_random, pick_p2c, pick_demand, pick_ring, pick_kv_fit, rng_next,
+    pick_round_robin, pick_random, pick_p2c, pick_demand, pick_ring, pick_kv_fit, kv_free, rng_next,
     hash_bytes,
     METRIC_TOKENS, METRIC_REQUESTS, METRIC_LEAST_REQUESTS,
 )
@@ -263,10 +263,10 @@ cdef class Picker:
                 return f
         if self.demand == 2:
             a = pick_demand(self.tab, self.cands, tokens, self.weight, &self.rng)
-            self._count_kv(a, f)
+            self._count_kv(a, f, tokens + out_tokens + self.kv_reserve)
             return a
         a = self._legacy(k, klen)
-        self._count_kv(a, f)
+        self._count_kv(a, f, tokens + out_tokens + self.kv_reserve)
         if self.demand == 1:
             b = pick_demand(self.tab, self.cands, tokens, self.weight, &self.rng)
             self.last_legacy = a
@@ -277,9 +277,12 @@ cdef class Picker:
                 self.shadow_disagree += 1
         return a
 
-    cdef inline void _count_kv(self, int64_t dispatched, int64_t fit) noexcept:
-        if self.kv_fit == 1 and fit >= 0:
-            if fit == dispatched:
+    cdef inline void _count_kv(self, int64_t dispatched, int64_t fit, int64_t need) noexcept:
+        # Shadow agreement: the dispatched target is one KV fit would also accept (it fits, or
+        # it is KV fit's own choice).  Comparing exact picks would count random tie-breaks
+        # between equally good ranks as disagreement.
+        if self.kv_fit == 1 and fit >= 0 and dispatched >= 0:
+            if fit == dispatched or kv_free(self.tab, dispatched) >= need:
                 self.kv_agree += 1
             else:
                 self.kv_disagree += 1

@@ -106,7 +106,8 @@ def test_shadow_dispatches_the_usual_pick_and_counts(tt):
     plain = Router(tab, seed=6).group(ids, "round_robin")
     assert [shadow.pick(5_000) for _ in range(8)] == [plain.pick(5_000) for _ in range(8)]
     c = shadow.kv_counts
-    assert c["agree"] + c["disagree"] == 8 and c["disagree"] >= 2   # round robin lands on the full rank
+    # round robin lands on the full rank ids[0] twice in 8 picks: those are the disagreements
+    assert (c["agree"], c["disagree"]) == (6, 2)
 
 
 def test_kv_fit_with_demand_cost(tt):
