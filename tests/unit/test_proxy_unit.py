@@ -92,7 +92,8 @@ class Group:
     def __init__(self) -> None:
         self.leases: list[Lease] = []
 
-    def acquire(self, tokens: int = 0, key: bytes | None = None, text: str | None = None) -> Lease:
+    def acquire(self, tokens: int = 0, key: bytes | None = None, text: str | None = None,
+                out_tokens: int = 0) -> Lease:
         lease = Lease(0)
         self.leases.append(lease)
         return lease
