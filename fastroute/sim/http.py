@@ -282,6 +282,12 @@ class _ClientProto(asyncio.Protocol):
             self.complete.set_result(None)
 
 
+def _consume(fut: Optional[asyncio.Future]) -> None:
+    """Mark a finished future's exception as retrieved (the caller is raising something else)."""
+    if fut is not None and fut.done() and not fut.cancelled():
+        fut.exception()
+
+
 class HttpConnection:
     """A keep-alive client connection to one host:port; one request at a time.
 
@@ -331,6 +337,12 @@ class HttpConnection:
             await proto.complete
         except BaseException:
             # Cancelled or failed mid-response: this connection's state is unknown, drop it.
+            # A future may hold an error nobody will await: the connection was lost in the same
+            # loop turn as this task's cancellation (the task wakes with CancelledError and never
+            # reads the future), or the head failed and ``complete`` failed with it. Read those
+            # errors here, or asyncio prints "Future exception was never retrieved" at exit.
+            _consume(proto.head_done)
+            _consume(proto.complete)
             self.close()
             raise
         return proto.status, proto.headers, b"".join(proto.body)

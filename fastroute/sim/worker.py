@@ -16,10 +16,17 @@ Timing model (every duration is multiplied by ``time_scale``):
 * prefill: each prefill rank computes its requests one at a time (FIFO), for
   ``prefill_base_ms + input_tokens / prefill_tokens_per_s``.
 
-KV model per decode rank: a request reserves ``input + max_new_tokens`` of the rank's
-``max_total_num_tokens`` when it leaves the prealloc queue (FIFO; head-of-line blocking like
-SGLang's prealloc queue); until then it is reported as waiting. ``num_used_tokens`` reports the
-tokens actually held (input + generated) by admitted requests.
+KV model per decode rank (``DecodeEngine``): a request leaves the prealloc queue (FIFO,
+head-of-line blocking like SGLang's) once its input plus its output reserve fit in the rank's
+``max_total_num_tokens``; its input KV is then allocated and it waits in the transfer queue for
+the prefill's KV (optionally through a bandwidth-limited channel, ``--kv-transfer-tokens-per-s``
+per server or per rank), then joins the batch. ``num_used_tokens`` reports the tokens actually
+allocated (input + generated of admitted requests); ``num_waiting_reqs`` every request not yet
+running on the rank; the disaggregation section splits it into ``decode_prealloc_queue_reqs``,
+``decode_transfer_queue_reqs`` and ``decode_retracted_queue_reqs``. ``--retract`` reserves only
+part of the output and retracts the newest requests when a step would not fit; ``--slow-rank R
+--slow-factor F`` makes rank R's share of the step F times costlier (a straggler GPU, which under
+DP attention slows every rank).
 
 Rendezvous (bootstrap room): the prefill marks ``bootstrap_room`` ready on its ``Rendezvous``
 board when its compute ends. A decode looks the board up by bootstrap port in the in-process
@@ -76,6 +83,19 @@ class SimParams:
     time_scale: float = 1.0
     sample_interval_s: float = 0.1
     rendezvous_timeout_s: float = 120.0
+    # decode KV model (see DecodeEngine)
+    retract: bool = False  # over-commit output KV and retract when decoding runs out
+    reserved_decode_tokens: int = 128  # output KV held back per request under --retract
+    kv_transfer_tokens_per_s: float = 0.0  # prefill -> decode KV bandwidth; 0 = instant
+    kv_transfer_scope: str = "server"  # one transfer channel per "server" or per "rank"
+    slow_rank: int = -1  # this decode rank steps slow_factor times slower (-1: none)
+    slow_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kv_transfer_scope not in ("server", "rank"):
+            raise ValueError(f"kv_transfer_scope must be server or rank, not {self.kv_transfer_scope!r}")
+        if self.slow_factor <= 0:
+            raise ValueError("slow_factor must be positive")
 
     def step_seconds(self, running: int, ctx_tokens: int) -> float:
         """Step time of one rank alone; the engine takes the max over ranks plus the base."""
@@ -398,10 +418,14 @@ class PrefillEngine:
 
 
 class DecodeReq:
-    """One request inside the decode engine. ``state``: prealloc -> transfer -> ready -> running -> done."""
+    """One request inside the decode engine.
+
+    ``state``: prealloc -> transfer -> ready -> running -> done, and with ``retract`` also
+    running -> retracted -> ready. ``r_out`` is the output KV the engine holds back for it at
+    admission (all of ``max_new`` unless the engine over-commits under ``retract``)."""
 
     __slots__ = ("rid", "rank", "input_tokens", "max_new", "generated", "state", "emit", "done", "reserve",
-                 "kv_in")
+                 "kv_in", "r_out", "xfer")
 
     def __init__(self, rid: str, rank: int, input_tokens: int, max_new: int, emit: Any, done: asyncio.Future) -> None:
         self.rid = rid
@@ -412,50 +436,79 @@ class DecodeReq:
         self.state = "prealloc"
         self.emit = emit  # callable(req) per token, or None
         self.done = done
-        self.reserve = input_tokens + max_new
-        self.kv_in = False  # the prefill's KV has arrived (room ready)
+        self.reserve = input_tokens + max_new  # KV it needs to finish
+        self.kv_in = False  # the prefill's KV is ready to send (room ready)
+        self.r_out = max_new
+        self.xfer: Optional[asyncio.TimerHandle] = None  # pending end of its KV transfer
 
 
 class _DecodeRank:
-    __slots__ = ("prealloc", "transfer", "ready", "running", "reserved", "used", "ctx")
+    """Queues and KV counters of one decode DP rank.
 
-    def __init__(self) -> None:
+    Invariants: ``used`` = sum of input + generated over requests in transfer, ready, running
+    (the tokens allocated in the pool: SGLang's num_used_tokens); ``held`` = sum over the same
+    requests of the output reserve they have not generated into yet; admission keeps
+    ``used + held <= capacity`` and only decoding past the reserve (``retract``) can break it,
+    which retraction then repairs."""
+
+    __slots__ = ("prealloc", "transfer", "ready", "running", "retracted", "used", "held", "ctx", "xfer_free_at",
+                 "step_factor")
+
+    def __init__(self, step_factor: float = 1.0) -> None:
         self.prealloc: deque[DecodeReq] = deque()
-        self.transfer: set[DecodeReq] = set()
+        self.transfer: set[DecodeReq] = set()  # KV allocated, waiting for the room or the transfer
         self.ready: deque[DecodeReq] = deque()
         self.running: list[DecodeReq] = []
-        self.reserved = 0  # KV reserved by admitted requests (input + max_new each)
-        self.used = 0  # KV held: input + generated of admitted requests
+        self.retracted: deque[DecodeReq] = deque()
+        self.used = 0
+        self.held = 0
         self.ctx = 0  # context tokens of running requests (what a step reads)
+        self.xfer_free_at = 0.0  # loop time the rank's transfer channel is free (scope "rank")
+        self.step_factor = step_factor
 
     def waiting(self) -> int:
-        return len(self.prealloc) + len(self.transfer) + len(self.ready)
+        return len(self.prealloc) + len(self.transfer) + len(self.ready) + len(self.retracted)
 
 
 class DecodeEngine:
     """DP-attention decode: one step loop for all ranks, paced by the busiest rank.
 
-    Samples per-rank (running, outstanding, KV used) every ``sample_interval_s`` into
-    ``samples`` as ``(t_wall, step_ms, running tuple, outstanding tuple, used tuple)``."""
+    KV model per rank (``_DecodeRank``): a request waits in the prealloc queue (FIFO, head of
+    line blocks like SGLang's) until ``input + r_out`` fits next to what the rank holds; then its
+    input is allocated and it waits in the transfer queue for the prefill's KV: the room, then,
+    with ``kv_transfer_tokens_per_s``, its transfer through the rank's (or the server's) one
+    channel, FIFO. Without ``retract`` the reserve is the whole output, so a running request
+    never runs out; with it only ``min(max_new, reserved_decode_tokens)`` is held back, and when
+    the next step would not fit, the newest running requests are retracted (their KV freed)
+    into the retracted queue, which is re-admitted before the prealloc queue once the rank has
+    room for them plus one step of its batch.
+
+    Samples per-rank (running, outstanding, KV used, prealloc) every ``sample_interval_s`` into
+    ``samples`` as ``(t_wall, step_ms, running, outstanding, used, prealloc)`` tuples."""
 
     def __init__(self, params: SimParams) -> None:
         self.p = params
-        self.ranks = [_DecodeRank() for _ in range(params.dp_size)]
+        self.ranks = [_DecodeRank(params.slow_factor if i == params.slow_rank else 1.0)
+                      for i in range(params.dp_size)]
         self._rr = 0
         self._wake: Optional[asyncio.Event] = None
         self._task: Optional[asyncio.Task] = None
+        self._loop_ref: Optional[asyncio.AbstractEventLoop] = None
         self.samples: deque = deque(maxlen=200_000)
         self._last_sample = 0.0
         self.completed = 0
         self.aborted = 0
+        self.retractions = 0
         self.steps = 0
         self.tokens_out = 0
         self.last_step_ms = 0.0
         self.placed = [0] * params.dp_size
+        self.xfer_free_at = 0.0  # the server's transfer channel (scope "server")
 
     def start(self) -> None:
         self._wake = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+        self._loop_ref = asyncio.get_running_loop()
+        self._task = self._loop_ref.create_task(self._loop())
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -465,6 +518,11 @@ class DecodeEngine:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        for rk in self.ranks:
+            for req in rk.transfer:
+                if req.xfer is not None:
+                    req.xfer.cancel()
+                    req.xfer = None
 
     def pick_rank(self, rank: Optional[int]) -> int:
         if rank is not None:
@@ -478,36 +536,81 @@ class DecodeEngine:
     def submit(self, req: DecodeReq) -> None:
         if req.reserve > self.p.max_total_num_tokens:
             raise BadRequest(f"request needs {req.reserve} KV tokens, rank capacity is {self.p.max_total_num_tokens}")
+        if self.p.retract:
+            req.r_out = min(req.max_new, max(0, self.p.reserved_decode_tokens))
         self.placed[req.rank] += 1
         self.ranks[req.rank].prealloc.append(req)
         self._admit(self.ranks[req.rank])
 
+    def free_kv(self, rank: int) -> int:
+        """The rank's true free KV (capacity - allocated), what a router estimates from polls."""
+        return self.p.max_total_num_tokens - self.ranks[rank].used
+
     def _admit(self, rk: _DecodeRank) -> None:
         cap = self.p.max_total_num_tokens
-        while rk.prealloc and rk.reserved + rk.prealloc[0].reserve <= cap:
+        # Retracted requests first (SGLang resumes them before new ones), each with room for
+        # itself plus one more step of the rank's batch, so a request retracted because the
+        # step did not fit is not re-admitted by the same shortage (no thrash).
+        while rk.retracted:
+            req = rk.retracted[0]
+            size = req.input_tokens + req.generated
+            rem = req.r_out - req.generated if req.r_out > req.generated else 0
+            if rk.used + rk.held + size + rem + len(rk.running) + len(rk.ready) + 1 > cap:
+                return  # head of line: nothing new is admitted past a retracted request
+            rk.retracted.popleft()
+            rk.used += size
+            rk.held += rem
+            self._to_ready(rk, req)
+        while rk.prealloc and rk.used + rk.held + rk.prealloc[0].input_tokens + rk.prealloc[0].r_out <= cap:
             req = rk.prealloc.popleft()
-            rk.reserved += req.reserve
             rk.used += req.input_tokens
-            if req.kv_in:  # its room was ready while it queued for KV: straight to the batch
-                req.state = "ready"
-                rk.ready.append(req)
-                if self._wake is not None:
-                    self._wake.set()
-            else:
-                req.state = "transfer"
-                rk.transfer.add(req)
+            rk.held += req.r_out
+            req.state = "transfer"
+            rk.transfer.add(req)
+            if req.kv_in:  # its room was ready while it queued for KV: the transfer starts now
+                self._start_transfer(rk, req)
 
-    def kv_arrived(self, req: DecodeReq) -> None:
-        """The prefill's KV for ``req`` is here; it joins the running batch at the next step."""
-        rk = self.ranks[req.rank]
-        req.kv_in = True
-        if req.state != "transfer":
-            return  # still in prealloc: _admit moves it to ready once KV is reserved
-        rk.transfer.discard(req)
+    def _to_ready(self, rk: _DecodeRank, req: DecodeReq) -> None:
         req.state = "ready"
         rk.ready.append(req)
         if self._wake is not None:
             self._wake.set()
+
+    def _start_transfer(self, rk: _DecodeRank, req: DecodeReq) -> None:
+        rate = self.p.kv_transfer_tokens_per_s
+        if rate <= 0 or self._loop_ref is None:
+            rk.transfer.discard(req)
+            self._to_ready(rk, req)
+            return
+        # One FIFO channel per rank (or per server): a transfer starts when the previous one
+        # on the channel ends and lasts input / rate. An aborted transfer keeps its slot.
+        now = self._loop_ref.time()
+        dur = req.input_tokens / rate * self.p.time_scale
+        if self.p.kv_transfer_scope == "rank":
+            end = rk.xfer_free_at = max(now, rk.xfer_free_at) + dur
+        else:
+            end = self.xfer_free_at = max(now, self.xfer_free_at) + dur
+        req.xfer = self._loop_ref.call_at(end, self._transfer_done, req)
+
+    def _transfer_done(self, req: DecodeReq) -> None:
+        req.xfer = None
+        if req.state != "transfer":
+            return
+        rk = self.ranks[req.rank]
+        rk.transfer.discard(req)
+        self._to_ready(rk, req)
+
+    def kv_arrived(self, req: DecodeReq) -> None:
+        """The prefill's KV for ``req`` is ready to send: its transfer starts once it has KV here."""
+        req.kv_in = True
+        if req.state == "transfer" and req.xfer is None:
+            self._start_transfer(self.ranks[req.rank], req)
+        # still in prealloc: _admit starts the transfer once KV is allocated
+
+    def _free(self, rk: _DecodeRank, req: DecodeReq) -> None:
+        rk.used -= req.input_tokens + req.generated
+        if req.r_out > req.generated:
+            rk.held -= req.r_out - req.generated
 
     def abort(self, req: DecodeReq) -> None:
         """Remove ``req`` wherever it is and free its KV (client gone, rendezvous failed)."""
@@ -517,14 +620,21 @@ class DecodeEngine:
             return
         req.state = "done"
         self.aborted += 1
-        if st == "prealloc":
+        if st == "prealloc" or st == "retracted":
+            q = rk.prealloc if st == "prealloc" else rk.retracted
             try:
-                rk.prealloc.remove(req)
+                q.remove(req)
             except ValueError:
                 pass
+            if st == "prealloc":
+                return  # held no KV
+            self._admit(rk)  # a retracted head may have blocked the queue
             return
         if st == "transfer":
             rk.transfer.discard(req)
+            if req.xfer is not None:
+                req.xfer.cancel()
+                req.xfer = None
         elif st == "ready":
             try:
                 rk.ready.remove(req)
@@ -533,13 +643,24 @@ class DecodeEngine:
         elif st == "running":
             rk.running.remove(req)
             rk.ctx -= req.input_tokens + req.generated
-        rk.reserved -= req.reserve
-        rk.used -= req.input_tokens + req.generated
+        self._free(rk, req)
         self._admit(rk)
+
+    def _retract(self, rk: _DecodeRank, cap: int) -> None:
+        """Retract the newest running requests until one more token each fits (SGLang retracts
+        rather than fail a step when decoding outgrows the pool)."""
+        while rk.running and rk.used + len(rk.running) > cap:
+            req = rk.running.pop()
+            rk.ctx -= req.input_tokens + req.generated
+            self._free(rk, req)
+            req.state = "retracted"
+            rk.retracted.append(req)
+            self.retractions += 1
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         p = self.p
+        cap = p.max_total_num_tokens
         assert self._wake is not None
         while True:
             # Requests whose KV arrived join now, up to max_running_requests per rank.
@@ -551,9 +672,11 @@ class DecodeEngine:
                     req.state = "running"
                     rk.running.append(req)
                     rk.ctx += req.input_tokens + req.generated
+                if p.retract and rk.used + len(rk.running) > cap:
+                    self._retract(rk, cap)
                 if rk.running:
                     busy = True
-                    c = p.step_request_ms * len(rk.running) + p.step_mtoken_ms * rk.ctx / 1e6
+                    c = (p.step_request_ms * len(rk.running) + p.step_mtoken_ms * rk.ctx / 1e6) * rk.step_factor
                     if c > cost:
                         cost = c
             if not busy:
@@ -575,6 +698,8 @@ class DecodeEngine:
                 n = len(rk.running)
                 for req in rk.running:
                     req.generated += 1
+                    if req.generated <= req.r_out:
+                        rk.held -= 1  # this token was reserved: held -> used
                     if req.emit is not None:
                         req.emit(req)
                     if req.generated >= req.max_new:
@@ -588,8 +713,7 @@ class DecodeEngine:
                         if req.generated >= req.max_new:
                             req.state = "done"
                             rk.ctx -= req.input_tokens + req.generated
-                            rk.used -= req.input_tokens + req.generated
-                            rk.reserved -= req.reserve
+                            self._free(rk, req)
                             self.completed += 1
                             if not req.done.done():
                                 req.done.set_result(True)
@@ -609,15 +733,17 @@ class DecodeEngine:
         self.samples.append((time.time(), step_ms,
                              tuple(len(r.running) for r in rks),
                              tuple(len(r.running) + r.waiting() for r in rks),
-                             tuple(r.used for r in rks)))
+                             tuple(r.used for r in rks),
+                             tuple(len(r.prealloc) for r in rks)))
 
     def rank_loads(self) -> list[tuple[int, int, int]]:
-        """(running, waiting, used tokens) per rank."""
+        """(running, waiting, used tokens) per rank; waiting = every queue before the batch."""
         return [(len(r.running), r.waiting(), r.used) for r in self.ranks]
 
-    def rank_queues(self, rank: int) -> tuple[int, int, int]:
+    def rank_queues(self, rank: int) -> tuple[int, int, int, int]:
+        """(prealloc, transfer, ready, retracted) of one rank."""
         r = self.ranks[rank]
-        return len(r.prealloc), len(r.transfer), len(r.ready)
+        return len(r.prealloc), len(r.transfer), len(r.ready), len(r.retracted)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -971,12 +1097,14 @@ class SimWorker:
                 if self.role == "prefill":
                     d["prefill_prealloc_queue_reqs"] = wait
                 elif self.decode is not None:
-                    pre, trans, _ = self.decode.rank_queues(i)
+                    pre, trans, _, ret = self.decode.rank_queues(i)
                     d["decode_prealloc_queue_reqs"] = pre
                     d["decode_transfer_queue_reqs"] = trans
+                    d["decode_retracted_queue_reqs"] = ret
                 e["disaggregation"] = d
             if "queues" in sections:
-                e["queues"] = {"waiting": wait, "grammar": 0, "paused": 0, "retracted": 0}
+                ret = self.decode.rank_queues(i)[3] if self.decode is not None else 0
+                e["queues"] = {"waiting": wait - ret, "grammar": 0, "paused": 0, "retracted": ret}
             out.append(e)
         n = max(1, len(out))
         return {"timestamp": _now_ts(), "version": SIM_VERSION, "dp_rank_count": len(out), "loads": out,
@@ -1069,7 +1197,8 @@ class SimWorker:
              "aborted": eng.aborted, "loads": self.rank_loads()}  # type: ignore[union-attr]
         if self.decode is not None:
             d.update(steps=self.decode.steps, tokens_out=self.decode.tokens_out, placed=self.decode.placed,
-                     last_step_ms=self.decode.last_step_ms)
+                     last_step_ms=self.decode.last_step_ms, retractions=self.decode.retractions,
+                     queues=[self.decode.rank_queues(i) for i in range(self.p.dp_size)])
         resp.send_json(200, d)
 
 
@@ -1120,8 +1249,14 @@ def add_param_flags(ap: argparse.ArgumentParser) -> None:
     """One ``--flag`` per SimParams field (dashes for underscores), defaults from the dataclass."""
     defaults = SimParams()
     for f in fields(SimParams):
-        ap.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(defaults, f.name)),
-                        default=getattr(defaults, f.name), dest=f.name)
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):  # --retract / --no-retract (bool("False") would be True)
+            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, dest=f.name)
+        elif f.name == "kv_transfer_scope":
+            ap.add_argument(flag, choices=("server", "rank"), default=default, dest=f.name)
+        else:
+            ap.add_argument(flag, type=type(default), default=default, dest=f.name)
 
 
 def params_from_args(ns: argparse.Namespace) -> SimParams:

@@ -4,6 +4,7 @@ rank pacing the step, the load generator end to end, and a short `fastroute demo
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
 import json
 import os
@@ -12,7 +13,7 @@ import sys
 
 import pytest
 
-from fastroute.sim.http import HttpConnection, fetch
+from fastroute.sim.http import HttpConnection, HttpError, fetch
 from fastroute.sim.loadgen import Target, TraceItem, run_load
 from fastroute.sim.worker import SimParams, SimWorker, start_cluster
 
@@ -166,10 +167,40 @@ def test_client_disconnect_aborts_and_frees_the_slot() -> None:
             await asyncio.gather(task, return_exceptions=True)
             await until(lambda: d.rank_loads() == [(0, 0, 0), (0, 0, 0)], what="slot and KV freed")
             assert d.decode.aborted == 1 and d.decode.completed == 0
-            assert all(r.reserved == 0 for r in d.decode.ranks)
+            assert all(r.used == 0 and r.held == 0 for r in d.decode.ranks)
         finally:
             await d.stop()
     run(scenario())
+
+
+def test_connection_lost_before_the_head_leaves_no_unretrieved_error() -> None:
+    """The server drops a request waiting for its head (``on_head``): the caller gets HttpError
+    from the head, and the body future that failed with it must not leak "Future exception was
+    never retrieved" (the noise at the end of demo runs)."""
+    async def scenario() -> list:
+        loop = asyncio.get_running_loop()
+        errors: list = []
+        loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx.get("message")))
+        d = SimWorker("decode", SimParams(dp_size=1, time_scale=0.01))
+        await d.start()
+        try:
+            conn = HttpConnection(H, d.port)
+            # A room that never arrives: the decode holds the request without answering.
+            body = gen_body(10, 5, False, bootstrap_room=7, bootstrap_host=H, bootstrap_port=1)
+            task = asyncio.ensure_future(conn.request("POST", "/generate", body, on_head=lambda _s: None))
+            await until(lambda: d.requests == 1, what="request held")
+            for sc in list(d.server._conns):
+                sc.transport.close()
+            res = await asyncio.gather(task, return_exceptions=True)
+            assert isinstance(res[0], HttpError), res
+            del task, res
+        finally:
+            await d.stop()
+        await asyncio.sleep(0.05)  # let the closed transports drop their protocols
+        gc.collect()
+        return errors
+    errors = run(scenario())
+    assert not [e for e in errors if e and "never retrieved" in e], errors
 
 
 def test_streaming_formats_and_openai_client() -> None:
@@ -285,6 +316,7 @@ def test_demo_runs_end_to_end(tmp_path) -> None:
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "never retrieved" not in proc.stderr, proc.stderr[-3000:]
     assert "| round_robin |" in proc.stdout and "| demand W=1e+06 |" in proc.stdout
     results = json.loads((out / "balance.json").read_text())
     assert [r["label"] for r in results] == ["round_robin", "p2c least_requests", "demand W=1e+06"]

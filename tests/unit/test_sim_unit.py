@@ -1,7 +1,9 @@
 """Simulator pieces without sockets: request parsing, the decode engine's step model, KV
-prealloc and abort, room rendezvous, trace/encoding, SSE counting and balance statistics."""
+prealloc and abort, retraction, the KV transfer stage, the slow rank, /v1/loads queue shapes,
+room rendezvous, trace/encoding, SSE counting and balance statistics."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -11,8 +13,9 @@ import pytest
 from fastroute.sim.balance import balance_stats, fastroute_cells, markdown_table
 from fastroute.sim.loadgen import (ReqRecord, TraceItem, _SSECounter, encode_request, load_trace,
                                    synthetic_trace)
-from fastroute.sim.worker import (BadRequest, DecodeEngine, DecodeReq, Rendezvous, SimParams,
-                                  estimate_text_tokens, parse_inference)
+from fastroute.sim.worker import (LOAD_SECTIONS, BadRequest, DecodeEngine, DecodeReq, Rendezvous, SimParams,
+                                  SimWorker, add_param_flags, estimate_text_tokens, params_from_args,
+                                  parse_inference)
 
 
 def run(coro, timeout: float = 20.0):
@@ -131,7 +134,7 @@ def test_kv_prealloc_queues_until_the_rank_has_room_and_abort_frees() -> None:
         assert second.state == "done"
         await third.done
         assert eng.rank_loads() == [(0, 0, 0), (0, 0, 0)]
-        assert all(r.reserved == 0 and r.ctx == 0 for r in eng.ranks)
+        assert all(r.used == 0 and r.held == 0 and r.ctx == 0 for r in eng.ranks)
         assert eng.completed == 2 and eng.aborted == 1
         await eng.stop()
     run(scenario())
@@ -284,3 +287,163 @@ def test_scale_summary_converts_to_simulated_time() -> None:
     out = scale_summary(s, 0.25)
     assert out["tpot_p50_ms"] == 20.0 and out["ttft_p90_ms"] == 80.0 and out["output_tok_s"] == 100.0
     assert out["interactivity_p50"] == 50.0 and out["completed"] == 3 and s["tpot_p50_ms"] == 5.0
+
+
+# -- KV model: retraction, transfer stage, slow rank, /v1/loads shapes -------------------------
+
+async def _until(pred, timeout: float = 5.0, what: str = "condition") -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not pred():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.001)
+
+
+def test_without_retract_the_whole_output_is_reserved_and_nothing_is_retracted() -> None:
+    async def scenario() -> None:
+        eng = DecodeEngine(SimParams(dp_size=1, max_total_num_tokens=1_000, time_scale=0.0005))
+        eng.start()
+        a = _req(eng, 0, 450, 100)
+        b = _req(eng, 0, 450, 100)  # 450 + 100 does not fit next to a's 550: waits in prealloc
+        assert b.state == "prealloc" and eng.rank_queues(0) == (1, 0, 1, 0)
+        assert eng.ranks[0].used == 450 and eng.ranks[0].held == 100  # allocated vs held back
+        await asyncio.gather(a.done, b.done)
+        assert eng.retractions == 0 and eng.completed == 2
+        await eng.stop()
+    run(scenario())
+
+
+def test_retract_overcommits_then_retracts_the_newest_and_resumes_it() -> None:
+    async def scenario() -> None:
+        p = SimParams(dp_size=1, max_total_num_tokens=1_000, time_scale=0.0005, retract=True,
+                      reserved_decode_tokens=10)
+        eng = DecodeEngine(p)
+        eng.start()
+        toks: list = []
+        a = _req(eng, 0, 450, 100, toks)
+        b = _req(eng, 0, 451, 100, toks)  # only 10 output tokens held back each: both admitted
+        assert a.state != "prealloc" and b.state != "prealloc"
+        await _until(lambda: b.state == "retracted", what="b retracted when the pool runs out")
+        rk = eng.ranks[0]
+        assert eng.rank_queues(0)[3] == 1 and rk.used + len(rk.running) <= p.max_total_num_tokens
+        assert rk.used == 450 + a.generated  # b's KV (input + generated) was freed
+        kept = b.generated
+        await asyncio.gather(a.done, b.done)
+        assert eng.retractions >= 1 and a.generated == b.generated == 100 and kept > 0
+        # b resumed where it stopped: every token index once, in order
+        assert [n for rid, n in toks if rid == b.rid] == list(range(1, 101))
+        assert rk.used == rk.held == rk.ctx == 0
+        await eng.stop()
+    run(scenario())
+
+
+def test_abort_of_a_retracted_request_frees_the_queue() -> None:
+    async def scenario() -> None:
+        p = SimParams(dp_size=1, max_total_num_tokens=1_000, time_scale=0.0005, retract=True,
+                      reserved_decode_tokens=0)
+        eng = DecodeEngine(p)
+        eng.start()
+        a = _req(eng, 0, 480, 200)
+        b = _req(eng, 0, 480, 200)
+        await _until(lambda: b.state == "retracted", what="b retracted")
+        eng.abort(b)
+        assert b.state == "done" and eng.rank_queues(0) == (0, 0, 0, 0)
+        await a.done
+        assert eng.ranks[0].used == 0 and eng.aborted == 1
+        await eng.stop()
+    run(scenario())
+
+
+def test_kv_transfer_channel_is_fifo_per_server_or_per_rank() -> None:
+    async def scenario(scope: str) -> list:
+        # 1000 tokens/s: a 200-token input takes 0.2 s of the channel.
+        p = SimParams(dp_size=2, time_scale=1.0, kv_transfer_tokens_per_s=1_000, kv_transfer_scope=scope)
+        eng = DecodeEngine(p)
+        eng.start()
+        reqs = [_req(eng, r, 200, 2) for r in (0, 1, 0)]
+        assert all(r.state == "transfer" for r in reqs)  # KV allocated, waiting for the transfer
+        assert eng.rank_queues(0)[1] == 2 and eng.rank_loads()[0][2] == 400
+        ends = [r.xfer.when() for r in reqs]
+        for r in reqs:
+            eng.abort(r)
+        assert all(r.xfer is None for r in reqs) and eng.rank_loads() == [(0, 0, 0), (0, 0, 0)]
+        await eng.stop()
+        return ends
+
+    ends = run(scenario("server"))
+    assert ends[1] - ends[0] == pytest.approx(0.2) and ends[2] - ends[1] == pytest.approx(0.2)
+    ends = run(scenario("rank"))
+    assert ends[0] == pytest.approx(ends[1]) and ends[2] - ends[0] == pytest.approx(0.2)
+
+
+def test_transfer_then_batch_end_to_end() -> None:
+    async def scenario() -> None:
+        eng = DecodeEngine(SimParams(dp_size=2, time_scale=0.001, kv_transfer_tokens_per_s=1_000))
+        eng.start()
+        reqs = [_req(eng, r % 2, 100, 3) for r in range(4)]
+        await asyncio.gather(*(r.done for r in reqs))
+        assert eng.completed == 4 and all(r.xfer is None for r in reqs)
+        await eng.stop()
+    run(scenario())
+
+
+def test_slow_rank_multiplies_its_share_of_the_step() -> None:
+    async def first_step(slow_rank: int) -> float:
+        p = SimParams(dp_size=2, time_scale=0.001, sample_interval_s=0.0, slow_rank=slow_rank, slow_factor=3.0)
+        eng = DecodeEngine(p)
+        eng.start()
+        reqs = [_req(eng, 0, 1_000_000, 2), _req(eng, 1, 0 + 1, 2)]
+        await asyncio.gather(*(r.done for r in reqs))
+        await eng.stop()
+        return max(s[1] for s in eng.samples)
+
+    p = SimParams()
+    big = p.step_request_ms + p.step_mtoken_ms * 1.0  # rank 0's share (1M context)
+    small = p.step_request_ms + p.step_mtoken_ms * 1e-6
+    assert run(first_step(-1)) == pytest.approx(p.step_base_ms + big, abs=0.01)
+    assert run(first_step(0)) == pytest.approx(p.step_base_ms + 3 * big, abs=0.01)
+    # a slow rank with a light batch can still be the one that paces the step
+    assert run(first_step(1)) == pytest.approx(p.step_base_ms + max(big, 3 * small), abs=0.01)
+
+
+def test_v1_loads_reports_the_queues_in_sglang_shapes() -> None:
+    async def scenario() -> dict:
+        p = SimParams(dp_size=2, max_total_num_tokens=1_000, kv_transfer_tokens_per_s=10.0)
+        w = SimWorker("decode", p)  # not started: the engine is driven directly
+        eng = w.decode
+        loop = asyncio.get_running_loop()
+        eng._loop_ref = loop
+        reqs = []
+        for n_in in (400, 300, 400):  # 400+128 and 300+128 fit; the next 400+128 waits
+            r = DecodeReq(f"r{n_in}", 0, n_in, 128, None, loop.create_future())
+            eng.submit(r)
+            reqs.append(r)
+        eng.kv_arrived(reqs[0])  # transferring; reqs[1] still waits for its room
+        doc = w.loads_json(set(LOAD_SECTIONS), None)
+        for r in reqs:
+            eng.abort(r)
+        return doc
+
+    doc = run(scenario())
+    e0, e1 = doc["loads"]
+    assert e0["num_running_reqs"] == 0 and e0["num_waiting_reqs"] == 3 and e0["num_total_reqs"] == 3
+    assert e0["num_used_tokens"] == 700 and e0["max_total_num_tokens"] == 1_000
+    d = e0["disaggregation"]
+    assert d["mode"] == "decode" and d["decode_prealloc_queue_reqs"] == 1
+    assert d["decode_transfer_queue_reqs"] == 2 and d["decode_retracted_queue_reqs"] == 0
+    assert e0["queues"]["retracted"] == 0
+    assert e1["num_waiting_reqs"] == 0 and e1["disaggregation"]["decode_prealloc_queue_reqs"] == 0
+    assert doc["aggregate"]["total_waiting_reqs"] == 3 and doc["aggregate"]["total_used_tokens"] == 700
+
+
+def test_worker_cli_flags_for_the_kv_model() -> None:
+    ap = argparse.ArgumentParser()
+    add_param_flags(ap)
+    p = params_from_args(ap.parse_args(["--retract", "--slow-rank", "3", "--slow-factor", "1.5",
+                                        "--kv-transfer-tokens-per-s", "2e6", "--kv-transfer-scope", "rank"]))
+    assert p.retract is True and p.slow_rank == 3 and p.slow_factor == 1.5
+    assert p.kv_transfer_tokens_per_s == 2e6 and p.kv_transfer_scope == "rank"
+    assert params_from_args(ap.parse_args([])).retract is False
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--kv-transfer-scope", "rack"])
