@@ -63,6 +63,7 @@ cdef inline void _release(int64_t *row, int64_t tokens, int64_t *header) noexcep
 cdef class Lease:
     """One booking of one target; ``release()`` undoes it exactly once."""
     cdef int64_t *_row
+    cdef int64_t *_own         # this process's ledger row (multi-process), or NULL
     cdef int64_t *_header
     cdef readonly int64_t target
     cdef readonly int64_t tokens
@@ -73,6 +74,10 @@ cdef class Lease:
         if self._released:
             return False
         self._released = True
+        # Own ledger first: a process killed between the two leaks one table booking rather
+        # than letting the supervisor subtract it a second time from a shared counter.
+        if self._own != NULL:
+            _release(self._own, self.tokens, self._header)
         _release(self._row, self.tokens, self._header)
         return True
 
@@ -84,7 +89,8 @@ cdef class Lease:
         return f"<Lease target={self.target} tokens={self.tokens} released={self._released}>"
 
 
-cdef Lease _new_lease(int64_t[:, ::1] tab, int64_t *header, int64_t t, int64_t tokens, object keep):
+cdef Lease _new_lease(int64_t[:, ::1] tab, int64_t *header, int64_t t, int64_t tokens, object keep,
+                      int64_t *own_base=NULL):
     cdef Lease lease = Lease.__new__(Lease)
     lease._row = &tab[t, 0]
     lease._header = header
@@ -93,6 +99,12 @@ cdef Lease _new_lease(int64_t[:, ::1] tab, int64_t *header, int64_t t, int64_t t
     lease._released = False
     lease._keep = keep
     _book(lease._row, tokens)
+    # Table first, then the own ledger (see release for the reverse order).
+    if own_base != NULL:
+        lease._own = own_base + t * NCOLS
+        _book(lease._own, tokens)
+    else:
+        lease._own = NULL
     return lease
 
 
@@ -173,6 +185,8 @@ cdef class Picker:
     cdef uint64_t rng
     cdef int64_t cursor
     cdef object keep
+    cdef int64_t[:, ::1] own
+    cdef int64_t *own_base
     cdef readonly int64_t shadow_agree
     cdef readonly int64_t shadow_disagree
     cdef readonly int64_t last_legacy
@@ -216,6 +230,20 @@ cdef class Picker:
         self.ring_target = np.zeros(0, dtype=np.int64)
         self.last_legacy = -1
         self.last_demand = -1
+        self.own_base = NULL
+
+    def set_own_ledger(self, own_array):
+        """Also book every lease in ``own_array`` (this process's private ledger, same shape as
+        the table), so a supervisor can subtract exactly what a dead process held."""
+        if own_array is None:
+            self.own = None
+            self.own_base = NULL
+            return
+        if own_array.shape[0] < self.tab.shape[0] or own_array.shape[1] != NCOLS:
+            raise ValueError("the own ledger must have the table's shape")
+        self.own = own_array
+        self.own_base = &self.own[0, 0]
+        self.keep = (self.keep[0], self.keep[1], own_array)
 
     def set_candidates(self, cands):
         arr = np.ascontiguousarray(cands, dtype=np.int64)
@@ -293,13 +321,13 @@ cdef class Picker:
         cdef int64_t t = self.pick(tokens, key, out_tokens)
         if t < 0:
             return None
-        return _new_lease(self.tab, &self.header[0], t, tokens, self.keep)
+        return _new_lease(self.tab, &self.header[0], t, tokens, self.keep, self.own_base)
 
     def book_target(self, int64_t t, int64_t tokens=0):
         """Book a target chosen elsewhere (cache_aware picks in Python); returns its Lease."""
         if t < 0 or t >= self.tab.shape[0]:
             raise IndexError(f"target {t} out of range")
-        return _new_lease(self.tab, &self.header[0], t, tokens, self.keep)
+        return _new_lease(self.tab, &self.header[0], t, tokens, self.keep, self.own_base)
 
     @property
     def candidates(self):

@@ -124,6 +124,11 @@ class Group:
         self.targets = targets
         self.names = names
 
+    def track_in(self, ledger: TargetTable) -> None:
+        """Also book every lease of this group in ``ledger``: a proxy process's private ledger,
+        from which the supervisor reclaims exactly what the process held if it dies."""
+        self._picker.set_own_ledger(ledger.array)
+
     @property
     def kv_counts(self) -> dict[str, int]:
         """KV-fit decisions: agree/disagree (shadow) and fallback (no rank had known capacity)."""

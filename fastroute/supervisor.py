@@ -51,7 +51,7 @@ import signal
 import socket
 import sys
 import tempfile
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -91,46 +91,6 @@ def _bump_generation(table: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------- leases
-
-
-class TrackedLease:
-    """A table lease paired with the same booking in this process's ledger (see module doc)."""
-
-    __slots__ = ("_main", "_own", "target", "tokens")
-
-    def __init__(self, main: Any, own: Any) -> None:
-        self._main = main
-        self._own = own
-        self.target = main.target
-        self.tokens = main.tokens
-
-    def release(self) -> bool:
-        # Ledger first: a kill between the two leaks one table booking instead of letting the
-        # supervisor subtract it a second time from a counter other processes share.
-        self._own.release()
-        return self._main.release()
-
-    @property
-    def released(self) -> bool:
-        return self._main.released
-
-    def __repr__(self) -> str:
-        return f"<TrackedLease target={self.target} tokens={self.tokens} released={self.released}>"
-
-
-def track(acquire: Callable[..., Any], ledger: Any) -> Callable[..., Any]:
-    """Wrap a group's ``acquire`` so each lease is also booked in ``ledger`` (a TargetTable)."""
-    # A compiled picker over the ledger used only for ``book_target``: its memoryviews are
-    # acquired once here, so the second booking costs no buffer setup per request.
-    book = _ledger.Picker(ledger.array, ledger.header, "random").book_target
-
-    def acquire_tracked(tokens: int = 0, key: bytes | None = None, text: str | None = None,
-                        out_tokens: int = 0) -> Any:
-        lease = acquire(tokens, key, text, out_tokens)
-        if lease is None:
-            return None
-        return TrackedLease(lease, book(lease.target, lease.tokens))
-    return acquire_tracked
 
 
 def reclaim(table: Any, ledger: Any) -> tuple[int, int]:
@@ -178,7 +138,7 @@ class FollowerRegistry(Registry):
         self._ready = False
         self._seen_generation = -1
         for g in self._groups.values():
-            g.acquire = track(g.acquire, ledger)
+            g.track_in(ledger)
 
     async def start(self) -> None:
         """Nothing to register: the supervisor does that."""

@@ -288,7 +288,7 @@ def test_worker_added_through_any_process_reaches_both() -> None:
 
 def test_reclaim_subtracts_exactly_the_dead_process_ledger() -> None:
     from fastroute.routing import Router
-    from fastroute.supervisor import reclaim, track
+    from fastroute.supervisor import reclaim
     from fastroute.table import TargetTable
 
     with TargetTable(capacity=8) as table, TargetTable(capacity=8) as la, \
@@ -296,7 +296,9 @@ def test_reclaim_subtracts_exactly_the_dead_process_ledger() -> None:
         rows = [table.alloc() for _ in range(3)]
         ga = Router(table, seed=1).group(rows, "round_robin")
         gb = Router(table, seed=2).group(rows, "round_robin")
-        acq_a, acq_b = track(ga.acquire, la), track(gb.acquire, lb)
+        ga.track_in(la)
+        gb.track_in(lb)
+        acq_a, acq_b = ga.acquire, gb.acquire
         held_a = [acq_a(10) for _ in range(5)]
         held_b = [acq_b(7) for _ in range(4)]
         held_a[0].release()                       # released leases are not reclaimed
