@@ -69,6 +69,9 @@ class Stats:
         self.router_duration: dict[tuple[str, str], Hist] = {}
         self.retries: dict[tuple[str, str], int] = {}
         self.reclaimed: dict[str, int] = {}
+        # (role, family, result) -> count of policy decisions made in another process (the
+        # proxy processes of --workers N); single-process groups are read directly.
+        self.decisions: dict[tuple[str, str, str], int] = {}
         # Resilience (fastroute.breaker / admission / proxy retries).
         self.retries_exhausted: dict[tuple[str, str], int] = {}
         self.cb_outcomes: dict[tuple[str, str], int] = {}            # (worker, outcome)
@@ -90,6 +93,19 @@ class Stats:
 
     def reclaim(self, reason: str) -> None:
         self.reclaimed[reason] = self.reclaimed.get(reason, 0) + 1
+
+
+def group_decisions(groups: dict) -> dict[tuple[str, str, str], int]:
+    """Shadow-demand and KV-fit decision totals of a process's groups."""
+    out: dict[tuple[str, str, str], int] = {}
+    for role, g in groups.items():
+        if getattr(g, "demand", "off") != "off":
+            out[(role, "demand", "agree")] = g.shadow_agree
+            out[(role, "demand", "disagree")] = g.shadow_disagree
+        if getattr(g, "kv_fit", "off") != "off":
+            for result, n in g.kv_counts.items():
+                out[(role, "kv_fit", result)] = n
+    return out
 
 
 def _hist_family(name: str, doc: str, labels: list[str]) -> HistogramMetricFamily:
@@ -203,27 +219,29 @@ class Collector:
             g = groups.get(role)
             policy = getattr(g, "policy", "unknown")
             sel.add_metric([role, "http", model, policy], float(sum(int(snap[t, T.COL_PICKS]) for t in rows)))
-        for role, g in groups.items():
-            if getattr(g, "demand", "off") == "off":
-                continue
-            shadow.add_metric([role, "agree"], float(g.shadow_agree))
-            shadow.add_metric([role, "disagree"], float(g.shadow_disagree))
-            for t, name, r, _ in targets:
-                if r == role:
-                    dreq.add_metric([name], float(snap[t, T.COL_IN_FLIGHT]))
-                    dtok.add_metric([name], float(snap[t, T.COL_IN_FLIGHT_TOKENS]))
         kv = CounterMetricFamily("fastroute_decode_kv_fit_decisions",
                                  "KV-fit placement: shadow agreement with the dispatched pick, and picks "
                                  "where no rank had a known KV capacity (usual policy used)",
                                  labels=["role", "result"])
+        decisions = group_decisions(groups)
+        for s in self.stats:
+            for k, v in getattr(s, "decisions", {}).items():
+                decisions[k] = decisions.get(k, 0) + v
+        for (role, family, result), n in sorted(decisions.items()):
+            (shadow if family == "demand" else kv).add_metric([role, result], float(n))
+        for role, g in groups.items():
+            if getattr(g, "demand", "off") == "off":
+                continue
+            for t, name, r, _ in targets:
+                if r == role:
+                    dreq.add_metric([name], float(snap[t, T.COL_IN_FLIGHT]))
+                    dtok.add_metric([name], float(snap[t, T.COL_IN_FLIGHT_TOKENS]))
         free = GaugeMetricFamily("fastroute_target_kv_free_tokens",
                                  "Estimated free KV tokens of the target (poll + live bookings since)",
                                  labels=["target"])
         for role, g in groups.items():
             if getattr(g, "kv_fit", "off") == "off":
                 continue
-            for result, n in g.kv_counts.items():
-                kv.add_metric([role, result], float(n))
             for t, name, r, _ in targets:
                 if r == role:
                     f = _policy.free_kv(self.table.array, t)

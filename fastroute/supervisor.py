@@ -676,7 +676,7 @@ def _die_with_parent() -> None:
 
 
 async def _child_serve(state_dir: str, slot: int) -> int:
-    from fastroute.metrics import DEFAULT_BUCKETS, Stats
+    from fastroute.metrics import DEFAULT_BUCKETS, Stats, group_decisions
     from fastroute.proxy import App
     from fastroute.routing import Router
     from fastroute.table import TargetTable
@@ -706,6 +706,9 @@ async def _child_serve(state_dir: str, slot: int) -> int:
     report_path = os.path.join(state_dir, f"stats-{slot}.pickle")
 
     def report() -> None:
+        # Policy decision counters live in this process's compiled pickers: carry their
+        # current totals in the report so the supervisor's /metrics includes them.
+        app.stats.decisions = group_decisions(registry._groups)
         doc = {"pid": os.getpid(), "version": registry.version, "ready": registry.ready(),
                "stats": app.stats}
         tmp = f"{report_path}.{os.getpid()}"
