@@ -84,7 +84,8 @@ class _Group:
     def __init__(self, target: int) -> None:
         self.target = target
 
-    def acquire(self, tokens: int = 0, key: bytes | None = None, text: str | None = None) -> _Lease:
+    def acquire(self, tokens: int = 0, key: bytes | None = None, text: str | None = None,
+                out_tokens: int = 0) -> _Lease:
         return _Lease(self.target)
 
 
