@@ -13,6 +13,14 @@ simulated tokens/s, so runs at different ``--time-scale`` compare directly. Bala
 are means over the decode's 100 ms samples inside the measured window: CV = std / mean across
 the 8 ranks of one sample; "busiest batch" = largest running batch of a sample; "KV max/mean" =
 busiest rank's KV tokens over the mean rank's.
+
+``--kv-tight`` is issue 9's scenario: concurrency 192, the input-heavy trace at ~38k input tokens
+per request, each rank's KV (``--max-total-num-tokens``, default 1M) about as large as its share
+of the work, so placements blind to memory park requests in the prealloc queue of unlucky ranks.
+It compares least_requests and demand W=1e6 (both with ``--decode-kv-fit shadow``, whose
+agreement counters are scraped from the router's /metrics) against the same two with KV fit
+on, repeated ``--repeat`` times (a new trace seed per repeat), and reports medians: TTFT and
+TPOT p50/p90, throughput and the prealloc queue per rank.
 """
 from __future__ import annotations
 
@@ -60,6 +68,36 @@ def fastroute_cells(sweep: bool = False) -> list[Cell]:
                           ["--policy", "power_of_two", "--p2c-load-metric", "least_requests",
                            "--decode-input-demand", "on", "--decode-request-weight", str(w)] + base))
     return cells
+
+
+def kv_tight_cells(reserve: int = 0) -> list[Cell]:
+    """least_requests and demand W=1e6, each with KV fit in shadow (counts only) and on."""
+    base = ["--prefill-policy", "round_robin", "--policy", "power_of_two", "--p2c-load-metric", "least_requests"]
+    dem = ["--decode-input-demand", "on", "--decode-request-weight", "1000000"]
+    on = ["--decode-kv-fit", "on", "--decode-kv-reserve-tokens", str(reserve)]
+    shadow = ["--decode-kv-fit", "shadow", "--decode-kv-reserve-tokens", str(reserve)]
+    return [Cell("least_requests", "fastroute", base + shadow),
+            Cell("demand W=1e6", "fastroute", base + dem + shadow),
+            Cell("least_requests + kv-fit", "fastroute", base + on),
+            Cell("demand W=1e6 + kv-fit", "fastroute", base + dem + on)]
+
+
+def parse_kv_fit_metrics(text: str) -> dict[str, float]:
+    """``fastroute_decode_kv_fit_decisions_total{role="decode",result=...}`` -> {result: count}."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("fastroute_decode_kv_fit_decisions") or 'role="decode"' not in line:
+            continue
+        lab, _, val = line.rpartition(" ")
+        i = lab.find('result="')
+        if i < 0:
+            continue
+        res = lab[i + 8:lab.index('"', i + 8)]
+        try:
+            out[res] = float(val)
+        except ValueError:
+            continue
+    return out
 
 
 def _importable(python: str, module: str) -> bool:
@@ -171,6 +209,8 @@ def balance_stats(samples: list[tuple]) -> dict:
     out = np.array([s[3] for s in busy], dtype=float)
     kv = np.array([s[4] for s in busy], dtype=float)
     step = np.array([s[1] for s in busy if s[1] > 0], dtype=float)
+    # Prealloc queue per rank (samples of the KV-model engine carry it as a 6th field).
+    pre = np.array([s[5] for s in busy], dtype=float) if len(busy[0]) > 5 else None
 
     def cv(a: Any) -> float:
         m = a.mean(axis=1)
@@ -185,6 +225,7 @@ def balance_stats(samples: list[tuple]) -> dict:
         "busiest_batch": float(run.max(axis=1).mean()), "mean_batch": float(run.mean()),
         "kv_busiest_over_mean": float((kv.max(axis=1)[ok] / kv_mean[ok]).mean()) if ok.any() else float("nan"),
         "step_ms": float(step.mean()) if len(step) else float("nan"),
+        "prealloc_per_rank": [float(x) for x in pre.mean(axis=0)] if pre is not None else [],
     }
 
 
@@ -204,19 +245,31 @@ async def run_cell(cell: Cell, concurrency: int, cluster: SimCluster, trace: lis
     prefill, decode = cluster.prefills[0], cluster.decodes[0]
     assert prefill.bootstrap_port is not None and decode.decode is not None
     router: Optional[RouterProcess] = None
+    prom = 0
     if cell.router == "direct":
         target = Target("127.0.0.1", decode.port, prefill=("127.0.0.1", prefill.port, prefill.bootstrap_port))
     else:
         port, prom = _free_port(), _free_port()
         cmd = router_command(cell, prefill.url, prefill.bootstrap_port, decode.url, port, prom)
         safe = "".join(ch if ch.isalnum() else "_" for ch in cell.label)
-        router = RouterProcess(cmd, port, os.path.join(out_dir, f"router_{safe}_c{concurrency}.log"))
+        router = RouterProcess(cmd, port, os.path.join(out_dir, f"router_{safe}_c{concurrency}_s{seed}.log"))
         await router.start()
         target = Target("127.0.0.1", port)
     loop = asyncio.get_running_loop()
     wall_offset = time.time() - loop.time()
+    retr0 = decode.decode.retractions
+    kv_fit: dict[str, float] = {}
     try:
         res = await run_load(target, trace, concurrency, duration, warmup, seed=seed, progress=progress)
+        if router is not None and cell.router == "fastroute" and "--decode-kv-fit" in cell.args:
+            try:
+                st, body = await fetch("127.0.0.1", prom, "GET", "/metrics", timeout=5.0)
+                if st == 200:
+                    kv_fit = parse_kv_fit_metrics(body.decode("utf-8", "replace"))
+            except (HttpError, asyncio.TimeoutError, OSError):
+                pass
+            if not kv_fit:
+                print("   router exports no fastroute_decode_kv_fit_decisions counters", file=sys.stderr)
     finally:
         if router is not None:
             await router.stop()
@@ -225,7 +278,8 @@ async def run_cell(cell: Cell, concurrency: int, cluster: SimCluster, trace: lis
     samples = [s for s in decode.decode.samples if t0 <= s[0] <= t1]
     summary = scale_summary(res.summary(), decode.p.time_scale)
     return {"label": cell.label, "router": cell.router, "concurrency": concurrency,
-            "load": summary, "balance": balance_stats(samples), "samples": samples, "t0": t0}
+            "load": summary, "balance": balance_stats(samples), "samples": samples, "t0": t0,
+            "kv_fit": kv_fit, "retractions": decode.decode.retractions - retr0, "args": cell.args}
 
 
 def _f(x: Any, nd: int = 2) -> str:
@@ -259,6 +313,58 @@ def markdown_table(results: list[dict], time_scale: float) -> str:
                 f"{_f(ld['ttft_p50_ms'], 0)} / {_f(ld['ttft_p90_ms'], 0)} | "
                 f"{_f(ld['interactivity_p50'], 1)} / {_f(ld['interactivity_p90'], 1)} | "
                 f"{_f(ld['output_tok_s'], 0)} | {ld['completed']} | {ld['errors']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _median(xs: list) -> Any:
+    xs = sorted(x for x in xs if x is not None and x == x)
+    if not xs:
+        return None
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def kv_markdown_table(results: list[dict], time_scale: float, params: SimParams) -> str:
+    """Issue 9's table: per policy, the median over repeats (each run's value in brackets for
+    the headline numbers), prealloc queue per rank and the kv-fit shadow agreement."""
+    lines = []
+    for conc in sorted({r["concurrency"] for r in results}):
+        rows = [r for r in results if r["concurrency"] == conc]
+        n_rep = len({r.get("repeat", 0) for r in rows})
+        lines.append(f"\n### KV-tight, concurrency {conc}: 1P1D, decode {params.dp_size} DP ranks x "
+                     f"{params.max_total_num_tokens:,} KV tokens, time scale {time_scale:g}, "
+                     f"median of {n_rep} run(s); times in simulated ms\n")
+        lines.append("| policy | TTFT p50 | TTFT p90 (runs) | TPOT p50 | TPOT p90 (runs) | out tok/s (runs) "
+                     "| prealloc waiting per rank (mean) | busiest batch | step ms | retractions "
+                     "| kv-fit shadow agree / disagree | done | err |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        labels = list(dict.fromkeys(r["label"] for r in rows))
+        for label in labels:
+            rr = [r for r in rows if r["label"] == label]
+            ld = [r["load"] for r in rr]
+
+            def med(key: str, src: list = ld) -> Any:
+                return _median([x.get(key) for x in src])
+
+            def runs(key: str, nd: int) -> str:
+                return " (" + ", ".join(_f(x[key], nd) for x in ld) + ")" if len(ld) > 1 else ""
+
+            pre = [r["balance"].get("prealloc_per_rank") or [] for r in rr]
+            pre_med = [_median([p[k] for p in pre if len(p) > k]) for k in range(max(map(len, pre), default=0))]
+            kvs = [r.get("kv_fit") or {} for r in rr]
+            agree = sum(k.get("agree", 0) for k in kvs)
+            dis = sum(k.get("disagree", 0) for k in kvs)
+            shadow = (f"{agree:.0f} / {dis:.0f} ({100 * agree / (agree + dis):.0f}% agree)"
+                      if "shadow" in rr[0].get("args", []) and agree + dis > 0 else "-")
+            lines.append(
+                f"| {label} | {_f(med('ttft_p50_ms'), 0)} | {_f(med('ttft_p90_ms'), 0)}{runs('ttft_p90_ms', 0)} | "
+                f"{_f(med('tpot_p50_ms'), 1)} | {_f(med('tpot_p90_ms'), 1)}{runs('tpot_p90_ms', 1)} | "
+                f"{_f(med('output_tok_s'), 0)}{runs('output_tok_s', 0)} | "
+                f"{' '.join(_f(x, 1) for x in pre_med) or '-'} | "
+                f"{_f(_median([r['balance'].get('busiest_batch') for r in rr]), 1)} | "
+                f"{_f(_median([r['balance'].get('step_ms') for r in rr]), 1)} | "
+                f"{sum(r.get('retractions', 0) for r in rr)} | {shadow} | "
+                f"{sum(x['completed'] for x in ld)} | {sum(x['errors'] for x in ld)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -298,34 +404,45 @@ def write_plots(results: list[dict], out_dir: str) -> list[str]:
 
 async def run_matrix(cells: list[Cell], concurrencies: list[int], duration: float, warmup: float,
                      params: SimParams, out_dir: str, seed: int = 0, progress: bool = True,
-                     prefill_params: Optional[SimParams] = None) -> list[dict]:
-    """Start the simulators, run every (concurrency, cell) point, return the results."""
+                     prefill_params: Optional[SimParams] = None, repeat: int = 1,
+                     trace_kwargs: Optional[dict] = None) -> list[dict]:
+    """Start the simulators, run every (repeat, concurrency, cell) point, return the results.
+
+    Repeats are interleaved (every cell once, then again) so a noisy neighbour on the machine
+    hurts all cells alike; repeat k replays the trace of seed ``seed + k``."""
     os.makedirs(out_dir, exist_ok=True)
-    trace = synthetic_trace(seed=seed)
     cluster = await start_cluster(1, 1, params, prefill_params)
     results = []
     try:
-        for conc in concurrencies:
-            for cell in cells:
-                print(f"== {cell.label} @ C={conc}", file=sys.stderr, flush=True)
-                try:
-                    r = await run_cell(cell, conc, cluster, trace, duration, warmup, out_dir, seed, progress)
-                except RuntimeError as exc:
-                    print(f"   skipped: {exc}", file=sys.stderr, flush=True)
-                    continue
-                ld = r["load"]
-                print(f"   done={ld['completed']} err={ld['errors']} outstanding CV="
-                      f"{_f(r['balance'].get('outstanding_cv'))} TPOT p50={_f(ld['tpot_p50_ms'], 1)} ms",
-                      file=sys.stderr, flush=True)
-                results.append(r)
+        for rep in range(repeat):
+            trace = synthetic_trace(seed=seed + rep, **(trace_kwargs or {}))
+            for conc in concurrencies:
+                for cell in cells:
+                    print(f"== {cell.label} @ C={conc}" + (f" (run {rep + 1}/{repeat})" if repeat > 1 else ""),
+                          file=sys.stderr, flush=True)
+                    try:
+                        r = await run_cell(cell, conc, cluster, trace, duration, warmup, out_dir, seed + rep,
+                                           progress)
+                    except RuntimeError as exc:
+                        print(f"   skipped: {exc}", file=sys.stderr, flush=True)
+                        continue
+                    r["repeat"] = rep
+                    ld = r["load"]
+                    print(f"   done={ld['completed']} err={ld['errors']} outstanding CV="
+                          f"{_f(r['balance'].get('outstanding_cv'))} TTFT p90={_f(ld['ttft_p90_ms'], 0)} ms "
+                          f"TPOT p90={_f(ld['tpot_p90_ms'], 1)} ms out tok/s={_f(ld['output_tok_s'], 0)}",
+                          file=sys.stderr, flush=True)
+                    results.append(r)
     finally:
         await cluster.stop()
     return results
 
 
-def write_outputs(results: list[dict], out_dir: str, time_scale: float) -> str:
+def write_outputs(results: list[dict], out_dir: str, time_scale: float,
+                  kv_params: Optional[SimParams] = None) -> str:
     os.makedirs(out_dir, exist_ok=True)
-    table = markdown_table(results, time_scale)
+    table = markdown_table(results, time_scale) if kv_params is None else kv_markdown_table(
+        results, time_scale, kv_params)
     with open(os.path.join(out_dir, "balance.md"), "w") as fh:
         fh.write(table)
     with open(os.path.join(out_dir, "balance.json"), "w") as fh:
@@ -362,22 +479,49 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="interpreter with sglang-router installed (default: this one)")
     ap.add_argument("--smg-python", default=sys.executable, help="interpreter with smg installed (default: this one)")
     ap.add_argument("--only", nargs="*", help="run only cells whose label contains one of these strings")
+    kv = ap.add_argument_group("KV-tight scenario (issue 9)")
+    kv.add_argument("--kv-tight", action="store_true",
+                    help="least_requests / demand W=1e6 with --decode-kv-fit shadow vs on, concurrency 192, "
+                         "~38k-token inputs, 1M KV tokens per rank (override with the flags below)")
+    kv.add_argument("--repeat", type=int, default=1, help="runs of every cell, interleaved; tables quote medians")
+    kv.add_argument("--input-mean", type=float, default=None, help="trace input mean (default 30000; 38000 "
+                    "with --kv-tight)")
+    kv.add_argument("--max-total-num-tokens", type=int, default=None,
+                    help="decode KV capacity per rank (default 1,500,000; 1,000,000 with --kv-tight)")
+    kv.add_argument("--kv-reserve", type=int, default=0, help="--decode-kv-reserve-tokens for the kv-fit cells")
+    kv.add_argument("--retract", action="store_true", help="simulated decode over-commits output KV and retracts")
+    kv.add_argument("--reserved-decode-tokens", type=int, default=SimParams.reserved_decode_tokens)
+    kv.add_argument("--kv-transfer-tokens-per-s", type=float, default=0.0,
+                    help="simulated prefill->decode KV bandwidth (0 = instant)")
+    kv.add_argument("--kv-transfer-scope", choices=("server", "rank"), default="server")
+    kv.add_argument("--slow-rank", type=int, default=-1)
+    kv.add_argument("--slow-factor", type=float, default=1.0)
     add_common_flags(ap, duration=30.0, warmup=10.0, time_scale=0.25)
     ns = ap.parse_args(argv)
-    cells = ([] if ns.no_direct else [Cell("no router (decode round-robin)", "direct")])
-    cells += fastroute_cells(ns.sweep) + ([] if ns.no_peers else peer_cells(ns.sglang_router_python,
-                                                                              ns.smg_python))
+    if ns.kv_tight:
+        cells = kv_tight_cells(ns.kv_reserve)
+        if ns.concurrency == [64, 192]:
+            ns.concurrency = [192]
+    else:
+        cells = ([] if ns.no_direct else [Cell("no router (decode round-robin)", "direct")])
+        cells += fastroute_cells(ns.sweep) + ([] if ns.no_peers else peer_cells(ns.sglang_router_python,
+                                                                                  ns.smg_python))
     if ns.only:
         cells = [c for c in cells if any(o in c.label for o in ns.only)]
-    params = SimParams(dp_size=ns.dp_size, time_scale=ns.time_scale)
+    cap = ns.max_total_num_tokens or (1_000_000 if ns.kv_tight else SimParams.max_total_num_tokens)
+    params = SimParams(dp_size=ns.dp_size, time_scale=ns.time_scale, max_total_num_tokens=cap,
+                       retract=ns.retract, reserved_decode_tokens=ns.reserved_decode_tokens,
+                       kv_transfer_tokens_per_s=ns.kv_transfer_tokens_per_s,
+                       kv_transfer_scope=ns.kv_transfer_scope, slow_rank=ns.slow_rank, slow_factor=ns.slow_factor)
+    input_mean = ns.input_mean or (38_000.0 if ns.kv_tight else 30_000.0)
 
     async def go() -> list[dict]:
         return await run_matrix(cells, ns.concurrency, ns.duration, ns.warmup, params, ns.out, ns.seed,
-                                not ns.quiet)
+                                not ns.quiet, repeat=ns.repeat, trace_kwargs={"input_mean": input_mean})
 
     import uvloop
     results = uvloop.run(go())
-    print(write_outputs(results, ns.out, ns.time_scale))
+    print(write_outputs(results, ns.out, ns.time_scale, params if ns.kv_tight else None))
     print(f"wrote {ns.out}/balance.md, balance.json and outstanding_c*.png", file=sys.stderr)
     bad = failed_cells(results)
     if bad:
