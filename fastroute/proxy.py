@@ -45,7 +45,7 @@ from fastroute import errors as _errors
 from fastroute.admission import Admission
 from fastroute.breaker import NEUTRAL_STATUSES, Breakers
 from fastroute.errors import RouterError
-from fastroute.upstream import Pool
+from fastroute.upstream import ConnectError, Pool
 
 log = logging.getLogger("fastroute.proxy")
 
@@ -128,15 +128,6 @@ _LEAK_EVERY = 5.0             # seconds between passes of the lease safety net
 _LEAK_SLACK = 5.0             # grace past request_timeout_secs before a booking counts as leaked
 _PD_BUFFER_LIMIT = 1 << 20    # decode bytes buffered while the prefill finishes
 _ERROR_BODY_LIMIT = 1 << 16   # bytes of a failed leg's body kept for the error message
-
-
-def _never_connected(conn: Any) -> bool:
-    """The upstream connection failed before TCP connected (its transport is set on connect).
-
-    Only then is the request known not to have reached the worker, so only then
-    is a transport failure retried.
-    """
-    return conn is not None and getattr(conn, "transport", False) is None
 
 
 def _new_request_id(path: bytes) -> bytes:
@@ -1221,7 +1212,7 @@ class Relay(_Exchange):
             br.failure(self.target)  # connect error, reset, or a stream cut short
         # Only a connect failure proves the worker never saw the request; a
         # connection that died later may have run it, so that is not retried.
-        if _never_connected(conn):
+        if isinstance(exc, ConnectError):
             if self.can_retry():
                 self.retry_later("regular")
                 return
@@ -1303,7 +1294,7 @@ class _PDLeg:
         conn = self.conn
         self.conn = None
         # A connect failure proves this leg's worker never saw the request.
-        self.ex.leg_failed(self, exc, _never_connected(conn))
+        self.ex.leg_failed(self, exc, isinstance(exc, ConnectError))
 
     def body(self) -> bytes:
         return b"".join(self.chunks)

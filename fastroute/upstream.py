@@ -57,6 +57,10 @@ class UpstreamError(ConnectionError):
     """The upstream connection failed before the response completed."""
 
 
+class ConnectError(UpstreamError):
+    """TCP connect to the worker failed: the request never reached it (safe to retry)."""
+
+
 class UpstreamConnection(asyncio.Protocol):
     """One TCP connection to a worker; parses responses with httptools."""
 
@@ -270,7 +274,7 @@ class Pool:
             leg = conn.leg
             conn.leg = None
             if leg is not None:
-                leg.up_error(UpstreamError("connect to %s:%s failed: %s" % (self.host, self.port, exc)))
+                leg.up_error(ConnectError("connect to %s:%s failed: %s" % (self.host, self.port, exc)))
         finally:
             conn.connect_task = None
 
