@@ -283,8 +283,13 @@ class _ClientProto(asyncio.Protocol):
 
 
 def _consume(fut: Optional[asyncio.Future]) -> None:
-    """Mark a finished future's exception as retrieved (the caller is raising something else)."""
-    if fut is not None and fut.done() and not fut.cancelled():
+    """Settle a future the caller will not await: read its exception if it failed (the caller is
+    raising something else), cancel it if still pending (connection_lost then skips it)."""
+    if fut is None:
+        return
+    if not fut.done():
+        fut.cancel()
+    elif not fut.cancelled():
         fut.exception()
 
 
@@ -312,7 +317,10 @@ class HttpConnection:
                       on_chunk: Optional[Callable[[bytes], None]] = None,
                       on_head: Optional[Callable[[int], None]] = None) -> tuple[int, dict[bytes, bytes], bytes]:
         proto = self._proto
-        if proto is None or proto.lost or not proto.keep_alive:
+        # A transport already closing (the server's FIN was read, connection_lost not yet
+        # delivered) cannot carry a request: reconnect rather than write into it.
+        if proto is None or proto.lost or not proto.keep_alive or proto.transport is None \
+                or proto.transport.is_closing():
             if proto is not None and proto.transport is not None:
                 proto.transport.close()
             proto = self._proto = await self._connect()
@@ -328,19 +336,19 @@ class HttpConnection:
         head = (f"{method} {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
                 f"content-type: application/json\r\ncontent-length: {len(body)}\r\n{extra}\r\n").encode()
         assert proto.transport is not None
-        proto.transport.write(head + body if len(body) < 65536 else head)
-        if len(body) >= 65536:
-            proto.transport.write(body)
         try:
+            proto.transport.write(head + body if len(body) < 65536 else head)
+            if len(body) >= 65536:
+                proto.transport.write(body)
             if on_head is not None:
                 on_head(await proto.head_done)
             await proto.complete
         except BaseException:
             # Cancelled or failed mid-response: this connection's state is unknown, drop it.
-            # A future may hold an error nobody will await: the connection was lost in the same
-            # loop turn as this task's cancellation (the task wakes with CancelledError and never
-            # reads the future), or the head failed and ``complete`` failed with it. Read those
-            # errors here, or asyncio prints "Future exception was never retrieved" at exit.
+            # A future may hold an error nobody will await: the head failed and ``complete``
+            # failed with it, or the write raised and the connection was lost afterwards (then
+            # ``complete`` fails later: cancel it now). Read those errors here, or asyncio
+            # prints "Future exception was never retrieved" when they are collected.
             _consume(proto.head_done)
             _consume(proto.complete)
             self.close()

@@ -203,6 +203,25 @@ def test_connection_lost_before_the_head_leaves_no_unretrieved_error() -> None:
     assert not [e for e in errors if e and "never retrieved" in e], errors
 
 
+def test_keep_alive_connection_closing_under_the_client_is_replaced() -> None:
+    """The transport is closing (e.g. the server's FIN was just read) but connection_lost has
+    not run yet: the next request must go out on a fresh connection, not into the closing one."""
+    async def scenario() -> None:
+        d = SimWorker("regular", SimParams(dp_size=1, time_scale=0.01))
+        await d.start()
+        try:
+            conn = HttpConnection(H, d.port)
+            assert (await conn.request("GET", "/health"))[0] == 200
+            conn._proto.transport.close()  # closing; its connection_lost is only scheduled
+            # awaited directly (no wait_for task): the request starts before connection_lost runs
+            status, _, _ = await conn.request("GET", "/health")
+            assert status == 200
+            conn.close()
+        finally:
+            await d.stop()
+    run(scenario())
+
+
 def test_streaming_formats_and_openai_client() -> None:
     async def scenario() -> tuple[int, list[bytes], int]:
         d = SimWorker("regular", SimParams(dp_size=2, time_scale=0.01))
