@@ -86,7 +86,9 @@ def parse_kv_fit_metrics(text: str) -> dict[str, float]:
     """``fastroute_decode_kv_fit_decisions_total{role="decode",result=...}`` -> {result: count}."""
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if not line.startswith("fastroute_decode_kv_fit_decisions") or 'role="decode"' not in line:
+        # the counter's samples only (not its _created timestamps)
+        if not line.startswith(("fastroute_decode_kv_fit_decisions_total{", "fastroute_decode_kv_fit_decisions{")) \
+                or 'role="decode"' not in line:
             continue
         lab, _, val = line.rpartition(" ")
         i = lab.find('result="')

@@ -10,7 +10,8 @@ import math
 
 import pytest
 
-from fastroute.sim.balance import balance_stats, fastroute_cells, markdown_table
+from fastroute.sim.balance import (balance_stats, fastroute_cells, kv_markdown_table, kv_tight_cells,
+                                   markdown_table, parse_kv_fit_metrics)
 from fastroute.sim.loadgen import (ReqRecord, TraceItem, _SSECounter, encode_request, load_trace,
                                    synthetic_trace)
 from fastroute.sim.worker import (LOAD_SECTIONS, BadRequest, DecodeEngine, DecodeReq, Rendezvous, SimParams,
@@ -447,3 +448,53 @@ def test_worker_cli_flags_for_the_kv_model() -> None:
     assert params_from_args(ap.parse_args([])).retract is False
     with pytest.raises(SystemExit):
         ap.parse_args(["--kv-transfer-scope", "rack"])
+
+
+# -- KV-tight benchmark pieces ----------------------------------------------------------------
+
+def test_balance_stats_prealloc_per_rank() -> None:
+    a = (0.0, 40.0, (4, 4), (5, 5), (100, 100), (0, 3))
+    b = (0.1, 40.0, (4, 4), (5, 5), (100, 100), (2, 1))
+    assert balance_stats([a, b])["prealloc_per_rank"] == [1.0, 2.0]
+    assert balance_stats([a[:5], b[:5]])["prealloc_per_rank"] == []  # older 5-field samples
+
+
+def test_kv_fit_counters_are_parsed_from_router_metrics() -> None:
+    text = ('# HELP fastroute_decode_kv_fit_decisions_total KV-fit placement\n'
+            '# TYPE fastroute_decode_kv_fit_decisions_total counter\n'
+            'fastroute_decode_kv_fit_decisions_total{role="decode",result="agree"} 120.0\n'
+            'fastroute_decode_kv_fit_decisions_total{role="decode",result="disagree"} 30.0\n'
+            'fastroute_decode_kv_fit_decisions_total{role="prefill",result="agree"} 999.0\n'
+            'fastroute_decode_kv_fit_decisions_created{role="decode",result="agree"} 1.7e9\n'
+            'fastroute_target_kv_free_tokens{target="x@0"} 5.0\n')
+    got = parse_kv_fit_metrics(text)
+    assert got["agree"] == 120.0 and got["disagree"] == 30.0
+    assert parse_kv_fit_metrics("") == {}
+
+
+def test_kv_tight_cells_and_table() -> None:
+    cells = kv_tight_cells(reserve=500)
+    assert [c.label for c in cells] == ["least_requests", "demand W=1e6", "least_requests + kv-fit",
+                                        "demand W=1e6 + kv-fit"]
+    for c in cells:
+        mode = c.args[c.args.index("--decode-kv-fit") + 1]
+        assert mode == ("on" if "kv-fit" in c.label else "shadow")
+        assert c.args[c.args.index("--decode-kv-reserve-tokens") + 1] == "500"
+        assert ("--decode-input-demand" in c.args) == c.label.startswith("demand")
+
+    def res(label: str, rep: int, ttft90: float, args: list) -> dict:
+        load = {k: 10.0 for k in ("ttft_p50_ms", "tpot_p50_ms", "tpot_p90_ms", "output_tok_s")}
+        load.update(ttft_p90_ms=ttft90, completed=5, errors=0)
+        return {"label": label, "concurrency": 192, "repeat": rep, "load": load, "args": args,
+                "balance": {"prealloc_per_rank": [float(rep), 0.0], "busiest_batch": 24.0, "step_ms": 80.0},
+                "kv_fit": {"agree": 3.0, "disagree": 1.0}, "retractions": 0}
+
+    rows = [res("least_requests", k, t, cells[0].args) for k, t in enumerate((300.0, 100.0, 200.0))]
+    rows.append(res("least_requests + kv-fit", 0, 50.0, cells[2].args))
+    md = kv_markdown_table(rows, 0.5, SimParams(dp_size=2, max_total_num_tokens=1_000_000))
+    lr = [ln for ln in md.splitlines() if ln.startswith("| least_requests |")][0]
+    assert "| 200 (300, 100, 200) |" in lr  # median of the runs, then each run
+    assert "| 1.0 0.0 |" in lr and "9 / 3 (75% agree)" in lr and lr.endswith("| 15 | 0 |")
+    on = [ln for ln in md.splitlines() if ln.startswith("| least_requests + kv-fit |")][0]
+    assert "| 50 |" in on and "agree" not in on  # no shadow counters when kv-fit is on
+    assert "median of 3 run(s)" in md and "1,000,000 KV tokens" in md
