@@ -744,7 +744,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def on_term(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
+    # SIGTERM and SIGINT both unwind through the finally below. SIGINT is installed explicitly
+    # because a shell starting us in the background hands it down as "ignored".
     old = signal.signal(signal.SIGTERM, on_term)
+    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         be = Backends(regular=[free_port(), free_port()], prefill=free_port(),
                       decode=free_port(), bootstrap=free_port())
@@ -766,6 +769,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         procs.stop_all()
         signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGINT, old_int)
     report = render_report(cmdline, s, results, versions, notes, commands, tmp)
     print(report)
     out = Path(args.out)
