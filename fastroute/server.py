@@ -137,10 +137,13 @@ async def _stop_metrics(handle: Any) -> None:
             return
 
 
-async def serve(config: Any) -> int:
-    """Run until SIGTERM/SIGINT, then drain; returns the exit status."""
+async def serve(config: Any, factory: Any = None) -> int:
+    """Run until SIGTERM/SIGINT, then drain; returns the exit status.
+
+    ``factory`` builds what runs (``Server`` by default; the supervisor passes its own class):
+    anything with ``start()`` and ``stop()``."""
     loop = asyncio.get_running_loop()
-    server = Server(config)
+    server = (factory or Server)(config)
     await server.start()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -59,7 +59,7 @@ from fastroute import _ledger, httpclient
 from fastroute.httpclient import HttpClientError
 from fastroute.table import (COL_ALLOCATED, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS,
                              HDR_GENERATION, NHDR)
-from fastroute.workers import Registry, Worker
+from fastroute.workers import Registry, Worker, _header
 
 log = logging.getLogger("fastroute.supervisor")
 
@@ -237,17 +237,6 @@ class FollowerRegistry(Registry):
         ctype = httpclient.header(rhdrs, "content-type") or "application/json"
         return status, rbody, ctype.encode("latin-1")
 
-
-def _header(headers: Any, name: str) -> str | None:
-    if headers is None:
-        return None
-    items = headers.items() if hasattr(headers, "items") else headers
-    for k, v in items:
-        if isinstance(k, bytes):
-            k = k.decode("latin-1")
-        if k.lower() == name:
-            return v.decode("latin-1") if isinstance(v, bytes) else v
-    return None
 
 
 # ---------------------------------------------------------------------------------- stats
@@ -643,17 +632,9 @@ class Supervisor:
 
 async def serve(config: Any) -> int:
     """Supervise until SIGTERM/SIGINT, then drain every proxy process; returns the exit status."""
-    loop = asyncio.get_running_loop()
-    sup = Supervisor(config)
-    await sup.start()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutdown: draining %d proxy processes (grace %ss)", sup.n,
-             config.shutdown_grace_period_secs)
-    await sup.stop()
-    return 0
+    from fastroute.server import serve as serve_with
+
+    return await serve_with(config, Supervisor)
 
 
 def run(config: Any) -> int:
