@@ -53,6 +53,17 @@ def _nodelay(transport: asyncio.BaseTransport) -> None:
             pass
 
 
+def _length_known(status: int, headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a response head delimits its body (else EOF ends it, RFC 9112 6.3)."""
+    if status < 200 or status in (204, 304):
+        return True
+    for name, value in headers:
+        n = name.lower()
+        if n == b"content-length" or (n == b"transfer-encoding" and b"chunked" in value.lower()):
+            return True
+    return False
+
+
 class UpstreamError(ConnectionError):
     """The upstream connection failed before the response completed."""
 
@@ -66,7 +77,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     __slots__ = (
         "pool", "transport", "parser", "leg", "request", "reused", "got_bytes",
-        "headers", "head_done", "length_known", "keep_alive", "closed",
+        "headers", "head_done", "status", "keep_alive", "closed",
         "idle_since", "connect_task", "paused",
     )
 
@@ -80,7 +91,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.got_bytes = False
         self.headers: list[tuple[bytes, bytes]] = []
         self.head_done = False
-        self.length_known = False
+        self.status = 0
         self.keep_alive = True
         self.closed = False
         self.idle_since = 0.0
@@ -123,7 +134,7 @@ class UpstreamConnection(asyncio.Protocol):
         if leg is None:
             return
         self.leg = None
-        if self.head_done and not self.length_known:
+        if self.head_done and not _length_known(self.status, self.headers):
             # Close-delimited body (no Content-Length, not chunked): EOF ends it.
             leg.up_done()
             return
@@ -143,15 +154,9 @@ class UpstreamConnection(asyncio.Protocol):
         self.head_done = True
         p = self.parser
         self.keep_alive = p.should_keep_alive()
-        status = p.get_status_code()
-        length_known = status < 200 or status in (204, 304)
-        if not length_known:
-            for name, value in self.headers:
-                n = name.lower()
-                if n == b"content-length" or (n == b"transfer-encoding" and b"chunked" in value.lower()):
-                    length_known = True
-                    break
-        self.length_known = length_known
+        # How the body is delimited only matters if the connection dies
+        # mid-body (connection_lost), so the headers are not scanned here.
+        status = self.status = p.get_status_code()
         leg = self.leg
         if leg is not None:
             leg.up_head(status, self.headers)
@@ -284,7 +289,8 @@ class Pool:
         if self.closed:
             conn.abort()
             return
-        conn.resume()  # a finished response may have been paused by a slow client
+        if conn.paused:
+            conn.resume()  # a finished response may have been paused by a slow client
         conn.reused = False
         conn.idle_since = self.loop.time()
         self.idle.append(conn)
