@@ -68,6 +68,7 @@ __all__ = [
     "estimate_tokens",
     "inject",
     "inject_parts",
+    "splice_parts",
     "draw_room",
     "pd_fields",
     "pd_leg_fields",
@@ -432,6 +433,18 @@ def inject_parts(body: bytes, fields: bytes) -> tuple[memoryview, bytes, memoryv
     return view[:end], (fields if empty else b"," + fields), view[end:]
 
 
+def splice_parts(body: bytes) -> tuple[memoryview, bytes, memoryview]:
+    """(head, separator, tail): ``head + separator + fields + tail`` is ``inject(body, fields)``.
+
+    For a caller that frames several legs from one body (PD: same scan, one
+    copy per leg, made by the framing itself). ``head`` and ``tail`` are views
+    of ``body``; ``separator`` is ``b","``, or ``b""`` for an empty object.
+    """
+    end, empty = _object_bounds(body)
+    view = memoryview(body)
+    return view[:end], (b"" if empty else b","), view[end:]
+
+
 def inject(body: bytes, fields: bytes) -> bytes:
     """Splice pre-encoded ``"k":v[,"k2":v2]`` pairs into the top-level object.
 
@@ -490,8 +503,12 @@ def _field_key(field: str) -> bytes:
     return json.dumps(field).encode() + b":"
 
 
+@lru_cache(maxsize=4096)
 def rank_field_bytes(field: str, rank: int) -> bytes:
-    """``"<field>":<rank>``, e.g. ``"data_parallel_rank":3`` for regular --dp-aware."""
+    """``"<field>":<rank>``, e.g. ``"data_parallel_rank":3`` for regular --dp-aware.
+
+    Cached: (field, rank) pairs are few (one per target) and asked per request.
+    """
     return _field_key(field) + str(int(rank)).encode()
 
 

@@ -530,6 +530,20 @@ class App:
         return b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b%b\r\n%b" % (
             req.url, pool.authority, len(body), req.fwd, auth, body)
 
+    def _frame_injected(self, pool: Pool, req: Request, head: Any, sep: bytes, fields: bytes,
+                        tail: Any) -> bytes:
+        """_frame of the body with ``fields`` injected (parts from body.splice_parts).
+
+        The framing is the only copy of the client body per leg (no injected
+        body is built first).
+        """
+        auth = pool.auth
+        if not auth and req.auth is not None:
+            auth = b"Authorization: " + req.auth + b"\r\n"
+        return b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b%b\r\n%b%b%b%b" % (
+            req.url, pool.authority, len(head) + len(sep) + len(fields) + len(tail), req.fwd, auth,
+            head, sep, fields, tail)
+
     def _acquire(self, group: Any, meta: Any, req: Request) -> Any:
         text = meta.routing_text() if group.policy == "cache_aware" else None
         # out_tokens only matters to KV-fit placement (the decode group); 0 when not given.
@@ -1167,11 +1181,13 @@ class Relay(_Exchange):
         try:
             worker, rank = registry.target_info[lease.target]
             req = self.req
-            body = req.body
-            if rank is not None and app.dp_aware:
-                body = _body.inject(body, _body.rank_field_bytes(app.rank_field_regular, rank))
             pool = app.pool_for(worker)
-            pool.send(app._frame(pool, req, body), self)
+            if rank is not None and app.dp_aware:
+                head, sep, tail = _body.splice_parts(req.body)
+                pool.send(app._frame_injected(pool, req, head, sep, _body.rank_field_bytes(
+                    app.rank_field_regular, rank), tail), self)
+            else:
+                pool.send(app._frame(pool, req, req.body), self)
         except BaseException:
             self.fail_internal()
             raise
@@ -1312,6 +1328,26 @@ class _PDLeg:
         self.ex.flush()
 
 
+class _NoLeg:
+    """Stand-in for the legs of a PD exchange before its first attempt (shared, never mutated)."""
+
+    __slots__ = ()
+    conn = None
+    role = "prefill"
+    target = -1
+    status = 0
+    headers: list = []
+    chunks: list = []
+    size = 0
+    done = False
+
+    def body(self) -> bytes:
+        return b""
+
+
+_NO_LEG: Any = _NoLeg()
+
+
 class PDRelay(_Exchange):
     """PD mode (protocol.md 3.5): both heads, decode status first, drain prefill, relay decode."""
 
@@ -1320,8 +1356,9 @@ class PDRelay(_Exchange):
     def __init__(self, app: App, proto: ClientProtocol, req: Request, path: bytes,
                  meta: Any) -> None:
         super().__init__(app, proto, req, path, meta)
-        self.p = _PDLeg(self, "prefill")
-        self.d = _PDLeg(self, "decode")
+        # attempt() makes the real legs; until then both point at an inert leg
+        # (no connection, no status) so every path that reads them stays valid.
+        self.p = self.d = _NO_LEG
         self.stream = bool(meta.stream)
         self.merge = bool(meta.return_logprob)
         self.relaying = False
@@ -1356,13 +1393,13 @@ class PDRelay(_Exchange):
                 meta, pworker.host, pworker.bootstrap_port, app.room_rng,
                 app.rank_field_decode if drank is not None else None, drank,
                 int(pworker.dp_size) if prank is not None else 1, prank)
-            pbody = _body.inject(req.body, pfields)
-            dbody = pbody if dfields is pfields else _body.inject(req.body, dfields)
+            # One scan of the client body for both legs.
+            head, sep, tail = _body.splice_parts(req.body)
             ppool = app.pool_for(pworker)
             dpool = app.pool_for(dworker)
             # Both legs leave in the same loop iteration (3.4: concurrent dispatch).
-            ppool.send(app._frame(ppool, req, pbody), p)
-            dpool.send(app._frame(dpool, req, dbody), d)
+            ppool.send(app._frame_injected(ppool, req, head, sep, pfields, tail), p)
+            dpool.send(app._frame_injected(dpool, req, head, sep, dfields, tail), d)
         except BaseException:
             self.fail_internal()
             raise
@@ -1497,6 +1534,6 @@ class PDRelay(_Exchange):
     def _abort_legs(self) -> None:
         for leg in (self.p, self.d):
             c = leg.conn
-            leg.conn = None
-            if c is not None:
+            if c is not None:  # (never true for _NO_LEG, which must stay unmodified)
+                leg.conn = None
                 c.abort()
