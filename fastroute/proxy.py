@@ -582,6 +582,7 @@ class ClientProtocol(asyncio.Protocol):
         self.loop = app.loop
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
+        self._flags = app.header_flags   # lower-cased name -> _F_* bits (fixed per App)
         self.closed = False
         self.busy = False                 # a response is in progress
         self.queue: list[Request] = []    # pipelined requests waiting for their turn
@@ -684,16 +685,24 @@ class ClientProtocol(asyncio.Protocol):
             return
         # httptools has no limit of its own on the head; without one a client
         # could make us buffer headers forever.
-        self._head_size += len(name) + len(value) + 4
-        if self._head_size > _HEAD_LIMIT:
+        size = self._head_size + len(name) + len(value) + 4
+        self._head_size = size
+        if size > _HEAD_LIMIT:
             self._head_too_large()
             return
         req.headers.append((name, value))
         n = name.lower()
-        f = self.app.header_flags.get(n)
+        f = self._flags.get(n)
         if f is None:
-            if n.startswith(b"x-request-id-"):
+            # len() first: most unflagged names are shorter than the prefix.
+            if len(n) > 13 and n.startswith(b"x-request-id-"):
                 self._fwd.append(name + b": " + value + b"\r\n")
+            return
+        if f == _F_CL:  # the one flagged header of nearly every request
+            try:
+                self._cl = int(value)
+            except ValueError:
+                self._cl = -1
             return
         if f & _F_FWD:
             self._fwd.append(name + b": " + value + b"\r\n")
