@@ -359,12 +359,15 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
         help="Proxy processes sharing the port and one in-flight ledger; auto = one per CPU "
              "(default: %(default)s).")
     add("--decode-kv-fit", choices=DEMAND_MODES, default=d("decode_kv_fit"),
-        help="Reserved for KV-fit decode placement: off, shadow or on "
-             "(default: %(default)s).")
+        help="KV-fit decode placement: narrow the decode candidates to the ranks whose "
+             "estimated free KV (last /v1/loads poll + the router's bookings since) holds this "
+             "request's input + max_new_tokens + the reserve, then apply the decode policy (or the "
+             "demand cost); no rank fits: the one with the most free KV. 'shadow' dispatches the "
+             "usual pick and counts agreement (default: %(default)s).")
     add("--decode-kv-reserve-tokens", type=int, default=d("decode_kv_reserve_tokens"),
         metavar="TOKENS",
-        help="KV tokens held back per decode target by --decode-kv-fit "
-             "(default: %(default)s).")
+        help="Extra KV tokens a request must leave free on its rank under --decode-kv-fit, "
+             "on top of its input and max_new_tokens (default: %(default)s).")
 
     add.section(
         "Ignored for compatibility",
