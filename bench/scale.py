@@ -36,8 +36,8 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from overhead import (CLK_TCK, JSON_BODY, JSON_PATH, SSE_BODY, SSE_PATH, Backends,  # noqa: E402
-                      Procs, free_port, parse_wrk, tree_cpu_ticks, wait_ready, write_lua,
-                      write_nginx)
+                      Procs, detect_peer, free_port, parse_wrk, router_commands,
+                      tree_cpu_ticks, wait_ready, write_lua, write_nginx)
 
 
 def router_argv(mode: str, be: Backends, processes: int, port: int, mport: int) -> list[str]:
@@ -88,6 +88,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--connections", type=int, default=256)
     ap.add_argument("--kinds", nargs="+", default=["json", "sse"], choices=["json", "sse"])
     ap.add_argument("--out", default="", help="also write the markdown table here")
+    ap.add_argument("--smg-python", default=None,
+                    help="interpreter with smg installed, measured in the same rounds (default: "
+                         "auto-detect like bench/overhead.py; skipped when absent)")
     return ap.parse_args(argv)
 
 
@@ -114,13 +117,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise RuntimeError(f"nginx not serving on {port}: {err}")
         luas = {"json": write_lua(tmp, "json", JSON_PATH, JSON_BODY),
                 "sse": write_lua(tmp, "sse", SSE_PATH, SSE_BODY)}
+        smg_py, smg_info = detect_peer("smg", args.smg_python)
+        print(smg_info, flush=True)
         for mode in args.modes:
-            routers: dict[int, tuple[int, Any]] = {}
+            # Keyed by label: the process counts, and "smg" when installed (same rounds).
+            routers: dict[Any, tuple[int, Any]] = {}
             for n in args.processes:
                 port = free_port()
                 argv = router_argv(mode, be, n, port, free_port())
                 commands.append(shlex.join(argv))
                 routers[n] = (port, procs.start(f"{mode}-w{n}", argv, env, cwd=REPO))
+            if smg_py:
+                peer = next(r for r in router_commands(mode, be, {"smg": smg_py}) if r.name == "smg")
+                commands.append(shlex.join(peer.argv))
+                routers["smg"] = (peer.port, procs.start(f"{mode}-wsmg", peer.argv, peer.env))
             for n, (port, p) in routers.items():
                 err = wait_ready(port, p)
                 if err:
@@ -139,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         print(f"  {mode:7s} workers={n} {kind:4s} {m['rps']:8.0f} req/s  "
                               f"router={m['router_cores']:.2f} nginx={m['nginx_cores']:.2f} "
                               f"wrk={m['wrk_cores']:.2f} cores  errors={m['errors']}", flush=True)
-            for (n, kind), ms in sorted(samples.items()):
+            for (n, kind), ms in sorted(samples.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
                 med = {k: statistics.median(m[k] for m in ms) for k in ms[0]}
                 rows.append((mode, n, kind, med))
             for n in routers:
@@ -149,13 +159,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines = [f"fastroute scale-out, wrk -t1 -c{args.connections} -d{args.duration}s, "
              f"median of {args.rounds} rounds, {os.cpu_count()} cores",
              "", "| mode | --workers | body | req/s | vs 1 | router cores | nginx cores | wrk cores "
-             "| p99 ms | errors |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| p99 ms | errors | vs smg |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {(mode, kind): m["rps"] for mode, n, kind, m in rows if n == min(args.processes)}
+    peer = {(mode, kind): m["rps"] for mode, n, kind, m in rows if n == "smg"}
     for mode, n, kind, m in rows:
         ratio = m["rps"] / base[(mode, kind)] if base.get((mode, kind)) else float("nan")
         lines.append(f"| {mode} | {n} | {kind} | {m['rps']:.0f} | {ratio:.2f}x | "
                      f"{m['router_cores']:.2f} | {m['nginx_cores']:.2f} | {m['wrk_cores']:.2f} | "
-                     f"{m['p99_ms']:.1f} | {m['errors']:.0f} |")
+                     f"{m['p99_ms']:.1f} | {m['errors']:.0f} | "
+                     + (f"{m['rps'] / peer[(mode, kind)]:.2f}x |" if peer.get((mode, kind)) else "- |"))
     lines += ["", "Routers:", *[f"    {c}" for c in commands]]
     report = "\n".join(lines)
     print(report)
