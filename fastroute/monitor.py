@@ -273,6 +273,7 @@ class Monitor:
 
     def _set_health(self, w: Worker, ok: bool) -> None:
         w.healthy = ok
+        self.registry.invalidate_ready()
         for t in w.targets:
             self.table.set_healthy(t, ok)
         if ok:

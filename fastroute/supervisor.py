@@ -207,6 +207,7 @@ class FollowerRegistry(Registry):
             if (targets, names) != before[role]:
                 self._sync_group(role)
         self.version = int(doc["version"])
+        self.invalidate_ready()
         self._ready = Registry.ready(self)
 
     async def handle_admin(self, method: str, path: str, query: str, body: bytes,

@@ -179,6 +179,7 @@ class Registry:
         self._reaper: asyncio.Task | None = None
         self._listeners: list[Callable[[str], None]] = []
         self.generation = 0                     # bumped whenever a group's target set changes
+        self._ready_cache: bool | None = None
         demand = config.decode_input_demand
         weight = config.decode_request_weight
         metric = config.p2c_load_metric
@@ -243,10 +244,22 @@ class Registry:
         return [w for w in self.workers if w.status == "ready" and w.healthy and w.role == role]
 
     def ready(self) -> bool:
-        """Can a request be routed at all: a healthy prefill and decode (PD) or a healthy worker."""
-        if self.config.pd_disaggregation:
-            return bool(self._healthy("prefill")) and bool(self._healthy("decode"))
-        return bool(self._healthy("regular"))
+        """Can a request be routed at all: a healthy prefill and decode (PD) or a healthy worker.
+
+        Asked on every request, so the answer is cached and recomputed only after a worker's
+        status or health changed (``invalidate_ready``)."""
+        r = self._ready_cache
+        if r is None:
+            if self.config.pd_disaggregation:
+                r = bool(self._healthy("prefill")) and bool(self._healthy("decode"))
+            else:
+                r = bool(self._healthy("regular"))
+            self._ready_cache = r
+        return r
+
+    def invalidate_ready(self) -> None:
+        """A worker's status or health changed: recompute ``ready()`` on its next call."""
+        self._ready_cache = None
 
     def auth_headers(self, w: Worker) -> dict[str, str]:
         """Authorization for worker calls other than /health (protocol.md 2)."""
@@ -307,6 +320,7 @@ class Registry:
         was_ready = w.status == "ready"
         w.status = "removed"
         w.healthy = False
+        self.invalidate_ready()
         if w.task is not None and not w.task.done():
             w.task.cancel()
         if was_ready:
@@ -336,6 +350,7 @@ class Registry:
                 log.error("cannot add worker %s: %s", w.url, exc)
                 w.error = str(exc)
         w.status = "failed"
+        self.invalidate_ready()
         if w in self.workers:
             self.workers.remove(w)
 
@@ -423,6 +438,7 @@ class Registry:
         w.healthy = True
         w.health_failures = w.health_successes = 0
         w.status = "ready"
+        self.invalidate_ready()
         w.error = None
         self._sync_group(w.role)
         log.info("worker %s ready: role=%s model=%s dp_size=%d targets=%s",
