@@ -14,6 +14,9 @@ cdef enum:
     COL_POLLED_MAX_TOKENS = 9    # max_total_num_tokens of the rank, -1 unknown
     COL_ALLOCATED = 10           # row in use
     COL_TOKENS_AT_POLL = 11      # in-flight tokens when the last poll landed (KV deltas since poll)
+    COL_CB_FAILS = 12            # circuit breaker: consecutive failures (all processes together)
+    COL_CB_OKS = 13              # circuit breaker: successes since the circuit went half-open
+    COL_CB_OPENED_AT = 14        # circuit breaker: monotonic clock in microseconds when it last opened
     NCOLS = 16
 
 cdef enum:

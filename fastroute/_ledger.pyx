@@ -14,7 +14,7 @@ from fastroute._atomic cimport fr_load_i64, fr_store_i64, fr_add_i64, fr_cas_i64
 from fastroute._layout cimport (
     COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS, COL_POLLED_RUNNING, COL_POLLED_WAITING,
     COL_POLLED_TOKENS, COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_TOKENS_AT_POLL, HDR_UNDERFLOWS,
-    NCOLS, NHDR,
+    NCOLS, NHDR, COL_CIRCUIT, COL_CB_FAILS, COL_CB_OKS, COL_CB_OPENED_AT,
 )
 from fastroute._policy cimport (
     pick_round_robin, pick_random, pick_p2c, pick_demand, pick_ring, pick_kv_fit, kv_free, rng_next,
@@ -141,6 +141,62 @@ def store(int64_t[:, ::1] tab, int64_t t, int col, int64_t v):
 
 def add(int64_t[:, ::1] tab, int64_t t, int col, int64_t v):
     return fr_add_i64(&tab[t, col], v)
+
+
+def cas(int64_t[:, ::1] tab, int64_t t, int col, int64_t expected, int64_t desired):
+    """Set the cell to ``desired`` if it holds ``expected``; True if this call made the change."""
+    return fr_cas_i64(&tab[t, col], &expected, desired) != 0
+
+
+def breaker_layout():
+    """The breaker's columns as compiled (tests check fastroute/table.py mirrors them)."""
+    return dict(COL_CIRCUIT=COL_CIRCUIT, COL_CB_FAILS=COL_CB_FAILS, COL_CB_OKS=COL_CB_OKS,
+                COL_CB_OPENED_AT=COL_CB_OPENED_AT)
+
+
+cdef class Cells:
+    """Atomic access to one table array for a caller on the data path (the circuit breaker).
+
+    The module-level ``load``/``add``/... acquire the array's buffer on every call; this object
+    holds it once, so a call costs a method dispatch and the atomic itself.
+    """
+    cdef int64_t[:, ::1] tab
+    cdef readonly int64_t rows
+
+    def __init__(self, table_array):
+        self.tab = table_array
+        self.rows = self.tab.shape[0]
+
+    cpdef int64_t load(self, int64_t t, int col):
+        return fr_load_i64(&self.tab[t, col])
+
+    cpdef void store(self, int64_t t, int col, int64_t v):
+        fr_store_i64(&self.tab[t, col], v)
+
+    cpdef int64_t add(self, int64_t t, int col, int64_t v):
+        """Adds ``v``; returns the value after the addition (this caller's own result)."""
+        return fr_add_i64(&self.tab[t, col], v) + v
+
+    cpdef bint cas(self, int64_t t, int col, int64_t expected, int64_t desired):
+        return fr_cas_i64(&self.tab[t, col], &expected, desired) != 0
+
+    cpdef int64_t ok_closed(self, int64_t t):
+        """A success on target ``t``: returns its circuit state; when closed, also ends a
+        failure streak.  Two loads and no write in the common case (closed, no streak)."""
+        cdef int64_t *row = &self.tab[t, 0]
+        cdef int64_t c = fr_load_i64(&row[COL_CIRCUIT])
+        if c == 0 and fr_load_i64(&row[COL_CB_FAILS]) != 0:
+            fr_store_i64(&row[COL_CB_FAILS], 0)
+        return c
+
+    def rows_where(self, int col, int64_t value):
+        """Rows whose cell ``col`` holds ``value`` (one atomic load per row, no GIL release)."""
+        cdef list out = []
+        cdef int64_t t
+        for t in range(self.rows):
+            if fr_load_i64(&self.tab[t, col]) == value:
+                out.append(t)
+        return out
 
 
 def store_polled(int64_t[:, ::1] tab, int64_t t, int64_t running, int64_t waiting,

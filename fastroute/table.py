@@ -29,6 +29,9 @@ COL_CIRCUIT = 8
 COL_POLLED_MAX_TOKENS = 9
 COL_ALLOCATED = 10
 COL_TOKENS_AT_POLL = 11
+COL_CB_FAILS = 12        # breaker cells (fastroute.breaker): consecutive failures,
+COL_CB_OKS = 13          # successes since half-open,
+COL_CB_OPENED_AT = 14    # monotonic microseconds of the last opening
 NCOLS = 16
 
 HDR_MAGIC = 0
