@@ -1,9 +1,21 @@
-"""Circuit breakers, one per target, for this proxy process (protocol.md 7.3).
+"""Circuit breakers, one per target, shared by every proxy process (protocol.md 7.3).
 
-Owns the consecutive success/failure counters of every target row and the
-closed -> open -> half-open -> closed state machine. The state is published to
-the shared target table (``table.set_circuit``: 0 closed, 1 open, 2 half-open)
-so the compiled picks skip open targets without asking this module anything.
+Owns the closed -> open -> half-open -> closed state machine of every target
+row. Its state lives in the shared target table, not in this process, so
+``--workers N`` proxy processes run ONE breaker per target:
+
+* ``COL_CIRCUIT``      state (0 closed, 1 open, 2 half-open); the compiled
+  picks read it and skip open targets;
+* ``COL_CB_FAILS``     consecutive failures, added to atomically by all processes;
+* ``COL_CB_OKS``       successes since the circuit went half-open;
+* ``COL_CB_OPENED_AT`` when it last opened (monotonic clock, microseconds;
+  CLOCK_MONOTONIC is system-wide, so every process compares the same clock).
+
+Every transition is a compare-and-swap on ``COL_CIRCUIT``: of all processes
+that see a threshold crossed (or a timeout pass, in ``tick``, which runs in
+every process), exactly one wins the swap, and only the winner clears the
+counters, logs and counts the transition. Outcome and transition metrics stay
+per process (``Stats``); the exporter sums processes.
 
 What counts (a deliberate departure from the peers, which count 503/429 too):
 
@@ -14,17 +26,20 @@ What counts (a deliberate departure from the peers, which count 503/429 too):
   out of rotation;
 * success: any other completed response (a 400 is the client's fault).
 
-Costs: ``success`` on a closed circuit with no failure streak is two list
-reads and one dict increment; everything else runs only on failures and at
-the sweep (``tick``), which moves open circuits to half-open after the
-timeout. Counters are plain lists sized to the table's capacity, indexed by
-target row; ``reset`` clears a row when the registry gives it to another
-worker.
+Costs: ``success`` on a closed circuit with no failure streak is one compiled
+call doing two atomic loads and no write, plus one dict increment; everything
+else runs only on failures, in half-open, and at the sweep (``tick``), whose
+scan for open rows is one compiled call.
 """
 from __future__ import annotations
 
 import logging
 from typing import Any, Callable
+
+import numpy as np
+
+from fastroute import _ledger
+from fastroute.table import COL_CB_FAILS, COL_CB_OKS, COL_CB_OPENED_AT, COL_CIRCUIT, NCOLS
 
 log = logging.getLogger("fastroute.breaker")
 
@@ -35,9 +50,16 @@ _STATE_NAME = ("closed", "open", "half_open")
 FAILURE_STATUSES = frozenset({500, 502, 504})
 NEUTRAL_STATUSES = frozenset({408, 429, 503})
 
+_US = 1_000_000  # clock seconds -> the integer microseconds kept in COL_CB_OPENED_AT
+
 
 class Breakers:
-    """Per-target circuit breakers (see module docstring)."""
+    """Per-target circuit breakers over the shared table (see module docstring).
+
+    ``table`` is a :class:`fastroute.table.TargetTable` (or anything with an
+    ``array`` of shape (rows, NCOLS) int64); ``None`` keeps the state in a
+    private array, for a single process without a table.
+    """
 
     def __init__(self, table: Any, capacity: int, failure_threshold: int = 10,
                  success_threshold: int = 3, timeout_secs: float = 60.0, enabled: bool = True,
@@ -52,14 +74,13 @@ class Breakers:
         self.failure_threshold = max(1, int(failure_threshold)) if enabled else 1 << 62
         self.success_threshold = max(1, int(success_threshold))
         self.timeout = float(timeout_secs)
+        self._timeout_us = int(self.timeout * _US)
         self.stats = stats
         self.name_of = name_of
-        n = int(capacity)
-        self.state = [CLOSED] * n
-        self.fails = [0] * n            # consecutive failures
-        self.oks = [0] * n              # consecutive successes (counted in half-open only)
-        self.opened_at = [0.0] * n
-        self.open: set[int] = set()     # rows waiting for their half-open time
+        arr = table.array if table is not None else np.zeros((int(capacity), NCOLS), np.int64)
+        self.cells = _ledger.Cells(arr)
+        n = min(int(capacity), int(self.cells.rows))
+        self.capacity = n
         # Prebuilt metric keys per row: (name, "success") / (name, "failure"), refreshed by reset().
         self._ok_key: list[tuple[str, str] | None] = [None] * n
         self._fail_key: list[tuple[str, str] | None] = [None] * n
@@ -71,35 +92,35 @@ class Breakers:
             key = self._ok_key[t] or self._keys(t)[0]
             d = st.cb_outcomes
             d[key] = d.get(key, 0) + 1
-        if self.state[t] == CLOSED:
-            if self.fails[t]:
-                self.fails[t] = 0
-            return
-        if self.state[t] == HALF_OPEN:
-            self.oks[t] += 1
-            if self.oks[t] >= self.success_threshold:
-                self._move(t, CLOSED)
+        # Closed (the common case): the compiled call also ends a failure streak.
+        s = self.cells.ok_closed(t)
+        if s == HALF_OPEN:
+            if self.cells.add(t, COL_CB_OKS, 1) >= self.success_threshold:
+                # Several processes may cross the threshold; the swap picks one.
+                self._move(t, HALF_OPEN, CLOSED)
         # OPEN: a response that was already in flight when the circuit opened;
         # it proves nothing about the probe window, so it changes nothing.
 
     def failure(self, t: int) -> None:
-        now = self.clock()
         st = self.stats
         if st is not None:
             key = self._fail_key[t] or self._keys(t)[1]
             d = st.cb_outcomes
             d[key] = d.get(key, 0) + 1
-        s = self.state[t]
-        if s == HALF_OPEN:
-            self.opened_at[t] = now
-            self._move(t, OPEN)
+        cells = self.cells
+        s = cells.load(t, COL_CIRCUIT)
+        if s == CLOSED:
+            n = cells.add(t, COL_CB_FAILS, 1)
+            if n < self.failure_threshold:
+                return
+        elif s == OPEN:
             return
-        if s == OPEN:
-            return
-        self.fails[t] += 1
-        if self.fails[t] >= self.failure_threshold:
-            self.opened_at[t] = now
-            self._move(t, OPEN)
+        # Opening (from closed past the threshold, or any failure in half-open).
+        # The time goes in before the swap: a tick in another process that sees
+        # OPEN must see this opening's time, not the previous one. A loser's
+        # store is harmless: the winner stored (about) the same time.
+        cells.store(t, COL_CB_OPENED_AT, int(self.clock() * _US))
+        self._move(t, s, OPEN)
 
     def status(self, t: int, status: int) -> None:
         """Record an upstream response by its status (see module docstring)."""
@@ -110,27 +131,38 @@ class Breakers:
 
     # -- control plane ----------------------------------------------------------
     def tick(self, now: float | None = None) -> None:
-        """Open circuits whose timeout passed go half-open (called by the proxy's sweep)."""
-        if not self.open:
+        """Open circuits whose timeout passed go half-open (called by every process's sweep;
+        the swap makes each move happen once)."""
+        cells = self.cells
+        rows = cells.rows_where(COL_CIRCUIT, OPEN)
+        if not rows:
             return
-        if now is None:
-            now = self.clock()
-        due = [t for t in self.open if now - self.opened_at[t] >= self.timeout]
-        for t in due:
-            self._move(t, HALF_OPEN)
+        now_us = int((self.clock() if now is None else now) * _US)
+        for t in rows:
+            if t < self.capacity and now_us - cells.load(t, COL_CB_OPENED_AT) >= self._timeout_us:
+                self._move(t, OPEN, HALF_OPEN)
 
     def reset(self, t: int) -> None:
         """Row ``t`` now belongs to another worker (or none): forget its history."""
-        if t >= len(self.state):
+        if t >= self.capacity:
             return
-        self.open.discard(t)
-        self.state[t] = CLOSED
-        self.fails[t] = 0
-        self.oks[t] = 0
+        cells = self.cells
+        # State first: a failure racing with the reset then counts against the new worker.
+        cells.store(t, COL_CIRCUIT, CLOSED)
+        cells.store(t, COL_CB_FAILS, 0)
+        cells.store(t, COL_CB_OKS, 0)
+        cells.store(t, COL_CB_OPENED_AT, 0)
         self._ok_key[t] = None
         self._fail_key[t] = None
-        if self.table is not None:
-            self.table.set_circuit(t, CLOSED)
+
+    # -- reading (metrics, tests) ------------------------------------------------
+    def state_of(self, t: int) -> int:
+        """The shared circuit state of row ``t`` (CLOSED / OPEN / HALF_OPEN)."""
+        return self.cells.load(t, COL_CIRCUIT)
+
+    def failures(self, t: int) -> int:
+        """The shared consecutive-failure count of row ``t``."""
+        return self.cells.load(t, COL_CB_FAILS)
 
     def _keys(self, t: int) -> tuple[tuple[str, str], tuple[str, str]]:
         name = (self.name_of(t) if self.name_of is not None else None) or str(t)
@@ -139,26 +171,35 @@ class Breakers:
         self._fail_key[t] = bad
         return ok, bad
 
-    def _move(self, t: int, to: int) -> None:
-        frm = self.state[t]
-        if frm == to:
-            return
-        self.state[t] = to
-        if to == OPEN:
-            self.open.add(t)
-        else:
-            self.open.discard(t)
-        self.oks[t] = 0
+    def _move(self, t: int, frm: int, to: int) -> bool:
+        """Swap the state of ``t`` from ``frm`` to ``to``; True if this process made the move.
+
+        Only the winner touches the counters, so each is cleared once per transition:
+        the half-open success count on entering or leaving half-open, the failure
+        streak on closing (it stays while open so the log line can report it).
+        """
+        cells = self.cells
+        if not cells.cas(t, COL_CIRCUIT, frm, to):
+            return False
+        if to == HALF_OPEN or frm == HALF_OPEN:
+            # Entering half-open: a probe another process counts between the swap
+            # and this clear is lost (closing waits one probe longer, never
+            # shorter). Leaving it: a straggler counted after the clear is wiped
+            # by the next entry, so a new probe window always starts from zero.
+            cells.store(t, COL_CB_OKS, 0)
         if to == CLOSED:
-            self.fails[t] = 0
-        if self.table is not None:
-            self.table.set_circuit(t, to)
+            cells.store(t, COL_CB_FAILS, 0)
         name = (self.name_of(t) if self.name_of is not None else None) or str(t)
         st = self.stats
         if st is not None:
             key = (name, _STATE_NAME[frm], _STATE_NAME[to])
             st.cb_transitions[key] = st.cb_transitions.get(key, 0) + 1
         if to == OPEN:
-            log.warning("circuit of %s opened after %d consecutive failures", name, self.fails[t])
+            if frm == CLOSED:
+                log.warning("circuit of %s opened after %d consecutive failures", name,
+                            cells.load(t, COL_CB_FAILS))
+            else:
+                log.warning("circuit of %s reopened: a half-open probe failed", name)
         else:
             log.info("circuit of %s is %s", name, _STATE_NAME[to])
+        return True
