@@ -156,6 +156,15 @@ class Breakers:
         self._fail_key[t] = None
 
     # -- reading (metrics, tests) ------------------------------------------------
+    def forget_names(self, t: int) -> None:
+        """Row ``t`` may now belong to another worker: drop this process's cached metric labels.
+        The shared breaker cells need no reset here: ``TargetTable.alloc`` zeroes them when it
+        hands the row out, and a process (re)starting must not wipe circuits other processes
+        opened."""
+        if t < len(self._ok_key):
+            self._ok_key[t] = None
+            self._fail_key[t] = None
+
     def state_of(self, t: int) -> int:
         """The shared circuit state of row ``t`` (CLOSED / OPEN / HALF_OPEN)."""
         return self.cells.load(t, COL_CIRCUIT)

@@ -357,14 +357,16 @@ class App:
             self._stats.reclaim("reconcile_mismatch")
 
     def _targets_changed(self, role: str) -> None:
-        # A table row handed to another worker must not inherit the old
-        # worker's circuit history (control plane: runs on add/remove only).
+        # A table row handed to another worker starts with clean breaker cells
+        # (TargetTable.alloc zeroes the row); here only this process's cached
+        # metric labels for the row are dropped.  Resetting the shared cells would
+        # let a restarted proxy process close circuits the others opened.
         owners = self._row_owner
         for t, entry in enumerate(self.registry.target_info):
             w = entry[0] if entry is not None else None
             if owners.get(t) is not w:
                 owners[t] = w
-                self.breakers.reset(t)  # type: ignore[union-attr]
+                self.breakers.forget_names(t)  # type: ignore[union-attr]
 
     def backoff(self, retry: int) -> float:
         """Delay in seconds before retry number ``retry`` (0-based), with jitter (7.2)."""

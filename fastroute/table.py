@@ -45,6 +45,25 @@ MAGIC = 0x66726F7574653031  # "frout01" in ASCII
 CIRCUIT_CLOSED, CIRCUIT_OPEN, CIRCUIT_HALF_OPEN = 0, 1, 2
 
 
+def _attach_untracked(name: str) -> shared_memory.SharedMemory:
+    """Map an existing segment without registering it with this process's resource tracker.
+
+    Only the creator owns the table: its tracker registration is the safety net that removes the
+    segment if the creator is killed.  Python < 3.13 registers attached segments too, so an
+    attaching process would unlink the table when it exits — and unregistering afterwards is
+    wrong for processes started by multiprocessing, which share the creator's tracker."""
+    try:
+        return shared_memory.SharedMemory(name=name, create=False, track=False)  # 3.13+
+    except TypeError:
+        pass
+    register = resource_tracker.register
+    resource_tracker.register = lambda *args, **kwargs: None  # type: ignore[assignment]
+    try:
+        return shared_memory.SharedMemory(name=name, create=False)
+    finally:
+        resource_tracker.register = register  # type: ignore[assignment]
+
+
 class TargetTable:
     """Shared-memory table of targets (see module docstring)."""
 
@@ -59,21 +78,12 @@ class TargetTable:
         else:
             if name is None:
                 raise ValueError("attaching needs the table's name")
-            self._shm = shared_memory.SharedMemory(name=name, create=False)
+            self._shm = _attach_untracked(name)
             hdr = np.ndarray((NHDR,), np.int64, buffer=self._shm.buf)
             if int(hdr[HDR_MAGIC]) != MAGIC:
                 del hdr
                 self._shm.close()
                 raise ValueError(f"shared memory {name!r} is not a fastroute target table")
-            # Python < 3.13 registers attached segments with the resource tracker, which would
-            # unlink the creator's table when this process exits.  Only the creator owns it (its
-            # registration is the safety net that removes the segment if the creator is killed).
-            # Within the creator's own process the registration is shared, so leave it alone.
-            if int(hdr[HDR_CREATOR_PID]) != os.getpid():
-                try:
-                    resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
-                except Exception:  # pragma: no cover - tracker not running in this process
-                    pass
             capacity = int(hdr[HDR_CAPACITY])
             del hdr
         self.name: str = self._shm.name
