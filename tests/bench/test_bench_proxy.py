@@ -19,6 +19,7 @@ import pytest
 
 from fastroute.config import Config
 from fastroute.proxy import App, ClientProtocol
+from tests.stubs import StubGroup
 
 
 class _Transport(asyncio.Transport):
@@ -64,42 +65,18 @@ class _Pool:
         return self.conn
 
 
-class _Lease:
-    __slots__ = ("target", "tokens", "done")
-
-    def __init__(self, target: int) -> None:
-        self.target = target
-        self.tokens = 0
-        self.done = False
-
-    def release(self) -> bool:
-        first = not self.done
-        self.done = True
-        return first
-
-
-class _Group:
-    policy = "round_robin"
-
-    def __init__(self, target: int) -> None:
-        self.target = target
-
-    def acquire(self, tokens: int = 0, key: bytes | None = None, text: str | None = None,
-                out_tokens: int = 0) -> _Lease:
-        return _Lease(self.target)
-
-
 class _Registry:
     def __init__(self) -> None:
         w = SimpleNamespace(url="http://127.0.0.1:9", host="127.0.0.1", port=9, api_key=None,
                             bootstrap_port=8998, dp_size=1)
         self.target_info = [(w, None), (w, 3)]
-        self.groups = {"regular": _Group(0), "prefill": _Group(0), "decode": _Group(1)}
+        self.groups = {"regular": StubGroup(0, record=False), "prefill": StubGroup(0, record=False),
+                       "decode": StubGroup(1, record=False)}
 
     def ready(self) -> bool:
         return True
 
-    def group(self, role: str) -> _Group:
+    def group(self, role: str) -> StubGroup:
         return self.groups[role]
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from fastroute.config import Config
 from fastroute.proxy import App, ClientProtocol
+from tests.stubs import StubGroup as Group
 
 
 class FakeTransport(asyncio.Transport):
@@ -73,30 +74,6 @@ class FakePool:
         leg.conn = conn
         self.sent.append((request, leg))
         return conn
-
-
-class Lease:
-    def __init__(self, target: int) -> None:
-        self.target = target
-        self.tokens = 0
-        self.releases = 0
-
-    def release(self) -> bool:
-        self.releases += 1
-        return self.releases == 1
-
-
-class Group:
-    policy = "round_robin"
-
-    def __init__(self) -> None:
-        self.leases: list[Lease] = []
-
-    def acquire(self, tokens: int = 0, key: bytes | None = None, text: str | None = None,
-                out_tokens: int = 0) -> Lease:
-        lease = Lease(0)
-        self.leases.append(lease)
-        return lease
 
 
 class Registry:

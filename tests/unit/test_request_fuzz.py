@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from fastroute.config import Config
 from fastroute.proxy import App, ClientProtocol
+from tests.stubs import StubGroup as Group
 
 
 class Transport(asyncio.Transport):
@@ -69,29 +70,6 @@ class Pool:
     def send(self, request: bytes, leg: Any) -> None:
         leg.conn = Conn()
         self.legs.append(leg)
-
-
-class Lease:
-    def __init__(self) -> None:
-        self.target = 0
-        self.tokens = 0
-        self.releases = 0
-
-    def release(self) -> bool:
-        self.releases += 1
-        return self.releases == 1
-
-
-class Group:
-    policy = "round_robin"
-
-    def __init__(self) -> None:
-        self.leases: list[Lease] = []
-
-    def acquire(self, tokens: int = 0, key: Any = None, text: Any = None, out_tokens: int = 0) -> Lease:
-        lease = Lease()
-        self.leases.append(lease)
-        return lease
 
 
 def make() -> tuple[ClientProtocol, Transport, Pool, Group, asyncio.AbstractEventLoop]:
