@@ -24,5 +24,4 @@ cdef enum:
     HDR_CAPACITY = 1
     HDR_UNDERFLOWS = 2           # releases that found the counter at zero (a bug signal)
     HDR_GENERATION = 3           # bumped when the target set changes
-    HDR_CREATOR_PID = 4          # the process that owns (and unlinks) the segment
     NHDR = 8

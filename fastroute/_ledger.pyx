@@ -130,23 +130,7 @@ def stress_book_release(int64_t[:, ::1] tab, int64_t[::1] header, const int64_t[
 
 
 # ---- atomic access for the Python side of the table (monitor, metrics, tests) --------------------
-
-def load(int64_t[:, ::1] tab, int64_t t, int col):
-    return fr_load_i64(&tab[t, col])
-
-
-def store(int64_t[:, ::1] tab, int64_t t, int col, int64_t v):
-    fr_store_i64(&tab[t, col], v)
-
-
-def add(int64_t[:, ::1] tab, int64_t t, int col, int64_t v):
-    return fr_add_i64(&tab[t, col], v)
-
-
-def cas(int64_t[:, ::1] tab, int64_t t, int col, int64_t expected, int64_t desired):
-    """Set the cell to ``desired`` if it holds ``expected``; True if this call made the change."""
-    return fr_cas_i64(&tab[t, col], &expected, desired) != 0
-
+# Single cells go through ``Cells`` (below), which holds the array's buffer once.
 
 def breaker_layout():
     """The breaker's columns as compiled (tests check fastroute/table.py mirrors them)."""

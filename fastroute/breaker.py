@@ -77,8 +77,8 @@ class Breakers:
         self._timeout_us = int(self.timeout * _US)
         self.stats = stats
         self.name_of = name_of
-        arr = table.array if table is not None else np.zeros((int(capacity), NCOLS), np.int64)
-        self.cells = _ledger.Cells(arr)
+        self.cells = (table.cells if table is not None
+                      else _ledger.Cells(np.zeros((int(capacity), NCOLS), np.int64)))
         n = min(int(capacity), int(self.cells.rows))
         self.capacity = n
         # Prebuilt metric keys per row: (name, "success") / (name, "failure"), refreshed by reset().

@@ -70,7 +70,6 @@ class Group:
         self.request_weight = int(request_weight)
         self.targets: list[int] = []
         self.names: list[str] = []
-        self._table = router.table
         compiled = "random" if policy == "cache_aware" else policy
         self._picker = _ledger.Picker(router.table.array, router.table.header, compiled,
                                       load_metric, DEMAND_MODES[demand], self.request_weight, seed,

@@ -55,10 +55,9 @@ from typing import Any
 
 import numpy as np
 
-from fastroute import _ledger, httpclient
+from fastroute import httpclient
 from fastroute.httpclient import HttpClientError
-from fastroute.table import (COL_ALLOCATED, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS,
-                             HDR_GENERATION, NHDR)
+from fastroute.table import COL_ALLOCATED, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS
 from fastroute.workers import Registry, Worker, _header
 
 log = logging.getLogger("fastroute.supervisor")
@@ -86,10 +85,6 @@ def resolve_processes(config: Any) -> int:
     return max(1, int(n))
 
 
-def _bump_generation(table: Any) -> None:
-    _ledger.add(table.header.reshape(1, NHDR), 0, HDR_GENERATION, 1)
-
-
 # ---------------------------------------------------------------------------------- leases
 
 
@@ -103,10 +98,10 @@ def reclaim(table: Any, ledger: Any) -> tuple[int, int]:
         r = int(snap[t, COL_IN_FLIGHT])
         k = int(snap[t, COL_IN_FLIGHT_TOKENS])
         # The table holds at least these bookings (booked there first, released there last).
-        _ledger.add(table.array, t, COL_IN_FLIGHT, -r)
-        _ledger.add(table.array, t, COL_IN_FLIGHT_TOKENS, -k)
-        _ledger.store(ledger.array, t, COL_IN_FLIGHT, 0)
-        _ledger.store(ledger.array, t, COL_IN_FLIGHT_TOKENS, 0)
+        table.cells.add(t, COL_IN_FLIGHT, -r)
+        table.cells.add(t, COL_IN_FLIGHT_TOKENS, -k)
+        ledger.cells.store(t, COL_IN_FLIGHT, 0)
+        ledger.cells.store(t, COL_IN_FLIGHT_TOKENS, 0)
         reqs += r
         toks += k
     return reqs, toks
@@ -515,7 +510,7 @@ class Supervisor:
         with open(tmp, "w") as f:
             json.dump(doc, f, default=str)
         os.replace(tmp, path)
-        _bump_generation(self.table)
+        self.table.bump_generation()
         return True
 
     async def _publish_loop(self) -> None:

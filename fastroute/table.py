@@ -38,7 +38,6 @@ HDR_MAGIC = 0
 HDR_CAPACITY = 1
 HDR_UNDERFLOWS = 2
 HDR_GENERATION = 3
-HDR_CREATOR_PID = 4
 NHDR = 8
 
 MAGIC = 0x66726F7574653031  # "frout01" in ASCII
@@ -90,16 +89,17 @@ class TargetTable:
         self.capacity = capacity
         self.owner = create
         self.header = np.ndarray((NHDR,), dtype=np.int64, buffer=self._shm.buf)
-        self._hdr2 = self.header.reshape(1, NHDR)  # 2-D view for the atomic accessors
+        # Atomic accessors holding the buffers once (no buffer setup per call).
+        self._hcells = _ledger.Cells(self.header.reshape(1, NHDR))
         self.array = np.ndarray((capacity, NCOLS), dtype=np.int64, buffer=self._shm.buf,
                                 offset=NHDR * 8)
+        self.cells = _ledger.Cells(self.array)
         if create:
             self.array[:] = 0
             self.array[:, COL_POLLED_AT] = -1
             self.array[:, COL_POLLED_MAX_TOKENS] = -1
             self.header[:] = 0
             self.header[HDR_CAPACITY] = capacity
-            self.header[HDR_CREATOR_PID] = os.getpid()
             self.header[HDR_MAGIC] = MAGIC
 
     @classmethod
@@ -110,21 +110,21 @@ class TargetTable:
     def alloc(self) -> int:
         """A free row, reset: healthy, nothing in flight, never polled."""
         for t in range(self.capacity):
-            if _ledger.load(self.array, t, COL_ALLOCATED) == 0:
+            if self.cells.load(t, COL_ALLOCATED) == 0:
                 for c in range(NCOLS):
-                    _ledger.store(self.array, t, c, 0)
-                _ledger.store(self.array, t, COL_POLLED_AT, -1)
-                _ledger.store(self.array, t, COL_POLLED_MAX_TOKENS, -1)
-                _ledger.store(self.array, t, COL_HEALTHY, 1)
-                _ledger.store(self.array, t, COL_ALLOCATED, 1)
-                _ledger.add(self._hdr2, 0, HDR_GENERATION, 1)
+                    self.cells.store(t, c, 0)
+                self.cells.store(t, COL_POLLED_AT, -1)
+                self.cells.store(t, COL_POLLED_MAX_TOKENS, -1)
+                self.cells.store(t, COL_HEALTHY, 1)
+                self.cells.store(t, COL_ALLOCATED, 1)
+                self.bump_generation()
                 return t
         raise RuntimeError(f"target table full ({self.capacity} targets)")
 
     def free(self, t: int) -> None:
-        _ledger.store(self.array, t, COL_HEALTHY, 0)
-        _ledger.store(self.array, t, COL_ALLOCATED, 0)
-        _ledger.add(self._hdr2, 0, HDR_GENERATION, 1)
+        self.cells.store(t, COL_HEALTHY, 0)
+        self.cells.store(t, COL_ALLOCATED, 0)
+        self.bump_generation()
 
     # ---- writers ------------------------------------------------------------------------------
     def set_polled(self, t: int, running: int, waiting: int, tokens: int,
@@ -134,34 +134,38 @@ class TargetTable:
 
     def mark_unpolled(self, t: int) -> None:
         """The last poll failed or had no entry for this target: its load is unknown, not zero."""
-        _ledger.store(self.array, t, COL_POLLED_AT, -1)
+        self.cells.store(t, COL_POLLED_AT, -1)
 
     def set_healthy(self, t: int, ok: bool) -> None:
-        _ledger.store(self.array, t, COL_HEALTHY, 1 if ok else 0)
+        self.cells.store(t, COL_HEALTHY, 1 if ok else 0)
+
+    def bump_generation(self) -> None:
+        """Tell every attached process the target set changed (they poll the generation)."""
+        self._hcells.add(0, HDR_GENERATION, 1)
 
     def set_circuit(self, t: int, state: int) -> None:
-        _ledger.store(self.array, t, COL_CIRCUIT, int(state))
+        self.cells.store(t, COL_CIRCUIT, int(state))
 
     # ---- readers ------------------------------------------------------------------------------
     def get(self, t: int, col: int) -> int:
-        return _ledger.load(self.array, t, col)
+        return self.cells.load(t, col)
 
     def in_flight(self, t: int) -> int:
-        return _ledger.load(self.array, t, COL_IN_FLIGHT)
+        return self.cells.load(t, COL_IN_FLIGHT)
 
     def in_flight_tokens(self, t: int) -> int:
-        return _ledger.load(self.array, t, COL_IN_FLIGHT_TOKENS)
+        return self.cells.load(t, COL_IN_FLIGHT_TOKENS)
 
     def snapshot(self, n: int | None = None) -> np.ndarray:
         return _ledger.snapshot(self.array, self.capacity if n is None else n)
 
     @property
     def underflows(self) -> int:
-        return _ledger.load(self._hdr2, 0, HDR_UNDERFLOWS)
+        return self._hcells.load(0, HDR_UNDERFLOWS)
 
     @property
     def generation(self) -> int:
-        return _ledger.load(self._hdr2, 0, HDR_GENERATION)
+        return self._hcells.load(0, HDR_GENERATION)
 
     # ---- lifetime -----------------------------------------------------------------------------
     def close(self) -> None:
@@ -169,7 +173,8 @@ class TargetTable:
         stays until they are gone (the segment itself is removed by unlink())."""
         self.array = None  # type: ignore[assignment]
         self.header = None  # type: ignore[assignment]
-        self._hdr2 = None
+        self.cells = None  # type: ignore[assignment]
+        self._hcells = None
         try:
             self._shm.close()
         except BufferError:

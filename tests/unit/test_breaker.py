@@ -60,8 +60,8 @@ def test_breaker_columns_mirror_the_compiled_layout() -> None:
 
 def test_cas_changes_the_cell_only_from_the_expected_value(tables) -> None:
     tab = tables()
-    assert _ledger.cas(tab.array, 2, T.COL_CIRCUIT, 0, OPEN) is True
-    assert _ledger.cas(tab.array, 2, T.COL_CIRCUIT, 0, HALF_OPEN) is False
+    assert tab.cells.cas(2, T.COL_CIRCUIT, 0, OPEN) is True
+    assert tab.cells.cas(2, T.COL_CIRCUIT, 0, HALF_OPEN) is False
     assert circuit(tab, 2) == OPEN
     cells = _ledger.Cells(tab.array)
     assert cells.cas(2, T.COL_CIRCUIT, OPEN, HALF_OPEN) and not cells.cas(2, T.COL_CIRCUIT, OPEN, 0)

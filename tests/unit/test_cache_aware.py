@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastroute import _ledger, _tree
+from fastroute import _tree
 from fastroute.cache_aware import CacheAwarePolicy
 from fastroute.config import Config
 from fastroute.routing import Router
@@ -43,7 +43,7 @@ _DEFAULTS = dict(cache_threshold=0.3, balance_abs_threshold=64, balance_rel_thre
 
 
 def set_load(tab, t, n):
-    _ledger.store(tab.array, t, COL_IN_FLIGHT, n)
+    tab.cells.store(t, COL_IN_FLIGHT, n)
 
 
 def prompt(rng: random.Random, n: int) -> str:

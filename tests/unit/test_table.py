@@ -28,7 +28,7 @@ def test_rows_are_cache_line_padded(tab):
 
 def test_alloc_resets_row_and_marks_never_polled(tab):
     t = tab.alloc()
-    _ledger.store(tab.array, t, T.COL_IN_FLIGHT, 7)
+    tab.cells.store(t, T.COL_IN_FLIGHT, 7)
     tab.free(t)
     t2 = tab.alloc()
     assert t2 == t
@@ -72,7 +72,7 @@ def test_release_below_zero_is_counted_not_applied(tab):
     t = tab.alloc()
     lease = _ledger.book(tab.array, tab.header, t, 10)
     # Someone else (a buggy path) zeroes the counter behind the lease's back.
-    _ledger.store(tab.array, t, T.COL_IN_FLIGHT, 0)
+    tab.cells.store(t, T.COL_IN_FLIGHT, 0)
     assert lease.release() is True
     assert tab.in_flight(t) == 0          # never negative
     assert tab.underflows == 1            # and the bug is visible
