@@ -123,11 +123,12 @@ class Breakers:
         self._move(t, s, OPEN)
 
     def status(self, t: int, status: int) -> None:
-        """Record an upstream response by its status (see module docstring)."""
-        if status in FAILURE_STATUSES:
-            self.failure(t)
-        elif status not in NEUTRAL_STATUSES:
+        """Record an upstream response by its status (see module docstring).  Called for every
+        response: the common case (< 500, not backpressure) is tested first."""
+        if status < 500 and status not in NEUTRAL_STATUSES:
             self.success(t)
+        elif status in FAILURE_STATUSES:
+            self.failure(t)
 
     # -- control plane ----------------------------------------------------------
     def tick(self, now: float | None = None) -> None:

@@ -225,7 +225,9 @@ def payload_too_large(size: int, limit: int) -> RouterError:
 
 
 def queue_full() -> RouterError:
-    return RouterError(429, CODE_QUEUE_FULL, "Too many requests: admission queue is full")
+    # Retry-After: clients (and the openai library) back off instead of hammering a full queue.
+    return RouterError(429, CODE_QUEUE_FULL, "Too many requests: admission queue is full",
+                       headers=((b"Retry-After", b"1"),))
 
 
 def queue_timeout() -> RouterError:

@@ -43,9 +43,9 @@ import httptools
 from fastroute import body as _body
 from fastroute import errors as _errors
 from fastroute.admission import Admission
-from fastroute.breaker import NEUTRAL_STATUSES, Breakers
+from fastroute.breaker import Breakers
 from fastroute.errors import RouterError
-from fastroute.upstream import ConnectError, Pool
+from fastroute.upstream import ConnectError, Pool, _nodelay
 
 log = logging.getLogger("fastroute.proxy")
 
@@ -123,7 +123,6 @@ _PIPELINE_LIMIT = 32          # queued pipelined requests before we stop reading
 _HEAD_LIMIT = 1 << 16         # bytes of request line + headers before 431
 # Upstream statuses worth another attempt on another target (protocol.md 7.2).
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-_RETRY_AFTER = ((b"Retry-After", b"1"),)
 _LEAK_EVERY = 5.0             # seconds between passes of the lease safety net
 _LEAK_SLACK = 5.0             # grace past request_timeout_secs before a booking counts as leaked
 _PD_BUFFER_LIMIT = 1 << 20    # decode bytes buffered while the prefill finishes
@@ -447,7 +446,7 @@ class App:
         try:
             status, body, ctype = await self.registry.handle_admin(
                 req.method.decode("latin-1"), path.decode("latin-1"), query.decode("latin-1"),
-                req.body, req.headers)
+                req.body, ((b"authorization", req.auth),) if req.auth is not None else ())
         except asyncio.CancelledError:
             raise
         except RouterError as exc:
@@ -482,12 +481,7 @@ class App:
         # count only in smg_http_responses_total.
         if st is not None:
             self._count_routed(path, meta.stream)
-        adm = self.admission
-        if adm.active < adm.limit and not adm.queue:
-            # Admission.try_enter inlined: a free slot and nobody waiting.
-            adm.active += 1
-            if adm.enabled and st is not None:
-                st.rate_limit["allowed"] = st.rate_limit.get("allowed", 0) + 1
+        if self.admission.try_enter():
             self._begin(proto, req, path, meta)
         else:
             self._wait(proto, req, path, meta)
@@ -519,9 +513,7 @@ class App:
 
         waiter = self.admission.wait(start, expired, self.loop.time())
         if waiter is None:
-            exc = _errors.queue_full()
-            exc.headers = _RETRY_AFTER
-            proto.send_error(exc, req)
+            proto.send_error(_errors.queue_full(), req)
             return
         proto.waiter = waiter
 
@@ -558,13 +550,12 @@ class App:
 class Request:
     """One parsed client request (kept only until it is answered)."""
 
-    __slots__ = ("method", "url", "headers", "fwd", "auth", "rid", "key", "body", "body_len",
+    __slots__ = ("method", "url", "fwd", "auth", "rid", "key", "body", "body_len",
                  "too_large", "keep_alive", "http11")
 
     def __init__(self) -> None:
         self.method = b"GET"
         self.url = b"/"
-        self.headers: list[tuple[bytes, bytes]] = []
         self.fwd = b""
         self.auth: bytes | None = None
         self.rid: bytes | None = None
@@ -612,12 +603,7 @@ class ClientProtocol(asyncio.Protocol):
     # -- asyncio.Protocol ---------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except (OSError, AttributeError):
-                pass
+        _nodelay(transport)
         self.app.connections.add(self)
         if self.app._stats is not None:
             self.app._stats.connections_active += 1
@@ -692,7 +678,6 @@ class ClientProtocol(asyncio.Protocol):
         if size > _HEAD_LIMIT:
             self._head_too_large()
             return
-        req.headers.append((name, value))
         n = name.lower()
         f = self._flags.get(n)
         if f is None:
@@ -1231,15 +1216,10 @@ class Relay(_Exchange):
         self.conn = None
         br = self.app.breakers
         if br is not None:
-            st = self.status
-            if st < 500 and st not in NEUTRAL_STATUSES:
-                br.success(self.target)  # the common case: no set lookups, no clock
-            else:
-                br.status(self.target, st)
+            br.status(self.target, self.status)
         self._end()
 
     def up_error(self, exc: BaseException) -> None:
-        conn = self.conn
         self.conn = None
         if self.finished:
             return
@@ -1316,18 +1296,13 @@ class _PDLeg:
         ex = self.ex
         br = ex.app.breakers
         if br is not None:
-            st = self.status
-            if st < 500 and st not in NEUTRAL_STATUSES:
-                br.success(self.target)
-            else:
-                br.status(self.target, st)
+            br.status(self.target, self.status)
         if ex.relaying and self is ex.d:
             ex.relay_end()
         else:
             ex.pd_progress()
 
     def up_error(self, exc: BaseException) -> None:
-        conn = self.conn
         self.conn = None
         # A connect failure proves this leg's worker never saw the request.
         self.ex.leg_failed(self, exc, isinstance(exc, ConnectError))
