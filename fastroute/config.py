@@ -393,8 +393,11 @@ def _strip_url(url: str) -> str:
 
 
 def _check_url(flag: str, url: str) -> None:
-    if not (url.startswith("http://") or url.startswith("https://")):
-        raise ConfigError(flag, f"{url!r} must start with http:// or https://")
+    if url.startswith("https://"):
+        # Registration would succeed over TLS but proxied requests go out as plain HTTP.
+        raise ConfigError(flag, f"{url!r}: TLS to workers is not supported yet; use http://")
+    if not url.startswith("http://"):
+        raise ConfigError(flag, f"{url!r} must start with http://")
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError on a malformed port

@@ -16,7 +16,6 @@ proxy code in N processes over one shared target table.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import signal
 import socket
@@ -45,6 +44,7 @@ class Server:
 
     async def start(self) -> None:
         """Build everything and start listening; worker registration continues in the background."""
+        from fastroute.metrics import start_metrics
         from fastroute.monitor import Monitor
         from fastroute.routing import Router
         from fastroute.table import TargetTable
@@ -57,9 +57,9 @@ class Server:
             self.router = Router(self.table, seed=cfg.seed, config=cfg)
             self.registry = Registry(cfg, self.table, self.router)
             self.monitor = Monitor(cfg, self.registry, self.table)
-            self.metrics = await _start_metrics(cfg, self.table, self.registry)
+            self.metrics = await start_metrics(cfg, self.table, self.registry)
             self.app = App(cfg, self.registry, loop)
-            self.app.stats = getattr(self.metrics, "stats", None)
+            self.app.stats = self.metrics.stats
             self.listener = await loop.create_server(
                 self.app.protocol_factory, cfg.host, cfg.port,
                 reuse_address=True, reuse_port=hasattr(socket, "SO_REUSEPORT"), backlog=4096)
@@ -101,7 +101,7 @@ class Server:
             if self.registry is not None:
                 await self.registry.stop()
             if self.metrics is not None:
-                await _stop_metrics(self.metrics)
+                await self.metrics.stop()
         finally:
             if self.table is not None:
                 self.table.close()
@@ -110,31 +110,6 @@ class Server:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
-
-
-async def _start_metrics(config: Any, table: Any, registry: Any) -> Any:
-    """Start the Prometheus listener if fastroute.metrics provides ``start_metrics``."""
-    try:
-        from fastroute import metrics
-    except ImportError:
-        return None
-    start = getattr(metrics, "start_metrics", None)
-    if start is None:
-        return None
-    result = start(config, table, registry)
-    if inspect.isawaitable(result):
-        result = await result
-    return result
-
-
-async def _stop_metrics(handle: Any) -> None:
-    for name in ("stop", "close", "shutdown"):
-        fn = getattr(handle, name, None)
-        if callable(fn):
-            result = fn()
-            if inspect.isawaitable(result):
-                await result
-            return
 
 
 async def serve(config: Any, factory: Any = None) -> int:

@@ -288,6 +288,10 @@ class Registry:
         if role not in ROLES:
             raise ValueError(f"unknown worker_type {role!r} (expected one of {', '.join(ROLES)})")
         url = normalize_url(url)
+        if not url.startswith("http://"):
+            # The control client speaks TLS but the data path does not: refuse rather than
+            # register a worker whose inference traffic would go out as plain HTTP.
+            raise ValueError(f"worker URL {url!r}: only http:// workers are supported")
         if self.find(url) is not None:
             raise DuplicateWorker(f"worker {url} already exists")
         host, port = split_host_port(url)

@@ -58,6 +58,7 @@ from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+from fastroute import body as _router_body
 from fastroute.sim.http import CT_TEXT, HttpError, HttpServer, Request, Responder, fetch
 
 INFERENCE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
@@ -103,12 +104,13 @@ class SimParams:
 
 
 def estimate_text_tokens(text: str, chars_per_token: float = 4.0) -> int:
-    """Token count the simulator assumes for ``text`` (no tokenizer): ceil(utf-8 bytes / 4), the
-    router's own estimate, so both sides agree on what a text request weighs."""
-    if not text:
-        return 0
-    n = len(text) if text.isascii() else len(text.encode())
-    return max(1, math.ceil(n / chars_per_token))
+    """Token count the simulator assumes for ``text`` (no tokenizer): the router's own estimate
+    (``body.estimate_tokens``, ceil(utf-8 bytes / 4)), so both sides agree on what a text request
+    weighs; another ``chars_per_token`` scales the same byte count."""
+    if chars_per_token == 4.0:
+        return _router_body.estimate_tokens(text)
+    n = len(text.encode("utf-8", "surrogatepass"))
+    return math.ceil(n / chars_per_token) if n else 0
 
 
 class BadRequest(Exception):
@@ -222,7 +224,7 @@ def parse_inference(path: str, body: bytes, params: SimParams) -> ParsedGen:
         msgs = obj.get("messages")
         if not isinstance(msgs, list):
             raise BadRequest("messages must be a list")
-        n_in = 4 * len(msgs)  # chat template overhead per message, as the router estimates it
+        n_in = _router_body._CHAT_TOKENS_PER_MESSAGE * len(msgs)  # as the router estimates it
         for m in msgs:
             c = m.get("content") if isinstance(m, dict) else None
             if isinstance(c, str):

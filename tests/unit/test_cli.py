@@ -276,6 +276,7 @@ def test_pd_mode_may_start_without_workers() -> None:
     (["--prefill", "http://p:1"], "--prefill"),
     (["--decode", "http://d:1"], "--decode"),
     (["--worker-urls", "http://w:notaport"], "--worker-urls"),
+    (["--worker-urls", "https://w:443"], "--worker-urls"),   # no TLS on the data path yet
 ])
 def test_worker_url_validation(argv, flag, capsys) -> None:
     assert f"argument {flag}" in fails(argv, capsys)
