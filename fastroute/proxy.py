@@ -194,7 +194,10 @@ class App:
             # Imported here, not at module level: the monitor side pulls in the
             # table (NumPy); the data path itself never touches it.
             from fastroute.monitor import Reconciler
-            self.reconciler = Reconciler(table, self.timeout, self._reconcile_mismatch)
+            # Under --workers N the supervisor reconciles the shared table once (a proxy
+            # process's registry follows the supervisor's and has a ledger of its own).
+            if getattr(registry, "ledger", None) is None:
+                self.reconciler = Reconciler(table, self.timeout, self._reconcile_mismatch)
             self._row_owner: dict[int, Any] = {}
             add_listener = getattr(registry, "add_listener", None)
             if add_listener is not None:

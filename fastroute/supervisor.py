@@ -65,6 +65,7 @@ log = logging.getLogger("fastroute.supervisor")
 SYNC_INTERVAL = 0.1          # seconds between a proxy process's generation checks
 STATS_INTERVAL = 0.25        # seconds between a proxy process's Stats reports
 PUBLISH_INTERVAL = 0.1       # seconds between the supervisor's snapshot change checks
+RECONCILE_TICKS = 50          # reconcile the table with the engines' polls every 5 s
 RESTART_BACKOFF = (0.05, 5.0)  # first and largest delay before restarting a crashed process
 
 _CONTROL_HEADER = "x-fastroute-control"
@@ -130,7 +131,6 @@ class FollowerRegistry(Registry):
         self.control_url = control_url
         self._secret = secret
         self.version = -1
-        self._ready = False
         self._seen_generation = -1
         for g in self._groups.values():
             g.track_in(ledger)
@@ -140,10 +140,6 @@ class FollowerRegistry(Registry):
 
     async def stop(self) -> None:
         """No tasks of its own."""
-
-    def ready(self) -> bool:
-        # Per request: a cached flag, recomputed whenever a snapshot is applied.
-        return self._ready
 
     def poll(self) -> bool:
         """Re-read the snapshot if the table's generation moved; True when it was applied."""
@@ -202,8 +198,7 @@ class FollowerRegistry(Registry):
             if (targets, names) != before[role]:
                 self._sync_group(role)
         self.version = int(doc["version"])
-        self.invalidate_ready()
-        self._ready = Registry.ready(self)
+        self.invalidate_ready()     # Registry.ready() recomputes once, on the next request
 
     async def handle_admin(self, method: str, path: str, query: str, body: bytes,
                            headers: Any) -> tuple[int, bytes, bytes]:
@@ -363,7 +358,7 @@ class Supervisor:
     # ---- start --------------------------------------------------------------------------------
     async def start(self) -> None:
         from fastroute.metrics import DEFAULT_BUCKETS, Stats, start_metrics
-        from fastroute.monitor import Monitor
+        from fastroute.monitor import Monitor, Reconciler
         from fastroute.routing import Router
         from fastroute.table import TargetTable
 
@@ -380,6 +375,10 @@ class Supervisor:
             router = Router(self.table, seed=cfg.seed, config=cfg)
             self.registry = Registry(cfg, self.table, router)
             self.monitor = Monitor(cfg, self.registry, self.table)
+            # One reconciler for the shared table (the proxy processes run none): a mismatch is
+            # a fact about the table, so it is counted once, not once per process.
+            self.reconciler = Reconciler(self.table, float(cfg.request_timeout_secs),
+                                         lambda name: self.stats.reclaim("reconcile_mismatch"))
             self.metrics = await start_metrics(cfg, self.table, self.registry, self.stats)
             self.metrics.collector.stats = self.stats_views   # merged at scrape time
             self.metrics.registry.register(ProcessCollector(self))
@@ -522,6 +521,9 @@ class Supervisor:
                 ticks += 1
                 if ticks % 2 == 0:
                     self._refresh_views()
+                if ticks % RECONCILE_TICKS == 0:
+                    self.reconciler.check(self.registry.target_info,
+                                          asyncio.get_running_loop().time())
             except Exception:  # keep publishing whatever one tick did
                 log.exception("snapshot publisher")
 
