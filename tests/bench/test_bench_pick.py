@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastroute import _reference as R
-from fastroute.routing import Router
-from fastroute.table import COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_POLLED_AT, TargetTable
+from fastroute.core import reference as R
+from fastroute.core.routing import Router
+from fastroute.core.table import COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_POLLED_AT, TargetTable
 
 SIZES = [8, 64, 1024]
 CASES = [("power_of_two", "tokens", "off"), ("power_of_two", "least_requests", "off"),

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from fastroute.config import Config
-from fastroute.proxy import App, ClientProtocol
+from fastroute.dataplane.proxy import App, ClientProtocol
 from tests.stubs import StubGroup
 
 

@@ -7,7 +7,7 @@ request is recorded (path, headers, raw body). Requests can be held open until
 the test releases an explicit gate (``hold()`` / ``release()``), responses can be
 streamed as SSE, fail with a status, or the worker can die mid-stream.
 
-``Router`` starts ``fastroute.server.Server`` on an ephemeral port inside the
+``Router`` starts ``fastroute.runtime.server.Server`` on an ephemeral port inside the
 test's event loop and waits until the registry is ready. ``RawClient`` speaks
 raw HTTP/1.1 over a socket so tests can assert on exact bytes, keep-alive and
 pipelining. Every wait is bounded (``until``), no test sleeps and hopes.
@@ -24,7 +24,7 @@ import httptools
 import uvloop
 
 from fastroute.config import Config
-from fastroute.server import Server
+from fastroute.runtime.server import Server
 
 INFERENCE = ("/generate", "/v1/completions", "/v1/chat/completions")
 

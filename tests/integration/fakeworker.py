@@ -258,10 +258,10 @@ class Plane:
         self.capacity = capacity
 
     async def __aenter__(self) -> "Plane":
-        from fastroute.monitor import Monitor
-        from fastroute.routing import Router
-        from fastroute.table import TargetTable
-        from fastroute.workers import Registry
+        from fastroute.control.monitor import Monitor
+        from fastroute.core.routing import Router
+        from fastroute.core.table import TargetTable
+        from fastroute.control.workers import Registry
 
         self.table = TargetTable(capacity=self.capacity)
         self.router = Router(self.table, seed=7)

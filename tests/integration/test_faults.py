@@ -19,7 +19,7 @@ import httptools
 
 from conftest import (INFERENCE, DataWorker, RawClient, Router, _WorkerConn, call, get, post, run,
                       until)
-from fastroute.table import COL_CIRCUIT
+from fastroute.core.table import COL_CIRCUIT
 
 
 class FaultWorker(DataWorker):

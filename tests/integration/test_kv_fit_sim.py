@@ -18,7 +18,7 @@ import asyncio
 import json
 from typing import Any
 
-from fastroute import _policy
+from fastroute.core import _policy
 from fastroute.sim.http import HttpConnection
 from fastroute.sim.worker import SimCluster, SimParams, start_cluster
 from tests.integration.conftest import Router, run, until

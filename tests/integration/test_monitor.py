@@ -5,8 +5,8 @@ import asyncio
 
 from fakeworker import FakeWorker, Plane, make_config, run, wait_until
 
-from fastroute.monitor import parse_get_load, parse_v1_loads
-from fastroute.table import (COL_HEALTHY, COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_POLLED_RUNNING,
+from fastroute.control.monitor import parse_get_load, parse_v1_loads
+from fastroute.core.table import (COL_HEALTHY, COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_POLLED_RUNNING,
                              COL_POLLED_TOKENS, COL_POLLED_WAITING)
 
 LOADS4 = [{"num_running_reqs": r, "num_waiting_reqs": r % 2, "num_used_tokens": 1000 * (r + 1)} for r in range(4)]

@@ -6,9 +6,9 @@ import os
 
 import numpy as np
 
-from fastroute import _ledger
-from fastroute.routing import Router
-from fastroute.table import TargetTable
+from fastroute.core import _ledger
+from fastroute.core.routing import Router
+from fastroute.core.table import TargetTable
 
 ROUNDS = 250_000          # x 8 targets x 2 (book + release) = 4M atomic updates per process
 

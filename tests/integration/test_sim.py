@@ -326,8 +326,8 @@ def test_loadgen_mini_router_end_to_end() -> None:
     assert max(s["placed"]) - min(s["placed"]) <= 1  # the decode's own round-robin
 
 
-@pytest.mark.skipif(importlib.util.find_spec("fastroute.server") is None,
-                    reason="fastroute.server (the router) has not landed yet")
+@pytest.mark.skipif(importlib.util.find_spec("fastroute.runtime.server") is None,
+                    reason="fastroute.runtime.server (the router) has not landed yet")
 def test_demo_runs_end_to_end(tmp_path) -> None:
     out = tmp_path / "demo"
     cmd = [sys.executable, "-m", "fastroute", "demo", "--duration", "4.5", "--warmup", "0.5", "--concurrency", "8",

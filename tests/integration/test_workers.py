@@ -7,8 +7,8 @@ import uuid
 import pytest
 from fakeworker import FakeWorker, Plane, make_config, run, wait_until
 
-from fastroute.table import COL_ALLOCATED, COL_HEALTHY
-from fastroute.workers import split_host_port
+from fastroute.core.table import COL_ALLOCATED, COL_HEALTHY
+from fastroute.control.workers import split_host_port
 
 
 def acquire_targets(group, n: int) -> list[int]:
@@ -388,7 +388,7 @@ async def raw_server(reply: bytes, close: bool = True, delay: float = 0.0):
 
 
 def test_httpclient_framing_and_errors():
-    from fastroute import httpclient as hc
+    from fastroute.control import httpclient as hc
 
     async def body():
         srv, url = await raw_server(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: b\r\n\r\n"

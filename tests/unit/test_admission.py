@@ -1,8 +1,8 @@
-"""Admission control (fastroute.admission): limit, FIFO queue, rejection, expiry, cancel."""
+"""Admission control (fastroute.dataplane.admission): limit, FIFO queue, rejection, expiry, cancel."""
 from __future__ import annotations
 
-from fastroute.admission import Admission
-from fastroute.metrics import Stats
+from fastroute.dataplane.admission import Admission
+from fastroute.control.metrics import Stats
 
 
 def make(limit: int = 2, queue: int = 2, timeout: float = 5.0) -> Admission:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from fastroute.body import (
+from fastroute.dataplane.body import (
     ROOM_LIMIT,
     RequestMeta,
     SSELogprobMerger,

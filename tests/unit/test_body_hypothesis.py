@@ -8,7 +8,7 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastroute.body import ROOM_LIMIT, inject, parse_request, pd_fields
+from fastroute.dataplane.body import ROOM_LIMIT, inject, parse_request, pd_fields
 from fastroute.errors import RouterError
 
 PATHS = ["/generate", "/v1/completions", "/v1/chat/completions", "/other"]

@@ -1,4 +1,4 @@
-"""Circuit breaker state machine (fastroute.breaker) over a real shared target table.
+"""Circuit breaker state machine (fastroute.core.breaker) over a real shared target table.
 
 Single-object tests use a fake clock; the sharing tests run two ``Breakers`` over one
 table (two proxy processes in one interpreter), and one test runs real spawned
@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from fastroute import _ledger, table as T
-from fastroute.breaker import CLOSED, HALF_OPEN, OPEN, Breakers
-from fastroute.metrics import Stats
-from fastroute.table import TargetTable
+from fastroute.core import _ledger, table as T
+from fastroute.core.breaker import CLOSED, HALF_OPEN, OPEN, Breakers
+from fastroute.control.metrics import Stats
+from fastroute.core.table import TargetTable
 
 
 @pytest.fixture

@@ -14,11 +14,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastroute import _tree
-from fastroute.cache_aware import CacheAwarePolicy
+from fastroute.core import _tree
+from fastroute.core.cache_aware import CacheAwarePolicy
 from fastroute.config import Config
-from fastroute.routing import Router
-from fastroute.table import (
+from fastroute.core.routing import Router
+from fastroute.core.table import (
     CIRCUIT_HALF_OPEN, CIRCUIT_OPEN, COL_IN_FLIGHT, TargetTable,
 )
 

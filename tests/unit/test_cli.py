@@ -427,9 +427,9 @@ def test_unknown_flag_is_still_an_error(capsys) -> None:
 
 def test_main_runs_server_with_config(monkeypatch, restore_root_logging, tmp_path) -> None:
     seen: list[Config] = []
-    server = types.ModuleType("fastroute.server")
+    server = types.ModuleType("fastroute.runtime.server")
     server.run = lambda config: seen.append(config) or 0  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "fastroute.server", server)
+    monkeypatch.setitem(sys.modules, "fastroute.runtime.server", server)
     log_dir = tmp_path / "logs"
     rc = main(["--port", "0", "--log-level", "warn", "--log-dir", str(log_dir),
                "--enable-trace"])
@@ -444,9 +444,9 @@ def test_main_runs_server_with_config(monkeypatch, restore_root_logging, tmp_pat
 
 def test_main_accepts_launch_subcommand(monkeypatch, restore_root_logging) -> None:
     seen: list[Config] = []
-    server = types.ModuleType("fastroute.server")
+    server = types.ModuleType("fastroute.runtime.server")
     server.run = seen.append  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "fastroute.server", server)
+    monkeypatch.setitem(sys.modules, "fastroute.runtime.server", server)
     main(["launch", "--policy", "round_robin"])
     assert seen[0].policy == "round_robin"
 
@@ -461,9 +461,9 @@ def test_main_dispatches_demo(monkeypatch) -> None:
 
 
 def test_main_bad_config_exits_2_before_server(monkeypatch, restore_root_logging, capsys):
-    server = types.ModuleType("fastroute.server")
+    server = types.ModuleType("fastroute.runtime.server")
     server.run = lambda config: pytest.fail("server must not start")  # type: ignore
-    monkeypatch.setitem(sys.modules, "fastroute.server", server)
+    monkeypatch.setitem(sys.modules, "fastroute.runtime.server", server)
     with pytest.raises(SystemExit) as exc:
         main(["--policy", "manual"])
     assert exc.value.code == 2

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastroute import _policy, _reference as R
-from fastroute.routing import build_ring
-from fastroute.table import (COL_CIRCUIT, COL_HEALTHY, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS,
+from fastroute.core import _policy, reference as R
+from fastroute.core.routing import build_ring
+from fastroute.core.table import (COL_CIRCUIT, COL_HEALTHY, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS,
                              COL_POLLED_AT, COL_POLLED_TOKENS, NCOLS)
 
 METRIC = _policy.METRICS

@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastroute import _policy, _reference as R
-from fastroute.routing import Router
-from fastroute.table import (COL_HEALTHY, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_POLLED_AT,
+from fastroute.core import _policy, reference as R
+from fastroute.core.routing import Router
+from fastroute.core.table import (COL_HEALTHY, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_POLLED_AT,
                              COL_POLLED_MAX_TOKENS, COL_POLLED_TOKENS, COL_TOKENS_AT_POLL, NCOLS,
                              TargetTable)
 

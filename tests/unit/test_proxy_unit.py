@@ -14,7 +14,7 @@ import httptools
 import pytest
 
 from fastroute.config import Config
-from fastroute.proxy import App, ClientProtocol
+from fastroute.dataplane.proxy import App, ClientProtocol
 from tests.stubs import StubGroup as Group
 
 
@@ -346,7 +346,7 @@ class _Leg:
 
 
 def test_reused_connection_closed_before_any_byte_is_resent_once_on_a_fresh_one() -> None:
-    from fastroute.upstream import UpstreamConnection
+    from fastroute.dataplane.upstream import UpstreamConnection
 
     pool, leg = _StubPool(), _Leg()
     conn = UpstreamConnection(pool)  # type: ignore[arg-type]
@@ -361,7 +361,7 @@ def test_reused_connection_closed_before_any_byte_is_resent_once_on_a_fresh_one(
 
 
 def test_close_delimited_upstream_response_ends_at_eof() -> None:
-    from fastroute.upstream import UpstreamConnection
+    from fastroute.dataplane.upstream import UpstreamConnection
 
     pool, leg = _StubPool(), _Leg()
     conn = UpstreamConnection(pool)  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastroute.config import Config
-from fastroute.proxy import App, ClientProtocol
+from fastroute.dataplane.proxy import App, ClientProtocol
 from tests.stubs import StubGroup as Group
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastroute.routing import Router
-from fastroute.table import COL_IN_FLIGHT, COL_POLLED_AT, TargetTable
+from fastroute.core.routing import Router
+from fastroute.core.table import COL_IN_FLIGHT, COL_POLLED_AT, TargetTable
 
 
 @pytest.fixture

@@ -59,13 +59,13 @@ def test_parse_rejects_malformed(body: bytes) -> None:
 
 
 def test_text_estimate_agrees_with_router_estimator() -> None:
-    body = pytest.importorskip("fastroute.body")
+    body = pytest.importorskip("fastroute.dataplane.body")
     for text in ["", "a", "abcd", "abcde", "héllo wörld", "日本語のテキスト" * 3, "x" * 4001]:
         assert estimate_text_tokens(text) == (body.estimate_tokens(text) if text else 0)
 
 
 def test_encoded_requests_weigh_the_same_for_router_and_sim() -> None:
-    body = pytest.importorskip("fastroute.body")
+    body = pytest.importorskip("fastroute.dataplane.body")
     for item in [TraceItem(1, 5), TraceItem(31_000, 200), TraceItem(300_000, 100), TraceItem(3, 7, text="héllo"),
                  TraceItem(3, 7, input_ids=[4, 5, 6])]:
         for fmt in ("text", "ids"):

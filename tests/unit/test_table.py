@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastroute import _ledger, _policy, table as T
-from fastroute.table import TargetTable
+from fastroute.core import _ledger, _policy, table as T
+from fastroute.core.table import TargetTable
 
 
 @pytest.fixture

@@ -10,13 +10,13 @@ winner, so the I/O layer never loops over targets in Python.
 """
 cimport cython
 from libc.stdint cimport int64_t, uint64_t
-from fastroute._atomic cimport fr_load_i64, fr_store_i64, fr_add_i64, fr_cas_i64
-from fastroute._layout cimport (
+from fastroute.core._atomic cimport fr_load_i64, fr_store_i64, fr_add_i64, fr_cas_i64
+from fastroute.core._layout cimport (
     COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS, COL_POLLED_RUNNING, COL_POLLED_WAITING,
     COL_POLLED_TOKENS, COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_TOKENS_AT_POLL, HDR_UNDERFLOWS,
     NCOLS, NHDR, COL_CIRCUIT, COL_CB_FAILS, COL_CB_OKS, COL_CB_OPENED_AT,
 )
-from fastroute._policy cimport (
+from fastroute.core._policy cimport (
     pick_round_robin, pick_random, pick_p2c, pick_demand, pick_ring, pick_kv_fit, kv_free, rng_next,
     hash_bytes,
     METRIC_TOKENS, METRIC_REQUESTS, METRIC_LEAST_REQUESTS,
@@ -133,7 +133,7 @@ def stress_book_release(int64_t[:, ::1] tab, int64_t[::1] header, const int64_t[
 # Single cells go through ``Cells`` (below), which holds the array's buffer once.
 
 def breaker_layout():
-    """The breaker's columns as compiled (tests check fastroute/table.py mirrors them)."""
+    """The breaker's columns as compiled (tests check fastroute/core/table.py mirrors them)."""
     return dict(COL_CIRCUIT=COL_CIRCUIT, COL_CB_FAILS=COL_CB_FAILS, COL_CB_OKS=COL_CB_OKS,
                 COL_CB_OPENED_AT=COL_CB_OPENED_AT)
 

@@ -9,7 +9,7 @@ inference requests get 503 until the registry reports ready (protocol.md 2).
 
 ``Server`` is the in-process form used by tests; ``run(config)`` is what the
 CLI calls (uvloop, signal handlers, blocking until shutdown). With ``--workers N``
-(N > 1) ``run`` delegates to :mod:`fastroute.supervisor`, which runs this same
+(N > 1) ``run`` delegates to :mod:`fastroute.runtime.supervisor`, which runs this same
 proxy code in N processes over one shared target table.
 """
 
@@ -21,7 +21,7 @@ import signal
 import socket
 from typing import Any
 
-from fastroute.proxy import App
+from fastroute.dataplane.proxy import App
 
 log = logging.getLogger("fastroute.server")
 
@@ -44,11 +44,11 @@ class Server:
 
     async def start(self) -> None:
         """Build everything and start listening; worker registration continues in the background."""
-        from fastroute.metrics import start_metrics
-        from fastroute.monitor import Monitor
-        from fastroute.routing import Router
-        from fastroute.table import TargetTable
-        from fastroute.workers import Registry
+        from fastroute.control.metrics import start_metrics
+        from fastroute.control.monitor import Monitor
+        from fastroute.core.routing import Router
+        from fastroute.core.table import TargetTable
+        from fastroute.control.workers import Registry
 
         cfg = self.config
         loop = asyncio.get_running_loop()
@@ -136,13 +136,13 @@ def run(config: Any) -> int:
     """Blocking entry point used by the CLI: uvloop event loop + ``serve``.
 
     ``--workers N`` with N > 1 (or ``auto`` on a multi-core machine) hands over to
-    :mod:`fastroute.supervisor`; one process keeps this single-process path unchanged."""
+    :mod:`fastroute.runtime.supervisor`; one process keeps this single-process path unchanged."""
     import uvloop
 
-    from fastroute.supervisor import resolve_processes
+    from fastroute.runtime.supervisor import resolve_processes
 
     if resolve_processes(config) > 1:
-        from fastroute import supervisor
+        from fastroute.runtime import supervisor
 
         return supervisor.run(config)
     return uvloop.run(serve(config))

@@ -4,9 +4,9 @@ Owns everything that exists only when the router runs as several processes:
 
 * the **supervisor** (the process the CLI started) creates the shared target table and one
   per-process *ledger* table per proxy slot, registers workers (the ordinary
-  :class:`~fastroute.workers.Registry`), runs the load monitor and health checks, serves
+  :class:`~fastroute.control.workers.Registry`), runs the load monitor and health checks, serves
   ``/metrics`` once for all processes, and starts, watches and restarts the proxy processes;
-* the **proxy processes** (``python -m fastroute.supervisor --child DIR SLOT``) attach the table
+* the **proxy processes** (``python -m fastroute.runtime.supervisor --child DIR SLOT``) attach the table
   by name, listen on the same port with ``SO_REUSEPORT`` (the kernel spreads connections across
   them), and serve requests with a :class:`FollowerRegistry`: a registry that never registers
   or monitors anything itself but mirrors the supervisor's worker set.
@@ -28,7 +28,7 @@ starts a replacement.  Order matters for a kill between the two bookings: the ta
 before the ledger and the ledger released before the table, so such a kill can leak one booking
 but never makes the supervisor subtract a booking that another process owns.
 
-Statistics: each proxy process pickles its :class:`~fastroute.metrics.Stats` into the state
+Statistics: each proxy process pickles its :class:`~fastroute.control.metrics.Stats` into the state
 directory every ``STATS_INTERVAL`` seconds and when it exits; the supervisor merges them (plus
 the last report of dead processes) at scrape time.  Counts made by a killed process since its
 last report are lost; everything else is exact.
@@ -55,10 +55,10 @@ from typing import Any
 
 import numpy as np
 
-from fastroute import httpclient
-from fastroute.httpclient import HttpClientError
-from fastroute.table import COL_ALLOCATED, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS
-from fastroute.workers import Registry, Worker, _header
+from fastroute.control import httpclient
+from fastroute.control.httpclient import HttpClientError
+from fastroute.core.table import COL_ALLOCATED, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS
+from fastroute.control.workers import Registry, Worker, _header
 
 log = logging.getLogger("fastroute.supervisor")
 
@@ -239,7 +239,7 @@ def merge_stats(dst: Any, src: Any) -> None:
     Generic over the attributes, so counters the proxy adds later are merged too: a dict of
     ints is a labelled counter, a dict of ``Hist`` a labelled histogram, a ``Hist`` a histogram.
     Plain ints (``connections_active``) are gauges of a live process and are not carried over."""
-    from fastroute.metrics import Hist
+    from fastroute.control.metrics import Hist
 
     for attr, val in vars(src).items():
         if isinstance(val, Hist):
@@ -357,10 +357,10 @@ class Supervisor:
 
     # ---- start --------------------------------------------------------------------------------
     async def start(self) -> None:
-        from fastroute.metrics import DEFAULT_BUCKETS, Stats, start_metrics
-        from fastroute.monitor import Monitor, Reconciler
-        from fastroute.routing import Router
-        from fastroute.table import TargetTable
+        from fastroute.control.metrics import DEFAULT_BUCKETS, Stats, start_metrics
+        from fastroute.control.monitor import Monitor, Reconciler
+        from fastroute.core.routing import Router
+        from fastroute.core.table import TargetTable
 
         cfg = self.config
         self.state_dir = tempfile.mkdtemp(prefix="fastroute-")   # 0700: holds worker API keys
@@ -424,7 +424,7 @@ class Supervisor:
         child.stats = None
         child.version = -1
         child.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fastroute.supervisor", "--child", self.state_dir, str(child.slot),
+            sys.executable, "-m", "fastroute.runtime.supervisor", "--child", self.state_dir, str(child.slot),
             stdin=asyncio.subprocess.DEVNULL, env=env)
         child.watch = asyncio.get_running_loop().create_task(self._watch(child),
                                                              name=f"proxy {child.slot}")
@@ -630,7 +630,7 @@ class Supervisor:
 
 async def serve(config: Any) -> int:
     """Supervise until SIGTERM/SIGINT, then drain every proxy process; returns the exit status."""
-    from fastroute.server import serve as serve_with
+    from fastroute.runtime.server import serve as serve_with
 
     return await serve_with(config, Supervisor)
 
@@ -655,10 +655,10 @@ def _die_with_parent() -> None:
 
 
 async def _child_serve(state_dir: str, slot: int) -> int:
-    from fastroute.metrics import DEFAULT_BUCKETS, Stats, group_decisions
-    from fastroute.proxy import App
-    from fastroute.routing import Router
-    from fastroute.table import TargetTable
+    from fastroute.control.metrics import DEFAULT_BUCKETS, Stats, group_decisions
+    from fastroute.dataplane.proxy import App
+    from fastroute.core.routing import Router
+    from fastroute.core.table import TargetTable
 
     with open(os.path.join(state_dir, "config.pickle"), "rb") as f:
         cfg = pickle.load(f)
@@ -747,4 +747,4 @@ def child_main(state_dir: str, slot: int) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--child":
         sys.exit(child_main(sys.argv[2], int(sys.argv[3])))
-    sys.exit("usage: python -m fastroute.supervisor --child STATE_DIR SLOT")
+    sys.exit("usage: python -m fastroute.runtime.supervisor --child STATE_DIR SLOT")

@@ -27,9 +27,9 @@ from libc.stdint cimport int32_t, int64_t, uint64_t, uint8_t, INT64_MAX
 from libc.string cimport memchr, memcpy
 from cpython.mem cimport PyMem_Malloc, PyMem_Realloc, PyMem_Free
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
-from fastroute._atomic cimport fr_load_i64
-from fastroute._layout cimport COL_IN_FLIGHT, COL_HEALTHY, COL_CIRCUIT, NCOLS
-from fastroute._policy cimport rng_below
+from fastroute.core._atomic cimport fr_load_i64
+from fastroute.core._layout cimport COL_IN_FLIGHT, COL_HEALTHY, COL_CIRCUIT, NCOLS
+from fastroute.core._policy cimport rng_below
 
 cdef extern from "Python.h":
     const char *PyUnicode_AsUTF8AndSize(object s, Py_ssize_t *size) except NULL

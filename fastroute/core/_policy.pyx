@@ -2,12 +2,12 @@
 
 Every kernel is a pure function: it reads counters through the atomics header, never writes the
 table (booking is the ledger's job), and breaks ties at random from explicit RNG state so that no
-rank wins ties by being first.  ``fastroute._reference`` holds a NumPy twin of each kernel that
+rank wins ties by being first.  ``fastroute.core.reference`` holds a NumPy twin of each kernel that
 consumes the RNG identically; the differential tests compare them pick for pick.
 """
 from libc.stdint cimport int64_t, uint64_t, INT64_MIN
-from fastroute._atomic cimport fr_load_i64
-from fastroute._layout cimport (
+from fastroute.core._atomic cimport fr_load_i64
+from fastroute.core._layout cimport (
     COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_POLLED_TOKENS, COL_POLLED_AT, COL_HEALTHY,
     COL_CIRCUIT, COL_POLLED_MAX_TOKENS, COL_TOKENS_AT_POLL, NCOLS,
 )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastroute.table import (COL_CIRCUIT, COL_HEALTHY, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS,
+from fastroute.core.table import (COL_CIRCUIT, COL_HEALTHY, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS,
                              COL_POLLED_MAX_TOKENS, COL_TOKENS_AT_POLL,
                              COL_POLLED_AT, COL_POLLED_TOKENS)
 

@@ -1,6 +1,6 @@
 """Load monitor and health checker: the only writer of polled load and health into the table.
 
-Owns two background loops over the *physical* workers of the :class:`~fastroute.workers.Registry`
+Owns two background loops over the *physical* workers of the :class:`~fastroute.control.workers.Registry`
 (one HTTP call per server per tick, however many rank targets it has):
 
 * load polling (protocol.md 4.4, 5.1, 5.2) every ``load_monitor_interval`` seconds:
@@ -25,9 +25,9 @@ import logging
 import math
 from typing import Any
 
-from fastroute import httpclient
-from fastroute.httpclient import HttpClientError
-from fastroute.workers import Registry, Worker
+from fastroute.control import httpclient
+from fastroute.control.httpclient import HttpClientError
+from fastroute.control.workers import Registry, Worker
 
 log = logging.getLogger("fastroute.monitor")
 
@@ -306,7 +306,7 @@ class Reconciler:
 
     def check(self, target_info: Any, now: float) -> int:
         """One pass over the registered targets; returns how many were newly flagged."""
-        from fastroute.table import COL_POLLED_AT, COL_POLLED_RUNNING, COL_POLLED_WAITING
+        from fastroute.core.table import COL_POLLED_AT, COL_POLLED_RUNNING, COL_POLLED_WAITING
 
         tab = self.table
         flagged = 0

@@ -38,8 +38,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fastroute import _ledger
-from fastroute.table import COL_CB_FAILS, COL_CB_OKS, COL_CB_OPENED_AT, COL_CIRCUIT, NCOLS
+from fastroute.core import _ledger
+from fastroute.core.table import COL_CB_FAILS, COL_CB_OKS, COL_CB_OPENED_AT, COL_CIRCUIT, NCOLS
 
 log = logging.getLogger("fastroute.breaker")
 
@@ -56,7 +56,7 @@ _US = 1_000_000  # clock seconds -> the integer microseconds kept in COL_CB_OPEN
 class Breakers:
     """Per-target circuit breakers over the shared table (see module docstring).
 
-    ``table`` is a :class:`fastroute.table.TargetTable` (or anything with an
+    ``table`` is a :class:`fastroute.core.table.TargetTable` (or anything with an
     ``array`` of shape (rows, NCOLS) int64); ``None`` keeps the state in a
     private array, for a single process without a table.
     """

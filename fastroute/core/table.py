@@ -3,9 +3,9 @@
 A *target* is a worker, or one DP rank of a worker under ``--dp-aware``.  The supervisor creates
 the table; proxy processes attach it by name, so every pick sees every process's bookings.  Rows
 are 16 cells (128 bytes, two cache lines).  Every read and write of a shared cell goes through the
-compiled atomics (``fastroute._ledger``); the NumPy view is handed to compiled code only.
+compiled atomics (``fastroute.core._ledger``); the NumPy view is handed to compiled code only.
 
-Layout constants mirror ``fastroute/_layout.pxd``; ``tests/unit/test_table.py`` checks they agree.
+Layout constants mirror ``fastroute/core/_layout.pxd``; ``tests/unit/test_table.py`` checks they agree.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
-from fastroute import _ledger
+from fastroute.core import _ledger
 
 COL_IN_FLIGHT = 0
 COL_IN_FLIGHT_TOKENS = 1
@@ -29,7 +29,7 @@ COL_CIRCUIT = 8
 COL_POLLED_MAX_TOKENS = 9
 COL_ALLOCATED = 10
 COL_TOKENS_AT_POLL = 11
-COL_CB_FAILS = 12        # breaker cells (fastroute.breaker): consecutive failures,
+COL_CB_FAILS = 12        # breaker cells (fastroute.core.breaker): consecutive failures,
 COL_CB_OKS = 13          # successes since half-open,
 COL_CB_OPENED_AT = 14    # monotonic microseconds of the last opening
 NCOLS = 16

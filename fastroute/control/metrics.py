@@ -19,7 +19,7 @@ from typing import Any, Iterable
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from fastroute import _policy, table as T
+from fastroute.core import _policy, table as T
 
 log = logging.getLogger("fastroute.metrics")
 
@@ -72,7 +72,7 @@ class Stats:
         # (role, family, result) -> count of policy decisions made in another process (the
         # proxy processes of --workers N); single-process groups are read directly.
         self.decisions: dict[tuple[str, str, str], int] = {}
-        # Resilience (fastroute.breaker / admission / proxy retries).
+        # Resilience (fastroute.core.breaker / admission / proxy retries).
         self.retries_exhausted: dict[tuple[str, str], int] = {}
         self.cb_outcomes: dict[tuple[str, str], int] = {}            # (worker, outcome)
         self.cb_transitions: dict[tuple[str, str, str], int] = {}    # (worker, from, to)

@@ -1,7 +1,7 @@
 """Worker registry: registration handshake, target rows, routing groups and admin endpoints.
 
 Owns the set of known workers (SGLang servers) and their mapping onto rows ("targets") of the
-shared :class:`~fastroute.table.TargetTable`:
+shared :class:`~fastroute.core.table.TargetTable`:
 
 * registration (protocol.md 2): poll ``GET /health`` every ``worker_startup_check_interval``
   until ``worker_startup_timeout_secs``, then ``/server_info`` (fallback ``/get_server_info`` on
@@ -16,7 +16,7 @@ shared :class:`~fastroute.table.TargetTable`:
   freed later by a small reaper), so a late ``Lease.release()`` never lands on a reused row.
 * the admin / info endpoints of protocol.md 6.2-6.6 (:meth:`Registry.handle_admin`).
 
-Load polling and periodic health checks live in :mod:`fastroute.monitor`; they write the table
+Load polling and periodic health checks live in :mod:`fastroute.control.monitor`; they write the table
 and ``Worker.healthy`` and read the worker list from here.
 """
 from __future__ import annotations
@@ -31,10 +31,12 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Mapping
 from urllib.parse import parse_qs, urlsplit
 
-from fastroute import __version__, httpclient
+from fastroute import __version__
+
+from fastroute.control import httpclient
 from fastroute.errors import error_response
-from fastroute.httpclient import HttpClientError
-from fastroute.table import (COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_POLLED_RUNNING, COL_POLLED_TOKENS,
+from fastroute.control.httpclient import HttpClientError
+from fastroute.core.table import (COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_POLLED_RUNNING, COL_POLLED_TOKENS,
                              COL_POLLED_WAITING)
 
 log = logging.getLogger("fastroute.workers")

@@ -13,8 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
-from fastroute import _ledger, _policy
-from fastroute.table import TargetTable
+from fastroute.core import _ledger, _policy
+from fastroute.core.table import TargetTable
 
 log = logging.getLogger("fastroute.routing")
 
@@ -76,7 +76,7 @@ class Group:
                                       DEMAND_MODES[kv_fit], int(kv_reserve))
         self._text_policy = None
         if policy == "cache_aware":
-            from fastroute.cache_aware import CacheAwarePolicy  # the prefix-tree policy
+            from fastroute.core.cache_aware import CacheAwarePolicy  # the prefix-tree policy
             self._text_policy = CacheAwarePolicy(router.table, router.config, seed=seed)
             self.acquire = self._acquire_text
         elif demand == "shadow":

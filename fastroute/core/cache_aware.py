@@ -11,7 +11,7 @@ One pick, over the group's eligible targets (healthy, circuit not open):
 
 The text is then inserted under the chosen target.  No text picks the least-loaded target and
 inserts nothing.  Every tie is broken at random.  The tree, matching and eviction live in
-``fastroute._tree`` (see its docstring: bytes, per-target LRU lists, inline eviction that keeps
+``fastroute.core._tree`` (see its docstring: bytes, per-target LRU lists, inline eviction that keeps
 every target within ``max_tree_size`` bytes after every pick).
 
 Each proxy process keeps its own tree: what a target caches is learned from the requests this
@@ -22,8 +22,8 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
-from fastroute import _tree
-from fastroute.table import TargetTable
+from fastroute.core import _tree
+from fastroute.core.table import TargetTable
 
 DEFAULTS = {
     "cache_threshold": 0.3,

@@ -15,8 +15,8 @@ starting the exchange.
 Resilience (protocol.md 7.2-7.4): an attempt that fails before any client byte
 (connect failure, or a 408/429/500/502/503/504 head) is retried with a fresh pick
 (PD: fresh pair and room) after a loop-timer backoff; outcomes feed the
-per-target circuit breakers (:mod:`fastroute.breaker`) on the leg that failed;
-``--max-concurrent-requests`` is enforced by :mod:`fastroute.admission`, whose
+per-target circuit breakers (:mod:`fastroute.core.breaker`) on the leg that failed;
+``--max-concurrent-requests`` is enforced by :mod:`fastroute.dataplane.admission`, whose
 slot is released together with the leases. ``App.exchanges`` is the registry of
 live exchanges that the lease safety net (``App.check_leaks``) scans every few
 seconds for bookings their owner failed to release.
@@ -40,12 +40,12 @@ from typing import Any
 
 import httptools
 
-from fastroute import body as _body
+from fastroute.dataplane import body as _body
 from fastroute import errors as _errors
-from fastroute.admission import Admission
-from fastroute.breaker import Breakers
+from fastroute.dataplane.admission import Admission
+from fastroute.core.breaker import Breakers
 from fastroute.errors import RouterError
-from fastroute.upstream import ConnectError, Pool, _nodelay
+from fastroute.dataplane.upstream import ConnectError, Pool, _nodelay
 
 log = logging.getLogger("fastroute.proxy")
 
@@ -193,7 +193,7 @@ class App:
                 name_of=getattr(registry, "target_name", None), clock=self.loop.time)
             # Imported here, not at module level: the monitor side pulls in the
             # table (NumPy); the data path itself never touches it.
-            from fastroute.monitor import Reconciler
+            from fastroute.control.monitor import Reconciler
             # Under --workers N the supervisor reconciles the shared table once (a proxy
             # process's registry follows the supervisor's and has a ledger of its own).
             if getattr(registry, "ledger", None) is None:
@@ -232,7 +232,7 @@ class App:
             every.append(self.breakers.timeout / 4)
         self._sweep_every = max(0.05, min(every))
 
-    # fastroute.metrics.Stats of this process (set by the server when metrics
+    # fastroute.control.metrics.Stats of this process (set by the server when metrics
     # run): plain dict increments per request, turned into series at scrape time.
     @property
     def stats(self) -> Any:

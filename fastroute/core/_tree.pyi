@@ -1,4 +1,4 @@
-"""Typed API of fastroute._tree: the cache_aware policy's shared prefix tree and pick."""
+"""Typed API of fastroute.core._tree: the cache_aware policy's shared prefix tree and pick."""
 from __future__ import annotations
 
 from typing import Sequence
