@@ -35,11 +35,12 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
+from fastroute.sim.engine import SimParams
 from fastroute.sim.http import HttpError, fetch
 from fastroute.sim.loadgen import Target, run_load, scale_summary, synthetic_trace
-from fastroute.sim.worker import SimCluster, SimParams, start_cluster
+from fastroute.sim.worker import SimCluster, start_cluster
 
 
 @dataclass
@@ -158,7 +159,7 @@ class RouterProcess:
         self.cmd = cmd
         self.port = port
         self.log_path = log_path
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: subprocess.Popen | None = None
         self._log: Any = None
 
     async def start(self, timeout: float = 60.0) -> None:
@@ -246,7 +247,7 @@ async def run_cell(cell: Cell, concurrency: int, cluster: SimCluster, trace: lis
     """One (cell, concurrency) point: returns load summary + balance statistics + raw samples."""
     prefill, decode = cluster.prefills[0], cluster.decodes[0]
     assert prefill.bootstrap_port is not None and decode.decode is not None
-    router: Optional[RouterProcess] = None
+    router: RouterProcess | None = None
     prom = 0
     if cell.router == "direct":
         target = Target("127.0.0.1", decode.port, prefill=("127.0.0.1", prefill.port, prefill.bootstrap_port))
@@ -406,8 +407,8 @@ def write_plots(results: list[dict], out_dir: str) -> list[str]:
 
 async def run_matrix(cells: list[Cell], concurrencies: list[int], duration: float, warmup: float,
                      params: SimParams, out_dir: str, seed: int = 0, progress: bool = True,
-                     prefill_params: Optional[SimParams] = None, repeat: int = 1,
-                     trace_kwargs: Optional[dict] = None) -> list[dict]:
+                     prefill_params: SimParams | None = None, repeat: int = 1,
+                     trace_kwargs: dict | None = None) -> list[dict]:
     """Start the simulators, run every (repeat, concurrency, cell) point, return the results.
 
     Repeats are interleaved (every cell once, then again) so a noisy neighbour on the machine
@@ -441,7 +442,7 @@ async def run_matrix(cells: list[Cell], concurrencies: list[int], duration: floa
 
 
 def write_outputs(results: list[dict], out_dir: str, time_scale: float,
-                  kv_params: Optional[SimParams] = None) -> str:
+                  kv_params: SimParams | None = None) -> str:
     os.makedirs(out_dir, exist_ok=True)
     table = markdown_table(results, time_scale) if kv_params is None else kv_markdown_table(
         results, time_scale, kv_params)
@@ -469,7 +470,7 @@ def add_common_flags(ap: argparse.ArgumentParser, duration: float, warmup: float
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python bench/balance.py", description="Decode DP-rank balance benchmark "
                                  "(seed 001's table) on simulated 1P1D with 8 decode ranks")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 192])

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional
 
 from fastroute.sim.balance import (Cell, add_common_flags, failed_cells, fastroute_cells, run_matrix,
                                    write_outputs)
-from fastroute.sim.worker import SimParams
+from fastroute.sim.engine import SimParams
 
 DEMO_LABELS = ("round_robin", "p2c least_requests", "demand W=1e+06")
 
@@ -23,7 +22,7 @@ def demo_cells() -> list[Cell]:
     return [by_label[label] for label in DEMO_LABELS]
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fastroute demo", description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", type=int, default=64)
     add_common_flags(ap, duration=60.0, warmup=0.0, time_scale=0.25)

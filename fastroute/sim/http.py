@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import deque
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable
 
 import httptools
 
@@ -121,21 +121,21 @@ class _ServerConn(asyncio.Protocol):
     def __init__(self, app: App, conns: set) -> None:
         self._app = app
         self._conns = conns
-        self.transport: Optional[asyncio.Transport] = None
+        self.transport: asyncio.Transport | None = None
         self.closed = False
         self._parser = httptools.HttpRequestParser(self)
         self._url = b""
         self._headers: dict[bytes, bytes] = {}
         self._body: list[bytes] = []
         self._pending: deque = deque()
-        self._task: Optional[asyncio.Task] = None
+        self._task: asyncio.Task | None = None
 
     # asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self._conns.add(self)
 
-    def connection_lost(self, exc: Optional[BaseException]) -> None:
+    def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = True
         self._conns.discard(self)
         self._pending.clear()
@@ -202,7 +202,7 @@ class HttpServer:
         self.app = app
         self.host = host
         self.port = port
-        self._server: Optional[asyncio.AbstractServer] = None
+        self._server: asyncio.AbstractServer | None = None
         self._conns: set = set()
 
     async def start(self) -> None:
@@ -232,21 +232,21 @@ class HttpError(Exception):
 
 class _ClientProto(asyncio.Protocol):
     def __init__(self) -> None:
-        self.transport: Optional[asyncio.Transport] = None
+        self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.on_chunk: Optional[Callable[[bytes], None]] = None
+        self.on_chunk: Callable[[bytes], None] | None = None
         self.body: list[bytes] = []
         self.status = 0
         self.headers: dict[bytes, bytes] = {}
-        self.head_done: Optional[asyncio.Future] = None
-        self.complete: Optional[asyncio.Future] = None
+        self.head_done: asyncio.Future | None = None
+        self.complete: asyncio.Future | None = None
         self.keep_alive = True
         self.lost = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
-    def connection_lost(self, exc: Optional[BaseException]) -> None:
+    def connection_lost(self, exc: BaseException | None) -> None:
         self.lost = True
         err = HttpError("connection lost" if exc is None else repr(exc))
         for fut in (self.head_done, self.complete):
@@ -282,7 +282,7 @@ class _ClientProto(asyncio.Protocol):
             self.complete.set_result(None)
 
 
-def _consume(fut: Optional[asyncio.Future]) -> None:
+def _consume(fut: asyncio.Future | None) -> None:
     """Settle a future the caller will not await: read its exception if it failed (the caller is
     raising something else), cancel it if still pending (connection_lost then skips it)."""
     if fut is None:
@@ -303,7 +303,7 @@ class HttpConnection:
     def __init__(self, host: str, port: int) -> None:
         self.host = host
         self.port = port
-        self._proto: Optional[_ClientProto] = None
+        self._proto: _ClientProto | None = None
 
     async def _connect(self) -> _ClientProto:
         loop = asyncio.get_running_loop()
@@ -313,9 +313,9 @@ class HttpConnection:
             raise HttpError(repr(exc)) from exc
         return proto
 
-    async def request(self, method: str, path: str, body: bytes = b"", headers: Optional[dict[str, str]] = None,
-                      on_chunk: Optional[Callable[[bytes], None]] = None,
-                      on_head: Optional[Callable[[int], None]] = None) -> tuple[int, dict[bytes, bytes], bytes]:
+    async def request(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None,
+                      on_chunk: Callable[[bytes], None] | None = None,
+                      on_head: Callable[[int], None] | None = None) -> tuple[int, dict[bytes, bytes], bytes]:
         proto = self._proto
         # A transport already closing (the server's FIN was read, connection_lost not yet
         # delivered) cannot carry a request: reconnect rather than write into it.

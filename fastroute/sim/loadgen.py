@@ -33,7 +33,7 @@ import math
 import random
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable
 
 from fastroute.sim.http import HttpConnection, HttpError
 
@@ -46,8 +46,8 @@ class TraceItem:
 
     input_tokens: int
     output_tokens: int
-    text: Optional[str] = None
-    input_ids: Optional[list] = None
+    text: str | None = None
+    input_ids: list | None = None
 
 
 def synthetic_trace(n: int = 4000, seed: int = 0, input_mean: float = 30_000, input_sigma: float = 1.0,
@@ -158,8 +158,8 @@ class Target:
     host: str
     port: int
     path: str = "/generate"
-    prefill: Optional[tuple[str, int, int]] = None  # (host, port, bootstrap_port) => mini-router mode
-    headers: Optional[dict[str, str]] = None
+    prefill: tuple[str, int, int] | None = None  # (host, port, bootstrap_port) => mini-router mode
+    headers: dict[str, str] | None = None
 
 
 def _percentile(vals: list[float], q: float) -> float:
@@ -203,7 +203,7 @@ class LoadResult:
         }
 
 
-async def _one(conn: HttpConnection, prefill_conn: Optional[HttpConnection], target: Target, body: bytes,
+async def _one(conn: HttpConnection, prefill_conn: HttpConnection | None, target: Target, body: bytes,
                rec: ReqRecord, rng: random.Random, timeout: float) -> None:
     loop = asyncio.get_running_loop()
     counter = _SSECounter(rec, loop.time)
@@ -251,7 +251,7 @@ async def _one(conn: HttpConnection, prefill_conn: Optional[HttpConnection], tar
 async def run_load(target: Target, trace: list[TraceItem], concurrency: int, duration_s: float,
                    warmup_s: float = 0.0, input_format: str = "text", seed: int = 0,
                    request_timeout_s: float = 600.0, progress: bool = False,
-                   max_requests: Optional[int] = None) -> LoadResult:
+                   max_requests: int | None = None) -> LoadResult:
     """Run C closed-loop clients for ``warmup_s + duration_s`` and measure the last ``duration_s``.
 
     Requests still open at the end are aborted (their connection closed), which the simulated
@@ -267,7 +267,7 @@ async def run_load(target: Target, trace: list[TraceItem], concurrency: int, dur
     counter = {"next": 0, "issued": 0}
     rng = random.Random(seed ^ 0x5EED)
 
-    def next_item() -> Optional[tuple[int, TraceItem]]:
+    def next_item() -> tuple[int, TraceItem] | None:
         if max_requests is not None and counter["issued"] >= max_requests:
             return None
         i = counter["next"]
@@ -350,7 +350,7 @@ def _hostport(s: str) -> tuple[str, int]:
     return h, int(p)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fastroute.sim.loadgen", description=__doc__.split("\n")[0])
     ap.add_argument("--url", help="router URL, e.g. http://127.0.0.1:30000")
     ap.add_argument("--prefill", help="mini-router mode: HOST:PORT:BOOTSTRAP_PORT of the prefill")

@@ -19,8 +19,9 @@ import json
 from typing import Any
 
 from fastroute.core import _policy
+from fastroute.sim.engine import SimParams
 from fastroute.sim.http import HttpConnection
-from fastroute.sim.worker import SimCluster, SimParams, start_cluster
+from fastroute.sim.worker import SimCluster, start_cluster
 from tests.integration.conftest import Router, run, until
 
 H = "127.0.0.1"

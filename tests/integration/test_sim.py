@@ -13,9 +13,11 @@ import sys
 
 import pytest
 
+from fastroute.sim.engine import SimParams
 from fastroute.sim.http import HttpConnection, HttpError, fetch
 from fastroute.sim.loadgen import Target, TraceItem, run_load
-from fastroute.sim.worker import SimParams, SimWorker, start_cluster
+from fastroute.sim.server import SimWorker
+from fastroute.sim.worker import start_cluster
 
 H = "127.0.0.1"
 

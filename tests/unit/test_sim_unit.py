@@ -14,9 +14,10 @@ from fastroute.sim.balance import (balance_stats, fastroute_cells, kv_markdown_t
                                    markdown_table, parse_kv_fit_metrics)
 from fastroute.sim.loadgen import (ReqRecord, TraceItem, _SSECounter, encode_request, load_trace,
                                    synthetic_trace)
-from fastroute.sim.worker import (LOAD_SECTIONS, BadRequest, DecodeEngine, DecodeReq, Rendezvous, SimParams,
-                                  SimWorker, add_param_flags, estimate_text_tokens, params_from_args,
-                                  parse_inference)
+from fastroute.sim.api import estimate_text_tokens, parse_inference
+from fastroute.sim.engine import BadRequest, DecodeEngine, DecodeReq, Rendezvous, SimParams
+from fastroute.sim.server import LOAD_SECTIONS, SimWorker
+from fastroute.sim.worker import add_param_flags, params_from_args
 
 
 def run(coro, timeout: float = 20.0):

@@ -1,0 +1,549 @@
+"""The simulated SGLang engines: prefill compute, the DP-attention decode step loop with its per-rank
+KV model, and the bootstrap-room rendezvous between them. No HTTP lives here (see ``server``).
+
+Timing model (every duration is multiplied by ``time_scale``):
+* decode step: one step serves every rank at once (DP attention) and lasts
+  ``step_base_ms + max over ranks (step_request_ms * running_r + step_mtoken_ms * ctx_r / 1e6)``,
+  i.e. the busiest rank sets the pace. Defaults are fitted to seed 000's measurements: 27.3 ms
+  base, 2.0 ms per running request and 4.0 ms per million context tokens, so one more request
+  on the busiest rank costs as much as 0.5M context tokens (the seed reports 0.2M-1M) and a rank
+  running 6 / 8 / 9 requests of ~30k context steps in ~40 / ~44 / ~46 ms.
+* prefill: each prefill rank computes its requests one at a time (FIFO), for
+  ``prefill_base_ms + input_tokens / prefill_tokens_per_s``.
+
+KV model per decode rank (``DecodeEngine``): a request leaves the prealloc queue (FIFO,
+head-of-line blocking like SGLang's) once its input plus its output reserve fit in the rank's
+``max_total_num_tokens``; its input KV is then allocated and it waits in the transfer queue for
+the prefill's KV (optionally through a bandwidth-limited channel, ``--kv-transfer-tokens-per-s``
+per server or per rank), then joins the batch. ``num_used_tokens`` reports the tokens actually
+allocated (input + generated of admitted requests); ``num_waiting_reqs`` every request not yet
+running on the rank; the disaggregation section splits it into ``decode_prealloc_queue_reqs``,
+``decode_transfer_queue_reqs`` and ``decode_retracted_queue_reqs``. ``--retract`` reserves only
+part of the output and retracts the newest requests when a step would not fit; ``--slow-rank R
+--slow-factor F`` makes rank R's share of the step F times costlier (a straggler GPU, which under
+DP attention slows every rank).
+
+Rendezvous (bootstrap room): the prefill marks ``bootstrap_room`` ready on its ``Rendezvous``
+board when its compute ends. A decode looks the board up by bootstrap port in the in-process
+map ``boards`` when prefill and decode run in one process; otherwise it long-polls
+``GET /room/<room>`` on ``bootstrap_host:bootstrap_port``, where every simulated prefill runs a
+tiny bootstrap listener (the simulated counterpart of SGLang's KV bootstrap server). A decode
+request without ``bootstrap_room`` (e.g. a health probe) does not wait.
+
+Rank placement: ``routed_dp_rank``, else ``data_parallel_rank``, else round-robin (SGLang's
+default on a decode). Prefill ranks follow the room (``room % dp_size``) unless
+``routed_dp_rank`` is given.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SimParams:
+    """Knobs of one simulated server; every field is a ``--flag`` of the worker CLI."""
+
+    dp_size: int = 8
+    model: str = "sim-model"
+    max_total_num_tokens: int = 1_500_000  # per rank
+    max_running_requests: int = 256  # per rank
+    max_new_tokens: int = 128  # default when the request names none
+    step_base_ms: float = 27.3
+    step_request_ms: float = 2.0
+    step_mtoken_ms: float = 4.0
+    prefill_base_ms: float = 20.0
+    prefill_tokens_per_s: float = 120_000.0  # per prefill rank
+    chars_per_token: float = 4.0  # text -> token estimate (utf-8 bytes per token)
+    time_scale: float = 1.0
+    sample_interval_s: float = 0.1
+    rendezvous_timeout_s: float = 120.0
+    # decode KV model (see DecodeEngine)
+    retract: bool = False  # over-commit output KV and retract when decoding runs out
+    reserved_decode_tokens: int = 128  # output KV held back per request under --retract
+    kv_transfer_tokens_per_s: float = 0.0  # prefill -> decode KV bandwidth; 0 = instant
+    kv_transfer_scope: str = "server"  # one transfer channel per "server" or per "rank"
+    slow_rank: int = -1  # this decode rank steps slow_factor times slower (-1: none)
+    slow_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kv_transfer_scope not in ("server", "rank"):
+            raise ValueError(f"kv_transfer_scope must be server or rank, not {self.kv_transfer_scope!r}")
+        if self.slow_factor <= 0:
+            raise ValueError("slow_factor must be positive")
+
+    def step_seconds(self, running: int, ctx_tokens: int) -> float:
+        """Step time of one rank alone; the engine takes the max over ranks plus the base."""
+        return self.step_request_ms * running + self.step_mtoken_ms * ctx_tokens / 1e6
+
+
+class BadRequest(Exception):
+    """A request the simulator refuses, from the parser or the engine; answered 400."""
+
+
+@dataclass
+class ParsedGen:
+    """What the simulator needs from one inference body."""
+
+    kind: str  # "generate" | "completions" | "chat"
+    stream: bool
+    input_tokens: int
+    max_new: int
+    room: int | None
+    bootstrap_host: str | None
+    bootstrap_port: int | None
+    rank: int | None
+    return_logprob: bool
+    include_usage: bool
+    model: str
+    index: int = 0  # position inside a batch
+    batch: int | None = None  # None = scalar request, B = batch of B (protocol.md 3.3)
+    items: list = field(default_factory=list)  # one scalar ParsedGen per batch item ([self] if scalar)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendezvous
+
+
+class Rendezvous:
+    """Bootstrap rooms a prefill has finished, and decodes waiting for them.
+
+    A room marked ready before its decode arrives is kept for ``ttl_s`` (then forgotten, so an
+    aborted decode never leaks it); a waiter is removed when it is satisfied or cancelled."""
+
+    def __init__(self, ttl_s: float = 300.0) -> None:
+        self._ready: dict[int, float] = {}
+        self._waiters: dict[int, list[asyncio.Future]] = {}
+        self._ttl = ttl_s
+        self._last_prune = time.monotonic()
+
+    def mark_ready(self, room: int) -> None:
+        waiters = self._waiters.pop(room, None)
+        if waiters:
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(True)
+            return
+        now = time.monotonic()
+        self._ready[room] = now
+        if now - self._last_prune > self._ttl:
+            self._last_prune = now
+            cutoff = now - self._ttl
+            for r in [r for r, t in self._ready.items() if t < cutoff]:
+                del self._ready[r]
+
+    def is_ready(self, room: int) -> bool:
+        return room in self._ready
+
+    async def wait(self, room: int, timeout: float) -> bool:
+        """True once the room is ready (consuming it), False on timeout."""
+        if self._ready.pop(room, None) is not None:
+            return True
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(room, []).append(fut)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            lst = self._waiters.get(room)
+            if lst is not None and fut in lst:
+                lst.remove(fut)
+                if not lst:
+                    del self._waiters[room]
+
+    def pending(self) -> int:
+        return len(self._ready) + len(self._waiters)
+
+
+# ---------------------------------------------------------------------------------------------
+# Engines
+
+
+class _PrefillRank:
+    __slots__ = ("lock", "running", "waiting", "tokens")
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()  # FIFO: asyncio.Lock wakes waiters in arrival order
+        self.running = 0
+        self.waiting = 0
+        self.tokens = 0
+
+
+class PrefillEngine:
+    """Per-rank FIFO compute; publishes each finished room on ``board``."""
+
+    def __init__(self, params: SimParams, board: Rendezvous) -> None:
+        self.p = params
+        self.board = board
+        self.ranks = [_PrefillRank() for _ in range(params.dp_size)]
+        self.completed = 0
+        self.aborted = 0
+
+    def rank_for(self, g: ParsedGen) -> int:
+        if g.rank is not None:
+            return g.rank
+        # SGLang's default on a prefill: follow_bootstrap_room.
+        return (g.room or 0) % self.p.dp_size
+
+    async def run(self, g: ParsedGen, rank: int) -> None:
+        r = self.ranks[rank]
+        dur = self.p.time_scale * (self.p.prefill_base_ms / 1000.0 + g.input_tokens / self.p.prefill_tokens_per_s)
+        queued = True
+        r.waiting += 1
+        try:
+            async with r.lock:
+                queued = False
+                r.waiting -= 1
+                r.running += 1
+                r.tokens += g.input_tokens
+                try:
+                    await asyncio.sleep(dur)
+                finally:
+                    r.running -= 1
+                    r.tokens -= g.input_tokens
+        except asyncio.CancelledError:
+            # Client gone: leave the queue (or the compute) without publishing the room.
+            if queued:
+                r.waiting -= 1
+            self.aborted += 1
+            raise
+        if g.room is not None:
+            self.board.mark_ready(g.room)
+        self.completed += 1
+
+    def rank_loads(self) -> list[tuple[int, int, int]]:
+        """(running, waiting, tokens) per rank."""
+        return [(r.running, r.waiting, r.tokens) for r in self.ranks]
+
+
+class DecodeReq:
+    """One request inside the decode engine.
+
+    ``state``: prealloc -> transfer -> ready -> running -> done, and with ``retract`` also
+    running -> retracted -> ready. ``r_out`` is the output KV the engine holds back for it at
+    admission (all of ``max_new`` unless the engine over-commits under ``retract``)."""
+
+    __slots__ = ("rid", "rank", "input_tokens", "max_new", "generated", "state", "emit", "done", "reserve",
+                 "kv_in", "r_out", "xfer")
+
+    def __init__(self, rid: str, rank: int, input_tokens: int, max_new: int, emit: Any, done: asyncio.Future) -> None:
+        self.rid = rid
+        self.rank = rank
+        self.input_tokens = input_tokens
+        self.max_new = max_new
+        self.generated = 0
+        self.state = "prealloc"
+        self.emit = emit  # callable(req) per token, or None
+        self.done = done
+        self.reserve = input_tokens + max_new  # KV it needs to finish
+        self.kv_in = False  # the prefill's KV is ready to send (room ready)
+        self.r_out = max_new
+        self.xfer: asyncio.TimerHandle | None = None  # pending end of its KV transfer
+
+
+class _DecodeRank:
+    """Queues and KV counters of one decode DP rank.
+
+    Invariants: ``used`` = sum of input + generated over requests in transfer, ready, running
+    (the tokens allocated in the pool: SGLang's num_used_tokens); ``held`` = sum over the same
+    requests of the output reserve they have not generated into yet; admission keeps
+    ``used + held <= capacity`` and only decoding past the reserve (``retract``) can break it,
+    which retraction then repairs."""
+
+    __slots__ = ("prealloc", "transfer", "ready", "running", "retracted", "used", "held", "ctx", "xfer_free_at",
+                 "step_factor")
+
+    def __init__(self, step_factor: float = 1.0) -> None:
+        self.prealloc: deque[DecodeReq] = deque()
+        self.transfer: set[DecodeReq] = set()  # KV allocated, waiting for the room or the transfer
+        self.ready: deque[DecodeReq] = deque()
+        self.running: list[DecodeReq] = []
+        self.retracted: deque[DecodeReq] = deque()
+        self.used = 0
+        self.held = 0
+        self.ctx = 0  # context tokens of running requests (what a step reads)
+        self.xfer_free_at = 0.0  # loop time the rank's transfer channel is free (scope "rank")
+        self.step_factor = step_factor
+
+    def waiting(self) -> int:
+        return len(self.prealloc) + len(self.transfer) + len(self.ready) + len(self.retracted)
+
+
+class DecodeEngine:
+    """DP-attention decode: one step loop for all ranks, paced by the busiest rank.
+
+    KV model per rank (``_DecodeRank``): a request waits in the prealloc queue (FIFO, head of
+    line blocks like SGLang's) until ``input + r_out`` fits next to what the rank holds; then its
+    input is allocated and it waits in the transfer queue for the prefill's KV: the room, then,
+    with ``kv_transfer_tokens_per_s``, its transfer through the rank's (or the server's) one
+    channel, FIFO. Without ``retract`` the reserve is the whole output, so a running request
+    never runs out; with it only ``min(max_new, reserved_decode_tokens)`` is held back, and when
+    the next step would not fit, the newest running requests are retracted (their KV freed)
+    into the retracted queue, which is re-admitted before the prealloc queue once the rank has
+    room for them plus one step of its batch.
+
+    Samples per-rank (running, outstanding, KV used, prealloc) every ``sample_interval_s`` into
+    ``samples`` as ``(t_wall, step_ms, running, outstanding, used, prealloc)`` tuples."""
+
+    def __init__(self, params: SimParams) -> None:
+        self.p = params
+        self.ranks = [_DecodeRank(params.slow_factor if i == params.slow_rank else 1.0)
+                      for i in range(params.dp_size)]
+        self._rr = 0
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._loop_ref: asyncio.AbstractEventLoop | None = None
+        self.samples: deque = deque(maxlen=200_000)
+        self._last_sample = 0.0
+        self.completed = 0
+        self.aborted = 0
+        self.retractions = 0
+        self.steps = 0
+        self.tokens_out = 0
+        self.last_step_ms = 0.0
+        self.placed = [0] * params.dp_size
+        self.xfer_free_at = 0.0  # the server's transfer channel (scope "server")
+
+    def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._loop_ref = asyncio.get_running_loop()
+        self._task = self._loop_ref.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for rk in self.ranks:
+            for req in rk.transfer:
+                if req.xfer is not None:
+                    req.xfer.cancel()
+                    req.xfer = None
+
+    def pick_rank(self, rank: int | None) -> int:
+        if rank is not None:
+            if not 0 <= rank < self.p.dp_size:
+                raise BadRequest(f"dp rank {rank} out of range [0, {self.p.dp_size})")
+            return rank
+        r = self._rr
+        self._rr = (r + 1) % self.p.dp_size
+        return r
+
+    def submit(self, req: DecodeReq) -> None:
+        if req.reserve > self.p.max_total_num_tokens:
+            raise BadRequest(f"request needs {req.reserve} KV tokens, rank capacity is {self.p.max_total_num_tokens}")
+        if self.p.retract:
+            req.r_out = min(req.max_new, max(0, self.p.reserved_decode_tokens))
+        self.placed[req.rank] += 1
+        self.ranks[req.rank].prealloc.append(req)
+        self._admit(self.ranks[req.rank])
+
+    def free_kv(self, rank: int) -> int:
+        """The rank's true free KV (capacity - allocated), what a router estimates from polls."""
+        return self.p.max_total_num_tokens - self.ranks[rank].used
+
+    def _admit(self, rk: _DecodeRank) -> None:
+        cap = self.p.max_total_num_tokens
+        # Retracted requests first (SGLang resumes them before new ones), each with room for
+        # itself plus one more step of the rank's batch, so a request retracted because the
+        # step did not fit is not re-admitted by the same shortage (no thrash).
+        while rk.retracted:
+            req = rk.retracted[0]
+            size = req.input_tokens + req.generated
+            rem = req.r_out - req.generated if req.r_out > req.generated else 0
+            if rk.used + rk.held + size + rem + len(rk.running) + len(rk.ready) + 1 > cap:
+                return  # head of line: nothing new is admitted past a retracted request
+            rk.retracted.popleft()
+            rk.used += size
+            rk.held += rem
+            self._to_ready(rk, req)
+        while rk.prealloc and rk.used + rk.held + rk.prealloc[0].input_tokens + rk.prealloc[0].r_out <= cap:
+            req = rk.prealloc.popleft()
+            rk.used += req.input_tokens
+            rk.held += req.r_out
+            req.state = "transfer"
+            rk.transfer.add(req)
+            if req.kv_in:  # its room was ready while it queued for KV: the transfer starts now
+                self._start_transfer(rk, req)
+
+    def _to_ready(self, rk: _DecodeRank, req: DecodeReq) -> None:
+        req.state = "ready"
+        rk.ready.append(req)
+        if self._wake is not None:
+            self._wake.set()
+
+    def _start_transfer(self, rk: _DecodeRank, req: DecodeReq) -> None:
+        rate = self.p.kv_transfer_tokens_per_s
+        if rate <= 0 or self._loop_ref is None:
+            rk.transfer.discard(req)
+            self._to_ready(rk, req)
+            return
+        # One FIFO channel per rank (or per server): a transfer starts when the previous one
+        # on the channel ends and lasts input / rate. An aborted transfer keeps its slot.
+        now = self._loop_ref.time()
+        dur = req.input_tokens / rate * self.p.time_scale
+        if self.p.kv_transfer_scope == "rank":
+            end = rk.xfer_free_at = max(now, rk.xfer_free_at) + dur
+        else:
+            end = self.xfer_free_at = max(now, self.xfer_free_at) + dur
+        req.xfer = self._loop_ref.call_at(end, self._transfer_done, req)
+
+    def _transfer_done(self, req: DecodeReq) -> None:
+        req.xfer = None
+        if req.state != "transfer":
+            return
+        rk = self.ranks[req.rank]
+        rk.transfer.discard(req)
+        self._to_ready(rk, req)
+
+    def kv_arrived(self, req: DecodeReq) -> None:
+        """The prefill's KV for ``req`` is ready to send: its transfer starts once it has KV here."""
+        req.kv_in = True
+        if req.state == "transfer" and req.xfer is None:
+            self._start_transfer(self.ranks[req.rank], req)
+        # still in prealloc: _admit starts the transfer once KV is allocated
+
+    def _free(self, rk: _DecodeRank, req: DecodeReq) -> None:
+        rk.used -= req.input_tokens + req.generated
+        if req.r_out > req.generated:
+            rk.held -= req.r_out - req.generated
+
+    def abort(self, req: DecodeReq) -> None:
+        """Remove ``req`` wherever it is and free its KV (client gone, rendezvous failed)."""
+        rk = self.ranks[req.rank]
+        st = req.state
+        if st == "done":
+            return
+        req.state = "done"
+        self.aborted += 1
+        if st == "prealloc" or st == "retracted":
+            q = rk.prealloc if st == "prealloc" else rk.retracted
+            try:
+                q.remove(req)
+            except ValueError:
+                pass
+            if st == "prealloc":
+                return  # held no KV
+            self._admit(rk)  # a retracted head may have blocked the queue
+            return
+        if st == "transfer":
+            rk.transfer.discard(req)
+            if req.xfer is not None:
+                req.xfer.cancel()
+                req.xfer = None
+        elif st == "ready":
+            try:
+                rk.ready.remove(req)
+            except ValueError:
+                pass
+        elif st == "running":
+            rk.running.remove(req)
+            rk.ctx -= req.input_tokens + req.generated
+        self._free(rk, req)
+        self._admit(rk)
+
+    def _retract(self, rk: _DecodeRank, cap: int) -> None:
+        """Retract the newest running requests until one more token each fits (SGLang retracts
+        rather than fail a step when decoding outgrows the pool)."""
+        while rk.running and rk.used + len(rk.running) > cap:
+            req = rk.running.pop()
+            rk.ctx -= req.input_tokens + req.generated
+            self._free(rk, req)
+            req.state = "retracted"
+            rk.retracted.append(req)
+            self.retractions += 1
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        p = self.p
+        cap = p.max_total_num_tokens
+        assert self._wake is not None
+        while True:
+            # Requests whose KV arrived join now, up to max_running_requests per rank.
+            busy = False
+            cost = 0.0
+            for rk in self.ranks:
+                while rk.ready and len(rk.running) < p.max_running_requests:
+                    req = rk.ready.popleft()
+                    req.state = "running"
+                    rk.running.append(req)
+                    rk.ctx += req.input_tokens + req.generated
+                if p.retract and rk.used + len(rk.running) > cap:
+                    self._retract(rk, cap)
+                if rk.running:
+                    busy = True
+                    c = (p.step_request_ms * len(rk.running) + p.step_mtoken_ms * rk.ctx / 1e6) * rk.step_factor
+                    if c > cost:
+                        cost = c
+            if not busy:
+                self._sample(loop.time(), 0.0)
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), p.sample_interval_s)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            step_ms = p.step_base_ms + cost
+            await asyncio.sleep(step_ms * p.time_scale / 1000.0)
+            self.steps += 1
+            self.last_step_ms = step_ms
+            for rk in self.ranks:
+                if not rk.running:
+                    continue
+                finished = False
+                n = len(rk.running)
+                for req in rk.running:
+                    req.generated += 1
+                    if req.generated <= req.r_out:
+                        rk.held -= 1  # this token was reserved: held -> used
+                    if req.emit is not None:
+                        req.emit(req)
+                    if req.generated >= req.max_new:
+                        finished = True
+                rk.ctx += n
+                rk.used += n
+                self.tokens_out += n
+                if finished:
+                    keep = []
+                    for req in rk.running:
+                        if req.generated >= req.max_new:
+                            req.state = "done"
+                            rk.ctx -= req.input_tokens + req.generated
+                            self._free(rk, req)
+                            self.completed += 1
+                            if not req.done.done():
+                                req.done.set_result(True)
+                        else:
+                            keep.append(req)
+                    rk.running = keep
+                    self._admit(rk)
+            now = loop.time()
+            if now - self._last_sample >= p.sample_interval_s:
+                # The modelled step time (what the balance decides), not the wall time, which
+                # also carries this process's scheduling overhead.
+                self._sample(now, step_ms)
+
+    def _sample(self, now: float, step_ms: float) -> None:
+        self._last_sample = now
+        rks = self.ranks
+        self.samples.append((time.time(), step_ms,
+                             tuple(len(r.running) for r in rks),
+                             tuple(len(r.running) + r.waiting() for r in rks),
+                             tuple(r.used for r in rks),
+                             tuple(len(r.prealloc) for r in rks)))
+
+    def rank_loads(self) -> list[tuple[int, int, int]]:
+        """(running, waiting, used tokens) per rank; waiting = every queue before the batch."""
+        return [(len(r.running), r.waiting(), r.used) for r in self.ranks]
+
+    def rank_queues(self, rank: int) -> tuple[int, int, int, int]:
+        """(prealloc, transfer, ready, retracted) of one rank."""
+        r = self.ranks[rank]
+        return len(r.prealloc), len(r.transfer), len(r.ready), len(r.retracted)

@@ -1,0 +1,418 @@
+"""One simulated SGLang server (``SimWorker``): its HTTP surface (protocol.md sections 2, 3.3, 3.6,
+4, 5.1, 5.2, 6 as seen from a worker), the prefill's bootstrap listener, and per-rank load
+reports, over the engines of ``engine`` and the wire shapes of ``api``.
+
+A client that closes its connection aborts its request and frees its slot and KV. If any item
+of a batch never gets its room, the whole batch fails (500) and every item is freed.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import deque
+from typing import Any
+
+from fastroute.sim.api import _generate_body, _make_emitter, _openai_body, _usage_event, parse_inference
+from fastroute.sim.engine import BadRequest, DecodeEngine, DecodeReq, ParsedGen, PrefillEngine, Rendezvous, SimParams
+from fastroute.sim.http import CT_TEXT, HttpError, HttpServer, Request, Responder, fetch
+
+INFERENCE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues")
+SIM_VERSION = "0.5.0-sim"
+
+
+async def _rendezvous_http(host: str, port: int, room: int, timeout: float) -> bool:
+    """Long-poll a (possibly remote) simulated prefill's bootstrap listener for ``room``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        poll = min(left, 30.0)
+        try:
+            status, _ = await fetch(host, port, "GET", f"/room/{room}?timeout={poll:.3f}", timeout=poll + 5.0)
+        except (HttpError, asyncio.TimeoutError):
+            await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+            continue
+        if status == 200:
+            return True
+
+
+def _now_ts() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + "+00:00"
+
+
+class _Ids:
+    """Request ids: cheap, unique per server."""
+
+    def __init__(self, prefix: str) -> None:
+        self._prefix = prefix
+        self._n = 0
+
+    def next(self) -> str:
+        self._n += 1
+        return f"{self._prefix}{self._n:x}"
+
+
+class SimWorker:
+    """One simulated SGLang server (role prefill | decode | regular) on ``host:port``.
+
+    A prefill also runs its bootstrap listener on ``bootstrap_port`` (0 = ephemeral). ``boards``
+    maps bootstrap port -> Rendezvous for prefills in the same process (see ``engine``'s docstring)."""
+
+    def __init__(self, role: str, params: SimParams | None = None, host: str = "127.0.0.1", port: int = 0,
+                 bootstrap_port: int | None = None, boards: dict[int, Rendezvous] | None = None) -> None:
+        if role not in ("prefill", "decode", "regular"):
+            raise ValueError(f"role must be prefill, decode or regular, not {role!r}")
+        self.role = role
+        self.p = params or SimParams()
+        self.host = host
+        self.boards = boards if boards is not None else {}
+        self.board = Rendezvous()
+        self.server = HttpServer(self._app, host, port)
+        self.bootstrap_port = bootstrap_port if role == "prefill" else None
+        self._boot: HttpServer | None = None
+        self.prefill = PrefillEngine(self.p, self.board) if role == "prefill" else None
+        self.decode = DecodeEngine(self.p) if role != "prefill" else None
+        self._ids = _Ids({"prefill": "p", "decode": "d", "regular": "r"}[role] + "%x-" % (id(self) & 0xffff))
+        self.requests = 0
+        self.flushes = 0
+        self.last_bodies: deque = deque(maxlen=16)  # recent inference bodies, for tests/debugging
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.server.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        if self.role == "prefill":
+            self._boot = HttpServer(self._boot_app, self.host, self.bootstrap_port or 0)
+            await self._boot.start()
+            self.bootstrap_port = self._boot.port
+            self.boards[self.bootstrap_port] = self.board
+        if self.decode is not None:
+            self.decode.start()
+
+    async def stop(self) -> None:
+        if self.decode is not None:
+            await self.decode.stop()
+        await self.server.stop()
+        if self._boot is not None:
+            await self._boot.stop()
+            self.boards.pop(self.bootstrap_port or -1, None)
+
+    # -- bootstrap listener ---------------------------------------------------------------
+    async def _boot_app(self, req: Request, resp: Responder) -> None:
+        if not req.path.startswith("/room/"):
+            resp.send_json(404, {"error": "not found"})
+            return
+        try:
+            room = int(req.path[6:])
+            timeout = float(req.query_params().get("timeout", "30"))
+        except ValueError:
+            resp.send_json(400, {"error": "bad room"})
+            return
+        ok = await self.board.wait(room, timeout)
+        resp.send_json(200 if ok else 404, {"room": room, "ready": ok})
+
+    # -- main app -------------------------------------------------------------------------
+    async def _app(self, req: Request, resp: Responder) -> None:
+        path = req.path
+        if path in INFERENCE_PATHS:
+            if req.method != "POST":
+                resp.send_json(405, {"detail": "Method Not Allowed"})
+                return
+            self.requests += 1
+            await self._inference(req, resp)
+            return
+        handler = _ROUTES.get(path)
+        if handler is None:
+            resp.send_json(404, {"detail": "Not Found"})
+            return
+        await handler(self, req, resp)
+
+    async def _inference(self, req: Request, resp: Responder) -> None:
+        try:
+            g = parse_inference(req.path, req.body, self.p)
+            if len(self.last_bodies) == self.last_bodies.maxlen:
+                self.last_bodies.popleft()
+            self.last_bodies.append((req.path, req.body if len(req.body) < 4096 else req.body[:4096]))
+            if self.role == "prefill":
+                await self._serve_prefill(g, resp)
+            else:
+                await self._serve_decode(g, resp)
+        except BadRequest as exc:
+            resp.send_json(400, {"error": {"message": str(exc), "code": 400}, "object": "error",
+                                 "message": str(exc), "type": "BadRequestError", "code": 400})
+
+    async def _serve_prefill(self, g: ParsedGen, resp: Responder) -> None:
+        eng = self.prefill
+        assert eng is not None
+        ranks = [eng.rank_for(it) for it in g.items]
+        for rank in ranks:
+            if not 0 <= rank < self.p.dp_size:
+                raise BadRequest(f"dp rank {rank} out of range [0, {self.p.dp_size})")
+        rid = self._ids.next()
+        if g.batch is None:
+            await eng.run(g, ranks[0])
+        else:
+            # Items compute on their own ranks concurrently; cancelling the gather cancels them all.
+            await asyncio.gather(*(eng.run(it, r) for it, r in zip(g.items, ranks)))
+        # The prefill returns after its compute with one sampled token, like SGLang's PD prefill.
+        if g.kind != "generate":
+            body: Any = _openai_body(rid, g, [1] * len(g.items))
+        elif g.batch is None:
+            body = _generate_body(rid, g, 1, "prefill")
+        else:
+            body = [_generate_body(f"{rid}.{it.index}", it, 1, "prefill") for it in g.items]
+        if g.stream:
+            resp.start_stream()
+            events = body if isinstance(body, list) else [body]
+            resp.write_chunk(b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+                             + b"data: [DONE]\n\n")
+            resp.end_stream()
+        else:
+            resp.send_json(200, body)
+
+    async def _await_kv(self, it: ParsedGen, dreq: DecodeReq) -> bool:
+        """Wait for item ``it``'s bootstrap room, then let its request join the batch."""
+        if self.role == "decode" and it.room is not None:
+            board = self.boards.get(it.bootstrap_port) if it.bootstrap_port is not None else None
+            if board is not None:
+                ok = await board.wait(it.room, self.p.rendezvous_timeout_s)
+            elif it.bootstrap_host and it.bootstrap_port:
+                ok = await _rendezvous_http(it.bootstrap_host, it.bootstrap_port, it.room,
+                                            self.p.rendezvous_timeout_s)
+            else:
+                ok = False
+            if not ok:
+                return False
+        assert self.decode is not None
+        self.decode.kv_arrived(dreq)
+        return True
+
+    async def _serve_decode(self, g: ParsedGen, resp: Responder) -> None:
+        eng = self.decode
+        assert eng is not None
+        loop = asyncio.get_running_loop()
+        rid = self._ids.next()
+        dreqs: list[DecodeReq] = []
+        try:
+            for it in g.items:
+                irid = rid if g.batch is None else f"{rid}.{it.index}"
+                emit = _make_emitter(resp, irid, it) if g.stream else None
+                dreq = DecodeReq(irid, eng.pick_rank(it.rank), it.input_tokens, it.max_new, emit,
+                                 loop.create_future())
+                eng.submit(dreq)
+                dreqs.append(dreq)
+            if g.stream:
+                # Like Starlette's StreamingResponse, the head goes out before any token.
+                resp.start_stream()
+            if g.batch is None:
+                oks = [await self._await_kv(g, dreqs[0])]
+            else:
+                oks = await asyncio.gather(*(self._await_kv(it, d) for it, d in zip(g.items, dreqs)))
+            if not all(oks):
+                bad = [it.room for it, ok in zip(g.items, oks) if not ok]
+                msg = f"KV transfer for bootstrap_room {bad[0] if len(bad) == 1 else bad} did not arrive"
+                if g.stream:
+                    err = json.dumps({"error": {"message": msg, "code": 500}}).encode()
+                    resp.write_chunk(b"data: " + err + b"\n\ndata: [DONE]\n\n")
+                    resp.end_stream()
+                else:
+                    resp.send_json(500, {"error": {"message": msg, "code": 500}, "object": "error",
+                                         "message": msg, "type": "InternalServerError", "code": 500})
+                return
+            for d in dreqs:
+                await d.done
+        finally:
+            for d in dreqs:
+                if d.state != "done":
+                    eng.abort(d)
+        outs = [d.generated for d in dreqs]
+        if g.stream:
+            if g.include_usage and g.kind != "generate":
+                resp.write_chunk(_usage_event(rid, g, sum(outs)))
+            resp.write_chunk(b"data: [DONE]\n\n")
+            resp.end_stream()
+        elif g.kind != "generate":
+            resp.send_json(200, _openai_body(rid, g, outs))
+        elif g.batch is None:
+            resp.send_json(200, _generate_body(rid, g, outs[0], "decode"))
+        else:
+            resp.send_json(200, [_generate_body(d.rid, it, d.generated, "decode") for it, d in zip(g.items, dreqs)])
+
+    # -- load / info ----------------------------------------------------------------------
+    def rank_loads(self) -> list[tuple[int, int, int]]:
+        return self.prefill.rank_loads() if self.prefill is not None else self.decode.rank_loads()  # type: ignore[union-attr]
+
+    def server_info(self) -> dict:
+        p = self.p
+        mode = {"prefill": "prefill", "decode": "decode", "regular": "null"}[self.role]
+        loads = self.rank_loads()
+        return {
+            "model_path": f"sim/{p.model}", "served_model_name": p.model, "tokenizer_path": f"sim/{p.model}",
+            "tp_size": p.dp_size, "dp_size": p.dp_size, "enable_dp_attention": p.dp_size > 1,
+            "load_balance_method": "follow_bootstrap_room" if self.role == "prefill" else "round_robin",
+            "disaggregation_mode": mode,
+            "disaggregation_bootstrap_port": self.bootstrap_port,
+            "max_running_requests": p.max_running_requests * p.dp_size,
+            "max_total_num_tokens": p.max_total_num_tokens, "version": SIM_VERSION,
+            "internal_states": [{"dp_rank": i, "max_total_num_tokens": p.max_total_num_tokens,
+                                 "last_gen_throughput": 0.0, "num_running_reqs": lr[0]}
+                                for i, lr in enumerate(loads)],
+            "simulated": True, "time_scale": p.time_scale,
+        }
+
+    def loads_json(self, sections: set[str], dp_rank: int | None) -> dict:
+        p = self.p
+        cap = p.max_total_num_tokens
+        ts = time.time()
+        out = []
+        tot_run = tot_wait = tot_used = 0
+        for i, (run, wait, used) in enumerate(self.rank_loads()):
+            if dp_rank is not None and i != dp_rank:
+                continue
+            tot_run += run
+            tot_wait += wait
+            tot_used += used
+            e: dict[str, Any] = {
+                "dp_rank": i, "timestamp": ts, "num_running_reqs": run, "num_waiting_reqs": wait,
+                "num_total_reqs": run + wait, "num_used_tokens": used, "max_total_num_tokens": cap,
+                "token_usage": round(used / cap, 6) if cap else 0.0, "gen_throughput": 0.0,
+                "cache_hit_rate": 0.0, "utilization": round(min(1.0, run / max(1, p.max_running_requests)), 6),
+                "max_running_requests": p.max_running_requests,
+            }
+            if "memory" in sections:
+                e["memory"] = {"weight_gb": 0.0, "kv_cache_gb": 0.0, "graph_gb": 0.0, "token_capacity": cap}
+            if "spec" in sections:
+                e["speculative"] = {"accept_length": 0.0, "accept_rate": 0.0}
+            if "lora" in sections:
+                e["lora"] = {"slots_used": 0, "slots_total": 0, "utilization": 0.0}
+            if "disagg" in sections:
+                d = {"mode": {"prefill": "prefill", "decode": "decode", "regular": "null"}[self.role],
+                     "prefill_prealloc_queue_reqs": 0, "prefill_inflight_queue_reqs": 0,
+                     "decode_prealloc_queue_reqs": 0, "decode_transfer_queue_reqs": 0,
+                     "decode_retracted_queue_reqs": 0, "kv_transfer_speed_gb_s": 0.0,
+                     "kv_transfer_latency_ms": 0.0}
+                if self.role == "prefill":
+                    d["prefill_prealloc_queue_reqs"] = wait
+                elif self.decode is not None:
+                    pre, trans, _, ret = self.decode.rank_queues(i)
+                    d["decode_prealloc_queue_reqs"] = pre
+                    d["decode_transfer_queue_reqs"] = trans
+                    d["decode_retracted_queue_reqs"] = ret
+                e["disaggregation"] = d
+            if "queues" in sections:
+                ret = self.decode.rank_queues(i)[3] if self.decode is not None else 0
+                e["queues"] = {"waiting": wait - ret, "grammar": 0, "paused": 0, "retracted": ret}
+            out.append(e)
+        n = max(1, len(out))
+        return {"timestamp": _now_ts(), "version": SIM_VERSION, "dp_rank_count": len(out), "loads": out,
+                "aggregate": {"total_running_reqs": tot_run, "total_waiting_reqs": tot_wait,
+                              "total_reqs": tot_run + tot_wait, "total_used_tokens": tot_used,
+                              "avg_token_usage": round(tot_used / (cap * n), 6) if cap else 0.0,
+                              "avg_throughput": 0.0, "avg_utilization": 0.0}}
+
+    # route handlers
+    async def _h_health(self, req: Request, resp: Responder) -> None:
+        resp.send(200, b"", CT_TEXT)
+
+    async def _h_server_info(self, req: Request, resp: Responder) -> None:
+        resp.send_json(200, self.server_info())
+
+    async def _h_model_info(self, req: Request, resp: Responder) -> None:
+        resp.send_json(200, {"model_path": f"sim/{self.p.model}", "tokenizer_path": f"sim/{self.p.model}",
+                             "is_generation": True, "model_type": "sim", "architectures": ["SimForCausalLM"],
+                             "preferred_sampling_params": None})
+
+    async def _h_models(self, req: Request, resp: Responder) -> None:
+        resp.send_json(200, {"object": "list", "data": [
+            {"id": self.p.model, "object": "model", "created": 0, "owned_by": "sglang",
+             "root": f"sim/{self.p.model}", "max_model_len": self.p.max_total_num_tokens}]})
+
+    async def _h_loads(self, req: Request, resp: Responder) -> None:
+        q = req.query_params()
+        inc = q.get("include", "all")
+        sections: set[str] = set()
+        for s in inc.split(","):
+            s = s.strip()
+            if not s:
+                continue
+            if s == "all":
+                sections.update(LOAD_SECTIONS)
+            elif s in LOAD_SECTIONS:
+                sections.add(s)
+            else:
+                resp.send_json(400, {"error": f"unknown include section: {s}"})
+                return
+        dp_rank: int | None = None
+        if "dp_rank" in q:
+            try:
+                dp_rank = int(q["dp_rank"])
+            except ValueError:
+                resp.send_json(400, {"error": "dp_rank must be an integer"})
+                return
+            if not 0 <= dp_rank < self.p.dp_size:
+                resp.send_json(400, {"error": f"dp_rank {dp_rank} out of range"})
+                return
+        data = self.loads_json(sections, dp_rank)
+        if q.get("format") == "prometheus":
+            lines = []
+            for e in data["loads"]:
+                for k in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "token_usage"):
+                    lines.append(f'sglang_{k}{{dp_rank="{e["dp_rank"]}"}} {e[k]}')
+            resp.send(200, ("\n".join(lines) + "\n").encode(), b"text/plain; version=0.0.4")
+            return
+        resp.send_json(200, data)
+
+    async def _h_get_load(self, req: Request, resp: Responder) -> None:
+        resp.send_json(200, [{"dp_rank": i, "num_reqs": run + wait, "num_waiting_reqs": wait, "num_tokens": used}
+                             for i, (run, wait, used) in enumerate(self.rank_loads())])
+
+    async def _h_flush(self, req: Request, resp: Responder) -> None:
+        self.flushes += 1
+        resp.send(200, b"Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+                       b"waiting requests, the operation will not be performed.)\n", CT_TEXT)
+
+    async def _h_metrics(self, req: Request, resp: Responder) -> None:
+        lines = []
+        for i, (run, wait, used) in enumerate(self.rank_loads()):
+            lab = f'{{dp_rank="{i}",model_name="{self.p.model}"}}'
+            lines += [f"sglang_num_running_reqs{lab} {run}", f"sglang_num_queue_reqs{lab} {wait}",
+                      f"sglang_token_usage{lab} {used / self.p.max_total_num_tokens:.6f}"]
+        resp.send(200, ("\n".join(lines) + "\n").encode(), b"text/plain; version=0.0.4")
+
+    async def _h_samples(self, req: Request, resp: Responder) -> None:
+        """Debug: per-rank samples of a decode since ``?since=<unix time>`` (benchmark input)."""
+        if self.decode is None:
+            resp.send_json(404, {"error": "samples are recorded by decode workers only"})
+            return
+        since = float(req.query_params().get("since", "0") or 0)
+        rows = [s for s in self.decode.samples if s[0] >= since]
+        resp.send_json(200, {"dp_size": self.p.dp_size, "time_scale": self.p.time_scale, "samples": rows})
+
+    async def _h_stats(self, req: Request, resp: Responder) -> None:
+        eng = self.prefill if self.prefill is not None else self.decode
+        d = {"role": self.role, "requests": self.requests, "completed": eng.completed,  # type: ignore[union-attr]
+             "aborted": eng.aborted, "loads": self.rank_loads()}  # type: ignore[union-attr]
+        if self.decode is not None:
+            d.update(steps=self.decode.steps, tokens_out=self.decode.tokens_out, placed=self.decode.placed,
+                     last_step_ms=self.decode.last_step_ms, retractions=self.decode.retractions,
+                     queues=[self.decode.rank_queues(i) for i in range(self.p.dp_size)])
+        resp.send_json(200, d)
+
+
+_ROUTES = {
+    "/health": SimWorker._h_health, "/health_generate": SimWorker._h_health,
+    "/server_info": SimWorker._h_server_info, "/get_server_info": SimWorker._h_server_info,
+    "/model_info": SimWorker._h_model_info, "/get_model_info": SimWorker._h_model_info,
+    "/v1/models": SimWorker._h_models, "/v1/loads": SimWorker._h_loads, "/get_load": SimWorker._h_get_load,
+    "/flush_cache": SimWorker._h_flush, "/metrics": SimWorker._h_metrics,
+    "/sim/samples": SimWorker._h_samples, "/sim/stats": SimWorker._h_stats,
+}
