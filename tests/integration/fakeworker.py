@@ -1,7 +1,7 @@
 """A recording fake SGLang worker for the control-plane tests.
 
-Real loopback HTTP server (asyncio + httptools request parser) that runs inside the test's
-event loop. It serves the control endpoints a router talks to (/health, /server_info,
+Real loopback HTTP server (the simulator's ``fastroute.sim.http.HttpServer``, so the httptools
+server loop is written once) that runs inside the test's event loop. It serves the control endpoints a router talks to (/health, /server_info,
 /get_server_info, /model_info, /get_model_info, /v1/loads, /get_load, /flush_cache, /metrics,
 /health_generate, /v1/models) and records every request (method, path, query, headers, body)
 so tests can assert on wire behaviour. Knobs are plain attributes that tests flip at any time.
@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-import httptools
+from fastroute.sim.http import HttpServer, Request, Responder
 
 
 @dataclass
@@ -45,22 +45,37 @@ class FakeWorker:
     metrics_text: str = "# HELP fake_gauge A gauge\n# TYPE fake_gauge gauge\nfake_gauge 1\n"
     requests: list[Recorded] = field(default_factory=list)
     port: int = 0
-    _server: asyncio.AbstractServer | None = None
+    _http: HttpServer | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> "FakeWorker":
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Conn(self), "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
+        self._http = HttpServer(self._serve, "127.0.0.1", 0)
+        await self._http.start()
+        self.port = self._http.port
         return self
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        # Also closes open keep-alive connections, so a stopped worker is gone for pooled
+        # clients too, as a killed SGLang server would be.
+        if self._http is not None:
+            await self._http.stop()
+            self._http = None
+
+    async def _serve(self, req: Request, resp: Responder) -> None:
+        """Record the request as it arrived, then answer it through ``handle``."""
+        rec = Recorded(
+            method=req.method,
+            path=req.path,
+            query=req.query,
+            headers={k.decode("latin-1"): v.decode("latin-1") for k, v in req.headers.items()},
+            body=req.body,
+        )
+        self.requests.append(rec)
+        status, body, ctype = await self.handle(rec)
+        resp.send(status, body, ctype.encode())
 
     def paths(self) -> list[str]:
         return [r.path for r in self.requests]
@@ -142,73 +157,6 @@ class FakeWorker:
             return 200, json.dumps({"object": "list", "data": [{"id": name, "object": "model"}]}).encode(), \
                 "application/json"
         return 404, b'{"detail":"Not Found"}', "application/json"
-
-
-class _Conn(asyncio.Protocol):
-    """One client connection; handles requests sequentially (keep-alive honoured)."""
-
-    def __init__(self, worker: FakeWorker) -> None:
-        self.w = worker
-        self.parser = httptools.HttpRequestParser(self)
-        self.transport: asyncio.Transport | None = None
-        self._url = b""
-        self._headers: dict[str, str] = {}
-        self._body: list[bytes] = []
-        self._tasks: set[asyncio.Task] = set()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            if self.transport:
-                self.transport.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-                self.transport.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        for t in self._tasks:
-            t.cancel()
-
-    def on_message_begin(self) -> None:
-        self._url = b""
-        self._headers = {}
-        self._body = []
-
-    def on_url(self, url: bytes) -> None:
-        self._url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
-
-    def on_body(self, body: bytes) -> None:
-        self._body.append(body)
-
-    def on_message_complete(self) -> None:
-        u = httptools.parse_url(self._url)
-        rec = Recorded(
-            method=self.parser.get_method().decode(),
-            path=u.path.decode(),
-            query=(u.query or b"").decode(),
-            headers=self._headers,
-            body=b"".join(self._body),
-        )
-        self.w.requests.append(rec)
-        keep = self.parser.should_keep_alive()
-        t = asyncio.get_running_loop().create_task(self._respond(rec, keep))
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
-
-    async def _respond(self, rec: Recorded, keep: bool) -> None:
-        status, body, ctype = await self.w.handle(rec)
-        if self.transport is None or self.transport.is_closing():
-            return
-        head = (f"HTTP/1.1 {status} X\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                f"Connection: {'keep-alive' if keep else 'close'}\r\n\r\n").encode()
-        self.transport.write(head + body)
-        if not keep:
-            self.transport.close()
 
 
 # ---- shared helpers for the control-plane tests ---------------------------------------------------
