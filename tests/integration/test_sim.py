@@ -329,7 +329,7 @@ def test_loadgen_mini_router_end_to_end() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("fastroute.runtime.server") is None,
-                    reason="fastroute.runtime.server (the router) has not landed yet")
+                    reason="the router (fastroute.runtime.server) is not importable in this install")
 def test_demo_runs_end_to_end(tmp_path) -> None:
     out = tmp_path / "demo"
     cmd = [sys.executable, "-m", "fastroute", "demo", "--duration", "4.5", "--warmup", "0.5", "--concurrency", "8",
