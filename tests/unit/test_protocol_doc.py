@@ -23,6 +23,8 @@ def _citations() -> dict[str, set[str]]:
         for path in (ROOT / top).rglob("*"):
             if path.suffix not in (".py", ".pyx", ".pxd", ".pyi", ".md") or not path.is_file():
                 continue
+            if path == Path(__file__).resolve():  # this file's own examples are not citations
+                continue
             for m in _CITE.finditer(path.read_text(encoding="utf-8")):
                 for major, minor, major2, minor2 in _NUM.findall(m.group(1)):
                     cited = {f"{major}.{minor}" if minor else major}
