@@ -35,7 +35,10 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from statistics import fmean, pstdev
 from typing import Any
+
+import uvloop
 
 from fastroute.sim.engine import SimParams
 from fastroute.sim.http import HttpError, fetch
@@ -202,33 +205,33 @@ class RouterProcess:
 
 
 def balance_stats(samples: list[tuple]) -> dict:
-    """Seed 001's balance statistics from decode samples (t, step_ms, running, outstanding, kv)."""
-    import numpy as np
+    """Seed 001's balance statistics from decode samples (t, step_ms, running, outstanding, kv).
 
+    Plain Python rather than NumPy: only ``fastroute.core`` imports NumPy, and a few thousand
+    samples of 8 ranks are cheap to summarise either way."""
     busy = [s for s in samples if sum(s[3]) > 0]
     if not busy:
         return {"samples": 0}
-    run = np.array([s[2] for s in busy], dtype=float)
-    out = np.array([s[3] for s in busy], dtype=float)
-    kv = np.array([s[4] for s in busy], dtype=float)
-    step = np.array([s[1] for s in busy if s[1] > 0], dtype=float)
+    nan = float("nan")
+    run = [s[2] for s in busy]
+    kv = [s[4] for s in busy]
+    step = [float(s[1]) for s in busy if s[1] > 0]
+
+    def cv(rows: list) -> float:
+        """Mean over samples of std/mean across ranks (population std), idle samples left out."""
+        per = [pstdev(r) / m for r in rows if (m := fmean(r)) > 0]
+        return fmean(per) if per else nan
+
+    kv_ratio = [max(r) / m for r in kv if (m := fmean(r)) > 0]
     # Prealloc queue per rank (samples of the KV-model engine carry it as a 6th field).
-    pre = np.array([s[5] for s in busy], dtype=float) if len(busy[0]) > 5 else None
-
-    def cv(a: Any) -> float:
-        m = a.mean(axis=1)
-        ok = m > 0
-        return float((a[ok].std(axis=1) / m[ok]).mean()) if ok.any() else float("nan")
-
-    kv_mean = kv.mean(axis=1)
-    ok = kv_mean > 0
+    pre = [float(fmean(col)) for col in zip(*(s[5] for s in busy))] if len(busy[0]) > 5 else []
     return {
         "samples": len(busy),
-        "outstanding_cv": cv(out), "running_cv": cv(run),
-        "busiest_batch": float(run.max(axis=1).mean()), "mean_batch": float(run.mean()),
-        "kv_busiest_over_mean": float((kv.max(axis=1)[ok] / kv_mean[ok]).mean()) if ok.any() else float("nan"),
-        "step_ms": float(step.mean()) if len(step) else float("nan"),
-        "prealloc_per_rank": [float(x) for x in pre.mean(axis=0)] if pre is not None else [],
+        "outstanding_cv": cv([s[3] for s in busy]), "running_cv": cv(run),
+        "busiest_batch": fmean(max(r) for r in run), "mean_batch": fmean(x for r in run for x in r),
+        "kv_busiest_over_mean": fmean(kv_ratio) if kv_ratio else nan,
+        "step_ms": fmean(step) if step else nan,
+        "prealloc_per_rank": pre,
     }
 
 
@@ -373,7 +376,7 @@ def kv_markdown_table(results: list[dict], time_scale: float, params: SimParams)
 
 def write_plots(results: list[dict], out_dir: str) -> list[str]:
     """Per-rank outstanding requests over time, one panel per policy, one PNG per concurrency."""
-    try:
+    try:  # deferred: matplotlib is an optional, heavy dependency used only for the plots
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -522,7 +525,6 @@ def main(argv: list[str] | None = None) -> int:
         return await run_matrix(cells, ns.concurrency, ns.duration, ns.warmup, params, ns.out, ns.seed,
                                 not ns.quiet, repeat=ns.repeat, trace_kwargs={"input_mean": input_mean})
 
-    import uvloop
     results = uvloop.run(go())
     print(write_outputs(results, ns.out, ns.time_scale, params if ns.kv_tight else None))
     print(f"wrote {ns.out}/balance.md, balance.json and outstanding_c*.png", file=sys.stderr)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import uvloop
+
 from fastroute.sim.balance import (Cell, add_common_flags, failed_cells, fastroute_cells, run_matrix,
                                    write_outputs)
 from fastroute.sim.engine import SimParams
@@ -43,7 +45,6 @@ def main(argv: list[str] | None = None) -> int:
         return await run_matrix(cells, [ns.concurrency], measured, warmup, params, ns.out, ns.seed,
                                 not ns.quiet)
 
-    import uvloop
     results = uvloop.run(go())
     if not results:
         print("demo: no policy ran (see the router logs in the output directory)", file=sys.stderr)

@@ -35,6 +35,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
+import uvloop
+
 from fastroute.sim.http import HttpConnection, HttpError
 
 _FILLER = b"tok " * 262_144  # 1 MiB of ASCII; sliced, never copied per token
@@ -385,7 +387,6 @@ def main(argv: list[str] | None = None) -> int:
                              ns.seed, progress=True)
         return scale_summary(res.summary(), ns.time_scale)
 
-    import uvloop
     s = uvloop.run(run())
     print(json.dumps(s, indent=1) if ns.json else format_summary(s))
     return 0

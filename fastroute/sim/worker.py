@@ -11,6 +11,8 @@ import argparse
 import asyncio
 from dataclasses import dataclass, field, fields
 
+import uvloop
+
 from fastroute.sim.engine import Rendezvous, SimParams
 from fastroute.sim.server import SimWorker
 
@@ -89,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
             await w.stop()
 
     try:
-        import uvloop
         uvloop.run(run())
     except KeyboardInterrupt:
         pass

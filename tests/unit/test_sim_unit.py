@@ -10,12 +10,12 @@ import math
 
 import pytest
 
+from fastroute.sim.api import estimate_text_tokens, parse_inference
 from fastroute.sim.balance import (balance_stats, fastroute_cells, kv_markdown_table, kv_tight_cells,
                                    markdown_table, parse_kv_fit_metrics)
+from fastroute.sim.engine import BadRequest, DecodeEngine, DecodeReq, Rendezvous, SimParams
 from fastroute.sim.loadgen import (ReqRecord, TraceItem, _SSECounter, encode_request, load_trace,
                                    synthetic_trace)
-from fastroute.sim.api import estimate_text_tokens, parse_inference
-from fastroute.sim.engine import BadRequest, DecodeEngine, DecodeReq, Rendezvous, SimParams
 from fastroute.sim.server import LOAD_SECTIONS, SimWorker
 from fastroute.sim.worker import add_param_flags, params_from_args
 
