@@ -1,6 +1,6 @@
 """Load monitor and health checker: the only writer of polled load and health into the table.
 
-Owns two background loops over the *physical* workers of the :class:`~fastroute.control.workers.Registry`
+Owns two background loops over the *physical* workers of the :class:`~fastroute.control.registry.Registry`
 (one HTTP call per server per tick, however many rank targets it has):
 
 * load polling (protocol.md 4.4, 5.1, 5.2) every ``load_monitor_interval`` seconds:
@@ -27,7 +27,8 @@ from typing import Any
 
 from fastroute.control import httpclient
 from fastroute.control.httpclient import HttpClientError
-from fastroute.control.workers import Registry, Worker
+from fastroute.control.registry import Registry
+from fastroute.control.worker import Worker
 
 log = logging.getLogger("fastroute.monitor")
 

@@ -48,7 +48,7 @@ class Server:
         from fastroute.control.monitor import Monitor
         from fastroute.core.routing import Router
         from fastroute.core.table import TargetTable
-        from fastroute.control.workers import Registry
+        from fastroute.control.registry import Registry
 
         cfg = self.config
         loop = asyncio.get_running_loop()

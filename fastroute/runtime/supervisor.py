@@ -4,7 +4,7 @@ Owns everything that exists only when the router runs as several processes:
 
 * the **supervisor** (the process the CLI started) creates the shared target table and one
   per-process *ledger* table per proxy slot, registers workers (the ordinary
-  :class:`~fastroute.control.workers.Registry`), runs the load monitor and health checks, serves
+  :class:`~fastroute.control.registry.Registry`), runs the load monitor and health checks, serves
   ``/metrics`` once for all processes, and starts, watches and restarts the proxy processes;
 * the **proxy processes** (``python -m fastroute.runtime.supervisor --child DIR SLOT``) attach the table
   by name, listen on the same port with ``SO_REUSEPORT`` (the kernel spreads connections across
@@ -58,7 +58,8 @@ import numpy as np
 from fastroute.control import httpclient
 from fastroute.control.httpclient import HttpClientError
 from fastroute.core.table import COL_ALLOCATED, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS
-from fastroute.control.workers import Registry, Worker, _header
+from fastroute.control.admin import request_header as _header
+from fastroute.control.registry import Registry, Worker
 
 log = logging.getLogger("fastroute.supervisor")
 
