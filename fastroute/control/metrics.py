@@ -124,7 +124,8 @@ def _hist_family(name: str, doc: str, labels: list[str]) -> HistogramMetricFamil
 class Collector:
     """Builds every family from the table, the registry and the Stats objects at scrape time."""
 
-    def __init__(self, table: Any, registry: Any, stats: list[Stats], config: Config | None = None) -> None:
+    def __init__(self, table: T.TargetTable, registry: Any, stats: list[Stats],
+                 config: Config | None = None) -> None:
         self.table = table
         self.registry = registry
         self.stats = stats
@@ -481,7 +482,7 @@ def new_stats(config: Config) -> Stats:
     return Stats(config.prometheus_duration_buckets or DEFAULT_BUCKETS)
 
 
-async def start_metrics(config: Config, table: Any, registry: Any,
+async def start_metrics(config: Config, table: T.TargetTable, registry: Any,
                         stats: Stats | None = None) -> MetricsServer:
     """Start the metrics listener (called by the runtime's assembly)."""
     stats = stats if stats is not None else new_stats(config)

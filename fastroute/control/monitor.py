@@ -25,10 +25,12 @@ import logging
 import math
 from typing import Any
 
+from fastroute.config import Config
 from fastroute.control import httpclient
 from fastroute.control.httpclient import HttpClientError
 from fastroute.control.registry import Registry
 from fastroute.control.worker import Worker
+from fastroute.core.table import TargetTable
 
 log = logging.getLogger("fastroute.monitor")
 
@@ -99,7 +101,7 @@ def parse_get_load(doc: Any) -> list[tuple[int | None, RankLoad | None]]:
 class Monitor:
     """Background load polling and health checking for every ready worker of a Registry."""
 
-    def __init__(self, config: Any, registry: Registry, table: Any) -> None:
+    def __init__(self, config: Config, registry: Registry, table: TargetTable) -> None:
         self.config = config
         self.registry = registry
         self.table = table
