@@ -6,13 +6,11 @@ defaults are read from `fastroute.config.Config`, the single source of truth), s
 accepted, each routing flag also answers to its `--router-` spelling (as passed by
 `sglang.launch_server`), and flags with no meaning for fastroute are accepted with one warning
 each. Turning the namespace into a validated `Config` is `fastroute.config`'s job; running it is
-`fastroute.runtime.server.run`'s. `fastroute demo ...` hands over to `fastroute.sim.demo`.
+`fastroute.runtime.server.run`'s (a `Server`, or a `Supervisor` under `--workers N`). `fastroute demo ...` hands over to `fastroute.sim.demo`.
 """
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 from typing import Any, Sequence
 
@@ -32,6 +30,9 @@ from fastroute.config import (
     config_from_args,
     default,
 )
+from fastroute.log import configure_logging
+from fastroute.runtime.server import Server, run
+from fastroute.runtime.supervisor import Supervisor, resolve_processes
 
 __all__ = ["build_parser", "parse_namespace", "parse_args", "configure_logging", "main"]
 
@@ -97,7 +98,6 @@ IGNORED_FAMILIES: tuple[str, ...] = (
     "--jwt-",
 )
 
-_LOG_FORMAT = "%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s"
 _LOG_LEVEL_CHOICES = ("debug", "info", "warn", "warning", "error", "critical")
 
 
@@ -431,37 +431,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         raise  # unreachable: parser.error exits
 
 
-_HANDLER_TAG = "_fastroute_handler"
-
-
-def configure_logging(level: str = "info", log_dir: str | None = None) -> None:
-    """Root logging: timestamp, level, pid and logger name on stderr (and DIR/fastroute.log).
-
-    Replaces only handlers this function installed earlier, so a host application's (or
-    pytest's) own handlers survive.
-    """
-    name = "warning" if level.lower() == "warn" else level.lower()
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        if getattr(handler, _HANDLER_TAG, False):
-            root.removeHandler(handler)
-            handler.close()
-    formatter = logging.Formatter(_LOG_FORMAT)
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-    if log_dir:
-        os.makedirs(log_dir, exist_ok=True)
-        handlers.append(logging.FileHandler(os.path.join(log_dir, "fastroute.log")))
-    for handler in handlers:
-        setattr(handler, _HANDLER_TAG, True)
-        handler.setFormatter(formatter)
-        root.addHandler(handler)
-    root.setLevel(getattr(logging, name.upper()))
-
-
 def main(argv: Sequence[str] | None = None) -> int | None:
     """Entry point of the `fastroute` console script and `python -m fastroute`."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "demo":
+        # Deferred: the simulator (and its load generator) loads only for `fastroute demo`.
         from fastroute.sim.demo import main as demo_main
 
         return demo_main(args[1:])
@@ -478,9 +452,9 @@ def main(argv: Sequence[str] | None = None) -> int | None:
         config = config_from_args(ns)
     except ConfigError as exc:
         parser.error(str(exc))
-    from fastroute.runtime.server import run
-
+    # One process serves, or (--workers N, N > 1) a supervisor runs N proxy processes.
+    factory = Supervisor if resolve_processes(config) > 1 else Server
     try:
-        return run(config)
+        return run(config, factory)
     except KeyboardInterrupt:
         return 130

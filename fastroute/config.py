@@ -19,11 +19,12 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
+from fastroute.names import LOAD_METRIC_ALIASES, LOAD_METRICS, MODES, POLICIES
+
 __all__ = [
     "Config",
     "ConfigError",
     "config_from_args",
-    "parse_args",
     "default",
     "ALL_POLICIES",
     "PREFILL_ONLY_POLICIES",
@@ -56,18 +57,12 @@ ALL_POLICIES: tuple[str, ...] = (
     "passthrough",
 )
 PREFILL_ONLY_POLICIES: tuple[str, ...] = ("bucket",)
-SUPPORTED_POLICIES: tuple[str, ...] = (
-    "random",
-    "round_robin",
-    "cache_aware",
-    "power_of_two",
-    "consistent_hashing",
-)
+SUPPORTED_POLICIES: tuple[str, ...] = POLICIES
 
 # smg spells the token metric `expected_wait`; fastroute maps it to `tokens` (protocol.md 5.5).
-P2C_LOAD_METRICS: tuple[str, ...] = ("tokens", "requests", "least_requests")
-P2C_LOAD_METRIC_ALIASES: dict[str, str] = {"expected_wait": "tokens"}
-DEMAND_MODES: tuple[str, ...] = ("off", "shadow", "on")
+P2C_LOAD_METRICS: tuple[str, ...] = LOAD_METRICS
+P2C_LOAD_METRIC_ALIASES: dict[str, str] = LOAD_METRIC_ALIASES
+DEMAND_MODES: tuple[str, ...] = MODES
 DP_RANK_FIELDS: tuple[str, ...] = ("routed_dp_rank", "data_parallel_rank")
 # Stored as Python logging level names; `warn` (the peers' spelling) is normalised to `warning`.
 LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error", "critical")
@@ -520,10 +515,3 @@ def _parse_prefill(tokens: list[str]) -> tuple[str, int | None]:
             "--prefill",
             f"bootstrap port {tokens[1]!r} of {url} must be an integer or 'none'",
         ) from None
-
-
-def parse_args(argv: list[str] | None = None) -> Config:
-    """Parse an sglang-router style command line into a validated Config (see fastroute.cli)."""
-    from fastroute.cli import parse_args as _cli_parse_args
-
-    return _cli_parse_args(argv)

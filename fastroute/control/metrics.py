@@ -7,6 +7,9 @@ time.  Per-target values (in-flight requests and tokens, polled load, picks, hea
 are read from the table with atomic loads, so they are exactly what the policies see.
 
 Labels stay bounded: target names (``url`` or ``url@rank``), roles, known paths, status codes.
+
+Under ``--workers N`` the supervisor merges the proxy processes' reported ``Stats``
+(:func:`merge_stats`, the one merge rule) and adds :class:`ProcessCollector`'s per-process series.
 """
 from __future__ import annotations
 
@@ -19,12 +22,13 @@ from typing import Any, Iterable
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from fastroute.config import DEFAULT_DURATION_BUCKETS, Config
 from fastroute.core import _policy, table as T
+from fastroute.names import target_name
 
 log = logging.getLogger("fastroute.metrics")
 
-DEFAULT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 30, 45,
-                   60, 90, 120, 180, 240)
+DEFAULT_BUCKETS = DEFAULT_DURATION_BUCKETS   # one definition, in the Config module
 # Router-side work is measured in microseconds: its own buckets.
 FAST_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
                 5e-2, 0.1, 0.25, 1.0)
@@ -56,6 +60,11 @@ class Hist:
     @property
     def count(self) -> int:
         return sum(self.counts)
+
+
+# Stats.reclaim reason under which the reconciler's callback counts a flagged target; exported
+# as fastroute_reconcile_mismatches_total, not as a reclaim.
+RECONCILE_MISMATCH = "reconcile_mismatch"
 
 
 class Stats:
@@ -115,7 +124,8 @@ def _hist_family(name: str, doc: str, labels: list[str]) -> HistogramMetricFamil
 class Collector:
     """Builds every family from the table, the registry and the Stats objects at scrape time."""
 
-    def __init__(self, table: Any, registry: Any, stats: list[Stats], config: Any = None) -> None:
+    def __init__(self, table: T.TargetTable, registry: Any, stats: list[Stats],
+                 config: Config | None = None) -> None:
         self.table = table
         self.registry = registry
         self.stats = stats
@@ -129,7 +139,7 @@ class Collector:
             if entry is None:
                 continue
             w, rank = entry
-            name = w.url if rank is None else f"{w.url}@{rank}"
+            name = target_name(w.url, rank)
             out.append((t, name, w.role, getattr(w, "model_id", "unknown") or "unknown"))
         return out
 
@@ -286,11 +296,20 @@ class Collector:
         for (r, e), v in merged("retries").items():
             c.add_metric([r, e], float(v))
         yield c
+        reclaimed = merged("reclaimed")
+        # The reconciler releases nothing (another process may own the leases), so its flags
+        # are a counter of their own, not a reclaim reason (review L1).
+        mismatches = reclaimed.pop(RECONCILE_MISMATCH, 0)
         c = CounterMetricFamily("fastroute_leases_reclaimed",
                                 "Leases reclaimed by the safety net rather than released by their owner",
                                 labels=["reason"])
-        for r, v in merged("reclaimed").items():
+        for r, v in reclaimed.items():
             c.add_metric([r], float(v))
+        yield c
+        c = CounterMetricFamily("fastroute_reconcile_mismatches",
+                                "Targets the reconciler flagged: the router held more requests than the "
+                                "engine reported, poll after poll (logged, nothing released)")
+        c.add_metric([], float(mismatches))
         yield c
         c = CounterMetricFamily("smg_worker_retries_exhausted",
                                 "Requests that failed after using every attempt",
@@ -336,10 +355,81 @@ class Collector:
 def _merge_hists(hs: list[Hist]) -> Hist:
     out = Hist(hs[0].bounds)
     for h in hs:
-        for i, c in enumerate(h.counts):
-            out.counts[i] += c
-        out.sum += h.sum
+        _add_hist(out, h)
     return out
+
+
+def _add_hist(dst: Hist, src: Hist) -> None:
+    """Add ``src``'s observations into ``dst`` (histograms with other buckets are skipped)."""
+    if dst.bounds != src.bounds:
+        return
+    for i, c in enumerate(src.counts):
+        dst.counts[i] += c
+    dst.sum += src.sum
+
+
+def merge_stats(dst: Stats, src: Stats) -> None:
+    """Add ``src``'s counters and histograms into ``dst``.
+
+    Generic over the attributes, so counters the proxy adds later are merged too: a dict of
+    ints is a labelled counter, a dict of ``Hist`` a labelled histogram, a ``Hist`` a histogram.
+    Plain ints (``connections_active``) are gauges of a live process and are not carried over."""
+    for attr, val in vars(src).items():
+        if isinstance(val, Hist):
+            mine = getattr(dst, attr, None)
+            if isinstance(mine, Hist):
+                _add_hist(mine, val)
+        elif isinstance(val, dict):
+            d = getattr(dst, attr, None)
+            if not isinstance(d, dict):
+                continue
+            for k, v in val.items():
+                if isinstance(v, Hist):
+                    h = d.get(k)
+                    if h is None:
+                        h = d[k] = Hist(v.bounds)
+                    _add_hist(h, v)
+                elif isinstance(v, (int, float)):
+                    d[k] = d.get(k, 0) + v
+
+
+class ProcessCollector:
+    """Prometheus families about the proxy processes of ``--workers N``, read at scrape time from
+    the supervisor (duck-typed: ``children``, ``ledgers``, ``version``), which owns the processes."""
+
+    def __init__(self, sup: Any) -> None:
+        self.sup = sup
+
+    def collect(self):
+        sup = self.sup
+        up = GaugeMetricFamily("fastroute_proxy_process_up",
+                               "1 when the proxy process runs and reported a ready worker view",
+                               labels=["process"])
+        restarts = CounterMetricFamily("fastroute_proxy_process_restarts",
+                                       "Proxy processes started again after they exited",
+                                       labels=["process"])
+        inflight = GaugeMetricFamily("fastroute_proxy_process_in_flight_requests",
+                                     "Leases the proxy process holds", labels=["process"])
+        picks = CounterMetricFamily("fastroute_proxy_process_picks",
+                                    "Targets picked by the proxy process slot", labels=["process"])
+        version = GaugeMetricFamily("fastroute_proxy_process_snapshot_version",
+                                    "Worker snapshot version the proxy process last reported "
+                                    "(the supervisor's own is process=\"supervisor\")",
+                                    labels=["process"])
+        version.add_metric(["supervisor"], float(sup.version))
+        pid = GaugeMetricFamily("fastroute_proxy_process_pid",
+                                "Operating-system pid of the running proxy process", labels=["process"])
+        for slot, child in enumerate(sup.children):
+            label = [str(slot)]
+            up.add_metric(label, 1.0 if child.alive and child.reported_ready else 0.0)
+            restarts.add_metric(label, float(child.restarts))
+            snap = sup.ledgers[slot].snapshot()
+            inflight.add_metric(label, float(snap[:, T.COL_IN_FLIGHT].sum()))
+            picks.add_metric(label, float(snap[:, T.COL_PICKS].sum()))
+            if child.alive and child.proc is not None:
+                pid.add_metric(label, float(child.proc.pid))
+                version.add_metric(label, float(child.version))
+        yield from (up, restarts, inflight, picks, version, pid)
 
 
 class MetricsServer:
@@ -387,13 +477,16 @@ class MetricsServer:
             self.server = None
 
 
-async def start_metrics(config: Any, table: Any, registry: Any,
+def new_stats(config: Config) -> Stats:
+    """A process's Stats with the configured duration buckets."""
+    return Stats(config.prometheus_duration_buckets or DEFAULT_BUCKETS)
+
+
+async def start_metrics(config: Config, table: T.TargetTable, registry: Any,
                         stats: Stats | None = None) -> MetricsServer:
-    """Start the metrics listener (called by server.Server.start)."""
-    buckets = getattr(config, "prometheus_duration_buckets", None) or DEFAULT_BUCKETS
-    stats = stats if stats is not None else Stats(buckets)
+    """Start the metrics listener (called by the runtime's assembly)."""
+    stats = stats if stats is not None else new_stats(config)
     m = MetricsServer(Collector(table, registry, [stats], config))
     m.stats = stats  # type: ignore[attr-defined]
-    await m.start(getattr(config, "prometheus_host", "0.0.0.0"),
-                  int(getattr(config, "prometheus_port", 29000)))
+    await m.start(config.prometheus_host, int(config.prometheus_port))
     return m

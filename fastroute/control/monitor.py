@@ -1,6 +1,6 @@
 """Load monitor and health checker: the only writer of polled load and health into the table.
 
-Owns two background loops over the *physical* workers of the :class:`~fastroute.control.workers.Registry`
+Owns two background loops over the *physical* workers of the :class:`~fastroute.control.registry.Registry`
 (one HTTP call per server per tick, however many rank targets it has):
 
 * load polling (protocol.md 4.4, 5.1, 5.2) every ``load_monitor_interval`` seconds:
@@ -25,9 +25,12 @@ import logging
 import math
 from typing import Any
 
+from fastroute.config import Config
 from fastroute.control import httpclient
 from fastroute.control.httpclient import HttpClientError
-from fastroute.control.workers import Registry, Worker
+from fastroute.control.registry import Registry
+from fastroute.control.worker import Worker
+from fastroute.core.table import TargetTable
 
 log = logging.getLogger("fastroute.monitor")
 
@@ -98,7 +101,7 @@ def parse_get_load(doc: Any) -> list[tuple[int | None, RankLoad | None]]:
 class Monitor:
     """Background load polling and health checking for every ready worker of a Registry."""
 
-    def __init__(self, config: Any, registry: Registry, table: Any) -> None:
+    def __init__(self, config: Config, registry: Registry, table: TargetTable) -> None:
         self.config = config
         self.registry = registry
         self.table = table
@@ -280,71 +283,3 @@ class Monitor:
             log.info("worker %s is healthy again", w.url)
         else:
             log.warning("worker %s is unhealthy after %d failed health checks", w.url, w.health_failures)
-
-
-class Reconciler:
-    """Compares the router's in-flight count of each target with the engine's polled load.
-
-    A leak the proxy's own safety net cannot see (e.g. a lease lost by another process sharing
-    the table) shows up as the router holding N requests on a rank while the engine keeps
-    reporting fewer (running + waiting) poll after poll. ``check`` is called periodically; a
-    target is flagged once it has stayed short on at least ``min_polls`` consecutive *new* polls
-    for longer than ``timeout`` seconds. Flagging only logs and calls ``on_mismatch(name)``:
-    the leases may belong to other processes, so nothing is released here.
-
-    Prefill targets are skipped: their leases rightly outlive the engine's work (they are held
-    until the decode stream ends, protocol.md 3.8).
-    """
-
-    def __init__(self, table: Any, timeout: float, on_mismatch: Any = None, min_polls: int = 3) -> None:
-        self.table = table
-        self.timeout = float(timeout)
-        self.on_mismatch = on_mismatch
-        self.min_polls = int(min_polls)
-        # row -> [owner worker, last polled_at seen, short since (loop time), short polls, flagged]
-        self._state: dict[int, list[Any]] = {}
-
-    def check(self, target_info: Any, now: float) -> int:
-        """One pass over the registered targets; returns how many were newly flagged."""
-        from fastroute.core.table import COL_POLLED_AT, COL_POLLED_RUNNING, COL_POLLED_WAITING
-
-        tab = self.table
-        flagged = 0
-        seen = set()
-        for t, entry in enumerate(target_info):
-            if entry is None:
-                continue
-            w, rank = entry
-            if w.role == "prefill" or w.status != "ready":
-                continue
-            seen.add(t)
-            st = self._state.get(t)
-            if st is None or st[0] is not w:
-                st = self._state[t] = [w, -1, 0.0, 0, False]
-            polled_at = tab.get(t, COL_POLLED_AT)
-            if polled_at < 0:
-                st[2:] = [0.0, 0, False]  # load unknown: no evidence either way
-                continue
-            if polled_at == st[1]:
-                continue  # no new poll since the last pass
-            st[1] = polled_at
-            reported = tab.get(t, COL_POLLED_RUNNING) + tab.get(t, COL_POLLED_WAITING)
-            held = tab.in_flight(t)
-            if held <= reported:
-                st[2:] = [0.0, 0, False]
-                continue
-            if st[3] == 0:
-                st[2] = now
-            st[3] += 1
-            if not st[4] and st[3] >= self.min_polls and now - st[2] >= self.timeout:
-                st[4] = True
-                flagged += 1
-                name = w.url if rank is None else f"{w.url}@{rank}"
-                log.warning("reconcile: router holds %d requests on %s but the engine has reported "
-                            "fewer (last: %d) for %.0f s over %d polls", held, name, reported,
-                            now - st[2], st[3])
-                if self.on_mismatch is not None:
-                    self.on_mismatch(name)
-        for t in [t for t in self._state if t not in seen]:
-            del self._state[t]
-        return flagged

@@ -151,7 +151,7 @@ class App:
     """Per-process data-path state shared by every client connection."""
 
     def __init__(self, config: Any, registry: Any, loop: asyncio.AbstractEventLoop | None = None,
-                 room_rng: Any = None) -> None:
+                 room_rng: Any = None, breakers: Breakers | None = None, reconciler: Any = None) -> None:
         self.config = config
         self.registry = registry
         self.loop = loop or asyncio.get_event_loop()
@@ -182,9 +182,10 @@ class App:
         self.backoff_jitter = float(getattr(config, "retry_jitter_factor", 0.2))
         self.retry_rng = random.Random(config.seed)
         table = getattr(registry, "table", None)
-        self.breakers: Breakers | None = None
-        self.reconciler: Any = None
-        if table is not None:
+        # Passed in by fastroute.runtime.assemble; built here only for callers that do not.
+        self.breakers: Breakers | None = breakers
+        self.reconciler: Any = reconciler
+        if table is not None and breakers is None:
             self.breakers = Breakers(
                 table, int(table.capacity), int(getattr(config, "cb_failure_threshold", 10)),
                 int(getattr(config, "cb_success_threshold", 3)),
@@ -193,11 +194,12 @@ class App:
                 name_of=getattr(registry, "target_name", None), clock=self.loop.time)
             # Imported here, not at module level: the monitor side pulls in the
             # table (NumPy); the data path itself never touches it.
-            from fastroute.control.monitor import Reconciler
+            from fastroute.control.leases import Reconciler
             # Under --workers N the supervisor reconciles the shared table once (a proxy
             # process's registry follows the supervisor's and has a ledger of its own).
             if getattr(registry, "ledger", None) is None:
                 self.reconciler = Reconciler(table, self.timeout, self._reconcile_mismatch)
+        if table is not None:
             self._row_owner: dict[int, Any] = {}
             add_listener = getattr(registry, "add_listener", None)
             if add_listener is not None:

@@ -7,10 +7,12 @@ metrics -> listener, then background worker registration) and of shutdown
 unlink the shared table). The listener starts before any worker is registered:
 inference requests get 503 until the registry reports ready (protocol.md 2).
 
-``Server`` is the in-process form used by tests; ``run(config)`` is what the
-CLI calls (uvloop, signal handlers, blocking until shutdown). With ``--workers N``
-(N > 1) ``run`` delegates to :mod:`fastroute.runtime.supervisor`, which runs this same
-proxy code in N processes over one shared target table.
+``Server`` is the in-process form used by tests. ``run(config, factory)`` is what the
+CLI calls (uvloop, signal handlers, blocking until shutdown) with the process to run: a
+``Server``, or under ``--workers N`` (N > 1) the
+:class:`~fastroute.runtime.supervisor.Supervisor`, which runs this same proxy code in N
+processes over one shared target table. The pieces are built by
+:func:`fastroute.runtime.assemble.assemble` in both cases.
 """
 
 from __future__ import annotations
@@ -18,24 +20,40 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import socket
-from typing import Any
+from typing import Callable, Protocol
 
+import uvloop
+
+from fastroute.config import Config
+from fastroute.control.metrics import MetricsServer
+from fastroute.control.monitor import Monitor
+from fastroute.control.registry import Registry
+from fastroute.core.routing import Router
+from fastroute.core.table import TargetTable
 from fastroute.dataplane.proxy import App
+from fastroute.runtime.assemble import assemble, drain, listen
 
 log = logging.getLogger("fastroute.server")
+
+
+class Process(Protocol):
+    """What ``serve`` runs: a Server or a Supervisor."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self, grace: float | None = None) -> None: ...
 
 
 class Server:
     """One router process: table, router, registry, monitor, metrics and the HTTP listener."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Config) -> None:
         self.config = config
-        self.table: Any = None
-        self.router: Any = None
-        self.registry: Any = None
-        self.monitor: Any = None
-        self.metrics: Any = None
+        self.table: TargetTable | None = None
+        self.router: Router | None = None
+        self.registry: Registry | None = None
+        self.monitor: Monitor | None = None
+        self.metrics: MetricsServer | None = None
         self.app: App | None = None
         self.listener: asyncio.AbstractServer | None = None
         self.port = 0
@@ -44,25 +62,14 @@ class Server:
 
     async def start(self) -> None:
         """Build everything and start listening; worker registration continues in the background."""
-        from fastroute.control.metrics import start_metrics
-        from fastroute.control.monitor import Monitor
-        from fastroute.core.routing import Router
-        from fastroute.core.table import TargetTable
-        from fastroute.control.workers import Registry
-
         cfg = self.config
-        loop = asyncio.get_running_loop()
         self.table = TargetTable()
         try:
-            self.router = Router(self.table, seed=cfg.seed, config=cfg)
-            self.registry = Registry(cfg, self.table, self.router)
-            self.monitor = Monitor(cfg, self.registry, self.table)
-            self.metrics = await start_metrics(cfg, self.table, self.registry)
-            self.app = App(cfg, self.registry, loop)
-            self.app.stats = self.metrics.stats
-            self.listener = await loop.create_server(
-                self.app.protocol_factory, cfg.host, cfg.port,
-                reuse_address=True, reuse_port=hasattr(socket, "SO_REUSEPORT"), backlog=4096)
+            parts = await assemble(cfg, self.table)
+            self.router, self.registry, self.monitor = parts.router, parts.registry, parts.monitor
+            self.metrics, self.app = parts.metrics, parts.app
+            assert self.app is not None and self.monitor is not None
+            self.listener = await listen(self.app, cfg.host, cfg.port)
         except BaseException:
             self.table.close()
             self.table.unlink()
@@ -82,20 +89,11 @@ class Server:
         self._stopping = True
         if grace is None:
             grace = float(self.config.shutdown_grace_period_secs)
-        app = self.app
         try:
             if self.listener is not None:
                 self.listener.close()
-            if app is not None:
-                app.stop_accepting()
-                loop = asyncio.get_running_loop()
-                deadline = loop.time() + grace
-                # Control-plane wait (not per request): poll the in-flight count.
-                while app.active and loop.time() < deadline:
-                    await asyncio.sleep(0.05)
-                if app.active:
-                    log.warning("shutdown: aborting %d requests still in flight", app.active)
-                app.close()
+            if self.app is not None:
+                await drain(self.app, grace, log)
             if self.monitor is not None:
                 await self.monitor.stop()
             if self.registry is not None:
@@ -112,13 +110,10 @@ class Server:
         await self._stopped.wait()
 
 
-async def serve(config: Any, factory: Any = None) -> int:
-    """Run until SIGTERM/SIGINT, then drain; returns the exit status.
-
-    ``factory`` builds what runs (``Server`` by default; the supervisor passes its own class):
-    anything with ``start()`` and ``stop()``."""
+async def serve(config: Config, factory: Callable[[Config], Process] = Server) -> int:
+    """Run ``factory(config)`` until SIGTERM/SIGINT, then drain; returns the exit status."""
     loop = asyncio.get_running_loop()
-    server = (factory or Server)(config)
+    server = factory(config)
     await server.start()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -132,17 +127,6 @@ async def serve(config: Any, factory: Any = None) -> int:
     return 0
 
 
-def run(config: Any) -> int:
-    """Blocking entry point used by the CLI: uvloop event loop + ``serve``.
-
-    ``--workers N`` with N > 1 (or ``auto`` on a multi-core machine) hands over to
-    :mod:`fastroute.runtime.supervisor`; one process keeps this single-process path unchanged."""
-    import uvloop
-
-    from fastroute.runtime.supervisor import resolve_processes
-
-    if resolve_processes(config) > 1:
-        from fastroute.runtime import supervisor
-
-        return supervisor.run(config)
-    return uvloop.run(serve(config))
+def run(config: Config, factory: Callable[[Config], Process] = Server) -> int:
+    """Blocking entry point used by the CLI: uvloop event loop + ``serve``."""
+    return uvloop.run(serve(config, factory))

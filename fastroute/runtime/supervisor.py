@@ -4,11 +4,11 @@ Owns everything that exists only when the router runs as several processes:
 
 * the **supervisor** (the process the CLI started) creates the shared target table and one
   per-process *ledger* table per proxy slot, registers workers (the ordinary
-  :class:`~fastroute.control.workers.Registry`), runs the load monitor and health checks, serves
+  :class:`~fastroute.control.registry.Registry`), runs the load monitor and health checks, serves
   ``/metrics`` once for all processes, and starts, watches and restarts the proxy processes;
-* the **proxy processes** (``python -m fastroute.runtime.supervisor --child DIR SLOT``) attach the table
+* the **proxy processes** (``python -m fastroute.runtime.child DIR SLOT``) attach the table
   by name, listen on the same port with ``SO_REUSEPORT`` (the kernel spreads connections across
-  them), and serve requests with a :class:`FollowerRegistry`: a registry that never registers
+  them), and serve requests with a :class:`~fastroute.control.follower.FollowerRegistry`: a registry that never registers
   or monitors anything itself but mirrors the supervisor's worker set.
 
 Worker-set sync: the supervisor writes a JSON snapshot of its workers (``workers.json`` in a
@@ -36,11 +36,15 @@ last report are lost; everything else is exact.
 Shared memory is created by the supervisor only, so its ``multiprocessing`` resource tracker
 removes the segments even if the supervisor itself is killed; the normal exit paths unlink them
 explicitly.  Proxy processes ask the kernel for SIGTERM when the supervisor dies.
+
+Where the pieces live: the follower registry and the snapshot format in
+:mod:`fastroute.control.follower`, crash reclaim in :mod:`fastroute.control.leases`, the Stats
+merge and the per-process collector in :mod:`fastroute.control.metrics`, the proxy process's
+entry in :mod:`fastroute.runtime.child`; this module supervises.
 """
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import logging
 import os
@@ -53,259 +57,27 @@ import sys
 import tempfile
 from typing import Any
 
-import numpy as np
-
-from fastroute.control import httpclient
-from fastroute.control.httpclient import HttpClientError
-from fastroute.core.table import COL_ALLOCATED, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS
-from fastroute.control.workers import Registry, Worker, _header
+from fastroute.auth import matches
+from fastroute.config import Config
+from fastroute.control.follower import CONTROL_HEADER, VERSION_HEADER, snapshot_doc
+from fastroute.control.leases import Reconciler, reclaim
+from fastroute.control.metrics import MetricsServer, ProcessCollector, Stats, merge_stats, new_stats
+from fastroute.control.monitor import Monitor
+from fastroute.control.registry import Registry
+from fastroute.core.table import TargetTable
+from fastroute.runtime.assemble import assemble
 
 log = logging.getLogger("fastroute.supervisor")
 
-SYNC_INTERVAL = 0.1          # seconds between a proxy process's generation checks
-STATS_INTERVAL = 0.25        # seconds between a proxy process's Stats reports
 PUBLISH_INTERVAL = 0.1       # seconds between the supervisor's snapshot change checks
 RECONCILE_TICKS = 50          # reconcile the table with the engines' polls every 5 s
 RESTART_BACKOFF = (0.05, 5.0)  # first and largest delay before restarting a crashed process
-
-_CONTROL_HEADER = "x-fastroute-control"
-_VERSION_HEADER = "x-fastroute-snapshot"
-# Admin requests that change the worker set: served by the supervisor, wherever they arrive.
-_FORWARD_PATHS = ("/add_worker", "/remove_worker")
-_WORKER_FIELDS = ("url", "role", "id", "host", "port", "bootstrap_port", "dp_size", "targets",
-                  "names", "model_id", "server_info", "model_info", "healthy", "status",
-                  "priority", "cost", "labels", "api_key", "requested_model_id", "error",
-                  "server_info_path", "model_info_path")
+HEAD_LIMIT_SECS = 10          # a control request's head and body must arrive within this
 
 
-def resolve_processes(config: Any) -> int:
-    """The number of proxy processes ``config.workers`` asks for (``auto`` -> CPU count)."""
-    n = getattr(config, "workers", 1)
-    if n == "auto":
-        return os.cpu_count() or 1
-    return max(1, int(n))
-
-
-# ---------------------------------------------------------------------------------- leases
-
-
-def reclaim(table: Any, ledger: Any) -> tuple[int, int]:
-    """Subtract everything ``ledger`` (a dead process's bookings) holds from ``table`` and zero
-    the ledger -> (requests, tokens) reclaimed.  Only call once the ledger's owner is gone."""
-    snap = ledger.snapshot()
-    rows = np.nonzero((snap[:, COL_IN_FLIGHT] != 0) | (snap[:, COL_IN_FLIGHT_TOKENS] != 0))[0]
-    reqs = toks = 0
-    for t in rows.tolist():
-        r = int(snap[t, COL_IN_FLIGHT])
-        k = int(snap[t, COL_IN_FLIGHT_TOKENS])
-        # The table holds at least these bookings (booked there first, released there last).
-        table.cells.add(t, COL_IN_FLIGHT, -r)
-        table.cells.add(t, COL_IN_FLIGHT_TOKENS, -k)
-        ledger.cells.store(t, COL_IN_FLIGHT, 0)
-        ledger.cells.store(t, COL_IN_FLIGHT_TOKENS, 0)
-        reqs += r
-        toks += k
-    return reqs, toks
-
-
-# ---------------------------------------------------------------------------------- snapshot
-
-
-def snapshot_doc(registry: Registry, version: int) -> dict[str, Any]:
-    """The worker set as the proxy processes need it (every worker, any status)."""
-    return {"version": version,
-            "workers": [{f: getattr(w, f) for f in _WORKER_FIELDS} for w in registry.workers]}
-
-
-class FollowerRegistry(Registry):
-    """A proxy process's view of the supervisor's registry (see module docstring).
-
-    Reads (``/workers`` GET, ``/get_loads``, ``/readiness``, info endpoints) are answered from
-    the mirrored workers and the shared table; changes are forwarded to the supervisor."""
-
-    def __init__(self, config: Any, table: Any, router: Any, ledger: Any, state_dir: str,
-                 control_url: str, secret: str) -> None:
-        super().__init__(config, table, router)
-        self.ledger = ledger
-        self.state_dir = state_dir
-        self.control_url = control_url
-        self._secret = secret
-        self.version = -1
-        self._seen_generation = -1
-        for g in self._groups.values():
-            g.track_in(ledger)
-
-    async def start(self) -> None:
-        """Nothing to register: the supervisor does that."""
-
-    async def stop(self) -> None:
-        """No tasks of its own."""
-
-    def poll(self) -> bool:
-        """Re-read the snapshot if the table's generation moved; True when it was applied."""
-        gen = self.table.generation
-        if gen == self._seen_generation:
-            return False
-        self._seen_generation = gen
-        return self.sync()
-
-    def sync(self) -> bool:
-        """Read the current snapshot file and apply it if it is newer than the view."""
-        try:
-            with open(os.path.join(self.state_dir, "workers.json"), "rb") as f:
-                doc = json.loads(f.read())
-        except (OSError, ValueError) as exc:
-            log.warning("cannot read the worker snapshot: %s", exc)
-            return False
-        if int(doc.get("version", -1)) <= self.version:
-            return False
-        self.apply(doc)
-        return True
-
-    def apply(self, doc: dict[str, Any]) -> None:
-        """Replace the view with ``doc``; groups change only for roles whose targets changed."""
-        before = {r: (list(g.targets), list(g.names)) for r, g in self._groups.items()}
-        by_id = {w.id: w for w in self.workers}
-        workers: list[Worker] = []
-        for d in doc["workers"]:
-            w = by_id.get(d["id"])
-            if w is None or w.url != d["url"]:
-                w = Worker(url=d["url"], role=d["role"], id=d["id"])
-            for f in _WORKER_FIELDS:
-                setattr(w, f, d[f])
-            workers.append(w)
-        info: list[tuple[Worker, int | None] | None] = [None] * self.table.capacity
-        for w in workers:
-            if w.status == "ready":
-                split = len(w.targets) > 1
-                for r, t in enumerate(w.targets):
-                    info[t] = (w, r if split else None)
-        # Like the supervisor's registry, keep a removed worker's rows resolvable while the row
-        # is still allocated (requests in flight on it), so a late lookup finds its worker.
-        for t, old in enumerate(self.target_info):
-            if old is not None and info[t] is None and self.table.get(t, COL_ALLOCATED):
-                info[t] = old
-        # Swap in one synchronous step: a request sees the old view or the new one, not a mix.
-        self.workers = workers
-        self.target_info = info
-        for role, g in self._groups.items():
-            targets: list[int] = []
-            names: list[str] = []
-            for w in workers:
-                if w.role == role and w.status == "ready":
-                    targets.extend(w.targets)
-                    names.extend(w.names)
-            if (targets, names) != before[role]:
-                self._sync_group(role)
-        self.version = int(doc["version"])
-        self.invalidate_ready()     # Registry.ready() recomputes once, on the next request
-
-    async def handle_admin(self, method: str, path: str, query: str, body: bytes,
-                           headers: Any) -> tuple[int, bytes, bytes]:
-        if (path in _FORWARD_PATHS
-                or (method in ("POST", "PUT", "DELETE") and (path == "/workers"
-                                                              or path.startswith("/workers/")))):
-            return await self._forward(method, path, query, body, headers)
-        return await super().handle_admin(method, path, query, body, headers)
-
-    async def _forward(self, method: str, path: str, query: str, body: bytes,
-                       headers: Any) -> tuple[int, bytes, bytes]:
-        fwd = {_CONTROL_HEADER: self._secret}
-        auth = _header(headers, "authorization")
-        if auth is not None:
-            fwd["authorization"] = auth
-        url = self.control_url + path + ("?" + query if query else "")
-        # /add_worker waits for registration: allow the whole startup timeout.
-        timeout = float(self.config.worker_startup_timeout_secs) + 10.0
-        try:
-            status, rhdrs, rbody = await httpclient.request(method, url, body, fwd, timeout=timeout)
-        except HttpClientError as exc:
-            from fastroute.errors import error_response
-            return 503, error_response(503, "supervisor_unreachable", str(exc)), b"application/json"
-        version = httpclient.header(rhdrs, _VERSION_HEADER)
-        if version is not None and int(version) > self.version:
-            self.sync()     # written before the supervisor answered
-        ctype = httpclient.header(rhdrs, "content-type") or "application/json"
-        return status, rbody, ctype.encode("latin-1")
-
-
-
-# ---------------------------------------------------------------------------------- stats
-
-
-def merge_stats(dst: Any, src: Any) -> None:
-    """Add ``src``'s counters and histograms into ``dst`` (two ``metrics.Stats``).
-
-    Generic over the attributes, so counters the proxy adds later are merged too: a dict of
-    ints is a labelled counter, a dict of ``Hist`` a labelled histogram, a ``Hist`` a histogram.
-    Plain ints (``connections_active``) are gauges of a live process and are not carried over."""
-    from fastroute.control.metrics import Hist
-
-    for attr, val in vars(src).items():
-        if isinstance(val, Hist):
-            mine = getattr(dst, attr, None)
-            if isinstance(mine, Hist):
-                _add_hist(mine, val)
-        elif isinstance(val, dict):
-            d = getattr(dst, attr, None)
-            if not isinstance(d, dict):
-                continue
-            for k, v in val.items():
-                if isinstance(v, Hist):
-                    h = d.get(k)
-                    if h is None:
-                        h = d[k] = Hist(v.bounds)
-                    _add_hist(h, v)
-                elif isinstance(v, (int, float)):
-                    d[k] = d.get(k, 0) + v
-
-
-def _add_hist(dst: Any, src: Any) -> None:
-    if dst.bounds != src.bounds:
-        return
-    for i, c in enumerate(src.counts):
-        dst.counts[i] += c
-    dst.sum += src.sum
-
-
-class ProcessCollector:
-    """Prometheus families about the proxy processes (read at scrape time from the ledgers)."""
-
-    def __init__(self, sup: "Supervisor") -> None:
-        self.sup = sup
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        sup = self.sup
-        up = GaugeMetricFamily("fastroute_proxy_process_up",
-                               "1 when the proxy process runs and reported a ready worker view",
-                               labels=["process"])
-        restarts = CounterMetricFamily("fastroute_proxy_process_restarts",
-                                       "Proxy processes started again after they exited",
-                                       labels=["process"])
-        inflight = GaugeMetricFamily("fastroute_proxy_process_in_flight_requests",
-                                     "Leases the proxy process holds", labels=["process"])
-        picks = CounterMetricFamily("fastroute_proxy_process_picks",
-                                    "Targets picked by the proxy process slot", labels=["process"])
-        version = GaugeMetricFamily("fastroute_proxy_process_snapshot_version",
-                                    "Worker snapshot version the proxy process last reported "
-                                    "(the supervisor's own is process=\"supervisor\")",
-                                    labels=["process"])
-        version.add_metric(["supervisor"], float(sup.version))
-        pid = GaugeMetricFamily("fastroute_proxy_process_pid",
-                                "Operating-system pid of the running proxy process", labels=["process"])
-        for slot, child in enumerate(sup.children):
-            label = [str(slot)]
-            up.add_metric(label, 1.0 if child.alive and child.reported_ready else 0.0)
-            restarts.add_metric(label, float(child.restarts))
-            snap = sup.ledgers[slot].snapshot()
-            inflight.add_metric(label, float(snap[:, COL_IN_FLIGHT].sum()))
-            picks.add_metric(label, float(snap[:, COL_PICKS].sum()))
-            if child.alive and child.proc is not None:
-                pid.add_metric(label, float(child.proc.pid))
-                version.add_metric(label, float(child.version))
-        yield from (up, restarts, inflight, picks, version, pid)
+def resolve_processes(config: Config) -> int:
+    """The number of proxy processes ``config.workers`` asks for."""
+    return max(1, int(config.workers))
 
 
 # ---------------------------------------------------------------------------------- supervisor
@@ -320,7 +92,7 @@ class _Child:
         self.watch: asyncio.Task | None = None
         self.restarts = 0
         self.reported_ready = False
-        self.stats: Any = None
+        self.stats: Stats | None = None
         self.delay = RESTART_BACKOFF[0]
         self.version = -1
 
@@ -332,14 +104,15 @@ class _Child:
 class Supervisor:
     """The control-plane process of a multi-process router (see module docstring)."""
 
-    def __init__(self, config: Any, processes: int | None = None) -> None:
+    def __init__(self, config: Config, processes: int | None = None) -> None:
         self.config = config
         self.n = resolve_processes(config) if processes is None else int(processes)
-        self.table: Any = None
-        self.ledgers: list[Any] = []
-        self.registry: Any = None
-        self.monitor: Any = None
-        self.metrics: Any = None
+        self.table: TargetTable | None = None
+        self.ledgers: list[TargetTable] = []
+        self.registry: Registry | None = None
+        self.monitor: Monitor | None = None
+        self.metrics: MetricsServer | None = None
+        self.reconciler: Reconciler | None = None
         self.children = [_Child(i) for i in range(self.n)]
         self.port = 0
         self.state_dir = ""
@@ -351,17 +124,12 @@ class Supervisor:
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._stopped = asyncio.Event()
-        self.stats: Any = None                  # the supervisor's own (reclaims)
-        self.retired: Any = None                # final reports of processes that exited
-        self.stats_views: list[Any] = []        # what the metrics collector merges
+        self.stats: Stats | None = None         # the supervisor's own (reclaims)
+        self.retired: Stats | None = None       # final reports of processes that exited
+        self.stats_views: list[Stats] = []      # what the metrics collector merges
 
     # ---- start --------------------------------------------------------------------------------
     async def start(self) -> None:
-        from fastroute.control.metrics import DEFAULT_BUCKETS, Stats, start_metrics
-        from fastroute.control.monitor import Monitor, Reconciler
-        from fastroute.core.routing import Router
-        from fastroute.core.table import TargetTable
-
         cfg = self.config
         self.state_dir = tempfile.mkdtemp(prefix="fastroute-")   # 0700: holds worker API keys
         try:
@@ -369,17 +137,14 @@ class Supervisor:
             for _ in range(self.n):
                 self.ledgers.append(TargetTable(capacity=self.table.capacity))
             self.port = self._reserve_port()
-            buckets = getattr(cfg, "prometheus_duration_buckets", None) or DEFAULT_BUCKETS
-            self.stats, self.retired = Stats(buckets), Stats(buckets)
+            self.stats, self.retired = new_stats(cfg), new_stats(cfg)
             self.stats_views = [self.stats, self.retired]
-            router = Router(self.table, seed=cfg.seed, config=cfg)
-            self.registry = Registry(cfg, self.table, router)
-            self.monitor = Monitor(cfg, self.registry, self.table)
-            # One reconciler for the shared table (the proxy processes run none): a mismatch is
-            # a fact about the table, so it is counted once, not once per process.
-            self.reconciler = Reconciler(self.table, float(cfg.request_timeout_secs),
-                                         lambda name: self.stats.reclaim("reconcile_mismatch"))
-            self.metrics = await start_metrics(cfg, self.table, self.registry, self.stats)
+            # No App here: the proxy processes serve. The one reconciler of the shared table
+            # runs here, so a mismatch is counted once, not once per process.
+            parts = await assemble(cfg, self.table, serve=False, stats=self.stats)
+            self.registry, self.monitor, self.metrics = parts.registry, parts.monitor, parts.metrics
+            self.reconciler = parts.reconciler
+            assert self.metrics is not None and self.monitor is not None
             self.metrics.collector.stats = self.stats_views   # merged at scrape time
             self.metrics.registry.register(ProcessCollector(self))
             self._control = await asyncio.start_server(self._control_conn, "127.0.0.1", 0)
@@ -424,7 +189,7 @@ class Supervisor:
         child.stats = None
         child.version = -1
         child.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fastroute.runtime.supervisor", "--child", self.state_dir, str(child.slot),
+            sys.executable, "-m", "fastroute.runtime.child", self.state_dir, str(child.slot),
             stdin=asyncio.subprocess.DEVNULL, env=env)
         child.watch = asyncio.get_running_loop().create_task(self._watch(child),
                                                              name=f"proxy {child.slot}")
@@ -529,8 +294,12 @@ class Supervisor:
 
     # ---- control listener (proxy processes -> supervisor) -----------------------------------
     async def _control_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One forwarded admin request from a proxy process (HTTP/1.1, one per connection).
+
+        The secret is checked on the head, before any body byte is read, and the body is
+        bounded by the router's payload limit (the proxy process accepted no more than that)."""
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_LIMIT_SECS)
             lines = head.decode("latin-1").split("\r\n")
             method, target = lines[0].split(" ")[:2]
             headers: dict[str, str] = {}
@@ -539,11 +308,15 @@ class Supervisor:
                 if sep:
                     headers[k.strip().lower()] = v.strip()
             n = int(headers.get("content-length", "0") or 0)
-            body = await asyncio.wait_for(reader.readexactly(n), 10) if n else b""
-            if not secrets.compare_digest(headers.get(_CONTROL_HEADER, ""), self._secret):
+            got = headers.get(CONTROL_HEADER)
+            if not matches(self._secret.encode(), None if got is None else got.encode("latin-1")):
                 status, rbody, ctype = 403, b"forbidden", b"text/plain"
+            elif not 0 <= n <= int(self.config.max_payload_size):
+                status, rbody, ctype = 413, b"request body too large", b"text/plain"
             else:
+                body = await asyncio.wait_for(reader.readexactly(n), HEAD_LIMIT_SECS) if n else b""
                 path, _, query = target.partition("?")
+                assert self.registry is not None
                 status, rbody, ctype = await self.registry.handle_admin(method, path, query, body,
                                                                         headers)
                 self.publish()
@@ -551,7 +324,7 @@ class Supervisor:
                 ctype = ctype.encode("latin-1")
             writer.write(b"HTTP/1.1 %d X\r\nContent-Type: %b\r\nContent-Length: %d\r\n%b: %d\r\n"
                          b"Connection: close\r\n\r\n%b"
-                         % (status, ctype, len(rbody), _VERSION_HEADER.encode(), self.version, rbody))
+                         % (status, ctype, len(rbody), VERSION_HEADER.encode(), self.version, rbody))
             await writer.drain()
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError,
                 asyncio.LimitOverrunError):
@@ -628,123 +401,3 @@ class Supervisor:
         await self._stopped.wait()
 
 
-async def serve(config: Any) -> int:
-    """Supervise until SIGTERM/SIGINT, then drain every proxy process; returns the exit status."""
-    from fastroute.runtime.server import serve as serve_with
-
-    return await serve_with(config, Supervisor)
-
-
-def run(config: Any) -> int:
-    """Blocking entry point for ``--workers N`` (N > 1)."""
-    import uvloop
-
-    return uvloop.run(serve(config))
-
-
-# ---------------------------------------------------------------------------------- child
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when the supervisor dies (no orphaned listeners)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-async def _child_serve(state_dir: str, slot: int) -> int:
-    from fastroute.control.metrics import DEFAULT_BUCKETS, Stats, group_decisions
-    from fastroute.dataplane.proxy import App
-    from fastroute.core.routing import Router
-    from fastroute.core.table import TargetTable
-
-    with open(os.path.join(state_dir, "config.pickle"), "rb") as f:
-        cfg = pickle.load(f)
-    with open(os.path.join(state_dir, "child.json")) as f:
-        info = json.load(f)
-    parent = os.getppid()
-    loop = asyncio.get_running_loop()
-    table = TargetTable.attach(info["table"])
-    ledger = TargetTable.attach(info["ledgers"][slot])
-    # Distinct RNG streams per process (ties and random picks must not move in lockstep).
-    seed = None if cfg.seed is None else int(cfg.seed) + 0x1000003 * (slot + 1)
-    router = Router(table, seed=seed, config=cfg)
-    registry = FollowerRegistry(cfg, table, router, ledger, state_dir, info["control_url"],
-                                info["secret"])
-    registry.poll()
-    app = App(cfg, registry, loop)
-    app.stats = Stats(getattr(cfg, "prometheus_duration_buckets", None) or DEFAULT_BUCKETS)
-    listener = await loop.create_server(app.protocol_factory, cfg.host, int(info["port"]),
-                                        reuse_address=True, reuse_port=True, backlog=4096)
-    app.start()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    report_path = os.path.join(state_dir, f"stats-{slot}.pickle")
-
-    def report() -> None:
-        # Policy decision counters live in this process's compiled pickers: carry their
-        # current totals in the report so the supervisor's /metrics includes them.
-        app.stats.decisions = group_decisions(registry._groups)
-        doc = {"pid": os.getpid(), "version": registry.version, "ready": registry.ready(),
-               "stats": app.stats}
-        tmp = f"{report_path}.{os.getpid()}"
-        with open(tmp, "wb") as f:
-            pickle.dump(doc, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, report_path)
-
-    async def background() -> None:
-        every = max(1, round(STATS_INTERVAL / SYNC_INTERVAL))
-        tick = 0
-        while True:
-            await asyncio.sleep(SYNC_INTERVAL)
-            try:
-                registry.poll()
-                tick += 1
-                if tick % every == 0:
-                    report()
-                if os.getppid() != parent:      # supervisor gone (PDEATHSIG is the fast path)
-                    stop.set()
-            except Exception:
-                log.exception("proxy process %d background tick", slot)
-
-    bg = loop.create_task(background(), name="sync")
-    await stop.wait()
-    grace = float(cfg.shutdown_grace_period_secs)
-    listener.close()
-    app.stop_accepting()
-    deadline = loop.time() + grace
-    while app.active and loop.time() < deadline:   # control-plane wait, not per request
-        await asyncio.sleep(0.05)
-    if app.active:
-        log.warning("proxy process %d: aborting %d requests still in flight", slot, app.active)
-    app.close()
-    bg.cancel()
-    try:
-        report()
-    except OSError:
-        pass
-    table.close()
-    ledger.close()
-    return 0
-
-
-def child_main(state_dir: str, slot: int) -> int:
-    """Entry point of one proxy process."""
-    import uvloop
-
-    from fastroute.cli import configure_logging
-
-    _die_with_parent()
-    with open(os.path.join(state_dir, "config.pickle"), "rb") as f:
-        cfg = pickle.load(f)
-    configure_logging(cfg.log_level, cfg.log_dir)
-    return uvloop.run(_child_serve(state_dir, slot))
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--child":
-        sys.exit(child_main(sys.argv[2], int(sys.argv[3])))
-    sys.exit("usage: python -m fastroute.runtime.supervisor --child STATE_DIR SLOT")

@@ -209,7 +209,7 @@ class Plane:
         from fastroute.control.monitor import Monitor
         from fastroute.core.routing import Router
         from fastroute.core.table import TargetTable
-        from fastroute.control.workers import Registry
+        from fastroute.control.registry import Registry
 
         self.table = TargetTable(capacity=self.capacity)
         self.router = Router(self.table, seed=7)

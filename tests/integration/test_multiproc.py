@@ -288,7 +288,7 @@ def test_worker_added_through_any_process_reaches_both() -> None:
 
 def test_reclaim_subtracts_exactly_the_dead_process_ledger() -> None:
     from fastroute.core.routing import Router
-    from fastroute.runtime.supervisor import reclaim
+    from fastroute.control.leases import reclaim
     from fastroute.core.table import TargetTable
 
     with TargetTable(capacity=8) as table, TargetTable(capacity=8) as la, \
@@ -318,7 +318,7 @@ def test_reclaim_subtracts_exactly_the_dead_process_ledger() -> None:
 
 def test_merge_stats_adds_counters_and_histograms_not_gauges() -> None:
     from fastroute.control.metrics import Stats
-    from fastroute.runtime.supervisor import merge_stats
+    from fastroute.control.metrics import merge_stats
 
     a, b = Stats(), Stats()
     a.count(a.http_requests, ("POST", "/generate"), 3)
@@ -339,7 +339,7 @@ def test_merge_stats_adds_counters_and_histograms_not_gauges() -> None:
 def test_follower_applies_snapshots_and_forgets_removed_workers() -> None:
     from fastroute.config import Config
     from fastroute.core.routing import Router
-    from fastroute.runtime.supervisor import FollowerRegistry
+    from fastroute.control.follower import FollowerRegistry
     from fastroute.core.table import TargetTable
 
     cfg = Config(worker_urls=[], policy="round_robin", dp_aware=True)

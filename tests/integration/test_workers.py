@@ -8,7 +8,7 @@ import pytest
 from fakeworker import FakeWorker, Plane, make_config, run, wait_until
 
 from fastroute.core.table import COL_ALLOCATED, COL_HEALTHY
-from fastroute.control.workers import split_host_port
+from fastroute.control.worker import split_host_port
 
 
 def acquire_targets(group, n: int) -> list[int]:

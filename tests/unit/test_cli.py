@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fastroute import cli
+from fastroute import cli, log
 from fastroute.cli import IGNORED_FLAGS, build_parser, main, parse_args, parse_namespace
 from fastroute.config import (
     ENV_DECODE_REQUEST_WEIGHT,
@@ -427,9 +427,7 @@ def test_unknown_flag_is_still_an_error(capsys) -> None:
 
 def test_main_runs_server_with_config(monkeypatch, restore_root_logging, tmp_path) -> None:
     seen: list[Config] = []
-    server = types.ModuleType("fastroute.runtime.server")
-    server.run = lambda config: seen.append(config) or 0  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "fastroute.runtime.server", server)
+    monkeypatch.setattr(cli, "run", lambda config, factory: seen.append(config) or 0)
     log_dir = tmp_path / "logs"
     rc = main(["--port", "0", "--log-level", "warn", "--log-dir", str(log_dir),
                "--enable-trace"])
@@ -444,9 +442,7 @@ def test_main_runs_server_with_config(monkeypatch, restore_root_logging, tmp_pat
 
 def test_main_accepts_launch_subcommand(monkeypatch, restore_root_logging) -> None:
     seen: list[Config] = []
-    server = types.ModuleType("fastroute.runtime.server")
-    server.run = seen.append  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "fastroute.runtime.server", server)
+    monkeypatch.setattr(cli, "run", lambda config, factory: seen.append(config))
     main(["launch", "--policy", "round_robin"])
     assert seen[0].policy == "round_robin"
 
@@ -461,9 +457,7 @@ def test_main_dispatches_demo(monkeypatch) -> None:
 
 
 def test_main_bad_config_exits_2_before_server(monkeypatch, restore_root_logging, capsys):
-    server = types.ModuleType("fastroute.runtime.server")
-    server.run = lambda config: pytest.fail("server must not start")  # type: ignore
-    monkeypatch.setitem(sys.modules, "fastroute.runtime.server", server)
+    monkeypatch.setattr(cli, "run", lambda config, factory: pytest.fail("server must not start"))
     with pytest.raises(SystemExit) as exc:
         main(["--policy", "manual"])
     assert exc.value.code == 2
@@ -474,8 +468,8 @@ def test_configure_logging_keeps_foreign_handlers(restore_root_logging) -> None:
     root = logging.getLogger()
     foreign = logging.NullHandler()
     root.addHandler(foreign)
-    cli.configure_logging("debug")
-    cli.configure_logging("error")
+    log.configure_logging("debug")
+    log.configure_logging("error")
     ours = [h for h in root.handlers if getattr(h, "_fastroute_handler", False)]
     assert foreign in root.handlers and len(ours) == 1
     assert root.level == logging.ERROR
@@ -505,8 +499,16 @@ def test_config_survives_pickling_for_proxy_processes() -> None:
     assert pickle.loads(pickle.dumps(c)) == c
 
 
-def test_config_module_parse_args_is_the_cli_parser() -> None:
-    from fastroute import config
-
-    assert config.parse_args(["--port", "1", "--router-policy", "random"]) == Config(
+def test_cli_parse_args_builds_the_config() -> None:
+    # config.parse_args is gone (it only made a cli -> config -> cli cycle); the CLI's is the one.
+    assert parse_args(["--port", "1", "--router-policy", "random"]) == Config(
         port=1, policy="random")
+
+
+@pytest.mark.parametrize("workers, expected", [("1", "Server"), ("2", "Supervisor")])
+def test_main_picks_one_process_or_a_supervisor(monkeypatch, restore_root_logging, workers,
+                                                expected) -> None:
+    seen: list[str] = []
+    monkeypatch.setattr(cli, "run", lambda config, factory: seen.append(factory.__name__) or 0)
+    assert main(["--workers", workers]) == 0
+    assert seen == [expected]

@@ -1,0 +1,476 @@
+"""The admin and info HTTP API (protocol.md 6.2-6.6) over the worker registry.
+
+:class:`AdminAPI` is the half of :class:`~fastroute.control.registry.Registry` that answers HTTP:
+``handle_admin`` routes one request to its handler, which reads the registry's workers and the
+shared table and answers ``(status, body, content-type)``. It holds no state of its own; the
+registry inherits it so the data plane keeps one object to call (``registry.handle_admin``).
+Authentication is :mod:`fastroute.auth`'s one rule; error bodies come from :mod:`fastroute.errors`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import uuid
+from datetime import datetime, timezone
+from typing import Any, Iterable
+from urllib.parse import parse_qs
+
+from fastroute import __version__
+from fastroute.auth import authorized, bearer
+from fastroute.config import Config
+from fastroute.control import httpclient
+from fastroute.control.httpclient import HttpClientError
+from fastroute.control.worker import DuplicateWorker, Worker, normalize_url
+from fastroute.core.table import (COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_POLLED_RUNNING, COL_POLLED_TOKENS,
+                                  COL_POLLED_WAITING, TargetTable)
+from fastroute.errors import (CODE_BAD_REQUEST, CODE_NO_AVAILABLE_WORKERS, RouterError, bad_gateway,
+                              invalid_api_key, unknown_url)
+
+# Logger name kept from before the split: operators filter on it.
+log = logging.getLogger("fastroute.workers")
+
+_JSON = b"application/json"
+_TEXT = b"text/plain; charset=utf-8"
+_PROM = b"text/plain; version=0.0.4; charset=utf-8"
+
+# server_info keys copied (as strings) into the /workers "metadata" object.
+_META_KEYS = ("model_path", "served_model_name", "tokenizer_path", "tp_size", "dp_size",
+              "load_balance_method", "disaggregation_mode", "disaggregation_bootstrap_port",
+              "enable_dp_attention", "max_running_requests", "max_total_num_tokens", "version")
+
+
+def request_header(headers: Any, name: str) -> str | None:
+    """Case-insensitive header lookup over a mapping or a list of (name, value) pairs (str/bytes)."""
+    if headers is None:
+        return None
+    items = headers.items() if hasattr(headers, "items") else headers
+    for k, v in items:
+        if isinstance(k, bytes):
+            k = k.decode("latin-1")
+        if k.lower() == name:
+            return v.decode("latin-1") if isinstance(v, bytes) else v
+    return None
+
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+# Handlers raise RouterError; handle_admin turns it into (status, JSON body, content-type).
+def _bad_request(message: str) -> RouterError:
+    return RouterError(400, CODE_BAD_REQUEST, message)
+
+
+def _invalid(message: str) -> RouterError:
+    return RouterError(422, "invalid_request", message)
+
+
+def _no_workers() -> RouterError:
+    return RouterError(503, CODE_NO_AVAILABLE_WORKERS, "No workers registered")
+
+
+def _method_not_allowed(method: str, path: str) -> RouterError:
+    return RouterError(405, "method_not_allowed", f"Method {method} not allowed on {path}")
+
+
+class AdminAPI:
+    """The admin endpoints of a :class:`~fastroute.control.registry.Registry` (a mixin).
+
+    Reads only what the registry defines (its workers, table, config and queries); the
+    attributes below are the registry's, declared here for readers and type checkers."""
+
+    config: Config
+    table: TargetTable
+    workers: list[Worker]
+    _rng: random.Random
+
+    # ---- worker JSON --------------------------------------------------------------------------
+    def _polled(self, t: int) -> dict[str, Any]:
+        """Polled engine values of a target; all None when never polled / unknown."""
+        tab = self.table
+        if tab.get(t, COL_POLLED_AT) < 0:
+            return {"num_running_reqs": None, "num_waiting_reqs": None, "num_total_reqs": None,
+                    "num_used_tokens": None, "max_total_num_tokens": None, "polled_at_ms": None}
+        running = tab.get(t, COL_POLLED_RUNNING)
+        waiting = tab.get(t, COL_POLLED_WAITING)
+        mx = tab.get(t, COL_POLLED_MAX_TOKENS)
+        return {"num_running_reqs": running, "num_waiting_reqs": waiting,
+                "num_total_reqs": running + waiting,
+                "num_used_tokens": tab.get(t, COL_POLLED_TOKENS),
+                "max_total_num_tokens": mx if mx >= 0 else None,
+                "polled_at_ms": tab.get(t, COL_POLLED_AT)}
+
+    def worker_json(self, w: Worker) -> dict[str, Any]:
+        """One entry of GET /workers (smg field names, plus per-rank detail when split)."""
+        tab = self.table
+        live = w.status == "ready"
+        d: dict[str, Any] = {
+            "id": w.id, "url": w.url, "model_id": w.model_id, "worker_type": w.role,
+            "is_healthy": w.healthy and live, "status": w.status,
+            "load": sum(tab.in_flight(t) for t in w.targets) if live else 0,
+            "connection_mode": "http", "priority": w.priority, "cost": w.cost,
+            "labels": dict(w.labels),
+            "metadata": {k: str(w.server_info[k]) for k in _META_KEYS if k in w.server_info},
+            "dp_size": w.dp_size,
+        }
+        if w.role == "prefill":
+            d["bootstrap_port"] = w.bootstrap_port
+        if w.error and not live:
+            d["error"] = w.error
+        if live:
+            if w.split:
+                d["dp_ranks"] = [{"url": name, "dp_rank": r, "load": tab.in_flight(t),
+                                  "is_healthy": w.healthy, **self._polled(t)}
+                                 for r, (t, name) in enumerate(zip(w.targets, w.names))]
+            else:
+                d["engine_load"] = self._polled(w.targets[0])
+        return d
+
+    # ---- admin endpoints ----------------------------------------------------------------------
+    async def handle_admin(self, method: str, path: str, query: str, body: bytes,
+                           headers: Any) -> tuple[int, bytes, bytes]:
+        """Serve one admin/info request -> (status, body, content-type)."""
+        got = request_header(headers, "authorization")
+        if not authorized(bearer(self.config.api_key), path.encode("latin-1"),
+                          None if got is None else got.encode("latin-1")):
+            return _error(invalid_api_key())
+        try:
+            if path == "/workers":
+                if method == "GET":
+                    return self._list_workers()
+                if method == "POST":
+                    return self._post_worker(body)
+                raise _method_not_allowed(method, path)
+            if path.startswith("/workers/"):
+                return self._worker_item(method, path[len("/workers/"):], body)
+            handler = self._ROUTES.get(path)
+            if handler is None:
+                raise unknown_url(method, path)
+            allowed, fn = handler
+            if method not in allowed:
+                raise _method_not_allowed(method, path)
+            return await fn(self, method, query, body)
+        except RouterError as exc:
+            return _error(exc)
+        except Exception as exc:  # an admin bug must answer 500, not drop the connection
+            log.exception("admin %s %s failed", method, path)
+            return _error(RouterError(500, "internal_error", str(exc)))
+
+    def _list_workers(self) -> tuple[int, bytes, bytes]:
+        ws = [self.worker_json(w) for w in self.workers]
+        stats = {f"{r}_count": sum(1 for w in self.workers if w.role == r) for r in ("prefill", "decode", "regular")}
+        return 200, _json({"workers": ws, "total": len(ws), "stats": stats}), _JSON
+
+    def _post_worker(self, body: bytes) -> tuple[int, bytes, bytes]:
+        try:
+            req = json.loads(body) if body else None
+        except ValueError:
+            raise _bad_request("Request body is not valid JSON") from None
+        if not isinstance(req, dict) or not isinstance(req.get("url"), str) or not req["url"]:
+            raise _invalid("Field `url` (string) is required")
+        role = req.get("worker_type") or "regular"
+        bport = req.get("bootstrap_port")
+        if bport is not None and (not isinstance(bport, int) or isinstance(bport, bool)):
+            raise _invalid("bootstrap_port must be an integer or null")
+        labels = req.get("labels")
+        if labels is not None and not isinstance(labels, dict):
+            raise _invalid("labels must be an object")
+        try:
+            w = self.add_worker(req["url"], role, bootstrap_port=bport, model_id=req.get("model_id"),
+                                priority=req.get("priority"), cost=req.get("cost"), labels=labels,
+                                api_key=req.get("api_key"))
+        except ValueError as exc:
+            status, code = (409, "worker_already_exists") if isinstance(exc, DuplicateWorker) else (400, "bad_request")
+            raise RouterError(status, code, str(exc)) from None
+        return 202, _json({"status": "accepted", "worker_id": w.id, "url": w.url,
+                           "location": f"/workers/{w.id}",
+                           "message": "Worker addition queued for background processing"}), _JSON
+
+    def _worker_item(self, method: str, wid: str, body: bytes) -> tuple[int, bytes, bytes]:
+        try:
+            uuid.UUID(wid)
+        except ValueError:
+            raise _bad_request(f"Invalid worker id {wid!r} (expected a UUID)") from None
+        w = self.get(wid)
+        if w is None:
+            raise RouterError(404, "worker_not_found", f"Worker {wid} not found")
+        if method == "GET":
+            return 200, _json(self.worker_json(w)), _JSON
+        if method == "PUT":
+            try:
+                upd = json.loads(body) if body else {}
+            except ValueError:
+                raise _bad_request("Request body is not valid JSON") from None
+            if not isinstance(upd, dict):
+                raise _invalid("Expected a JSON object")
+            try:
+                if "priority" in upd:
+                    w.priority = int(upd["priority"])
+                if "cost" in upd:
+                    w.cost = float(upd["cost"])
+                if isinstance(upd.get("labels"), dict):
+                    w.labels = {str(k): str(v) for k, v in upd["labels"].items()}
+            except (TypeError, ValueError) as exc:
+                raise _invalid(str(exc)) from None
+            return 202, _json({"status": "accepted", "worker_id": w.id, "url": w.url,
+                               "message": "Worker update queued for background processing"}), _JSON
+        if method == "DELETE":
+            self.remove_worker(w)
+            return 202, _json({"status": "accepted", "worker_id": w.id, "url": w.url,
+                               "message": "Worker removal queued for background processing"}), _JSON
+        raise _method_not_allowed(method, f"/workers/{wid}")
+
+    # Legacy API (sglang-router <= 0.2.x): plain-text answers, synchronous registration.
+    async def _add_worker_legacy(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
+        q = parse_qs(query)
+        url = (q.get("url") or [""])[0]
+        if not url:
+            return 400, b"Missing url query parameter", _TEXT
+        role = (q.get("worker_type") or ["regular"])[0]
+        bport = None
+        if q.get("bootstrap_port"):
+            raw = q["bootstrap_port"][0]
+            if raw.lower() != "none":
+                try:
+                    bport = int(raw)
+                except ValueError:
+                    return 400, f"Invalid bootstrap_port: {raw}".encode(), _TEXT
+        try:
+            w = self.add_worker(url, role, bootstrap_port=bport)
+        except ValueError as exc:
+            return 400, str(exc).encode(), _TEXT
+        if await self.wait_registered(w):
+            return 200, f"Successfully added worker: {w.url}".encode(), _TEXT
+        return 400, f"Failed to add worker {w.url}: {w.error}".encode(), _TEXT
+
+    async def _remove_worker_legacy(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
+        url = (parse_qs(query).get("url") or [""])[0]
+        if not url:
+            return 400, b"Missing url query parameter", _TEXT
+        w = self.find(url)
+        if w is None:
+            return 404, f"Worker {normalize_url(url)} not found".encode(), _TEXT
+        self.remove_worker(w)
+        return 200, f"Successfully removed worker: {w.url}".encode(), _TEXT
+
+    async def _list_workers_legacy(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
+        return 200, _json({"urls": [w.url for w in self.workers if w.status == "ready"]}), _JSON
+
+    async def _get_loads(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
+        tab = self.table
+        loads = []
+        legacy = []
+        agg = {"total_in_flight_requests": 0, "total_in_flight_tokens": 0, "total_running_reqs": 0,
+               "total_waiting_reqs": 0, "total_used_tokens": 0}
+        for w in self.ready_workers():
+            tokens_sum = 0
+            complete = True
+            for i, (t, name) in enumerate(zip(w.targets, w.names)):
+                p = self._polled(t)
+                inf, inf_tok = tab.in_flight(t), tab.in_flight_tokens(t)
+                loads.append({"name": name, "worker": w.url, "worker_id": w.id, "worker_type": w.role,
+                              "dp_rank": i if w.split else None, "is_healthy": w.healthy,
+                              "in_flight_requests": inf, "in_flight_tokens": inf_tok, **p})
+                agg["total_in_flight_requests"] += inf
+                agg["total_in_flight_tokens"] += inf_tok
+                if p["polled_at_ms"] is None:
+                    complete = False
+                else:
+                    agg["total_running_reqs"] += p["num_running_reqs"]
+                    agg["total_waiting_reqs"] += p["num_waiting_reqs"]
+                    agg["total_used_tokens"] += p["num_used_tokens"]
+                    tokens_sum += p["num_used_tokens"]
+            # sglang-router shape: Σ tokens per worker, -1 when unknown.
+            legacy.append({"worker": w.url, "load": tokens_sum if complete else -1})
+        doc = {"timestamp": datetime.now(timezone.utc).isoformat(), "version": f"fastroute-{__version__}",
+               "dp_rank_count": len(loads), "loads": loads, "aggregate": agg, "workers": legacy}
+        return 200, _json(doc), _JSON
+
+    async def _fan_out(self, workers: Iterable[Worker], method: str, path: str,
+                       timeout: float) -> list[tuple[Worker, int | None, bytes | str]]:
+        """Same request to many workers concurrently -> (worker, status or None, body or error)."""
+        async def one(w: Worker) -> tuple[Worker, int | None, bytes | str]:
+            try:
+                status, _, body = await httpclient.request(method, w.url + path, headers=self.auth_headers(w),
+                                                           timeout=timeout)
+                return w, status, body
+            except HttpClientError as exc:
+                return w, None, str(exc)
+        return list(await asyncio.gather(*(one(w) for w in workers)))
+
+    def _admin_timeout(self) -> float:
+        return max(float(self.config.health_check_timeout_secs), 5.0)
+
+    async def _flush_cache(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
+        ws = self.ready_workers()
+        results = await self._fan_out(ws, "POST", "/flush_cache", self._admin_timeout())
+        failed = []
+        for w, status, rbody in results:
+            if status is None:
+                failed.append({"worker": w.url, "error": rbody})
+            elif not 200 <= status < 300:
+                text = rbody.decode("utf-8", "replace")[:200] if isinstance(rbody, bytes) else rbody
+                failed.append({"worker": w.url, "error": f"HTTP {status}: {text}"})
+        n, ok = len(ws), len(ws) - len(failed)
+        doc: dict[str, Any] = {"workers_flushed": ok, "total_http_workers": n, "total_workers": n}
+        if not failed:
+            doc = {"status": "success", "message": f"Successfully flushed cache on all {n} HTTP workers", **doc}
+            return 200, _json(doc), _JSON
+        # Some flushed -> 206 partial; none flushed -> 502 (no worker honoured the request).
+        doc = {"status": "partial_success" if ok else "failed",
+               "message": f"Flushed cache on {ok} of {n} HTTP workers", **doc, "failed": failed}
+        return (206 if ok else 502), _json(doc), _JSON
+
+    async def _engine_metrics(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
+        ws = self.ready_workers()
+        if not ws:
+            raise _no_workers()
+        results = await self._fan_out(ws, "GET", "/metrics", self._admin_timeout())
+        out: list[str] = []
+        seen_meta: set[str] = set()
+        got = 0
+        for w, status, rbody in results:
+            if status != 200 or not isinstance(rbody, bytes):
+                continue
+            got += 1
+            label = 'worker="' + w.url.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            for line in rbody.decode("utf-8", "replace").splitlines():
+                if not line.strip():
+                    continue
+                if line.startswith("#"):
+                    # HELP/TYPE once per metric across workers; other comments dropped.
+                    parts = line.split(None, 3)
+                    if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                        k = f"{parts[1]} {parts[2]}"
+                        if k not in seen_meta:
+                            seen_meta.add(k)
+                            out.append(line)
+                    continue
+                out.append(_add_label(line, label))
+        if not got:
+            raise bad_gateway("No worker answered /metrics")
+        return 200, ("\n".join(out) + "\n").encode(), _PROM
+
+    async def _server_info(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
+        async def fresh(w: Worker) -> dict[str, Any]:
+            try:
+                status, _, rbody = await httpclient.request("GET", w.url + w.server_info_path,
+                                                            headers=self.auth_headers(w),
+                                                            timeout=self._admin_timeout())
+                if status == 200:
+                    doc = json.loads(rbody)
+                    if isinstance(doc, dict):
+                        w.server_info = doc
+                        return doc
+            except (HttpClientError, ValueError):
+                pass  # fall back to the registration-time copy
+            return w.server_info
+        if self.config.pd_disaggregation:
+            pre, dec = self.ready_workers("prefill"), self.ready_workers("decode")
+            if not pre and not dec:
+                raise _no_workers()
+            infos = await asyncio.gather(*(fresh(w) for w in pre + dec))
+            p_infos, d_infos = list(infos[: len(pre)]), list(infos[len(pre):])
+            states = [s for i in d_infos for s in (i.get("internal_states") or [])]
+            # mini_lb shape (what sglang.bench_one_batch_server reads).
+            return 200, _json({"internal_states": states, "prefill": p_infos, "decode": d_infos}), _JSON
+        ws = self.ready_workers("regular")
+        if not ws:
+            raise _no_workers()
+        infos = await asyncio.gather(*(fresh(w) for w in ws))
+        doc = dict(infos[0])
+        doc["internal_states"] = [s for i in infos for s in (i.get("internal_states") or [])]
+        return 200, _json(doc), _JSON
+
+    async def _model_info(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
+        ws = self.ready_workers("prefill" if self.config.pd_disaggregation else "regular")
+        healthy = [w for w in ws if w.healthy] or ws
+        if not healthy:
+            raise _no_workers()
+        w = healthy[0]
+        try:
+            status, hdrs, rbody = await httpclient.request("GET", w.url + w.model_info_path,
+                                                           headers=self.auth_headers(w),
+                                                           timeout=self._admin_timeout())
+        except HttpClientError as exc:
+            raise RouterError(503, "worker_unreachable", str(exc)) from None
+        if status != 200:
+            raise bad_gateway(f"{w.url}{w.model_info_path} answered {status}")
+        ctype = httpclient.header(hdrs, "content-type") or "application/json"
+        return 200, rbody, ctype.encode("latin-1")
+
+    async def _models(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
+        ids: list[str] = []
+        for w in self.ready_workers():
+            if w.model_id not in ids:
+                ids.append(w.model_id)
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "local"} for m in ids]
+        return 200, _json({"object": "list", "data": data}), _JSON
+
+    async def _readiness(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
+        total = len(self.workers)
+        healthy = sum(1 for w in self.workers if w.status == "ready" and w.healthy)
+        if self.ready():
+            return 200, _json({"status": "ready", "healthy_workers": healthy, "total_workers": total}), _JSON
+        return 503, _json({"status": "not ready", "reason": "insufficient healthy workers",
+                           "healthy_workers": healthy, "total_workers": total}), _JSON
+
+    async def _health_generate(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
+        """smg style: a real /health_generate on one healthy pair (PD) or one healthy worker."""
+        if self.config.pd_disaggregation:
+            pre, dec = self._healthy("prefill"), self._healthy("decode")
+            if not pre or not dec:
+                raise RouterError(503, "no_healthy_worker_pair",
+                                  "No healthy prefill/decode worker pair available")
+            chosen = [self._rng.choice(pre), self._rng.choice(dec)]
+        else:
+            reg = self._healthy("regular")
+            if not reg:
+                raise RouterError(503, "no_healthy_worker", "No healthy worker available")
+            chosen = [self._rng.choice(reg)]
+        timeout = min(float(self.config.request_timeout_secs), 60.0)
+        results = await self._fan_out(chosen, "GET", "/health_generate", timeout)
+        bad = [f"{w.url}: {status if status is not None else rbody}"
+               for w, status, rbody in results if status is None or not 200 <= status < 300]
+        if bad:
+            raise RouterError(503, "health_generate_failed", "Health generate failed on " + "; ".join(bad))
+        if len(chosen) == 2:
+            msg = f"Health generate passed on selected pair: prefill={chosen[0].url}, decode={chosen[1].url}"
+        else:
+            msg = f"Health generate passed on selected worker: {chosen[0].url}"
+        return 200, msg.encode(), _TEXT
+
+    _ROUTES: dict[str, tuple[tuple[str, ...], Any]] = {
+        "/add_worker": (("POST",), _add_worker_legacy),
+        "/remove_worker": (("POST", "DELETE"), _remove_worker_legacy),
+        "/list_workers": (("GET",), _list_workers_legacy),
+        "/get_loads": (("GET",), _get_loads),
+        "/flush_cache": (("POST",), _flush_cache),
+        "/engine_metrics": (("GET",), _engine_metrics),
+        "/get_server_info": (("GET",), _server_info),
+        "/server_info": (("GET",), _server_info),
+        "/get_model_info": (("GET",), _model_info),
+        "/model_info": (("GET",), _model_info),
+        "/v1/models": (("GET",), _models),
+        "/readiness": (("GET",), _readiness),
+        "/health_generate": (("GET",), _health_generate),
+    }
+
+
+def _error(exc: RouterError) -> tuple[int, bytes, bytes]:
+    return exc.status, exc.body(), _JSON
+
+
+def _add_label(line: str, label: str) -> str:
+    """Insert ``label`` (``k="v"``) into one Prometheus sample line."""
+    i = 0
+    n = len(line)
+    while i < n and line[i] not in "{ \t":
+        i += 1
+    if i < n and line[i] == "{":
+        sep = "" if line[i + 1: i + 2] == "}" else ","
+        return f"{line[: i + 1]}{label}{sep}{line[i + 1:]}"
+    return f"{line[:i]}{{{label}}}{line[i:]}"
+

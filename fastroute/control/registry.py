@@ -1,0 +1,382 @@
+"""Worker registry: registration handshake, target rows, routing groups, row reaper.
+
+Owns the set of known workers (SGLang servers) and their mapping onto rows ("targets") of the
+shared :class:`~fastroute.core.table.TargetTable`:
+
+* registration (protocol.md 2): poll ``GET /health`` every ``worker_startup_check_interval``
+  until ``worker_startup_timeout_secs``, then ``/server_info`` (fallback ``/get_server_info`` on
+  404) and ``/model_info`` (fallback ``/get_model_info``). Runs in background tasks, so the
+  listener keeps serving (and answering 503) meanwhile.
+* targets (4.1): one row per worker, or under ``--dp-aware`` one row per DP rank named
+  ``url@rank`` (a ``dp_size`` of 1 is not split). ``target_info[row] -> (Worker, rank|None)``.
+* one routing :class:`Group` per role, kept equal to the targets of *ready* workers in
+  registration order (``group.set_targets`` on every add/remove).
+* row lifetime: rows come from ``table.alloc()``; on removal a row goes back with
+  ``table.free()`` only once no lease is in flight on it (otherwise it is marked unhealthy and
+  freed later by a small reaper), so a late ``Lease.release()`` never lands on a reused row.
+* the admin / info endpoints of protocol.md 6.2-6.6 (:meth:`Registry.handle_admin`), inherited
+  from :class:`~fastroute.control.admin.AdminAPI`; the worker model is in
+  :mod:`fastroute.control.worker`.
+
+Load polling and periodic health checks live in :mod:`fastroute.control.monitor`; they write the table
+and ``Worker.healthy`` and read the worker list from here.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from typing import Any, Callable, Mapping
+
+from fastroute.config import Config
+from fastroute.control import httpclient
+from fastroute.control.admin import AdminAPI
+from fastroute.control.httpclient import HttpClientError
+from fastroute.control.worker import (ROLES, DuplicateWorker, Worker, model_id_of, normalize_url,
+                                      split_host_port)
+from fastroute.core.routing import Group, Router
+from fastroute.core.table import TargetTable
+from fastroute.names import target_name
+
+__all__ = ["Registry", "Worker", "DuplicateWorker", "ROLES", "normalize_url", "split_host_port",
+           "model_id_of"]
+
+log = logging.getLogger("fastroute.workers")
+
+
+class _Transient(Exception):
+    """A handshake step failed in a way worth retrying until the startup deadline."""
+
+
+class _Fatal(Exception):
+    """A handshake step failed in a way retrying cannot fix (e.g. no dp_size under --dp-aware)."""
+
+
+
+class Registry(AdminAPI):
+    """All workers, their target rows, the per-role routing groups (and, inherited, the admin
+    endpoints)."""
+
+    def __init__(self, config: Config, table: TargetTable, router: Router) -> None:
+        self.config = config
+        self.table = table
+        self.router = router
+        self.workers: list[Worker] = []
+        # Indexed by table row; None for rows not owned by a worker. Entries of removed workers
+        # stay until the row is freed, so in-flight requests can still resolve their target.
+        self.target_info: list[tuple[Worker, int | None] | None] = []
+        self._rng = random.Random(config.seed)
+        self._deferred: list[int] = []          # rows of removed targets waiting for in_flight == 0
+        self._reaper: asyncio.Task | None = None
+        self._listeners: list[Callable[[str], None]] = []
+        self._ready_cache: bool | None = None
+        demand = config.decode_input_demand
+        weight = config.decode_request_weight
+        metric = config.p2c_load_metric
+        self._groups = {
+            "regular": router.group([], config.policy, load_metric=metric, demand=demand,
+                                    request_weight=weight, names=[]),
+            "prefill": router.group([], config.prefill_policy, load_metric=metric, names=[]),
+            "decode": router.group([], config.decode_policy, load_metric=metric, demand=demand,
+                                   request_weight=weight, names=[],
+                                   kv_fit=config.decode_kv_fit,
+                                   kv_reserve=config.decode_kv_reserve_tokens),
+        }
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Queue registration of every worker from the command line; returns immediately."""
+        cfg = self.config
+        if cfg.pd_disaggregation:
+            for url, bport in cfg.prefill:
+                self._queue(url, "prefill", bootstrap_port=bport)
+            for url in cfg.decode:
+                self._queue(url, "decode")
+        else:
+            for url in cfg.worker_urls:
+                self._queue(url, "regular")
+
+    async def stop(self) -> None:
+        """Cancel pending registrations and the reaper (rows are left to the table's owner)."""
+        tasks = [w.task for w in self.workers if w.task is not None and not w.task.done()]
+        if self._reaper is not None:
+            tasks.append(self._reaper)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def add_listener(self, callback: Callable[[str], None]) -> None:
+        """``callback(role)`` runs after every change of that role's group targets."""
+        self._listeners.append(callback)
+
+    # ---- queries ------------------------------------------------------------------------------
+    def group(self, role: str) -> Group:
+        return self._groups[role]
+
+    def find(self, url: str) -> Worker | None:
+        url = normalize_url(url)
+        for w in self.workers:
+            if w.url == url:
+                return w
+        return None
+
+    def get(self, worker_id: str) -> Worker | None:
+        for w in self.workers:
+            if w.id == worker_id:
+                return w
+        return None
+
+    def ready_workers(self, role: str | None = None) -> list[Worker]:
+        return [w for w in self.workers if w.status == "ready" and (role is None or w.role == role)]
+
+    def _healthy(self, role: str) -> list[Worker]:
+        return [w for w in self.workers if w.status == "ready" and w.healthy and w.role == role]
+
+    def ready(self) -> bool:
+        """Can a request be routed at all: a healthy prefill and decode (PD) or a healthy worker.
+
+        Asked on every request, so the answer is cached and recomputed only after a worker's
+        status or health changed (``invalidate_ready``)."""
+        r = self._ready_cache
+        if r is None:
+            if self.config.pd_disaggregation:
+                r = bool(self._healthy("prefill")) and bool(self._healthy("decode"))
+            else:
+                r = bool(self._healthy("regular"))
+            self._ready_cache = r
+        return r
+
+    def invalidate_ready(self) -> None:
+        """A worker's status or health changed: recompute ``ready()`` on its next call."""
+        self._ready_cache = None
+
+    def auth_headers(self, w: Worker) -> dict[str, str]:
+        """Authorization for worker calls other than /health (protocol.md 2)."""
+        key = w.api_key or self.config.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def target_name(self, t: int) -> str | None:
+        info = self.target_info[t] if 0 <= t < len(self.target_info) else None
+        if info is None:
+            return None
+        w, rank = info
+        return target_name(w.url, rank)
+
+    # ---- add / remove -------------------------------------------------------------------------
+    def add_worker(self, url: str, role: str, *, bootstrap_port: int | None = None,
+                   model_id: str | None = None, priority: int | None = None, cost: float | None = None,
+                   labels: Mapping[str, str] | None = None, api_key: str | None = None) -> Worker:
+        """Queue a worker for background registration. Raises DuplicateWorker (a ValueError) on a
+        known URL and ValueError on a bad role; the handshake outcome is ``Worker.status``."""
+        return self._queue(url, role, bootstrap_port=bootstrap_port, model_id=model_id,
+                           priority=priority, cost=cost, labels=labels, api_key=api_key)
+
+    def _queue(self, url: str, role: str, *, bootstrap_port: int | None = None,
+               model_id: str | None = None, priority: int | None = None, cost: float | None = None,
+               labels: Mapping[str, str] | None = None, api_key: str | None = None) -> Worker:
+        if role not in ROLES:
+            raise ValueError(f"unknown worker_type {role!r} (expected one of {', '.join(ROLES)})")
+        url = normalize_url(url)
+        if not url.startswith("http://"):
+            # The control client speaks TLS but the data path does not: refuse rather than
+            # register a worker whose inference traffic would go out as plain HTTP.
+            raise ValueError(f"worker URL {url!r}: only http:// workers are supported")
+        if self.find(url) is not None:
+            raise DuplicateWorker(f"worker {url} already exists")
+        host, port = split_host_port(url)
+        if not host:
+            raise ValueError(f"no host in worker URL {url!r}")
+        w = Worker(url=url, role=role, host=host, port=port,
+                   bootstrap_port=bootstrap_port if role == "prefill" else None,
+                   requested_model_id=model_id, api_key=api_key)
+        if priority is not None:
+            w.priority = int(priority)
+        if cost is not None:
+            w.cost = float(cost)
+        if labels:
+            w.labels = {str(k): str(v) for k, v in labels.items()}
+        self.workers.append(w)
+        w.task = asyncio.get_running_loop().create_task(self._register(w), name=f"register {url}")
+        log.info("registering %s worker %s (id %s)", role, url, w.id)
+        return w
+
+    async def wait_registered(self, w: Worker) -> bool:
+        """Wait for ``w``'s handshake to finish; True when it became ready."""
+        if w.task is not None:
+            await asyncio.gather(w.task, return_exceptions=True)
+        return w.status == "ready"
+
+    def remove_worker(self, w: Worker) -> None:
+        """Forget ``w``: out of its group now, rows freed once nothing is in flight on them."""
+        if w in self.workers:
+            self.workers.remove(w)
+        was_ready = w.status == "ready"
+        w.status = "removed"
+        w.healthy = False
+        self.invalidate_ready()
+        if w.task is not None and not w.task.done():
+            w.task.cancel()
+        if was_ready:
+            self._sync_group(w.role)
+            for t in w.targets:
+                self.table.set_healthy(t, False)
+                self.table.mark_unpolled(t)
+                self._retire(t)
+        log.info("removed %s worker %s", w.role, w.url)
+
+    # ---- registration handshake ---------------------------------------------------------------
+    async def _register(self, w: Worker) -> None:
+        try:
+            ok = await self._handshake(w)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug here must not kill the task silently
+            log.exception("registration of %s crashed", w.url)
+            ok, w.error = False, f"internal error: {exc}"
+        if w.status != "pending":       # removed while the handshake ran
+            return
+        if ok:
+            try:
+                self._activate(w)
+                return
+            except Exception as exc:    # e.g. the table is full
+                log.error("cannot add worker %s: %s", w.url, exc)
+                w.error = str(exc)
+        w.status = "failed"
+        self.invalidate_ready()
+        if w in self.workers:
+            self.workers.remove(w)
+
+    async def _handshake(self, w: Worker) -> bool:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + float(cfg.worker_startup_timeout_secs)
+        interval = max(float(cfg.worker_startup_check_interval), 0.001)
+        probe_timeout = max(float(cfg.health_check_timeout_secs), 0.001)
+        attempts = 0
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                w.error = f"not ready after {cfg.worker_startup_timeout_secs}s ({attempts} attempts): {w.error}"
+                log.error("worker %s failed to register: %s", w.url, w.error)
+                return False
+            attempts += 1
+            timeout = min(probe_timeout, remaining)
+            try:
+                # No Authorization on /health (protocol.md 2).
+                status, _, _ = await httpclient.request("GET", w.url + "/health", timeout=timeout)
+                if 200 <= status < 300:
+                    await self._discover(w, timeout)
+                    return True
+                w.error = f"/health answered {status}"
+            except (HttpClientError, _Transient) as exc:
+                w.error = str(exc)
+            except _Fatal as exc:
+                w.error = str(exc)
+                log.error("worker %s failed to register: %s", w.url, exc)
+                return False
+            log.debug("worker %s not ready yet: %s", w.url, w.error)
+            await asyncio.sleep(min(interval, max(deadline - loop.time(), 0.0)))
+
+    async def _get_info(self, w: Worker, primary: str, fallback: str,
+                        timeout: float) -> tuple[dict[str, Any] | None, str]:
+        """GET primary, on 404 GET fallback. -> (JSON object or None if both 404, path used)."""
+        headers = self.auth_headers(w)
+        for path in (primary, fallback):
+            status, _, body = await httpclient.request("GET", w.url + path, headers=headers, timeout=timeout)
+            if status == 404:
+                continue
+            if status != 200:
+                raise _Transient(f"{path} answered {status}")
+            try:
+                doc = json.loads(body)
+            except ValueError:
+                raise _Transient(f"{path} returned invalid JSON") from None
+            if not isinstance(doc, dict):
+                raise _Transient(f"{path} returned a JSON {type(doc).__name__}, expected an object")
+            return doc, path
+        return None, primary
+
+    async def _discover(self, w: Worker, timeout: float) -> None:
+        si, w.server_info_path = await self._get_info(w, "/server_info", "/get_server_info", timeout)
+        mi, w.model_info_path = await self._get_info(w, "/model_info", "/get_model_info", timeout)
+        w.server_info = si or {}
+        w.model_info = mi or {}
+        w.model_id = model_id_of(w.requested_model_id, w.server_info, w.model_info)
+        dp = w.server_info.get("dp_size")
+        valid = isinstance(dp, int) and not isinstance(dp, bool) and dp >= 1
+        if self.config.dp_aware and not valid:
+            raise _Fatal(f"No dp_size in response from {w.server_info_path} (got {dp!r}); "
+                         "--dp-aware needs it")
+        w.dp_size = dp if valid else 1
+
+    def _activate(self, w: Worker) -> None:
+        """Give the worker its rows and publish them to its group (synchronous: no await)."""
+        n = w.dp_size if (self.config.dp_aware and w.dp_size > 1) else 1
+        rows: list[int] = []
+        try:
+            for _ in range(n):
+                rows.append(self.table.alloc())
+        except Exception:
+            for t in rows:
+                self.table.free(t)
+            raise
+        w.targets = rows
+        w.names = [w.url] if n == 1 else [target_name(w.url, r) for r in range(n)]
+        for r, t in enumerate(rows):
+            if t >= len(self.target_info):
+                self.target_info.extend([None] * (t + 1 - len(self.target_info)))
+            self.target_info[t] = (w, r if n > 1 else None)
+            self.table.set_healthy(t, True)
+        w.healthy = True
+        w.health_failures = w.health_successes = 0
+        w.status = "ready"
+        self.invalidate_ready()
+        w.error = None
+        self._sync_group(w.role)
+        log.info("worker %s ready: role=%s model=%s dp_size=%d targets=%s",
+                 w.url, w.role, w.model_id, w.dp_size, rows)
+
+    def _sync_group(self, role: str) -> None:
+        targets: list[int] = []
+        names: list[str] = []
+        for w in self.workers:
+            if w.role == role and w.status == "ready":
+                targets.extend(w.targets)
+                names.extend(w.names)
+        self._groups[role].set_targets(targets, names)
+        for cb in self._listeners:
+            cb(role)
+
+    # ---- row retirement -----------------------------------------------------------------------
+    def _retire(self, t: int) -> None:
+        if self.table.in_flight(t) == 0:
+            self._free(t)
+            return
+        self._deferred.append(t)
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_loop(), name="row reaper")
+
+    def _free(self, t: int) -> None:
+        self.table.free(t)
+        if t < len(self.target_info):
+            self.target_info[t] = None
+
+    def reap(self) -> int:
+        """Free deferred rows whose last lease has been released; returns how many remain."""
+        keep = []
+        for t in self._deferred:
+            if self.table.in_flight(t) == 0:
+                self._free(t)
+            else:
+                keep.append(t)
+        self._deferred = keep
+        return len(keep)
+
+    async def _reap_loop(self) -> None:
+        # Leases end at response EOF; streams can be long, so poll gently until all are gone.
+        while self.reap():
+            await asyncio.sleep(0.05)
+

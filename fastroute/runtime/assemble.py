@@ -1,0 +1,117 @@
+"""Building one router process, written once: table -> router (groups) -> registry -> monitor ->
+metrics -> breakers/reconciler -> App, and the one drain of an App at shutdown.
+
+Three processes are built from these pieces, differing only in what they own:
+
+* the single-process server: creates the table, registers and monitors workers, serves
+  ``/metrics`` and requests (:func:`assemble` with everything);
+* the ``--workers N`` supervisor: creates the table, registers and monitors workers, serves
+  ``/metrics`` for all processes, runs the one reconciler of the shared table, serves no
+  requests (``serve=False``);
+* a proxy process (:mod:`fastroute.runtime.child`): attaches the table, mirrors the supervisor's
+  workers through a :class:`~fastroute.control.follower.FollowerRegistry` (which has a ledger),
+  serves requests, no monitor and no metrics listener (``monitor=False, metrics=False``).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from dataclasses import dataclass
+from typing import Callable
+
+from fastroute.config import Config
+from fastroute.control.leases import Reconciler
+from fastroute.control.metrics import RECONCILE_MISMATCH, MetricsServer, Stats, new_stats, start_metrics
+from fastroute.control.monitor import Monitor
+from fastroute.control.registry import Registry
+from fastroute.core.breaker import Breakers
+from fastroute.core.routing import Router
+from fastroute.core.table import TargetTable
+from fastroute.dataplane.proxy import App
+
+DRAIN_POLL = 0.05   # seconds between in-flight checks while draining (control plane, not per request)
+
+
+@dataclass(eq=False)
+class Assembly:
+    """The parts of one router process, in build order (None where the process has none)."""
+
+    config: Config
+    table: TargetTable
+    router: Router
+    registry: Registry
+    stats: Stats
+    monitor: Monitor | None = None
+    metrics: MetricsServer | None = None
+    reconciler: Reconciler | None = None
+    app: App | None = None
+
+    async def stop_control(self) -> None:
+        """Stop what runs in the background (monitor loops, registrations, metrics listener)."""
+        if self.monitor is not None:
+            await self.monitor.stop()
+        await self.registry.stop()
+        if self.metrics is not None:
+            await self.metrics.stop()
+
+
+def reconciler_for(config: Config, table: TargetTable, stats: Stats) -> Reconciler:
+    """The reconciler of a table. A mismatch is a fact about the table, so exactly one process
+    runs it per table: the single-process server, or the supervisor under ``--workers N``."""
+    return Reconciler(table, float(config.request_timeout_secs),
+                      lambda name: stats.reclaim(RECONCILE_MISMATCH))
+
+
+async def assemble(config: Config, table: TargetTable, *, seed: int | None = None,
+                   registry_factory: Callable[[Router], Registry] | None = None,
+                   serve: bool = True, monitor: bool = True, metrics: bool = True,
+                   stats: Stats | None = None) -> Assembly:
+    """Build one router process over ``table`` (created or attached by the caller, who owns it).
+
+    ``seed`` defaults to ``config.seed``; ``registry_factory(router)`` builds the registry
+    (default: a :class:`Registry` that registers workers itself). Nothing is started: the
+    caller starts the App's listener, ``registry.start()`` and ``monitor.start()`` in its order.
+    """
+    loop = asyncio.get_running_loop()
+    router = Router(table, seed=config.seed if seed is None else seed, config=config)
+    registry = (registry_factory(router) if registry_factory is not None
+                else Registry(config, table, router))
+    parts = Assembly(config, table, router, registry, stats if stats is not None else new_stats(config))
+    if monitor:
+        parts.monitor = Monitor(config, registry, table)
+    if metrics:
+        parts.metrics = await start_metrics(config, table, registry, parts.stats)
+    # A proxy process's registry has a ledger of its own and follows the supervisor's, which
+    # reconciles the shared table once for all processes.
+    if getattr(registry, "ledger", None) is None:
+        parts.reconciler = reconciler_for(config, table, parts.stats)
+    if serve:
+        breakers = Breakers(table, int(table.capacity), config.cb_failure_threshold,
+                            config.cb_success_threshold, config.cb_timeout_duration_secs,
+                            not config.disable_circuit_breaker, name_of=registry.target_name,
+                            clock=loop.time)
+        parts.app = App(config, registry, loop, breakers=breakers, reconciler=parts.reconciler)
+        parts.app.stats = parts.stats
+    return parts
+
+
+async def listen(app: App, host: str, port: int, reuse_port: bool = True) -> asyncio.AbstractServer:
+    """The client listener of ``app`` (several proxy processes share a port with SO_REUSEPORT)."""
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(app.protocol_factory, host, port, reuse_address=True,
+                                    reuse_port=reuse_port and hasattr(socket, "SO_REUSEPORT"),
+                                    backlog=4096)
+
+
+async def drain(app: App, grace: float, log: logging.Logger, label: str = "shutdown") -> None:
+    """Graceful end of an App: close idle connections, wait up to ``grace`` seconds for the
+    requests in flight, then abort what is left. The caller closed the listener already."""
+    app.stop_accepting()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace
+    while app.active and loop.time() < deadline:
+        await asyncio.sleep(DRAIN_POLL)
+    if app.active:
+        log.warning("%s: aborting %d requests still in flight", label, app.active)
+    app.close()
