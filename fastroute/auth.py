@@ -1,18 +1,40 @@
-"""The admin API's authentication rule, written once.
+"""Who may call what: the router's authentication rules, written once.
 
-Used by the proxy (before an admin request's body is read), by the admin handlers and by the
-supervisor's control listener (whose per-run secret is compared with :func:`matches`). Pure Python, no imports from the rest of fastroute.
+Pure Python with no imports from the rest of fastroute, so the data plane (which decides before
+it reads a request body), the admin handlers and the supervisor's control listener share it.
 
-Under ``--api-key`` every route needs ``Authorization: Bearer <key>`` except the open ones:
-the liveness/readiness probes and the model list, which load balancers and clients call without
-credentials. The comparison is constant-time.
+Two layers, as the peers define them:
+
+* ``--api-key KEY`` (data plane): every route needs ``Authorization: Bearer KEY`` except the
+  open ones (probes and the model list, which load balancers and clients call without
+  credentials). Without control-plane keys it also guards the worker-management routes.
+* ``--control-plane-api-keys 'id:name:role:key' ...`` (control plane, smg's format; also
+  ``$CONTROL_PLANE_API_KEYS``, several specs separated by commas or whitespace): when given, the
+  worker-management routes accept only these keys. Role ``admin`` may call every one of them,
+  role ``user`` may read (GET/HEAD) and gets 403 on a mutation. ``--api-key`` no longer opens
+  them.
+
+Keys are kept only as SHA-256 digests and compared in constant time.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
+from dataclasses import dataclass
+from typing import Iterable
 
 # Paths that stay open when an API key is configured.
 OPEN_PATHS: frozenset[bytes] = frozenset({b"/health", b"/liveness", b"/readiness", b"/v1/models"})
+
+# Worker management: the routes control-plane keys protect (plus every /workers/<id> path).
+MANAGEMENT_PATHS: frozenset[bytes] = frozenset({
+    b"/workers", b"/add_worker", b"/remove_worker", b"/list_workers", b"/flush_cache",
+})
+_READ_METHODS = frozenset({b"GET", b"HEAD"})
+ROLES: tuple[str, ...] = ("admin", "user")
+
+# Decisions: OK, or the status to answer with.
+OK, UNAUTHORIZED, FORBIDDEN = 0, 401, 403
 
 
 def bearer(key: str | None) -> bytes | None:
@@ -26,7 +48,85 @@ def matches(expected: bytes, got: bytes | None) -> bool:
 
 
 def authorized(expected: bytes | None, path: bytes, got: bytes | None) -> bool:
-    """True when a request to ``path`` carrying Authorization ``got`` may proceed."""
+    """The ``--api-key`` rule: True when a request to ``path`` carrying Authorization ``got``
+    may proceed."""
     if expected is None or path in OPEN_PATHS:
         return True
     return matches(expected, got)
+
+
+def is_management(path: bytes) -> bool:
+    return path in MANAGEMENT_PATHS or path.startswith(b"/workers/")
+
+
+@dataclass(frozen=True)
+class ControlPlaneKey:
+    key_id: str
+    name: str
+    role: str
+    digest: bytes  # sha256 of the secret
+
+
+class ControlPlaneKeyError(ValueError):
+    """A malformed --control-plane-api-keys entry (the message never contains the secret)."""
+
+
+def parse_control_plane_keys(specs: Iterable[str]) -> tuple[ControlPlaneKey, ...]:
+    """Parse ``id:name:role:key`` entries; the key may itself contain ':'."""
+    out: list[ControlPlaneKey] = []
+    seen: set[str] = set()
+    for n, spec in enumerate(specs, 1):
+        parts = spec.split(":", 3)
+        if len(parts) != 4 or not parts[0] or not parts[3]:
+            raise ControlPlaneKeyError(
+                f"--control-plane-api-keys entry {n}: expected 'id:name:role:key'")
+        key_id, name, role, secret = parts
+        role = role.strip().lower()
+        if role not in ROLES:
+            raise ControlPlaneKeyError(
+                f"--control-plane-api-keys entry {n} ({key_id}): role must be admin or user, not {role!r}")
+        if key_id in seen:
+            raise ControlPlaneKeyError(f"--control-plane-api-keys: id {key_id!r} given twice")
+        seen.add(key_id)
+        out.append(ControlPlaneKey(key_id, name, role, hashlib.sha256(secret.encode()).digest()))
+    return tuple(out)
+
+
+def split_env_keys(value: str | None) -> list[str]:
+    """``$CONTROL_PLANE_API_KEYS``: entries separated by commas or whitespace."""
+    if not value:
+        return []
+    return [p for p in value.replace(",", " ").split() if p]
+
+
+class AdminAuth:
+    """The one rule for non-inference routes; built once per process from the config."""
+
+    __slots__ = ("api_key", "keys")
+
+    def __init__(self, api_key: str | None, keys: tuple[ControlPlaneKey, ...] = ()) -> None:
+        self.api_key = bearer(api_key)
+        self.keys = keys
+
+    def principal(self, got: bytes | None) -> ControlPlaneKey | None:
+        """The control-plane key whose secret ``got`` carries (every key is compared, so the
+        time taken does not depend on which one matched)."""
+        if got is None or not got.startswith(b"Bearer "):
+            return None
+        digest = hashlib.sha256(got[7:].strip()).digest()
+        found = None
+        for k in self.keys:
+            if hmac.compare_digest(digest, k.digest):
+                found = k
+        return found
+
+    def check(self, method: bytes, path: bytes, got: bytes | None) -> tuple[int, ControlPlaneKey | None]:
+        """-> (OK | UNAUTHORIZED | FORBIDDEN, the control-plane key used, if any)."""
+        if self.keys and is_management(path):
+            who = self.principal(got)
+            if who is None:
+                return UNAUTHORIZED, None
+            if who.role != "admin" and method not in _READ_METHODS:
+                return FORBIDDEN, who
+            return OK, who
+        return (OK if authorized(self.api_key, path, got) else UNAUTHORIZED), None
