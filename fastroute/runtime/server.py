@@ -36,6 +36,7 @@ class Server:
         self.registry: Any = None
         self.monitor: Any = None
         self.metrics: Any = None
+        self.discovery: Any = None
         self.app: App | None = None
         self.listener: asyncio.AbstractServer | None = None
         self.port = 0
@@ -44,6 +45,7 @@ class Server:
 
     async def start(self) -> None:
         """Build everything and start listening; worker registration continues in the background."""
+        from fastroute.control.discovery import start_discovery
         from fastroute.control.metrics import start_metrics
         from fastroute.control.monitor import Monitor
         from fastroute.core.routing import Router
@@ -60,6 +62,7 @@ class Server:
             self.metrics = await start_metrics(cfg, self.table, self.registry)
             self.app = App(cfg, self.registry, loop)
             self.app.stats = self.metrics.stats
+            self.discovery = await start_discovery(cfg, self.registry, self.metrics.stats)
             self.listener = await loop.create_server(
                 self.app.protocol_factory, cfg.host, cfg.port,
                 reuse_address=True, reuse_port=hasattr(socket, "SO_REUSEPORT"), backlog=4096)
@@ -96,6 +99,8 @@ class Server:
                 if app.active:
                     log.warning("shutdown: aborting %d requests still in flight", app.active)
                 app.close()
+            if self.discovery is not None:
+                await self.discovery.stop()
             if self.monitor is not None:
                 await self.monitor.stop()
             if self.registry is not None:

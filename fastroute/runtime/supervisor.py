@@ -340,6 +340,7 @@ class Supervisor:
         self.registry: Any = None
         self.monitor: Any = None
         self.metrics: Any = None
+        self.discovery: Any = None
         self.children = [_Child(i) for i in range(self.n)]
         self.port = 0
         self.state_dir = ""
@@ -357,6 +358,7 @@ class Supervisor:
 
     # ---- start --------------------------------------------------------------------------------
     async def start(self) -> None:
+        from fastroute.control.discovery import start_discovery
         from fastroute.control.metrics import DEFAULT_BUCKETS, Stats, start_metrics
         from fastroute.control.monitor import Monitor, Reconciler
         from fastroute.core.routing import Router
@@ -394,6 +396,7 @@ class Supervisor:
             for child in self.children:
                 await self._spawn(child)
             await self.registry.start()
+            self.discovery = await start_discovery(cfg, self.registry, self.stats)
             self.monitor.start()
             loop = asyncio.get_running_loop()
             self._tasks.append(loop.create_task(self._publish_loop(), name="snapshot publisher"))
@@ -606,6 +609,8 @@ class Supervisor:
                 except asyncio.TimeoutError:
                     pass
         try:
+            if self.discovery is not None:
+                await self.discovery.stop()
             if self.monitor is not None:
                 await self.monitor.stop()
             if self.registry is not None:
