@@ -367,3 +367,38 @@ def test_get_workers_shows_where_a_discovered_worker_came_from(kube_env):
             for w in ws:
                 await w.stop()
     run(body(), 30)
+
+
+def test_workers_2_discovers_in_the_supervisor_and_every_process_routes(kube_env, monkeypatch):
+    from test_multiproc import MultiRouter, value
+
+    async def body():
+        api = await KubeApi().start()
+        a, b = ws = await pod_workers(2)
+        await api.put(pod("a", a.ip))
+        await api.put(pod("b", b.ip))
+        kube_env.write_text(api.kubeconfig())
+        router = MultiRouter("--service-discovery", "--selector", "app=sglang",
+                             "--service-discovery-namespace", NS,
+                             "--service-discovery-port", str(a.port), "--policy", "round_robin")
+        try:
+            async with router:
+                await router.until_metric(
+                    lambda m: value(m, "fastroute_discovery_workers", role="regular") == 2, 20.0,
+                    "two discovered workers")
+                for _ in range(12):
+                    r = await call(router.port, post("/generate", {"text": "hi"}))
+                    assert r.status == 200
+                assert a.inference() and b.inference()
+                # discovery runs once, in the supervisor: one list, however many processes
+                assert api.list_count() == 1
+                await api.delete(NS, "a")
+                await router.until_metric(
+                    lambda m: value(m, "fastroute_discovery_workers", role="regular") == 1, 20.0,
+                    "a removed")
+                assert await router.stop() == 0
+        finally:
+            await api.stop()
+            for w in ws:
+                await w.stop()
+    run(body(), 90)
