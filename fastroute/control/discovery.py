@@ -62,7 +62,8 @@ _HINTS = {401: "the credentials were rejected (expired token or wrong kubeconfig
                "(a Role + RoleBinding, see deploy/kubernetes.yaml)",
           404: "the namespace or API path does not exist"}
 
-Found = tuple  # (role, bootstrap_port, source): what one URL should be
+# What one URL should be: (role, bootstrap port, source: pod namespace/name or manifest entry).
+Found = tuple
 
 
 class Discovery:
@@ -312,12 +313,19 @@ async def _watch_pods(d: Discovery, sets: _PodSets, role: str,
                                   allow_watch_bookmarks=True, timeout_seconds=interval,
                                   _request_timeout=aiohttp.ClientTimeout(sock_connect=10,
                                                                          sock_read=interval + 30))
+            started = asyncio.get_running_loop().time()
             try:
                 rv = await _consume(resp, sets, role, reqs, rv)
             finally:
                 resp.release()
-            backoff = BACKOFF_INITIAL
             sets.changed()      # also re-adds a worker whose registration gave up meanwhile
+            if asyncio.get_running_loop().time() - started < 1.0:
+                # A watch that ends at once (a proxy in between, a broken server) must not turn
+                # into a request loop; nothing is lost meanwhile, the next one resumes from rv.
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX)
+            else:
+                backoff = BACKOFF_INITIAL
         except asyncio.CancelledError:
             raise
         except _ApiError as exc:
