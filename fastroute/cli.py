@@ -26,6 +26,7 @@ from fastroute.config import (
     PREFILL_ONLY_POLICIES,
     SUPPORTED_POLICIES,
     Config,
+    DISCOVERY_PROVIDERS,
     ConfigError,
     config_from_args,
     default,
@@ -47,13 +48,6 @@ COMPAT_FLAGS: tuple[str, ...] = (
     "--bucket-adjust-interval-secs",
     "--assignment-mode",
     "--enable-igw",
-    "--service-discovery",
-    "--selector",
-    "--service-discovery-port",
-    "--service-discovery-namespace",
-    "--prefill-selector",
-    "--decode-selector",
-    "--bootstrap-port-annotation",
     "--model-path",
     "--tokenizer-path",
     "--chat-template",
@@ -113,6 +107,15 @@ class _IgnoredFlag(argparse.Action):
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
         flag = _canonical(option_string or self.option_strings[0])
         namespace.ignored_flags.append(flag)
+
+
+class _DiscoveryOption(argparse.Action):
+    """Store a discovery sub-flag and note its name: config drops the note when discovery is on
+    and otherwise reports the flag as ignored (it means nothing without discovery)."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.ignored_flags.append(_canonical(option_string or self.option_strings[0]))
 
 
 def _canonical(flag: str) -> str:
@@ -368,6 +371,41 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
         metavar="TOKENS",
         help="Extra KV tokens a request must leave free on its rank under --decode-kv-fit, "
              "on top of its input and max_new_tokens (default: %(default)s).")
+
+    add.section("Service discovery", "Workers from Kubernetes pods or a JSON manifest file, beside "
+                "--worker-urls / --prefill / --decode and POST /workers (fastroute.control.discovery).")
+    opt = _DiscoveryOption
+    add("--service-discovery", action="store_true",
+        help="Watch Kubernetes pods (in-cluster service account or kubeconfig; refuses to start "
+             "without either): a Running and Ready pod matching the selector becomes worker "
+             "http://<podIP>:<--service-discovery-port> (default: off).")
+    add("--selector", action=opt, nargs="*", default=d("selector"), metavar="KEY=VALUE",
+        help="Label selector of regular-mode worker pods, space- or comma-separated, "
+             "set-based forms allowed (default: none).")
+    add("--prefill-selector", action=opt, nargs="*", default=d("prefill_selector"),
+        metavar="KEY=VALUE", help="PD mode: label selector of prefill pods (default: none).")
+    add("--decode-selector", action=opt, nargs="*", default=d("decode_selector"),
+        metavar="KEY=VALUE", help="PD mode: label selector of decode pods (default: none).")
+    add("--service-discovery-port", action=opt, type=int, default=d("service_discovery_port"),
+        metavar="PORT",
+        help="Worker HTTP port on each pod (default: %(default)s).")
+    add("--service-discovery-namespace", action=opt, default=None, metavar="NAMESPACE",
+        help="Namespace to watch (default: all namespaces).")
+    add("--bootstrap-port-annotation", action=opt, default=d("bootstrap_port_annotation"),
+        metavar="KEY",
+        help="Pod annotation holding a prefill pod's KV bootstrap port; absent = null "
+             "(default: %(default)s).")
+    add("--discovery-provider", choices=DISCOVERY_PROVIDERS, default=None,
+        help="Where workers come from: kubernetes pods or a JSON manifest file; giving it turns "
+             "discovery on (default: kubernetes with --service-discovery).")
+    add("--discovery-file", action=opt, default=None, metavar="PATH",
+        help="--discovery-provider file: the manifest {\"workers\": [{\"url\": ..., "
+             "\"worker_type\": ..., \"bootstrap_port\": ...}]}; may appear after start-up, "
+             "re-read on change; a malformed file keeps the last good set (default: none).")
+    add("--discovery-check-interval-secs", action=opt, type=int, metavar="SECS",
+        default=d("discovery_check_interval_secs"),
+        help="Full re-read of the manifest, and the length of one Kubernetes watch before it is "
+             "resumed (default: %(default)s s).")
 
     add.section(
         "Ignored for compatibility",

@@ -3,7 +3,8 @@
 This module owns the data (field names are the argparse dest names of the sglang-router flags,
 dashes turned into underscores), the defaults (the single source of truth: the CLI reads its
 defaults from the dataclass), the environment fallbacks and every start-up validation rule.
-It does no I/O beyond reading the environment and logs nothing except the one-line
+It does no I/O beyond reading the environment (and, for `--service-discovery`, looking for a
+Kubernetes credential file, so a router that could never find a worker refuses to start) and logs nothing except the one-line
 "ignored by fastroute" warnings for compatibility flags.
 
 A `Config` is validated on construction (`__post_init__`), so a hand-built `Config(...)` in a
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Iterable
 from urllib.parse import urlsplit
@@ -38,6 +40,9 @@ __all__ = [
     "DEFAULT_DURATION_BUCKETS",
     "ENV_P2C_LOAD_METRIC",
     "ENV_DECODE_REQUEST_WEIGHT",
+    "DISCOVERY_PROVIDERS",
+    "parse_selector",
+    "kube_config_source",
 ]
 
 logger = logging.getLogger(__name__)
@@ -194,6 +199,25 @@ class Config:
     decode_kv_fit: str = "off"
     decode_kv_reserve_tokens: int = 0
 
+    # --- Worker discovery (fastroute.control.discovery) -----------------------------------
+    service_discovery: bool = False
+    discovery_provider: str | None = None   # None: kubernetes when --service-discovery is set
+    selector: list[str] = _list(())
+    prefill_selector: list[str] = _list(())
+    decode_selector: list[str] = _list(())
+    service_discovery_port: int = 80
+    service_discovery_namespace: str | None = None   # None = all namespaces
+    bootstrap_port_annotation: str = "sglang.ai/bootstrap-port"
+    discovery_file: str | None = None
+    discovery_check_interval_secs: int = 60
+
+    @property
+    def discovery(self) -> str | None:
+        """The discovery provider in use ("kubernetes" or "file"), or None when off."""
+        if self.discovery_provider is not None:
+            return self.discovery_provider
+        return "kubernetes" if self.service_discovery else None
+
     def __post_init__(self) -> None:
         if self.prefill_policy is None:
             self.prefill_policy = self.policy
@@ -235,6 +259,7 @@ class Config:
         self._validate_policies()
         self._validate_numbers()
         self._validate_extensions()
+        self._validate_discovery()
 
     def _validate_workers(self) -> None:
         if self.pd_disaggregation and self.worker_urls:
@@ -378,6 +403,35 @@ class Config:
             )
         _at_least("--decode-kv-reserve-tokens", self.decode_kv_reserve_tokens, 0)
 
+    def _validate_discovery(self) -> None:
+        if self.discovery_provider not in (None,) + DISCOVERY_PROVIDERS:
+            raise ConfigError("--discovery-provider", f"invalid value {self.discovery_provider!r}; "
+                              "choose from " + ", ".join(DISCOVERY_PROVIDERS))
+        for flag, tokens in (("--selector", self.selector), ("--prefill-selector", self.prefill_selector),
+                             ("--decode-selector", self.decode_selector)):
+            try:
+                parse_selector(tokens)
+            except ValueError as exc:
+                raise ConfigError(flag, str(exc)) from None
+        if self.discovery is None:
+            return
+        _at_least("--discovery-check-interval-secs", self.discovery_check_interval_secs, 1)
+        if self.discovery == "file":
+            if not self.discovery_file:
+                raise ConfigError("--discovery-file", "is required by --discovery-provider file")
+            return
+        if not 1 <= self.service_discovery_port <= 65535:
+            raise ConfigError("--service-discovery-port", f"port {self.service_discovery_port} "
+                              "is not in 1..65535")
+        if self.pd_disaggregation and not (self.prefill_selector or self.decode_selector):
+            raise ConfigError("--service-discovery", "PD mode needs --prefill-selector and/or "
+                              "--decode-selector")
+        if not self.pd_disaggregation and not self.selector:
+            raise ConfigError("--selector", "is required by --service-discovery (e.g. app=sglang)")
+        if not self.pd_disaggregation and (self.prefill_selector or self.decode_selector):
+            raise ConfigError("--prefill-selector" if self.prefill_selector else "--decode-selector",
+                              "requires --pd-disaggregation")
+
 
 # ---------------------------------------------------------------------- helpers
 
@@ -421,6 +475,60 @@ def _at_least(flag: str, value: int, lo: int) -> None:
 def _finite_at_least(flag: str, value: float, lo: float) -> None:
     if not math.isfinite(value) or value < lo:
         raise ConfigError(flag, f"must be a finite number >= {lo} (got {value})")
+
+
+DISCOVERY_PROVIDERS: tuple[str, ...] = ("kubernetes", "file")
+# Flags that only mean something with discovery on; given without it they are ignored (one warning).
+DISCOVERY_FLAGS: tuple[str, ...] = (
+    "--selector", "--service-discovery-port", "--service-discovery-namespace", "--prefill-selector",
+    "--decode-selector", "--bootstrap-port-annotation", "--discovery-file",
+    "--discovery-check-interval-secs",
+)
+KUBE_TOKEN_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+# One Kubernetes label-selector requirement: [!]key, key(=|==|!=)value, key (in|notin) (v, ...).
+_SELECTOR_REQ = re.compile(
+    r"\s*(?P<neg>!)?\s*(?P<key>[A-Za-z0-9][A-Za-z0-9./_-]*)\s*"
+    r"(?:(?P<op>==|=|!=)\s*(?P<value>[A-Za-z0-9._-]*)|\s(?P<setop>in|notin)\s*\((?P<values>[^()]*)\))?\s*\Z")
+
+
+def parse_selector(tokens: Iterable[str]) -> list[tuple[str, str, tuple[str, ...]]]:
+    """Parse label-selector tokens (``app=a tier=b`` or ``"app=a,tier in (b,c)"``) into
+    requirements ``(key, op, values)`` with op one of exists, !exists, =, !=, in, notin.
+    Raises ValueError naming the bad requirement."""
+    out = []
+    for token in tokens:
+        for part in re.split(r",(?![^()]*\))", token):
+            if not part.strip():
+                continue
+            m = _SELECTOR_REQ.match(part)
+            if m is None or (m["neg"] and (m["op"] or m["setop"])):
+                raise ValueError(f"{part.strip()!r} is not a label selector requirement "
+                                 "(key=value, key!=value, key, !key, key in (a,b), key notin (a,b))")
+            if m["setop"]:
+                values = tuple(v.strip() for v in m["values"].split(",") if v.strip())
+                out.append((m["key"], m["setop"], values))
+            elif m["op"]:
+                out.append((m["key"], "!=" if m["op"] == "!=" else "=", (m["value"],)))
+            else:
+                out.append((m["key"], "!exists" if m["neg"] else "exists", ()))
+    return out
+
+
+def kube_config_source(environ: Any = None) -> tuple[str, str | None] | None:
+    """Where Kubernetes API credentials come from: ("incluster", None) inside a pod (service
+    account token + KUBERNETES_SERVICE_HOST), ("kubeconfig", path) for $KUBECONFIG or
+    ~/.kube/config, or None when there is none at all."""
+    env = os.environ if environ is None else environ
+    if env.get("KUBERNETES_SERVICE_HOST") and os.path.exists(KUBE_TOKEN_FILE):
+        return "incluster", None
+    paths = [p for p in env.get("KUBECONFIG", "").split(os.pathsep) if p]
+    paths = paths or [os.path.join(os.path.expanduser("~"), ".kube", "config")]
+    found = [p for p in paths if os.path.isfile(p)]
+    return ("kubeconfig", os.pathsep.join(found)) if found else None
+
+
+NO_KUBE_CONFIG = ("no Kubernetes configuration found: not running in a pod (KUBERNETES_SERVICE_HOST "
+                  "and a service-account token) and no kubeconfig ($KUBECONFIG or ~/.kube/config)")
 
 
 def _field_names() -> frozenset[str]:
@@ -494,8 +602,13 @@ def config_from_args(ns: Any, environ: dict[str, str] | None = None) -> Config:
         kwargs["workers"] = os.cpu_count() or 1
 
     config = Config(**kwargs)
-
-    for flag in dict.fromkeys(raw.get("ignored_flags") or ()):
+    if config.discovery == "kubernetes" and kube_config_source(env) is None:
+        raise ConfigError("--service-discovery", NO_KUBE_CONFIG)
+    ignored = raw.get("ignored_flags") or ()
+    if config.discovery is not None:   # the discovery flags were recorded as maybe-ignored
+        ignored = [f for f in ignored if f not in DISCOVERY_FLAGS
+                   or (f == "--selector" and config.pd_disaggregation)]   # as the peers in PD
+    for flag in dict.fromkeys(ignored):
         logger.warning("%s is accepted for compatibility and ignored by fastroute", flag)
     return config
 

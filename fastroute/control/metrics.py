@@ -87,6 +87,9 @@ class Stats:
         self.cb_transitions: dict[tuple[str, str, str], int] = {}    # (worker, from, to)
         self.rate_limit: dict[str, int] = {}                         # result
         self.connections_active = 0
+        # Worker discovery (fastroute.control.discovery), in the process that owns the registry.
+        self.discovery_errors: dict[tuple[str, str], int] = {}       # (provider, reason)
+        self.discovered: dict[str, int] = {}                         # role -> discovered workers
         self.pick_seconds = Hist(FAST_BUCKETS)
         self.overhead_seconds = Hist(FAST_BUCKETS)
         self._duration_buckets = tuple(duration_buckets)
@@ -332,6 +335,19 @@ class Collector:
         for r, v in merged("rate_limit").items():
             c.add_metric([r], float(v))
         yield c
+        if any(s.discovered or s.discovery_errors for s in self.stats):
+            c = CounterMetricFamily("fastroute_discovery_errors",
+                                    "Failed discovery attempts (API status code, unreachable, "
+                                    "malformed manifest); workers are kept meanwhile",
+                                    labels=["provider", "reason"])
+            for (p, r), v in merged("discovery_errors").items():
+                c.add_metric([p, r], float(v))
+            yield c
+            g = GaugeMetricFamily("fastroute_discovery_workers",
+                                  "Workers currently registered by discovery", labels=["role"])
+            for r, v in merged("discovered").items():
+                g.add_metric([r], float(v))
+            yield g
         h = _hist_family("smg_router_request_duration_seconds", "Routed request duration (success)",
                          labels)
         keys = set()

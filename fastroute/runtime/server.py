@@ -25,6 +25,7 @@ from typing import Callable, Protocol
 import uvloop
 
 from fastroute.config import Config
+from fastroute.control.discovery import Discovery, start_discovery
 from fastroute.control.metrics import MetricsServer
 from fastroute.control.monitor import Monitor
 from fastroute.control.registry import Registry
@@ -54,6 +55,7 @@ class Server:
         self.registry: Registry | None = None
         self.monitor: Monitor | None = None
         self.metrics: MetricsServer | None = None
+        self.discovery: Discovery | None = None
         self.app: App | None = None
         self.listener: asyncio.AbstractServer | None = None
         self.port = 0
@@ -70,6 +72,7 @@ class Server:
             self.metrics, self.app = parts.metrics, parts.app
             assert self.app is not None and self.monitor is not None
             self.listener = await listen(self.app, cfg.host, cfg.port)
+            self.discovery = await start_discovery(cfg, self.registry, self.metrics.stats)
         except BaseException:
             self.table.close()
             self.table.unlink()
@@ -94,6 +97,8 @@ class Server:
                 self.listener.close()
             if self.app is not None:
                 await drain(self.app, grace, log)
+            if self.discovery is not None:
+                await self.discovery.stop()
             if self.monitor is not None:
                 await self.monitor.stop()
             if self.registry is not None:

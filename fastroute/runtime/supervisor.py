@@ -59,6 +59,7 @@ from typing import Any
 
 from fastroute.auth import matches
 from fastroute.config import Config
+from fastroute.control.discovery import Discovery, start_discovery
 from fastroute.control.follower import CONTROL_HEADER, VERSION_HEADER, snapshot_doc
 from fastroute.control.leases import Reconciler, reclaim
 from fastroute.control.metrics import MetricsServer, ProcessCollector, Stats, merge_stats, new_stats
@@ -113,6 +114,7 @@ class Supervisor:
         self.monitor: Monitor | None = None
         self.metrics: MetricsServer | None = None
         self.reconciler: Reconciler | None = None
+        self.discovery: Discovery | None = None
         self.children = [_Child(i) for i in range(self.n)]
         self.port = 0
         self.state_dir = ""
@@ -159,6 +161,7 @@ class Supervisor:
             for child in self.children:
                 await self._spawn(child)
             await self.registry.start()
+            self.discovery = await start_discovery(cfg, self.registry, self.stats)
             self.monitor.start()
             loop = asyncio.get_running_loop()
             self._tasks.append(loop.create_task(self._publish_loop(), name="snapshot publisher"))
@@ -379,6 +382,8 @@ class Supervisor:
                 except asyncio.TimeoutError:
                     pass
         try:
+            if self.discovery is not None:
+                await self.discovery.stop()
             if self.monitor is not None:
                 await self.monitor.stop()
             if self.registry is not None:
