@@ -41,6 +41,7 @@ from typing import Any
 import httptools
 
 from fastroute.dataplane import body as _body
+from fastroute.dataplane import logprobs as _logprobs
 from fastroute import errors as _errors
 from fastroute.dataplane.admission import Admission
 from fastroute.core.breaker import Breakers
@@ -1439,7 +1440,7 @@ class PDRelay(_Exchange):
         if self.merge and not self.stream:
             if not d.done:
                 return
-            merged = _body.merge_logprobs_json(p.body(), d.body())
+            merged = _logprobs.merge_logprobs_json(p.body(), d.body())
             self.relaying = True
             self._start_response(d.status, d.headers, b"%d" % len(merged), _CT_JSON)
             self._write(merged)
@@ -1448,7 +1449,7 @@ class PDRelay(_Exchange):
         self.relaying = True
         length = None
         if self.merge:
-            merger = _body.SSELogprobMerger()
+            merger = _logprobs.SSELogprobMerger()
             merger.feed_prefill(p.body())
             self.merger = merger
         else:
