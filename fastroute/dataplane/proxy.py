@@ -543,9 +543,9 @@ class App:
             head, sep, fields, tail)
 
     def _acquire(self, group: Any, meta: Any, req: Request) -> Any:
-        text = meta.routing_text() if group.policy == "cache_aware" else None
-        # out_tokens only matters to KV-fit placement (the decode group); 0 when not given.
-        return group.acquire(meta.input_tokens, req.key, text, meta.max_new_tokens or 0)
+        # The group asks meta for what its policy needs (cache_aware: the text), so no branch
+        # on the policy here. out_tokens only matters to KV-fit placement (the decode group).
+        return group.acquire(meta.input_tokens, req.key, meta, meta.max_new_tokens or 0)
 
 
 # --------------------------------------------------------------------------- client protocol
