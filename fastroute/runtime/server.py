@@ -21,7 +21,7 @@ import signal
 import socket
 from typing import Any
 
-from fastroute.dataplane.proxy import App
+from fastroute.dataplane.app import App
 
 log = logging.getLogger("fastroute.server")
 
@@ -45,7 +45,8 @@ class Server:
     async def start(self) -> None:
         """Build everything and start listening; worker registration continues in the background."""
         from fastroute.control.metrics import start_metrics
-        from fastroute.control.monitor import Monitor
+        from fastroute.control.monitor import Monitor, Reconciler
+        from fastroute.core.breaker import Breakers
         from fastroute.core.routing import Router
         from fastroute.core.table import TargetTable
         from fastroute.control.workers import Registry
@@ -58,7 +59,14 @@ class Server:
             self.registry = Registry(cfg, self.table, self.router)
             self.monitor = Monitor(cfg, self.registry, self.table)
             self.metrics = await start_metrics(cfg, self.table, self.registry)
-            self.app = App(cfg, self.registry, loop)
+            # The data plane imports no NumPy/compiled code: the breakers (shared cells in the
+            # table) and this process's reconciler are built here and handed in.
+            breakers = Breakers(self.table, int(self.table.capacity), cfg.cb_failure_threshold,
+                                cfg.cb_success_threshold, cfg.cb_timeout_duration_secs,
+                                not cfg.disable_circuit_breaker, name_of=self.registry.target_name,
+                                clock=loop.time)
+            reconciler = Reconciler(self.table, float(cfg.request_timeout_secs))
+            self.app = App(cfg, self.registry, loop, breakers=breakers, reconciler=reconciler)
             self.app.stats = self.metrics.stats
             self.listener = await loop.create_server(
                 self.app.protocol_factory, cfg.host, cfg.port,

@@ -656,7 +656,8 @@ def _die_with_parent() -> None:
 
 async def _child_serve(state_dir: str, slot: int) -> int:
     from fastroute.control.metrics import DEFAULT_BUCKETS, Stats, group_decisions
-    from fastroute.dataplane.proxy import App
+    from fastroute.core.breaker import Breakers
+    from fastroute.dataplane.app import App
     from fastroute.core.routing import Router
     from fastroute.core.table import TargetTable
 
@@ -674,7 +675,12 @@ async def _child_serve(state_dir: str, slot: int) -> int:
     registry = FollowerRegistry(cfg, table, router, ledger, state_dir, info["control_url"],
                                 info["secret"])
     registry.poll()
-    app = App(cfg, registry, loop)
+    # No reconciler here: the supervisor reconciles the shared table once for all processes.
+    breakers = Breakers(table, int(table.capacity), cfg.cb_failure_threshold,
+                        cfg.cb_success_threshold, cfg.cb_timeout_duration_secs,
+                        not cfg.disable_circuit_breaker, name_of=registry.target_name,
+                        clock=loop.time)
+    app = App(cfg, registry, loop, breakers=breakers)
     app.stats = Stats(getattr(cfg, "prometheus_duration_buckets", None) or DEFAULT_BUCKETS)
     listener = await loop.create_server(app.protocol_factory, cfg.host, int(info["port"]),
                                         reuse_address=True, reuse_port=True, backlog=4096)

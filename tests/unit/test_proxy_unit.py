@@ -14,7 +14,8 @@ import httptools
 import pytest
 
 from fastroute.config import Config
-from fastroute.dataplane.proxy import App, ClientProtocol
+from fastroute.dataplane.app import App
+from fastroute.dataplane.protocol import ClientProtocol
 from tests.stubs import StubGroup as Group
 
 
