@@ -27,9 +27,21 @@ class StubGroup:
         self.record = record
         self.leases: list[StubLease] = []
 
-    def acquire(self, tokens: int = 0, key: bytes | None = None, text: str | None = None,
+    def acquire(self, tokens: int = 0, key: bytes | None = None, meta: object = None,
                 out_tokens: int = 0) -> StubLease:
         lease = StubLease(self.target)
         if self.record:
             self.leases.append(lease)
         return lease
+
+
+class StubMeta:
+    """The request as ``Group.acquire`` sees it: only ``routing_text()`` (read by cache_aware)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str | None) -> None:
+        self.text = text
+
+    def routing_text(self) -> str | None:
+        return self.text

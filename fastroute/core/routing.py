@@ -1,9 +1,10 @@
 """Bridge between the proxy and the compiled kernels: groups of targets with a policy.
 
-The proxy never touches arrays: it asks a ``Group`` for a lease with ``acquire(tokens, key)`` and
-gets back a ``Lease`` (plain ints and an idempotent ``release()``) or None when no target is
+The proxy never touches arrays: it asks a ``Group`` for a lease with ``acquire(tokens, key, meta)``
+and gets back a ``Lease`` (plain ints and an idempotent ``release()``) or None when no target is
 eligible.  For the compiled policies ``Group.acquire`` *is* the compiled ``Picker.acquire``, so a
-pick costs one Python call.
+pick costs one Python call, and ``meta`` (the request, anything with ``routing_text()``) is not
+looked at; only cache_aware asks it for its text, so the proxy never branches on a policy.
 """
 from __future__ import annotations
 
@@ -85,12 +86,11 @@ class Group:
             self.acquire = self._picker.acquire
 
     # The acquire flavours share one signature:
-    # (tokens=0, key=None, text=None, out_tokens=0) -> Lease | None.
-    def acquire(self, tokens: int = 0, key: bytes | None = None, text: str | None = None,
-                out_tokens: int = 0):
+    # (tokens=0, key=None, meta=None, out_tokens=0) -> Lease | None.
+    def acquire(self, tokens: int = 0, key: bytes | None = None, meta=None, out_tokens: int = 0):
         raise NotImplementedError  # replaced per instance in __init__
 
-    def _acquire_shadow(self, tokens: int = 0, key: bytes | None = None, text: str | None = None,
+    def _acquire_shadow(self, tokens: int = 0, key: bytes | None = None, meta=None,
                         out_tokens: int = 0):
         lease = self._picker.acquire(tokens, key, None, out_tokens)
         if log.isEnabledFor(logging.DEBUG):
@@ -99,9 +99,10 @@ class Group:
                       tokens)
         return lease
 
-    def _acquire_text(self, tokens: int = 0, key: bytes | None = None, text: str | None = None,
+    def _acquire_text(self, tokens: int = 0, key: bytes | None = None, meta=None,
                       out_tokens: int = 0):
-        t = self._text_policy.pick(text, self.targets)
+        # The request's text is computed here, only for this policy (it costs a join for chat).
+        t = self._text_policy.pick(meta.routing_text() if meta is not None else None, self.targets)
         if t < 0:
             return None
         return self._picker.book_target(t, tokens)

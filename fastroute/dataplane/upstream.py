@@ -25,7 +25,11 @@ Invariants:
   socket (keep-alive race) and cannot have processed it.
 * Idle connections are closed after ``idle_timeout`` (default 3 s, below
   SGLang's 5 s keep-alive) so we never write into a socket the server is about
-  to close.
+  to close. An ``idle_timeout`` of 0 turns reuse off: each connection is closed
+  when its response ends.
+* Pausing and resuming a connection's reading is decided by the client's
+  :class:`~fastroute.dataplane.flow.FlowControl`; the pool only guarantees that
+  a connection it takes back is not left paused.
 """
 
 from __future__ import annotations
@@ -221,8 +225,7 @@ class UpstreamConnection(asyncio.Protocol):
 class Pool:
     """Keep-alive connections to one worker ``host:port``."""
 
-    __slots__ = ("host", "port", "idle", "busy", "idle_timeout", "loop", "_sweep_handle", "closed",
-                 "authority", "auth")
+    __slots__ = ("host", "port", "idle", "busy", "idle_timeout", "loop", "_sweep_handle", "closed")
 
     def __init__(self, host: str, port: int, idle_timeout: float = _IDLE_TIMEOUT,
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -234,10 +237,6 @@ class Pool:
         self.loop = loop or asyncio.get_event_loop()
         self._sweep_handle: asyncio.TimerHandle | None = None
         self.closed = False
-        # Request-framing constants owned by the user of the pool (the proxy):
-        # the Host header value and an optional fixed Authorization line.
-        self.authority = ("%s:%d" % (host, port)).encode("idna")
-        self.auth = b""
 
     def send(self, request: bytes, leg: Any, fresh: bool = False) -> UpstreamConnection:
         """Send framed ``request`` bytes; callbacks go to ``leg``. Sets ``leg.conn``."""
@@ -286,7 +285,8 @@ class Pool:
     def release(self, conn: UpstreamConnection) -> None:
         """Return a connection whose response was fully read to the idle list."""
         self.busy.discard(conn)
-        if self.closed:
+        if self.closed or self.idle_timeout <= 0:
+            # Retired pool, or keep-alive reuse turned off (idle timeout 0).
             conn.abort()
             return
         if conn.paused:
@@ -313,6 +313,18 @@ class Pool:
         if idle:
             delay = idle[0].idle_since + self.idle_timeout - self.loop.time()
             self._sweep_handle = self.loop.call_later(max(delay, 0.05), self._sweep)
+
+    def retire(self) -> None:
+        """The worker left: close the idle connections now, the busy ones when their
+        response ends (``release`` aborts them), without cutting requests in flight."""
+        self.closed = True
+        if self._sweep_handle is not None:
+            self._sweep_handle.cancel()
+            self._sweep_handle = None
+        idle = self.idle
+        self.idle = []
+        for c in idle:
+            c.abort()
 
     def close(self) -> None:
         """Close idle connections and abort busy ones (shutdown)."""

@@ -28,7 +28,7 @@ from fastroute.control.registry import Registry
 from fastroute.core.breaker import Breakers
 from fastroute.core.routing import Router
 from fastroute.core.table import TargetTable
-from fastroute.dataplane.proxy import App
+from fastroute.dataplane.app import App
 
 DRAIN_POLL = 0.05   # seconds between in-flight checks while draining (control plane, not per request)
 

@@ -31,7 +31,7 @@ from fastroute.control.monitor import Monitor
 from fastroute.control.registry import Registry
 from fastroute.core.routing import Router
 from fastroute.core.table import TargetTable
-from fastroute.dataplane.proxy import App
+from fastroute.dataplane.app import App
 from fastroute.runtime.assemble import assemble, drain, listen
 
 log = logging.getLogger("fastroute.server")

@@ -22,6 +22,7 @@ import pytest
 from fastroute.core.cache_aware import CacheAwarePolicy
 from fastroute.core.routing import Router
 from fastroute.core.table import TargetTable
+from tests.stubs import StubMeta
 
 TARGETS = [8, 64]
 SIZES = [1024, 32 * 1024]
@@ -91,7 +92,7 @@ def test_acquire_1kb_chat(benchmark, tab, n):
     ids = list(range(n))
     g = Router(tab, seed=1, config=CONFIG).group(ids, "cache_aware",
                                                  names=[f"http://w{i}:8000" for i in ids])
-    prompts = chat_prompts(1024)
+    prompts = [StubMeta(p) for p in chat_prompts(1024)]
     for p in prompts:
         g.acquire(10, None, p).release()
     it = itertools.cycle(prompts)

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from fastroute.config import Config
-from fastroute.dataplane.proxy import App, ClientProtocol
+from fastroute.dataplane.app import App
+from fastroute.dataplane.protocol import ClientProtocol
 from tests.stubs import StubGroup
 
 

@@ -10,17 +10,16 @@ import pytest
 from fastroute.dataplane.body import (
     ROOM_LIMIT,
     RequestMeta,
-    SSELogprobMerger,
     draw_room,
     estimate_tokens,
     inject,
     inject_parts,
-    merge_logprobs_json,
     parse_request,
     pd_fields,
     pd_leg_fields,
     rank_field_bytes,
 )
+from fastroute.dataplane.logprobs import SSELogprobMerger, merge_logprobs_json
 from fastroute.errors import RouterError
 
 PD_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")

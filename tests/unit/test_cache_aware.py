@@ -21,6 +21,7 @@ from fastroute.core.routing import Router
 from fastroute.core.table import (
     CIRCUIT_HALF_OPEN, CIRCUIT_OPEN, COL_IN_FLIGHT, TargetTable,
 )
+from tests.stubs import StubMeta
 
 
 @pytest.fixture
@@ -267,29 +268,29 @@ def test_group_books_the_picked_target(tab):
     router = Router(tab, seed=3, config=cfg)
     g = router.group(ids, "cache_aware", names=[f"http://d:{8000 + i}" for i in range(4)])
     text = "tell me about prefix caches " * 10
-    lease = g.acquire(123, None, text)
+    lease = g.acquire(123, None, StubMeta(text))
     assert lease is not None and lease.target in ids
     assert tab.in_flight(lease.target) == 1
     assert tab.in_flight_tokens(lease.target) == 123
-    leases = [g.acquire(10, None, text + f" {i}") for i in range(10)]
+    leases = [g.acquire(10, None, StubMeta(text + f" {i}")) for i in range(10)]
     assert {x.target for x in leases} == {lease.target}     # 11 in flight: still balanced
     for x in [lease, *leases]:
         assert x.release()
     assert sum(tab.in_flight(t) for t in ids) == 0
     for t in ids:
         tab.set_healthy(t, False)
-    assert g.acquire(1, None, text) is None
+    assert g.acquire(1, None, StubMeta(text)) is None
     assert sum(tab.in_flight(t) for t in ids) == 0
 
 
 def test_group_set_targets_drops_removed_target(tab):
     ids = [tab.alloc() for _ in range(3)]
     g = Router(tab, seed=3).group(ids, "cache_aware", names=["a", "b", "c"])
-    lease = g.acquire(1, None, "x" * 200)
+    lease = g.acquire(1, None, StubMeta("x" * 200))
     lease.release()
     keep = [t for t in ids if t != lease.target]
     g.set_targets(keep, ["n1", "n2"])
-    assert all(g.acquire(1, None, "x" * 200).target in keep for _ in range(5))
+    assert all(g.acquire(1, None, StubMeta("x" * 200)).target in keep for _ in range(5))
 
 
 def test_text_types(tab):

@@ -14,7 +14,8 @@ import httptools
 import pytest
 
 from fastroute.config import Config
-from fastroute.dataplane.proxy import App, ClientProtocol
+from fastroute.dataplane.app import App
+from fastroute.dataplane.protocol import ClientProtocol
 from tests.stubs import StubGroup as Group
 
 
@@ -369,3 +370,111 @@ def test_close_delimited_upstream_response_ends_at_eof() -> None:
     conn.data_received(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\ndata: 1\n\n")
     conn.connection_lost(None)
     assert leg.events == [("head", 200), ("body", b"data: 1\n\n"), "done"]
+
+
+# -- routes, pools and flow control ----------------------------------------------------------
+
+
+class _ListeningRegistry(Registry):
+    """A registry that announces target changes, as the real one does (targets listener)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listeners: list[Any] = []
+        self.groups["regular"].targets = [0]  # type: ignore[attr-defined]
+
+    def add_listener(self, callback: Any) -> None:
+        self.listeners.append(callback)
+
+    def set_worker(self, worker: Any) -> None:
+        self.target_info = [(worker, None)]
+        for cb in self.listeners:
+            cb("regular")
+
+
+def test_worker_re_added_under_the_same_url_gets_its_new_key(monkeypatch) -> None:
+    """Review H2: pools (and the framing key) follow the worker, not its URL."""
+    from fastroute.control.worker import Worker
+    from fastroute.dataplane import app as app_module
+
+    made: list[Any] = []
+
+    class RecordingPool(FakePool):
+        def __init__(self, host: str, port: int, idle: float, loop: Any) -> None:
+            super().__init__()
+            self.retired = False
+            made.append(self)
+
+        def retire(self) -> None:
+            self.retired = True
+
+    monkeypatch.setattr(app_module, "Pool", RecordingPool)
+    loop = asyncio.new_event_loop()
+    try:
+        reg = _ListeningRegistry()
+        app = App(Config(worker_urls=["http://127.0.0.1:9"]), reg, loop)
+        url = "http://127.0.0.1:9"
+        reg.set_worker(Worker(url=url, role="regular", host="127.0.0.1", port=9, api_key="old"))
+        proto = ClientProtocol(app)
+        tr = FakeTransport()
+        proto.connection_made(tr)
+
+        def answer(pool: FakePool) -> bytes:
+            request, leg = pool.sent[-1]
+            leg.up_head(200, [(b"Content-Length", b"2")])
+            leg.up_body(b"{}")
+            leg.up_done()
+            return request
+
+        proto.data_received(post(extra=b"Authorization: Bearer client\r\n"))
+        assert b"Authorization: Bearer old\r\n" in answer(made[0])
+        reg.set_worker(Worker(url=url, role="regular", host="127.0.0.1", port=9, api_key="new"))
+        assert made[0].retired and len(made) == 2
+        proto.data_received(post())
+        assert b"Authorization: Bearer new\r\n" in answer(made[1])
+        assert [r["status"] for r in responses(tr.out)] == [200, 200]
+    finally:
+        loop.close()
+
+
+def test_pool_idle_timeout_zero_turns_connection_reuse_off() -> None:
+    """Review M1: --upstream-pool-idle-timeout-secs 0 stays 0 (no reuse), not the 3 s default."""
+    from fastroute.dataplane.upstream import Pool, UpstreamConnection
+
+    loop = asyncio.new_event_loop()
+    try:
+        app = App(Config(worker_urls=["http://127.0.0.1:9"], upstream_pool_idle_timeout_secs=0),
+                  Registry(), loop)
+        assert app.pool_idle == 0.0
+        pool = Pool("127.0.0.1", 9, app.pool_idle, loop)
+        conn = UpstreamConnection(pool)
+        pool.busy.add(conn)
+        pool.release(conn)
+        assert conn.closed and pool.idle == [] and not pool.busy
+    finally:
+        loop.close()
+
+
+def test_backpressure_at_the_end_of_a_response_leaves_the_pooled_connection_alone(env) -> None:
+    """The client's write buffer may fill while the last bytes are flushed, after the upstream
+    connection went back to the pool: that connection must not be paused (it would stall the
+    next request that reuses it)."""
+    proto = env.proto
+
+    class FillingTransport(FakeTransport):
+        def write(self, data: Any) -> None:
+            super().write(data)
+            if data.endswith(b"0\r\n\r\n"):
+                proto.pause_writing()  # asyncio calls this from write() above the high-water mark
+
+    tr = FillingTransport()
+    proto.transport = proto.flow.transport = tr
+    proto.data_received(post(b'{"text": "hi", "stream": true}'))
+    (_, leg), = env.pool.sent
+    conn = leg.conn
+    leg.up_head(200, [(b"Transfer-Encoding", b"chunked")])
+    leg.up_body(b"data: 1\n\n")
+    leg.up_done()  # the pool took the connection back just before this call
+    assert proto.flow.writing_paused and not conn.paused
+    proto.resume_writing()
+    assert [r["status"] for r in responses(tr.out)] == [200]

@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastroute.config import Config
-from fastroute.dataplane.proxy import App, ClientProtocol
+from fastroute.dataplane.app import App
+from fastroute.dataplane.protocol import ClientProtocol
 from tests.stubs import StubGroup as Group
 
 

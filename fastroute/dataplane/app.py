@@ -1,0 +1,446 @@
+"""The per-process data-path state: dispatch, admission gate, routes, sweep, lease safety net.
+
+One :class:`App` per proxy process, shared by every client connection
+(:mod:`fastroute.dataplane.protocol`). It decides what a parsed request is
+(inline health answer, admin call delegated to the registry, or inference
+request to proxy), gates inference requests through admission
+(``--max-concurrent-requests``, :mod:`fastroute.dataplane.admission`) and starts
+their exchange (:mod:`~fastroute.dataplane.exchange`, :mod:`~fastroute.dataplane.pd`).
+It keeps one :class:`~fastroute.dataplane.route.Route` per target, rebuilt when
+the registry's target set changes, so an attempt never looks at the registry
+beyond ``group(role).acquire``.
+
+It never imports NumPy or a compiled module: the circuit breakers and the
+reconciler are built by the runtime and handed in (``breakers=``,
+``reconciler=``); the routing groups come from the registry.
+
+``App.exchanges`` is the registry of live exchanges that the lease safety net
+(``App.check_leaks``) scans every few seconds for bookings their owner failed to
+release; one sweep timer serves every deadline (request and header timeouts,
+admission queue expiry, breaker half-open moves, the safety net).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+from fastroute import errors as _errors
+from fastroute.auth import authorized, bearer
+from fastroute.dataplane import body as _body
+from fastroute.dataplane.admission import Admission
+from fastroute.dataplane.exchange import Relay, _Exchange
+from fastroute.dataplane.pd import PDRelay
+from fastroute.dataplane.protocol import INFERENCE, ClientProtocol, Request, header_flags
+from fastroute.dataplane.route import Route
+from fastroute.dataplane.upstream import Pool
+from fastroute.errors import RouterError
+
+if TYPE_CHECKING:
+    from fastroute.config import Config
+    from fastroute.control.monitor import Reconciler
+    from fastroute.core.breaker import Breakers
+
+log = logging.getLogger("fastroute.proxy")
+
+_HEALTH_KA = (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\n"
+              b"content-length: 2\r\n\r\nOK")
+_HEALTH_CLOSE = (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                 b"content-length: 2\r\nconnection: close\r\n\r\nOK")
+
+# Paths answered by registry.handle_admin (who may call them: fastroute.auth).
+_ADMIN = frozenset({
+    b"/workers", b"/add_worker", b"/remove_worker", b"/list_workers", b"/get_loads",
+    b"/flush_cache", b"/get_server_info", b"/server_info", b"/get_model_info", b"/model_info",
+    b"/v1/models", b"/readiness", b"/health_generate", b"/engine_metrics",
+})
+
+# Bounded label values for metrics (unknown paths/methods collapse to one value).
+_PATH_LABEL = {p: p.decode() for p in (
+    b"/generate", b"/v1/completions", b"/v1/chat/completions", b"/health", b"/liveness",
+    b"/readiness", b"/workers", b"/add_worker", b"/remove_worker", b"/list_workers", b"/get_loads",
+    b"/flush_cache", b"/get_server_info", b"/server_info", b"/get_model_info", b"/model_info",
+    b"/v1/models", b"/health_generate", b"/engine_metrics")}
+_METHOD_LABEL = {m: m.decode() for m in (b"GET", b"POST", b"PUT", b"DELETE", b"HEAD", b"PATCH", b"OPTIONS")}
+_STATUS_LABEL = {s.value: str(s.value) for s in HTTPStatus}
+
+_LEAK_EVERY = 5.0             # seconds between passes of the lease safety net
+_LEAK_SLACK = 5.0             # grace past request_timeout_secs before a booking counts as leaked
+
+
+class App:
+    """Per-process data-path state shared by every client connection.
+
+    ``breakers`` (a ``fastroute.core.breaker.Breakers``) and ``reconciler`` (a
+    ``fastroute.control.monitor.Reconciler``, only where this process audits the table) are
+    built by the runtime; None runs without them. A reconciler without ``on_mismatch`` gets
+    this App's counter.
+    """
+
+    def __init__(self, config: Config, registry: Any, loop: asyncio.AbstractEventLoop | None = None,
+                 room_rng: Any = None, breakers: Breakers | None = None,
+                 reconciler: Reconciler | None = None) -> None:
+        self.config = config
+        self.registry = registry
+        self.loop = loop or asyncio.get_event_loop()
+        self.pools: dict[Any, Pool] = {}          # by worker identity (a re-added URL is a new worker)
+        self.routes: dict[int, Route] = {}        # by target row
+        self.connections: set[ClientProtocol] = set()
+        self.exchanges: set[_Exchange] = set()
+        self.admin_tasks: set[asyncio.Task] = set()
+        self.pd = bool(config.pd_disaggregation)
+        self.dp_aware = bool(config.dp_aware)
+        self.max_payload = int(config.max_payload_size)
+        self.timeout = float(config.request_timeout_secs)
+        self.header_timeout = float(config.header_read_timeout_secs)
+        self.idle_timeout = float(config.idle_connection_timeout_secs)
+        self.pool_idle = float(config.upstream_pool_idle_timeout_secs)
+        self.room_rng = room_rng if room_rng is not None else random.Random(config.seed)
+        # The body key carrying the DP rank of a target split per rank: the regular request
+        # under --dp-aware, the decode leg under PD (the prefill's rank travels in the room).
+        self.rank_field: str | None = (config.rank_field("decode") if self.pd
+                                       else config.rank_field("regular") if self.dp_aware else None)
+        self.accepting = True
+        self._stats: Any = None
+        self.backend = "pd" if self.pd else "regular"
+
+        # -- resilience (protocol.md 7.2-7.4) --
+        self.max_attempts = config.max_attempts
+        self.backoff_initial = float(config.retry_initial_backoff_ms) / 1000.0
+        self.backoff_max = float(config.retry_max_backoff_ms) / 1000.0
+        self.backoff_mult = float(config.retry_backoff_multiplier)
+        self.backoff_jitter = float(config.retry_jitter_factor)
+        self.retry_rng = random.Random(config.seed)
+        self.breakers = breakers
+        self.reconciler = reconciler
+        if reconciler is not None and reconciler.on_mismatch is None:
+            reconciler.on_mismatch = self._reconcile_mismatch
+        self._row_owner: dict[int, Any] = {}
+        add_listener = getattr(registry, "add_listener", None)
+        if add_listener is not None:
+            add_listener(self._targets_changed)
+        self.admission = Admission(int(config.max_concurrent_requests), int(config.queue_size),
+                                   float(config.queue_timeout_secs), self.loop)
+        self.leak_every = _LEAK_EVERY
+        self.leak_slack = _LEAK_SLACK
+        self._next_leak = 0.0
+
+        self.api_key = bearer(config.api_key)
+        self.header_flags, self.rid_headers, self.key_headers = header_flags(
+            config.request_id_headers, config.routing_key_headers)
+        self._sweep_handle: asyncio.TimerHandle | None = None
+        every = [1.0, self.timeout / 4, self.header_timeout / 4]
+        if self.admission.enabled:
+            every.append(self.admission.queue_timeout / 4)
+        if breakers is not None:
+            every.append(breakers.timeout / 4)
+        self._sweep_every = max(0.05, min(every))
+
+    # fastroute.control.metrics.Stats of this process (set by the server when metrics
+    # run): plain dict increments per request, turned into series at scrape time.
+    @property
+    def stats(self) -> Any:
+        return self._stats
+
+    @stats.setter
+    def stats(self, stats: Any) -> None:
+        self._stats = stats
+        self.admission.stats = stats
+        if self.breakers is not None:
+            self.breakers.stats = stats
+
+    # -- lifecycle ----------------------------------------------------------
+    def start(self) -> None:
+        """Start the periodic sweep (request timeouts, header read timeouts)."""
+        if self._sweep_handle is None:
+            self._sweep_handle = self.loop.call_later(self._sweep_every, self._sweep)
+
+    def protocol_factory(self) -> ClientProtocol:
+        return ClientProtocol(self)
+
+    @property
+    def active(self) -> int:
+        """Requests being answered (proxied exchanges + admin calls + admission queue)."""
+        return len(self.exchanges) + len(self.admin_tasks) + len(self.admission.queue)
+
+    def stop_accepting(self) -> None:
+        """Shutdown phase 1: close idle client connections; busy ones close after their response."""
+        self.accepting = False
+        for conn in list(self.connections):
+            if not conn.busy and not conn.closed and conn.transport is not None:
+                conn.closed = True
+                conn.transport.close()
+
+    def close(self) -> None:
+        """Abort everything still open (end of the shutdown grace period)."""
+        self.accepting = False
+        if self._sweep_handle is not None:
+            self._sweep_handle.cancel()
+            self._sweep_handle = None
+        for ex in list(self.exchanges):
+            ex.cancel(503, "shutdown")
+        for conn in list(self.connections):
+            if conn.transport is not None:
+                conn.transport.close()
+        for t in list(self.admin_tasks):
+            t.cancel()
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
+        self.routes.clear()
+
+    def _sweep(self) -> None:
+        # One timer for all deadlines instead of a TimerHandle per request:
+        # per-request cost is a float store, the sweep is O(open requests).
+        now = self.loop.time()
+        try:
+            for ex in [e for e in self.exchanges if e.deadline <= now]:
+                ex.on_timeout()
+            for conn in [c for c in self.connections if 0.0 < c.head_deadline <= now]:
+                conn.on_header_timeout()
+            if self.admission.queue:
+                self.admission.expire(now)
+            if self.breakers is not None:
+                self.breakers.tick(now)
+            if now >= self._next_leak:
+                self._next_leak = now + self.leak_every
+                self.check_leaks(now)
+        except Exception:  # a bug here must not stop the sweeper forever
+            log.exception("sweep failed")
+        self._sweep_handle = self.loop.call_later(self._sweep_every, self._sweep)
+
+    # -- lease safety net -----------------------------------------------------
+    def check_leaks(self, now: float | None = None) -> int:
+        """Reclaim bookings their owner should have released; returns how many leases.
+
+        Owners release in ``_Exchange._close_books``; this pass only catches bugs.
+        Suspicious: an exchange still registered after it finished, one whose
+        client connection is gone (connection_lost should have cancelled it), or
+        one older than request_timeout_secs + slack (the timeout sweep should
+        have ended it). Each reclaimed lease is logged and counted in
+        ``fastroute_leases_reclaimed_total{reason}``.
+        """
+        if now is None:
+            now = self.loop.time()
+        limit = self.timeout + self.leak_slack
+        n = 0
+        for ex in list(self.exchanges):
+            if ex.finished:
+                reason = "finished"
+            elif ex.proto.closed:
+                reason = "client_gone"
+            elif now - ex.started_at > limit:
+                reason = "expired"
+            else:
+                continue
+            n += self._reclaim(ex, reason, now)
+        if self.reconciler is not None:
+            self.reconciler.check(getattr(self.registry, "target_info", None) or (), now)
+        return n
+
+    def _reclaim(self, ex: _Exchange, reason: str, now: float) -> int:
+        n = 0
+        for lease in ex.leases:
+            if lease.release():
+                n += 1
+                log.warning("reclaimed a leaked lease on target %s (%s, request %s, age %.1f s)",
+                            lease.target, reason, ex.rid.decode("latin-1"), now - ex.started_at)
+                if self._stats is not None:
+                    self._stats.reclaim(reason)
+        ex.leases = ()
+        try:
+            if reason == "expired" and not ex.finished:
+                ex.on_timeout()   # answers 504 (or cuts the stream) like the timeout sweep
+            elif not ex.finished:
+                ex.cancel()
+        except Exception:
+            log.exception("cleanup of a leaked exchange failed")
+        ex._close_books()
+        self.exchanges.discard(ex)
+        return n
+
+    def _reconcile_mismatch(self, name: str) -> None:
+        if self._stats is not None:
+            self._stats.reclaim("reconcile_mismatch")
+
+    # -- targets and routes -------------------------------------------------------
+    def _targets_changed(self, role: str) -> None:
+        info = self.registry.target_info
+        if self.breakers is not None:
+            # A table row handed to another worker starts with clean breaker cells
+            # (TargetTable.alloc zeroes the row); here only this process's cached
+            # metric labels for the row are dropped.  Resetting the shared cells would
+            # let a restarted proxy process close circuits the others opened.
+            owners = self._row_owner
+            for t, entry in enumerate(info):
+                w = entry[0] if entry is not None else None
+                if owners.get(t) is not w:
+                    owners[t] = w
+                    self.breakers.forget_names(t)
+        # Routes for exactly the targets the groups can pick now. Targets of a removed worker
+        # drop out (their in-flight requests already hold their connections), and so does the
+        # worker's pool: a worker re-added under the same URL is a new worker with a new pool,
+        # framed with its own key.
+        routes: dict[int, Route] = {}
+        for r in (("prefill", "decode") if self.pd else ("regular",)):
+            for t in self.registry.group(r).targets:
+                entry = info[t] if t < len(info) else None
+                if entry is not None:
+                    routes[t] = self._build_route(*entry)
+        self.routes = routes
+        live = {id(route.worker) for route in routes.values()}
+        for worker in [w for w in self.pools if id(w) not in live]:
+            self.pools.pop(worker).retire()
+
+    def route(self, t: int) -> Route:
+        """The route of target ``t`` when the targets listener has not built it (a registry
+        without listeners, e.g. in tests); built once, then found in ``routes``."""
+        route = self.routes[t] = self._build_route(*self.registry.target_info[t])
+        return route
+
+    def _build_route(self, worker: Any, rank: int | None) -> Route:
+        return Route(worker, rank, self.pool_for(worker), worker.api_key or self.config.api_key,
+                     self.rank_field)
+
+    def pool_for(self, worker: Any) -> Pool:
+        """The keep-alive pool of ``worker`` (one per worker object, made on first use)."""
+        pool = self.pools.get(worker)
+        if pool is None:
+            pool = self.pools[worker] = Pool(worker.host, int(worker.port), self.pool_idle, self.loop)
+        return pool
+
+    def backoff(self, retry: int) -> float:
+        """Delay in seconds before retry number ``retry`` (0-based), with jitter (7.2)."""
+        d = min(self.backoff_initial * self.backoff_mult ** retry, self.backoff_max)
+        j = self.backoff_jitter
+        return d * self.retry_rng.uniform(1.0 - j, 1.0 + j) if j else d
+
+    # -- dispatch -----------------------------------------------------------
+    def handle(self, proto: ClientProtocol, req: Request) -> None:
+        """Answer one parsed request; ends with proto.response_done() (maybe later)."""
+        path, _, query = req.url.partition(b"?")
+        st = self._stats
+        if st is not None:
+            label = _PATH_LABEL.get(path, "other")
+            key = (_METHOD_LABEL.get(req.method, "OTHER"), label)
+            st.http_requests[key] = st.http_requests.get(key, 0) + 1
+        if path in INFERENCE:
+            if req.method != b"POST":
+                proto.send_error(RouterError(405, "method_not_allowed",
+                                             "Method Not Allowed (%s %s)" % (req.method.decode("latin-1"),
+                                                                            path.decode("latin-1"))),
+                                 req)
+            elif self.api_key is not None and not authorized(self.api_key, path, req.auth):
+                proto.send_error(_errors.invalid_api_key(), req)
+            else:
+                self.proxy(proto, req, path)
+        elif path == b"/health" or path == b"/liveness":
+            ka = req.keep_alive and self.accepting
+            if st is not None:
+                self.count_response(200, "")
+            proto.reply(_HEALTH_KA if ka else _HEALTH_CLOSE, ka)
+        elif path in _ADMIN or path.startswith(b"/workers/"):
+            if self.api_key is not None and not authorized(self.api_key, path, req.auth):
+                proto.send_error(_errors.invalid_api_key(), req)
+                return
+            task = self.loop.create_task(self._admin(proto, req, path, query))
+            self.admin_tasks.add(task)
+            task.add_done_callback(self.admin_tasks.discard)
+        else:
+            proto.send_error(_errors.unknown_url(req.method.decode("latin-1"),
+                                                 path.decode("latin-1")), req)
+
+    def _count_routed(self, path: bytes, stream: bool) -> None:
+        d = self._stats.router_requests
+        key = (self.backend, INFERENCE[path], "true" if stream else "false")
+        d[key] = d.get(key, 0) + 1
+
+    def count_response(self, status: int, code: str, path: bytes | None = None) -> None:
+        """smg_http_responses, and smg_router_request_errors for failed inference requests."""
+        st = self._stats
+        d = st.http_responses
+        key = (_STATUS_LABEL.get(status) or str(status), code)
+        d[key] = d.get(key, 0) + 1
+        if code and path is not None:
+            endpoint = INFERENCE.get(path)
+            if endpoint is not None:
+                e = st.router_errors
+                key2 = (self.backend, endpoint, code)
+                e[key2] = e.get(key2, 0) + 1
+
+    async def _admin(self, proto: ClientProtocol, req: Request, path: bytes, query: bytes) -> None:
+        try:
+            status, body, ctype = await self.registry.handle_admin(
+                req.method.decode("latin-1"), path.decode("latin-1"), query.decode("latin-1"),
+                req.body, ((b"authorization", req.auth),) if req.auth is not None else ())
+        except asyncio.CancelledError:
+            raise
+        except RouterError as exc:
+            proto.send_error(exc, req)
+            return
+        except Exception:
+            log.exception("admin handler failed for %s", path)
+            proto.send_error(RouterError(500, "internal_error", "internal error"), req)
+            return
+        if isinstance(ctype, str):
+            ctype = ctype.encode("latin-1")
+        proto.reply_simple(status, ctype, body, req)
+
+    def proxy(self, proto: ClientProtocol, req: Request, path: bytes) -> None:
+        st = self._stats
+        if req.too_large:
+            proto.send_error(_errors.payload_too_large(req.body_len, self.max_payload), req)
+            return
+        if not self.registry.ready():
+            proto.send_error(RouterError(503, _errors.CODE_NO_AVAILABLE_WORKERS,
+                                         "No available workers (router is still registering workers)"),
+                             req)
+            return
+        try:
+            meta = _body.parse_request(INFERENCE[path], req.body)
+        except RouterError as exc:
+            proto.send_error(exc, req)
+            return
+        # Every parsed inference request counts once here (whatever answers it:
+        # relay, 429/408 admission, 503 no target, retries); malformed ones
+        # count only in smg_http_responses_total.
+        if st is not None:
+            self._count_routed(path, meta.stream)
+        if self.admission.try_enter():
+            self._begin(proto, req, path, meta)
+        else:
+            self._wait(proto, req, path, meta)
+
+    def _begin(self, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
+        """Start the exchange of an admitted request (it owns the admission slot from here)."""
+        if self.pd:
+            ex: _Exchange = PDRelay(self, proto, req, path, meta)
+        else:
+            ex = Relay(self, proto, req, path, meta)
+        ex.attempt()
+
+    def _wait(self, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
+        """Over --max-concurrent-requests: queue (FIFO) or refuse with 429."""
+        def start() -> None:
+            proto.waiter = None
+            if proto.closed:  # client left between the dequeue and this callback
+                self.admission.leave()
+                return
+            try:
+                self._begin(proto, req, path, meta)
+            except Exception:
+                log.exception("request handling failed")
+
+        def expired() -> None:
+            proto.waiter = None
+            if not proto.closed:
+                proto.send_error(_errors.queue_timeout(), req)
+
+        waiter = self.admission.wait(start, expired, self.loop.time())
+        if waiter is None:
+            proto.send_error(_errors.queue_full(), req)
+            return
+        proto.waiter = waiter

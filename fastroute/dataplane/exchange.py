@@ -1,0 +1,400 @@
+"""Exchanges: the client-facing half of one proxied request, and the regular-mode relay.
+
+Lease invariant (protocol.md 3.8): every lease obtained from a group is owned by
+exactly one exchange (:class:`Relay`, or :class:`~fastroute.dataplane.pd.PDRelay`)
+and released exactly once in ``_Exchange._close_books``, which every ending
+funnels into: response EOF, client disconnect, upstream failure, request timeout,
+or an exception while starting the exchange.
+
+Resilience (protocol.md 7.2-7.4): an attempt that fails before any client byte
+(connect failure, or a 408/429/500/502/503/504 head) is retried with a fresh pick
+after a loop-timer backoff. Every upstream outcome goes through
+``_Exchange._outcome``, the one place that feeds the circuit breakers; which
+outcomes count as failures is the breakers' rule (``Breakers.status``).
+
+Per request: one pick, one framed write upstream, one client write per upstream
+read (bytes produced while one read is parsed are coalesced in ``out``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from fastroute import errors as _errors
+from fastroute.dataplane.protocol import INFERENCE, new_request_id, status_line
+from fastroute.dataplane.upstream import ConnectError
+from fastroute.errors import RouterError
+
+if TYPE_CHECKING:
+    from fastroute.dataplane.protocol import ClientProtocol, Request
+
+log = logging.getLogger("fastroute.proxy")
+
+# Response headers never copied from the worker (hop-by-hop, or set by us).
+_HOP = frozenset({
+    b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
+    b"proxy-authorization", b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade",
+    b"content-encoding", b"host", b"content-length", b"x-request-id",
+})
+_LAST_CHUNK = b"0\r\n\r\n"
+# Upstream statuses worth another attempt on another target (protocol.md 7.2).
+RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class _Timeout(Exception):
+    """The request timeout ran out while this leg's worker still owed bytes."""
+
+
+TIMEOUT = _Timeout("request timeout")
+
+
+def content_length(headers: list) -> bytes | None:
+    """The Content-Length value of an upstream head (kept for a byte-exact relay), or None."""
+    for name, value in headers:
+        if len(name) == 14 and name.lower() == b"content-length":
+            return value
+    return None
+
+
+class _Exchange:
+    """Client-facing half of one proxied request: framing, the lease release, breaker outcomes.
+
+    ``app`` is the App (app.py), typed Any because app.py imports this module (one-way imports).
+    """
+
+    __slots__ = ("app", "proto", "req", "leases", "deadline", "chunked", "head", "started",
+                 "finished", "keep_alive", "rid", "out", "started_at", "path", "status",
+                 "meta", "tries", "retry_handle", "slot", "gave_up")
+
+    def __init__(self, app: Any, proto: ClientProtocol, req: Request, path: bytes,
+                 meta: Any) -> None:
+        self.app = app
+        self.proto = proto
+        self.req = req
+        self.meta = meta
+        self.leases: tuple = ()          # bookings of the current attempt
+        self.tries = 0                   # attempts started
+        self.retry_handle: asyncio.TimerHandle | None = None
+        self.slot = True                 # holds an admission slot until _close_books
+        self.gave_up = False             # retries_exhausted counted
+        self.started_at = app.loop.time()
+        self.deadline = self.started_at + app.timeout
+        self.chunked = False
+        self.head: bytes | None = None   # client head not yet written (sent with the first body bytes)
+        self.started = False             # client head built: errors now end the connection
+        self.finished = False
+        self.keep_alive = req.keep_alive
+        self.rid = req.rid if req.rid is not None else new_request_id(path)
+        # Client bytes produced while one upstream read is parsed; written with a
+        # single transport.write when the read is done (up_flush), so a burst of
+        # SSE events costs one syscall, not one per event.
+        self.out: list[bytes] = []
+        self.path = path
+        self.status = 0
+        app.exchanges.add(self)
+        proto.exchange = self
+
+    # -- breaker outcomes ---------------------------------------------------------
+    def _outcome(self, target: int, result: int | BaseException) -> None:
+        """Record what ``target``'s worker did: a response status, or a failure (connect error,
+        broken stream, ``TIMEOUT``). The one call site of the breakers: whether a status counts
+        as success, failure or neither (backpressure) is ``Breakers.status``'s rule."""
+        br = self.app.breakers
+        if br is not None:
+            if type(result) is int:
+                br.status(target, result)
+            else:
+                br.failure(target)
+
+    # -- client writing -----------------------------------------------------
+    def _start_response(self, status: int, headers: list, length: bytes | None = None,
+                        ctype: bytes | None = None) -> None:
+        """Build the client head from the upstream head (hop-by-hop stripped).
+
+        ``length``: the upstream Content-Length to keep (byte-exact relay), or
+        None to pick chunked framing. ``ctype`` overrides Content-Type.
+        """
+        parts = [status_line(status)]
+        ap = parts.append
+        self.status = status
+        for name, value in headers:
+            n = name.lower()
+            if n in _HOP:
+                continue
+            if ctype is not None and n == b"content-type":
+                continue
+            ap(name + b": " + value + b"\r\n")
+        if ctype is not None:
+            ap(b"content-type: " + ctype + b"\r\n")
+        if length is not None:
+            ap(b"content-length: " + length + b"\r\n")
+        elif status >= 200 and status not in (204, 304):
+            if self.req.http11:
+                ap(b"transfer-encoding: chunked\r\n")
+                self.chunked = True
+            else:
+                self.keep_alive = False  # HTTP/1.0: body delimited by close
+        ap(b"x-request-id: " + self.rid + b"\r\n")
+        if not self.app.accepting:
+            self.keep_alive = False  # draining: this connection closes after the response
+        if not self.keep_alive:
+            ap(b"connection: close\r\n")
+        ap(b"\r\n")
+        self.head = b"".join(parts)
+        self.started = True
+
+    def _write(self, data: bytes) -> None:
+        if self.chunked:
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        head = self.head
+        if head is not None:
+            self.head = None
+            data = head + data
+        self.out.append(data)
+
+    def flush(self) -> None:
+        out = self.out
+        if out:
+            data = out[0] if len(out) == 1 else b"".join(out)
+            out.clear()
+            if not self.proto.closed:
+                self.proto.transport.write(data)  # type: ignore[union-attr]
+
+    up_flush = flush
+
+    def _end(self) -> None:
+        """Response complete: write what is left, release, hand the connection back."""
+        head = self.head
+        if head is not None:
+            self.head = None
+            self.out.append(head)
+        if self.chunked:
+            self.out.append(_LAST_CHUNK)
+        self.flush()
+        st = self.app._stats
+        if st is not None:
+            app = self.app
+            app.count_response(self.status, "")
+            if 200 <= self.status < 300:
+                st.duration(app.backend, INFERENCE[self.path], app.loop.time() - self.started_at)
+        self._finish(self.keep_alive)
+
+    def _release_leases(self) -> None:
+        leases = self.leases
+        self.leases = ()
+        for lease in leases:
+            lease.release()
+
+    def _close_books(self) -> None:
+        """Give back everything the exchange holds: leases, retry timer, admission slot.
+
+        Idempotent; every ending funnels here (the lease invariant in the module
+        docstring), and the safety net calls it too.
+        """
+        h = self.retry_handle
+        if h is not None:
+            self.retry_handle = None
+            h.cancel()
+        try:
+            self._release_leases()
+        finally:
+            if self.slot:
+                self.slot = False
+                self.app.admission.leave()
+
+    def _finish(self, keep_alive: bool) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.app.exchanges.discard(self)
+        try:
+            self._close_books()
+        finally:
+            if self.proto.exchange is self:
+                self.proto.response_done(keep_alive)
+
+    def _fail_client(self, exc: RouterError, sse: bool = False) -> None:
+        """Upstream failed. Before any client byte: a JSON (or SSE) error; after: cut the stream."""
+        if self.finished:
+            return
+        self._abort_legs()
+        if self.started:
+            # Chunked: no terminating 0-chunk, so the client sees a truncated
+            # response rather than a clean end; Content-Length: short body.
+            if self.head is None:
+                self.flush()  # bytes already committed to the client go out before the cut
+                if self.app._stats is not None:
+                    self.app.count_response(self.status, exc.code, self.path)
+                self._finish(False)
+                if not self.proto.closed:
+                    self.proto.closed = True
+                    self.proto.transport.close()  # type: ignore[union-attr]
+                return
+            self.head = None  # nothing sent yet: still free to answer with an error
+            self.out.clear()
+        self.finished = True
+        self.app.exchanges.discard(self)
+        try:
+            self._close_books()
+        finally:
+            if self.proto.exchange is self:
+                self.proto.exchange = None
+                self.proto.send_error(exc, self.req, sse)
+
+    # -- control --------------------------------------------------------------
+    def cancel(self, status: int = 499, code: str = "client_closed") -> None:
+        """Client disconnected (or shutdown): drop the upstream legs, release.
+
+        Counted as a response (nginx's 499 for a client that left) so every
+        request has exactly one smg_http_responses_total sample.
+        """
+        if self.finished:
+            return
+        self._abort_legs()
+        if self.app._stats is not None:
+            self.app.count_response(status, code, self.path)
+        self._finish(False)
+
+    def on_timeout(self) -> None:
+        if self.finished:
+            return
+        self._blame_timeout()
+        self._fail_client(_errors.gateway_timeout())
+
+    # -- retries (protocol.md 7.2) -----------------------------------------------
+    def can_retry(self) -> bool:
+        """Another attempt is allowed: attempts left and no client byte committed."""
+        return self.tries < self.app.max_attempts and not self.started and not self.finished
+
+    def retry_later(self, role: str) -> None:
+        """Drop this attempt (legs aborted, leases released) and schedule a fresh pick.
+
+        The delay is a timer on the loop (never a sleep); the request timeout
+        and a client disconnect still apply while it waits.
+        """
+        self._abort_legs()
+        self._release_leases()
+        app = self.app
+        st = app._stats
+        if st is not None:
+            key = (role, INFERENCE[self.path])
+            st.retries[key] = st.retries.get(key, 0) + 1
+        self.retry_handle = app.loop.call_later(app.backoff(self.tries - 1), self._retry)
+
+    def _retry(self) -> None:
+        self.retry_handle = None
+        if self.finished:
+            return
+        try:
+            self.attempt()
+        except Exception:
+            log.exception("retry failed")
+
+    def exhausted(self, role: str) -> None:
+        """The last allowed attempt failed retryably: count it (only when retries are on)."""
+        if self.gave_up:
+            return
+        self.gave_up = True
+        app = self.app
+        st = app._stats
+        if st is not None and app.max_attempts > 1:
+            key = (role, INFERENCE[self.path])
+            st.retries_exhausted[key] = st.retries_exhausted.get(key, 0) + 1
+
+    def attempt(self) -> None:
+        raise NotImplementedError
+
+    def _blame_timeout(self) -> None:
+        raise NotImplementedError
+
+    def fail_internal(self) -> None:
+        """Exception while starting an attempt: make sure the leases come back."""
+        self._abort_legs()
+        self._fail_client(RouterError(500, "internal_error", "internal error"))
+
+    def _abort_legs(self) -> None:
+        raise NotImplementedError
+
+
+class Relay(_Exchange):
+    """Regular mode: one worker, response relayed as it arrives. Is its own leg."""
+
+    __slots__ = ("conn", "target")
+
+    def __init__(self, app: Any, proto: ClientProtocol, req: Request, path: bytes,
+                 meta: Any) -> None:
+        super().__init__(app, proto, req, path, meta)
+        self.conn: Any = None
+        self.target = -1
+
+    def attempt(self) -> None:
+        """Pick a target and send (first attempt and every retry)."""
+        self.tries += 1
+        app = self.app
+        meta = self.meta
+        # out_tokens only matters to KV-fit placement (the decode group); 0 when not given.
+        lease = app.registry.group("regular").acquire(meta.input_tokens, self.req.key, meta,
+                                                      meta.max_new_tokens or 0)
+        if lease is None:
+            self._fail_client(_errors.no_available_workers())
+            return
+        self.leases = (lease,)
+        t = self.target = lease.target
+        self.status = 0
+        try:
+            routes = app.routes
+            route = routes[t] if t in routes else app.route(t)
+            route.send(self.req, self)
+        except BaseException:
+            self.fail_internal()
+            raise
+
+    # leg callbacks (from upstream.UpstreamConnection)
+    def up_head(self, status: int, headers: list) -> None:
+        if status in RETRY_STATUS:
+            if self.can_retry():
+                self._outcome(self.target, status)
+                self.retry_later("regular")  # aborts this connection: no more callbacks
+                return
+            self.exhausted("regular")
+        length = None
+        for name, value in headers:  # (content_length() inlined: once per request)
+            if len(name) == 14 and name.lower() == b"content-length":
+                length = value
+                break
+        self._start_response(status, headers, length)
+        self.proto.flow.relay(self)
+
+    def up_body(self, data: bytes) -> None:
+        self._write(data)
+
+    def up_done(self) -> None:
+        self.conn = None
+        self._outcome(self.target, self.status)
+        self._end()
+
+    def up_error(self, exc: BaseException) -> None:
+        self.conn = None
+        if self.finished:
+            return
+        self._outcome(self.target, exc)  # connect error, reset, or a stream cut short
+        # Only a connect failure proves the worker never saw the request; a
+        # connection that died later may have run it, so that is not retried.
+        if isinstance(exc, ConnectError):
+            if self.can_retry():
+                self.retry_later("regular")
+                return
+            self.exhausted("regular")
+        self._fail_client(_errors.bad_gateway("Upstream request failed: %s" % exc))
+
+    def _blame_timeout(self) -> None:
+        if self.leases and self.conn is not None:
+            self._outcome(self.target, TIMEOUT)
+
+    def _abort_legs(self) -> None:
+        c = self.conn
+        self.conn = None
+        if c is not None:
+            c.abort()

@@ -1,0 +1,289 @@
+"""PD disaggregation (protocol.md 3.5): one client request, a prefill leg and a decode leg.
+
+Both legs leave in the same loop iteration with the same bootstrap room. The
+decode's status decides first (its body is the error message); the prefill is
+read to completion; then the decode's body is relayed (with the prefill's input
+logprobs merged in when the request asked for logprobs,
+:mod:`fastroute.dataplane.logprobs`). Retries pick a fresh pair and draw a fresh
+room. Breaker outcomes are recorded on the leg that produced them only: the
+other leg is aborted by us and says nothing about its worker.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastroute import errors as _errors
+from fastroute.dataplane import body as _body
+from fastroute.dataplane.exchange import RETRY_STATUS, TIMEOUT, _Exchange, content_length
+from fastroute.dataplane.logprobs import SSELogprobMerger, merge_logprobs_json
+from fastroute.dataplane.protocol import CT_JSON
+from fastroute.dataplane.upstream import ConnectError
+
+if TYPE_CHECKING:
+    from fastroute.dataplane.protocol import ClientProtocol, Request
+
+_PD_BUFFER_LIMIT = 1 << 20    # decode bytes buffered while the prefill finishes
+_ERROR_BODY_LIMIT = 1 << 16   # bytes of a failed leg's body kept for the error message
+
+
+class _PDLeg:
+    """One leg of a PD exchange; forwards upstream callbacks to the PDRelay."""
+
+    __slots__ = ("ex", "conn", "role", "status", "headers", "chunks", "size", "done", "target")
+
+    def __init__(self, ex: PDRelay, role: str, target: int = -1) -> None:
+        self.ex = ex
+        self.conn: Any = None
+        self.role = role
+        self.target = target
+        self.status = 0
+        self.headers: list = []
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.done = False
+
+    def up_head(self, status: int, headers: list) -> None:
+        self.status = status
+        self.headers = headers
+        self.ex.pd_progress()
+
+    def up_body(self, data: bytes) -> None:
+        ex = self.ex
+        if ex.relaying:
+            if self is ex.d:
+                ex.relay_body(data)
+            return
+        ok = 200 <= self.status < 300
+        if self is ex.p or not ok:
+            # Read to completion, never paused (we wait for its end). Kept only
+            # when needed: the whole body for a logprob merge, else the first
+            # bytes for an error message.
+            if (ok and ex.merge) or (not ok and self.size < _ERROR_BODY_LIMIT):
+                self.chunks.append(data)
+                self.size += len(data)
+            return
+        # Decode 2xx before the relay starts (prefill still running): buffer,
+        # and stop reading past the limit; the relay start resumes it.
+        self.chunks.append(data)
+        self.size += len(data)
+        if self.size > _PD_BUFFER_LIMIT:
+            ex.proto.flow.hold(self)
+
+    def up_done(self) -> None:
+        self.conn = None
+        self.done = True
+        ex = self.ex
+        ex._outcome(self.target, self.status)
+        if ex.relaying and self is ex.d:
+            ex.relay_end()
+        else:
+            ex.pd_progress()
+
+    def up_error(self, exc: BaseException) -> None:
+        self.conn = None
+        # A connect failure proves this leg's worker never saw the request.
+        self.ex.leg_failed(self, exc, isinstance(exc, ConnectError))
+
+    def body(self) -> bytes:
+        return b"".join(self.chunks)
+
+    def up_flush(self) -> None:
+        self.ex.flush()
+
+
+class _NoLeg:
+    """Stand-in for the legs of a PD exchange before its first attempt (shared, never mutated)."""
+
+    __slots__ = ()
+    conn = None
+    role = "prefill"
+    target = -1
+    status = 0
+    headers: list = []
+    chunks: list = []
+    size = 0
+    done = False
+
+    def body(self) -> bytes:
+        return b""
+
+
+_NO_LEG: Any = _NoLeg()
+
+
+class PDRelay(_Exchange):
+    """PD mode (protocol.md 3.5): both heads, decode status first, drain prefill, relay decode."""
+
+    __slots__ = ("p", "d", "stream", "merge", "relaying", "merger")
+
+    def __init__(self, app: Any, proto: ClientProtocol, req: Request, path: bytes,
+                 meta: Any) -> None:
+        super().__init__(app, proto, req, path, meta)
+        # attempt() makes the real legs; until then both point at an inert leg
+        # (no connection, no status) so every path that reads them stays valid.
+        self.p = self.d = _NO_LEG
+        self.stream = bool(meta.stream)
+        self.merge = bool(meta.return_logprob)
+        self.relaying = False
+        self.merger: Any = None
+
+    def attempt(self) -> None:
+        """Pick a fresh pair, draw a fresh room, send both legs (first attempt and retries)."""
+        self.tries += 1
+        app = self.app
+        registry = app.registry
+        meta, req = self.meta, self.req
+        tokens, key, out_tokens = meta.input_tokens, req.key, meta.max_new_tokens or 0
+        p_lease = registry.group("prefill").acquire(tokens, key, meta, out_tokens)
+        if p_lease is None:
+            self._fail_client(_errors.no_available_workers("prefill"))
+            return
+        d_lease = registry.group("decode").acquire(tokens, key, meta, out_tokens)
+        if d_lease is None:
+            p_lease.release()
+            self._fail_client(_errors.no_available_workers("decode"))
+            return
+        self.leases = (p_lease, d_lease)
+        # New leg objects per attempt: callbacks of an aborted attempt can never
+        # reach the new one.
+        p = self.p = _PDLeg(self, "prefill", p_lease.target)
+        d = self.d = _PDLeg(self, "decode", d_lease.target)
+        try:
+            routes = app.routes
+            t = p_lease.target
+            p_route = routes[t] if t in routes else app.route(t)
+            t = d_lease.target
+            d_route = routes[t] if t in routes else app.route(t)
+            # Prefill rank travels in the room (room % prefill_dp_size == rank, 4.3),
+            # never as a body key on the prefill leg; one room for both legs.
+            pfields = _body.bootstrap_fields(meta.batch, p_route.bootstrap, app.room_rng,
+                                             p_route.prefill_dp_size, p_route.prefill_rank)
+            rank = d_route.rank_field
+            dfields = pfields if rank is None else pfields + b"," + rank
+            # One scan of the client body for both legs.
+            head, sep, tail = _body.splice_parts(req.body)
+            # Both legs leave in the same loop iteration (3.4: concurrent dispatch).
+            p_route.pool.send(p_route.frame_injected(req, head, sep, pfields, tail), p)
+            d_route.pool.send(d_route.frame_injected(req, head, sep, dfields, tail), d)
+        except BaseException:
+            self.fail_internal()
+            raise
+
+    def _retry_head(self, leg: _PDLeg) -> bool:
+        """A leg answered a retryable status before the relay: retry if allowed."""
+        if not self.can_retry():
+            self.exhausted(leg.role)
+            return False
+        self._outcome(leg.target, leg.status)
+        self.retry_later(leg.role)
+        return True
+
+    def pd_progress(self) -> None:
+        """Re-evaluate after any leg event until the relay starts (or an error is sent)."""
+        if self.relaying or self.finished:
+            return
+        p, d = self.p, self.d
+        # 3.5: decode status decides first, its body is the message. We do not
+        # wait for the prefill head once the decode error is complete: the
+        # answer cannot change, and a prefill waiting for a decode that
+        # will never bootstrap would only hold the client until the timeout.
+        if d.status and not 200 <= d.status < 300:
+            if d.status in RETRY_STATUS and not d.done and self._retry_head(d):
+                return
+            if d.done:
+                self._leg_error(d)
+            return
+        if p.status in RETRY_STATUS and not p.done and self._retry_head(p):
+            # Retried at the prefill head: a decode that cannot bootstrap from
+            # it would only answer (or hang) later.
+            return
+        if not d.status or not p.status:
+            # A failed prefill still waits for the decode head (the decode's
+            # own error, if any, takes precedence); request_timeout_secs bounds it.
+            return
+        if not p.done:
+            return  # 3.5 step 3: prefill read to completion
+        if not 200 <= p.status < 300:
+            self._leg_error(p)
+            return
+        if self.merge and not self.stream:
+            if not d.done:
+                return
+            merged = merge_logprobs_json(p.body(), d.body())
+            self.relaying = True
+            self._start_response(d.status, d.headers, b"%d" % len(merged), CT_JSON)
+            self._write(merged)
+            self._end()
+            return
+        self.relaying = True
+        length = None
+        if self.merge:
+            merger = SSELogprobMerger()
+            merger.feed_prefill(p.body())
+            self.merger = merger
+        else:
+            length = content_length(d.headers)  # byte-exact relay keeps the decode's length
+        p.chunks = []
+        self._start_response(d.status, d.headers, length)
+        buffered = d.chunks
+        d.chunks = []
+        for c in buffered:
+            self.relay_body(c)
+        if d.done:
+            self.relay_end()
+            return
+        self.flush()  # we may be inside the prefill's read: nothing else flushes these bytes
+        # From here the decode is read only while the client accepts writes (this also
+        # lifts the pre-relay buffer limit's hold).
+        self.proto.flow.relay(d, held=True)
+
+    def relay_body(self, data: bytes) -> None:
+        m = self.merger
+        if m is not None:
+            data = m.transform(data)
+            if not data:
+                return
+        self._write(data)
+
+    def relay_end(self) -> None:
+        m = self.merger
+        if m is not None:
+            tail = m.flush()
+            if tail:
+                self._write(tail)
+        self._end()
+
+    def _leg_error(self, leg: _PDLeg) -> None:
+        exc = _errors.leg_error(leg.role, leg.status, leg.body())
+        self._fail_client(exc, self.stream)
+
+    def leg_failed(self, leg: _PDLeg, exc: BaseException, connect_failed: bool = False) -> None:
+        if self.finished or leg is not self.p and leg is not self.d:
+            return
+        self._outcome(leg.target, exc)  # only the leg that failed (the other may be fine)
+        if connect_failed and not self.relaying:
+            if self.can_retry():
+                self.retry_later(leg.role)
+                return
+            self.exhausted(leg.role)
+        self._fail_client(_errors.bad_gateway("PD disaggregation request failed (%s leg: %s)"
+                                              % (leg.role, exc)))
+
+    def _blame_timeout(self) -> None:
+        # The leg the exchange is still waiting for is the slow one: the
+        # prefill while it has not finished (the decode waits on it), else the decode.
+        if not self.leases:
+            return
+        p, d = self.p, self.d
+        if not p.done and p.conn is not None:
+            self._outcome(p.target, TIMEOUT)
+        elif not d.done and d.conn is not None:
+            self._outcome(d.target, TIMEOUT)
+
+    def _abort_legs(self) -> None:
+        for leg in (self.p, self.d):
+            c = leg.conn
+            if c is not None:  # (never true for _NO_LEG, which must stay unmodified)
+                leg.conn = None
+                c.abort()

@@ -1,0 +1,452 @@
+"""The client side of the data path: HTTP/1.1 parsing and in-order answering, per connection.
+
+Owns, per client connection, the request parsing (httptools, keep-alive,
+pipelining answered strictly in order, chunked request bodies, the header read
+timeout, the payload limit), the header flag table that classifies request
+headers in one lookup, request ids, prebuilt status lines, and the simple
+responses (inline answers and errors). What a request means is the App's
+business (:mod:`fastroute.dataplane.app`); backpressure is
+:class:`~fastroute.dataplane.flow.FlowControl`'s.
+
+Per request: one header scan (lower-cased name -> flag bits), one join of the
+forwarded headers, no logging. Byte constants are built at import.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+from http import HTTPStatus
+from typing import Any
+
+import httptools
+
+from fastroute import errors as _errors
+from fastroute.dataplane.flow import FlowControl
+from fastroute.dataplane.upstream import _nodelay
+from fastroute.errors import RouterError
+
+log = logging.getLogger("fastroute.proxy")
+
+# --------------------------------------------------------------------------- constants
+
+
+def _status_line(code: int) -> bytes:
+    try:
+        phrase = HTTPStatus(code).phrase
+    except ValueError:
+        phrase = "Unknown"
+    return b"HTTP/1.1 %d %s\r\n" % (code, phrase.encode("latin-1"))
+
+
+_STATUS: dict[int, bytes] = {s.value: _status_line(s.value) for s in HTTPStatus}
+
+
+def status_line(code: int) -> bytes:
+    """Prebuilt ``HTTP/1.1 <code> <phrase>\\r\\n`` (built on the fly for exotic codes)."""
+    line = _STATUS.get(code)
+    return line if line is not None else _status_line(code)
+
+
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+CT_JSON = b"application/json"
+CT_SSE = b"text/event-stream"
+
+# The inference paths (raw path -> endpoint label); everything else is answered, not proxied.
+INFERENCE = {
+    b"/generate": "/generate",
+    b"/v1/completions": "/v1/completions",
+    b"/v1/chat/completions": "/v1/chat/completions",
+}
+
+# Request header flags (bitmask) by lower-cased name; see ClientProtocol.on_header.
+_F_FWD = 1       # forwarded verbatim to the worker (3.4 whitelist)
+_F_AUTH = 2      # Authorization
+_F_RID = 4       # candidate for the x-request-id response header
+_F_KEY = 8       # routing key for consistent hashing
+_F_CL = 16       # Content-Length
+_F_EXPECT = 32   # Expect: 100-continue
+
+_PIPELINE_LIMIT = 32          # queued pipelined requests before we stop reading the client
+_HEAD_LIMIT = 1 << 16         # bytes of request line + headers before 431
+
+
+def header_flags(request_id_headers: list[str], routing_key_headers: list[str],
+                 ) -> tuple[dict[bytes, int], tuple[bytes, ...], tuple[bytes, ...]]:
+    """(flag table, request-id headers in priority order, routing-key headers in priority order).
+
+    Built once per App from the configured header names (already lower-cased by Config).
+    """
+    flags: dict[bytes, int] = {
+        b"x-request-id": _F_FWD, b"x-correlation-id": _F_FWD, b"traceparent": _F_FWD,
+        b"tracestate": _F_FWD, b"x-smg-routing-key": _F_FWD | _F_KEY,
+        b"authorization": _F_AUTH, b"content-length": _F_CL, b"expect": _F_EXPECT,
+    }
+    rid_headers = tuple(h.encode("latin-1") for h in request_id_headers)
+    for h in rid_headers:
+        flags[h] = flags.get(h, 0) | _F_RID
+    key_headers = (b"x-smg-routing-key",) + tuple(h.encode("latin-1") for h in routing_key_headers)
+    for h in key_headers:
+        flags[h] = flags.get(h, 0) | _F_KEY
+    return flags, rid_headers, key_headers
+
+
+_RID_PREFIX = {b"/generate": b"gnt-", b"/v1/completions": b"cmpl-",
+               b"/v1/chat/completions": b"chatcmpl-"}
+
+# Request ids are correlation tags, not secrets: a Mersenne Twister seeded from
+# the OS is random enough (6.1) and costs no getrandom() syscall per request,
+# unlike secrets.token_hex. Re-seeded in a forked child so that processes
+# started by fork never hand out the same sequence.
+_rid_rng = random.Random(os.urandom(32))
+_rid_bits = _rid_rng.getrandbits
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _rid_rng.seed(os.urandom(32)))
+
+
+def new_request_id(path: bytes) -> bytes:
+    # 24 lowercase hex characters (96 random bits): alphanumeric as 6.1 asks.
+    return _RID_PREFIX.get(path, b"req-") + b"%024x" % _rid_bits(96)
+
+
+# --------------------------------------------------------------------------- client protocol
+
+
+class Request:
+    """One parsed client request (kept only until it is answered)."""
+
+    __slots__ = ("method", "url", "fwd", "auth", "rid", "key", "body", "body_len",
+                 "too_large", "keep_alive", "http11")
+
+    def __init__(self) -> None:
+        self.method = b"GET"
+        self.url = b"/"
+        self.fwd = b""
+        self.auth: bytes | None = None
+        self.rid: bytes | None = None
+        self.key: bytes | None = None
+        self.body = b""
+        self.body_len = 0
+        self.too_large = False
+        self.keep_alive = True
+        self.http11 = True
+
+
+class ClientProtocol(asyncio.Protocol):
+    """One client connection: parse requests, answer them strictly in order."""
+
+    # ``app`` is the App (app.py) and ``exchange`` an exchange (exchange.py); both typed Any so
+    # that imports only go one way: app and exchange import this module, never the reverse.
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.loop = app.loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self._flags = app.header_flags   # lower-cased name -> _F_* bits (fixed per App)
+        self.closed = False
+        self.busy = False                 # a response is in progress
+        self.queue: list[Request] = []    # pipelined requests waiting for their turn
+        self.draining = False
+        self.bad_request = False          # parse error seen: answer what is queued, then 400 + close
+        self.flow = FlowControl()        # backpressure, both directions
+        self.exchange: Any = None         # the exchange answering the current request
+        self.head_deadline = 0.0
+        self.in_head = False
+        # per-message parse state
+        self._req: Request | None = None
+        self._url = b""
+        self._fwd: list[bytes] = []
+        self._chunks: list[bytes] = []
+        self._rid_vals: dict[bytes, bytes] | None = None
+        self._key_vals: dict[bytes, bytes] | None = None
+        self._expect = False
+        self._cl = -1
+        self._head_size = 0
+        self.waiter: Any = None           # admission queue entry while the request waits for a slot
+        self._bad_message = ""
+        self._bad_status = 400
+
+    # -- asyncio.Protocol ---------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.flow.transport = transport  # type: ignore[assignment]
+        _nodelay(transport)
+        self.app.connections.add(self)
+        if self.app._stats is not None:
+            self.app._stats.connections_active += 1
+        self.head_deadline = self.loop.time() + self.app.header_timeout
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self in self.app.connections:
+            self.app.connections.discard(self)
+            if self.app._stats is not None:
+                self.app._stats.connections_active -= 1
+        self.queue.clear()
+        ex = self.exchange
+        if ex is not None:
+            ex.cancel()  # client gone: abort upstream legs, release leases
+        w = self.waiter
+        if w is not None:
+            self.waiter = None
+            if self.app.admission.cancel(w) and self.app._stats is not None:
+                self.app.count_response(499, "client_closed")
+
+    def data_received(self, data: bytes) -> None:
+        if self.bad_request:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._parse_failed("Upgrade is not supported")
+        except httptools.HttpParserError as exc:
+            self._parse_failed("Malformed HTTP request: %s" % exc)
+
+    def pause_writing(self) -> None:
+        self.flow.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.flow.resume_writing()
+
+    # -- httptools callbacks --------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._req = Request()
+        self._url = b""
+        self._fwd = []
+        self._chunks = []
+        self._rid_vals = None
+        self._key_vals = None
+        self._expect = False
+        self._cl = -1
+        self._head_size = 0
+        self.in_head = True
+        self.head_deadline = self.loop.time() + self.app.header_timeout
+
+    def on_url(self, url: bytes) -> None:
+        self._url = url if not self._url else self._url + url
+        self._head_size += len(url)
+        if self._head_size > _HEAD_LIMIT:
+            self._head_too_large()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        req = self._req
+        if req is None:  # head already refused (431)
+            return
+        # httptools has no limit of its own on the head; without one a client
+        # could make us buffer headers forever.
+        size = self._head_size + len(name) + len(value) + 4
+        self._head_size = size
+        if size > _HEAD_LIMIT:
+            self._head_too_large()
+            return
+        n = name.lower()
+        f = self._flags.get(n)
+        if f is None:
+            # len() first: most unflagged names are shorter than the prefix.
+            if len(n) > 13 and n.startswith(b"x-request-id-"):
+                self._fwd.append(name + b": " + value + b"\r\n")
+            return
+        if f == _F_CL:  # the one flagged header of nearly every request
+            try:
+                self._cl = int(value)
+            except ValueError:
+                self._cl = -1
+            return
+        if f & _F_FWD:
+            self._fwd.append(name + b": " + value + b"\r\n")
+        if f & _F_AUTH:
+            req.auth = value  # type: ignore[union-attr]
+        if f & _F_RID:
+            if self._rid_vals is None:
+                self._rid_vals = {}
+            self._rid_vals.setdefault(n, value)
+        if f & _F_KEY:
+            if self._key_vals is None:
+                self._key_vals = {}
+            self._key_vals.setdefault(n, value)
+        if f & _F_CL:
+            try:
+                self._cl = int(value)
+            except ValueError:
+                self._cl = -1
+        if f & _F_EXPECT and value.lower() == b"100-continue":
+            self._expect = True
+
+    def on_headers_complete(self) -> None:
+        req = self._req
+        if req is None:
+            return
+        self.in_head = False
+        self.head_deadline = 0.0
+        app = self.app
+        req.method = self.parser.get_method()  # type: ignore[union-attr]
+        if self._cl > app.max_payload:
+            req.too_large = True  # type: ignore[union-attr]
+            req.body_len = self._cl  # type: ignore[union-attr]
+            if not self.busy and not self.queue:
+                # Answer now instead of reading (or waiting for, under Expect:
+                # 100-continue) a body we will refuse; then close, since the
+                # unread body makes the stream unusable.
+                self._req = None
+                self.bad_request = True  # ignore whatever else arrives
+                req.keep_alive = False  # type: ignore[union-attr]
+                self.busy = True
+                self.send_error(_errors.payload_too_large(self._cl, app.max_payload), req)  # type: ignore[arg-type]
+        elif self._expect and not self.busy and not self.queue:
+            # Only when nothing is being written: a 100 must not land inside another response.
+            self.transport.write(_CONTINUE)  # type: ignore[union-attr]
+
+    def on_body(self, body: bytes) -> None:
+        req = self._req
+        if req is None or req.too_large:
+            return
+        n = req.body_len + len(body)  # type: ignore[union-attr]
+        req.body_len = n  # type: ignore[union-attr]
+        if n > self.app.max_payload:
+            req.too_large = True  # type: ignore[union-attr]
+            self._chunks = []
+            return
+        self._chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        req = self._req
+        if req is None or self.bad_request:  # already answered (413/431 at the head)
+            return
+        self._req = None
+        p = self.parser
+        req.url = self._url  # type: ignore[union-attr]
+        req.keep_alive = p.should_keep_alive()  # type: ignore[union-attr]
+        req.http11 = p.get_http_version() == "1.1"  # type: ignore[union-attr]
+        chunks = self._chunks
+        if chunks:
+            req.body = chunks[0] if len(chunks) == 1 else b"".join(chunks)  # type: ignore[union-attr]
+        app = self.app
+        if self._fwd:
+            req.fwd = b"".join(self._fwd)  # type: ignore[union-attr]
+        rv = self._rid_vals
+        if rv:
+            for h in app.rid_headers:
+                v = rv.get(h)
+                if v is not None:
+                    req.rid = v  # type: ignore[union-attr]
+                    break
+        kv = self._key_vals
+        if kv:
+            for h in app.key_headers:
+                v = kv.get(h)
+                if v is not None:
+                    req.key = v  # type: ignore[union-attr]
+                    break
+        if self.busy or self.queue:
+            self.queue.append(req)  # type: ignore[arg-type]
+            if len(self.queue) >= _PIPELINE_LIMIT:
+                self.flow.pause_reading()
+        else:
+            self._start(req)  # type: ignore[arg-type]
+
+    # -- request sequencing ---------------------------------------------------
+    def _start(self, req: Request) -> None:
+        self.busy = True
+        try:
+            self.app.handle(self, req)
+        except Exception:
+            log.exception("request handling failed")
+            if self.busy and self.exchange is None:
+                self.send_error(RouterError(500, "internal_error", "internal error"), req)
+
+    def response_done(self, keep_alive: bool) -> None:
+        """The current response is fully written (or abandoned)."""
+        self.busy = False
+        self.exchange = None
+        if self.closed:
+            return
+        if not keep_alive or not self.app.accepting:
+            self.closed = True
+            self.transport.close()  # type: ignore[union-attr]
+            return
+        if self.draining:
+            return  # the loop below picks up the next request
+        self.draining = True
+        try:
+            while not self.busy and not self.closed:
+                if self.queue:
+                    req = self.queue.pop(0)
+                    if len(self.queue) < _PIPELINE_LIMIT // 2:
+                        self.flow.resume_reading()
+                    self._start(req)
+                    continue
+                if self.bad_request:
+                    self._write_bad_request()
+                elif not self.in_head:
+                    self.head_deadline = self.loop.time() + self.app.idle_timeout
+                break
+        finally:
+            self.draining = False
+
+    def _head_too_large(self) -> None:
+        # Drop the request being parsed; later callbacks of this feed see _req None.
+        self._req = None
+        self._parse_failed("Request header section exceeds %d bytes" % _HEAD_LIMIT, 431)
+
+    def _parse_failed(self, message: str, status: int = 400) -> None:
+        if self.bad_request:
+            return
+        self.bad_request = True
+        self._bad_message = message
+        self._bad_status = status
+        if not self.closed:
+            self.flow.pause_reading()
+        if not self.busy and not self.queue:
+            self._write_bad_request()
+
+    def _write_bad_request(self) -> None:
+        if self.closed:
+            # e.g. bytes after an HTTP/1.0 or "Connection: close" request that
+            # was already answered and closed: nobody is left to tell.
+            return
+        status = self._bad_status
+        code = _errors.CODE_BAD_REQUEST if status == 400 else "header_too_large"
+        body = _errors.error_response(status, code, self._bad_message)
+        if self.app._stats is not None:
+            self.app.count_response(status, code)
+        self.transport.write(b"%bcontent-type: application/json\r\nx-smg-error-code: %b\r\n"  # type: ignore[union-attr]
+                             b"content-length: %d\r\nconnection: close\r\n\r\n%b"
+                             % (status_line(status), code.encode(), len(body), body))
+        self.closed = True
+        self.transport.close()  # type: ignore[union-attr]
+
+    def on_header_timeout(self) -> None:
+        """Client too slow to send a request head (or idle keep-alive too long)."""
+        if self.busy or self.closed:
+            return
+        self.closed = True
+        self.head_deadline = 0.0
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- simple responses -----------------------------------------------------
+    def reply(self, data: bytes, keep_alive: bool) -> None:
+        if not self.closed:
+            self.transport.write(data)  # type: ignore[union-attr]
+        self.response_done(keep_alive)
+
+    def reply_simple(self, status: int, ctype: bytes, body: bytes, req: Request,
+                     extra: bytes = b"", code: str = "") -> None:
+        ka = req.keep_alive and self.app.accepting
+        if self.app._stats is not None:
+            self.app.count_response(status, code, req.url.partition(b"?")[0])
+        head = b"%bcontent-type: %b\r\ncontent-length: %d\r\n%b%b\r\n" % (
+            status_line(status), ctype, len(body), extra, b"" if ka else b"connection: close\r\n")
+        self.reply(head + body, ka)
+
+    def send_error(self, exc: RouterError, req: Request, sse: bool = False) -> None:
+        extra = b"x-smg-error-code: " + exc.code.encode("latin-1") + b"\r\n"
+        for k, v in exc.headers:
+            extra += k + b": " + v + b"\r\n"
+        if sse:
+            self.reply_simple(exc.status, CT_SSE, exc.sse(), req, extra, exc.code)
+        else:
+            self.reply_simple(exc.status, CT_JSON, exc.body(), req, extra, exc.code)
+

@@ -1,0 +1,73 @@
+"""Per-target routes: everything needed to send a request to one target, resolved ahead of time.
+
+A :class:`Route` is built when the target set changes (the App's targets listener), never per
+request. It holds the target's keep-alive pool, the request framing constants (the ``Host``
+value and the fixed ``Authorization`` line of the worker's key), the pre-encoded DP rank key
+that regular ``--dp-aware`` and the PD decode leg inject, and what a PD prefill target
+contributes to the bootstrap fields (host and port pre-encoded, its dp_size and rank). So an
+attempt is: acquire a lease from the group, then send through ``routes[lease.target]``,
+without looking at the registry or at worker fields.
+
+Framing is the only copy of the client body per leg: a body with injected fields is framed
+from the splice parts (:func:`fastroute.dataplane.body.splice_parts`), never built first.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastroute.dataplane import body as _body
+from fastroute.dataplane.upstream import Pool
+
+if TYPE_CHECKING:
+    from fastroute.dataplane.protocol import Request
+
+
+class Route:
+    """How to reach one target (see module docstring); immutable once built."""
+
+    __slots__ = ("worker", "pool", "authority", "auth", "rank_field", "bootstrap",
+                 "prefill_dp_size", "prefill_rank")
+
+    def __init__(self, worker: Any, rank: int | None, pool: Pool, api_key: str | None,
+                 rank_field: str | None) -> None:
+        self.worker = worker          # identity only: which worker the pool belongs to
+        self.pool = pool
+        self.authority = ("%s:%d" % (worker.host, int(worker.port))).encode("idna")
+        # With --api-key (or a per-worker key from POST /workers) the worker always gets that
+        # key; the client's own header was checked equal. Without one, the client's header
+        # (if any) is forwarded as it came.
+        self.auth = b"Authorization: Bearer " + api_key.encode("latin-1") + b"\r\n" if api_key else b""
+        # ``"<field>":<rank>`` for the body of a leg that targets one DP rank, else None.
+        self.rank_field = (_body.rank_field_bytes(rank_field, rank)
+                           if rank_field is not None and rank is not None else None)
+        # As a PD prefill: the bootstrap host/port values, and the rank the room must encode
+        # (room % prefill_dp_size == rank, protocol.md 4.3); a target that is not one DP rank
+        # of a split worker uses dp_size 1.
+        self.bootstrap = _body.bootstrap_values(worker.host, worker.bootstrap_port)
+        self.prefill_dp_size = int(worker.dp_size) if rank is not None else 1
+        self.prefill_rank = rank
+
+    def frame_injected(self, req: Request, head: Any, sep: bytes, fields: bytes, tail: Any) -> bytes:
+        """The upstream request with ``fields`` injected into the body (parts from splice_parts)."""
+        auth = self.auth
+        if not auth and req.auth is not None:
+            auth = b"Authorization: " + req.auth + b"\r\n"
+        return b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b%b\r\n%b%b%b%b" % (
+            req.url, self.authority, len(head) + len(sep) + len(fields) + len(tail), req.fwd, auth,
+            head, sep, fields, tail)
+
+    def send(self, req: Request, leg: Any) -> None:
+        """Regular mode: send the client body as it came (framed inline: the common case), or
+        with this target's rank key when the target is one DP rank."""
+        field = self.rank_field
+        if field is None:
+            auth = self.auth
+            if not auth and req.auth is not None:
+                auth = b"Authorization: " + req.auth + b"\r\n"
+            body = req.body
+            self.pool.send(b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b%b\r\n%b" % (
+                req.url, self.authority, len(body), req.fwd, auth, body), leg)
+        else:
+            head, sep, tail = _body.splice_parts(req.body)
+            self.pool.send(self.frame_injected(req, head, sep, field, tail), leg)

@@ -1,0 +1,50 @@
+"""The data plane's import rule, checked per module: importing any module of
+``fastroute.dataplane`` in a fresh interpreter loads neither NumPy, nor any
+``fastroute.core`` module, nor any compiled fastroute extension. (The breakers,
+reconciler and routing groups it uses are handed in by the runtime.)"""
+from __future__ import annotations
+
+import os
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+
+import fastroute
+import fastroute.dataplane
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(fastroute.__file__)))
+_MODULES = sorted(m.name for m in pkgutil.iter_modules(fastroute.dataplane.__path__,
+                                                       "fastroute.dataplane."))
+
+# Run in the child: import one module, print every forbidden module it pulled in.
+_PROBE = """
+import importlib, importlib.machinery, sys
+importlib.import_module(sys.argv[1])
+ext = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+bad = []
+for name, mod in sorted(sys.modules.items()):
+    path = getattr(mod, "__file__", None) or ""
+    if (name == "numpy" or name.startswith("numpy.")
+            or name == "fastroute.core" or name.startswith("fastroute.core.")
+            or (name.startswith("fastroute") and path.endswith(ext))):
+        bad.append(name)
+print(" ".join(bad))
+"""
+
+
+def test_every_data_plane_module_is_checked() -> None:
+    assert {"fastroute.dataplane.app", "fastroute.dataplane.protocol",
+            "fastroute.dataplane.exchange", "fastroute.dataplane.pd",
+            "fastroute.dataplane.flow", "fastroute.dataplane.route"} <= set(_MODULES)
+
+
+@pytest.mark.parametrize("module", _MODULES)
+def test_data_plane_module_imports_no_numpy_and_no_compiled_code(module: str) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+    out = subprocess.run([sys.executable, "-c", _PROBE, module], env=env, cwd=_ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [], f"{module} loads {out.stdout.strip()}"
