@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 
 from fastroute.core.table import (COL_CIRCUIT, COL_HEALTHY, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS,
-                             COL_POLLED_MAX_TOKENS, COL_TOKENS_AT_POLL,
-                             COL_POLLED_AT, COL_POLLED_TOKENS)
+                                  COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_POLLED_TOKENS,
+                                  COL_TOKENS_AT_POLL)
+from fastroute.names import CIRCUIT_OPEN, LOAD_METRIC_CODE
 
 M64 = (1 << 64) - 1
-METRICS = {"tokens": 0, "requests": 1, "least_requests": 2}
 
 
 def _mix(z: int) -> int:
@@ -44,7 +44,12 @@ def hash64(data: bytes) -> int:
 
 
 def _eligible(tab: np.ndarray, cands) -> list[int]:
-    return [int(t) for t in cands if tab[t, COL_HEALTHY] == 1 and tab[t, COL_CIRCUIT] != 1]
+    return [int(t) for t in cands if _row_eligible(tab, t)]
+
+
+def _row_eligible(tab: np.ndarray, t) -> bool:
+    """``_layout.row_eligible``: healthy, and circuit not open (half-open may take a probe)."""
+    return bool(tab[t, COL_HEALTHY] == 1 and tab[t, COL_CIRCUIT] != CIRCUIT_OPEN)
 
 
 def round_robin(tab: np.ndarray, cands, cursor: list[int]) -> int:
@@ -52,7 +57,7 @@ def round_robin(tab: np.ndarray, cands, cursor: list[int]) -> int:
     for k in range(n):
         c = (cursor[0] + k) % n
         t = int(cands[c])
-        if tab[t, COL_HEALTHY] == 1 and tab[t, COL_CIRCUIT] != 1:
+        if _row_eligible(tab, t):
             cursor[0] = (c + 1) % n
             return t
     return -1
@@ -64,8 +69,10 @@ def random_pick(tab: np.ndarray, cands, rng: Rng) -> int:
 
 
 def power_of_two(tab: np.ndarray, cands, metric: str, rng: Rng) -> int:
+    if metric not in LOAD_METRIC_CODE:
+        raise ValueError(f"unknown load metric {metric!r}")
     el = _eligible(tab, cands)
-    if METRICS[metric] == 2:
+    if metric == "least_requests":
         polled = [t for t in el if tab[t, COL_POLLED_AT] >= 0]
         pool = polled if polled else el
         best, best_key, ties = -1, None, 0
@@ -123,7 +130,7 @@ def ring_lookup(tab: np.ndarray, ring_hash: np.ndarray, ring_target: np.ndarray,
     lo = int(np.searchsorted(ring_hash, np.uint64(key), side="left"))
     for k in range(n):
         t = int(ring_target[(lo + k) % n])
-        if tab[t, COL_HEALTHY] == 1 and tab[t, COL_CIRCUIT] != 1:
+        if _row_eligible(tab, t):
             return t
     return -1
 
