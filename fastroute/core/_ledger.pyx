@@ -14,9 +14,8 @@ from fastroute.core._atomic cimport fr_load_i64, fr_store_i64, fr_add_i64, fr_ca
 from fastroute.core._layout cimport (
     COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS, COL_POLLED_RUNNING, COL_POLLED_WAITING,
     COL_POLLED_TOKENS, COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_TOKENS_AT_POLL, HDR_UNDERFLOWS,
-    NCOLS, NHDR, COL_CIRCUIT, COL_CB_FAILS, COL_CB_OKS, COL_CB_OPENED_AT,
+    NCOLS, NHDR, COL_CIRCUIT, COL_CB_FAILS, CIRCUIT_CLOSED,
 )
-from fastroute.core._layout cimport CIRCUIT_CLOSED
 from fastroute.core._policy cimport (
     pick_round_robin, pick_random, pick_p2c, pick_demand, pick_ring, pick_kv_fit, kv_free,
     hash_bytes, MODE_SHADOW, MODE_ON,
@@ -154,10 +153,11 @@ def stress_book_release(int64_t[:, ::1] tab, int64_t[::1] header, const int64_t[
 # unchecked index would read or write outside the table); the checks are two unsigned compares.
 
 cdef class Cells:
-    """Atomic access to one table array for a caller on the data path (the circuit breaker).
+    """Atomic access to one table array (the circuit breaker on the data path, the table's
+    Python readers and writers).
 
-    The module-level ``load``/``add``/... acquire the array's buffer on every call; this object
-    holds it once, so a call costs a method dispatch and the atomic itself.
+    The object holds the array's buffer once, so a call costs a method dispatch, the index
+    check and the atomic itself.
     """
     cdef int64_t[:, ::1] tab
     cdef readonly int64_t rows
