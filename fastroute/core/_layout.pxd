@@ -1,5 +1,6 @@
-# Column layout of the shared target table (mirrored by fastroute/core/table.py; tests/unit/test_table.py
-# checks every constant of this file against table.py and _policy.layout(), in both directions).
+# Column layout of the shared target table, mirrored by fastroute/core/table.py:
+# tests/unit/test_table.py checks every constant of this file against table.py and
+# _policy.layout(), in both directions.
 # One row per target, 16 int64 cells = 128 bytes = two cache lines, so processes updating neighbouring
 # targets never share a line.
 from libc.stdint cimport int64_t

@@ -25,7 +25,8 @@ def demand(tab: _Table, cands: _Rows, tokens: int, weight: int, state: _State) -
     """Least in-flight tokens + ``tokens`` + ``weight`` x requests held."""
 def kv_fit(tab: _Table, cands: _Rows, tokens: int, need: int, use_demand: bool, weight: int,
            state: _State) -> int:
-    """The pick among ranks where ``need`` more KV tokens fit; -2 when no rank's capacity is known."""
+    """The pick among ranks where ``need`` more KV tokens fit; -2 when no rank's capacity is
+    known."""
 def free_kv(tab: _Table, t: int) -> int | None:
     """Estimated free KV tokens of target t, or None when its capacity is unknown."""
 def ring_lookup(tab: _Table, ring_hash: npt.NDArray[np.uint64], ring_target: _Rows,

@@ -197,11 +197,13 @@ def common_prefix(a: bytes, b: bytes) -> int:
 
 
 def held_bytes(texts: Iterable[bytes]) -> int:
-    """Bytes a target holds after these inserts and no eviction: its distinct non-empty prefixes."""
+    """Bytes a target holds after these inserts, without eviction: its distinct non-empty
+    prefixes."""
     return len({s[:k] for s in texts for k in range(1, len(s) + 1)})
 
 
-def tree_match(held: dict[int, list[bytes]], query: bytes, eligible: set[int]) -> tuple[int, list[int]]:
+def tree_match(held: dict[int, list[bytes]], query: bytes,
+               eligible: set[int]) -> tuple[int, list[int]]:
     """``PrefixTree.match``: (longest match among the eligible targets' texts, sorted targets
     holding it); (0, []) when nothing matches."""
     best, who = 0, []

@@ -17,7 +17,8 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 from fastroute.core import _ledger
-from fastroute.names import CIRCUIT_CLOSED, CIRCUIT_HALF_OPEN, CIRCUIT_OPEN  # noqa: F401 (re-export: COL_CIRCUIT values)
+# The values of COL_CIRCUIT, re-exported beside the column they describe.
+from fastroute.names import CIRCUIT_CLOSED, CIRCUIT_HALF_OPEN, CIRCUIT_OPEN  # noqa: F401
 
 COL_IN_FLIGHT = 0
 COL_IN_FLIGHT_TOKENS = 1
