@@ -14,14 +14,17 @@ from fastroute.core._atomic cimport fr_load_i64, fr_store_i64, fr_add_i64, fr_ca
 from fastroute.core._layout cimport (
     COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS, COL_POLLED_RUNNING, COL_POLLED_WAITING,
     COL_POLLED_TOKENS, COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_TOKENS_AT_POLL, HDR_UNDERFLOWS,
-    NCOLS, NHDR, COL_CIRCUIT, COL_CB_FAILS, COL_CB_OKS, COL_CB_OPENED_AT,
+    NCOLS, NHDR, COL_CIRCUIT, COL_CB_FAILS, CIRCUIT_CLOSED,
 )
 from fastroute.core._policy cimport (
-    pick_round_robin, pick_random, pick_p2c, pick_demand, pick_ring, pick_kv_fit, kv_free, rng_next,
-    hash_bytes,
-    METRIC_TOKENS, METRIC_REQUESTS, METRIC_LEAST_REQUESTS,
+    pick_round_robin, pick_random, pick_p2c, pick_demand, pick_ring, pick_kv_fit, kv_free,
+    hash_bytes, MODE_SHADOW, MODE_ON,
 )
+import os
+
 import numpy as np
+
+from fastroute.names import LOAD_METRIC_CODE, MODE_CODE
 
 cdef enum:
     KIND_ROUND_ROBIN = 0
@@ -29,7 +32,7 @@ cdef enum:
     KIND_P2C = 2
     KIND_RING = 3
 
-DEMAND_OFF, DEMAND_SHADOW, DEMAND_ON = 0, 1, 2
+# Policy name -> compiled picker kind (cache_aware is not here: its tree picks, Picker books).
 KINDS = {"round_robin": KIND_ROUND_ROBIN, "random": KIND_RANDOM, "power_of_two": KIND_P2C,
          "consistent_hashing": KIND_RING}
 
@@ -108,8 +111,19 @@ cdef Lease _new_lease(int64_t[:, ::1] tab, int64_t *header, int64_t t, int64_t t
     return lease
 
 
+cdef int _check_arrays(int64_t[:, ::1] tab, int64_t[::1] header) except -1:
+    # The shapes every compiled entry point relies on: full rows, and a header that holds
+    # HDR_UNDERFLOWS (releases write it without bounds checks).
+    if tab.shape[1] != NCOLS:
+        raise ValueError(f"not a target table: {tab.shape[1]} columns, expected {NCOLS}")
+    if header.shape[0] < NHDR:
+        raise ValueError(f"table header has {header.shape[0]} cells, expected {NHDR}")
+    return 0
+
+
 def book(int64_t[:, ::1] tab, int64_t[::1] header, int64_t t, int64_t tokens, keep=None):
-    """Book target ``t`` directly (used by reclaim tests and the KV-fit path); returns its Lease."""
+    """Book target ``t`` directly (tests, and the multi-process ledger checks); returns its Lease."""
+    _check_arrays(tab, header)
     if t < 0 or t >= tab.shape[0]:
         raise IndexError(f"target {t} out of range")
     return _new_lease(tab, &header[0], t, tokens, keep)
@@ -121,6 +135,10 @@ def stress_book_release(int64_t[:, ::1] tab, int64_t[::1] header, const int64_t[
     test runs this in several processes at once and checks that the totals come back exact."""
     cdef int64_t r
     cdef Py_ssize_t k
+    _check_arrays(tab, header)
+    for k in range(targets.shape[0]):
+        if targets[k] < 0 or targets[k] >= tab.shape[0]:
+            raise IndexError(f"target {targets[k]} out of range")
     with nogil:
         for r in range(rounds):
             for k in range(targets.shape[0]):
@@ -130,46 +148,59 @@ def stress_book_release(int64_t[:, ::1] tab, int64_t[::1] header, const int64_t[
 
 
 # ---- atomic access for the Python side of the table (monitor, metrics, tests) --------------------
-# Single cells go through ``Cells`` (below), which holds the array's buffer once.
-
-def breaker_layout():
-    """The breaker's columns as compiled (tests check fastroute/core/table.py mirrors them)."""
-    return dict(COL_CIRCUIT=COL_CIRCUIT, COL_CB_FAILS=COL_CB_FAILS, COL_CB_OKS=COL_CB_OKS,
-                COL_CB_OPENED_AT=COL_CB_OPENED_AT)
-
+# Single cells go through ``Cells`` (below), which holds the array's buffer once.  Every entry
+# point checks the row and column it is given (the module is built without bounds checks, so an
+# unchecked index would read or write outside the table); the checks are two unsigned compares.
 
 cdef class Cells:
-    """Atomic access to one table array for a caller on the data path (the circuit breaker).
+    """Atomic access to one table array (the circuit breaker on the data path, the table's
+    Python readers and writers).
 
-    The module-level ``load``/``add``/... acquire the array's buffer on every call; this object
-    holds it once, so a call costs a method dispatch and the atomic itself.
+    The object holds the array's buffer once, so a call costs a method dispatch, the index
+    check and the atomic itself.
     """
     cdef int64_t[:, ::1] tab
     cdef readonly int64_t rows
+    cdef readonly int cols
 
     def __init__(self, table_array):
         self.tab = table_array
         self.rows = self.tab.shape[0]
+        self.cols = <int>self.tab.shape[1]
 
-    cpdef int64_t load(self, int64_t t, int col):
+    cdef inline int _cell(self, int64_t t, int col) except -1:
+        # One unsigned compare per index also rejects negatives (they wrap to huge values).
+        if <uint64_t>t >= <uint64_t>self.rows:
+            raise IndexError(f"row {t} out of range 0..{self.rows - 1}")
+        if <unsigned int>col >= <unsigned int>self.cols:
+            raise IndexError(f"column {col} out of range 0..{self.cols - 1}")
+        return 0
+
+    cpdef int64_t load(self, int64_t t, int col) except? -1:
+        self._cell(t, col)
         return fr_load_i64(&self.tab[t, col])
 
-    cpdef void store(self, int64_t t, int col, int64_t v):
+    cpdef void store(self, int64_t t, int col, int64_t v) except *:
+        self._cell(t, col)
         fr_store_i64(&self.tab[t, col], v)
 
-    cpdef int64_t add(self, int64_t t, int col, int64_t v):
+    cpdef int64_t add(self, int64_t t, int col, int64_t v) except? -1:
         """Adds ``v``; returns the value after the addition (this caller's own result)."""
+        self._cell(t, col)
         return fr_add_i64(&self.tab[t, col], v) + v
 
-    cpdef bint cas(self, int64_t t, int col, int64_t expected, int64_t desired):
+    cpdef bint cas(self, int64_t t, int col, int64_t expected, int64_t desired) except -1:
+        self._cell(t, col)
         return fr_cas_i64(&self.tab[t, col], &expected, desired) != 0
 
-    cpdef int64_t ok_closed(self, int64_t t):
+    cpdef int64_t ok_closed(self, int64_t t) except? -1:
         """A success on target ``t``: returns its circuit state; when closed, also ends a
         failure streak.  Two loads and no write in the common case (closed, no streak)."""
+        if <uint64_t>t >= <uint64_t>self.rows or self.cols != NCOLS:
+            raise IndexError(f"row {t} out of range 0..{self.rows - 1} of a {NCOLS}-column table")
         cdef int64_t *row = &self.tab[t, 0]
         cdef int64_t c = fr_load_i64(&row[COL_CIRCUIT])
-        if c == 0 and fr_load_i64(&row[COL_CB_FAILS]) != 0:
+        if c == CIRCUIT_CLOSED and fr_load_i64(&row[COL_CB_FAILS]) != 0:
             fr_store_i64(&row[COL_CB_FAILS], 0)
         return c
 
@@ -177,6 +208,8 @@ cdef class Cells:
         """Rows whose cell ``col`` holds ``value`` (one atomic load per row, no GIL release)."""
         cdef list out = []
         cdef int64_t t
+        if <unsigned int>col >= <unsigned int>self.cols:
+            raise IndexError(f"column {col} out of range 0..{self.cols - 1}")
         for t in range(self.rows):
             if fr_load_i64(&self.tab[t, col]) == value:
                 out.append(t)
@@ -185,6 +218,11 @@ cdef class Cells:
 
 def store_polled(int64_t[:, ::1] tab, int64_t t, int64_t running, int64_t waiting,
                  int64_t tokens, int64_t max_tokens, int64_t at_ms):
+    """Store one poll of target ``t`` (the monitor's write)."""
+    if tab.shape[1] != NCOLS:
+        raise ValueError(f"not a target table: {tab.shape[1]} columns, expected {NCOLS}")
+    if t < 0 or t >= tab.shape[0]:
+        raise IndexError(f"target {t} out of range")
     # POLLED_AT goes last: a reader that sees the new timestamp sees the new values too.
     fr_store_i64(&tab[t, COL_POLLED_RUNNING], running)
     fr_store_i64(&tab[t, COL_POLLED_WAITING], waiting)
@@ -196,6 +234,10 @@ def store_polled(int64_t[:, ::1] tab, int64_t t, int64_t running, int64_t waitin
 
 def snapshot(int64_t[:, ::1] tab, int64_t n):
     """Atomic-load copy of the first n rows (a consistent value per cell, not across cells)."""
+    if tab.shape[1] != NCOLS:
+        raise ValueError(f"not a target table: {tab.shape[1]} columns, expected {NCOLS}")
+    if n < 0 or n > tab.shape[0]:
+        raise ValueError(f"snapshot of {n} rows from a table of {tab.shape[0]}")
     out = np.empty((n, NCOLS), dtype=np.int64)
     cdef int64_t[:, ::1] o = out
     cdef int64_t t
@@ -241,13 +283,13 @@ cdef class Picker:
                  int64_t weight=0, seed=None, int kv_fit=0, int64_t kv_reserve=0):
         if policy not in KINDS:
             raise ValueError(f"policy {policy!r} has no compiled picker")
-        if metric not in ("tokens", "requests", "least_requests"):
+        if metric not in LOAD_METRIC_CODE:
             raise ValueError(f"unknown load metric {metric!r}")
-        if demand not in (0, 1, 2):
+        if demand not in MODE_CODE.values():
             raise ValueError("demand must be 0 (off), 1 (shadow) or 2 (on)")
         if weight < 0:
             raise ValueError("request weight must be >= 0")
-        if kv_fit not in (0, 1, 2):
+        if kv_fit not in MODE_CODE.values():
             raise ValueError("kv_fit must be 0 (off), 1 (shadow) or 2 (on)")
         if kv_reserve < 0:
             raise ValueError("kv reserve must be >= 0")
@@ -255,14 +297,14 @@ cdef class Picker:
         self.kv_reserve = kv_reserve
         self.tab = table_array
         self.header = header_array
+        _check_arrays(self.tab, self.header)
         self.keep = (table_array, header_array)
         self.kind = KINDS[policy]
-        self.metric = {"tokens": METRIC_TOKENS, "requests": METRIC_REQUESTS,
-                       "least_requests": METRIC_LEAST_REQUESTS}[metric]
+        self.metric = LOAD_METRIC_CODE[metric]
         self.demand = demand
         self.weight = weight
         if seed is None:
-            seed = int.from_bytes(__import__("os").urandom(8), "little")
+            seed = int.from_bytes(os.urandom(8), "little")
         self.rng = <uint64_t>(int(seed) & 0xFFFFFFFFFFFFFFFF)
         self.cursor = 0
         self.cands = np.zeros(0, dtype=np.int64)
@@ -296,8 +338,10 @@ cdef class Picker:
     def set_ring(self, hashes, targets):
         h = np.ascontiguousarray(hashes, dtype=np.uint64)
         t = np.ascontiguousarray(targets, dtype=np.int64)
-        if h.shape != t.shape:
+        if h.shape != t.shape or h.ndim != 1:
             raise ValueError("ring hashes and targets differ in length")
+        if t.size and (t.min() < 0 or t.max() >= self.tab.shape[0]):
+            raise IndexError("ring target out of the table's range")
         self.ring_hash = h
         self.ring_target = t
 
@@ -324,18 +368,18 @@ cdef class Picker:
             klen = len(key)
         if self.kv_fit != 0:
             f = pick_kv_fit(self.tab, self.cands, tokens, tokens + out_tokens + self.kv_reserve,
-                            self.demand == 2, self.weight, &self.rng)
+                            self.demand == MODE_ON, self.weight, &self.rng)
             if f == -2:
                 self.kv_fallback += 1
-            elif self.kv_fit == 2:
+            elif self.kv_fit == MODE_ON:
                 return f
-        if self.demand == 2:
+        if self.demand == MODE_ON:
             a = pick_demand(self.tab, self.cands, tokens, self.weight, &self.rng)
             self._count_kv(a, f, tokens + out_tokens + self.kv_reserve)
             return a
         a = self._legacy(k, klen)
         self._count_kv(a, f, tokens + out_tokens + self.kv_reserve)
-        if self.demand == 1:
+        if self.demand == MODE_SHADOW:
             b = pick_demand(self.tab, self.cands, tokens, self.weight, &self.rng)
             self.last_legacy = a
             self.last_demand = b
@@ -349,7 +393,7 @@ cdef class Picker:
         # Shadow agreement: the dispatched target is one KV fit would also accept (it fits, or
         # it is KV fit's own choice).  Comparing exact picks would count random tie-breaks
         # between equally good ranks as disagreement.
-        if self.kv_fit == 1 and fit >= 0 and dispatched >= 0:
+        if self.kv_fit == MODE_SHADOW and fit >= 0 and dispatched >= 0:
             if fit == dispatched or kv_free(self.tab, dispatched) >= need:
                 self.kv_agree += 1
             else:

@@ -8,27 +8,14 @@ consumes the RNG identically; the differential tests compare them pick for pick.
 from libc.stdint cimport int64_t, uint64_t, INT64_MIN
 from fastroute.core._atomic cimport fr_load_i64
 from fastroute.core._layout cimport (
-    COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_POLLED_TOKENS, COL_POLLED_AT, COL_HEALTHY,
-    COL_CIRCUIT, COL_POLLED_MAX_TOKENS, COL_TOKENS_AT_POLL, NCOLS,
+    COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_POLLED_RUNNING, COL_POLLED_WAITING, COL_POLLED_TOKENS,
+    COL_POLLED_AT, COL_HEALTHY, COL_PICKS, COL_CIRCUIT, COL_POLLED_MAX_TOKENS, COL_ALLOCATED,
+    COL_TOKENS_AT_POLL, COL_CB_FAILS, COL_CB_OKS, COL_CB_OPENED_AT, NCOLS,
+    HDR_MAGIC, HDR_CAPACITY, HDR_UNDERFLOWS, HDR_GENERATION, NHDR,
+    CIRCUIT_CLOSED, CIRCUIT_OPEN, CIRCUIT_HALF_OPEN, row_eligible,
 )
+from fastroute.core._random cimport mix64, rng_below, reservoir_step
 import numpy as np
-
-
-cdef inline uint64_t _mix(uint64_t z) noexcept nogil:
-    z = (z ^ (z >> 30)) * <uint64_t>0xBF58476D1CE4E5B9
-    z = (z ^ (z >> 27)) * <uint64_t>0x94D049BB133111EB
-    return z ^ (z >> 31)
-
-
-cdef uint64_t rng_next(uint64_t *state) noexcept nogil:
-    # splitmix64: one add and a finaliser; state is per process (or per group), seedable.
-    state[0] += <uint64_t>0x9E3779B97F4A7C15
-    return _mix(state[0])
-
-
-cdef uint64_t rng_below(uint64_t *state, uint64_t n) noexcept nogil:
-    # Multiply-shift on the top 32 bits: unbiased enough for n < 2^32 (bias < n / 2^32).
-    return ((rng_next(state) >> 32) * n) >> 32
 
 
 cdef uint64_t hash_bytes(const unsigned char *data, Py_ssize_t n) noexcept nogil:
@@ -37,35 +24,31 @@ cdef uint64_t hash_bytes(const unsigned char *data, Py_ssize_t n) noexcept nogil
     cdef Py_ssize_t i
     for i in range(n):
         h = (h ^ data[i]) * <uint64_t>0x100000001B3
-    return _mix(h)
+    return mix64(h)
 
 
-cdef bint eligible(int64_t[:, ::1] tab, int64_t t) noexcept nogil:
-    return fr_load_i64(&tab[t, COL_HEALTHY]) == 1 and fr_load_i64(&tab[t, COL_CIRCUIT]) != 1
-
-
-cdef inline int64_t _nth_eligible(int64_t[:, ::1] tab, const int64_t[::1] cands,
+cdef inline int64_t _nth_eligible(const int64_t[:, ::1] tab, const int64_t[::1] cands,
                                   int64_t nth) noexcept nogil:
     cdef Py_ssize_t i
     cdef int64_t seen = 0
     for i in range(cands.shape[0]):
-        if eligible(tab, cands[i]):
+        if row_eligible(&tab[cands[i], 0]):
             if seen == nth:
                 return cands[i]
             seen += 1
     return -1
 
 
-cdef inline int64_t _count_eligible(int64_t[:, ::1] tab, const int64_t[::1] cands) noexcept nogil:
+cdef inline int64_t _count_eligible(const int64_t[:, ::1] tab, const int64_t[::1] cands) noexcept nogil:
     cdef Py_ssize_t i
     cdef int64_t m = 0
     for i in range(cands.shape[0]):
-        if eligible(tab, cands[i]):
+        if row_eligible(&tab[cands[i], 0]):
             m += 1
     return m
 
 
-cdef int64_t pick_round_robin(int64_t[:, ::1] tab, const int64_t[::1] cands,
+cdef int64_t pick_round_robin(const int64_t[:, ::1] tab, const int64_t[::1] cands,
                               int64_t *cursor) noexcept nogil:
     cdef Py_ssize_t n = cands.shape[0], k
     cdef int64_t c
@@ -73,13 +56,13 @@ cdef int64_t pick_round_robin(int64_t[:, ::1] tab, const int64_t[::1] cands,
         return -1
     for k in range(n):
         c = (cursor[0] + k) % n
-        if eligible(tab, cands[c]):
+        if row_eligible(&tab[cands[c], 0]):
             cursor[0] = (c + 1) % n
             return cands[c]
     return -1
 
 
-cdef int64_t pick_random(int64_t[:, ::1] tab, const int64_t[::1] cands,
+cdef int64_t pick_random(const int64_t[:, ::1] tab, const int64_t[::1] cands,
                          uint64_t *rng) noexcept nogil:
     cdef int64_t m = _count_eligible(tab, cands)
     if m == 0:
@@ -87,7 +70,7 @@ cdef int64_t pick_random(int64_t[:, ::1] tab, const int64_t[::1] cands,
     return _nth_eligible(tab, cands, <int64_t>rng_below(rng, <uint64_t>m))
 
 
-cdef int64_t pick_p2c(int64_t[:, ::1] tab, const int64_t[::1] cands, int metric,
+cdef int64_t pick_p2c(const int64_t[:, ::1] tab, const int64_t[::1] cands, int metric,
                       uint64_t *rng) noexcept nogil:
     cdef int64_t m, i, j, a, b, ra, rb, ta, tb, t, best, best_req, best_tok, req, tok
     cdef int64_t ties
@@ -98,7 +81,7 @@ cdef int64_t pick_p2c(int64_t[:, ::1] tab, const int64_t[::1] cands, int metric,
         any_polled = False
         for k in range(cands.shape[0]):
             t = cands[k]
-            if eligible(tab, t) and fr_load_i64(&tab[t, COL_POLLED_AT]) >= 0:
+            if row_eligible(&tab[t, 0]) and fr_load_i64(&tab[t, COL_POLLED_AT]) >= 0:
                 any_polled = True
                 break
         best = -1
@@ -107,7 +90,7 @@ cdef int64_t pick_p2c(int64_t[:, ::1] tab, const int64_t[::1] cands, int metric,
         ties = 0
         for k in range(cands.shape[0]):
             t = cands[k]
-            if not eligible(tab, t):
+            if not row_eligible(&tab[t, 0]):
                 continue
             if any_polled and fr_load_i64(&tab[t, COL_POLLED_AT]) < 0:
                 continue
@@ -117,8 +100,7 @@ cdef int64_t pick_p2c(int64_t[:, ::1] tab, const int64_t[::1] cands, int metric,
                 best, best_req, best_tok, ties = t, req, tok, 1
             elif req == best_req and tok == best_tok:
                 # Reservoir sampling over the tied minimum: each of N tied targets wins 1/N.
-                ties += 1
-                if rng_below(rng, <uint64_t>ties) == 0:
+                if reservoir_step(rng, &ties):
                     best = t
         return best
 
@@ -156,27 +138,26 @@ cdef int64_t pick_p2c(int64_t[:, ::1] tab, const int64_t[::1] cands, int metric,
     return a
 
 
-cdef int64_t pick_demand(int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens,
+cdef int64_t pick_demand(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens,
                          int64_t weight, uint64_t *rng) noexcept nogil:
     # cost = in-flight input tokens + this request's tokens + weight x requests held.
     cdef int64_t best = -1, best_cost = 0, cost, t, ties = 0
     cdef Py_ssize_t k
     for k in range(cands.shape[0]):
         t = cands[k]
-        if not eligible(tab, t):
+        if not row_eligible(&tab[t, 0]):
             continue
         cost = (fr_load_i64(&tab[t, COL_IN_FLIGHT_TOKENS]) + tokens
                 + weight * fr_load_i64(&tab[t, COL_IN_FLIGHT]))
         if best < 0 or cost < best_cost:
             best, best_cost, ties = t, cost, 1
         elif cost == best_cost:
-            ties += 1
-            if rng_below(rng, <uint64_t>ties) == 0:
+            if reservoir_step(rng, &ties):
                 best = t
     return best
 
 
-cdef int64_t pick_ring(int64_t[:, ::1] tab, const uint64_t[::1] ring_hash,
+cdef int64_t pick_ring(const int64_t[:, ::1] tab, const uint64_t[::1] ring_hash,
                        const int64_t[::1] ring_target, uint64_t key) noexcept nogil:
     # First ring point at or after the key (lower bound), then clockwise to the first eligible target.
     cdef Py_ssize_t n = ring_hash.shape[0], lo = 0, hi = n, mid, k
@@ -191,12 +172,12 @@ cdef int64_t pick_ring(int64_t[:, ::1] tab, const uint64_t[::1] ring_hash,
             hi = mid
     for k in range(n):
         t = ring_target[(lo + k) % n]
-        if eligible(tab, t):
+        if row_eligible(&tab[t, 0]):
             return t
     return -1
 
 
-cdef int64_t kv_free(int64_t[:, ::1] tab, int64_t t) noexcept nogil:
+cdef int64_t kv_free(const int64_t[:, ::1] tab, int64_t t) noexcept nogil:
     """Estimated free KV tokens of a rank now, or INT64_MIN when its capacity is unknown.
 
     The poll says what the engine had allocated then; since then the router booked and released
@@ -214,7 +195,7 @@ cdef int64_t kv_free(int64_t[:, ::1] tab, int64_t t) noexcept nogil:
     return cap - used
 
 
-cdef int64_t pick_kv_fit(int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens,
+cdef int64_t pick_kv_fit(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens,
                          int64_t need, bint use_demand, int64_t weight,
                          uint64_t *rng) noexcept nogil:
     """Among the ranks where ``need`` more KV tokens fit, the least-requests pick (ties: more free
@@ -227,7 +208,7 @@ cdef int64_t pick_kv_fit(int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t 
     cdef Py_ssize_t k
     for k in range(cands.shape[0]):
         t = cands[k]
-        if not eligible(tab, t):
+        if not row_eligible(&tab[t, 0]):
             continue
         free = kv_free(tab, t)
         if free == INT64_MIN:
@@ -237,8 +218,7 @@ cdef int64_t pick_kv_fit(int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t 
         if room < 0 or free > room_free:
             room, room_free, room_ties = t, free, 1
         elif free == room_free:
-            room_ties += 1
-            if rng_below(rng, <uint64_t>room_ties) == 0:
+            if reservoir_step(rng, &room_ties):
                 room = t
         if free < need:
             continue
@@ -252,8 +232,7 @@ cdef int64_t pick_kv_fit(int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t 
         if best < 0 or a < best_a or (a == best_a and b < best_b):
             best, best_a, best_b, ties = t, a, b, 1
         elif a == best_a and b == best_b:
-            ties += 1
-            if rng_below(rng, <uint64_t>ties) == 0:
+            if reservoir_step(rng, &ties):
                 best = t
     if not known:
         return -2
@@ -261,46 +240,77 @@ cdef int64_t pick_kv_fit(int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t 
 
 
 # ---- thin Python wrappers, for tests and the reference comparison ------------------------------
+# The kernels run without bounds checks; these entry points check every index a caller hands in
+# (table width, candidate and ring rows, cursor, RNG state) so Python can never make them read
+# outside the arrays.  Picker (in _ledger) validates its candidates once, when they are set.
 
-def _rng_state(state):
+cdef int _check_table(const int64_t[:, ::1] tab) except -1:
+    if tab.shape[1] != NCOLS:
+        raise ValueError(f"not a target table: {tab.shape[1]} columns, expected {NCOLS}")
+    return 0
+
+
+cdef int _check_rows(const int64_t[:, ::1] tab, const int64_t[::1] rows, str what) except -1:
+    cdef Py_ssize_t k
+    _check_table(tab)
+    for k in range(rows.shape[0]):
+        if rows[k] < 0 or rows[k] >= tab.shape[0]:
+            raise IndexError(f"{what} {rows[k]} out of the table's range 0..{tab.shape[0] - 1}")
+    return 0
+
+
+cdef uint64_t *_rng_state(state) except NULL:
     if not (isinstance(state, np.ndarray) and state.dtype == np.uint64 and state.shape == (1,)):
         raise TypeError("rng state must be a numpy uint64 array of shape (1,)")
-    return state
+    cdef uint64_t[::1] s = state
+    # The caller's array stays alive for the whole call (it is an argument), so the pointer does.
+    return &s[0]
 
 
-def round_robin(int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t[::1] cursor):
+def round_robin(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t[::1] cursor):
+    _check_rows(tab, cands, "candidate")
+    if cursor.shape[0] != 1 or cursor[0] < 0:
+        raise ValueError("cursor must be a non-negative int64 array of shape (1,)")
     return pick_round_robin(tab, cands, &cursor[0])
 
 
-def random_pick(int64_t[:, ::1] tab, const int64_t[::1] cands, state):
-    cdef uint64_t[::1] s = _rng_state(state)
-    return pick_random(tab, cands, &s[0])
+def random_pick(const int64_t[:, ::1] tab, const int64_t[::1] cands, state):
+    _check_rows(tab, cands, "candidate")
+    return pick_random(tab, cands, _rng_state(state))
 
 
-def power_of_two(int64_t[:, ::1] tab, const int64_t[::1] cands, int metric, state):
-    cdef uint64_t[::1] s = _rng_state(state)
-    return pick_p2c(tab, cands, metric, &s[0])
+def power_of_two(const int64_t[:, ::1] tab, const int64_t[::1] cands, int metric, state):
+    _check_rows(tab, cands, "candidate")
+    if metric not in (METRIC_TOKENS, METRIC_REQUESTS, METRIC_LEAST_REQUESTS):
+        raise ValueError(f"unknown load metric code {metric}")
+    return pick_p2c(tab, cands, metric, _rng_state(state))
 
 
-def demand(int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens, int64_t weight, state):
-    cdef uint64_t[::1] s = _rng_state(state)
-    return pick_demand(tab, cands, tokens, weight, &s[0])
+def demand(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens, int64_t weight, state):
+    _check_rows(tab, cands, "candidate")
+    return pick_demand(tab, cands, tokens, weight, _rng_state(state))
 
 
-def kv_fit(int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens, int64_t need,
+def kv_fit(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens, int64_t need,
            bint use_demand, int64_t weight, state):
-    cdef uint64_t[::1] s = _rng_state(state)
-    return pick_kv_fit(tab, cands, tokens, need, use_demand, weight, &s[0])
+    _check_rows(tab, cands, "candidate")
+    return pick_kv_fit(tab, cands, tokens, need, use_demand, weight, _rng_state(state))
 
 
-def free_kv(int64_t[:, ::1] tab, int64_t t):
+def free_kv(const int64_t[:, ::1] tab, int64_t t):
     """Estimated free KV tokens of target t, or None when its capacity is unknown."""
+    _check_table(tab)
+    if t < 0 or t >= tab.shape[0]:
+        raise IndexError(f"target {t} out of the table's range")
     cdef int64_t f = kv_free(tab, t)
     return None if f == INT64_MIN else f
 
 
-def ring_lookup(int64_t[:, ::1] tab, const uint64_t[::1] ring_hash,
+def ring_lookup(const int64_t[:, ::1] tab, const uint64_t[::1] ring_hash,
                 const int64_t[::1] ring_target, uint64_t key):
+    if ring_hash.shape[0] != ring_target.shape[0]:
+        raise ValueError("ring hashes and targets differ in length")
+    _check_rows(tab, ring_target, "ring target")
     return pick_ring(tab, ring_hash, ring_target, key)
 
 
@@ -312,10 +322,21 @@ def hash64(const unsigned char[::1] data):
 
 
 def layout():
-    """The compiled column/header constants, so tests can check table.py mirrors them."""
-    return dict(COL_IN_FLIGHT=COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS=COL_IN_FLIGHT_TOKENS,
-                COL_POLLED_TOKENS=COL_POLLED_TOKENS, COL_POLLED_AT=COL_POLLED_AT,
-                COL_HEALTHY=COL_HEALTHY, COL_CIRCUIT=COL_CIRCUIT, NCOLS=NCOLS)
-
-METRICS = {"tokens": METRIC_TOKENS, "requests": METRIC_REQUESTS,
-           "least_requests": METRIC_LEAST_REQUESTS}
+    """Every constant of _layout.pxd and _policy.pxd as compiled, so tests can check that
+    table.py and fastroute.names mirror them (tests/unit/test_table.py)."""
+    return dict(
+        COL_IN_FLIGHT=COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS=COL_IN_FLIGHT_TOKENS,
+        COL_POLLED_RUNNING=COL_POLLED_RUNNING, COL_POLLED_WAITING=COL_POLLED_WAITING,
+        COL_POLLED_TOKENS=COL_POLLED_TOKENS, COL_POLLED_AT=COL_POLLED_AT, COL_HEALTHY=COL_HEALTHY,
+        COL_PICKS=COL_PICKS, COL_CIRCUIT=COL_CIRCUIT, COL_POLLED_MAX_TOKENS=COL_POLLED_MAX_TOKENS,
+        COL_ALLOCATED=COL_ALLOCATED, COL_TOKENS_AT_POLL=COL_TOKENS_AT_POLL,
+        COL_CB_FAILS=COL_CB_FAILS, COL_CB_OKS=COL_CB_OKS, COL_CB_OPENED_AT=COL_CB_OPENED_AT,
+        NCOLS=NCOLS,
+        HDR_MAGIC=HDR_MAGIC, HDR_CAPACITY=HDR_CAPACITY, HDR_UNDERFLOWS=HDR_UNDERFLOWS,
+        HDR_GENERATION=HDR_GENERATION, NHDR=NHDR,
+        CIRCUIT_CLOSED=CIRCUIT_CLOSED, CIRCUIT_OPEN=CIRCUIT_OPEN,
+        CIRCUIT_HALF_OPEN=CIRCUIT_HALF_OPEN,
+        METRIC_TOKENS=METRIC_TOKENS, METRIC_REQUESTS=METRIC_REQUESTS,
+        METRIC_LEAST_REQUESTS=METRIC_LEAST_REQUESTS,
+        MODE_OFF=MODE_OFF, MODE_SHADOW=MODE_SHADOW, MODE_ON=MODE_ON,
+    )

@@ -11,6 +11,9 @@ REASON_BALANCE: int
 REASON_HIT: int
 REASON_SMALLEST: int
 
+class TreeCorrupt(RuntimeError):
+    """``PrefixTree.check`` found a broken structural invariant."""
+
 class PrefixTree:
     """Radix tree of request text (UTF-8 bytes) shared by the targets of one group.
 
@@ -59,4 +62,5 @@ class PrefixTree:
     def sizes(self) -> dict[int, int]: ...
     def clear(self) -> None: ...
     def check(self) -> dict[int, int]:
-        """Assert the structural invariants; {target: bytes} recomputed from the nodes."""
+        """Check the structural invariants (TreeCorrupt on the first broken one, also under
+        ``python -O``); {target: bytes} recomputed from the nodes."""

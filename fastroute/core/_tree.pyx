@@ -28,8 +28,8 @@ from libc.string cimport memchr, memcpy
 from cpython.mem cimport PyMem_Malloc, PyMem_Realloc, PyMem_Free
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from fastroute.core._atomic cimport fr_load_i64
-from fastroute.core._layout cimport COL_IN_FLIGHT, COL_HEALTHY, COL_CIRCUIT, NCOLS
-from fastroute.core._policy cimport rng_below
+from fastroute.core._layout cimport COL_IN_FLIGHT, NCOLS, row_eligible
+from fastroute.core._random cimport reservoir_step
 
 cdef extern from "Python.h":
     const char *PyUnicode_AsUTF8AndSize(object s, Py_ssize_t *size) except NULL
@@ -84,17 +84,23 @@ cdef inline int64_t _common(const unsigned char *a, const unsigned char *b, int6
     return i
 
 
-cdef inline bint _eligible(const int64_t *row) noexcept nogil:
-    # Same rule as _policy.eligible: healthy and circuit not open (half-open may take a probe).
-    return fr_load_i64(&row[COL_HEALTHY]) == 1 and fr_load_i64(&row[COL_CIRCUIT]) != 1
+class TreeCorrupt(RuntimeError):
+    """``PrefixTree.check`` found a broken structural invariant (a bug in this module)."""
+
+
+cdef inline int _require(bint ok, str what) except -1:
+    # check() raises explicitly: an ``assert`` would check nothing under ``python -O``.
+    if not ok:
+        raise TreeCorrupt(what)
+    return 0
 
 
 cdef class PrefixTree:
     """Radix tree + cache_aware pick over one shared target table (see the module docstring)."""
 
     cdef object _array               # keeps the shared mapping alive while we hold its pointer
-    cdef int64_t[:, ::1] _tab
-    cdef int64_t *_rows
+    cdef const int64_t[:, ::1] _tab  # read only: eligibility and in-flight counts
+    cdef const int64_t *_rows
     cdef int64_t _nrows
 
     cdef Node *nodes
@@ -143,9 +149,9 @@ cdef class PrefixTree:
         self._array = array
         self._tab = array
         self._nrows = self._tab.shape[0]
-        self._rows = &self._tab[0, 0]
         if self._tab.shape[1] != NCOLS:
             raise ValueError("not a target table array")
+        self._rows = &self._tab[0, 0] if self._nrows > 0 else NULL
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
@@ -508,7 +514,7 @@ cdef class PrefixTree:
         self.stamp += 1
         for i in range(self.ncand):
             row = self._rows + self.cand[i] * NCOLS
-            if _eligible(row):
+            if row_eligible(row):
                 load = fr_load_i64(&row[COL_IN_FLIGHT])
                 self.cand_load[i] = load
                 self.cand_ok[i] = 1
@@ -526,17 +532,16 @@ cdef class PrefixTree:
 
     cdef Py_ssize_t _least_loaded(self) noexcept:
         cdef Py_ssize_t i, best = -1
-        cdef uint64_t ties = 0
+        cdef int64_t ties = 0
         for i in range(self.ncand):
             if self.cand_ok[i] and self.cand_load[i] == self.min_load:
-                ties += 1
-                if rng_below(&self.rng, ties) == 0:      # reservoir: each tie wins 1/N
+                if reservoir_step(&self.rng, &ties):      # each tie wins 1/N
                     best = i
         return best
 
     cdef Py_ssize_t _smallest(self) noexcept:
         cdef Py_ssize_t i, best = -1
-        cdef uint64_t ties = 0
+        cdef int64_t ties = 0
         cdef int64_t size, best_size = INT64_MAX
         for i in range(self.ncand):
             if not self.cand_ok[i]:
@@ -547,18 +552,16 @@ cdef class PrefixTree:
                 best = i
                 ties = 1
             elif size == best_size:
-                ties += 1
-                if rng_below(&self.rng, ties) == 0:
+                if reservoir_step(&self.rng, &ties):
                     best = i
         return best
 
     cdef int32_t _random_holder(self, int32_t x) noexcept:
         cdef int32_t e = self.nodes[x].holders, best = -1
-        cdef uint64_t ties = 0
+        cdef int64_t ties = 0
         while e >= 0:
             if self.slot_stamp[self.ents[e].slot] == self.stamp:
-                ties += 1
-                if rng_below(&self.rng, ties) == 0:
+                if reservoir_step(&self.rng, &ties):
                     best = self.ents[e].slot
             e = self.ents[e].nnext
         return best
@@ -804,8 +807,9 @@ cdef class PrefixTree:
         self._root()
 
     def check(self):
-        """Verify every structural invariant; returns {target: bytes held} recomputed from the
-        nodes.  O(nodes x targets): tests and debugging only."""
+        """Verify every structural invariant, raising TreeCorrupt on the first broken one;
+        returns {target: bytes held} recomputed from the nodes.  O(nodes x targets): tests and
+        debugging only."""
         cdef int32_t x, e, f, s, c, k, count
         cdef int64_t pos
         cdef Node *nd
@@ -819,13 +823,13 @@ cdef class PrefixTree:
             pos = 0
             prev = -1
             while e >= 0:
-                assert self.ents[e].slot == s, "entry in another slot's list"
-                assert self.ents[e].prev == prev, "broken LRU back link"
+                _require(self.ents[e].slot == s, "entry in another slot's list")
+                _require(self.ents[e].prev == prev, "broken LRU back link")
                 order[e] = pos
                 pos += 1
                 prev = e
                 e = self.ents[e].next
-            assert self.slot_tail[s] == prev, "slot tail is not the last entry"
+            _require(self.slot_tail[s] == prev, "slot tail is not the last entry")
         live = 0
         for x in range(self.nnodes_used):
             nd = &self.nodes[x]
@@ -833,23 +837,23 @@ cdef class PrefixTree:
                 continue
             live += 1
             if x == 0:
-                assert nd.holders < 0 and nd.len == 0, "root is held or labelled"
+                _require(nd.holders < 0 and nd.len == 0, "root is held or labelled")
             else:
-                assert nd.len > 0, "empty label"
-                assert nd.holders >= 0, "node without holders"
-                assert self._kid(nd.parent, nd.label[0]) == x, "parent does not list node"
+                _require(nd.len > 0, "empty label")
+                _require(nd.holders >= 0, "node without holders")
+                _require(self._kid(nd.parent, nd.label[0]) == x, "parent does not list node")
             for k in range(nd.nkids):
                 c = nd.kids[k]
-                assert self.nodes[c].parent == x, "child's parent link"
-                assert self.nodes[c].label[0] == _keys(nd)[k], "child key"
+                _require(self.nodes[c].parent == x, "child's parent link")
+                _require(self.nodes[c].label[0] == _keys(nd)[k], "child key")
             e = nd.holders
             count = 0
             seen = set()
             while e >= 0:
                 s = self.ents[e].slot
-                assert self.ents[e].node == x, "holder of another node"
-                assert s not in seen, "slot holds a node twice"
-                assert e in order, "holder missing from its slot's LRU list"
+                _require(self.ents[e].node == x, "holder of another node")
+                _require(s not in seen, "slot holds a node twice")
+                _require(e in order, "holder missing from its slot's LRU list")
                 seen.add(s)
                 t = self.slot_target[s]
                 sizes[t] += nd.len
@@ -857,13 +861,13 @@ cdef class PrefixTree:
                     f = self.nodes[nd.parent].holders
                     while f >= 0 and self.ents[f].slot != s:
                         f = self.ents[f].nnext
-                    assert f >= 0, "holding is not prefix-closed"
-                    assert order[f] > order[e], "ancestor older than descendant in LRU"
+                    _require(f >= 0, "holding is not prefix-closed")
+                    _require(order[f] > order[e], "ancestor older than descendant in LRU")
                 e = self.ents[e].nnext
                 count += 1
-        assert live == self.live_nodes, "live node count"
-        assert len(order) == self.live_ents, "live entry count"
+        _require(live == self.live_nodes, "live node count")
+        _require(len(order) == self.live_ents, "live entry count")
         for s in range(self.nslots):
             if self.slot_target[s] >= 0:
-                assert sizes[self.slot_target[s]] == self.slot_size[s], "size accounting"
+                _require(sizes[self.slot_target[s]] == self.slot_size[s], "size accounting")
         return sizes

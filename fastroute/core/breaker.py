@@ -34,17 +34,19 @@ scan for open rows is one compiled call.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
 import numpy as np
 
 from fastroute.core import _ledger
 from fastroute.core.table import COL_CB_FAILS, COL_CB_OKS, COL_CB_OPENED_AT, COL_CIRCUIT, NCOLS
+from fastroute.names import CIRCUIT_CLOSED as CLOSED
+from fastroute.names import CIRCUIT_HALF_OPEN as HALF_OPEN
+from fastroute.names import CIRCUIT_OPEN as OPEN
+from fastroute.names import CIRCUIT_STATE_NAMES as _STATE_NAME
 
 log = logging.getLogger("fastroute.breaker")
-
-CLOSED, OPEN, HALF_OPEN = 0, 1, 2
-_STATE_NAME = ("closed", "open", "half_open")
 
 # Upstream statuses that are failures / neither failure nor success.
 FAILURE_STATUSES = frozenset({500, 502, 504})
@@ -65,8 +67,6 @@ class Breakers:
                  success_threshold: int = 3, timeout_secs: float = 60.0, enabled: bool = True,
                  stats: Any = None, name_of: Callable[[int], str | None] | None = None,
                  clock: Callable[[], float] | None = None) -> None:
-        import time
-
         self.table = table
         self.clock = clock or time.monotonic
         self.enabled = bool(enabled)
@@ -81,7 +81,8 @@ class Breakers:
                       else _ledger.Cells(np.zeros((int(capacity), NCOLS), np.int64)))
         n = min(int(capacity), int(self.cells.rows))
         self.capacity = n
-        # Prebuilt metric keys per row: (name, "success") / (name, "failure"), refreshed by reset().
+        # Prebuilt metric keys per row: (name, "success") / (name, "failure"), dropped by
+        # forget_names() (and reset()) when the row may belong to another worker.
         self._ok_key: list[tuple[str, str] | None] = [None] * n
         self._fail_key: list[tuple[str, str] | None] = [None] * n
 

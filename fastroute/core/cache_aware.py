@@ -88,7 +88,7 @@ class CacheAwarePolicy:
         self.tree.set_targets(targets)
         self._names = dict(zip(targets, names))
 
-    # ---- observability (metrics, /get_loads debugging, tests) ---------------------------------
+    # ---- introspection for tests and debugging (nothing exports these as metrics yet) ----------
     def tree_sizes(self) -> dict[str, int]:
         """Bytes of prompt text held per target name."""
         return {self._names.get(t, str(t)): n for t, n in self.tree.sizes().items()}

@@ -3,17 +3,24 @@
 Each function takes the same table array and candidate list as its compiled counterpart and a
 ``Rng`` that reproduces the compiled splitmix64 stream, so for equal inputs and seeds the picks
 must be identical, not just similarly distributed.
+
+The prefix tree (``_tree.PrefixTree``) has a twin of its meaning rather than of its structure
+(``tree_match``, ``tree_pick``, ``held_bytes``): the longest common prefix over every text each
+target was given, which the radix tree must reproduce byte for byte; ties are a set of allowed
+targets, since the tree breaks them with its own RNG.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from typing import Any, Iterable
+
 from fastroute.core.table import (COL_CIRCUIT, COL_HEALTHY, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS,
-                             COL_POLLED_MAX_TOKENS, COL_TOKENS_AT_POLL,
-                             COL_POLLED_AT, COL_POLLED_TOKENS)
+                                  COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_POLLED_TOKENS,
+                                  COL_TOKENS_AT_POLL)
+from fastroute.names import CIRCUIT_OPEN, LOAD_METRIC_CODE
 
 M64 = (1 << 64) - 1
-METRICS = {"tokens": 0, "requests": 1, "least_requests": 2}
 
 
 def _mix(z: int) -> int:
@@ -44,7 +51,12 @@ def hash64(data: bytes) -> int:
 
 
 def _eligible(tab: np.ndarray, cands) -> list[int]:
-    return [int(t) for t in cands if tab[t, COL_HEALTHY] == 1 and tab[t, COL_CIRCUIT] != 1]
+    return [int(t) for t in cands if _row_eligible(tab, t)]
+
+
+def _row_eligible(tab: np.ndarray, t) -> bool:
+    """``_layout.row_eligible``: healthy, and circuit not open (half-open may take a probe)."""
+    return bool(tab[t, COL_HEALTHY] == 1 and tab[t, COL_CIRCUIT] != CIRCUIT_OPEN)
 
 
 def round_robin(tab: np.ndarray, cands, cursor: list[int]) -> int:
@@ -52,7 +64,7 @@ def round_robin(tab: np.ndarray, cands, cursor: list[int]) -> int:
     for k in range(n):
         c = (cursor[0] + k) % n
         t = int(cands[c])
-        if tab[t, COL_HEALTHY] == 1 and tab[t, COL_CIRCUIT] != 1:
+        if _row_eligible(tab, t):
             cursor[0] = (c + 1) % n
             return t
     return -1
@@ -64,8 +76,10 @@ def random_pick(tab: np.ndarray, cands, rng: Rng) -> int:
 
 
 def power_of_two(tab: np.ndarray, cands, metric: str, rng: Rng) -> int:
+    if metric not in LOAD_METRIC_CODE:
+        raise ValueError(f"unknown load metric {metric!r}")
     el = _eligible(tab, cands)
-    if METRICS[metric] == 2:
+    if metric == "least_requests":
         polled = [t for t in el if tab[t, COL_POLLED_AT] >= 0]
         pool = polled if polled else el
         best, best_key, ties = -1, None, 0
@@ -123,7 +137,7 @@ def ring_lookup(tab: np.ndarray, ring_hash: np.ndarray, ring_target: np.ndarray,
     lo = int(np.searchsorted(ring_hash, np.uint64(key), side="left"))
     for k in range(n):
         t = int(ring_target[(lo + k) % n])
-        if tab[t, COL_HEALTHY] == 1 and tab[t, COL_CIRCUIT] != 1:
+        if _row_eligible(tab, t):
             return t
     return -1
 
@@ -168,3 +182,58 @@ def kv_fit(tab: np.ndarray, cands, tokens: int, need: int, use_demand: bool, wei
     if not known:
         return -2
     return best if best >= 0 else room
+
+
+# ---- the prefix tree, by meaning ----------------------------------------------------------------
+
+def common_prefix(a: bytes, b: bytes) -> int:
+    """Length in bytes of the longest common prefix of a and b."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def held_bytes(texts: Iterable[bytes]) -> int:
+    """Bytes a target holds after these inserts, without eviction: its distinct non-empty
+    prefixes."""
+    return len({s[:k] for s in texts for k in range(1, len(s) + 1)})
+
+
+def tree_match(held: dict[int, list[bytes]], query: bytes,
+               eligible: set[int]) -> tuple[int, list[int]]:
+    """``PrefixTree.match``: (longest match among the eligible targets' texts, sorted targets
+    holding it); (0, []) when nothing matches."""
+    best, who = 0, []
+    for t, texts in held.items():
+        if t not in eligible:
+            continue
+        m = max((common_prefix(s, query) for s in texts), default=0)
+        if m > best:
+            best, who = m, [t]
+        elif m == best and m > 0:
+            who.append(t)
+    return best, sorted(who)
+
+
+def tree_pick(held: dict[int, list[bytes]], sizes: dict[int, int], loads: dict[int, int],
+              eligible: set[int], text: bytes | None, cfg: Any) -> tuple[str, set[int]]:
+    """``PrefixTree.pick`` as (reason, the set of targets it may choose): the reasons are those of
+    ``cache_aware.REASONS``, "none" with an empty set when no target is eligible.  ``cfg`` has
+    cache_threshold, balance_abs_threshold and balance_rel_threshold."""
+    if not eligible:
+        return "none", set()
+    lo = min(loads[t] for t in eligible)
+    hi = max(loads[t] for t in eligible)
+    least = {t for t in eligible if loads[t] == lo}
+    if not text:
+        return "no_text", least
+    if hi - lo > cfg.balance_abs_threshold and hi > lo * cfg.balance_rel_threshold:
+        return "balance", least
+    m, who = tree_match(held, text, eligible)
+    if who and m > cfg.cache_threshold * len(text):
+        return "cache_hit", set(who)
+    small = min(sizes[t] for t in eligible)
+    return "smallest_tree", {t for t in eligible if sizes[t] == small}

@@ -16,12 +16,10 @@ import numpy as np
 
 from fastroute.core import _ledger, _policy
 from fastroute.core.table import TargetTable
+from fastroute.names import LOAD_METRICS, MODE_CODE, POLICIES
 
 log = logging.getLogger("fastroute.routing")
 
-POLICIES = ("round_robin", "random", "power_of_two", "consistent_hashing", "cache_aware")
-LOAD_METRICS = ("tokens", "requests", "least_requests")
-DEMAND_MODES = {"off": 0, "shadow": 1, "on": 2}
 RING_POINTS_PER_TARGET = 160
 
 
@@ -58,11 +56,11 @@ class Group:
             raise ValueError(f"unknown policy {policy!r}; fastroute implements {', '.join(POLICIES)}")
         if load_metric not in LOAD_METRICS:
             raise ValueError(f"unknown load metric {load_metric!r}")
-        if demand not in DEMAND_MODES:
+        if demand not in MODE_CODE:
             raise ValueError(f"decode input demand must be off, shadow or on, not {demand!r}")
         if request_weight and demand == "off":
             raise ValueError("a decode request weight needs decode input demand shadow or on")
-        if kv_fit not in DEMAND_MODES:
+        if kv_fit not in MODE_CODE:
             raise ValueError(f"decode KV fit must be off, shadow or on, not {kv_fit!r}")
         self.kv_fit = kv_fit
         self.policy = policy
@@ -73,8 +71,8 @@ class Group:
         self.names: list[str] = []
         compiled = "random" if policy == "cache_aware" else policy
         self._picker = _ledger.Picker(router.table.array, router.table.header, compiled,
-                                      load_metric, DEMAND_MODES[demand], self.request_weight, seed,
-                                      DEMAND_MODES[kv_fit], int(kv_reserve))
+                                      load_metric, MODE_CODE[demand], self.request_weight, seed,
+                                      MODE_CODE[kv_fit], int(kv_reserve))
         self._text_policy = None
         if policy == "cache_aware":
             from fastroute.core.cache_aware import CacheAwarePolicy  # the prefix-tree policy
@@ -108,7 +106,8 @@ class Group:
         return self._picker.book_target(t, tokens)
 
     def pick(self, tokens: int = 0, key: bytes | None = None, out_tokens: int = 0) -> int:
-        """The target the policy would choose now, without booking (tests, /health_generate)."""
+        """The target the compiled policy would choose now, without booking (tests).  For
+        cache_aware that is the random fallback, not the prefix-tree pick."""
         return self._picker.pick(tokens, key, out_tokens)
 
     def set_targets(self, targets: Sequence[int], names: Sequence[str] | None = None) -> None:

@@ -5,7 +5,8 @@ the table; proxy processes attach it by name, so every pick sees every process's
 are 16 cells (128 bytes, two cache lines).  Every read and write of a shared cell goes through the
 compiled atomics (``fastroute.core._ledger``); the NumPy view is handed to compiled code only.
 
-Layout constants mirror ``fastroute/core/_layout.pxd``; ``tests/unit/test_table.py`` checks they agree.
+Layout constants mirror ``fastroute/core/_layout.pxd``; ``tests/unit/test_table.py`` checks that
+every constant exists on both sides with the same value.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 from fastroute.core import _ledger
+# The values of COL_CIRCUIT, re-exported beside the column they describe.
+from fastroute.names import CIRCUIT_CLOSED, CIRCUIT_HALF_OPEN, CIRCUIT_OPEN  # noqa: F401
 
 COL_IN_FLIGHT = 0
 COL_IN_FLIGHT_TOKENS = 1
@@ -41,7 +44,6 @@ HDR_GENERATION = 3
 NHDR = 8
 
 MAGIC = 0x66726F7574653031  # "frout01" in ASCII
-CIRCUIT_CLOSED, CIRCUIT_OPEN, CIRCUIT_HALF_OPEN = 0, 1, 2
 
 
 def _attach_untracked(name: str) -> shared_memory.SharedMemory:

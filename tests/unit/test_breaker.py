@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fastroute.core import _ledger, table as T
+from fastroute.core import _ledger, _policy, table as T
 from fastroute.core.breaker import CLOSED, HALF_OPEN, OPEN, Breakers
 from fastroute.control.metrics import Stats
 from fastroute.core.table import TargetTable
@@ -48,8 +48,11 @@ def circuit(tab: TargetTable, t: int) -> int:
 
 
 def test_breaker_columns_mirror_the_compiled_layout() -> None:
-    for name, value in _ledger.breaker_layout().items():
-        assert getattr(T, name) == value, name
+    layout = _policy.layout()
+    for name in ("COL_CIRCUIT", "COL_CB_FAILS", "COL_CB_OKS", "COL_CB_OPENED_AT"):
+        assert getattr(T, name) == layout[name], name
+    assert (CLOSED, OPEN, HALF_OPEN) == (layout["CIRCUIT_CLOSED"], layout["CIRCUIT_OPEN"],
+                                         layout["CIRCUIT_HALF_OPEN"])
     cols = {T.COL_CB_FAILS, T.COL_CB_OKS, T.COL_CB_OPENED_AT}
     assert len(cols) == 3 and max(cols) < T.NCOLS
     assert not cols & {T.COL_IN_FLIGHT, T.COL_IN_FLIGHT_TOKENS, T.COL_POLLED_RUNNING,

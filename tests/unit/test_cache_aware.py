@@ -6,15 +6,17 @@ from __future__ import annotations
 import gc
 import os
 import random
+import re
 import tracemalloc
 from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastroute.core import _tree
+from fastroute.core import _tree, reference as R
 from fastroute.core.cache_aware import CacheAwarePolicy
 from fastroute.config import Config
 from fastroute.core.routing import Router
@@ -395,29 +397,7 @@ def test_memory_is_bounded_over_100k_unique_prompts(tab):
     del rng
 
 
-# ---- the compiled tree against a pure-Python oracle --------------------------------------------
-
-def lcp(a: bytes, b: bytes) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def oracle_match(held: dict[int, list[bytes]], query: bytes, eligible: set[int]):
-    best, who = 0, []
-    for t, texts in held.items():
-        if t not in eligible:
-            continue
-        m = max((lcp(s, query) for s in texts), default=0)
-        if m > best:
-            best, who = m, [t]
-        elif m == best and m > 0:
-            who.append(t)
-    return best, sorted(who)
-
+# ---- the compiled tree against the pure-Python oracle (fastroute.core.reference) -------------
 
 texts_st = st.binary(min_size=1, max_size=12).map(lambda b: bytes(97 + (x % 3) for x in b))
 
@@ -441,12 +421,12 @@ def test_tree_matches_oracle(tab, ops, queries, unhealthy):
         held[t].append(text)
     sizes = tree.check()
     for t in ids:   # bytes held = distinct non-empty prefixes of the target's texts
-        assert sizes.get(t, 0) == len({s[:k] for s in held[t] for k in range(1, len(s) + 1)})
+        assert sizes.get(t, 0) == R.held_bytes(held[t])
     for t in unhealthy:
         tab.set_healthy(t, False)
     eligible = set(ids) - unhealthy
     for q in queries:
-        assert tree.match(q, ids) == oracle_match(held, q, eligible)
+        assert tree.match(q, ids) == R.tree_match(held, q, eligible)
     for t in ids:
         tab.set_healthy(t, True)
 
@@ -471,30 +451,12 @@ def test_eviction_and_removal_keep_invariants(tab, ops, limit, drop):
     for t in ids:
         for q in held[t]:
             m, who = tree.match(q, [t])
-            assert m <= max(lcp(q, s) for s in held[t])
+            assert m <= max(R.common_prefix(q, s) for s in held[t])
     if drop >= 0:
         tree.set_targets([t for t in ids if t != drop])
         sizes = tree.check()
         assert drop not in sizes
     assert sum(sizes.values()) >= 0
-
-
-def oracle_pick(held, sizes, loads, eligible, text: bytes | None, cfg):
-    """Allowed targets for one pick and the rule that decides it (ties: any of the set)."""
-    if not eligible:
-        return "none", set()
-    lo = min(loads[t] for t in eligible)
-    hi = max(loads[t] for t in eligible)
-    least = {t for t in eligible if loads[t] == lo}
-    if not text:
-        return "no_text", least
-    if hi - lo > cfg.balance_abs_threshold and hi > lo * cfg.balance_rel_threshold:
-        return "balance", least
-    m, who = oracle_match(held, text, eligible)
-    if who and m > cfg.cache_threshold * len(text):
-        return "cache_hit", set(who)
-    small = min(sizes[t] for t in eligible)
-    return "smallest_tree", {t for t in eligible if sizes[t] == small}
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -518,9 +480,9 @@ def test_pick_matches_oracle(tab, reqs, threshold):
             for t in ids:
                 set_load(tab, t, loads[t])
                 tab.set_healthy(t, t not in unhealthy)
-            sizes = {t: len({s[:k] for s in held[t] for k in range(1, len(s) + 1)}) for t in ids}
+            sizes = {t: R.held_bytes(held[t]) for t in ids}
             eligible = set(ids) - unhealthy
-            reason, allowed = oracle_pick(held, sizes, dict(zip(ids, loads)), eligible, text, cfg)
+            reason, allowed = R.tree_pick(held, sizes, dict(zip(ids, loads)), eligible, text, cfg)
             got = pol.pick(text, ids)
             if reason == "none":
                 assert got == -1
@@ -533,3 +495,20 @@ def test_pick_matches_oracle(tab, reqs, threshold):
         for t in ids:
             set_load(tab, t, 0)
             tab.set_healthy(t, True)
+
+
+def test_check_raises_explicitly_not_by_assert():
+    # python -O strips asserts; check() must still refuse a broken tree.  Its invariant test is
+    # compiled, so look at the source: no bare assert in _tree.pyx, and the error type exists.
+    src = (Path(_tree.__file__).parent / "_tree.pyx").read_text()
+    assert not re.search(r"^\s*assert\b", src, re.M)
+    assert issubclass(_tree.TreeCorrupt, RuntimeError)
+
+
+def test_reference_tree_oracle_basics():
+    assert R.common_prefix(b"abcd", b"abx") == 2 and R.common_prefix(b"", b"a") == 0
+    assert R.held_bytes([b"ab", b"ac"]) == 3            # a, ab, ac
+    held = {0: [b"abc"], 1: [b"abd"], 2: [b"x"]}
+    assert R.tree_match(held, b"abz", {0, 1, 2}) == (2, [0, 1])
+    assert R.tree_match(held, b"abz", {1, 2}) == (2, [1])
+    assert R.tree_match(held, b"q", {0, 1, 2}) == (0, [])

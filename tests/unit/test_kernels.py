@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 from fastroute.core import _policy, reference as R
+from fastroute.names import LOAD_METRIC_CODE
 from fastroute.core.routing import build_ring
 from fastroute.core.table import (COL_CIRCUIT, COL_HEALTHY, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS,
                              COL_POLLED_AT, COL_POLLED_TOKENS, NCOLS)
 
-METRIC = _policy.METRICS
+METRIC = LOAD_METRIC_CODE
 
 
 def table(n: int) -> np.ndarray:
@@ -64,6 +65,38 @@ def test_unhealthy_targets_are_skipped():
     for seed in range(50):
         for name, t in all_kernels(tab, np.arange(8), seed).items():
             assert t % 2 == 1, name
+
+
+def test_wrappers_check_every_index_they_are_given():
+    tab = table(4)
+    s = state(1)
+    bad = np.array([0, 4])
+    for call in (lambda c: _policy.round_robin(tab, c, np.zeros(1, dtype=np.int64)),
+                 lambda c: _policy.random_pick(tab, c, s),
+                 lambda c: _policy.power_of_two(tab, c, METRIC["least_requests"], s),
+                 lambda c: _policy.demand(tab, c, 1, 0, s),
+                 lambda c: _policy.kv_fit(tab, c, 1, 1, False, 0, s)):
+        with pytest.raises(IndexError):
+            call(bad)
+        with pytest.raises(IndexError):
+            call(np.array([-1]))
+        assert call(np.arange(4)) in (-2, 0, 1, 2, 3)      # -2: kv_fit without known capacity
+    with pytest.raises(IndexError):
+        _policy.free_kv(tab, 4)
+    with pytest.raises(IndexError):
+        _policy.ring_lookup(tab, np.array([1, 2], np.uint64), np.array([0, 9]), 1)
+    with pytest.raises(ValueError):
+        _policy.ring_lookup(tab, np.array([1, 2], np.uint64), np.array([0]), 1)
+    with pytest.raises(ValueError):
+        _policy.round_robin(tab, np.arange(4), np.array([-3], dtype=np.int64))
+    with pytest.raises(ValueError):
+        _policy.round_robin(tab, np.arange(4), np.zeros(0, dtype=np.int64))
+    with pytest.raises(ValueError):
+        _policy.power_of_two(tab, np.arange(4), 7, s)
+    with pytest.raises(ValueError):
+        _policy.random_pick(np.zeros((4, 8), np.int64), np.arange(4), s)
+    with pytest.raises(TypeError):
+        _policy.random_pick(tab, np.arange(4), np.zeros(2, np.uint64))
 
 
 def test_ring_skips_unhealthy_and_handles_empty():

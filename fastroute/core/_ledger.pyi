@@ -1,0 +1,111 @@
+"""Typed API of fastroute.core._ledger: leases, the compiled picker and atomic cell access.
+
+Arrays are the target table's int64 (rows, 16) array and its int64 header (8 cells); every entry
+point checks the rows, columns and shapes it is given (IndexError / ValueError), since the
+compiled code behind it runs without bounds checks.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+_Table = npt.NDArray[np.int64]
+_Header = npt.NDArray[np.int64]
+
+KINDS: dict[str, int]
+"""Policy name -> compiled picker kind (every policy but cache_aware)."""
+
+class Lease:
+    """One booking of one target; ``release()`` undoes it exactly once."""
+
+    @property
+    def target(self) -> int: ...
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def released(self) -> bool: ...
+    def release(self) -> bool:
+        """Undo the booking; True the first time, False (nothing done) afterwards."""
+
+def book(tab: _Table, header: _Header, t: int, tokens: int, keep: Any = None) -> Lease:
+    """Book target ``t`` directly; returns its Lease."""
+def stress_book_release(tab: _Table, header: _Header, targets: npt.NDArray[np.int64],
+                        rounds: int, tokens: int) -> None:
+    """Book then release every target ``rounds`` times without the GIL (multi-process tests)."""
+
+class Cells:
+    """Atomic access to one int64 (rows, cols) array, holding its buffer once."""
+
+    @property
+    def rows(self) -> int: ...
+    @property
+    def cols(self) -> int: ...
+    def __init__(self, table_array: npt.NDArray[np.int64]) -> None: ...
+    def load(self, t: int, col: int) -> int: ...
+    def store(self, t: int, col: int, v: int) -> None: ...
+    def add(self, t: int, col: int, v: int) -> int:
+        """Adds ``v``; returns the value after the addition (this caller's own result)."""
+    def cas(self, t: int, col: int, expected: int, desired: int) -> bool:
+        """Compare-and-swap: True if the cell held ``expected`` and now holds ``desired``."""
+    def ok_closed(self, t: int) -> int:
+        """A success on target ``t``: returns its circuit state; when closed, also ends a
+        failure streak (table rows only)."""
+    def rows_where(self, col: int, value: int) -> list[int]:
+        """Rows whose cell ``col`` holds ``value``."""
+
+def store_polled(tab: _Table, t: int, running: int, waiting: int, tokens: int,
+                 max_tokens: int, at_ms: int) -> None:
+    """Store one poll of target ``t``; the poll time is written last."""
+def snapshot(tab: _Table, n: int) -> npt.NDArray[np.int64]:
+    """Atomic-load copy of the first ``n`` rows (0 <= n <= rows)."""
+
+class Picker:
+    """A candidate set with its policy, compiled: ``acquire`` picks and books in one call.
+
+    ``policy`` is a key of ``KINDS``; ``metric`` a load metric of fastroute.names; ``demand`` and
+    ``kv_fit`` codes of fastroute.names.MODE_CODE.
+    """
+
+    @property
+    def demand(self) -> int: ...
+    @property
+    def weight(self) -> int: ...
+    @property
+    def shadow_agree(self) -> int: ...
+    @property
+    def shadow_disagree(self) -> int: ...
+    @property
+    def last_legacy(self) -> int:
+        """Shadow demand: the policy's pick of the last request (-1 before the first)."""
+    @property
+    def last_demand(self) -> int:
+        """Shadow demand: the demand-cost pick of the last request (-1 before the first)."""
+    @property
+    def kv_fit(self) -> int: ...
+    @property
+    def kv_reserve(self) -> int: ...
+    @property
+    def kv_agree(self) -> int: ...
+    @property
+    def kv_disagree(self) -> int: ...
+    @property
+    def kv_fallback(self) -> int: ...
+    @property
+    def candidates(self) -> npt.NDArray[np.int64]:
+        """A copy of the current candidate rows."""
+    def __init__(self, table_array: _Table, header_array: _Header, policy: str,
+                 metric: str = "tokens", demand: int = 0, weight: int = 0,
+                 seed: int | None = None, kv_fit: int = 0, kv_reserve: int = 0) -> None: ...
+    def set_own_ledger(self, own_array: _Table | None) -> None:
+        """Also book every lease in this process's private ledger (same shape as the table)."""
+    def set_candidates(self, cands: npt.ArrayLike) -> None: ...
+    def set_ring(self, hashes: npt.ArrayLike, targets: npt.ArrayLike) -> None: ...
+    def pick(self, tokens: int = 0, key: bytes | None = None, out_tokens: int = 0) -> int:
+        """The target the policy chooses now (no booking), or -1."""
+    def acquire(self, tokens: int = 0, key: bytes | None = None, text: object = None,
+                out_tokens: int = 0) -> Lease | None:
+        """Pick and book in one call; None when no target is eligible.  ``text`` is ignored."""
+    def book_target(self, t: int, tokens: int = 0) -> Lease:
+        """Book a target chosen elsewhere (the cache_aware tree); returns its Lease."""
