@@ -36,7 +36,9 @@ from typing import Any, Iterable, Sequence
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-ROUTERS = ("direct", "bare", "fastroute", "sglang-router", "smg")
+ROUTERS = ("direct", "bare", "fastroute", "fastroute-base", "sglang-router", "smg")
+# fastroute-base: the same fastroute command run from another checkout (--base-checkout), so a
+# change can be measured against the commit before it in one run with alternated rounds.
 PEER_VENVS = {"sglang-router": "/tmp/venv-sgr/bin/python", "smg": "/tmp/venv-smg/bin/python"}
 PEER_MODULES = {"sglang-router": "sglang_router", "smg": "smg"}
 MODEL = "bench-model"
@@ -143,7 +145,7 @@ ROWS = (
     ("errors", "errors (non-2xx + socket), all runs", "err"),
 )
 RATIOS = (("smg", "fastroute/smg"), ("sglang-router", "fastroute/sglang-router"),
-          ("bare", "fastroute/bare"))
+          ("bare", "fastroute/bare"), ("fastroute-base", "fastroute/base"))
 
 
 def _fmt(v: float | None, kind: str) -> str:
@@ -519,9 +521,11 @@ class Router:
     env: dict[str, str] | None = None
     proc: subprocess.Popen[bytes] | None = None
     note: str = ""
+    cwd: Path = REPO  # `python -m fastroute` imports the package of its working directory
 
 
-def router_commands(mode: str, be: Backends, pythons: dict[str, str | None]) -> list[Router]:
+def router_commands(mode: str, be: Backends, pythons: dict[str, str | None],
+                    base: Path | None = None) -> list[Router]:
     """Command lines of every router for one mode; peers absent from ``pythons`` are skipped."""
     reg = [f"http://127.0.0.1:{p}" for p in be.regular]
     pre, dec = f"http://127.0.0.1:{be.prefill}", f"http://127.0.0.1:{be.decode}"
@@ -544,6 +548,11 @@ def router_commands(mode: str, be: Backends, pythons: dict[str, str | None]) -> 
                "--policy", "power_of_two", "--p2c-load-metric", "least_requests", "--dp-aware"]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out.append(Router("fastroute", p, fr, env))
+    if base is not None:
+        p2, q2 = free_port(), free_port()
+        fr2 = [*fr[:4], str(p2), fr[5], str(q2), *fr[7:]]
+        out.append(Router("fastroute-base", p2, fr2, dict(os.environ, PYTHONPATH=str(base)),
+                          note=f"the same command from {base}", cwd=base))
     for name in ("sglang-router", "smg"):
         py = pythons.get(name)
         if not py:
@@ -601,6 +610,7 @@ class Settings:
     lat_sse: int
     connections: tuple[int, ...] = (64, 256)
     wrk: str = "wrk"
+    base: Path | None = None
 
 
 def run_wrk(s: Settings, port: int, lua: Path, conns: int, seconds: int) -> dict[str, Any]:
@@ -650,11 +660,11 @@ def measure_router(s: Settings, r: Router, luas: dict[str, Path], direct: dict[s
 def run_mode(s: Settings, mode: str, be: Backends, pythons: dict[str, str | None], procs: Procs,
              luas: dict[str, Path], notes: list[str], commands: list[str]
              ) -> dict[str, dict[str, list[float | None]]]:
-    routers = router_commands(mode, be, pythons)
+    routers = router_commands(mode, be, pythons, s.base)
     live: list[Router] = []
     for r in routers:
         if r.argv is not None:
-            r.proc = procs.start(f"{mode}-{r.name}", r.argv, r.env, cwd=REPO)
+            r.proc = procs.start(f"{mode}-{r.name}", r.argv, r.env, cwd=r.cwd)
             commands.append(f"[{mode}] {r.name}: " + shlex.join(r.argv))
         else:
             commands.append(f"[{mode}] direct: client -> http://127.0.0.1:{r.port}")
@@ -712,6 +722,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--smg-python", default=None,
                     help=f"python with smg (default: {PEER_VENVS['smg']})")
     ap.add_argument("--skip-peers", action="store_true", help="measure without the peers")
+    ap.add_argument("--base-checkout", default=None, metavar="DIR",
+                    help="also measure fastroute from DIR (a checkout with its extensions built in "
+                         "place, e.g. a git worktree of the previous commit) as fastroute-base")
     ap.add_argument("--out", default=str(HERE / "out" / "overhead.md"))
     return ap.parse_args(argv)
 
@@ -720,7 +733,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     cmdline = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv)
     s = Settings(duration=args.duration, rounds=args.rounds, modes=args.modes,
-                 lat_json=args.latency_requests, lat_sse=max(1, args.latency_requests // 2))
+                 lat_json=args.latency_requests, lat_sse=max(1, args.latency_requests // 2),
+                 base=Path(args.base_checkout).resolve() if args.base_checkout else None)
     if args.quick:
         s.duration, s.rounds, s.lat_json, s.lat_sse = 2, 1, 300, 150
     nginx, wrk = shutil.which("nginx") or "/usr/sbin/nginx", shutil.which("wrk")
