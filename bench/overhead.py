@@ -178,7 +178,9 @@ def build_table(mode: str, med: dict[str, dict[str, float | None]], routers: Seq
     (an added latency at or below zero has no meaningful ratio).
     """
     cols = [r for r in routers if r in med]
-    head = ["metric", *cols, *(label for peer, label in RATIOS)]
+    # The base-checkout column exists only in runs that measured one.
+    ratios = [(peer, label) for peer, label in RATIOS if peer != "fastroute-base" or peer in med]
+    head = ["metric", *cols, *(label for peer, label in ratios)]
     lines = [f"### mode: {mode}", "", "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
     fr = med.get("fastroute", {})
@@ -189,7 +191,7 @@ def build_table(mode: str, med: dict[str, dict[str, float | None]], routers: Seq
             if r == "direct" and ("_add_" in key or key.endswith("_cpu")):
                 v = None
             cells.append(_fmt(v, kind))
-        for peer, _ in RATIOS:
+        for peer, _ in ratios:
             a, b = fr.get(key), med.get(peer, {}).get(key)
             if kind == "err" or a is None or b is None or a <= 0 or b <= 0:
                 cells.append("")

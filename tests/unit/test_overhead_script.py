@@ -175,3 +175,13 @@ def test_write_nginx_fills_every_placeholder(tmp_path: Path) -> None:
     assert f"pid {tmp_path}/nginx.pid;" in text and "daemon off;" in text
     with pytest.raises(ValueError):
         ov.fill("x @MISSING@", {})
+
+
+def test_base_checkout_column_only_when_measured() -> None:
+    med = _med()
+    med["fastroute-base"] = dict(med["fastroute"], json_c256_rps=20_000.0)
+    table = ov.build_table("regular", med, ov.ROUTERS)
+    head = _row(table, "metric")
+    assert head[-1] == "fastroute/base" and "fastroute-base" in head
+    assert _row(table, "JSON c=256 req/s")[-1] == "0.80x"
+    assert "fastroute/base" not in ov.build_table("regular", _med(), ov.ROUTERS)
