@@ -33,6 +33,7 @@ from fastroute.config import (
 )
 from fastroute.log import configure_logging
 from fastroute.runtime.server import Server, run
+from fastroute.runtime.startup import StartupError
 from fastroute.runtime.supervisor import Supervisor, resolve_processes
 
 __all__ = ["build_parser", "parse_namespace", "parse_args", "configure_logging", "main"]
@@ -468,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int | None:
     parser = build_parser()
     ns = parse_namespace(args, parser)
     try:
-        configure_logging(ns.log_level, ns.log_dir)
+        configure_logging(ns.log_level, ns.log_dir, json_lines=ns.log_json)
     except OSError as exc:
         parser.error(f"argument --log-dir: {exc}")
     try:
@@ -479,5 +480,9 @@ def main(argv: Sequence[str] | None = None) -> int | None:
     factory = Supervisor if resolve_processes(config) > 1 else Server
     try:
         return run(config, factory)
+    except StartupError as exc:
+        # One line, no traceback: a port in use or a TLS file that cannot be used.
+        sys.stderr.write(f"fastroute: error: {exc}\n")
+        return 1
     except KeyboardInterrupt:
         return 130

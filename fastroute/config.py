@@ -210,6 +210,9 @@ class Config:
     workers: int = 1
     decode_kv_fit: str = "off"
     decode_kv_reserve_tokens: int = 0
+    # Where p2c_load_metric came from, for the start-up banner: "flag", the environment
+    # variable's name, or "default" (set by config_from_args; not a flag).
+    load_metric_source: str = "default"
 
     def __post_init__(self) -> None:
         if self.prefill_policy is None:
@@ -542,6 +545,10 @@ def config_from_args(ns: Any, environ: dict[str, str] | None = None) -> Config:
     kwargs["seed"] = raw.get("seed")
     if raw.get("p2c_load_metric") is None:
         kwargs["p2c_load_metric"] = _p2c_metric_from_env(env)
+        if env.get(ENV_P2C_LOAD_METRIC, "").strip():
+            kwargs["load_metric_source"] = ENV_P2C_LOAD_METRIC
+    else:
+        kwargs["load_metric_source"] = "flag"
     if raw.get("decode_request_weight") is None:
         kwargs["decode_request_weight"] = _weight_from_env(env)
     workers = raw.get("workers")
