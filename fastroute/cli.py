@@ -14,12 +14,13 @@ import argparse
 import sys
 from typing import Any, Sequence
 
-from fastroute import __version__
+from fastroute import __version__, flags
 from fastroute.config import (
     ALL_POLICIES,
     DEMAND_MODES,
     DP_RANK_FIELDS,
     ENV_DECODE_REQUEST_WEIGHT,
+    ENV_CONTROL_PLANE_API_KEYS,
     ENV_P2C_LOAD_METRIC,
     P2C_LOAD_METRIC_ALIASES,
     P2C_LOAD_METRICS,
@@ -33,6 +34,7 @@ from fastroute.config import (
 )
 from fastroute.log import configure_logging
 from fastroute.runtime.server import Server, run
+from fastroute.runtime.startup import StartupError
 from fastroute.runtime.supervisor import Supervisor, resolve_processes
 
 __all__ = ["build_parser", "parse_namespace", "parse_args", "configure_logging", "main"]
@@ -41,62 +43,23 @@ ROUTER_PREFIX = "--router-"
 # Flags that sglang.launch_server never prefixes with --router- (protocol.md 9).
 _NEVER_PREFIXED = frozenset({"--host", "--port", "--worker-urls"})
 
-# 0.3.2 flags with no meaning for fastroute (protocol.md 9.3, plus --mini-lb). Like every
-# ignored flag, accepted with any number of values and logged once as ignored.
-COMPAT_FLAGS: tuple[str, ...] = (
-    "--mini-lb",
-    "--bucket-adjust-interval-secs",
-    "--assignment-mode",
-    "--enable-igw",
-    "--model-path",
-    "--tokenizer-path",
-    "--chat-template",
-    "--reasoning-parser",
-    "--tool-call-parser",
-    "--mcp-config-path",
-    "--backend",
-    "--history-backend",
-    "--client-cert-path",
-    "--client-key-path",
-    "--ca-cert-paths",
-    "--tls-cert-path",
-    "--tls-key-path",
-    "--enable-trace",
-    "--otlp-traces-endpoint",
-    "--control-plane-api-keys",
-    "--control-plane-audit-enabled",
-)
-# smg additions (protocol.md 9.2) that fastroute does not implement: accepted so smg command
-# lines start, but said out loud rather than silently half-honoured.
-UNIMPLEMENTED_SMG_FLAGS: tuple[str, ...] = (
-    "--routing-key-override",
-    "--sticky-sessions",
-    "--max-idle-secs",
-    "--dp-minimum-tokens-scheduler",
-    "--prefill-max-inflight-requests-per-worker",
-    "--prefill-queue-size",
-    "--prefill-queue-timeout-secs",
-    "--pd-admission-wait-secs",
-    "--worker-startup-delay",
-    "--disable-tokenizer-autoload",
-    "--health-check-port",
-)
-IGNORED_FLAGS: tuple[str, ...] = COMPAT_FLAGS + UNIMPLEMENTED_SMG_FLAGS
-# Whole flag families of 0.3.2 / smg (`--redis-url`, `--jwt-issuer`, ...): matched by prefix
+# Every peer flag fastroute accepts without a field of its own comes from the one inventory,
+# fastroute.flags.TABLE (implemented / inert / refused, with the reason).
+BY_STATUS: dict[str, tuple[str, ...]] = {
+    status: tuple(n for n in flags.COMPAT_NAMES if flags.lookup(n).status == status)
+    for status in flags.STATUSES
+}
+# Inert flags: accepted with one warning each.
+IGNORED_FLAGS: tuple[str, ...] = BY_STATUS[flags.INERT]
+# Whole flag families of the peers (`--redis-url`, `--jwt-issuer`, ...): matched by prefix
 # before argparse sees the command line, because their members are not enumerable here.
-IGNORED_FAMILIES: tuple[str, ...] = (
-    "--tokenizer-cache-",
-    "--oracle-",
-    "--postgres-",
-    "--redis-",
-    "--jwt-",
-)
+IGNORED_FAMILIES: tuple[str, ...] = flags.FAMILY_PREFIXES
 
 _LOG_LEVEL_CHOICES = ("debug", "info", "warn", "warning", "error", "critical")
 
 
 class _IgnoredFlag(argparse.Action):
-    """Swallow a compatibility flag and its values; remember its name for one warning."""
+    """Swallow a compatibility flag and its values; remember both for fastroute.flags.apply."""
 
     def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
         kwargs.setdefault("nargs", "*")
@@ -106,7 +69,9 @@ class _IgnoredFlag(argparse.Action):
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
         flag = _canonical(option_string or self.option_strings[0])
-        namespace.ignored_flags.append(flag)
+        if isinstance(values, str):
+            values = [values]
+        namespace.ignored_flags.append((flag, list(values or ())))
 
 
 class _DiscoveryOption(argparse.Action):
@@ -115,7 +80,7 @@ class _DiscoveryOption(argparse.Action):
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
         setattr(namespace, self.dest, values)
-        namespace.ignored_flags.append(_canonical(option_string or self.option_strings[0]))
+        namespace.ignored_flags.append((_canonical(option_string or self.option_strings[0]), []))
 
 
 def _canonical(flag: str) -> str:
@@ -210,7 +175,9 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
         help="Largest accepted request body in bytes; larger bodies get 413 "
              "(default: %(default)s).")
     add("--cors-allowed-origins", nargs="*", default=d("cors_allowed_origins"),
-        metavar="ORIGIN", help="Origins allowed by CORS (default: none).")
+        metavar="ORIGIN",
+        help="Origins allowed by CORS: '*' or https://host[:port] (default: none). Not "
+             "answered yet (see README's flag table): other origins stay refused.")
     add("--shutdown-grace-period-secs", type=int, default=d("shutdown_grace_period_secs"),
         help="Time to drain in-flight requests after SIGTERM (default: %(default)s s).")
     add("--header-read-timeout-secs", type=float, default=d("header_read_timeout_secs"),
@@ -223,9 +190,30 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
     add("--upstream-pool-idle-timeout-secs", type=float,
         default=d("upstream_pool_idle_timeout_secs"),
         help="Drop pooled worker connections idle this long; keep below SGLang's 5 s "
-             "keep-alive (default: %(default)s s).")
+             "keep-alive; 0 = keep no idle connection (a new one per request) "
+             "(default: %(default)s s).")
     add("--sse-keepalive-secs", type=float, default=d("sse_keepalive_secs"),
-        help="Interval of SSE keep-alive comments on quiet streams (default: %(default)s s).")
+        help="Interval of SSE keep-alive comments on quiet streams; not sent yet (see README's "
+             "flag table) (default: %(default)s s).")
+
+    add.section("Security", "TLS on the listener, admin authentication, probe port.")
+    add("--tls-cert-path", default=None, metavar="PEM",
+        help="Serve HTTPS on --port with this certificate chain (needs --tls-key-path; "
+             "default: plain HTTP).")
+    add("--tls-key-path", default=None, metavar="PEM",
+        help="Private key of --tls-cert-path (default: none).")
+    add("--control-plane-api-keys", nargs="*", action="extend", default=None,
+        metavar="ID:NAME:ROLE:KEY",
+        help="Keys of the worker-management routes (role admin: every route; role user: "
+             "GET only, 403 on changes); when given, --api-key no longer opens those routes. "
+             "Also $" + ENV_CONTROL_PLANE_API_KEYS + " (comma or space separated) "
+             "(default: none).")
+    add("--control-plane-audit-enabled", action="store_true",
+        help="Log one control_plane_audit line per worker-management change "
+             "(key id, role, route, target, outcome; never the key) (default: off).")
+    add("--health-check-port", type=int, default=None, metavar="PORT",
+        help="Also answer /health, /liveness and /readiness on this port, from a thread of "
+             "their own that keeps answering while the proxy is busy (default: none).")
 
     add.section("Routing policy",
                 f"Implemented policies: {', '.join(SUPPORTED_POLICIES)}. The peers' other "
@@ -252,13 +240,13 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
     add("--routing-key-headers", nargs="*", default=d("routing_key_headers"), metavar="HEADER",
         help="Extra headers used as consistent_hashing key after X-SMG-Routing-Key "
              "(default: none).")
-    add("--cache-threshold", type=float, default=d("cache_threshold"),
+    add("--cache-threshold", "--cache-match-threshold", type=float, default=d("cache_threshold"),
         help="cache_aware: minimum prefix match ratio to follow the cache "
              "(default: %(default)s).")
-    add("--balance-abs-threshold", type=int, default=d("balance_abs_threshold"),
+    add("--balance-abs-threshold", "--spill-abs-threshold", type=int, default=d("balance_abs_threshold"),
         help="cache_aware: balance instead when max-min load > this AND max > min x "
              "--balance-rel-threshold (default: %(default)s).")
-    add("--balance-rel-threshold", type=float, default=d("balance_rel_threshold"),
+    add("--balance-rel-threshold", "--spill-rel-threshold", type=float, default=d("balance_rel_threshold"),
         help="cache_aware: relative part of the balance rule (default: %(default)s).")
     add("--eviction-interval-secs", type=int, default=d("eviction_interval_secs"),
         help="cache_aware: seconds between prefix tree evictions (default: %(default)s).")
@@ -323,7 +311,8 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
     add("--queue-timeout-secs", type=int, default=d("queue_timeout_secs"),
         help="Longest wait in the queue before 408 (default: %(default)s s).")
     add("--rate-limit-tokens-per-second", type=int, default=None,
-        help="Token-bucket refill rate (default: none = --max-concurrent-requests).")
+        help="Token-bucket refill rate; not implemented yet, so giving it refuses to start "
+             "(default: none = --max-concurrent-requests).")
 
     add.section("Prometheus")
     add("--prometheus-host", default=d("prometheus_host"),
@@ -338,6 +327,9 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
     add.section("Logging")
     add("--log-level", type=str.lower, choices=_LOG_LEVEL_CHOICES, default=d("log_level"),
         help="Log verbosity (default: %(default)s).")
+    add("--log-json", action="store_true",
+        help="Write each log line as one JSON object (time, level, logger, message, pid and "
+             "the line's fields) (default: off).")
     add("--log-dir", default=None,
         help="Also write logs to DIR/fastroute.log (default: console only).")
     add("--request-id-headers", nargs="*", default=d("request_id_headers"), metavar="HEADER",
@@ -407,23 +399,48 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
         help="Full re-read of the manifest, and the length of one Kubernetes watch before it is "
              "resumed (default: %(default)s s).")
 
+    families = [f.name + "*" for f in flags.FAMILIES]
     add.section(
         "Ignored for compatibility",
-        "Accepted (with any values) so existing launch scripts keep working; each logs one "
-        "warning. Also every flag starting with " + ", ".join(IGNORED_FAMILIES) + ".",
+        "Peer flags that cannot change who gets in, where requests go or readiness: accepted "
+        "(with any values) so existing launch scripts keep working, with one warning each "
+        "saying why. The full inventory is README's flag table (python -m fastroute.flags).",
     )
-    for flag in COMPAT_FLAGS:
-        add(flag, action=_IgnoredFlag, metavar="VALUE", help="ignored by fastroute")
-    for flag in UNIMPLEMENTED_SMG_FLAGS:
-        add(flag, action=_IgnoredFlag, metavar="VALUE",
-            help="smg feature not implemented; ignored by fastroute")
+    for flag in BY_STATUS[flags.INERT]:
+        add(flag, action=_IgnoredFlag, metavar="VALUE", help="inert: " + flags.lookup(flag).reason)
+    add.section("Accepted: fastroute already does this",
+                "Peer flags asking for what fastroute does anyway; accepted silently.")
+    for flag in BY_STATUS[flags.IMPLEMENTED]:
+        add(flag, action=_IgnoredFlag, metavar="VALUE", help=flags.lookup(flag).reason)
+    add.section(
+        "Refused (not implemented)",
+        "Peer flags that would change who gets in, where requests go or readiness: start-up "
+        "fails naming the flag, except for the values noted (which ask for what fastroute "
+        "does). Families: " + ", ".join(families) + " (see README).",
+    )
+    for flag in BY_STATUS[flags.REFUSED]:
+        add(flag, action=_IgnoredFlag, metavar="VALUE", help="refused: " + flags.lookup(flag).reason)
     return parser
 
 
-def _strip_ignored_families(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+def _values(argv: Sequence[str], i: int) -> tuple[list[str], int]:
+    """The values of the option at ``argv[i]`` and the index after them (values never start
+    with "--"; a lone "-1" still counts as a value)."""
+    token = argv[i]
+    if "=" in token:
+        return [token.split("=", 1)[1]], i + 1
+    j = i + 1
+    while j < len(argv) and not argv[j].startswith("--"):
+        j += 1
+    return list(argv[i + 1:j]), j
+
+
+def _strip_ignored_families(
+    argv: Sequence[str],
+) -> tuple[list[str], list[tuple[str, list[str]]]]:
     """Remove flag-family options (and their values) argparse cannot know by name."""
     kept: list[str] = []
-    dropped: list[str] = []
+    dropped: list[tuple[str, list[str]]] = []
     i = 0
     n = len(argv)
     while i < n:
@@ -433,28 +450,42 @@ def _strip_ignored_families(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             break
         name = _canonical(token)
         if token.startswith("--") and name.startswith(IGNORED_FAMILIES):
-            dropped.append(name)
-            i += 1
-            if "=" not in token:
-                # Values never start with "--"; a lone "-1" still counts as a value.
-                while i < n and not argv[i].startswith("--"):
-                    i += 1
-            continue
+            row = flags.lookup(name)
+            if row is not None and row.family:
+                values, i = _values(argv, i)
+                dropped.append((name, values))
+                continue
         kept.append(token)
         i += 1
     return kept, dropped
 
 
+def _pending_flags(argv: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """Real fastroute flags the inventory lists as not yet effective, as given on the line."""
+    found: list[tuple[str, list[str]]] = []
+    for i, token in enumerate(argv):
+        if token == "--":
+            break
+        name = _canonical(token)
+        if token.startswith("--") and name in flags.PARSED_NAMES:
+            found.append((name, _values(argv, i)[0]))
+    return found
+
+
 def parse_namespace(
     argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None
 ) -> argparse.Namespace:
-    """Parse flags into a raw namespace (argparse exits with status 2 on a bad flag)."""
+    """Parse flags into a raw namespace (argparse exits with status 2 on a bad flag).
+
+    ``ns.ignored_flags`` holds ``(flag, values)`` of every inventory flag given (see
+    :mod:`fastroute.flags`); :func:`fastroute.config.config_from_args` judges them."""
     parser = parser or build_parser()
     args = list(sys.argv[1:] if argv is None else argv)
     kept, families = _strip_ignored_families(args)
     ns = argparse.Namespace(ignored_flags=[])
     parser.parse_args(kept, namespace=ns)
     ns.ignored_flags.extend(families)
+    ns.ignored_flags.extend(_pending_flags(args))
     return ns
 
 
@@ -483,7 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int | None:
     parser = build_parser()
     ns = parse_namespace(args, parser)
     try:
-        configure_logging(ns.log_level, ns.log_dir)
+        configure_logging(ns.log_level, ns.log_dir, json_lines=ns.log_json)
     except OSError as exc:
         parser.error(f"argument --log-dir: {exc}")
     try:
@@ -494,5 +525,9 @@ def main(argv: Sequence[str] | None = None) -> int | None:
     factory = Supervisor if resolve_processes(config) > 1 else Server
     try:
         return run(config, factory)
+    except StartupError as exc:
+        # One line, no traceback: a port in use or a TLS file that cannot be used.
+        sys.stderr.write(f"fastroute: error: {exc}\n")
+        return 1
     except KeyboardInterrupt:
         return 130

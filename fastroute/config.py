@@ -21,6 +21,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
+from fastroute import flags
+from fastroute.auth import ControlPlaneKeyError, parse_control_plane_keys, split_env_keys
 from fastroute.names import LOAD_METRIC_ALIASES, LOAD_METRICS, MODES, POLICIES
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "DISCOVERY_PROVIDERS",
     "parse_selector",
     "kube_config_source",
+    "ENV_CONTROL_PLANE_API_KEYS",
 ]
 
 logger = logging.getLogger(__name__)
@@ -86,6 +89,7 @@ DEFAULT_DURATION_BUCKETS: tuple[float, ...] = (
 
 ENV_P2C_LOAD_METRIC = "SGLANG_ROUTER_P2C_LOAD_METRIC"
 ENV_DECODE_REQUEST_WEIGHT = "FASTROUTE_DECODE_REQUEST_WEIGHT"
+ENV_CONTROL_PLANE_API_KEYS = "CONTROL_PLANE_API_KEYS"
 
 MIN_LOAD_MONITOR_INTERVAL = 0.1
 
@@ -118,6 +122,17 @@ class Config:
     worker_startup_check_interval: int = 30
     request_timeout_secs: int = 1800
     max_payload_size: int = 536870912
+
+    # --- Security ---------------------------------------------------------------------------
+    # PEM files of the HTTPS listener; both or neither (the files are read at start-up, where a
+    # bad one stops the router: fastroute.tls).
+    tls_cert_path: str | None = None
+    tls_key_path: str | None = None
+    # smg's 'id:name:role:key' specs (flag + $CONTROL_PLANE_API_KEYS); parsed by fastroute.auth.
+    control_plane_api_keys: list[str] = _list(())
+    control_plane_audit_enabled: bool = False
+    # /health, /liveness, /readiness on a listener of their own (None: no such listener).
+    health_check_port: int | None = None
 
     # --- PD disaggregation ----------------------------------------------------------------
     pd_disaggregation: bool = False
@@ -179,6 +194,7 @@ class Config:
     # --- Logging / front door -------------------------------------------------------------
     log_level: str = "info"
     log_dir: str | None = None
+    log_json: bool = False
     # Lower-cased once here (HTTP header names are case-insensitive).
     request_id_headers: list[str] = _list(DEFAULT_REQUEST_ID_HEADERS)
     cors_allowed_origins: list[str] = _list(())
@@ -186,6 +202,7 @@ class Config:
     header_read_timeout_secs: float = 30.0
     idle_connection_timeout_secs: float = 60.0
     # Keep below SGLang's 5 s keep-alive so the router never reuses a socket the worker closed.
+    # 0 means what it says: no connection is kept idle (each request opens its own).
     upstream_pool_idle_timeout_secs: float = 3.0
     sse_keepalive_secs: float = 15.0
 
@@ -198,6 +215,9 @@ class Config:
     workers: int = 1
     decode_kv_fit: str = "off"
     decode_kv_reserve_tokens: int = 0
+    # Where p2c_load_metric came from, for the start-up banner: "flag", the environment
+    # variable's name, or "default" (set by config_from_args; not a flag).
+    load_metric_source: str = "default"
 
     # --- Worker discovery (fastroute.control.discovery) -----------------------------------
     service_discovery: bool = False
@@ -234,7 +254,8 @@ class Config:
         self.prefill = [(_strip_url(u), p) for u, p in self.prefill]
         self.request_id_headers = [h.strip().lower() for h in self.request_id_headers]
         self.routing_key_headers = [h.strip().lower() for h in self.routing_key_headers]
-        self.cors_allowed_origins = list(self.cors_allowed_origins)
+        self.cors_allowed_origins = [o.strip().rstrip("/") for o in self.cors_allowed_origins]
+        self.control_plane_api_keys = list(self.control_plane_api_keys)
         self.prometheus_duration_buckets = sorted(
             {float(b) for b in self.prometheus_duration_buckets}
         )
@@ -260,6 +281,7 @@ class Config:
         self._validate_numbers()
         self._validate_extensions()
         self._validate_discovery()
+        self._validate_security()
 
     def _validate_workers(self) -> None:
         if self.pd_disaggregation and self.worker_urls:
@@ -356,6 +378,8 @@ class Config:
         if not self.prometheus_host:
             raise ConfigError("--prometheus-host", "must not be empty")
         _check_port("--prometheus-port", self.prometheus_port)
+        if not self.prometheus_duration_buckets:
+            raise ConfigError("--prometheus-duration-buckets", "needs at least one bucket")
         for b in self.prometheus_duration_buckets:
             if not math.isfinite(b) or b <= 0:
                 raise ConfigError("--prometheus-duration-buckets", f"bucket {b} is not > 0")
@@ -372,6 +396,24 @@ class Config:
             "--upstream-pool-idle-timeout-secs", self.upstream_pool_idle_timeout_secs, 0.0
         )
         _finite_at_least("--sse-keepalive-secs", self.sse_keepalive_secs, 0.0)
+
+    def _validate_security(self) -> None:
+        if bool(self.tls_cert_path) != bool(self.tls_key_path):
+            flag, other = (("--tls-key-path", "--tls-cert-path") if self.tls_cert_path
+                           else ("--tls-cert-path", "--tls-key-path"))
+            raise ConfigError(flag, f"is required with {other}")
+        try:
+            parse_control_plane_keys(self.control_plane_api_keys)
+        except ControlPlaneKeyError as exc:
+            raise ConfigError("--control-plane-api-keys", str(exc)) from None
+        if self.health_check_port is not None:
+            _check_port("--health-check-port", self.health_check_port)
+            if self.health_check_port and self.health_check_port in (self.port,
+                                                                      self.prometheus_port):
+                raise ConfigError("--health-check-port",
+                                  f"{self.health_check_port} is already --port or --prometheus-port")
+        for origin in self.cors_allowed_origins:
+            _check_origin(origin)
 
     def _validate_extensions(self) -> None:
         if self.decode_input_demand not in DEMAND_MODES:
@@ -460,6 +502,21 @@ def _check_port(flag: str, port: int) -> None:
     # 0 asks the OS for an ephemeral port (tests use it).
     if not 0 <= port <= 65535:
         raise ConfigError(flag, f"port {port} is not in 0..65535")
+
+
+def _check_origin(origin: str) -> None:
+    """'*' or scheme://host[:port], the form browsers send in Origin."""
+    if origin == "*":
+        return
+    try:
+        parts = urlsplit(origin)
+        parts.port  # noqa: B018 - raises ValueError on a malformed port
+    except ValueError:
+        parts = None
+    if (parts is None or parts.scheme not in ("http", "https") or not parts.hostname
+            or parts.path or parts.query or parts.fragment or parts.username):
+        raise ConfigError("--cors-allowed-origins",
+                          f"{origin!r} is not '*' or an origin like https://host[:port]")
 
 
 def _check_header(flag: str, name: str) -> None:
@@ -577,7 +634,8 @@ def config_from_args(ns: Any, environ: dict[str, str] | None = None) -> Config:
     Namespace attributes that are Config fields are copied; `prefill`/`decode` arrive raw
     (lists of tokens) and are parsed here; flags left at None fall back to the environment
     (`environ`, default os.environ). Logs one warning per distinct ignored flag recorded in
-    `ns.ignored_flags`. Raises ConfigError.
+    `ns.ignored_flags` and refuses (ConfigError naming it) a flag `fastroute.flags` refuses.
+    Raises ConfigError.
     """
     env = os.environ if environ is None else environ
     raw = vars(ns)
@@ -595,21 +653,39 @@ def config_from_args(ns: Any, environ: dict[str, str] | None = None) -> Config:
     kwargs["seed"] = raw.get("seed")
     if raw.get("p2c_load_metric") is None:
         kwargs["p2c_load_metric"] = _p2c_metric_from_env(env)
+        if env.get(ENV_P2C_LOAD_METRIC, "").strip():
+            kwargs["load_metric_source"] = ENV_P2C_LOAD_METRIC
+    else:
+        kwargs["load_metric_source"] = "flag"
     if raw.get("decode_request_weight") is None:
         kwargs["decode_request_weight"] = _weight_from_env(env)
     workers = raw.get("workers")
     if workers == "auto":
         kwargs["workers"] = os.cpu_count() or 1
+    if not raw.get("control_plane_api_keys"):
+        kwargs["control_plane_api_keys"] = split_env_keys(env.get(ENV_CONTROL_PLANE_API_KEYS))
 
+    # Refused flags stop the start before anything else is judged (fastroute.flags: the rule).
+    try:
+        warnings = flags.apply(raw.get("ignored_flags") or ())
+    except flags.RefusedFlag as exc:
+        raise ConfigError(exc.flag, str(exc).split(": ", 1)[1]) from None
     config = Config(**kwargs)
     if config.discovery == "kubernetes" and kube_config_source(env) is None:
         raise ConfigError("--service-discovery", NO_KUBE_CONFIG)
-    ignored = raw.get("ignored_flags") or ()
-    if config.discovery is not None:   # the discovery flags were recorded as maybe-ignored
-        ignored = [f for f in ignored if f not in DISCOVERY_FLAGS
-                   or (f == "--selector" and config.pd_disaggregation)]   # as the peers in PD
-    for flag in dict.fromkeys(ignored):
-        logger.warning("%s is accepted for compatibility and ignored by fastroute", flag)
+    # Discovery sub-flags mean nothing without discovery (and --selector nothing in PD mode,
+    # where the peers also ignore it): one warning each, as for the table's inert flags.
+    given = [flag for flag, _ in (raw.get("ignored_flags") or ())]
+    noted = [f for f in given if f in DISCOVERY_FLAGS]
+    if config.discovery is not None:
+        noted = [f for f in noted if f == "--selector" and config.pd_disaggregation]
+    for flag in dict.fromkeys(noted):
+        warnings.append(f"{flag} is accepted for compatibility and ignored by fastroute "
+                        f"(only used by worker discovery{' outside PD mode' if config.discovery else ''})")
+    # One warning per flag, in the order the flags were given.
+    first = {flag: i for i, flag in reversed(list(enumerate(given)))}
+    for line in sorted(warnings, key=lambda w: first.get(w.split(" ", 1)[0], len(given))):
+        logger.warning("%s", line)
     return config
 
 

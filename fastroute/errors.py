@@ -243,6 +243,11 @@ def invalid_api_key() -> RouterError:
     )
 
 
+def insufficient_role(role: str) -> RouterError:
+    """403 for a control-plane key whose role may not make this change (smg's roles)."""
+    return RouterError(403, "forbidden", f"Role {role!r} may not change workers; an admin key is required")
+
+
 def bad_gateway(message: str = "PD disaggregation request failed") -> RouterError:
     """502: an upstream failed at the transport level before the first byte."""
     return RouterError(502, CODE_BAD_GATEWAY, message)

@@ -1,23 +1,51 @@
 """Logging set-up of every fastroute process (the CLI's and each proxy process's).
 
 Root logging: timestamp, level, pid and logger name, on stderr and optionally in
-``DIR/fastroute.log``. Logger names are per module and stable ("fastroute.proxy",
+``DIR/fastroute.log``; or, with ``--log-json``, one JSON object per line (what Kubernetes log
+pipelines parse). Logger names are per module and stable ("fastroute.proxy",
 "fastroute.workers", ...), so operators can filter on them.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+from datetime import datetime, timezone
 
-__all__ = ["configure_logging"]
+__all__ = ["configure_logging", "JsonFormatter"]
 
 _LOG_FORMAT = "%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s"
 _HANDLER_TAG = "_fastroute_handler"
+# Attributes every LogRecord has; anything else on a record came from `extra=` and is a field.
+_STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
+    "message", "asctime", "taskName"}
 
 
-def configure_logging(level: str = "info", log_dir: str | None = None) -> None:
-    """Root logging: timestamp, level, pid and logger name on stderr (and DIR/fastroute.log).
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: time, level, logger, message, pid, the ``extra`` fields and,
+    for an exception, its traceback as one string."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {
+            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(
+                timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            "pid": record.process,
+        }
+        for key, value in record.__dict__.items():
+            if key not in _STANDARD and key not in doc:
+                doc[key] = value
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str, ensure_ascii=False)
+
+
+def configure_logging(level: str = "info", log_dir: str | None = None,
+                      json_lines: bool = False) -> None:
+    """Root logging on stderr (and DIR/fastroute.log): text lines, or JSON with ``json_lines``.
 
     Replaces only handlers this function installed earlier, so a host application's (or
     pytest's) own handlers survive.
@@ -28,7 +56,7 @@ def configure_logging(level: str = "info", log_dir: str | None = None) -> None:
         if getattr(handler, _HANDLER_TAG, False):
             root.removeHandler(handler)
             handler.close()
-    formatter = logging.Formatter(_LOG_FORMAT)
+    formatter = JsonFormatter() if json_lines else logging.Formatter(_LOG_FORMAT)
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)

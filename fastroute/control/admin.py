@@ -18,7 +18,7 @@ from typing import Any, Iterable
 from urllib.parse import parse_qs
 
 from fastroute import __version__
-from fastroute.auth import authorized, bearer
+from fastroute.auth import FORBIDDEN, OK, AdminAuth, ControlPlaneKey, is_management
 from fastroute.config import Config
 from fastroute.control import httpclient
 from fastroute.control.httpclient import HttpClientError
@@ -26,7 +26,7 @@ from fastroute.control.worker import DuplicateWorker, Worker, normalize_url
 from fastroute.core.table import (COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_POLLED_RUNNING, COL_POLLED_TOKENS,
                                   COL_POLLED_WAITING, TargetTable)
 from fastroute.errors import (CODE_BAD_REQUEST, CODE_NO_AVAILABLE_WORKERS, RouterError, bad_gateway,
-                              invalid_api_key, unknown_url)
+                              insufficient_role, invalid_api_key, unknown_url)
 
 # Logger name kept from before the split: operators filter on it.
 log = logging.getLogger("fastroute.workers")
@@ -34,6 +34,9 @@ log = logging.getLogger("fastroute.workers")
 _JSON = b"application/json"
 _TEXT = b"text/plain; charset=utf-8"
 _PROM = b"text/plain; version=0.0.4; charset=utf-8"
+
+# Management-route changes are what --control-plane-audit-enabled records.
+_READS = frozenset({"GET", "HEAD"})
 
 # server_info keys copied (as strings) into the /workers "metadata" object.
 _META_KEYS = ("model_path", "served_model_name", "tokenizer_path", "tp_size", "dp_size",
@@ -84,6 +87,7 @@ class AdminAPI:
     config: Config
     table: TargetTable
     workers: list[Worker]
+    admin_auth: AdminAuth
     _rng: random.Random
 
     # ---- worker JSON --------------------------------------------------------------------------
@@ -131,11 +135,46 @@ class AdminAPI:
     # ---- admin endpoints ----------------------------------------------------------------------
     async def handle_admin(self, method: str, path: str, query: str, body: bytes,
                            headers: Any) -> tuple[int, bytes, bytes]:
-        """Serve one admin/info request -> (status, body, content-type)."""
+        """Serve one admin/info request -> (status, body, content-type).
+
+        Authentication is the one rule of :class:`fastroute.auth.AdminAuth`, decided on the
+        head alone; a management change is audited here unless :meth:`forwards` hands it to
+        the process that applies it (which audits it then)."""
         got = request_header(headers, "authorization")
-        if not authorized(bearer(self.config.api_key), path.encode("latin-1"),
-                          None if got is None else got.encode("latin-1")):
-            return _error(invalid_api_key())
+        verdict, key = self.admin_auth.check(method.encode("latin-1"), path.encode("latin-1"),
+                                             None if got is None else got.encode("latin-1"))
+        audited = (self.config.control_plane_audit_enabled and method not in _READS
+                   and is_management(path.encode("latin-1")))
+        if verdict != OK:
+            if audited:
+                self._audit(key, method, path, query, body, "denied", verdict)
+            return _error(insufficient_role(key.role) if verdict == FORBIDDEN and key is not None
+                          else invalid_api_key())
+        result = await self._dispatch(method, path, query, body, headers)
+        if audited and not self.forwards(method, path):
+            self._audit(key, method, path, query, body,
+                        "success" if result[0] < 400 else "error", result[0])
+        return result
+
+    def forwards(self, method: str, path: str) -> bool:
+        """Whether this process hands the request to another that applies it (supervisor)."""
+        return False
+
+    def _audit(self, key: ControlPlaneKey | None, method: str, path: str, query: str, body: bytes,
+               outcome: str, status: int) -> None:
+        """One control_plane_audit line: who, what, on which worker, how it ended (never the
+        secret: only the key's id and role)."""
+        target = _audit_target(self, method, path, query, body)
+        log.info("control_plane_audit key=%s role=%s method=%s path=%s target=%s outcome=%s status=%d",
+                 key.key_id if key is not None else "-", key.role if key is not None else "-",
+                 method, path, target, outcome, status,
+                 extra={"audit": True, "key_id": key.key_id if key is not None else None,
+                        "role": key.role if key is not None else None, "method": method,
+                        "path": path, "target": target, "outcome": outcome, "status": status})
+
+    async def _dispatch(self, method: str, path: str, query: str, body: bytes,
+                        headers: Any) -> tuple[int, bytes, bytes]:
+        """Route an authenticated admin request to its handler."""
         try:
             if path == "/workers":
                 if method == "GET":
@@ -457,6 +496,26 @@ class AdminAPI:
         "/readiness": (("GET",), _readiness),
         "/health_generate": (("GET",), _health_generate),
     }
+
+
+def _audit_target(api: AdminAPI, method: str, path: str, query: str, body: bytes) -> str:
+    """The worker a management change is about: its URL when known, else its id, else '-'."""
+    url = (parse_qs(query).get("url") or [""])[0]
+    if not url and path == "/workers" and body:
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            doc = None
+        if isinstance(doc, dict) and isinstance(doc.get("url"), str):
+            url = doc["url"]
+    if not url and path.startswith("/workers/"):
+        wid = path[len("/workers/"):]
+        try:
+            w = api.get(wid)  # type: ignore[attr-defined]
+        except (TypeError, ValueError):
+            w = None
+        url = w.url if w is not None else wid
+    return "".join(c if c.isprintable() and not c.isspace() else "?" for c in url[:200]) or "-"
 
 
 def _error(exc: RouterError) -> tuple[int, bytes, bytes]:

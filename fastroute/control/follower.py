@@ -129,13 +129,17 @@ class FollowerRegistry(Registry):
         self.version = int(doc["version"])
         self.invalidate_ready()     # Registry.ready() recomputes once, on the next request
 
-    async def handle_admin(self, method: str, path: str, query: str, body: bytes,
-                           headers: Any) -> tuple[int, bytes, bytes]:
-        if (path in FORWARD_PATHS
+    def forwards(self, method: str, path: str) -> bool:
+        return (path in FORWARD_PATHS
                 or (method in ("POST", "PUT", "DELETE") and (path == "/workers"
-                                                              or path.startswith("/workers/")))):
+                                                              or path.startswith("/workers/"))))
+
+    async def _dispatch(self, method: str, path: str, query: str, body: bytes,
+                        headers: Any) -> tuple[int, bytes, bytes]:
+        # Authenticated here already (handle_admin); the supervisor checks again and audits.
+        if self.forwards(method, path):
             return await self._forward(method, path, query, body, headers)
-        return await super().handle_admin(method, path, query, body, headers)
+        return await super()._dispatch(method, path, query, body, headers)
 
     async def _forward(self, method: str, path: str, query: str, body: bytes,
                        headers: Any) -> tuple[int, bytes, bytes]:

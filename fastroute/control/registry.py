@@ -29,6 +29,7 @@ import logging
 import random
 from typing import Any, Callable, Mapping
 
+from fastroute.auth import AdminAuth, parse_control_plane_keys
 from fastroute.config import Config
 from fastroute.control import httpclient
 from fastroute.control.admin import AdminAPI
@@ -71,6 +72,9 @@ class Registry(AdminAPI):
         self._reaper: asyncio.Task | None = None
         self._listeners: list[Callable[[str], None]] = []
         self._ready_cache: bool | None = None
+        # The one admin auth rule, built once (control-plane keys kept as digests only).
+        self.admin_auth = AdminAuth(config.api_key,
+                                    parse_control_plane_keys(config.control_plane_api_keys))
         demand = config.decode_input_demand
         weight = config.decode_request_weight
         metric = config.p2c_load_metric
@@ -336,8 +340,8 @@ class Registry(AdminAPI):
         self.invalidate_ready()
         w.error = None
         self._sync_group(w.role)
-        log.info("worker %s ready: role=%s model=%s dp_size=%d targets=%s",
-                 w.url, w.role, w.model_id, w.dp_size, rows)
+        log.info("worker %s ready: role=%s model=%s dp_size=%d ranks=%s targets=%s",
+                 w.url, w.role, w.model_id, w.dp_size, ",".join(w.names), rows)
 
     def _sync_group(self, role: str) -> None:
         targets: list[int] = []

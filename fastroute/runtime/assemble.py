@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,6 +30,7 @@ from fastroute.core.breaker import Breakers
 from fastroute.core.routing import Router
 from fastroute.core.table import TargetTable
 from fastroute.dataplane.app import App
+from fastroute.runtime.startup import bind_error
 
 DRAIN_POLL = 0.05   # seconds between in-flight checks while draining (control plane, not per request)
 
@@ -81,7 +83,11 @@ async def assemble(config: Config, table: TargetTable, *, seed: int | None = Non
     if monitor:
         parts.monitor = Monitor(config, registry, table)
     if metrics:
-        parts.metrics = await start_metrics(config, table, registry, parts.stats)
+        try:
+            parts.metrics = await start_metrics(config, table, registry, parts.stats)
+        except OSError as exc:
+            raise bind_error("--prometheus-port", config.prometheus_host,
+                             int(config.prometheus_port), exc) from None
     # A proxy process's registry has a ledger of its own and follows the supervisor's, which
     # reconciles the shared table once for all processes.
     if getattr(registry, "ledger", None) is None:
@@ -96,12 +102,20 @@ async def assemble(config: Config, table: TargetTable, *, seed: int | None = Non
     return parts
 
 
-async def listen(app: App, host: str, port: int, reuse_port: bool = True) -> asyncio.AbstractServer:
-    """The client listener of ``app`` (several proxy processes share a port with SO_REUSEPORT)."""
+async def listen(app: App, host: str, port: int, reuse_port: bool = False,
+                 tls: ssl.SSLContext | None = None) -> asyncio.AbstractServer:
+    """The client listener of ``app``, HTTPS when ``tls`` is given.
+
+    Only the proxy processes of ``--workers N`` share a port (``reuse_port``): a single process
+    that set SO_REUSEPORT would let a second router bind the same port and silently take half
+    the traffic with a target table of its own (review L2). A port in use is a StartupError."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(app.protocol_factory, host, port, reuse_address=True,
-                                    reuse_port=reuse_port and hasattr(socket, "SO_REUSEPORT"),
-                                    backlog=4096)
+    try:
+        return await loop.create_server(app.protocol_factory, host, port, reuse_address=True,
+                                        reuse_port=reuse_port and hasattr(socket, "SO_REUSEPORT"),
+                                        backlog=4096, ssl=tls)
+    except OSError as exc:
+        raise bind_error("--port", host, port, exc) from None
 
 
 async def drain(app: App, grace: float, log: logging.Logger, label: str = "shutdown") -> None:

@@ -1,4 +1,4 @@
-"""One proxy process of ``--workers N``: ``python -m fastroute.runtime.child STATE_DIR SLOT``.
+"""One proxy process of ``--workers N``: ``python -P -m fastroute.runtime.child STATE_DIR SLOT``.
 
 Started (and restarted) by :mod:`fastroute.runtime.supervisor`, which leaves in its private state
 directory the pickled Config and ``child.json`` (shared-memory names, the port, the control
@@ -29,6 +29,7 @@ from fastroute.core.routing import Router
 from fastroute.core.table import TargetTable
 from fastroute.log import configure_logging
 from fastroute.runtime.assemble import assemble, drain, listen
+from fastroute.runtime.startup import tls_context
 
 # Logger name kept from before the split: operators filter on it.
 log = logging.getLogger("fastroute.supervisor")
@@ -73,7 +74,7 @@ async def serve_child(state_dir: str, slot: int) -> int:
                            metrics=False)
     app, registry = parts.app, parts.registry
     assert app is not None and isinstance(registry, FollowerRegistry)
-    listener = await listen(app, cfg.host, int(info["port"]))
+    listener = await listen(app, cfg.host, int(info["port"]), reuse_port=True, tls=tls_context(cfg))
     app.start()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -124,7 +125,7 @@ def main(state_dir: str, slot: int) -> int:
     """Entry point of one proxy process."""
     _die_with_parent()
     cfg = _load_config(state_dir)
-    configure_logging(cfg.log_level, cfg.log_dir)
+    configure_logging(cfg.log_level, cfg.log_dir, json_lines=cfg.log_json)
     return uvloop.run(serve_child(state_dir, slot))
 
 

@@ -33,6 +33,8 @@ from fastroute.core.routing import Router
 from fastroute.core.table import TargetTable
 from fastroute.dataplane.app import App
 from fastroute.runtime.assemble import assemble, drain, listen
+from fastroute.runtime.probe import ProbeServer
+from fastroute.runtime.startup import announce, start_probe, tls_context
 
 log = logging.getLogger("fastroute.server")
 
@@ -58,6 +60,7 @@ class Server:
         self.discovery: Discovery | None = None
         self.app: App | None = None
         self.listener: asyncio.AbstractServer | None = None
+        self.probe: ProbeServer | None = None
         self.port = 0
         self._stopped = asyncio.Event()
         self._stopping = False
@@ -65,24 +68,37 @@ class Server:
     async def start(self) -> None:
         """Build everything and start listening; worker registration continues in the background."""
         cfg = self.config
+        tls = tls_context(cfg)      # a TLS file that cannot be used stops the start here
         self.table = TargetTable()
         try:
             parts = await assemble(cfg, self.table)
             self.router, self.registry, self.monitor = parts.router, parts.registry, parts.monitor
             self.metrics, self.app = parts.metrics, parts.app
             assert self.app is not None and self.monitor is not None
-            self.listener = await listen(self.app, cfg.host, cfg.port)
+            self.listener = await listen(self.app, cfg.host, cfg.port, tls=tls)
+            self.probe = start_probe(cfg, self.registry.ready)
             self.discovery = await start_discovery(cfg, self.registry, self.metrics.stats)
         except BaseException:
+            await self._close_listeners()
             self.table.close()
             self.table.unlink()
             raise
         self.port = self.listener.sockets[0].getsockname()[1]
         self.app.start()
-        log.info("fastroute listening on %s:%d (%s mode)", cfg.host, self.port,
-                 "PD" if cfg.pd_disaggregation else "regular")
+        announce(cfg, self.port, 1)
         await self.registry.start()
         self.monitor.start()
+
+    async def _close_listeners(self) -> None:
+        """Undo a start that failed half-way (a later listener could not bind)."""
+        if self.listener is not None:
+            self.listener.close()
+        if self.metrics is not None:
+            await self.metrics.stop()
+            self.metrics = None
+        if self.probe is not None:
+            self.probe.stop()
+            self.probe = None
 
     async def stop(self, grace: float | None = None) -> None:
         """Graceful drain: stop accepting, wait for in-flight requests, then close everything."""
@@ -95,6 +111,8 @@ class Server:
         try:
             if self.listener is not None:
                 self.listener.close()
+            if self.probe is not None:
+                self.probe.stop()
             if self.app is not None:
                 await drain(self.app, grace, log)
             if self.discovery is not None:

@@ -6,7 +6,7 @@ Owns everything that exists only when the router runs as several processes:
   per-process *ledger* table per proxy slot, registers workers (the ordinary
   :class:`~fastroute.control.registry.Registry`), runs the load monitor and health checks, serves
   ``/metrics`` once for all processes, and starts, watches and restarts the proxy processes;
-* the **proxy processes** (``python -m fastroute.runtime.child DIR SLOT``) attach the table
+* the **proxy processes** (``python -P -m fastroute.runtime.child DIR SLOT``) attach the table
   by name, listen on the same port with ``SO_REUSEPORT`` (the kernel spreads connections across
   them), and serve requests with a :class:`~fastroute.control.follower.FollowerRegistry`: a registry that never registers
   or monitors anything itself but mirrors the supervisor's worker set.
@@ -67,6 +67,8 @@ from fastroute.control.monitor import Monitor
 from fastroute.control.registry import Registry
 from fastroute.core.table import TargetTable
 from fastroute.runtime.assemble import assemble
+from fastroute.runtime.probe import ProbeServer
+from fastroute.runtime.startup import announce, bind_error, start_probe, tls_context
 
 log = logging.getLogger("fastroute.supervisor")
 
@@ -74,6 +76,20 @@ PUBLISH_INTERVAL = 0.1       # seconds between the supervisor's snapshot change 
 RECONCILE_TICKS = 50          # reconcile the table with the engines' polls every 5 s
 RESTART_BACKOFF = (0.05, 5.0)  # first and largest delay before restarting a crashed process
 HEAD_LIMIT_SECS = 10          # a control request's head and body must arrive within this
+
+
+def child_command(state_dir: str, slot: int) -> list[str]:
+    """How a proxy process starts, without the current directory on ``sys.path``: ``-m`` would
+    put it first, so a ``fastroute/`` directory there (the uncompiled source tree after
+    ``pip install .``, or a planted package) would be imported instead of the installed one."""
+    if sys.version_info >= (3, 11):
+        return [sys.executable, "-P", "-m", "fastroute.runtime.child", state_dir, str(slot)]
+    return [sys.executable, "-c", _CHILD_BOOT, state_dir, str(slot)]
+
+
+# Python < 3.11 has no -P: `-c` puts '' (the current directory) first; drop it before importing.
+_CHILD_BOOT = ("import sys; del sys.path[0]; from fastroute.runtime.child import main; "
+               "sys.exit(main(sys.argv[1], int(sys.argv[2])))")
 
 
 def resolve_processes(config: Config) -> int:
@@ -113,6 +129,7 @@ class Supervisor:
         self.registry: Registry | None = None
         self.monitor: Monitor | None = None
         self.metrics: MetricsServer | None = None
+        self.probe: ProbeServer | None = None
         self.reconciler: Reconciler | None = None
         self.discovery: Discovery | None = None
         self.children = [_Child(i) for i in range(self.n)]
@@ -133,6 +150,7 @@ class Supervisor:
     # ---- start --------------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
+        tls_context(cfg)    # checked once here: the proxy processes load the same files
         self.state_dir = tempfile.mkdtemp(prefix="fastroute-")   # 0700: holds worker API keys
         try:
             self.table = TargetTable()
@@ -149,6 +167,7 @@ class Supervisor:
             assert self.metrics is not None and self.monitor is not None
             self.metrics.collector.stats = self.stats_views   # merged at scrape time
             self.metrics.registry.register(ProcessCollector(self))
+            self.probe = start_probe(cfg, self.registry.ready)
             self._control = await asyncio.start_server(self._control_conn, "127.0.0.1", 0)
             control_port = self._control.sockets[0].getsockname()[1]
             with open(os.path.join(self.state_dir, "config.pickle"), "wb") as f:
@@ -168,8 +187,7 @@ class Supervisor:
         except BaseException:
             await self._teardown()
             raise
-        log.info("fastroute listening on %s:%d (%s mode, %d proxy processes)", cfg.host, self.port,
-                 "PD" if cfg.pd_disaggregation else "regular", self.n)
+        announce(cfg, self.port, self.n)
 
     def _reserve_port(self) -> int:
         """Hold the listening port (bound, never listening, so it takes no connections) for the
@@ -177,12 +195,25 @@ class Supervisor:
         process must find it still free."""
         cfg = self.config
         family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-        s = socket.socket(family, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        s.bind((cfg.host, int(cfg.port)))
+        port = int(cfg.port)
+        # First without SO_REUSEPORT: a port another router (or anything) holds must stop this
+        # start, not be shared with it. The reservation itself needs the option (the proxy
+        # processes bind beside it).
+        for reuse_port in (False, True):
+            s = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if reuse_port:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                s.bind((cfg.host, port))
+            except OSError as exc:
+                s.close()
+                raise bind_error("--port", cfg.host, port, exc) from None
+            if not reuse_port:
+                port = s.getsockname()[1]     # --port 0: keep the port the kernel chose
+                s.close()
         self._reserve = s
-        return s.getsockname()[1]
+        return port
 
     async def _spawn(self, child: _Child) -> None:
         env = dict(os.environ)
@@ -192,8 +223,7 @@ class Supervisor:
         child.stats = None
         child.version = -1
         child.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fastroute.runtime.child", self.state_dir, str(child.slot),
-            stdin=asyncio.subprocess.DEVNULL, env=env)
+            *child_command(self.state_dir, child.slot), stdin=asyncio.subprocess.DEVNULL, env=env)
         child.watch = asyncio.get_running_loop().create_task(self._watch(child),
                                                              name=f"proxy {child.slot}")
         log.info("proxy process %d started (pid %d)", child.slot, child.proc.pid)
@@ -392,6 +422,8 @@ class Supervisor:
                 await self.metrics.stop()
             if self._control is not None:
                 self._control.close()
+            if self.probe is not None:
+                self.probe.stop()
         finally:
             if self._reserve is not None:
                 self._reserve.close()
