@@ -46,7 +46,8 @@ import logging
 import os
 from typing import Any, Iterable, Mapping
 
-from fastroute.config import NO_KUBE_CONFIG, ConfigError, kube_config_source, parse_selector
+from fastroute.config import ConfigError
+from fastroute.kube import NO_KUBE_CONFIG, kube_config_source, parse_selector
 from fastroute.control.worker import ROLES, DuplicateWorker
 
 log = logging.getLogger("fastroute.discovery")
