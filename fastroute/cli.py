@@ -399,6 +399,20 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
         help="Full re-read of the manifest, and the length of one Kubernetes watch before it is "
              "resumed (default: %(default)s s).")
 
+    add.section("Router replicas", "Several routers balancing as one: each publishes its per-target "
+                "in-flight counts to Redis and adds the other live replicas' to its own, off the "
+                "request path (fastroute.control.replica).")
+    add("--replica-sync", default=None, metavar="redis://HOST:PORT[/DB]",
+        help="Share in-flight load and circuit opens with the other replicas through this Redis; "
+             "Redis gone: routing goes on with local counts (default: off).")
+    add("--replica-id", default=None, metavar="ID",
+        help="This replica's name in Redis (default: host:port:pid, so a restart starts clean).")
+    add("--replica-sync-interval-ms", type=int, default=d("replica_sync_interval_ms"), metavar="MS",
+        help="Publish and refresh the other replicas' counts every MS (default: %(default)s).")
+    add("--replica-ttl-ms", type=int, default=d("replica_ttl_ms"), metavar="MS",
+        help="A replica that has not published for MS drops out of the others' view "
+             "(default: %(default)s).")
+
     families = [f.name + "*" for f in flags.FAMILIES]
     add.section(
         "Ignored for compatibility",

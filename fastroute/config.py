@@ -229,6 +229,12 @@ class Config:
     discovery_file: str | None = None
     discovery_check_interval_secs: int = 60
 
+    # --- Router replicas balancing as one (fastroute.control.replica) ---------------------
+    replica_sync: str | None = None          # redis://HOST:PORT[/DB]; None = off
+    replica_id: str | None = None            # None: host:port:pid
+    replica_sync_interval_ms: int = 25
+    replica_ttl_ms: int = 3000
+
     @property
     def discovery(self) -> str | None:
         """The discovery provider in use ("kubernetes" or "file"), or None when off."""
@@ -280,6 +286,23 @@ class Config:
         self._validate_extensions()
         self._validate_discovery()
         self._validate_security()
+        self._validate_replica()
+
+    def _validate_replica(self) -> None:
+        if self.replica_sync is None:
+            return
+        parsed = urlsplit(self.replica_sync)
+        db = parsed.path.strip("/")
+        if parsed.scheme not in ("redis", "rediss") or not parsed.hostname or not (
+                db == "" or db.isdigit()):
+            raise ConfigError("--replica-sync", f"{self.replica_sync!r} is not "
+                              "redis://HOST:PORT[/DB] (or rediss:// for TLS)")
+        _at_least("--replica-sync-interval-ms", self.replica_sync_interval_ms, 1)
+        if self.replica_ttl_ms < 2 * self.replica_sync_interval_ms:
+            raise ConfigError("--replica-ttl-ms", f"{self.replica_ttl_ms} ms must be at least two "
+                              "sync intervals, or a live replica drops out between its heartbeats")
+        if self.replica_id is not None and not self.replica_id.strip():
+            raise ConfigError("--replica-id", "must not be empty")
 
     def _validate_workers(self) -> None:
         if self.pd_disaggregation and self.worker_urls:

@@ -1,8 +1,10 @@
 # Column layout of the shared target table, mirrored by fastroute/core/table.py:
 # tests/unit/test_table.py checks every constant of this file against table.py and
 # _policy.layout(), in both directions.
-# One row per target, 16 int64 cells = 128 bytes = two cache lines, so processes updating neighbouring
-# targets never share a line.
+# One row per target, 24 int64 cells = 192 bytes = three cache lines, so processes updating
+# neighbouring targets never share a line.  Cells 15..17 are the other router replicas' view
+# (fastroute.control.replica writes them off the request path; zero without --replica-sync);
+# 18..23 are spare.
 from libc.stdint cimport int64_t
 from fastroute.core._atomic cimport fr_load_i64
 
@@ -18,11 +20,15 @@ cdef enum:
     COL_CIRCUIT = 8              # a CIRCUIT_* state (below)
     COL_POLLED_MAX_TOKENS = 9    # max_total_num_tokens of the rank, -1 unknown
     COL_ALLOCATED = 10           # row in use
-    COL_TOKENS_AT_POLL = 11      # in-flight tokens when the last poll landed (KV deltas since poll)
+    COL_TOKENS_AT_POLL = 11      # in-flight tokens (all replicas) when the last poll landed
     COL_CB_FAILS = 12            # circuit breaker: consecutive failures (all processes together)
     COL_CB_OKS = 13              # circuit breaker: successes since the circuit went half-open
     COL_CB_OPENED_AT = 14        # circuit breaker: monotonic clock in microseconds when it last opened
-    NCOLS = 16
+    COL_OTHERS_OPEN = 15         # 1: another live replica has this target's circuit open (same line
+                                 # as COL_CIRCUIT, so the eligibility check reads no extra line)
+    COL_OTHERS_IN_FLIGHT = 16    # requests the other live replicas have in flight here (last published)
+    COL_OTHERS_TOKENS = 17       # input tokens of those requests
+    NCOLS = 24
 
 cdef enum:
     HDR_MAGIC = 0
@@ -39,6 +45,19 @@ cdef enum:
 
 
 cdef inline bint row_eligible(const int64_t *row) noexcept nogil:
-    # The one eligibility rule of every kernel and the prefix tree: healthy, and circuit not open
-    # (half-open may take a probe).  Inline here so no module calls it through a function pointer.
-    return fr_load_i64(&row[COL_HEALTHY]) == 1 and fr_load_i64(&row[COL_CIRCUIT]) != CIRCUIT_OPEN
+    # The one eligibility rule of every kernel and the prefix tree: healthy, circuit not open here
+    # (half-open may take a probe) and not open at another replica.  Inline here so no module
+    # calls it through a function pointer.
+    return (fr_load_i64(&row[COL_HEALTHY]) == 1 and fr_load_i64(&row[COL_CIRCUIT]) != CIRCUIT_OPEN
+            and fr_load_i64(&row[COL_OTHERS_OPEN]) == 0)
+
+
+cdef inline int64_t row_requests(const int64_t *row) noexcept nogil:
+    # Requests in flight on a target across all replicas: this host's exact count plus the
+    # other replicas' last published one (zero without --replica-sync).
+    return fr_load_i64(&row[COL_IN_FLIGHT]) + fr_load_i64(&row[COL_OTHERS_IN_FLIGHT])
+
+
+cdef inline int64_t row_tokens(const int64_t *row) noexcept nogil:
+    # Input tokens in flight on a target across all replicas (as row_requests).
+    return fr_load_i64(&row[COL_IN_FLIGHT_TOKENS]) + fr_load_i64(&row[COL_OTHERS_TOKENS])

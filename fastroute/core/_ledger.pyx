@@ -14,7 +14,7 @@ from fastroute.core._atomic cimport fr_load_i64, fr_store_i64, fr_add_i64, fr_ca
 from fastroute.core._layout cimport (
     COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS, COL_POLLED_RUNNING, COL_POLLED_WAITING,
     COL_POLLED_TOKENS, COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_TOKENS_AT_POLL, HDR_UNDERFLOWS,
-    NCOLS, NHDR, COL_CIRCUIT, COL_CB_FAILS, CIRCUIT_CLOSED,
+    NCOLS, NHDR, COL_CIRCUIT, COL_CB_FAILS, CIRCUIT_CLOSED, row_tokens,
 )
 from fastroute.core._policy cimport (
     pick_round_robin, pick_random, pick_p2c, pick_demand, pick_ring, pick_kv_fit, kv_free,
@@ -228,7 +228,8 @@ def store_polled(int64_t[:, ::1] tab, int64_t t, int64_t running, int64_t waitin
     fr_store_i64(&tab[t, COL_POLLED_WAITING], waiting)
     fr_store_i64(&tab[t, COL_POLLED_TOKENS], tokens)
     fr_store_i64(&tab[t, COL_POLLED_MAX_TOKENS], max_tokens)
-    fr_store_i64(&tab[t, COL_TOKENS_AT_POLL], fr_load_i64(&tab[t, COL_IN_FLIGHT_TOKENS]))
+    # The in-flight tokens of every replica at this poll: kv_free counts bookings since then.
+    fr_store_i64(&tab[t, COL_TOKENS_AT_POLL], row_tokens(&tab[t, 0]))
     fr_store_i64(&tab[t, COL_POLLED_AT], at_ms)
 
 

@@ -10,9 +10,10 @@ from fastroute.core._atomic cimport fr_load_i64
 from fastroute.core._layout cimport (
     COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_POLLED_RUNNING, COL_POLLED_WAITING, COL_POLLED_TOKENS,
     COL_POLLED_AT, COL_HEALTHY, COL_PICKS, COL_CIRCUIT, COL_POLLED_MAX_TOKENS, COL_ALLOCATED,
-    COL_TOKENS_AT_POLL, COL_CB_FAILS, COL_CB_OKS, COL_CB_OPENED_AT, NCOLS,
+    COL_TOKENS_AT_POLL, COL_CB_FAILS, COL_CB_OKS, COL_CB_OPENED_AT, COL_OTHERS_OPEN,
+    COL_OTHERS_IN_FLIGHT, COL_OTHERS_TOKENS, NCOLS,
     HDR_MAGIC, HDR_CAPACITY, HDR_UNDERFLOWS, HDR_GENERATION, NHDR,
-    CIRCUIT_CLOSED, CIRCUIT_OPEN, CIRCUIT_HALF_OPEN, row_eligible,
+    CIRCUIT_CLOSED, CIRCUIT_OPEN, CIRCUIT_HALF_OPEN, row_eligible, row_requests, row_tokens,
 )
 from fastroute.core._random cimport mix64, rng_below, reservoir_step
 import numpy as np
@@ -94,7 +95,7 @@ cdef int64_t pick_p2c(const int64_t[:, ::1] tab, const int64_t[::1] cands, int m
                 continue
             if any_polled and fr_load_i64(&tab[t, COL_POLLED_AT]) < 0:
                 continue
-            req = fr_load_i64(&tab[t, COL_IN_FLIGHT])
+            req = row_requests(&tab[t, 0])
             tok = fr_load_i64(&tab[t, COL_POLLED_TOKENS]) if any_polled else 0
             if best < 0 or req < best_req or (req == best_req and tok < best_tok):
                 best, best_req, best_tok, ties = t, req, tok, 1
@@ -118,8 +119,8 @@ cdef int64_t pick_p2c(const int64_t[:, ::1] tab, const int64_t[::1] cands, int m
     b = _nth_eligible(tab, cands, j)
     if a < 0 or b < 0:          # health changed between the two scans
         return a if a >= 0 else b
-    ra = fr_load_i64(&tab[a, COL_IN_FLIGHT])
-    rb = fr_load_i64(&tab[b, COL_IN_FLIGHT])
+    ra = row_requests(&tab[a, 0])
+    rb = row_requests(&tab[b, 0])
     pa = fr_load_i64(&tab[a, COL_POLLED_AT]) >= 0
     pb = fr_load_i64(&tab[b, COL_POLLED_AT]) >= 0
     ta = fr_load_i64(&tab[a, COL_POLLED_TOKENS])
@@ -140,15 +141,15 @@ cdef int64_t pick_p2c(const int64_t[:, ::1] tab, const int64_t[::1] cands, int m
 
 cdef int64_t pick_demand(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens,
                          int64_t weight, uint64_t *rng) noexcept nogil:
-    # cost = in-flight input tokens + this request's tokens + weight x requests held.
+    # cost = in-flight input tokens + this request's tokens + weight x requests held (all
+    # replicas: this host's exact counts plus the others' last published ones).
     cdef int64_t best = -1, best_cost = 0, cost, t, ties = 0
     cdef Py_ssize_t k
     for k in range(cands.shape[0]):
         t = cands[k]
         if not row_eligible(&tab[t, 0]):
             continue
-        cost = (fr_load_i64(&tab[t, COL_IN_FLIGHT_TOKENS]) + tokens
-                + weight * fr_load_i64(&tab[t, COL_IN_FLIGHT]))
+        cost = row_tokens(&tab[t, 0]) + tokens + weight * row_requests(&tab[t, 0])
         if best < 0 or cost < best_cost:
             best, best_cost, ties = t, cost, 1
         elif cost == best_cost:
@@ -183,12 +184,14 @@ cdef int64_t kv_free(const int64_t[:, ::1] tab, int64_t t) noexcept nogil:
     The poll says what the engine had allocated then; since then the router booked and released
     input tokens on this rank, so used ~= polled used + (in-flight tokens now - at the poll).
     Requests still in prefill or in the prealloc queue hold no KV in the engine yet but will,
-    so the rank is never credited with less than all its in-flight input tokens."""
+    so the rank is never credited with less than all its in-flight input tokens.  "The router"
+    is every replica: in-flight tokens are this host's plus the other replicas' last published
+    ones, and the poll stamps that same sum (``_ledger.store_polled``)."""
     cdef int64_t cap = fr_load_i64(&tab[t, COL_POLLED_MAX_TOKENS])
     cdef int64_t used, live
     if cap <= 0 or fr_load_i64(&tab[t, COL_POLLED_AT]) < 0:
         return INT64_MIN
-    live = fr_load_i64(&tab[t, COL_IN_FLIGHT_TOKENS])
+    live = row_tokens(&tab[t, 0])
     used = fr_load_i64(&tab[t, COL_POLLED_TOKENS]) + live - fr_load_i64(&tab[t, COL_TOKENS_AT_POLL])
     if used < live:
         used = live
@@ -223,11 +226,10 @@ cdef int64_t pick_kv_fit(const int64_t[:, ::1] tab, const int64_t[::1] cands, in
         if free < need:
             continue
         if use_demand:
-            a = (fr_load_i64(&tab[t, COL_IN_FLIGHT_TOKENS]) + tokens
-                 + weight * fr_load_i64(&tab[t, COL_IN_FLIGHT]))
+            a = row_tokens(&tab[t, 0]) + tokens + weight * row_requests(&tab[t, 0])
             b = 0
         else:
-            a = fr_load_i64(&tab[t, COL_IN_FLIGHT])
+            a = row_requests(&tab[t, 0])
             b = -free
         if best < 0 or a < best_a or (a == best_a and b < best_b):
             best, best_a, best_b, ties = t, a, b, 1
@@ -331,7 +333,8 @@ def layout():
         COL_PICKS=COL_PICKS, COL_CIRCUIT=COL_CIRCUIT, COL_POLLED_MAX_TOKENS=COL_POLLED_MAX_TOKENS,
         COL_ALLOCATED=COL_ALLOCATED, COL_TOKENS_AT_POLL=COL_TOKENS_AT_POLL,
         COL_CB_FAILS=COL_CB_FAILS, COL_CB_OKS=COL_CB_OKS, COL_CB_OPENED_AT=COL_CB_OPENED_AT,
-        NCOLS=NCOLS,
+        COL_OTHERS_OPEN=COL_OTHERS_OPEN, COL_OTHERS_IN_FLIGHT=COL_OTHERS_IN_FLIGHT,
+        COL_OTHERS_TOKENS=COL_OTHERS_TOKENS, NCOLS=NCOLS,
         HDR_MAGIC=HDR_MAGIC, HDR_CAPACITY=HDR_CAPACITY, HDR_UNDERFLOWS=HDR_UNDERFLOWS,
         HDR_GENERATION=HDR_GENERATION, NHDR=NHDR,
         CIRCUIT_CLOSED=CIRCUIT_CLOSED, CIRCUIT_OPEN=CIRCUIT_OPEN,

@@ -28,7 +28,7 @@ from libc.string cimport memchr, memcpy
 from cpython.mem cimport PyMem_Malloc, PyMem_Realloc, PyMem_Free
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from fastroute.core._atomic cimport fr_load_i64
-from fastroute.core._layout cimport COL_IN_FLIGHT, NCOLS, row_eligible
+from fastroute.core._layout cimport NCOLS, row_eligible, row_requests
 from fastroute.core._random cimport reservoir_step
 
 cdef extern from "Python.h":
@@ -515,7 +515,7 @@ cdef class PrefixTree:
         for i in range(self.ncand):
             row = self._rows + self.cand[i] * NCOLS
             if row_eligible(row):
-                load = fr_load_i64(&row[COL_IN_FLIGHT])
+                load = row_requests(row)     # every replica's requests, as the kernels
                 self.cand_load[i] = load
                 self.cand_ok[i] = 1
                 self.slot_stamp[self.cand_slot[i]] = self.stamp

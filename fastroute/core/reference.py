@@ -16,6 +16,7 @@ import numpy as np
 from typing import Any, Iterable
 
 from fastroute.core.table import (COL_CIRCUIT, COL_HEALTHY, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS,
+                                  COL_OTHERS_IN_FLIGHT, COL_OTHERS_OPEN, COL_OTHERS_TOKENS,
                                   COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_POLLED_TOKENS,
                                   COL_TOKENS_AT_POLL)
 from fastroute.names import CIRCUIT_OPEN, LOAD_METRIC_CODE
@@ -55,8 +56,20 @@ def _eligible(tab: np.ndarray, cands) -> list[int]:
 
 
 def _row_eligible(tab: np.ndarray, t) -> bool:
-    """``_layout.row_eligible``: healthy, and circuit not open (half-open may take a probe)."""
-    return bool(tab[t, COL_HEALTHY] == 1 and tab[t, COL_CIRCUIT] != CIRCUIT_OPEN)
+    """``_layout.row_eligible``: healthy, circuit not open (half-open may take a probe), and not
+    open at another replica."""
+    return bool(tab[t, COL_HEALTHY] == 1 and tab[t, COL_CIRCUIT] != CIRCUIT_OPEN
+                and tab[t, COL_OTHERS_OPEN] == 0)
+
+
+def requests(tab: np.ndarray, t) -> int:
+    """``_layout.row_requests``: this host's in-flight requests plus the other replicas'."""
+    return int(tab[t, COL_IN_FLIGHT]) + int(tab[t, COL_OTHERS_IN_FLIGHT])
+
+
+def tokens_in_flight(tab: np.ndarray, t) -> int:
+    """``_layout.row_tokens``: this host's in-flight input tokens plus the other replicas'."""
+    return int(tab[t, COL_IN_FLIGHT_TOKENS]) + int(tab[t, COL_OTHERS_TOKENS])
 
 
 def round_robin(tab: np.ndarray, cands, cursor: list[int]) -> int:
@@ -84,7 +97,7 @@ def power_of_two(tab: np.ndarray, cands, metric: str, rng: Rng) -> int:
         pool = polled if polled else el
         best, best_key, ties = -1, None, 0
         for t in pool:
-            key = (int(tab[t, COL_IN_FLIGHT]), int(tab[t, COL_POLLED_TOKENS]) if polled else 0)
+            key = (requests(tab, t), int(tab[t, COL_POLLED_TOKENS]) if polled else 0)
             if best < 0 or key < best_key:
                 best, best_key, ties = t, key, 1
             elif key == best_key:
@@ -101,7 +114,7 @@ def power_of_two(tab: np.ndarray, cands, metric: str, rng: Rng) -> int:
     if j >= i:
         j += 1
     a, b = el[i], el[j]
-    ra, rb = tab[a, COL_IN_FLIGHT], tab[b, COL_IN_FLIGHT]
+    ra, rb = requests(tab, a), requests(tab, b)
     pa, pb = tab[a, COL_POLLED_AT] >= 0, tab[b, COL_POLLED_AT] >= 0
     ta, tb = tab[a, COL_POLLED_TOKENS], tab[b, COL_POLLED_TOKENS]
     if metric == "requests":
@@ -120,7 +133,7 @@ def power_of_two(tab: np.ndarray, cands, metric: str, rng: Rng) -> int:
 def demand(tab: np.ndarray, cands, tokens: int, weight: int, rng: Rng) -> int:
     best, best_cost, ties = -1, 0, 0
     for t in _eligible(tab, cands):
-        cost = int(tab[t, COL_IN_FLIGHT_TOKENS]) + tokens + weight * int(tab[t, COL_IN_FLIGHT])
+        cost = tokens_in_flight(tab, t) + tokens + weight * requests(tab, t)
         if best < 0 or cost < best_cost:
             best, best_cost, ties = t, cost, 1
         elif cost == best_cost:
@@ -146,7 +159,7 @@ def free_kv(tab: np.ndarray, t: int) -> int | None:
     cap = int(tab[t, COL_POLLED_MAX_TOKENS])
     if cap <= 0 or tab[t, COL_POLLED_AT] < 0:
         return None
-    live = int(tab[t, COL_IN_FLIGHT_TOKENS])
+    live = tokens_in_flight(tab, t)
     used = max(int(tab[t, COL_POLLED_TOKENS]) + live - int(tab[t, COL_TOKENS_AT_POLL]), live)
     return cap - used
 
@@ -170,9 +183,9 @@ def kv_fit(tab: np.ndarray, cands, tokens: int, need: int, use_demand: bool, wei
         if free < need:
             continue
         if use_demand:
-            key = (int(tab[t, COL_IN_FLIGHT_TOKENS]) + tokens + weight * int(tab[t, COL_IN_FLIGHT]), 0)
+            key = (tokens_in_flight(tab, t) + tokens + weight * requests(tab, t), 0)
         else:
-            key = (int(tab[t, COL_IN_FLIGHT]), -free)
+            key = (requests(tab, t), -free)
         if best < 0 or key < best_key:
             best, best_key, ties = t, key, 1
         elif key == best_key:

@@ -2,7 +2,7 @@
 
 A *target* is a worker, or one DP rank of a worker under ``--dp-aware``.  The supervisor creates
 the table; proxy processes attach it by name, so every pick sees every process's bookings.  Rows
-are 16 cells (128 bytes, two cache lines).  Every read and write of a shared cell goes through the
+are 24 cells (192 bytes, three cache lines).  Every read and write of a shared cell goes through the
 compiled atomics (``fastroute.core._ledger``); the NumPy view is handed to compiled code only.
 
 Layout constants mirror ``fastroute/core/_layout.pxd``; ``tests/unit/test_table.py`` checks that
@@ -35,7 +35,10 @@ COL_TOKENS_AT_POLL = 11
 COL_CB_FAILS = 12        # breaker cells (fastroute.core.breaker): consecutive failures,
 COL_CB_OKS = 13          # successes since half-open,
 COL_CB_OPENED_AT = 14    # monotonic microseconds of the last opening
-NCOLS = 16
+COL_OTHERS_OPEN = 15        # the other router replicas' view (fastroute.control.replica):
+COL_OTHERS_IN_FLIGHT = 16   # circuit open at one of them, their requests and input tokens
+COL_OTHERS_TOKENS = 17      # in flight here; zero without --replica-sync
+NCOLS = 24
 
 HDR_MAGIC = 0
 HDR_CAPACITY = 1

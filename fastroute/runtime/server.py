@@ -29,6 +29,7 @@ from fastroute.control.discovery import Discovery, start_discovery
 from fastroute.control.metrics import MetricsServer
 from fastroute.control.monitor import Monitor
 from fastroute.control.registry import Registry
+from fastroute.control.replica import ReplicaSync, start_replica_sync
 from fastroute.core.routing import Router
 from fastroute.core.table import TargetTable
 from fastroute.dataplane.app import App
@@ -58,6 +59,7 @@ class Server:
         self.monitor: Monitor | None = None
         self.metrics: MetricsServer | None = None
         self.discovery: Discovery | None = None
+        self.replica: ReplicaSync | None = None
         self.app: App | None = None
         self.listener: asyncio.AbstractServer | None = None
         self.probe: ProbeServer | None = None
@@ -88,6 +90,7 @@ class Server:
         announce(cfg, self.port, 1)
         await self.registry.start()
         self.monitor.start()
+        self.replica = await start_replica_sync(cfg, self.table, self.registry, self.metrics, self.port)
 
     async def _close_listeners(self) -> None:
         """Undo a start that failed half-way (a later listener could not bind)."""
@@ -117,6 +120,8 @@ class Server:
                 await drain(self.app, grace, log)
             if self.discovery is not None:
                 await self.discovery.stop()
+            if self.replica is not None:
+                await self.replica.stop()
             if self.monitor is not None:
                 await self.monitor.stop()
             if self.registry is not None:

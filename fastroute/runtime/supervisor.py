@@ -60,6 +60,7 @@ from typing import Any
 from fastroute.auth import matches
 from fastroute.config import Config
 from fastroute.control.discovery import Discovery, start_discovery
+from fastroute.control.replica import ReplicaSync, start_replica_sync
 from fastroute.control.follower import CONTROL_HEADER, VERSION_HEADER, snapshot_doc
 from fastroute.control.leases import Reconciler, reclaim
 from fastroute.control.metrics import MetricsServer, ProcessCollector, Stats, merge_stats, new_stats
@@ -132,6 +133,7 @@ class Supervisor:
         self.probe: ProbeServer | None = None
         self.reconciler: Reconciler | None = None
         self.discovery: Discovery | None = None
+        self.replica: ReplicaSync | None = None     # once for the host: the table is here
         self.children = [_Child(i) for i in range(self.n)]
         self.port = 0
         self.state_dir = ""
@@ -182,6 +184,8 @@ class Supervisor:
             await self.registry.start()
             self.discovery = await start_discovery(cfg, self.registry, self.stats)
             self.monitor.start()
+            self.replica = await start_replica_sync(cfg, self.table, self.registry, self.metrics,
+                                                    self.port)
             loop = asyncio.get_running_loop()
             self._tasks.append(loop.create_task(self._publish_loop(), name="snapshot publisher"))
         except BaseException:
@@ -414,6 +418,8 @@ class Supervisor:
         try:
             if self.discovery is not None:
                 await self.discovery.stop()
+            if self.replica is not None:
+                await self.replica.stop()
             if self.monitor is not None:
                 await self.monitor.stop()
             if self.registry is not None:

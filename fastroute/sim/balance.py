@@ -29,6 +29,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -43,6 +44,7 @@ import uvloop
 from fastroute.sim.engine import SimParams
 from fastroute.sim.http import HttpError, fetch
 from fastroute.sim.loadgen import Target, run_load, scale_summary, synthetic_trace
+from fastroute.sim.redisproc import RedisProcess
 from fastroute.sim.worker import SimCluster, start_cluster
 
 
@@ -54,6 +56,8 @@ class Cell:
     router: str  # "fastroute" | "sglang_router" | "smg" | "direct" (loadgen plays mini-router)
     args: list[str] = field(default_factory=list)
     python: str = sys.executable  # interpreter that runs the router (peers may live in their own venv)
+    replicas: int = 1   # fastroute router processes behind one "Service" (clients spread over them)
+    sync: bool = False  # the replicas share load through a real redis-server (--replica-sync)
 
 
 def fastroute_cells(sweep: bool = False) -> list[Cell]:
@@ -84,6 +88,21 @@ def kv_tight_cells(reserve: int = 0) -> list[Cell]:
             Cell("demand W=1e6", "fastroute", base + dem + shadow),
             Cell("least_requests + kv-fit", "fastroute", base + on),
             Cell("demand W=1e6 + kv-fit", "fastroute", base + dem + on)]
+
+
+def replica_cells(kv_tight: bool = False, k: int = 3) -> list[Cell]:
+    """Issue 18: one router vs K replicas synced through Redis vs K independent replicas, for
+    least_requests (and, KV-tight, also least_requests + KV fit)."""
+    base = ["--prefill-policy", "round_robin", "--policy", "power_of_two", "--p2c-load-metric", "least_requests"]
+    flavours = [("least_requests", base + (["--decode-kv-fit", "shadow"] if kv_tight else []))]
+    if kv_tight:
+        flavours.append(("least_requests + kv-fit", base + ["--decode-kv-fit", "on"]))
+    cells = []
+    for label, args in flavours:
+        cells += [Cell(f"{label}, 1 router", "fastroute", args),
+                  Cell(f"{label}, {k} replicas synced", "fastroute", args, replicas=k, sync=True),
+                  Cell(f"{label}, {k} replicas independent", "fastroute", args, replicas=k)]
+    return cells
 
 
 def parse_kv_fit_metrics(text: str) -> dict[str, float]:
@@ -251,16 +270,38 @@ async def run_cell(cell: Cell, concurrency: int, cluster: SimCluster, trace: lis
     prefill, decode = cluster.prefills[0], cluster.decodes[0]
     assert prefill.bootstrap_port is not None and decode.decode is not None
     router: RouterProcess | None = None
+    replicas: list[RouterProcess] = []
+    redis_proc: RedisProcess | None = None
     prom = 0
     if cell.router == "direct":
         target = Target("127.0.0.1", decode.port, prefill=("127.0.0.1", prefill.port, prefill.bootstrap_port))
     else:
-        port, prom = _free_port(), _free_port()
-        cmd = router_command(cell, prefill.url, prefill.bootstrap_port, decode.url, port, prom)
+        if cell.sync:
+            redis_proc = RedisProcess().start()
         safe = "".join(ch if ch.isalnum() else "_" for ch in cell.label)
-        router = RouterProcess(cmd, port, os.path.join(out_dir, f"router_{safe}_c{concurrency}_s{seed}.log"))
-        await router.start()
-        target = Target("127.0.0.1", port)
+        ports = []
+        try:
+            for k in range(cell.replicas):
+                port, p = _free_port(), _free_port()
+                prom = prom or p
+                cmd = router_command(cell, prefill.url, prefill.bootstrap_port, decode.url, port, p)
+                if redis_proc is not None:
+                    cmd += ["--replica-sync", redis_proc.url, "--replica-id", f"r{k}"]
+                replicas.append(RouterProcess(cmd, port, os.path.join(
+                    out_dir, f"router_{safe}_c{concurrency}_s{seed}" + (f"_r{k}" if k else "") + ".log")))
+                await replicas[-1].start()
+                ports.append(port)
+        except BaseException:
+            for rp in replicas:
+                await rp.stop()
+            if redis_proc is not None:
+                redis_proc.stop()
+            raise
+        router = replicas[0]
+        # As a Kubernetes Service (kube-proxy picks a backend at random per connection): each
+        # client's connection lands on a random replica (seeded, the same for every cell).
+        spread = random.Random(seed ^ 0x5E41CE)
+        target = Target("127.0.0.1", ports[0], ports=tuple(spread.choice(ports) for _ in range(concurrency)))
     loop = asyncio.get_running_loop()
     wall_offset = time.time() - loop.time()
     retr0 = decode.decode.retractions
@@ -277,8 +318,10 @@ async def run_cell(cell: Cell, concurrency: int, cluster: SimCluster, trace: lis
             if not kv_fit:
                 print("   router exports no fastroute_decode_kv_fit_decisions counters", file=sys.stderr)
     finally:
-        if router is not None:
-            await router.stop()
+        for rp in replicas:
+            await rp.stop()
+        if redis_proc is not None:
+            redis_proc.stop()
         await _drain(cluster)
     t0, t1 = res.window[0] + wall_offset, res.window[1] + wall_offset
     samples = [s for s in decode.decode.samples if t0 <= s[0] <= t1]
@@ -485,6 +528,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="interpreter with sglang-router installed (default: this one)")
     ap.add_argument("--smg-python", default=sys.executable, help="interpreter with smg installed (default: this one)")
     ap.add_argument("--only", nargs="*", help="run only cells whose label contains one of these strings")
+    ap.add_argument("--replicas", type=int, default=0, metavar="K",
+                    help="issue 18: least_requests through 1 router vs K replicas synced through a real "
+                         "redis-server vs K independent replicas (with --kv-tight: also with KV fit on)")
     kv = ap.add_argument_group("KV-tight scenario (issue 9)")
     kv.add_argument("--kv-tight", action="store_true",
                     help="least_requests / demand W=1e6 with --decode-kv-fit shadow vs on, concurrency 192, "
@@ -504,7 +550,11 @@ def main(argv: list[str] | None = None) -> int:
     kv.add_argument("--slow-factor", type=float, default=1.0)
     add_common_flags(ap, duration=30.0, warmup=10.0, time_scale=0.25)
     ns = ap.parse_args(argv)
-    if ns.kv_tight:
+    if ns.replicas:
+        cells = replica_cells(ns.kv_tight, ns.replicas)
+        if ns.concurrency == [64, 192]:
+            ns.concurrency = [192]
+    elif ns.kv_tight:
         cells = kv_tight_cells(ns.kv_reserve)
         if ns.concurrency == [64, 192]:
             ns.concurrency = [192]

@@ -162,6 +162,12 @@ class Target:
     path: str = "/generate"
     prefill: tuple[str, int, int] | None = None  # (host, port, bootstrap_port) => mini-router mode
     headers: dict[str, str] | None = None
+    # Router replicas behind one Service: client i keeps ports[i mod len] (its connection is
+    # long-lived, as through an L4 balancer); ``port`` is used when this is empty.
+    ports: tuple[int, ...] = ()
+
+    def port_of(self, client: int) -> int:
+        return self.ports[client % len(self.ports)] if self.ports else self.port
 
 
 def _percentile(vals: list[float], q: float) -> float:
@@ -279,7 +285,7 @@ async def run_load(target: Target, trace: list[TraceItem], concurrency: int, dur
 
     async def client(cid: int) -> None:
         nonlocal errors
-        conn = HttpConnection(target.host, target.port)
+        conn = HttpConnection(target.host, target.port_of(cid))
         pconn = HttpConnection(target.prefill[0], target.prefill[1]) if target.prefill else None
         try:
             while loop.time() < t_end:

@@ -1,0 +1,105 @@
+"""Replica sync overhead: req/s of one fastroute with ``--replica-sync`` off vs on, same run.
+
+Same backends and client as ``bench/overhead.py`` (nginx fake workers, ``wrk -t1``), PD mode
+with ``--dp-aware`` over the 8-rank decode (the table the sync publishes has 9 targets). "on"
+is a router publishing to a real ``redis-server`` every ``--interval-ms`` beside two more
+synced replicas (idle, so the measured router reads two peers' entries every tick). The two
+routers are measured in alternating rounds, order rotated, and the table reports medians and
+the on/off ratio per connection count.
+
+Usage: ``python bench/replica_overhead.py [--duration S] [--rounds N] [--interval-ms MS]``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import overhead as ov  # noqa: E402  (bench/ is not a package)
+
+from fastroute.sim.redisproc import RedisProcess  # noqa: E402
+
+
+def fastroute_pd(be: ov.Backends, port: int, extra: list[str]) -> list[str]:
+    pre, dec = f"http://127.0.0.1:{be.prefill}", f"http://127.0.0.1:{be.decode}"
+    return [sys.executable, "-m", "fastroute", "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-port", str(ov.free_port()), "--worker-startup-check-interval", "1",
+            "--log-level", "warning", "--pd-disaggregation", "--prefill", pre, str(be.bootstrap),
+            "--decode", dec, "--policy", "power_of_two", "--p2c-load-metric", "least_requests",
+            "--dp-aware", *extra]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--duration", type=int, default=10, help="seconds per wrk run")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--connections", type=int, nargs="+", default=[256])
+    ap.add_argument("--interval-ms", type=int, default=25, help="--replica-sync-interval-ms")
+    ap.add_argument("--out", default=str(HERE / "out" / "replica_overhead.md"))
+    args = ap.parse_args(argv)
+    nginx, wrk = shutil.which("nginx") or "/usr/sbin/nginx", shutil.which("wrk")
+    if not os.path.exists(nginx) or not wrk:
+        print("needs nginx and wrk: apt-get install -y nginx wrk", file=sys.stderr)
+        return 2
+    s = ov.Settings(duration=args.duration, rounds=args.rounds, modes=["pd"], lat_json=0, lat_sse=0,
+                    connections=tuple(args.connections), wrk=wrk)
+    tmp = Path(tempfile.mkdtemp(prefix="fastroute-replica-overhead-"))
+    procs = ov.Procs(tmp)
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    rps: dict[tuple[str, int], list[float]] = {}
+    with RedisProcess() as redis:
+        try:
+            be = ov.Backends(regular=[ov.free_port()], prefill=ov.free_port(), decode=ov.free_port(),
+                             bootstrap=ov.free_port())
+            conf = ov.write_nginx(tmp, be)
+            procs.start("nginx", [nginx, "-c", str(conf), "-p", str(tmp), "-e", str(tmp / "error.log")])
+            lua = ov.write_lua(tmp, "json", ov.JSON_PATH, ov.JSON_BODY)
+            sync = ["--replica-sync", redis.url, "--replica-sync-interval-ms", str(args.interval_ms)]
+            ports = {"off": ov.free_port(), "on": ov.free_port()}
+            procs.start("off", fastroute_pd(be, ports["off"], []), env, cwd=HERE.parent)
+            procs.start("on", fastroute_pd(be, ports["on"], sync + ["--replica-id", "measured"]), env,
+                        cwd=HERE.parent)
+            for k in range(2):
+                procs.start(f"peer{k}", fastroute_pd(be, ov.free_port(), sync + ["--replica-id",
+                                                                                  f"peer{k}"]),
+                            env, cwd=HERE.parent)
+            for name, port in ports.items():
+                err = ov.wait_ready(port, procs.procs[name])
+                if err:
+                    raise RuntimeError(f"{name}: {err}\n{procs.log_tail(name)}")
+                ov.run_wrk(s, port, lua, 64, 2)         # warm-up
+            order = ["off", "on"]
+            for rnd in range(s.rounds):
+                for name in order if rnd % 2 == 0 else order[::-1]:
+                    for c in s.connections:
+                        res = ov.run_wrk(s, ports[name], lua, c, s.duration)
+                        rps.setdefault((name, c), []).append(res["rps"])
+                        print(f"  round {rnd + 1} sync {name:3s} c={c}: {res['rps']:9.0f} req/s "
+                              f"errors={res['non2xx'] + res['socket_errors']}", flush=True)
+        finally:
+            procs.stop_all()
+    lines = ["| connections | sync off req/s (median) | sync on req/s (median) | on / off | runs off | runs on |",
+             "|---|---|---|---|---|---|"]
+    for c in s.connections:
+        off, on = statistics.median(rps[("off", c)]), statistics.median(rps[("on", c)])
+        lines.append(f"| {c} | {off:.0f} | {on:.0f} | {on / off:.3f} | "
+                     + ", ".join(f"{x:.0f}" for x in rps[("off", c)]) + " | "
+                     + ", ".join(f"{x:.0f}" for x in rps[("on", c)]) + " |")
+    table = "\n".join(lines) + "\n"
+    print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"`{' '.join([sys.executable, *sys.argv])}`\n\n{table}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,283 @@
+"""Router replicas that balance as one: per-target load shared through Redis (``--replica-sync``).
+
+Owns the target table's "others" columns (``COL_OTHERS_OPEN``, ``COL_OTHERS_IN_FLIGHT``,
+``COL_OTHERS_TOKENS``) and nothing else. Every ``--replica-sync-interval-ms`` one asyncio task
+publishes this host's per-target in-flight requests and input tokens and the targets whose
+circuit it has open, keyed by target *name* (``url`` or ``url@rank``, never a table row: rows
+differ between replicas), reads every other live replica's entry, sums them per name and stores
+the sums into the others columns with the table's atomics. The kernels add those columns to
+their own exact counts (``_layout.row_requests`` / ``row_tokens``), so a pick costs no network
+I/O and nothing more than two extra loads; the view is at most one interval plus one round trip
+old. It runs once per host, where the table is owned: the single-process server, or the
+supervisor under ``--workers N`` (whose table holds every proxy process's bookings).
+
+Redis layout: two keys under one hash tag (one cluster slot), ``fastroute:{replicas}:beat`` (a
+sorted set: replica id -> Redis server time in ms of its last publish) and
+``fastroute:{replicas}:load`` (a hash: replica id -> its payload, one ``name\\trequests\\ttokens\\t
+open`` line per target that has anything to say). One Lua script per tick, atomic on the server
+and timed by the server's clock (hosts' clocks never compared), stores this replica's heartbeat
+and payload, drops every replica silent for ``--replica-ttl-ms`` (killed or partitioned) and
+returns the live payloads. Both keys expire after ten TTLs of silence. A restarted replica gets
+a new id (the default contains the pid) and starts from its own empty table; a stopping replica
+deletes its entry so the others drop it at once.
+
+Shared circuit opens: a target whose circuit is open at any other live replica is ineligible
+here (``COL_OTHERS_OPEN``, checked by ``row_eligible``); the local breaker's cells and CAS state
+machine are never written. Only *open* is published, not half-open: once the opener's timeout
+passes every replica may send traffic again and each one's own breaker judges the worker, so a
+replica that gets no traffic can never keep a worker fenced off for the others.
+
+Redis slow or gone: requests never wait for it (the task is the only client). A failed tick is
+counted in ``fastroute_replica_sync_errors_total``; the first failure logs one WARNING, the first
+success after it one INFO; retries back off from 0.1 s doubling to 5 s. The last view stays in
+the columns for one TTL after the last good tick (a blip does not make every replica herd onto
+the targets the others were loading), then the columns are cleared and routing uses local counts
+and the polled engine loads alone, so a dead link cannot freeze stale load.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from typing import Any
+
+import redis.asyncio as aioredis
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from fastroute.core.table import (CIRCUIT_OPEN, COL_ALLOCATED, COL_CIRCUIT, COL_IN_FLIGHT,
+                                  COL_IN_FLIGHT_TOKENS, COL_OTHERS_IN_FLIGHT, COL_OTHERS_OPEN,
+                                  COL_OTHERS_TOKENS, TargetTable)
+
+log = logging.getLogger("fastroute.replica")
+
+__all__ = ["ReplicaSync", "start_replica_sync", "default_replica_id", "encode", "decode"]
+
+BEAT_KEY = "fastroute:{replicas}:beat"
+LOAD_KEY = "fastroute:{replicas}:load"
+BACKOFF_INITIAL = 0.1
+BACKOFF_MAX = 5.0
+
+# KEYS: beat, load. ARGV: replica id, payload, ttl ms. Returns the live hash (id, payload, ...).
+_TICK = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[3])
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
+if #dead > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
+  redis.call('HDEL', KEYS[2], unpack(dead))
+end
+redis.call('PEXPIRE', KEYS[1], ttl * 10)
+redis.call('PEXPIRE', KEYS[2], ttl * 10)
+return redis.call('HGETALL', KEYS[2])
+"""
+
+
+def default_replica_id(port: int) -> str:
+    """host:port:pid: unique per running router, and new after a restart."""
+    return f"{socket.gethostname()}:{port}:{os.getpid()}"
+
+
+def encode(counts: dict[str, tuple[int, int, bool]]) -> bytes:
+    """The payload of one replica: a line per target name with requests, tokens and open."""
+    return "".join(f"{n}\t{r}\t{k}\t{int(o)}\n" for n, (r, k, o) in counts.items()).encode()
+
+
+def decode(payload: bytes, into: dict[str, list[int]]) -> None:
+    """Add one replica's payload to ``into`` (name -> [requests, tokens, open]); a malformed
+    line (another version, a hand-edited key) is skipped rather than failing the whole view."""
+    for line in payload.decode("utf-8", "replace").splitlines():
+        parts = line.split("\t")
+        if len(parts) != 4:
+            continue
+        try:
+            r, k, o = int(parts[1]), int(parts[2]), int(parts[3])
+        except ValueError:
+            continue
+        acc = into.get(parts[0])
+        if acc is None:
+            into[parts[0]] = [r, k, o]
+        else:
+            acc[0] += r
+            acc[1] += k
+            acc[2] |= o
+
+
+class ReplicaSync:
+    """The sync task of one host (see module docstring)."""
+
+    def __init__(self, url: str, replica_id: str, table: TargetTable, registry: Any,
+                 interval: float, ttl: float) -> None:
+        self.url = url
+        self.id = replica_id
+        self.table = table
+        self.registry = registry
+        self.interval = interval
+        self.ttl = ttl
+        self.errors = 0
+        self.peers = 0
+        self.up: bool | None = None        # None until the first tick
+        self._last_ok = 0.0
+        self._cleared = True               # the others columns hold nothing
+        self._task: asyncio.Task | None = None
+        timeout = max(0.05, min(1.0, ttl / 2))
+        # No retries inside the client: this task retries with its own backoff, and a command
+        # never waits longer than the timeout.
+        self.client = aioredis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                                        retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
+                                        health_check_interval=0)
+        self._script = self.client.register_script(_TICK)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="replica sync")
+        log.info("replica sync: %s as %r every %.0f ms (ttl %.1f s)", self.url, self.id,
+                 self.interval * 1000, self.ttl)
+
+    async def stop(self) -> None:
+        """Stop syncing, withdraw this replica's entry (best effort) and clear the columns."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self.up:
+            try:
+                pipe = self.client.pipeline(transaction=True)
+                pipe.zrem(BEAT_KEY, self.id)
+                pipe.hdel(LOAD_KEY, self.id)
+                await asyncio.wait_for(pipe.execute(), self.ttl)
+            except (RedisError, OSError, asyncio.TimeoutError):
+                pass        # the entry ages out after the TTL instead
+        self._clear()
+        await self.client.aclose()
+
+    # ---- one tick ---------------------------------------------------------------------------
+    def local_counts(self) -> dict[str, tuple[int, int, bool]]:
+        """This host's load per target name (rows of one name summed: a removed worker's row
+        that still drains counts until its last lease ends)."""
+        cells = self.table.cells
+        out: dict[str, tuple[int, int, bool]] = {}
+        for t, info in enumerate(self.registry.target_info):
+            if info is None:
+                continue
+            r = cells.load(t, COL_IN_FLIGHT)
+            k = cells.load(t, COL_IN_FLIGHT_TOKENS)
+            o = cells.load(t, COL_CIRCUIT) == CIRCUIT_OPEN
+            if not (r or k or o):
+                continue        # absent means zero: payloads stay small on idle targets
+            name = self.registry.target_name(t)
+            prev = out.get(name)
+            out[name] = (r, k, o) if prev is None else (prev[0] + r, prev[1] + k, prev[2] or o)
+        return out
+
+    async def tick(self) -> int:
+        """Publish, read the live replicas, store the others' sums; returns the live peers."""
+        payload = encode(self.local_counts())
+        live = await asyncio.wait_for(
+            self._script(keys=[BEAT_KEY, LOAD_KEY], args=[self.id, payload, int(self.ttl * 1000)]),
+            self.ttl)
+        others: dict[str, list[int]] = {}
+        peers = 0
+        own = self.id.encode()
+        for i in range(0, len(live) - 1, 2):
+            if live[i] == own:
+                continue
+            peers += 1
+            decode(live[i + 1], others)
+        self.apply(others)
+        return peers
+
+    def apply(self, others: dict[str, list[int]]) -> None:
+        """Store the others' sums into every row of this host's table (zero where absent).
+        A cell is written only when it changes, so the kernels' cache lines in the proxy
+        processes are not invalidated for nothing."""
+        cells = self.table.cells
+        zero = (0, 0, 0)
+        for t, info in enumerate(self.registry.target_info):
+            if info is None or cells.load(t, COL_ALLOCATED) == 0:
+                continue
+            r, k, o = others.get(self.registry.target_name(t), zero)
+            self._store(t, COL_OTHERS_IN_FLIGHT, r)
+            self._store(t, COL_OTHERS_TOKENS, k)
+            self._store(t, COL_OTHERS_OPEN, 1 if o else 0)
+        self._cleared = not others
+
+    def _store(self, t: int, col: int, v: int) -> None:
+        cells = self.table.cells
+        if cells.load(t, col) != v:
+            cells.store(t, col, v)
+
+    def _clear(self) -> None:
+        if self.table.cells is None:
+            return
+        for t in range(self.table.capacity):
+            for col in (COL_OTHERS_IN_FLIGHT, COL_OTHERS_TOKENS, COL_OTHERS_OPEN):
+                self._store(t, col, 0)
+        self._cleared = True
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        backoff = BACKOFF_INITIAL
+        while True:
+            try:
+                self.peers = await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+                self.errors += 1
+                if self.up is not False:
+                    log.warning("replica sync: Redis at %s unreachable (%s); routing on this "
+                                "replica's own counts until it returns", self.url,
+                                exc or type(exc).__name__)
+                self.up = False
+                if not self._cleared and loop.time() - self._last_ok > self.ttl:
+                    self._clear()       # the last view is older than the TTL: stale, not load
+                    self.peers = 0
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX)
+                continue
+            if self.up is False:
+                log.info("replica sync: Redis at %s is back (%d other replicas live)", self.url,
+                         self.peers)
+            self.up = True
+            self._last_ok = loop.time()
+            backoff = BACKOFF_INITIAL
+            await asyncio.sleep(self.interval)
+
+
+class ReplicaCollector:
+    """Prometheus families of the sync, read at scrape time."""
+
+    def __init__(self, sync: ReplicaSync) -> None:
+        self.sync = sync
+
+    def collect(self):
+        errors = CounterMetricFamily("fastroute_replica_sync_errors",
+                                     "Replica sync ticks that failed (Redis unreachable or slow)")
+        errors.add_metric([], float(self.sync.errors))
+        peers = GaugeMetricFamily("fastroute_replica_peers",
+                                  "Other router replicas live in the last sync (0 while Redis is down)")
+        peers.add_metric([], float(self.sync.peers))
+        up = GaugeMetricFamily("fastroute_replica_sync_up", "1 when the last sync tick succeeded")
+        up.add_metric([], 1.0 if self.sync.up else 0.0)
+        yield from (errors, peers, up)
+
+
+async def start_replica_sync(config: Any, table: TargetTable, registry: Any, metrics: Any,
+                             port: int) -> ReplicaSync | None:
+    """Start the sync where the table is owned; None when ``--replica-sync`` is off."""
+    if config.replica_sync is None:
+        return None
+    sync = ReplicaSync(config.replica_sync, config.replica_id or default_replica_id(port), table,
+                       registry, config.replica_sync_interval_ms / 1000.0,
+                       config.replica_ttl_ms / 1000.0)
+    if metrics is not None:
+        metrics.registry.register(ReplicaCollector(sync))
+    sync.start()
+    return sync

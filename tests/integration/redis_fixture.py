@@ -1,0 +1,19 @@
+"""The ``redis_server`` fixture: a real redis-server per test (see fastroute.sim.redisproc).
+Import it into a test module; a machine without the binary fails with the install hint."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+from fastroute.sim.redisproc import INSTALL_HINT, RedisProcess
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisProcess]:
+    try:
+        server = RedisProcess()
+    except RuntimeError:
+        pytest.fail(INSTALL_HINT, pytrace=False)
+    with server:
+        yield server
