@@ -135,21 +135,23 @@ class PDRelay(_Exchange):
         registry = app.registry
         meta, req = self.meta, self.req
         tokens, key, out_tokens = meta.input_tokens, req.key, meta.max_new_tokens or 0
-        p_lease = registry.group("prefill").acquire(tokens, key, meta, out_tokens)
-        if p_lease is None:
-            self._fail_client(_errors.no_available_workers("prefill"))
-            return
-        d_lease = registry.group("decode").acquire(tokens, key, meta, out_tokens)
-        if d_lease is None:
-            p_lease.release()
-            self._fail_client(_errors.no_available_workers("decode"))
-            return
-        self.leases = (p_lease, d_lease)
-        # New leg objects per attempt: callbacks of an aborted attempt can never
-        # reach the new one.
-        p = self.p = _PDLeg(self, "prefill", p_lease.target)
-        d = self.d = _PDLeg(self, "decode", d_lease.target)
+        # Both acquires run inside the error handling too: whatever they raise, the client
+        # is answered and the leases and admission slot given back (fail_internal).
         try:
+            p_lease = registry.group("prefill").acquire(tokens, key, meta, out_tokens)
+            if p_lease is None:
+                self._fail_client(_errors.no_available_workers("prefill"))
+                return
+            self.leases = (p_lease,)
+            d_lease = registry.group("decode").acquire(tokens, key, meta, out_tokens)
+            if d_lease is None:
+                self._fail_client(_errors.no_available_workers("decode"))  # releases p_lease
+                return
+            self.leases = (p_lease, d_lease)
+            # New leg objects per attempt: callbacks of an aborted attempt can never
+            # reach the new one.
+            p = self.p = _PDLeg(self, "prefill", p_lease.target)
+            d = self.d = _PDLeg(self, "decode", d_lease.target)
             routes = app.routes
             t = p_lease.target
             p_route = routes[t] if t in routes else app.route(t)
