@@ -198,6 +198,11 @@ class Config:
     workers: int = 1
     decode_kv_fit: str = "off"
     decode_kv_reserve_tokens: int = 0
+    # Hostile-client bounds (issue 19): a request body must arrive within this total time
+    # (inactivity within it is bounded by header_read_timeout_secs), and a PD batch may hold
+    # at most this many items (one bootstrap room each; the peers only bound the body size).
+    body_read_timeout_secs: float = 300.0
+    pd_max_batch_size: int = 1024
 
     # --- Worker discovery (fastroute.control.discovery) -----------------------------------
     service_discovery: bool = False
@@ -372,6 +377,8 @@ class Config:
             "--upstream-pool-idle-timeout-secs", self.upstream_pool_idle_timeout_secs, 0.0
         )
         _finite_at_least("--sse-keepalive-secs", self.sse_keepalive_secs, 0.0)
+        _finite_at_least("--body-read-timeout-secs", self.body_read_timeout_secs, 0.001)
+        _at_least("--pd-max-batch-size", self.pd_max_batch_size, 1)
 
     def _validate_extensions(self) -> None:
         if self.decode_input_demand not in DEMAND_MODES:
