@@ -228,6 +228,7 @@ class ClientProtocol(asyncio.Protocol):
         if self.bad_request or self.closed:
             return
         in_head = self.in_head
+        req = self._req
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -236,11 +237,11 @@ class ClientProtocol(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._parse_failed("Malformed HTTP request: %s" % exc)
             return
-        if in_head and self.in_head:
-            # The whole read belongs to a head that is still unfinished: httptools may be
+        if in_head and self.in_head and self._req is req:
+            # The whole read belongs to one head that is still unfinished: httptools may be
             # holding it as a partial line the header callbacks have not seen, so it is
-            # counted here. (The read that starts a head is not counted: it is one read,
-            # bounded by the transport's buffer size, and may hold a previous body.)
+            # counted here. (A read in which a head starts is not counted: it is one read,
+            # bounded by the transport's buffer size, and may hold a previous message.)
             n = self._head_bytes + len(data)
             self._head_bytes = n
             if n > _HEAD_LIMIT and not self.bad_request:

@@ -434,3 +434,28 @@ def test_put_worker_refuses_non_finite_fields() -> None:
             assert status == 200 and json.loads(listing)["workers"][0]["cost"] == 1.0
             assert b"Infinity" not in listing and b"NaN" not in listing
     run(body())
+
+
+def test_head_bytes_are_counted_per_message_not_per_read() -> None:
+    """A read that ends one head, carries its 100 KB body and starts the next head is not
+    counted against the next head's 64 KiB."""
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(worker_urls=[w.url]) as r:
+            doc = json.dumps({"text": "a" * 100_000}).encode()
+            first = post("/generate", doc)
+            split = first.index(b"\r\n") + 2
+            second = post("/generate", {"text": "b"})
+            c = await RawClient(r.port).connect()
+            try:
+                c.send(first[:split])
+                await asyncio.sleep(0.1)
+                c.send(first[split:] + second[:30])
+                await asyncio.sleep(0.1)
+                c.send(second[30:])
+                assert (await c.response(timeout=5)).status == 200
+                assert (await c.response(timeout=5)).status == 200
+            finally:
+                c.close()
+            assert len(w.inference()) == 2
+    run(body())
