@@ -42,6 +42,7 @@ _ERROR_BODY_LIMIT = 1 << 16   # bytes of a failed leg's body kept for the error 
 # decode's for a JSON merge): input logprobs of a 128k-token prompt with top-20 logprobs
 # are a few tens of MB; anything beyond is not worth holding (and re-encoding) in memory.
 _MERGE_LIMIT = 64 << 20
+_RANK_A, _RANK_B = DP_RANK_FIELDS  # the client body keys refused in PD mode
 
 
 class _PDLeg:
@@ -176,21 +177,21 @@ class PDRelay(_Exchange):
         for field in DP_RANK_FIELDS:
             if field in obj:
                 return RouterError(400, _errors.CODE_BAD_REQUEST,
-                                           "'%s' is chosen by the router in PD mode; "
-                                           "do not send it" % field)
+                                   "'%s' is chosen by the router in PD mode; do not send it"
+                                   % field)
         return None
 
     def attempt(self) -> None:
         """Pick a fresh pair, draw a fresh room, send both legs (first attempt and retries)."""
-        if not self.tries:
-            refused = self._refusal()
+        meta, req = self.meta, self.req
+        if not self.tries and (meta.batch is not None or _RANK_A in meta.obj or _RANK_B in meta.obj):
+            refused = self._refusal()  # (called only for the requests that may need it)
             if refused is not None:
                 self._fail_client(refused)
                 return
         self.tries += 1
         app = self.app
         registry = app.registry
-        meta, req = self.meta, self.req
         tokens, key, out_tokens = meta.input_tokens, req.key, meta.max_new_tokens or 0
         # Both acquires run inside the error handling too: whatever they raise, the client
         # is answered and the leases and admission slot given back (fail_internal).

@@ -31,6 +31,7 @@ import asyncio
 import logging
 import os
 import random
+import weakref
 from http import HTTPStatus
 from typing import Any
 
@@ -133,7 +134,7 @@ class Request:
     """One parsed client request (kept only until it is answered)."""
 
     __slots__ = ("method", "url", "fwd", "auth", "rid", "key", "body", "body_len",
-                 "too_large", "keep_alive", "http11")
+                 "too_large", "keep_alive", "http11", "__weakref__")
 
     def __init__(self) -> None:
         self.method = b"GET"
@@ -171,8 +172,8 @@ class ClientProtocol(asyncio.Protocol):
         # deadline, then the body's next inactivity check, then the keep-alive idle limit.
         self.head_deadline = 0.0
         self.in_head = False
-        self.in_body = False              # head parsed, body not complete
-        self.head_only = False            # the request being answered is a HEAD
+        # A body is being read while ``_req`` is set and ``in_head`` is not (no flag to keep).
+        self.head_only = False            # the request being answered is a HEAD (reply clears it)
         # per-message parse state
         self._req: Request | None = None
         self._url = b""
@@ -184,8 +185,11 @@ class ClientProtocol(asyncio.Protocol):
         self._cl = -1
         self._head_size = 0
         self._head_bytes = 0              # bytes of reads wholly inside an unfinished head
-        self._body_mark = 0               # body bytes seen at the last inactivity check
-        self._body_end = 0.0              # the body's total deadline (set at its first check)
+        # The body deadline's state, set at its first check (nothing per request): (a weak
+        # reference to the request it is about, so a finished body is not kept alive by it,
+        # its body bytes at the last check, its total deadline). One attribute, not three:
+        # CPython keeps an instance's attributes inline (fast) only up to 30 names.
+        self._body_check: tuple[Any, int, float] | None = None
         self.waiter: Any = None           # admission queue entry while the request waits for a slot
         self._bad_message = ""
         self._bad_status = 400
@@ -208,7 +212,8 @@ class ClientProtocol(asyncio.Protocol):
         self.parser = None
         self._req = None
         self._chunks = []
-        self.in_head = self.in_body = False
+        self._body_check = None
+        self.in_head = False
         self.head_deadline = 0.0
         if self in self.app.connections:
             self.app.connections.discard(self)
@@ -225,10 +230,11 @@ class ClientProtocol(asyncio.Protocol):
                 self.app.count_response(499, "client_closed")
 
     def data_received(self, data: bytes) -> None:
-        if self.bad_request or self.closed:
+        if self.bad_request:
             return
         in_head = self.in_head
-        req = self._req
+        if in_head:
+            req = self._req
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -237,7 +243,7 @@ class ClientProtocol(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._parse_failed("Malformed HTTP request: %s" % exc)
             return
-        if in_head and self.in_head and self._req is req:
+        if in_head and self.in_head and self._req is req:  # (req is bound when in_head)
             # The whole read belongs to one head that is still unfinished: httptools may be
             # holding it as a partial line the header callbacks have not seen, so it is
             # counted here. (A read in which a head starts is not counted: it is one read,
@@ -325,9 +331,6 @@ class ClientProtocol(asyncio.Protocol):
         self.in_head = False
         # The body is read under the head's deadline, now its first inactivity check:
         # on_header_timeout extends it while body bytes keep arriving (no clock read here).
-        self.in_body = True
-        self._body_mark = 0
-        self._body_end = 0.0
         app = self.app
         req.method = self.parser.get_method()  # type: ignore[union-attr]
         if self._cl > app.max_payload:
@@ -341,7 +344,7 @@ class ClientProtocol(asyncio.Protocol):
                 self.bad_request = True  # ignore whatever else arrives
                 req.keep_alive = False  # type: ignore[union-attr]
                 self.busy = True
-                self.head_only = req.method == b"HEAD"  # type: ignore[union-attr]
+                self.head_only = req.method == b"HEAD"  # type: ignore[union-attr]  (reply clears it)
                 self.send_error(_errors.payload_too_large(self._cl, app.max_payload), req)  # type: ignore[arg-type]
         elif self._expect and not self.busy and not self.queue:
             # Only when nothing is being written: a 100 must not land inside another response.
@@ -362,7 +365,6 @@ class ClientProtocol(asyncio.Protocol):
         self._chunks.append(body)
 
     def on_message_complete(self) -> None:
-        self.in_body = False
         self.head_deadline = 0.0
         req = self._req
         if req is None or self.bad_request:  # already answered (413/431 at the head)
@@ -405,7 +407,8 @@ class ClientProtocol(asyncio.Protocol):
     # -- request sequencing ---------------------------------------------------
     def _start(self, req: Request) -> None:
         self.busy = True
-        self.head_only = req.method == b"HEAD"
+        if req.method == b"HEAD":
+            self.head_only = True
         try:
             self.app.handle(self, req)
         except Exception:
@@ -436,7 +439,7 @@ class ClientProtocol(asyncio.Protocol):
                     continue
                 if self.bad_request:
                     self._write_bad_request()
-                elif not self.in_head and not self.in_body:
+                elif not self.in_head and self._req is None:  # (not while a body is read)
                     self.head_deadline = self.loop.time() + self.app.idle_timeout
                 break
         finally:
@@ -479,7 +482,7 @@ class ClientProtocol(asyncio.Protocol):
         idle keep-alive connection too long."""
         if self.closed:
             return
-        if self.in_body:
+        if not self.in_head and self._req is not None:  # a body is being read
             self._body_deadline()
             return
         if self.busy:
@@ -497,17 +500,19 @@ class ClientProtocol(asyncio.Protocol):
         req = self._req
         app = self.app
         now = self.loop.time()
-        end = self._body_end
-        if end == 0.0:
-            # First check: head_deadline is still the head's (its first byte + header timeout).
-            end = self._body_end = (self.head_deadline - app.header_timeout
-                                    + app.config.body_read_timeout_secs)
-        got = req.body_len if req is not None else 0
-        if got != self._body_mark and now < end:
-            self._body_mark = got
+        check = self._body_check
+        if check is None or check[0]() is not req:
+            # First check of this body: head_deadline is still the head's (its first byte +
+            # header timeout), and no body byte has been checked yet.
+            check = (weakref.ref(req), 0, self.head_deadline - app.header_timeout
+                     + app.config.body_read_timeout_secs)
+        end = check[2]
+        got = req.body_len  # type: ignore[union-attr]
+        if got != check[1] and now < end:
+            self._body_check = (check[0], got, end)
             self.head_deadline = min(now + app.header_timeout, end)
             return
-        self.in_body = False
+        self._body_check = None
         self.head_deadline = 0.0
         self._req = None
         self._chunks = []
@@ -519,6 +524,7 @@ class ClientProtocol(asyncio.Protocol):
             if self.head_only:
                 # HEAD: the head of the answer the GET would get, never its body (RFC 9110
                 # 9.3.2); a body here would be read as the next response on this connection.
+                self.head_only = False
                 data = data[:data.find(b"\r\n\r\n") + 4]
             self.transport.write(data)  # type: ignore[union-attr]
         self.response_done(keep_alive)

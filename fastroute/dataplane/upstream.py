@@ -93,7 +93,7 @@ class UpstreamConnection(asyncio.Protocol):
     __slots__ = (
         "pool", "transport", "parser", "leg", "request", "reused", "got_bytes",
         "headers", "head_done", "status", "keep_alive", "closed",
-        "idle_since", "connect_task", "paused", "interim", "complete", "pooled",
+        "idle_since", "connect_task", "paused", "interim", "pooled",
     )
 
     def __init__(self, pool: Pool) -> None:
@@ -113,7 +113,6 @@ class UpstreamConnection(asyncio.Protocol):
         self.connect_task: asyncio.Task | None = None
         self.paused = False
         self.interim = False   # the message being parsed is a 1xx head: the final one follows
-        self.complete = False  # a leg's answer completed in this read: pool it after the read
         self.pooled = False    # in the pool's idle list
 
     # -- asyncio.Protocol -------------------------------------------------
@@ -146,16 +145,14 @@ class UpstreamConnection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError("malformed upstream response: %s" % exc))
             return
-        if self.complete:
-            # The leg's answer ended in this read and nothing followed it (a byte behind it
-            # would have aborted us in on_message_begin): now it may serve another request.
-            self.complete = False
-            if not self.closed:
-                self.pool.release(self)
-            return
         leg = self.leg
         if leg is not None:
             leg.up_flush()  # one client write per upstream read
+        elif not self.closed:
+            # The leg's answer ended in this read and nothing followed it (a byte behind it
+            # would have aborted us in on_message_begin, a failure closed us): now, and only
+            # now, it may serve another request.
+            self.pool.release(self)
 
     def eof_received(self) -> bool | None:
         return None  # let the transport close; connection_lost does the bookkeeping
@@ -226,10 +223,9 @@ class UpstreamConnection(asyncio.Protocol):
         if leg is None:
             self.abort()  # the end of a response nobody asked for
             return
-        if self.keep_alive and not self.closed:
-            self.complete = True  # pooled by data_received once this read is parsed
-        else:
+        if not self.keep_alive:
             self.abort()
+        # (else pooled by data_received once this read is parsed to its end)
         leg.up_done()
 
     # -- control from the proxy ------------------------------------------

@@ -332,11 +332,11 @@ def test_logprob_merge_over_its_bound_relays_the_decode_unmerged(
     async def body() -> None:
         (p,) = await workers(1, role="prefill")
         (d,) = await workers(1, role="decode")
-        p.input_logprobs = [[-9.0, 99, None]]
+        p.input_logprobs = [[-9.0, 987654, None]]  # (6 digits: never part of a port number)
         async with Router(pd_disaggregation=True, prefill=[(p.url, 8998)], decode=[d.url]) as r:
             res = await call(r.port, post("/generate", {"text": "x", "return_logprob": True, "stream": stream}))
             assert res.status == 200, res.body
-            assert b"99" not in res.body  # the prefill's logprobs were not merged in
+            assert b"987654" not in res.body  # the prefill's logprobs were not merged in
             assert b"input_token_logprobs" in res.body  # the decode's answer, as it came
             await until(lambda: r.in_flight(p) == 0 and r.in_flight(d) == 0, what="released")
     run(body())
