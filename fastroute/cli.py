@@ -350,6 +350,12 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
              "leg, data_parallel_rank in regular mode).")
     add("--seed", type=int, default=None,
         help="Seed of the tie-break RNG, for reproducible runs (default: random).")
+    add("--body-read-timeout-secs", type=float, default=d("body_read_timeout_secs"),
+        help="Answer 408 and close when a request body has not fully arrived within this time; "
+             "a body stalled for --header-read-timeout-secs is cut sooner (default: %(default)s s).")
+    add("--pd-max-batch-size", type=int, default=d("pd_max_batch_size"),
+        help="Largest PD batch (items, one bootstrap room each); larger ones get 413 "
+             "(default: %(default)s).")
     add("--workers", type=_workers_value, default=d("workers"), metavar="N|auto",
         help="Proxy processes sharing the port and one in-flight ledger; auto = one per CPU "
              "(default: %(default)s).")

@@ -216,6 +216,11 @@ class Config:
     # Where p2c_load_metric came from, for the start-up banner: "flag", the environment
     # variable's name, or "default" (set by config_from_args; not a flag).
     load_metric_source: str = "default"
+    # Hostile-client bounds (issue 19): a request body must arrive within this total time
+    # (inactivity within it is bounded by header_read_timeout_secs), and a PD batch may hold
+    # at most this many items (one bootstrap room each; the peers only bound the body size).
+    body_read_timeout_secs: float = 300.0
+    pd_max_batch_size: int = 1024
 
     # --- Worker discovery (fastroute.control.discovery) -----------------------------------
     service_discovery: bool = False
@@ -417,6 +422,8 @@ class Config:
             "--upstream-pool-idle-timeout-secs", self.upstream_pool_idle_timeout_secs, 0.0
         )
         _finite_at_least("--sse-keepalive-secs", self.sse_keepalive_secs, 0.0)
+        _finite_at_least("--body-read-timeout-secs", self.body_read_timeout_secs, 0.001)
+        _at_least("--pd-max-batch-size", self.pd_max_batch_size, 1)
 
     def _validate_security(self) -> None:
         if bool(self.tls_cert_path) != bool(self.tls_key_path):

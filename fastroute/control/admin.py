@@ -22,7 +22,7 @@ from fastroute.auth import FORBIDDEN, OK, AdminAuth, ControlPlaneKey, is_managem
 from fastroute.config import Config
 from fastroute.control import httpclient
 from fastroute.control.httpclient import HttpClientError
-from fastroute.control.worker import DuplicateWorker, Worker, normalize_url
+from fastroute.control.worker import DuplicateWorker, Worker, check_fields, normalize_url
 from fastroute.core.table import (COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_POLLED_RUNNING, COL_POLLED_TOKENS,
                                   COL_POLLED_WAITING, TargetTable)
 from fastroute.errors import (CODE_BAD_REQUEST, CODE_NO_AVAILABLE_WORKERS, RouterError, bad_gateway,
@@ -245,6 +245,9 @@ class AdminAPI:
             if not isinstance(upd, dict):
                 raise _invalid("Expected a JSON object")
             try:
+                # The same rules as POST /workers (worker.check_fields), all checked first so a
+                # refused update changes nothing.
+                check_fields(upd.get("priority"), upd.get("cost"))
                 if "priority" in upd:
                     w.priority = int(upd["priority"])
                 if "cost" in upd:

@@ -40,15 +40,18 @@ _V1_QUERY = "/v1/loads?include=core"
 
 # One parsed rank entry: (running, waiting, used tokens, max tokens or -1).
 RankLoad = tuple[int, int, int, int]
+# Polled counts are written to int64 table cells (and summed over ranks): a value a worker
+# cannot mean is garbage, like a negative one, not an OverflowError in every poll.
+_COUNT_LIMIT = 1 << 62
 
 
 def _count(v: Any) -> int | None:
-    """A non-negative integer count from JSON, or None when absent/garbage."""
+    """A count in [0, 2^62) from JSON, or None when absent/garbage/out of range."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
     if isinstance(v, float) and not math.isfinite(v):
         return None
-    return int(v) if v >= 0 else None
+    return int(v) if 0 <= v < _COUNT_LIMIT else None
 
 
 def parse_v1_loads(doc: Any) -> list[tuple[int | None, RankLoad | None]]:
@@ -110,6 +113,8 @@ class Monitor:
         self.polls: dict[tuple[str, str], int] = {}
         # (worker role, "success" | "failure") -> health probes; read by metrics.
         self.health_checks: dict[tuple[str, str], int] = {}
+        # Workers whose last answer had unusable rank entries (warned once per episode).
+        self._unusable: set[str] = set()
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -195,7 +200,19 @@ class Monitor:
         self.polls[key] = self.polls.get(key, 0) + 1
         if w.status != "ready":  # removed during the await: its rows may belong to someone else now
             return False
+        if entries:
+            self._note_unusable(w, entries)
         return self._apply(w, entries)
+
+    def _note_unusable(self, w: Worker, entries: list[tuple[int | None, RankLoad | None]]) -> None:
+        """Warn once (not every poll) while a worker reports rank loads we cannot use."""
+        bad = any(load is None for _, load in entries)
+        if not bad:
+            self._unusable.discard(w.url)
+        elif w.url not in self._unusable:
+            self._unusable.add(w.url)
+            log.warning("worker %s reports load entries with missing or out-of-range counts; "
+                        "those targets count as unpolled until it reports usable ones", w.url)
 
     def _apply(self, w: Worker, entries: list[tuple[int | None, RankLoad | None]] | None) -> bool:
         tab = self.table
@@ -216,6 +233,9 @@ class Monitor:
                 waiting += q
                 tokens += k
                 mx = -1 if (m < 0 or mx < 0) else mx + m
+            if max(running, waiting, tokens, mx) >= _COUNT_LIMIT:  # sums of in-range counts
+                tab.mark_unpolled(t)
+                return False
             tab.set_polled(t, running, waiting, tokens, mx)
             return True
         by_rank: dict[int, RankLoad] = {}
@@ -246,7 +266,8 @@ class Monitor:
         if not path.startswith("/"):
             path = "/" + path
         # The API key goes to workers on everything but /health (protocol.md 2).
-        headers = None if path.split("?", 1)[0] == "/health" else self.registry.auth_headers(w)
+        reg = self.registry
+        headers = reg.health_headers(w) if path.split("?", 1)[0] == "/health" else reg.auth_headers(w)
         try:
             status, _, _ = await httpclient.request("GET", w.url + path, headers=headers,
                                                     timeout=float(cfg.health_check_timeout_secs))

@@ -27,6 +27,7 @@ import asyncio
 import json
 import logging
 import random
+import socket
 from typing import Any, Callable, Mapping
 
 from fastroute.auth import AdminAuth, parse_control_plane_keys
@@ -34,8 +35,8 @@ from fastroute.config import Config
 from fastroute.control import httpclient
 from fastroute.control.admin import AdminAPI
 from fastroute.control.httpclient import HttpClientError
-from fastroute.control.worker import (ROLES, DuplicateWorker, Worker, model_id_of, normalize_url,
-                                      split_host_port)
+from fastroute.control.worker import (ROLES, DuplicateWorker, Worker, address_key, basic_auth,
+                                      check_fields, model_id_of, normalize_url, split_host_port)
 from fastroute.core.routing import Group, Router
 from fastroute.core.table import TargetTable
 from fastroute.names import target_name
@@ -120,10 +121,17 @@ class Registry(AdminAPI):
         return self._groups[role]
 
     def find(self, url: str) -> Worker | None:
+        """The worker of ``url``: the same normalised URL, or another spelling of its address."""
         url = normalize_url(url)
         for w in self.workers:
             if w.url == url:
                 return w
+        host, port = split_host_port(url)
+        key = address_key(host, port)
+        if key is not None:
+            for w in self.workers:
+                if w.addr == key:
+                    return w
         return None
 
     def get(self, worker_id: str) -> Worker | None:
@@ -157,9 +165,18 @@ class Registry(AdminAPI):
         self._ready_cache = None
 
     def auth_headers(self, w: Worker) -> dict[str, str]:
-        """Authorization for worker calls other than /health (protocol.md 2)."""
+        """Authorization for worker calls other than /health (protocol.md 2): the bearer key,
+        else the Basic credentials of the worker's URL."""
         key = w.api_key or self.config.api_key
-        return {"Authorization": f"Bearer {key}"} if key else {}
+        if key:
+            return {"Authorization": f"Bearer {key}"}
+        return self.health_headers(w)
+
+    @staticmethod
+    def health_headers(w: Worker) -> dict[str, str] | None:
+        """Authorization for /health: none (protocol.md 2), except the Basic credentials of the
+        worker's URL, which a proxy in front of the worker asks for on every path."""
+        return {"Authorization": w.basic_auth} if w.basic_auth else None
 
     def target_name(self, t: int) -> str | None:
         info = self.target_info[t] if 0 <= t < len(self.target_info) else None
@@ -182,21 +199,28 @@ class Registry(AdminAPI):
                labels: Mapping[str, str] | None = None, api_key: str | None = None) -> Worker:
         if role not in ROLES:
             raise ValueError(f"unknown worker_type {role!r} (expected one of {', '.join(ROLES)})")
+        check_fields(priority, cost, labels, api_key)
+        # The credentials of a user:password@ URL are kept apart (Basic auth to the worker);
+        # from here on the URL has none, so no display can show them.
+        basic = basic_auth(url)
         url = normalize_url(url)
         if not url.startswith("http://"):
             # The control client speaks TLS but the data path does not: refuse rather than
             # register a worker whose inference traffic would go out as plain HTTP.
             raise ValueError(f"worker URL {url!r}: only http:// workers are supported")
-        if self.find(url) is not None:
-            raise DuplicateWorker(f"worker {url} already exists")
         host, port = split_host_port(url)
         if not host:
             raise ValueError(f"no host in worker URL {url!r}")
+        same = self.find(url)
+        if same is not None:
+            raise DuplicateWorker(f"worker {url} already exists" if same.url == url
+                                  else f"worker {url} is {same.url} (same address)")
         w = Worker(url=url, role=role, host=host, port=port,
                    bootstrap_port=bootstrap_port if role == "prefill" else None,
-                   requested_model_id=model_id, api_key=api_key)
+                   requested_model_id=model_id, api_key=api_key or None, basic_auth=basic,
+                   addr=address_key(host, port))
         if priority is not None:
-            w.priority = int(priority)
+            w.priority = priority
         if cost is not None:
             w.cost = float(cost)
         if labels:
@@ -253,6 +277,22 @@ class Registry(AdminAPI):
         if w in self.workers:
             self.workers.remove(w)
 
+    async def _resolve(self, w: Worker) -> None:
+        """Resolve a host name to its address; a second worker on an address already
+        registered is the same backend under another name: it fails (_Fatal)."""
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(w.host.strip("[]"), w.port, type=socket.SOCK_STREAM)
+        except OSError:
+            return  # unresolvable for now: the health probe reports it, and retries
+        if not infos or w.addr is not None:
+            return
+        key = (str(infos[0][4][0]), w.port)
+        for other in self.workers:
+            if other is not w and other.addr == key:
+                raise _Fatal(f"same backend as worker {other.url} ({key[0]}:{key[1]})")
+        w.addr = key
+
     async def _handshake(self, w: Worker) -> bool:
         cfg = self.config
         loop = asyncio.get_running_loop()
@@ -269,8 +309,12 @@ class Registry(AdminAPI):
             attempts += 1
             timeout = min(probe_timeout, remaining)
             try:
-                # No Authorization on /health (protocol.md 2).
-                status, _, _ = await httpclient.request("GET", w.url + "/health", timeout=timeout)
+                if w.addr is None:
+                    await self._resolve(w)
+                # No bearer key on /health (protocol.md 2).
+                status, _, _ = await httpclient.request("GET", w.url + "/health",
+                                                        headers=self.health_headers(w),
+                                                        timeout=timeout)
                 if 200 <= status < 300:
                     await self._discover(w, timeout)
                     return True

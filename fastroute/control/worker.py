@@ -1,16 +1,28 @@
-"""The worker model: one SGLang server as the router knows it, and the URL helpers that give one
-server one spelling.
+"""The worker model: one SGLang server as the router knows it, the URL helpers that give one
+server one spelling, and the checks of the fields a caller may set on a worker.
 
 Pure data and pure functions (no I/O, no table), shared by the registry that owns the workers,
 the admin API that shows them and the follower registry that mirrors them.
+
+A worker URL is stored without its userinfo (``user:password@``): ``Worker.url`` is what every
+display shows (``GET /workers``, metric labels, target names, logs), so credentials given in a
+URL are kept only as ``Worker.basic_auth``, sent as HTTP Basic auth to that worker when no
+bearer key (``api_key`` / ``--api-key``) applies. One backend is one worker: URLs are compared
+normalised (scheme and host lower-case, default port and trailing slashes dropped) and by
+address (``address_key``: every spelling of an IP literal, and ``localhost``; other host names
+are resolved by the registry's handshake).
 """
 from __future__ import annotations
 
 import asyncio
+import base64
+import ipaddress
+import math
+import socket
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 ROLES = ("regular", "prefill", "decode")
 
@@ -37,7 +49,10 @@ class Worker:
     priority: int = 50
     cost: float = 1.0
     labels: dict[str, str] = field(default_factory=dict)
-    api_key: str | None = None           # per-worker key (POST /workers), overrides --api-key
+    api_key: str | None = field(default=None, repr=False)  # per-worker key, overrides --api-key
+    # "Basic <b64>" from the URL's userinfo (never shown: Worker.url has it stripped).
+    basic_auth: str | None = field(default=None, repr=False)
+    addr: tuple[str, int] | None = None  # resolved (address, port): one backend, one worker
     requested_model_id: str | None = None
     error: str | None = None             # why registration failed
     # Which info paths answered (the /get_* fallbacks are remembered per worker).
@@ -56,12 +71,77 @@ class Worker:
         return len(self.targets) > 1
 
 
-def normalize_url(url: str) -> str:
-    """Add a missing ``http://`` and drop trailing slashes, so one server has one spelling."""
+_DEFAULT_PORT = {"http": "80", "https": "443"}
+PRIORITY_MAX = (1 << 31) - 1
+
+
+def _parts(url: str) -> tuple[str, str, str, str, str, str]:
+    """-> (scheme, userinfo, host, port, path, query) of a URL, ``http://`` added if missing."""
     url = url.strip()
     if "://" not in url:
         url = "http://" + url
-    return url.rstrip("/")
+    sp = urlsplit(url)
+    userinfo, _, hostport = sp.netloc.rpartition("@")
+    if hostport.startswith("["):
+        end = hostport.find("]") + 1
+        host, port = hostport[:end], hostport[end + 1:] if end > 0 else ""
+    else:
+        host, _, port = hostport.partition(":")
+    return sp.scheme.lower(), userinfo, host.lower(), port, sp.path, sp.query
+
+
+def normalize_url(url: str) -> str:
+    """One spelling per server: ``http://`` added if missing, scheme and host lower-cased, the
+    scheme's default port, trailing slashes and any userinfo dropped."""
+    scheme, _, host, port, path, query = _parts(url)
+    if port == _DEFAULT_PORT.get(scheme):
+        port = ""
+    return urlunsplit((scheme, host + (":" + port if port else ""), path.rstrip("/"), query, ""))
+
+
+def basic_auth(url: str) -> str | None:
+    """``Basic <b64>`` for a URL's ``user:password@`` (percent-decoded), or None."""
+    userinfo = _parts(url)[1]
+    if not userinfo:
+        return None
+    user, _, password = userinfo.partition(":")
+    token = ("%s:%s" % (unquote(user), unquote(password))).encode("utf-8")
+    return "Basic " + base64.b64encode(token).decode("ascii")
+
+
+def address_key(host: str, port: int) -> tuple[str, int] | None:
+    """(canonical address, port) when ``host`` names an address without DNS: an IP literal in
+    any spelling the resolver accepts (``127.1``, ``0x7f000001``, ``2130706433``, ``[::1]``),
+    or ``localhost`` (RFC 6761: loopback). None for a name that needs resolving."""
+    h = host[1:-1] if host.startswith("[") else host
+    if h == "localhost" or h.endswith(".localhost"):
+        return "127.0.0.1", port
+    try:
+        return str(ipaddress.ip_address(h)), port
+    except ValueError:
+        pass
+    try:
+        return socket.inet_ntoa(socket.inet_aton(h)), port  # the legacy IPv4 spellings
+    except OSError:
+        return None
+
+
+def check_fields(priority: Any = None, cost: Any = None, labels: Any = None,
+                 api_key: Any = None) -> None:
+    """Raise ValueError naming the first field a caller set to something unusable (None: unset).
+
+    ``api_key`` goes into a header line of every request to the worker, so it must be a string
+    of visible ASCII; ``priority`` an int in [0, 2^31); ``cost`` a finite number >= 0 (it is
+    shown in ``GET /workers``, which must stay strict JSON); ``labels`` an object."""
+    if api_key is not None and (type(api_key) is not str
+                                or not all(0x21 <= ord(c) <= 0x7E for c in api_key)):
+        raise ValueError("api_key must be a string of visible ASCII characters")
+    if priority is not None and (type(priority) is not int or not 0 <= priority <= PRIORITY_MAX):
+        raise ValueError(f"priority must be an integer in [0, {PRIORITY_MAX}]")
+    if cost is not None and (type(cost) not in (int, float) or not math.isfinite(cost) or cost < 0):
+        raise ValueError("cost must be a finite number >= 0")
+    if labels is not None and not isinstance(labels, Mapping):
+        raise ValueError("labels must be an object")
 
 
 def split_host_port(url: str) -> tuple[str, int]:

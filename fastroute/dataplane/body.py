@@ -67,6 +67,7 @@ from fastroute.errors import CODE_BAD_REQUEST, RouterError
 __all__ = [
     "ROOM_LIMIT",
     "MAX_N",
+    "INT_LIMIT",
     "RequestMeta",
     "parse_request",
     "estimate_tokens",
@@ -197,12 +198,20 @@ def estimate_tokens(text: str) -> int:
     return (n + 3) >> 2
 
 
+# Counts the router reads (token budgets, n) reach the compiled acquire as int64; JSON
+# integers are unbounded, so they are range-checked here, where a bad one is a clear 400,
+# never an OverflowError later. 2^62 leaves room for sums of a few counts in int64.
+INT_LIMIT = 1 << 62
+
+
 def _opt_int(obj: dict, key: str, where: str = "") -> int | None:
     value = obj.get(key)
+    if value is None:
+        return None
     # bool is a subclass of int; JSON true is not a count.
-    if value is None or type(value) is int:
+    if type(value) is int and 0 <= value < INT_LIMIT:
         return value
-    raise _bad(f"'{where}{key}' must be an integer")
+    raise _bad(f"'{where}{key}' must be an integer in [0, 2^62)")
 
 
 def _texts_tokens(items: list, field: str) -> int:

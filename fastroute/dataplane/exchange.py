@@ -334,16 +334,18 @@ class Relay(_Exchange):
         self.tries += 1
         app = self.app
         meta = self.meta
-        # out_tokens only matters to KV-fit placement (the decode group); 0 when not given.
-        lease = app.registry.group("regular").acquire(meta.input_tokens, self.req.key, meta,
-                                                      meta.max_new_tokens or 0)
-        if lease is None:
-            self._fail_client(_errors.no_available_workers())
-            return
-        self.leases = (lease,)
-        t = self.target = lease.target
-        self.status = 0
+        # The acquire too runs inside the error handling: whatever it raises, the client is
+        # answered and the admission slot given back (fail_internal -> _close_books).
         try:
+            # out_tokens only matters to KV-fit placement (the decode group); 0 when not given.
+            lease = app.registry.group("regular").acquire(meta.input_tokens, self.req.key, meta,
+                                                          meta.max_new_tokens or 0)
+            if lease is None:
+                self._fail_client(_errors.no_available_workers())
+                return
+            self.leases = (lease,)
+            t = self.target = lease.target
+            self.status = 0
             routes = app.routes
             route = routes[t] if t in routes else app.route(t)
             route.send(self.req, self)

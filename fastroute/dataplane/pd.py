@@ -4,27 +4,45 @@ Both legs leave in the same loop iteration with the same bootstrap room. The
 decode's status decides first (its body is the error message); the prefill is
 read to completion; then the decode's body is relayed (with the prefill's input
 logprobs merged in when the request asked for logprobs,
-:mod:`fastroute.dataplane.logprobs`). Retries pick a fresh pair and draw a fresh
+:mod:`fastroute.dataplane.logprobs`). What is buffered is bounded: the decode
+bytes that arrive before the relay (then its reading is paused), and the answers
+kept for a logprob merge (past ``_MERGE_LIMIT`` the merge is given up, logged,
+and the decode relayed as it came).
+
+Refused before any leg leaves: a batch over ``--pd-max-batch-size`` (413; each
+item costs a bootstrap room), and client DP-rank keys (400): ranks are the
+router's choice, and a client's key would reach the prefill unchanged, where it
+contradicts the rank the bootstrap room encodes. Retries pick a fresh pair and draw a fresh
 room. Breaker outcomes are recorded on the leg that produced them only: the
 other leg is aborted by us and says nothing about its worker.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
+from fastroute.config import DP_RANK_FIELDS
 from fastroute.dataplane import body as _body
 from fastroute.dataplane.exchange import RETRY_STATUS, TIMEOUT, _Exchange, content_length
 from fastroute.dataplane.logprobs import SSELogprobMerger, merge_logprobs_json
 from fastroute.dataplane.protocol import CT_JSON
 from fastroute.dataplane.upstream import ConnectError
+from fastroute.errors import RouterError
 
 if TYPE_CHECKING:
     from fastroute.dataplane.protocol import ClientProtocol, Request
 
+log = logging.getLogger("fastroute.proxy")
+
 _PD_BUFFER_LIMIT = 1 << 20    # decode bytes buffered while the prefill finishes
 _ERROR_BODY_LIMIT = 1 << 16   # bytes of a failed leg's body kept for the error message
+# Bytes of one leg's answer kept for a logprob merge (the prefill's whole answer, and the
+# decode's for a JSON merge): input logprobs of a 128k-token prompt with top-20 logprobs
+# are a few tens of MB; anything beyond is not worth holding (and re-encoding) in memory.
+_MERGE_LIMIT = 64 << 20
+_RANK_A, _RANK_B = DP_RANK_FIELDS  # the client body keys refused in PD mode
 
 
 class _PDLeg:
@@ -62,12 +80,21 @@ class _PDLeg:
             if (ok and ex.merge) or (not ok and self.size < _ERROR_BODY_LIMIT):
                 self.chunks.append(data)
                 self.size += len(data)
+                if ok and self.size > _MERGE_LIMIT:
+                    ex.drop_merge(self)
             return
         # Decode 2xx before the relay starts (prefill still running): buffer,
         # and stop reading past the limit; the relay start resumes it.
         self.chunks.append(data)
         self.size += len(data)
-        if self.size > _PD_BUFFER_LIMIT:
+        if ex.merge and not ex.stream:
+            # A JSON merge needs the whole decode answer, so reading goes on up to the
+            # merge bound (pausing here would wait for an end that never comes).
+            if self.size > _MERGE_LIMIT:
+                ex.drop_merge(self)
+                ex.proto.flow.hold(self)
+                ex.pd_progress()  # a finished prefill lets the plain relay start now
+        elif self.size > _PD_BUFFER_LIMIT:
             ex.proto.flow.hold(self)
 
     def up_done(self) -> None:
@@ -128,28 +155,61 @@ class PDRelay(_Exchange):
         self.relaying = False
         self.merger: Any = None
 
+    def drop_merge(self, leg: _PDLeg) -> None:
+        """``leg``'s answer outgrew ``_MERGE_LIMIT``: give the logprob merge up (the decode is
+        relayed as it came) and free what was kept for it."""
+        self.merge = False
+        self.p.chunks = []
+        if leg is self.p:
+            self.p.size = 0
+        log.warning("request %s: %s answer over %d bytes, input logprobs not merged",
+                    self.rid.decode("latin-1"), leg.role, _MERGE_LIMIT)
+
+    def _refusal(self) -> RouterError | None:
+        """Why this request must not be sent at all (checked once, before the first pick)."""
+        meta = self.meta
+        batch = meta.batch
+        if batch is not None and batch > self.app.config.pd_max_batch_size:
+            return RouterError(413, "batch_too_large",
+                               "PD batch of %d items exceeds --pd-max-batch-size %d"
+                               % (batch, self.app.config.pd_max_batch_size))
+        obj = meta.obj
+        for field in DP_RANK_FIELDS:
+            if field in obj:
+                return RouterError(400, _errors.CODE_BAD_REQUEST,
+                                   "'%s' is chosen by the router in PD mode; do not send it"
+                                   % field)
+        return None
+
     def attempt(self) -> None:
         """Pick a fresh pair, draw a fresh room, send both legs (first attempt and retries)."""
+        meta, req = self.meta, self.req
+        if not self.tries and (meta.batch is not None or _RANK_A in meta.obj or _RANK_B in meta.obj):
+            refused = self._refusal()  # (called only for the requests that may need it)
+            if refused is not None:
+                self._fail_client(refused)
+                return
         self.tries += 1
         app = self.app
         registry = app.registry
-        meta, req = self.meta, self.req
         tokens, key, out_tokens = meta.input_tokens, req.key, meta.max_new_tokens or 0
-        p_lease = registry.group("prefill").acquire(tokens, key, meta, out_tokens)
-        if p_lease is None:
-            self._fail_client(_errors.no_available_workers("prefill"))
-            return
-        d_lease = registry.group("decode").acquire(tokens, key, meta, out_tokens)
-        if d_lease is None:
-            p_lease.release()
-            self._fail_client(_errors.no_available_workers("decode"))
-            return
-        self.leases = (p_lease, d_lease)
-        # New leg objects per attempt: callbacks of an aborted attempt can never
-        # reach the new one.
-        p = self.p = _PDLeg(self, "prefill", p_lease.target)
-        d = self.d = _PDLeg(self, "decode", d_lease.target)
+        # Both acquires run inside the error handling too: whatever they raise, the client
+        # is answered and the leases and admission slot given back (fail_internal).
         try:
+            p_lease = registry.group("prefill").acquire(tokens, key, meta, out_tokens)
+            if p_lease is None:
+                self._fail_client(_errors.no_available_workers("prefill"))
+                return
+            self.leases = (p_lease,)
+            d_lease = registry.group("decode").acquire(tokens, key, meta, out_tokens)
+            if d_lease is None:
+                self._fail_client(_errors.no_available_workers("decode"))  # releases p_lease
+                return
+            self.leases = (p_lease, d_lease)
+            # New leg objects per attempt: callbacks of an aborted attempt can never
+            # reach the new one.
+            p = self.p = _PDLeg(self, "prefill", p_lease.target)
+            d = self.d = _PDLeg(self, "decode", d_lease.target)
             routes = app.routes
             t = p_lease.target
             p_route = routes[t] if t in routes else app.route(t)

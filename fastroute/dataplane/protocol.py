@@ -1,10 +1,23 @@
 """The client side of the data path: HTTP/1.1 parsing and in-order answering, per connection.
 
 Owns, per client connection, the request parsing (httptools, keep-alive,
-pipelining answered strictly in order, chunked request bodies, the header read
-timeout, the payload limit), the header flag table that classifies request
-headers in one lookup, request ids, prebuilt status lines, and the simple
-responses (inline answers and errors). What a request means is the App's
+pipelining answered strictly in order, chunked request bodies, the read
+deadlines, the head and payload limits), the header flag table that classifies
+request headers in one lookup, request ids, prebuilt status lines, and the simple
+responses (inline answers and errors; none carries a body for ``HEAD``).
+
+Reading a request is bounded in time and bytes, as the bytes arrive:
+
+* the head (request line + headers) must arrive within ``header_read_timeout_secs``
+  of its first byte and stay under 64 KiB, counted per read even while httptools
+  holds an unterminated line (it buffers a partial header value itself, so the
+  callbacks alone would see nothing until the line ends): else 431 and close;
+* the body must keep arriving (no read for ``header_read_timeout_secs``: 408 and
+  close) and be complete within ``body_read_timeout_secs`` of its head.
+
+No reference cycle keeps a request body alive: the body chunks are dropped when
+the request is handed off, and the protocol<->parser cycle is broken when the
+connection is lost, so a finished body is freed at once, without a GC pass. What a request means is the App's
 business (:mod:`fastroute.dataplane.app`); backpressure is
 :class:`~fastroute.dataplane.flow.FlowControl`'s.
 
@@ -18,6 +31,7 @@ import asyncio
 import logging
 import os
 import random
+import weakref
 from http import HTTPStatus
 from typing import Any
 
@@ -71,6 +85,8 @@ _F_EXPECT = 32   # Expect: 100-continue
 
 _PIPELINE_LIMIT = 32          # queued pipelined requests before we stop reading the client
 _HEAD_LIMIT = 1 << 16         # bytes of request line + headers before 431
+# Answers to a request that could not be read, by status.
+_READ_ERROR_CODE = {400: _errors.CODE_BAD_REQUEST, 408: "request_timeout", 431: "header_too_large"}
 
 
 def header_flags(request_id_headers: list[str], routing_key_headers: list[str],
@@ -118,7 +134,7 @@ class Request:
     """One parsed client request (kept only until it is answered)."""
 
     __slots__ = ("method", "url", "fwd", "auth", "rid", "key", "body", "body_len",
-                 "too_large", "keep_alive", "http11")
+                 "too_large", "keep_alive", "http11", "__weakref__")
 
     def __init__(self) -> None:
         self.method = b"GET"
@@ -152,8 +168,12 @@ class ClientProtocol(asyncio.Protocol):
         self.bad_request = False          # parse error seen: answer what is queued, then 400 + close
         self.flow = FlowControl()        # backpressure, both directions
         self.exchange: Any = None         # the exchange answering the current request
+        # The one read deadline the App's sweep checks (on_header_timeout): the head's total
+        # deadline, then the body's next inactivity check, then the keep-alive idle limit.
         self.head_deadline = 0.0
         self.in_head = False
+        # A body is being read while ``_req`` is set and ``in_head`` is not (no flag to keep).
+        self.head_only = False            # the request being answered is a HEAD (reply clears it)
         # per-message parse state
         self._req: Request | None = None
         self._url = b""
@@ -164,6 +184,12 @@ class ClientProtocol(asyncio.Protocol):
         self._expect = False
         self._cl = -1
         self._head_size = 0
+        self._head_bytes = 0              # bytes of reads wholly inside an unfinished head
+        # The body deadline's state, set at its first check (nothing per request): (a weak
+        # reference to the request it is about, so a finished body is not kept alive by it,
+        # its body bytes at the last check, its total deadline). One attribute, not three:
+        # CPython keeps an instance's attributes inline (fast) only up to 30 names.
+        self._body_check: tuple[Any, int, float] | None = None
         self.waiter: Any = None           # admission queue entry while the request waits for a slot
         self._bad_message = ""
         self._bad_status = 400
@@ -180,6 +206,15 @@ class ClientProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        # The parser holds this protocol (its callbacks) and this protocol the parser: drop
+        # the parser and the request being read, so both (and any body bytes they hold)
+        # are freed now rather than by a later GC pass.
+        self.parser = None
+        self._req = None
+        self._chunks = []
+        self._body_check = None
+        self.in_head = False
+        self.head_deadline = 0.0
         if self in self.app.connections:
             self.app.connections.discard(self)
             if self.app._stats is not None:
@@ -197,12 +232,26 @@ class ClientProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.bad_request:
             return
+        in_head = self.in_head
+        if in_head:
+            req = self._req
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._parse_failed("Upgrade is not supported")
+            return
         except httptools.HttpParserError as exc:
             self._parse_failed("Malformed HTTP request: %s" % exc)
+            return
+        if in_head and self.in_head and self._req is req:  # (req is bound when in_head)
+            # The whole read belongs to one head that is still unfinished: httptools may be
+            # holding it as a partial line the header callbacks have not seen, so it is
+            # counted here. (A read in which a head starts is not counted: it is one read,
+            # bounded by the transport's buffer size, and may hold a previous message.)
+            n = self._head_bytes + len(data)
+            self._head_bytes = n
+            if n > _HEAD_LIMIT and not self.bad_request:
+                self._head_too_large()
 
     def pause_writing(self) -> None:
         self.flow.pause_writing()
@@ -221,6 +270,7 @@ class ClientProtocol(asyncio.Protocol):
         self._expect = False
         self._cl = -1
         self._head_size = 0
+        self._head_bytes = 0
         self.in_head = True
         self.head_deadline = self.loop.time() + self.app.header_timeout
 
@@ -279,7 +329,8 @@ class ClientProtocol(asyncio.Protocol):
         if req is None:
             return
         self.in_head = False
-        self.head_deadline = 0.0
+        # The body is read under the head's deadline, now its first inactivity check:
+        # on_header_timeout extends it while body bytes keep arriving (no clock read here).
         app = self.app
         req.method = self.parser.get_method()  # type: ignore[union-attr]
         if self._cl > app.max_payload:
@@ -293,6 +344,7 @@ class ClientProtocol(asyncio.Protocol):
                 self.bad_request = True  # ignore whatever else arrives
                 req.keep_alive = False  # type: ignore[union-attr]
                 self.busy = True
+                self.head_only = req.method == b"HEAD"  # type: ignore[union-attr]  (reply clears it)
                 self.send_error(_errors.payload_too_large(self._cl, app.max_payload), req)  # type: ignore[arg-type]
         elif self._expect and not self.busy and not self.queue:
             # Only when nothing is being written: a 100 must not land inside another response.
@@ -300,10 +352,12 @@ class ClientProtocol(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         req = self._req
-        if req is None or req.too_large:
+        if req is None:
             return
         n = req.body_len + len(body)  # type: ignore[union-attr]
-        req.body_len = n  # type: ignore[union-attr]
+        req.body_len = n  # type: ignore[union-attr]  (also the body deadline's progress)
+        if req.too_large:
+            return
         if n > self.app.max_payload:
             req.too_large = True  # type: ignore[union-attr]
             self._chunks = []
@@ -311,6 +365,7 @@ class ClientProtocol(asyncio.Protocol):
         self._chunks.append(body)
 
     def on_message_complete(self) -> None:
+        self.head_deadline = 0.0
         req = self._req
         if req is None or self.bad_request:  # already answered (413/431 at the head)
             return
@@ -321,6 +376,9 @@ class ClientProtocol(asyncio.Protocol):
         req.http11 = p.get_http_version() == "1.1"  # type: ignore[union-attr]
         chunks = self._chunks
         if chunks:
+            # The request owns its body from here; the chunk list must not keep a second
+            # copy of it alive until the next request on this connection.
+            self._chunks = []
             req.body = chunks[0] if len(chunks) == 1 else b"".join(chunks)  # type: ignore[union-attr]
         app = self.app
         if self._fwd:
@@ -349,6 +407,8 @@ class ClientProtocol(asyncio.Protocol):
     # -- request sequencing ---------------------------------------------------
     def _start(self, req: Request) -> None:
         self.busy = True
+        if req.method == b"HEAD":
+            self.head_only = True
         try:
             self.app.handle(self, req)
         except Exception:
@@ -379,7 +439,7 @@ class ClientProtocol(asyncio.Protocol):
                     continue
                 if self.bad_request:
                     self._write_bad_request()
-                elif not self.in_head:
+                elif not self.in_head and self._req is None:  # (not while a body is read)
                     self.head_deadline = self.loop.time() + self.app.idle_timeout
                 break
         finally:
@@ -407,7 +467,7 @@ class ClientProtocol(asyncio.Protocol):
             # was already answered and closed: nobody is left to tell.
             return
         status = self._bad_status
-        code = _errors.CODE_BAD_REQUEST if status == 400 else "header_too_large"
+        code = _READ_ERROR_CODE[status]
         body = _errors.error_response(status, code, self._bad_message)
         if self.app._stats is not None:
             self.app.count_response(status, code)
@@ -418,17 +478,54 @@ class ClientProtocol(asyncio.Protocol):
         self.transport.close()  # type: ignore[union-attr]
 
     def on_header_timeout(self) -> None:
-        """Client too slow to send a request head (or idle keep-alive too long)."""
-        if self.busy or self.closed:
+        """The read deadline passed: a head too slow, a body stalled or too slow (408), or an
+        idle keep-alive connection too long."""
+        if self.closed:
+            return
+        if not self.in_head and self._req is not None:  # a body is being read
+            self._body_deadline()
+            return
+        if self.busy:
             return
         self.closed = True
         self.head_deadline = 0.0
         if self.transport is not None:
             self.transport.close()
 
+    def _body_deadline(self) -> None:
+        """Inactivity check of a body being read: extend while bytes arrive, else 408.
+
+        Runs only when the deadline passes (the sweep), so reading body bytes costs nothing
+        per read; a stall is detected between one and two ``header_read_timeout_secs``."""
+        req = self._req
+        app = self.app
+        now = self.loop.time()
+        check = self._body_check
+        if check is None or check[0]() is not req:
+            # First check of this body: head_deadline is still the head's (its first byte +
+            # header timeout), and no body byte has been checked yet.
+            check = (weakref.ref(req), 0, self.head_deadline - app.header_timeout
+                     + app.config.body_read_timeout_secs)
+        end = check[2]
+        got = req.body_len  # type: ignore[union-attr]
+        if got != check[1] and now < end:
+            self._body_check = (check[0], got, end)
+            self.head_deadline = min(now + app.header_timeout, end)
+            return
+        self._body_check = None
+        self.head_deadline = 0.0
+        self._req = None
+        self._chunks = []
+        self._parse_failed("Request body not received in time", 408)
+
     # -- simple responses -----------------------------------------------------
     def reply(self, data: bytes, keep_alive: bool) -> None:
         if not self.closed:
+            if self.head_only:
+                # HEAD: the head of the answer the GET would get, never its body (RFC 9110
+                # 9.3.2); a body here would be read as the next response on this connection.
+                self.head_only = False
+                data = data[:data.find(b"\r\n\r\n") + 4]
             self.transport.write(data)  # type: ignore[union-attr]
         self.response_done(keep_alive)
 

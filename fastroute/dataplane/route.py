@@ -35,9 +35,12 @@ class Route:
         self.pool = pool
         self.authority = ("%s:%d" % (worker.host, int(worker.port))).encode("idna")
         # With --api-key (or a per-worker key from POST /workers) the worker always gets that
-        # key; the client's own header was checked equal. Without one, the client's header
-        # (if any) is forwarded as it came.
-        self.auth = b"Authorization: Bearer " + api_key.encode("latin-1") + b"\r\n" if api_key else b""
+        # key; the client's own header was checked equal. Else the Basic credentials of the
+        # worker's URL (user:password@, stripped from the URL itself), if any. Without
+        # either, the client's header (if any) is forwarded as it came.
+        basic = getattr(worker, "basic_auth", None)
+        self.auth = (b"Authorization: Bearer " + api_key.encode("latin-1") + b"\r\n" if api_key
+                     else b"Authorization: " + basic.encode("latin-1") + b"\r\n" if basic else b"")
         # ``"<field>":<rank>`` for the body of a leg that targets one DP rank, else None.
         self.rank_field = (_body.rank_field_bytes(rank_field, rank)
                            if rank_field is not None and rank is not None else None)

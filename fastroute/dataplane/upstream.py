@@ -11,7 +11,8 @@ Leg interface (duck-typed, implemented by the proxy)::
     leg.conn                       # set by the pool to the connection serving it
     leg.up_head(status, headers)   # headers: list[(name bytes, value bytes)]
     leg.up_body(data)              # de-chunked body bytes, in order
-    leg.up_done()                  # response complete (connection already pooled or closed)
+    leg.up_done()                  # response complete (the leg is detached; the pool takes the
+                                   # connection back when the read that completed it is parsed)
     leg.up_flush()                 # end of one upstream read: write what up_body produced
     leg.up_error(exc)              # transport failure / malformed response; no more callbacks
 
@@ -20,6 +21,15 @@ Invariants:
 * A connection serves at most one leg at a time and is returned to the idle list
   only after its response was read completely and both sides allow keep-alive.
   A connection whose response was not fully read is aborted, never reused.
+* The pool hands a connection out and takes it back exactly once per leg: only a
+  connection whose *leg's* final response completed goes back (``Pool.release`` is
+  idempotent), and only after the read that completed it was parsed to its end, so
+  bytes behind the answer in the same read are still seen. Any byte that arrives
+  while no leg is attached (an extra or late response, garbage) aborts the
+  connection: it can never be handed to the next request as that request's answer.
+* Informational heads (100, 102, 103) are skipped: the leg gets the final answer
+  that follows on the same connection. A 101 is a protocol error (we never ask to
+  upgrade): the leg fails and the connection is aborted.
 * A request sent on a *reused* connection that dies before any response byte
   arrives is re-sent once on a fresh connection: the worker closed the idle
   socket (keep-alive race) and cannot have processed it.
@@ -28,8 +38,9 @@ Invariants:
   to close. An ``idle_timeout`` of 0 turns reuse off: each connection is closed
   when its response ends.
 * Pausing and resuming a connection's reading is decided by the client's
-  :class:`~fastroute.dataplane.flow.FlowControl`; the pool only guarantees that
-  a connection it takes back is not left paused.
+  :class:`~fastroute.dataplane.flow.FlowControl`, and only while a leg is attached:
+  a connection without a leg (pooled, or done with its answer) ignores ``pause``,
+  and the pool resumes a connection it takes back.
 """
 
 from __future__ import annotations
@@ -82,7 +93,7 @@ class UpstreamConnection(asyncio.Protocol):
     __slots__ = (
         "pool", "transport", "parser", "leg", "request", "reused", "got_bytes",
         "headers", "head_done", "status", "keep_alive", "closed",
-        "idle_since", "connect_task", "paused",
+        "idle_since", "connect_task", "paused", "interim", "pooled",
     )
 
     def __init__(self, pool: Pool) -> None:
@@ -101,6 +112,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.idle_since = 0.0
         self.connect_task: asyncio.Task | None = None
         self.paused = False
+        self.interim = False   # the message being parsed is a 1xx head: the final one follows
+        self.pooled = False    # in the pool's idle list
 
     # -- asyncio.Protocol -------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -116,17 +129,30 @@ class UpstreamConnection(asyncio.Protocol):
             transport.write(req)  # type: ignore[attr-defined]
 
     def data_received(self, data: bytes) -> None:
+        if self.leg is None:
+            # Nobody asked: a late or extra response on an idle connection. Its bytes
+            # would be taken for the answer of the next request sent on it.
+            self.abort()
+            return
         if not self.got_bytes:
             self.got_bytes = True
             self.request = None
         try:
             self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:  # (not an HttpParserError subclass)
+            self._fail(UpstreamError("worker switched protocols (101) without being asked"))
+            return
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError("malformed upstream response: %s" % exc))
             return
         leg = self.leg
         if leg is not None:
             leg.up_flush()  # one client write per upstream read
+        elif not self.closed:
+            # The leg's answer ended in this read and nothing followed it (a byte behind it
+            # would have aborted us in on_message_begin, a failure closed us): now, and only
+            # now, it may serve another request.
+            self.pool.release(self)
 
     def eof_received(self) -> bool | None:
         return None  # let the transport close; connection_lost does the bookkeeping
@@ -151,16 +177,32 @@ class UpstreamConnection(asyncio.Protocol):
         leg.up_error(UpstreamError(str(exc) if exc else "upstream closed the connection"))
 
     # -- httptools callbacks ---------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.leg is None:
+            # A second response behind the one that completed in this read: the
+            # worker answered something nobody sent. Never reuse this connection.
+            self.abort()
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self.head_done = True
         p = self.parser
+        status = p.get_status_code()
+        if status < 200:
+            if status == 101:
+                self._fail(UpstreamError("worker switched protocols (101) without being asked"))
+                return
+            # 100/102/103: informational, not the answer (RFC 9110 15.2); its headers
+            # (e.g. 103's Link) are dropped, the final head follows.
+            self.interim = True
+            self.headers = []
+            return
+        self.head_done = True
         self.keep_alive = p.should_keep_alive()
         # How the body is delimited only matters if the connection dies
         # mid-body (connection_lost), so the headers are not scanned here.
-        status = self.status = p.get_status_code()
+        self.status = status
         leg = self.leg
         if leg is not None:
             leg.up_head(status, self.headers)
@@ -171,21 +213,26 @@ class UpstreamConnection(asyncio.Protocol):
             leg.up_body(body)
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False  # end of a 1xx: the leg still waits for its answer
+            return
         leg = self.leg
         self.leg = None
         self.headers = []
         self.head_done = False
-        if self.keep_alive and not self.closed:
-            self.pool.release(self)
-        else:
+        if leg is None:
+            self.abort()  # the end of a response nobody asked for
+            return
+        if not self.keep_alive:
             self.abort()
-        if leg is not None:
-            leg.up_done()
+        # (else pooled by data_received once this read is parsed to its end)
+        leg.up_done()
 
     # -- control from the proxy ------------------------------------------
     def pause(self) -> None:
-        """Stop reading from the worker (client transport is full)."""
-        if not self.paused:
+        """Stop reading from the worker (client transport is full). A connection without a
+        leg has no client to wait for: it is never paused (the pool may hand it out)."""
+        if not self.paused and self.leg is not None:
             self.paused = True
             t = self.transport
             if t is not None and not self.closed:
@@ -246,11 +293,13 @@ class Pool:
             deadline = self.loop.time() - self.idle_timeout
             while idle:
                 c = idle.pop()
+                c.pooled = False
                 if c.idle_since >= deadline and not c.closed:
                     conn = c
                     break
                 c.abort()
         if conn is not None:
+            conn.pooled = False
             conn.reused = True
             conn.got_bytes = False
             conn.request = request
@@ -283,7 +332,12 @@ class Pool:
             conn.connect_task = None
 
     def release(self, conn: UpstreamConnection) -> None:
-        """Return a connection whose response was fully read to the idle list."""
+        """Return a connection whose leg's response was fully read to the idle list.
+
+        Idempotent, and a no-op for a closed connection or one that serves a leg: the idle
+        list never holds a connection twice, so two requests can never pop the same one."""
+        if conn.pooled or conn.closed or conn.leg is not None:
+            return
         self.busy.discard(conn)
         if self.closed or self.idle_timeout <= 0:
             # Retired pool, or keep-alive reuse turned off (idle timeout 0).
@@ -293,23 +347,28 @@ class Pool:
             conn.resume()  # a finished response may have been paused by a slow client
         conn.reused = False
         conn.idle_since = self.loop.time()
+        conn.pooled = True
         self.idle.append(conn)
         if self._sweep_handle is None:
             self._sweep_handle = self.loop.call_later(self.idle_timeout, self._sweep)
 
     def discard(self, conn: UpstreamConnection) -> None:
         self.busy.discard(conn)
-        try:
-            self.idle.remove(conn)
-        except ValueError:
-            pass
+        if conn.pooled:
+            conn.pooled = False
+            try:
+                self.idle.remove(conn)
+            except ValueError:
+                pass
 
     def _sweep(self) -> None:
         self._sweep_handle = None
         deadline = self.loop.time() - self.idle_timeout
         idle = self.idle
         while idle and idle[0].idle_since <= deadline:
-            idle.pop(0).abort()
+            c = idle.pop(0)
+            c.pooled = False
+            c.abort()
         if idle:
             delay = idle[0].idle_since + self.idle_timeout - self.loop.time()
             self._sweep_handle = self.loop.call_later(max(delay, 0.05), self._sweep)
@@ -324,6 +383,7 @@ class Pool:
         idle = self.idle
         self.idle = []
         for c in idle:
+            c.pooled = False
             c.abort()
 
     def close(self) -> None:
@@ -333,6 +393,7 @@ class Pool:
             self._sweep_handle.cancel()
             self._sweep_handle = None
         for c in list(self.idle) + list(self.busy):
+            c.pooled = False
             c.abort()
         self.idle.clear()
         self.busy.clear()

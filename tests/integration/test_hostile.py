@@ -334,7 +334,7 @@ def test_worker_url_credentials_are_never_shown(caplog: pytest.LogCaptureFixture
             status, doc = await _admin(r.port, "GET", "/workers")
             assert status == 200 and b"s3cretpass" not in doc
             json.loads(doc)
-            mport = r.server.metrics_port
+            mport = r.server.metrics.port
             text = await asyncio.to_thread(
                 lambda: urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read())
             assert b"s3cretpass" not in text

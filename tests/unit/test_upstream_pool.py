@@ -1,0 +1,126 @@
+"""The pool hands out and takes back a connection exactly once (issue 19): unit tests over a
+fake transport, no sockets."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastroute.dataplane.upstream import Pool, UpstreamConnection
+from tests.unit.test_proxy_unit import FakeTransport
+
+
+class _Leg:
+    def __init__(self) -> None:
+        self.conn: Any = None
+        self.events: list[Any] = []
+
+    def up_head(self, status: int, headers: list) -> None:
+        self.events.append(("head", status))
+
+    def up_body(self, data: bytes) -> None:
+        self.events.append(("body", bytes(data)))
+
+    def up_done(self) -> None:
+        self.conn = None
+        self.events.append("done")
+
+    def up_error(self, exc: BaseException) -> None:
+        self.conn = None
+        self.events.append(("error", str(exc)))
+
+    def up_flush(self) -> None:
+        pass
+
+
+OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+
+
+def _served(pool: Pool) -> tuple[UpstreamConnection, _Leg, FakeTransport]:
+    """A connection of ``pool`` serving a fresh leg over a fake transport."""
+    leg = _Leg()
+    conn = UpstreamConnection(pool)
+    conn.leg = leg
+    leg.conn = conn
+    pool.busy.add(conn)
+    t = FakeTransport()
+    conn.connection_made(t)
+    return conn, leg, t
+
+
+def _pool() -> tuple[Pool, asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    return Pool("127.0.0.1", 9, 3.0, loop), loop
+
+
+def test_release_is_idempotent_and_needs_no_leg() -> None:
+    pool, loop = _pool()
+    try:
+        conn, leg, _ = _served(pool)
+        conn.data_received(OK)
+        assert leg.events == [("head", 200), ("body", b"ok"), "done"]
+        assert pool.idle == [conn]
+        pool.release(conn)
+        pool.release(conn)
+        assert pool.idle == [conn]  # never twice
+        # a connection that serves a leg is not taken back
+        other, _, _ = _served(pool)
+        pool.release(other)
+        assert other not in pool.idle
+    finally:
+        pool.close()
+        loop.close()
+
+
+def test_bytes_on_an_idle_connection_abort_it() -> None:
+    pool, loop = _pool()
+    try:
+        conn, _, t = _served(pool)
+        conn.data_received(OK)
+        assert pool.idle == [conn]
+        conn.data_received(OK)  # a late response nobody asked for
+        assert conn.closed and t.closed and pool.idle == []
+    finally:
+        pool.close()
+        loop.close()
+
+
+def test_a_second_response_in_the_same_read_aborts_before_pooling() -> None:
+    pool, loop = _pool()
+    try:
+        conn, leg, t = _served(pool)
+        conn.data_received(OK + OK)
+        assert leg.events == [("head", 200), ("body", b"ok"), "done"]
+        assert conn.closed and t.closed and pool.idle == []
+    finally:
+        pool.close()
+        loop.close()
+
+
+def test_1xx_heads_are_skipped_and_101_fails_the_leg() -> None:
+    pool, loop = _pool()
+    try:
+        conn, leg, _ = _served(pool)
+        conn.data_received(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: <x>\r\n\r\n")
+        assert leg.events == [] and conn.leg is leg
+        conn.data_received(OK)
+        assert leg.events == [("head", 200), ("body", b"ok"), "done"] and pool.idle == [conn]
+
+        conn2, leg2, t2 = _served(pool)
+        conn2.data_received(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: h2c\r\nconnection: upgrade\r\n\r\n")
+        assert leg2.events and leg2.events[0][0] == "error" and "101" in leg2.events[0][1]
+        assert conn2.closed and t2.closed and conn2 not in pool.idle
+    finally:
+        pool.close()
+        loop.close()
+
+
+def test_a_connection_without_a_leg_is_never_paused() -> None:
+    pool, loop = _pool()
+    try:
+        conn, leg, t = _served(pool)
+        conn.data_received(OK)
+        conn.pause()  # e.g. a stale flow-control binding after the answer was written
+        assert not conn.paused and t.reading
+    finally:
+        pool.close()
+        loop.close()
