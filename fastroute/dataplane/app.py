@@ -36,6 +36,7 @@ from fastroute.dataplane.exchange import Relay, _Exchange
 from fastroute.dataplane.pd import PDRelay
 from fastroute.dataplane.protocol import INFERENCE, ClientProtocol, Request, header_flags
 from fastroute.dataplane.route import Route
+from fastroute.dataplane.routes import ROUTES, pd_unsupported
 from fastroute.dataplane.upstream import Pool
 from fastroute.errors import RouterError
 
@@ -60,7 +61,7 @@ _ADMIN = frozenset({
 
 # Bounded label values for metrics (unknown paths/methods collapse to one value).
 _PATH_LABEL = {p: p.decode() for p in (
-    b"/generate", b"/v1/completions", b"/v1/chat/completions", b"/health", b"/liveness",
+    *ROUTES, b"/health", b"/liveness",
     b"/readiness", b"/workers", b"/add_worker", b"/remove_worker", b"/list_workers", b"/get_loads",
     b"/flush_cache", b"/get_server_info", b"/server_info", b"/get_model_info", b"/model_info",
     b"/v1/models", b"/health_generate", b"/engine_metrics")}
@@ -399,11 +400,17 @@ class App:
                                          "No available workers (router is still registering workers)"),
                              req)
             return
+        spec = ROUTES[path]
+        if self.pd and not spec.pd:
+            proto.send_error(pd_unsupported(spec.path), req)
+            return
         try:
-            meta = _body.parse_request(INFERENCE[path], req.body)
+            meta = _body.parse_request(spec.endpoint, req.body)
         except RouterError as exc:
             proto.send_error(exc, req)
             return
+        if spec.tokens is not None:  # routes body.py has no batch rules for
+            meta.input_tokens = spec.tokens(meta.obj)
         # Every parsed inference request counts once here (whatever answers it:
         # relay, 429/408 admission, 503 no target, retries); malformed ones
         # count only in smg_http_responses_total.
