@@ -31,6 +31,7 @@ from fastroute.config import (
     config_from_args,
     default,
 )
+from fastroute.names import ASSIGNMENT_MODES
 from fastroute.log import configure_logging
 from fastroute.runtime.server import Server, run
 from fastroute.runtime.supervisor import Supervisor, resolve_processes
@@ -46,7 +47,6 @@ _NEVER_PREFIXED = frozenset({"--host", "--port", "--worker-urls"})
 COMPAT_FLAGS: tuple[str, ...] = (
     "--mini-lb",
     "--bucket-adjust-interval-secs",
-    "--assignment-mode",
     "--enable-igw",
     "--model-path",
     "--tokenizer-path",
@@ -71,7 +71,6 @@ COMPAT_FLAGS: tuple[str, ...] = (
 UNIMPLEMENTED_SMG_FLAGS: tuple[str, ...] = (
     "--routing-key-override",
     "--sticky-sessions",
-    "--max-idle-secs",
     "--dp-minimum-tokens-scheduler",
     "--prefill-max-inflight-requests-per-worker",
     "--prefill-queue-size",
@@ -252,6 +251,11 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
     add("--routing-key-headers", nargs="*", default=d("routing_key_headers"), metavar="HEADER",
         help="Extra headers used as consistent_hashing key after X-SMG-Routing-Key "
              "(default: none).")
+    add("--assignment-mode", choices=ASSIGNMENT_MODES, default=d("assignment_mode"),
+        help="manual: how a new routing key is placed: random, min_load (fewest in-flight "
+             "requests) or min_group (fewest keys) (default: %(default)s).")
+    add("--max-idle-secs", type=int, default=d("max_idle_secs"),
+        help="manual: forget a routing key idle this long (default: %(default)s s).")
     add("--cache-threshold", type=float, default=d("cache_threshold"),
         help="cache_aware: minimum prefix match ratio to follow the cache "
              "(default: %(default)s).")

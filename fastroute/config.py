@@ -21,7 +21,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
-from fastroute.names import LOAD_METRIC_ALIASES, LOAD_METRICS, MODES, POLICIES
+from fastroute.names import ASSIGNMENT_MODES, LOAD_METRIC_ALIASES, LOAD_METRICS, MODES, POLICIES
 
 __all__ = [
     "Config",
@@ -62,6 +62,14 @@ ALL_POLICIES: tuple[str, ...] = (
     "passthrough",
 )
 PREFILL_ONLY_POLICIES: tuple[str, ...] = ("bucket",)
+# Why --prefill-policy bucket is refused rather than approximated.
+BUCKET_REFUSAL = (
+    "policy 'bucket' is not implemented by fastroute: it gives each prefill worker a range of "
+    "request lengths whose boundaries move with observed load every "
+    "--bucket-adjust-interval-secs, and what it does rests on that tuning loop, which the peers "
+    "do not specify; an imitation would balance differently under the same flags. Use "
+    "--prefill-policy cache_aware or power_of_two (both balance prefill by load)"
+)
 SUPPORTED_POLICIES: tuple[str, ...] = POLICIES
 
 # smg spells the token metric `expected_wait`; fastroute maps it to `tokens` (protocol.md 5.5).
@@ -141,6 +149,9 @@ class Config:
     disable_load_monitoring: bool = False
     # Lower-cased once here so the request path compares without case folding.
     routing_key_headers: list[str] = _list(())
+    # manual policy: how a new routing key is placed, and when an idle key is forgotten.
+    assignment_mode: str = "random"
+    max_idle_secs: int = 4 * 3600
 
     # --- Retries --------------------------------------------------------------------------
     retry_max_retries: int = 5
@@ -297,6 +308,8 @@ class Config:
             if value in SUPPORTED_POLICIES:
                 continue
             supported = ", ".join(SUPPORTED_POLICIES)
+            if value == "bucket" and flag == "--prefill-policy":
+                raise ConfigError(flag, f"{BUCKET_REFUSAL}; supported: {supported}")
             if value in ALL_POLICIES or value in extra:
                 raise ConfigError(
                     flag,
@@ -325,6 +338,10 @@ class Config:
             )
         for name in self.routing_key_headers:
             _check_header("--routing-key-headers", name)
+        if self.assignment_mode not in ASSIGNMENT_MODES:
+            raise ConfigError("--assignment-mode", f"invalid value {self.assignment_mode!r}; "
+                              f"choose from {', '.join(ASSIGNMENT_MODES)}")
+        _at_least("--max-idle-secs", self.max_idle_secs, 1)
 
     def _validate_numbers(self) -> None:
         _at_least("--worker-startup-timeout-secs", self.worker_startup_timeout_secs, 1)

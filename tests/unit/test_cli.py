@@ -292,8 +292,8 @@ def test_supported_policies_start(policy: str) -> None:
 
 
 @pytest.mark.parametrize("flag,policy", [
-    ("--policy", "manual"), ("--policy", "prefix_hash"), ("--policy", "least_load"),
-    ("--policy", "passthrough"), ("--decode-policy", "manual"),
+    ("--policy", "prefix_hash"), ("--policy", "least_load"),
+    ("--policy", "passthrough"), ("--decode-policy", "prefix_hash"),
     ("--prefill-policy", "bucket"), ("--router-prefill-policy", "least_load"),
 ])
 def test_unsupported_policy_is_a_clear_startup_error(flag, policy, capsys) -> None:
@@ -307,6 +307,19 @@ def test_unsupported_policy_is_a_clear_startup_error(flag, policy, capsys) -> No
 
 def test_bucket_only_for_prefill(capsys) -> None:
     assert "invalid choice" in fails(pd("--decode-policy", "bucket"), capsys)
+
+
+def test_bucket_refusal_explains_why(capsys) -> None:
+    err = fails(pd("--prefill-policy", "bucket"), capsys)
+    assert "--bucket-adjust-interval-secs" in err and "cache_aware" in err
+
+
+def test_manual_policy_flags() -> None:
+    c = parse_args(pd("--policy", "manual", "--assignment-mode", "min_group", "--max-idle-secs", "60",
+                      "--routing-key-headers", "X-Session"))
+    assert (c.policy, c.assignment_mode, c.max_idle_secs) == ("manual", "min_group", 60)
+    assert c.routing_key_headers == ["x-session"]
+    assert parse_args(pd("--policy", "manual")).assignment_mode == "random"
 
 
 # ---------------------------------------------------------------- fastroute extensions
@@ -459,7 +472,7 @@ def test_main_dispatches_demo(monkeypatch) -> None:
 def test_main_bad_config_exits_2_before_server(monkeypatch, restore_root_logging, capsys):
     monkeypatch.setattr(cli, "run", lambda config, factory: pytest.fail("server must not start"))
     with pytest.raises(SystemExit) as exc:
-        main(["--policy", "manual"])
+        main(["--policy", "prefix_hash"])
     assert exc.value.code == 2
     assert "argument --policy" in capsys.readouterr().err
 
