@@ -56,9 +56,6 @@ COMPAT_FLAGS: tuple[str, ...] = (
     "--mcp-config-path",
     "--backend",
     "--history-backend",
-    "--client-cert-path",
-    "--client-key-path",
-    "--ca-cert-paths",
     "--tls-cert-path",
     "--tls-key-path",
     "--enable-trace",
@@ -251,6 +248,13 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
     add("--routing-key-headers", nargs="*", default=d("routing_key_headers"), metavar="HEADER",
         help="Extra headers used as consistent_hashing key after X-SMG-Routing-Key "
              "(default: none).")
+    add("--ca-cert-paths", nargs="*", default=d("ca_cert_paths"), metavar="PEM",
+        help="CA certificates trusted for https:// workers, besides the system CAs "
+             "(default: none).")
+    add("--client-cert-path", default=None, metavar="PEM",
+        help="Client certificate presented to https:// workers (mTLS; with --client-key-path).")
+    add("--client-key-path", default=None, metavar="PEM",
+        help="Private key of --client-cert-path.")
     add("--assignment-mode", choices=ASSIGNMENT_MODES, default=d("assignment_mode"),
         help="manual: how a new routing key is placed: random, min_load (fewest in-flight "
              "requests) or min_group (fewest keys) (default: %(default)s).")

@@ -149,6 +149,10 @@ class Config:
     disable_load_monitoring: bool = False
     # Lower-cased once here so the request path compares without case folding.
     routing_key_headers: list[str] = _list(())
+    # TLS towards https:// workers (fastroute.tls.client_context): extra CAs, mTLS identity.
+    ca_cert_paths: list[str] = _list(())
+    client_cert_path: str | None = None
+    client_key_path: str | None = None
     # manual policy: how a new routing key is placed, and when an idle key is forgotten.
     assignment_mode: str = "random"
     max_idle_secs: int = 4 * 3600
@@ -459,11 +463,8 @@ def _strip_url(url: str) -> str:
 
 
 def _check_url(flag: str, url: str) -> None:
-    if url.startswith("https://"):
-        # Registration would succeed over TLS but proxied requests go out as plain HTTP.
-        raise ConfigError(flag, f"{url!r}: TLS to workers is not supported yet; use http://")
-    if not url.startswith("http://"):
-        raise ConfigError(flag, f"{url!r} must start with http://")
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(flag, f"{url!r} must start with http:// or https://")
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError on a malformed port

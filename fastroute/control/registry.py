@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping
 from fastroute.config import Config
 from fastroute.control import httpclient
 from fastroute.control.admin import AdminAPI
-from fastroute.control.httpclient import HttpClientError
+from fastroute.control.httpclient import HttpClientError, HttpTLSError
 from fastroute.control.worker import (ROLES, DuplicateWorker, Worker, model_id_of, normalize_url,
                                       split_host_port)
 from fastroute.core.routing import Group, Router
@@ -179,10 +179,8 @@ class Registry(AdminAPI):
         if role not in ROLES:
             raise ValueError(f"unknown worker_type {role!r} (expected one of {', '.join(ROLES)})")
         url = normalize_url(url)
-        if not url.startswith("http://"):
-            # The control client speaks TLS but the data path does not: refuse rather than
-            # register a worker whose inference traffic would go out as plain HTTP.
-            raise ValueError(f"worker URL {url!r}: only http:// workers are supported")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"worker URL {url!r}: only http:// and https:// workers are supported")
         if self.find(url) is not None:
             raise DuplicateWorker(f"worker {url} already exists")
         host, port = split_host_port(url)
@@ -271,6 +269,10 @@ class Registry(AdminAPI):
                     await self._discover(w, timeout)
                     return True
                 w.error = f"/health answered {status}"
+            except HttpTLSError as exc:   # a bad certificate does not fix itself
+                w.error = str(exc)
+                log.error("worker %s failed to register: %s", w.url, exc)
+                return False
             except (HttpClientError, _Transient) as exc:
                 w.error = str(exc)
             except _Fatal as exc:

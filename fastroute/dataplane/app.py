@@ -39,6 +39,7 @@ from fastroute.dataplane.route import Route
 from fastroute.dataplane.routes import ROUTES, pd_unsupported
 from fastroute.dataplane.upstream import Pool
 from fastroute.errors import RouterError
+from fastroute.tls import client_context
 
 if TYPE_CHECKING:
     from fastroute.config import Config
@@ -99,6 +100,9 @@ class App:
         self.header_timeout = float(config.header_read_timeout_secs)
         self.idle_timeout = float(config.idle_connection_timeout_secs)
         self.pool_idle = float(config.upstream_pool_idle_timeout_secs)
+        # TLS client context for https:// workers (set by the runtime from --ca-cert-paths and
+        # the client certificate; made with the system CAs on first need when left None).
+        self.worker_tls: Any = None
         self.room_rng = room_rng if room_rng is not None else random.Random(config.seed)
         # The body key carrying the DP rank of a target split per rank: the regular request
         # under --dp-aware, the decode leg under PD (the prefill's rank travels in the room).
@@ -310,7 +314,13 @@ class App:
         """The keep-alive pool of ``worker`` (one per worker object, made on first use)."""
         pool = self.pools.get(worker)
         if pool is None:
-            pool = self.pools[worker] = Pool(worker.host, int(worker.port), self.pool_idle, self.loop)
+            if worker.url.startswith("https://"):
+                if self.worker_tls is None:
+                    self.worker_tls = client_context()
+                pool = Pool(worker.host, int(worker.port), self.pool_idle, self.loop, self.worker_tls)
+            else:
+                pool = Pool(worker.host, int(worker.port), self.pool_idle, self.loop)
+            self.pools[worker] = pool
         return pool
 
     def backoff(self, retry: int) -> float:

@@ -276,10 +276,18 @@ def test_pd_mode_may_start_without_workers() -> None:
     (["--prefill", "http://p:1"], "--prefill"),
     (["--decode", "http://d:1"], "--decode"),
     (["--worker-urls", "http://w:notaport"], "--worker-urls"),
-    (["--worker-urls", "https://w:443"], "--worker-urls"),   # no TLS on the data path yet
+    (["--worker-urls", "https://w:notaport"], "--worker-urls"),
 ])
 def test_worker_url_validation(argv, flag, capsys) -> None:
     assert f"argument {flag}" in fails(argv, capsys)
+
+
+def test_https_workers_and_tls_flags() -> None:
+    c = parse_args(["--worker-urls", "https://w:443", "--ca-cert-paths", "/ca1.pem", "/ca2.pem",
+                    "--client-cert-path", "/c.pem", "--client-key-path", "/k.pem"])
+    assert c.worker_urls == ["https://w:443"]
+    assert (c.ca_cert_paths, c.client_cert_path, c.client_key_path) == (
+        ["/ca1.pem", "/ca2.pem"], "/c.pem", "/k.pem")
 
 
 # ---------------------------------------------------------------- policies
