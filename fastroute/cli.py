@@ -47,7 +47,6 @@ _NEVER_PREFIXED = frozenset({"--host", "--port", "--worker-urls"})
 COMPAT_FLAGS: tuple[str, ...] = (
     "--mini-lb",
     "--bucket-adjust-interval-secs",
-    "--enable-igw",
     "--model-path",
     "--tokenizer-path",
     "--chat-template",
@@ -248,6 +247,11 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
     add("--routing-key-headers", nargs="*", default=d("routing_key_headers"), metavar="HEADER",
         help="Extra headers used as consistent_hashing key after X-SMG-Routing-Key "
              "(default: none).")
+    add("--enable-igw", action="store_true",
+        help="Multi-model gateway: workers are grouped by the model they serve and a request's "
+             "\"model\" picks the group its policy balances in (default: off).")
+    add("--model-alias", nargs="*", default=d("model_alias"), metavar="ALIAS=MODEL",
+        help="With --enable-igw: requests for ALIAS go to MODEL's workers (default: none).")
     add("--ca-cert-paths", nargs="*", default=d("ca_cert_paths"), metavar="PEM",
         help="CA certificates trusted for https:// workers, besides the system CAs "
              "(default: none).")

@@ -149,6 +149,10 @@ class Config:
     disable_load_monitoring: bool = False
     # Lower-cased once here so the request path compares without case folding.
     routing_key_headers: list[str] = _list(())
+    # Multi-model gateway: one routing group per model, picked by the request's "model";
+    # aliases are "ALIAS=MODEL".
+    enable_igw: bool = False
+    model_alias: list[str] = _list(())
     # TLS towards https:// workers (fastroute.tls.client_context): extra CAs, mTLS identity.
     ca_cert_paths: list[str] = _list(())
     client_cert_path: str | None = None
@@ -346,6 +350,12 @@ class Config:
             raise ConfigError("--assignment-mode", f"invalid value {self.assignment_mode!r}; "
                               f"choose from {', '.join(ASSIGNMENT_MODES)}")
         _at_least("--max-idle-secs", self.max_idle_secs, 1)
+        for item in self.model_alias:
+            alias, sep, model = item.partition("=")
+            if not sep or not alias.strip() or not model.strip():
+                raise ConfigError("--model-alias", f"{item!r} is not ALIAS=MODEL")
+        if self.model_alias and not self.enable_igw:
+            raise ConfigError("--model-alias", "requires --enable-igw")
 
     def _validate_numbers(self) -> None:
         _at_least("--worker-startup-timeout-secs", self.worker_startup_timeout_secs, 1)

@@ -24,6 +24,7 @@ and ``Worker.healthy`` and read the worker list from here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import random
@@ -33,6 +34,7 @@ from fastroute.config import Config
 from fastroute.control import httpclient
 from fastroute.control.admin import AdminAPI
 from fastroute.control.httpclient import HttpClientError, HttpTLSError
+from fastroute.control.models import ModelGroups, group_like, parse_aliases, worker_model_names
 from fastroute.control.worker import (ROLES, DuplicateWorker, Worker, model_id_of, normalize_url,
                                       split_host_port)
 from fastroute.core.routing import Group, Router
@@ -83,6 +85,14 @@ class Registry(AdminAPI):
                                    kv_fit=config.decode_kv_fit,
                                    kv_reserve=config.decode_kv_reserve_tokens),
         }
+        if config.enable_igw:
+            # One group per model inside each role (fastroute.control.models).
+            aliases = parse_aliases(config.model_alias)
+            self._groups = {
+                role: ModelGroups(functools.partial(group_like, router, g,
+                                                    config.decode_kv_reserve_tokens if role == "decode" else 0),
+                                  self._model_names, aliases, g.policy)
+                for role, g in self._groups.items()}
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -114,6 +124,10 @@ class Registry(AdminAPI):
     # ---- queries ------------------------------------------------------------------------------
     def group(self, role: str) -> Group:
         return self._groups[role]
+
+    def _model_names(self, t: int) -> tuple[str, ...]:
+        entry = self.target_info[t]
+        return worker_model_names(entry[0]) if entry is not None else ("unknown",)
 
     def find(self, url: str) -> Worker | None:
         url = normalize_url(url)

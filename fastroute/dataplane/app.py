@@ -111,6 +111,8 @@ class App:
         self.accepting = True
         self._stats: Any = None
         self.backend = "pd" if self.pd else "regular"
+        self.igw = bool(config.enable_igw)
+        self.model_role = "decode" if self.pd else "regular"   # whose groups know the models
 
         # -- resilience (protocol.md 7.2-7.4) --
         self.max_attempts = config.max_attempts
@@ -421,6 +423,11 @@ class App:
             return
         if spec.tokens is not None:  # routes body.py has no batch rules for
             meta.input_tokens = spec.tokens(meta.obj)
+        if self.igw:  # --enable-igw: the request's model must be one the router serves
+            refusal = self.registry.group(self.model_role).refusal(meta.model)
+            if refusal is not None:
+                proto.send_error(refusal, req)
+                return
         # Every parsed inference request counts once here (whatever answers it:
         # relay, 429/408 admission, 503 no target, retries); malformed ones
         # count only in smg_http_responses_total.

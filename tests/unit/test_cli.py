@@ -282,6 +282,17 @@ def test_worker_url_validation(argv, flag, capsys) -> None:
     assert f"argument {flag}" in fails(argv, capsys)
 
 
+def test_igw_flags() -> None:
+    c = parse_args(["--enable-igw", "--model-alias", "small=qwen-0.5b", "big=llama-70b"])
+    assert c.enable_igw and c.model_alias == ["small=qwen-0.5b", "big=llama-70b"]
+    assert not parse_args([]).enable_igw
+
+
+def test_model_alias_needs_igw_and_the_form(capsys) -> None:
+    assert "requires --enable-igw" in fails(["--model-alias", "a=b"], capsys)
+    assert "ALIAS=MODEL" in fails(["--enable-igw", "--model-alias", "ab"], capsys)
+
+
 def test_https_workers_and_tls_flags() -> None:
     c = parse_args(["--worker-urls", "https://w:443", "--ca-cert-paths", "/ca1.pem", "/ca2.pem",
                     "--client-cert-path", "/c.pem", "--client-key-path", "/k.pem"])
@@ -413,7 +424,7 @@ def _ignored_lines(caplog) -> list[str]:
 
 def test_ignored_flags_warn_once_each_and_swallow_values(caplog) -> None:
     argv = ["--mini-lb", "--model-path", "/models/x", "--router-model-path", "/models/y",
-            "--selector", "app=sglang", "tier=gpu", "--enable-igw", "--redis-url",
+            "--selector", "app=sglang", "tier=gpu", "--client-cert-path", "/c", "--redis-url",
             "redis://r:6379", "--router-jwt-issuer=https://i", "--oracle-pool-min", "-1",
             "--policy", "random", "--tokenizer-cache-enable-l0"]
     with caplog.at_level(logging.WARNING, logger="fastroute.config"):
@@ -421,7 +432,7 @@ def test_ignored_flags_warn_once_each_and_swallow_values(caplog) -> None:
     assert c.policy == "random"
     lines = _ignored_lines(caplog)
     flags = [line.split()[0] for line in lines]
-    assert flags == ["--mini-lb", "--model-path", "--selector", "--enable-igw", "--redis-url",
+    assert flags == ["--mini-lb", "--model-path", "--selector", "--redis-url",
                      "--jwt-issuer", "--oracle-pool-min", "--tokenizer-cache-enable-l0"]
 
 
