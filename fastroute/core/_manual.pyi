@@ -28,8 +28,11 @@ class KeyTable:
     def pick(self, tab: _Table, cands: _Rows, key: bytes | None, now: float) -> int:
         """The target for ``key`` at ``now`` (None: keyless, placed by the mode, not stored);
         arguments checked (ValueError / IndexError)."""
-    def pick_now(self, tab: _Table, cands: _Rows, key: bytes | None) -> int:
-        """``pick`` at the monotonic clock, unchecked (candidates checked by the caller)."""
+    def bind(self, tab: _Table, cands: _Rows) -> None:
+        """Fix the table and candidates of ``pick_bound`` (checked once) and sweep out keys whose
+        target is not in ``cands``."""
+    def pick_bound(self, key: bytes | None) -> int:
+        """``pick`` over the bound table and candidates at the monotonic clock (per request)."""
     def sweep(self, cands: _Rows, now: float) -> None:
         """Drop idle keys and keys whose target is not in ``cands``."""
     def owner_of(self, key: bytes) -> int:

@@ -74,6 +74,11 @@ cdef class KeyTable:
     cdef double next_sweep
     cdef readonly Py_ssize_t count
     cdef readonly int64_t reassigned  # keys moved because their target left or went unhealthy
+    # The table and candidates of pick_bound, held as memoryviews so that the per-request call
+    # does not pay two buffer acquisitions (bind() sets them when the candidates change).
+    cdef const int64_t[:, ::1] btab
+    cdef const int64_t[::1] bcands
+    cdef bint bound
 
     def __init__(self, int64_t rows, int mode, double max_idle, double sweep_every, uint64_t seed):
         if mode < MODE_RANDOM or mode > MODE_MIN_GROUP:
@@ -89,6 +94,7 @@ cdef class KeyTable:
         self._alloc(MIN_CAPACITY)
         self.count = 0
         self.reassigned = 0
+        self.bound = False
 
     cdef void _alloc(self, Py_ssize_t cap):
         self.keys = np.zeros(cap, dtype=np.uint64)
@@ -226,12 +232,23 @@ cdef class KeyTable:
             return self._pick(tab, cands, NULL, 0, False, now)
         return self._pick(tab, cands, <const unsigned char *>key, len(key), True, now)
 
-    def pick_now(self, const int64_t[:, ::1] tab, const int64_t[::1] cands, bytes key):
-        """``pick`` at the monotonic clock, unchecked: the per-request call of the Group, whose
-        candidates were range-checked by set_candidates."""
+    def bind(self, const int64_t[:, ::1] tab, const int64_t[::1] cands):
+        """Fix the table and candidates ``pick_bound`` uses (checked here, once), and sweep out
+        keys whose target is no longer a candidate."""
+        self._check(tab, cands)
+        self.btab = tab
+        self.bcands = cands
+        self.bound = True
+        self._sweep(cands, _now())
+
+    def pick_bound(self, bytes key):
+        """``pick`` over the bound table and candidates at the monotonic clock: the per-request
+        call of the Group."""
+        if not self.bound:
+            raise RuntimeError("bind() first")
         if key is None:
-            return self._pick(tab, cands, NULL, 0, False, _now())
-        return self._pick(tab, cands, <const unsigned char *>key, len(key), True, _now())
+            return self._pick(self.btab, self.bcands, NULL, 0, False, _now())
+        return self._pick(self.btab, self.bcands, <const unsigned char *>key, len(key), True, _now())
 
     def sweep(self, const int64_t[::1] cands, double now):
         """Run the sweep now (tests; the Group also calls it when its candidates change)."""

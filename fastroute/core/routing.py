@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Sequence
 
 import numpy as np
@@ -89,7 +88,6 @@ class Group:
         if policy == "manual":
             self._keys = _manual_keys(router, seed)
             self._tab = router.table.array
-            self._cands = np.zeros(0, dtype=np.int64)
             self.acquire = self._acquire_manual
         elif policy == "cache_aware":
             from fastroute.core.cache_aware import CacheAwarePolicy  # the prefix-tree policy
@@ -124,7 +122,7 @@ class Group:
 
     def _acquire_manual(self, tokens: int = 0, key: bytes | None = None, meta=None,
                         out_tokens: int = 0):
-        t = self._keys.pick_now(self._tab, self._cands, key)
+        t = self._keys.pick_bound(key)
         if t < 0:
             return None
         return self._picker.book_target(t, tokens)
@@ -147,8 +145,7 @@ class Group:
         if self._keys is not None:
             # Keys of a target that left are dropped now, so they are re-assigned on their next
             # request and a row handed to another worker does not inherit them.
-            self._cands = np.asarray(targets, dtype=np.int64)
-            self._keys.sweep(self._cands, time.monotonic())
+            self._keys.bind(self._tab, np.asarray(targets, dtype=np.int64))
         self.targets = targets
         self.names = names
 

@@ -117,3 +117,18 @@ def test_checked_entry_refuses_bad_rows() -> None:
         kt.pick(table(8), np.array([5], dtype=np.int64), b"k", 0.0)
     with pytest.raises(ValueError):
         _manual.KeyTable(4, 9, 1.0, 1.0, 0)
+
+
+def test_bound_picks_match_checked_picks() -> None:
+    tab = table(8)
+    cands = np.arange(8, dtype=np.int64)
+    bound, checked = keys("min_group", seed=3), keys("min_group", seed=3)
+    with pytest.raises(RuntimeError):
+        bound.pick_bound(b"k")
+    bound.bind(tab, cands)
+    checked.sweep(cands, 0.0)
+    for i in range(200):
+        k = b"k%d" % (i % 50)
+        assert bound.pick_bound(k) == checked.pick(tab, cands, k, 1.0)
+    with pytest.raises(IndexError):
+        bound.bind(tab, np.array([99], dtype=np.int64))
