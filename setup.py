@@ -62,7 +62,7 @@ def ext(name):
 
 setup(
     ext_modules=cythonize(
-        [ext("_policy"), ext("_ledger"), ext("_tree")],
+        [ext("_policy"), ext("_ledger"), ext("_tree"), ext("_manual")],
         compiler_directives=directives,
         include_path=["."],
         # One C output directory per directive set: Cython regenerates C only when a .pyx/.pxd

@@ -32,6 +32,7 @@ from fastroute.config import (
     config_from_args,
     default,
 )
+from fastroute.names import ASSIGNMENT_MODES
 from fastroute.log import configure_logging
 from fastroute.runtime.server import Server, run
 from fastroute.runtime.startup import StartupError
@@ -240,6 +241,23 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
     add("--routing-key-headers", nargs="*", default=d("routing_key_headers"), metavar="HEADER",
         help="Extra headers used as consistent_hashing key after X-SMG-Routing-Key "
              "(default: none).")
+    add("--enable-igw", action="store_true",
+        help="Multi-model gateway: workers are grouped by the model they serve and a request's "
+             "\"model\" picks the group its policy balances in (default: off).")
+    add("--model-alias", nargs="*", default=d("model_alias"), metavar="ALIAS=MODEL",
+        help="With --enable-igw: requests for ALIAS go to MODEL's workers (default: none).")
+    add("--ca-cert-paths", nargs="*", default=d("ca_cert_paths"), metavar="PEM",
+        help="CA certificates trusted for https:// workers, besides the system CAs "
+             "(default: none).")
+    add("--client-cert-path", default=None, metavar="PEM",
+        help="Client certificate presented to https:// workers (mTLS; with --client-key-path).")
+    add("--client-key-path", default=None, metavar="PEM",
+        help="Private key of --client-cert-path.")
+    add("--assignment-mode", choices=ASSIGNMENT_MODES, default=d("assignment_mode"),
+        help="manual: how a new routing key is placed: random, min_load (fewest in-flight "
+             "requests) or min_group (fewest keys) (default: %(default)s).")
+    add("--max-idle-secs", "--sticky-key-idle-secs", type=int, default=d("max_idle_secs"),
+        help="manual: forget a routing key idle this long (default: %(default)s s).")
     add("--cache-threshold", "--cache-match-threshold", type=float, default=d("cache_threshold"),
         help="cache_aware: minimum prefix match ratio to follow the cache "
              "(default: %(default)s).")

@@ -21,9 +21,10 @@ from typing import Any, Iterable
 from urllib.parse import urlsplit
 
 from fastroute import flags
+from fastroute.checks import ConfigError, _strip_url, _check_url, _check_port, _check_origin, _check_header, _at_least, _finite_at_least
 from fastroute.auth import ControlPlaneKeyError, parse_control_plane_keys, split_env_keys
 from fastroute.kube import NO_KUBE_CONFIG, kube_config_source, parse_selector
-from fastroute.names import LOAD_METRIC_ALIASES, LOAD_METRICS, MODES, POLICIES
+from fastroute.names import ASSIGNMENT_MODES, LOAD_METRIC_ALIASES, LOAD_METRICS, MODES, POLICIES
 
 __all__ = [
     "Config",
@@ -63,6 +64,14 @@ ALL_POLICIES: tuple[str, ...] = (
     "passthrough",
 )
 PREFILL_ONLY_POLICIES: tuple[str, ...] = ("bucket",)
+# Why --prefill-policy bucket is refused rather than approximated.
+BUCKET_REFUSAL = (
+    "policy 'bucket' is not implemented by fastroute: it gives each prefill worker a range of "
+    "request lengths whose boundaries move with observed load every "
+    "--bucket-adjust-interval-secs, and what it does rests on that tuning loop, which the peers "
+    "do not specify; an imitation would balance differently under the same flags. Use "
+    "--prefill-policy cache_aware or power_of_two (both balance prefill by load)"
+)
 SUPPORTED_POLICIES: tuple[str, ...] = POLICIES
 
 # smg spells the token metric `expected_wait`; fastroute maps it to `tokens` (protocol.md 5.5).
@@ -90,15 +99,6 @@ ENV_DECODE_REQUEST_WEIGHT = "FASTROUTE_DECODE_REQUEST_WEIGHT"
 ENV_CONTROL_PLANE_API_KEYS = "CONTROL_PLANE_API_KEYS"
 
 MIN_LOAD_MONITOR_INTERVAL = 0.1
-
-
-class ConfigError(ValueError):
-    """A start-up configuration error; `flag` names the option (or env var) at fault."""
-
-    def __init__(self, flag: str, message: str) -> None:
-        self.flag = flag
-        self.message = message
-        super().__init__(f"argument {flag}: {message}")
 
 
 def _list(default: Iterable[Any]) -> Any:
@@ -154,6 +154,17 @@ class Config:
     disable_load_monitoring: bool = False
     # Lower-cased once here so the request path compares without case folding.
     routing_key_headers: list[str] = _list(())
+    # Multi-model gateway: one routing group per model, picked by the request's "model";
+    # aliases are "ALIAS=MODEL".
+    enable_igw: bool = False
+    model_alias: list[str] = _list(())
+    # TLS towards https:// workers (fastroute.tls.client_context): extra CAs, mTLS identity.
+    ca_cert_paths: list[str] = _list(())
+    client_cert_path: str | None = None
+    client_key_path: str | None = None
+    # manual policy: how a new routing key is placed, and when an idle key is forgotten.
+    assignment_mode: str = "random"
+    max_idle_secs: int = 4 * 3600
 
     # --- Retries --------------------------------------------------------------------------
     retry_max_retries: int = 5
@@ -345,6 +356,8 @@ class Config:
             if value in SUPPORTED_POLICIES:
                 continue
             supported = ", ".join(SUPPORTED_POLICIES)
+            if value == "bucket" and flag == "--prefill-policy":
+                raise ConfigError(flag, f"{BUCKET_REFUSAL}; supported: {supported}")
             if value in ALL_POLICIES or value in extra:
                 raise ConfigError(
                     flag,
@@ -373,6 +386,16 @@ class Config:
             )
         for name in self.routing_key_headers:
             _check_header("--routing-key-headers", name)
+        if self.assignment_mode not in ASSIGNMENT_MODES:
+            raise ConfigError("--assignment-mode", f"invalid value {self.assignment_mode!r}; "
+                              f"choose from {', '.join(ASSIGNMENT_MODES)}")
+        _at_least("--max-idle-secs", self.max_idle_secs, 1)
+        for item in self.model_alias:
+            alias, sep, model = item.partition("=")
+            if not sep or not alias.strip() or not model.strip():
+                raise ConfigError("--model-alias", f"{item!r} is not ALIAS=MODEL")
+        if self.model_alias and not self.enable_igw:
+            raise ConfigError("--model-alias", "requires --enable-igw")
 
     def _validate_numbers(self) -> None:
         _at_least("--worker-startup-timeout-secs", self.worker_startup_timeout_secs, 1)
@@ -504,62 +527,6 @@ class Config:
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _strip_url(url: str) -> str:
-    # A trailing slash would turn `url + "/generate"` into `//generate`.
-    return url.strip().rstrip("/")
-
-
-def _check_url(flag: str, url: str) -> None:
-    if url.startswith("https://"):
-        # Registration would succeed over TLS but proxied requests go out as plain HTTP.
-        raise ConfigError(flag, f"{url!r}: TLS to workers is not supported yet; use http://")
-    if not url.startswith("http://"):
-        raise ConfigError(flag, f"{url!r} must start with http://")
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError on a malformed port
-    except ValueError as exc:
-        raise ConfigError(flag, f"{url!r} is not a valid URL: {exc}") from None
-    if not parts.hostname:
-        raise ConfigError(flag, f"{url!r} has no host")
-
-
-def _check_port(flag: str, port: int) -> None:
-    # 0 asks the OS for an ephemeral port (tests use it).
-    if not 0 <= port <= 65535:
-        raise ConfigError(flag, f"port {port} is not in 0..65535")
-
-
-def _check_origin(origin: str) -> None:
-    """'*' or scheme://host[:port], the form browsers send in Origin."""
-    if origin == "*":
-        return
-    try:
-        parts = urlsplit(origin)
-        parts.port  # noqa: B018 - raises ValueError on a malformed port
-    except ValueError:
-        parts = None
-    if (parts is None or parts.scheme not in ("http", "https") or not parts.hostname
-            or parts.path or parts.query or parts.fragment or parts.username):
-        raise ConfigError("--cors-allowed-origins",
-                          f"{origin!r} is not '*' or an origin like https://host[:port]")
-
-
-def _check_header(flag: str, name: str) -> None:
-    if not name or any(c in name for c in " \t\r\n:"):
-        raise ConfigError(flag, f"{name!r} is not a valid header name")
-
-
-def _at_least(flag: str, value: int, lo: int) -> None:
-    if value < lo:
-        raise ConfigError(flag, f"must be >= {lo} (got {value})")
-
-
-def _finite_at_least(flag: str, value: float, lo: float) -> None:
-    if not math.isfinite(value) or value < lo:
-        raise ConfigError(flag, f"must be a finite number >= {lo} (got {value})")
 
 
 DISCOVERY_PROVIDERS: tuple[str, ...] = ("kubernetes", "file")

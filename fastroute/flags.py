@@ -98,9 +98,6 @@ TABLE: tuple[Flag, ...] = (
     Flag("--mesh-", INERT, "only used by --enable-mesh, which is refused"),
     Flag("--enable-wasm", REFUSED, "WASM middleware is not implemented; it may decide who gets in"),
     Flag("--storage-hook-wasm-path", INERT, _NO_HISTORY),
-    Flag("--client-cert-path", INERT, "TLS to workers; https:// workers are refused at start-up"),
-    Flag("--client-key-path", INERT, "TLS to workers; https:// workers are refused at start-up"),
-    Flag("--ca-cert-paths", INERT, "TLS to workers; https:// workers are refused at start-up"),
     Flag("--cors-allowed-origins", INERT, "CORS answers are not sent yet (data plane wiring "
          "pending): browsers on other origins are refused, as with no origins", parsed=True),
     # ---- routing ------------------------------------------------------------------------------
@@ -108,15 +105,8 @@ TABLE: tuple[Flag, ...] = (
          "consistent_hashing with X-SMG-Routing-Key or --routing-key-headers"),
     Flag("--sticky-sessions", REFUSED, "sticky sessions are not implemented; use --policy "
          "consistent_hashing with X-SMG-Routing-Key or --routing-key-headers"),
-    Flag("--max-idle-secs", INERT, "idle time of sticky-session keys; sticky sessions are refused"),
-    Flag("--sticky-key-idle-secs", INERT, "idle time of sticky-session keys; sticky sessions are "
-         "refused"),
-    Flag("--assignment-mode", INERT, "key assignment of the manual policy and sticky sessions, "
-         "both refused"),
     Flag("--dp-minimum-tokens-scheduler", REFUSED, "the minimum-tokens DP scheduler is not "
          "implemented; use --dp-aware with --decode-input-demand on"),
-    Flag("--enable-igw", REFUSED, "multi-model gateway mode is not implemented; requests would go "
-         "to workers of any model"),
     Flag("--epd-disaggregation", REFUSED, "encode/prefill/decode disaggregation is not implemented"),
     Flag("--encode", REFUSED, "encode workers (EPD mode) are not implemented"),
     Flag("--encode-policy", INERT, "policy of encode workers (EPD mode), which is refused"),
@@ -211,8 +201,6 @@ TABLE: tuple[Flag, ...] = (
     Flag("--jemalloc-prof-dir", INERT, "a heap-profiling route of smg's Rust build"),
     Flag("--enable-rl", INERT, "the /v1/rl control routes are not served (404)"),
     Flag("--rl-", INERT, "only used with --enable-rl"),
-    Flag("--model-alias", INERT, "fastroute does not check model names; every name reaches the "
-         "workers"),
     Flag("--storage-context-headers", INERT, _NO_HISTORY),
     Flag("--history-backend", INERT, _NO_HISTORY),
     Flag("--history-memory-", INERT, _NO_HISTORY),

@@ -6,7 +6,13 @@ can use it without pulling anything else in. The compiled kernels take the integ
 """
 from __future__ import annotations
 
-POLICIES: tuple[str, ...] = ("random", "round_robin", "cache_aware", "power_of_two", "consistent_hashing")
+POLICIES: tuple[str, ...] = ("random", "round_robin", "cache_aware", "power_of_two", "consistent_hashing",
+                             "manual")
+
+# --assignment-mode of the manual policy (how a new routing key is placed); the code is what
+# the compiled KeyTable takes.
+ASSIGNMENT_MODES: tuple[str, ...] = ("random", "min_load", "min_group")
+ASSIGNMENT_MODE_CODE: dict[str, int] = {name: i for i, name in enumerate(ASSIGNMENT_MODES)}
 
 # power_of_two load metrics; the integer code is what the compiled Picker takes.
 LOAD_METRICS: tuple[str, ...] = ("tokens", "requests", "least_requests")

@@ -70,3 +70,13 @@ def client_context(ca_paths: Sequence[str] = (), cert_path: str | None = None,
             raise TLSConfigError(f"--client-cert-path {cert_path} / --client-key-path {key_path}: "
                                  f"cannot be used together ({exc.reason or exc})") from None
     return ctx
+
+
+def worker_context(ca_paths: Sequence[str] = (), cert_path: str | None = None,
+                   key_path: str | None = None, urls: Sequence[str] = ()) -> ssl.SSLContext | None:
+    """The client context when anything asks for TLS to workers (a TLS flag, or an https:// URL
+    among ``urls``), built at start-up so a bad file stops the router; else None (a worker added
+    later over https gets the system default then)."""
+    if ca_paths or cert_path or key_path or any(u.startswith("https://") for u in urls):
+        return client_context(ca_paths, cert_path, key_path)
+    return None

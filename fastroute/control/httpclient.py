@@ -44,6 +44,30 @@ class HttpConnectError(HttpClientError):
     """TCP (or TLS) connection to the worker could not be established or was reset."""
 
 
+class HttpTLSError(HttpConnectError):
+    """The TLS handshake failed (certificate not trusted, hostname mismatch, client certificate
+    refused): retrying cannot fix it, so registration reports it at once."""
+
+
+# The context for https:// URLs: fastroute.tls.client_context from --ca-cert-paths and the
+# client certificate, installed once per process by the runtime (configure_tls); until then the
+# system default (verifying against the system CAs).
+_tls: _ssl.SSLContext | None = None
+
+
+def configure_tls(ctx: _ssl.SSLContext | None) -> None:
+    """Use ``ctx`` for every https:// request of this process (None: the system default)."""
+    global _tls
+    _tls = ctx
+
+
+def _tls_context() -> _ssl.SSLContext:
+    global _tls
+    if _tls is None:
+        _tls = _ssl.create_default_context()
+    return _tls
+
+
 class HttpTimeout(HttpClientError):
     """The total timeout elapsed before the response was complete."""
 
@@ -120,8 +144,11 @@ async def _exchange(method: str, url: str, body: bytes, headers: HeadersIn) -> t
     host, port, tls, netloc, target = _split_url(url)
     try:
         reader, writer = await asyncio.open_connection(
-            host, port, ssl=_ssl.create_default_context() if tls else None
+            host, port, ssl=_tls_context() if tls else None
         )
+    except _ssl.SSLError as exc:  # before OSError: SSLError is one
+        raise HttpTLSError(f"TLS handshake with {host}:{port} failed: "
+                           f"{getattr(exc, 'verify_message', None) or exc.reason or exc}") from exc
     except OSError as exc:
         raise HttpConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
     col = _Collector()

@@ -24,6 +24,7 @@ and ``Worker.healthy`` and read the worker list from here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import random
@@ -34,7 +35,8 @@ from fastroute.auth import AdminAuth, parse_control_plane_keys
 from fastroute.config import Config
 from fastroute.control import httpclient
 from fastroute.control.admin import AdminAPI
-from fastroute.control.httpclient import HttpClientError
+from fastroute.control.httpclient import HttpClientError, HttpTLSError
+from fastroute.control.models import ModelGroups, group_like, parse_aliases, worker_model_names
 from fastroute.control.worker import (ROLES, DuplicateWorker, Worker, address_key, basic_auth,
                                       check_fields, model_id_of, normalize_url, split_host_port)
 from fastroute.core.routing import Group, Router
@@ -88,6 +90,14 @@ class Registry(AdminAPI):
                                    kv_fit=config.decode_kv_fit,
                                    kv_reserve=config.decode_kv_reserve_tokens),
         }
+        if config.enable_igw:
+            # One group per model inside each role (fastroute.control.models).
+            aliases = parse_aliases(config.model_alias)
+            self._groups = {
+                role: ModelGroups(functools.partial(group_like, router, g,
+                                                    config.decode_kv_reserve_tokens if role == "decode" else 0),
+                                  self._model_names, aliases, g.policy)
+                for role, g in self._groups.items()}
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -119,6 +129,10 @@ class Registry(AdminAPI):
     # ---- queries ------------------------------------------------------------------------------
     def group(self, role: str) -> Group:
         return self._groups[role]
+
+    def _model_names(self, t: int) -> tuple[str, ...]:
+        entry = self.target_info[t]
+        return worker_model_names(entry[0]) if entry is not None else ("unknown",)
 
     def find(self, url: str) -> Worker | None:
         """The worker of ``url``: the same normalised URL, or another spelling of its address."""
@@ -204,10 +218,8 @@ class Registry(AdminAPI):
         # from here on the URL has none, so no display can show them.
         basic = basic_auth(url)
         url = normalize_url(url)
-        if not url.startswith("http://"):
-            # The control client speaks TLS but the data path does not: refuse rather than
-            # register a worker whose inference traffic would go out as plain HTTP.
-            raise ValueError(f"worker URL {url!r}: only http:// workers are supported")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"worker URL {url!r}: only http:// and https:// workers are supported")
         host, port = split_host_port(url)
         if not host:
             raise ValueError(f"no host in worker URL {url!r}")
@@ -319,6 +331,10 @@ class Registry(AdminAPI):
                     await self._discover(w, timeout)
                     return True
                 w.error = f"/health answered {status}"
+            except HttpTLSError as exc:   # a bad certificate does not fix itself
+                w.error = str(exc)
+                log.error("worker %s failed to register: %s", w.url, exc)
+                return False
             except (HttpClientError, _Transient) as exc:
                 w.error = str(exc)
             except _Fatal as exc:

@@ -250,3 +250,81 @@ def tree_pick(held: dict[int, list[bytes]], sizes: dict[int, int], loads: dict[i
         return "cache_hit", set(who)
     small = min(sizes[t] for t in eligible)
     return "smallest_tree", {t for t in eligible if sizes[t] == small}
+
+
+# --------------------------------------------------------------------------- manual policy
+
+MANUAL_MODES = ("random", "min_load", "min_group")
+
+
+def key_hash(key: bytes) -> int:
+    """``_manual._key_hash``: hash64, with 0 (the empty-slot mark) stored as 1."""
+    return hash64(key) or 1
+
+
+class ManualKeys:
+    """Twin of ``_manual.KeyTable``: a dict instead of open addressing, same decisions, same
+    RNG draws and the same sweep schedule (first pick, then every ``sweep_every`` seconds)."""
+
+    def __init__(self, mode: str, max_idle: float, sweep_every: float, seed: int) -> None:
+        self.mode = MANUAL_MODES.index(mode)
+        self.max_idle = max_idle
+        self.sweep_every = sweep_every
+        self.next_sweep = 0.0
+        self.rng = Rng(seed)
+        self.keys: dict[int, list] = {}        # hash -> [target, last use]
+        self.per_target: dict[int, int] = {}
+        self.reassigned = 0
+
+    def _assign(self, tab: np.ndarray, cands) -> int:
+        el = _eligible(tab, cands)
+        if not el:
+            return -1
+        if self.mode == 0:
+            return el[self.rng.below(len(el))]
+        best, best_score, ties = -1, 0, 0
+        for t in el:
+            score = (int(tab[t, COL_IN_FLIGHT]) if self.mode == 1 else self.per_target.get(t, 0))
+            if best < 0 or score < best_score:
+                best, best_score, ties = t, score, 1
+            elif score == best_score:
+                ties += 1
+                if self.rng.below(ties) == 0:
+                    best = t
+        return best
+
+    def sweep(self, cands, now: float) -> None:
+        self.next_sweep = now + self.sweep_every
+        keep = {int(c) for c in cands}
+        self.keys = {h: e for h, e in self.keys.items()
+                     if (self.max_idle <= 0 or now - e[1] <= self.max_idle) and e[0] in keep}
+        self.per_target = {}
+        for t, _ in self.keys.values():
+            self.per_target[t] = self.per_target.get(t, 0) + 1
+
+    def pick(self, tab: np.ndarray, cands, key: bytes | None, now: float) -> int:
+        if now >= self.next_sweep:
+            self.sweep(cands, now)
+        if key is None:
+            return self._assign(tab, cands)
+        h = key_hash(key)
+        e = self.keys.get(h)
+        if e is not None:
+            old = e[0]
+            if old in {int(c) for c in cands} and _row_eligible(tab, old):
+                e[1] = now
+                return old
+            t = self._assign(tab, cands)
+            if t < 0:
+                return -1
+            self.per_target[old] -= 1
+            self.per_target[t] = self.per_target.get(t, 0) + 1
+            e[0], e[1] = t, now
+            self.reassigned += 1
+            return t
+        t = self._assign(tab, cands)
+        if t < 0:
+            return -1
+        self.keys[h] = [t, now]
+        self.per_target[t] = self.per_target.get(t, 0) + 1
+        return t

@@ -14,9 +14,9 @@ from typing import Sequence
 
 import numpy as np
 
-from fastroute.core import _ledger, _policy
+from fastroute.core import _ledger, _manual, _policy
 from fastroute.core.table import TargetTable
-from fastroute.names import LOAD_METRICS, MODE_CODE, POLICIES
+from fastroute.names import ASSIGNMENT_MODE_CODE, LOAD_METRICS, MODE_CODE, POLICIES
 
 log = logging.getLogger("fastroute.routing")
 
@@ -47,6 +47,16 @@ def build_ring(targets: Sequence[int], names: Sequence[str],
     return hashes[order], owners[order]
 
 
+def _manual_keys(router: "Router", seed: int) -> _manual.KeyTable:
+    """The manual policy's key table, configured from --assignment-mode / --max-idle-secs."""
+    cfg = router.config
+    mode = getattr(cfg, "assignment_mode", "random")
+    max_idle = float(getattr(cfg, "max_idle_secs", 4 * 3600))
+    every = float(getattr(cfg, "eviction_interval_secs", 60))
+    return _manual.KeyTable(router.table.array.shape[0], ASSIGNMENT_MODE_CODE[mode], max_idle,
+                            every, seed)
+
+
 class Group:
     """A candidate set (e.g. all decode ranks) with its policy; see module docstring."""
 
@@ -69,12 +79,17 @@ class Group:
         self.request_weight = int(request_weight)
         self.targets: list[int] = []
         self.names: list[str] = []
-        compiled = "random" if policy == "cache_aware" else policy
+        compiled = "random" if policy in ("cache_aware", "manual") else policy
         self._picker = _ledger.Picker(router.table.array, router.table.header, compiled,
                                       load_metric, MODE_CODE[demand], self.request_weight, seed,
                                       MODE_CODE[kv_fit], int(kv_reserve))
         self._text_policy = None
-        if policy == "cache_aware":
+        self._keys = None
+        if policy == "manual":
+            self._keys = _manual_keys(router, seed)
+            self._tab = router.table.array
+            self.acquire = self._acquire_manual
+        elif policy == "cache_aware":
             from fastroute.core.cache_aware import CacheAwarePolicy  # the prefix-tree policy
             self._text_policy = CacheAwarePolicy(router.table, router.config, seed=seed)
             self.acquire = self._acquire_text
@@ -105,6 +120,13 @@ class Group:
             return None
         return self._picker.book_target(t, tokens)
 
+    def _acquire_manual(self, tokens: int = 0, key: bytes | None = None, meta=None,
+                        out_tokens: int = 0):
+        t = self._keys.pick_bound(key)
+        if t < 0:
+            return None
+        return self._picker.book_target(t, tokens)
+
     def pick(self, tokens: int = 0, key: bytes | None = None, out_tokens: int = 0) -> int:
         """The target the compiled policy would choose now, without booking (tests).  For
         cache_aware that is the random fallback, not the prefix-tree pick."""
@@ -120,6 +142,10 @@ class Group:
             self._picker.set_ring(*build_ring(targets, names))
         if self._text_policy is not None:
             self._text_policy.set_targets(targets, names)
+        if self._keys is not None:
+            # Keys of a target that left are dropped now, so they are re-assigned on their next
+            # request and a row handed to another worker does not inherit them.
+            self._keys.bind(self._tab, np.asarray(targets, dtype=np.int64))
         self.targets = targets
         self.names = names
 

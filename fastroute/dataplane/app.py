@@ -36,8 +36,10 @@ from fastroute.dataplane.exchange import Relay, _Exchange
 from fastroute.dataplane.pd import PDRelay
 from fastroute.dataplane.protocol import INFERENCE, ClientProtocol, Request, header_flags
 from fastroute.dataplane.route import Route
+from fastroute.dataplane.routes import ROUTES, pd_unsupported
 from fastroute.dataplane.upstream import Pool
 from fastroute.errors import RouterError
+from fastroute.tls import client_context
 
 if TYPE_CHECKING:
     from fastroute.config import Config
@@ -60,7 +62,7 @@ _ADMIN = frozenset({
 
 # Bounded label values for metrics (unknown paths/methods collapse to one value).
 _PATH_LABEL = {p: p.decode() for p in (
-    b"/generate", b"/v1/completions", b"/v1/chat/completions", b"/health", b"/liveness",
+    *ROUTES, b"/health", b"/liveness",
     b"/readiness", b"/workers", b"/add_worker", b"/remove_worker", b"/list_workers", b"/get_loads",
     b"/flush_cache", b"/get_server_info", b"/server_info", b"/get_model_info", b"/model_info",
     b"/v1/models", b"/health_generate", b"/engine_metrics")}
@@ -98,6 +100,9 @@ class App:
         self.header_timeout = float(config.header_read_timeout_secs)
         self.idle_timeout = float(config.idle_connection_timeout_secs)
         self.pool_idle = float(config.upstream_pool_idle_timeout_secs)
+        # TLS client context for https:// workers (set by the runtime from --ca-cert-paths and
+        # the client certificate; made with the system CAs on first need when left None).
+        self.worker_tls: Any = None
         self.room_rng = room_rng if room_rng is not None else random.Random(config.seed)
         # The body key carrying the DP rank of a target split per rank: the regular request
         # under --dp-aware, the decode leg under PD (the prefill's rank travels in the room).
@@ -106,6 +111,8 @@ class App:
         self.accepting = True
         self._stats: Any = None
         self.backend = "pd" if self.pd else "regular"
+        self.igw = bool(config.enable_igw)
+        self.model_role = "decode" if self.pd else "regular"   # whose groups know the models
 
         # -- resilience (protocol.md 7.2-7.4) --
         self.max_attempts = config.max_attempts
@@ -309,7 +316,13 @@ class App:
         """The keep-alive pool of ``worker`` (one per worker object, made on first use)."""
         pool = self.pools.get(worker)
         if pool is None:
-            pool = self.pools[worker] = Pool(worker.host, int(worker.port), self.pool_idle, self.loop)
+            if worker.url.startswith("https://"):
+                if self.worker_tls is None:
+                    self.worker_tls = client_context()
+                pool = Pool(worker.host, int(worker.port), self.pool_idle, self.loop, self.worker_tls)
+            else:
+                pool = Pool(worker.host, int(worker.port), self.pool_idle, self.loop)
+            self.pools[worker] = pool
         return pool
 
     def backoff(self, retry: int) -> float:
@@ -399,11 +412,22 @@ class App:
                                          "No available workers (router is still registering workers)"),
                              req)
             return
+        spec = ROUTES[path]
+        if self.pd and not spec.pd:
+            proto.send_error(pd_unsupported(spec.path), req)
+            return
         try:
-            meta = _body.parse_request(INFERENCE[path], req.body)
+            meta = _body.parse_request(spec.endpoint, req.body)
         except RouterError as exc:
             proto.send_error(exc, req)
             return
+        if spec.tokens is not None:  # routes body.py has no batch rules for
+            meta.input_tokens = spec.tokens(meta.obj)
+        if self.igw:  # --enable-igw: the request's model must be one the router serves
+            refusal = self.registry.group(self.model_role).refusal(meta.model)
+            if refusal is not None:
+                proto.send_error(refusal, req)
+                return
         # Every parsed inference request counts once here (whatever answers it:
         # relay, 429/408 admission, 503 no target, retries); malformed ones
         # count only in smg_http_responses_total.

@@ -39,6 +39,7 @@ import httptools
 
 from fastroute import errors as _errors
 from fastroute.dataplane.flow import FlowControl
+from fastroute.dataplane.routes import INFERENCE, RID_PREFIX  # noqa: F401 (INFERENCE re-exported)
 from fastroute.dataplane.upstream import _nodelay
 from fastroute.errors import RouterError
 
@@ -68,12 +69,8 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 CT_JSON = b"application/json"
 CT_SSE = b"text/event-stream"
 
-# The inference paths (raw path -> endpoint label); everything else is answered, not proxied.
-INFERENCE = {
-    b"/generate": "/generate",
-    b"/v1/completions": "/v1/completions",
-    b"/v1/chat/completions": "/v1/chat/completions",
-}
+# The inference paths (raw path -> endpoint label) come from the route table
+# (fastroute.dataplane.routes); everything else is answered, not proxied.
 
 # Request header flags (bitmask) by lower-cased name; see ClientProtocol.on_header.
 _F_FWD = 1       # forwarded verbatim to the worker (3.4 whitelist)
@@ -109,8 +106,7 @@ def header_flags(request_id_headers: list[str], routing_key_headers: list[str],
     return flags, rid_headers, key_headers
 
 
-_RID_PREFIX = {b"/generate": b"gnt-", b"/v1/completions": b"cmpl-",
-               b"/v1/chat/completions": b"chatcmpl-"}
+_RID_PREFIX = RID_PREFIX
 
 # Request ids are correlation tags, not secrets: a Mersenne Twister seeded from
 # the OS is random enough (6.1) and costs no getrandom() syscall per request,

@@ -272,12 +272,16 @@ class UpstreamConnection(asyncio.Protocol):
 class Pool:
     """Keep-alive connections to one worker ``host:port``."""
 
-    __slots__ = ("host", "port", "idle", "busy", "idle_timeout", "loop", "_sweep_handle", "closed")
+    __slots__ = ("host", "port", "idle", "busy", "idle_timeout", "loop", "_sweep_handle", "closed",
+                 "ssl")
 
     def __init__(self, host: str, port: int, idle_timeout: float = _IDLE_TIMEOUT,
-                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+                 loop: asyncio.AbstractEventLoop | None = None, ssl: Any = None) -> None:
         self.host = host[1:-1] if host.startswith("[") else host  # bracketed IPv6 -> connect form
         self.port = port
+        # An ssl.SSLContext for an https:// worker (fastroute.tls.client_context), else None.
+        # TLS costs only at connect: the handshake is paid once per pooled connection.
+        self.ssl = ssl
         self.idle: list[UpstreamConnection] = []  # oldest first; reuse from the end (warmest)
         self.busy: set[UpstreamConnection] = set()
         self.idle_timeout = idle_timeout
@@ -318,7 +322,11 @@ class Pool:
 
     async def _connect(self, conn: UpstreamConnection) -> None:
         try:
-            await self.loop.create_connection(lambda: conn, self.host, self.port)
+            if self.ssl is None:
+                await self.loop.create_connection(lambda: conn, self.host, self.port)
+            else:
+                await self.loop.create_connection(lambda: conn, self.host, self.port, ssl=self.ssl,
+                                                  server_hostname=self.host)
         except asyncio.CancelledError:
             return
         except OSError as exc:

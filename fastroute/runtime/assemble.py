@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from fastroute.config import Config
+from fastroute.control import httpclient
 from fastroute.control.leases import Reconciler
 from fastroute.control.metrics import RECONCILE_MISMATCH, MetricsServer, Stats, new_stats, start_metrics
 from fastroute.control.monitor import Monitor
@@ -31,6 +32,7 @@ from fastroute.core.routing import Router
 from fastroute.core.table import TargetTable
 from fastroute.dataplane.app import App
 from fastroute.runtime.startup import bind_error
+from fastroute.tls import worker_context
 
 DRAIN_POLL = 0.05   # seconds between in-flight checks while draining (control plane, not per request)
 
@@ -76,6 +78,12 @@ async def assemble(config: Config, table: TargetTable, *, seed: int | None = Non
     caller starts the App's listener, ``registry.start()`` and ``monitor.start()`` in its order.
     """
     loop = asyncio.get_running_loop()
+    # One TLS client context per process for https:// workers: registration, health checks and
+    # load polls (httpclient) and the data path (the App's pools) use the same settings.
+    worker_tls = worker_context(config.ca_cert_paths, config.client_cert_path,
+                                config.client_key_path,
+                                [*config.worker_urls, *(u for u, _ in config.prefill), *config.decode])
+    httpclient.configure_tls(worker_tls)
     router = Router(table, seed=config.seed if seed is None else seed, config=config)
     registry = (registry_factory(router) if registry_factory is not None
                 else Registry(config, table, router))
@@ -99,6 +107,7 @@ async def assemble(config: Config, table: TargetTable, *, seed: int | None = Non
                             clock=loop.time)
         parts.app = App(config, registry, loop, breakers=breakers, reconciler=parts.reconciler)
         parts.app.stats = parts.stats
+        parts.app.worker_tls = worker_tls
     return parts
 
 

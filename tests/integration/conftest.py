@@ -63,6 +63,8 @@ class Rec:
 class DataWorker:
     """Fake SGLang worker (see module docstring). Knobs are plain attributes."""
 
+    paths: tuple[str, ...] = INFERENCE   # paths answered like inference (subclasses add routes)
+
     def __init__(self, dp_size: int = 1, role: str = "regular") -> None:
         self.dp_size = dp_size
         self.role = role
@@ -227,7 +229,7 @@ class _WorkerConn(asyncio.Protocol):
                         % (status, len(body), body))
             self.busy = False
             return
-        if rec.path not in INFERENCE:
+        if rec.path not in w.paths:
             self._write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
             self.busy = False
             return

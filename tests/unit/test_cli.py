@@ -276,10 +276,29 @@ def test_pd_mode_may_start_without_workers() -> None:
     (["--prefill", "http://p:1"], "--prefill"),
     (["--decode", "http://d:1"], "--decode"),
     (["--worker-urls", "http://w:notaport"], "--worker-urls"),
-    (["--worker-urls", "https://w:443"], "--worker-urls"),   # no TLS on the data path yet
+    (["--worker-urls", "https://w:notaport"], "--worker-urls"),
 ])
 def test_worker_url_validation(argv, flag, capsys) -> None:
     assert f"argument {flag}" in fails(argv, capsys)
+
+
+def test_igw_flags() -> None:
+    c = parse_args(["--enable-igw", "--model-alias", "small=qwen-0.5b", "big=llama-70b"])
+    assert c.enable_igw and c.model_alias == ["small=qwen-0.5b", "big=llama-70b"]
+    assert not parse_args([]).enable_igw
+
+
+def test_model_alias_needs_igw_and_the_form(capsys) -> None:
+    assert "requires --enable-igw" in fails(["--model-alias", "a=b"], capsys)
+    assert "ALIAS=MODEL" in fails(["--enable-igw", "--model-alias", "ab"], capsys)
+
+
+def test_https_workers_and_tls_flags() -> None:
+    c = parse_args(["--worker-urls", "https://w:443", "--ca-cert-paths", "/ca1.pem", "/ca2.pem",
+                    "--client-cert-path", "/c.pem", "--client-key-path", "/k.pem"])
+    assert c.worker_urls == ["https://w:443"]
+    assert (c.ca_cert_paths, c.client_cert_path, c.client_key_path) == (
+        ["/ca1.pem", "/ca2.pem"], "/c.pem", "/k.pem")
 
 
 # ---------------------------------------------------------------- policies
@@ -292,8 +311,8 @@ def test_supported_policies_start(policy: str) -> None:
 
 
 @pytest.mark.parametrize("flag,policy", [
-    ("--policy", "manual"), ("--policy", "prefix_hash"), ("--policy", "least_load"),
-    ("--policy", "passthrough"), ("--decode-policy", "manual"),
+    ("--policy", "prefix_hash"), ("--policy", "least_load"),
+    ("--policy", "passthrough"), ("--decode-policy", "prefix_hash"),
     ("--prefill-policy", "bucket"), ("--router-prefill-policy", "least_load"),
 ])
 def test_unsupported_policy_is_a_clear_startup_error(flag, policy, capsys) -> None:
@@ -307,6 +326,19 @@ def test_unsupported_policy_is_a_clear_startup_error(flag, policy, capsys) -> No
 
 def test_bucket_only_for_prefill(capsys) -> None:
     assert "invalid choice" in fails(pd("--decode-policy", "bucket"), capsys)
+
+
+def test_bucket_refusal_explains_why(capsys) -> None:
+    err = fails(pd("--prefill-policy", "bucket"), capsys)
+    assert "--bucket-adjust-interval-secs" in err and "cache_aware" in err
+
+
+def test_manual_policy_flags() -> None:
+    c = parse_args(pd("--policy", "manual", "--assignment-mode", "min_group", "--max-idle-secs", "60",
+                      "--routing-key-headers", "X-Session"))
+    assert (c.policy, c.assignment_mode, c.max_idle_secs) == ("manual", "min_group", 60)
+    assert c.routing_key_headers == ["x-session"]
+    assert parse_args(pd("--policy", "manual")).assignment_mode == "random"
 
 
 # ---------------------------------------------------------------- fastroute extensions
@@ -461,7 +493,7 @@ def test_main_dispatches_demo(monkeypatch) -> None:
 def test_main_bad_config_exits_2_before_server(monkeypatch, restore_root_logging, capsys):
     monkeypatch.setattr(cli, "run", lambda config, factory: pytest.fail("server must not start"))
     with pytest.raises(SystemExit) as exc:
-        main(["--policy", "manual"])
+        main(["--policy", "prefix_hash"])
     assert exc.value.code == 2
     assert "argument --policy" in capsys.readouterr().err
 
