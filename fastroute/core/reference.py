@@ -168,3 +168,32 @@ def kv_fit(tab: np.ndarray, cands, tokens: int, need: int, use_demand: bool, wei
     if not known:
         return -2
     return best if best >= 0 else room
+
+
+def demand_ties(tab: np.ndarray, cands, tokens: int, weight: int) -> list[int]:
+    out: list[int] = []
+    best = 0
+    for t in _eligible(tab, cands):
+        cost = int(tab[t, COL_IN_FLIGHT_TOKENS]) + tokens + weight * int(tab[t, COL_IN_FLIGHT])
+        if not out or cost < best:
+            out, best = [t], cost
+        elif cost == best:
+            out.append(t)
+    return out
+
+
+def kv_feasible(tab: np.ndarray, cands, need: int) -> tuple[list[int], list[int]]:
+    fits: list[int] = []
+    roomiest: list[int] = []
+    room_free = 0
+    for t in _eligible(tab, cands):
+        free = free_kv(tab, t)
+        if free is None:
+            continue
+        if not roomiest or free > room_free:
+            roomiest, room_free = [t], free
+        elif free == room_free:
+            roomiest.append(t)
+        if free >= need:
+            fits.append(t)
+    return fits, roomiest
