@@ -130,7 +130,7 @@ class AdminAPI:
 
     # ---- admin endpoints ----------------------------------------------------------------------
     async def handle_admin(self, method: str, path: str, query: str, body: bytes,
-                           headers: Any) -> tuple[int, bytes, bytes]:
+                           headers: Any, principal: Any = None) -> tuple[int, bytes, bytes]:
         """Serve one admin/info request -> (status, body, content-type)."""
         got = request_header(headers, "authorization")
         if not authorized(bearer(self.config.api_key), path.encode("latin-1"),

@@ -130,12 +130,12 @@ class FollowerRegistry(Registry):
         self.invalidate_ready()     # Registry.ready() recomputes once, on the next request
 
     async def handle_admin(self, method: str, path: str, query: str, body: bytes,
-                           headers: Any) -> tuple[int, bytes, bytes]:
+                           headers: Any, principal: Any = None) -> tuple[int, bytes, bytes]:
         if (path in FORWARD_PATHS
                 or (method in ("POST", "PUT", "DELETE") and (path == "/workers"
                                                               or path.startswith("/workers/")))):
             return await self._forward(method, path, query, body, headers)
-        return await super().handle_admin(method, path, query, body, headers)
+        return await super().handle_admin(method, path, query, body, headers, principal)
 
     async def _forward(self, method: str, path: str, query: str, body: bytes,
                        headers: Any) -> tuple[int, bytes, bytes]:

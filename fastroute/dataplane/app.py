@@ -29,9 +29,10 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
-from fastroute.auth import authorized, bearer
+from fastroute.auth import FORBIDDEN, OK, AdminAuth, authorized, bearer, parse_control_plane_keys
 from fastroute.dataplane import body as _body
 from fastroute.dataplane.admission import Admission
+from fastroute.dataplane.cors import Cors
 from fastroute.dataplane.exchange import Relay, _Exchange
 from fastroute.dataplane.pd import PDRelay
 from fastroute.dataplane.protocol import INFERENCE, ClientProtocol, Request, header_flags
@@ -66,6 +67,10 @@ _PATH_LABEL = {p: p.decode() for p in (
     b"/v1/models", b"/health_generate", b"/engine_metrics")}
 _METHOD_LABEL = {m: m.decode() for m in (b"GET", b"POST", b"PUT", b"DELETE", b"HEAD", b"PATCH", b"OPTIONS")}
 _STATUS_LABEL = {s.value: str(s.value) for s in HTTPStatus}
+
+def _forbidden() -> RouterError:
+    return RouterError(403, "forbidden", "This control-plane key may not change workers (role: user)")
+
 
 _LEAK_EVERY = 5.0             # seconds between passes of the lease safety net
 _LEAK_SLACK = 5.0             # grace past request_timeout_secs before a booking counts as leaked
@@ -129,14 +134,24 @@ class App:
         self._next_leak = 0.0
 
         self.api_key = bearer(config.api_key)
+        # The one rule for admin paths (--api-key, or the control-plane keys with roles),
+        # applied at head time when the call carries a body (protocol.on_headers_complete).
+        self.admin_auth = AdminAuth(config.api_key,
+                                    parse_control_plane_keys(config.control_plane_api_keys))
+        self.guarded = self.admin_auth.api_key is not None or bool(self.admin_auth.keys)
+        self.cors = Cors(config.cors_allowed_origins)
         self.header_flags, self.rid_headers, self.key_headers = header_flags(
-            config.request_id_headers, config.routing_key_headers)
+            config.request_id_headers, config.routing_key_headers, self.cors.enabled)
+        # SSE keep-alive comments while a stream waits for its first upstream byte (0: off).
+        self.sse_keepalive = float(config.sse_keepalive_secs)
         self._sweep_handle: asyncio.TimerHandle | None = None
         every = [1.0, self.timeout / 4, self.header_timeout / 4]
         if self.admission.enabled:
             every.append(self.admission.queue_timeout / 4)
         if breakers is not None:
             every.append(breakers.timeout / 4)
+        if self.sse_keepalive > 0:
+            every.append(self.sse_keepalive / 4)
         self._sweep_every = max(0.05, min(every))
 
     # fastroute.control.metrics.Stats of this process (set by the server when metrics
@@ -199,6 +214,9 @@ class App:
         try:
             for ex in [e for e in self.exchanges if e.deadline <= now]:
                 ex.on_timeout()
+            if self.sse_keepalive > 0:
+                for ex in [e for e in self.exchanges if 0.0 < e.ka_due <= now]:
+                    ex.keepalive(now)
             for conn in [c for c in self.connections if 0.0 < c.head_deadline <= now]:
                 conn.on_header_timeout()
             if self.admission.queue:
@@ -327,7 +345,14 @@ class App:
             label = _PATH_LABEL.get(path, "other")
             key = (_METHOD_LABEL.get(req.method, "OTHER"), label)
             st.http_requests[key] = st.http_requests.get(key, 0) + 1
-        if path in INFERENCE:
+        if req.origin is not None and req.method == b"OPTIONS":
+            # A CORS preflight (req.origin is only ever set with --cors-allowed-origins);
+            # browsers send no credentials with it, so it is answered before any auth rule.
+            ka = req.keep_alive and self.accepting
+            if st is not None:
+                self.count_response(204, "")
+            proto.reply(self.cors.preflight(req.origin, req.acrh, ka), ka)
+        elif path in INFERENCE:
             if req.method != b"POST":
                 proto.send_error(RouterError(405, "method_not_allowed",
                                              "Method Not Allowed (%s %s)" % (req.method.decode("latin-1"),
@@ -341,12 +366,22 @@ class App:
             ka = req.keep_alive and self.accepting
             if st is not None:
                 self.count_response(200, "")
-            proto.reply(_HEALTH_KA if ka else _HEALTH_CLOSE, ka)
+            data = _HEALTH_KA if ka else _HEALTH_CLOSE
+            if req.origin is not None:
+                cors = self.cors.headers_for(req.origin)
+                if cors:
+                    head, sep, rest = data.partition(b"\r\n")
+                    data = head + sep + cors + rest
+            proto.reply(data, ka)
         elif path in _ADMIN or path.startswith(b"/workers/"):
-            if self.api_key is not None and not authorized(self.api_key, path, req.auth):
-                proto.send_error(_errors.invalid_api_key(), req)
-                return
-            task = self.loop.create_task(self._admin(proto, req, path, query))
+            who = None
+            if self.guarded:
+                verdict, who = self.admin_auth.check(req.method, path, req.auth)
+                if verdict != OK:
+                    proto.send_error(_forbidden() if verdict == FORBIDDEN
+                                     else _errors.invalid_api_key(), req)
+                    return
+            task = self.loop.create_task(self._admin(proto, req, path, query, who))
             self.admin_tasks.add(task)
             task.add_done_callback(self.admin_tasks.discard)
         else:
@@ -371,11 +406,26 @@ class App:
                 key2 = (self.backend, endpoint, code)
                 e[key2] = e.get(key2, 0) + 1
 
-    async def _admin(self, proto: ClientProtocol, req: Request, path: bytes, query: bytes) -> None:
+    def refuse_at_head(self, method: bytes, url: bytes, auth: bytes | None) -> RouterError | None:
+        """The error for an admin call refused by the auth rule, decided from its head alone
+        (the protocol asks before it reads the body); None when it may proceed, or when the
+        path is not an admin path (answered as usual once the request is complete)."""
+        path = url.partition(b"?")[0]
+        if path not in _ADMIN and not path.startswith(b"/workers/"):
+            return None
+        verdict, _ = self.admin_auth.check(method, path, auth)
+        if verdict == OK:
+            return None
+        return _forbidden() if verdict == FORBIDDEN else _errors.invalid_api_key()
+
+    async def _admin(self, proto: ClientProtocol, req: Request, path: bytes, query: bytes,
+                     who: Any = None) -> None:
         try:
-            status, body, ctype = await self.registry.handle_admin(
-                req.method.decode("latin-1"), path.decode("latin-1"), query.decode("latin-1"),
-                req.body, ((b"authorization", req.auth),) if req.auth is not None else ())
+            args = (req.method.decode("latin-1"), path.decode("latin-1"), query.decode("latin-1"),
+                    req.body, ((b"authorization", req.auth),) if req.auth is not None else ())
+            # The control-plane key that passed the check goes on to the handler's audit log.
+            status, body, ctype = await (self.registry.handle_admin(*args) if who is None else
+                                         self.registry.handle_admin(*args, principal=who))
         except asyncio.CancelledError:
             raise
         except RouterError as exc:

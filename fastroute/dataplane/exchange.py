@@ -39,6 +39,11 @@ _HOP = frozenset({
     b"content-encoding", b"host", b"content-length", b"x-request-id",
 })
 _LAST_CHUNK = b"0\r\n\r\n"
+# An SSE comment (ignored by every SSE client), as one chunk of a chunked body.
+KEEPALIVE = b": keep-alive\n\n"
+_KEEPALIVE_CHUNK = b"%x\r\n%b\r\n" % (len(KEEPALIVE), KEEPALIVE)
+_KEEPALIVE_HEAD = (b"content-type: text/event-stream\r\ncache-control: no-cache\r\n"
+                   b"transfer-encoding: chunked\r\n")
 # Upstream statuses worth another attempt on another target (protocol.md 7.2).
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -66,7 +71,7 @@ class _Exchange:
 
     __slots__ = ("app", "proto", "req", "leases", "deadline", "chunked", "head", "started",
                  "finished", "keep_alive", "rid", "out", "started_at", "path", "status",
-                 "meta", "tries", "retry_handle", "slot", "gave_up")
+                 "meta", "tries", "retry_handle", "slot", "gave_up", "ka_due", "ka_sent")
 
     def __init__(self, app: Any, proto: ClientProtocol, req: Request, path: bytes,
                  meta: Any) -> None:
@@ -93,6 +98,11 @@ class _Exchange:
         self.out: list[bytes] = []
         self.path = path
         self.status = 0
+        # SSE keep-alive (protocol.md 3.6): when the next ": keep-alive" comment is due (0: none
+        # for this request), and whether the router already committed the 200 event-stream head.
+        ka = app.sse_keepalive
+        self.ka_due = self.started_at + ka if ka > 0 and meta.stream and req.http11 else 0.0
+        self.ka_sent = False
         app.exchanges.add(self)
         proto.exchange = self
 
@@ -116,6 +126,13 @@ class _Exchange:
         ``length``: the upstream Content-Length to keep (byte-exact relay), or
         None to pick chunked framing. ``ctype`` overrides Content-Type.
         """
+        self.ka_due = 0.0                # the first upstream byte ends the keep-alives
+        if self.ka_sent:
+            # The 200 event-stream head is already out (keep-alive comments went first): the
+            # upstream's 2xx head adds nothing the client can still receive.
+            self.status = status
+            self.started = True
+            return
         parts = [status_line(status)]
         ap = parts.append
         self.status = status
@@ -137,6 +154,8 @@ class _Exchange:
             else:
                 self.keep_alive = False  # HTTP/1.0: body delimited by close
         ap(b"x-request-id: " + self.rid + b"\r\n")
+        if self.req.origin is not None:
+            ap(self.app.cors.headers_for(self.req.origin))
         if not self.app.accepting:
             self.keep_alive = False  # draining: this connection closes after the response
         if not self.keep_alive:
@@ -144,6 +163,31 @@ class _Exchange:
         ap(b"\r\n")
         self.head = b"".join(parts)
         self.started = True
+
+    def keepalive(self, now: float) -> None:
+        """The sweep found this stream quiet for ``--sse-keepalive-secs`` before its first
+        upstream byte: send a ``: keep-alive`` comment (the first one with a 200
+        ``text/event-stream`` head, so idle-timeout proxies in front see bytes). Never inside an
+        event: nothing of the upstream body has been relayed yet. After the head is committed an
+        upstream failure is an SSE error event, as after the first byte (``_fail_client``)."""
+        if self.started or self.finished or self.proto.closed:
+            self.ka_due = 0.0
+            return
+        app = self.app
+        self.ka_due = now + app.sse_keepalive
+        if self.ka_sent:
+            self.proto.transport.write(_KEEPALIVE_CHUNK)  # type: ignore[union-attr]
+            return
+        self.ka_sent = True
+        self.chunked = True
+        if not app.accepting:
+            self.keep_alive = False
+        origin = self.req.origin
+        self.proto.transport.write(  # type: ignore[union-attr]
+            b"%b%bx-request-id: %b\r\n%b%b\r\n%b" % (
+                status_line(200), _KEEPALIVE_HEAD, self.rid,
+                app.cors.headers_for(origin) if origin is not None else b"",
+                b"" if self.keep_alive else b"connection: close\r\n", _KEEPALIVE_CHUNK))
 
     def _write(self, data: bytes) -> None:
         if self.chunked:
@@ -234,6 +278,16 @@ class _Exchange:
                 return
             self.head = None  # nothing sent yet: still free to answer with an error
             self.out.clear()
+        if self.ka_sent:
+            # Only keep-alive comments went out, under a 200 head: the error is an SSE error
+            # event and the stream ends cleanly.
+            body = exc.sse()
+            self.out.append(b"%x\r\n%b\r\n%b" % (len(body), body, _LAST_CHUNK))
+            self.flush()
+            if self.app._stats is not None:
+                self.app.count_response(exc.status, exc.code, self.path)
+            self._finish(self.keep_alive)
+            return
         self.finished = True
         self.app.exchanges.discard(self)
         try:
@@ -359,6 +413,12 @@ class Relay(_Exchange):
                 self.retry_later("regular")  # aborts this connection: no more callbacks
                 return
             self.exhausted("regular")
+        if self.ka_sent and not 200 <= status < 300:
+            # The 200 head is out: the worker's error becomes an SSE error event.
+            self._outcome(self.target, status)
+            self._fail_client(RouterError(status if status >= 400 else 502, "upstream_error",
+                                          "Worker answered HTTP %d" % status), True)
+            return
         length = None
         for name, value in headers:  # (content_length() inlined: once per request)
             if len(name) == 14 and name.lower() == b"content-length":

@@ -68,22 +68,30 @@ _F_RID = 4       # candidate for the x-request-id response header
 _F_KEY = 8       # routing key for consistent hashing
 _F_CL = 16       # Content-Length
 _F_EXPECT = 32   # Expect: 100-continue
+_F_ORIGIN = 64   # Origin (flagged only with --cors-allowed-origins)
+_F_ACRH = 128    # Access-Control-Request-Headers (ditto: preflights)
 
+_NO_BODY_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS"})
 _PIPELINE_LIMIT = 32          # queued pipelined requests before we stop reading the client
 _HEAD_LIMIT = 1 << 16         # bytes of request line + headers before 431
 
 
 def header_flags(request_id_headers: list[str], routing_key_headers: list[str],
+                 cors: bool = False,
                  ) -> tuple[dict[bytes, int], tuple[bytes, ...], tuple[bytes, ...]]:
     """(flag table, request-id headers in priority order, routing-key headers in priority order).
 
     Built once per App from the configured header names (already lower-cased by Config).
+    ``cors``: also flag the CORS request headers (without CORS they cost nothing).
     """
     flags: dict[bytes, int] = {
         b"x-request-id": _F_FWD, b"x-correlation-id": _F_FWD, b"traceparent": _F_FWD,
         b"tracestate": _F_FWD, b"x-smg-routing-key": _F_FWD | _F_KEY,
         b"authorization": _F_AUTH, b"content-length": _F_CL, b"expect": _F_EXPECT,
     }
+    if cors:
+        flags[b"origin"] = _F_ORIGIN
+        flags[b"access-control-request-headers"] = _F_ACRH
     rid_headers = tuple(h.encode("latin-1") for h in request_id_headers)
     for h in rid_headers:
         flags[h] = flags.get(h, 0) | _F_RID
@@ -118,7 +126,7 @@ class Request:
     """One parsed client request (kept only until it is answered)."""
 
     __slots__ = ("method", "url", "fwd", "auth", "rid", "key", "body", "body_len",
-                 "too_large", "keep_alive", "http11")
+                 "too_large", "keep_alive", "http11", "origin", "acrh")
 
     def __init__(self) -> None:
         self.method = b"GET"
@@ -132,6 +140,8 @@ class Request:
         self.too_large = False
         self.keep_alive = True
         self.http11 = True
+        self.origin: bytes | None = None   # set only when CORS is configured
+        self.acrh: bytes | None = None
 
 
 class ClientProtocol(asyncio.Protocol):
@@ -273,6 +283,10 @@ class ClientProtocol(asyncio.Protocol):
                 self._cl = -1
         if f & _F_EXPECT and value.lower() == b"100-continue":
             self._expect = True
+        if f & _F_ORIGIN:
+            req.origin = value  # type: ignore[union-attr]
+        if f & _F_ACRH:
+            req.acrh = value  # type: ignore[union-attr]
 
     def on_headers_complete(self) -> None:
         req = self._req
@@ -294,6 +308,21 @@ class ClientProtocol(asyncio.Protocol):
                 req.keep_alive = False  # type: ignore[union-attr]
                 self.busy = True
                 self.send_error(_errors.payload_too_large(self._cl, app.max_payload), req)  # type: ignore[arg-type]
+        elif (app.guarded and self._cl != 0 and self._url not in INFERENCE and not self.busy
+              and not self.queue and req.method not in _NO_BODY_METHODS):  # type: ignore[union-attr]
+            # An admin call with a body: who may call it is decided before the body is read
+            # (the App's one AdminAuth); a refusal is answered now and the connection closed,
+            # since the unread body makes the stream unusable.
+            exc = app.refuse_at_head(req.method, self._url, req.auth)  # type: ignore[union-attr]
+            if exc is not None:
+                self._req = None
+                self.bad_request = True
+                req.keep_alive = False  # type: ignore[union-attr]
+                req.url = self._url  # type: ignore[union-attr]
+                self.busy = True
+                self.send_error(exc, req)  # type: ignore[arg-type]
+            elif self._expect:
+                self.transport.write(_CONTINUE)  # type: ignore[union-attr]
         elif self._expect and not self.busy and not self.queue:
             # Only when nothing is being written: a 100 must not land inside another response.
             self.transport.write(_CONTINUE)  # type: ignore[union-attr]
@@ -437,6 +466,8 @@ class ClientProtocol(asyncio.Protocol):
         ka = req.keep_alive and self.app.accepting
         if self.app._stats is not None:
             self.app.count_response(status, code, req.url.partition(b"?")[0])
+        if req.origin is not None:
+            extra += self.app.cors.headers_for(req.origin)
         head = b"%bcontent-type: %b\r\ncontent-length: %d\r\n%b%b\r\n" % (
             status_line(status), ctype, len(body), extra, b"" if ka else b"connection: close\r\n")
         self.reply(head + body, ka)
