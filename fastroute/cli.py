@@ -73,15 +73,19 @@ UNIMPLEMENTED_SMG_FLAGS: tuple[str, ...] = (
     "--sticky-sessions",
     "--max-idle-secs",
     "--dp-minimum-tokens-scheduler",
-    "--prefill-max-inflight-requests-per-worker",
-    "--prefill-queue-size",
-    "--prefill-queue-timeout-secs",
     "--pd-admission-wait-secs",
     "--worker-startup-delay",
     "--disable-tokenizer-autoload",
     "--health-check-port",
 )
 IGNORED_FLAGS: tuple[str, ...] = COMPAT_FLAGS + UNIMPLEMENTED_SMG_FLAGS
+# smg's PD prefill admission gates: ignoring them would let a prefill worker take more requests
+# than the operator allowed (issue 14 item 3), so they refuse to start, naming the flag.
+REFUSED_FLAGS: tuple[str, ...] = (
+    "--prefill-max-inflight-requests-per-worker",
+    "--prefill-queue-size",
+    "--prefill-queue-timeout-secs",
+)
 # Whole flag families of 0.3.2 / smg (`--redis-url`, `--jwt-issuer`, ...): matched by prefix
 # before argparse sees the command line, because their members are not enumerable here.
 IGNORED_FAMILIES: tuple[str, ...] = (
@@ -107,6 +111,22 @@ class _IgnoredFlag(argparse.Action):
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
         flag = _canonical(option_string or self.option_strings[0])
         namespace.ignored_flags.append(flag)
+
+
+class _RefusedFlag(argparse.Action):
+    """A flag fastroute does not implement and must not ignore: fail with its name."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        kwargs.setdefault("nargs", "*")
+        kwargs.pop("default", None)
+        super().__init__(
+            option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, **kwargs
+        )
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        flag = _canonical(option_string or self.option_strings[0])
+        parser.error(f"{flag} is not implemented by fastroute (the PD prefill admission gates); "
+                     "bound prefill load with --max-concurrent-requests / --queue-size instead")
 
 
 class _DiscoveryOption(argparse.Action):
@@ -323,7 +343,8 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
     add("--queue-timeout-secs", type=int, default=d("queue_timeout_secs"),
         help="Longest wait in the queue before 408 (default: %(default)s s).")
     add("--rate-limit-tokens-per-second", type=int, default=None,
-        help="Token-bucket refill rate (default: none = --max-concurrent-requests).")
+        help="Admitted requests per second: a token bucket (burst --max-concurrent-requests) "
+             "in front of the admission queue (default: none, only the concurrency limit).")
 
     add.section("Prometheus")
     add("--prometheus-host", default=d("prometheus_host"),
@@ -417,6 +438,9 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
     for flag in UNIMPLEMENTED_SMG_FLAGS:
         add(flag, action=_IgnoredFlag, metavar="VALUE",
             help="smg feature not implemented; ignored by fastroute")
+    for flag in REFUSED_FLAGS:
+        add(flag, action=_RefusedFlag, metavar="VALUE",
+            help="smg PD prefill admission gate: not implemented, refuses to start")
     return parser
 
 

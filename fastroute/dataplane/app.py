@@ -128,7 +128,8 @@ class App:
         if add_listener is not None:
             add_listener(self._targets_changed)
         self.admission = Admission(int(config.max_concurrent_requests), int(config.queue_size),
-                                   float(config.queue_timeout_secs), self.loop)
+                                   float(config.queue_timeout_secs), self.loop,
+                                   rate=config.rate_limit_tokens_per_second)
         self.leak_every = _LEAK_EVERY
         self.leak_slack = _LEAK_SLACK
         self._next_leak = 0.0
