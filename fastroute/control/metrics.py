@@ -93,14 +93,25 @@ class Stats:
         self.pick_seconds = Hist(FAST_BUCKETS)
         self.overhead_seconds = Hist(FAST_BUCKETS)
         self._duration_buckets = tuple(duration_buckets)
+        # Peer parity (issue 14 item 5).
+        self.http_duration: dict[tuple[str, str], Hist] = {}         # (method, path)
+        self.pd_ttft: dict[str, Hist] = {}                           # model
+        self.worker_errors: dict[tuple[str, str], int] = {}          # (worker_type, error_type)
+        # (worker_type, "success" | "failure"): the Monitor's probe counter (assembly shares it).
+        self.health_checks: dict[tuple[str, str], int] = {}
 
     def count(self, d: dict, key: Any, n: int = 1) -> None:
         d[key] = d.get(key, 0) + n
 
     def duration(self, backend: str, endpoint: str, seconds: float) -> None:
-        h = self.router_duration.get((backend, endpoint))
+        self.observe(self.router_duration, (backend, endpoint), seconds)
+
+    def observe(self, d: dict, key: Any, seconds: float) -> None:
+        """Observe ``seconds`` in the duration histogram ``d[key]`` (made on first use); the
+        data plane passes prebuilt keys, so nothing is built per request."""
+        h = d.get(key)
         if h is None:
-            h = self.router_duration[(backend, endpoint)] = Hist(self._duration_buckets)
+            h = d[key] = Hist(self._duration_buckets)
         h.observe(seconds)
 
     def reclaim(self, reason: str) -> None:
@@ -286,13 +297,26 @@ class Collector:
         labels = ["router_type", "backend_type", "connection_mode", "model", "endpoint"]
         c = CounterMetricFamily("smg_router_requests", "Routed inference requests",
                                 labels=labels + ["streaming"])
-        for (b, e, st), v in merged("router_requests").items():
-            c.add_metric(["http", b, "http", "default", e, st], float(v))
+        for key, v in merged("router_requests").items():
+            b, e, m, st = key if len(key) == 4 else (key[0], key[1], "unknown", key[2])
+            c.add_metric(["http", b, "http", m, e, st], float(v))
         yield c
         c = CounterMetricFamily("smg_router_request_errors", "Routed requests that failed",
                                 labels=labels + ["error_type"])
-        for (b, e, et), v in merged("router_errors").items():
-            c.add_metric(["http", b, "http", "default", e, et], float(v))
+        for key, v in merged("router_errors").items():
+            b, e, m, et = key if len(key) == 4 else (key[0], key[1], "unknown", key[2])
+            c.add_metric(["http", b, "http", m, e, et], float(v))
+        yield c
+        c = CounterMetricFamily("smg_worker_errors", "Upstream failures by worker role (connect "
+                                "errors, broken streams, timeouts, 5xx answers)",
+                                labels=["worker_type", "connection_mode", "error_type"])
+        for (r, et), v in merged("worker_errors").items():
+            c.add_metric([r, "http", et], float(v))
+        yield c
+        c = CounterMetricFamily("smg_worker_health_checks", "Health probes by worker role and result",
+                                labels=["worker_type", "result"])
+        for (r, res), v in merged("health_checks").items():
+            c.add_metric([r, res], float(v))
         yield c
         c = CounterMetricFamily("smg_worker_retries", "Retried attempts",
                                 labels=["worker_type", "endpoint"])
@@ -356,8 +380,24 @@ class Collector:
         for key in sorted(keys):
             hs = [s.router_duration[key] for s in self.stats if key in s.router_duration]
             yield_h = _merge_hists(hs)
-            h.add_metric(["http", key[0], "http", "default", key[1]], yield_h.buckets(), yield_h.sum)
+            model = key[2] if len(key) > 2 else "unknown"
+            h.add_metric(["http", key[0], "http", model, key[1]], yield_h.buckets(), yield_h.sum)
         yield h
+        for attr, name, doc, names, values in (
+                ("http_duration", "smg_http_request_duration_seconds",
+                 "HTTP request duration, from the complete request to the end of its response",
+                 ["method", "path"], lambda k: list(k)),
+                ("pd_ttft", "smg_pd_ttft_seconds",
+                 "PD time to first token: request start to the decode's response head",
+                 ["backend_type", "model", "runtime"], lambda k: ["pd", k, "sglang"])):
+            f = _hist_family(name, doc, names)
+            keys = set()
+            for s in self.stats:
+                keys.update(getattr(s, attr))
+            for key in sorted(keys):
+                m = _merge_hists([getattr(s, attr)[key] for s in self.stats if key in getattr(s, attr)])
+                f.add_metric(values(key), m.buckets(), m.sum)
+            yield f
         for attr, name, doc in (("pick_seconds", "fastroute_pick_seconds",
                                  "Time spent choosing and booking a target"),
                                 ("overhead_seconds", "fastroute_router_overhead_seconds",

@@ -26,6 +26,7 @@ import asyncio
 import logging
 import random
 from http import HTTPStatus
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
@@ -67,6 +68,16 @@ _PATH_LABEL = {p: p.decode() for p in (
     b"/v1/models", b"/health_generate", b"/engine_metrics")}
 _METHOD_LABEL = {m: m.decode() for m in (b"GET", b"POST", b"PUT", b"DELETE", b"HEAD", b"PATCH", b"OPTIONS")}
 _STATUS_LABEL = {s.value: str(s.value) for s in HTTPStatus}
+# Label tuples built once (a request looks them up, never builds one).
+_HTTP_KEY = {p: {m: (ml, pl) for m, ml in _METHOD_LABEL.items()} for p, pl in _PATH_LABEL.items()}
+_HTTP_KEY_OTHER = {m: (ml, "other") for m, ml in _METHOD_LABEL.items()}
+_RESP_OK = {code: (label, "") for code, label in _STATUS_LABEL.items()}
+# smg's endpoint label values.
+ENDPOINT_LABEL = {b"/generate": "generate", b"/v1/completions": "completions",
+                  b"/v1/chat/completions": "chat"}
+# Distinct request models that get a label of their own; later ones count as "other" (the
+# model comes from clients, and labels must stay bounded).
+MAX_MODEL_LABELS = 64
 
 def _forbidden() -> RouterError:
     return RouterError(403, "forbidden", "This control-plane key may not change workers (role: user)")
@@ -124,6 +135,8 @@ class App:
         if reconciler is not None and reconciler.on_mismatch is None:
             reconciler.on_mismatch = self._reconcile_mismatch
         self._row_owner: dict[int, Any] = {}
+        # model -> {path: (requests key non-stream, stream, duration key, model label)}
+        self._model_keys: dict[Any, dict[bytes, tuple]] = {}
         add_listener = getattr(registry, "add_listener", None)
         if add_listener is not None:
             add_listener(self._targets_changed)
@@ -343,9 +356,13 @@ class App:
         path, _, query = req.url.partition(b"?")
         st = self._stats
         if st is not None:
-            label = _PATH_LABEL.get(path, "other")
-            key = (_METHOD_LABEL.get(req.method, "OTHER"), label)
+            key = _HTTP_KEY.get(path, _HTTP_KEY_OTHER).get(req.method)
+            if key is None:
+                key = ("OTHER", _PATH_LABEL.get(path, "other"))
             st.http_requests[key] = st.http_requests.get(key, 0) + 1
+            # smg_http_request_duration_seconds: observed when the response is done
+            proto.http_key = key
+            proto.http_t0 = perf_counter()
         if req.origin is not None and req.method == b"OPTIONS":
             # A CORS preflight (req.origin is only ever set with --cors-allowed-origins);
             # browsers send no credentials with it, so it is answered before any auth rule.
@@ -389,22 +406,48 @@ class App:
             proto.send_error(_errors.unknown_url(req.method.decode("latin-1"),
                                                  path.decode("latin-1")), req)
 
-    def _count_routed(self, path: bytes, stream: bool) -> None:
+    def model_keys(self, model: str | None) -> dict[bytes, tuple]:
+        """The prebuilt label keys of requests for ``model``, per inference path."""
+        row = self._model_keys.get(model)
+        if row is None:
+            if len(self._model_keys) >= MAX_MODEL_LABELS:
+                row = self._model_keys.get("\0other")
+                if row is not None:
+                    return row
+                model, label = "\0other", "other"
+            else:
+                label = model if model is not None else "unknown"
+            b = self.backend
+            row = self._model_keys[model] = {
+                p: ((b, e, label, "false"), (b, e, label, "true"), (b, e, label), label)
+                for p, e in ENDPOINT_LABEL.items()}
+        return row
+
+    def _count_routed(self, path: bytes, meta: Any) -> None:
         d = self._stats.router_requests
-        key = (self.backend, INFERENCE[path], "true" if stream else "false")
+        key = self.model_keys(meta.model)[path][1 if meta.stream else 0]
         d[key] = d.get(key, 0) + 1
 
-    def count_response(self, status: int, code: str, path: bytes | None = None) -> None:
+    def observe_http(self, key: tuple, t0: float) -> None:
+        """A response is done (ClientProtocol.response_done): its smg_http duration."""
+        st = self._stats
+        if st is not None:
+            st.observe(st.http_duration, key, perf_counter() - t0)
+
+    def count_response(self, status: int, code: str, path: bytes | None = None,
+                       model: str | None = None) -> None:
         """smg_http_responses, and smg_router_request_errors for failed inference requests."""
         st = self._stats
         d = st.http_responses
-        key = (_STATUS_LABEL.get(status) or str(status), code)
+        key = _RESP_OK.get(status) if not code else None
+        if key is None:
+            key = (_STATUS_LABEL.get(status) or str(status), code)
         d[key] = d.get(key, 0) + 1
         if code and path is not None:
-            endpoint = INFERENCE.get(path)
-            if endpoint is not None:
+            keys = self.model_keys(model).get(path)
+            if keys is not None:
                 e = st.router_errors
-                key2 = (self.backend, endpoint, code)
+                key2 = keys[2] + (code,)
                 e[key2] = e.get(key2, 0) + 1
 
     def refuse_at_head(self, method: bytes, url: bytes, auth: bytes | None) -> RouterError | None:
@@ -459,9 +502,14 @@ class App:
         # relay, 429/408 admission, 503 no target, retries); malformed ones
         # count only in smg_http_responses_total.
         if st is not None:
-            self._count_routed(path, meta.stream)
+            self._count_routed(path, meta)
         if self.admission.try_enter():
             self._begin(proto, req, path, meta)
+            if st is not None:
+                # fastroute_router_overhead_seconds: the router's own time from the complete
+                # request to the first attempt written upstream (parse, admission, pick,
+                # framing); a queued request's wait is admission, not overhead, so not here.
+                st.overhead_seconds.observe(perf_counter() - proto.http_t0)
         else:
             self._wait(proto, req, path, meta)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
@@ -111,12 +112,32 @@ class _Exchange:
         """Record what ``target``'s worker did: a response status, or a failure (connect error,
         broken stream, ``TIMEOUT``). The one call site of the breakers: whether a status counts
         as success, failure or neither (backpressure) is ``Breakers.status``'s rule."""
-        br = self.app.breakers
+        app = self.app
+        br = app.breakers
         if br is not None:
             if type(result) is int:
                 br.status(target, result)
             else:
                 br.failure(target)
+        if app._stats is not None and (type(result) is not int or result >= 500):
+            self._count_worker_error(target, result)
+
+    def _count_worker_error(self, target: int, result: int | BaseException) -> None:
+        """smg_worker_errors_total (failures only, so nothing of this runs per success)."""
+        info = self.app.registry.target_info
+        entry = info[target] if 0 <= target < len(info) else None
+        role = entry[0].role if entry is not None else "unknown"
+        if type(result) is int:
+            kind = "status_%d" % result
+        elif result is TIMEOUT:
+            kind = "timeout"
+        elif isinstance(result, ConnectError):
+            kind = "connect_error"
+        else:
+            kind = "connection_error"
+        d = self.app._stats.worker_errors
+        key = (role, kind)
+        d[key] = d.get(key, 0) + 1
 
     # -- client writing -----------------------------------------------------
     def _start_response(self, status: int, headers: list, length: bytes | None = None,
@@ -222,7 +243,8 @@ class _Exchange:
             app = self.app
             app.count_response(self.status, "")
             if 200 <= self.status < 300:
-                st.duration(app.backend, INFERENCE[self.path], app.loop.time() - self.started_at)
+                st.observe(st.router_duration, app.model_keys(self.meta.model)[self.path][2],
+                           app.loop.time() - self.started_at)
         self._finish(self.keep_alive)
 
     def _release_leases(self) -> None:
@@ -270,7 +292,7 @@ class _Exchange:
             if self.head is None:
                 self.flush()  # bytes already committed to the client go out before the cut
                 if self.app._stats is not None:
-                    self.app.count_response(self.status, exc.code, self.path)
+                    self.app.count_response(self.status, exc.code, self.path, self.meta.model)
                 self._finish(False)
                 if not self.proto.closed:
                     self.proto.closed = True
@@ -285,7 +307,7 @@ class _Exchange:
             self.out.append(b"%x\r\n%b\r\n%b" % (len(body), body, _LAST_CHUNK))
             self.flush()
             if self.app._stats is not None:
-                self.app.count_response(exc.status, exc.code, self.path)
+                self.app.count_response(exc.status, exc.code, self.path, self.meta.model)
             self._finish(self.keep_alive)
             return
         self.finished = True
@@ -295,7 +317,7 @@ class _Exchange:
         finally:
             if self.proto.exchange is self:
                 self.proto.exchange = None
-                self.proto.send_error(exc, self.req, sse)
+                self.proto.send_error(exc, self.req, sse, self.meta.model)
 
     # -- control --------------------------------------------------------------
     def cancel(self, status: int = 499, code: str = "client_closed") -> None:
@@ -308,7 +330,7 @@ class _Exchange:
             return
         self._abort_legs()
         if self.app._stats is not None:
-            self.app.count_response(status, code, self.path)
+            self.app.count_response(status, code, self.path, self.meta.model)
         self._finish(False)
 
     def on_timeout(self) -> None:
@@ -389,8 +411,15 @@ class Relay(_Exchange):
         app = self.app
         meta = self.meta
         # out_tokens only matters to KV-fit placement (the decode group); 0 when not given.
-        lease = app.registry.group("regular").acquire(meta.input_tokens, self.req.key, meta,
-                                                      meta.max_new_tokens or 0)
+        st = app._stats
+        if st is None:
+            lease = app.registry.group("regular").acquire(meta.input_tokens, self.req.key, meta,
+                                                          meta.max_new_tokens or 0)
+        else:
+            t0 = perf_counter()
+            lease = app.registry.group("regular").acquire(meta.input_tokens, self.req.key, meta,
+                                                          meta.max_new_tokens or 0)
+            st.pick_seconds.observe(perf_counter() - t0)
         if lease is None:
             self._fail_client(_errors.no_available_workers())
             return

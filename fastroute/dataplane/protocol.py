@@ -175,6 +175,8 @@ class ClientProtocol(asyncio.Protocol):
         self._cl = -1
         self._head_size = 0
         self.waiter: Any = None           # admission queue entry while the request waits for a slot
+        self.http_key: Any = None         # metrics on: the current request's (method, path) labels
+        self.http_t0 = 0.0                # ... and when it was complete (perf_counter)
         self._bad_message = ""
         self._bad_status = 400
 
@@ -389,6 +391,10 @@ class ClientProtocol(asyncio.Protocol):
         """The current response is fully written (or abandoned)."""
         self.busy = False
         self.exchange = None
+        key = self.http_key
+        if key is not None:
+            self.http_key = None
+            self.app.observe_http(key, self.http_t0)
         if self.closed:
             return
         if not keep_alive or not self.app.accepting:
@@ -462,22 +468,23 @@ class ClientProtocol(asyncio.Protocol):
         self.response_done(keep_alive)
 
     def reply_simple(self, status: int, ctype: bytes, body: bytes, req: Request,
-                     extra: bytes = b"", code: str = "") -> None:
+                     extra: bytes = b"", code: str = "", model: str | None = None) -> None:
         ka = req.keep_alive and self.app.accepting
         if self.app._stats is not None:
-            self.app.count_response(status, code, req.url.partition(b"?")[0])
+            self.app.count_response(status, code, req.url.partition(b"?")[0], model)
         if req.origin is not None:
             extra += self.app.cors.headers_for(req.origin)
         head = b"%bcontent-type: %b\r\ncontent-length: %d\r\n%b%b\r\n" % (
             status_line(status), ctype, len(body), extra, b"" if ka else b"connection: close\r\n")
         self.reply(head + body, ka)
 
-    def send_error(self, exc: RouterError, req: Request, sse: bool = False) -> None:
+    def send_error(self, exc: RouterError, req: Request, sse: bool = False,
+                   model: str | None = None) -> None:
         extra = b"x-smg-error-code: " + exc.code.encode("latin-1") + b"\r\n"
         for k, v in exc.headers:
             extra += k + b": " + v + b"\r\n"
         if sse:
-            self.reply_simple(exc.status, CT_SSE, exc.sse(), req, extra, exc.code)
+            self.reply_simple(exc.status, CT_SSE, exc.sse(), req, extra, exc.code, model)
         else:
-            self.reply_simple(exc.status, CT_JSON, exc.body(), req, extra, exc.code)
+            self.reply_simple(exc.status, CT_JSON, exc.body(), req, extra, exc.code, model)
 
