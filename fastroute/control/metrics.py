@@ -131,6 +131,63 @@ def group_decisions(groups: dict) -> dict[tuple[str, str, str], int]:
     return out
 
 
+# Peer series (smg 1.13 / sglang-router 0.3.2, protocol.md 8.1) -> what fastroute exports for
+# them: (peer series, type, label names, fastroute series). The fastroute series is the same
+# name when it is emitted as the peers do (same type and label names; checked against a scrape
+# by tests/integration/test_metrics_parity.py), another series carrying the same information,
+# or "" when there is none. README's table is rendered from this one (peer_table_markdown).
+_ROUTER = ("router_type", "backend_type", "connection_mode", "model", "endpoint")
+PEER_SERIES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
+    ("smg_http_requests_total", "counter", ("method", "path"), "smg_http_requests_total"),
+    ("smg_http_responses_total", "counter", ("status_code", "error_code"), "smg_http_responses_total"),
+    ("smg_http_request_duration_seconds", "histogram", ("method", "path"),
+     "smg_http_request_duration_seconds"),
+    ("smg_http_connections_active", "gauge", (), "smg_http_connections_active"),
+    ("smg_http_rate_limit_total", "counter", ("result",), "smg_http_rate_limit_total"),
+    ("smg_http_inflight_request_age_count", "gauge", ("gt", "le"), ""),
+    ("smg_router_requests_total", "counter", _ROUTER + ("streaming",), "smg_router_requests_total"),
+    ("smg_router_request_duration_seconds", "histogram", _ROUTER,
+     "smg_router_request_duration_seconds"),
+    ("smg_router_request_errors_total", "counter", _ROUTER + ("error_type",),
+     "smg_router_request_errors_total"),
+    ("smg_pd_ttft_seconds", "histogram", ("backend_type", "model", "runtime"), "smg_pd_ttft_seconds"),
+    ("smg_worker_requests_active", "gauge", ("worker",), "smg_worker_requests_active"),
+    ("smg_worker_selection_total", "counter", ("worker_type", "connection_mode", "model", "policy"),
+     "smg_worker_selection_total"),
+    ("smg_worker_pool_size", "gauge", ("worker_type", "connection_mode", "model"),
+     "smg_worker_pool_size"),
+    ("smg_worker_health", "gauge", ("worker",), "smg_worker_health"),
+    ("smg_worker_health_checks_total", "counter", ("worker_type", "result"),
+     "smg_worker_health_checks_total"),
+    ("smg_worker_cb_state", "gauge", ("worker",), "smg_worker_cb_state"),
+    ("smg_worker_cb_outcomes_total", "counter", ("worker", "outcome"), "smg_worker_cb_outcomes_total"),
+    ("smg_worker_cb_transitions_total", "counter", ("worker", "from", "to"),
+     "smg_worker_cb_transitions_total"),
+    ("smg_worker_cb_consecutive_failures", "gauge", ("worker",), ""),
+    ("smg_worker_retries_total", "counter", ("worker_type", "endpoint"), "smg_worker_retries_total"),
+    ("smg_worker_retries_exhausted_total", "counter", ("worker_type", "endpoint"),
+     "smg_worker_retries_exhausted_total"),
+    ("smg_worker_retry_backoff_seconds", "histogram", ("attempt",), ""),
+    ("smg_worker_errors_total", "counter", ("worker_type", "connection_mode", "error_type"),
+     "smg_worker_errors_total"),
+    ("smg_worker_requests_total", "counter", ("worker", "model"), "fastroute_target_picks_total"),
+    ("smg_engine_running_requests", "gauge", ("worker", "model", "dp_rank"),
+     "fastroute_target_polled_running"),
+    ("smg_engine_waiting_requests", "gauge", ("worker", "model", "dp_rank"),
+     "fastroute_target_polled_waiting"),
+    ("smg_router_ttft_seconds", "histogram", _ROUTER, ""),
+)
+
+
+def peer_table_markdown() -> str:
+    """README's peer -> fastroute table, rendered from ``PEER_SERIES``."""
+    rows = ["| peer series | type | labels | fastroute |", "|---|---|---|---|"]
+    for peer, kind, labels, ours in PEER_SERIES:
+        mine = ("same" if ours == peer else f"`{ours}`" if ours else "not exported")
+        rows.append(f"| `{peer}` | {kind} | {', '.join(labels) or '-'} | {mine} |")
+    return "\n".join(rows) + "\n"
+
+
 def _hist_family(name: str, doc: str, labels: list[str]) -> HistogramMetricFamily:
     return HistogramMetricFamily(name, doc, labels=labels)
 

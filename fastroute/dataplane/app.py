@@ -34,7 +34,7 @@ from fastroute.auth import FORBIDDEN, OK, AdminAuth, authorized, bearer, parse_c
 from fastroute.dataplane import body as _body
 from fastroute.dataplane.admission import Admission
 from fastroute.dataplane.cors import Cors
-from fastroute.dataplane.exchange import Relay, _Exchange
+from fastroute.dataplane.exchange import ENDPOINT_LABEL, Relay, _Exchange
 from fastroute.dataplane.pd import PDRelay
 from fastroute.dataplane.protocol import INFERENCE, ClientProtocol, Request, header_flags
 from fastroute.dataplane.route import Route
@@ -72,9 +72,6 @@ _STATUS_LABEL = {s.value: str(s.value) for s in HTTPStatus}
 _HTTP_KEY = {p: {m: (ml, pl) for m, ml in _METHOD_LABEL.items()} for p, pl in _PATH_LABEL.items()}
 _HTTP_KEY_OTHER = {m: (ml, "other") for m, ml in _METHOD_LABEL.items()}
 _RESP_OK = {code: (label, "") for code, label in _STATUS_LABEL.items()}
-# smg's endpoint label values.
-ENDPOINT_LABEL = {b"/generate": "generate", b"/v1/completions": "completions",
-                  b"/v1/chat/completions": "chat"}
 # Distinct request models that get a label of their own; later ones count as "other" (the
 # model comes from clients, and labels must stay bounded).
 MAX_MODEL_LABELS = 64

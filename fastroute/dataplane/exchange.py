@@ -24,7 +24,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
-from fastroute.dataplane.protocol import INFERENCE, new_request_id, status_line
+from fastroute.dataplane.protocol import new_request_id, status_line
 from fastroute.dataplane.upstream import ConnectError
 from fastroute.errors import RouterError
 
@@ -45,6 +45,9 @@ KEEPALIVE = b": keep-alive\n\n"
 _KEEPALIVE_CHUNK = b"%x\r\n%b\r\n" % (len(KEEPALIVE), KEEPALIVE)
 _KEEPALIVE_HEAD = (b"content-type: text/event-stream\r\ncache-control: no-cache\r\n"
                    b"transfer-encoding: chunked\r\n")
+# smg's endpoint label values, by inference path.
+ENDPOINT_LABEL = {b"/generate": "generate", b"/v1/completions": "completions",
+                  b"/v1/chat/completions": "chat"}
 # Upstream statuses worth another attempt on another target (protocol.md 7.2).
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -355,7 +358,7 @@ class _Exchange:
         app = self.app
         st = app._stats
         if st is not None:
-            key = (role, INFERENCE[self.path])
+            key = (role, ENDPOINT_LABEL[self.path])
             st.retries[key] = st.retries.get(key, 0) + 1
         self.retry_handle = app.loop.call_later(app.backoff(self.tries - 1), self._retry)
 
@@ -376,7 +379,7 @@ class _Exchange:
         app = self.app
         st = app._stats
         if st is not None and app.max_attempts > 1:
-            key = (role, INFERENCE[self.path])
+            key = (role, ENDPOINT_LABEL[self.path])
             st.retries_exhausted[key] = st.retries_exhausted.get(key, 0) + 1
 
     def attempt(self) -> None:
