@@ -246,8 +246,10 @@ class _Exchange:
             app = self.app
             app.count_response(self.status, "")
             if 200 <= self.status < 300:
-                st.observe(st.router_duration, app.model_keys(self.meta.model)[self.path][2],
-                           app.loop.time() - self.started_at)
+                row = app._model_keys.get(self.meta.model)
+                if row is None:
+                    row = app.model_keys(self.meta.model)
+                st.observe(st.router_duration, row[self.path][2], app.loop.time() - self.started_at)
         self._finish(self.keep_alive)
 
     def _release_leases(self) -> None:
