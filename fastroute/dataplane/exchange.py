@@ -24,7 +24,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
-from fastroute.dataplane.protocol import new_request_id, status_line
+from fastroute.dataplane.protocol import INFERENCE, new_request_id, status_line
 from fastroute.dataplane.upstream import ConnectError
 from fastroute.errors import RouterError
 
@@ -360,7 +360,7 @@ class _Exchange:
         app = self.app
         st = app._stats
         if st is not None:
-            key = (role, ENDPOINT_LABEL[self.path])
+            key = (role, INFERENCE[self.path])
             st.retries[key] = st.retries.get(key, 0) + 1
         self.retry_handle = app.loop.call_later(app.backoff(self.tries - 1), self._retry)
 
@@ -381,7 +381,7 @@ class _Exchange:
         app = self.app
         st = app._stats
         if st is not None and app.max_attempts > 1:
-            key = (role, ENDPOINT_LABEL[self.path])
+            key = (role, INFERENCE[self.path])
             st.retries_exhausted[key] = st.retries_exhausted.get(key, 0) + 1
 
     def attempt(self) -> None:
