@@ -104,8 +104,8 @@ class _Exchange:
         self.status = 0
         # SSE keep-alive (protocol.md 3.6): when the next ": keep-alive" comment is due (0: none
         # for this request), and whether the router already committed the 200 event-stream head.
-        ka = app.sse_keepalive
-        self.ka_due = self.started_at + ka if ka > 0 and meta.stream and req.http11 else 0.0
+        self.ka_due = (self.started_at + app.sse_keepalive
+                       if meta.stream and app.sse_keepalive > 0 and req.http11 else 0.0)
         self.ka_sent = False
         app.exchanges.add(self)
         proto.exchange = self
@@ -150,8 +150,7 @@ class _Exchange:
         ``length``: the upstream Content-Length to keep (byte-exact relay), or
         None to pick chunked framing. ``ctype`` overrides Content-Type.
         """
-        self.ka_due = 0.0                # the first upstream byte ends the keep-alives
-        if self.ka_sent:
+        if self.ka_sent:                 # (started below ends the keep-alives: see keepalive)
             # The 200 event-stream head is already out (keep-alive comments went first): the
             # upstream's 2xx head adds nothing the client can still receive.
             self.status = status
