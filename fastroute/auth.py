@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -130,3 +131,18 @@ class AdminAuth:
                 return FORBIDDEN, who
             return OK, who
         return (OK if authorized(self.api_key, path, got) else UNAUTHORIZED), None
+
+
+_audit_log = logging.getLogger("fastroute.audit")
+
+
+def audit(key: ControlPlaneKey | None, method: str, path: str, target: str, outcome: str,
+          status: int) -> None:
+    """One ``control_plane_audit`` line (--control-plane-audit-enabled): who, what, on which
+    worker, how it ended. Never the secret: only the key's id and role."""
+    _audit_log.info("control_plane_audit key=%s role=%s method=%s path=%s target=%s outcome=%s status=%d",
+                    key.key_id if key is not None else "-", key.role if key is not None else "-",
+                    method, path, target, outcome, status,
+                    extra={"audit": True, "key_id": key.key_id if key is not None else None,
+                           "role": key.role if key is not None else None, "method": method,
+                           "path": path, "target": target, "outcome": outcome, "status": status})

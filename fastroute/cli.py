@@ -329,8 +329,8 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
     add("--queue-timeout-secs", type=int, default=d("queue_timeout_secs"),
         help="Longest wait in the queue before 408 (default: %(default)s s).")
     add("--rate-limit-tokens-per-second", type=int, default=None,
-        help="Token-bucket refill rate; not implemented yet, so giving it refuses to start "
-             "(default: none = --max-concurrent-requests).")
+        help="Admitted requests per second: a token bucket (burst --max-concurrent-requests) "
+             "in front of the admission queue (default: none, only the concurrency limit).")
 
     add.section("Prometheus")
     add("--prometheus-host", default=d("prometheus_host"),

@@ -207,6 +207,9 @@ class Config:
     # Lower-cased once here (HTTP header names are case-insensitive).
     request_id_headers: list[str] = _list(DEFAULT_REQUEST_ID_HEADERS)
     cors_allowed_origins: list[str] = _list(())
+    # Control-plane keys ('id:name:role:key', fastroute.auth) and audit of admin mutations.
+    control_plane_api_keys: tuple[str, ...] = ()
+    control_plane_audit_enabled: bool = False
     shutdown_grace_period_secs: int = 180
     header_read_timeout_secs: float = 30.0
     idle_connection_timeout_secs: float = 60.0
@@ -495,6 +498,14 @@ class Config:
                 f"invalid value {self.decode_kv_fit!r}; choose from off, shadow, on",
             )
         _at_least("--decode-kv-reserve-tokens", self.decode_kv_reserve_tokens, 0)
+        decoding = self.decode_policy if self.pd_disaggregation else self.policy
+        if decoding == "manual":
+            # manual pins each routing key to a worker; a cost or a KV filter would move keys.
+            for flag, mode in (("--decode-input-demand", self.decode_input_demand),
+                               ("--decode-kv-fit", self.decode_kv_fit)):
+                if mode != "off":
+                    raise ConfigError(flag, "does not combine with the manual policy (it pins each "
+                                      "routing key to one worker); use --decode-policy power_of_two")
 
     def _validate_discovery(self) -> None:
         if self.discovery_provider not in (None,) + DISCOVERY_PROVIDERS:

@@ -98,8 +98,6 @@ TABLE: tuple[Flag, ...] = (
     Flag("--mesh-", INERT, "only used by --enable-mesh, which is refused"),
     Flag("--enable-wasm", REFUSED, "WASM middleware is not implemented; it may decide who gets in"),
     Flag("--storage-hook-wasm-path", INERT, _NO_HISTORY),
-    Flag("--cors-allowed-origins", INERT, "CORS answers are not sent yet (data plane wiring "
-         "pending): browsers on other origins are refused, as with no origins", parsed=True),
     # ---- routing ------------------------------------------------------------------------------
     Flag("--routing-key-override", REFUSED, "sticky sessions are not implemented; use --policy "
          "consistent_hashing with X-SMG-Routing-Key or --routing-key-headers"),
@@ -165,8 +163,6 @@ TABLE: tuple[Flag, ...] = (
     Flag("--worker-startup-delay", INERT, "fastroute probes a new worker until "
          "--worker-startup-timeout-secs; an earlier first probe only fails and is retried"),
     # ---- admission ----------------------------------------------------------------------------
-    Flag("--rate-limit-tokens-per-second", REFUSED, "token-rate limiting is not implemented yet "
-         "(data plane pending)", parsed=True),
     Flag("--prefill-max-inflight-requests-per-worker", REFUSED, "PD prefill admission is not "
          "implemented (a value <= 0, off, is accepted)", neutral=_non_positive),
     Flag("--prefill-queue-size", INERT, "only used with --prefill-max-inflight-requests-per-worker "
@@ -184,8 +180,6 @@ TABLE: tuple[Flag, ...] = (
     Flag("--trust-tenant-header", INERT, "tenant scoping of stored responses; " + _NO_HISTORY),
     Flag("--tenant-header-name", INERT, "tenant scoping of stored responses; " + _NO_HISTORY),
     Flag("--max-background-responses", INERT, "the Responses API is not served by fastroute"),
-    Flag("--sse-keepalive-secs", INERT, "SSE keep-alive comments are not sent yet (data plane "
-         "pending); they change no routing or admission", parsed=True),
     Flag("--max-buffered-request-bytes", INERT, "fastroute reads a whole request body (bounded by "
          "--max-payload-size) before it routes, so every request stays retryable"),
     Flag("--stream-body-stall-timeout-secs", INERT, "fastroute reads a whole request body before "

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 from urllib.parse import parse_qs
 
 from fastroute import __version__
-from fastroute.auth import FORBIDDEN, OK, AdminAuth, ControlPlaneKey, is_management
+from fastroute.auth import FORBIDDEN, OK, AdminAuth, ControlPlaneKey, audit, is_management
 from fastroute.config import Config
 from fastroute.control import httpclient
 from fastroute.control.httpclient import HttpClientError
@@ -134,15 +134,21 @@ class AdminAPI:
 
     # ---- admin endpoints ----------------------------------------------------------------------
     async def handle_admin(self, method: str, path: str, query: str, body: bytes,
-                           headers: Any) -> tuple[int, bytes, bytes]:
+                           headers: Any, principal: ControlPlaneKey | None = None
+                           ) -> tuple[int, bytes, bytes]:
         """Serve one admin/info request -> (status, body, content-type).
 
         Authentication is the one rule of :class:`fastroute.auth.AdminAuth`, decided on the
-        head alone; a management change is audited here unless :meth:`forwards` hands it to
+        head alone: by the proxy, which passes the control-plane key that passed as
+        ``principal``, or here for callers that did not decide (the supervisor's control
+        listener). A management change is audited here unless :meth:`forwards` hands it to
         the process that applies it (which audits it then)."""
-        got = request_header(headers, "authorization")
-        verdict, key = self.admin_auth.check(method.encode("latin-1"), path.encode("latin-1"),
-                                             None if got is None else got.encode("latin-1"))
+        if principal is not None:
+            verdict, key = OK, principal
+        else:
+            got = request_header(headers, "authorization")
+            verdict, key = self.admin_auth.check(method.encode("latin-1"), path.encode("latin-1"),
+                                                 None if got is None else got.encode("latin-1"))
         audited = (self.config.control_plane_audit_enabled and method not in _READS
                    and is_management(path.encode("latin-1")))
         if verdict != OK:
@@ -164,13 +170,7 @@ class AdminAPI:
                outcome: str, status: int) -> None:
         """One control_plane_audit line: who, what, on which worker, how it ended (never the
         secret: only the key's id and role)."""
-        target = _audit_target(self, method, path, query, body)
-        log.info("control_plane_audit key=%s role=%s method=%s path=%s target=%s outcome=%s status=%d",
-                 key.key_id if key is not None else "-", key.role if key is not None else "-",
-                 method, path, target, outcome, status,
-                 extra={"audit": True, "key_id": key.key_id if key is not None else None,
-                        "role": key.role if key is not None else None, "method": method,
-                        "path": path, "target": target, "outcome": outcome, "status": status})
+        audit(key, method, path, _audit_target(self, method, path, query, body), outcome, status)
 
     async def _dispatch(self, method: str, path: str, query: str, body: bytes,
                         headers: Any) -> tuple[int, bytes, bytes]:

@@ -93,14 +93,25 @@ class Stats:
         self.pick_seconds = Hist(FAST_BUCKETS)
         self.overhead_seconds = Hist(FAST_BUCKETS)
         self._duration_buckets = tuple(duration_buckets)
+        # Peer parity (issue 14 item 5).
+        self.http_duration: dict[tuple[str, str], Hist] = {}         # (method, path)
+        self.pd_ttft: dict[str, Hist] = {}                           # model
+        self.worker_errors: dict[tuple[str, str], int] = {}          # (worker_type, error_type)
+        # (worker_type, "success" | "failure"): the Monitor's probe counter (assembly shares it).
+        self.health_checks: dict[tuple[str, str], int] = {}
 
     def count(self, d: dict, key: Any, n: int = 1) -> None:
         d[key] = d.get(key, 0) + n
 
     def duration(self, backend: str, endpoint: str, seconds: float) -> None:
-        h = self.router_duration.get((backend, endpoint))
+        self.observe(self.router_duration, (backend, endpoint), seconds)
+
+    def observe(self, d: dict, key: Any, seconds: float) -> None:
+        """Observe ``seconds`` in the duration histogram ``d[key]`` (made on first use); the
+        data plane passes prebuilt keys, so nothing is built per request."""
+        h = d.get(key)
         if h is None:
-            h = self.router_duration[(backend, endpoint)] = Hist(self._duration_buckets)
+            h = d[key] = Hist(self._duration_buckets)
         h.observe(seconds)
 
     def reclaim(self, reason: str) -> None:
@@ -118,6 +129,63 @@ def group_decisions(groups: dict) -> dict[tuple[str, str, str], int]:
             for result, n in g.kv_counts.items():
                 out[(role, "kv_fit", result)] = n
     return out
+
+
+# Peer series (smg 1.13 / sglang-router 0.3.2, protocol.md 8.1) -> what fastroute exports for
+# them: (peer series, type, label names, fastroute series). The fastroute series is the same
+# name when it is emitted as the peers do (same type and label names; checked against a scrape
+# by tests/integration/test_metrics_parity.py), another series carrying the same information,
+# or "" when there is none. README's table is rendered from this one (peer_table_markdown).
+_ROUTER = ("router_type", "backend_type", "connection_mode", "model", "endpoint")
+PEER_SERIES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
+    ("smg_http_requests_total", "counter", ("method", "path"), "smg_http_requests_total"),
+    ("smg_http_responses_total", "counter", ("status_code", "error_code"), "smg_http_responses_total"),
+    ("smg_http_request_duration_seconds", "histogram", ("method", "path"),
+     "smg_http_request_duration_seconds"),
+    ("smg_http_connections_active", "gauge", (), "smg_http_connections_active"),
+    ("smg_http_rate_limit_total", "counter", ("result",), "smg_http_rate_limit_total"),
+    ("smg_http_inflight_request_age_count", "gauge", ("gt", "le"), ""),
+    ("smg_router_requests_total", "counter", _ROUTER + ("streaming",), "smg_router_requests_total"),
+    ("smg_router_request_duration_seconds", "histogram", _ROUTER,
+     "smg_router_request_duration_seconds"),
+    ("smg_router_request_errors_total", "counter", _ROUTER + ("error_type",),
+     "smg_router_request_errors_total"),
+    ("smg_pd_ttft_seconds", "histogram", ("backend_type", "model", "runtime"), "smg_pd_ttft_seconds"),
+    ("smg_worker_requests_active", "gauge", ("worker",), "smg_worker_requests_active"),
+    ("smg_worker_selection_total", "counter", ("worker_type", "connection_mode", "model", "policy"),
+     "smg_worker_selection_total"),
+    ("smg_worker_pool_size", "gauge", ("worker_type", "connection_mode", "model"),
+     "smg_worker_pool_size"),
+    ("smg_worker_health", "gauge", ("worker",), "smg_worker_health"),
+    ("smg_worker_health_checks_total", "counter", ("worker_type", "result"),
+     "smg_worker_health_checks_total"),
+    ("smg_worker_cb_state", "gauge", ("worker",), "smg_worker_cb_state"),
+    ("smg_worker_cb_outcomes_total", "counter", ("worker", "outcome"), "smg_worker_cb_outcomes_total"),
+    ("smg_worker_cb_transitions_total", "counter", ("worker", "from", "to"),
+     "smg_worker_cb_transitions_total"),
+    ("smg_worker_cb_consecutive_failures", "gauge", ("worker",), ""),
+    ("smg_worker_retries_total", "counter", ("worker_type", "endpoint"), "smg_worker_retries_total"),
+    ("smg_worker_retries_exhausted_total", "counter", ("worker_type", "endpoint"),
+     "smg_worker_retries_exhausted_total"),
+    ("smg_worker_retry_backoff_seconds", "histogram", ("attempt",), ""),
+    ("smg_worker_errors_total", "counter", ("worker_type", "connection_mode", "error_type"),
+     "smg_worker_errors_total"),
+    ("smg_worker_requests_total", "counter", ("worker", "model"), "fastroute_target_picks_total"),
+    ("smg_engine_running_requests", "gauge", ("worker", "model", "dp_rank"),
+     "fastroute_target_polled_running"),
+    ("smg_engine_waiting_requests", "gauge", ("worker", "model", "dp_rank"),
+     "fastroute_target_polled_waiting"),
+    ("smg_router_ttft_seconds", "histogram", _ROUTER, ""),
+)
+
+
+def peer_table_markdown() -> str:
+    """README's peer -> fastroute table, rendered from ``PEER_SERIES``."""
+    rows = ["| peer series | type | labels | fastroute |", "|---|---|---|---|"]
+    for peer, kind, labels, ours in PEER_SERIES:
+        mine = ("same" if ours == peer else f"`{ours}`" if ours else "not exported")
+        rows.append(f"| `{peer}` | {kind} | {', '.join(labels) or '-'} | {mine} |")
+    return "\n".join(rows) + "\n"
 
 
 def _hist_family(name: str, doc: str, labels: list[str]) -> HistogramMetricFamily:
@@ -286,13 +354,26 @@ class Collector:
         labels = ["router_type", "backend_type", "connection_mode", "model", "endpoint"]
         c = CounterMetricFamily("smg_router_requests", "Routed inference requests",
                                 labels=labels + ["streaming"])
-        for (b, e, st), v in merged("router_requests").items():
-            c.add_metric(["http", b, "http", "default", e, st], float(v))
+        for key, v in merged("router_requests").items():
+            b, e, m, st = key if len(key) == 4 else (key[0], key[1], "unknown", key[2])
+            c.add_metric(["http", b, "http", m, e, st], float(v))
         yield c
         c = CounterMetricFamily("smg_router_request_errors", "Routed requests that failed",
                                 labels=labels + ["error_type"])
-        for (b, e, et), v in merged("router_errors").items():
-            c.add_metric(["http", b, "http", "default", e, et], float(v))
+        for key, v in merged("router_errors").items():
+            b, e, m, et = key if len(key) == 4 else (key[0], key[1], "unknown", key[2])
+            c.add_metric(["http", b, "http", m, e, et], float(v))
+        yield c
+        c = CounterMetricFamily("smg_worker_errors", "Upstream failures by worker role (connect "
+                                "errors, broken streams, timeouts, 5xx answers)",
+                                labels=["worker_type", "connection_mode", "error_type"])
+        for (r, et), v in merged("worker_errors").items():
+            c.add_metric([r, "http", et], float(v))
+        yield c
+        c = CounterMetricFamily("smg_worker_health_checks", "Health probes by worker role and result",
+                                labels=["worker_type", "result"])
+        for (r, res), v in merged("health_checks").items():
+            c.add_metric([r, res], float(v))
         yield c
         c = CounterMetricFamily("smg_worker_retries", "Retried attempts",
                                 labels=["worker_type", "endpoint"])
@@ -356,8 +437,24 @@ class Collector:
         for key in sorted(keys):
             hs = [s.router_duration[key] for s in self.stats if key in s.router_duration]
             yield_h = _merge_hists(hs)
-            h.add_metric(["http", key[0], "http", "default", key[1]], yield_h.buckets(), yield_h.sum)
+            model = key[2] if len(key) > 2 else "unknown"
+            h.add_metric(["http", key[0], "http", model, key[1]], yield_h.buckets(), yield_h.sum)
         yield h
+        for attr, name, doc, names, values in (
+                ("http_duration", "smg_http_request_duration_seconds",
+                 "HTTP request duration, from the complete request to the end of its response",
+                 ["method", "path"], lambda k: list(k)),
+                ("pd_ttft", "smg_pd_ttft_seconds",
+                 "PD time to first token: request start to the decode's response head",
+                 ["backend_type", "model", "runtime"], lambda k: ["pd", k, "sglang"])):
+            f = _hist_family(name, doc, names)
+            keys = set()
+            for s in self.stats:
+                keys.update(getattr(s, attr))
+            for key in sorted(keys):
+                m = _merge_hists([getattr(s, attr)[key] for s in self.stats if key in getattr(s, attr)])
+                f.add_metric(values(key), m.buckets(), m.sum)
+            yield f
         for attr, name, doc in (("pick_seconds", "fastroute_pick_seconds",
                                  "Time spent choosing and booking a target"),
                                 ("overhead_seconds", "fastroute_router_overhead_seconds",

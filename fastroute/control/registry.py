@@ -82,8 +82,11 @@ class Registry(AdminAPI):
         weight = config.decode_request_weight
         metric = config.p2c_load_metric
         self._groups = {
+            # A regular worker decodes too: demand and KV fit apply to its group as to PD's
+            # decode group.
             "regular": router.group([], config.policy, load_metric=metric, demand=demand,
-                                    request_weight=weight, names=[]),
+                                    request_weight=weight, names=[], kv_fit=config.decode_kv_fit,
+                                    kv_reserve=config.decode_kv_reserve_tokens),
             "prefill": router.group([], config.prefill_policy, load_metric=metric, names=[]),
             "decode": router.group([], config.decode_policy, load_metric=metric, demand=demand,
                                    request_weight=weight, names=[],

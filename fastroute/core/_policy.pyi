@@ -27,6 +27,10 @@ def kv_fit(tab: _Table, cands: _Rows, tokens: int, need: int, use_demand: bool, 
            state: _State) -> int:
     """The pick among ranks where ``need`` more KV tokens fit; -2 when no rank's capacity is
     known."""
+def demand_ties(tab: npt.NDArray[np.int64], cands: npt.NDArray[np.int64], tokens: int,
+                weight: int) -> list[int]: ...
+def kv_feasible(tab: npt.NDArray[np.int64], cands: npt.NDArray[np.int64],
+                need: int) -> tuple[list[int], list[int]]: ...
 def free_kv(tab: _Table, t: int) -> int | None:
     """Estimated free KV tokens of target t, or None when its capacity is unknown."""
 def ring_lookup(tab: _Table, ring_hash: npt.NDArray[np.uint64], ring_target: _Rows,

@@ -299,6 +299,51 @@ def kv_fit(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens, 
     return pick_kv_fit(tab, cands, tokens, need, use_demand, weight, _rng_state(state))
 
 
+def demand_ties(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens, int64_t weight):
+    """Every eligible candidate of minimal demand cost (``pick_demand``'s cost), in candidate
+    order: cache_aware lets its prefix tree choose among them when demand is on."""
+    _check_rows(tab, cands, "candidate")
+    cdef list out = []
+    cdef int64_t best = 0, cost, t
+    cdef Py_ssize_t k
+    for k in range(cands.shape[0]):
+        t = cands[k]
+        if not row_eligible(&tab[t, 0]):
+            continue
+        cost = row_tokens(&tab[t, 0]) + tokens + weight * row_requests(&tab[t, 0])
+        if not out or cost < best:
+            out = [t]
+            best = cost
+        elif cost == best:
+            out.append(t)
+    return out
+
+
+def kv_feasible(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t need):
+    """KV fit as a filter (cache_aware's form of ``pick_kv_fit``): (eligible candidates where
+    ``need`` tokens fit, eligible candidates with the most free KV).  Both empty when no
+    candidate has a known capacity; the first empty when none fits."""
+    _check_rows(tab, cands, "candidate")
+    cdef list fits = [], roomiest = []
+    cdef int64_t t, free, room_free = 0
+    cdef Py_ssize_t k
+    for k in range(cands.shape[0]):
+        t = cands[k]
+        if not row_eligible(&tab[t, 0]):
+            continue
+        free = kv_free(tab, t)
+        if free == INT64_MIN:
+            continue
+        if not roomiest or free > room_free:
+            roomiest = [t]
+            room_free = free
+        elif free == room_free:
+            roomiest.append(t)
+        if free >= need:
+            fits.append(t)
+    return fits, roomiest
+
+
 def free_kv(const int64_t[:, ::1] tab, int64_t t):
     """Estimated free KV tokens of target t, or None when its capacity is unknown."""
     _check_table(tab)

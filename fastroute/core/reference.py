@@ -328,3 +328,32 @@ class ManualKeys:
         self.keys[h] = [t, now]
         self.per_target[t] = self.per_target.get(t, 0) + 1
         return t
+
+
+def demand_ties(tab: np.ndarray, cands, tokens: int, weight: int) -> list[int]:
+    out: list[int] = []
+    best = 0
+    for t in _eligible(tab, cands):
+        cost = tokens_in_flight(tab, t) + tokens + weight * requests(tab, t)
+        if not out or cost < best:
+            out, best = [t], cost
+        elif cost == best:
+            out.append(t)
+    return out
+
+
+def kv_feasible(tab: np.ndarray, cands, need: int) -> tuple[list[int], list[int]]:
+    fits: list[int] = []
+    roomiest: list[int] = []
+    room_free = 0
+    for t in _eligible(tab, cands):
+        free = free_kv(tab, t)
+        if free is None:
+            continue
+        if not roomiest or free > room_free:
+            roomiest, room_free = [t], free
+        elif free == room_free:
+            roomiest.append(t)
+        if free >= need:
+            fits.append(t)
+    return fits, roomiest

@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from fastroute.core import _ledger, _manual, _policy
+from fastroute.core.cache_aware import CacheAwarePolicy
 from fastroute.core.table import TargetTable
 from fastroute.names import ASSIGNMENT_MODE_CODE, LOAD_METRICS, MODE_CODE, POLICIES
 
@@ -84,15 +85,22 @@ class Group:
                                       load_metric, MODE_CODE[demand], self.request_weight, seed,
                                       MODE_CODE[kv_fit], int(kv_reserve))
         self._text_policy = None
+        self._tab = router.table.array
+        self._cands = np.zeros(0, dtype=np.int64)
+        self.kv_reserve = int(kv_reserve)
+        # cache_aware's own decision counters (the compiled picker's stay 0 under it).
+        self._ca_demand = [0, 0]            # agree, disagree
+        self._ca_kv = [0, 0, 0]             # agree, disagree, fallback
         self._keys = None
         if policy == "manual":
             self._keys = _manual_keys(router, seed)
-            self._tab = router.table.array
             self.acquire = self._acquire_manual
         elif policy == "cache_aware":
-            from fastroute.core.cache_aware import CacheAwarePolicy  # the prefix-tree policy
             self._text_policy = CacheAwarePolicy(router.table, router.config, seed=seed)
-            self.acquire = self._acquire_text
+            if demand != "off" or kv_fit != "off":
+                self.acquire = self._acquire_text_narrowed
+            else:
+                self.acquire = self._acquire_text
         elif demand == "shadow":
             self.acquire = self._acquire_shadow
         else:
@@ -127,6 +135,43 @@ class Group:
             return None
         return self._picker.book_target(t, tokens)
 
+    def _acquire_text_narrowed(self, tokens: int = 0, key: bytes | None = None, meta=None,
+                               out_tokens: int = 0):
+        """cache_aware with KV fit and/or demand (see README "Decode placement"): KV fit is a
+        feasibility filter applied first; demand ``on`` narrows to the demand-argmin ties, among
+        which the prefix tree chooses (so demand decides, the tree breaks ties and still learns
+        the text); shadow modes let the tree pick from the unnarrowed set and count whether the
+        pick is one the filter would also have allowed (one decision per pick)."""
+        cands = self.targets
+        arr = self._cands
+        tab = self._tab
+        kv = self.kv_fit
+        if kv != "off":
+            fits, roomiest = _policy.kv_feasible(tab, arr, tokens + out_tokens + self.kv_reserve)
+            if not roomiest:
+                self._ca_kv[2] += 1            # no capacity known: the usual policy decides
+                fits = None
+            elif not fits:
+                fits = roomiest                # nothing fits: the most free KV (as the kernel)
+            if kv == "on" and fits is not None:
+                cands = fits
+                arr = np.asarray(fits, dtype=np.int64)
+        else:
+            fits = None
+        ties = None
+        if self.demand != "off":
+            ties = _policy.demand_ties(tab, arr, tokens, self.request_weight)
+            if self.demand == "on":
+                cands = ties
+        t = self._text_policy.pick(meta.routing_text() if meta is not None else None, cands)
+        if t < 0:
+            return None
+        if kv == "shadow" and fits is not None:
+            self._ca_kv[0 if t in fits else 1] += 1
+        if self.demand == "shadow":
+            self._ca_demand[0 if t in ties else 1] += 1
+        return self._picker.book_target(t, tokens)
+
     def pick(self, tokens: int = 0, key: bytes | None = None, out_tokens: int = 0) -> int:
         """The target the compiled policy would choose now, without booking (tests).  For
         cache_aware that is the random fallback, not the prefix-tree pick."""
@@ -137,7 +182,8 @@ class Group:
         names = list(names) if names is not None else [str(t) for t in targets]
         if len(names) != len(targets):
             raise ValueError("targets and names differ in length")
-        self._picker.set_candidates(np.asarray(targets, dtype=np.int64))
+        self._cands = np.asarray(targets, dtype=np.int64)
+        self._picker.set_candidates(self._cands)
         if self.policy == "consistent_hashing":
             self._picker.set_ring(*build_ring(targets, names))
         if self._text_policy is not None:
@@ -157,16 +203,17 @@ class Group:
     @property
     def kv_counts(self) -> dict[str, int]:
         """KV-fit decisions: agree/disagree (shadow) and fallback (no rank had known capacity)."""
-        p = self._picker
-        return {"agree": p.kv_agree, "disagree": p.kv_disagree, "fallback": p.kv_fallback}
+        p, c = self._picker, self._ca_kv
+        return {"agree": p.kv_agree + c[0], "disagree": p.kv_disagree + c[1],
+                "fallback": p.kv_fallback + c[2]}
 
     @property
     def shadow_agree(self) -> int:
-        return self._picker.shadow_agree
+        return self._picker.shadow_agree + self._ca_demand[0]
 
     @property
     def shadow_disagree(self) -> int:
-        return self._picker.shadow_disagree
+        return self._picker.shadow_disagree + self._ca_demand[1]
 
 
 class Router:

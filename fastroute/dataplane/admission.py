@@ -17,6 +17,15 @@ Invariants:
   newcomer cannot overtake the queue.
 * Expiry is checked by the proxy's periodic sweep (``expire``); every waiter
   has the same timeout, so only the head of the queue needs looking at.
+
+Rate (``--rate-limit-tokens-per-second R``, smg's token bucket): a request also
+needs a bucket token to be admitted. The bucket holds at most
+``--max-concurrent-requests`` tokens (R when that is unlimited), refills at R
+per second and is never refunded, so R is admitted requests per second with that
+burst. A request without a token waits in the same FIFO queue (429 when full,
+408 past ``--queue-timeout-secs``); one timer, not one per waiter, wakes the
+queue when the next token is due. Without the flag none of this code runs:
+``try_enter`` is the plain slot check.
 """
 from __future__ import annotations
 
@@ -39,9 +48,18 @@ class Admission:
     """Concurrency limit + FIFO queue (see module docstring)."""
 
     def __init__(self, limit: int = -1, queue_size: int = 100, queue_timeout: float = 60.0,
-                 loop: Any = None, stats: Any = None) -> None:
-        self.enabled = limit > 0
+                 loop: Any = None, stats: Any = None, rate: float | None = None) -> None:
+        self.enabled = limit > 0 or bool(rate)
         self.limit = int(limit) if limit > 0 else sys.maxsize
+        self.rate = float(rate) if rate else 0.0
+        if self.rate:
+            if loop is None:
+                raise ValueError("a rate limit needs the event loop (its clock and wake-up timer)")
+            self.capacity = float(limit) if limit > 0 else max(1.0, self.rate)
+            self.tokens = self.capacity
+            self._at = loop.time()
+            self._wake: Any = None
+            self.try_enter = self._try_enter_rated  # type: ignore[method-assign]
         self.queue_size = max(0, int(queue_size))
         self.queue_timeout = float(queue_timeout)
         self.loop = loop
@@ -64,6 +82,49 @@ class Admission:
             return True
         return False
 
+    def _refill(self) -> None:
+        now = self.loop.time()
+        t = self.tokens + (now - self._at) * self.rate
+        self.tokens = t if t < self.capacity else self.capacity
+        self._at = now
+
+    def _try_enter_rated(self) -> bool:
+        """``try_enter`` under a rate limit: a free slot and a bucket token."""
+        if self.active < self.limit and not self.queue:
+            self._refill()
+            if self.tokens >= 1.0:
+                self.tokens -= 1.0
+                self.active += 1
+                self._count("allowed")
+                return True
+        return False
+
+    def _admit(self) -> None:
+        """Hand free slots (and tokens, when rated) to the oldest waiters."""
+        q = self.queue
+        while q and self.active < self.limit:
+            if self.rate:
+                self._refill()
+                if self.tokens < 1.0:
+                    if self._wake is None:
+                        self._wake = self.loop.call_later((1.0 - self.tokens) / self.rate,
+                                                          self._on_wake)
+                    return
+                self.tokens -= 1.0
+            w, _ = q.popitem(last=False)
+            self.active += 1
+            self._count("dequeued")
+            # Not inline: leave() runs inside another request's ending, and the
+            # next request must not start (and maybe end) inside that call stack.
+            if self.loop is not None:
+                self.loop.call_soon(w.start)
+            else:
+                w.start()
+
+    def _on_wake(self) -> None:
+        self._wake = None
+        self._admit()
+
     def wait(self, start: Callable[[], None], expired: Callable[[], None],
              now: float) -> Waiter | None:
         """Queue a request that found no slot; None when the queue is full (reject it).
@@ -77,21 +138,15 @@ class Admission:
         w = Waiter(start, expired, now + self.queue_timeout)
         self.queue[w] = None
         self._count("queued")
+        if self.rate and self.active < self.limit:
+            self._admit()   # waiting for a token, not a slot: arm the wake-up timer
         return w
 
     def leave(self) -> None:
         """An admitted request ended: its slot goes to the oldest waiter, if any."""
         self.active -= 1
         if self.queue and self.active < self.limit:
-            w, _ = self.queue.popitem(last=False)
-            self.active += 1
-            self._count("dequeued")
-            # Not inline: leave() runs inside another request's ending, and the
-            # next request must not start (and maybe end) inside that call stack.
-            if self.loop is not None:
-                self.loop.call_soon(w.start)
-            else:
-                w.start()
+            self._admit()
 
     def cancel(self, w: Waiter) -> bool:
         """Drop a waiter (its client went away); False if it already left the queue."""

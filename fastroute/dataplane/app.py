@@ -26,17 +26,21 @@ import asyncio
 import logging
 import random
 from http import HTTPStatus
+from bisect import bisect_left
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
-from fastroute.auth import authorized, bearer
+from fastroute.auth import (FORBIDDEN, OK, AdminAuth, audit, authorized, bearer, is_management,
+                            parse_control_plane_keys)
 from fastroute.dataplane import body as _body
 from fastroute.dataplane.admission import Admission
+from fastroute.dataplane.cors import Cors
 from fastroute.dataplane.exchange import Relay, _Exchange
 from fastroute.dataplane.pd import PDRelay
 from fastroute.dataplane.protocol import INFERENCE, ClientProtocol, Request, header_flags
 from fastroute.dataplane.route import Route
-from fastroute.dataplane.routes import ROUTES, pd_unsupported
+from fastroute.dataplane.routes import ENDPOINT_LABEL, ROUTES, pd_unsupported
 from fastroute.dataplane.upstream import Pool
 from fastroute.errors import RouterError
 from fastroute.tls import client_context
@@ -68,6 +72,13 @@ _PATH_LABEL = {p: p.decode() for p in (
     b"/v1/models", b"/health_generate", b"/engine_metrics")}
 _METHOD_LABEL = {m: m.decode() for m in (b"GET", b"POST", b"PUT", b"DELETE", b"HEAD", b"PATCH", b"OPTIONS")}
 _STATUS_LABEL = {s.value: str(s.value) for s in HTTPStatus}
+# Label tuples built once (a request looks them up, never builds one).
+_HTTP_KEY = {p: {m: (ml, pl) for m, ml in _METHOD_LABEL.items()} for p, pl in _PATH_LABEL.items()}
+_HTTP_KEY_OTHER = {m: (ml, "other") for m, ml in _METHOD_LABEL.items()}
+_RESP_OK = {code: (label, "") for code, label in _STATUS_LABEL.items()}
+# Distinct request models that get a label of their own; later ones count as "other" (the
+# model comes from clients, and labels must stay bounded).
+MAX_MODEL_LABELS = 64
 
 _LEAK_EVERY = 5.0             # seconds between passes of the lease safety net
 _LEAK_SLACK = 5.0             # grace past request_timeout_secs before a booking counts as leaked
@@ -126,24 +137,37 @@ class App:
         if reconciler is not None and reconciler.on_mismatch is None:
             reconciler.on_mismatch = self._reconcile_mismatch
         self._row_owner: dict[int, Any] = {}
+        # model -> {path: (requests key non-stream, stream, duration key, model label)}
+        self._model_keys: dict[Any, dict[bytes, tuple]] = {}
         add_listener = getattr(registry, "add_listener", None)
         if add_listener is not None:
             add_listener(self._targets_changed)
         self.admission = Admission(int(config.max_concurrent_requests), int(config.queue_size),
-                                   float(config.queue_timeout_secs), self.loop)
+                                   float(config.queue_timeout_secs), self.loop,
+                                   rate=config.rate_limit_tokens_per_second)
         self.leak_every = _LEAK_EVERY
         self.leak_slack = _LEAK_SLACK
         self._next_leak = 0.0
 
         self.api_key = bearer(config.api_key)
+        # The one rule for admin paths (--api-key, or the control-plane keys with roles),
+        # applied at head time when the call carries a body (protocol.on_headers_complete).
+        self.admin_auth = AdminAuth(config.api_key,
+                                    parse_control_plane_keys(config.control_plane_api_keys))
+        self.guarded = self.admin_auth.api_key is not None or bool(self.admin_auth.keys)
+        self.cors = Cors(config.cors_allowed_origins)
         self.header_flags, self.rid_headers, self.key_headers = header_flags(
-            config.request_id_headers, config.routing_key_headers)
+            config.request_id_headers, config.routing_key_headers, self.cors.enabled)
+        # SSE keep-alive comments while a stream waits for its first upstream byte (0: off).
+        self.sse_keepalive = float(config.sse_keepalive_secs)
         self._sweep_handle: asyncio.TimerHandle | None = None
         every = [1.0, self.timeout / 4, self.header_timeout / 4]
         if self.admission.enabled:
             every.append(self.admission.queue_timeout / 4)
         if breakers is not None:
             every.append(breakers.timeout / 4)
+        if self.sse_keepalive > 0:
+            every.append(self.sse_keepalive / 4)
         self._sweep_every = max(0.05, min(every))
 
     # fastroute.control.metrics.Stats of this process (set by the server when metrics
@@ -206,6 +230,9 @@ class App:
         try:
             for ex in [e for e in self.exchanges if e.deadline <= now]:
                 ex.on_timeout()
+            if self.sse_keepalive > 0:
+                for ex in [e for e in self.exchanges if 0.0 < e.ka_due <= now]:
+                    ex.keepalive(now)
             for conn in [c for c in self.connections if 0.0 < c.head_deadline <= now]:
                 conn.on_header_timeout()
             if self.admission.queue:
@@ -337,10 +364,21 @@ class App:
         path, _, query = req.url.partition(b"?")
         st = self._stats
         if st is not None:
-            label = _PATH_LABEL.get(path, "other")
-            key = (_METHOD_LABEL.get(req.method, "OTHER"), label)
+            key = _HTTP_KEY.get(path, _HTTP_KEY_OTHER).get(req.method)
+            if key is None:
+                key = ("OTHER", _PATH_LABEL.get(path, "other"))
             st.http_requests[key] = st.http_requests.get(key, 0) + 1
-        if path in INFERENCE:
+            # smg_http_request_duration_seconds: observed when the response is done
+            proto.http_key = key
+            proto.http_t0 = perf_counter()
+        if req.origin is not None and req.method == b"OPTIONS":
+            # A CORS preflight (req.origin is only ever set with --cors-allowed-origins);
+            # browsers send no credentials with it, so it is answered before any auth rule.
+            ka = req.keep_alive and self.accepting
+            if st is not None:
+                self.count_response(204, "")
+            proto.reply(self.cors.preflight(req.origin, req.acrh, ka), ka)
+        elif path in INFERENCE:
             if req.method != b"POST":
                 proto.send_error(RouterError(405, "method_not_allowed",
                                              "Method Not Allowed (%s %s)" % (req.method.decode("latin-1"),
@@ -354,41 +392,110 @@ class App:
             ka = req.keep_alive and self.accepting
             if st is not None:
                 self.count_response(200, "")
-            proto.reply(_HEALTH_KA if ka else _HEALTH_CLOSE, ka)
+            data = _HEALTH_KA if ka else _HEALTH_CLOSE
+            if req.origin is not None:
+                cors = self.cors.headers_for(req.origin)
+                if cors:
+                    head, sep, rest = data.partition(b"\r\n")
+                    data = head + sep + cors + rest
+            proto.reply(data, ka)
         elif path in _ADMIN or path.startswith(b"/workers/"):
-            if self.api_key is not None and not authorized(self.api_key, path, req.auth):
-                proto.send_error(_errors.invalid_api_key(), req)
-                return
-            task = self.loop.create_task(self._admin(proto, req, path, query))
+            who = None
+            if self.guarded:
+                verdict, who = self.admin_auth.check(req.method, path, req.auth)
+                if verdict != OK:
+                    proto.send_error(self._refusal(req.method, path, verdict, who), req)
+                    return
+            task = self.loop.create_task(self._admin(proto, req, path, query, who))
             self.admin_tasks.add(task)
             task.add_done_callback(self.admin_tasks.discard)
         else:
             proto.send_error(_errors.unknown_url(req.method.decode("latin-1"),
                                                  path.decode("latin-1")), req)
 
-    def _count_routed(self, path: bytes, stream: bool) -> None:
+    def model_keys(self, model: str | None) -> dict[bytes, tuple]:
+        """The prebuilt label keys of requests for ``model``, per inference path."""
+        row = self._model_keys.get(model)
+        if row is None:
+            if len(self._model_keys) >= MAX_MODEL_LABELS:
+                row = self._model_keys.get("\0other")
+                if row is not None:
+                    return row
+                model, label = "\0other", "other"
+            else:
+                label = model if model is not None else "unknown"
+            b = self.backend
+            row = self._model_keys[model] = {
+                p: ((b, e, label, "false"), (b, e, label, "true"), (b, e, label), label)
+                for p, e in ENDPOINT_LABEL.items()}
+        return row
+
+    def _count_routed(self, path: bytes, meta: Any) -> None:
         d = self._stats.router_requests
-        key = (self.backend, INFERENCE[path], "true" if stream else "false")
+        row = self._model_keys.get(meta.model)
+        if row is None:
+            row = self.model_keys(meta.model)
+        key = row[path][1 if meta.stream else 0]
         d[key] = d.get(key, 0) + 1
 
-    def count_response(self, status: int, code: str, path: bytes | None = None) -> None:
+    def observe_http(self, key: tuple, t0: float) -> None:
+        """A response is done (ClientProtocol.response_done): its smg_http duration."""
+        st = self._stats
+        if st is not None:
+            h = st.http_duration.get(key)
+            if h is None:
+                st.observe(st.http_duration, key, perf_counter() - t0)
+            else:
+                v = perf_counter() - t0
+                h.counts[bisect_left(h.bounds, v)] += 1   # Hist.observe, inlined (per request)
+                h.sum += v
+
+    def count_response(self, status: int, code: str, path: bytes | None = None,
+                       model: str | None = None) -> None:
         """smg_http_responses, and smg_router_request_errors for failed inference requests."""
         st = self._stats
         d = st.http_responses
-        key = (_STATUS_LABEL.get(status) or str(status), code)
+        key = _RESP_OK.get(status) if not code else None
+        if key is None:
+            key = (_STATUS_LABEL.get(status) or str(status), code)
         d[key] = d.get(key, 0) + 1
         if code and path is not None:
-            endpoint = INFERENCE.get(path)
-            if endpoint is not None:
+            keys = self.model_keys(model).get(path)
+            if keys is not None:
                 e = st.router_errors
-                key2 = (self.backend, endpoint, code)
+                key2 = keys[2] + (code,)
                 e[key2] = e.get(key2, 0) + 1
 
-    async def _admin(self, proto: ClientProtocol, req: Request, path: bytes, query: bytes) -> None:
+    def refuse_at_head(self, method: bytes, url: bytes, auth: bytes | None) -> RouterError | None:
+        """The error for an admin call refused by the auth rule, decided from its head alone
+        (the protocol asks before it reads the body); None when it may proceed, or when the
+        path is not an admin path (answered as usual once the request is complete)."""
+        path = url.partition(b"?")[0]
+        if path not in _ADMIN and not path.startswith(b"/workers/"):
+            return None
+        verdict, who = self.admin_auth.check(method, path, auth)
+        if verdict == OK:
+            return None
+        return self._refusal(method, path, verdict, who)
+
+    def _refusal(self, method: bytes, path: bytes, verdict: int, who: Any) -> RouterError:
+        """The answer to an admin call the auth rule refused; a refused management change is
+        audited like an applied one (its body was never read, so its target is unknown)."""
+        exc = (_errors.insufficient_role(who.role) if verdict == FORBIDDEN and who is not None
+               else _errors.invalid_api_key())
+        if (self.config.control_plane_audit_enabled and method not in (b"GET", b"HEAD")
+                and is_management(path)):
+            audit(who, method.decode("latin-1"), path.decode("latin-1"), "-", "denied", exc.status)
+        return exc
+
+    async def _admin(self, proto: ClientProtocol, req: Request, path: bytes, query: bytes,
+                     who: Any = None) -> None:
         try:
-            status, body, ctype = await self.registry.handle_admin(
-                req.method.decode("latin-1"), path.decode("latin-1"), query.decode("latin-1"),
-                req.body, ((b"authorization", req.auth),) if req.auth is not None else ())
+            args = (req.method.decode("latin-1"), path.decode("latin-1"), query.decode("latin-1"),
+                    req.body, ((b"authorization", req.auth),) if req.auth is not None else ())
+            # The control-plane key that passed the check goes on to the handler's audit log.
+            status, body, ctype = await (self.registry.handle_admin(*args) if who is None else
+                                         self.registry.handle_admin(*args, principal=who))
         except asyncio.CancelledError:
             raise
         except RouterError as exc:
@@ -432,9 +539,14 @@ class App:
         # relay, 429/408 admission, 503 no target, retries); malformed ones
         # count only in smg_http_responses_total.
         if st is not None:
-            self._count_routed(path, meta.stream)
+            self._count_routed(path, meta)
         if self.admission.try_enter():
             self._begin(proto, req, path, meta)
+            if st is not None:
+                # fastroute_router_overhead_seconds: the router's own time from the complete
+                # request to the first attempt written upstream (parse, admission, pick,
+                # framing); a queued request's wait is admission, not overhead, so not here.
+                st.overhead_seconds.observe(perf_counter() - proto.http_t0)
         else:
             self._wait(proto, req, path, meta)
 

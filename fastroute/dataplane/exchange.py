@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
 from fastroute.dataplane.protocol import INFERENCE, new_request_id, status_line
+from fastroute.dataplane.routes import ENDPOINT_LABEL
 from fastroute.dataplane.upstream import ConnectError
 from fastroute.errors import RouterError
 
@@ -39,6 +41,12 @@ _HOP = frozenset({
     b"content-encoding", b"host", b"content-length", b"x-request-id",
 })
 _LAST_CHUNK = b"0\r\n\r\n"
+# An SSE comment (ignored by every SSE client), as one chunk of a chunked body.
+KEEPALIVE = b": keep-alive\n\n"
+_KEEPALIVE_CHUNK = b"%x\r\n%b\r\n" % (len(KEEPALIVE), KEEPALIVE)
+_KEEPALIVE_HEAD = (b"content-type: text/event-stream\r\ncache-control: no-cache\r\n"
+                   b"transfer-encoding: chunked\r\n")
+# smg's endpoint label values, by inference path.
 # Upstream statuses worth another attempt on another target (protocol.md 7.2).
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -66,7 +74,7 @@ class _Exchange:
 
     __slots__ = ("app", "proto", "req", "leases", "deadline", "chunked", "head", "started",
                  "finished", "keep_alive", "rid", "out", "started_at", "path", "status",
-                 "meta", "tries", "retry_handle", "slot", "gave_up")
+                 "meta", "tries", "retry_handle", "slot", "gave_up", "ka_due", "ka_sent")
 
     def __init__(self, app: Any, proto: ClientProtocol, req: Request, path: bytes,
                  meta: Any) -> None:
@@ -93,6 +101,11 @@ class _Exchange:
         self.out: list[bytes] = []
         self.path = path
         self.status = 0
+        # SSE keep-alive (protocol.md 3.6): when the next ": keep-alive" comment is due (0: none
+        # for this request), and whether the router already committed the 200 event-stream head.
+        self.ka_due = (self.started_at + app.sse_keepalive
+                       if meta.stream and app.sse_keepalive > 0 and req.http11 else 0.0)
+        self.ka_sent = False
         app.exchanges.add(self)
         proto.exchange = self
 
@@ -101,12 +114,32 @@ class _Exchange:
         """Record what ``target``'s worker did: a response status, or a failure (connect error,
         broken stream, ``TIMEOUT``). The one call site of the breakers: whether a status counts
         as success, failure or neither (backpressure) is ``Breakers.status``'s rule."""
-        br = self.app.breakers
+        app = self.app
+        br = app.breakers
         if br is not None:
             if type(result) is int:
                 br.status(target, result)
             else:
                 br.failure(target)
+        if app._stats is not None and (type(result) is not int or result >= 500):
+            self._count_worker_error(target, result)
+
+    def _count_worker_error(self, target: int, result: int | BaseException) -> None:
+        """smg_worker_errors_total (failures only, so nothing of this runs per success)."""
+        info = self.app.registry.target_info
+        entry = info[target] if 0 <= target < len(info) else None
+        role = entry[0].role if entry is not None else "unknown"
+        if type(result) is int:
+            kind = "status_%d" % result
+        elif result is TIMEOUT:
+            kind = "timeout"
+        elif isinstance(result, ConnectError):
+            kind = "connect_error"
+        else:
+            kind = "connection_error"
+        d = self.app._stats.worker_errors
+        key = (role, kind)
+        d[key] = d.get(key, 0) + 1
 
     # -- client writing -----------------------------------------------------
     def _start_response(self, status: int, headers: list, length: bytes | None = None,
@@ -116,6 +149,12 @@ class _Exchange:
         ``length``: the upstream Content-Length to keep (byte-exact relay), or
         None to pick chunked framing. ``ctype`` overrides Content-Type.
         """
+        if self.ka_sent:                 # (started below ends the keep-alives: see keepalive)
+            # The 200 event-stream head is already out (keep-alive comments went first): the
+            # upstream's 2xx head adds nothing the client can still receive.
+            self.status = status
+            self.started = True
+            return
         parts = [status_line(status)]
         ap = parts.append
         self.status = status
@@ -137,6 +176,8 @@ class _Exchange:
             else:
                 self.keep_alive = False  # HTTP/1.0: body delimited by close
         ap(b"x-request-id: " + self.rid + b"\r\n")
+        if self.req.origin is not None:
+            ap(self.app.cors.headers_for(self.req.origin))
         if not self.app.accepting:
             self.keep_alive = False  # draining: this connection closes after the response
         if not self.keep_alive:
@@ -144,6 +185,31 @@ class _Exchange:
         ap(b"\r\n")
         self.head = b"".join(parts)
         self.started = True
+
+    def keepalive(self, now: float) -> None:
+        """The sweep found this stream quiet for ``--sse-keepalive-secs`` before its first
+        upstream byte: send a ``: keep-alive`` comment (the first one with a 200
+        ``text/event-stream`` head, so idle-timeout proxies in front see bytes). Never inside an
+        event: nothing of the upstream body has been relayed yet. After the head is committed an
+        upstream failure is an SSE error event, as after the first byte (``_fail_client``)."""
+        if self.started or self.finished or self.proto.closed:
+            self.ka_due = 0.0
+            return
+        app = self.app
+        self.ka_due = now + app.sse_keepalive
+        if self.ka_sent:
+            self.proto.transport.write(_KEEPALIVE_CHUNK)  # type: ignore[union-attr]
+            return
+        self.ka_sent = True
+        self.chunked = True
+        if not app.accepting:
+            self.keep_alive = False
+        origin = self.req.origin
+        self.proto.transport.write(  # type: ignore[union-attr]
+            b"%b%bx-request-id: %b\r\n%b%b\r\n%b" % (
+                status_line(200), _KEEPALIVE_HEAD, self.rid,
+                app.cors.headers_for(origin) if origin is not None else b"",
+                b"" if self.keep_alive else b"connection: close\r\n", _KEEPALIVE_CHUNK))
 
     def _write(self, data: bytes) -> None:
         if self.chunked:
@@ -178,7 +244,10 @@ class _Exchange:
             app = self.app
             app.count_response(self.status, "")
             if 200 <= self.status < 300:
-                st.duration(app.backend, INFERENCE[self.path], app.loop.time() - self.started_at)
+                row = app._model_keys.get(self.meta.model)
+                if row is None:
+                    row = app.model_keys(self.meta.model)
+                st.observe(st.router_duration, row[self.path][2], app.loop.time() - self.started_at)
         self._finish(self.keep_alive)
 
     def _release_leases(self) -> None:
@@ -226,7 +295,7 @@ class _Exchange:
             if self.head is None:
                 self.flush()  # bytes already committed to the client go out before the cut
                 if self.app._stats is not None:
-                    self.app.count_response(self.status, exc.code, self.path)
+                    self.app.count_response(self.status, exc.code, self.path, self.meta.model)
                 self._finish(False)
                 if not self.proto.closed:
                     self.proto.closed = True
@@ -234,6 +303,16 @@ class _Exchange:
                 return
             self.head = None  # nothing sent yet: still free to answer with an error
             self.out.clear()
+        if self.ka_sent:
+            # Only keep-alive comments went out, under a 200 head: the error is an SSE error
+            # event and the stream ends cleanly.
+            body = exc.sse()
+            self.out.append(b"%x\r\n%b\r\n%b" % (len(body), body, _LAST_CHUNK))
+            self.flush()
+            if self.app._stats is not None:
+                self.app.count_response(exc.status, exc.code, self.path, self.meta.model)
+            self._finish(self.keep_alive)
+            return
         self.finished = True
         self.app.exchanges.discard(self)
         try:
@@ -241,7 +320,7 @@ class _Exchange:
         finally:
             if self.proto.exchange is self:
                 self.proto.exchange = None
-                self.proto.send_error(exc, self.req, sse)
+                self.proto.send_error(exc, self.req, sse, self.meta.model)
 
     # -- control --------------------------------------------------------------
     def cancel(self, status: int = 499, code: str = "client_closed") -> None:
@@ -254,7 +333,7 @@ class _Exchange:
             return
         self._abort_legs()
         if self.app._stats is not None:
-            self.app.count_response(status, code, self.path)
+            self.app.count_response(status, code, self.path, self.meta.model)
         self._finish(False)
 
     def on_timeout(self) -> None:
@@ -336,10 +415,17 @@ class Relay(_Exchange):
         meta = self.meta
         # The acquire too runs inside the error handling: whatever it raises, the client is
         # answered and the admission slot given back (fail_internal -> _close_books).
+        st = app._stats
         try:
             # out_tokens only matters to KV-fit placement (the decode group); 0 when not given.
-            lease = app.registry.group("regular").acquire(meta.input_tokens, self.req.key, meta,
-                                                          meta.max_new_tokens or 0)
+            if st is None:
+                lease = app.registry.group("regular").acquire(meta.input_tokens, self.req.key, meta,
+                                                              meta.max_new_tokens or 0)
+            else:
+                t0 = perf_counter()
+                lease = app.registry.group("regular").acquire(meta.input_tokens, self.req.key, meta,
+                                                              meta.max_new_tokens or 0)
+                st.pick_seconds.observe(perf_counter() - t0)
             if lease is None:
                 self._fail_client(_errors.no_available_workers())
                 return
@@ -361,6 +447,12 @@ class Relay(_Exchange):
                 self.retry_later("regular")  # aborts this connection: no more callbacks
                 return
             self.exhausted("regular")
+        if self.ka_sent and not 200 <= status < 300:
+            # The 200 head is out: the worker's error becomes an SSE error event.
+            self._outcome(self.target, status)
+            self._fail_client(RouterError(status if status >= 400 else 502, "upstream_error",
+                                          "Worker answered HTTP %d" % status), True)
+            return
         length = None
         for name, value in headers:  # (content_length() inlined: once per request)
             if len(name) == 14 and name.lower() == b"content-length":

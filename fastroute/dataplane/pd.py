@@ -20,6 +20,7 @@ other leg is aborted by us and says nothing about its worker.
 from __future__ import annotations
 
 import logging
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
@@ -64,7 +65,10 @@ class _PDLeg:
     def up_head(self, status: int, headers: list) -> None:
         self.status = status
         self.headers = headers
-        self.ex.pd_progress()
+        ex = self.ex
+        if self is ex.d and ex.app._stats is not None:
+            ex.observe_ttft()
+        ex.pd_progress()
 
     def up_body(self, data: bytes) -> None:
         ex = self.ex
@@ -195,6 +199,8 @@ class PDRelay(_Exchange):
         tokens, key, out_tokens = meta.input_tokens, req.key, meta.max_new_tokens or 0
         # Both acquires run inside the error handling too: whatever they raise, the client
         # is answered and the leases and admission slot given back (fail_internal).
+        st = app._stats
+        t0 = perf_counter() if st is not None else 0.0
         try:
             p_lease = registry.group("prefill").acquire(tokens, key, meta, out_tokens)
             if p_lease is None:
@@ -202,6 +208,8 @@ class PDRelay(_Exchange):
                 return
             self.leases = (p_lease,)
             d_lease = registry.group("decode").acquire(tokens, key, meta, out_tokens)
+            if st is not None:
+                st.pick_seconds.observe(perf_counter() - t0)   # the pair's pick
             if d_lease is None:
                 self._fail_client(_errors.no_available_workers("decode"))  # releases p_lease
                 return
@@ -297,6 +305,13 @@ class PDRelay(_Exchange):
         # From here the decode is read only while the client accepts writes (this also
         # lifts the pre-relay buffer limit's hold).
         self.proto.flow.relay(d, held=True)
+
+    def observe_ttft(self) -> None:
+        """smg_pd_ttft_seconds: from the request's start to the decode's response head."""
+        app = self.app
+        st = app._stats
+        st.observe(st.pd_ttft, app.model_keys(self.meta.model)[self.path][3],
+                   app.loop.time() - self.started_at)
 
     def relay_body(self, data: bytes) -> None:
         m = self.merger

@@ -79,7 +79,10 @@ _F_RID = 4       # candidate for the x-request-id response header
 _F_KEY = 8       # routing key for consistent hashing
 _F_CL = 16       # Content-Length
 _F_EXPECT = 32   # Expect: 100-continue
+_F_ORIGIN = 64   # Origin (flagged only with --cors-allowed-origins)
+_F_ACRH = 128    # Access-Control-Request-Headers (ditto: preflights)
 
+_NO_BODY_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS"})
 _PIPELINE_LIMIT = 32          # queued pipelined requests before we stop reading the client
 _HEAD_LIMIT = 1 << 16         # bytes of request line + headers before 431
 # Answers to a request that could not be read, by status.
@@ -87,16 +90,21 @@ _READ_ERROR_CODE = {400: _errors.CODE_BAD_REQUEST, 408: "request_timeout", 431: 
 
 
 def header_flags(request_id_headers: list[str], routing_key_headers: list[str],
+                 cors: bool = False,
                  ) -> tuple[dict[bytes, int], tuple[bytes, ...], tuple[bytes, ...]]:
     """(flag table, request-id headers in priority order, routing-key headers in priority order).
 
     Built once per App from the configured header names (already lower-cased by Config).
+    ``cors``: also flag the CORS request headers (without CORS they cost nothing).
     """
     flags: dict[bytes, int] = {
         b"x-request-id": _F_FWD, b"x-correlation-id": _F_FWD, b"traceparent": _F_FWD,
         b"tracestate": _F_FWD, b"x-smg-routing-key": _F_FWD | _F_KEY,
         b"authorization": _F_AUTH, b"content-length": _F_CL, b"expect": _F_EXPECT,
     }
+    if cors:
+        flags[b"origin"] = _F_ORIGIN
+        flags[b"access-control-request-headers"] = _F_ACRH
     rid_headers = tuple(h.encode("latin-1") for h in request_id_headers)
     for h in rid_headers:
         flags[h] = flags.get(h, 0) | _F_RID
@@ -130,7 +138,7 @@ class Request:
     """One parsed client request (kept only until it is answered)."""
 
     __slots__ = ("method", "url", "fwd", "auth", "rid", "key", "body", "body_len",
-                 "too_large", "keep_alive", "http11", "__weakref__")
+                 "too_large", "keep_alive", "http11", "origin", "acrh", "__weakref__")
 
     def __init__(self) -> None:
         self.method = b"GET"
@@ -144,6 +152,8 @@ class Request:
         self.too_large = False
         self.keep_alive = True
         self.http11 = True
+        self.origin: bytes | None = None   # set only when CORS is configured
+        self.acrh: bytes | None = None
 
 
 class ClientProtocol(asyncio.Protocol):
@@ -187,6 +197,8 @@ class ClientProtocol(asyncio.Protocol):
         # CPython keeps an instance's attributes inline (fast) only up to 30 names.
         self._body_check: tuple[Any, int, float] | None = None
         self.waiter: Any = None           # admission queue entry while the request waits for a slot
+        self.http_key: Any = None         # metrics on: the current request's (method, path) labels
+        self.http_t0 = 0.0                # ... and when it was complete (perf_counter)
         self._bad_message = ""
         self._bad_status = 400
 
@@ -319,6 +331,10 @@ class ClientProtocol(asyncio.Protocol):
                 self._cl = -1
         if f & _F_EXPECT and value.lower() == b"100-continue":
             self._expect = True
+        if f & _F_ORIGIN:
+            req.origin = value  # type: ignore[union-attr]
+        if f & _F_ACRH:
+            req.acrh = value  # type: ignore[union-attr]
 
     def on_headers_complete(self) -> None:
         req = self._req
@@ -342,6 +358,21 @@ class ClientProtocol(asyncio.Protocol):
                 self.busy = True
                 self.head_only = req.method == b"HEAD"  # type: ignore[union-attr]  (reply clears it)
                 self.send_error(_errors.payload_too_large(self._cl, app.max_payload), req)  # type: ignore[arg-type]
+        elif (app.guarded and self._cl != 0 and self._url not in INFERENCE and not self.busy
+              and not self.queue and req.method not in _NO_BODY_METHODS):  # type: ignore[union-attr]
+            # An admin call with a body: who may call it is decided before the body is read
+            # (the App's one AdminAuth); a refusal is answered now and the connection closed,
+            # since the unread body makes the stream unusable.
+            exc = app.refuse_at_head(req.method, self._url, req.auth)  # type: ignore[union-attr]
+            if exc is not None:
+                self._req = None
+                self.bad_request = True
+                req.keep_alive = False  # type: ignore[union-attr]
+                req.url = self._url  # type: ignore[union-attr]
+                self.busy = True
+                self.send_error(exc, req)  # type: ignore[arg-type]
+            elif self._expect:
+                self.transport.write(_CONTINUE)  # type: ignore[union-attr]
         elif self._expect and not self.busy and not self.queue:
             # Only when nothing is being written: a 100 must not land inside another response.
             self.transport.write(_CONTINUE)  # type: ignore[union-attr]
@@ -416,6 +447,10 @@ class ClientProtocol(asyncio.Protocol):
         """The current response is fully written (or abandoned)."""
         self.busy = False
         self.exchange = None
+        key = self.http_key
+        if key is not None:
+            self.http_key = None
+            self.app.observe_http(key, self.http_t0)
         if self.closed:
             return
         if not keep_alive or not self.app.accepting:
@@ -526,20 +561,23 @@ class ClientProtocol(asyncio.Protocol):
         self.response_done(keep_alive)
 
     def reply_simple(self, status: int, ctype: bytes, body: bytes, req: Request,
-                     extra: bytes = b"", code: str = "") -> None:
+                     extra: bytes = b"", code: str = "", model: str | None = None) -> None:
         ka = req.keep_alive and self.app.accepting
         if self.app._stats is not None:
-            self.app.count_response(status, code, req.url.partition(b"?")[0])
+            self.app.count_response(status, code, req.url.partition(b"?")[0], model)
+        if req.origin is not None:
+            extra += self.app.cors.headers_for(req.origin)
         head = b"%bcontent-type: %b\r\ncontent-length: %d\r\n%b%b\r\n" % (
             status_line(status), ctype, len(body), extra, b"" if ka else b"connection: close\r\n")
         self.reply(head + body, ka)
 
-    def send_error(self, exc: RouterError, req: Request, sse: bool = False) -> None:
+    def send_error(self, exc: RouterError, req: Request, sse: bool = False,
+                   model: str | None = None) -> None:
         extra = b"x-smg-error-code: " + exc.code.encode("latin-1") + b"\r\n"
         for k, v in exc.headers:
             extra += k + b": " + v + b"\r\n"
         if sse:
-            self.reply_simple(exc.status, CT_SSE, exc.sse(), req, extra, exc.code)
+            self.reply_simple(exc.status, CT_SSE, exc.sse(), req, extra, exc.code, model)
         else:
-            self.reply_simple(exc.status, CT_JSON, exc.body(), req, extra, exc.code)
+            self.reply_simple(exc.status, CT_JSON, exc.body(), req, extra, exc.code, model)
 

@@ -152,6 +152,11 @@ ROUTES: dict[bytes, RouteSpec] = {
 # Raw path -> endpoint label (metrics labels, body rules); the set of proxied paths.
 INFERENCE: dict[bytes, str] = {p: spec.endpoint for p, spec in ROUTES.items()}
 RID_PREFIX: dict[bytes, bytes] = {p: spec.rid_prefix for p, spec in ROUTES.items()}
+# Raw path -> the peers' `endpoint` metric label (smg_router_*): generate, completions, chat,
+# embeddings, rerank, ...
+ENDPOINT_LABEL: dict[bytes, str] = {
+    p: "chat" if spec.endpoint == "/v1/chat/completions" else spec.endpoint.rsplit("/", 1)[-1]
+    for p, spec in ROUTES.items()}
 
 
 def pd_unsupported(path: str) -> RouterError:

@@ -90,6 +90,7 @@ async def assemble(config: Config, table: TargetTable, *, seed: int | None = Non
     parts = Assembly(config, table, router, registry, stats if stats is not None else new_stats(config))
     if monitor:
         parts.monitor = Monitor(config, registry, table)
+        parts.monitor.health_checks = parts.stats.health_checks   # smg_worker_health_checks_total
     if metrics:
         try:
             parts.metrics = await start_metrics(config, table, registry, parts.stats)

@@ -122,6 +122,40 @@ def test_bench_regular_json_request(benchmark) -> None:
     loop.close()
 
 
+class _NoHist:
+    """A histogram that records nothing: isolates what the pick/overhead histograms cost."""
+
+    def observe(self, v: float) -> None:
+        pass
+
+
+@pytest.mark.benchmark(group="proxy-metrics")
+@pytest.mark.parametrize("metrics", ["off", "on", "on-without-pick-overhead-histograms"])
+def test_bench_regular_json_request_metrics(benchmark, metrics: str) -> None:
+    """Same request as test_bench_regular_json_request, with the process's Stats off, on, and on
+    with fastroute_pick_seconds / fastroute_router_overhead_seconds replaced by no-ops: the
+    difference of the last two is what those two histograms cost per request."""
+    from fastroute.control.metrics import Stats
+
+    proto, pool, loop = _setup(worker_urls=["http://127.0.0.1:9"])
+    if metrics != "off":
+        st = Stats()
+        if metrics != "on":
+            st.pick_seconds = st.overhead_seconds = _NoHist()  # type: ignore[assignment]
+        proto.app.stats = st
+
+    def one() -> None:
+        proto.data_received(REQ)
+        leg = pool.last
+        leg.up_head(200, JSON_HEAD)
+        leg.up_body(JSON_BODY)
+        leg.up_done()
+
+    benchmark(one)
+    assert not proto.busy and not proto.app.exchanges
+    loop.close()
+
+
 @pytest.mark.benchmark(group="proxy")
 def test_bench_regular_sse_8_events(benchmark) -> None:
     proto, pool, loop = _setup(worker_urls=["http://127.0.0.1:9"])

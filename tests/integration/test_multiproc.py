@@ -165,7 +165,7 @@ def test_least_requests_balances_ranks_across_both_processes() -> None:
             assert loads["aggregate"]["total_in_flight_requests"] == 0
             # Statistics of both processes are merged by the supervisor's /metrics.
             m = await r.until_metric(
-                lambda m: value(m, "smg_router_requests_total", endpoint="/generate") == held,
+                lambda m: value(m, "smg_router_requests_total", endpoint="generate") == held,
                 5.0, "routed requests of both processes in /metrics")
             assert value(m, "fastroute_lease_underflows_total") == 0
             pid = r.proc.pid

@@ -194,7 +194,6 @@ def test_probe_port_answers_while_proxy_loop_is_blocked() -> None:
 
 # ------------------------------------------------------------------------------ CORS
 
-@pytest.mark.xfail(reason="data plane wiring pending", strict=False)
 def test_cors_preflight_and_response_headers() -> None:
     async def body() -> None:
         (w,) = await workers(1)

@@ -72,3 +72,67 @@ def test_cancelled_waiter_never_starts_and_frees_its_queue_place() -> None:
     assert a.wait(lambda: started.append(2), lambda: None, 0.0) is not None
     a.leave()
     assert started == [2] and a.active == 1
+
+
+# ---------------------------------------------------------------- --rate-limit-tokens-per-second
+
+
+class _Clock:
+    """Just enough of an event loop: a settable clock, call_soon inline, one-shot timers."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.timers: list[tuple[float, object]] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def call_soon(self, fn) -> None:
+        fn()
+
+    def call_later(self, delay: float, fn):
+        self.timers.append((self.now + delay, fn))
+        return fn
+
+    def advance(self, dt: float) -> None:
+        self.now += dt
+        due = [t for t in self.timers if t[0] <= self.now + 1e-12]
+        self.timers = [t for t in self.timers if t[0] > self.now + 1e-12]
+        for _, fn in due:
+            fn()
+
+
+def test_rate_bucket_admits_a_burst_then_the_refill_rate_through_the_queue() -> None:
+    clock = _Clock()
+    a = Admission(4, 10, 5.0, loop=clock, rate=2.0)   # burst 4, then 2 requests per second
+    a.stats = Stats()
+    assert all(a.try_enter() for _ in range(4))
+    for _ in range(4):
+        a.leave()                                    # slots free, but the tokens are spent
+    assert not a.try_enter()
+    started: list[int] = []
+    for i in range(3):
+        assert a.wait(lambda i=i: started.append(i), lambda: None, clock.now) is not None
+    assert started == [] and len(clock.timers) == 1  # one wake-up timer, not one per waiter
+    clock.advance(0.5)
+    assert started == [0]
+    clock.advance(0.5)
+    assert started == [0, 1]
+    clock.advance(0.5)
+    assert started == [0, 1, 2] and not a.queue
+    assert a.stats.rate_limit == {"allowed": 4, "queued": 3, "dequeued": 3}
+
+
+def test_rate_limited_queue_full_is_429_and_waiting_too_long_is_408() -> None:
+    clock = _Clock()
+    a = Admission(-1, 1, 2.0, loop=clock, rate=1.0)   # unlimited slots: burst = 1 s of rate
+    assert a.enabled
+    assert a.try_enter() and not a.try_enter()
+    expired: list[int] = []
+    assert a.wait(lambda: None, lambda: expired.append(1), clock.now) is not None
+    assert a.wait(lambda: None, lambda: None, clock.now) is None      # queue full: 429
+    a2 = Admission(-1, 5, 0.5, loop=clock, rate=0.1)
+    assert a2.try_enter() and not a2.try_enter()
+    a2.wait(lambda: None, lambda: expired.append(2), clock.now)
+    clock.now += 1.0
+    assert a2.expire(clock.now) == 1 and expired == [2]                 # waited too long: 408
