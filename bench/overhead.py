@@ -25,6 +25,7 @@ import shlex
 import shutil
 import signal
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
@@ -36,9 +37,15 @@ from typing import Any, Iterable, Sequence
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-ROUTERS = ("direct", "bare", "fastroute", "fastroute-base", "sglang-router", "smg")
+ROUTERS = ("direct", "bare", "fastroute", "fastroute-base", "fastroute-tls", "sglang-router", "smg")
 # fastroute-base: the same fastroute command run from another checkout (--base-checkout), so a
 # change can be measured against the commit before it in one run with alternated rounds.
+# fastroute-tls: the same command serving HTTPS (--tls: a self-signed certificate made for the run).
+# Router ports that speak HTTPS (the clients wrap their sockets; wrk gets an https:// URL).
+TLS_PORTS: set[int] = set()
+_CLIENT_TLS = ssl.create_default_context()
+_CLIENT_TLS.check_hostname = False
+_CLIENT_TLS.verify_mode = ssl.CERT_NONE  # the run's own self-signed certificate
 PEER_VENVS = {"sglang-router": "/tmp/venv-sgr/bin/python", "smg": "/tmp/venv-smg/bin/python"}
 PEER_MODULES = {"sglang-router": "sglang_router", "smg": "smg"}
 MODEL = "bench-model"
@@ -145,7 +152,8 @@ ROWS = (
     ("errors", "errors (non-2xx + socket), all runs", "err"),
 )
 RATIOS = (("smg", "fastroute/smg"), ("sglang-router", "fastroute/sglang-router"),
-          ("bare", "fastroute/bare"), ("fastroute-base", "fastroute/base"))
+          ("bare", "fastroute/bare"), ("fastroute-base", "fastroute/base"),
+          ("fastroute-tls", "fastroute/tls"))
 
 
 def _fmt(v: float | None, kind: str) -> str:
@@ -179,7 +187,8 @@ def build_table(mode: str, med: dict[str, dict[str, float | None]], routers: Seq
     """
     cols = [r for r in routers if r in med]
     # The base-checkout column exists only in runs that measured one.
-    ratios = [(peer, label) for peer, label in RATIOS if peer != "fastroute-base" or peer in med]
+    ratios = [(peer, label) for peer, label in RATIOS
+              if peer not in ("fastroute-base", "fastroute-tls") or peer in med]
     head = ["metric", *cols, *(label for peer, label in ratios)]
     lines = [f"### mode: {mode}", "", "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
@@ -317,6 +326,8 @@ class HttpConn:
     def __init__(self, port: int, timeout: float = 10.0) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if port in TLS_PORTS:
+            self.sock = _CLIENT_TLS.wrap_socket(self.sock, server_hostname="127.0.0.1")
         self.buf = b""
 
     def close(self) -> None:
@@ -527,7 +538,7 @@ class Router:
 
 
 def router_commands(mode: str, be: Backends, pythons: dict[str, str | None],
-                    base: Path | None = None) -> list[Router]:
+                    base: Path | None = None, tls: tuple[Path, Path] | None = None) -> list[Router]:
     """Command lines of every router for one mode; peers absent from ``pythons`` are skipped."""
     reg = [f"http://127.0.0.1:{p}" for p in be.regular]
     pre, dec = f"http://127.0.0.1:{be.prefill}", f"http://127.0.0.1:{be.decode}"
@@ -555,6 +566,12 @@ def router_commands(mode: str, be: Backends, pythons: dict[str, str | None],
         fr2 = [*fr[:4], str(p2), fr[5], str(q2), *fr[7:]]
         out.append(Router("fastroute-base", p2, fr2, dict(os.environ, PYTHONPATH=str(base)),
                           note=f"the same command from {base}", cwd=base))
+    if tls is not None:
+        p3, q3 = free_port(), free_port()
+        fr3 = [*fr[:4], str(p3), fr[5], str(q3), *fr[7:],
+               "--tls-cert-path", str(tls[0]), "--tls-key-path", str(tls[1])]
+        TLS_PORTS.add(p3)
+        out.append(Router("fastroute-tls", p3, fr3, env, note="the same command serving HTTPS"))
     for name in ("sglang-router", "smg"):
         py = pythons.get(name)
         if not py:
@@ -613,11 +630,13 @@ class Settings:
     connections: tuple[int, ...] = (64, 256)
     wrk: str = "wrk"
     base: Path | None = None
+    tls: tuple[Path, Path] | None = None   # (cert, key) of fastroute-tls
 
 
 def run_wrk(s: Settings, port: int, lua: Path, conns: int, seconds: int) -> dict[str, Any]:
+    scheme = "https" if port in TLS_PORTS else "http"
     argv = [s.wrk, "-t1", f"-c{conns}", f"-d{seconds}s", "--timeout", "10s", "--latency",
-            "-s", str(lua), f"http://127.0.0.1:{port}"]
+            "-s", str(lua), f"{scheme}://127.0.0.1:{port}"]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60)
     return parse_wrk(r.stdout)
 
@@ -662,7 +681,7 @@ def measure_router(s: Settings, r: Router, luas: dict[str, Path], direct: dict[s
 def run_mode(s: Settings, mode: str, be: Backends, pythons: dict[str, str | None], procs: Procs,
              luas: dict[str, Path], notes: list[str], commands: list[str]
              ) -> dict[str, dict[str, list[float | None]]]:
-    routers = router_commands(mode, be, pythons, s.base)
+    routers = router_commands(mode, be, pythons, s.base, s.tls)
     live: list[Router] = []
     for r in routers:
         if r.argv is not None:
@@ -710,6 +729,15 @@ def run_mode(s: Settings, mode: str, be: Backends, pythons: dict[str, str | None
     return raw
 
 
+def make_cert(tmp: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (the clients do not verify it)."""
+    cert, key = tmp / "cert.pem", tmp / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return cert, key
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="Router overhead benchmark (see module docstring).")
     ap.add_argument("--duration", type=int, default=10, help="seconds per wrk run (default 10)")
@@ -724,6 +752,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--smg-python", default=None,
                     help=f"python with smg (default: {PEER_VENVS['smg']})")
     ap.add_argument("--skip-peers", action="store_true", help="measure without the peers")
+    ap.add_argument("--tls", action="store_true",
+                    help="also measure fastroute serving HTTPS (self-signed, made with openssl) "
+                         "as fastroute-tls")
     ap.add_argument("--base-checkout", default=None, metavar="DIR",
                     help="also measure fastroute from DIR (a checkout with its extensions built in "
                          "place, e.g. a git worktree of the previous commit) as fastroute-base")
@@ -754,6 +785,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             pythons[name], info = detect_peer(name, given)
             (versions if pythons[name] else notes).append(info)
     tmp = Path(tempfile.mkdtemp(prefix="fastroute-overhead-"))
+    if args.tls:
+        s.tls = make_cert(tmp)
     procs = Procs(tmp)
     commands: list[str] = []
     results: dict[str, dict[str, dict[str, list[float | None]]]] = {}
