@@ -15,11 +15,12 @@ Three processes are built from these pieces, differing only in what they own:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import socket
 import ssl
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from fastroute.config import Config
 from fastroute.control import httpclient
@@ -139,3 +140,13 @@ async def drain(app: App, grace: float, log: logging.Logger, label: str = "shutd
     if app.active:
         log.warning("%s: aborting %d requests still in flight", label, app.active)
     app.close()
+
+
+async def stop_in_order(*parts: Any) -> None:
+    """Stop the parts that live where the registry lives (discovery, replica sync, monitor,
+    registry, metrics) in the order given; None is a part that never started."""
+    for part in parts:
+        if part is not None:
+            done = part.stop()
+            if inspect.isawaitable(done):
+                await done

@@ -33,7 +33,7 @@ from fastroute.control.replica import ReplicaSync, start_replica_sync
 from fastroute.core.routing import Router
 from fastroute.core.table import TargetTable
 from fastroute.dataplane.app import App
-from fastroute.runtime.assemble import assemble, drain, listen
+from fastroute.runtime.assemble import assemble, drain, listen, stop_in_order
 from fastroute.runtime.probe import ProbeServer
 from fastroute.runtime.startup import announce, start_probe, tls_context
 
@@ -118,16 +118,8 @@ class Server:
                 self.probe.stop()
             if self.app is not None:
                 await drain(self.app, grace, log)
-            if self.discovery is not None:
-                await self.discovery.stop()
-            if self.replica is not None:
-                await self.replica.stop()
-            if self.monitor is not None:
-                await self.monitor.stop()
-            if self.registry is not None:
-                await self.registry.stop()
-            if self.metrics is not None:
-                await self.metrics.stop()
+            await stop_in_order(self.discovery, self.replica, self.monitor, self.registry,
+                                self.metrics)
         finally:
             if self.table is not None:
                 self.table.close()

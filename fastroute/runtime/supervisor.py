@@ -67,7 +67,7 @@ from fastroute.control.metrics import MetricsServer, ProcessCollector, Stats, me
 from fastroute.control.monitor import Monitor
 from fastroute.control.registry import Registry
 from fastroute.core.table import TargetTable
-from fastroute.runtime.assemble import assemble
+from fastroute.runtime.assemble import assemble, stop_in_order
 from fastroute.runtime.probe import ProbeServer
 from fastroute.runtime.startup import announce, bind_error, start_probe, tls_context
 
@@ -416,16 +416,8 @@ class Supervisor:
                 except asyncio.TimeoutError:
                     pass
         try:
-            if self.discovery is not None:
-                await self.discovery.stop()
-            if self.replica is not None:
-                await self.replica.stop()
-            if self.monitor is not None:
-                await self.monitor.stop()
-            if self.registry is not None:
-                await self.registry.stop()
-            if self.metrics is not None:
-                await self.metrics.stop()
+            await stop_in_order(self.discovery, self.replica, self.monitor, self.registry,
+                                self.metrics)
             if self._control is not None:
                 self._control.close()
             if self.probe is not None:
