@@ -5,7 +5,9 @@
 
     launch_router(RouterArgs(worker_urls=["http://w1:30000"], policy="power_of_two"))
 
-``RouterArgs`` has the field names and defaults of sglang-router 0.3.2's dataclass. A
+``RouterArgs`` has the field names and defaults of sglang-router 0.3.2's dataclass; where a
+field is also a fastroute setting its default is read from :class:`fastroute.config.Config` (the
+values agree; the one source of defaults stays the config). A
 ``RouterArgs`` (or an ``argparse.Namespace`` carrying those field names, or fastroute's own
 namespace) is turned into fastroute's command line and run by the same code as the ``fastroute``
 command, so every field goes through the same validation and the same fail-closed rules: a field
@@ -20,79 +22,85 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 from fastroute import cli
+from fastroute.config import default
+
+
+def _listed(name: str) -> Any:
+    """A list field whose default is fastroute's (a fresh list per instance)."""
+    return dataclasses.field(default_factory=lambda: list(default(name)))
 
 
 @dataclasses.dataclass
 class RouterArgs:
     # Workers and listener
-    worker_urls: List[str] = dataclasses.field(default_factory=list)
-    host: str = "0.0.0.0"
-    port: int = 30000
+    worker_urls: List[str] = _listed("worker_urls")
+    host: str = default("host")
+    port: int = default("port")
     # PD
     mini_lb: bool = False
-    pd_disaggregation: bool = False
+    pd_disaggregation: bool = default("pd_disaggregation")
     prefill_urls: List[tuple] = dataclasses.field(default_factory=list)   # (url, bootstrap port | None)
     decode_urls: List[str] = dataclasses.field(default_factory=list)
     # Routing policy
-    policy: str = "cache_aware"
-    prefill_policy: Optional[str] = None
-    decode_policy: Optional[str] = None
-    worker_startup_timeout_secs: int = 1800
-    worker_startup_check_interval: int = 30
-    cache_threshold: float = 0.3
-    balance_abs_threshold: int = 64
-    balance_rel_threshold: float = 1.5
-    eviction_interval_secs: int = 60
-    max_tree_size: int = 2 ** 26
-    max_idle_secs: int = 4 * 3600
-    assignment_mode: str = "random"
-    max_payload_size: int = 512 * 1024 * 1024
+    policy: str = default("policy")
+    prefill_policy: Optional[str] = default("prefill_policy")
+    decode_policy: Optional[str] = default("decode_policy")
+    worker_startup_timeout_secs: int = default("worker_startup_timeout_secs")
+    worker_startup_check_interval: int = default("worker_startup_check_interval")
+    cache_threshold: float = default("cache_threshold")
+    balance_abs_threshold: int = default("balance_abs_threshold")
+    balance_rel_threshold: float = default("balance_rel_threshold")
+    eviction_interval_secs: int = default("eviction_interval_secs")
+    max_tree_size: int = default("max_tree_size")
+    max_idle_secs: int = default("max_idle_secs")
+    assignment_mode: str = default("assignment_mode")
+    max_payload_size: int = default("max_payload_size")
     bucket_adjust_interval_secs: int = 5
-    dp_aware: bool = False
-    enable_igw: bool = False
-    api_key: Optional[str] = None
-    log_dir: Optional[str] = None
+    dp_aware: bool = default("dp_aware")
+    enable_igw: bool = default("enable_igw")
+    api_key: Optional[str] = default("api_key")
+    log_dir: Optional[str] = default("log_dir")
     log_level: Optional[str] = None
     # Service discovery
-    service_discovery: bool = False
+    service_discovery: bool = default("service_discovery")
     selector: Dict[str, str] = dataclasses.field(default_factory=dict)
-    service_discovery_port: int = 80
-    service_discovery_namespace: Optional[str] = None
+    service_discovery_port: int = default("service_discovery_port")
+    service_discovery_namespace: Optional[str] = default("service_discovery_namespace")
     prefill_selector: Dict[str, str] = dataclasses.field(default_factory=dict)
     decode_selector: Dict[str, str] = dataclasses.field(default_factory=dict)
-    bootstrap_port_annotation: str = "sglang.ai/bootstrap-port"
+    bootstrap_port_annotation: str = default("bootstrap_port_annotation")
     # Prometheus, request ids, timeouts, admission
     prometheus_port: Optional[int] = None
     prometheus_host: Optional[str] = None
     prometheus_duration_buckets: Optional[List[float]] = None
     request_id_headers: Optional[List[str]] = None
-    request_timeout_secs: int = 1800
-    shutdown_grace_period_secs: int = 180
-    max_concurrent_requests: int = -1
-    queue_size: int = 100
-    queue_timeout_secs: int = 60
-    rate_limit_tokens_per_second: Optional[int] = None
-    cors_allowed_origins: List[str] = dataclasses.field(default_factory=list)
+    request_timeout_secs: int = default("request_timeout_secs")
+    shutdown_grace_period_secs: int = default("shutdown_grace_period_secs")
+    max_concurrent_requests: int = default("max_concurrent_requests")
+    queue_size: int = default("queue_size")
+    queue_timeout_secs: int = default("queue_timeout_secs")
+    rate_limit_tokens_per_second: Optional[int] = default("rate_limit_tokens_per_second")
+    cors_allowed_origins: List[str] = _listed("cors_allowed_origins")
     # Retries
-    retry_max_retries: int = 5
-    retry_initial_backoff_ms: int = 50
-    retry_max_backoff_ms: int = 30000
-    retry_backoff_multiplier: float = 1.5
-    retry_jitter_factor: float = 0.2
-    disable_retries: bool = False
+    retry_max_retries: int = default("retry_max_retries")
+    retry_initial_backoff_ms: int = default("retry_initial_backoff_ms")
+    retry_max_backoff_ms: int = default("retry_max_backoff_ms")
+    retry_backoff_multiplier: float = default("retry_backoff_multiplier")
+    retry_jitter_factor: float = default("retry_jitter_factor")
+    disable_retries: bool = default("disable_retries")
     # Health checks
-    health_failure_threshold: int = 3
-    health_success_threshold: int = 2
-    health_check_timeout_secs: int = 5
-    health_check_interval_secs: int = 60
-    health_check_endpoint: str = "/health"
-    disable_health_check: bool = False
+    health_failure_threshold: int = default("health_failure_threshold")
+    health_success_threshold: int = default("health_success_threshold")
+    health_check_timeout_secs: int = default("health_check_timeout_secs")
+    health_check_interval_secs: int = default("health_check_interval_secs")
+    health_check_endpoint: str = default("health_check_endpoint")
+    disable_health_check: bool = default("disable_health_check")
     # Circuit breaker
-    cb_failure_threshold: int = 10
-    cb_success_threshold: int = 3
-    cb_timeout_duration_secs: int = 60
-    cb_window_duration_secs: int = 120
-    disable_circuit_breaker: bool = False
+    cb_failure_threshold: int = default("cb_failure_threshold")
+    cb_success_threshold: int = default("cb_success_threshold")
+    cb_timeout_duration_secs: int = default("cb_timeout_duration_secs")
+    cb_window_duration_secs: int = default("cb_window_duration_secs")
+    disable_circuit_breaker: bool = default("disable_circuit_breaker")
     # Tokenizer, parsers, storage backends (gateway features)
     model_path: Optional[str] = None
     tokenizer_path: Optional[str] = None
@@ -120,16 +128,16 @@ class RouterArgs:
     redis_pool_max: int = 16
     redis_retention_days: int = 30
     # TLS
-    client_cert_path: Optional[str] = None
-    client_key_path: Optional[str] = None
-    ca_cert_paths: List[str] = dataclasses.field(default_factory=list)
+    client_cert_path: Optional[str] = default("client_cert_path")
+    client_key_path: Optional[str] = default("client_key_path")
+    ca_cert_paths: List[str] = _listed("ca_cert_paths")
     server_cert_path: Optional[str] = None
     server_key_path: Optional[str] = None
     # Tracing and control-plane auth
     enable_trace: bool = False
     otlp_traces_endpoint: str = "localhost:4317"
-    control_plane_api_keys: List[tuple] = dataclasses.field(default_factory=list)  # (id, name, role, key)
-    control_plane_audit_enabled: bool = False
+    control_plane_api_keys: List[tuple] = _listed("control_plane_api_keys")
+    control_plane_audit_enabled: bool = default("control_plane_audit_enabled")
     jwt_issuer: Optional[str] = None
     jwt_audience: Optional[str] = None
     jwt_jwks_uri: Optional[str] = None
