@@ -22,8 +22,12 @@ from tests.integration.conftest import (DataWorker, RawClient, Rec, Router, _Wor
 
 # ------------------------------------------------------------------------------ misbehaving worker
 
+RESET = object()  # in a script: abort the connection (a TCP reset)
+
+
 class _ScriptedConn(_WorkerConn):
-    """Answers inference requests with ``w.script(rec)`` raw bytes (control paths as usual)."""
+    """Answers inference requests with ``w.script(rec)``: bytes, pauses (floats) and RESET
+    (control paths as usual)."""
 
     async def _respond(self, rec: Rec, keep: bool) -> None:
         w = self.w
@@ -31,6 +35,9 @@ class _ScriptedConn(_WorkerConn):
             await super()._respond(rec, keep)
             return
         for part in w.script(rec):
+            if part is RESET:
+                self.transport.abort()
+                return
             if isinstance(part, float):
                 await asyncio.sleep(part)
             elif not self._write(part):
@@ -39,11 +46,18 @@ class _ScriptedConn(_WorkerConn):
 
 
 class ScriptedWorker(DataWorker):
-    """DataWorker whose inference answers are scripted byte sequences (floats are pauses)."""
+    """DataWorker whose inference answers are scripted byte sequences (floats are pauses, RESET
+    aborts); ``loads_override`` replaces its /v1/loads answer."""
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
         self.script = None
+        self.loads_override: bytes | None = None
+
+    def control(self, path: str):
+        if path == "/v1/loads" and self.loads_override is not None:
+            return 200, self.loads_override
+        return super().control(path)
 
     async def start(self) -> ScriptedWorker:
         loop = asyncio.get_running_loop()

@@ -18,48 +18,8 @@ import time
 import pytest
 
 from fastroute.dataplane import pd as _pd
-from tests.integration.conftest import (DataWorker, RawClient, Rec, Router, _WorkerConn, call, get, post,
-                                        run, until, workers)
-
-RESET = object()  # in a script: abort the connection (a TCP reset)
-
-
-class _Conn(_WorkerConn):
-    async def _respond(self, rec: Rec, keep: bool) -> None:
-        w = self.w
-        if w.control(rec.path) is not None or not isinstance(w, Scripted) or w.script is None:
-            await super()._respond(rec, keep)
-            return
-        for part in w.script(rec):
-            if part is RESET:
-                self.transport.abort()
-                return
-            if isinstance(part, float):
-                await asyncio.sleep(part)
-            elif not self._write(part):
-                return
-        self.busy = False
-
-
-class Scripted(DataWorker):
-    """DataWorker whose inference answers are scripted: bytes, pauses (floats) and RESET."""
-
-    def __init__(self, **kw) -> None:
-        super().__init__(**kw)
-        self.script = None
-        self.loads_override: bytes | None = None
-
-    def control(self, path: str):
-        if path == "/v1/loads" and self.loads_override is not None:
-            return 200, self.loads_override
-        return super().control(path)
-
-    async def start(self) -> Scripted:
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Conn(self), "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
+from tests.integration.conftest import RawClient, Rec, Router, call, post, run, until, workers
+from tests.integration.test_hostile import RESET, ScriptedWorker
 
 def _answer(rec: Rec) -> bytes:
     body = b'{"text": "answer to ' + json.loads(rec.body)["text"].encode() + b'"}'
@@ -78,7 +38,7 @@ def _dribble(data: bytes, pause: float = 0.002) -> list:
 
 def test_reset_before_the_answer_is_502_and_released() -> None:
     async def body() -> None:
-        w = await Scripted().start()
+        w = await ScriptedWorker().start()
         w.script = lambda rec: [RESET]
         async with Router(worker_urls=[w.url], request_timeout_secs=5) as r:
             res = await call(r.port, post("/generate", {"text": "x"}))
@@ -91,7 +51,7 @@ def test_reset_before_the_answer_is_502_and_released() -> None:
 
 def test_reset_mid_body_cuts_the_client_stream() -> None:
     async def body() -> None:
-        w = await Scripted().start()
+        w = await ScriptedWorker().start()
         w.script = lambda rec: [b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{\"text\": ", 0.05, RESET]
         async with Router(worker_urls=[w.url], request_timeout_secs=5) as r:
             c = await RawClient(r.port).connect()
@@ -107,7 +67,7 @@ def test_reset_mid_body_cuts_the_client_stream() -> None:
 
 def test_dribbling_worker_is_relayed_whole() -> None:
     async def body() -> None:
-        w = await Scripted().start()
+        w = await ScriptedWorker().start()
         w.script = lambda rec: _dribble(_answer(rec))
         async with Router(worker_urls=[w.url], request_timeout_secs=10) as r:
             for i in range(2):
@@ -119,7 +79,7 @@ def test_dribbling_worker_is_relayed_whole() -> None:
 
 def test_worker_stalled_mid_head_is_504_after_the_request_timeout() -> None:
     async def body() -> None:
-        w = await Scripted().start()
+        w = await ScriptedWorker().start()
         w.script = lambda rec: [b"HTTP/1.1 200 OK\r\ncontent-le", 30.0]
         async with Router(worker_urls=[w.url], request_timeout_secs=1) as r:
             t0 = time.monotonic()
@@ -134,7 +94,7 @@ def test_worker_stalled_mid_head_is_504_after_the_request_timeout() -> None:
 def test_101_on_the_pd_decode_leg_is_502() -> None:
     async def body() -> None:
         (p,) = await workers(1, role="prefill")
-        d = await Scripted(role="decode").start()
+        d = await ScriptedWorker(role="decode").start()
         d.script = lambda rec: [b"HTTP/1.1 101 Switching Protocols\r\nupgrade: h2c\r\nconnection: upgrade\r\n\r\n"]
         async with Router(pd_disaggregation=True, prefill=[(p.url, 8998)], decode=[d.url],
                           request_timeout_secs=5) as r:
@@ -146,7 +106,7 @@ def test_101_on_the_pd_decode_leg_is_502() -> None:
 
 def test_garbage_after_the_answer_never_reaches_the_next_request() -> None:
     async def body() -> None:
-        w = await Scripted().start()
+        w = await ScriptedWorker().start()
         w.script = lambda rec: [_answer(rec) + b"\r\nGARBAGE"]
         async with Router(worker_urls=[w.url], request_timeout_secs=5) as r:
             for i in range(4):
@@ -357,7 +317,7 @@ def test_oversized_loads_are_unpolled_and_warned_once(caplog: pytest.LogCaptureF
     caplog.set_level(logging.DEBUG, logger="fastroute")
 
     async def body() -> None:
-        w = await Scripted().start()
+        w = await ScriptedWorker().start()
         w.loads_override = json.dumps({"loads": [{"dp_rank": 0, "num_running_reqs": 2**70,
                                                   "num_waiting_reqs": 0, "num_used_tokens": 1e300,
                                                   "max_total_num_tokens": 100000}]}).encode()
