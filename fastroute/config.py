@@ -641,11 +641,27 @@ def config_from_args(ns: Any, environ: dict[str, str] | None = None) -> Config:
     for flag in dict.fromkeys(noted):
         warnings.append(f"{flag} is accepted for compatibility and ignored by fastroute "
                         f"(only used by worker discovery{' outside PD mode' if config.discovery else ''})")
+    # Settings that only mean something beside another one: set without it, one warning each.
+    for field_name, flag, needs, used in _COMPANIONS:
+        if getattr(config, field_name) != default(field_name) and not used(config):
+            warnings.append(f"{flag} is accepted and ignored by fastroute (only used with {needs})")
     # One warning per flag, in the order the flags were given.
     first = {flag: i for i, flag in reversed(list(enumerate(given)))}
     for line in sorted(warnings, key=lambda w: first.get(w.split(" ", 1)[0], len(given))):
         logger.warning("%s", line)
     return config
+
+
+_COMPANIONS: tuple[tuple[str, str, str, Any], ...] = (
+    ("assignment_mode", "--assignment-mode", "--policy manual",
+     lambda c: "manual" in (c.policy, c.prefill_policy, c.decode_policy)),
+    ("max_idle_secs", "--max-idle-secs", "--policy manual",
+     lambda c: "manual" in (c.policy, c.prefill_policy, c.decode_policy)),
+    ("replica_id", "--replica-id", "--replica-sync", lambda c: c.replica_sync is not None),
+    ("replica_sync_interval_ms", "--replica-sync-interval-ms", "--replica-sync",
+     lambda c: c.replica_sync is not None),
+    ("replica_ttl_ms", "--replica-ttl-ms", "--replica-sync", lambda c: c.replica_sync is not None),
+)
 
 
 def _parse_prefill(tokens: list[str]) -> tuple[str, int | None]:

@@ -206,3 +206,16 @@ def test_help_calls_no_refused_or_security_flag_ignored() -> None:
     for flag in ("--tls-cert-path", "--control-plane-api-keys", "--health-check-port",
                  "--jwt-*", "--service-discovery"):
         assert flag in out
+
+
+def test_settings_without_their_companion_warn_once(caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="fastroute.config"):
+        parse_args(["--assignment-mode", "min_load", "--replica-id", "r1", "--policy", "random"])
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("--assignment-mode is accepted and ignored") and "--policy manual" in line
+               for line in lines), lines
+    assert any(line.startswith("--replica-id is accepted and ignored") for line in lines), lines
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fastroute.config"):
+        parse_args(["--assignment-mode", "min_load", "--policy", "manual"])
+    assert not [r for r in caplog.records if "--assignment-mode" in r.getMessage()]
