@@ -88,9 +88,8 @@ class App:
     """Per-process data-path state shared by every client connection.
 
     ``breakers`` (a ``fastroute.core.breaker.Breakers``) and ``reconciler`` (a
-    ``fastroute.control.monitor.Reconciler``, only where this process audits the table) are
-    built by the runtime; None runs without them. A reconciler without ``on_mismatch`` gets
-    this App's counter.
+    ``fastroute.control.leases.Reconciler``, only where this process audits the table, with its
+    mismatch counter) are built by the runtime (``runtime.assemble``); None runs without them.
     """
 
     def __init__(self, config: Config, registry: Any, loop: asyncio.AbstractEventLoop | None = None,
@@ -134,8 +133,6 @@ class App:
         self.retry_rng = random.Random(config.seed)
         self.breakers = breakers
         self.reconciler = reconciler
-        if reconciler is not None and reconciler.on_mismatch is None:
-            reconciler.on_mismatch = self._reconcile_mismatch
         self._row_owner: dict[int, Any] = {}
         # model -> {path: (requests key non-stream, stream, duration key, model label)}
         self._model_keys: dict[Any, dict[bytes, tuple]] = {}
@@ -295,10 +292,6 @@ class App:
         ex._close_books()
         self.exchanges.discard(ex)
         return n
-
-    def _reconcile_mismatch(self, name: str) -> None:
-        if self._stats is not None:
-            self._stats.reclaim("reconcile_mismatch")
 
     # -- targets and routes -------------------------------------------------------
     def _targets_changed(self, role: str) -> None:

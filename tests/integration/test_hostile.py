@@ -127,10 +127,12 @@ def test_no_crossed_responses_pd(case: str) -> None:
     run(body())
 
 
-def test_101_is_not_relayed_as_a_final_answer() -> None:
+def fails_with_502_then_serves(script) -> None:
+    """A worker answering with ``script`` gets the client a 502, the booking is released and the
+    next, normal answer is served."""
     async def body() -> None:
         w = await ScriptedWorker().start()
-        w.script = lambda rec: [b"HTTP/1.1 101 Switching Protocols\r\nupgrade: h2c\r\nconnection: upgrade\r\n\r\n"]
+        w.script = script
         async with Router(worker_urls=[w.url], request_timeout_secs=5) as r:
             res = await call(r.port, post("/generate", {"text": "x"}))
             assert res.status == 502, res.body
@@ -138,6 +140,11 @@ def test_101_is_not_relayed_as_a_final_answer() -> None:
             w.script = None
             assert (await call(r.port, post("/generate", {"text": "y"}))).status == 200
     run(body())
+
+
+def test_101_is_not_relayed_as_a_final_answer() -> None:
+    fails_with_502_then_serves(
+        lambda rec: [b"HTTP/1.1 101 Switching Protocols\r\nupgrade: h2c\r\nconnection: upgrade\r\n\r\n"])
 
 
 def test_request_after_a_5mb_response_head_is_served() -> None:

@@ -18,14 +18,8 @@ import time
 import pytest
 
 from fastroute.dataplane import pd as _pd
-from tests.integration.conftest import RawClient, Rec, Router, call, post, run, until, workers
-from tests.integration.test_hostile import RESET, ScriptedWorker
-
-def _answer(rec: Rec) -> bytes:
-    body = b'{"text": "answer to ' + json.loads(rec.body)["text"].encode() + b'"}'
-    return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b" % (
-        len(body), body)
-
+from tests.integration.conftest import RawClient, Router, call, post, run, until, workers
+from tests.integration.test_hostile import RESET, ScriptedWorker, answer, fails_with_502_then_serves
 
 def _dribble(data: bytes, pause: float = 0.002) -> list:
     out: list = []
@@ -37,16 +31,7 @@ def _dribble(data: bytes, pause: float = 0.002) -> list:
 # ------------------------------------------------------------------------------ misbehaving workers
 
 def test_reset_before_the_answer_is_502_and_released() -> None:
-    async def body() -> None:
-        w = await ScriptedWorker().start()
-        w.script = lambda rec: [RESET]
-        async with Router(worker_urls=[w.url], request_timeout_secs=5) as r:
-            res = await call(r.port, post("/generate", {"text": "x"}))
-            assert res.status == 502, res.body
-            await until(lambda: r.in_flight(w) == 0, what="released")
-            w.script = None
-            assert (await call(r.port, post("/generate", {"text": "y"}))).status == 200
-    run(body())
+    fails_with_502_then_serves(lambda rec: [RESET])
 
 
 def test_reset_mid_body_cuts_the_client_stream() -> None:
@@ -68,7 +53,7 @@ def test_reset_mid_body_cuts_the_client_stream() -> None:
 def test_dribbling_worker_is_relayed_whole() -> None:
     async def body() -> None:
         w = await ScriptedWorker().start()
-        w.script = lambda rec: _dribble(_answer(rec))
+        w.script = lambda rec: _dribble(answer(rec))
         async with Router(worker_urls=[w.url], request_timeout_secs=10) as r:
             for i in range(2):
                 res = await call(r.port, post("/generate", {"text": f"d{i}"}), timeout=10)
@@ -107,7 +92,7 @@ def test_101_on_the_pd_decode_leg_is_502() -> None:
 def test_garbage_after_the_answer_never_reaches_the_next_request() -> None:
     async def body() -> None:
         w = await ScriptedWorker().start()
-        w.script = lambda rec: [_answer(rec) + b"\r\nGARBAGE"]
+        w.script = lambda rec: [answer(rec) + b"\r\nGARBAGE"]
         async with Router(worker_urls=[w.url], request_timeout_secs=5) as r:
             for i in range(4):
                 res = await call(r.port, post("/generate", {"text": f"g{i}"}))
