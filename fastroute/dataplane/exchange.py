@@ -40,13 +40,31 @@ _HOP = frozenset({
     b"proxy-authorization", b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade",
     b"content-encoding", b"host", b"content-length", b"x-request-id",
 })
+# What the client head does with a worker header, by its name as the worker spelled it
+# (workers send the same few names, so the lower() and set test run once per name, not per
+# response): copy it, drop it (_HOP), it is the Content-Length, or the Content-Type.
+_COPY, _DROP, _LENGTH, _CTYPE = 0, 1, 2, 3
+_NAME_KIND: dict[bytes, int] = {}
+_NAME_KIND_MAX = 512  # names beyond this many distinct spellings are classified each time
+
+
+def _name_kind(name: bytes) -> int:
+    n = name.lower()
+    kind = (_LENGTH if n == b"content-length" else _DROP if n in _HOP
+            else _CTYPE if n == b"content-type" else _COPY)
+    if len(_NAME_KIND) < _NAME_KIND_MAX:
+        _NAME_KIND[name] = kind
+    return kind
+
+
+# _start_response's ``length``: keep the worker's own Content-Length, if it sent one.
+KEEP_LENGTH: Any = object()
 _LAST_CHUNK = b"0\r\n\r\n"
 # An SSE comment (ignored by every SSE client), as one chunk of a chunked body.
 KEEPALIVE = b": keep-alive\n\n"
 _KEEPALIVE_CHUNK = b"%x\r\n%b\r\n" % (len(KEEPALIVE), KEEPALIVE)
 _KEEPALIVE_HEAD = (b"content-type: text/event-stream\r\ncache-control: no-cache\r\n"
                    b"transfer-encoding: chunked\r\n")
-# smg's endpoint label values, by inference path.
 # Upstream statuses worth another attempt on another target (protocol.md 7.2).
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -56,14 +74,6 @@ class _Timeout(Exception):
 
 
 TIMEOUT = _Timeout("request timeout")
-
-
-def content_length(headers: list) -> bytes | None:
-    """The Content-Length value of an upstream head (kept for a byte-exact relay), or None."""
-    for name, value in headers:
-        if len(name) == 14 and name.lower() == b"content-length":
-            return value
-    return None
 
 
 class _Exchange:
@@ -142,12 +152,13 @@ class _Exchange:
         d[key] = d.get(key, 0) + 1
 
     # -- client writing -----------------------------------------------------
-    def _start_response(self, status: int, headers: list, length: bytes | None = None,
+    def _start_response(self, status: int, headers: list, length: bytes | None = KEEP_LENGTH,
                         ctype: bytes | None = None) -> None:
-        """Build the client head from the upstream head (hop-by-hop stripped).
+        """Build the client head from the upstream head (hop-by-hop stripped), in one scan.
 
-        ``length``: the upstream Content-Length to keep (byte-exact relay), or
-        None to pick chunked framing. ``ctype`` overrides Content-Type.
+        ``length``: ``KEEP_LENGTH`` keeps the upstream Content-Length if there is one (a
+        byte-exact relay), bytes set it, None picks chunked framing. ``ctype`` overrides
+        Content-Type.
         """
         if self.ka_sent:                 # (started below ends the keep-alives: see keepalive)
             # The 200 event-stream head is already out (keep-alive comments went first): the
@@ -158,12 +169,21 @@ class _Exchange:
         parts = [status_line(status)]
         ap = parts.append
         self.status = status
+        kinds = _NAME_KIND
+        keep = length is KEEP_LENGTH
+        if keep:
+            length = None
         for name, value in headers:
-            n = name.lower()
-            if n in _HOP:
-                continue
-            if ctype is not None and n == b"content-type":
-                continue
+            kind = kinds.get(name)
+            if kind is None:
+                kind = _name_kind(name)
+            if kind:
+                if kind == _LENGTH:
+                    if keep and length is None:
+                        length = value
+                    continue
+                if kind == _DROP or ctype is not None:
+                    continue
             ap(name + b": " + value + b"\r\n")
         if ctype is not None:
             ap(b"content-type: " + ctype + b"\r\n")
@@ -453,12 +473,7 @@ class Relay(_Exchange):
             self._fail_client(RouterError(status if status >= 400 else 502, "upstream_error",
                                           "Worker answered HTTP %d" % status), True)
             return
-        length = None
-        for name, value in headers:  # (content_length() inlined: once per request)
-            if len(name) == 14 and name.lower() == b"content-length":
-                length = value
-                break
-        self._start_response(status, headers, length)
+        self._start_response(status, headers)  # (keeps the worker's Content-Length, if any)
         self.proto.flow.relay(self)
 
     def up_body(self, data: bytes) -> None:

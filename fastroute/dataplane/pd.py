@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from fastroute import errors as _errors
 from fastroute.config import DP_RANK_FIELDS
 from fastroute.dataplane import body as _body
-from fastroute.dataplane.exchange import RETRY_STATUS, TIMEOUT, _Exchange, content_length
+from fastroute.dataplane.exchange import KEEP_LENGTH, RETRY_STATUS, TIMEOUT, _Exchange
 from fastroute.dataplane.logprobs import SSELogprobMerger, merge_logprobs_json
 from fastroute.dataplane.protocol import CT_JSON
 from fastroute.dataplane.upstream import ConnectError
@@ -291,7 +291,7 @@ class PDRelay(_Exchange):
             merger.feed_prefill(p.body())
             self.merger = merger
         else:
-            length = content_length(d.headers)  # byte-exact relay keeps the decode's length
+            length = KEEP_LENGTH  # byte-exact relay keeps the decode's length
         p.chunks = []
         self._start_response(d.status, d.headers, length)
         buffered = d.chunks

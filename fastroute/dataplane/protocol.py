@@ -114,6 +114,27 @@ def header_flags(request_id_headers: list[str], routing_key_headers: list[str],
     return flags, rid_headers, key_headers
 
 
+_HEADER_SPELLINGS = 1024  # raw header-name spellings remembered per App (see _classify)
+
+
+def _classify(flags: dict[bytes, int], name: bytes) -> int:
+    """The flag bits of a header name as the client spelled it, remembered in the App's table.
+
+    The table starts with the flagged lower-case names; each new spelling (``Content-Length``,
+    ``User-Agent``...) is looked up once by its lower-case form and then found by one dict
+    lookup, without a ``lower()`` per header. Unflagged names get 0, ``x-request-id-*``
+    (forwarded) ``_F_FWD``. A client inventing names cannot grow the table past
+    ``_HEADER_SPELLINGS`` new entries: beyond that, names are classified each time.
+    """
+    n = name.lower()
+    f = flags.get(n)
+    if f is None:
+        f = _F_FWD if len(n) > 13 and n.startswith(b"x-request-id-") else 0
+    if len(flags) < _HEADER_SPELLINGS:
+        flags[name] = f
+    return f
+
+
 _RID_PREFIX = RID_PREFIX
 
 # Request ids are correlation tags, not secrets: a Mersenne Twister seeded from
@@ -166,7 +187,7 @@ class ClientProtocol(asyncio.Protocol):
         self.loop = app.loop
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
-        self._flags = app.header_flags   # lower-cased name -> _F_* bits (fixed per App)
+        self._flags = app.header_flags   # header name -> _F_* bits (per App; see _classify)
         self.closed = False
         self.busy = False                 # a response is in progress
         self.queue: list[Request] = []    # pipelined requests waiting for their turn
@@ -271,8 +292,10 @@ class ClientProtocol(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._req = Request()
         self._url = b""
-        self._fwd = []
-        self._chunks = []
+        if self._fwd:            # (joined into the last request: a fresh list, else reused)
+            self._fwd = []
+        if self._chunks:
+            self._chunks = []
         self._rid_vals = None
         self._key_vals = None
         self._expect = False
@@ -299,12 +322,10 @@ class ClientProtocol(asyncio.Protocol):
         if size > _HEAD_LIMIT:
             self._head_too_large()
             return
-        n = name.lower()
-        f = self._flags.get(n)
+        f = self._flags.get(name)
         if f is None:
-            # len() first: most unflagged names are shorter than the prefix.
-            if len(n) > 13 and n.startswith(b"x-request-id-"):
-                self._fwd.append(name + b": " + value + b"\r\n")
+            f = _classify(self._flags, name)
+        if not f:
             return
         if f == _F_CL:  # the one flagged header of nearly every request
             try:
@@ -312,6 +333,7 @@ class ClientProtocol(asyncio.Protocol):
             except ValueError:
                 self._cl = -1
             return
+        n = name.lower()
         if f & _F_FWD:
             self._fwd.append(name + b": " + value + b"\r\n")
         if f & _F_AUTH:
