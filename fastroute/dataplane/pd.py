@@ -356,6 +356,16 @@ class PDRelay(_Exchange):
         elif not d.done and d.conn is not None:
             self._outcome(d.target, TIMEOUT)
 
+    def _close_books(self) -> None:
+        try:
+            super()._close_books()
+        finally:
+            # The legs point back at this exchange: letting go of them here breaks that
+            # cycle, so the exchange, its legs and their buffers are freed by reference
+            # counting when the request ends, not by a garbage-collector pass (which cost
+            # about a tenth of the PD CPU per request while the cycle stayed).
+            self.p = self.d = _NO_LEG
+
     def _abort_legs(self) -> None:
         for leg in (self.p, self.d):
             c = leg.conn

@@ -28,7 +28,7 @@ from fastroute.control.metrics import group_decisions
 from fastroute.core.routing import Router
 from fastroute.core.table import TargetTable
 from fastroute.log import configure_logging
-from fastroute.runtime.assemble import assemble, drain, listen
+from fastroute.runtime.assemble import assemble, drain, freeze_heap, listen
 from fastroute.runtime.startup import tls_context
 
 # Logger name kept from before the split: operators filter on it.
@@ -75,6 +75,7 @@ async def serve_child(state_dir: str, slot: int) -> int:
     app, registry = parts.app, parts.registry
     assert app is not None and isinstance(registry, FollowerRegistry)
     listener = await listen(app, cfg.host, int(info["port"]), reuse_port=True, tls=tls_context(cfg))
+    freeze_heap()
     app.start()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

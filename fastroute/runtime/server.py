@@ -33,7 +33,7 @@ from fastroute.control.replica import ReplicaSync, start_replica_sync
 from fastroute.core.routing import Router
 from fastroute.core.table import TargetTable
 from fastroute.dataplane.app import App
-from fastroute.runtime.assemble import assemble, drain, listen, stop_in_order
+from fastroute.runtime.assemble import assemble, drain, freeze_heap, listen, stop_in_order
 from fastroute.runtime.probe import ProbeServer
 from fastroute.runtime.startup import announce, start_probe, tls_context
 
@@ -135,6 +135,7 @@ async def serve(config: Config, factory: Callable[[Config], Process] = Server) -
     loop = asyncio.get_running_loop()
     server = factory(config)
     await server.start()
+    freeze_heap()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
