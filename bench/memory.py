@@ -262,9 +262,10 @@ def children(pid: int) -> list[int]:
 def cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            argv = f.read().decode(errors="replace").split("\0")
     except OSError:
         return "?"
+    return " ".join(" ".join([os.path.basename(argv[0])] + argv[1:]).split())
 
 
 # ----------------------------------------------------------------------------- run
