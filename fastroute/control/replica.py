@@ -42,11 +42,7 @@ import os
 import socket
 from typing import Any
 
-import redis.asyncio as aioredis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
-from redis.retry import Retry
 
 from fastroute.core.table import (CIRCUIT_OPEN, COL_ALLOCATED, COL_CIRCUIT, COL_IN_FLIGHT,
                                   COL_IN_FLIGHT_TOKENS, COL_OTHERS_IN_FLIGHT, COL_OTHERS_OPEN,
@@ -127,6 +123,14 @@ class ReplicaSync:
         self._cleared = True               # the others columns hold nothing
         self._task: asyncio.Task | None = None
         timeout = max(0.05, min(1.0, ttl / 2))
+        # Deferred: redis adds ~6 MB of RSS at import and only --replica-sync uses it.
+        import redis.asyncio as aioredis
+        from redis.backoff import NoBackoff
+        from redis.exceptions import RedisError
+        from redis.retry import Retry
+
+        # What a failed tick or withdrawal raises (RedisError known only once redis is loaded).
+        self._failures = (RedisError, OSError, asyncio.TimeoutError)
         # No retries inside the client: this task retries with its own backoff, and a command
         # never waits longer than the timeout.
         self.client = aioredis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
@@ -152,7 +156,7 @@ class ReplicaSync:
                 pipe.zrem(BEAT_KEY, self.id)
                 pipe.hdel(LOAD_KEY, self.id)
                 await asyncio.wait_for(pipe.execute(), self.ttl)
-            except (RedisError, OSError, asyncio.TimeoutError):
+            except self._failures:
                 pass        # the entry ages out after the TTL instead
         self._clear()
         await self.client.aclose()
@@ -229,7 +233,7 @@ class ReplicaSync:
                 self.peers = await self.tick()
             except asyncio.CancelledError:
                 raise
-            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            except self._failures as exc:
                 self.errors += 1
                 if self.up is not False:
                     log.warning("replica sync: Redis at %s unreachable (%s); routing on this "

@@ -161,6 +161,10 @@ class _Exchange:
         byte-exact relay), bytes set it, None picks chunked framing. ``ctype`` overrides
         Content-Type.
         """
+        # No attempt follows a started response (can_retry): a long stream need not keep the
+        # request body and its parse alive to its end.
+        self.req.body = b""
+        self.meta.obj = None
         if self.ka_sent:                 # (started below ends the keep-alives: see keepalive)
             # The 200 event-stream head is already out (keep-alive comments went first): the
             # upstream's 2xx head adds nothing the client can still receive.

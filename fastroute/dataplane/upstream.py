@@ -164,7 +164,7 @@ class UpstreamConnection(asyncio.Protocol):
         if leg is None:
             return
         self.leg = None
-        if self.head_done and not _length_known(self.status, self.headers):
+        if self.head_done and not self.keep_alive and not _length_known(self.status, self.headers):
             # Close-delimited body (no Content-Length, not chunked): EOF ends it.
             leg.up_done()
             return
@@ -206,6 +206,10 @@ class UpstreamConnection(asyncio.Protocol):
         leg = self.leg
         if leg is not None:
             leg.up_head(status, self.headers)
+        if self.keep_alive:
+            # llhttp's keep-alive implies a delimited body, so connection_lost needs no head:
+            # a long stream does not keep it (a leg that wants it keeps its own reference).
+            self.headers = []
 
     def on_body(self, body: bytes) -> None:
         leg = self.leg

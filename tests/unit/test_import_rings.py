@@ -1,7 +1,11 @@
 """The data plane's import rule, checked per module: importing any module of
 ``fastroute.dataplane`` in a fresh interpreter loads neither NumPy, nor any
 ``fastroute.core`` module, nor any compiled fastroute extension. (The breakers,
-reconciler and routing groups it uses are handed in by the runtime.)"""
+reconciler and routing groups it uses are handed in by the runtime.)
+
+And the router as a whole (``fastroute.cli``, which imports every ring) loads no optional
+dependency of a flag that is off by default: redis (``--replica-sync``), kubernetes_asyncio and
+aiohttp (``--service-discovery``) are imported where those flags start their parts."""
 from __future__ import annotations
 
 import os
@@ -48,3 +52,20 @@ def test_data_plane_module_imports_no_numpy_and_no_compiled_code(module: str) ->
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [], f"{module} loads {out.stdout.strip()}"
+
+
+_OPTIONAL = ("redis", "kubernetes_asyncio", "aiohttp")
+_PROBE_OPTIONAL = """
+import sys
+import fastroute.cli
+print(" ".join(sorted({n.partition(".")[0] for n in sys.modules} & set(sys.argv[1:]))))
+"""
+
+
+def test_router_imports_no_optional_dependency_of_a_flag_left_off() -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+    out = subprocess.run([sys.executable, "-c", _PROBE_OPTIONAL, *_OPTIONAL], env=env, cwd=_ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [], f"importing fastroute.cli loads {out.stdout.strip()}"

@@ -220,6 +220,20 @@ def test_client_disconnect_aborts_upstream_and_releases_exactly_once(env) -> Non
     assert env.app.exchanges == set()
 
 
+def test_held_stream_keeps_neither_the_request_body_nor_its_parse(env) -> None:
+    """Memory per stream (issue 17): what no later attempt can read is let go at the head."""
+    assert not hasattr(env.proto, "__dict__")  # slots: no per-connection instance dict
+    env.proto.data_received(post(b'{"text": "hi", "stream": true}'))
+    (_, leg), = env.pool.sent
+    assert leg.req.body and leg.meta.obj is not None  # a retry may still need them
+    leg.up_head(200, [(b"Transfer-Encoding", b"chunked")])
+    assert leg.req.body == b"" and leg.meta.obj is None
+    leg.up_body(b"data: 1\n\n")
+    leg.up_done()
+    (res,) = responses(env.tr.out)
+    assert res["status"] == 200 and res["body"] == b"data: 1\n\n"
+
+
 def test_upstream_error_before_head_is_502_after_head_cuts_stream(env) -> None:
     env.proto.data_received(post())
     (_, leg), = env.pool.sent
@@ -370,6 +384,18 @@ def test_close_delimited_upstream_response_ends_at_eof() -> None:
     conn.data_received(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\ndata: 1\n\n")
     conn.connection_lost(None)
     assert leg.events == [("head", 200), ("body", b"data: 1\n\n"), "done"]
+
+
+def test_delimited_upstream_head_is_not_kept_and_a_cut_is_still_an_error() -> None:
+    from fastroute.dataplane.upstream import UpstreamConnection
+
+    pool, leg = _StubPool(), _Leg()
+    conn = UpstreamConnection(pool)  # type: ignore[arg-type]
+    conn.leg = leg
+    conn.data_received(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n")
+    assert conn.headers == []  # the head went to the leg; a held stream does not keep it
+    conn.connection_lost(None)
+    assert leg.events == [("head", 200), ("body", b"data: 1\n\n"), ("error", "UpstreamError")]
 
 
 # -- routes, pools and flow control ----------------------------------------------------------
