@@ -74,12 +74,12 @@ async def serve_child(state_dir: str, slot: int) -> int:
                            metrics=False)
     app, registry = parts.app, parts.registry
     assert app is not None and isinstance(registry, FollowerRegistry)
+    stop = asyncio.Event()  # (handlers before the listener: a SIGTERM from then on drains)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     listener = await listen(app, cfg.host, int(info["port"]), reuse_port=True, tls=tls_context(cfg))
     freeze_heap()
     app.start()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     report_path = os.path.join(state_dir, f"stats-{slot}.pickle")
 
     def report() -> None:

@@ -134,14 +134,16 @@ async def serve(config: Config, factory: Callable[[Config], Process] = Server) -
     """Run ``factory(config)`` until SIGTERM/SIGINT, then drain; returns the exit status."""
     loop = asyncio.get_running_loop()
     server = factory(config)
-    await server.start()
-    freeze_heap()
+    # Handlers first: a SIGTERM while starting (the listener may already accept) stops the
+    # router cleanly once it is up, instead of killing it with its shared table left behind.
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
+    await server.start()
+    freeze_heap()
     await stop.wait()
     log.info("shutdown: draining (grace %ss)", config.shutdown_grace_period_secs)
     await server.stop()

@@ -375,6 +375,44 @@ def test_subprocess_router_serves_and_exits_on_sigterm() -> None:
     run(body(), timeout=40)
 
 
+def test_sigterm_as_soon_as_the_port_accepts_stops_cleanly() -> None:
+    """A SIGTERM that lands while the router is still finishing its start-up (the listener
+    already accepts) stops it like any other: exit 0 and its shared table unlinked, never a
+    kill by the default handler that leaves the shared memory behind."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    for _ in range(4):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fastroute", "--host", "127.0.0.1", "--port", str(port),
+             "--prometheus-port", "0", "--log-level", "warn"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": os.getcwd()})
+        try:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                try:
+                    socket.create_connection(("127.0.0.1", port), 0.2).close()
+                    break
+                except OSError:
+                    time.sleep(0.01)
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=20)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == 0, err
+        assert "leaked shared_memory" not in err, err
+
+
 def test_routing_key_header_sticks_under_consistent_hashing() -> None:
     async def body() -> None:
         ws = await workers(3)
