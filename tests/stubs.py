@@ -2,6 +2,10 @@
 compiled table): one copy, so a change to Group.acquire's signature is made once."""
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
 
 class StubLease:
     """Counts its releases; ``release()`` is True only the first time, like the real Lease."""
@@ -45,3 +49,59 @@ class StubMeta:
 
     def routing_text(self) -> str | None:
         return self.text
+
+
+class StubTransport(asyncio.Transport):
+    """A client transport that never blocks: counts the bytes written (``n``) and, when
+    ``record``, keeps each write (``out``)."""
+
+    def __init__(self, record: bool = False) -> None:
+        super().__init__()
+        self.n = 0
+        self.record = record
+        self.out: list[bytes] = []
+
+    def write(self, data: Any) -> None:
+        self.n += len(data)
+        if self.record:
+            self.out.append(bytes(data))
+
+    def close(self) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+
+class StubConn:
+    """An upstream connection a leg can pause, resume and abort (all no-ops)."""
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+class StubRegistry:
+    """One worker as targets 0 (whole) and 1 (DP rank 3); regular and prefill pick target 0,
+    decode target 1."""
+
+    def __init__(self, record: bool = True) -> None:
+        w = SimpleNamespace(url="http://127.0.0.1:9", host="127.0.0.1", port=9, api_key=None,
+                            bootstrap_port=8998, dp_size=1)
+        self.target_info = [(w, None), (w, 3)]
+        self.groups = {"regular": StubGroup(0, record), "prefill": StubGroup(0, record),
+                       "decode": StubGroup(1, record)}
+
+    def ready(self) -> bool:
+        return True
+
+    def group(self, role: str) -> StubGroup:
+        return self.groups[role]

@@ -12,7 +12,6 @@ request: what the data path adds on top of the kernel's socket work.
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,36 +19,7 @@ import pytest
 from fastroute.config import Config
 from fastroute.dataplane.app import App
 from fastroute.dataplane.protocol import ClientProtocol
-from tests.stubs import StubGroup
-
-
-class _Transport(asyncio.Transport):
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def write(self, data: Any) -> None:
-        self.n += len(data)
-
-    def close(self) -> None:
-        pass
-
-    def is_closing(self) -> bool:
-        return False
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
-
-
-class _Conn:
-    def pause(self) -> None:
-        pass
-
-    def resume(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
+from tests.stubs import StubConn, StubRegistry, StubTransport
 
 
 class _Pool:
@@ -58,36 +28,21 @@ class _Pool:
 
     def __init__(self) -> None:
         self.last: Any = None
-        self.conn = _Conn()
+        self.conn = StubConn()
 
-    def send(self, request: bytes, leg: Any) -> _Conn:
+    def send(self, request: bytes, leg: Any) -> StubConn:
         leg.conn = self.conn
         self.last = leg
         return self.conn
 
 
-class _Registry:
-    def __init__(self) -> None:
-        w = SimpleNamespace(url="http://127.0.0.1:9", host="127.0.0.1", port=9, api_key=None,
-                            bootstrap_port=8998, dp_size=1)
-        self.target_info = [(w, None), (w, 3)]
-        self.groups = {"regular": StubGroup(0, record=False), "prefill": StubGroup(0, record=False),
-                       "decode": StubGroup(1, record=False)}
-
-    def ready(self) -> bool:
-        return True
-
-    def group(self, role: str) -> StubGroup:
-        return self.groups[role]
-
-
 def _setup(**cfg: Any) -> tuple[ClientProtocol, _Pool, asyncio.AbstractEventLoop]:
     loop = asyncio.new_event_loop()
-    app = App(Config(**cfg), _Registry(), loop)
+    app = App(Config(**cfg), StubRegistry(record=False), loop)
     pool = _Pool()
     app.pool_for = lambda worker: pool  # type: ignore[method-assign]
     proto = ClientProtocol(app)
-    proto.connection_made(_Transport())
+    proto.connection_made(StubTransport())
     return proto, pool, loop
 
 
@@ -187,7 +142,7 @@ def test_bench_pd_sse_8_events_dp_aware(benchmark) -> None:
     proto, pool, loop = _setup(pd_disaggregation=True, prefill=[("http://127.0.0.1:9", 8998)],
                                decode=["http://127.0.0.1:10"], dp_aware=True)
     ex_legs: list = []
-    pool.send = lambda request, leg: (setattr(leg, "conn", _Conn()), ex_legs.append(leg))  # type: ignore[method-assign]
+    pool.send = lambda request, leg: (setattr(leg, "conn", StubConn()), ex_legs.append(leg))  # type: ignore[method-assign]
 
     def one() -> None:
         ex_legs.clear()
