@@ -60,13 +60,36 @@ def ext(name):
     )
 
 
+# The data plane's hot classes, compiled from their .py (Cython pure-Python mode): each module's
+# .pxd declares which classes become extension types and the C types of their attributes; the
+# .py stays the one source (and runs as it is wherever it is not compiled). Annotations stay
+# documentation (annotation_typing off): only the .pxd declares C types.
+DATAPLANE = ["protocol", "exchange", "pd", "upstream", "flow", "body"]
+
+
+def dataplane_ext(name):
+    return Extension(
+        f"fastroute.dataplane.{name}",
+        [f"fastroute/dataplane/{name}.py"],
+        define_macros=[m for m in macros if m[0] == "NDEBUG"],
+        extra_compile_args=cflags,
+        extra_link_args=ldflags,
+    )
+
+
+# One C output directory per directive set: Cython regenerates C only when a source or .pxd is
+# newer than it, so a debug build must not reuse the release C (or the reverse).
+build_dir = "build/cython-debug" if DEBUG else "build/cython-release"
 setup(
     ext_modules=cythonize(
         [ext("_policy"), ext("_ledger"), ext("_tree"), ext("_manual")],
         compiler_directives=directives,
         include_path=["."],
-        # One C output directory per directive set: Cython regenerates C only when a .pyx/.pxd
-        # is newer than it, so a debug build must not reuse the release C (or the reverse).
-        build_dir="build/cython-debug" if DEBUG else "build/cython-release",
+        build_dir=build_dir,
+    ) + cythonize(
+        [dataplane_ext(name) for name in DATAPLANE],
+        compiler_directives={**directives, "annotation_typing": False},
+        include_path=["."],
+        build_dir=build_dir,
     ),
 )

@@ -177,8 +177,11 @@ class Request:
         self.acrh: bytes | None = None
 
 
-class ClientProtocol(asyncio.Protocol):
-    """One client connection: parse requests, answer them strictly in order."""
+class ClientProtocol:
+    """One client connection: parse requests, answer them strictly in order.
+
+    An asyncio protocol by its methods (not derived from ``asyncio.Protocol``, so that the
+    compiled build can make it an extension type: see protocol.pxd)."""
 
     # Slots: past 30 attributes CPython gives each instance a full dict (~1.6 KB per held
     # connection, and slower attribute access); slots cost 8 bytes a name. Keep in step with
@@ -290,6 +293,9 @@ class ClientProtocol(asyncio.Protocol):
             self._head_bytes = n
             if n > _HEAD_LIMIT and not self.bad_request:
                 self._head_too_large()
+
+    def eof_received(self) -> bool | None:
+        return None  # let the transport close; connection_lost does the bookkeeping
 
     def pause_writing(self) -> None:
         self.flow.pause_writing()

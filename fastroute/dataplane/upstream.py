@@ -87,8 +87,11 @@ class ConnectError(UpstreamError):
     """TCP connect to the worker failed: the request never reached it (safe to retry)."""
 
 
-class UpstreamConnection(asyncio.Protocol):
-    """One TCP connection to a worker; parses responses with httptools."""
+class UpstreamConnection:
+    """One TCP connection to a worker; parses responses with httptools.
+
+    An asyncio protocol by its methods (not derived from ``asyncio.Protocol``, so that the
+    compiled build can make it an extension type: see upstream.pxd)."""
 
     __slots__ = (
         "pool", "transport", "parser", "leg", "request", "reused", "got_bytes",
@@ -156,6 +159,12 @@ class UpstreamConnection(asyncio.Protocol):
 
     def eof_received(self) -> bool | None:
         return None  # let the transport close; connection_lost does the bookkeeping
+
+    def pause_writing(self) -> None:
+        pass  # a request larger than the transport's buffer: it is written as it drains
+
+    def resume_writing(self) -> None:
+        pass
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

@@ -1,0 +1,18 @@
+# Augmenting declarations for the compiled build of protocol.py (Cython pure-Python mode; see
+# setup.py): the classes below become extension types, their attributes a C struct. The .py
+# stays the source and runs as it is when not compiled; keep both in step.
+cdef class Request:
+    cdef public object method, url, fwd, auth, rid, key, body, body_len
+    cdef public bint too_large, keep_alive, http11
+    cdef public object origin, acrh
+    cdef object __weakref__
+
+cdef class ClientProtocol:
+    cdef public object app, loop, transport, parser, _flags
+    cdef public bint closed, busy, draining, bad_request, in_head, head_only, _expect
+    cdef public object queue, flow, exchange
+    cdef public double head_deadline, http_t0
+    cdef public Request _req
+    cdef public object _url, _fwd, _chunks, _rid_vals, _key_vals, _body_check, waiter, http_key
+    cdef public object _bad_message, _cl
+    cdef public Py_ssize_t _head_size, _head_bytes, _bad_status

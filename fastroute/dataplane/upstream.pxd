@@ -1,0 +1,13 @@
+# Augmenting declarations for the compiled build of upstream.py (Cython pure-Python mode; see
+# setup.py): the classes below become extension types, their attributes a C struct. The .py
+# stays the source and runs as it is when not compiled; keep both in step.
+cdef class UpstreamConnection:
+    cdef public object pool, transport, parser, leg, request, headers, connect_task
+    cdef public bint reused, got_bytes, head_done, keep_alive, closed, paused, interim, pooled
+    cdef public Py_ssize_t status
+    cdef public double idle_since
+
+cdef class Pool:
+    cdef public object host, port, idle, busy, loop, _sweep_handle, ssl
+    cdef public double idle_timeout
+    cdef public bint closed

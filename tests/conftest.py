@@ -1,0 +1,37 @@
+"""Session-wide checks shared by every test directory."""
+from __future__ import annotations
+
+import importlib.machinery
+import os
+
+import pytest
+
+_DATAPLANE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "fastroute", "dataplane")
+
+
+def stale_compiled_modules(directory: str = _DATAPLANE) -> list[str]:
+    """Compiled data-plane modules older than the .py or .pxd they were built from.
+
+    The compiled module shadows its .py on import, so after an edit without a rebuild the
+    tests would run yesterday's code while reading today's."""
+    stale = []
+    for name in sorted(os.listdir(directory)):
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            if name.endswith(suffix):
+                stem = name[:-len(suffix)]
+                built = os.path.getmtime(os.path.join(directory, name))
+                for src in (stem + ".py", stem + ".pxd"):
+                    path = os.path.join(directory, src)
+                    if os.path.exists(path) and os.path.getmtime(path) > built:
+                        stale.append(f"{name} (older than {src})")
+                break
+    return stale
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    stale = stale_compiled_modules()
+    if stale:
+        raise pytest.UsageError(
+            "compiled data-plane modules are older than their sources: %s; rebuild with "
+            "`python3 setup.py build_ext --inplace`" % ", ".join(stale))

@@ -1,0 +1,58 @@
+"""The data plane's compiled build: which classes become extension types, and the guard that
+keeps tests from running a compiled module older than its source (tests/conftest.py)."""
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import os
+import time
+
+import pytest
+
+from tests.conftest import stale_compiled_modules
+
+# setup.py's DATAPLANE list and the classes each module's .pxd declares.
+_DECLARED = {
+    "protocol": ("Request", "ClientProtocol"),
+    "exchange": ("_Exchange", "Relay"),
+    "pd": ("_PDLeg", "PDRelay"),
+    "upstream": ("UpstreamConnection", "Pool"),
+    "flow": ("FlowControl",),
+    "body": ("RequestMeta",),
+}
+
+
+@pytest.mark.parametrize("module", sorted(_DECLARED))
+def test_declared_classes_are_extension_types_when_compiled(module: str) -> None:
+    mod = importlib.import_module(f"fastroute.dataplane.{module}")
+    if mod.__file__.endswith(".py"):
+        pytest.skip("running the interpreted data plane (no compiled build in place)")
+    for name in _DECLARED[module]:
+        cls = getattr(mod, name)
+        # An extension type has no per-instance dict and refuses new attributes.
+        obj = cls.__new__(cls)
+        with pytest.raises(AttributeError):
+            obj.not_declared_anywhere = 1
+
+
+def test_every_module_with_a_pxd_is_listed(tmp_path) -> None:
+    here = os.path.join(os.path.dirname(importlib.import_module("fastroute.dataplane").__file__))
+    pxd = {f[:-4] for f in os.listdir(here) if f.endswith(".pxd")}
+    assert pxd == set(_DECLARED)
+    setup_py = open(os.path.join(os.path.dirname(os.path.dirname(here)), "setup.py")).read()
+    for name in _DECLARED:
+        assert f'"{name}"' in setup_py
+
+
+def test_a_compiled_module_older_than_its_source_is_reported(tmp_path) -> None:
+    ext = importlib.machinery.EXTENSION_SUFFIXES[0]
+    old = time.time() - 100
+    (tmp_path / f"fresh{ext}").write_bytes(b"")
+    (tmp_path / "fresh.py").write_text("")
+    os.utime(tmp_path / "fresh.py", (old, old))
+    (tmp_path / f"stale{ext}").write_bytes(b"")
+    os.utime(tmp_path / f"stale{ext}", (old, old))
+    (tmp_path / "stale.py").write_text("")
+    (tmp_path / "stale.pxd").write_text("")
+    found = stale_compiled_modules(str(tmp_path))
+    assert found == [f"stale{ext} (older than stale.py)", f"stale{ext} (older than stale.pxd)"]
