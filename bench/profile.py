@@ -5,7 +5,9 @@ cProfile (regular or PD, with the overhead benchmark's command line), drives it 
 or SSE, 256 connections) and prints the functions that used the most own time, in microseconds
 per request, grouped as a table. cProfile adds its own cost to every Python call (so the sum is
 well above the unprofiled CPU per request); read the table for shares and call counts, and
-measure speed with ``bench/overhead.py``.
+measure speed with ``bench/overhead.py``. Functions of compiled modules (the core, and the data
+plane's classes when built) are invisible to cProfile: their time shows as their callers' own
+time; ``--perf`` sees them, by shared object.
 
 Usage: ``python bench/profile.py --mode regular --kind json [--seconds 5] [--top 25]``
 """
@@ -64,7 +66,7 @@ def main() -> int:
                                                                               ov.SSE_BODY)
         lua = ov.write_lua(tmp, a.kind, path, body)
         s = ov.Settings(duration=a.seconds, rounds=1, modes=[a.mode], lat_json=0, lat_sse=0)
-        ov.run_wrk(s, fr.port, lua, 64, 1)  # warm-up
+        warm = ov.run_wrk(s, fr.port, lua, 64, 1)  # warm-up (its requests are profiled too)
         if a.strace:
             rec = subprocess.Popen(["strace", "-c", "-f", "-p", str(p.pid)],
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -103,7 +105,7 @@ def main() -> int:
                 print(rep[:6000])
             return 0
         res = ov.run_wrk(s, fr.port, lua, a.connections, a.seconds)
-        del res
+        n = warm["requests"] + res["requests"]
         p.send_signal(signal.SIGINT)
         p.wait(30)
         for _ in range(50):
@@ -112,9 +114,6 @@ def main() -> int:
             time.sleep(0.1)
         st = pstats.Stats(str(out))
         rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])  # type: ignore[attr-defined]
-        # Requests served (warm-up included): calls of the client protocol's message end.
-        n = max(v[1] for (f, _l, name), v in rows
-                if name == "on_message_complete" and f.endswith("protocol.py"))
         total = sum(v[2] for _, v in rows)
         print(f"### {a.mode} {a.kind} c={a.connections}: {n:,} requests, "
               f"{total / n * 1e6:.1f} us/request of profiled own time\n")
