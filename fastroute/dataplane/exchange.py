@@ -304,7 +304,10 @@ class _Exchange:
                 self.slot = False
                 self.app.admission.leave()
 
-    def _finish(self, keep_alive: bool) -> None:
+    def _finish(self, keep_alive: bool, error: RouterError | None = None,
+                sse: bool = False) -> None:
+        """The one ending: give the books back, then hand the connection on, either with the
+        response done or (``error``, nothing of a response sent yet) with that error."""
         if self.finished:
             return
         self.finished = True
@@ -312,8 +315,13 @@ class _Exchange:
         try:
             self._close_books()
         finally:
-            if self.proto.exchange is self:
-                self.proto.response_done(keep_alive)
+            proto = self.proto
+            if proto.exchange is self:
+                if error is None:
+                    proto.response_done(keep_alive)
+                else:
+                    proto.exchange = None
+                    proto.send_error(error, self.req, sse, self.meta.model)
 
     def _fail_client(self, exc: RouterError, sse: bool = False) -> None:
         """Upstream failed. Before any client byte: a JSON (or SSE) error; after: cut the stream."""
@@ -344,14 +352,7 @@ class _Exchange:
                 self.app.count_response(exc.status, exc.code, self.path, self.meta.model)
             self._finish(self.keep_alive)
             return
-        self.finished = True
-        self.app.exchanges.discard(self)
-        try:
-            self._close_books()
-        finally:
-            if self.proto.exchange is self:
-                self.proto.exchange = None
-                self.proto.send_error(exc, self.req, sse, self.meta.model)
+        self._finish(False, exc, sse)
 
     # -- control --------------------------------------------------------------
     def cancel(self, status: int = 499, code: str = "client_closed") -> None:

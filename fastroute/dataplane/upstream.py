@@ -231,7 +231,8 @@ class UpstreamConnection:
             return
         leg = self.leg
         self.leg = None
-        self.headers = []
+        if self.headers:  # (already dropped at the head when the body is delimited)
+            self.headers = []
         self.head_done = False
         if leg is None:
             self.abort()  # the end of a response nobody asked for

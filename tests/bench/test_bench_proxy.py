@@ -61,18 +61,19 @@ JSON_BODY = b'{"text": " Paris.", "meta_info": {"id": "x", "prompt_tokens": 6, "
 EVENT = b'data: {"text": " tok", "output_ids": [21], "meta_info": {"id": "x"}, "index": 0}\n\n'
 
 
+def _json_round(proto: ClientProtocol, pool: _Pool) -> None:
+    """One regular JSON request: client bytes in, the worker's answer played to the leg."""
+    proto.data_received(REQ)
+    leg = pool.last
+    leg.up_head(200, JSON_HEAD)
+    leg.up_body(JSON_BODY)
+    leg.up_done()
+
+
 @pytest.mark.benchmark(group="proxy")
 def test_bench_regular_json_request(benchmark) -> None:
     proto, pool, loop = _setup(worker_urls=["http://127.0.0.1:9"])
-
-    def one() -> None:
-        proto.data_received(REQ)
-        leg = pool.last
-        leg.up_head(200, JSON_HEAD)
-        leg.up_body(JSON_BODY)
-        leg.up_done()
-
-    benchmark(one)
+    benchmark(_json_round, proto, pool)
     assert not proto.busy and not proto.app.exchanges
     loop.close()
 
@@ -105,15 +106,7 @@ def test_bench_regular_json_request_metrics(benchmark, metrics: str) -> None:
         if metrics != "on":
             st.pick_seconds, st.overhead_seconds = _NoHist(), _NoHist()  # type: ignore[assignment]
         proto.app.stats = st
-
-    def one() -> None:
-        proto.data_received(REQ)
-        leg = pool.last
-        leg.up_head(200, JSON_HEAD)
-        leg.up_body(JSON_BODY)
-        leg.up_done()
-
-    benchmark(one)
+    benchmark(_json_round, proto, pool)
     assert not proto.busy and not proto.app.exchanges
     loop.close()
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -34,6 +36,19 @@ def run(coro: Awaitable[Any], timeout: float = 30.0) -> Any:
     async def bounded() -> Any:
         return await asyncio.wait_for(coro, timeout)
     return uvloop.run(bounded())
+
+
+def wait_port(port: int, timeout: float = 20.0, poll: float = 0.05) -> bool:
+    """Block until something accepts TCP connections on 127.0.0.1:``port`` (a router started as a
+    subprocess); False if nothing did within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return True
+        except OSError:
+            time.sleep(poll)
+    return False
 
 
 async def until(cond: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:

@@ -4,10 +4,9 @@ in-flight accounting, keep-alive, pipelining, bad inputs, auth, dp-aware balance
 from __future__ import annotations
 
 import asyncio
-import json
 
 from tests.integration.conftest import (
-    DataWorker, RawClient, Router, call, get, post, run, until, workers,
+    DataWorker, RawClient, Router, call, get, post, run, until, wait_port, workers,
 )
 
 
@@ -384,7 +383,6 @@ def test_sigterm_as_soon_as_the_port_accepts_stops_cleanly() -> None:
     import socket
     import subprocess
     import sys
-    import time
 
     for _ in range(4):
         with socket.socket() as s:
@@ -396,13 +394,7 @@ def test_sigterm_as_soon_as_the_port_accepts_stops_cleanly() -> None:
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONPATH": os.getcwd()})
         try:
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
-                try:
-                    socket.create_connection(("127.0.0.1", port), 0.2).close()
-                    break
-                except OSError:
-                    time.sleep(0.01)
+            wait_port(port, poll=0.01)
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=20)
         finally:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import RawClient, Router, call, get, post, run, workers
+from tests.integration.conftest import Router, call, get, post, run, wait_port, workers
 
 cryptography = pytest.importorskip("cryptography")
 from cryptography import x509  # noqa: E402
@@ -281,13 +281,7 @@ def test_second_single_process_router_on_the_same_port_fails() -> None:
     first = subprocess.Popen([sys.executable, "-m", "fastroute", "--host", "127.0.0.1", "--port", str(port),
                               "--prometheus-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        deadline = time.time() + 20
-        while time.time() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.2).close()
-                break
-            except OSError:
-                time.sleep(0.1)
+        wait_port(port, poll=0.1)
         res = _fastroute(["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", "0"])
         assert res.returncode == 1, res.stderr
         assert "in use" in res.stderr.lower()
@@ -403,13 +397,7 @@ def test_log_json_and_smg_aliases_start(tmp_path: Path) -> None:
                              "--log-json", "--enable-trace"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 20
-        while time.time() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.2).close()
-                break
-            except OSError:
-                time.sleep(0.1)
+        wait_port(port, poll=0.1)
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=15)

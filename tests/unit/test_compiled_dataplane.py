@@ -2,6 +2,7 @@
 keeps tests from running a compiled module older than its source (tests/conftest.py)."""
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.machinery
 import os
@@ -42,6 +43,42 @@ def test_every_module_with_a_pxd_is_listed(tmp_path) -> None:
     setup_py = open(os.path.join(os.path.dirname(os.path.dirname(here)), "setup.py")).read()
     for name in _DECLARED:
         assert f'"{name}"' in setup_py
+
+
+def _pxd_attributes(module: str) -> dict[str, set[str]]:
+    """Attribute names each class of ``module``'s .pxd declares (``cdef public <type> a, b``)."""
+    here = os.path.dirname(importlib.import_module("fastroute.dataplane").__file__)
+    out: dict[str, set[str]] = {}
+    cls = None
+    for line in open(os.path.join(here, f"{module}.pxd")):
+        line = line.strip()
+        if line.startswith("cdef class "):
+            cls = line[len("cdef class "):].split("(")[0].rstrip(":")
+            out[cls] = set()
+        elif cls is not None and line.startswith("cdef ") and not line.startswith("cdef class"):
+            words = line.split(None, 3)  # cdef [public] <type> names...
+            names = words[3] if words[1] == "public" else line.split(None, 2)[2]
+            out[cls] |= {n.strip() for n in names.split(",")}
+    return out
+
+
+@pytest.mark.parametrize("module", sorted(_DECLARED))
+def test_pxd_attributes_match_the_slots_of_the_interpreted_classes(module: str) -> None:
+    """The .py's __slots__ (the interpreted build) and the .pxd (the compiled build) name the
+    same attributes: a name missing from either fails only in that build."""
+    declared = _pxd_attributes(module)
+    assert set(declared) == set(_DECLARED[module])
+    here = os.path.dirname(importlib.import_module("fastroute.dataplane").__file__)
+    source = open(os.path.join(here, f"{module}.py")).read()
+    tree = ast.parse(source)
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name in declared:
+            slots = [st for st in node.body if isinstance(st, ast.Assign)
+                     and getattr(st.targets[0], "id", "") == "__slots__"]
+            assert slots, f"{module}.{node.name} has no __slots__"
+            names = set(ast.literal_eval(slots[0].value))
+            assert names == declared[node.name], (module, node.name,
+                                                  names ^ declared[node.name])
 
 
 def test_a_compiled_module_older_than_its_source_is_reported(tmp_path) -> None:
