@@ -25,22 +25,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from http import HTTPStatus
-from bisect import bisect_left
-from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
-from fastroute.auth import (FORBIDDEN, OK, AdminAuth, audit, authorized, bearer, is_management,
+from fastroute.auth import (FORBIDDEN, OK, AdminAuth, audit, bearer, is_management,
                             parse_control_plane_keys)
-from fastroute.dataplane import body as _body
 from fastroute.dataplane.admission import Admission
 from fastroute.dataplane.cors import Cors
 from fastroute.dataplane.exchange import Relay, _Exchange
+from fastroute.dataplane.front import Front
 from fastroute.dataplane.pd import PDRelay
 from fastroute.dataplane.protocol import INFERENCE, ClientProtocol, Request, header_flags
 from fastroute.dataplane.route import Route
-from fastroute.dataplane.routes import ENDPOINT_LABEL, ROUTES, pd_unsupported
 from fastroute.dataplane.upstream import Pool
 from fastroute.errors import RouterError
 from fastroute.tls import client_context
@@ -64,27 +60,11 @@ _ADMIN = frozenset({
     b"/v1/models", b"/readiness", b"/health_generate", b"/engine_metrics",
 })
 
-# Bounded label values for metrics (unknown paths/methods collapse to one value).
-_PATH_LABEL = {p: p.decode() for p in (
-    *ROUTES, b"/health", b"/liveness",
-    b"/readiness", b"/workers", b"/add_worker", b"/remove_worker", b"/list_workers", b"/get_loads",
-    b"/flush_cache", b"/get_server_info", b"/server_info", b"/get_model_info", b"/model_info",
-    b"/v1/models", b"/health_generate", b"/engine_metrics")}
-_METHOD_LABEL = {m: m.decode() for m in (b"GET", b"POST", b"PUT", b"DELETE", b"HEAD", b"PATCH", b"OPTIONS")}
-_STATUS_LABEL = {s.value: str(s.value) for s in HTTPStatus}
-# Label tuples built once (a request looks them up, never builds one).
-_HTTP_KEY = {p: {m: (ml, pl) for m, ml in _METHOD_LABEL.items()} for p, pl in _PATH_LABEL.items()}
-_HTTP_KEY_OTHER = {m: (ml, "other") for m, ml in _METHOD_LABEL.items()}
-_RESP_OK = {code: (label, "") for code, label in _STATUS_LABEL.items()}
-# Distinct request models that get a label of their own; later ones count as "other" (the
-# model comes from clients, and labels must stay bounded).
-MAX_MODEL_LABELS = 64
-
 _LEAK_EVERY = 5.0             # seconds between passes of the lease safety net
 _LEAK_SLACK = 5.0             # grace past request_timeout_secs before a booking counts as leaked
 
 
-class App:
+class App(Front):
     """Per-process data-path state shared by every client connection.
 
     ``breakers`` (a ``fastroute.core.breaker.Breakers``) and ``reconciler`` (a
@@ -104,6 +84,7 @@ class App:
         self.exchanges: set[_Exchange] = set()
         self.admin_tasks: set[asyncio.Task] = set()
         self.pd = bool(config.pd_disaggregation)
+        self.exchange_cls = PDRelay if self.pd else Relay
         self.dp_aware = bool(config.dp_aware)
         self.max_payload = int(config.max_payload_size)
         self.timeout = float(config.request_timeout_secs)
@@ -352,18 +333,10 @@ class App:
         return d * self.retry_rng.uniform(1.0 - j, 1.0 + j) if j else d
 
     # -- dispatch -----------------------------------------------------------
-    def handle(self, proto: ClientProtocol, req: Request) -> None:
-        """Answer one parsed request; ends with proto.response_done() (maybe later)."""
-        path, _, query = req.url.partition(b"?")
+    def handle_other(self, proto: ClientProtocol, req: Request, path: bytes, query: bytes) -> None:
+        """Everything but a POST to an inference path (Front.handle): CORS preflight, a wrong
+        method on an inference path, health, admin calls, unknown paths."""
         st = self._stats
-        if st is not None:
-            key = _HTTP_KEY.get(path, _HTTP_KEY_OTHER).get(req.method)
-            if key is None:
-                key = ("OTHER", _PATH_LABEL.get(path, "other"))
-            st.http_requests[key] = st.http_requests.get(key, 0) + 1
-            # smg_http_request_duration_seconds: observed when the response is done
-            proto.http_key = key
-            proto.http_t0 = perf_counter()
         if req.origin is not None and req.method == b"OPTIONS":
             # A CORS preflight (req.origin is only ever set with --cors-allowed-origins);
             # browsers send no credentials with it, so it is answered before any auth rule.
@@ -371,16 +344,11 @@ class App:
             if st is not None:
                 self.count_response(204, "")
             proto.reply(self.cors.preflight(req.origin, req.acrh, ka), ka)
-        elif path in INFERENCE:
-            if req.method != b"POST":
-                proto.send_error(RouterError(405, "method_not_allowed",
-                                             "Method Not Allowed (%s %s)" % (req.method.decode("latin-1"),
-                                                                            path.decode("latin-1"))),
-                                 req)
-            elif self.api_key is not None and not authorized(self.api_key, path, req.auth):
-                proto.send_error(_errors.invalid_api_key(), req)
-            else:
-                self.proxy(proto, req, path)
+        elif path in INFERENCE:   # any method but POST (Front.handle proxies those)
+            proto.send_error(RouterError(405, "method_not_allowed",
+                                         "Method Not Allowed (%s %s)" % (req.method.decode("latin-1"),
+                                                                        path.decode("latin-1"))),
+                             req)
         elif path == b"/health" or path == b"/liveness":
             ka = req.keep_alive and self.accepting
             if st is not None:
@@ -405,59 +373,6 @@ class App:
         else:
             proto.send_error(_errors.unknown_url(req.method.decode("latin-1"),
                                                  path.decode("latin-1")), req)
-
-    def model_keys(self, model: str | None) -> dict[bytes, tuple]:
-        """The prebuilt label keys of requests for ``model``, per inference path."""
-        row = self._model_keys.get(model)
-        if row is None:
-            if len(self._model_keys) >= MAX_MODEL_LABELS:
-                row = self._model_keys.get("\0other")
-                if row is not None:
-                    return row
-                model, label = "\0other", "other"
-            else:
-                label = model if model is not None else "unknown"
-            b = self.backend
-            row = self._model_keys[model] = {
-                p: ((b, e, label, "false"), (b, e, label, "true"), (b, e, label), label)
-                for p, e in ENDPOINT_LABEL.items()}
-        return row
-
-    def _count_routed(self, path: bytes, meta: Any) -> None:
-        d = self._stats.router_requests
-        row = self._model_keys.get(meta.model)
-        if row is None:
-            row = self.model_keys(meta.model)
-        key = row[path][1 if meta.stream else 0]
-        d[key] = d.get(key, 0) + 1
-
-    def observe_http(self, key: tuple, t0: float) -> None:
-        """A response is done (ClientProtocol.response_done): its smg_http duration."""
-        st = self._stats
-        if st is not None:
-            h = st.http_duration.get(key)
-            if h is None:
-                st.observe(st.http_duration, key, perf_counter() - t0)
-            else:
-                v = perf_counter() - t0
-                h.counts[bisect_left(h.bounds, v)] += 1   # Hist.observe, inlined (per request)
-                h.sum += v
-
-    def count_response(self, status: int, code: str, path: bytes | None = None,
-                       model: str | None = None) -> None:
-        """smg_http_responses, and smg_router_request_errors for failed inference requests."""
-        st = self._stats
-        d = st.http_responses
-        key = _RESP_OK.get(status) if not code else None
-        if key is None:
-            key = (_STATUS_LABEL.get(status) or str(status), code)
-        d[key] = d.get(key, 0) + 1
-        if code and path is not None:
-            keys = self.model_keys(model).get(path)
-            if keys is not None:
-                e = st.router_errors
-                key2 = keys[2] + (code,)
-                e[key2] = e.get(key2, 0) + 1
 
     def refuse_at_head(self, method: bytes, url: bytes, auth: bytes | None) -> RouterError | None:
         """The error for an admin call refused by the auth rule, decided from its head alone
@@ -502,59 +417,7 @@ class App:
             ctype = ctype.encode("latin-1")
         proto.reply_simple(status, ctype, body, req)
 
-    def proxy(self, proto: ClientProtocol, req: Request, path: bytes) -> None:
-        st = self._stats
-        if req.too_large:
-            proto.send_error(_errors.payload_too_large(req.body_len, self.max_payload), req)
-            return
-        if not self.registry.ready():
-            proto.send_error(RouterError(503, _errors.CODE_NO_AVAILABLE_WORKERS,
-                                         "No available workers (router is still registering workers)"),
-                             req)
-            return
-        spec = ROUTES[path]
-        if self.pd and not spec.pd:
-            proto.send_error(pd_unsupported(spec.path), req)
-            return
-        try:
-            meta = _body.parse_request(spec.endpoint, req.body)
-        except RouterError as exc:
-            proto.send_error(exc, req)
-            return
-        if spec.tokens is not None:  # routes body.py has no batch rules for
-            meta.input_tokens = spec.tokens(meta.obj)
-        if self.igw:  # --enable-igw: the request's model must be one the router serves
-            refusal = self.registry.group(self.model_role).refusal(meta.model)
-            if refusal is not None:
-                proto.send_error(refusal, req)
-                return
-        # Every parsed inference request counts once here (whatever answers it:
-        # relay, 429/408 admission, 503 no target, retries); malformed ones
-        # count only in smg_http_responses_total.
-        if st is not None:
-            self._count_routed(path, meta)
-        if self.admission.try_enter():
-            self._begin(proto, req, path, meta)
-            if st is not None:
-                # fastroute_router_overhead_seconds: the router's own time from the complete
-                # request to the first attempt written upstream (parse, admission, pick,
-                # framing); a queued request's wait is admission, not overhead, so not here.
-                v = perf_counter() - proto.http_t0
-                h = st.overhead_seconds
-                h.counts[bisect_left(h.bounds, v)] += 1   # Hist.observe, inlined (per request)
-                h.sum += v
-        else:
-            self._wait(proto, req, path, meta)
-
-    def _begin(self, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
-        """Start the exchange of an admitted request (it owns the admission slot from here)."""
-        if self.pd:
-            ex: _Exchange = PDRelay(self, proto, req, path, meta)
-        else:
-            ex = Relay(self, proto, req, path, meta)
-        ex.attempt()
-
-    def _wait(self, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
+    def wait(self, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
         """Over --max-concurrent-requests: queue (FIFO) or refuse with 429."""
         def start() -> None:
             proto.waiter = None
@@ -562,7 +425,7 @@ class App:
                 self.admission.leave()
                 return
             try:
-                self._begin(proto, req, path, meta)
+                self.begin(proto, req, path, meta)
             except Exception:
                 log.exception("request handling failed")
 

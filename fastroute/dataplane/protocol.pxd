@@ -1,6 +1,8 @@
 # Augmenting declarations for the compiled build of protocol.py (Cython pure-Python mode; see
 # setup.py): the classes below become extension types, their attributes a C struct. The .py
 # stays the source and runs as it is when not compiled; keep both in step.
+from fastroute.dataplane.front cimport Front
+
 cdef class Request:
     cdef public object method, url, fwd, auth, rid, key, body, body_len
     cdef public bint too_large, keep_alive, http11
@@ -8,7 +10,8 @@ cdef class Request:
     cdef object __weakref__
 
 cdef class ClientProtocol:
-    cdef public object app, loop, transport, parser, _flags
+    cdef public Front app
+    cdef public object loop, transport, parser, _flags
     cdef public bint closed, busy, draining, bad_request, in_head, head_only, _expect
     cdef public object queue, flow, exchange
     cdef public double head_deadline, http_t0

@@ -20,6 +20,7 @@ _DECLARED = {
     "upstream": ("UpstreamConnection", "Pool"),
     "flow": ("FlowControl",),
     "body": ("RequestMeta",),
+    "front": ("Front",),
 }
 
 

@@ -1,0 +1,21 @@
+# Augmenting declarations for the compiled build of front.py (Cython pure-Python mode; see
+# setup.py): Front becomes an extension type, its fields a C struct, and its per-request methods
+# C-callable from the protocol and the exchanges (which type their ``app`` as Front). The .py
+# stays the source and runs as it is when not compiled; keep both in step.
+cdef class Front:
+    cdef public object loop, _stats, registry, admission, breakers, cors, api_key, config
+    cdef public object room_rng, backend, model_role, exchange_cls, max_attempts
+    cdef public object header_flags, rid_headers, key_headers
+    cdef public dict routes, _model_keys
+    cdef public set exchanges, connections
+    cdef public Py_ssize_t max_payload
+    cdef public double timeout, header_timeout, idle_timeout, sse_keepalive
+    cdef public bint accepting, pd, igw, guarded
+
+    cpdef handle(self, proto, req)
+    cpdef proxy(self, proto, req, path)
+    cpdef begin(self, proto, req, path, meta)
+    cpdef model_keys(self, model)
+    cpdef _count_routed(self, path, meta)
+    cpdef observe_http(self, key, double t0)
+    cpdef count_response(self, status, code, path=*, model=*)
