@@ -64,7 +64,8 @@ def ext(name):
 # .pxd declares which classes become extension types and the C types of their attributes; the
 # .py stays the one source (and runs as it is wherever it is not compiled). Annotations stay
 # documentation (annotation_typing off): only the .pxd declares C types.
-DATAPLANE = ["front", "protocol", "exchange", "pd", "upstream", "flow", "body"]
+DATAPLANE = ["admission", "front", "route", "protocol", "exchange", "pd", "upstream", "flow",
+             "body"]
 
 
 def dataplane_ext(name):

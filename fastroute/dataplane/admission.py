@@ -47,6 +47,9 @@ class Waiter:
 class Admission:
     """Concurrency limit + FIFO queue (see module docstring)."""
 
+    __slots__ = ("enabled", "limit", "queue_size", "active", "rate", "capacity", "tokens", "_at",
+                 "queue_timeout", "_wake", "loop", "stats", "queue")
+
     def __init__(self, limit: int = -1, queue_size: int = 100, queue_timeout: float = 60.0,
                  loop: Any = None, stats: Any = None, rate: float | None = None) -> None:
         self.enabled = limit > 0 or bool(rate)
@@ -59,7 +62,6 @@ class Admission:
             self.tokens = self.capacity
             self._at = loop.time()
             self._wake: Any = None
-            self.try_enter = self._try_enter_rated  # type: ignore[method-assign]
         self.queue_size = max(0, int(queue_size))
         self.queue_timeout = float(queue_timeout)
         self.loop = loop
@@ -74,8 +76,14 @@ class Admission:
             d[result] = d.get(result, 0) + 1
 
     def try_enter(self) -> bool:
-        """Take a slot now if one is free and nobody waits (the per-request fast path)."""
+        """Take a slot now if one is free and nobody waits (the per-request fast path); under a
+        rate limit, also a bucket token."""
         if self.active < self.limit and not self.queue:
+            if self.rate:
+                self._refill()
+                if self.tokens < 1.0:
+                    return False
+                self.tokens -= 1.0
             self.active += 1
             if self.enabled:
                 self._count("allowed")
@@ -87,17 +95,6 @@ class Admission:
         t = self.tokens + (now - self._at) * self.rate
         self.tokens = t if t < self.capacity else self.capacity
         self._at = now
-
-    def _try_enter_rated(self) -> bool:
-        """``try_enter`` under a rate limit: a free slot and a bucket token."""
-        if self.active < self.limit and not self.queue:
-            self._refill()
-            if self.tokens >= 1.0:
-                self.tokens -= 1.0
-                self.active += 1
-                self._count("allowed")
-                return True
-        return False
 
     def _admit(self) -> None:
         """Hand free slots (and tokens, when rated) to the oldest waiters."""

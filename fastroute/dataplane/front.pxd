@@ -2,8 +2,11 @@
 # setup.py): Front becomes an extension type, its fields a C struct, and its per-request methods
 # C-callable from the protocol and the exchanges (which type their ``app`` as Front). The .py
 # stays the source and runs as it is when not compiled; keep both in step.
+from fastroute.dataplane.admission cimport Admission
+
 cdef class Front:
-    cdef public object loop, _stats, registry, admission, breakers, cors, api_key, config
+    cdef public Admission admission
+    cdef public object loop, _stats, registry, breakers, cors, api_key, config
     cdef public object room_rng, backend, model_role, exchange_cls, max_attempts
     cdef public object header_flags, rid_headers, key_headers
     cdef public dict routes, _model_keys

@@ -14,13 +14,11 @@ from the splice parts (:func:`fastroute.dataplane.body.splice_parts`), never bui
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastroute.dataplane import body as _body
+from fastroute.dataplane.protocol import Request  # noqa: F401 (the compiled build types with it)
 from fastroute.dataplane.upstream import Pool
-
-if TYPE_CHECKING:
-    from fastroute.dataplane.protocol import Request
 
 
 class Route:

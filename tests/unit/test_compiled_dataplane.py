@@ -21,6 +21,8 @@ _DECLARED = {
     "flow": ("FlowControl",),
     "body": ("RequestMeta",),
     "front": ("Front",),
+    "route": ("Route",),
+    "admission": ("Waiter", "Admission"),
 }
 
 

@@ -1,0 +1,10 @@
+# Augmenting declarations for the compiled build of route.py (Cython pure-Python mode; see
+# setup.py): Route becomes an extension type, its fields a C struct. The .py stays the source
+# and runs as it is when not compiled; keep both in step.
+from fastroute.dataplane.protocol cimport Request
+
+cdef class Route:
+    cdef public object worker, pool, authority, auth, rank_field, bootstrap, prefill_dp_size, prefill_rank
+
+    cpdef frame_injected(self, Request req, head, sep, fields, tail)
+    cpdef send(self, Request req, leg)
