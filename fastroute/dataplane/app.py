@@ -1,16 +1,17 @@
 """The per-process data-path state: dispatch, admission gate, routes, sweep, lease safety net.
 
 One :class:`App` per proxy process, shared by every client connection
-(:mod:`fastroute.dataplane.protocol`). It decides what a parsed request is
-(inline health answer, admin call delegated to the registry, or inference
-request to proxy), gates inference requests through admission
-(``--max-concurrent-requests``, :mod:`fastroute.dataplane.admission`) and starts
-their exchange (:mod:`~fastroute.dataplane.exchange`, :mod:`~fastroute.dataplane.pd`).
+(:mod:`fastroute.dataplane.protocol`). Its base :class:`~fastroute.dataplane.front.Front`
+(compiled) takes an inference request from the parsed head to its exchange: body
+parse, admission (``--max-concurrent-requests``, :mod:`fastroute.dataplane.admission`),
+the exchange (:mod:`~fastroute.dataplane.exchange`, :mod:`~fastroute.dataplane.pd`).
+App answers the rest (``handle_other``: CORS preflight, health, admin calls delegated
+to the registry, unknown paths) and queues what admission holds back (``wait``).
 It keeps one :class:`~fastroute.dataplane.route.Route` per target, rebuilt when
 the registry's target set changes, so an attempt never looks at the registry
 beyond ``group(role).acquire``.
 
-It never imports NumPy or a compiled module: the circuit breakers and the
+It never imports NumPy or the core's compiled modules: the circuit breakers and the
 reconciler are built by the runtime and handed in (``breakers=``,
 ``reconciler=``); the routing groups come from the registry.
 
