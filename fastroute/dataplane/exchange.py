@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
 from fastroute.dataplane.protocol import INFERENCE, new_request_id, status_line
-from fastroute.dataplane.routes import ENDPOINT_LABEL
 from fastroute.dataplane.upstream import ConnectError
 from fastroute.errors import RouterError
 
