@@ -4,8 +4,9 @@
 from fastroute.dataplane.body cimport RequestMeta
 from fastroute.dataplane.front cimport Front
 from fastroute.dataplane.protocol cimport ClientProtocol, Request
+from fastroute.dataplane.upstream cimport Leg
 
-cdef class _Exchange:
+cdef class _Exchange(Leg):
     cdef public ClientProtocol proto
     cdef public Request req
     cdef public RequestMeta meta
@@ -15,6 +16,31 @@ cdef class _Exchange:
     cdef public bint chunked, started, finished, keep_alive, slot, gave_up, ka_sent
     cdef public Py_ssize_t status, tries
 
+    # Called on self (and by the PD legs on their typed exchange): C calls, not Python ones.
+    cpdef _outcome(self, target, result)
+    cpdef _start_response(self, status, headers, length=*, ctype=*)
+    cpdef _write(self, data)
+    cpdef flush(self)
+    cpdef up_flush(self)
+    cpdef _end(self)
+    cpdef _release_leases(self)
+    cpdef _close_books(self)
+    cpdef _finish(self, keep_alive, error=*, sse=*)
+    cpdef _fail_client(self, exc, sse=*)
+    cpdef bint can_retry(self)
+    cpdef retry_later(self, role)
+    cpdef exhausted(self, role)
+    cpdef attempt(self)
+    cpdef fail_internal(self)
+    cpdef _abort_legs(self)
+
 cdef class Relay(_Exchange):
     cdef public object conn
     cdef public Py_ssize_t target
+
+    cpdef attempt(self)
+    cpdef _abort_legs(self)
+    cpdef up_head(self, status, headers)
+    cpdef up_body(self, data)
+    cpdef up_done(self)
+    cpdef up_error(self, exc)

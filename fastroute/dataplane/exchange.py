@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
 from fastroute.dataplane.protocol import INFERENCE, new_request_id, status_line
-from fastroute.dataplane.upstream import ConnectError
+from fastroute.dataplane.upstream import ConnectError, Leg
 from fastroute.errors import RouterError
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ class _Timeout(Exception):
 TIMEOUT = _Timeout("request timeout")
 
 
-class _Exchange:
+class _Exchange(Leg):
     """Client-facing half of one proxied request: framing, the lease release, breaker outcomes.
 
     ``app`` is the App (app.py), typed Any because app.py imports this module (one-way imports).
@@ -252,7 +252,9 @@ class _Exchange:
             if not self.proto.closed:
                 self.proto.transport.write(data)  # type: ignore[union-attr]
 
-    up_flush = flush
+    def up_flush(self) -> None:
+        """End of one upstream read (the Leg callback): write what it produced."""
+        self.flush()
 
     def _end(self) -> None:
         """Response complete: write what is left, release, hand the connection back."""

@@ -2,13 +2,30 @@
 # setup.py): the classes below become extension types, their attributes a C struct. The .py
 # stays the source and runs as it is when not compiled; keep both in step.
 from fastroute.dataplane.exchange cimport _Exchange
+from fastroute.dataplane.upstream cimport Leg
 
 cdef class PDRelay(_Exchange):
     cdef public object p, d, merger
     cdef public bint stream, merge, relaying
 
-cdef class _PDLeg:
+    cpdef attempt(self)
+    cpdef _abort_legs(self)
+    cpdef _close_books(self)
+    cpdef pd_progress(self)
+    cpdef observe_ttft(self)
+    cpdef relay_body(self, data)
+    cpdef relay_end(self)
+    cpdef leg_failed(self, leg, exc, connect_failed=*)
+    cpdef drop_merge(self, leg)
+
+cdef class _PDLeg(Leg):
     cdef public PDRelay ex
     cdef public object conn, role, headers, chunks
     cdef public Py_ssize_t status, size, target
     cdef public bint done
+
+    cpdef up_head(self, status, headers)
+    cpdef up_body(self, data)
+    cpdef up_done(self)
+    cpdef up_error(self, exc)
+    cpdef up_flush(self)

@@ -29,7 +29,7 @@ from fastroute.dataplane import body as _body
 from fastroute.dataplane.exchange import KEEP_LENGTH, RETRY_STATUS, TIMEOUT, _Exchange
 from fastroute.dataplane.logprobs import SSELogprobMerger, merge_logprobs_json
 from fastroute.dataplane.protocol import CT_JSON
-from fastroute.dataplane.upstream import ConnectError
+from fastroute.dataplane.upstream import ConnectError, Leg
 from fastroute.errors import RouterError
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ _MERGE_LIMIT = 64 << 20
 _RANK_A, _RANK_B = DP_RANK_FIELDS  # the client body keys refused in PD mode
 
 
-class _PDLeg:
+class _PDLeg(Leg):
     """One leg of a PD exchange; forwards upstream callbacks to the PDRelay."""
 
     __slots__ = ("ex", "conn", "role", "status", "headers", "chunks", "size", "done", "target")
@@ -358,7 +358,7 @@ class PDRelay(_Exchange):
 
     def _close_books(self) -> None:
         try:
-            super()._close_books()
+            _Exchange._close_books(self)  # (not super(): the compiled build's C override)
         finally:
             # The legs point back at this exchange: letting go of them here breaks that
             # cycle, so the exchange, its legs and their buffers are freed by reference

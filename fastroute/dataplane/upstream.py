@@ -6,7 +6,7 @@ This module owns the TCP connections from the router to SGLang workers: one
 response parser). It knows nothing about routing, leases or PD; the proxy hands
 it fully framed request bytes and a *leg* object that receives callbacks.
 
-Leg interface (duck-typed, implemented by the proxy)::
+Leg interface (:class:`Leg`, implemented by the proxy's exchanges and PD legs)::
 
     leg.conn                       # set by the pool to the connection serving it
     leg.up_head(status, headers)   # headers: list[(name bytes, value bytes)]
@@ -85,6 +85,29 @@ class UpstreamError(ConnectionError):
 
 class ConnectError(UpstreamError):
     """TCP connect to the worker failed: the request never reached it (safe to retry)."""
+
+
+class Leg:
+    """What a connection reports its response to (see the module docstring); the regular
+    exchange and each leg of a PD exchange derive from it. A base class rather than a duck type
+    so that the compiled build (upstream.pxd) makes these callbacks C calls."""
+
+    __slots__ = ()
+
+    def up_head(self, status: int, headers: list) -> None:
+        raise NotImplementedError
+
+    def up_body(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def up_done(self) -> None:
+        raise NotImplementedError
+
+    def up_error(self, exc: BaseException) -> None:
+        raise NotImplementedError
+
+    def up_flush(self) -> None:
+        raise NotImplementedError
 
 
 class UpstreamConnection:

@@ -17,7 +17,7 @@ _DECLARED = {
     "protocol": ("Request", "ClientProtocol"),
     "exchange": ("_Exchange", "Relay"),
     "pd": ("_PDLeg", "PDRelay"),
-    "upstream": ("UpstreamConnection", "Pool"),
+    "upstream": ("Leg", "UpstreamConnection", "Pool"),
     "flow": ("FlowControl",),
     "body": ("RequestMeta",),
     "front": ("Front",),

@@ -16,6 +16,7 @@ import pytest
 from fastroute.config import Config
 from fastroute.dataplane.app import App
 from fastroute.dataplane.protocol import ClientProtocol
+from fastroute.dataplane.upstream import Leg
 from tests.stubs import StubGroup as Group
 
 
@@ -339,7 +340,7 @@ class _StubPool:
         self.discarded += 1
 
 
-class _Leg:
+class _Leg(Leg):
     def __init__(self) -> None:
         self.conn = None
         self.events: list[Any] = []

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastroute.dataplane.upstream import Pool, UpstreamConnection
+from fastroute.dataplane.upstream import Leg, Pool, UpstreamConnection
 from tests.unit.test_proxy_unit import FakeTransport
 
 
-class _Leg:
+class _Leg(Leg):
     def __init__(self) -> None:
         self.conn: Any = None
         self.events: list[Any] = []
