@@ -4,8 +4,11 @@
 from fastroute.dataplane.exchange cimport _Exchange
 from fastroute.dataplane.upstream cimport Leg
 
+cdef class _PDLeg
+
 cdef class PDRelay(_Exchange):
-    cdef public object p, d, merger
+    cdef public _PDLeg p, d
+    cdef public object merger
     cdef public bint stream, merge, relaying
 
     cpdef attempt(self)

@@ -123,24 +123,11 @@ class _PDLeg(Leg):
         self.ex.flush()
 
 
-class _NoLeg:
-    """Stand-in for the legs of a PD exchange before its first attempt (shared, never mutated)."""
-
-    __slots__ = ()
-    conn = None
-    role = "prefill"
-    target = -1
-    status = 0
-    headers: list = []
-    chunks: list = []
-    size = 0
-    done = False
-
-    def body(self) -> bytes:
-        return b""
-
-
-_NO_LEG: Any = _NoLeg()
+# The legs of a PD exchange before its first attempt and after its books are closed: no
+# connection, no status, nothing buffered. One shared instance (a _PDLeg, so that the
+# compiled build can type the exchange's legs), so nothing may ever write to it
+# (tests/unit/test_no_cycles.py checks it stays as made).
+_NO_LEG = _PDLeg(None, "prefill")
 
 
 class PDRelay(_Exchange):

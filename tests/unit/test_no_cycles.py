@@ -110,3 +110,37 @@ def test_finished_requests_leave_no_cyclic_garbage(
         assert transport.out[-1].endswith(b"0\r\n\r\n")  # the stream ended cleanly
     leases = [lease for g in registry.groups.values() for lease in g.leases]
     assert len(leases) == n * len(pool.legs) and all(lease.releases == 1 for lease in leases)
+
+
+def _pd_client_leaves(proto: ClientProtocol, legs: list) -> None:
+    proto.data_received(REQ)
+    p, _d = legs
+    p.up_head(200, HEAD)
+    p.up_body(EVENT)
+    proto.connection_lost(None)
+
+
+def _leg_state(leg: Any) -> tuple:
+    return (leg.ex, leg.conn, leg.role, leg.target, leg.status, leg.headers, leg.chunks,
+            leg.size, leg.done)
+
+
+@pytest.mark.parametrize("one", [_pd_ok, _pd_decode_fails, _pd_client_leaves],
+                         ids=["ok", "decode-error", "client-left"])
+def test_the_shared_inert_pd_leg_is_never_written(one: Callable[[ClientProtocol, list], None]) -> None:
+    """A PD exchange points its legs at one shared inert leg before its first attempt and
+    after its books close: whatever a request does, that leg stays as it was made."""
+    from fastroute.dataplane.pd import _NO_LEG, _PDLeg
+
+    loop = asyncio.new_event_loop()
+    app = App(Config(**PD), StubRegistry(), loop)
+    pool = _Pool()
+    app.pool_for = lambda worker: pool  # type: ignore[method-assign]
+    proto = ClientProtocol(app)
+    proto.connection_made(StubTransport())
+    try:
+        one(proto, pool.legs)
+    finally:
+        loop.close()
+    assert not app.exchanges
+    assert _leg_state(_NO_LEG) == _leg_state(_PDLeg(None, "prefill"))
