@@ -60,18 +60,20 @@ def ext(name):
     )
 
 
-# The data plane's hot classes, compiled from their .py (Cython pure-Python mode): each module's
+# The data plane's hot classes (and CORE_PY below), compiled from their .py (Cython pure-Python mode): each module's
 # .pxd declares which classes become extension types and the C types of their attributes; the
 # .py stays the one source (and runs as it is wherever it is not compiled). Annotations stay
 # documentation (annotation_typing off): only the .pxd declares C types.
 DATAPLANE = ["admission", "front", "route", "protocol", "exchange", "pd", "upstream", "flow",
              "body"]
+# The same for the core's circuit breakers (every upstream response records its outcome there).
+CORE_PY = ["breaker"]
 
 
-def dataplane_ext(name):
+def py_ext(package, name):
     return Extension(
-        f"fastroute.dataplane.{name}",
-        [f"fastroute/dataplane/{name}.py"],
+        f"fastroute.{package}.{name}",
+        [f"fastroute/{package}/{name}.py"],
         define_macros=[m for m in macros if m[0] == "NDEBUG"],
         extra_compile_args=cflags,
         extra_link_args=ldflags,
@@ -88,7 +90,7 @@ setup(
         include_path=["."],
         build_dir=build_dir,
     ) + cythonize(
-        [dataplane_ext(name) for name in DATAPLANE],
+        [py_ext("dataplane", name) for name in DATAPLANE] + [py_ext("core", name) for name in CORE_PY],
         compiler_directives={**directives, "annotation_typing": False},
         include_path=["."],
         build_dir=build_dir,

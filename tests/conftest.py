@@ -6,12 +6,13 @@ import os
 
 import pytest
 
-_DATAPLANE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "fastroute", "dataplane")
+_PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fastroute")
+_DATAPLANE = os.path.join(_PACKAGE, "dataplane")
+_CORE = os.path.join(_PACKAGE, "core")
 
 
 def stale_compiled_modules(directory: str = _DATAPLANE) -> list[str]:
-    """Compiled data-plane modules older than the .py or .pxd they were built from.
+    """Compiled modules of ``directory`` older than the .py or .pxd they were built from.
 
     The compiled module shadows its .py on import, so after an edit without a rebuild the
     tests would run yesterday's code while reading today's."""
@@ -30,8 +31,8 @@ def stale_compiled_modules(directory: str = _DATAPLANE) -> list[str]:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    stale = stale_compiled_modules()
+    stale = stale_compiled_modules() + stale_compiled_modules(_CORE)
     if stale:
         raise pytest.UsageError(
-            "compiled data-plane modules are older than their sources: %s; rebuild with "
+            "compiled modules are older than their sources: %s; rebuild with "
             "`python3 setup.py build_ext --inplace`" % ", ".join(stale))

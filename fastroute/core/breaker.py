@@ -63,6 +63,9 @@ class Breakers:
     private array, for a single process without a table.
     """
 
+    __slots__ = ("table", "clock", "stats", "name_of", "cells", "_ok_key", "_fail_key", "enabled",
+                 "failure_threshold", "success_threshold", "_timeout_us", "capacity", "timeout")
+
     def __init__(self, table: Any, capacity: int, failure_threshold: int = 10,
                  success_threshold: int = 3, timeout_secs: float = 60.0, enabled: bool = True,
                  stats: Any = None, name_of: Callable[[int], str | None] | None = None,

@@ -1,5 +1,6 @@
-"""The data plane's compiled build: which classes become extension types, and the guard that
-keeps tests from running a compiled module older than its source (tests/conftest.py)."""
+"""The compiled build of the data plane (and of the core's breakers, compiled the same way): which
+classes become extension types, and the guard that keeps tests from running a compiled module
+older than its source (tests/conftest.py)."""
 from __future__ import annotations
 
 import ast
@@ -13,7 +14,7 @@ import pytest
 from tests.conftest import stale_compiled_modules
 
 # setup.py's DATAPLANE list and the classes each module's .pxd declares.
-_DECLARED = {
+_DECLARED: dict[str, tuple[str, ...]] = {
     "protocol": ("Request", "ClientProtocol"),
     "exchange": ("_Exchange", "Relay"),
     "pd": ("_PDLeg", "PDRelay"),
@@ -24,14 +25,21 @@ _DECLARED = {
     "route": ("Route",),
     "admission": ("Waiter", "Admission"),
 }
+# setup.py's CORE_PY list (modules of fastroute.core compiled from their .py), the same way.
+_DECLARED_CORE = {"breaker": ("Breakers",)}
+_ALL = sorted([("dataplane", m) for m in _DECLARED] + [("core", m) for m in _DECLARED_CORE])
 
 
-@pytest.mark.parametrize("module", sorted(_DECLARED))
-def test_declared_classes_are_extension_types_when_compiled(module: str) -> None:
-    mod = importlib.import_module(f"fastroute.dataplane.{module}")
+def _declared(package: str) -> dict[str, tuple[str, ...]]:
+    return _DECLARED if package == "dataplane" else _DECLARED_CORE
+
+
+@pytest.mark.parametrize("package, module", _ALL)
+def test_declared_classes_are_extension_types_when_compiled(package: str, module: str) -> None:
+    mod = importlib.import_module(f"fastroute.{package}.{module}")
     if mod.__file__.endswith(".py"):
         pytest.skip("running the interpreted data plane (no compiled build in place)")
-    for name in _DECLARED[module]:
+    for name in _declared(package)[module]:
         cls = getattr(mod, name)
         # An extension type has no per-instance dict and refuses new attributes.
         obj = cls.__new__(cls)
@@ -44,13 +52,16 @@ def test_every_module_with_a_pxd_is_listed(tmp_path) -> None:
     pxd = {f[:-4] for f in os.listdir(here) if f.endswith(".pxd")}
     assert pxd == set(_DECLARED)
     setup_py = open(os.path.join(os.path.dirname(os.path.dirname(here)), "setup.py")).read()
-    for name in _DECLARED:
+    for name in [*_DECLARED, *_DECLARED_CORE]:
         assert f'"{name}"' in setup_py
+    core = os.path.join(os.path.dirname(here), "core")
+    assert {f[:-4] for f in os.listdir(core) if f.endswith(".pxd")
+            and os.path.exists(os.path.join(core, f[:-4] + ".py"))} == set(_DECLARED_CORE)
 
 
-def _pxd_attributes(module: str) -> dict[str, set[str]]:
+def _pxd_attributes(package: str, module: str) -> dict[str, set[str]]:
     """Attribute names each class of ``module``'s .pxd declares (``cdef public <type> a, b``)."""
-    here = os.path.dirname(importlib.import_module("fastroute.dataplane").__file__)
+    here = os.path.dirname(importlib.import_module(f"fastroute.{package}").__file__)
     out: dict[str, set[str]] = {}
     cls = None
     for line in open(os.path.join(here, f"{module}.pxd")):
@@ -65,13 +76,13 @@ def _pxd_attributes(module: str) -> dict[str, set[str]]:
     return out
 
 
-@pytest.mark.parametrize("module", sorted(_DECLARED))
-def test_pxd_attributes_match_the_slots_of_the_interpreted_classes(module: str) -> None:
+@pytest.mark.parametrize("package, module", _ALL)
+def test_pxd_attributes_match_the_slots_of_the_interpreted_classes(package: str, module: str) -> None:
     """The .py's __slots__ (the interpreted build) and the .pxd (the compiled build) name the
     same attributes: a name missing from either fails only in that build."""
-    declared = _pxd_attributes(module)
-    assert set(declared) == set(_DECLARED[module])
-    here = os.path.dirname(importlib.import_module("fastroute.dataplane").__file__)
+    declared = _pxd_attributes(package, module)
+    assert set(declared) == set(_declared(package)[module])
+    here = os.path.dirname(importlib.import_module(f"fastroute.{package}").__file__)
     source = open(os.path.join(here, f"{module}.py")).read()
     tree = ast.parse(source)
     for node in tree.body:

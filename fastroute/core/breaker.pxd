@@ -1,0 +1,15 @@
+# Augmenting declarations for the compiled build of breaker.py (Cython pure-Python mode; see
+# setup.py): Breakers becomes an extension type, its fields a C struct, and the per-response
+# outcome path (status -> success / failure) C calls inside it. The .py stays the source and
+# runs as it is when not compiled; keep both in step.
+cdef class Breakers:
+    cdef public object table, clock, stats, name_of, cells
+    cdef public list _ok_key, _fail_key
+    cdef public bint enabled
+    cdef public Py_ssize_t failure_threshold, success_threshold, _timeout_us
+    cdef public Py_ssize_t capacity
+    cdef public double timeout
+
+    cpdef success(self, t)
+    cpdef failure(self, t)
+    cpdef status(self, t, status)
