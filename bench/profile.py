@@ -84,7 +84,7 @@ def main() -> int:
             return 0
         if a.perf:
             data = tmp / "perf.data"
-            rec = subprocess.Popen(["perf", "record", "-q", "-g", "-F", "2000", "-o", str(data), "-p",
+            rec = subprocess.Popen(["perf", "record", "-q", "-F", "2000", "-o", str(data), "-p",
                                     str(p.pid), "--", "sleep", str(a.seconds)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             res = ov.run_wrk(s, fr.port, lua, a.connections, a.seconds)
@@ -98,11 +98,6 @@ def main() -> int:
                                      capture_output=True, text=True).stdout
                 print("\n".join(x for x in rep.splitlines() if x and not x.startswith("#")))
                 print()
-            if os.environ.get("PROFILE_CALLERS"):
-                rep = subprocess.run(["perf", "report", "-i", str(data), "--stdio", "--no-children",
-                                      "-G", "--symbol-filter", os.environ["PROFILE_CALLERS"]],
-                                     capture_output=True, text=True).stdout
-                print(rep[:6000])
             return 0
         res = ov.run_wrk(s, fr.port, lua, a.connections, a.seconds)
         n = warm["requests"] + res["requests"]

@@ -89,6 +89,22 @@ class StubConn:
         pass
 
 
+class StubPool:
+    """A worker's pool that keeps every leg the App sends through it (``legs``), each given a
+    StubConn, for the test to play the worker's answers to."""
+
+    authority = b"127.0.0.1:9"
+    auth = b""
+
+    def __init__(self) -> None:
+        self.legs: list[Any] = []
+
+    def send(self, request: bytes, leg: Any) -> StubConn:
+        leg.conn = StubConn()
+        self.legs.append(leg)
+        return leg.conn
+
+
 class StubRegistry:
     """One worker as targets 0 (whole) and 1 (DP rank 3); regular and prefill pick target 0,
     decode target 1."""

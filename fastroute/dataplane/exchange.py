@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from bisect import bisect_left
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -270,16 +269,8 @@ class _Exchange(Leg):
             app = self.app
             app.count_response(self.status, "")
             if 200 <= self.status < 300:
-                row = app._model_keys.get(self.meta.model)
-                if row is None:
-                    row = app.model_keys(self.meta.model)
-                v = app.loop.time() - self.started_at
-                h = st.router_duration.get(row[self.path][2])
-                if h is None:
-                    st.observe(st.router_duration, row[self.path][2], v)
-                else:
-                    h.counts[bisect_left(h.bounds, v)] += 1   # Hist.observe, inlined
-                    h.sum += v
+                app.observe_keyed(st.router_duration, app.model_keys(self.meta.model)[self.path][2],
+                                  app.loop.time() - self.started_at)
         self._finish(self.keep_alive)
 
     def _release_leases(self) -> None:
@@ -458,10 +449,7 @@ class Relay(_Exchange):
                 t0 = perf_counter()
                 lease = app.registry.group("regular").acquire(meta.input_tokens, self.req.key, meta,
                                                               meta.max_new_tokens or 0)
-                v = perf_counter() - t0
-                h = st.pick_seconds
-                h.counts[bisect_left(h.bounds, v)] += 1   # Hist.observe, inlined (per request)
-                h.sum += v
+                app.observe(st.pick_seconds, perf_counter() - t0)
             if lease is None:
                 self._fail_client(_errors.no_available_workers())
                 return

@@ -20,5 +20,7 @@ cdef class Front:
     cpdef begin(self, proto, req, path, meta)
     cpdef model_keys(self, model)
     cpdef _count_routed(self, path, meta)
+    cpdef observe(self, h, double v)
+    cpdef observe_keyed(self, dict d, key, double v)
     cpdef observe_http(self, key, double t0)
     cpdef count_response(self, status, code, path=*, model=*)

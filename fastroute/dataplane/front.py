@@ -120,10 +120,7 @@ class Front:
                 # fastroute_router_overhead_seconds: the router's own time from the complete
                 # request to the first attempt written upstream (parse, admission, pick,
                 # framing); a queued request's wait is admission, not overhead, so not here.
-                v = perf_counter() - proto.http_t0
-                h = st.overhead_seconds
-                h.counts[bisect_left(h.bounds, v)] += 1   # Hist.observe, inlined (per request)
-                h.sum += v
+                self.observe(st.overhead_seconds, perf_counter() - proto.http_t0)
         else:
             self.wait(proto, req, path, meta)
 
@@ -153,23 +150,28 @@ class Front:
 
     def _count_routed(self, path: bytes, meta: Any) -> None:
         d = self._stats.router_requests
-        row = self._model_keys.get(meta.model)
-        if row is None:
-            row = self.model_keys(meta.model)
-        key = row[path][1 if meta.stream else 0]
+        key = self.model_keys(meta.model)[path][1 if meta.stream else 0]
         d[key] = d.get(key, 0) + 1
+
+    def observe(self, h: Any, v: float) -> None:
+        """``Hist.observe`` (control/metrics.py) for the data plane: called on a typed Front,
+        it is a C call where the Hist method would be a Python frame per request."""
+        h.counts[bisect_left(h.bounds, v)] += 1
+        h.sum += v
+
+    def observe_keyed(self, d: dict, key: Any, v: float) -> None:
+        """``Stats.observe`` (the histogram ``d[key]``, made on first use) the same way."""
+        h = d.get(key)
+        if h is None:
+            self._stats.observe(d, key, v)
+        else:
+            self.observe(h, v)
 
     def observe_http(self, key: tuple, t0: float) -> None:
         """A response is done (ClientProtocol.response_done): its smg_http duration."""
         st = self._stats
         if st is not None:
-            h = st.http_duration.get(key)
-            if h is None:
-                st.observe(st.http_duration, key, perf_counter() - t0)
-            else:
-                v = perf_counter() - t0
-                h.counts[bisect_left(h.bounds, v)] += 1   # Hist.observe, inlined (per request)
-                h.sum += v
+            self.observe_keyed(st.http_duration, key, perf_counter() - t0)
 
     def count_response(self, status: int, code: str, path: bytes | None = None,
                        model: str | None = None) -> None:

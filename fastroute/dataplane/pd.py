@@ -20,7 +20,6 @@ other leg is aborted by us and says nothing about its worker.
 from __future__ import annotations
 
 import logging
-from bisect import bisect_left
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -197,10 +196,7 @@ class PDRelay(_Exchange):
             self.leases = (p_lease,)
             d_lease = registry.group("decode").acquire(tokens, key, meta, out_tokens)
             if st is not None:
-                v = perf_counter() - t0                        # the pair's pick
-                h = st.pick_seconds
-                h.counts[bisect_left(h.bounds, v)] += 1        # Hist.observe, inlined
-                h.sum += v
+                app.observe(st.pick_seconds, perf_counter() - t0)   # the pair's pick
             if d_lease is None:
                 self._fail_client(_errors.no_available_workers("decode"))  # releases p_lease
                 return
@@ -301,17 +297,8 @@ class PDRelay(_Exchange):
         """smg_pd_ttft_seconds: from the request's start to the decode's response head."""
         app = self.app
         st = app._stats
-        row = app._model_keys.get(self.meta.model)
-        if row is None:
-            row = app.model_keys(self.meta.model)
-        key = row[self.path][3]
-        v = app.loop.time() - self.started_at
-        h = st.pd_ttft.get(key)
-        if h is None:
-            st.observe(st.pd_ttft, key, v)
-        else:
-            h.counts[bisect_left(h.bounds, v)] += 1   # Hist.observe, inlined (per request)
-            h.sum += v
+        app.observe_keyed(st.pd_ttft, app.model_keys(self.meta.model)[self.path][3],
+                          app.loop.time() - self.started_at)
 
     def relay_body(self, data: bytes) -> None:
         m = self.merger

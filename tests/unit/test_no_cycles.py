@@ -19,7 +19,7 @@ from fastroute.config import Config
 from fastroute.control.metrics import Stats
 from fastroute.dataplane.app import App
 from fastroute.dataplane.protocol import ClientProtocol
-from tests.stubs import StubConn, StubRegistry, StubTransport
+from tests.stubs import StubPool, StubRegistry, StubTransport
 
 PD = {"pd_disaggregation": True, "prefill": [("http://127.0.0.1:9", 8998)],
       "decode": ["http://127.0.0.1:10"], "dp_aware": True}
@@ -28,21 +28,6 @@ REQ = b"POST /generate HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n%b" % (l
 HEAD = [(b"content-type", b"text/event-stream"), (b"transfer-encoding", b"chunked")]
 EVENT = b'data: {"text": "x"}\n\n'
 ERROR_HEAD = [(b"content-type", b"application/json"), (b"content-length", b"2")]
-
-
-class _Pool:
-    """Every upstream send of the App, its leg kept in ``legs`` for the test to answer."""
-
-    authority = b"127.0.0.1:9"
-    auth = b""
-
-    def __init__(self) -> None:
-        self.legs: list[Any] = []
-
-    def send(self, request: bytes, leg: Any) -> StubConn:
-        leg.conn = StubConn()
-        self.legs.append(leg)
-        return leg.conn
 
 
 def _pd_ok(proto: ClientProtocol, legs: list) -> None:
@@ -85,7 +70,7 @@ def test_finished_requests_leave_no_cyclic_garbage(
     registry = StubRegistry()
     app = App(Config(**cfg), registry, loop)
     app.stats = Stats()  # metrics on: their per-request bookkeeping is checked too
-    pool = _Pool()
+    pool = StubPool()
     app.pool_for = lambda worker: pool  # type: ignore[method-assign]
     proto = ClientProtocol(app)
     transport = StubTransport(record=True)
@@ -134,7 +119,7 @@ def test_the_shared_inert_pd_leg_is_never_written(one: Callable[[ClientProtocol,
 
     loop = asyncio.new_event_loop()
     app = App(Config(**PD), StubRegistry(), loop)
-    pool = _Pool()
+    pool = StubPool()
     app.pool_for = lambda worker: pool  # type: ignore[method-assign]
     proto = ClientProtocol(app)
     proto.connection_made(StubTransport())

@@ -20,6 +20,7 @@ from fastroute.config import Config
 from fastroute.dataplane.app import App
 from fastroute.dataplane.protocol import ClientProtocol
 from tests.stubs import StubGroup as Group
+from tests.stubs import StubPool as Pool
 
 
 class Transport(asyncio.Transport):
@@ -48,29 +49,6 @@ class Transport(asyncio.Transport):
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return default
-
-
-class Conn:
-    def pause(self) -> None:
-        pass
-
-    def resume(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        self.aborted = True
-
-
-class Pool:
-    authority = b"127.0.0.1:9"
-    auth = b""
-
-    def __init__(self) -> None:
-        self.legs: list[Any] = []
-
-    def send(self, request: bytes, leg: Any) -> None:
-        leg.conn = Conn()
-        self.legs.append(leg)
 
 
 def make() -> tuple[ClientProtocol, Transport, Pool, Group, asyncio.AbstractEventLoop]:
