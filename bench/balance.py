@@ -1,4 +1,5 @@
-"""Decode DP-rank balance benchmark (thin wrapper): ``python bench/balance.py [--sweep] [--concurrency 64 192]``.
+"""Decode DP-rank balance benchmark (thin wrapper): ``python bench/balance.py [--sweep] [--concurrency 64 192]``,
+``python bench/balance.py --conversations [--kv-tight]`` for the prefix-sharing trace.
 
 Everything lives in fastroute.sim.balance; this file only makes the benchmark runnable from a
 checkout without installing the package.
@@ -11,6 +12,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fastroute.sim.balance import main  # noqa: E402
+from fastroute.sim import convbench  # noqa: E402
 
 if __name__ == "__main__":
+    if "--conversations" in sys.argv[1:]:
+        # prefix-sharing conversations replayed open loop (fastroute.sim.convbench)
+        raise SystemExit(convbench.main([a for a in sys.argv[1:] if a != "--conversations"]))
     raise SystemExit(main())

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from fastroute.dataplane import body as _router_body
-from fastroute.sim.engine import BadRequest, DecodeReq, ParsedGen, SimParams
+from fastroute.sim.engine import BadRequest, DecodeReq, ParsedGen, SimParams, block_hashes
 from fastroute.sim.http import Responder
 
 
@@ -148,6 +148,8 @@ def parse_inference(path: str, body: bytes, params: SimParams) -> ParsedGen:
         rank = _int_field(obj, "data_parallel_rank")
     g = ParsedGen(kind, stream, n_in, max_new, room, host if isinstance(host, str) else None, port, rank,
                   return_logprob, include_usage, model)
+    if params.prefix_cache_tokens > 0 and kind == "generate" and isinstance(text, str):
+        g.blocks = block_hashes(text.encode(), int(params.prefix_block_tokens * cpt))
     g.items = [g]
     return g
 

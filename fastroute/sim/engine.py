@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +68,9 @@ class SimParams:
     kv_transfer_scope: str = "server"  # one transfer channel per "server" or per "rank"
     slow_rank: int = -1  # this decode rank steps slow_factor times slower (-1: none)
     slow_factor: float = 1.0
+    # prefix cache of each prefill DP rank (see PrefillEngine): tokens it holds, 0 = no cache
+    prefix_cache_tokens: int = 0
+    prefix_block_tokens: int = 512  # cached in blocks of this many tokens, as SGLang's pages
 
     def __post_init__(self) -> None:
         if self.kv_transfer_scope not in ("server", "rank"):
@@ -102,6 +105,7 @@ class ParsedGen:
     index: int = 0  # position inside a batch
     batch: int | None = None  # None = scalar request, B = batch of B (protocol.md 3.3)
     items: list = field(default_factory=list)  # one scalar ParsedGen per batch item ([self] if scalar)
+    blocks: tuple = ()  # chained hashes of the prompt's full blocks (prefix cache on), else ()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,17 +168,34 @@ class Rendezvous:
 
 
 class _PrefillRank:
-    __slots__ = ("lock", "running", "waiting", "tokens")
+    __slots__ = ("lock", "running", "waiting", "tokens", "cache")
 
     def __init__(self) -> None:
         self.lock = asyncio.Lock()  # FIFO: asyncio.Lock wakes waiters in arrival order
         self.running = 0
         self.waiting = 0
         self.tokens = 0
+        self.cache: OrderedDict = OrderedDict()  # block hash -> None, least recently used first
+
+
+def block_hashes(data: bytes, block_bytes: int) -> tuple:
+    """Chained hashes of the full ``block_bytes`` blocks of a prompt: block i's hash names the
+    whole prefix up to it, so two prompts share a cached block only if they share everything
+    before it too (a radix cache over pages)."""
+    out = []
+    h = 0
+    for i in range(0, len(data) - block_bytes + 1, block_bytes):
+        h = hash((h, data[i:i + block_bytes]))
+        out.append(h)
+    return tuple(out)
 
 
 class PrefillEngine:
-    """Per-rank FIFO compute; publishes each finished room on ``board``."""
+    """Per-rank FIFO compute; publishes each finished room on ``board``.
+
+    With ``prefix_cache_tokens`` each rank keeps its own LRU cache of prompt blocks (each DP
+    rank has its own radix cache in SGLang): the leading blocks of a prompt found there are not
+    computed again, so a hit shortens the prefill; ``hit_tokens / input_tokens`` is the hit rate."""
 
     def __init__(self, params: SimParams, board: Rendezvous) -> None:
         self.p = params
@@ -182,6 +203,26 @@ class PrefillEngine:
         self.ranks = [_PrefillRank() for _ in range(params.dp_size)]
         self.completed = 0
         self.aborted = 0
+        self.input_tokens = 0  # prompt tokens of started prefills (prefix cache statistics)
+        self.hit_tokens = 0    # of those, found in the rank's prefix cache
+
+    def _cached_tokens(self, r: _PrefillRank, g: ParsedGen) -> int:
+        """Tokens of g's prompt already in rank r's cache; caches g's blocks (LRU)."""
+        if not g.blocks or self.p.prefix_cache_tokens <= 0:
+            return 0
+        cache = r.cache
+        hit = 0
+        for h in g.blocks:
+            if h not in cache:
+                break
+            hit += 1
+        for h in g.blocks:
+            cache[h] = None
+            cache.move_to_end(h)
+        cap = max(1, self.p.prefix_cache_tokens // self.p.prefix_block_tokens)
+        while len(cache) > cap:
+            cache.popitem(last=False)
+        return min(g.input_tokens, hit * self.p.prefix_block_tokens)
 
     def rank_for(self, g: ParsedGen) -> int:
         if g.rank is not None:
@@ -191,13 +232,19 @@ class PrefillEngine:
 
     async def run(self, g: ParsedGen, rank: int) -> None:
         r = self.ranks[rank]
-        dur = self.p.time_scale * (self.p.prefill_base_ms / 1000.0 + g.input_tokens / self.p.prefill_tokens_per_s)
         queued = True
         r.waiting += 1
         try:
             async with r.lock:
                 queued = False
                 r.waiting -= 1
+                # The cache is looked up when the compute starts, as a scheduler matches the
+                # radix tree when it schedules the request.
+                cached = self._cached_tokens(r, g)
+                self.input_tokens += g.input_tokens
+                self.hit_tokens += cached
+                dur = self.p.time_scale * (self.p.prefill_base_ms / 1000.0
+                                           + (g.input_tokens - cached) / self.p.prefill_tokens_per_s)
                 r.running += 1
                 r.tokens += g.input_tokens
                 try:
