@@ -383,6 +383,13 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
              "request's input + max_new_tokens + the reserve, then apply the decode policy (or the "
              "demand cost); no rank fits: the one with the most free KV. 'shadow' dispatches the "
              "usual pick and counts agreement (default: %(default)s).")
+    add("--cache-aware-rank-slack", type=int, default=d("cache_aware_rank_slack"), metavar="N",
+        help="cache_aware on a leg that decodes (PD decode, regular): pick only among targets "
+             "holding at most the least-loaded one's in-flight requests + N; a prefix hit goes to "
+             "the least-loaded holder, a miss to the least-loaded target. Default: 0 on the PD "
+             "decode leg under --dp-aware when it inherits --policy cache_aware (every decode "
+             "step waits for the busiest rank), unbounded elsewhere and with an explicit "
+             "--decode-policy cache_aware.")
     add("--decode-kv-reserve-tokens", type=int, default=d("decode_kv_reserve_tokens"),
         metavar="TOKENS",
         help="Extra KV tokens a request must leave free on its rank under --decode-kv-fit, "

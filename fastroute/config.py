@@ -227,6 +227,8 @@ class Config:
     workers: int = 1
     decode_kv_fit: str = "off"
     decode_kv_reserve_tokens: int = 0
+    # cache_aware's bound on DP ranks (None = by leg, see rank_slack())
+    cache_aware_rank_slack: int | None = None
     # Where p2c_load_metric came from, for the start-up banner: "flag", the environment
     # variable's name, or "default" (set by config_from_args; not a flag).
     load_metric_source: str = "default"
@@ -264,6 +266,8 @@ class Config:
     def __post_init__(self) -> None:
         if self.prefill_policy is None:
             self.prefill_policy = self.policy
+        # Whether the decode leg took --policy (cache_aware then balances decode ranks).
+        self._decode_inherited = self.decode_policy is None
         if self.decode_policy is None:
             self.decode_policy = self.policy
         self.p2c_load_metric = P2C_LOAD_METRIC_ALIASES.get(
@@ -498,6 +502,8 @@ class Config:
                 f"invalid value {self.decode_kv_fit!r}; choose from off, shadow, on",
             )
         _at_least("--decode-kv-reserve-tokens", self.decode_kv_reserve_tokens, 0)
+        if self.cache_aware_rank_slack is not None:
+            _at_least("--cache-aware-rank-slack", self.cache_aware_rank_slack, 0)
         decoding = self.decode_policy if self.pd_disaggregation else self.policy
         if decoding == "manual":
             # manual pins each routing key to a worker; a cost or a KV filter would move keys.
@@ -506,6 +512,19 @@ class Config:
                 if mode != "off":
                     raise ConfigError(flag, "does not combine with the manual policy (it pins each "
                                       "routing key to one worker); use --decode-policy power_of_two")
+
+    def rank_slack(self, role: str) -> int:
+        """cache_aware's rank slack on a leg (-1: unbounded affinity). Under --dp-aware the PD
+        decode leg that inherits cache_aware from --policy balances its ranks (0: only the
+        least-loaded ranks; the tree breaks ties); the prefill leg, an explicit --decode-policy
+        cache_aware and regular mode keep affinity. --cache-aware-rank-slack sets every
+        cache_aware leg that decodes (PD decode, regular)."""
+        if role == "prefill":
+            return -1
+        if self.cache_aware_rank_slack is not None:
+            return self.cache_aware_rank_slack
+        inherited = getattr(self, "_decode_inherited", False)
+        return 0 if role == "decode" and self.dp_aware and inherited else -1
 
     def _validate_discovery(self) -> None:
         if self.discovery_provider not in (None,) + DISCOVERY_PROVIDERS:

@@ -156,4 +156,5 @@ def group_like(router: Any, template: Any, kv_reserve: int = 0) -> Any:
     """An empty group configured like ``template`` (a role's group), for one model."""
     return router.group([], template.policy, load_metric=template.load_metric,
                         demand=template.demand, request_weight=template.request_weight, names=[],
-                        kv_fit=template.kv_fit, kv_reserve=kv_reserve)
+                        kv_fit=template.kv_fit, kv_reserve=kv_reserve,
+                        rank_slack=template.rank_slack)

@@ -86,12 +86,15 @@ class Registry(AdminAPI):
             # decode group.
             "regular": router.group([], config.policy, load_metric=metric, demand=demand,
                                     request_weight=weight, names=[], kv_fit=config.decode_kv_fit,
-                                    kv_reserve=config.decode_kv_reserve_tokens),
-            "prefill": router.group([], config.prefill_policy, load_metric=metric, names=[]),
+                                    kv_reserve=config.decode_kv_reserve_tokens,
+                                    rank_slack=config.rank_slack("regular")),
+            "prefill": router.group([], config.prefill_policy, load_metric=metric, names=[],
+                                    rank_slack=config.rank_slack("prefill")),
             "decode": router.group([], config.decode_policy, load_metric=metric, demand=demand,
                                    request_weight=weight, names=[],
                                    kv_fit=config.decode_kv_fit,
-                                   kv_reserve=config.decode_kv_reserve_tokens),
+                                   kv_reserve=config.decode_kv_reserve_tokens,
+                                   rank_slack=config.rank_slack("decode")),
         }
         if config.enable_igw:
             # One group per model inside each role (fastroute.control.models).

@@ -10,6 +10,7 @@ REASON_NO_TEXT: int
 REASON_BALANCE: int
 REASON_HIT: int
 REASON_SMALLEST: int
+REASON_LEAST: int
 
 class TreeCorrupt(RuntimeError):
     """``PrefixTree.check`` found a broken structural invariant."""
@@ -25,6 +26,7 @@ class PrefixTree:
     balance_abs_threshold: int
     balance_rel_threshold: float
     max_tree_size: int
+    rank_slack: int
     @property
     def last_reason(self) -> int: ...
     @property

@@ -41,9 +41,10 @@ cdef enum:
     R_BALANCE = 2       # loads imbalanced: least in-flight
     R_HIT = 3           # prefix match above cache_threshold: a holder of the longest match
     R_SMALLEST = 4      # below the threshold: the smallest tree
+    R_LEAST = 5         # below the threshold with a rank slack: the least in-flight
 
-REASON_NONE, REASON_NO_TEXT, REASON_BALANCE, REASON_HIT, REASON_SMALLEST = (
-    R_NONE, R_NO_TEXT, R_BALANCE, R_HIT, R_SMALLEST)
+REASON_NONE, REASON_NO_TEXT, REASON_BALANCE, REASON_HIT, REASON_SMALLEST, REASON_LEAST = (
+    R_NONE, R_NO_TEXT, R_BALANCE, R_HIT, R_SMALLEST, R_LEAST)
 
 
 cdef struct Node:
@@ -138,6 +139,9 @@ cdef class PrefixTree:
     cdef public int64_t balance_abs_threshold
     cdef public double balance_rel_threshold
     cdef public int64_t max_tree_size
+    # -1: off. N >= 0: only candidates holding at most min + N in-flight requests may be picked
+    # (a hit goes to the least-loaded holder of the match, a miss to the least-loaded target).
+    cdef public int64_t rank_slack
     cdef readonly int last_reason
     cdef readonly int64_t last_match
     cdef readonly int64_t hits, misses, balanced, evicted_bytes
@@ -158,6 +162,7 @@ cdef class PrefixTree:
         if max_tree_size < 1:
             raise ValueError("max_tree_size must be >= 1")
         self.max_tree_size = max_tree_size
+        self.rank_slack = -1
         self.rng = seed
         self.free_node = -1
         self.free_ent = -1
@@ -528,6 +533,14 @@ cdef class PrefixTree:
                 self.cand_ok[i] = 0
         self.min_load = mn
         self.max_load = mx
+        if self.rank_slack >= 0 and ne > 0:
+            # Bounded load: a candidate above min + slack is not eligible for this pick, for the
+            # tree walk (its stamp is cleared) as for the least-loaded choice.
+            for i in range(self.ncand):
+                if self.cand_ok[i] and self.cand_load[i] > mn + self.rank_slack:
+                    self.cand_ok[i] = 0
+                    self.slot_stamp[self.cand_slot[i]] = 0
+                    ne -= 1
         return ne
 
     cdef Py_ssize_t _least_loaded(self) noexcept:
@@ -563,6 +576,22 @@ cdef class PrefixTree:
             if self.slot_stamp[self.ents[e].slot] == self.stamp:
                 if reservoir_step(&self.rng, &ties):
                     best = self.ents[e].slot
+            e = self.ents[e].nnext
+        return best
+
+    cdef int32_t _least_loaded_holder(self, int32_t x) noexcept:
+        # The holder of x (among this pick's candidates) with the fewest in-flight requests,
+        # ties at random.
+        cdef int32_t e = self.nodes[x].holders, best = -1, slot
+        cdef int64_t ties = 0, load, best_load = INT64_MAX
+        while e >= 0:
+            slot = self.ents[e].slot
+            if self.slot_stamp[slot] == self.stamp:
+                load = row_requests(self._rows + self.slot_target[slot] * NCOLS)
+                if load < best_load:
+                    best, best_load, ties = slot, load, 1
+                elif load == best_load and reservoir_step(&self.rng, &ties):
+                    best = slot
             e = self.ents[e].nnext
         return best
 
@@ -712,9 +741,14 @@ cdef class PrefixTree:
             self.balanced += 1
             self.last_reason = R_BALANCE
         elif self.w_best >= 0 and <double>self.w_best_len > self.cache_threshold * <double>n:
-            slot = self._random_holder(self.w_best)
+            slot = (self._random_holder(self.w_best) if self.rank_slack < 0
+                    else self._least_loaded_holder(self.w_best))
             self.hits += 1
             self.last_reason = R_HIT
+        elif self.rank_slack >= 0:
+            slot = self.cand_slot[self._least_loaded()]
+            self.misses += 1
+            self.last_reason = R_LEAST
         else:
             slot = self.cand_slot[self._smallest()]
             self.misses += 1

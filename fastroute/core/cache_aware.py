@@ -9,6 +9,12 @@ One pick, over the group's eligible targets (healthy, circuit not open):
    cache_threshold`` (a random one of the targets holding that match).
 3. Otherwise the target with the smallest tree (fewest bytes held), which spreads new prompts.
 
+With a rank slack N >= 0 (``--cache-aware-rank-slack``; by default 0 on the PD decode leg under
+``--dp-aware``, see ``Config.rank_slack``) the pick is bounded first: only targets holding at most
+the least-loaded one's in-flight requests + N take part, a hit goes to the least-loaded holder of
+the match and a miss to the least-loaded target. Under DP attention every step waits for the
+busiest rank, so affinity may only choose among ranks that keep the batch even.
+
 The text is then inserted under the chosen target.  No text picks the least-loaded target and
 inserts nothing.  Every tie is broken at random.  The tree, matching and eviction live in
 ``fastroute.core._tree`` (see its docstring: bytes, per-target LRU lists, inline eviction that keeps
@@ -38,13 +44,15 @@ REASONS = {
     _tree.REASON_BALANCE: "balance",
     _tree.REASON_HIT: "cache_hit",
     _tree.REASON_SMALLEST: "smallest_tree",
+    _tree.REASON_LEAST: "least_loaded",
 }
 
 
 class CacheAwarePolicy:
     """Prefix-tree policy for one group of targets; ``pick`` does not book (the Group does)."""
 
-    def __init__(self, table: TargetTable, config: Any = None, *, seed: int | None = None) -> None:
+    def __init__(self, table: TargetTable, config: Any = None, *, seed: int | None = None,
+                 rank_slack: int = -1) -> None:
         params = {k: getattr(config, k, v) if config is not None else v
                   for k, v in DEFAULTS.items()}
         if not 0.0 <= float(params["cache_threshold"]) <= 1.0:
@@ -66,6 +74,8 @@ class CacheAwarePolicy:
             int(params["max_tree_size"]),
             int(seed) & 0xFFFFFFFFFFFFFFFF,
         )
+        self.tree.rank_slack = int(rank_slack)
+        self.rank_slack = int(rank_slack)
         self._names: dict[int, str] = {}
         # The per-request entry point is the compiled method itself: one call per pick.
         self.pick = self.tree.pick

@@ -16,6 +16,7 @@ import numpy as np
 from typing import Any, Iterable
 
 from fastroute.core.table import (COL_CIRCUIT, COL_HEALTHY, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS,
+                                  COL_ORDER_KEY, COL_OTHERS_EST, COL_OTHERS_EST_TOKENS,
                                   COL_OTHERS_IN_FLIGHT, COL_OTHERS_OPEN, COL_OTHERS_TOKENS,
                                   COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_POLLED_TOKENS,
                                   COL_TOKENS_AT_POLL)
@@ -63,13 +64,15 @@ def _row_eligible(tab: np.ndarray, t) -> bool:
 
 
 def requests(tab: np.ndarray, t) -> int:
-    """``_layout.row_requests``: this host's in-flight requests plus the other replicas'."""
-    return int(tab[t, COL_IN_FLIGHT]) + int(tab[t, COL_OTHERS_IN_FLIGHT])
+    """``_layout.row_requests``: this host's in-flight requests plus the other replicas'
+    (published, and estimated since the last sync)."""
+    return int(tab[t, COL_IN_FLIGHT]) + int(tab[t, COL_OTHERS_IN_FLIGHT]) + int(tab[t, COL_OTHERS_EST])
 
 
 def tokens_in_flight(tab: np.ndarray, t) -> int:
     """``_layout.row_tokens``: this host's in-flight input tokens plus the other replicas'."""
-    return int(tab[t, COL_IN_FLIGHT_TOKENS]) + int(tab[t, COL_OTHERS_TOKENS])
+    return (int(tab[t, COL_IN_FLIGHT_TOKENS]) + int(tab[t, COL_OTHERS_TOKENS])
+            + int(tab[t, COL_OTHERS_EST_TOKENS]))
 
 
 def round_robin(tab: np.ndarray, cands, cursor: list[int]) -> int:
@@ -199,6 +202,41 @@ def kv_fit(tab: np.ndarray, cands, tokens: int, need: int, use_demand: bool, wei
 
 # ---- the prefix tree, by meaning ----------------------------------------------------------------
 
+def coordinated(tab: np.ndarray, cands, tokens: int, need: int, use_demand: bool, weight: int,
+                kv: bool, n: int, slot: int) -> tuple[int, list[int]]:
+    """``_policy.pick_coordinated``: the next n placements as one router would make them (each
+    the best by (fits, least requests or demand cost, shared order key), or the most free KV
+    when nothing fits), and this replica's, the slot-th."""
+    el = _eligible(tab, cands)
+    if kv and not any(free_kv(tab, t) is not None for t in el):
+        kv = False
+    extra_r = {t: 0 for t in el}
+    extra_k = {t: 0 for t in el}
+    picks: list[int] = []
+    for _ in range(n):
+        best, best_key = -1, None
+        for t in el:
+            free = 0
+            fits = True
+            if kv:
+                f = free_kv(tab, t)
+                if f is None:
+                    continue
+                free = f - extra_k[t]
+                fits = free >= need
+            r = requests(tab, t) + extra_r[t]
+            cost = tokens_in_flight(tab, t) + extra_k[t] + tokens + weight * r if use_demand else r
+            key = (0, cost, int(tab[t, COL_ORDER_KEY])) if fits else (1, -free, int(tab[t, COL_ORDER_KEY]))
+            if best_key is None or key < best_key:
+                best, best_key = t, key
+        if best < 0:
+            return -1, []
+        picks.append(best)
+        extra_r[best] += 1
+        extra_k[best] += tokens
+    return picks[slot], picks
+
+
 def common_prefix(a: bytes, b: bytes) -> int:
     """Length in bytes of the longest common prefix of a and b."""
     n = 0
@@ -235,19 +273,28 @@ def tree_pick(held: dict[int, list[bytes]], sizes: dict[int, int], loads: dict[i
               eligible: set[int], text: bytes | None, cfg: Any) -> tuple[str, set[int]]:
     """``PrefixTree.pick`` as (reason, the set of targets it may choose): the reasons are those of
     ``cache_aware.REASONS``, "none" with an empty set when no target is eligible.  ``cfg`` has
-    cache_threshold, balance_abs_threshold and balance_rel_threshold."""
+    cache_threshold, balance_abs_threshold and balance_rel_threshold, and optionally rank_slack
+    (-1 = off; N >= 0: only targets within min + N in-flight requests may be chosen)."""
     if not eligible:
         return "none", set()
     lo = min(loads[t] for t in eligible)
     hi = max(loads[t] for t in eligible)
     least = {t for t in eligible if loads[t] == lo}
+    slack = getattr(cfg, "rank_slack", -1)
+    if slack >= 0:
+        eligible = {t for t in eligible if loads[t] <= lo + slack}
     if not text:
         return "no_text", least
     if hi - lo > cfg.balance_abs_threshold and hi > lo * cfg.balance_rel_threshold:
         return "balance", least
     m, who = tree_match(held, text, eligible)
     if who and m > cfg.cache_threshold * len(text):
+        if slack >= 0:
+            low = min(loads[t] for t in who)
+            return "cache_hit", {t for t in who if loads[t] == low}
         return "cache_hit", set(who)
+    if slack >= 0:
+        return "least_loaded", least
     small = min(sizes[t] for t in eligible)
     return "smallest_tree", {t for t in eligible if sizes[t] == small}
 

@@ -62,7 +62,8 @@ class Group:
     """A candidate set (e.g. all decode ranks) with its policy; see module docstring."""
 
     def __init__(self, router: "Router", policy: str, load_metric: str, demand: str,
-                 request_weight: int, seed: int, kv_fit: str = "off", kv_reserve: int = 0) -> None:
+                 request_weight: int, seed: int, kv_fit: str = "off", kv_reserve: int = 0,
+                 rank_slack: int = -1) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; fastroute implements {', '.join(POLICIES)}")
         if load_metric not in LOAD_METRICS:
@@ -74,6 +75,7 @@ class Group:
         if kv_fit not in MODE_CODE:
             raise ValueError(f"decode KV fit must be off, shadow or on, not {kv_fit!r}")
         self.kv_fit = kv_fit
+        self.rank_slack = int(rank_slack) if policy == "cache_aware" else -1
         self.policy = policy
         self.load_metric = load_metric
         self.demand = demand
@@ -96,7 +98,8 @@ class Group:
             self._keys = _manual_keys(router, seed)
             self.acquire = self._acquire_manual
         elif policy == "cache_aware":
-            self._text_policy = CacheAwarePolicy(router.table, router.config, seed=seed)
+            self._text_policy = CacheAwarePolicy(router.table, router.config, seed=seed,
+                                                 rank_slack=self.rank_slack)
             if demand != "off" or kv_fit != "off":
                 self.acquire = self._acquire_text_narrowed
             else:
@@ -228,10 +231,11 @@ class Router:
     def group(self, targets: Sequence[int], policy: str, *, load_metric: str = "tokens",
               demand: str = "off", request_weight: int = 0,
               names: Sequence[str] | None = None, kv_fit: str = "off",
-              kv_reserve: int = 0) -> Group:
+              kv_reserve: int = 0, rank_slack: int = -1) -> Group:
         # Each group gets its own RNG stream, derived from the router seed and its creation order.
         seed = (self._seed + 0x9E3779B97F4A7C15 * (self._groups + 1)) & 0xFFFFFFFFFFFFFFFF
         self._groups += 1
-        g = Group(self, policy, load_metric, demand, request_weight, seed, kv_fit, kv_reserve)
+        g = Group(self, policy, load_metric, demand, request_weight, seed, kv_fit, kv_reserve,
+                  rank_slack)
         g.set_targets(targets, names)
         return g
