@@ -1,7 +1,8 @@
 """Router replicas that balance as one: per-target load shared through Redis (``--replica-sync``).
 
 Owns the target table's "others" columns (``COL_OTHERS_OPEN``, ``COL_OTHERS_IN_FLIGHT``,
-``COL_OTHERS_TOKENS``) and nothing else. Every ``--replica-sync-interval-ms`` one asyncio task
+``COL_OTHERS_TOKENS``; the estimates below are reset here, booked by the pickers) and the
+header's replica count and slot, and nothing else. Every ``--replica-sync-interval-ms`` one asyncio task
 publishes this host's per-target in-flight requests and input tokens and the targets whose
 circuit it has open, keyed by target *name* (``url`` or ``url@rank``, never a table row: rows
 differ between replicas), reads every other live replica's entry, sums them per name and stores
@@ -20,6 +21,17 @@ and payload, drops every replica silent for ``--replica-ttl-ms`` (killed or part
 returns the live payloads. Both keys expire after ten TTLs of silence. A restarted replica gets
 a new id (the default contains the pid) and starts from its own empty table; a stopping replica
 deletes its entry so the others drop it at once.
+
+Bursts (the replicas' coordination). Between two syncs every replica sees the same others'
+counts, so a burst spread over the replicas would send each one's share to the same
+least-loaded ranks. Each tick therefore also stores the number of live replicas and this one's
+place among their sorted ids in the table header (``HDR_REPLICAS``, ``HDR_REPLICA_SLOT``) and a
+tie-break order shared by all of them per target (``COL_ORDER_KEY``, a hash of its name). The
+least-requests, demand and KV-fit pickers then plan the next N placements as one router would
+(``_policy.pick_coordinated``), take their own place in that sequence and count the other places
+as the others' estimated placements (``COL_OTHERS_EST``, ``COL_OTHERS_EST_TOKENS``, added to the
+loads like the published counts) until what the others publish replaces them (at most two
+ticks: see ``_age_estimate``). A failed tick turns this off at once (the estimates are dropped).
 
 Shared circuit opens: a target whose circuit is open at any other live replica is ineligible
 here (``COL_OTHERS_OPEN``, checked by ``row_eligible``); the local breaker's cells and CAS state
@@ -44,8 +56,10 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from fastroute.core.routing import hash64
 from fastroute.core.table import (CIRCUIT_OPEN, COL_ALLOCATED, COL_CIRCUIT, COL_IN_FLIGHT,
-                                  COL_IN_FLIGHT_TOKENS, COL_OTHERS_IN_FLIGHT, COL_OTHERS_OPEN,
+                                  COL_IN_FLIGHT_TOKENS, COL_ORDER_KEY, COL_OTHERS_EST,
+                                  COL_OTHERS_EST_TOKENS, COL_OTHERS_IN_FLIGHT, COL_OTHERS_OPEN,
                                   COL_OTHERS_TOKENS, TargetTable)
 
 log = logging.getLogger("fastroute.replica")
@@ -121,6 +135,8 @@ class ReplicaSync:
         self.up: bool | None = None        # None until the first tick
         self._last_ok = 0.0
         self._cleared = True               # the others columns hold nothing
+        self._order_keys: dict[str, int] = {}
+        self._est_kept: dict[int, int] = {}   # row -> estimate left at the last tick
         self._task: asyncio.Task | None = None
         timeout = max(0.05, min(1.0, ttl / 2))
         # Deferred: redis adds ~6 MB of RSS at import and only --replica-sync uses it.
@@ -189,12 +205,16 @@ class ReplicaSync:
         others: dict[str, list[int]] = {}
         peers = 0
         own = self.id.encode()
+        ids = [own]
         for i in range(0, len(live) - 1, 2):
             if live[i] == own:
                 continue
             peers += 1
+            ids.append(live[i])
             decode(live[i + 1], others)
         self.apply(others)
+        ids.sort()
+        self.table.set_replicas(len(ids), ids.index(own))
         return peers
 
     def apply(self, others: dict[str, list[int]]) -> None:
@@ -206,23 +226,69 @@ class ReplicaSync:
         for t, info in enumerate(self.registry.target_info):
             if info is None or cells.load(t, COL_ALLOCATED) == 0:
                 continue
-            r, k, o = others.get(self.registry.target_name(t), zero)
+            name = self.registry.target_name(t)
+            r, k, o = others.get(name, zero)
+            prev = cells.load(t, COL_OTHERS_IN_FLIGHT)
             self._store(t, COL_OTHERS_IN_FLIGHT, r)
             self._store(t, COL_OTHERS_TOKENS, k)
             self._store(t, COL_OTHERS_OPEN, 1 if o else 0)
+            self._age_estimate(t, max(0, r - prev))
+            self._store(t, COL_ORDER_KEY, self._order_key(name))
         self._cleared = not others
+
+    def _age_estimate(self, t: int, published: int) -> None:
+        """What the others newly published replaces the placements the pickers estimated for
+        them. An estimate lives at most two ticks: those kept at the last tick go now; the ones
+        made since then stay unless the publication already covers them (a tick in the middle
+        of a burst must not forget the rest of the burst's plan)."""
+        cells = self.table.cells
+        est = cells.load(t, COL_OTHERS_EST)
+        old = min(self._est_kept.get(t, 0), est)
+        young = est - old
+        keep = max(0, young - max(0, published - old))
+        if keep != est:
+            tokens = cells.load(t, COL_OTHERS_EST_TOKENS)
+            # relative adds: a picker in another process may add to the cells meanwhile
+            cells.add(t, COL_OTHERS_EST, keep - est)
+            cells.add(t, COL_OTHERS_EST_TOKENS, (tokens * keep // est if est else 0) - tokens)
+        if keep:
+            self._est_kept[t] = keep
+        else:
+            self._est_kept.pop(t, None)
+
+    def _order_key(self, name: str) -> int:
+        key = self._order_keys.get(name)
+        if key is None:
+            if len(self._order_keys) > 65536:
+                self._order_keys.clear()
+            key = self._order_keys[name] = hash64(name.encode()) >> 1
+        return key
 
     def _store(self, t: int, col: int, v: int) -> None:
         cells = self.table.cells
         if cells.load(t, col) != v:
             cells.store(t, col, v)
 
+    def _stop_coordinating(self) -> None:
+        """No fresh view: the pickers stop planning for the others and drop their estimates
+        (which only a sync replaces), routing on their own counts plus the last view."""
+        if self.table.cells is None or self.table.replicas[0] <= 1:
+            return
+        self.table.set_replicas(0, 0)
+        for t in range(self.table.capacity):
+            self._store(t, COL_OTHERS_EST, 0)
+            self._store(t, COL_OTHERS_EST_TOKENS, 0)
+        self._est_kept.clear()
+
     def _clear(self) -> None:
         if self.table.cells is None:
             return
         for t in range(self.table.capacity):
-            for col in (COL_OTHERS_IN_FLIGHT, COL_OTHERS_TOKENS, COL_OTHERS_OPEN):
+            for col in (COL_OTHERS_IN_FLIGHT, COL_OTHERS_TOKENS, COL_OTHERS_OPEN, COL_OTHERS_EST,
+                        COL_OTHERS_EST_TOKENS):
                 self._store(t, col, 0)
+        self.table.set_replicas(0, 0)
+        self._est_kept.clear()
         self._cleared = True
 
     async def _loop(self) -> None:
@@ -240,6 +306,7 @@ class ReplicaSync:
                                 "replica's own counts until it returns", self.url,
                                 exc or type(exc).__name__)
                 self.up = False
+                self._stop_coordinating()
                 if not self._cleared and loop.time() - self._last_ok > self.ttl:
                     self._clear()       # the last view is older than the TTL: stale, not load
                     self.peers = 0

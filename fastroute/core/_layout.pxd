@@ -4,7 +4,8 @@
 # One row per target, 24 int64 cells = 192 bytes = three cache lines, so processes updating
 # neighbouring targets never share a line.  Cells 15..17 are the other router replicas' view
 # (fastroute.control.replica writes them off the request path; zero without --replica-sync);
-# 18..23 are spare.
+# 18..20 the replicas' coordination (estimated placements of the others since the last sync,
+# the shared tie-break order); 21..23 are spare.
 from libc.stdint cimport int64_t
 from fastroute.core._atomic cimport fr_load_i64
 
@@ -28,6 +29,10 @@ cdef enum:
                                  # as COL_CIRCUIT, so the eligibility check reads no extra line)
     COL_OTHERS_IN_FLIGHT = 16    # requests the other live replicas have in flight here (last published)
     COL_OTHERS_TOKENS = 17       # input tokens of those requests
+    COL_OTHERS_EST = 18          # requests the other replicas are estimated to have placed here
+                                 # since the last sync (the picker adds them; the sync zeroes them)
+    COL_OTHERS_EST_TOKENS = 19   # input tokens of those estimated requests
+    COL_ORDER_KEY = 20           # tie-break order every replica shares: hash of the target name
     NCOLS = 24
 
 cdef enum:
@@ -35,6 +40,8 @@ cdef enum:
     HDR_CAPACITY = 1
     HDR_UNDERFLOWS = 2           # releases that found the counter at zero (a bug signal)
     HDR_GENERATION = 3           # bumped when the target set changes
+    HDR_REPLICAS = 4             # live router replicas, this one included (0 or 1: alone)
+    HDR_REPLICA_SLOT = 5         # this replica's place among them (sorted replica ids)
     NHDR = 8
 
 # Values of COL_CIRCUIT (fastroute.names spells the same codes for the Python side).
@@ -55,9 +62,11 @@ cdef inline bint row_eligible(const int64_t *row) noexcept nogil:
 cdef inline int64_t row_requests(const int64_t *row) noexcept nogil:
     # Requests in flight on a target across all replicas: this host's exact count plus the
     # other replicas' last published one (zero without --replica-sync).
-    return fr_load_i64(&row[COL_IN_FLIGHT]) + fr_load_i64(&row[COL_OTHERS_IN_FLIGHT])
+    return (fr_load_i64(&row[COL_IN_FLIGHT]) + fr_load_i64(&row[COL_OTHERS_IN_FLIGHT])
+            + fr_load_i64(&row[COL_OTHERS_EST]))
 
 
 cdef inline int64_t row_tokens(const int64_t *row) noexcept nogil:
     # Input tokens in flight on a target across all replicas (as row_requests).
-    return fr_load_i64(&row[COL_IN_FLIGHT_TOKENS]) + fr_load_i64(&row[COL_OTHERS_TOKENS])
+    return (fr_load_i64(&row[COL_IN_FLIGHT_TOKENS]) + fr_load_i64(&row[COL_OTHERS_TOKENS])
+            + fr_load_i64(&row[COL_OTHERS_EST_TOKENS]))

@@ -14,11 +14,12 @@ from fastroute.core._atomic cimport fr_load_i64, fr_store_i64, fr_add_i64, fr_ca
 from fastroute.core._layout cimport (
     COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS, COL_POLLED_RUNNING, COL_POLLED_WAITING,
     COL_POLLED_TOKENS, COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_TOKENS_AT_POLL, HDR_UNDERFLOWS,
-    NCOLS, NHDR, COL_CIRCUIT, COL_CB_FAILS, CIRCUIT_CLOSED, row_tokens,
+    NCOLS, NHDR, COL_CIRCUIT, COL_CB_FAILS, CIRCUIT_CLOSED, row_tokens, COL_OTHERS_EST,
+    COL_OTHERS_EST_TOKENS, HDR_REPLICAS, HDR_REPLICA_SLOT,
 )
 from fastroute.core._policy cimport (
     pick_round_robin, pick_random, pick_p2c, pick_demand, pick_ring, pick_kv_fit, kv_free,
-    hash_bytes, MODE_SHADOW, MODE_ON,
+    pick_coordinated, hash_bytes, MODE_SHADOW, MODE_ON, METRIC_LEAST_REQUESTS,
 )
 import os
 
@@ -31,6 +32,10 @@ cdef enum:
     KIND_RANDOM = 1
     KIND_P2C = 2
     KIND_RING = 3
+
+# Most synced replicas a coordinated pick plans for (more share the last slots).
+cdef enum:
+    MAX_SLOTS = 64
 
 # Policy name -> compiled picker kind (cache_aware is not here: its tree picks, Picker books).
 KINDS = {"round_robin": KIND_ROUND_ROBIN, "random": KIND_RANDOM, "power_of_two": KIND_P2C,
@@ -279,6 +284,10 @@ cdef class Picker:
     cdef readonly int64_t kv_agree
     cdef readonly int64_t kv_disagree
     cdef readonly int64_t kv_fallback
+    cdef int64_t[::1] scratch        # pick_coordinated: 2 x candidates, then MAX_SLOTS picks
+    cdef int64_t coord_n             # placements of the last coordinated pick (0: none)
+    cdef int64_t coord_slot
+    cdef readonly int64_t coordinated_picks
 
     def __init__(self, table_array, header_array, str policy, str metric="tokens", int demand=0,
                  int64_t weight=0, seed=None, int kv_fit=0, int64_t kv_reserve=0):
@@ -309,6 +318,7 @@ cdef class Picker:
         self.rng = <uint64_t>(int(seed) & 0xFFFFFFFFFFFFFFFF)
         self.cursor = 0
         self.cands = np.zeros(0, dtype=np.int64)
+        self.scratch = np.zeros(MAX_SLOTS, dtype=np.int64)
         self.ring_hash = np.zeros(0, dtype=np.uint64)
         self.ring_target = np.zeros(0, dtype=np.int64)
         self.last_legacy = -1
@@ -333,6 +343,8 @@ cdef class Picker:
         if arr.size and (arr.min() < 0 or arr.max() >= self.tab.shape[0]):
             raise IndexError("candidate target out of the table's range")
         self.cands = arr
+        self.scratch = np.zeros(2 * arr.shape[0] + MAX_SLOTS, dtype=np.int64)
+        self.coord_n = 0
         if self.cursor >= arr.shape[0]:
             self.cursor = 0
 
@@ -363,10 +375,16 @@ cdef class Picker:
         ``_policy.kv_free``); in shadow the usual pick is dispatched and agreement counted."""
         cdef const unsigned char *k = NULL
         cdef Py_ssize_t klen = 0
-        cdef int64_t a, b, f = -2
+        cdef int64_t a, b, f = -2, n, need = tokens + out_tokens + self.kv_reserve
         if key is not None:
             k = key
             klen = len(key)
+        self.coord_n = 0
+        n = fr_load_i64(&self.header[HDR_REPLICAS])
+        if n > 1 and self.cands.shape[0] > 0 and (
+                self.kv_fit == MODE_ON or self.demand == MODE_ON
+                or (self.kind == KIND_P2C and self.metric == METRIC_LEAST_REQUESTS)):
+            return self._coordinated(tokens, need, n)
         if self.kv_fit != 0:
             f = pick_kv_fit(self.tab, self.cands, tokens, tokens + out_tokens + self.kv_reserve,
                             self.demand == MODE_ON, self.weight, &self.rng)
@@ -390,6 +408,38 @@ cdef class Picker:
                 self.shadow_disagree += 1
         return a
 
+    cdef int64_t _coordinated(self, int64_t tokens, int64_t need, int64_t n) noexcept:
+        # Synced replicas (see pick_coordinated): this replica's place in the sequence of the
+        # next n placements; acquire() books the rest as the others' estimate.
+        cdef int64_t slot = fr_load_i64(&self.header[HDR_REPLICA_SLOT])
+        cdef int64_t m = self.cands.shape[0], t
+        if n > MAX_SLOTS:
+            n = MAX_SLOTS
+        if slot < 0 or slot >= n:
+            slot = slot % n if slot > 0 else 0
+        t = pick_coordinated(self.tab, self.cands, tokens, need, self.demand == MODE_ON,
+                             self.weight, self.kv_fit == MODE_ON, n, slot, &self.scratch[0],
+                             &self.scratch[2 * m])
+        if t >= 0:
+            self.coord_n = n
+            self.coord_slot = slot
+        return t
+
+    cdef void _book_estimate(self, int64_t tokens) noexcept:
+        # The placements the other replicas are expected to make now, counted until the next
+        # sync replaces them with what they published.
+        cdef int64_t m = self.cands.shape[0], s, t
+        cdef int64_t *row
+        for s in range(self.coord_n):
+            if s == self.coord_slot:
+                continue
+            t = self.scratch[2 * m + s]
+            row = &self.tab[t, 0]
+            fr_add_i64(&row[COL_OTHERS_EST], 1)
+            fr_add_i64(&row[COL_OTHERS_EST_TOKENS], tokens)
+        self.coordinated_picks += 1
+        self.coord_n = 0
+
     cdef inline void _count_kv(self, int64_t dispatched, int64_t fit, int64_t need) noexcept:
         # Shadow agreement: the dispatched target is one KV fit would also accept (it fits, or
         # it is KV fit's own choice).  Comparing exact picks would count random tie-breaks
@@ -406,6 +456,8 @@ cdef class Picker:
         cdef int64_t t = self.pick(tokens, key, out_tokens)
         if t < 0:
             return None
+        if self.coord_n:
+            self._book_estimate(tokens)
         return _new_lease(self.tab, &self.header[0], t, tokens, self.keep, self.own_base)
 
     def book_target(self, int64_t t, int64_t tokens=0):

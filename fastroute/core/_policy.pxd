@@ -44,3 +44,10 @@ cdef int64_t pick_kv_fit(const int64_t[:, ::1] tab,         # IN (shared)
                          int64_t tokens, int64_t need,      # IN
                          bint use_demand, int64_t weight,   # IN
                          uint64_t *rng) noexcept nogil      # INOUT
+cdef int64_t pick_coordinated(const int64_t[:, ::1] tab,    # IN (shared)
+                              const int64_t[::1] cands,     # IN
+                              int64_t tokens, int64_t need, # IN
+                              bint use_demand, int64_t weight, bint kv,  # IN
+                              int64_t n, int64_t slot,      # IN: replicas, this one's place
+                              int64_t *extra,               # SCRATCH: 2 x candidates
+                              int64_t *picks) noexcept nogil  # OUT: n placements

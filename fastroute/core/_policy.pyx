@@ -11,8 +11,9 @@ from fastroute.core._layout cimport (
     COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_POLLED_RUNNING, COL_POLLED_WAITING, COL_POLLED_TOKENS,
     COL_POLLED_AT, COL_HEALTHY, COL_PICKS, COL_CIRCUIT, COL_POLLED_MAX_TOKENS, COL_ALLOCATED,
     COL_TOKENS_AT_POLL, COL_CB_FAILS, COL_CB_OKS, COL_CB_OPENED_AT, COL_OTHERS_OPEN,
-    COL_OTHERS_IN_FLIGHT, COL_OTHERS_TOKENS, NCOLS,
-    HDR_MAGIC, HDR_CAPACITY, HDR_UNDERFLOWS, HDR_GENERATION, NHDR,
+    COL_OTHERS_IN_FLIGHT, COL_OTHERS_TOKENS, COL_OTHERS_EST, COL_OTHERS_EST_TOKENS, COL_ORDER_KEY,
+    NCOLS, HDR_MAGIC, HDR_CAPACITY, HDR_UNDERFLOWS, HDR_GENERATION, HDR_REPLICAS, HDR_REPLICA_SLOT,
+    NHDR,
     CIRCUIT_CLOSED, CIRCUIT_OPEN, CIRCUIT_HALF_OPEN, row_eligible, row_requests, row_tokens,
 )
 from fastroute.core._random cimport mix64, rng_below, reservoir_step
@@ -241,6 +242,63 @@ cdef int64_t pick_kv_fit(const int64_t[:, ::1] tab, const int64_t[::1] cands, in
     return best if best >= 0 else room
 
 
+cdef int64_t pick_coordinated(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens,
+                              int64_t need, bint use_demand, int64_t weight, bint kv, int64_t n,
+                              int64_t slot, int64_t *extra, int64_t *picks) noexcept nogil:
+    """Synced replicas' pick: the next ``n`` placements as one router would make them from the
+    shared view, this replica taking placement ``slot`` (the others are expected to take the
+    rest; the caller books those as their estimate).  Each placement is the least-requests
+    (``use_demand``: demand-cost) candidate given the placements before it, among the ranks where
+    ``need`` KV tokens fit when ``kv`` (none fits: the most free KV); ties go to the smaller
+    shared order key, so every replica computes the same sequence and they fill different ranks
+    instead of all sending a burst to the same least-loaded ones.  ``extra`` is scratch of 2 x
+    candidates; ``picks[0..n)`` receives the sequence (candidate rows).  -1 when nothing is
+    eligible."""
+    cdef Py_ssize_t m = cands.shape[0], k, best
+    cdef int64_t s, t, r, cost, free, key, best_cost = 0, best_key = 0, best_free = 0
+    cdef bint known = False, fits, best_fits = False, better
+    for k in range(2 * m):
+        extra[k] = 0
+    if kv:
+        for k in range(m):
+            if row_eligible(&tab[cands[k], 0]) and kv_free(tab, cands[k]) != INT64_MIN:
+                known = True
+                break
+    for s in range(n):
+        best = -1
+        for k in range(m):
+            t = cands[k]
+            if not row_eligible(&tab[t, 0]):
+                continue
+            fits = True
+            free = 0
+            if known:
+                free = kv_free(tab, t)
+                if free == INT64_MIN:
+                    continue
+                free -= extra[m + k]
+                fits = free >= need
+            r = row_requests(&tab[t, 0]) + extra[k]
+            cost = (row_tokens(&tab[t, 0]) + extra[m + k] + tokens + weight * r) if use_demand else r
+            key = fr_load_i64(&tab[t, COL_ORDER_KEY])
+            if best < 0:
+                better = True
+            elif fits != best_fits:
+                better = fits
+            elif fits:
+                better = cost < best_cost or (cost == best_cost and key < best_key)
+            else:
+                better = free > best_free or (free == best_free and key < best_key)
+            if better:
+                best, best_fits, best_cost, best_free, best_key = k, fits, cost, free, key
+        if best < 0:
+            return -1
+        picks[s] = cands[best]
+        extra[best] += 1
+        extra[m + best] += tokens
+    return picks[slot]
+
+
 # ---- thin Python wrappers, for tests and the reference comparison ------------------------------
 # The kernels run without bounds checks; these entry points check every index a caller hands in
 # (table width, candidate and ring rows, cursor, RNG state) so Python can never make them read
@@ -297,6 +355,21 @@ def kv_fit(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens, 
            bint use_demand, int64_t weight, state):
     _check_rows(tab, cands, "candidate")
     return pick_kv_fit(tab, cands, tokens, need, use_demand, weight, _rng_state(state))
+
+
+def coordinated(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens, int64_t need,
+                bint use_demand, int64_t weight, bint kv, int64_t n, int64_t slot):
+    """``pick_coordinated`` from Python: (this replica's target, the whole placement sequence)."""
+    _check_rows(tab, cands, "candidate")
+    if n < 1 or not 0 <= slot < n:
+        raise ValueError("need n >= 1 and 0 <= slot < n")
+    scratch = np.zeros(2 * cands.shape[0] + n, dtype=np.int64)
+    cdef int64_t[::1] sc = scratch
+    cdef int64_t mine = pick_coordinated(tab, cands, tokens, need, use_demand, weight, kv, n, slot,
+                                         &sc[0], &sc[2 * cands.shape[0]])
+    if mine < 0:
+        return -1, []
+    return mine, [int(x) for x in scratch[2 * cands.shape[0]:]]
 
 
 def demand_ties(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens, int64_t weight):
@@ -379,9 +452,11 @@ def layout():
         COL_ALLOCATED=COL_ALLOCATED, COL_TOKENS_AT_POLL=COL_TOKENS_AT_POLL,
         COL_CB_FAILS=COL_CB_FAILS, COL_CB_OKS=COL_CB_OKS, COL_CB_OPENED_AT=COL_CB_OPENED_AT,
         COL_OTHERS_OPEN=COL_OTHERS_OPEN, COL_OTHERS_IN_FLIGHT=COL_OTHERS_IN_FLIGHT,
-        COL_OTHERS_TOKENS=COL_OTHERS_TOKENS, NCOLS=NCOLS,
+        COL_OTHERS_TOKENS=COL_OTHERS_TOKENS, COL_OTHERS_EST=COL_OTHERS_EST,
+        COL_OTHERS_EST_TOKENS=COL_OTHERS_EST_TOKENS, COL_ORDER_KEY=COL_ORDER_KEY, NCOLS=NCOLS,
         HDR_MAGIC=HDR_MAGIC, HDR_CAPACITY=HDR_CAPACITY, HDR_UNDERFLOWS=HDR_UNDERFLOWS,
-        HDR_GENERATION=HDR_GENERATION, NHDR=NHDR,
+        HDR_GENERATION=HDR_GENERATION, HDR_REPLICAS=HDR_REPLICAS,
+        HDR_REPLICA_SLOT=HDR_REPLICA_SLOT, NHDR=NHDR,
         CIRCUIT_CLOSED=CIRCUIT_CLOSED, CIRCUIT_OPEN=CIRCUIT_OPEN,
         CIRCUIT_HALF_OPEN=CIRCUIT_HALF_OPEN,
         METRIC_TOKENS=METRIC_TOKENS, METRIC_REQUESTS=METRIC_REQUESTS,

@@ -38,12 +38,17 @@ COL_CB_OPENED_AT = 14    # monotonic microseconds of the last opening
 COL_OTHERS_OPEN = 15        # the other router replicas' view (fastroute.control.replica):
 COL_OTHERS_IN_FLIGHT = 16   # circuit open at one of them, their requests and input tokens
 COL_OTHERS_TOKENS = 17      # in flight here; zero without --replica-sync
+COL_OTHERS_EST = 18         # coordination of synced replicas: the others' estimated
+COL_OTHERS_EST_TOKENS = 19  # placements since the last sync (requests, input tokens) and
+COL_ORDER_KEY = 20          # the tie-break order they share (hash of the target name)
 NCOLS = 24
 
 HDR_MAGIC = 0
 HDR_CAPACITY = 1
 HDR_UNDERFLOWS = 2
 HDR_GENERATION = 3
+HDR_REPLICAS = 4            # live synced replicas, this one included (0/1: alone)
+HDR_REPLICA_SLOT = 5        # this replica's place among them
 NHDR = 8
 
 MAGIC = 0x66726F7574653031  # "frout01" in ASCII
@@ -143,6 +148,16 @@ class TargetTable:
 
     def set_healthy(self, t: int, ok: bool) -> None:
         self.cells.store(t, COL_HEALTHY, 1 if ok else 0)
+
+    def set_replicas(self, n: int, slot: int) -> None:
+        """Synced replicas live (this one included) and this one's place among them; n <= 1
+        turns the coordinated pick off."""
+        self._hcells.store(0, HDR_REPLICAS, int(n))
+        self._hcells.store(0, HDR_REPLICA_SLOT, int(slot))
+
+    @property
+    def replicas(self) -> tuple[int, int]:
+        return self._hcells.load(0, HDR_REPLICAS), self._hcells.load(0, HDR_REPLICA_SLOT)
 
     def bump_generation(self) -> None:
         """Tell every attached process the target set changed (they poll the generation)."""

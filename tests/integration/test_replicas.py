@@ -15,7 +15,8 @@ from typing import Any
 
 import redis
 
-from fastroute.core.table import CIRCUIT_OPEN, COL_CIRCUIT, COL_OTHERS_IN_FLIGHT, COL_OTHERS_OPEN
+from fastroute.core.table import (CIRCUIT_OPEN, COL_CIRCUIT, COL_OTHERS_EST, COL_OTHERS_IN_FLIGHT,
+                                  COL_OTHERS_OPEN)
 from fastroute.sim.redisproc import free_port
 from tests.integration.conftest import DataWorker, RawClient, Router, call, get, post, run, until, workers
 from tests.integration.redis_fixture import redis_server  # noqa: F401  (the fixture)
@@ -213,3 +214,56 @@ def test_workers_2_publishes_the_host_once(redis_server):
             await w.stop()
 
     run(body(), timeout=60)
+
+
+def optimal_max(counts: list[int], extra: int) -> int:
+    """The busiest rank's count after placing ``extra`` requests one by one on the least loaded."""
+    c = sorted(counts)
+    for _ in range(extra):
+        c[0] += 1
+        c.sort()
+    return max(c)
+
+
+def test_a_burst_over_synced_replicas_is_placed_as_one_router_would(redis_server):
+    """Three synced replicas, a burst of 9 requests (3 to each, round robin, faster than a sync)
+    onto 8 ranks of which 5 already hold a request. Each replica knows only the last synced
+    view, in which the same 3 ranks are empty: without coordination all three send their 3
+    there (3 requests on each of them, where one router would have made no rank exceed 2)."""
+    slow = dict(replica_sync_interval_ms=3000, replica_ttl_ms=10_000)
+
+    async def body() -> None:
+        (w,) = await workers(1, dp_size=8)
+        try:
+            async with replica(w, redis_server.url, replica_id="A", **slow) as a, \
+                       replica(w, redis_server.url, replica_id="B", **slow) as b, \
+                       replica(w, redis_server.url, replica_id="C", **slow) as c:
+                for r in (a, b, c):
+                    await until(lambda r=r: r.server.replica.peers == 2, 15, "three live replicas")
+                w.hold()
+                held = await send_held(a.port, 5)
+                await until(lambda: w.held == 5, 5, "5 requests held")
+                await until(lambda: others(b) == 5 and others(c) == 5, 10, "B and C see them")
+                # A's own estimates of the others are gone after its next tick too.
+                await until(lambda: others(a, COL_OTHERS_EST) == 0, 10, "A synced again")
+                before = [0] * 8
+                for rk in ranks(w):
+                    before[rk] += 1
+                for _ in range(3):
+                    for r in (a, b, c):
+                        cl = await RawClient(r.port).connect()
+                        cl.send(post("/generate", {"text": "burst"}))
+                        held.append(cl)
+                await until(lambda: w.held == 14, 5, "the burst arrived")
+                after = [0] * 8
+                for rk in ranks(w):
+                    after[rk] += 1
+                assert max(after) == optimal_max(before, 9), (before, after)
+                w.release()
+                for cl in held:
+                    assert (await cl.response(timeout=5)).status == 200
+                    cl.close()
+        finally:
+            await w.stop()
+
+    run(body(), timeout=90)

@@ -8,6 +8,7 @@ import pytest
 from fastroute.config import Config, ConfigError
 from fastroute.control.replica import ReplicaSync, decode, default_replica_id, encode
 from fastroute.core.table import (CIRCUIT_OPEN, COL_CIRCUIT, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS,
+                                  COL_ORDER_KEY, COL_OTHERS_EST, COL_OTHERS_EST_TOKENS,
                                   COL_OTHERS_IN_FLIGHT, COL_OTHERS_OPEN, COL_OTHERS_TOKENS,
                                   TargetTable)
 from fastroute.names import target_name
@@ -77,3 +78,27 @@ def test_bad_replica_flags_name_the_flag(kw, flag):
 def test_good_replica_flags():
     c = Config(worker_urls=["http://w:1"], replica_sync="redis://r:6379/2")
     assert (c.replica_sync_interval_ms, c.replica_ttl_ms, c.replica_id) == (25, 3000, None)
+
+
+def test_estimates_live_at_most_two_ticks_and_publications_replace_them(tab):
+    names = [target_name("http://w:1", r) for r in range(2)]
+    rows = [tab.alloc() for _ in names]
+    sync = ReplicaSync("redis://127.0.0.1:1/0", "me", tab, _Reg(names), 0.02, 1.0)
+    est = lambda: [tab.get(t, COL_OTHERS_EST) for t in rows]        # noqa: E731
+    tab.set_replicas(3, 0)
+    # the pickers expect the others to place 2 on rank 0 and 1 on rank 1 (100 tokens each)
+    for t, n in zip(rows, (2, 1)):
+        tab.cells.store(t, COL_OTHERS_EST, n)
+        tab.cells.store(t, COL_OTHERS_EST_TOKENS, 100 * n)
+    # a tick in the middle of the burst: one of rank 0's placements is published already
+    sync.apply({names[0]: [1, 100, 0]})
+    assert est() == [1, 1] and tab.get(rows[0], COL_OTHERS_EST_TOKENS) == 100
+    assert tab.get(rows[0], COL_ORDER_KEY) > 0 and tab.get(rows[0], COL_ORDER_KEY) != \
+        tab.get(rows[1], COL_ORDER_KEY)
+    # the next tick: nothing new published; what was kept last time goes now (two ticks at most)
+    sync.apply({names[0]: [1, 100, 0]})
+    assert est() == [0, 0] and tab.get(rows[1], COL_OTHERS_EST_TOKENS) == 0
+    # a failed tick stops the planning and drops what is estimated
+    tab.cells.store(rows[1], COL_OTHERS_EST, 4)
+    sync._stop_coordinating()
+    assert est() == [0, 0] and tab.replicas == (0, 0)
