@@ -1,9 +1,12 @@
-"""``fastroute demo``: a one-minute look at decode-rank balancing on simulated hardware.
+"""``fastroute demo``: a short look at decode-rank balancing on simulated hardware.
 
 Owns only the demo's choices: 1 simulated prefill + 1 simulated decode of 8 DP ranks in this
 process, the router as a subprocess in PD + --dp-aware mode, three policies (round_robin,
 power_of_two least_requests, decode demand with W = 1e6), the comparison table on stdout and
-the per-rank plot. The machinery is fastroute.sim.balance.
+the per-rank plot; then the same cluster with a prefix cache per prefill rank under
+conversation traffic (bursts, prompts that share prefixes): the default policy, least_requests
+and cache_aware with affinity on decode too, with the prefill's prefix hit rate beside the
+balance. The machinery is fastroute.sim.balance and fastroute.sim.convbench.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import uvloop
 
 from fastroute.sim.balance import (Cell, add_common_flags, failed_cells, fastroute_cells, run_matrix,
                                    write_outputs)
+from fastroute.sim import convbench
 from fastroute.sim.engine import SimParams
 
 DEMO_LABELS = ("round_robin", "p2c least_requests", "demand W=1e+06")
@@ -27,6 +31,9 @@ def demo_cells() -> list[Cell]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fastroute demo", description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--conversation-rate", type=float, default=6.5,
+                    help="arrivals per simulated second of the conversation part")
+    ap.add_argument("--no-conversations", action="store_true", help="skip the conversation part")
     add_common_flags(ap, duration=60.0, warmup=0.0, time_scale=0.25)
     ap.set_defaults(out="bench/out/demo")
     ns = ap.parse_args(argv)
@@ -52,6 +59,20 @@ def main(argv: list[str] | None = None) -> int:
     print(write_outputs(results, ns.out, ns.time_scale))
     print(f"table, JSON and plot written to {ns.out}/", flush=True)
     bad = failed_cells(results)
+    if not ns.no_conversations:
+        cap = argparse.ArgumentParser()
+        convbench.add_flags(cap)
+        cns = cap.parse_args(["--duration", str(measured), "--warmup", str(warmup), "--time-scale",
+                              str(ns.time_scale), "--rate", str(ns.conversation_rate), "--arrivals",
+                              "bursty", "--out", f"{ns.out}/conversations", "--seed", str(ns.seed)]
+                             + (["--quiet"] if ns.quiet else []))
+        cells = [c for c in convbench.policy_cells() if c.label != "round_robin"]
+        print("conversations (bursts, shared prefixes, a prefix cache per prefill rank):", flush=True)
+        conv = uvloop.run(convbench.run_all(cells, cns))
+        print(convbench.table(conv))
+        bad += [r["label"] for r in conv if not r["load"]["completed"]]
+        if len(conv) < len(cells):
+            bad.append("conversations")
     if bad:
         print(f"demo: no request completed in {', '.join(bad)}; see the router logs in {ns.out}/",
               file=sys.stderr)

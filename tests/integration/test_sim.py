@@ -333,12 +333,17 @@ def test_loadgen_mini_router_end_to_end() -> None:
 def test_demo_runs_end_to_end(tmp_path) -> None:
     out = tmp_path / "demo"
     cmd = [sys.executable, "-m", "fastroute", "demo", "--duration", "4.5", "--warmup", "0.5", "--concurrency", "8",
-           "--time-scale", "0.05", "--out", str(out), "--quiet"]
+           "--time-scale", "0.05", "--out", str(out), "--quiet", "--conversation-rate", "2"]
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "never retrieved" not in proc.stderr, proc.stderr[-3000:]
     assert "| round_robin |" in proc.stdout and "| demand W=1e+06 |" in proc.stdout
+    # the conversation part: the default policy beside least_requests, with the prefix hit rate
+    conv = [ln for ln in proc.stdout.splitlines() if ln.startswith("| bursty |")]
+    assert [ln.split(" | ")[1] for ln in conv] == ["default (cache_aware)", "least_requests",
+                                                    "cache_aware, affinity on decode too"], conv
+    assert all(ln.split(" | ")[-3].endswith("%") for ln in conv), conv
     results = json.loads((out / "balance.json").read_text())
     assert [r["label"] for r in results] == ["round_robin", "p2c least_requests", "demand W=1e+06"]
     for r in results:
