@@ -253,7 +253,7 @@ class Config:
     # --- Router replicas balancing as one (fastroute.control.replica) ---------------------
     replica_sync: str | None = None          # redis://HOST:PORT[/DB]; None = off
     replica_id: str | None = None            # None: host:port:pid
-    replica_sync_interval_ms: int = 25
+    replica_sync_interval_ms: int = 10
     replica_ttl_ms: int = 3000
 
     @property

@@ -77,7 +77,7 @@ def test_bad_replica_flags_name_the_flag(kw, flag):
 
 def test_good_replica_flags():
     c = Config(worker_urls=["http://w:1"], replica_sync="redis://r:6379/2")
-    assert (c.replica_sync_interval_ms, c.replica_ttl_ms, c.replica_id) == (25, 3000, None)
+    assert (c.replica_sync_interval_ms, c.replica_ttl_ms, c.replica_id) == (10, 3000, None)
 
 
 def test_estimates_live_at_most_two_ticks_and_publications_replace_them(tab):
