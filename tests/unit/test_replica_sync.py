@@ -66,7 +66,7 @@ def test_default_id_names_host_port_and_pid():
     (dict(replica_sync="http://r:6379"), "--replica-sync"),
     (dict(replica_sync="redis://r:6379/x"), "--replica-sync"),
     (dict(replica_sync="redis://r:6379", replica_sync_interval_ms=0), "--replica-sync-interval-ms"),
-    (dict(replica_sync="redis://r:6379", replica_ttl_ms=30), "--replica-ttl-ms"),
+    (dict(replica_sync="redis://r:6379", replica_ttl_ms=15), "--replica-ttl-ms"),
     (dict(replica_sync="redis://r:6379", replica_id=" "), "--replica-id"),
 ])
 def test_bad_replica_flags_name_the_flag(kw, flag):
