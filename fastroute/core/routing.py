@@ -16,7 +16,7 @@ import numpy as np
 
 from fastroute.core import _ledger, _manual, _policy
 from fastroute.core.cache_aware import CacheAwarePolicy
-from fastroute.core.table import TargetTable
+from fastroute.core.table import HDR_REPLICAS, TargetTable
 from fastroute.names import ASSIGNMENT_MODE_CODE, LOAD_METRICS, MODE_CODE, POLICIES
 
 log = logging.getLogger("fastroute.routing")
@@ -83,8 +83,17 @@ class Group:
         self.targets: list[int] = []
         self.names: list[str] = []
         compiled = "random" if policy in ("cache_aware", "manual") else policy
+        # cache_aware bounded to the least-loaded ranks is least_requests with the tree breaking
+        # ties; with synced replicas the compiled picker plans bursts with the others
+        # (_policy.pick_coordinated) and the tree only learns the text.
+        self._coordinate = policy == "cache_aware" and self.rank_slack == 0
+        if self._coordinate:
+            compiled, picker_metric = "power_of_two", "least_requests"
+        else:
+            picker_metric = load_metric
+        self._header = router.table.header
         self._picker = _ledger.Picker(router.table.array, router.table.header, compiled,
-                                      load_metric, MODE_CODE[demand], self.request_weight, seed,
+                                      picker_metric, MODE_CODE[demand], self.request_weight, seed,
                                       MODE_CODE[kv_fit], int(kv_reserve))
         self._text_policy = None
         self._tab = router.table.array
@@ -123,8 +132,17 @@ class Group:
                       tokens)
         return lease
 
+    def _acquire_coordinated(self, tokens: int, key: bytes | None, meta, out_tokens: int):
+        lease = self._picker.acquire(tokens, key, None, out_tokens)
+        text = meta.routing_text() if meta is not None and lease is not None else None
+        if text:
+            self._text_policy.tree.insert(text, lease.target)
+        return lease
+
     def _acquire_text(self, tokens: int = 0, key: bytes | None = None, meta=None,
                       out_tokens: int = 0):
+        if self._coordinate and self._header[HDR_REPLICAS] > 1:
+            return self._acquire_coordinated(tokens, key, meta, out_tokens)
         # The request's text is computed here, only for this policy (it costs a join for chat).
         t = self._text_policy.pick(meta.routing_text() if meta is not None else None, self.targets)
         if t < 0:
@@ -145,6 +163,8 @@ class Group:
         which the prefix tree chooses (so demand decides, the tree breaks ties and still learns
         the text); shadow modes let the tree pick from the unnarrowed set and count whether the
         pick is one the filter would also have allowed (one decision per pick)."""
+        if self._coordinate and self._header[HDR_REPLICAS] > 1:
+            return self._acquire_coordinated(tokens, key, meta, out_tokens)
         cands = self.targets
         arr = self._cands
         tab = self._tab

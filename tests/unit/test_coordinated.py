@@ -152,3 +152,29 @@ def test_python_entry_point_checks_its_arguments():
     with pytest.raises(IndexError):
         _policy.coordinated(tab, np.array([5], dtype=np.int64), 0, 0, False, 0, False, 1, 0)
     assert _ledger is not None
+
+
+def test_default_decode_leg_plans_with_the_replicas_and_still_learns_the_text():
+    """cache_aware with rank slack 0 (the PD decode leg's default under --dp-aware): alone, the
+    tree picks among the least-loaded ranks; with synced replicas the compiled picker plans the
+    burst with them, and the tree learns the prompt under the rank that got it."""
+    from tests.stubs import StubMeta
+    tt = TargetTable(8)
+    try:
+        for _ in range(4):
+            tt.set_healthy(tt.alloc(), True)
+        g = Router(tt, seed=2).group([0, 1, 2, 3], "cache_aware", rank_slack=0,
+                                     names=[f"http://d:1@{i}" for i in range(4)])
+        text = "a shared system prompt " * 10
+        lease = g.acquire(20, None, StubMeta(text))
+        assert tt.array[:4, COL_OTHERS_EST].sum() == 0 and g._picker.coordinated_picks == 0
+        lease.release()
+        tt.set_replicas(2, 0)
+        lease = g.acquire(20, None, StubMeta(text + "turn 2"))
+        assert g._picker.coordinated_picks == 1 and tt.array[:4, COL_OTHERS_EST].sum() == 1
+        lease.release()
+        assert g._text_policy.tree.match(text + "turn 2", [0, 1, 2, 3]) == (len(text) + 6,
+                                                                            [lease.target])
+    finally:
+        tt.close()
+        tt.unlink()
