@@ -93,6 +93,9 @@ class Picker:
     @property
     def kv_fallback(self) -> int: ...
     @property
+    def coordinated_picks(self) -> int:
+        """Picks planned with the synced replicas (``_policy.pick_coordinated``)."""
+    @property
     def candidates(self) -> npt.NDArray[np.int64]:
         """A copy of the current candidate rows."""
     def __init__(self, table_array: _Table, header_array: _Header, policy: str,
