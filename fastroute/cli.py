@@ -212,6 +212,9 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
     add("--control-plane-audit-enabled", action="store_true",
         help="Log one control_plane_audit line per worker-management change "
              "(key id, role, route, target, outcome; never the key) (default: off).")
+    add("--allow-link-local-workers", action="store_true",
+        help="Accept workers at link-local addresses (169.254.0.0/16, fe80::/10, where cloud "
+             "metadata services answer); refused by default (fastroute only; default: off).")
     add("--health-check-port", type=int, default=None, metavar="PORT",
         help="Also answer /health, /liveness and /readiness on this port, from a thread of "
              "their own that keeps answering while the proxy is busy (default: none).")

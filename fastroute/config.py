@@ -21,7 +21,7 @@ from typing import Any, Iterable
 from urllib.parse import urlsplit
 
 from fastroute import flags
-from fastroute.checks import ConfigError, _strip_url, _check_url, _check_port, _check_origin, _check_header, _at_least, _finite_at_least
+from fastroute.checks import ConfigError, _strip_url, _check_url, worker_url_problem, _check_port, _check_origin, _check_header, _at_least, _finite_at_least
 from fastroute.auth import ControlPlaneKeyError, parse_control_plane_keys, split_env_keys
 from fastroute.kube import NO_KUBE_CONFIG, kube_config_source, parse_selector
 from fastroute.names import ASSIGNMENT_MODES, LOAD_METRIC_ALIASES, LOAD_METRICS, MODES, POLICIES
@@ -131,6 +131,9 @@ class Config:
     control_plane_audit_enabled: bool = False
     # /health, /liveness, /readiness on a listener of their own (None: no such listener).
     health_check_port: int | None = None
+    # Workers at link-local addresses (169.254.0.0/16, fe80::/10: cloud metadata) are refused
+    # unless this is set (fastroute only).
+    allow_link_local_workers: bool = False
 
     # --- PD disaggregation ----------------------------------------------------------------
     pd_disaggregation: bool = False
@@ -340,6 +343,9 @@ class Config:
         ):
             for url in urls:
                 _check_url(flag, url)
+                problem = worker_url_problem(url, self.allow_link_local_workers)
+                if problem is not None:
+                    raise ConfigError(flag, f"{url!r} {problem}")
                 if url in seen:
                     raise ConfigError(flag, f"{url} is already given by {seen[url]}")
                 seen[url] = flag

@@ -35,7 +35,7 @@ from fastroute.core.table import TargetTable
 from fastroute.dataplane.app import App
 from fastroute.runtime.assemble import assemble, drain, freeze_heap, listen, stop_in_order
 from fastroute.runtime.probe import ProbeServer
-from fastroute.runtime.startup import announce, start_probe, tls_context
+from fastroute.runtime.startup import announce, own_listeners, start_probe, tls_context
 
 log = logging.getLogger("fastroute.server")
 
@@ -79,6 +79,8 @@ class Server:
             assert self.app is not None and self.monitor is not None
             self.listener = await listen(self.app, cfg.host, cfg.port, tls=tls)
             self.probe = start_probe(cfg, self.registry.ready)
+            own_listeners(self.registry, cfg, self.listener.sockets[0].getsockname()[1],
+                          self.metrics, self.probe)
             self.discovery = await start_discovery(cfg, self.registry, self.metrics.stats)
         except BaseException:
             await self._close_listeners()

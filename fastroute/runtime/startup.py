@@ -11,7 +11,7 @@ import errno
 import ipaddress
 import logging
 import ssl
-from typing import Callable
+from typing import Any, Callable
 
 from fastroute import __version__
 from fastroute.config import Config
@@ -56,6 +56,16 @@ def start_probe(config: Config, ready: Callable[[], bool]) -> ProbeServer | None
                          exc) from None
     probe.start()
     return probe
+
+
+def own_listeners(registry: Any, config: Config, port: int, metrics: Any, probe: Any) -> None:
+    """Tell the registry which addresses are the router's own (bound ports), so a worker URL
+    naming one is refused (fastroute.control.selfaddr)."""
+    registry.own.add(config.host, port, f"--port {port}")
+    if metrics is not None and getattr(metrics, "port", 0):
+        registry.own.add(config.prometheus_host, metrics.port, f"--prometheus-port {metrics.port}")
+    if probe is not None:
+        registry.own.add(config.host, probe.port, f"--health-check-port {probe.port}")
 
 
 def _url(scheme: str, host: str, port: int) -> str:
