@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from fastroute.config import DEFAULT_DURATION_BUCKETS, Config
 from fastroute.core import _policy, table as T
-from fastroute.names import target_name
+from fastroute.names import label_value, target_name
 
 log = logging.getLogger("fastroute.metrics")
 
@@ -192,6 +192,10 @@ def _hist_family(name: str, doc: str, labels: list[str]) -> HistogramMetricFamil
     return HistogramMetricFamily(name, doc, labels=labels)
 
 
+def _model_label(w: Any) -> str:
+    return label_value(getattr(w, "model_id", "unknown") or "unknown")
+
+
 class Collector:
     """Builds every family from the table, the registry and the Stats objects at scrape time."""
 
@@ -211,7 +215,7 @@ class Collector:
                 continue
             w, rank = entry
             name = target_name(w.url, rank)
-            out.append((t, name, w.role, getattr(w, "model_id", "unknown") or "unknown"))
+            out.append((t, name, w.role, _model_label(w)))
         return out
 
     def collect(self):
@@ -292,8 +296,7 @@ class Collector:
         for entry in getattr(self.registry, "target_info", None) or []:
             if entry is not None:
                 w = entry[0]
-                workers.setdefault((w.role, getattr(w, "model_id", "unknown") or "unknown"),
-                                   set()).add(w.url)
+                workers.setdefault((w.role, _model_label(w)), set()).add(w.url)
         for (role, model), urls in workers.items():
             pool.add_metric([role, "http", model], float(len(urls)))
         for (role, model), rows in by_role.items():

@@ -29,6 +29,7 @@ from fastroute.auth import authorized
 from fastroute.dataplane import body as _body
 from fastroute.dataplane.routes import ENDPOINT_LABEL, INFERENCE, ROUTES, pd_unsupported
 from fastroute.errors import RouterError
+from fastroute.names import label_value
 
 # Bounded label values for metrics (unknown paths/methods collapse to one value).
 _PATH_LABEL = {p: p.decode() for p in (
@@ -141,7 +142,7 @@ class Front:
                     return row
                 model, label = "\0other", "other"
             else:
-                label = model if model is not None else "unknown"
+                label = label_value(model) if model is not None else "unknown"
             b = self.backend
             row = self._model_keys[model] = {
                 p: ((b, e, label, "false"), (b, e, label, "true"), (b, e, label), label)
