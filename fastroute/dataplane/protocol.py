@@ -330,6 +330,14 @@ class ClientProtocol:
         req = self._req
         if req is None:  # head already refused (431)
             return
+        if not self.in_head:
+            # A chunked body's trailer field: never a request header (an Authorization or a
+            # routing key sent after the body would change a decision already taken at the
+            # head). Dropped, but counted against the head limit so it cannot grow unbounded.
+            self._head_size += len(name) + len(value) + 4
+            if self._head_size > _HEAD_LIMIT:
+                self._head_too_large()
+            return
         # httptools has no limit of its own on the head; without one a client
         # could make us buffer headers forever.
         size = self._head_size + len(name) + len(value) + 4

@@ -42,3 +42,54 @@ def test_lone_surrogates_in_model_names_never_blind_metrics() -> None:
         await w.stop()
     run(body())
 
+
+def chunked(path: str, body: bytes, head: dict[str, str], trailer: dict[str, str]) -> bytes:
+    h = "".join(f"{k}: {v}\r\n" for k, v in head.items())
+    t = "".join(f"{k}: {v}\r\n" for k, v in trailer.items())
+    return (f"POST {path} HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+            f"Transfer-Encoding: chunked\r\n{h}\r\n").encode() + b"%x\r\n%b\r\n0\r\n%b\r\n" % (
+                len(body), body, t.encode())
+
+
+def test_trailers_are_never_request_headers() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(worker_urls=[w.url], api_key="secret") as r:
+            # The data-plane key only in the trailer: not authenticated.
+            res = await call(r.port, chunked("/generate", b'{"text": "hi"}', {},
+                                             {"Authorization": "Bearer secret"}))
+            assert res.status == 401, res.body
+            ok = await call(r.port, chunked("/generate", b'{"text": "hi"}',
+                                            {"Authorization": "Bearer secret"},
+                                            {"X-SMG-Routing-Key": "k", "X-Request-Id": "forged"}))
+            assert ok.status == 200
+            (rec,) = w.inference()
+            assert "x-smg-routing-key" not in rec.headers and rec.headers.get("x-request-id") != "forged"
+            assert r.in_flight(w) == 0
+        await w.stop()
+    run(body())
+
+
+def test_user_key_in_head_and_admin_key_in_trailer_is_still_a_user() -> None:
+    keys = ["u:ops:user:ukey", "a:root:admin:akey"]
+
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(worker_urls=[w.url], control_plane_api_keys=keys) as r:
+            c = await RawClient(r.port).connect()
+            try:
+                # Pipelined behind a read, so the mutation's head is parsed while busy.
+                c.send(get("/list_workers", {"Authorization": "Bearer ukey"})
+                       + chunked("/workers", json.dumps({"url": "http://127.0.0.1:9"}).encode(),
+                                 {"Authorization": "Bearer ukey"},
+                                 {"Authorization": "Bearer akey"}))
+                first = await c.response(0)
+                second = await c.response(1)
+            finally:
+                c.close()
+            assert first.status == 200
+            assert second.status == 403, second.body
+            assert [x.url for x in r.server.registry.workers] == [w.url]
+        await w.stop()
+    run(body())
+
