@@ -93,3 +93,24 @@ def test_user_key_in_head_and_admin_key_in_trailer_is_still_a_user() -> None:
         await w.stop()
     run(body())
 
+
+def test_health_generate_needs_a_key_when_only_control_plane_keys_exist() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(worker_urls=[w.url], control_plane_api_keys=["u:ops:user:ukey"]) as r:
+            res = await call(r.port, get("/health_generate"))
+            assert res.status == 401 and res.json["error"]["code"]
+            res = await call(r.port, get("/health_generate", {"Authorization": "Bearer nope"}))
+            assert res.status == 401
+            res = await call(r.port, get("/health_generate", {"Authorization": "Bearer ukey"}))
+            assert res.status == 200, res.body
+            # Probes stay open.
+            assert (await call(r.port, get("/health"))).status == 200
+        async with Router(worker_urls=[w.url], api_key="dk",
+                          control_plane_api_keys=["u:ops:user:ukey"]) as r:
+            assert (await call(r.port, get("/health_generate"))).status == 401
+            res = await call(r.port, get("/health_generate", {"Authorization": "Bearer dk"}))
+            assert res.status == 200
+        await w.stop()
+    run(body())
+
