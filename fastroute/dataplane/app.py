@@ -368,6 +368,9 @@ class App(Front):
                 if verdict != OK:
                     proto.send_error(self._refusal(req.method, path, verdict, who), req)
                     return
+            if req.too_large:   # a chunked body past --max-payload-size (no length at the head)
+                proto.send_error(_errors.payload_too_large(req.body_len, self.max_payload), req)
+                return
             task = self.loop.create_task(self._admin(proto, req, path, query, who))
             self.admin_tasks.add(task)
             task.add_done_callback(self.admin_tasks.discard)

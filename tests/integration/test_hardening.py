@@ -114,3 +114,17 @@ def test_health_generate_needs_a_key_when_only_control_plane_keys_exist() -> Non
         await w.stop()
     run(body())
 
+
+def test_over_limit_chunked_admin_body_is_413() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(worker_urls=[w.url], max_payload_size=1000) as r:
+            big = json.dumps({"url": "http://127.0.0.1:9", "pad": "x" * 5000}).encode()
+            res = await call(r.port, chunked("/workers", big, {}, {}))
+            assert res.status == 413, res.body
+            assert res.json["error"]["code"]
+            assert [x.url for x in r.server.registry.workers] == [w.url]
+            assert (await call(r.port, post("/generate", {"text": "hi"}))).status == 200
+        await w.stop()
+    run(body())
+
