@@ -155,6 +155,18 @@ def new_request_id(path: bytes) -> bytes:
 # --------------------------------------------------------------------------- client protocol
 
 
+def _origin_form(url: bytes) -> bytes:
+    """``http://host:port/p?q`` -> ``/p?q`` (``/`` when the target names no path)."""
+    rest = url.partition(b"://")[2]
+    for i in range(len(rest)):
+        c = rest[i]
+        if c == 47:        # '/'
+            return rest[i:]
+        if c == 63:        # '?'
+            return b"/" + rest[i:]
+    return b"/"
+
+
 class Request:
     """One parsed client request (kept only until it is answered)."""
 
@@ -390,6 +402,10 @@ class ClientProtocol:
         # on_header_timeout extends it while body bytes keep arriving (no clock read here).
         app = self.app
         req.method = self.parser.get_method()  # type: ignore[union-attr]
+        url = self._url
+        if url[:1] != b"/" and (url[:7].lower() == b"http://" or url[:8].lower() == b"https://"):
+            # Absolute form (RFC 9112 3.2.2, what proxies send): routed by its path.
+            self._url = url = _origin_form(url)
         if self._cl > app.max_payload:
             req.too_large = True  # type: ignore[union-attr]
             req.body_len = self._cl  # type: ignore[union-attr]

@@ -128,3 +128,23 @@ def test_over_limit_chunked_admin_body_is_413() -> None:
         await w.stop()
     run(body())
 
+
+def test_absolute_form_targets_route_by_path() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(worker_urls=[w.url]) as r:
+            data = post("/generate", {"text": "hi"}).replace(
+                b"POST /generate ", b"POST http://router.example:8080/generate ", 1)
+            res = await call(r.port, data)
+            assert res.status == 200, res.body
+            assert w.inference()[0].path == "/generate"
+            res = await call(r.port, b"GET HTTPS://router.example/health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert res.status == 200
+            res = await call(r.port, b"GET http://router.example/list_workers?x=1 HTTP/1.1\r\n"
+                                     b"Host: x\r\n\r\n")
+            assert res.status == 200 and res.json["urls"] == [w.url]
+            res = await call(r.port, b"GET http://router.example HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert res.status == 404
+            assert r.in_flight(w) == 0
+        await w.stop()
+    run(body())
