@@ -36,6 +36,9 @@ _JSON = b"application/json"
 _TEXT = b"text/plain; charset=utf-8"
 _PROM = b"text/plain; version=0.0.4; charset=utf-8"
 
+# Longest time legacy POST /add_worker waits for the handshake before answering 202.
+LEGACY_ADD_WAIT_SECS = 2.0
+
 # Management-route changes are what --control-plane-audit-enabled records.
 _READS = frozenset({"GET", "HEAD"})
 
@@ -294,8 +297,15 @@ class AdminAPI:
             return _error(_refused(exc))    # JSON, like POST /workers
         except ValueError as exc:
             return 400, str(exc).encode(), _TEXT
-        if await self.wait_registered(w):
+        # sglang-router answered once the worker was up, which for one that is down took the
+        # whole --worker-startup-timeout-secs (clients gave up first). A worker that answers
+        # registers within the bound; past it the answer is 202 and registration goes on in
+        # the background, as with POST /workers.
+        if await self.wait_registered(w, LEGACY_ADD_WAIT_SECS):
             return 200, f"Successfully added worker: {w.url}".encode(), _TEXT
+        if w.status == "pending":
+            return 202, (f"Worker addition accepted, registration continues in the background: "
+                         f"{w.url} (see /workers/{w.id})").encode(), _TEXT
         return 400, f"Failed to add worker {w.url}: {w.error}".encode(), _TEXT
 
     async def _remove_worker_legacy(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:

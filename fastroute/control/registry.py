@@ -259,10 +259,11 @@ class Registry(AdminAPI):
         log.info("registering %s worker %s (id %s)", role, url, w.id)
         return w
 
-    async def wait_registered(self, w: Worker) -> bool:
-        """Wait for ``w``'s handshake to finish; True when it became ready."""
-        if w.task is not None:
-            await asyncio.gather(w.task, return_exceptions=True)
+    async def wait_registered(self, w: Worker, timeout: float | None = None) -> bool:
+        """Wait for ``w``'s handshake to finish (at most ``timeout`` seconds, None: no bound;
+        the handshake goes on after a timeout); True when it became ready."""
+        if w.task is not None and not w.task.done():
+            await asyncio.wait([w.task], timeout=timeout)
         return w.status == "ready"
 
     def remove_worker(self, w: Worker) -> None:

@@ -148,3 +148,29 @@ def test_absolute_form_targets_route_by_path() -> None:
             assert r.in_flight(w) == 0
         await w.stop()
     run(body())
+
+
+def legacy_add(url: str) -> bytes:
+    return f"POST /add_worker?url={url} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n".encode()
+
+
+def test_legacy_add_worker_answers_promptly_for_an_unreachable_worker() -> None:
+    async def body() -> None:
+        w, late = await workers(2)
+        dead = f"http://127.0.0.1:{late.port}"
+        await late.stop()                     # nothing listens there now
+        async with Router(worker_urls=[w.url], worker_startup_timeout_secs=600) as r:
+            res = await call(r.port, legacy_add(dead), timeout=10.0)   # a bound, not a timing
+            assert res.status == 202, res.body
+            assert b"background" in res.body
+            (pending,) = [x for x in r.server.registry.workers if x.url == dead]
+            assert pending.status == "pending"
+            listed = await call(r.port, get("/workers"))
+            assert {x["url"]: x["status"] for x in listed.json["workers"]}[dead] == "pending"
+            # A worker that answers still gets the synchronous 200 of the legacy API.
+            (ok,) = await workers(1)
+            res = await call(r.port, legacy_add(ok.url), timeout=10.0)
+            assert res.status == 200 and res.body == f"Successfully added worker: {ok.url}".encode()
+            await ok.stop()
+        await w.stop()
+    run(body())
