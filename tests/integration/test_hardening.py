@@ -2,7 +2,10 @@
 leaves the router fully working (scrapes, leases, later requests)."""
 from __future__ import annotations
 
+import asyncio
+import email.utils
 import json
+import time
 
 from conftest import DataWorker, RawClient, Router, call, get, post, run, until, workers
 
@@ -174,3 +177,44 @@ def test_legacy_add_worker_answers_promptly_for_an_unreachable_worker() -> None:
             await ok.stop()
         await w.stop()
     run(body())
+
+
+def test_retry_after_too_long_for_the_timeout_is_relayed_not_retried() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        w.status = 429
+        later = email.utils.formatdate(time.time() + 3600, usegmt=True)
+        async with Router(worker_urls=[w.url], request_timeout_secs=30) as r:
+            for value in (b"3600", later.encode()):
+                w.error_headers = b"retry-after: %b\r\n" % value
+                before = len(w.inference())
+                res = await call(r.port, post("/generate", {"text": "x"}))
+                assert res.status == 429, res.body
+                assert len(w.inference()) == before + 1       # no attempt past the deadline
+            assert r.in_flight(w) == 0
+    run(body())
+
+
+def test_retry_waits_for_the_workers_retry_after() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        w.status = 503
+        w.error_headers = b"Retry-After: 2\r\n"
+        async with Router(worker_urls=[w.url], retry_initial_backoff_ms=1,
+                          retry_max_backoff_ms=1, request_timeout_secs=30) as r:
+            c = await RawClient(r.port).connect()
+            c.send(post("/generate", {"text": "x"}))
+            app = r.server.app
+            await until(lambda: any(ex.retry_handle is not None for ex in app.exchanges),
+                        5.0, "retry scheduled")
+            (ex,) = app.exchanges
+            # The retry timer is set for the worker's 2 s, not the 1 ms backoff.
+            assert ex.retry_handle.when() - asyncio.get_running_loop().time() > 1.0
+            assert len(w.inference()) == 1 and r.in_flight(w) == 0   # lease given back meanwhile
+            w.status = 200
+            res = await c.response(timeout=10)
+            assert res.status == 200 and len(w.inference()) == 2
+            c.close()
+            assert r.in_flight(w) == 0
+    run(body())
+
