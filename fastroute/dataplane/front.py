@@ -58,7 +58,7 @@ class Front:
                  "breakers", "cors", "api_key", "config", "room_rng", "_model_keys", "backend",
                  "model_role", "exchange_cls", "max_attempts", "header_flags", "rid_headers",
                  "key_headers", "max_payload", "timeout", "header_timeout", "idle_timeout",
-                 "sse_keepalive", "accepting", "pd", "igw", "guarded")
+                 "sse_keepalive", "accepting", "pd", "igw", "guarded", "handshaking")
 
     def handle(self, proto: Any, req: Any) -> None:
         """Answer one parsed request; ends with proto.response_done() (maybe later)."""

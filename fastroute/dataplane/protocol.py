@@ -252,9 +252,13 @@ class ClientProtocol:
         self.transport = transport  # type: ignore[assignment]
         self.flow.transport = transport  # type: ignore[assignment]
         _nodelay(transport)
-        self.app.connections.add(self)
-        if self.app._stats is not None:
-            self.app._stats.connections_active += 1
+        app = self.app
+        app.connections.add(self)
+        hs = app.handshaking
+        if hs and self in hs:
+            del hs[self]        # TLS: counted since the accept (App.protocol_factory)
+        elif app._stats is not None:
+            app._stats.connections_active += 1
         self.head_deadline = self.loop.time() + self.app.header_timeout
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import json
+import ssl
 import time
 
 from conftest import DataWorker, RawClient, Router, call, get, post, run, until, workers
@@ -218,3 +219,39 @@ def test_retry_waits_for_the_workers_retry_after() -> None:
             assert r.in_flight(w) == 0
     run(body())
 
+
+def connections_gauge(r: Router) -> float:
+    for line in r.server.metrics.render().decode().splitlines():
+        if line.startswith("smg_http_connections_active "):
+            return float(line.split()[1])
+    raise AssertionError("no smg_http_connections_active")
+
+
+def test_tls_handshakes_are_bounded_and_counted(tmp_path) -> None:
+    from test_security import make_ca_and_cert
+    ca, cert, key = make_ca_and_cert(tmp_path)
+
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(worker_urls=[w.url], tls_cert_path=str(cert), tls_key_path=str(key),
+                          header_read_timeout_secs=0.5) as r:
+            silent = [await asyncio.open_connection("127.0.0.1", r.port) for _ in range(30)]
+            # Every silent socket is an open connection, though no handshake finished.
+            await until(lambda: connections_gauge(r) == 30, 5.0, "handshaking counted")
+            for reader, _ in silent:       # closed by the router after the head timeout
+                assert await asyncio.wait_for(reader.read(), 20) == b""
+            await until(lambda: connections_gauge(r) == 0, 5.0, "gauge back to zero")
+            for _, writer in silent:
+                writer.close()
+            # A real TLS client is served and counted once.
+            ctx = ssl.create_default_context(cafile=str(ca))
+            reader, writer = await asyncio.open_connection("127.0.0.1", r.port, ssl=ctx,
+                                                           server_hostname="localhost")
+            await until(lambda: connections_gauge(r) == 1, 5.0, "tls client counted")
+            writer.write(post("/generate", {"text": "hi"}, keep_alive=False))
+            data = await asyncio.wait_for(reader.read(), 10)
+            assert data.startswith(b"HTTP/1.1 200"), data[:100]
+            writer.close()
+            await until(lambda: connections_gauge(r) == 0, 5.0, "tls client uncounted")
+        await w.stop()
+    run(body(), 60)
