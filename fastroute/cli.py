@@ -261,6 +261,10 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
              "requests) or min_group (fewest keys) (default: %(default)s).")
     add("--max-idle-secs", "--sticky-key-idle-secs", type=int, default=d("max_idle_secs"),
         help="manual: forget a routing key idle this long (default: %(default)s s).")
+    add("--max-manual-keys", type=int, default=d("max_manual_keys"), metavar="N",
+        help="manual: keep at most N routing keys per group and process; a new key past it "
+             "evicts the least recently used eighth, counted in "
+             "fastroute_manual_keys_evicted_total (fastroute only; default: %(default)s).")
     add("--cache-threshold", "--cache-match-threshold", type=float, default=d("cache_threshold"),
         help="cache_aware: minimum prefix match ratio to follow the cache "
              "(default: %(default)s).")

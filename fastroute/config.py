@@ -168,6 +168,9 @@ class Config:
     # manual policy: how a new routing key is placed, and when an idle key is forgotten.
     assignment_mode: str = "random"
     max_idle_secs: int = 4 * 3600
+    # manual: routing keys kept per group and process; past it the least recently used are
+    # evicted (fastroute only: the peers' map grows until --max-idle-secs).
+    max_manual_keys: int = 1_000_000
 
     # --- Retries --------------------------------------------------------------------------
     retry_max_retries: int = 5
@@ -399,6 +402,7 @@ class Config:
             raise ConfigError("--assignment-mode", f"invalid value {self.assignment_mode!r}; "
                               f"choose from {', '.join(ASSIGNMENT_MODES)}")
         _at_least("--max-idle-secs", self.max_idle_secs, 1)
+        _at_least("--max-manual-keys", self.max_manual_keys, 1)
         for item in self.model_alias:
             alias, sep, model = item.partition("=")
             if not sep or not alias.strip() or not model.strip():
@@ -662,6 +666,8 @@ _COMPANIONS: tuple[tuple[str, str, str, Any], ...] = (
     ("assignment_mode", "--assignment-mode", "--policy manual",
      lambda c: "manual" in (c.policy, c.prefill_policy, c.decode_policy)),
     ("max_idle_secs", "--max-idle-secs", "--policy manual",
+     lambda c: "manual" in (c.policy, c.prefill_policy, c.decode_policy)),
+    ("max_manual_keys", "--max-manual-keys", "--policy manual",
      lambda c: "manual" in (c.policy, c.prefill_policy, c.decode_policy)),
     ("replica_id", "--replica-id", "--replica-sync", lambda c: c.replica_sync is not None),
     ("replica_sync_interval_ms", "--replica-sync-interval-ms", "--replica-sync",

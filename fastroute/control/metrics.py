@@ -128,6 +128,9 @@ def group_decisions(groups: dict) -> dict[tuple[str, str, str], int]:
         if getattr(g, "kv_fit", "off") != "off":
             for result, n in g.kv_counts.items():
                 out[(role, "kv_fit", result)] = n
+        keys = getattr(g, "_keys", None)
+        if keys is not None:
+            out[(role, "manual", "evicted")] = int(keys.evicted)
     return out
 
 
@@ -311,8 +314,14 @@ class Collector:
         for s in self.stats:
             for k, v in getattr(s, "decisions", {}).items():
                 decisions[k] = decisions.get(k, 0) + v
+        evicted = CounterMetricFamily("fastroute_manual_keys_evicted",
+                                      "manual: routing keys evicted by --max-manual-keys (least "
+                                      "recently used first)", labels=["role"])
         for (role, family, result), n in sorted(decisions.items()):
-            (shadow if family == "demand" else kv).add_metric([role, result], float(n))
+            if family == "manual":
+                evicted.add_metric([role], float(n))
+            else:
+                (shadow if family == "demand" else kv).add_metric([role, result], float(n))
         for role, g in groups.items():
             if getattr(g, "demand", "off") == "off":
                 continue
@@ -331,7 +340,7 @@ class Collector:
                     f = _policy.free_kv(self.table.array, t)
                     if f is not None:
                         free.add_metric([name], float(f))
-        yield from (sel, pool, dreq, dtok, shadow, kv, free)
+        yield from (sel, pool, dreq, dtok, shadow, kv, evicted, free)
 
     def _requests(self):
         def merged(attr):

@@ -255,3 +255,29 @@ def test_tls_handshakes_are_bounded_and_counted(tmp_path) -> None:
             await until(lambda: connections_gauge(r) == 0, 5.0, "tls client uncounted")
         await w.stop()
     run(body(), 60)
+
+
+def test_manual_policy_keys_are_bounded_and_evictions_counted() -> None:
+    async def body() -> None:
+        ws = await workers(2)
+        async with Router(worker_urls=[w.url for w in ws], policy="manual",
+                          max_manual_keys=8) as r:
+            for i in range(40):
+                res = await call(r.port, post("/generate", {"text": "x"},
+                                              {"X-SMG-Routing-Key": f"user-{i}"}))
+                assert res.status == 200
+            keys = r.server.registry.group("regular")._keys
+            assert keys.count <= 8 and keys.evicted >= 32
+            text = r.server.metrics.render().decode()
+            line = [x for x in text.splitlines()
+                    if x.startswith('fastroute_manual_keys_evicted_total{role="regular"}')]
+            assert line and float(line[0].split()[1]) == keys.evicted
+            # The most recent key still sticks to its worker.
+            first = sum(len(w.inference()) for w in ws)
+            for _ in range(3):
+                await call(r.port, post("/generate", {"text": "x"}, {"X-SMG-Routing-Key": "user-39"}))
+            assert sum(len(w.inference()) for w in ws) == first + 3
+            assert max(len(w.inference()) for w in ws) >= 3
+        for w in ws:
+            await w.stop()
+    run(body())
