@@ -281,3 +281,18 @@ def test_manual_policy_keys_are_bounded_and_evictions_counted() -> None:
         for w in ws:
             await w.stop()
     run(body())
+
+
+def test_pd_leg_retry_after_past_the_deadline_is_relayed() -> None:
+    async def body() -> None:
+        (p,) = await workers(1, role="prefill")
+        (d,) = await workers(1, role="decode")
+        d.status = 503
+        d.error_headers = b"Retry-After: 3600\r\n"
+        async with Router(pd_disaggregation=True, prefill=[(p.url, 8998)], decode=[d.url],
+                          request_timeout_secs=30) as r:
+            res = await call(r.port, post("/generate", {"text": "x"}))
+            assert res.status == 503, res.body
+            assert len(d.inference()) == 1                 # not retried
+            await until(lambda: r.in_flight(p) == 0 and r.in_flight(d) == 0, 5.0, "released")
+    run(body())
