@@ -195,3 +195,39 @@ def test_good_urls_still_accepted() -> None:
                 assert res.status == 202, (url, res.body)
         await w.stop()
     run(body())
+
+
+def test_workers_n_supervisor_refuses_itself_too() -> None:
+    """Under --workers 2 the supervisor owns the registry: a proxy process forwards the
+    change, and the supervisor knows the shared port and its control listener."""
+    import asyncio
+    import os
+    import sys
+
+    async def body() -> None:
+        (w,) = await workers(1)
+        port = free_port()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fastroute", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", w.url, "--policy", "round_robin", "--prometheus-port", "0",
+            "--workers", "2", "--log-level", "warn", env={**os.environ, "PYTHONPATH": os.getcwd()})
+        try:
+            async def ready() -> None:
+                while True:
+                    try:
+                        if (await call(port, post("/generate", {"text": "x"}), timeout=2)).status == 200:
+                            return
+                    except OSError:
+                        pass
+                    await asyncio.sleep(0.05)
+            await asyncio.wait_for(ready(), 20)
+            for url in (f"http://127.0.0.1:{port}", f"http://localhost:{port}"):
+                res = await add(port, url)
+                assert res.status == 409 and res.json["error"]["code"] == "worker_is_router", res.body
+            listed = await call(port, get("/workers"))
+            assert [x["url"] for x in listed.json["workers"]] == [w.url]
+        finally:
+            proc.terminate()
+            await asyncio.wait_for(proc.wait(), 20)
+            await w.stop()
+    run(body(), 60)
