@@ -106,12 +106,16 @@ def link_local(address: str) -> bool:
 def worker_url_problem(url: str, allow_link_local: bool = False) -> str | None:
     """What makes ``url`` unusable as a worker URL, or None. ``http://`` is implied when no
     scheme is given; only http and https, a valid host of at most 253 characters, a port in
-    1..65535, no whitespace or control character anywhere, and no link-local address unless
-    ``allow_link_local`` (--allow-link-local-workers)."""
+    1..65535, no whitespace, control or non-ASCII character anywhere, and no link-local
+    address unless ``allow_link_local`` (--allow-link-local-workers)."""
     if not isinstance(url, str):
         return "must be a string"
     if any(c.isspace() or ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in url):
         return "contains whitespace or control characters"
+    if not url.isascii():
+        # It is shown in metric labels, logs and request lines: a lone surrogate there would
+        # break every scrape. An IDN host is given in its xn-- form.
+        return "contains non-ASCII characters (give an IDN host in its xn-- form)"
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "http", url

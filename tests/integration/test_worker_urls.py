@@ -132,6 +132,9 @@ BAD_URLS = [
     pytest.param("http://w :1", id="space"),
     pytest.param("http://w:1/\x00", id="nul"),
     pytest.param("http://w\t:1", id="tab"),
+    pytest.param("http://w:1/\ud800", id="lone-surrogate"),
+    pytest.param("http://bücher.example:1", id="non-ascii-host"),
+    pytest.param("http://w:1/\u2028", id="line-separator"),
     pytest.param("http://w:0", id="port-0"),
     pytest.param("http://w:65536", id="port-65536"),
     pytest.param("http://w:", id="port-empty"),
@@ -159,7 +162,8 @@ def test_bad_worker_urls_are_400_json_and_change_nothing(url: str, caplog) -> No
             res = await add(r.port, url)
             assert res.status == 400, res.body
             assert res.json["error"]["code"] == "bad_request" and "worker URL" in res.json["error"]["message"]
-            legacy = await call(r.port, f"POST /add_worker?url={quote(url)} HTTP/1.1\r\n"
+            target = quote(url, errors="surrogatepass")
+            legacy = await call(r.port, f"POST /add_worker?url={target} HTTP/1.1\r\n"
                                         "Host: x\r\nContent-Length: 0\r\n\r\n".encode())
             assert legacy.status == 400 and legacy.json["error"]["code"] == "bad_request"
             assert [x.url for x in r.server.registry.workers] == [w.url]
