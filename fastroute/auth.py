@@ -31,6 +31,9 @@ OPEN_PATHS: frozenset[bytes] = frozenset({b"/health", b"/liveness", b"/readiness
 MANAGEMENT_PATHS: frozenset[bytes] = frozenset({
     b"/workers", b"/add_worker", b"/remove_worker", b"/list_workers", b"/flush_cache",
 })
+# Not a management route, yet it runs a generation on workers: it needs a key whenever any
+# key is configured (AdminAuth.check).
+HEALTH_GENERATE = b"/health_generate"
 _READ_METHODS = frozenset({b"GET", b"HEAD"})
 ROLES: tuple[str, ...] = ("admin", "user")
 
@@ -123,6 +126,13 @@ class AdminAuth:
 
     def check(self, method: bytes, path: bytes, got: bytes | None) -> tuple[int, ControlPlaneKey | None]:
         """-> (OK | UNAUTHORIZED | FORBIDDEN, the control-plane key used, if any)."""
+        if self.keys and path == HEALTH_GENERATE:
+            # A real generation on a worker: never open while any key is configured. The
+            # data-plane key or any control-plane key (it is a read) may call it.
+            if self.api_key is not None and matches(self.api_key, got):
+                return OK, None
+            who = self.principal(got)
+            return (OK, who) if who is not None else (UNAUTHORIZED, None)
         if self.keys and is_management(path):
             who = self.principal(got)
             if who is None:

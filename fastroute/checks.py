@@ -5,7 +5,10 @@ option to fix.
 """
 from __future__ import annotations
 
+import ipaddress
 import math
+import re
+import socket
 from urllib.parse import urlsplit
 
 
@@ -70,3 +73,81 @@ def _at_least(flag: str, value: int, lo: int) -> None:
 def _finite_at_least(flag: str, value: float, lo: float) -> None:
     if not math.isfinite(value) or value < lo:
         raise ConfigError(flag, f"must be a finite number >= {lo} (got {value})")
+
+
+# ---- worker URLs ----------------------------------------------------------------------------
+# A worker URL ends up in request lines, Host headers, metric labels and log lines: it must be
+# one plain token. RFC 1123 host labels (underscores tolerated, as resolvers do).
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)\Z")
+HOST_MAX = 253
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address a host literal spells (any spelling the resolver accepts), else None."""
+    h = host[1:-1] if host.startswith("[") else host
+    try:
+        a = ipaddress.ip_address(h)
+    except ValueError:
+        try:
+            a = ipaddress.ip_address(socket.inet_aton(h))  # 127.1, 0x7f000001, 2130706433
+        except OSError:
+            return None
+    if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None:
+        return a.ipv4_mapped
+    return a
+
+
+def link_local(address: str) -> bool:
+    """169.254.0.0/16 or fe80::/10 (cloud metadata lives there), in any spelling."""
+    a = _ip(address)
+    return a is not None and a.is_link_local
+
+
+def worker_url_problem(url: str, allow_link_local: bool = False) -> str | None:
+    """What makes ``url`` unusable as a worker URL, or None. ``http://`` is implied when no
+    scheme is given; only http and https, a valid host of at most 253 characters, a port in
+    1..65535, no whitespace, control or non-ASCII character anywhere, and no link-local
+    address unless ``allow_link_local`` (--allow-link-local-workers)."""
+    if not isinstance(url, str):
+        return "must be a string"
+    if any(c.isspace() or ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in url):
+        return "contains whitespace or control characters"
+    if not url.isascii():
+        # It is shown in metric labels, logs and request lines: a lone surrogate there would
+        # break every scrape. An IDN host is given in its xn-- form.
+        return "contains non-ASCII characters (give an IDN host in its xn-- form)"
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "http", url
+    if scheme.lower() not in ("http", "https"):
+        return f"scheme {scheme!r} is not supported (only http:// and https://)"
+    netloc = rest.split("/", 1)[0].split("?", 1)[0].split("#", 1)[0]
+    hostport = netloc.rpartition("@")[2]
+    if hostport.startswith("["):
+        end = hostport.find("]")
+        if end < 0:
+            return "has an unterminated [IPv6] host"
+        host, port = hostport[: end + 1], hostport[end + 1:]
+        if port and not port.startswith(":"):
+            return "has text after the [IPv6] host"
+        port = port[1:] if port else None
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return f"host {host!r} is not a valid IPv6 address"
+    else:
+        host, colon, port = hostport.partition(":")
+        port = port if colon else None
+        if not host:
+            return "has no host"
+        if len(host) > HOST_MAX:
+            return f"host is longer than {HOST_MAX} characters"
+        labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
+        if not all(_LABEL.match(label) for label in labels):
+            return f"host {host!r} is not a valid host name or address"
+    if port is not None and not (port.isdigit() and port.isascii() and 1 <= int(port) <= 65535):
+        return f"port {port!r} is not in 1..65535"
+    if not allow_link_local and link_local(host):
+        return (f"host {host} is a link-local address (169.254.0.0/16, fe80::/10); "
+                "pass --allow-link-local-workers to allow it")
+    return None

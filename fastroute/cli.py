@@ -212,6 +212,9 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
     add("--control-plane-audit-enabled", action="store_true",
         help="Log one control_plane_audit line per worker-management change "
              "(key id, role, route, target, outcome; never the key) (default: off).")
+    add("--allow-link-local-workers", action="store_true",
+        help="Accept workers at link-local addresses (169.254.0.0/16, fe80::/10, where cloud "
+             "metadata services answer); refused by default (fastroute only; default: off).")
     add("--health-check-port", type=int, default=None, metavar="PORT",
         help="Also answer /health, /liveness and /readiness on this port, from a thread of "
              "their own that keeps answering while the proxy is busy (default: none).")
@@ -258,6 +261,10 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
              "requests) or min_group (fewest keys) (default: %(default)s).")
     add("--max-idle-secs", "--sticky-key-idle-secs", type=int, default=d("max_idle_secs"),
         help="manual: forget a routing key idle this long (default: %(default)s s).")
+    add("--max-manual-keys", type=int, default=d("max_manual_keys"), metavar="N",
+        help="manual: keep at most N routing keys per group and process; a new key past it "
+             "evicts the least recently used eighth, counted in "
+             "fastroute_manual_keys_evicted_total (fastroute only; default: %(default)s).")
     add("--cache-threshold", "--cache-match-threshold", type=float, default=d("cache_threshold"),
         help="cache_aware: minimum prefix match ratio to follow the cache "
              "(default: %(default)s).")

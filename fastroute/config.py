@@ -21,7 +21,7 @@ from typing import Any, Iterable
 from urllib.parse import urlsplit
 
 from fastroute import flags
-from fastroute.checks import ConfigError, _strip_url, _check_url, _check_port, _check_origin, _check_header, _at_least, _finite_at_least
+from fastroute.checks import ConfigError, _strip_url, _check_url, worker_url_problem, _check_port, _check_origin, _check_header, _at_least, _finite_at_least
 from fastroute.auth import ControlPlaneKeyError, parse_control_plane_keys, split_env_keys
 from fastroute.kube import NO_KUBE_CONFIG, kube_config_source, parse_selector
 from fastroute.names import ASSIGNMENT_MODES, LOAD_METRIC_ALIASES, LOAD_METRICS, MODES, POLICIES
@@ -131,6 +131,9 @@ class Config:
     control_plane_audit_enabled: bool = False
     # /health, /liveness, /readiness on a listener of their own (None: no such listener).
     health_check_port: int | None = None
+    # Workers at link-local addresses (169.254.0.0/16, fe80::/10: cloud metadata) are refused
+    # unless this is set (fastroute only).
+    allow_link_local_workers: bool = False
 
     # --- PD disaggregation ----------------------------------------------------------------
     pd_disaggregation: bool = False
@@ -165,6 +168,9 @@ class Config:
     # manual policy: how a new routing key is placed, and when an idle key is forgotten.
     assignment_mode: str = "random"
     max_idle_secs: int = 4 * 3600
+    # manual: routing keys kept per group and process; past it the least recently used are
+    # evicted (fastroute only: the peers' map grows until --max-idle-secs).
+    max_manual_keys: int = 1_000_000
 
     # --- Retries --------------------------------------------------------------------------
     retry_max_retries: int = 5
@@ -344,6 +350,9 @@ class Config:
         ):
             for url in urls:
                 _check_url(flag, url)
+                problem = worker_url_problem(url, self.allow_link_local_workers)
+                if problem is not None:
+                    raise ConfigError(flag, f"{url!r} {problem}")
                 if url in seen:
                     raise ConfigError(flag, f"{url} is already given by {seen[url]}")
                 seen[url] = flag
@@ -397,6 +406,7 @@ class Config:
             raise ConfigError("--assignment-mode", f"invalid value {self.assignment_mode!r}; "
                               f"choose from {', '.join(ASSIGNMENT_MODES)}")
         _at_least("--max-idle-secs", self.max_idle_secs, 1)
+        _at_least("--max-manual-keys", self.max_manual_keys, 1)
         for item in self.model_alias:
             alias, sep, model = item.partition("=")
             if not sep or not alias.strip() or not model.strip():
@@ -675,6 +685,8 @@ _COMPANIONS: tuple[tuple[str, str, str, Any], ...] = (
     ("assignment_mode", "--assignment-mode", "--policy manual",
      lambda c: "manual" in (c.policy, c.prefill_policy, c.decode_policy)),
     ("max_idle_secs", "--max-idle-secs", "--policy manual",
+     lambda c: "manual" in (c.policy, c.prefill_policy, c.decode_policy)),
+    ("max_manual_keys", "--max-manual-keys", "--policy manual",
      lambda c: "manual" in (c.policy, c.prefill_policy, c.decode_policy)),
     ("replica_id", "--replica-id", "--replica-sync", lambda c: c.replica_sync is not None),
     ("replica_sync_interval_ms", "--replica-sync-interval-ms", "--replica-sync",

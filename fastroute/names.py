@@ -33,3 +33,15 @@ CIRCUIT_STATE_NAMES: dict[int, str] = {CIRCUIT_CLOSED: "closed", CIRCUIT_OPEN: "
 def target_name(url: str, rank: int | None) -> str:
     """A target's name: the worker URL, or ``url@rank`` for one DP rank under --dp-aware."""
     return url if rank is None else f"{url}@{rank}"
+
+
+def label_value(s: str) -> str:
+    """``s`` as a metric label value that always encodes as UTF-8: a code point UTF-8 cannot
+    carry (a lone surrogate, from a JSON ``\\ud800`` escape in a request's "model" or a
+    worker's served_model_name) is written as its ``\\uXXXX`` escape instead, so one such value
+    can never make every later scrape fail."""
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        return s.encode("utf-8", "backslashreplace").decode("utf-8")

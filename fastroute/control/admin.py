@@ -22,7 +22,8 @@ from fastroute.auth import FORBIDDEN, OK, AdminAuth, ControlPlaneKey, audit, is_
 from fastroute.config import Config
 from fastroute.control import httpclient
 from fastroute.control.httpclient import HttpClientError
-from fastroute.control.worker import DuplicateWorker, Worker, check_fields, normalize_url
+from fastroute.control.selfaddr import SelfWorker
+from fastroute.control.worker import BadWorkerURL, DuplicateWorker, Worker, check_fields, normalize_url
 from fastroute.core.table import (COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_POLLED_RUNNING, COL_POLLED_TOKENS,
                                   COL_POLLED_WAITING, TargetTable)
 from fastroute.errors import (CODE_BAD_REQUEST, CODE_NO_AVAILABLE_WORKERS, RouterError, bad_gateway,
@@ -34,6 +35,9 @@ log = logging.getLogger("fastroute.workers")
 _JSON = b"application/json"
 _TEXT = b"text/plain; charset=utf-8"
 _PROM = b"text/plain; version=0.0.4; charset=utf-8"
+
+# Longest time legacy POST /add_worker waits for the handshake before answering 202.
+LEGACY_ADD_WAIT_SECS = 2.0
 
 # Management-route changes are what --control-plane-audit-enabled records.
 _READS = frozenset({"GET", "HEAD"})
@@ -72,6 +76,15 @@ def _invalid(message: str) -> RouterError:
 
 def _no_workers() -> RouterError:
     return RouterError(503, CODE_NO_AVAILABLE_WORKERS, "No workers registered")
+
+
+def _refused(exc: ValueError) -> RouterError:
+    """Why a worker was not added: 409 for one that exists or is the router, else 400."""
+    if isinstance(exc, DuplicateWorker):
+        return RouterError(409, "worker_already_exists", str(exc))
+    if isinstance(exc, SelfWorker):
+        return RouterError(409, "worker_is_router", str(exc))
+    return RouterError(400, CODE_BAD_REQUEST, str(exc))
 
 
 def _method_not_allowed(method: str, path: str) -> RouterError:
@@ -221,8 +234,7 @@ class AdminAPI:
                                 priority=req.get("priority"), cost=req.get("cost"), labels=labels,
                                 api_key=req.get("api_key"))
         except ValueError as exc:
-            status, code = (409, "worker_already_exists") if isinstance(exc, DuplicateWorker) else (400, "bad_request")
-            raise RouterError(status, code, str(exc)) from None
+            raise _refused(exc) from None
         return 202, _json({"status": "accepted", "worker_id": w.id, "url": w.url,
                            "location": f"/workers/{w.id}",
                            "message": "Worker addition queued for background processing"}), _JSON
@@ -281,10 +293,19 @@ class AdminAPI:
                     return 400, f"Invalid bootstrap_port: {raw}".encode(), _TEXT
         try:
             w = self.add_worker(url, role, bootstrap_port=bport)
+        except (SelfWorker, BadWorkerURL) as exc:
+            return _error(_refused(exc))    # JSON, like POST /workers
         except ValueError as exc:
             return 400, str(exc).encode(), _TEXT
-        if await self.wait_registered(w):
+        # sglang-router answered once the worker was up, which for one that is down took the
+        # whole --worker-startup-timeout-secs (clients gave up first). A worker that answers
+        # registers within the bound; past it the answer is 202 and registration goes on in
+        # the background, as with POST /workers.
+        if await self.wait_registered(w, LEGACY_ADD_WAIT_SECS):
             return 200, f"Successfully added worker: {w.url}".encode(), _TEXT
+        if w.status == "pending":
+            return 202, (f"Worker addition accepted, registration continues in the background: "
+                         f"{w.url} (see /workers/{w.id})").encode(), _TEXT
         return 400, f"Failed to add worker {w.url}: {w.error}".encode(), _TEXT
 
     async def _remove_worker_legacy(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:

@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from fastroute.config import DEFAULT_DURATION_BUCKETS, Config
 from fastroute.core import _policy, table as T
-from fastroute.names import target_name
+from fastroute.names import label_value, target_name
 
 log = logging.getLogger("fastroute.metrics")
 
@@ -128,6 +128,9 @@ def group_decisions(groups: dict) -> dict[tuple[str, str, str], int]:
         if getattr(g, "kv_fit", "off") != "off":
             for result, n in g.kv_counts.items():
                 out[(role, "kv_fit", result)] = n
+        keys = getattr(g, "_keys", None)
+        if keys is not None:
+            out[(role, "manual", "evicted")] = int(keys.evicted)
     return out
 
 
@@ -192,6 +195,10 @@ def _hist_family(name: str, doc: str, labels: list[str]) -> HistogramMetricFamil
     return HistogramMetricFamily(name, doc, labels=labels)
 
 
+def _model_label(w: Any) -> str:
+    return label_value(getattr(w, "model_id", "unknown") or "unknown")
+
+
 class Collector:
     """Builds every family from the table, the registry and the Stats objects at scrape time."""
 
@@ -211,7 +218,7 @@ class Collector:
                 continue
             w, rank = entry
             name = target_name(w.url, rank)
-            out.append((t, name, w.role, getattr(w, "model_id", "unknown") or "unknown"))
+            out.append((t, name, w.role, _model_label(w)))
         return out
 
     def collect(self):
@@ -292,8 +299,7 @@ class Collector:
         for entry in getattr(self.registry, "target_info", None) or []:
             if entry is not None:
                 w = entry[0]
-                workers.setdefault((w.role, getattr(w, "model_id", "unknown") or "unknown"),
-                                   set()).add(w.url)
+                workers.setdefault((w.role, _model_label(w)), set()).add(w.url)
         for (role, model), urls in workers.items():
             pool.add_metric([role, "http", model], float(len(urls)))
         for (role, model), rows in by_role.items():
@@ -308,8 +314,14 @@ class Collector:
         for s in self.stats:
             for k, v in getattr(s, "decisions", {}).items():
                 decisions[k] = decisions.get(k, 0) + v
+        evicted = CounterMetricFamily("fastroute_manual_keys_evicted",
+                                      "manual: routing keys evicted by --max-manual-keys (least "
+                                      "recently used first)", labels=["role"])
         for (role, family, result), n in sorted(decisions.items()):
-            (shadow if family == "demand" else kv).add_metric([role, result], float(n))
+            if family == "manual":
+                evicted.add_metric([role], float(n))
+            else:
+                (shadow if family == "demand" else kv).add_metric([role, result], float(n))
         for role, g in groups.items():
             if getattr(g, "demand", "off") == "off":
                 continue
@@ -328,7 +340,7 @@ class Collector:
                     f = _policy.free_kv(self.table.array, t)
                     if f is not None:
                         free.add_metric([name], float(f))
-        yield from (sel, pool, dreq, dtok, shadow, kv, free)
+        yield from (sel, pool, dreq, dtok, shadow, kv, evicted, free)
 
     def _requests(self):
         def merged(attr):

@@ -37,8 +37,10 @@ from fastroute.control import httpclient
 from fastroute.control.admin import AdminAPI
 from fastroute.control.httpclient import HttpClientError, HttpTLSError
 from fastroute.control.models import ModelGroups, group_like, parse_aliases, worker_model_names
-from fastroute.control.worker import (ROLES, DuplicateWorker, Worker, address_key, basic_auth,
+from fastroute.control.worker import (ROLES, BadWorkerURL, DuplicateWorker, Worker, address_key, basic_auth,
                                       check_fields, model_id_of, normalize_url, split_host_port)
+from fastroute.control.selfaddr import OwnAddresses, SelfWorker
+from fastroute.checks import link_local, worker_url_problem
 from fastroute.core.routing import Group, Router
 from fastroute.core.table import TargetTable
 from fastroute.names import target_name
@@ -75,6 +77,8 @@ class Registry(AdminAPI):
         self._reaper: asyncio.Task | None = None
         self._listeners: list[Callable[[str], None]] = []
         self._ready_cache: bool | None = None
+        # The router's own listeners (filled in once bound): a worker there is refused.
+        self.own = OwnAddresses()
         # The one admin auth rule, built once (control-plane keys kept as digests only).
         self.admin_auth = AdminAuth(config.api_key,
                                     parse_control_plane_keys(config.control_plane_api_keys))
@@ -111,12 +115,18 @@ class Registry(AdminAPI):
         cfg = self.config
         if cfg.pd_disaggregation:
             for url, bport in cfg.prefill:
-                self._queue(url, "prefill", bootstrap_port=bport)
+                self._queue_configured(url, "prefill", bport)
             for url in cfg.decode:
-                self._queue(url, "decode")
+                self._queue_configured(url, "decode")
         else:
             for url in cfg.worker_urls:
-                self._queue(url, "regular")
+                self._queue_configured(url, "regular")
+
+    def _queue_configured(self, url: str, role: str, bootstrap_port: int | None = None) -> None:
+        try:
+            self._queue(url, role, bootstrap_port=bootstrap_port)
+        except SelfWorker as exc:   # known only once bound (--port 0): skipped, said once
+            log.error("not registering %s: %s", url, exc)
 
     async def stop(self) -> None:
         """Cancel pending registrations and the reaper (rows are left to the table's owner)."""
@@ -220,6 +230,9 @@ class Registry(AdminAPI):
         if role not in ROLES:
             raise ValueError(f"unknown worker_type {role!r} (expected one of {', '.join(ROLES)})")
         check_fields(priority, cost, labels, api_key)
+        problem = worker_url_problem(url, self.config.allow_link_local_workers)
+        if problem is not None:
+            raise BadWorkerURL(f"worker URL {url!r} {problem}")
         # The credentials of a user:password@ URL are kept apart (Basic auth to the worker);
         # from here on the URL has none, so no display can show them.
         basic = basic_auth(url)
@@ -229,6 +242,7 @@ class Registry(AdminAPI):
         host, port = split_host_port(url)
         if not host:
             raise ValueError(f"no host in worker URL {url!r}")
+        self.own.check(url, address_key(host, port))
         same = self.find(url)
         if same is not None:
             raise DuplicateWorker(f"worker {url} already exists" if same.url == url
@@ -248,10 +262,11 @@ class Registry(AdminAPI):
         log.info("registering %s worker %s (id %s)", role, url, w.id)
         return w
 
-    async def wait_registered(self, w: Worker) -> bool:
-        """Wait for ``w``'s handshake to finish; True when it became ready."""
-        if w.task is not None:
-            await asyncio.gather(w.task, return_exceptions=True)
+    async def wait_registered(self, w: Worker, timeout: float | None = None) -> bool:
+        """Wait for ``w``'s handshake to finish (at most ``timeout`` seconds, None: no bound;
+        the handshake goes on after a timeout); True when it became ready."""
+        if w.task is not None and not w.task.done():
+            await asyncio.wait([w.task], timeout=timeout)
         return w.status == "ready"
 
     def remove_worker(self, w: Worker) -> None:
@@ -306,6 +321,13 @@ class Registry(AdminAPI):
         if not infos or w.addr is not None:
             return
         key = (str(infos[0][4][0]), w.port)
+        try:
+            self.own.check(w.url, key)
+        except SelfWorker as exc:
+            raise _Fatal(str(exc)) from None
+        if not self.config.allow_link_local_workers and link_local(key[0]):
+            raise _Fatal(f"{w.host} resolves to the link-local address {key[0]}; pass "
+                         "--allow-link-local-workers to allow it")
         for other in self.workers:
             if other is not w and other.addr == key:
                 raise _Fatal(f"same backend as worker {other.url} ({key[0]}:{key[1]})")

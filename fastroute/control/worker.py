@@ -175,3 +175,7 @@ def model_id_of(requested: str | None, server_info: Mapping[str, Any], model_inf
 
 class DuplicateWorker(ValueError):
     """A worker with that URL is already registered (or registering)."""
+
+
+class BadWorkerURL(ValueError):
+    """A worker URL that is malformed or not allowed (fastroute.checks.worker_url_problem)."""

@@ -20,11 +20,14 @@ class KeyTable:
     sweep_every: float
     count: int
     reassigned: int
+    max_keys: int
+    evicted: int
     capacity: int
     def __init__(self, rows: int, mode: int, max_idle: float, sweep_every: float,
-                 seed: int) -> None:
+                 seed: int, max_keys: int = 0) -> None:
         """``rows``: the table's row count; keys idle over ``max_idle`` s (<= 0: never) are
-        dropped by a sweep run from a pick at most every ``sweep_every`` s."""
+        dropped by a sweep run from a pick at most every ``sweep_every`` s; past ``max_keys``
+        stored keys (0: no bound) the least recently used eighth is evicted."""
     def pick(self, tab: _Table, cands: _Rows, key: bytes | None, now: float) -> int:
         """The target for ``key`` at ``now`` (None: keyless, placed by the mode, not stored);
         arguments checked (ValueError / IndexError)."""

@@ -13,7 +13,9 @@ is (re)assigned by ``--assignment-mode``:
 A request without a key is placed by the same rule and not remembered.  Keys idle for longer
 than ``max_idle`` seconds are dropped by a sweep that runs from the pick itself at most once per
 ``sweep_every`` seconds (no timer, no thread); the sweep also drops keys whose target is no
-longer a candidate.  The sweep rebuilds the table (O(capacity)), which keeps deletion trivial for
+longer a candidate.  At most ``max_keys`` keys are kept (``--max-manual-keys``): a new key
+beyond it first evicts the least recently used eighth (``evicted`` counts them), so memory is
+bounded whatever the clients send within ``max_idle``.  The sweep rebuilds the table (O(capacity)), which keeps deletion trivial for
 linear probing and bounds memory to ~2x the live keys.
 
 The table is per process: under ``--workers N`` each proxy process keeps its own keys (a key is
@@ -74,13 +76,16 @@ cdef class KeyTable:
     cdef double next_sweep
     cdef readonly Py_ssize_t count
     cdef readonly int64_t reassigned  # keys moved because their target left or went unhealthy
+    cdef readonly Py_ssize_t max_keys  # bound on stored keys (0: none); LRU eviction past it
+    cdef readonly int64_t evicted     # keys dropped by that bound
     # The table and candidates of pick_bound, held as memoryviews so that the per-request call
     # does not pay two buffer acquisitions (bind() sets them when the candidates change).
     cdef const int64_t[:, ::1] btab
     cdef const int64_t[::1] bcands
     cdef bint bound
 
-    def __init__(self, int64_t rows, int mode, double max_idle, double sweep_every, uint64_t seed):
+    def __init__(self, int64_t rows, int mode, double max_idle, double sweep_every, uint64_t seed,
+                 Py_ssize_t max_keys=0):
         if mode < MODE_RANDOM or mode > MODE_MIN_GROUP:
             raise ValueError(f"unknown assignment mode code {mode}")
         if rows < 1:
@@ -95,6 +100,10 @@ cdef class KeyTable:
         self.count = 0
         self.reassigned = 0
         self.bound = False
+        if max_keys < 0:
+            raise ValueError("max_keys must be >= 0")
+        self.max_keys = max_keys
+        self.evicted = 0
 
     cdef void _alloc(self, Py_ssize_t cap):
         self.keys = np.zeros(cap, dtype=np.uint64)
@@ -182,6 +191,9 @@ cdef class KeyTable:
         t = self._assign(tab, cands)
         if t < 0:
             return -1
+        if self.max_keys > 0 and self.count >= self.max_keys:
+            self._evict()
+            s = self._slot(h)
         self.keys[s] = h
         self.owner[s] = t
         self.used[s] = now
@@ -190,6 +202,24 @@ cdef class KeyTable:
         if self.count * 2 > self.keys.shape[0]:
             self._grow(self.keys.shape[0] * 2)
         return t
+
+    cdef int _evict(self) except -1:
+        """The table is at max_keys: drop the least recently used eighth (at least one key),
+        oldest last use first, ties by key hash (the twin's order), and rebuild the table.
+        O(n log n) once per max_keys/8 new keys: amortised O(log n) per new key."""
+        keys = np.asarray(self.keys)
+        used = np.asarray(self.used)
+        owner = np.asarray(self.owner)
+        live = np.flatnonzero(keys)
+        m = max(1, self.max_keys // 8)
+        order = np.lexsort((keys[live], used[live]))
+        drop = live[order[:m]]
+        np.subtract.at(np.asarray(self.per_target), owner[drop], 1)
+        keys[drop] = 0
+        self.count -= drop.shape[0]
+        self.evicted += drop.shape[0]
+        self._grow(self.keys.shape[0])      # rehash what is left (linear probing, no tombstones)
+        return 0
 
     cdef void _sweep(self, const int64_t[::1] cands, double now):
         """Drop idle keys and keys whose target is no longer a candidate; rebuild the table."""

@@ -313,8 +313,11 @@ class ManualKeys:
     """Twin of ``_manual.KeyTable``: a dict instead of open addressing, same decisions, same
     RNG draws and the same sweep schedule (first pick, then every ``sweep_every`` seconds)."""
 
-    def __init__(self, mode: str, max_idle: float, sweep_every: float, seed: int) -> None:
+    def __init__(self, mode: str, max_idle: float, sweep_every: float, seed: int,
+                 max_keys: int = 0) -> None:
         self.mode = MANUAL_MODES.index(mode)
+        self.max_keys = max_keys
+        self.evicted = 0
         self.max_idle = max_idle
         self.sweep_every = sweep_every
         self.next_sweep = 0.0
@@ -372,6 +375,13 @@ class ManualKeys:
         t = self._assign(tab, cands)
         if t < 0:
             return -1
+        if self.max_keys and len(self.keys) >= self.max_keys:
+            # LRU: the oldest eighth by last use, ties by key hash (as _manual._evict).
+            m = max(1, self.max_keys // 8)
+            for old_h, (old_t, _) in sorted(self.keys.items(), key=lambda kv: (kv[1][1], kv[0]))[:m]:
+                del self.keys[old_h]
+                self.per_target[old_t] -= 1
+            self.evicted += m
         self.keys[h] = [t, now]
         self.per_target[t] = self.per_target.get(t, 0) + 1
         return t

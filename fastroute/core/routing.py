@@ -49,13 +49,15 @@ def build_ring(targets: Sequence[int], names: Sequence[str],
 
 
 def _manual_keys(router: "Router", seed: int) -> _manual.KeyTable:
-    """The manual policy's key table, configured from --assignment-mode / --max-idle-secs."""
+    """The manual policy's key table, configured from --assignment-mode / --max-idle-secs /
+    --max-manual-keys."""
     cfg = router.config
     mode = getattr(cfg, "assignment_mode", "random")
     max_idle = float(getattr(cfg, "max_idle_secs", 4 * 3600))
     every = float(getattr(cfg, "eviction_interval_secs", 60))
+    bound = int(getattr(cfg, "max_manual_keys", 1_000_000))
     return _manual.KeyTable(router.table.array.shape[0], ASSIGNMENT_MODE_CODE[mode], max_idle,
-                            every, seed)
+                            every, seed, bound)
 
 
 class Group:

@@ -82,6 +82,11 @@ class App(Front):
         self.pools: dict[Any, Pool] = {}          # by worker identity (a re-added URL is a new worker)
         self.routes: dict[int, Route] = {}        # by target row
         self.connections: set[ClientProtocol] = set()
+        # TLS connections accepted whose handshake has not finished -> when it must have
+        # (accept + --header-read-timeout-secs, the listener's handshake timeout). Counted in
+        # smg_http_connections_active from the accept, like any other open connection.
+        self.handshaking: dict[ClientProtocol, float] = {}
+        self.tls_listener = False
         self.exchanges: set[_Exchange] = set()
         self.admin_tasks: set[asyncio.Task] = set()
         self.pd = bool(config.pd_disaggregation)
@@ -169,7 +174,14 @@ class App(Front):
             self._sweep_handle = self.loop.call_later(self._sweep_every, self._sweep)
 
     def protocol_factory(self) -> ClientProtocol:
-        return ClientProtocol(self)
+        proto = ClientProtocol(self)
+        if self.tls_listener:
+            # connection_made comes only after the TLS handshake; a client that never sends
+            # its ClientHello still holds a socket, so it is counted (and timed) from here.
+            self.handshaking[proto] = self.loop.time() + self.header_timeout
+            if self._stats is not None:
+                self._stats.connections_active += 1
+        return proto
 
     @property
     def active(self) -> int:
@@ -214,6 +226,8 @@ class App(Front):
                     ex.keepalive(now)
             for conn in [c for c in self.connections if 0.0 < c.head_deadline <= now]:
                 conn.on_header_timeout()
+            if self.handshaking:
+                self._expire_handshakes(now)
             if self.admission.queue:
                 self.admission.expire(now)
             if self.breakers is not None:
@@ -224,6 +238,15 @@ class App(Front):
         except Exception:  # a bug here must not stop the sweeper forever
             log.exception("sweep failed")
         self._sweep_handle = self.loop.call_later(self._sweep_every, self._sweep)
+
+    def _expire_handshakes(self, now: float) -> None:
+        """Uncount TLS connections whose handshake deadline passed: the listener aborted them
+        (or they failed earlier: asyncio tells the protocol nothing of a failed handshake)."""
+        hs = self.handshaking
+        for proto in [p for p, due in hs.items() if due <= now]:
+            del hs[proto]
+            if self._stats is not None:
+                self._stats.connections_active -= 1
 
     # -- lease safety net -----------------------------------------------------
     def check_leaks(self, now: float | None = None) -> int:
@@ -368,6 +391,9 @@ class App(Front):
                 if verdict != OK:
                     proto.send_error(self._refusal(req.method, path, verdict, who), req)
                     return
+            if req.too_large:   # a chunked body past --max-payload-size (no length at the head)
+                proto.send_error(_errors.payload_too_large(req.body_len, self.max_payload), req)
+                return
             task = self.loop.create_task(self._admin(proto, req, path, query, who))
             self.admin_tasks.add(task)
             task.add_done_callback(self.admin_tasks.discard)

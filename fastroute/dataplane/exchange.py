@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from email.utils import parsedate_to_datetime
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +66,24 @@ KEEPALIVE = b": keep-alive\n\n"
 _KEEPALIVE_CHUNK = b"%x\r\n%b\r\n" % (len(KEEPALIVE), KEEPALIVE)
 _KEEPALIVE_HEAD = (b"content-type: text/event-stream\r\ncache-control: no-cache\r\n"
                    b"transfer-encoding: chunked\r\n")
+def retry_after(status: int, headers: list) -> float:
+    """Seconds a 429 or 503 asks the client to wait (``Retry-After``: delta-seconds or an
+    HTTP-date, RFC 9110 10.2.3); -1.0 when there is none or it does not parse."""
+    if status != 429 and status != 503:
+        return -1.0
+    for name, value in headers:
+        if len(name) == 11 and name.lower() == b"retry-after":
+            v = value.strip()
+            if v.isdigit():
+                return float(v)
+            try:
+                when = parsedate_to_datetime(v.decode("latin-1"))
+                return max(0.0, when.timestamp() - time.time())
+            except (TypeError, ValueError, IndexError, OverflowError):
+                return -1.0
+    return -1.0
+
+
 # Upstream statuses worth another attempt on another target (protocol.md 7.2).
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -371,11 +391,17 @@ class _Exchange(Leg):
         """Another attempt is allowed: attempts left and no client byte committed."""
         return self.tries < self.app.max_attempts and not self.started and not self.finished
 
-    def retry_later(self, role: str) -> None:
+    def fits(self, wait: float) -> bool:
+        """A retry after ``wait`` seconds (a worker's Retry-After; < 0: none) still starts
+        before the request's deadline. When it would not, the worker's answer is relayed."""
+        return wait < 0.0 or self.app.loop.time() + wait < self.deadline
+
+    def retry_later(self, role: str, wait: float = -1.0) -> None:
         """Drop this attempt (legs aborted, leases released) and schedule a fresh pick.
 
-        The delay is a timer on the loop (never a sleep); the request timeout
-        and a client disconnect still apply while it waits.
+        The delay is a timer on the loop (never a sleep): the backoff, or the worker's
+        Retry-After (``wait``) when longer; the request timeout and a client disconnect still
+        apply while it waits.
         """
         self._abort_legs()
         self._release_leases()
@@ -384,7 +410,10 @@ class _Exchange(Leg):
         if st is not None:
             key = (role, INFERENCE[self.path])
             st.retries[key] = st.retries.get(key, 0) + 1
-        self.retry_handle = app.loop.call_later(app.backoff(self.tries - 1), self._retry)
+        delay = app.backoff(self.tries - 1)
+        if wait > delay:
+            delay = wait
+        self.retry_handle = app.loop.call_later(delay, self._retry)
 
     def _retry(self) -> None:
         self.retry_handle = None
@@ -466,9 +495,10 @@ class Relay(_Exchange):
     # leg callbacks (from upstream.UpstreamConnection)
     def up_head(self, status: int, headers: list) -> None:
         if status in RETRY_STATUS:
-            if self.can_retry():
+            wait = retry_after(status, headers)
+            if self.can_retry() and self.fits(wait):
                 self._outcome(self.target, status)
-                self.retry_later("regular")  # aborts this connection: no more callbacks
+                self.retry_later("regular", wait)  # aborts this connection: no more callbacks
                 return
             self.exhausted("regular")
         if self.ka_sent and not 200 <= status < 300:

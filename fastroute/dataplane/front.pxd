@@ -11,6 +11,7 @@ cdef class Front:
     cdef public object header_flags, rid_headers, key_headers
     cdef public dict routes, _model_keys
     cdef public set exchanges, connections
+    cdef public dict handshaking
     cdef public Py_ssize_t max_payload
     cdef public double timeout, header_timeout, idle_timeout, sse_keepalive
     cdef public bint accepting, pd, igw, guarded

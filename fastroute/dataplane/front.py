@@ -29,6 +29,7 @@ from fastroute.auth import authorized
 from fastroute.dataplane import body as _body
 from fastroute.dataplane.routes import ENDPOINT_LABEL, INFERENCE, ROUTES, pd_unsupported
 from fastroute.errors import RouterError
+from fastroute.names import label_value
 
 # Bounded label values for metrics (unknown paths/methods collapse to one value).
 _PATH_LABEL = {p: p.decode() for p in (
@@ -57,7 +58,7 @@ class Front:
                  "breakers", "cors", "api_key", "config", "room_rng", "_model_keys", "backend",
                  "model_role", "exchange_cls", "max_attempts", "header_flags", "rid_headers",
                  "key_headers", "max_payload", "timeout", "header_timeout", "idle_timeout",
-                 "sse_keepalive", "accepting", "pd", "igw", "guarded")
+                 "sse_keepalive", "accepting", "pd", "igw", "guarded", "handshaking")
 
     def handle(self, proto: Any, req: Any) -> None:
         """Answer one parsed request; ends with proto.response_done() (maybe later)."""
@@ -141,7 +142,7 @@ class Front:
                     return row
                 model, label = "\0other", "other"
             else:
-                label = model if model is not None else "unknown"
+                label = label_value(model) if model is not None else "unknown"
             b = self.backend
             row = self._model_keys[model] = {
                 p: ((b, e, label, "false"), (b, e, label, "true"), (b, e, label), label)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from fastroute import errors as _errors
 from fastroute.config import DP_RANK_FIELDS
 from fastroute.dataplane import body as _body
-from fastroute.dataplane.exchange import KEEP_LENGTH, RETRY_STATUS, TIMEOUT, _Exchange
+from fastroute.dataplane.exchange import KEEP_LENGTH, RETRY_STATUS, TIMEOUT, _Exchange, retry_after
 from fastroute.dataplane.logprobs import SSELogprobMerger, merge_logprobs_json
 from fastroute.dataplane.protocol import CT_JSON
 from fastroute.dataplane.upstream import ConnectError, Leg
@@ -227,11 +227,12 @@ class PDRelay(_Exchange):
 
     def _retry_head(self, leg: _PDLeg) -> bool:
         """A leg answered a retryable status before the relay: retry if allowed."""
-        if not self.can_retry():
+        wait = retry_after(leg.status, leg.headers)
+        if not self.can_retry() or not self.fits(wait):
             self.exhausted(leg.role)
             return False
         self._outcome(leg.target, leg.status)
-        self.retry_later(leg.role)
+        self.retry_later(leg.role, wait)
         return True
 
     def pd_progress(self) -> None:

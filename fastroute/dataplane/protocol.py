@@ -155,6 +155,18 @@ def new_request_id(path: bytes) -> bytes:
 # --------------------------------------------------------------------------- client protocol
 
 
+def _origin_form(url: bytes) -> bytes:
+    """``http://host:port/p?q`` -> ``/p?q`` (``/`` when the target names no path)."""
+    rest = url.partition(b"://")[2]
+    for i in range(len(rest)):
+        c = rest[i]
+        if c == 47:        # '/'
+            return rest[i:]
+        if c == 63:        # '?'
+            return b"/" + rest[i:]
+    return b"/"
+
+
 class Request:
     """One parsed client request (kept only until it is answered)."""
 
@@ -240,9 +252,13 @@ class ClientProtocol:
         self.transport = transport  # type: ignore[assignment]
         self.flow.transport = transport  # type: ignore[assignment]
         _nodelay(transport)
-        self.app.connections.add(self)
-        if self.app._stats is not None:
-            self.app._stats.connections_active += 1
+        app = self.app
+        app.connections.add(self)
+        hs = app.handshaking
+        if hs and self in hs:
+            del hs[self]        # TLS: counted since the accept (App.protocol_factory)
+        elif app._stats is not None:
+            app._stats.connections_active += 1
         self.head_deadline = self.loop.time() + self.app.header_timeout
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -330,6 +346,14 @@ class ClientProtocol:
         req = self._req
         if req is None:  # head already refused (431)
             return
+        if not self.in_head:
+            # A chunked body's trailer field: never a request header (an Authorization or a
+            # routing key sent after the body would change a decision already taken at the
+            # head). Dropped, but counted against the head limit so it cannot grow unbounded.
+            self._head_size += len(name) + len(value) + 4
+            if self._head_size > _HEAD_LIMIT:
+                self._head_too_large()
+            return
         # httptools has no limit of its own on the head; without one a client
         # could make us buffer headers forever.
         size = self._head_size + len(name) + len(value) + 4
@@ -382,6 +406,10 @@ class ClientProtocol:
         # on_header_timeout extends it while body bytes keep arriving (no clock read here).
         app = self.app
         req.method = self.parser.get_method()  # type: ignore[union-attr]
+        url = self._url
+        if url[:1] != b"/" and (url[:7].lower() == b"http://" or url[:8].lower() == b"https://"):
+            # Absolute form (RFC 9112 3.2.2, what proxies send): routed by its path.
+            self._url = url = _origin_form(url)
         if self._cl > app.max_payload:
             req.too_large = True  # type: ignore[union-attr]
             req.body_len = self._cl  # type: ignore[union-attr]

@@ -130,10 +130,14 @@ async def listen(app: App, host: str, port: int, reuse_port: bool = False,
     that set SO_REUSEPORT would let a second router bind the same port and silently take half
     the traffic with a target table of its own (review L2). A port in use is a StartupError."""
     loop = asyncio.get_running_loop()
+    # A TLS handshake is part of reading the request head: bounded by the same timeout (the
+    # default, 60 s, let idle sockets pile up), and counted from the accept (App.handshaking).
+    app.tls_listener = tls is not None
     try:
         return await loop.create_server(app.protocol_factory, host, port, reuse_address=True,
                                         reuse_port=reuse_port and hasattr(socket, "SO_REUSEPORT"),
-                                        backlog=4096, ssl=tls)
+                                        backlog=4096, ssl=tls,
+                                        ssl_handshake_timeout=app.header_timeout if tls else None)
     except OSError as exc:
         raise bind_error("--port", host, port, exc) from None
 

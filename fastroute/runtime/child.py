@@ -29,7 +29,7 @@ from fastroute.core.routing import Router
 from fastroute.core.table import TargetTable
 from fastroute.log import configure_logging
 from fastroute.runtime.assemble import assemble, drain, freeze_heap, listen
-from fastroute.runtime.startup import tls_context
+from fastroute.runtime.startup import stop_on_signals, tls_context
 
 # Logger name kept from before the split: operators filter on it.
 log = logging.getLogger("fastroute.supervisor")
@@ -75,8 +75,7 @@ async def serve_child(state_dir: str, slot: int) -> int:
     app, registry = parts.app, parts.registry
     assert app is not None and isinstance(registry, FollowerRegistry)
     stop = asyncio.Event()  # (handlers before the listener: a SIGTERM from then on drains)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop_on_signals(loop, stop.set)
     listener = await listen(app, cfg.host, int(info["port"]), reuse_port=True, tls=tls_context(cfg))
     freeze_heap()
     app.start()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from typing import Callable, Protocol
 
 import uvloop
@@ -35,7 +34,7 @@ from fastroute.core.table import TargetTable
 from fastroute.dataplane.app import App
 from fastroute.runtime.assemble import assemble, drain, freeze_heap, listen, stop_in_order
 from fastroute.runtime.probe import ProbeServer
-from fastroute.runtime.startup import announce, start_probe, tls_context
+from fastroute.runtime.startup import announce, own_listeners, start_probe, stop_on_signals, tls_context
 
 log = logging.getLogger("fastroute.server")
 
@@ -79,6 +78,8 @@ class Server:
             assert self.app is not None and self.monitor is not None
             self.listener = await listen(self.app, cfg.host, cfg.port, tls=tls)
             self.probe = start_probe(cfg, self.registry.ready)
+            own_listeners(self.registry, cfg, self.listener.sockets[0].getsockname()[1],
+                          self.metrics, self.probe)
             self.discovery = await start_discovery(cfg, self.registry, self.metrics.stats)
         except BaseException:
             await self._close_listeners()
@@ -131,17 +132,14 @@ class Server:
 
 
 async def serve(config: Config, factory: Callable[[Config], Process] = Server) -> int:
-    """Run ``factory(config)`` until SIGTERM/SIGINT, then drain; returns the exit status."""
+    """Run ``factory(config)`` until SIGTERM/SIGINT/SIGHUP/SIGQUIT, then drain; returns the
+    exit status."""
     loop = asyncio.get_running_loop()
     server = factory(config)
     # Handlers first: a SIGTERM while starting (the listener may already accept) stops the
     # router cleanly once it is up, instead of killing it with its shared table left behind.
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread
-            pass
+    stop_on_signals(loop, stop.set)
     await server.start()
     freeze_heap()
     await stop.wait()

@@ -7,11 +7,13 @@ exits with status 1 (no traceback).
 """
 from __future__ import annotations
 
+import asyncio
 import errno
 import ipaddress
 import logging
+import signal
 import ssl
-from typing import Callable
+from typing import Any, Callable
 
 from fastroute import __version__
 from fastroute.config import Config
@@ -56,6 +58,39 @@ def start_probe(config: Config, ready: Callable[[], bool]) -> ProbeServer | None
                          exc) from None
     probe.start()
     return probe
+
+
+# Signals that drain the router like SIGTERM: the default action of each would kill it at
+# once, cutting the requests in flight and leaving its shared table behind (a terminal's
+# hangup, a SIGQUIT from a supervisor's stop script). SIGUSR1/2 are logged and ignored.
+DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+IGNORED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+def stop_on_signals(loop: asyncio.AbstractEventLoop, stop: Callable[[], None]) -> None:
+    """Call ``stop`` on any of DRAIN_SIGNALS; log IGNORED_SIGNALS (main thread only)."""
+    def drain(sig: signal.Signals) -> None:
+        log.info("%s received: draining", sig.name)
+        stop()
+
+    def ignore(sig: signal.Signals) -> None:
+        log.info("%s received: ignored (SIGTERM, SIGINT, SIGHUP or SIGQUIT drain the router)",
+                 sig.name)
+    for sig in DRAIN_SIGNALS + IGNORED_SIGNALS:
+        try:
+            loop.add_signal_handler(sig, drain if sig in DRAIN_SIGNALS else ignore, sig)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            pass
+
+
+def own_listeners(registry: Any, config: Config, port: int, metrics: Any, probe: Any) -> None:
+    """Tell the registry which addresses are the router's own (bound ports), so a worker URL
+    naming one is refused (fastroute.control.selfaddr)."""
+    registry.own.add(config.host, port, f"--port {port}")
+    if metrics is not None and getattr(metrics, "port", 0):
+        registry.own.add(config.prometheus_host, metrics.port, f"--prometheus-port {metrics.port}")
+    if probe is not None:
+        registry.own.add(config.host, probe.port, f"--health-check-port {probe.port}")
 
 
 def _url(scheme: str, host: str, port: int) -> str:

@@ -69,7 +69,7 @@ from fastroute.control.registry import Registry
 from fastroute.core.table import TargetTable
 from fastroute.runtime.assemble import assemble, stop_in_order
 from fastroute.runtime.probe import ProbeServer
-from fastroute.runtime.startup import announce, bind_error, start_probe, tls_context
+from fastroute.runtime.startup import announce, bind_error, own_listeners, start_probe, tls_context
 
 log = logging.getLogger("fastroute.supervisor")
 
@@ -172,6 +172,8 @@ class Supervisor:
             self.probe = start_probe(cfg, self.registry.ready)
             self._control = await asyncio.start_server(self._control_conn, "127.0.0.1", 0)
             control_port = self._control.sockets[0].getsockname()[1]
+            own_listeners(self.registry, cfg, self.port, self.metrics, self.probe)
+            self.registry.own.add("127.0.0.1", control_port, "control listener")
             with open(os.path.join(self.state_dir, "config.pickle"), "wb") as f:
                 pickle.dump(cfg, f)
             with open(os.path.join(self.state_dir, "child.json"), "w") as f:

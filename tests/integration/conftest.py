@@ -90,6 +90,7 @@ class DataWorker:
         self.held = 0
         self.status = 200
         self.error_body = b'{"error": {"message": "worker said no"}}'
+        self.error_headers = b""            # extra header lines of an error answer
         self.events = 3
         self.die_after: int | None = None   # abort the connection after this many SSE events
         self.input_logprobs: list = [[-1.0, 11, None], [-2.0, 12, None]]
@@ -260,8 +261,8 @@ class _WorkerConn(asyncio.Protocol):
         obj = json.loads(rec.body) if rec.body else {}
         if w.status != 200:
             body = w.error_body
-            self._write(b"HTTP/1.1 %d Err\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
-                        % (w.status, len(body), body))
+            self._write(b"HTTP/1.1 %d Err\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                        b"%b\r\n%b" % (w.status, len(body), w.error_headers, body))
             self.busy = False
             return
         if obj.get("stream"):

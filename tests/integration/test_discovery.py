@@ -66,14 +66,14 @@ def kube_env(tmp_path, monkeypatch):
     return path
 
 
-async def start(api: KubeApi, kubeconfig, port: int, **cfg: Any) -> Server:
+async def start(api: KubeApi, kubeconfig, pods_port: int, **cfg: Any) -> Server:
     kubeconfig.write_text(api.kubeconfig())
     cfg.setdefault("service_discovery", True)
     cfg.setdefault("selector", ["app=sglang"])
     cfg.setdefault("service_discovery_namespace", NS)
     cfg = {**dict(host="127.0.0.1", port=0, policy="round_robin", worker_startup_check_interval=1,
                   disable_health_check=True, shutdown_grace_period_secs=1,
-                  prometheus_host="127.0.0.1", prometheus_port=0, service_discovery_port=port,
+                  prometheus_host="127.0.0.1", prometheus_port=0, service_discovery_port=pods_port,
                   discovery_check_interval_secs=30), **cfg}
     server = Server(Config(**cfg))
     await server.start()
@@ -402,3 +402,28 @@ def test_workers_2_discovers_in_the_supervisor_and_every_process_routes(kube_env
             for w in ws:
                 await w.stop()
     run(body(), 90)
+
+
+def test_a_pod_that_is_the_router_is_skipped_and_logged_once(kube_env, caplog):
+    async def body():
+        api = await KubeApi().start()
+        a, b = ws = await pod_workers(2)
+        # The router listens on 127.0.0.1 at the pods' port: a pod at 127.0.0.1 is the router.
+        await api.put(pod("me", "127.0.0.1"))
+        await api.put(pod("a", a.ip))
+        server = await start(api, kube_env, a.port, port=a.port)
+        try:
+            await until(lambda: urls(server) == {a.url}, 10.0, "a registered")
+            await until(lambda: any("this router" in r.getMessage() for r in caplog.records),
+                        5.0, "refusal logged")
+            await api.put(pod("b", b.ip))           # a later change: applied, "me" still out
+            await until(lambda: urls(server) == {a.url, b.url}, 10.0, "b registered")
+            assert {w.url for w in server.registry.workers} == {a.url, b.url}
+        finally:
+            await server.stop(grace=0.5)
+            await api.stop()
+            for w in ws:
+                await w.stop()
+        assert sum("this router" in r.getMessage() for r in caplog.records) == 1
+    with caplog.at_level(logging.INFO, logger="fastroute.discovery"):
+        run(body(), 60)

@@ -282,6 +282,26 @@ def test_worker_url_validation(argv, flag, capsys) -> None:
     assert f"argument {flag}" in fails(argv, capsys)
 
 
+@pytest.mark.parametrize("url", ["http://169.254.169.254", "http://[fe80::1]:8000",
+                                 "http://w:1/\nforged", "http://w:0", "http://" + "a" * 254])
+def test_worker_url_strict_rules_on_the_command_line(url: str, capsys) -> None:
+    assert "argument --worker-urls" in fails(["--worker-urls", url], capsys)
+
+
+def test_max_manual_keys_flag(capsys) -> None:
+    assert parse_args(["--policy", "manual", "--max-manual-keys", "10"]).max_manual_keys == 10
+    assert parse_args([]).max_manual_keys == 1_000_000
+    assert "argument --max-manual-keys" in fails(["--max-manual-keys", "0"], capsys)
+    assert "--max-manual-keys" in build_parser().format_help()
+
+
+def test_allow_link_local_workers_flag(capsys) -> None:
+    c = parse_args(["--allow-link-local-workers", "--worker-urls", "http://169.254.1.1:8000"])
+    assert c.allow_link_local_workers and c.worker_urls == ["http://169.254.1.1:8000"]
+    assert "--allow-link-local-workers" in fails(["--worker-urls", "http://169.254.1.1:8000"], capsys)
+    assert "--allow-link-local-workers" in build_parser().format_help()
+
+
 def test_igw_flags() -> None:
     c = parse_args(["--enable-igw", "--model-alias", "small=qwen-0.5b", "big=llama-70b"])
     assert c.enable_igw and c.model_alias == ["small=qwen-0.5b", "big=llama-70b"]

@@ -132,3 +132,46 @@ def test_bound_picks_match_checked_picks() -> None:
         assert bound.pick_bound(k) == checked.pick(tab, cands, k, 1.0)
     with pytest.raises(IndexError):
         bound.bind(tab, np.array([99], dtype=np.int64))
+
+
+@pytest.mark.parametrize("mode", ASSIGNMENT_MODES)
+def test_differential_with_the_key_bound(mode: str) -> None:
+    """Past max_keys the least recently used eighth goes, in both twins, pick for pick."""
+    rnd = random.Random("bound" + mode)
+    tab = table(16)
+    cands = np.arange(8, dtype=np.int64)
+    kt = _manual.KeyTable(16, ASSIGNMENT_MODE_CODE[mode], 1000.0, 5.0, 3, 40)
+    twin = R.ManualKeys(mode, 1000.0, 5.0, 3, 40)
+    now = 0.0
+    for step in range(20000):
+        now += rnd.random() * 0.05 if rnd.random() < 0.7 else 0.0   # ties in last use too
+        if rnd.random() < 0.01:
+            tab[rnd.randrange(16), COL_HEALTHY] = rnd.random() < 0.8
+        key = b"key-%d" % rnd.randrange(400)
+        a = kt.pick(tab, cands, key, now)
+        b = twin.pick(tab, cands, key, now)
+        assert a == b, (step, mode, key)
+        assert kt.count <= 40
+    assert kt.evicted == twin.evicted > 1000
+    assert kt.count == len(twin.keys)
+    for t in range(16):
+        assert kt.keys_of(t) == twin.per_target.get(t, 0)
+
+
+def test_bound_keeps_memory_flat_and_recent_keys_sticky() -> None:
+    tab = table(4)
+    cands = np.arange(4, dtype=np.int64)
+    kt = _manual.KeyTable(4, ASSIGNMENT_MODE_CODE["random"], 0.0, 1e9, 1, 1000)
+    hot = kt.pick(tab, cands, b"hot", 0.0)
+    for i in range(100_000):
+        kt.pick(tab, cands, b"k%d" % i, float(i))
+        if i % 100 == 0:
+            assert kt.pick(tab, cands, b"hot", float(i)) == hot   # used often: never evicted
+        assert kt.count <= 1000
+    assert kt.capacity <= 2048 and kt.evicted >= 100_000 - 1000
+    assert sum(kt.keys_of(t) for t in range(4)) == kt.count
+
+
+def test_bad_bound_is_refused() -> None:
+    with pytest.raises(ValueError):
+        _manual.KeyTable(4, 0, 1.0, 1.0, 0, -1)
