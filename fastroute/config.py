@@ -233,7 +233,7 @@ class Config:
     workers: int = 1
     decode_kv_fit: str = "off"
     decode_kv_reserve_tokens: int = 0
-    # cache_aware's bound on DP ranks (None = by leg, see rank_slack())
+    # cache_aware's bound on DP ranks (None = by leg: core.cache_aware.leg_rank_slack)
     cache_aware_rank_slack: int | None = None
     # Where p2c_load_metric came from, for the start-up banner: "flag", the environment
     # variable's name, or "default" (set by config_from_args; not a flag).
@@ -522,19 +522,6 @@ class Config:
                 if mode != "off":
                     raise ConfigError(flag, "does not combine with the manual policy (it pins each "
                                       "routing key to one worker); use --decode-policy power_of_two")
-
-    def rank_slack(self, role: str) -> int:
-        """cache_aware's rank slack on a leg (-1: unbounded affinity). Under --dp-aware the PD
-        decode leg that inherits cache_aware from --policy balances its ranks (0: only the
-        least-loaded ranks; the tree breaks ties); the prefill leg, an explicit --decode-policy
-        cache_aware and regular mode keep affinity. --cache-aware-rank-slack sets every
-        cache_aware leg that decodes (PD decode, regular)."""
-        if role == "prefill":
-            return -1
-        if self.cache_aware_rank_slack is not None:
-            return self.cache_aware_rank_slack
-        inherited = getattr(self, "_decode_inherited", False)
-        return 0 if role == "decode" and self.dp_aware and inherited else -1
 
     def _validate_discovery(self) -> None:
         if self.discovery_provider not in (None,) + DISCOVERY_PROVIDERS:

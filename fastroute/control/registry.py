@@ -40,6 +40,7 @@ from fastroute.control.models import ModelGroups, group_like, parse_aliases, wor
 from fastroute.control.worker import (ROLES, BadWorkerURL, DuplicateWorker, Worker, address_key, basic_auth,
                                       check_fields, model_id_of, normalize_url, split_host_port)
 from fastroute.control.selfaddr import OwnAddresses, SelfWorker
+from fastroute.core.cache_aware import leg_rank_slack
 from fastroute.checks import link_local, worker_url_problem
 from fastroute.core.routing import Group, Router
 from fastroute.core.table import TargetTable
@@ -91,14 +92,14 @@ class Registry(AdminAPI):
             "regular": router.group([], config.policy, load_metric=metric, demand=demand,
                                     request_weight=weight, names=[], kv_fit=config.decode_kv_fit,
                                     kv_reserve=config.decode_kv_reserve_tokens,
-                                    rank_slack=config.rank_slack("regular")),
+                                    rank_slack=leg_rank_slack(config, "regular")),
             "prefill": router.group([], config.prefill_policy, load_metric=metric, names=[],
-                                    rank_slack=config.rank_slack("prefill")),
+                                    rank_slack=leg_rank_slack(config, "prefill")),
             "decode": router.group([], config.decode_policy, load_metric=metric, demand=demand,
                                    request_weight=weight, names=[],
                                    kv_fit=config.decode_kv_fit,
                                    kv_reserve=config.decode_kv_reserve_tokens,
-                                   rank_slack=config.rank_slack("decode")),
+                                   rank_slack=leg_rank_slack(config, "decode")),
         }
         if config.enable_igw:
             # One group per model inside each role (fastroute.control.models).

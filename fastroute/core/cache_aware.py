@@ -10,7 +10,7 @@ One pick, over the group's eligible targets (healthy, circuit not open):
 3. Otherwise the target with the smallest tree (fewest bytes held), which spreads new prompts.
 
 With a rank slack N >= 0 (``--cache-aware-rank-slack``; by default 0 on the PD decode leg under
-``--dp-aware``, see ``Config.rank_slack``) the pick is bounded first: only targets holding at most
+``--dp-aware``, see ``leg_rank_slack``) the pick is bounded first: only targets holding at most
 the least-loaded one's in-flight requests + N take part, a hit goes to the least-loaded holder of
 the match and a miss to the least-loaded target. Under DP attention every step waits for the
 busiest rank, so affinity may only choose among ranks that keep the batch even.
@@ -46,6 +46,21 @@ REASONS = {
     _tree.REASON_SMALLEST: "smallest_tree",
     _tree.REASON_LEAST: "least_loaded",
 }
+
+
+def leg_rank_slack(config: Any, role: str) -> int:
+    """The rank slack of a leg's cache_aware (-1: unbounded affinity). Under --dp-aware the PD
+    decode leg that inherits cache_aware from --policy balances its ranks (0: only the
+    least-loaded ranks; the tree breaks ties); the prefill leg, an explicit --decode-policy
+    cache_aware and regular mode keep affinity. --cache-aware-rank-slack sets every cache_aware
+    leg that decodes (PD decode, regular)."""
+    if role == "prefill":
+        return -1
+    explicit = getattr(config, "cache_aware_rank_slack", None)
+    if explicit is not None:
+        return int(explicit)
+    inherited = getattr(config, "_decode_inherited", False)
+    return 0 if role == "decode" and getattr(config, "dp_aware", False) and inherited else -1
 
 
 class CacheAwarePolicy:

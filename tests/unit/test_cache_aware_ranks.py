@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from fastroute.cli import parse_args
 from fastroute.core import reference as R
-from fastroute.core.cache_aware import CacheAwarePolicy
+from fastroute.core.cache_aware import CacheAwarePolicy, leg_rank_slack
 from fastroute.core.routing import Router
 from fastroute.core.table import COL_IN_FLIGHT, TargetTable
 from tests.stubs import StubMeta
@@ -30,7 +30,7 @@ def tab():
 
 def legs(argv: list[str]) -> tuple[int, int, int]:
     c = parse_args(argv)
-    return c.rank_slack("prefill"), c.rank_slack("decode"), c.rank_slack("regular")
+    return tuple(leg_rank_slack(c, role) for role in ("prefill", "decode", "regular"))
 
 
 def test_default_policy_balances_pd_decode_ranks_only():
