@@ -284,7 +284,7 @@ cdef class Picker:
     cdef readonly int64_t kv_agree
     cdef readonly int64_t kv_disagree
     cdef readonly int64_t kv_fallback
-    cdef int64_t[::1] scratch        # pick_coordinated: 2 x candidates, then MAX_SLOTS picks
+    cdef int64_t[::1] scratch        # pick_coordinated: 2 x candidates, then 2 x MAX_SLOTS + 1
     cdef int64_t coord_n             # placements of the last coordinated pick (0: none)
     cdef int64_t coord_slot
     cdef readonly int64_t coordinated_picks
@@ -318,7 +318,7 @@ cdef class Picker:
         self.rng = <uint64_t>(int(seed) & 0xFFFFFFFFFFFFFFFF)
         self.cursor = 0
         self.cands = np.zeros(0, dtype=np.int64)
-        self.scratch = np.zeros(MAX_SLOTS, dtype=np.int64)
+        self.scratch = np.zeros(2 * MAX_SLOTS + 1, dtype=np.int64)
         self.ring_hash = np.zeros(0, dtype=np.uint64)
         self.ring_target = np.zeros(0, dtype=np.int64)
         self.last_legacy = -1
@@ -343,7 +343,7 @@ cdef class Picker:
         if arr.size and (arr.min() < 0 or arr.max() >= self.tab.shape[0]):
             raise IndexError("candidate target out of the table's range")
         self.cands = arr
-        self.scratch = np.zeros(2 * arr.shape[0] + MAX_SLOTS, dtype=np.int64)
+        self.scratch = np.zeros(2 * arr.shape[0] + 2 * MAX_SLOTS + 1, dtype=np.int64)
         self.coord_n = 0
         if self.cursor >= arr.shape[0]:
             self.cursor = 0
@@ -422,7 +422,7 @@ cdef class Picker:
                              &self.scratch[2 * m])
         if t >= 0:
             self.coord_n = n
-            self.coord_slot = slot
+            self.coord_slot = self.scratch[2 * m + 2 * n]   # the place it took
         return t
 
     cdef void _book_estimate(self, int64_t tokens) noexcept:

@@ -50,4 +50,4 @@ cdef int64_t pick_coordinated(const int64_t[:, ::1] tab,    # IN (shared)
                               bint use_demand, int64_t weight, bint kv,  # IN
                               int64_t n, int64_t slot,      # IN: replicas, this one's place
                               int64_t *extra,               # SCRATCH: 2 x candidates
-                              int64_t *picks) noexcept nogil  # OUT: n placements
+                              int64_t *picks) noexcept nogil  # OUT: 2n + 1 (see .pyx)

@@ -242,6 +242,10 @@ cdef int64_t pick_kv_fit(const int64_t[:, ::1] tab, const int64_t[::1] cands, in
     return best if best >= 0 else room
 
 
+# Cost level of a placement where nothing fits (above every cost of a fitting one).
+cdef int64_t LEVEL_NO_FIT = <int64_t>1 << 62
+
+
 cdef int64_t pick_coordinated(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens,
                               int64_t need, bint use_demand, int64_t weight, bint kv, int64_t n,
                               int64_t slot, int64_t *extra, int64_t *picks) noexcept nogil:
@@ -251,11 +255,13 @@ cdef int64_t pick_coordinated(const int64_t[:, ::1] tab, const int64_t[::1] cand
     (``use_demand``: demand-cost) candidate given the placements before it, among the ranks where
     ``need`` KV tokens fit when ``kv`` (none fits: the most free KV); ties go to the smaller
     shared order key, so every replica computes the same sequence and they fill different ranks
-    instead of all sending a burst to the same least-loaded ones.  ``extra`` is scratch of 2 x
-    candidates; ``picks[0..n)`` receives the sequence (candidate rows).  -1 when nothing is
-    eligible."""
+    instead of all sending a burst to the same least-loaded ones.  This replica's place is
+    ``slot`` modulo the number of placements as good as the first (so it never takes a rank
+    above the least-loaded level for the others' sake).  ``extra`` is scratch of 2 x candidates;
+    ``picks[0..n)`` receives the sequence (candidate rows), ``picks[n..2n)`` each placement's
+    cost level, ``picks[2n]`` the index of this replica's own.  -1 when nothing is eligible."""
     cdef Py_ssize_t m = cands.shape[0], k, best
-    cdef int64_t s, t, r, cost, free, key, best_cost = 0, best_key = 0, best_free = 0
+    cdef int64_t s, t, r, cost, free, key, best_cost = 0, best_key = 0, best_free = 0, ties
     cdef bint known = False, fits, best_fits = False, better
     for k in range(2 * m):
         extra[k] = 0
@@ -294,9 +300,15 @@ cdef int64_t pick_coordinated(const int64_t[:, ::1] tab, const int64_t[::1] cand
         if best < 0:
             return -1
         picks[s] = cands[best]
+        picks[n + s] = best_cost if best_fits else LEVEL_NO_FIT - best_free
         extra[best] += 1
         extra[m + best] += tokens
-    return picks[slot]
+    ties = 0
+    for s in range(n):
+        if picks[n + s] == picks[n]:
+            ties += 1
+    picks[2 * n] = slot % ties
+    return picks[picks[2 * n]]
 
 
 # ---- thin Python wrappers, for tests and the reference comparison ------------------------------
@@ -363,13 +375,13 @@ def coordinated(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tok
     _check_rows(tab, cands, "candidate")
     if n < 1 or not 0 <= slot < n:
         raise ValueError("need n >= 1 and 0 <= slot < n")
-    scratch = np.zeros(2 * cands.shape[0] + n, dtype=np.int64)
+    scratch = np.zeros(2 * cands.shape[0] + 2 * n + 1, dtype=np.int64)
     cdef int64_t[::1] sc = scratch
     cdef int64_t mine = pick_coordinated(tab, cands, tokens, need, use_demand, weight, kv, n, slot,
                                          &sc[0], &sc[2 * cands.shape[0]])
     if mine < 0:
         return -1, []
-    return mine, [int(x) for x in scratch[2 * cands.shape[0]:]]
+    return mine, [int(x) for x in scratch[2 * cands.shape[0]:2 * cands.shape[0] + n]]
 
 
 def demand_ties(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens, int64_t weight):

@@ -206,13 +206,15 @@ def coordinated(tab: np.ndarray, cands, tokens: int, need: int, use_demand: bool
                 kv: bool, n: int, slot: int) -> tuple[int, list[int]]:
     """``_policy.pick_coordinated``: the next n placements as one router would make them (each
     the best by (fits, least requests or demand cost, shared order key), or the most free KV
-    when nothing fits), and this replica's, the slot-th."""
+    when nothing fits), and this replica's: the slot-th modulo the placements as good as the
+    first."""
     el = _eligible(tab, cands)
     if kv and not any(free_kv(tab, t) is not None for t in el):
         kv = False
     extra_r = {t: 0 for t in el}
     extra_k = {t: 0 for t in el}
     picks: list[int] = []
+    levels: list[tuple] = []
     for _ in range(n):
         best, best_key = -1, None
         for t in el:
@@ -232,9 +234,11 @@ def coordinated(tab: np.ndarray, cands, tokens: int, need: int, use_demand: bool
         if best < 0:
             return -1, []
         picks.append(best)
+        levels.append(best_key[:2])
         extra_r[best] += 1
         extra_k[best] += tokens
-    return picks[slot], picks
+    ties = sum(1 for lv in levels if lv == levels[0])
+    return picks[slot % ties], picks
 
 
 def common_prefix(a: bytes, b: bytes) -> int:

@@ -23,6 +23,7 @@ from tests.integration.redis_fixture import redis_server  # noqa: F401  (the fix
 from tests.integration.test_multiproc import MultiRouter
 
 TTL_MS = 1000
+TURN = 0.15     # seconds between one replica's requests taken one at a time (> two 20 ms ticks)
 SYNC = dict(dp_aware=True, policy="power_of_two", p2c_load_metric="least_requests",
             replica_sync_interval_ms=20, replica_ttl_ms=TTL_MS)
 
@@ -74,9 +75,14 @@ class ProcessReplica:
             await self.proc.wait()
 
 
-async def send_held(port: int, n: int) -> list[RawClient]:
+async def send_held(port: int, n: int, spacing: float = 0.0) -> list[RawClient]:
+    """n requests to one replica; ``spacing`` > 0 waits between them (longer than two sync
+    ticks: a replica that places several requests at once plans them as a burst shared with the
+    other replicas, see README "Bursts", so one-at-a-time turns need the gap)."""
     out = []
     for i in range(n):
+        if i and spacing:
+            await asyncio.sleep(spacing)
         c = await RawClient(port).connect()
         c.send(post("/generate", {"text": f"held {i}"}))
         out.append(c)
@@ -99,13 +105,13 @@ def test_three_replicas_balance_as_one_survive_a_kill_and_a_redis_outage(redis_s
                 for r in (b, c):
                     await until(lambda r=r: r.server.replica.peers == 2, 10, "three live replicas")
                 w.hold()
-                held = await send_held(a.port, 3)
+                held = await send_held(a.port, 3, TURN)
                 await until(lambda: w.held == 3, 5, "A's 3 requests held")
                 await until(lambda: others(b) == 3, 5, "B sees A's 3 requests")
-                held += await send_held(b.port, 3)
+                held += await send_held(b.port, 3, TURN)
                 await until(lambda: w.held == 6, 5, "B's 3 requests held")
                 await until(lambda: others(c) == 6, 5, "C sees A's and B's 6 requests")
-                held += await send_held(c.port, 2)
+                held += await send_held(c.port, 2, TURN)
                 await until(lambda: w.held == 8, 5, "C's 2 requests held")
                 first = ranks(w)
                 assert sorted(first) == list(range(8)), first      # 8 distinct ranks
@@ -115,7 +121,7 @@ def test_three_replicas_balance_as_one_survive_a_kill_and_a_redis_outage(redis_s
                 a.kill()
                 await until(lambda: b.server.replica.peers == 1 and others(b) == 2,
                             TTL_MS / 1000 + 5, "A dropped out of B's view")
-                held_b = await send_held(b.port, 3)
+                held_b = await send_held(b.port, 3, TURN)
                 await until(lambda: len(w.inference()) == 11, 5, "B's next 3 requests arrived")
                 assert set(ranks(w, 8)) == a_ranks
 
