@@ -231,14 +231,31 @@ class _Exchange(Leg):
 
     def keepalive(self, now: float) -> None:
         """The sweep found this stream quiet for ``--sse-keepalive-secs`` before its first
-        upstream byte: send a ``: keep-alive`` comment (the first one with a 200
+        event: send a ``: keep-alive`` comment (the first one with a 200
         ``text/event-stream`` head, so idle-timeout proxies in front see bytes). Never inside an
-        event: nothing of the upstream body has been relayed yet. After the head is committed an
-        upstream failure is an SSE error event, as after the first byte (``_fail_client``)."""
-        if self.started or self.finished or self.proto.closed:
+        event: nothing of the upstream body has been relayed yet (the first body write stops
+        the keep-alives). After the head is committed an upstream failure is an SSE error event,
+        as after the first byte (``_fail_client``). A worker's 2xx chunked head that came in
+        without an event (SGLang sends its head before the prefill ends) goes out at once with
+        the comment, and comments follow until the first event."""
+        if self.finished or self.proto.closed:
             self.ka_due = 0.0
             return
         app = self.app
+        if self.started:
+            if self.ka_sent or (self.head is not None and self.chunked
+                                and 200 <= self.status < 300):
+                data = _KEEPALIVE_CHUNK
+                head = self.head
+                if head is not None:
+                    self.head = None
+                    data = head + data
+                self.ka_sent = True
+                self.ka_due = now + app.sse_keepalive
+                self.proto.transport.write(data)  # type: ignore[union-attr]
+            else:
+                self.ka_due = 0.0
+            return
         self.ka_due = now + app.sse_keepalive
         if self.ka_sent:
             self.proto.transport.write(_KEEPALIVE_CHUNK)  # type: ignore[union-attr]
@@ -255,6 +272,7 @@ class _Exchange(Leg):
                 b"" if self.keep_alive else b"connection: close\r\n", _KEEPALIVE_CHUNK))
 
     def _write(self, data: bytes) -> None:
+        self.ka_due = 0.0                # the first body byte ends the keep-alives
         if self.chunked:
             data = b"%x\r\n%b\r\n" % (len(data), data)
         head = self.head

@@ -87,6 +87,7 @@ class DataWorker:
         self.requests: list[Rec] = []
         self.gate: asyncio.Event | None = None       # hold inference requests before the head
         self.stream_gate: asyncio.Event | None = None  # hold SSE streams after the first event
+        self.head_gate: asyncio.Event | None = None    # hold SSE streams after the head (prefill)
         self.held = 0
         self.status = 200
         self.error_body = b'{"error": {"message": "worker said no"}}'
@@ -281,6 +282,14 @@ class _WorkerConn(asyncio.Protocol):
         self._write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                     + (b"transfer-encoding: chunked\r\n" if w.sse_chunked else b"connection: close\r\n")
                     + b"\r\n")
+        if w.head_gate is not None:     # SGLang sends its head, then the first event after prefill
+            w.held += 1
+            try:
+                await w.head_gate.wait()
+            finally:
+                w.held -= 1
+            if self.lost:
+                return
         for i in range(w.events):
             ev = w.chat_chunk(i) if chat else w.sse_event(i, obj)
             if not self._write(b"%x\r\n%b\r\n" % (len(ev), ev) if w.sse_chunked else ev):

@@ -126,3 +126,50 @@ def test_worker_error_after_keepalive_is_an_sse_error_event() -> None:
             writer.close()
             await until(lambda: r.in_flight(w) == 0, what="released")
     run(body())
+
+
+def _comments_then_events(body: bytes) -> None:
+    events = body.split(b"\n\n")
+    first = next(i for i, e in enumerate(events) if e.startswith(b"data:"))
+    assert first >= 2 and all(e == b": keep-alive" for e in events[:first]), events[:first + 1]
+    assert b": keep-alive" not in events[first:]
+
+
+def test_keepalive_goes_on_after_the_workers_head_until_the_first_event() -> None:
+    """SGLang (uvicorn) sends the event-stream head at once and the first event after the
+    prefill: the router forwards that head and keeps sending comments until the event."""
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(worker_urls=[w.url], sse_keepalive_secs=0.1) as r:
+            w.head_gate = asyncio.Event()
+            reader, writer, b, parser = await _open_stream(r.port, "/generate",
+                                                           {"text": "x", "stream": True})
+            await until(lambda: w.held == 1, 5, "the worker sent its head and holds")
+            await _read_until(reader, parser, b, lambda: b.body.count(KA) >= 3)
+            assert parser.get_status_code() == 200 and b"data:" not in b.body
+            assert b.headers[b"content-type"].startswith(b"text/event-stream")
+            w.head_gate.set()
+            await _read_until(reader, parser, b, lambda: b.done)
+            assert b.body.endswith(b"data: [DONE]\n\n")
+            _comments_then_events(b.body)
+            writer.close()
+    run(body())
+
+
+def test_pd_decode_head_before_the_first_event_gets_keepalives() -> None:
+    async def body() -> None:
+        (p,) = await workers(1, role="prefill")
+        (d,) = await workers(1, role="decode")
+        async with Router(pd_disaggregation=True, prefill=[(p.url, 8998)], decode=[d.url],
+                          sse_keepalive_secs=0.1) as r:
+            d.head_gate = asyncio.Event()
+            reader, writer, b, parser = await _open_stream(r.port, "/generate",
+                                                           {"text": "x", "stream": True})
+            await _read_until(reader, parser, b, lambda: b.body.count(KA) >= 3)
+            assert parser.get_status_code() == 200 and b"data:" not in b.body
+            d.head_gate.set()
+            await _read_until(reader, parser, b, lambda: b.done)
+            assert b.body.endswith(b"data: [DONE]\n\n")
+            _comments_then_events(b.body)
+            writer.close()
+    run(body())
