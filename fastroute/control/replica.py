@@ -215,6 +215,7 @@ class ReplicaSync:
         self.apply(others)
         ids.sort()
         self.table.set_replicas(len(ids), ids.index(own))
+        self.table.count_sync_tick()
         return peers
 
     def apply(self, others: dict[str, list[int]]) -> None:

@@ -42,6 +42,7 @@ cdef enum:
     HDR_GENERATION = 3           # bumped when the target set changes
     HDR_REPLICAS = 4             # live router replicas, this one included (0 or 1: alone)
     HDR_REPLICA_SLOT = 5         # this replica's place among them (sorted replica ids)
+    HDR_SYNC_TICKS = 6           # successful sync ticks (a picker sees a new view when it moves)
     NHDR = 8
 
 # Values of COL_CIRCUIT (fastroute.names spells the same codes for the Python side).

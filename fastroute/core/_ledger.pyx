@@ -15,7 +15,7 @@ from fastroute.core._layout cimport (
     COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS, COL_POLLED_RUNNING, COL_POLLED_WAITING,
     COL_POLLED_TOKENS, COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_TOKENS_AT_POLL, HDR_UNDERFLOWS,
     NCOLS, NHDR, COL_CIRCUIT, COL_CB_FAILS, CIRCUIT_CLOSED, row_tokens, COL_OTHERS_EST,
-    COL_OTHERS_EST_TOKENS, HDR_REPLICAS, HDR_REPLICA_SLOT,
+    COL_OTHERS_EST_TOKENS, HDR_REPLICAS, HDR_REPLICA_SLOT, HDR_SYNC_TICKS,
 )
 from fastroute.core._policy cimport (
     pick_round_robin, pick_random, pick_p2c, pick_demand, pick_ring, pick_kv_fit, kv_free,
@@ -287,6 +287,7 @@ cdef class Picker:
     cdef int64_t[::1] scratch        # pick_coordinated: 2 x candidates, then 2 x MAX_SLOTS + 1
     cdef int64_t coord_n             # placements of the last coordinated pick (0: none)
     cdef int64_t coord_slot
+    cdef int64_t coord_tick          # sync tick of the last coordinated pick (-1: none yet)
     cdef readonly int64_t coordinated_picks
 
     def __init__(self, table_array, header_array, str policy, str metric="tokens", int demand=0,
@@ -323,6 +324,7 @@ cdef class Picker:
         self.ring_target = np.zeros(0, dtype=np.int64)
         self.last_legacy = -1
         self.last_demand = -1
+        self.coord_tick = -1
         self.own_base = NULL
 
     def set_own_ledger(self, own_array):
@@ -413,12 +415,18 @@ cdef class Picker:
         # next n placements; acquire() books the rest as the others' estimate.
         cdef int64_t slot = fr_load_i64(&self.header[HDR_REPLICA_SLOT])
         cdef int64_t m = self.cands.shape[0], t
+        cdef int64_t tick = fr_load_i64(&self.header[HDR_SYNC_TICKS])
+        # The first pick after a sync may be the only one before the next: it stays on the
+        # least-loaded level.  Later picks on the same view are a burst, planned with the
+        # others' earlier places already booked: each replica keeps its exact place.
+        cdef bint strict = tick == self.coord_tick
+        self.coord_tick = tick
         if n > MAX_SLOTS:
             n = MAX_SLOTS
         if slot < 0 or slot >= n:
             slot = slot % n if slot > 0 else 0
         t = pick_coordinated(self.tab, self.cands, tokens, need, self.demand == MODE_ON,
-                             self.weight, self.kv_fit == MODE_ON, n, slot, &self.scratch[0],
+                             self.weight, self.kv_fit == MODE_ON, n, slot, strict, &self.scratch[0],
                              &self.scratch[2 * m])
         if t >= 0:
             self.coord_n = n

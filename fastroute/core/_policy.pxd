@@ -49,5 +49,6 @@ cdef int64_t pick_coordinated(const int64_t[:, ::1] tab,    # IN (shared)
                               int64_t tokens, int64_t need, # IN
                               bint use_demand, int64_t weight, bint kv,  # IN
                               int64_t n, int64_t slot,      # IN: replicas, this one's place
+                              bint strict,                  # IN: a later pick of a burst
                               int64_t *extra,               # SCRATCH: 2 x candidates
                               int64_t *picks) noexcept nogil  # OUT: 2n + 1 (see .pyx)

@@ -28,7 +28,7 @@ def kv_fit(tab: _Table, cands: _Rows, tokens: int, need: int, use_demand: bool, 
     """The pick among ranks where ``need`` more KV tokens fit; -2 when no rank's capacity is
     known."""
 def coordinated(tab: _Table, cands: _Rows, tokens: int, need: int, use_demand: bool, weight: int,
-                kv: bool, n: int, slot: int) -> tuple[int, list[int]]:
+                kv: bool, n: int, slot: int, strict: bool = ...) -> tuple[int, list[int]]:
     """Synced replicas: (this replica's pick, the plan of the next ``n`` placements)."""
 def demand_ties(tab: npt.NDArray[np.int64], cands: npt.NDArray[np.int64], tokens: int,
                 weight: int) -> list[int]: ...

@@ -13,7 +13,7 @@ from fastroute.core._layout cimport (
     COL_TOKENS_AT_POLL, COL_CB_FAILS, COL_CB_OKS, COL_CB_OPENED_AT, COL_OTHERS_OPEN,
     COL_OTHERS_IN_FLIGHT, COL_OTHERS_TOKENS, COL_OTHERS_EST, COL_OTHERS_EST_TOKENS, COL_ORDER_KEY,
     NCOLS, HDR_MAGIC, HDR_CAPACITY, HDR_UNDERFLOWS, HDR_GENERATION, HDR_REPLICAS, HDR_REPLICA_SLOT,
-    NHDR,
+    HDR_SYNC_TICKS, NHDR,
     CIRCUIT_CLOSED, CIRCUIT_OPEN, CIRCUIT_HALF_OPEN, row_eligible, row_requests, row_tokens,
 )
 from fastroute.core._random cimport mix64, rng_below, reservoir_step
@@ -248,7 +248,8 @@ cdef int64_t LEVEL_NO_FIT = <int64_t>1 << 62
 
 cdef int64_t pick_coordinated(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens,
                               int64_t need, bint use_demand, int64_t weight, bint kv, int64_t n,
-                              int64_t slot, int64_t *extra, int64_t *picks) noexcept nogil:
+                              int64_t slot, bint strict, int64_t *extra,
+                              int64_t *picks) noexcept nogil:
     """Synced replicas' pick: the next ``n`` placements as one router would make them from the
     shared view, this replica taking placement ``slot`` (the others are expected to take the
     rest; the caller books those as their estimate).  Each placement is the least-requests
@@ -256,8 +257,10 @@ cdef int64_t pick_coordinated(const int64_t[:, ::1] tab, const int64_t[::1] cand
     ``need`` KV tokens fit when ``kv`` (none fits: the most free KV); ties go to the smaller
     shared order key, so every replica computes the same sequence and they fill different ranks
     instead of all sending a burst to the same least-loaded ones.  This replica's place is
-    ``slot`` modulo the number of placements as good as the first (so it never takes a rank
-    above the least-loaded level for the others' sake).  ``extra`` is scratch of 2 x candidates;
+    ``slot`` when ``strict`` (a later pick of a burst, planned with the others' earlier places
+    already counted), else ``slot`` modulo the number of placements as good as the first (the
+    first pick after a sync, which may well be the only one: it never takes a rank above the
+    least-loaded level for the others' sake).  ``extra`` is scratch of 2 x candidates;
     ``picks[0..n)`` receives the sequence (candidate rows), ``picks[n..2n)`` each placement's
     cost level, ``picks[2n]`` the index of this replica's own.  -1 when nothing is eligible."""
     cdef Py_ssize_t m = cands.shape[0], k, best
@@ -307,7 +310,7 @@ cdef int64_t pick_coordinated(const int64_t[:, ::1] tab, const int64_t[::1] cand
     for s in range(n):
         if picks[n + s] == picks[n]:
             ties += 1
-    picks[2 * n] = slot % ties
+    picks[2 * n] = slot if strict else slot % ties
     return picks[picks[2 * n]]
 
 
@@ -370,7 +373,8 @@ def kv_fit(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens, 
 
 
 def coordinated(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens, int64_t need,
-                bint use_demand, int64_t weight, bint kv, int64_t n, int64_t slot):
+                bint use_demand, int64_t weight, bint kv, int64_t n, int64_t slot,
+                bint strict=False):
     """``pick_coordinated`` from Python: (this replica's target, the whole placement sequence)."""
     _check_rows(tab, cands, "candidate")
     if n < 1 or not 0 <= slot < n:
@@ -378,7 +382,7 @@ def coordinated(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tok
     scratch = np.zeros(2 * cands.shape[0] + 2 * n + 1, dtype=np.int64)
     cdef int64_t[::1] sc = scratch
     cdef int64_t mine = pick_coordinated(tab, cands, tokens, need, use_demand, weight, kv, n, slot,
-                                         &sc[0], &sc[2 * cands.shape[0]])
+                                         strict, &sc[0], &sc[2 * cands.shape[0]])
     if mine < 0:
         return -1, []
     return mine, [int(x) for x in scratch[2 * cands.shape[0]:2 * cands.shape[0] + n]]
@@ -468,7 +472,7 @@ def layout():
         COL_OTHERS_EST_TOKENS=COL_OTHERS_EST_TOKENS, COL_ORDER_KEY=COL_ORDER_KEY, NCOLS=NCOLS,
         HDR_MAGIC=HDR_MAGIC, HDR_CAPACITY=HDR_CAPACITY, HDR_UNDERFLOWS=HDR_UNDERFLOWS,
         HDR_GENERATION=HDR_GENERATION, HDR_REPLICAS=HDR_REPLICAS,
-        HDR_REPLICA_SLOT=HDR_REPLICA_SLOT, NHDR=NHDR,
+        HDR_REPLICA_SLOT=HDR_REPLICA_SLOT, HDR_SYNC_TICKS=HDR_SYNC_TICKS, NHDR=NHDR,
         CIRCUIT_CLOSED=CIRCUIT_CLOSED, CIRCUIT_OPEN=CIRCUIT_OPEN,
         CIRCUIT_HALF_OPEN=CIRCUIT_HALF_OPEN,
         METRIC_TOKENS=METRIC_TOKENS, METRIC_REQUESTS=METRIC_REQUESTS,

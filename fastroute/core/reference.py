@@ -203,11 +203,11 @@ def kv_fit(tab: np.ndarray, cands, tokens: int, need: int, use_demand: bool, wei
 # ---- the prefix tree, by meaning ----------------------------------------------------------------
 
 def coordinated(tab: np.ndarray, cands, tokens: int, need: int, use_demand: bool, weight: int,
-                kv: bool, n: int, slot: int) -> tuple[int, list[int]]:
+                kv: bool, n: int, slot: int, strict: bool = False) -> tuple[int, list[int]]:
     """``_policy.pick_coordinated``: the next n placements as one router would make them (each
     the best by (fits, least requests or demand cost, shared order key), or the most free KV
-    when nothing fits), and this replica's: the slot-th modulo the placements as good as the
-    first."""
+    when nothing fits), and this replica's: the slot-th when ``strict``, else the slot-th modulo
+    the placements as good as the first."""
     el = _eligible(tab, cands)
     if kv and not any(free_kv(tab, t) is not None for t in el):
         kv = False
@@ -238,7 +238,7 @@ def coordinated(tab: np.ndarray, cands, tokens: int, need: int, use_demand: bool
         extra_r[best] += 1
         extra_k[best] += tokens
     ties = sum(1 for lv in levels if lv == levels[0])
-    return picks[slot % ties], picks
+    return picks[slot if strict else slot % ties], picks
 
 
 def common_prefix(a: bytes, b: bytes) -> int:

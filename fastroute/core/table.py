@@ -49,6 +49,7 @@ HDR_UNDERFLOWS = 2
 HDR_GENERATION = 3
 HDR_REPLICAS = 4            # live synced replicas, this one included (0/1: alone)
 HDR_REPLICA_SLOT = 5        # this replica's place among them
+HDR_SYNC_TICKS = 6          # successful sync ticks
 NHDR = 8
 
 MAGIC = 0x66726F7574653031  # "frout01" in ASCII
@@ -154,6 +155,9 @@ class TargetTable:
         turns the coordinated pick off."""
         self._hcells.store(0, HDR_REPLICAS, int(n))
         self._hcells.store(0, HDR_REPLICA_SLOT, int(slot))
+
+    def count_sync_tick(self) -> None:
+        self._hcells.add(0, HDR_SYNC_TICKS, 1)
 
     @property
     def replicas(self) -> tuple[int, int]:

@@ -40,7 +40,7 @@ def test_kernel_matches_twin(seed):
     n = int(rng.integers(1, 6))
     slot = int(rng.integers(0, n))
     args = (int(rng.integers(0, 3000)), int(rng.integers(0, 6000)), bool(rng.integers(0, 2)),
-            int(rng.integers(0, 5000)), kv, n, slot)
+            int(rng.integers(0, 5000)), kv, n, slot, bool(rng.integers(0, 2)))
     assert _policy.coordinated(tab, cands, *args) == R.coordinated(tab, cands, *args)
 
 
@@ -126,6 +126,40 @@ def test_picker_books_the_others_estimate_only_when_it_books():
         lease.release()                              # a release undoes the booking only
         assert tt.array[:4, COL_IN_FLIGHT].sum() == 0 and tt.array[:4, COL_OTHERS_EST].sum() == 2
         assert g._picker.coordinated_picks == 1
+    finally:
+        tt.close()
+        tt.unlink()
+
+
+def test_later_picks_between_two_syncs_keep_their_exact_place():
+    """The first pick after a sync stays on the least-loaded level (slot modulo the ties); a
+    second pick on the same view is part of a burst and takes its exact place in the plan; the
+    next sync tick makes the next pick a first one again."""
+    tt = TargetTable(8)
+    try:
+        for _ in range(4):
+            t = tt.alloc()
+            tt.set_healthy(t, True)
+        arr = tt.array
+        arr[:4, COL_ORDER_KEY] = [10, 20, 30, 40]
+        arr[1:4, COL_OTHERS_IN_FLIGHT] = 1           # rank 0 alone is empty
+        g = Router(tt, seed=1).group([0, 1, 2, 3], "power_of_two", load_metric="least_requests")
+        cands = np.arange(4, dtype=np.int64)
+        tt.set_replicas(3, 2)
+        tt.count_sync_tick()
+        first = g.acquire(10)
+        assert first.target == 0                     # 2 % 1 tie: the one empty rank
+        loose = R.coordinated(arr, cands, 10, 0, False, 0, False, 3, 2)[0]
+        exact = R.coordinated(arr, cands, 10, 0, False, 0, False, 3, 2, True)[0]
+        assert loose != exact
+        second = g.acquire(10)
+        assert second.target == exact
+        tt.count_sync_tick()
+        loose = R.coordinated(arr, cands, 10, 0, False, 0, False, 3, 2)[0]
+        third = g.acquire(10)
+        assert third.target == loose
+        for lease in (first, second, third):
+            lease.release()
     finally:
         tt.close()
         tt.unlink()
