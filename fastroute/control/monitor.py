@@ -119,11 +119,11 @@ class Monitor:
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
         """Start the loops on the running event loop (disabled ones are skipped)."""
-        loop = asyncio.get_running_loop()
+        bg = self.registry.background
         if not self.config.disable_load_monitoring:
-            self._tasks.append(loop.create_task(self._load_loop(), name="load monitor"))
+            self._tasks.append(bg.spawn("load monitor", self._load_loop))
         if not self.config.disable_health_check:
-            self._tasks.append(loop.create_task(self._health_loop(), name="health checker"))
+            self._tasks.append(bg.spawn("health checks", self._health_loop))
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
@@ -132,7 +132,7 @@ class Monitor:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _every(self, period: float, tick: Any) -> None:
+    async def _every(self, period: float, tick: Any, st: Any) -> None:
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
@@ -140,19 +140,23 @@ class Monitor:
                 await tick()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # never let one bad tick end the loop
-                log.exception("monitor tick failed")
+            except Exception as exc:  # never let one bad tick end the loop
+                st.fail(exc)          # logged once per episode, counted (background.py)
+                log.debug("monitor tick failed", exc_info=True)
+            else:
+                st.ok()
             # A tick that overran its period starts the next one right away (no burst catch-up).
             await asyncio.sleep(max(period - (loop.time() - started), 0.0))
 
-    async def _load_loop(self) -> None:
-        await self._every(float(self.config.load_monitor_interval), self.poll_once)
+    async def _load_loop(self, st: Any) -> None:
+        await self._every(float(self.config.load_monitor_interval), self.poll_once, st)
 
-    async def _health_loop(self) -> None:
+    async def _health_loop(self, st: Any) -> None:
         period = float(self.config.health_check_interval_secs)
         # The first probe comes one interval after start: registration has just checked /health.
-        await asyncio.sleep(period)
-        await self._every(period, self.check_once)
+        if st.restarts == 0:
+            await asyncio.sleep(period)
+        await self._every(period, self.check_once, st)
 
     # ---- load polling -------------------------------------------------------------------------
     def _poll_timeout(self) -> float:

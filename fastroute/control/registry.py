@@ -35,6 +35,7 @@ from fastroute.auth import AdminAuth, parse_control_plane_keys
 from fastroute.config import Config
 from fastroute.control import httpclient
 from fastroute.control.admin import AdminAPI
+from fastroute.control.background import Background
 from fastroute.control.httpclient import HttpClientError, HttpTLSError
 from fastroute.control.models import ModelGroups, group_like, parse_aliases, worker_model_names
 from fastroute.control.worker import (ROLES, DuplicateWorker, Worker, address_key, basic_auth,
@@ -67,6 +68,8 @@ class Registry(AdminAPI):
         self.table = table
         self.router = router
         self.workers: list[Worker] = []
+        # The supervised background tasks of this process (fastroute.control.background).
+        self.background = Background(config.seed)
         # Indexed by table row; None for rows not owned by a worker. Entries of removed workers
         # stay until the row is freed, so in-flight requests can still resolve their target.
         self.target_info: list[tuple[Worker, int | None] | None] = []
