@@ -68,6 +68,11 @@ class Registry(AdminAPI):
         self.table = table
         self.router = router
         self.workers: list[Worker] = []
+        # O(1) lookups over ``workers`` (discovery adds and removes thousands in a burst):
+        # url -> worker, address -> worker, id -> worker; kept by _index / _unindex.
+        self._by_url: dict[str, Worker] = {}
+        self._by_addr: dict[tuple[str, int], Worker] = {}
+        self._by_id: dict[str, Worker] = {}
         # The supervised background tasks of this process (fastroute.control.background).
         self.background = Background(config.seed)
         # Indexed by table row; None for rows not owned by a worker. Entries of removed workers
@@ -143,22 +148,32 @@ class Registry(AdminAPI):
     def find(self, url: str) -> Worker | None:
         """The worker of ``url``: the same normalised URL, or another spelling of its address."""
         url = normalize_url(url)
-        for w in self.workers:
-            if w.url == url:
-                return w
+        w = self._by_url.get(url)
+        if w is not None:
+            return w
         host, port = split_host_port(url)
         key = address_key(host, port)
-        if key is not None:
-            for w in self.workers:
-                if w.addr == key:
-                    return w
-        return None
+        return self._by_addr.get(key) if key is not None else None
 
     def get(self, worker_id: str) -> Worker | None:
+        return self._by_id.get(worker_id)
+
+    def _index(self, w: Worker) -> None:
+        self._by_url[w.url] = w
+        self._by_id[w.id] = w
+        if w.addr is not None:
+            self._by_addr.setdefault(w.addr, w)
+
+    def _unindex(self, w: Worker) -> None:
+        for d, k in ((self._by_url, w.url), (self._by_id, w.id), (self._by_addr, w.addr)):
+            if k is not None and d.get(k) is w:
+                del d[k]
+
+    def reindex(self) -> None:
+        """Rebuild the lookups after ``workers`` was replaced wholesale (the follower's view)."""
+        self._by_url, self._by_addr, self._by_id = {}, {}, {}
         for w in self.workers:
-            if w.id == worker_id:
-                return w
-        return None
+            self._index(w)
 
     def ready_workers(self, role: str | None = None) -> list[Worker]:
         return [w for w in self.workers if w.status == "ready" and (role is None or w.role == role)]
@@ -244,6 +259,7 @@ class Registry(AdminAPI):
         if labels:
             w.labels = {str(k): str(v) for k, v in labels.items()}
         self.workers.append(w)
+        self._index(w)
         w.task = asyncio.get_running_loop().create_task(self._register(w), name=f"register {url}")
         log.info("registering %s worker %s (id %s)", role, url, w.id)
         return w
@@ -256,8 +272,9 @@ class Registry(AdminAPI):
 
     def remove_worker(self, w: Worker) -> None:
         """Forget ``w``: out of its group now, rows freed once nothing is in flight on them."""
-        if w in self.workers:
+        if self._by_id.get(w.id) is w:
             self.workers.remove(w)
+            self._unindex(w)
         was_ready = w.status == "ready"
         w.status = "removed"
         w.healthy = False
@@ -292,8 +309,9 @@ class Registry(AdminAPI):
                 w.error = str(exc)
         w.status = "failed"
         self.invalidate_ready()
-        if w in self.workers:
+        if self._by_id.get(w.id) is w:
             self.workers.remove(w)
+            self._unindex(w)
 
     async def _resolve(self, w: Worker) -> None:
         """Resolve a host name to its address; a second worker on an address already
@@ -306,10 +324,12 @@ class Registry(AdminAPI):
         if not infos or w.addr is not None:
             return
         key = (str(infos[0][4][0]), w.port)
-        for other in self.workers:
-            if other is not w and other.addr == key:
-                raise _Fatal(f"same backend as worker {other.url} ({key[0]}:{key[1]})")
+        other = self._by_addr.get(key)
+        if other is not None and other is not w:
+            raise _Fatal(f"same backend as worker {other.url} ({key[0]}:{key[1]})")
         w.addr = key
+        if self._by_id.get(w.id) is w:
+            self._by_addr[key] = w
 
     async def _handshake(self, w: Worker) -> bool:
         cfg = self.config
