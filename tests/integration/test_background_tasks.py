@@ -6,10 +6,15 @@ from __future__ import annotations
 import json
 import logging
 
+import redis
+
 from fastroute.control import monitor as monitor_mod
 from fastroute.control.monitor import Monitor
-from fastroute.core.table import COL_POLLED_AT
+from fastroute.control.replica import BEAT_KEY, LOAD_KEY, MAX_ENTRY_BYTES
+from fastroute.core.table import COL_OTHERS_IN_FLIGHT, COL_OTHERS_TOKENS, COL_POLLED_AT
 from tests.integration.conftest import Router, call, get, run, until, workers
+from tests.integration.redis_fixture import redis_server  # noqa: F401  (the fixture)
+from tests.integration.test_replicas import others, replica
 
 
 def metric(r: Router, line_start: str) -> float | None:
@@ -65,3 +70,113 @@ def test_health_checker_and_load_monitor_survive_crashing_ticks(caplog, monkeypa
         await w.stop()
     with caplog.at_level(logging.INFO, logger="fastroute"):
         run(body(), 60)
+
+
+def _forge(client: redis.Redis, rid: str, payload: bytes, beat: bool = True) -> None:
+    """A peer entry written by hand (live for a minute when ``beat``)."""
+    if beat:
+        sec, usec = client.time()
+        client.zadd(BEAT_KEY, {rid: sec * 1000 + usec // 1000 + 60_000})
+    client.hset(LOAD_KEY, rid, payload)
+
+
+def test_sync_skips_out_of_range_negative_and_garbage_peer_entries(redis_server):
+    async def body():
+        (w,) = await workers(1, dp_size=4)
+        client = redis.Redis.from_url(redis_server.url)
+        async with replica(w, redis_server.url, replica_id="B") as b:
+            sync = b.server.replica
+            names = b.server.registry.find(w.url).names
+            rows = b.server.registry.find(w.url).targets
+            await until(lambda: sync.up, 5, "sync up")
+            # past int64 (ended every reader's sync before), past the cells' range, negative
+            _forge(client, "evil", (f"{names[0]}\t{10 ** 20}\t1\t0\n"
+                                    f"{names[1]}\t{(1 << 63) - 1}\t1\t0\n"
+                                    f"{names[2]}\t3\t-70\t0\n"
+                                    f"{names[3]}\t-5\t9\t0\n").encode())
+            await until(lambda: b.server.table.get(rows[2], COL_OTHERS_IN_FLIGHT) == 3, 5,
+                        "the good line applied")
+            beat = client.zscore(BEAT_KEY, "B")
+            await until(lambda: client.zscore(BEAT_KEY, "B") > beat, 5, "B's heartbeat goes on")
+            assert sync.up and sync.peers == 1
+            assert [b.server.table.get(t, COL_OTHERS_IN_FLIGHT) for t in rows] == [0, 0, 3, 0]
+            assert b.server.table.get(rows[2], COL_OTHERS_TOKENS) == 0      # -70 -> 0
+            assert b.server.table.get(rows[3], COL_OTHERS_TOKENS) == 9
+            assert sync.skipped.get("bad_line", 0) >= 2
+            # a load field with no heartbeat is never counted, however long it stays
+            client.delete(LOAD_KEY, BEAT_KEY)
+            _forge(client, "ghost", f"{names[0]}\t7\t7\t0\n".encode(), beat=False)
+            # an entry over the size cap is skipped (not even sent by Redis), garbage is no peer
+            _forge(client, "huge", (f"{names[1]}\t1\t1\t0\n" * 60_000).encode())
+            _forge(client, "junk", b"hello\nworld\n")
+            await until(lambda: sync.skipped.get("oversize", 0) >= 2, 5, "oversize skipped")
+            assert len(client.hget(LOAD_KEY, "huge")) > MAX_ENTRY_BYTES
+            assert sync.peers == 0 and others(b) == 0 and sync.up
+            assert metric(b, "fastroute_replica_peers") == 0
+            assert metric(b, 'fastroute_replica_sync_skipped_total{what="oversize"}') >= 2
+        await w.stop()
+    run(body(), 60)
+
+
+def test_sync_keys_of_the_wrong_type_are_repaired(redis_server):
+    async def body():
+        (w,) = await workers(1, dp_size=2)
+        client = redis.Redis.from_url(redis_server.url)
+        async with replica(w, redis_server.url, replica_id="B") as b, \
+                   replica(w, redis_server.url, replica_id="C") as c:
+            for r in (b, c):
+                await until(lambda r=r: r.server.replica.peers == 1, 5, "two replicas")
+            for key in (LOAD_KEY, BEAT_KEY):
+                client.delete(key)
+                client.set(key, "a plain string")        # WRONGTYPE for every command
+                await until(lambda: client.type(key) != b"string", 5, f"{key} repaired")
+                for r in (b, c):
+                    await until(lambda r=r: r.server.replica.up and r.server.replica.peers == 1,
+                                5, "sync back with the other replica")
+            assert b.server.replica.skipped.get("repaired", 0) + \
+                c.server.replica.skipped.get("repaired", 0) >= 2
+        await w.stop()
+    run(body(), 60)
+
+
+def test_two_replicas_with_one_id_notice_each_other(redis_server, caplog):
+    async def body():
+        (w,) = await workers(1, dp_size=2)
+        async with replica(w, redis_server.url, replica_id="same") as b, \
+                   replica(w, redis_server.url, replica_id="same") as c:
+            await until(lambda: b.server.replica.conflicts > 0 and c.server.replica.conflicts > 0,
+                        5, "both noticed the twin")
+            assert metric(b, "fastroute_replica_id_conflicts_total") > 0
+        client = redis.Redis.from_url(redis_server.url)
+        async with replica(w, redis_server.url, replica_id="alone") as d:
+            beat = client.zscore(BEAT_KEY, "alone") or 0
+            for _ in range(3):      # a few ticks of its own: no twin
+                await until(lambda: (client.zscore(BEAT_KEY, "alone") or 0) > beat, 5, "a tick")
+                beat = client.zscore(BEAT_KEY, "alone")
+            assert d.server.replica.conflicts == 0
+        await w.stop()
+    with caplog.at_level(logging.ERROR, logger="fastroute.replica"):
+        run(body(), 60)
+    msgs = [r.getMessage() for r in caplog.records if "publishes as 'same'" in r.getMessage()]
+    assert len(msgs) == 2       # one per replica, not one per tick
+
+
+def test_peers_gauge_is_zero_and_the_view_stale_while_redis_is_down(redis_server):
+    async def body():
+        (w,) = await workers(1, dp_size=2)
+        async with replica(w, redis_server.url, replica_id="B") as b, \
+                   replica(w, redis_server.url, replica_id="C") as c:
+            await until(lambda: b.server.replica.peers == 1, 5, "two replicas")
+            assert metric(b, "fastroute_replica_peers") == 1
+            redis_server.stop()
+            await until(lambda: b.server.replica.errors > 0, 5, "the outage noticed")
+            assert metric(b, "fastroute_replica_peers") == 0   # at once, not after the TTL
+            assert metric(b, 'fastroute_background_task_up{task="replica sync"}') == 0
+            doc = json.loads((await call(b.port, get("/readiness"))).body)
+            assert "replica sync" in doc["stale"]
+            redis_server.start()
+            await until(lambda: b.server.replica.peers == 1 and c.server.replica.peers == 1, 10,
+                        "back")
+            assert metric(b, 'fastroute_background_task_up{task="replica sync"}') == 1
+        await w.stop()
+    run(body(), 60)
