@@ -58,6 +58,11 @@ class _Fatal(Exception):
     """A handshake step failed in a way retrying cannot fix (e.g. no dp_size under --dp-aware)."""
 
 
+# Handshake attempts start at most this often (seconds apart): a thousand workers discovered
+# at once would otherwise all answer in the same loop iteration and stall it for ~100 ms.
+ATTEMPT_SPACING = 0.0005
+
+
 
 class Registry(AdminAPI):
     """All workers, their target rows, the per-role routing groups (and, inherited, the admin
@@ -73,6 +78,8 @@ class Registry(AdminAPI):
         self._by_url: dict[str, Worker] = {}
         self._by_addr: dict[tuple[str, int], Worker] = {}
         self._by_id: dict[str, Worker] = {}
+        self._sync_soon: set[str] = set()       # roles whose group sync is scheduled
+        self._next_attempt = 0.0                # loop time of the next free handshake slot
         # The supervised background tasks of this process (fastroute.control.background).
         self.background = Background(config.seed)
         # Indexed by table row; None for rows not owned by a worker. Entries of removed workers
@@ -345,7 +352,11 @@ class Registry(AdminAPI):
                 log.error("worker %s failed to register: %s", w.url, w.error)
                 return False
             attempts += 1
-            timeout = min(probe_timeout, remaining)
+            slot = max(loop.time(), self._next_attempt)
+            self._next_attempt = slot + ATTEMPT_SPACING
+            if slot > loop.time():
+                await asyncio.sleep(slot - loop.time())
+            timeout = min(probe_timeout, max(deadline - loop.time(), 0.001))
             try:
                 if w.addr is None:
                     await self._resolve(w)
@@ -425,11 +436,21 @@ class Registry(AdminAPI):
         w.status = "ready"
         self.invalidate_ready()
         w.error = None
-        self._sync_group(w.role)
+        self._sync_group(w.role, soon=True)
         log.info("worker %s ready: role=%s model=%s dp_size=%d ranks=%s targets=%s",
                  w.url, w.role, w.model_id, w.dp_size, ",".join(w.names), rows)
 
-    def _sync_group(self, role: str) -> None:
+    def _sync_group(self, role: str, soon: bool = False) -> None:
+        """Publish the role's ready targets to its group and the listeners. ``soon``: once
+        for every activation of this loop iteration (hundreds of discovered workers turn
+        ready together; each sync is O(workers)), before any I/O of the next iteration is
+        handled. A removal syncs at once (its rows may be reused right after)."""
+        if soon:
+            if not self._sync_soon:
+                asyncio.get_running_loop().call_soon(self._sync_pending)
+            self._sync_soon.add(role)
+            return
+        self._sync_soon.discard(role)
         targets: list[int] = []
         names: list[str] = []
         for w in self.workers:
@@ -439,6 +460,10 @@ class Registry(AdminAPI):
         self._groups[role].set_targets(targets, names)
         for cb in self._listeners:
             cb(role)
+
+    def _sync_pending(self) -> None:
+        for role in sorted(self._sync_soon):
+            self._sync_group(role)
 
     # ---- row retirement -----------------------------------------------------------------------
     def _retire(self, t: int) -> None:
