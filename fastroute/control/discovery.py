@@ -279,13 +279,15 @@ def pod_worker(pod: Mapping[str, Any], port: int, annotation: str) -> tuple[str,
 
 
 class _PodSets:
-    """Pods seen per role and the workers they make; an event updates only its pod's entry."""
+    """Pods seen per role and the workers they make; an event updates only its pod's entry.
+    Only what a pod makes is kept (its URL and bootstrap port, or None when unusable), not
+    the pod object: thousands of pods stay a small heap for the garbage collector to walk."""
 
     def __init__(self, d: Discovery, config: Any, roles: list[str]) -> None:
         self.d = d
         self.port = int(config.service_discovery_port)
         self.annotation = config.bootstrap_port_annotation
-        self.pods: dict[str, dict[str, Mapping[str, Any]]] = {r: {} for r in roles}
+        self.pods: dict[str, dict[str, tuple[str, int | None] | None]] = {r: {} for r in roles}
         self.desired: dict[str, Found] = {}     # url -> (role, bootstrap port, pod key)
         self._url_of: dict[str, str] = {}       # pod key -> its url in desired
         self._both: set[str] = set()
@@ -308,7 +310,7 @@ class _PodSets:
         self._both.discard(key)
         if roles:
             role = roles[0]
-            got = pod_worker(self.pods[role][key], self.port, self.annotation)
+            got = self.pods[role][key]
             if got is not None:
                 url, bport = got
                 self.desired[url] = (role, bport if role == "prefill" else None, key)
@@ -322,7 +324,10 @@ class _PodSets:
             urls.extend(self._update(key))
         await self.d.apply_urls(self.desired, urls)
 
-    async def replace(self, role: str, pods: dict[str, Mapping[str, Any]]) -> None:
+    def worker_of(self, pod: Mapping[str, Any]) -> tuple[str, int | None] | None:
+        return pod_worker(pod, self.port, self.annotation)
+
+    async def replace(self, role: str, pods: dict[str, tuple[str, int | None] | None]) -> None:
         """A list result replaces the role's pods in one step (a pod that stayed stays)."""
         keys = [*self.pods[role], *(k for k in pods if k not in self.pods[role])]
         self.pods[role] = pods
@@ -407,13 +412,13 @@ async def _list(d: Discovery, sets: _PodSets, role: str, ns: str | None, selecto
         raise _ApiError(502, "the pod list is not a PodList object")
     meta = doc.get("metadata")
     rv = meta.get("resourceVersion") if isinstance(meta, dict) else None
-    pods: dict[str, Mapping[str, Any]] = {}
+    pods: dict[str, tuple[str, int | None] | None] = {}
     for p in doc.get("items") or ():
         problem = pod_problem(p)
         if problem is not None:
             sets.bad(role, "listed pod", problem)
         elif selector_matches(reqs, _labels(p)):
-            pods[_key(p)] = p
+            pods[_key(p)] = sets.worker_of(p)
     await sets.replace(role, pods)
     return rv if isinstance(rv, str) else ""
 
@@ -544,7 +549,10 @@ async def _consume(resp: Any, sets: _PodSets, role: str,
                 if pods.pop(key, None) is None:
                     continue
             else:
-                pods[key] = obj
+                got = sets.worker_of(obj)
+                if key in pods and pods[key] == got:
+                    continue        # nothing discovery uses changed (status churn)
+                pods[key] = got
             await sets.event((key,))
             st.ok()
     return rv
