@@ -133,8 +133,11 @@ def test_sync_keys_of_the_wrong_type_are_repaired(redis_server):
                 for r in (b, c):
                     await until(lambda r=r: r.server.replica.up and r.server.replica.peers == 1,
                                 5, "sync back with the other replica")
+            # counted where the reply arrived (a tick that timed out on a loaded host may have
+            # repaired without hearing back)
             assert b.server.replica.skipped.get("repaired", 0) + \
-                c.server.replica.skipped.get("repaired", 0) >= 2
+                c.server.replica.skipped.get("repaired", 0) >= 1
+            assert client.type(LOAD_KEY) == b"hash" and client.type(BEAT_KEY) == b"zset"
         await w.stop()
     run(body(), 60)
 
