@@ -43,6 +43,9 @@ RankLoad = tuple[int, int, int, int]
 # Polled counts are written to int64 table cells (and summed over ranks): a value a worker
 # cannot mean is garbage, like a negative one, not an OverflowError in every poll.
 _COUNT_LIMIT = 1 << 62
+# Under --dp-aware a worker's dp_size is re-read this often even when nothing suggests a
+# restart (one /server_info per worker per interval).
+DP_RECHECK_SECS = 60.0
 
 
 def _count(v: Any) -> int | None:
@@ -115,6 +118,8 @@ class Monitor:
         self.health_checks: dict[tuple[str, str], int] = {}
         # Workers whose last answer had unusable rank entries (warned once per episode).
         self._unusable: set[str] = set()
+        # Workers whose last load poll failed (a restart may follow: dp_size is re-read).
+        self._poll_failed: set[str] = set()
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -206,7 +211,27 @@ class Monitor:
             return False
         if entries:
             self._note_unusable(w, entries)
+        self._dp_hint(w, entries)
         return self._apply(w, entries)
+
+    def _dp_hint(self, w: Worker, entries: list[tuple[int | None, RankLoad | None]] | None) -> None:
+        """Under --dp-aware, ask the registry to re-read dp_size when the poll suggests the
+        worker restarted with another one: a rank count unlike its targets', the first answer
+        after failed polls; and on a slow schedule."""
+        if not self.config.dp_aware:
+            return
+        reg = self.registry
+        if not entries:
+            self._poll_failed.add(w.url)
+            return
+        ranks = len({r for r, _ in entries if r is not None} or entries)
+        if ranks != len(w.targets):
+            reg.recheck_dp(w, f"/v1/loads reports {ranks} ranks", force=False)
+        elif w.url in self._poll_failed:
+            reg.recheck_dp(w, "answering load polls again")
+        elif asyncio.get_running_loop().time() - w.dp_checked >= DP_RECHECK_SECS:
+            reg.recheck_dp(w, "periodic check")
+        self._poll_failed.discard(w.url)
 
     def _note_unusable(self, w: Worker, entries: list[tuple[int | None, RankLoad | None]]) -> None:
         """Warn once (not every poll) while a worker reports rank loads we cannot use."""
@@ -306,5 +331,6 @@ class Monitor:
             self.table.set_healthy(t, ok)
         if ok:
             log.info("worker %s is healthy again", w.url)
+            self.registry.recheck_dp(w, "healthy again")   # restarted, maybe resized
         else:
             log.warning("worker %s is unhealthy after %d failed health checks", w.url, w.health_failures)

@@ -14,6 +14,11 @@ shared :class:`~fastroute.core.table.TargetTable`:
 * row lifetime: rows come from ``table.alloc()``; on removal a row goes back with
   ``table.free()`` only once no lease is in flight on it (otherwise it is marked unhealthy and
   freed later by a small reaper), so a late ``Lease.release()`` never lands on a reused row.
+* dp_size changes (``--dp-aware``): :meth:`Registry.recheck_dp` re-reads ``/server_info`` when
+  the monitor's polls suggest a restart (health recovered, load polls answering again or
+  reporting another rank count) and every ``DP_RECHECK_SECS``; :meth:`Registry.resize` keeps
+  the rows of ranks that stay, retires the others like a removal (freed once their leases
+  are released) and allocates rows for new ranks.
 * the admin / info endpoints of protocol.md 6.2-6.6 (:meth:`Registry.handle_admin`), inherited
   from :class:`~fastroute.control.admin.AdminAPI`; the worker model is in
   :mod:`fastroute.control.worker`.
@@ -61,6 +66,7 @@ class _Fatal(Exception):
 # Handshake attempts start at most this often (seconds apart): a thousand workers discovered
 # at once would otherwise all answer in the same loop iteration and stall it for ~100 ms.
 ATTEMPT_SPACING = 0.0005
+DP_RECHECK_MIN_SECS = 5.0
 
 
 
@@ -132,7 +138,8 @@ class Registry(AdminAPI):
 
     async def stop(self) -> None:
         """Cancel pending registrations and the reaper (rows are left to the table's owner)."""
-        tasks = [w.task for w in self.workers if w.task is not None and not w.task.done()]
+        tasks = [t for w in self.workers for t in (w.task, w.dp_task)
+                 if t is not None and not t.done()]
         if self._reaper is not None:
             tasks.append(self._reaper)
         for t in tasks:
@@ -286,8 +293,9 @@ class Registry(AdminAPI):
         w.status = "removed"
         w.healthy = False
         self.invalidate_ready()
-        if w.task is not None and not w.task.done():
-            w.task.cancel()
+        for t in (w.task, w.dp_task):
+            if t is not None and not t.done():
+                t.cancel()
         if was_ready:
             self._sync_group(w.role)
             for t in w.targets:
@@ -433,12 +441,78 @@ class Registry(AdminAPI):
             self.table.set_healthy(t, True)
         w.healthy = True
         w.health_failures = w.health_successes = 0
+        w.dp_checked = asyncio.get_running_loop().time()
         w.status = "ready"
         self.invalidate_ready()
         w.error = None
         self._sync_group(w.role, soon=True)
         log.info("worker %s ready: role=%s model=%s dp_size=%d ranks=%s targets=%s",
                  w.url, w.role, w.model_id, w.dp_size, ",".join(w.names), rows)
+
+    # ---- dp_size changes (a worker restarted with another --dp-size) ------------------------
+    def recheck_dp(self, w: Worker, why: str, force: bool = True) -> None:
+        """Re-read ``w``'s dp_size in the background (one check at a time per worker); the
+        monitor calls it when polls suggest a restart and on a slow schedule. Unless
+        ``force``, at most once per DP_RECHECK_MIN_SECS (a hint that keeps holding must not
+        turn into a /server_info request per poll)."""
+        if not self.config.dp_aware or w.status != "ready":
+            return
+        if w.dp_task is not None and not w.dp_task.done():
+            return
+        now = asyncio.get_running_loop().time()
+        if not force and now - w.dp_checked < DP_RECHECK_MIN_SECS:
+            return
+        w.dp_checked = now
+        w.dp_task = asyncio.get_running_loop().create_task(self._recheck_dp(w, why),
+                                                           name=f"dp_size {w.url}")
+
+    async def _recheck_dp(self, w: Worker, why: str) -> None:
+        timeout = max(float(self.config.health_check_timeout_secs), 0.001)
+        try:
+            doc, _ = await self._get_info(w, w.server_info_path, "/get_server_info", timeout)
+        except (HttpClientError, _Transient) as exc:
+            log.debug("dp_size check of %s failed: %s", w.url, exc)
+            return
+        dp = (doc or {}).get("dp_size")
+        if not isinstance(dp, int) or isinstance(dp, bool) or not 1 <= dp <= 4096:
+            return
+        if w.status == "ready" and dp != w.dp_size:
+            w.server_info = doc or w.server_info
+            self.resize(w, dp, why)
+
+    def resize(self, w: Worker, dp: int, why: str = "") -> None:
+        """Give a ready worker ``dp`` rank targets instead of its current ones: rows of ranks
+        that stay are kept (their leases and counts with them), rows of ranks that are gone
+        leave the group and are freed once their last lease is released, new ranks get new
+        rows. A full table keeps the old layout (logged)."""
+        n_old, n = len(w.targets), dp if dp > 1 else 1
+        added: list[int] = []
+        try:
+            for _ in range(n - n_old):
+                added.append(self.table.alloc())
+        except Exception as exc:
+            for t in added:
+                self.table.free(t)
+            log.error("worker %s now has dp_size %d but its ranks cannot be added: %s",
+                      w.url, dp, exc)
+            return
+        old_dp, kept, gone = w.dp_size, w.targets[:n], w.targets[n:]
+        w.dp_size = dp
+        w.targets = kept + added
+        w.names = [w.url] if n == 1 else [target_name(w.url, r) for r in range(n)]
+        for r, t in enumerate(w.targets):
+            if t >= len(self.target_info):
+                self.target_info.extend([None] * (t + 1 - len(self.target_info)))
+            self.target_info[t] = (w, r if n > 1 else None)
+            if t in added:
+                self.table.set_healthy(t, w.healthy)
+        self._sync_group(w.role)
+        for t in gone:
+            self.table.set_healthy(t, False)
+            self.table.mark_unpolled(t)
+            self._retire(t)
+        log.warning("worker %s dp_size changed %d -> %d (%s): ranks=%s", w.url, old_dp, dp,
+                    why or "re-read", ",".join(w.names))
 
     def _sync_group(self, role: str, soon: bool = False) -> None:
         """Publish the role's ready targets to its group and the listeners. ``soon``: once
