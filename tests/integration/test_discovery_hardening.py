@@ -14,6 +14,7 @@ from test_discovery import NS, PodWorker, kube_env, pod_workers, start, urls  # 
 
 from fastroute.config import Config
 from fastroute.control import discovery
+from fastroute.dataplane.app import App
 from fastroute.runtime.server import Server
 
 TASK = "discovery regular pods"
@@ -239,6 +240,10 @@ def test_a_burst_of_pods_is_linear_and_never_stalls_the_loop(kube_env, monkeypat
         calls = []
         real = discovery.pod_worker
         monkeypatch.setattr(discovery, "pod_worker", lambda *a: (calls.append(1), real(*a))[1])
+        builds = []
+        real_build = App._build_route
+        monkeypatch.setattr(App, "_build_route",
+                            lambda self, *a: (builds.append(1), real_build(self, *a))[1])
         lag = [0.0]
         loop = asyncio.get_running_loop()
 
@@ -259,6 +264,7 @@ def test_a_burst_of_pods_is_linear_and_never_stalls_the_loop(kube_env, monkeypat
             r = await call(server.port, get("/health"))
             assert r.status == 200
             assert len(calls) <= 2 * 1500       # O(1) per event, not a recount per event
+            assert len(builds) <= 2 * 1000      # a route per worker, not all per activation
             assert lag[0] < 0.5, lag[0]
         finally:
             ticker.cancel()
