@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from fastroute.core.table import COL_ALLOCATED
-from tests.integration.conftest import (DataWorker, Router, _WorkerConn, call, post, run, until,
-                                        workers)
+from tests.integration.conftest import Router, _WorkerConn, call, post, run, until, workers
 from tests.integration.test_replicas import ranks, send_held
 
 
