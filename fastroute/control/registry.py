@@ -63,9 +63,11 @@ class _Fatal(Exception):
     """A handshake step failed in a way retrying cannot fix (e.g. no dp_size under --dp-aware)."""
 
 
-# Handshake attempts start at most this often (seconds apart): a thousand workers discovered
-# at once would otherwise all answer in the same loop iteration and stall it for ~100 ms.
-ATTEMPT_SPACING = 0.0005
+# Handshake attempts start at most this often (seconds apart; 500 a second): a thousand
+# workers discovered at once would otherwise all answer in the same loop iterations and stall
+# it for ~100 ms at a time. A queue, not a concurrency limit: a hanging worker holds no slot,
+# but with many workers pending their retries are spaced by at least this much each.
+ATTEMPT_SPACING = 0.002
 DP_RECHECK_MIN_SECS = 5.0
 
 
