@@ -73,8 +73,8 @@ class TaskState:
         self._failing = True
         self.cause = cause
         if not logged:
-            log.error("background task %s failed: %s; retrying with backoff (logged once until "
-                      "it works again)", self.name, cause)
+            log.error("background task %s failed: %s; it goes on (logged once until it works "
+                      "again)", self.name, cause)
         return True
 
     def age(self) -> float | None:
