@@ -68,6 +68,7 @@ class _Fatal(Exception):
 # it for ~100 ms at a time. A queue, not a concurrency limit: a hanging worker holds no slot,
 # but with many workers pending their retries are spaced by at least this much each.
 ATTEMPT_SPACING = 0.002
+ATTEMPT_BURST = 8           # attempts that start at once after a quiet spell (a token bucket)
 DP_RECHECK_MIN_SECS = 5.0
 
 
@@ -362,10 +363,11 @@ class Registry(AdminAPI):
                 log.error("worker %s failed to register: %s", w.url, w.error)
                 return False
             attempts += 1
-            slot = max(loop.time(), self._next_attempt)
+            now = loop.time()
+            slot = max(self._next_attempt, now - ATTEMPT_BURST * ATTEMPT_SPACING)
             self._next_attempt = slot + ATTEMPT_SPACING
-            if slot > loop.time():
-                await asyncio.sleep(slot - loop.time())
+            if slot > now:
+                await asyncio.sleep(slot - now)
             timeout = min(probe_timeout, max(deadline - loop.time(), 0.001))
             try:
                 if w.addr is None:
