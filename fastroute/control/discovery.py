@@ -54,6 +54,7 @@ import functools
 import json
 import logging
 import os
+import time
 from typing import Any, Iterable, Mapping
 
 from fastroute.config import ConfigError
@@ -94,6 +95,7 @@ class Discovery:
         self.owned: dict[str, tuple[Found, Any]] = {}     # url -> (what, Worker)
         self._foreign: set[str] = set()     # URLs registered by someone else, logged once
         self._counts: dict[str, int] = {}   # role -> len(owned) of that role
+        self._slice_mark = 0.0              # time.monotonic() of the last pause()
         self._tasks: list[asyncio.Task] = []
         self._api: Any = None
         if stats is not None:
@@ -110,15 +112,19 @@ class Discovery:
         """Reconcile only ``urls`` with ``desired`` (a watch event touches one or two). Every
         step is O(1); the loop is handed back every SLICE_SECS, so a burst of thousands of
         pods never stalls the requests being served meanwhile."""
-        loop = asyncio.get_running_loop()
-        mark = loop.time()
         for url in urls:
             self._reconcile(url, desired.get(url))
-            if loop.time() - mark >= SLICE_SECS:
-                await asyncio.sleep(0)
-                mark = loop.time()
+            await self.pause()
         if self.stats is not None:
             self.stats.discovered = {r: self._counts.get(r, 0) for r in self._roles()}
+
+    async def pause(self) -> None:
+        """Hand the loop back once SLICE_SECS of work went by since it last had a turn here
+        (counted across calls: a chunk of 500 watch events is one step otherwise)."""
+        now = time.monotonic()
+        if now - self._slice_mark >= SLICE_SECS:
+            await asyncio.sleep(0)
+            self._slice_mark = time.monotonic()
 
     def _reconcile(self, url: str, what: Found | None) -> None:
         reg = self.registry
@@ -414,6 +420,7 @@ async def _list(d: Discovery, sets: _PodSets, role: str, ns: str | None, selecto
     rv = meta.get("resourceVersion") if isinstance(meta, dict) else None
     pods: dict[str, tuple[str, int | None] | None] = {}
     for p in doc.get("items") or ():
+        await d.pause()
         problem = pod_problem(p)
         if problem is not None:
             sets.bad(role, "listed pod", problem)
@@ -513,6 +520,7 @@ async def _consume(resp: Any, sets: _PodSets, role: str,
         lines = buf.split(b"\n")
         buf = lines.pop()
         for line in lines:
+            await sets.d.pause()
             if not line.strip():
                 continue
             try:
