@@ -390,7 +390,7 @@ async def _request(d: Discovery, ns: str | None, selector: str, **kw: Any) -> An
         resp.release()
         try:
             message = json.loads(body).get("message") or ""
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             message = body[:200].decode("utf-8", "replace")
         raise _ApiError(resp.status, message)
     return resp
