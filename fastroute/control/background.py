@@ -153,3 +153,15 @@ class BackgroundCollector:
             if a is not None:
                 age.add_metric([name], a)
         yield from (errors, up, age)
+
+
+async def cancel_all(tasks: list[asyncio.Task], retry: float = 0.5) -> None:
+    """Cancel ``tasks`` and wait until every one has ended. Cancelled again every ``retry``
+    seconds while one is still running: on Python 3.11 a ``wait_for`` whose inner call
+    finishes just as the cancel arrives swallows it, and a supervised loop would go on."""
+    pending = [t for t in tasks if not t.done()]
+    while pending:
+        for t in pending:
+            t.cancel()
+        await asyncio.wait(pending, timeout=retry)
+        pending = [t for t in pending if not t.done()]

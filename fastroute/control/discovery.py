@@ -59,7 +59,7 @@ from typing import Any, Iterable, Mapping
 
 from fastroute.config import ConfigError
 from fastroute.kube import NO_KUBE_CONFIG, kube_config_source, parse_selector
-from fastroute.control.background import backoff_delay
+from fastroute.control.background import backoff_delay, cancel_all
 from fastroute.control.worker import ROLES, DuplicateWorker
 
 log = logging.getLogger("fastroute.discovery")
@@ -171,10 +171,7 @@ class Discovery:
 
     async def stop(self) -> None:
         """Stop watching; the workers stay registered (the registry stops them itself)."""
-        for t in self._tasks:
-            t.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
         self._tasks = []
         if self._api is not None:
             await self._api.api_client.close()

@@ -27,6 +27,7 @@ from typing import Any
 
 from fastroute.config import Config
 from fastroute.control import httpclient
+from fastroute.control.background import cancel_all
 from fastroute.control.httpclient import HttpClientError
 from fastroute.control.registry import Registry
 from fastroute.control.worker import Worker
@@ -132,10 +133,7 @@ class Monitor:
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(tasks)
 
     async def _every(self, period: float, tick: Any, st: Any) -> None:
         loop = asyncio.get_running_loop()

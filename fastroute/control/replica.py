@@ -55,6 +55,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from fastroute.control.background import cancel_all
 from fastroute.core.table import (CIRCUIT_OPEN, COL_ALLOCATED, COL_CIRCUIT, COL_IN_FLIGHT,
                                   COL_IN_FLIGHT_TOKENS, COL_OTHERS_IN_FLIGHT, COL_OTHERS_OPEN,
                                   COL_OTHERS_TOKENS, TargetTable)
@@ -211,8 +212,7 @@ class ReplicaSync:
     async def stop(self) -> None:
         """Stop syncing, withdraw this replica's entry (best effort) and clear the columns."""
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_all([self._task])
             self._task = None
         if self.up:
             try:

@@ -88,3 +88,23 @@ def test_handled_failures_mark_stale_and_the_metrics_say_so(caplog):
     assert fams["fastroute_background_task_age_seconds"].samples[0].value >= 0
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 2 and "OSError: down" in msgs[0] and "working again" in msgs[1]
+
+
+def test_cancel_all_cancels_again_a_task_that_swallowed_the_cancel():
+    """The Python 3.11 wait_for race eats a cancel; stopping must still end the task."""
+    async def body():
+        swallowed = []
+
+        async def stubborn():
+            while len(swallowed) < 2:
+                try:
+                    await asyncio.sleep(10)
+                except asyncio.CancelledError:
+                    swallowed.append(1)
+            await asyncio.sleep(10)
+        t = asyncio.get_running_loop().create_task(stubborn())
+        await asyncio.sleep(0)
+        await background.cancel_all([t], retry=0.01)
+        return t, swallowed
+    t, swallowed = run(body())
+    assert t.cancelled() and len(swallowed) == 2
