@@ -475,10 +475,17 @@ class AdminAPI:
     async def _readiness(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
         total = len(self.workers)
         healthy = sum(1 for w in self.workers if w.status == "ready" and w.healthy)
+        doc: dict[str, Any] = {"healthy_workers": healthy, "total_workers": total}
+        # Background views (discovery, replica sync, health, loads) whose last iteration
+        # failed: the router still routes on what it has, so the status stays the workers' call.
+        bg = getattr(self, "background", None)
+        stale = bg.stale() if bg is not None else []
+        if stale:
+            doc["stale"] = stale
         if self.ready():
-            return 200, _json({"status": "ready", "healthy_workers": healthy, "total_workers": total}), _JSON
+            return 200, _json({"status": "ready", **doc}), _JSON
         return 503, _json({"status": "not ready", "reason": "insufficient healthy workers",
-                           "healthy_workers": healthy, "total_workers": total}), _JSON
+                           **doc}), _JSON
 
     async def _health_generate(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
         """smg style: a real /health_generate on one healthy pair (PD) or one healthy worker."""

@@ -12,14 +12,23 @@ that owns the registry (the single-process server, or the supervisor under ``--w
 Kubernetes (``--service-discovery``): one list + watch per selector (two in PD mode), in one
 namespace or all. The watch resumes from the list's resourceVersion, so no event between list
 and watch is lost; BOOKMARK events advance it; ``410 Gone`` (HTTP status or an ERROR event)
-re-lists, and the list result replaces that selector's pod set in one step, so a pod that
-stayed is never removed in between. A pod is a worker while it matches the selector, has
+re-lists after a backoff (0.5 s doubling to 30 s with jitter, reset by a watch that ends
+normally; logged once per episode), and the list result replaces that selector's pod set in
+one step, so a pod that stayed is never removed in between. The server is asked to end each
+watch after ``--discovery-check-interval-secs``; a watch silent for that plus 5 s (30 s at
+most) is given up and resumed (a hung server or proxy), counted as ``watch_idle``. An event
+or listed pod of the wrong shape (``null``, a list, metadata not an object, labels not a map
+of strings, a podIP that is no string...) is skipped and counted as ``bad_object``; the watch
+goes on. Each event costs O(1) (only its pod's worker is recomputed, registry lookups are
+dicts) and the reconciling hands the loop back every 10 ms, so a burst of 1,500 pods does not
+stall requests. Each watch runs supervised (control/background.py): whatever still escapes
+is logged once, counted and the watch restarted. A pod is a worker while it matches the selector, has
 phase Running, condition Ready=True and a pod IP, and carries no deletionTimestamp; its URL is
 ``http://<podIP>:<--service-discovery-port>``; a prefill pod's bootstrap port comes from the
 ``--bootstrap-port-annotation`` annotation (absent: null, as the peers). A pod matching both
 PD selectors is logged once as an error and not used. API errors (unreachable, 401, 403, 5xx)
 keep the current workers, back off (0.5 s doubling to 30 s) and are counted in
-``fastroute_discovery_errors_total``.
+``fastroute_discovery_errors_total``; each episode is logged once.
 
 Client library: ``kubernetes_asyncio``, the official client's generated API and config loaders
 (kubeconfig with exec/OIDC plugins, in-cluster token refresh) on aiohttp, so the watch stays a
@@ -41,13 +50,16 @@ the last good set and logs why once per version of the file.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
+import time
 from typing import Any, Iterable, Mapping
 
 from fastroute.config import ConfigError
 from fastroute.kube import NO_KUBE_CONFIG, kube_config_source, parse_selector
+from fastroute.control.background import backoff_delay, cancel_all
 from fastroute.control.worker import ROLES, DuplicateWorker
 
 log = logging.getLogger("fastroute.discovery")
@@ -57,6 +69,12 @@ __all__ = ["Discovery", "start_discovery", "pod_worker", "selector_matches", "re
 BACKOFF_INITIAL = 0.5
 BACKOFF_MAX = 30.0
 FILE_POLL_SECS = 0.2
+SLICE_SECS = 0.01       # longest stretch of reconciling before the loop gets a turn
+# A watch silent for this long past the server's timeoutSeconds (or longer than this in all) is
+# given up and resumed from its resourceVersion: a hung API server or proxy is noticed.
+WATCH_IDLE_GRACE = 5.0
+WATCH_IDLE_MAX = 30.0
+_LIVE = ("pending", "ready")    # Worker.status of a worker still in the registry
 # Reasons the API gives for a status, turned into what the operator has to fix.
 _HINTS = {401: "the credentials were rejected (expired token or wrong kubeconfig user)",
           403: "RBAC forbids it: the service account needs get, list and watch on pods "
@@ -76,6 +94,8 @@ class Discovery:
         self.stats = stats
         self.owned: dict[str, tuple[Found, Any]] = {}     # url -> (what, Worker)
         self._foreign: set[str] = set()     # URLs registered by someone else, logged once
+        self._counts: dict[str, int] = {}   # role -> len(owned) of that role
+        self._slice_mark = 0.0              # time.monotonic() of the last pause()
         self._tasks: list[asyncio.Task] = []
         self._api: Any = None
         if stats is not None:
@@ -84,57 +104,74 @@ class Discovery:
     def _roles(self) -> tuple[str, ...]:
         return ("prefill", "decode") if self.registry.config.pd_disaggregation else ("regular",)
 
-    def apply(self, desired: Mapping[str, Found]) -> None:
+    async def apply(self, desired: Mapping[str, Found]) -> None:
         """Add what is desired and missing, remove what this discovery added and is gone."""
-        reg = self.registry
-        for url, (what, w) in list(self.owned.items()):
-            if desired.get(url) != what:
-                del self.owned[url]
-                if w in reg.workers:
-                    log.info("discovery (%s): removing %s worker %s (%s)", self.provider, w.role,
-                             url, what[2])
-                    reg.remove_worker(w)
-        for url, what in desired.items():
-            held = self.owned.get(url)
-            if held is not None and held[1] in reg.workers:
-                continue
-            role, bport, source = what
-            try:
-                w = reg.add_worker(url, role, bootstrap_port=bport,
-                                   labels={"discovery": self.provider, "source": source})
-            except DuplicateWorker:
-                if url not in self._foreign:
-                    self._foreign.add(url)
-                    log.info("discovery (%s): %s is already registered (command line or "
-                             "/workers); left as it is", self.provider, url)
-                continue
-            except ValueError as exc:
-                if url not in self._foreign:
-                    self._foreign.add(url)
-                    log.error("discovery (%s): cannot add %s: %s", self.provider, url, exc)
-                continue
-            self._foreign.discard(url)
-            self.owned[url] = (what, w)
-            log.info("discovery (%s): adding %s worker %s (%s)", self.provider, role, url, source)
+        await self.apply_urls(desired, [*(u for u in self.owned if u not in desired), *desired])
+
+    async def apply_urls(self, desired: Mapping[str, Found], urls: Iterable[str]) -> None:
+        """Reconcile only ``urls`` with ``desired`` (a watch event touches one or two). Every
+        step is O(1); the loop is handed back every SLICE_SECS, so a burst of thousands of
+        pods never stalls the requests being served meanwhile."""
+        for url in urls:
+            self._reconcile(url, desired.get(url))
+            await self.pause()
         if self.stats is not None:
-            counts = {r: 0 for r in self._roles()}
-            for what, _ in self.owned.values():
-                counts[what[0]] = counts.get(what[0], 0) + 1
-            self.stats.discovered = counts
+            self.stats.discovered = {r: self._counts.get(r, 0) for r in self._roles()}
+
+    async def pause(self) -> None:
+        """Hand the loop back once SLICE_SECS of work went by since it last had a turn here
+        (counted across calls: a chunk of 500 watch events is one step otherwise)."""
+        now = time.monotonic()
+        if now - self._slice_mark >= SLICE_SECS:
+            await asyncio.sleep(0)
+            self._slice_mark = time.monotonic()
+
+    def _reconcile(self, url: str, what: Found | None) -> None:
+        reg = self.registry
+        held = self.owned.get(url)
+        if held is not None:
+            if held[0] == what and held[1].status in _LIVE:
+                return
+            del self.owned[url]
+            self._counts[held[0][0]] -= 1
+            w = held[1]
+            if w.status in _LIVE:
+                log.info("discovery (%s): removing %s worker %s (%s)", self.provider, w.role,
+                         url, held[0][2])
+                reg.remove_worker(w)
+        if what is None:
+            return
+        role, bport, source = what
+        try:
+            w = reg.add_worker(url, role, bootstrap_port=bport,
+                               labels={"discovery": self.provider, "source": source})
+        except DuplicateWorker:
+            if url not in self._foreign:
+                self._foreign.add(url)
+                log.info("discovery (%s): %s is already registered (command line or "
+                         "/workers); left as it is", self.provider, url)
+            return
+        except ValueError as exc:
+            if url not in self._foreign:
+                self._foreign.add(url)
+                log.error("discovery (%s): cannot add %s: %s", self.provider, url, exc)
+            return
+        self._foreign.discard(url)
+        self.owned[url] = (what, w)
+        self._counts[role] = self._counts.get(role, 0) + 1
+        log.info("discovery (%s): adding %s worker %s (%s)", self.provider, role, url, source)
 
     def error(self, reason: str) -> None:
         if self.stats is not None:
             self.stats.count(self.stats.discovery_errors, (self.provider, reason))
 
-    def spawn(self, coro: Any, name: str) -> None:
-        self._tasks.append(asyncio.get_running_loop().create_task(coro, name=name))
+    def spawn(self, body: Any, name: str) -> None:
+        """Run ``body(state)`` supervised (fastroute.control.background): never ends silently."""
+        self._tasks.append(self.registry.background.spawn(name, body, cap=BACKOFF_MAX))
 
     async def stop(self) -> None:
         """Stop watching; the workers stay registered (the registry stops them itself)."""
-        for t in self._tasks:
-            t.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
         self._tasks = []
         if self._api is not None:
             await self._api.api_client.close()
@@ -149,7 +186,7 @@ async def start_discovery(config: Any, registry: Any, stats: Any) -> Discovery |
         return None
     d = Discovery(provider, registry, stats)
     if provider == "file":
-        d.spawn(_follow_file(d, config), "discovery file")
+        d.spawn(lambda st: _follow_file(d, config, st), "discovery file")
         log.info("discovery: following manifest %s", config.discovery_file)
         return d
     d._api = await _kube_api()
@@ -158,7 +195,8 @@ async def start_discovery(config: Any, registry: Any, stats: Any) -> Discovery |
     sets = _PodSets(d, config, [r for r, sel in roles if sel])
     for role, tokens in roles:
         if tokens:
-            d.spawn(_watch_pods(d, sets, role, parse_selector(tokens)), f"discovery {role} pods")
+            reqs = parse_selector(tokens)
+            d.spawn(functools.partial(_watch_pods, d, sets, role, reqs), f"discovery {role} pods")
     log.info("discovery: watching pods in %s: %s", config.service_discovery_namespace or
              "all namespaces", "; ".join(f"{r} {','.join(t)}" for r, t in roles if t))
     return d
@@ -185,9 +223,45 @@ def selector_matches(reqs: Iterable[tuple[str, str, tuple[str, ...]]],
     return True
 
 
+def _string_map(v: Any) -> bool:
+    return v is None or (isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str)
+                                                     for k, x in v.items()))
+
+
+def pod_problem(pod: Any) -> str | None:
+    """Why ``pod`` (a list item or watch object) is not shaped like a Pod, or None. Only the
+    fields discovery reads are checked; a bad one makes the object skipped (and counted)."""
+    if not isinstance(pod, dict):
+        return f"the object is a JSON {type(pod).__name__}"
+    meta = pod.get("metadata")
+    if not isinstance(meta, dict):
+        return "metadata is not an object"
+    for f in ("name", "namespace", "resourceVersion"):
+        if meta.get(f) is not None and not isinstance(meta[f], str):
+            return f"metadata.{f} is not a string"
+    if not isinstance(meta.get("name"), str) or not meta["name"]:
+        return "metadata.name is missing"
+    for f in ("labels", "annotations"):
+        if not _string_map(meta.get(f)):
+            return f"metadata.{f} is not a map of strings"
+    status = pod.get("status")
+    if status is None:
+        return None
+    if not isinstance(status, dict):
+        return "status is not an object"
+    for f in ("podIP", "phase"):
+        if status.get(f) is not None and not isinstance(status[f], str):
+            return f"status.{f} is not a string"
+    conds = status.get("conditions")
+    if conds is not None and (not isinstance(conds, list)
+                              or not all(isinstance(c, dict) for c in conds)):
+        return "status.conditions is not a list of objects"
+    return None
+
+
 def pod_worker(pod: Mapping[str, Any], port: int, annotation: str) -> tuple[str, int | None] | None:
     """-> (worker URL, bootstrap port or None) of a usable pod, or None: a pod counts while it
-    is Running and Ready with a pod IP and is not being deleted."""
+    is Running and Ready with a pod IP and is not being deleted. ``pod`` passed pod_problem."""
     meta = pod.get("metadata") or {}
     status = pod.get("status") or {}
     ip = status.get("podIP")
@@ -200,7 +274,7 @@ def pod_worker(pod: Mapping[str, Any], port: int, annotation: str) -> tuple[str,
     raw = (meta.get("annotations") or {}).get(annotation)
     try:
         bport = int(raw) if raw is not None else None
-    except ValueError:
+    except (TypeError, ValueError):
         bport = None
     if bport is not None and not 1 <= bport <= 65535:
         bport = None
@@ -208,33 +282,68 @@ def pod_worker(pod: Mapping[str, Any], port: int, annotation: str) -> tuple[str,
 
 
 class _PodSets:
-    """Pods seen per role; recomputes the desired workers whenever one changes."""
+    """Pods seen per role and the workers they make; an event updates only its pod's entry.
+    Only what a pod makes is kept (its URL and bootstrap port, or None when unusable), not
+    the pod object: thousands of pods stay a small heap for the garbage collector to walk."""
 
     def __init__(self, d: Discovery, config: Any, roles: list[str]) -> None:
         self.d = d
         self.port = int(config.service_discovery_port)
         self.annotation = config.bootstrap_port_annotation
-        self.pods: dict[str, dict[str, Mapping[str, Any]]] = {r: {} for r in roles}
+        self.pods: dict[str, dict[str, tuple[str, int | None] | None]] = {r: {} for r in roles}
+        self.desired: dict[str, Found] = {}     # url -> (role, bootstrap port, pod key)
+        self._url_of: dict[str, str] = {}       # pod key -> its url in desired
         self._both: set[str] = set()
+        self._bad_logged = False
 
-    def changed(self) -> None:
-        desired: dict[str, Found] = {}
-        seen: dict[str, str] = {}
-        for role, pods in self.pods.items():
-            for key, pod in pods.items():
-                if key in seen:
-                    if key not in self._both:
-                        self._both.add(key)
-                        log.error("discovery: pod %s matches both the prefill and the decode "
-                                  "selector; not used", key)
-                    desired = {u: f for u, f in desired.items() if f[2] != key}
-                    continue
-                seen[key] = role
-                got = pod_worker(pod, self.port, self.annotation)
-                if got is not None:
-                    url, bport = got
-                    desired[url] = (role, bport if role == "prefill" else None, key)
-        self.d.apply(desired)
+    def _update(self, key: str) -> list[str]:
+        """Recompute the worker of pod ``key`` -> the URLs whose desired entry changed."""
+        touched = []
+        old = self._url_of.pop(key, None)
+        if old is not None and self.desired.get(old, (None, None, None))[2] == key:
+            del self.desired[old]
+            touched.append(old)
+        roles = [r for r, pods in self.pods.items() if key in pods]
+        if len(roles) > 1:
+            if key not in self._both:
+                self._both.add(key)
+                log.error("discovery: pod %s matches both the prefill and the decode selector; "
+                          "not used", key)
+            return touched
+        self._both.discard(key)
+        if roles:
+            role = roles[0]
+            got = self.pods[role][key]
+            if got is not None:
+                url, bport = got
+                self.desired[url] = (role, bport if role == "prefill" else None, key)
+                self._url_of[key] = url
+                touched.append(url)
+        return touched
+
+    async def event(self, keys: Iterable[str]) -> None:
+        urls: list[str] = []
+        for key in keys:
+            urls.extend(self._update(key))
+        await self.d.apply_urls(self.desired, urls)
+
+    def worker_of(self, pod: Mapping[str, Any]) -> tuple[str, int | None] | None:
+        return pod_worker(pod, self.port, self.annotation)
+
+    async def replace(self, role: str, pods: dict[str, tuple[str, int | None] | None]) -> None:
+        """A list result replaces the role's pods in one step (a pod that stayed stays)."""
+        keys = [*self.pods[role], *(k for k in pods if k not in self.pods[role])]
+        self.pods[role] = pods
+        await self.event(keys)
+
+    def bad(self, role: str, what: str, problem: str) -> None:
+        """Skip and count an object of the wrong shape (logged once until a watch ends well)."""
+        self.d.error("bad_object")
+        if not self._bad_logged:
+            self._bad_logged = True
+            log.warning("discovery: skipped a %s from the Kubernetes API for %s pods: %s "
+                        "(counted in fastroute_discovery_errors_total{reason=\"bad_object\"}; "
+                        "logged once until the watch works again)", what, role, problem)
 
 
 class _ApiError(Exception):
@@ -278,19 +387,48 @@ async def _request(d: Discovery, ns: str | None, selector: str, **kw: Any) -> An
         resp.release()
         try:
             message = json.loads(body).get("message") or ""
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             message = body[:200].decode("utf-8", "replace")
         raise _ApiError(resp.status, message)
     return resp
 
 
 def _key(pod: Mapping[str, Any]) -> str:
-    meta = pod.get("metadata") or {}
-    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+    meta = pod["metadata"]
+    return f"{meta.get('namespace') or ''}/{meta['name']}"
+
+
+def _labels(pod: Mapping[str, Any]) -> Mapping[str, str]:
+    return pod["metadata"].get("labels") or {}
+
+
+async def _list(d: Discovery, sets: _PodSets, role: str, ns: str | None, selector: str,
+                reqs: list[tuple[str, str, tuple[str, ...]]]) -> str:
+    resp = await _request(d, ns, selector, _request_timeout=30)
+    try:
+        doc = json.loads(await resp.read())
+    except RecursionError:
+        raise ValueError("the pod list is nested too deeply") from None
+    finally:
+        resp.release()
+    if not isinstance(doc, dict) or not isinstance(doc.get("items") or [], list):
+        raise _ApiError(502, "the pod list is not a PodList object")
+    meta = doc.get("metadata")
+    rv = meta.get("resourceVersion") if isinstance(meta, dict) else None
+    pods: dict[str, tuple[str, int | None] | None] = {}
+    for p in doc.get("items") or ():
+        await d.pause()
+        problem = pod_problem(p)
+        if problem is not None:
+            sets.bad(role, "listed pod", problem)
+        elif selector_matches(reqs, _labels(p)):
+            pods[_key(p)] = sets.worker_of(p)
+    await sets.replace(role, pods)
+    return rv if isinstance(rv, str) else ""
 
 
 async def _watch_pods(d: Discovery, sets: _PodSets, role: str,
-                      reqs: list[tuple[str, str, tuple[str, ...]]]) -> None:
+                      reqs: list[tuple[str, str, tuple[str, ...]]], st: Any) -> None:
     """List, then watch from the list's resourceVersion, forever (see module docstring)."""
     import aiohttp  # already loaded by _kube_api; named here only for its exception types
 
@@ -298,32 +436,40 @@ async def _watch_pods(d: Discovery, sets: _PodSets, role: str,
     ns = cfg.service_discovery_namespace
     selector = ",".join(_requirement_text(r) for r in reqs)
     interval = int(cfg.discovery_check_interval_secs)
+    idle = min(interval + WATCH_IDLE_GRACE, WATCH_IDLE_MAX)
     rv: str | None = None
     backoff = BACKOFF_INITIAL
+    gone = BACKOFF_INITIAL      # the wait before re-listing after a 410, reset by a good watch
+    gone_logged = False
     while True:
         try:
             if rv is None:
-                resp = await _request(d, ns, selector, _request_timeout=30)
-                doc = json.loads(await resp.read())
-                resp.release()
-                rv = (doc.get("metadata") or {}).get("resourceVersion") or ""
-                sets.pods[role] = {_key(p): p for p in doc.get("items") or ()
-                                   if selector_matches(reqs, (p.get("metadata") or {}).get("labels") or {})}
-                sets.changed()
+                rv = await _list(d, sets, role, ns, selector, reqs)
+                st.ok()
             resp = await _request(d, ns, selector, watch=True, resource_version=rv,
                                   allow_watch_bookmarks=True, timeout_seconds=interval,
                                   _request_timeout=aiohttp.ClientTimeout(sock_connect=10,
-                                                                         sock_read=interval + 30))
+                                                                         sock_read=idle))
             started = asyncio.get_running_loop().time()
             try:
-                rv = await _consume(resp, sets, role, reqs, rv)
+                rv = await _consume(resp, sets, role, reqs, rv, st)
+            except asyncio.TimeoutError:
+                # Silent past the server's own timeout: a hung server or proxy. Resume from rv
+                # (nothing is lost); not an error of the API as long as the next one answers.
+                log.debug("discovery: watch of %s pods silent for %.0fs; watching again", role,
+                          idle)
+                d.error("watch_idle")
             finally:
                 resp.release()
-            sets.changed()      # also re-adds a worker whose registration gave up meanwhile
+            # Also re-adds a worker whose registration gave up meanwhile.
+            await d.apply(sets.desired)
+            st.ok()
+            sets._bad_logged = gone_logged = False
+            gone = BACKOFF_INITIAL
             if asyncio.get_running_loop().time() - started < 1.0:
                 # A watch that ends at once (a proxy in between, a broken server) must not turn
                 # into a request loop; nothing is lost meanwhile, the next one resumes from rv.
-                await asyncio.sleep(backoff)
+                await asyncio.sleep(backoff_delay(backoff))
                 backoff = min(backoff * 2, BACKOFF_MAX)
             else:
                 backoff = BACKOFF_INITIAL
@@ -331,56 +477,89 @@ async def _watch_pods(d: Discovery, sets: _PodSets, role: str,
             raise
         except _ApiError as exc:
             if exc.status == 410:
-                log.info("discovery: watch of %s pods expired (410 Gone); listing again", role)
                 rv = None
+                if not gone_logged:
+                    gone_logged = True
+                    log.info("discovery: watch of %s pods expired (410 Gone); listing again "
+                             "(logged once until a watch works again)", role)
+                # Backed off too: an API server (or proxy) that answers 410 to every watch
+                # must not be listed and watched hundreds of times a second.
+                await asyncio.sleep(backoff_delay(gone))
+                gone = min(gone * 2, BACKOFF_MAX)
                 continue
             d.error(str(exc.status))
-            log.warning("discovery: Kubernetes API answered %d for %s pods in %s: %s%s; keeping "
-                        "the current workers, retrying in %.1fs", exc.status, role,
-                        ns or "all namespaces", exc.message,
-                        f" ({_HINTS[exc.status]})" if exc.status in _HINTS else "", backoff)
-            await asyncio.sleep(backoff)
+            msg = (f"Kubernetes API answered {exc.status} for {role} pods in "
+                   f"{ns or 'all namespaces'}: {exc.message}"
+                   + (f" ({_HINTS[exc.status]})" if exc.status in _HINTS else ""))
+            if st.fail(msg, logged=True):
+                log.warning("discovery: %s; keeping the current workers, retrying with backoff "
+                            "from %.1fs (logged once until it works again)", msg, backoff)
+            await asyncio.sleep(backoff_delay(backoff))
             backoff = min(backoff * 2, BACKOFF_MAX)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
             d.error("unreachable")
-            log.warning("discovery: Kubernetes API unreachable for %s pods (%s: %s); keeping the "
-                        "current workers, retrying in %.1fs", role, type(exc).__name__, exc,
-                        backoff)
-            await asyncio.sleep(backoff)
+            msg = f"Kubernetes API unreachable for {role} pods ({type(exc).__name__}: {exc})"
+            if st.fail(msg, logged=True):
+                log.warning("discovery: %s; keeping the current workers, retrying with backoff "
+                            "from %.1fs (logged once until it works again)", msg, backoff)
+            await asyncio.sleep(backoff_delay(backoff))
             backoff = min(backoff * 2, BACKOFF_MAX)
 
 
 async def _consume(resp: Any, sets: _PodSets, role: str,
-                   reqs: list[tuple[str, str, tuple[str, ...]]], rv: str) -> str:
-    """Apply watch events (one JSON object per line) until the server ends the watch."""
+                   reqs: list[tuple[str, str, tuple[str, ...]]], rv: str, st: Any) -> str:
+    """Apply watch events (one JSON object per line) until the server ends the watch. An event
+    of the wrong shape is skipped and counted (sets.bad), never the end of the watch."""
     pods = sets.pods[role]
     buf = b""
     async for chunk in resp.content.iter_any():
         buf += chunk
-        while True:
-            nl = buf.find(b"\n")
-            if nl < 0:
-                break
-            line, buf = buf[:nl], buf[nl + 1:]
+        lines = buf.split(b"\n")
+        buf = lines.pop()
+        for line in lines:
+            await sets.d.pause()
             if not line.strip():
                 continue
-            event = json.loads(line)
-            kind, obj = event.get("type"), event.get("object") or {}
-            if kind == "ERROR":
-                raise _ApiError(int(obj.get("code") or 500), obj.get("message") or "watch error")
-            rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
-            if kind == "BOOKMARK":
+            try:
+                event = json.loads(line)
+            except (ValueError, RecursionError):
+                sets.bad(role, "watch line", "not JSON")
                 continue
+            obj = event.get("object") if isinstance(event, dict) else None
+            kind = event.get("type") if isinstance(event, dict) else None
+            if kind == "ERROR":
+                code = obj.get("code") if isinstance(obj, dict) else None
+                msg = obj.get("message") if isinstance(obj, dict) else None
+                raise _ApiError(code if isinstance(code, int) and not isinstance(code, bool)
+                                else 500, msg if isinstance(msg, str) else "watch error")
+            if kind == "BOOKMARK":
+                meta = obj.get("metadata") if isinstance(obj, dict) else None
+                got = meta.get("resourceVersion") if isinstance(meta, dict) else None
+                if isinstance(got, str) and got:
+                    rv = got
+                else:
+                    sets.bad(role, "bookmark", "no resourceVersion")
+                continue
+            if kind not in ("ADDED", "MODIFIED", "DELETED"):
+                sets.bad(role, "watch event", f"type {kind!r}" if isinstance(event, dict)
+                         else f"the event is a JSON {type(event).__name__}")
+                continue
+            problem = pod_problem(obj)
+            if problem is not None:
+                sets.bad(role, f"{kind} event", problem)
+                continue
+            rv = obj["metadata"].get("resourceVersion") or rv
             key = _key(obj)
-            labels = (obj.get("metadata") or {}).get("labels") or {}
-            if kind == "DELETED" or not selector_matches(reqs, labels):
+            if kind == "DELETED" or not selector_matches(reqs, _labels(obj)):
                 if pods.pop(key, None) is None:
                     continue
-            elif kind in ("ADDED", "MODIFIED"):
-                pods[key] = obj
             else:
-                continue
-            sets.changed()
+                got = sets.worker_of(obj)
+                if key in pods and pods[key] == got:
+                    continue        # nothing discovery uses changed (status churn)
+                pods[key] = got
+            await sets.event((key,))
+            st.ok()
     return rv
 
 
@@ -424,7 +603,7 @@ def read_manifest(text: str, pd: bool) -> dict[str, Found]:
     return out
 
 
-async def _follow_file(d: Discovery, config: Any) -> None:
+async def _follow_file(d: Discovery, config: Any, task: Any) -> None:
     path = config.discovery_file
     pd = bool(config.pd_disaggregation)
     interval = float(config.discovery_check_interval_secs)
@@ -439,18 +618,21 @@ async def _follow_file(d: Discovery, config: Any) -> None:
             sig = None
         except OSError as exc:
             sig = None
-            log.warning("discovery: cannot stat %s: %s", path, exc)
+            if task.fail(f"cannot stat {path}: {exc}", logged=True):
+                log.warning("discovery: cannot stat %s: %s", path, exc)
         now = loop.time()
         if sig is not None and (sig != seen or now >= due):
             changed, seen, due = sig != seen, sig, now + interval
             try:
                 with open(path, encoding="utf-8") as f:
                     desired = read_manifest(f.read(), pd)
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, RecursionError) as exc:
+                task.fail(f"manifest {path} rejected: {exc}", logged=True)
                 if changed:
                     d.error("malformed")
                     log.error("discovery: manifest %s rejected, keeping the last good set of %d "
                               "workers: %s", path, len(d.owned), exc)
             else:
-                d.apply(desired)
+                await d.apply(desired)
+                task.ok()
         await asyncio.sleep(FILE_POLL_SECS)

@@ -116,6 +116,7 @@ class FollowerRegistry(Registry):
                 info[t] = old
         # Swap in one synchronous step: a request sees the old view or the new one, not a mix.
         self.workers = workers
+        self.reindex()
         self.target_info = info
         for role, g in self._groups.items():
             targets: list[int] = []

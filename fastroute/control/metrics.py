@@ -613,5 +613,8 @@ async def start_metrics(config: Config, table: T.TargetTable, registry: Any,
     stats = stats if stats is not None else new_stats(config)
     m = MetricsServer(Collector(table, registry, [stats], config))
     m.stats = stats  # type: ignore[attr-defined]
+    if getattr(registry, "background", None) is not None:
+        from fastroute.control.background import BackgroundCollector
+        m.registry.register(BackgroundCollector(registry.background))
     await m.start(config.prometheus_host, int(config.prometheus_port))
     return m

@@ -27,6 +27,7 @@ from typing import Any
 
 from fastroute.config import Config
 from fastroute.control import httpclient
+from fastroute.control.background import cancel_all
 from fastroute.control.httpclient import HttpClientError
 from fastroute.control.registry import Registry
 from fastroute.control.worker import Worker
@@ -43,6 +44,9 @@ RankLoad = tuple[int, int, int, int]
 # Polled counts are written to int64 table cells (and summed over ranks): a value a worker
 # cannot mean is garbage, like a negative one, not an OverflowError in every poll.
 _COUNT_LIMIT = 1 << 62
+# Under --dp-aware a worker's dp_size is re-read this often even when nothing suggests a
+# restart (one /server_info per worker per interval).
+DP_RECHECK_SECS = 60.0
 
 
 def _count(v: Any) -> int | None:
@@ -115,24 +119,23 @@ class Monitor:
         self.health_checks: dict[tuple[str, str], int] = {}
         # Workers whose last answer had unusable rank entries (warned once per episode).
         self._unusable: set[str] = set()
+        # Workers whose last load poll failed (a restart may follow: dp_size is re-read).
+        self._poll_failed: set[str] = set()
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
         """Start the loops on the running event loop (disabled ones are skipped)."""
-        loop = asyncio.get_running_loop()
+        bg = self.registry.background
         if not self.config.disable_load_monitoring:
-            self._tasks.append(loop.create_task(self._load_loop(), name="load monitor"))
+            self._tasks.append(bg.spawn("load monitor", self._load_loop))
         if not self.config.disable_health_check:
-            self._tasks.append(loop.create_task(self._health_loop(), name="health checker"))
+            self._tasks.append(bg.spawn("health checks", self._health_loop))
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(tasks)
 
-    async def _every(self, period: float, tick: Any) -> None:
+    async def _every(self, period: float, tick: Any, st: Any) -> None:
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
@@ -140,19 +143,23 @@ class Monitor:
                 await tick()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # never let one bad tick end the loop
-                log.exception("monitor tick failed")
+            except Exception as exc:  # never let one bad tick end the loop
+                st.fail(exc)          # logged once per episode, counted (background.py)
+                log.debug("monitor tick failed", exc_info=True)
+            else:
+                st.ok()
             # A tick that overran its period starts the next one right away (no burst catch-up).
             await asyncio.sleep(max(period - (loop.time() - started), 0.0))
 
-    async def _load_loop(self) -> None:
-        await self._every(float(self.config.load_monitor_interval), self.poll_once)
+    async def _load_loop(self, st: Any) -> None:
+        await self._every(float(self.config.load_monitor_interval), self.poll_once, st)
 
-    async def _health_loop(self) -> None:
+    async def _health_loop(self, st: Any) -> None:
         period = float(self.config.health_check_interval_secs)
         # The first probe comes one interval after start: registration has just checked /health.
-        await asyncio.sleep(period)
-        await self._every(period, self.check_once)
+        if st.restarts == 0:
+            await asyncio.sleep(period)
+        await self._every(period, self.check_once, st)
 
     # ---- load polling -------------------------------------------------------------------------
     def _poll_timeout(self) -> float:
@@ -202,7 +209,27 @@ class Monitor:
             return False
         if entries:
             self._note_unusable(w, entries)
+        self._dp_hint(w, entries)
         return self._apply(w, entries)
+
+    def _dp_hint(self, w: Worker, entries: list[tuple[int | None, RankLoad | None]] | None) -> None:
+        """Under --dp-aware, ask the registry to re-read dp_size when the poll suggests the
+        worker restarted with another one: a rank count unlike its targets', the first answer
+        after failed polls; and on a slow schedule."""
+        if not self.config.dp_aware:
+            return
+        reg = self.registry
+        if not entries:
+            self._poll_failed.add(w.url)
+            return
+        ranks = len({r for r, _ in entries if r is not None} or entries)
+        if ranks != len(w.targets):
+            reg.recheck_dp(w, f"/v1/loads reports {ranks} ranks", force=False)
+        elif w.url in self._poll_failed:
+            reg.recheck_dp(w, "answering load polls again")
+        elif asyncio.get_running_loop().time() - w.dp_checked >= DP_RECHECK_SECS:
+            reg.recheck_dp(w, "periodic check")
+        self._poll_failed.discard(w.url)
 
     def _note_unusable(self, w: Worker, entries: list[tuple[int | None, RankLoad | None]]) -> None:
         """Warn once (not every poll) while a worker reports rank loads we cannot use."""
@@ -302,5 +329,6 @@ class Monitor:
             self.table.set_healthy(t, ok)
         if ok:
             log.info("worker %s is healthy again", w.url)
+            self.registry.recheck_dp(w, "healthy again")   # restarted, maybe resized
         else:
             log.warning("worker %s is unhealthy after %d failed health checks", w.url, w.health_failures)

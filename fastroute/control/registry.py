@@ -14,6 +14,11 @@ shared :class:`~fastroute.core.table.TargetTable`:
 * row lifetime: rows come from ``table.alloc()``; on removal a row goes back with
   ``table.free()`` only once no lease is in flight on it (otherwise it is marked unhealthy and
   freed later by a small reaper), so a late ``Lease.release()`` never lands on a reused row.
+* dp_size changes (``--dp-aware``): :meth:`Registry.recheck_dp` re-reads ``/server_info`` when
+  the monitor's polls suggest a restart (health recovered, load polls answering again or
+  reporting another rank count) and every ``DP_RECHECK_SECS``; :meth:`Registry.resize` keeps
+  the rows of ranks that stay, retires the others like a removal (freed once their leases
+  are released) and allocates rows for new ranks.
 * the admin / info endpoints of protocol.md 6.2-6.6 (:meth:`Registry.handle_admin`), inherited
   from :class:`~fastroute.control.admin.AdminAPI`; the worker model is in
   :mod:`fastroute.control.worker`.
@@ -35,6 +40,7 @@ from fastroute.auth import AdminAuth, parse_control_plane_keys
 from fastroute.config import Config
 from fastroute.control import httpclient
 from fastroute.control.admin import AdminAPI
+from fastroute.control.background import Background
 from fastroute.control.httpclient import HttpClientError, HttpTLSError
 from fastroute.control.models import ModelGroups, group_like, parse_aliases, worker_model_names
 from fastroute.control.worker import (ROLES, BadWorkerURL, DuplicateWorker, Worker, address_key, basic_auth,
@@ -60,6 +66,15 @@ class _Fatal(Exception):
     """A handshake step failed in a way retrying cannot fix (e.g. no dp_size under --dp-aware)."""
 
 
+# Handshake attempts start at most this often (seconds apart; 500 a second): a thousand
+# workers discovered at once would otherwise all answer in the same loop iterations and stall
+# it for ~100 ms at a time. A queue, not a concurrency limit: a hanging worker holds no slot,
+# but with many workers pending their retries are spaced by at least this much each.
+ATTEMPT_SPACING = 0.002
+ATTEMPT_BURST = 8           # attempts that start at once after a quiet spell (a token bucket)
+DP_RECHECK_MIN_SECS = 5.0
+
+
 
 class Registry(AdminAPI):
     """All workers, their target rows, the per-role routing groups (and, inherited, the admin
@@ -70,6 +85,15 @@ class Registry(AdminAPI):
         self.table = table
         self.router = router
         self.workers: list[Worker] = []
+        # O(1) lookups over ``workers`` (discovery adds and removes thousands in a burst):
+        # url -> worker, address -> worker, id -> worker; kept by _index / _unindex.
+        self._by_url: dict[str, Worker] = {}
+        self._by_addr: dict[tuple[str, int], Worker] = {}
+        self._by_id: dict[str, Worker] = {}
+        self._sync_soon: set[str] = set()       # roles whose group sync is scheduled
+        self._next_attempt = 0.0                # loop time of the next free handshake slot
+        # The supervised background tasks of this process (fastroute.control.background).
+        self.background = Background(config.seed)
         # Indexed by table row; None for rows not owned by a worker. Entries of removed workers
         # stay until the row is freed, so in-flight requests can still resolve their target.
         self.target_info: list[tuple[Worker, int | None] | None] = []
@@ -131,7 +155,8 @@ class Registry(AdminAPI):
 
     async def stop(self) -> None:
         """Cancel pending registrations and the reaper (rows are left to the table's owner)."""
-        tasks = [w.task for w in self.workers if w.task is not None and not w.task.done()]
+        tasks = [t for w in self.workers for t in (w.task, w.dp_task)
+                 if t is not None and not t.done()]
         if self._reaper is not None:
             tasks.append(self._reaper)
         for t in tasks:
@@ -154,22 +179,32 @@ class Registry(AdminAPI):
     def find(self, url: str) -> Worker | None:
         """The worker of ``url``: the same normalised URL, or another spelling of its address."""
         url = normalize_url(url)
-        for w in self.workers:
-            if w.url == url:
-                return w
+        w = self._by_url.get(url)
+        if w is not None:
+            return w
         host, port = split_host_port(url)
         key = address_key(host, port)
-        if key is not None:
-            for w in self.workers:
-                if w.addr == key:
-                    return w
-        return None
+        return self._by_addr.get(key) if key is not None else None
 
     def get(self, worker_id: str) -> Worker | None:
+        return self._by_id.get(worker_id)
+
+    def _index(self, w: Worker) -> None:
+        self._by_url[w.url] = w
+        self._by_id[w.id] = w
+        if w.addr is not None:
+            self._by_addr.setdefault(w.addr, w)
+
+    def _unindex(self, w: Worker) -> None:
+        for d, k in ((self._by_url, w.url), (self._by_id, w.id), (self._by_addr, w.addr)):
+            if k is not None and d.get(k) is w:
+                del d[k]
+
+    def reindex(self) -> None:
+        """Rebuild the lookups after ``workers`` was replaced wholesale (the follower's view)."""
+        self._by_url, self._by_addr, self._by_id = {}, {}, {}
         for w in self.workers:
-            if w.id == worker_id:
-                return w
-        return None
+            self._index(w)
 
     def ready_workers(self, role: str | None = None) -> list[Worker]:
         return [w for w in self.workers if w.status == "ready" and (role is None or w.role == role)]
@@ -259,6 +294,7 @@ class Registry(AdminAPI):
         if labels:
             w.labels = {str(k): str(v) for k, v in labels.items()}
         self.workers.append(w)
+        self._index(w)
         w.task = asyncio.get_running_loop().create_task(self._register(w), name=f"register {url}")
         log.info("registering %s worker %s (id %s)", role, url, w.id)
         return w
@@ -272,14 +308,16 @@ class Registry(AdminAPI):
 
     def remove_worker(self, w: Worker) -> None:
         """Forget ``w``: out of its group now, rows freed once nothing is in flight on them."""
-        if w in self.workers:
+        if self._by_id.get(w.id) is w:
             self.workers.remove(w)
+            self._unindex(w)
         was_ready = w.status == "ready"
         w.status = "removed"
         w.healthy = False
         self.invalidate_ready()
-        if w.task is not None and not w.task.done():
-            w.task.cancel()
+        for t in (w.task, w.dp_task):
+            if t is not None and not t.done():
+                t.cancel()
         if was_ready:
             self._sync_group(w.role)
             for t in w.targets:
@@ -308,8 +346,9 @@ class Registry(AdminAPI):
                 w.error = str(exc)
         w.status = "failed"
         self.invalidate_ready()
-        if w in self.workers:
+        if self._by_id.get(w.id) is w:
             self.workers.remove(w)
+            self._unindex(w)
 
     async def _resolve(self, w: Worker) -> None:
         """Resolve a host name to its address; a second worker on an address already
@@ -329,10 +368,12 @@ class Registry(AdminAPI):
         if not self.config.allow_link_local_workers and link_local(key[0]):
             raise _Fatal(f"{w.host} resolves to the link-local address {key[0]}; pass "
                          "--allow-link-local-workers to allow it")
-        for other in self.workers:
-            if other is not w and other.addr == key:
-                raise _Fatal(f"same backend as worker {other.url} ({key[0]}:{key[1]})")
+        other = self._by_addr.get(key)
+        if other is not None and other is not w:
+            raise _Fatal(f"same backend as worker {other.url} ({key[0]}:{key[1]})")
         w.addr = key
+        if self._by_id.get(w.id) is w:
+            self._by_addr[key] = w
 
     async def _handshake(self, w: Worker) -> bool:
         cfg = self.config
@@ -348,7 +389,12 @@ class Registry(AdminAPI):
                 log.error("worker %s failed to register: %s", w.url, w.error)
                 return False
             attempts += 1
-            timeout = min(probe_timeout, remaining)
+            now = loop.time()
+            slot = max(self._next_attempt, now - ATTEMPT_BURST * ATTEMPT_SPACING)
+            self._next_attempt = slot + ATTEMPT_SPACING
+            if slot > now:
+                await asyncio.sleep(slot - now)
+            timeout = min(probe_timeout, max(deadline - loop.time(), 0.001))
             try:
                 if w.addr is None:
                     await self._resolve(w)
@@ -425,14 +471,90 @@ class Registry(AdminAPI):
             self.table.set_healthy(t, True)
         w.healthy = True
         w.health_failures = w.health_successes = 0
+        w.dp_checked = asyncio.get_running_loop().time()
         w.status = "ready"
         self.invalidate_ready()
         w.error = None
-        self._sync_group(w.role)
+        self._sync_group(w.role, soon=True)
         log.info("worker %s ready: role=%s model=%s dp_size=%d ranks=%s targets=%s",
                  w.url, w.role, w.model_id, w.dp_size, ",".join(w.names), rows)
 
-    def _sync_group(self, role: str) -> None:
+    # ---- dp_size changes (a worker restarted with another --dp-size) ------------------------
+    def recheck_dp(self, w: Worker, why: str, force: bool = True) -> None:
+        """Re-read ``w``'s dp_size in the background (one check at a time per worker); the
+        monitor calls it when polls suggest a restart and on a slow schedule. Unless
+        ``force``, at most once per DP_RECHECK_MIN_SECS (a hint that keeps holding must not
+        turn into a /server_info request per poll)."""
+        if not self.config.dp_aware or w.status != "ready":
+            return
+        if w.dp_task is not None and not w.dp_task.done():
+            return
+        now = asyncio.get_running_loop().time()
+        if not force and now - w.dp_checked < DP_RECHECK_MIN_SECS:
+            return
+        w.dp_checked = now
+        w.dp_task = asyncio.get_running_loop().create_task(self._recheck_dp(w, why),
+                                                           name=f"dp_size {w.url}")
+
+    async def _recheck_dp(self, w: Worker, why: str) -> None:
+        timeout = max(float(self.config.health_check_timeout_secs), 0.001)
+        try:
+            doc, _ = await self._get_info(w, w.server_info_path, "/get_server_info", timeout)
+        except (HttpClientError, _Transient) as exc:
+            log.debug("dp_size check of %s failed: %s", w.url, exc)
+            return
+        dp = (doc or {}).get("dp_size")
+        if not isinstance(dp, int) or isinstance(dp, bool) or not 1 <= dp <= 4096:
+            return
+        if w.status == "ready" and dp != w.dp_size:
+            w.server_info = doc or w.server_info
+            self.resize(w, dp, why)
+
+    def resize(self, w: Worker, dp: int, why: str = "") -> None:
+        """Give a ready worker ``dp`` rank targets instead of its current ones: rows of ranks
+        that stay are kept (their leases and counts with them), rows of ranks that are gone
+        leave the group and are freed once their last lease is released, new ranks get new
+        rows. A full table keeps the old layout (logged)."""
+        n_old, n = len(w.targets), dp if dp > 1 else 1
+        added: list[int] = []
+        try:
+            for _ in range(n - n_old):
+                added.append(self.table.alloc())
+        except Exception as exc:
+            for t in added:
+                self.table.free(t)
+            log.error("worker %s now has dp_size %d but its ranks cannot be added: %s",
+                      w.url, dp, exc)
+            return
+        old_dp, kept, gone = w.dp_size, w.targets[:n], w.targets[n:]
+        w.dp_size = dp
+        w.targets = kept + added
+        w.names = [w.url] if n == 1 else [target_name(w.url, r) for r in range(n)]
+        for r, t in enumerate(w.targets):
+            if t >= len(self.target_info):
+                self.target_info.extend([None] * (t + 1 - len(self.target_info)))
+            self.target_info[t] = (w, r if n > 1 else None)
+            if t in added:
+                self.table.set_healthy(t, w.healthy)
+        self._sync_group(w.role)
+        for t in gone:
+            self.table.set_healthy(t, False)
+            self.table.mark_unpolled(t)
+            self._retire(t)
+        log.warning("worker %s dp_size changed %d -> %d (%s): ranks=%s", w.url, old_dp, dp,
+                    why or "re-read", ",".join(w.names))
+
+    def _sync_group(self, role: str, soon: bool = False) -> None:
+        """Publish the role's ready targets to its group and the listeners. ``soon``: once
+        for every activation of this loop iteration (hundreds of discovered workers turn
+        ready together; each sync is O(workers)), before any I/O of the next iteration is
+        handled. A removal syncs at once (its rows may be reused right after)."""
+        if soon:
+            if not self._sync_soon:
+                asyncio.get_running_loop().call_soon(self._sync_pending)
+            self._sync_soon.add(role)
+            return
+        self._sync_soon.discard(role)
         targets: list[int] = []
         names: list[str] = []
         for w in self.workers:
@@ -442,6 +564,10 @@ class Registry(AdminAPI):
         self._groups[role].set_targets(targets, names)
         for cb in self._listeners:
             cb(role)
+
+    def _sync_pending(self) -> None:
+        for role in sorted(self._sync_soon):
+            self._sync_group(role)
 
     # ---- row retirement -----------------------------------------------------------------------
     def _retire(self, t: int) -> None:

@@ -39,6 +39,17 @@ machine are never written. Only *open* is published, not half-open: once the ope
 passes every replica may send traffic again and each one's own breaker judges the worker, so a
 replica that gets no traffic can never keep a worker fenced off for the others.
 
+Input from Redis is not trusted (issue 24): only replicas with a live heartbeat are read (a
+load field without one is never counted); an entry over ``MAX_ENTRY_BYTES`` is not even sent
+by the script (its length is) and is skipped; a line with a count past ``COUNT_LIMIT`` is
+skipped, a negative count is 0 and sums are capped, so nothing can overflow the int64 cells;
+a sync key of the wrong type (WRONGTYPE) is deleted by the script and rebuilt. All of it is
+counted in ``fastroute_replica_sync_skipped_total{what}`` and warned once. Each instance
+stores a random nonce under its id in ``fastroute:{replicas}:owner``: finding another one's
+there after its own tick means two live replicas share a ``--replica-id`` (one ERROR,
+``fastroute_replica_id_conflicts_total``). The loop runs supervised (control/background.py):
+any failure marks the sync down (``fastroute_replica_peers`` 0 at once) and backs off.
+
 Redis slow or gone: requests never wait for it (the task is the only client). A failed tick is
 counted in ``fastroute_replica_sync_errors_total``; the first failure logs one WARNING, the first
 success after it one INFO; retries back off from 0.1 s doubling to 5 s. The last view stays in
@@ -57,6 +68,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from fastroute.core.routing import hash64
+from fastroute.control.background import cancel_all
 from fastroute.core.table import (CIRCUIT_OPEN, COL_ALLOCATED, COL_CIRCUIT, COL_IN_FLIGHT,
                                   COL_IN_FLIGHT_TOKENS, COL_ORDER_KEY, COL_OTHERS_EST,
                                   COL_OTHERS_EST_TOKENS, COL_OTHERS_IN_FLIGHT, COL_OTHERS_OPEN,
@@ -68,24 +80,51 @@ __all__ = ["ReplicaSync", "start_replica_sync", "default_replica_id", "encode", 
 
 BEAT_KEY = "fastroute:{replicas}:beat"
 LOAD_KEY = "fastroute:{replicas}:load"
+OWNER_KEY = "fastroute:{replicas}:owner"
 BACKOFF_INITIAL = 0.1
 BACKOFF_MAX = 5.0
+# A payload line per target is ~60 bytes: 256 KiB is thousands of targets. A bigger entry is
+# garbage (or hostile) and is neither sent by Redis nor decoded on the loop: skipped, counted.
+MAX_ENTRY_BYTES = 256 * 1024
+# Counts are stored into int64 table cells: a number a replica cannot mean is skipped (a line),
+# a sum over replicas is capped, and a negative count is 0.
+COUNT_LIMIT = 1 << 62
 
-# KEYS: beat, load. ARGV: replica id, payload, ttl ms. Returns the live hash (id, payload, ...).
+# KEYS: beat, load, owner. ARGV: replica id, payload, ttl ms, instance nonce, max entry bytes.
+# A key of the wrong type (hand-edited, another program) is deleted first: the keys are ours.
+# Returns {repaired keys, the id's previous nonce or false, id, payload | oversize length, ...}
+# for the replicas with a live heartbeat only (a load field without one is never read).
 _TICK = """
+local repaired = 0
+for i, want in ipairs({'zset', 'hash', 'hash'}) do
+  local got = redis.call('TYPE', KEYS[i]).ok
+  if got ~= want and got ~= 'none' then
+    redis.call('DEL', KEYS[i])
+    repaired = repaired + 1
+  end
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[3])
+local cap = tonumber(ARGV[5])
+local prev = redis.call('HGET', KEYS[3], ARGV[1])
 redis.call('ZADD', KEYS[1], now, ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[4])
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
 if #dead > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
   redis.call('HDEL', KEYS[2], unpack(dead))
+  redis.call('HDEL', KEYS[3], unpack(dead))
 end
-redis.call('PEXPIRE', KEYS[1], ttl * 10)
-redis.call('PEXPIRE', KEYS[2], ttl * 10)
-return redis.call('HGETALL', KEYS[2])
+for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, ttl * 10) end
+local out = {repaired, prev}
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. (now - ttl), '+inf')) do
+  local n = redis.call('HSTRLEN', KEYS[2], id)
+  out[#out + 1] = id
+  if n > cap then out[#out + 1] = n else out[#out + 1] = redis.call('HGET', KEYS[2], id) or '' end
+end
+return out
 """
 
 
@@ -99,24 +138,36 @@ def encode(counts: dict[str, tuple[int, int, bool]]) -> bytes:
     return "".join(f"{n}\t{r}\t{k}\t{int(o)}\n" for n, (r, k, o) in counts.items()).encode()
 
 
-def decode(payload: bytes, into: dict[str, list[int]]) -> None:
+def decode(payload: bytes, into: dict[str, list[int]]) -> tuple[int, int]:
     """Add one replica's payload to ``into`` (name -> [requests, tokens, open]); a malformed
-    line (another version, a hand-edited key) is skipped rather than failing the whole view."""
+    line (another version, a hand-edited key, a number past COUNT_LIMIT) is skipped rather
+    than failing the whole view, a negative count is 0 and sums stay below COUNT_LIMIT.
+    Returns (good lines, skipped lines)."""
+    good = bad = 0
+    cap = COUNT_LIMIT - 1
     for line in payload.decode("utf-8", "replace").splitlines():
         parts = line.split("\t")
-        if len(parts) != 4:
+        if len(parts) != 4 or max(len(parts[1]), len(parts[2]), len(parts[3])) > 19:
+            bad += 1        # (19 digits: int() of a huge digit string is itself slow)
             continue
         try:
             r, k, o = int(parts[1]), int(parts[2]), int(parts[3])
         except ValueError:
+            bad += 1
             continue
+        if r >= COUNT_LIMIT or k >= COUNT_LIMIT:
+            bad += 1
+            continue
+        good += 1
+        r, k, o = max(r, 0), max(k, 0), 1 if o else 0
         acc = into.get(parts[0])
         if acc is None:
             into[parts[0]] = [r, k, o]
         else:
-            acc[0] += r
-            acc[1] += k
+            acc[0] = min(acc[0] + r, cap)
+            acc[1] = min(acc[1] + k, cap)
             acc[2] |= o
+    return good, bad
 
 
 class ReplicaSync:
@@ -133,6 +184,16 @@ class ReplicaSync:
         self.errors = 0
         self.peers = 0
         self.up: bool | None = None        # None until the first tick
+        # Input the tick skipped rather than trusted: "oversize" entries, "bad_line"s of a
+        # payload, "repaired" keys of the wrong type; and ticks that found another live
+        # replica under this id (fastroute_replica_id_conflicts_total).
+        self.skipped: dict[str, int] = {}
+        self.conflicts = 0
+        self.nonce = os.urandom(8).hex()   # this instance, told apart from a same-id twin
+        self._published = False            # a tick of ours went through (set the nonce)
+        self._conflict_logged = False
+        self._skip_logged: set[str] = set()
+        self._bg = getattr(registry, "background", None)
         self._last_ok = 0.0
         self._cleared = True               # the others columns hold nothing
         self._order_keys: dict[str, int] = {}
@@ -156,21 +217,25 @@ class ReplicaSync:
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="replica sync")
+        if self._bg is None:
+            from fastroute.control.background import Background
+            self._bg = Background()
+        self._task = self._bg.spawn("replica sync", self._loop, initial=BACKOFF_INITIAL,
+                                    cap=BACKOFF_MAX)
         log.info("replica sync: %s as %r every %.0f ms (ttl %.1f s)", self.url, self.id,
                  self.interval * 1000, self.ttl)
 
     async def stop(self) -> None:
         """Stop syncing, withdraw this replica's entry (best effort) and clear the columns."""
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_all([self._task])
             self._task = None
         if self.up:
             try:
                 pipe = self.client.pipeline(transaction=True)
                 pipe.zrem(BEAT_KEY, self.id)
                 pipe.hdel(LOAD_KEY, self.id)
+                pipe.hdel(OWNER_KEY, self.id)
                 await asyncio.wait_for(pipe.execute(), self.ttl)
             except self._failures:
                 pass        # the entry ages out after the TTL instead
@@ -199,9 +264,16 @@ class ReplicaSync:
     async def tick(self) -> int:
         """Publish, read the live replicas, store the others' sums; returns the live peers."""
         payload = encode(self.local_counts())
-        live = await asyncio.wait_for(
-            self._script(keys=[BEAT_KEY, LOAD_KEY], args=[self.id, payload, int(self.ttl * 1000)]),
+        reply = await asyncio.wait_for(
+            self._script(keys=[BEAT_KEY, LOAD_KEY, OWNER_KEY],
+                         args=[self.id, payload, int(self.ttl * 1000), self.nonce,
+                               MAX_ENTRY_BYTES]),
             self.ttl)
+        repaired, prev, live = reply[0], reply[1], reply[2:]
+        if repaired:
+            self._skip("repaired", f"{repaired} sync key(s) of the wrong type were deleted "
+                                   "(something else wrote them)", repaired)
+        self._check_twin(prev)
         others: dict[str, list[int]] = {}
         peers = 0
         own = self.id.encode()
@@ -209,14 +281,43 @@ class ReplicaSync:
         for i in range(0, len(live) - 1, 2):
             if live[i] == own:
                 continue
-            peers += 1
-            ids.append(live[i])
-            decode(live[i + 1], others)
+            entry = live[i + 1]
+            if isinstance(entry, int):      # Redis sent its length only: too big to use
+                self._skip("oversize", f"replica {live[i]!r} has a {entry}-byte entry "
+                                       f"(limit {MAX_ENTRY_BYTES})")
+                continue
+            good, bad = decode(entry, others)
+            if bad:
+                self._skip("bad_line", f"replica {live[i]!r} sent {bad} malformed or "
+                                       "out-of-range line(s)", bad)
+            if good or not bad:
+                peers += 1      # garbage only is not a router replica
+                ids.append(live[i])
         self.apply(others)
         ids.sort()
         self.table.set_replicas(len(ids), ids.index(own))
         self.table.count_sync_tick()
         return peers
+
+    def _skip(self, what: str, why: str, n: int = 1) -> None:
+        """Count skipped input; warned once per kind for the life of the sync."""
+        self.skipped[what] = self.skipped.get(what, 0) + n
+        if what not in self._skip_logged:
+            self._skip_logged.add(what)
+            log.warning("replica sync: %s; skipped (counted in "
+                        "fastroute_replica_sync_skipped_total{what=%r}, logged once)", why, what)
+
+    def _check_twin(self, prev: Any) -> None:
+        """Another live instance wrote its nonce under this id since our last tick: two
+        replicas run with the same --replica-id and overwrite each other's entry."""
+        if prev is not None and self._published and prev != self.nonce.encode():
+            self.conflicts += 1
+            if not self._conflict_logged:
+                self._conflict_logged = True
+                log.error("replica sync: another router replica publishes as %r too (its entry "
+                          "overwrites this one's); give every replica its own --replica-id",
+                          self.id)
+        self._published = True
 
     def apply(self, others: dict[str, list[int]]) -> None:
         """Store the others' sums into every row of this host's table (zero where absent).
@@ -292,32 +393,38 @@ class ReplicaSync:
         self._est_kept.clear()
         self._cleared = True
 
-    async def _loop(self) -> None:
+    async def _loop(self, st: Any) -> None:
+        """Tick forever; any failure (Redis, or input nothing expected) is counted, marks the
+        view down and backs off; the supervisor (background.py) restarts a crashed loop."""
         loop = asyncio.get_running_loop()
         backoff = BACKOFF_INITIAL
         while True:
             try:
-                self.peers = await self.tick()
+                peers = await self.tick()
             except asyncio.CancelledError:
                 raise
-            except self._failures as exc:
+            except Exception as exc:  # nothing may end the sync (and leave up at 1)
                 self.errors += 1
-                if self.up is not False:
+                redis_down = isinstance(exc, self._failures)
+                if self.up is not False and redis_down:
                     log.warning("replica sync: Redis at %s unreachable (%s); routing on this "
                                 "replica's own counts until it returns", self.url,
                                 exc or type(exc).__name__)
+                st.fail(exc, logged=redis_down)
                 self.up = False
                 self._stop_coordinating()
+                self.peers = 0          # unknown while down, not the last count
                 if not self._cleared and loop.time() - self._last_ok > self.ttl:
                     self._clear()       # the last view is older than the TTL: stale, not load
-                    self.peers = 0
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX)
                 continue
+            self.peers = peers
             if self.up is False:
                 log.info("replica sync: Redis at %s is back (%d other replicas live)", self.url,
                          self.peers)
             self.up = True
+            st.ok()
             self._last_ok = loop.time()
             backoff = BACKOFF_INITIAL
             await asyncio.sleep(self.interval)
@@ -338,7 +445,17 @@ class ReplicaCollector:
         peers.add_metric([], float(self.sync.peers))
         up = GaugeMetricFamily("fastroute_replica_sync_up", "1 when the last sync tick succeeded")
         up.add_metric([], 1.0 if self.sync.up else 0.0)
-        yield from (errors, peers, up)
+        skipped = CounterMetricFamily("fastroute_replica_sync_skipped",
+                                      "Replica-sync input skipped: oversize entries, malformed or "
+                                      "out-of-range payload lines, sync keys of the wrong type",
+                                      labels=["what"])
+        for what, n in sorted(self.sync.skipped.items()):
+            skipped.add_metric([what], float(n))
+        twins = CounterMetricFamily("fastroute_replica_id_conflicts",
+                                    "Sync ticks that found another live replica publishing "
+                                    "under this --replica-id")
+        twins.add_metric([], float(self.sync.conflicts))
+        yield from (errors, peers, up, skipped, twins)
 
 
 async def start_replica_sync(config: Any, table: TargetTable, registry: Any, metrics: Any,

@@ -64,6 +64,8 @@ class Worker:
     health_failures: int = 0
     health_successes: int = 0
     task: asyncio.Task | None = field(default=None, repr=False)
+    dp_task: asyncio.Task | None = field(default=None, repr=False)   # a dp_size re-read
+    dp_checked: float = 0.0              # loop time of the last scheduled dp_size re-read
 
     @property
     def split(self) -> bool:

@@ -316,12 +316,18 @@ class App(Front):
         # drop out (their in-flight requests already hold their connections), and so does the
         # worker's pool: a worker re-added under the same URL is a new worker with a new pool,
         # framed with its own key.
+        # A route whose worker, rank and framing inputs are unchanged is kept: one worker
+        # joining must not rebuild the other 999 (discovery adds them in bursts).
         routes: dict[int, Route] = {}
+        old = self.routes
         for r in (("prefill", "decode") if self.pd else ("regular",)):
             for t in self.registry.group(r).targets:
                 entry = info[t] if t < len(info) else None
                 if entry is not None:
-                    routes[t] = self._build_route(*entry)
+                    route = old.get(t)
+                    if route is None or not _same_route(route, *entry):
+                        route = self._build_route(*entry)
+                    routes[t] = route
         self.routes = routes
         live = {id(route.worker) for route in routes.values()}
         for worker in [w for w in self.pools if id(w) not in live]:
@@ -466,3 +472,10 @@ class App(Front):
             proto.send_error(_errors.queue_full(), req)
             return
         proto.waiter = waiter
+
+
+def _same_route(route: Route, worker: Any, rank: int | None) -> bool:
+    """``route`` was built for this worker object and rank, with its current dp_size (the
+    other framing inputs are fixed for a worker object)."""
+    return (route.worker is worker and route.prefill_rank == rank
+            and route.prefill_dp_size == (int(worker.dp_size) if rank is not None else 1))

@@ -8,7 +8,9 @@ streams new ones, one JSON event per line over chunked HTTP, filtered like the A
 watch cache: an object that starts matching the selector arrives as ADDED, one that stops
 matching as DELETED. A resourceVersion older than the compaction floor gets ``410 Gone``
 (a Status object, or an ERROR event when ``gone_as_event``); ``status`` set to e.g. 403
-answers every request with that Status. Runs in the test's event loop.
+answers every request with that Status; ``hang`` makes a watch send its head and then nothing,
+ignoring timeoutSeconds (a stuck server or proxy); :meth:`inject` streams a raw line as the
+next watch event (hostile or broken input). Runs in the test's event loop.
 """
 from __future__ import annotations
 
@@ -54,8 +56,10 @@ class KubeApi:
         self.pods: dict[tuple[str, str], dict] = {}
         self.rv = 100
         self.floor = 0              # watches from a resourceVersion below this get 410
-        self.events: list[tuple[int, dict | None, dict | None]] = []   # (rv, old, new)
+        # (rv, old, new, raw line or None)
+        self.events: list[tuple[int, dict | None, dict | None, bytes | None]] = []
         self.status: int | None = None
+        self.hang = False
         self.gone_as_event = False
         self.requests: list[tuple[float, str, dict]] = []   # (time, path, query)
         self.port = 0
@@ -97,8 +101,13 @@ class KubeApi:
         gone["metadata"]["resourceVersion"] = str(self.rv)
         await self._record(gone, None)
 
-    async def _record(self, old: dict | None, new: dict | None) -> None:
-        self.events.append((self.rv, old, new))
+    async def inject(self, line: bytes) -> None:
+        """Send ``line`` (no newline) to every watch as if it were the next event."""
+        self.rv += 1
+        await self._record(None, None, line)
+
+    async def _record(self, old: dict | None, new: dict | None, raw: bytes | None = None) -> None:
+        self.events.append((self.rv, old, new, raw))
         async with self._changed:
             self._changed.notify_all()
 
@@ -174,13 +183,22 @@ class KubeApi:
             writer.write(b"0\r\n\r\n")
             return
         kick = self._kick
+        if self.hang:
+            await writer.drain()
+            while kick == self._kick:      # hung for good, whatever happens next
+                async with self._changed:
+                    await self._changed.wait()
+            return      # the connection closes without a last chunk
         deadline = asyncio.get_running_loop().time() + timeout
         sent = since
         while kick == self._kick:
-            for rv, old, new in self.events:
+            for rv, old, new, raw in self.events:
                 if rv <= sent:
                     continue
                 sent = rv
+                if raw is not None:
+                    writer.write(b"%x\r\n%b\n\r\n" % (len(raw) + 1, raw))
+                    continue
                 ev = self._event(ns, selector, old, new)
                 if ev is not None:
                     self._chunk(writer, ev)
