@@ -36,6 +36,9 @@ cdef enum:
 # Most synced replicas a coordinated pick plans for (more share the last slots).
 cdef enum:
     MAX_SLOTS = 64
+    # A replica whose recent picks were at least this share (/1024, ~30%) a view's later
+    # ones treats every pick as part of a burst (see Picker._coordinated).
+    BURSTY_SHARE = 307
 
 # Policy name -> compiled picker kind (cache_aware is not here: its tree picks, Picker books).
 KINDS = {"round_robin": KIND_ROUND_ROBIN, "random": KIND_RANDOM, "power_of_two": KIND_P2C,
@@ -288,6 +291,7 @@ cdef class Picker:
     cdef int64_t coord_n             # placements of the last coordinated pick (0: none)
     cdef int64_t coord_slot
     cdef int64_t coord_tick          # sync tick of the last coordinated pick (-1: none yet)
+    cdef int64_t coord_burst         # share of recent picks that were not a view's first, /1024
     cdef readonly int64_t coordinated_picks
 
     def __init__(self, table_array, header_array, str policy, str metric="tokens", int demand=0,
@@ -325,6 +329,7 @@ cdef class Picker:
         self.last_legacy = -1
         self.last_demand = -1
         self.coord_tick = -1
+        self.coord_burst = 0
         self.own_base = NULL
 
     def set_own_ledger(self, own_array):
@@ -416,10 +421,16 @@ cdef class Picker:
         cdef int64_t slot = fr_load_i64(&self.header[HDR_REPLICA_SLOT])
         cdef int64_t m = self.cands.shape[0], t
         cdef int64_t tick = fr_load_i64(&self.header[HDR_SYNC_TICKS])
-        # The first pick after a sync may be the only one before the next: it stays on the
-        # least-loaded level.  Later picks on the same view are a burst, planned with the
-        # others' earlier places already booked: each replica keeps its exact place.
-        cdef bint strict = tick == self.coord_tick
+        # Later picks on the same view are a burst, planned with the others' earlier places
+        # already booked: each replica keeps its exact place.  The first pick after a sync may
+        # be the only one before the next, and then stays on the least-loaded level; unless
+        # this replica's picks have lately come in bursts (then so, most likely, do the
+        # others': a load balancer in front hands every replica the same shape of traffic),
+        # when the others are taking their places of the same plan right now.
+        cdef bint later = tick == self.coord_tick
+        cdef bint strict
+        self.coord_burst += ((<int64_t>later << 10) - self.coord_burst) >> 4
+        strict = later or self.coord_burst >= BURSTY_SHARE
         self.coord_tick = tick
         if n > MAX_SLOTS:
             n = MAX_SLOTS
