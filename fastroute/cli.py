@@ -370,6 +370,11 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
         help="Token charge per request a decode target already holds in the demand cost; "
              "nonzero needs --decode-input-demand shadow or on (default: $"
              + ENV_DECODE_REQUEST_WEIGHT + " if set, else 0).")
+    add("--prefill-input-demand", choices=DEMAND_MODES, default=d("prefill_input_demand"),
+        help="PD: pick prefill targets (ranks under --dp-aware) by the input tokens waiting "
+             "there + this request's: booked at the pick, given back when the prefill answers, "
+             "corrected by /v1/loads num_waiting_uncached_tokens where reported; off, shadow "
+             "(count agreement, dispatch the prefill policy's pick) or on (default: %(default)s).")
     add("--dp-rank-field", choices=DP_RANK_FIELDS, default=None,
         help="Body key carrying the chosen DP rank (default: routed_dp_rank on the PD decode "
              "leg, data_parallel_rank in regular mode).")

@@ -227,6 +227,7 @@ class Config:
     # --- fastroute extensions -------------------------------------------------------------
     decode_input_demand: str = "off"
     decode_request_weight: int = 0
+    prefill_input_demand: str = "off"
     # None = by mode: routed_dp_rank on the PD decode leg, data_parallel_rank in regular mode.
     dp_rank_field: str | None = None
     seed: int | None = None
@@ -484,11 +485,15 @@ class Config:
             _check_origin(origin)
 
     def _validate_extensions(self) -> None:
-        if self.decode_input_demand not in DEMAND_MODES:
-            raise ConfigError(
-                "--decode-input-demand",
-                f"invalid value {self.decode_input_demand!r}; choose from off, shadow, on",
-            )
+        for flag, mode in (("--decode-input-demand", self.decode_input_demand),
+                           ("--prefill-input-demand", self.prefill_input_demand),
+                           ("--decode-kv-fit", self.decode_kv_fit)):
+            if mode not in DEMAND_MODES:
+                raise ConfigError(flag, f"invalid value {mode!r}; choose from off, shadow, on")
+        if self.prefill_input_demand != "off" and (not self.pd_disaggregation
+                                                   or self.prefill_policy == "manual"):
+            raise ConfigError("--prefill-input-demand", "places the prefill leg of PD requests: "
+                              "needs --pd-disaggregation and a prefill policy other than manual")
         _at_least("--decode-request-weight", self.decode_request_weight, 0)
         if self.decode_request_weight and self.decode_input_demand == "off":
             # The weight only enters the demand cost; with demand off it would do nothing,
@@ -506,11 +511,6 @@ class Config:
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ConfigError("--seed", "must be within 0..2**64-1")
         _at_least("--workers", self.workers, 1)
-        if self.decode_kv_fit not in DEMAND_MODES:
-            raise ConfigError(
-                "--decode-kv-fit",
-                f"invalid value {self.decode_kv_fit!r}; choose from off, shadow, on",
-            )
         _at_least("--decode-kv-reserve-tokens", self.decode_kv_reserve_tokens, 0)
         if self.cache_aware_rank_slack is not None:
             _at_least("--cache-aware-rank-slack", self.cache_aware_rank_slack, 0)

@@ -19,6 +19,10 @@ class StubLease:
         self.releases += 1
         return self.releases == 1
 
+    def answered(self) -> bool:
+        """A stub books no tokens: nothing to give back (as a real Lease without them)."""
+        return False
+
 
 class StubGroup:
     """Always picks ``target``; keeps the leases it handed out when ``record`` (tests check

@@ -157,4 +157,5 @@ def group_like(router: Any, template: Any, kv_reserve: int = 0) -> Any:
     return router.group([], template.policy, load_metric=template.load_metric,
                         demand=template.demand, request_weight=template.request_weight, names=[],
                         kv_fit=template.kv_fit, kv_reserve=kv_reserve,
-                        rank_slack=template.rank_slack)
+                        rank_slack=template.rank_slack,
+                        tokens_until_answer=template.tokens_until_answer)

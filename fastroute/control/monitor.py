@@ -4,7 +4,7 @@ Owns two background loops over the *physical* workers of the :class:`~fastroute.
 (one HTTP call per server per tick, however many rank targets it has):
 
 * load polling (protocol.md 4.4, 5.1, 5.2) every ``load_monitor_interval`` seconds:
-  ``GET /v1/loads?include=core``, falling back to ``GET /get_load`` when the worker answers 404
+  ``GET /v1/loads?include=core,disagg`` (core only after a 400), falling back to ``GET /get_load`` when the worker answers 404
   (the working endpoint is remembered per worker). Entries are parsed defensively and fanned
   out by ``dp_rank`` to the rank targets with ``table.set_polled``. Anything missing or failed
   becomes ``table.mark_unpolled`` -- unknown, never zero, so a policy cannot mistake a dead or
@@ -37,10 +37,12 @@ log = logging.getLogger("fastroute.monitor")
 
 V1_LOADS = "/v1/loads"
 GET_LOAD = "/get_load"
-_V1_QUERY = "/v1/loads?include=core"
+_V1_QUERY = "/v1/loads?include=core,disagg"
+_V1_CORE = "/v1/loads?include=core"      # a server that refuses the disagg section (400)
 
-# One parsed rank entry: (running, waiting, used tokens, max tokens or -1).
-RankLoad = tuple[int, int, int, int]
+# One parsed rank entry: (running, waiting, used tokens, max tokens or -1, uncached tokens
+# waiting for prefill or -1, decode prealloc + retracted queue requests).
+RankLoad = tuple[int, int, int, int, int, int]
 # Polled counts are written to int64 table cells (and summed over ranks): a value a worker
 # cannot mean is garbage, like a negative one, not an OverflowError in every poll.
 _COUNT_LIMIT = 1 << 62
@@ -75,9 +77,22 @@ def parse_v1_loads(doc: Any) -> list[tuple[int | None, RankLoad | None]]:
                 running = max(total - (waiting or 0), 0)
         tokens = _count(e.get("num_used_tokens"))
         mx = _count(e.get("max_total_num_tokens"))
+        usage = e.get("token_usage")
+        if (mx and isinstance(usage, (int, float)) and not isinstance(usage, bool)
+                and 0 <= usage <= 1):
+            # token_usage (SGLang 0.5.23) is the fullest pool's share: never credit the rank
+            # with more free KV than it says
+            tokens = max(tokens or 0, int(usage * mx))
+        uncached = _count(e.get("num_waiting_uncached_tokens"))
+        disagg = e.get("disaggregation")
+        queued = 0
+        if isinstance(disagg, dict):
+            for name in ("decode_prealloc_queue_reqs", "decode_retracted_queue_reqs"):
+                queued += _count(disagg.get(name)) or 0
         load = None
         if running is not None and tokens is not None:
-            load = (running, waiting or 0, tokens, -1 if mx is None else mx)
+            load = (running, waiting or 0, tokens, -1 if mx is None else mx,
+                    -1 if uncached is None else uncached, queued)
         out.append((_count(e.get("dp_rank")), load))
     return out
 
@@ -100,7 +115,7 @@ def parse_get_load(doc: Any) -> list[tuple[int | None, RankLoad | None]]:
         tokens = _count(e.get("num_tokens"))
         load = None
         if total is not None and tokens is not None:
-            load = (max(total - waiting, 0), waiting, tokens, -1)
+            load = (max(total - waiting, 0), waiting, tokens, -1, -1, 0)
         out.append((_count(e.get("dp_rank")), load))
     return out
 
@@ -181,10 +196,16 @@ class Monitor:
         headers = self.registry.auth_headers(w)
         try:
             if w.load_path != GET_LOAD:
-                status, _, body = await httpclient.request("GET", w.url + _V1_QUERY, headers=headers,
+                query = _V1_CORE if w.load_path == _V1_CORE else _V1_QUERY
+                status, _, body = await httpclient.request("GET", w.url + query, headers=headers,
                                                            timeout=timeout)
+                if status == 400 and query == _V1_QUERY:
+                    # An older /v1/loads without the disagg section: core only from now on.
+                    w.load_path = query = _V1_CORE
+                    status, _, body = await httpclient.request("GET", w.url + query,
+                                                               headers=headers, timeout=timeout)
                 if status == 200:
-                    w.load_path = V1_LOADS
+                    w.load_path = query if query == _V1_CORE else V1_LOADS
                     entries, mode = parse_v1_loads(json.loads(body)), "v1_loads"
                 elif status == 404:
                     w.load_path = GET_LOAD  # older SGLang: remember, don't ask /v1/loads again
@@ -254,16 +275,18 @@ class Monitor:
             if any(load is None for _, load in entries):
                 tab.mark_unpolled(t)
                 return False
-            running = waiting = tokens = mx = 0
-            for _, (r, q, k, m) in entries:  # type: ignore[misc]
+            running = waiting = tokens = mx = uncached = queued = 0
+            for _, (r, q, k, m, u, b) in entries:  # type: ignore[misc]
                 running += r
                 waiting += q
                 tokens += k
                 mx = -1 if (m < 0 or mx < 0) else mx + m
-            if max(running, waiting, tokens, mx) >= _COUNT_LIMIT:  # sums of in-range counts
-                tab.mark_unpolled(t)
+                uncached = -1 if (u < 0 or uncached < 0) else uncached + u
+                queued += b
+            if max(running, waiting, tokens, mx, uncached, queued) >= _COUNT_LIMIT:
+                tab.mark_unpolled(t)      # (sums of in-range counts)
                 return False
-            tab.set_polled(t, running, waiting, tokens, mx)
+            tab.set_polled(t, running, waiting, tokens, mx, self._uncached(w, uncached), queued)
             return True
         by_rank: dict[int, RankLoad] = {}
         for rank, load in entries:
@@ -275,9 +298,16 @@ class Monitor:
             if load is None:
                 tab.mark_unpolled(t)
             else:
-                tab.set_polled(t, load[0], load[1], load[2], load[3])
+                tab.set_polled(t, load[0], load[1], load[2], load[3],
+                               self._uncached(w, load[4]), load[5])
                 any_ok = True
         return any_ok
+
+    @staticmethod
+    def _uncached(w: Worker, uncached: int) -> int:
+        """Only a PD prefill's waiting uncached tokens enter its demand cost; a regular or
+        decode worker's demand stays the router's own in-flight tokens."""
+        return uncached if w.role == "prefill" else -1
 
     # ---- health checks ------------------------------------------------------------------------
     async def check_once(self) -> None:

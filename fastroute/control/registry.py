@@ -117,7 +117,10 @@ class Registry(AdminAPI):
                                     request_weight=weight, names=[], kv_fit=config.decode_kv_fit,
                                     kv_reserve=config.decode_kv_reserve_tokens,
                                     rank_slack=leg_rank_slack(config, "regular")),
+            # Prefill demand: the input tokens in flight there, held until the prefill answers.
             "prefill": router.group([], config.prefill_policy, load_metric=metric, names=[],
+                                    demand=config.prefill_input_demand,
+                                    tokens_until_answer=config.prefill_input_demand != "off",
                                     rank_slack=leg_rank_slack(config, "prefill")),
             "decode": router.group([], config.decode_policy, load_metric=metric, demand=demand,
                                    request_weight=weight, names=[],

@@ -5,7 +5,7 @@
 # neighbouring targets never share a line.  Cells 15..17 are the other router replicas' view
 # (fastroute.control.replica writes them off the request path; zero without --replica-sync);
 # 18..20 the replicas' coordination (estimated placements of the others since the last sync,
-# the shared tie-break order); 21..23 are spare.
+# the shared tie-break order); 21..22 what the last poll said of queued work; 23 is spare.
 from libc.stdint cimport int64_t
 from fastroute.core._atomic cimport fr_load_i64
 
@@ -33,6 +33,8 @@ cdef enum:
                                  # since the last sync (the picker adds them; the sync zeroes them)
     COL_OTHERS_EST_TOKENS = 19   # input tokens of those estimated requests
     COL_ORDER_KEY = 20           # tie-break order every replica shares: hash of the target name
+    COL_POLLED_UNCACHED = 21     # last /v1/loads num_waiting_uncached_tokens of a prefill; -1 unknown
+    COL_POLLED_KV_QUEUE = 22     # last /v1/loads decode prealloc + retracted queue requests
     NCOLS = 24
 
 cdef enum:
@@ -71,3 +73,16 @@ cdef inline int64_t row_tokens(const int64_t *row) noexcept nogil:
     # Input tokens in flight on a target across all replicas (as row_requests).
     return (fr_load_i64(&row[COL_IN_FLIGHT_TOKENS]) + fr_load_i64(&row[COL_OTHERS_TOKENS])
             + fr_load_i64(&row[COL_OTHERS_EST_TOKENS]))
+
+
+cdef inline int64_t row_pending(const int64_t *row) noexcept nogil:
+    # The input tokens a demand cost charges a target with: those in flight, or, where the
+    # last poll of a prefill said how many uncached tokens were waiting, that figure moved by
+    # what the router booked and released since (as kv_free moves the polled KV use).
+    cdef int64_t live = row_tokens(row)
+    cdef int64_t polled = fr_load_i64(&row[COL_POLLED_UNCACHED])
+    cdef int64_t est
+    if polled < 0 or fr_load_i64(&row[COL_POLLED_AT]) < 0:
+        return live
+    est = polled + live - fr_load_i64(&row[COL_TOKENS_AT_POLL])
+    return est if est > 0 else 0

@@ -28,6 +28,9 @@ class Lease:
     def released(self) -> bool: ...
     def release(self) -> bool:
         """Undo the booking; True the first time, False (nothing done) afterwards."""
+    def answered(self) -> bool:
+        """The leg's answer ended: give the input tokens back now when the group counts them
+        only until then (the request stays booked until release())."""
 
 def book(tab: _Table, header: _Header, t: int, tokens: int, keep: Any = None) -> Lease:
     """Book target ``t`` directly; returns its Lease."""
@@ -56,7 +59,7 @@ class Cells:
         """Rows whose cell ``col`` holds ``value``."""
 
 def store_polled(tab: _Table, t: int, running: int, waiting: int, tokens: int,
-                 max_tokens: int, at_ms: int) -> None:
+                 max_tokens: int, at_ms: int, uncached: int = ..., kv_queue: int = ...) -> None:
     """Store one poll of target ``t``; the poll time is written last."""
 def snapshot(tab: _Table, n: int) -> npt.NDArray[np.int64]:
     """Atomic-load copy of the first ``n`` rows (0 <= n <= rows)."""
@@ -68,6 +71,8 @@ class Picker:
     ``kv_fit`` codes of fastroute.names.MODE_CODE.
     """
 
+    tokens_until_answer: bool
+    """Leases count their input tokens until ``Lease.answered()`` (a PD prefill leg)."""
     @property
     def demand(self) -> int: ...
     @property

@@ -15,7 +15,8 @@ from fastroute.core._layout cimport (
     COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS, COL_POLLED_RUNNING, COL_POLLED_WAITING,
     COL_POLLED_TOKENS, COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_TOKENS_AT_POLL, HDR_UNDERFLOWS,
     NCOLS, NHDR, COL_CIRCUIT, COL_CB_FAILS, CIRCUIT_CLOSED, row_tokens, COL_OTHERS_EST,
-    COL_OTHERS_EST_TOKENS, HDR_REPLICAS, HDR_REPLICA_SLOT, HDR_SYNC_TICKS,
+    COL_OTHERS_EST_TOKENS, HDR_REPLICAS, HDR_REPLICA_SLOT, HDR_SYNC_TICKS, COL_POLLED_UNCACHED,
+    COL_POLLED_KV_QUEUE,
 )
 from fastroute.core._policy cimport (
     pick_round_robin, pick_random, pick_p2c, pick_demand, pick_ring, pick_kv_fit, kv_free,
@@ -62,6 +63,11 @@ cdef inline bint _dec_floor(int64_t *cell, int64_t v) noexcept nogil:
             return True
 
 
+cdef inline void _release_tokens(int64_t *row, int64_t tokens, int64_t *header) noexcept nogil:
+    if not _dec_floor(&row[COL_IN_FLIGHT_TOKENS], tokens):
+        fr_add_i64(&header[HDR_UNDERFLOWS], 1)
+
+
 cdef inline void _release(int64_t *row, int64_t tokens, int64_t *header) noexcept nogil:
     if not _dec_floor(&row[COL_IN_FLIGHT], 1):
         fr_add_i64(&header[HDR_UNDERFLOWS], 1)
@@ -79,7 +85,20 @@ cdef class Lease:
     cdef readonly int64_t target
     cdef readonly int64_t tokens
     cdef bint _released
+    cdef bint _until_answer    # the input tokens end with the leg's answer (answered())
     cdef object _keep          # the buffer owner, so the row pointer stays valid
+
+    def answered(self):
+        """The target has answered (a PD prefill leg's response ended): when the lease's
+        group counts input tokens only until then, give them back now and keep the request
+        booked until release().  True when tokens were given back."""
+        if self._released or not self._until_answer or self.tokens == 0:
+            return False
+        if self._own != NULL:
+            _release_tokens(self._own, self.tokens, self._header)
+        _release_tokens(self._row, self.tokens, self._header)
+        self.tokens = 0
+        return True
 
     def release(self):
         if self._released:
@@ -108,6 +127,7 @@ cdef Lease _new_lease(int64_t[:, ::1] tab, int64_t *header, int64_t t, int64_t t
     lease.target = t
     lease.tokens = tokens
     lease._released = False
+    lease._until_answer = False
     lease._keep = keep
     _book(lease._row, tokens)
     # Table first, then the own ledger (see release for the reverse order).
@@ -225,7 +245,8 @@ cdef class Cells:
 
 
 def store_polled(int64_t[:, ::1] tab, int64_t t, int64_t running, int64_t waiting,
-                 int64_t tokens, int64_t max_tokens, int64_t at_ms):
+                 int64_t tokens, int64_t max_tokens, int64_t at_ms, int64_t uncached=-1,
+                 int64_t kv_queue=0):
     """Store one poll of target ``t`` (the monitor's write)."""
     if tab.shape[1] != NCOLS:
         raise ValueError(f"not a target table: {tab.shape[1]} columns, expected {NCOLS}")
@@ -236,6 +257,8 @@ def store_polled(int64_t[:, ::1] tab, int64_t t, int64_t running, int64_t waitin
     fr_store_i64(&tab[t, COL_POLLED_WAITING], waiting)
     fr_store_i64(&tab[t, COL_POLLED_TOKENS], tokens)
     fr_store_i64(&tab[t, COL_POLLED_MAX_TOKENS], max_tokens)
+    fr_store_i64(&tab[t, COL_POLLED_UNCACHED], uncached)
+    fr_store_i64(&tab[t, COL_POLLED_KV_QUEUE], kv_queue)
     # The in-flight tokens of every replica at this poll: kv_free counts bookings since then.
     fr_store_i64(&tab[t, COL_TOKENS_AT_POLL], row_tokens(&tab[t, 0]))
     fr_store_i64(&tab[t, COL_POLLED_AT], at_ms)
@@ -293,6 +316,7 @@ cdef class Picker:
     cdef int64_t coord_tick          # sync tick of the last coordinated pick (-1: none yet)
     cdef int64_t coord_burst         # share of recent picks that were not a view's first, /1024
     cdef readonly int64_t coordinated_picks
+    cdef public bint tokens_until_answer   # leases count input tokens until answered()
 
     def __init__(self, table_array, header_array, str policy, str metric="tokens", int demand=0,
                  int64_t weight=0, seed=None, int kv_fit=0, int64_t kv_reserve=0):
@@ -330,6 +354,7 @@ cdef class Picker:
         self.last_demand = -1
         self.coord_tick = -1
         self.coord_burst = 0
+        self.tokens_until_answer = False
         self.own_base = NULL
 
     def set_own_ledger(self, own_array):
@@ -473,17 +498,23 @@ cdef class Picker:
         """Pick and book in one call; returns a Lease, or None when no target is eligible.
         ``text`` is accepted for call compatibility with text-aware policies and ignored."""
         cdef int64_t t = self.pick(tokens, key, out_tokens)
+        cdef Lease lease
         if t < 0:
             return None
         if self.coord_n:
             self._book_estimate(tokens)
-        return _new_lease(self.tab, &self.header[0], t, tokens, self.keep, self.own_base)
+        lease = _new_lease(self.tab, &self.header[0], t, tokens, self.keep, self.own_base)
+        lease._until_answer = self.tokens_until_answer
+        return lease
 
     def book_target(self, int64_t t, int64_t tokens=0):
         """Book a target chosen elsewhere (cache_aware picks in Python); returns its Lease."""
+        cdef Lease lease
         if t < 0 or t >= self.tab.shape[0]:
             raise IndexError(f"target {t} out of range")
-        return _new_lease(self.tab, &self.header[0], t, tokens, self.keep, self.own_base)
+        lease = _new_lease(self.tab, &self.header[0], t, tokens, self.keep, self.own_base)
+        lease._until_answer = self.tokens_until_answer
+        return lease
 
     @property
     def candidates(self):

@@ -15,6 +15,7 @@ from fastroute.core._layout cimport (
     NCOLS, HDR_MAGIC, HDR_CAPACITY, HDR_UNDERFLOWS, HDR_GENERATION, HDR_REPLICAS, HDR_REPLICA_SLOT,
     HDR_SYNC_TICKS, NHDR,
     CIRCUIT_CLOSED, CIRCUIT_OPEN, CIRCUIT_HALF_OPEN, row_eligible, row_requests, row_tokens,
+    row_pending, COL_POLLED_UNCACHED, COL_POLLED_KV_QUEUE,
 )
 from fastroute.core._random cimport mix64, rng_below, reservoir_step
 import numpy as np
@@ -150,7 +151,7 @@ cdef int64_t pick_demand(const int64_t[:, ::1] tab, const int64_t[::1] cands, in
         t = cands[k]
         if not row_eligible(&tab[t, 0]):
             continue
-        cost = row_tokens(&tab[t, 0]) + tokens + weight * row_requests(&tab[t, 0])
+        cost = row_pending(&tab[t, 0]) + tokens + weight * row_requests(&tab[t, 0])
         if best < 0 or cost < best_cost:
             best, best_cost, ties = t, cost, 1
         elif cost == best_cost:
@@ -187,7 +188,9 @@ cdef int64_t kv_free(const int64_t[:, ::1] tab, int64_t t) noexcept nogil:
     Requests still in prefill or in the prealloc queue hold no KV in the engine yet but will,
     so the rank is never credited with less than all its in-flight input tokens.  "The router"
     is every replica: in-flight tokens are this host's plus the other replicas' last published
-    ones, and the poll stamps that same sum (``_ledger.store_polled``)."""
+    ones, and the poll stamps that same sum (``_ledger.store_polled``).  A rank whose last poll
+    had requests in the decode prealloc or retracted queue was out of KV then, whatever its
+    count says: it is credited with none free (0 at most)."""
     cdef int64_t cap = fr_load_i64(&tab[t, COL_POLLED_MAX_TOKENS])
     cdef int64_t used, live
     if cap <= 0 or fr_load_i64(&tab[t, COL_POLLED_AT]) < 0:
@@ -196,6 +199,8 @@ cdef int64_t kv_free(const int64_t[:, ::1] tab, int64_t t) noexcept nogil:
     used = fr_load_i64(&tab[t, COL_POLLED_TOKENS]) + live - fr_load_i64(&tab[t, COL_TOKENS_AT_POLL])
     if used < live:
         used = live
+    if fr_load_i64(&tab[t, COL_POLLED_KV_QUEUE]) > 0 and used < cap:
+        used = cap
     return cap - used
 
 
@@ -227,7 +232,7 @@ cdef int64_t pick_kv_fit(const int64_t[:, ::1] tab, const int64_t[::1] cands, in
         if free < need:
             continue
         if use_demand:
-            a = row_tokens(&tab[t, 0]) + tokens + weight * row_requests(&tab[t, 0])
+            a = row_pending(&tab[t, 0]) + tokens + weight * row_requests(&tab[t, 0])
             b = 0
         else:
             a = row_requests(&tab[t, 0])
@@ -288,7 +293,7 @@ cdef int64_t pick_coordinated(const int64_t[:, ::1] tab, const int64_t[::1] cand
                 free -= extra[m + k]
                 fits = free >= need
             r = row_requests(&tab[t, 0]) + extra[k]
-            cost = (row_tokens(&tab[t, 0]) + extra[m + k] + tokens + weight * r) if use_demand else r
+            cost = (row_pending(&tab[t, 0]) + extra[m + k] + tokens + weight * r) if use_demand else r
             key = fr_load_i64(&tab[t, COL_ORDER_KEY])
             if best < 0:
                 better = True
@@ -399,7 +404,7 @@ def demand_ties(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tok
         t = cands[k]
         if not row_eligible(&tab[t, 0]):
             continue
-        cost = row_tokens(&tab[t, 0]) + tokens + weight * row_requests(&tab[t, 0])
+        cost = row_pending(&tab[t, 0]) + tokens + weight * row_requests(&tab[t, 0])
         if not out or cost < best:
             out = [t]
             best = cost
@@ -469,7 +474,8 @@ def layout():
         COL_CB_FAILS=COL_CB_FAILS, COL_CB_OKS=COL_CB_OKS, COL_CB_OPENED_AT=COL_CB_OPENED_AT,
         COL_OTHERS_OPEN=COL_OTHERS_OPEN, COL_OTHERS_IN_FLIGHT=COL_OTHERS_IN_FLIGHT,
         COL_OTHERS_TOKENS=COL_OTHERS_TOKENS, COL_OTHERS_EST=COL_OTHERS_EST,
-        COL_OTHERS_EST_TOKENS=COL_OTHERS_EST_TOKENS, COL_ORDER_KEY=COL_ORDER_KEY, NCOLS=NCOLS,
+        COL_OTHERS_EST_TOKENS=COL_OTHERS_EST_TOKENS, COL_ORDER_KEY=COL_ORDER_KEY,
+        COL_POLLED_UNCACHED=COL_POLLED_UNCACHED, COL_POLLED_KV_QUEUE=COL_POLLED_KV_QUEUE, NCOLS=NCOLS,
         HDR_MAGIC=HDR_MAGIC, HDR_CAPACITY=HDR_CAPACITY, HDR_UNDERFLOWS=HDR_UNDERFLOWS,
         HDR_GENERATION=HDR_GENERATION, HDR_REPLICAS=HDR_REPLICAS,
         HDR_REPLICA_SLOT=HDR_REPLICA_SLOT, HDR_SYNC_TICKS=HDR_SYNC_TICKS, NHDR=NHDR,

@@ -19,7 +19,7 @@ from fastroute.core.table import (COL_CIRCUIT, COL_HEALTHY, COL_IN_FLIGHT, COL_I
                                   COL_ORDER_KEY, COL_OTHERS_EST, COL_OTHERS_EST_TOKENS,
                                   COL_OTHERS_IN_FLIGHT, COL_OTHERS_OPEN, COL_OTHERS_TOKENS,
                                   COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_POLLED_TOKENS,
-                                  COL_TOKENS_AT_POLL)
+                                  COL_TOKENS_AT_POLL, COL_POLLED_UNCACHED, COL_POLLED_KV_QUEUE)
 from fastroute.names import CIRCUIT_OPEN, LOAD_METRIC_CODE
 
 M64 = (1 << 64) - 1
@@ -73,6 +73,16 @@ def tokens_in_flight(tab: np.ndarray, t) -> int:
     """``_layout.row_tokens``: this host's in-flight input tokens plus the other replicas'."""
     return (int(tab[t, COL_IN_FLIGHT_TOKENS]) + int(tab[t, COL_OTHERS_TOKENS])
             + int(tab[t, COL_OTHERS_EST_TOKENS]))
+
+
+def pending(tab: np.ndarray, t) -> int:
+    """``_layout.row_pending``: the input tokens a demand cost charges: in flight, or a
+    prefill's polled uncached waiting tokens moved by the bookings and releases since."""
+    live = tokens_in_flight(tab, t)
+    polled = int(tab[t, COL_POLLED_UNCACHED])
+    if polled < 0 or tab[t, COL_POLLED_AT] < 0:
+        return live
+    return max(0, polled + live - int(tab[t, COL_TOKENS_AT_POLL]))
 
 
 def round_robin(tab: np.ndarray, cands, cursor: list[int]) -> int:
@@ -136,7 +146,7 @@ def power_of_two(tab: np.ndarray, cands, metric: str, rng: Rng) -> int:
 def demand(tab: np.ndarray, cands, tokens: int, weight: int, rng: Rng) -> int:
     best, best_cost, ties = -1, 0, 0
     for t in _eligible(tab, cands):
-        cost = tokens_in_flight(tab, t) + tokens + weight * requests(tab, t)
+        cost = pending(tab, t) + tokens + weight * requests(tab, t)
         if best < 0 or cost < best_cost:
             best, best_cost, ties = t, cost, 1
         elif cost == best_cost:
@@ -164,6 +174,8 @@ def free_kv(tab: np.ndarray, t: int) -> int | None:
         return None
     live = tokens_in_flight(tab, t)
     used = max(int(tab[t, COL_POLLED_TOKENS]) + live - int(tab[t, COL_TOKENS_AT_POLL]), live)
+    if tab[t, COL_POLLED_KV_QUEUE] > 0:
+        used = max(used, cap)       # a prealloc/retracted queue at the poll: no KV free
     return cap - used
 
 
@@ -186,7 +198,7 @@ def kv_fit(tab: np.ndarray, cands, tokens: int, need: int, use_demand: bool, wei
         if free < need:
             continue
         if use_demand:
-            key = (tokens_in_flight(tab, t) + tokens + weight * requests(tab, t), 0)
+            key = (pending(tab, t) + tokens + weight * requests(tab, t), 0)
         else:
             key = (requests(tab, t), -free)
         if best < 0 or key < best_key:
@@ -227,7 +239,7 @@ def coordinated(tab: np.ndarray, cands, tokens: int, need: int, use_demand: bool
                 free = f - extra_k[t]
                 fits = free >= need
             r = requests(tab, t) + extra_r[t]
-            cost = tokens_in_flight(tab, t) + extra_k[t] + tokens + weight * r if use_demand else r
+            cost = pending(tab, t) + extra_k[t] + tokens + weight * r if use_demand else r
             key = (0, cost, int(tab[t, COL_ORDER_KEY])) if fits else (1, -free, int(tab[t, COL_ORDER_KEY]))
             if best_key is None or key < best_key:
                 best, best_key = t, key
@@ -395,7 +407,7 @@ def demand_ties(tab: np.ndarray, cands, tokens: int, weight: int) -> list[int]:
     out: list[int] = []
     best = 0
     for t in _eligible(tab, cands):
-        cost = tokens_in_flight(tab, t) + tokens + weight * requests(tab, t)
+        cost = pending(tab, t) + tokens + weight * requests(tab, t)
         if not out or cost < best:
             out, best = [t], cost
         elif cost == best:

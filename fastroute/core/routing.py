@@ -233,6 +233,10 @@ class Group:
                 "fallback": p.kv_fallback + c[2]}
 
     @property
+    def tokens_until_answer(self) -> bool:
+        return bool(self._picker.tokens_until_answer)
+
+    @property
     def shadow_agree(self) -> int:
         return self._picker.shadow_agree + self._ca_demand[0]
 
@@ -253,11 +257,14 @@ class Router:
     def group(self, targets: Sequence[int], policy: str, *, load_metric: str = "tokens",
               demand: str = "off", request_weight: int = 0,
               names: Sequence[str] | None = None, kv_fit: str = "off",
-              kv_reserve: int = 0, rank_slack: int = -1) -> Group:
+              kv_reserve: int = 0, rank_slack: int = -1,
+              tokens_until_answer: bool = False) -> Group:
         # Each group gets its own RNG stream, derived from the router seed and its creation order.
         seed = (self._seed + 0x9E3779B97F4A7C15 * (self._groups + 1)) & 0xFFFFFFFFFFFFFFFF
         self._groups += 1
         g = Group(self, policy, load_metric, demand, request_weight, seed, kv_fit, kv_reserve,
                   rank_slack)
+        # A PD prefill's input tokens are its work until it answers (Lease.answered).
+        g._picker.tokens_until_answer = bool(tokens_until_answer)
         g.set_targets(targets, names)
         return g

@@ -41,6 +41,8 @@ COL_OTHERS_TOKENS = 17      # in flight here; zero without --replica-sync
 COL_OTHERS_EST = 18         # coordination of synced replicas: the others' estimated
 COL_OTHERS_EST_TOKENS = 19  # placements since the last sync (requests, input tokens) and
 COL_ORDER_KEY = 20          # the tie-break order they share (hash of the target name)
+COL_POLLED_UNCACHED = 21    # a prefill's polled uncached tokens waiting (-1 unknown)
+COL_POLLED_KV_QUEUE = 22    # a decode's polled prealloc + retracted queue requests
 NCOLS = 24
 
 HDR_MAGIC = 0
@@ -139,9 +141,10 @@ class TargetTable:
 
     # ---- writers ------------------------------------------------------------------------------
     def set_polled(self, t: int, running: int, waiting: int, tokens: int,
-                   max_tokens: int = -1) -> None:
+                   max_tokens: int = -1, uncached: int = -1, kv_queue: int = 0) -> None:
         _ledger.store_polled(self.array, t, int(running), int(waiting), int(tokens),
-                             int(max_tokens), int(time.time() * 1000))
+                             int(max_tokens), int(time.time() * 1000), int(uncached),
+                             int(kv_queue))
 
     def mark_unpolled(self, t: int) -> None:
         """The last poll failed or had no entry for this target: its load is unknown, not zero."""

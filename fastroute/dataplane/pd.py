@@ -105,6 +105,10 @@ class _PDLeg(Leg):
         self.conn = None
         self.done = True
         ex = self.ex
+        if self is ex.p and ex.leases:
+            # Its prefill is over: under prefill input demand its tokens are given back now
+            # (the request stays booked until the exchange ends).
+            ex.leases[0].answered()
         ex._outcome(self.target, self.status)
         if ex.relaying and self is ex.d:
             ex.relay_end()

@@ -118,6 +118,8 @@ def banner(config: Config, port: int, processes: int) -> str:
                      f"W={config.decode_request_weight}")
         lines.append(f"  decode KV fit: {config.decode_kv_fit}, reserve "
                      f"{config.decode_kv_reserve_tokens} tokens")
+    if config.pd_disaggregation:
+        lines.append(f"  prefill input demand: {config.prefill_input_demand}")
     lines.append(f"  dp-aware: {'on' if config.dp_aware else 'off'}"
                  + (f", rank field {config.dp_rank_field}" if config.dp_rank_field else ""))
     extras = []

@@ -168,13 +168,14 @@ class Rendezvous:
 
 
 class _PrefillRank:
-    __slots__ = ("lock", "running", "waiting", "tokens", "cache")
+    __slots__ = ("lock", "running", "waiting", "tokens", "waiting_tokens", "cache")
 
     def __init__(self) -> None:
         self.lock = asyncio.Lock()  # FIFO: asyncio.Lock wakes waiters in arrival order
         self.running = 0
         self.waiting = 0
         self.tokens = 0
+        self.waiting_tokens = 0  # input tokens of the queued requests
         self.cache: OrderedDict = OrderedDict()  # block hash -> None, least recently used first
 
 
@@ -234,10 +235,12 @@ class PrefillEngine:
         r = self.ranks[rank]
         queued = True
         r.waiting += 1
+        r.waiting_tokens += g.input_tokens
         try:
             async with r.lock:
                 queued = False
                 r.waiting -= 1
+                r.waiting_tokens -= g.input_tokens
                 # The cache is looked up when the compute starts, as a scheduler matches the
                 # radix tree when it schedules the request.
                 cached = self._cached_tokens(r, g)
@@ -256,6 +259,7 @@ class PrefillEngine:
             # Client gone: leave the queue (or the compute) without publishing the room.
             if queued:
                 r.waiting -= 1
+                r.waiting_tokens -= g.input_tokens
             self.aborted += 1
             raise
         if g.room is not None:
@@ -265,6 +269,12 @@ class PrefillEngine:
     def rank_loads(self) -> list[tuple[int, int, int]]:
         """(running, waiting, tokens) per rank."""
         return [(r.running, r.waiting, r.tokens) for r in self.ranks]
+
+    def waiting_uncached(self, rank: int) -> int:
+        """SGLang's estimate of the uncached tokens waiting on a rank (its fallback when the
+        queue is not prefix-matched yet): the queued input tokens times the miss rate so far."""
+        miss = 1.0 - (self.hit_tokens / self.input_tokens if self.input_tokens else 0.0)
+        return int(self.ranks[rank].waiting_tokens * miss)
 
 
 class DecodeReq:

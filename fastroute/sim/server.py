@@ -287,6 +287,8 @@ class SimWorker:
                 "token_usage": round(used / cap, 6) if cap else 0.0, "gen_throughput": 0.0,
                 "cache_hit_rate": 0.0, "utilization": round(min(1.0, run / max(1, p.max_running_requests)), 6),
                 "max_running_requests": p.max_running_requests,
+                "num_waiting_uncached_tokens":
+                    self.prefill.waiting_uncached(i) if self.prefill is not None else 0,
             }
             if "memory" in sections:
                 e["memory"] = {"weight_gb": 0.0, "kv_cache_gb": 0.0, "graph_gb": 0.0, "token_capacity": cap}

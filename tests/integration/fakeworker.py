@@ -28,8 +28,9 @@ class Recorded:
 @dataclass
 class FakeWorker:
     dp_size: int = 1
-    # Per-rank loads: list index = rank; keys num_running_reqs, num_waiting_reqs, num_used_tokens.
-    loads: list[dict[str, int]] = field(default_factory=list)
+    # Per-rank loads: list index = rank; keys num_running_reqs, num_waiting_reqs, num_used_tokens;
+    # any other key (e.g. num_waiting_uncached_tokens, disaggregation) is sent as it is.
+    loads: list[dict[str, Any]] = field(default_factory=list)
     # "v1" -> /v1/loads works; "get_load" -> /v1/loads 404s, /get_load works; "none" -> both 404;
     # "error" -> /v1/loads answers 500.
     load_mode: str = "v1"
@@ -138,6 +139,7 @@ class FakeWorker:
                     "num_used_tokens": d["num_used_tokens"],
                     "max_total_num_tokens": 100000,
                     "token_usage": d["num_used_tokens"] / 100000,
+                    **(self.loads[r] if r < len(self.loads) else {}),
                 })
             doc = {"timestamp": "2026-01-01T00:00:00+00:00", "dp_rank_count": self.dp_size, "loads": loads}
             return 200, json.dumps(doc).encode(), "application/json"

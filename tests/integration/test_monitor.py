@@ -27,7 +27,7 @@ def test_v1_loads_fan_out_per_rank_one_call_per_server():
             await p.monitor.poll_once()
             polls = [r for r in fw.requests if r.path == "/v1/loads"]
             assert len(polls) == 1  # one per physical server, not per rank
-            assert polls[0].query == "include=core" and polls[0].headers["authorization"] == "Bearer k"
+            assert polls[0].query == "include=core,disagg" and polls[0].headers["authorization"] == "Bearer k"
             assert [polled(p.table, t) for t in w.targets] == [(0, 0, 1000), (1, 1, 2000), (2, 0, 3000),
                                                                (3, 1, 4000)]
             assert p.table.get(w.targets[0], COL_POLLED_MAX_TOKENS) == 100000
@@ -109,12 +109,12 @@ def test_parsers_are_defensive():
     assert parse_v1_loads([1, 2]) == []
     assert parse_v1_loads({"loads": [{"dp_rank": 0, "num_running_reqs": 1}]}) == [(0, None)]
     assert parse_v1_loads({"loads": [{"dp_rank": 1, "num_total_reqs": 4, "num_waiting_reqs": 1,
-                                      "num_used_tokens": 9.0, "max_total_num_tokens": None}]}) == [(1, (3, 1, 9, -1))]
+                                      "num_used_tokens": 9.0, "max_total_num_tokens": None}]}) == [(1, (3, 1, 9, -1, -1, 0))]
     assert parse_v1_loads({"loads": [{"dp_rank": True, "num_running_reqs": -1, "num_used_tokens": 3}]}) == \
         [(None, None)]
     # A fork reporting pages instead of tokens: unknown, not zero.
     assert parse_get_load([{"dp_rank": 0, "num_reqs": 2, "num_waiting_reqs": 0, "num_pages": 4}]) == [(0, None)]
-    assert parse_get_load({"dp_rank": 0, "num_reqs": 2, "num_tokens": 5}) == [(0, (2, 0, 5, -1))]
+    assert parse_get_load({"dp_rank": 0, "num_reqs": 2, "num_tokens": 5}) == [(0, (2, 0, 5, -1, -1, 0))]
     assert parse_get_load("garbage") == []
 
 

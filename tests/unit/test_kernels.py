@@ -8,6 +8,7 @@ import pytest
 from fastroute.core import _policy, reference as R
 from fastroute.names import LOAD_METRIC_CODE
 from fastroute.core.routing import build_ring
+from fastroute.core import table as T
 from fastroute.core.table import (COL_CIRCUIT, COL_HEALTHY, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS,
                              COL_POLLED_AT, COL_POLLED_TOKENS, NCOLS)
 
@@ -206,6 +207,9 @@ def test_compiled_matches_reference(seed):
     tab[:, COL_IN_FLIGHT] = rs.integers(0, hi, n)
     tab[:, COL_IN_FLIGHT_TOKENS] = rs.integers(0, hi * 10, n)
     tab[:, COL_POLLED_TOKENS] = rs.integers(0, hi * 10, n)
+    # a prefill's polled uncached tokens (-1 unknown) enter the demand cost
+    tab[:, T.COL_POLLED_UNCACHED] = np.where(rs.random(n) < 0.5, rs.integers(0, hi * 10, n), -1)
+    tab[:, T.COL_TOKENS_AT_POLL] = rs.integers(0, hi * 10, n)
     cands = np.sort(rs.choice(n, int(rs.integers(1, n + 1)), replace=False)).astype(np.int64)
     s, ref = state(seed * 7919 + 1), R.Rng(seed * 7919 + 1)
     cur_c, cur_r = np.zeros(1, dtype=np.int64), [0]

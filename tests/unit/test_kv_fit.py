@@ -8,6 +8,7 @@ from fastroute.core import _policy, reference as R
 from fastroute.core.routing import Router
 from fastroute.core.table import (COL_HEALTHY, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_POLLED_AT,
                              COL_POLLED_MAX_TOKENS, COL_POLLED_TOKENS, COL_TOKENS_AT_POLL, NCOLS,
+                             COL_POLLED_KV_QUEUE, COL_POLLED_UNCACHED,
                              TargetTable)
 
 
@@ -134,6 +135,8 @@ def test_kv_fit_matches_reference(seed):
     tab[:, COL_IN_FLIGHT] = rs.integers(0, 5, n)
     tab[:, COL_IN_FLIGHT_TOKENS] = rs.integers(0, 60_000, n)
     tab[:, COL_TOKENS_AT_POLL] = rs.integers(0, 60_000, n)
+    tab[:, COL_POLLED_KV_QUEUE] = np.where(rs.random(n) < 0.2, 1, 0)
+    tab[:, COL_POLLED_UNCACHED] = np.where(rs.random(n) < 0.5, rs.integers(0, 50_000, n), -1)
     cands = np.arange(n, dtype=np.int64)
     s, ref = np.array([seed + 1], dtype=np.uint64), R.Rng(seed + 1)
     for step in range(200):
