@@ -21,10 +21,11 @@ from typing import Any, Iterable
 from urllib.parse import urlsplit
 
 from fastroute import flags
-from fastroute.checks import ConfigError, _strip_url, _check_url, worker_url_problem, _check_port, _check_origin, _check_header, _at_least, _finite_at_least
+from fastroute.checks import ConfigError, check_peer_semantics, metric_in_use, _strip_url, _check_url, worker_url_problem, _check_port, _check_origin, _check_header, _at_least, _finite_at_least
 from fastroute.auth import ControlPlaneKeyError, parse_control_plane_keys, split_env_keys
 from fastroute.kube import NO_KUBE_CONFIG, kube_config_source, parse_selector
-from fastroute.names import ASSIGNMENT_MODES, LOAD_METRIC_ALIASES, LOAD_METRICS, MODES, POLICIES
+from fastroute.names import (ASSIGNMENT_MODES, LOAD_METRIC_ALIASES, LOAD_METRICS, MODES, POLICIES,
+                             REFUSED_LOAD_METRICS)
 
 __all__ = [
     "Config",
@@ -74,7 +75,6 @@ BUCKET_REFUSAL = (
 )
 SUPPORTED_POLICIES: tuple[str, ...] = POLICIES
 
-# smg spells the token metric `expected_wait`; fastroute maps it to `tokens` (protocol.md 5.5).
 P2C_LOAD_METRICS: tuple[str, ...] = LOAD_METRICS
 P2C_LOAD_METRIC_ALIASES: dict[str, str] = LOAD_METRIC_ALIASES
 DEMAND_MODES: tuple[str, ...] = MODES
@@ -276,9 +276,7 @@ class Config:
         self._decode_inherited = self.decode_policy is None
         if self.decode_policy is None:
             self.decode_policy = self.policy
-        self.p2c_load_metric = P2C_LOAD_METRIC_ALIASES.get(
-            self.p2c_load_metric, self.p2c_load_metric
-        )
+        self.p2c_load_metric = metric_in_use(self)
         if self.log_level == "warn":
             self.log_level = "warning"
         # Normalise containers so callers may pass tuples / generators.
@@ -380,12 +378,10 @@ class Config:
                     f"policy {value!r} is not implemented by fastroute; supported: {supported}",
                 )
             raise ConfigError(flag, f"unknown policy {value!r}; supported: {supported}")
-        if self.p2c_load_metric not in P2C_LOAD_METRICS:
-            raise ConfigError(
-                "--power-of-two-load-metric",
-                f"invalid value {self.p2c_load_metric!r}; choose from "
-                + ", ".join(P2C_LOAD_METRICS + tuple(P2C_LOAD_METRIC_ALIASES)),
-            )
+        if self.p2c_load_metric not in P2C_LOAD_METRICS + REFUSED_LOAD_METRICS:
+            raise ConfigError("--power-of-two-load-metric", f"invalid value {self.p2c_load_metric!r}; "
+                              "choose from " + ", ".join(P2C_LOAD_METRICS))
+        check_peer_semantics(self)
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ConfigError("--cache-threshold", "must be within 0.0..1.0")
         _at_least("--balance-abs-threshold", self.balance_abs_threshold, 0)
