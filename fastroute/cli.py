@@ -207,6 +207,9 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
              "default: plain HTTP).")
     add("--tls-key-path", default=None, metavar="PEM",
         help="Private key of --tls-cert-path (default: none).")
+    add("--tls-min-version", choices=("1.2", "1.3"), default=d("tls_min_version"),
+        help="Oldest TLS version the HTTPS listener negotiates; TLS 1.0/1.1 are never offered "
+             "(default: %(default)s).")
     add("--control-plane-api-keys", nargs="*", action="extend", default=None,
         metavar="ID:NAME:ROLE:KEY",
         help="Keys of the worker-management routes (role admin: every route; role user: "

@@ -126,6 +126,7 @@ class Config:
     # bad one stops the router: fastroute.tls).
     tls_cert_path: str | None = None
     tls_key_path: str | None = None
+    tls_min_version: str = "1.2"   # oldest TLS the listener negotiates: 1.2 or 1.3
     # smg's 'id:name:role:key' specs (flag + $CONTROL_PLANE_API_KEYS); parsed by fastroute.auth.
     control_plane_api_keys: list[str] = _list(())
     control_plane_audit_enabled: bool = False
@@ -466,6 +467,8 @@ class Config:
             flag, other = (("--tls-key-path", "--tls-cert-path") if self.tls_cert_path
                            else ("--tls-cert-path", "--tls-key-path"))
             raise ConfigError(flag, f"is required with {other}")
+        if self.tls_min_version not in ("1.2", "1.3"):
+            raise ConfigError("--tls-min-version", f"{self.tls_min_version!r}: choose from 1.2, 1.3")
         try:
             parse_control_plane_keys(self.control_plane_api_keys)
         except ControlPlaneKeyError as exc:
