@@ -37,9 +37,9 @@ MANAGEMENT_PATHS: frozenset[bytes] = frozenset({
 # Not a management route, yet it runs a generation on workers: it needs a key whenever any
 # key is configured (AdminAuth.check).
 HEALTH_GENERATE = b"/health_generate"
-# Reads smg serves on its public routes. fastroute keeps them behind --api-key when one is set,
-# and then any control-plane key (admin or user) opens them too, so a caller smg lets in is
-# never refused here.
+# Reads smg serves on its public routes. fastroute keeps them behind --api-key when one is set
+# (stricter than smg: a caller without any key is refused), and then any control-plane key
+# (admin or user) opens them as the data-plane key does.
 SHARED_READ_PATHS: frozenset[bytes] = frozenset({
     b"/get_server_info", b"/server_info", b"/engine_metrics", b"/get_model_info", b"/model_info",
 })
