@@ -60,7 +60,9 @@ def check_peer_semantics(c: Any) -> None:
     """Combinations that would quietly route otherwise than the peers: refused by name."""
     used = _legs(c)
     if c.p2c_load_metric == "expected_wait":
-        raise ConfigError("--power-of-two-load-metric", EXPECTED_WAIT_REFUSAL)
+        source = c.load_metric_source   # the flag, or the environment variable that gave it
+        raise ConfigError(source if source.isupper() else "--power-of-two-load-metric",
+                          EXPECTED_WAIT_REFUSAL)
     workers = c.workers
     manual = [flag for flag, p in used if p == "manual"]
     if manual and workers > 1:

@@ -581,7 +581,7 @@ def _p2c_metric_from_env(environ: dict[str, str] | os._Environ[str]) -> str:
     if not raw:
         return "tokens"
     value = P2C_LOAD_METRIC_ALIASES.get(raw, raw)
-    if value not in P2C_LOAD_METRICS:
+    if value not in P2C_LOAD_METRICS + REFUSED_LOAD_METRICS:  # expected_wait: as the flag's
         # The patched power_of_two this mirrors treats any other value as `tokens`; keep that
         # so an existing environment still starts, but say so once.
         logger.warning(

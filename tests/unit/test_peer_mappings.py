@@ -119,3 +119,12 @@ def test_readme_first_example_is_a_real_smg_line_and_the_same_fastroute_line() -
             assert token in SMG_1_13_FLAGS, token
     c = parse_args(after_args[1:])
     assert (c.policy, c.p2c_load_metric, c.dp_aware) == ("power_of_two", "least_requests", True)
+
+
+def test_expected_wait_from_the_environment_is_judged_like_the_flag(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("SGLANG_ROUTER_P2C_LOAD_METRIC", "expected_wait")
+    err = _refused(capsys, ["--policy", "power_of_two"])
+    assert "argument SGLANG_ROUTER_P2C_LOAD_METRIC:" in err and "gen_throughput" in err
+    assert parse_args(["--policy", "random"]).p2c_load_metric == "tokens"
+    monkeypatch.setenv("SGLANG_ROUTER_P2C_LOAD_METRIC", "requests")
+    assert parse_args(["--policy", "power_of_two"]).p2c_load_metric == "requests"
