@@ -70,34 +70,23 @@ def _permissive_server(pki) -> tuple[int, threading.Thread]:
     return lsock.getsockname()[1], t
 
 
-def test_listener_refuses_tls_1_0_and_1_1(pki) -> None:
+def test_listener_tls_floor_is_1_2_or_the_flags(pki) -> None:
+    """TLS 1.0/1.1 are refused by default (a permissive control server proves the client really
+    speaks 1.1), and --tls-min-version 1.3 refuses 1.2 too."""
     ca = pki["ca"].cert
     port, t = _permissive_server(pki)
-    assert _handshake(port, _client(ca, *OLD)) == "TLSv1.1"   # the client really speaks 1.1
+    assert _handshake(port, _client(ca, *OLD)) == "TLSv1.1"
     t.join(5)
+    only12 = (ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_2)
 
     async def body() -> None:
         (w,) = [await DataWorker().start()]
-        async with Router(worker_urls=[w.url], tls_cert_path=pki["server"].cert,
-                          tls_key_path=pki["server"].key) as r:
-            old = await asyncio.to_thread(_handshake, r.port, _client(ca, *OLD))
-            assert old is None
-            v12 = await asyncio.to_thread(_handshake, r.port, _client(
-                ca, ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_2))
-            assert v12 == "TLSv1.2"
-    run(body())
-
-
-def test_tls_min_version_1_3_refuses_1_2(pki) -> None:
-    ca = pki["ca"].cert
-
-    async def body() -> None:
-        (w,) = [await DataWorker().start()]
-        async with Router(worker_urls=[w.url], tls_cert_path=pki["server"].cert,
-                          tls_key_path=pki["server"].key, tls_min_version="1.3") as r:
-            v12 = await asyncio.to_thread(_handshake, r.port, _client(
-                ca, ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_2))
-            assert v12 is None
+        tls = {"tls_cert_path": pki["server"].cert, "tls_key_path": pki["server"].key}
+        async with Router(worker_urls=[w.url], **tls) as r:
+            assert await asyncio.to_thread(_handshake, r.port, _client(ca, *OLD)) is None
+            assert await asyncio.to_thread(_handshake, r.port, _client(ca, *only12)) == "TLSv1.2"
+        async with Router(worker_urls=[w.url], tls_min_version="1.3", **tls) as r:
+            assert await asyncio.to_thread(_handshake, r.port, _client(ca, *only12)) is None
             v13 = await asyncio.to_thread(_handshake, r.port, _client(
                 ca, ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3))
             assert v13 == "TLSv1.3"
@@ -138,8 +127,7 @@ def test_get_loads_needs_a_control_plane_key_when_only_those_are_configured() ->
     run(body())
 
 
-@pytest.mark.parametrize("path", ["/get_server_info", "/engine_metrics", "/health_generate",
-                                  "/get_model_info"])
+@pytest.mark.parametrize("path", ["/get_server_info", "/engine_metrics", "/get_model_info"])
 def test_shared_reads_take_the_data_key_or_any_control_plane_key(path: str) -> None:
     async def body() -> None:
         (w,) = [await DataWorker().start()]
@@ -162,6 +150,10 @@ def test_get_loads_with_both_layers_takes_control_plane_keys() -> None:
             assert await _status(r.port, "/get_loads", USER) == 200
             # control-plane keys replace --api-key on smg's admin routes
             assert await _status(r.port, "/get_loads", DATA) == 401
+            # /health_generate (a generation on a worker) takes any of the three keys
+            assert await _status(r.port, "/health_generate") == 401
+            for auth in (DATA, ADMIN, USER):
+                assert await _status(r.port, "/health_generate", auth) not in (401, 403), auth
     run(body())
 
 

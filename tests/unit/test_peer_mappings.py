@@ -38,8 +38,9 @@ def test_non_sglang_backend_is_refused(capsys, flag: str, value: str) -> None:
     assert "argument --backend: not supported by fastroute" in err and "SGLang" in err
 
 
-def test_sglang_backend_starts() -> None:
-    parse_args(["--backend", "sglang"])
+def test_only_the_sglang_backend_starts(capsys) -> None:
+    assert parse_args(["--backend", "sglang"]).policy == "cache_aware"
+    assert "argument --backend" in _refused(capsys, ["--backend", "tokenspeed"])
 
 
 def test_backend_openai_refused_by_the_real_command() -> None:
@@ -90,8 +91,9 @@ def test_manual_with_workers_auto_on_two_cpus_is_refused(capsys, monkeypatch) ->
     assert "routing-key table" in _refused(capsys, ["--policy", "manual", "--workers", "auto"])
 
 
-def test_manual_with_one_process_starts() -> None:
+def test_manual_starts_with_one_process_only(capsys) -> None:
     assert parse_args(["--policy", "manual", "--workers", "1"]).policy == "manual"
+    assert "routing-key table" in _refused(capsys, ["--policy", "manual", "--workers", "4"])
 
 
 def test_cb_window_warns_once_and_is_still_validated(caplog, capsys) -> None:
