@@ -46,7 +46,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("smg_http_responses_total", "counter", ("path", "status_code", "error_code"), EXPORTED),
     Family("smg_http_connections_active", "gauge", (), EXPORTED),
     Family("smg_http_inflight_request_age_count", "gauge", ("gt", "le"), NOT_EXPORTED,
-           "fastroute keeps no start time per in-flight request outside its exchanges"),
+           "fastroute counts in-flight requests per target, not by age"),
     Family("smg_http_rate_limit_total", "counter", ("result",), EXPORTED),
     # ---- router layer -----------------------------------------------------------------------
     Family("smg_router_requests_total", "counter", _R + ("streaming",), EXPORTED),
