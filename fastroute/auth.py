@@ -12,7 +12,8 @@ Two layers, as the peers define them:
   ``$CONTROL_PLANE_API_KEYS``, several specs separated by commas or whitespace): when given, the
   worker-management routes accept only these keys. Role ``admin`` may call every one of them,
   role ``user`` may read (GET/HEAD) and gets 403 on a mutation. ``--api-key`` no longer opens
-  them.
+  them. ``/get_loads`` is one of them (an smg admin route). The reads smg serves publicly
+  (``SHARED_READ_PATHS``, ``/health_generate``) take the data-plane key or any control-plane key.
 
 Keys are kept only as SHA-256 digests and compared in constant time.
 """
@@ -28,12 +29,20 @@ from typing import Iterable
 OPEN_PATHS: frozenset[bytes] = frozenset({b"/health", b"/liveness", b"/readiness", b"/v1/models"})
 
 # Worker management: the routes control-plane keys protect (plus every /workers/<id> path).
+# /get_loads is one of smg's admin routes: control-plane keys guard it as they guard /workers.
 MANAGEMENT_PATHS: frozenset[bytes] = frozenset({
     b"/workers", b"/add_worker", b"/remove_worker", b"/list_workers", b"/flush_cache",
+    b"/get_loads",
 })
 # Not a management route, yet it runs a generation on workers: it needs a key whenever any
 # key is configured (AdminAuth.check).
 HEALTH_GENERATE = b"/health_generate"
+# Reads smg serves on its public routes. fastroute keeps them behind --api-key when one is set
+# (stricter than smg: a caller without any key is refused), and then any control-plane key
+# (admin or user) opens them as the data-plane key does.
+SHARED_READ_PATHS: frozenset[bytes] = frozenset({
+    b"/get_server_info", b"/server_info", b"/engine_metrics", b"/get_model_info", b"/model_info",
+})
 _READ_METHODS = frozenset({b"GET", b"HEAD"})
 ROLES: tuple[str, ...] = ("admin", "user")
 
@@ -126,9 +135,11 @@ class AdminAuth:
 
     def check(self, method: bytes, path: bytes, got: bytes | None) -> tuple[int, ControlPlaneKey | None]:
         """-> (OK | UNAUTHORIZED | FORBIDDEN, the control-plane key used, if any)."""
-        if self.keys and path == HEALTH_GENERATE:
-            # A real generation on a worker: never open while any key is configured. The
-            # data-plane key or any control-plane key (it is a read) may call it.
+        if self.keys and (path == HEALTH_GENERATE or (
+                path in SHARED_READ_PATHS and self.api_key is not None)):
+            # /health_generate (a real generation on a worker) is never open while any key is
+            # configured; the shared reads need a key once --api-key is set. The data-plane
+            # key or any control-plane key (these are reads) may call them.
             if self.api_key is not None and matches(self.api_key, got):
                 return OK, None
             who = self.principal(got)

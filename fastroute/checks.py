@@ -6,9 +6,11 @@ option to fix.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import math
 import re
 import socket
+from typing import Any
 from urllib.parse import urlsplit
 
 
@@ -19,6 +21,52 @@ class ConfigError(ValueError):
         self.flag = flag
         self.message = message
         super().__init__(f"argument {flag}: {message}")
+
+
+# Why smg's default power_of_two metric is refused rather than mapped (issue 25).
+EXPECTED_WAIT_REFUSAL = (
+    "smg's expected_wait scores a worker by (queued prompt tokens + 1024 per request sent to it "
+    "since the last load poll) / its reported gen_throughput, plus 0.15 s x k/(1-k) of its KV "
+    "usage k; fastroute's load polls keep running and waiting requests and used tokens, not "
+    "throughput or queued tokens, so it cannot compute that score and does not substitute "
+    "another one; choose tokens, requests or least_requests")
+MANUAL_WORKERS_REFUSAL = (
+    "the manual policy's routing-key table is kept per proxy process, so with --workers {n} each "
+    "process would place the same key on its own and keys would move between workers; use "
+    "--workers 1 with manual, or --policy consistent_hashing (the same key always hashes to the "
+    "same worker in every process)")
+
+
+def _legs(c: Any) -> list[tuple[str, str]]:
+    """(flag that chose it, policy) of every leg that routes."""
+    if not c.pd_disaggregation:
+        return [("--policy", c.policy)]
+    legs = (("--prefill-policy", c.prefill_policy), ("--decode-policy", c.decode_policy))
+    return [("--policy" if p == c.policy else flag, p) for flag, p in legs]
+
+
+def metric_in_use(c: Any) -> str:
+    """``c.p2c_load_metric``, or ``tokens`` (one warning) for an expected_wait no power_of_two
+    leg reads: it then cannot change where requests go."""
+    if c.p2c_load_metric == "expected_wait" and all(p != "power_of_two" for _, p in _legs(c)):
+        logging.getLogger("fastroute.config").warning(
+            "--power-of-two-load-metric expected_wait is accepted and ignored by fastroute (only "
+            "used with --policy power_of_two, which is not in use)")
+        return "tokens"
+    return c.p2c_load_metric
+
+
+def check_peer_semantics(c: Any) -> None:
+    """Combinations that would quietly route otherwise than the peers: refused by name."""
+    used = _legs(c)
+    if c.p2c_load_metric == "expected_wait":
+        source = c.load_metric_source   # the flag, or the environment variable that gave it
+        raise ConfigError(source if source.isupper() else "--power-of-two-load-metric",
+                          EXPECTED_WAIT_REFUSAL)
+    workers = c.workers
+    manual = [flag for flag, p in used if p == "manual"]
+    if manual and workers > 1:
+        raise ConfigError(manual[0], MANUAL_WORKERS_REFUSAL.format(n=workers))
 
 
 

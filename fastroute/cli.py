@@ -22,7 +22,6 @@ from fastroute.config import (
     ENV_DECODE_REQUEST_WEIGHT,
     ENV_CONTROL_PLANE_API_KEYS,
     ENV_P2C_LOAD_METRIC,
-    P2C_LOAD_METRIC_ALIASES,
     P2C_LOAD_METRICS,
     PREFILL_ONLY_POLICIES,
     SUPPORTED_POLICIES,
@@ -32,7 +31,7 @@ from fastroute.config import (
     config_from_args,
     default,
 )
-from fastroute.names import ASSIGNMENT_MODES
+from fastroute.names import ASSIGNMENT_MODES, REFUSED_LOAD_METRICS
 from fastroute.log import configure_logging
 from fastroute.runtime.server import Server, run
 from fastroute.runtime.startup import StartupError
@@ -43,6 +42,9 @@ __all__ = ["build_parser", "parse_namespace", "parse_args", "configure_logging",
 ROUTER_PREFIX = "--router-"
 # Flags that sglang.launch_server never prefixes with --router- (protocol.md 9).
 _NEVER_PREFIXED = frozenset({"--host", "--port", "--worker-urls"})
+# Peer flags that start with --router- and are flags of their own, not a prefixed spelling
+# (smg's --router-selector picks its mesh's router pods): the inventory judges them by name.
+_OWN_PREFIXED = frozenset(f.name for f in flags.TABLE if f.name.startswith(ROUTER_PREFIX))
 
 # Every peer flag fastroute accepts without a field of its own comes from the one inventory,
 # fastroute.flags.TABLE (implemented / inert / refused, with the reason).
@@ -86,7 +88,7 @@ class _DiscoveryOption(argparse.Action):
 
 def _canonical(flag: str) -> str:
     flag = flag.split("=", 1)[0]
-    if flag.startswith(ROUTER_PREFIX):
+    if flag.startswith(ROUTER_PREFIX) and flag not in _OWN_PREFIXED:
         return "--" + flag[len(ROUTER_PREFIX):]
     return flag
 
@@ -102,11 +104,11 @@ def _workers_value(text: str) -> int | str:
 
 def _p2c_metric(text: str) -> str:
     value = text.strip().lower()
-    if value in P2C_LOAD_METRICS or value in P2C_LOAD_METRIC_ALIASES:
-        return P2C_LOAD_METRIC_ALIASES.get(value, value)
+    if value in P2C_LOAD_METRICS or value in REFUSED_LOAD_METRICS:
+        return value  # expected_wait parses and is refused with its reason (fastroute.checks)
     raise argparse.ArgumentTypeError(
         f"invalid choice {text!r} (choose from "
-        + ", ".join(P2C_LOAD_METRICS + tuple(P2C_LOAD_METRIC_ALIASES)) + ")"
+        + ", ".join(P2C_LOAD_METRICS) + ")"
     )
 
 
@@ -132,8 +134,10 @@ class _Adder:
             alias_kwargs["dest"] = action.dest
             if "default" in alias_kwargs or action.default is not None:
                 alias_kwargs["default"] = argparse.SUPPRESS
-        aliases = [ROUTER_PREFIX + n[2:] for n in names if n.startswith("--")]
-        self.parser.add_argument(*aliases, **alias_kwargs)
+        aliases = [ROUTER_PREFIX + n[2:] for n in names
+                   if n.startswith("--") and ROUTER_PREFIX + n[2:] not in _OWN_PREFIXED]
+        if aliases:
+            self.parser.add_argument(*aliases, **alias_kwargs)
 
 
 def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
@@ -203,6 +207,9 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
              "default: plain HTTP).")
     add("--tls-key-path", default=None, metavar="PEM",
         help="Private key of --tls-cert-path (default: none).")
+    add("--tls-min-version", choices=("1.2", "1.3"), default=d("tls_min_version"),
+        help="Oldest TLS version the HTTPS listener negotiates; TLS 1.0/1.1 are never offered "
+             "(default: %(default)s).")
     add("--control-plane-api-keys", nargs="*", action="extend", default=None,
         metavar="ID:NAME:ROLE:KEY",
         help="Keys of the worker-management routes (role admin: every route; role user: "
@@ -234,7 +241,7 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
         type=_p2c_metric, default=None, metavar="{tokens,requests,least_requests}",
         help="What power_of_two compares: polled tokens (tie: in-flight requests), "
              "in-flight requests (tie: polled tokens), or least_requests over all targets; "
-             "expected_wait is an alias of tokens (default: $" + ENV_P2C_LOAD_METRIC
+             "smg's expected_wait is refused with its reason (default: $" + ENV_P2C_LOAD_METRIC
              + " if set, else tokens).")
     add("--load-monitor-interval", type=float, default=d("load_monitor_interval"),
         help="Seconds between /v1/loads polls of each worker, minimum 0.1 "
@@ -309,7 +316,8 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
     add("--cb-timeout-duration-secs", type=int, default=d("cb_timeout_duration_secs"),
         help="Time open before a half-open trial (default: %(default)s s).")
     add("--cb-window-duration-secs", type=int, default=d("cb_window_duration_secs"),
-        help="Failure window, kept for compatibility (default: %(default)s s).")
+        help="Accepted with a warning: like smg's, the circuit breaker counts consecutive "
+             "failures and never reads it; must be at least 1 (default: %(default)s s).")
     add("--disable-circuit-breaker", action="store_true",
         help="Never open circuits (default: off).")
 

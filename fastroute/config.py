@@ -21,10 +21,11 @@ from typing import Any, Iterable
 from urllib.parse import urlsplit
 
 from fastroute import flags
-from fastroute.checks import ConfigError, _strip_url, _check_url, worker_url_problem, _check_port, _check_origin, _check_header, _at_least, _finite_at_least
+from fastroute.checks import ConfigError, check_peer_semantics, metric_in_use, _strip_url, _check_url, worker_url_problem, _check_port, _check_origin, _check_header, _at_least, _finite_at_least
 from fastroute.auth import ControlPlaneKeyError, parse_control_plane_keys, split_env_keys
 from fastroute.kube import NO_KUBE_CONFIG, kube_config_source, parse_selector
-from fastroute.names import ASSIGNMENT_MODES, LOAD_METRIC_ALIASES, LOAD_METRICS, MODES, POLICIES
+from fastroute.names import (ASSIGNMENT_MODES, LOAD_METRIC_ALIASES, LOAD_METRICS, MODES, POLICIES,
+                             REFUSED_LOAD_METRICS)
 
 __all__ = [
     "Config",
@@ -74,7 +75,6 @@ BUCKET_REFUSAL = (
 )
 SUPPORTED_POLICIES: tuple[str, ...] = POLICIES
 
-# smg spells the token metric `expected_wait`; fastroute maps it to `tokens` (protocol.md 5.5).
 P2C_LOAD_METRICS: tuple[str, ...] = LOAD_METRICS
 P2C_LOAD_METRIC_ALIASES: dict[str, str] = LOAD_METRIC_ALIASES
 DEMAND_MODES: tuple[str, ...] = MODES
@@ -126,6 +126,7 @@ class Config:
     # bad one stops the router: fastroute.tls).
     tls_cert_path: str | None = None
     tls_key_path: str | None = None
+    tls_min_version: str = "1.2"   # oldest TLS the listener negotiates: 1.2 or 1.3
     # smg's 'id:name:role:key' specs (flag + $CONTROL_PLANE_API_KEYS); parsed by fastroute.auth.
     control_plane_api_keys: list[str] = _list(())
     control_plane_audit_enabled: bool = False
@@ -277,9 +278,7 @@ class Config:
         self._decode_inherited = self.decode_policy is None
         if self.decode_policy is None:
             self.decode_policy = self.policy
-        self.p2c_load_metric = P2C_LOAD_METRIC_ALIASES.get(
-            self.p2c_load_metric, self.p2c_load_metric
-        )
+        self.p2c_load_metric = metric_in_use(self)
         if self.log_level == "warn":
             self.log_level = "warning"
         # Normalise containers so callers may pass tuples / generators.
@@ -381,12 +380,10 @@ class Config:
                     f"policy {value!r} is not implemented by fastroute; supported: {supported}",
                 )
             raise ConfigError(flag, f"unknown policy {value!r}; supported: {supported}")
-        if self.p2c_load_metric not in P2C_LOAD_METRICS:
-            raise ConfigError(
-                "--power-of-two-load-metric",
-                f"invalid value {self.p2c_load_metric!r}; choose from "
-                + ", ".join(P2C_LOAD_METRICS + tuple(P2C_LOAD_METRIC_ALIASES)),
-            )
+        if self.p2c_load_metric not in P2C_LOAD_METRICS + REFUSED_LOAD_METRICS:
+            raise ConfigError("--power-of-two-load-metric", f"invalid value {self.p2c_load_metric!r}; "
+                              "choose from " + ", ".join(P2C_LOAD_METRICS))
+        check_peer_semantics(self)
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ConfigError("--cache-threshold", "must be within 0.0..1.0")
         _at_least("--balance-abs-threshold", self.balance_abs_threshold, 0)
@@ -471,6 +468,8 @@ class Config:
             flag, other = (("--tls-key-path", "--tls-cert-path") if self.tls_cert_path
                            else ("--tls-cert-path", "--tls-key-path"))
             raise ConfigError(flag, f"is required with {other}")
+        if self.tls_min_version not in ("1.2", "1.3"):
+            raise ConfigError("--tls-min-version", f"{self.tls_min_version!r}: choose from 1.2, 1.3")
         try:
             parse_control_plane_keys(self.control_plane_api_keys)
         except ControlPlaneKeyError as exc:
@@ -582,7 +581,7 @@ def _p2c_metric_from_env(environ: dict[str, str] | os._Environ[str]) -> str:
     if not raw:
         return "tokens"
     value = P2C_LOAD_METRIC_ALIASES.get(raw, raw)
-    if value not in P2C_LOAD_METRICS:
+    if value not in P2C_LOAD_METRICS + REFUSED_LOAD_METRICS:  # expected_wait: as the flag's
         # The patched power_of_two this mirrors treats any other value as `tokens`; keep that
         # so an existing environment still starts, but say so once.
         logger.warning(

@@ -42,6 +42,7 @@ __all__ = [
     "CODE_BAD_REQUEST",
     "CODE_NO_AVAILABLE_WORKERS",
     "CODE_UNKNOWN_URL",
+    "CODE_MODEL_NOT_FOUND",
     "CODE_PAYLOAD_TOO_LARGE",
     "CODE_QUEUE_FULL",
     "CODE_QUEUE_TIMEOUT",
@@ -53,6 +54,7 @@ __all__ = [
 CODE_BAD_REQUEST = "bad_request"
 CODE_NO_AVAILABLE_WORKERS = "no_available_workers"
 CODE_UNKNOWN_URL = "unknown_url"
+CODE_MODEL_NOT_FOUND = "model_not_found"
 CODE_PAYLOAD_TOO_LARGE = "payload_too_large"
 CODE_QUEUE_FULL = "queue_full"
 CODE_QUEUE_TIMEOUT = "queue_timeout"

@@ -95,6 +95,9 @@ TABLE: tuple[Flag, ...] = (
     Flag("--kv-engine-id-annotation", INERT, _DISCOVERY_EXTRA),
     Flag("--model-id-from", INERT, _DISCOVERY_EXTRA),
     Flag("--enable-mesh", REFUSED, "multi-router HA coordination is not implemented"),
+    Flag("--router-selector", REFUSED, "smg selects the router pods of its HA mesh with it, which "
+         "is not implemented (it is not a --router- spelling of --selector: give the worker pod "
+         "selector as --selector)"),
     Flag("--mesh-", INERT, "only used by --enable-mesh, which is refused"),
     Flag("--enable-wasm", REFUSED, "WASM middleware is not implemented; it may decide who gets in"),
     Flag("--storage-hook-wasm-path", INERT, _NO_HISTORY),
@@ -133,6 +136,9 @@ TABLE: tuple[Flag, ...] = (
          "cache_aware uses its own prefix tree"),
     Flag("--block-size", INERT, "KV block size of smg's event-driven KV index, which fastroute "
          "does not use"),
+    Flag("--cb-window-duration-secs", INERT, "smg checks it is at least 1 and its circuit "
+         "breaker never reads it (it counts consecutive failures); fastroute does the same",
+         parsed=True),
     # ---- worker health (smg 1.13) -------------------------------------------------------------
     Flag("--disable-worker-overload-protection", IMPLEMENTED, "fastroute never leaves a worker "
          "out for its waiting queue or KV usage, which is what this asks for"),
@@ -212,8 +218,9 @@ TABLE: tuple[Flag, ...] = (
     Flag("--reasoning-parser", INERT, _NO_TOKENIZER),
     Flag("--tool-call-parser", INERT, _NO_TOKENIZER),
     Flag("--disable-tokenizer-autoload", IMPLEMENTED, "fastroute never loads a tokenizer"),
-    Flag("--backend", INERT, "fastroute speaks HTTP to SGLang workers; the backend names the "
-         "engine of smg's gRPC/ZMQ workers"),
+    Flag("--backend", REFUSED, "fastroute routes to SGLang workers only; an openai, anthropic, "
+         "vllm or tokenspeed backend is out of scope (sglang is accepted)",
+         neutral=_one_of("sglang")),
     Flag("--zmq-engine-count", INERT, "fastroute has no ZMQ workers"),
     Flag("--multimodal-", INERT, _NO_MEDIA),
     Flag("--mm-", INERT, _NO_MEDIA),

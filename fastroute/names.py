@@ -17,8 +17,10 @@ ASSIGNMENT_MODE_CODE: dict[str, int] = {name: i for i, name in enumerate(ASSIGNM
 # power_of_two load metrics; the integer code is what the compiled Picker takes.
 LOAD_METRICS: tuple[str, ...] = ("tokens", "requests", "least_requests")
 LOAD_METRIC_CODE: dict[str, int] = {name: i for i, name in enumerate(LOAD_METRICS)}
-# smg spells the token metric `expected_wait`.
-LOAD_METRIC_ALIASES: dict[str, str] = {"expected_wait": "tokens"}
+# No aliases: smg's `expected_wait` is another score, not a spelling of `tokens`; it parses
+# and is refused at start-up (fastroute.checks.EXPECTED_WAIT_REFUSAL says why).
+LOAD_METRIC_ALIASES: dict[str, str] = {}
+REFUSED_LOAD_METRICS: tuple[str, ...] = ("expected_wait",)
 
 # --decode-input-demand and --decode-kv-fit share these modes and codes.
 MODES: tuple[str, ...] = ("off", "shadow", "on")

@@ -23,8 +23,17 @@ def _readable(flag: str, path: str) -> None:
         raise TLSConfigError(f"{flag} {path}: not readable")
 
 
-def server_context(cert_path: str | None, key_path: str | None) -> ssl.SSLContext | None:
+# --tls-min-version: the oldest protocol the listener negotiates. TLS 1.0 and 1.1 are never
+# offered (smg refuses them too).
+MIN_VERSIONS: dict[str, ssl.TLSVersion] = {"1.2": ssl.TLSVersion.TLSv1_2, "1.3": ssl.TLSVersion.TLSv1_3}
+
+
+def server_context(cert_path: str | None, key_path: str | None,
+                   min_version: str = "1.2") -> ssl.SSLContext | None:
     """The listener's context, or None when neither flag is given (plain HTTP)."""
+    if min_version not in MIN_VERSIONS:
+        raise TLSConfigError(f"--tls-min-version {min_version!r}: choose from "
+                             + ", ".join(MIN_VERSIONS))
     if not cert_path and not key_path:
         return None
     if not cert_path or not key_path:
@@ -34,7 +43,7 @@ def server_context(cert_path: str | None, key_path: str | None) -> ssl.SSLContex
     _readable("--tls-cert-path", cert_path)
     _readable("--tls-key-path", key_path)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.minimum_version = MIN_VERSIONS[min_version]
     ctx.set_alpn_protocols(["http/1.1"])
     try:
         ctx.load_cert_chain(cert_path, key_path)

@@ -26,6 +26,7 @@ __all__ = [
     "HttpConnectError",
     "HttpTimeout",
     "HttpProtocolError",
+    "HttpTLSClosed",
     "request",
     "header",
 ]
@@ -74,6 +75,12 @@ class HttpTimeout(HttpClientError):
 
 class HttpProtocolError(HttpClientError):
     """The peer sent something that is not a complete, well-formed HTTP response."""
+
+
+class HttpTLSClosed(HttpProtocolError):
+    """The TLS handshake completed, then the worker closed without a byte of response: what a
+    worker that requires a client certificate does under TLS 1.3 when none (or one it does not
+    trust) was presented. Retried like any closed connection; registration warns once."""
 
 
 class _Collector:
@@ -156,8 +163,12 @@ async def _exchange(method: str, url: str, body: bytes, headers: HeadersIn) -> t
     try:
         writer.write(_encode_request(method, netloc, target, body, headers))
         await writer.drain()
+        got = 0
         while not col.complete:
             data = await reader.read(_READ_CHUNK)
+            got += len(data)
+            if not data and tls and got == 0:
+                raise HttpTLSClosed(f"{host}:{port} closed the TLS connection without answering")
             if not data:
                 # EOF. A response without Content-Length/chunked framing ends at EOF, which
                 # httptools cannot be told about; accept it only in that case.

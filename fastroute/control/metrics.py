@@ -23,6 +23,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from fastroute.config import DEFAULT_DURATION_BUCKETS, Config
+# The smg families and fastroute's status for each (README's table is generated there).
+from fastroute.control.parity import PEER_SERIES, peer_table_markdown  # noqa: F401
 from fastroute.core import _policy, table as T
 from fastroute.names import label_value, target_name
 
@@ -72,7 +74,7 @@ class Stats:
 
     def __init__(self, duration_buckets: Iterable[float] = DEFAULT_BUCKETS) -> None:
         self.http_requests: dict[tuple[str, str], int] = {}
-        self.http_responses: dict[tuple[str, str], int] = {}
+        self.http_responses: dict[tuple[str, str, str], int] = {}   # (status, code, path)
         self.router_requests: dict[tuple[str, str, str], int] = {}
         self.router_errors: dict[tuple[str, str, str], int] = {}
         self.router_duration: dict[tuple[str, str], Hist] = {}
@@ -134,63 +136,6 @@ def group_decisions(groups: dict) -> dict[tuple[str, str, str], int]:
     return out
 
 
-# Peer series (smg 1.13 / sglang-router 0.3.2, protocol.md 8.1) -> what fastroute exports for
-# them: (peer series, type, label names, fastroute series). The fastroute series is the same
-# name when it is emitted as the peers do (same type and label names; checked against a scrape
-# by tests/integration/test_metrics_parity.py), another series carrying the same information,
-# or "" when there is none. README's table is rendered from this one (peer_table_markdown).
-_ROUTER = ("router_type", "backend_type", "connection_mode", "model", "endpoint")
-PEER_SERIES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
-    ("smg_http_requests_total", "counter", ("method", "path"), "smg_http_requests_total"),
-    ("smg_http_responses_total", "counter", ("status_code", "error_code"), "smg_http_responses_total"),
-    ("smg_http_request_duration_seconds", "histogram", ("method", "path"),
-     "smg_http_request_duration_seconds"),
-    ("smg_http_connections_active", "gauge", (), "smg_http_connections_active"),
-    ("smg_http_rate_limit_total", "counter", ("result",), "smg_http_rate_limit_total"),
-    ("smg_http_inflight_request_age_count", "gauge", ("gt", "le"), ""),
-    ("smg_router_requests_total", "counter", _ROUTER + ("streaming",), "smg_router_requests_total"),
-    ("smg_router_request_duration_seconds", "histogram", _ROUTER,
-     "smg_router_request_duration_seconds"),
-    ("smg_router_request_errors_total", "counter", _ROUTER + ("error_type",),
-     "smg_router_request_errors_total"),
-    ("smg_pd_ttft_seconds", "histogram", ("backend_type", "model", "runtime"), "smg_pd_ttft_seconds"),
-    ("smg_worker_requests_active", "gauge", ("worker",), "smg_worker_requests_active"),
-    ("smg_worker_selection_total", "counter", ("worker_type", "connection_mode", "model", "policy"),
-     "smg_worker_selection_total"),
-    ("smg_worker_pool_size", "gauge", ("worker_type", "connection_mode", "model"),
-     "smg_worker_pool_size"),
-    ("smg_worker_health", "gauge", ("worker",), "smg_worker_health"),
-    ("smg_worker_health_checks_total", "counter", ("worker_type", "result"),
-     "smg_worker_health_checks_total"),
-    ("smg_worker_cb_state", "gauge", ("worker",), "smg_worker_cb_state"),
-    ("smg_worker_cb_outcomes_total", "counter", ("worker", "outcome"), "smg_worker_cb_outcomes_total"),
-    ("smg_worker_cb_transitions_total", "counter", ("worker", "from", "to"),
-     "smg_worker_cb_transitions_total"),
-    ("smg_worker_cb_consecutive_failures", "gauge", ("worker",), ""),
-    ("smg_worker_retries_total", "counter", ("worker_type", "endpoint"), "smg_worker_retries_total"),
-    ("smg_worker_retries_exhausted_total", "counter", ("worker_type", "endpoint"),
-     "smg_worker_retries_exhausted_total"),
-    ("smg_worker_retry_backoff_seconds", "histogram", ("attempt",), ""),
-    ("smg_worker_errors_total", "counter", ("worker_type", "connection_mode", "error_type"),
-     "smg_worker_errors_total"),
-    ("smg_worker_requests_total", "counter", ("worker", "model"), "fastroute_target_picks_total"),
-    ("smg_engine_running_requests", "gauge", ("worker", "model", "dp_rank"),
-     "fastroute_target_polled_running"),
-    ("smg_engine_waiting_requests", "gauge", ("worker", "model", "dp_rank"),
-     "fastroute_target_polled_waiting"),
-    ("smg_router_ttft_seconds", "histogram", _ROUTER, ""),
-)
-
-
-def peer_table_markdown() -> str:
-    """README's peer -> fastroute table, rendered from ``PEER_SERIES``."""
-    rows = ["| peer series | type | labels | fastroute |", "|---|---|---|---|"]
-    for peer, kind, labels, ours in PEER_SERIES:
-        mine = ("same" if ours == peer else f"`{ours}`" if ours else "not exported")
-        rows.append(f"| `{peer}` | {kind} | {', '.join(labels) or '-'} | {mine} |")
-    return "\n".join(rows) + "\n"
-
-
 def _hist_family(name: str, doc: str, labels: list[str]) -> HistogramMetricFamily:
     return HistogramMetricFamily(name, doc, labels=labels)
 
@@ -243,12 +188,19 @@ class Collector:
                                "Circuit state (0 closed, 1 open, 2 half-open)", labels=["worker"])
         picks = CounterMetricFamily("fastroute_target_picks", "Picks of each target",
                                     labels=["target", "role"])
-        for t, name, role, _ in targets:
+        sent = CounterMetricFamily("smg_worker_requests", "Requests sent to each worker (every "
+                                   "attempt, both PD legs)", labels=["worker", "model"])
+        fails = GaugeMetricFamily("smg_worker_cb_consecutive_failures",
+                                  "Consecutive failures counted by the circuit breaker",
+                                  labels=["worker"])
+        for t, name, role, model in targets:
             active.add_metric([name], float(snap[t, T.COL_IN_FLIGHT]))
             health.add_metric([name], float(snap[t, T.COL_HEALTHY]))
             cb.add_metric([name], float(snap[t, T.COL_CIRCUIT]))
             picks.add_metric([name, role], float(snap[t, T.COL_PICKS]))
-        yield from (active, health, cb, picks)
+            sent.add_metric([name, model], float(snap[t, T.COL_PICKS]))
+            fails.add_metric([name], float(snap[t, T.COL_CB_FAILS]))
+        yield from (active, health, cb, picks, sent, fails)
         yield gauge("fastroute_target_in_flight_requests",
                     "Requests booked on the target and not yet released", T.COL_IN_FLIGHT)
         yield gauge("fastroute_target_in_flight_tokens",
@@ -340,7 +292,12 @@ class Collector:
                     f = _policy.free_kv(self.table.array, t)
                     if f is not None:
                         free.add_metric([name], float(f))
-        yield from (sel, pool, dreq, dtok, shadow, kv, evicted, free)
+        keys = GaugeMetricFamily("smg_manual_policy_cache_entries",
+                                 "Routing keys held by the manual policy")
+        tables = [g._keys for g in groups.values() if getattr(g, "_keys", None) is not None]
+        if tables:
+            keys.add_metric([], float(sum(int(k.count) for k in tables)))
+        yield from (sel, pool, dreq, dtok, shadow, kv, evicted, free, keys)
 
     def _requests(self):
         def merged(attr):
@@ -355,10 +312,10 @@ class Collector:
         for (m, p), v in merged("http_requests").items():
             c.add_metric([m, p], float(v))
         yield c
-        c = CounterMetricFamily("smg_http_responses", "HTTP responses by status and error code",
-                                labels=["status_code", "error_code"])
-        for (s, e), v in merged("http_responses").items():
-            c.add_metric([s, e], float(v))
+        c = CounterMetricFamily("smg_http_responses", "HTTP responses by path, status and error code",
+                                labels=["path", "status_code", "error_code"])
+        for (s, e, p), v in merged("http_responses").items():
+            c.add_metric([p, s, e], float(v))
         yield c
         g = GaugeMetricFamily("smg_http_connections_active", "Open client connections")
         g.add_metric([], float(sum(s.connections_active for s in self.stats)))
@@ -441,6 +398,12 @@ class Collector:
             for r, v in merged("discovered").items():
                 g.add_metric([r], float(v))
             yield g
+        g = GaugeMetricFamily("smg_discovery_workers_discovered",
+                              "Workers currently registered by discovery", labels=["source"])
+        source = getattr(self.config, "discovery", None)
+        if source is not None:
+            g.add_metric([source], float(sum(merged("discovered").values())))
+        yield g
         h = _hist_family("smg_router_request_duration_seconds", "Routed request duration (success)",
                          labels)
         keys = set()

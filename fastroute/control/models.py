@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Sequence
 
-from fastroute.errors import CODE_BAD_REQUEST, CODE_NO_AVAILABLE_WORKERS, RouterError
+from fastroute.errors import CODE_BAD_REQUEST, CODE_MODEL_NOT_FOUND, RouterError
 
 __all__ = ["ModelGroups", "parse_aliases", "worker_model_names"]
 
@@ -138,7 +138,8 @@ class ModelGroups:
 
     def refusal(self, model: str | None) -> RouterError | None:
         """The error for a request naming ``model`` (None: no "model" field), or None when a
-        group serves it.  Unknown model: smg's 503 ``no_available_workers`` listing the models."""
+        group serves it.  Unknown model: smg's 404 ``model_not_found`` (an OpenAI client does
+        not retry a 404, while it retries a 503 twice), listing the models served."""
         if model is None:
             if self._only() is not None or not self.models:
                 return None   # no models yet: the usual "no available workers" answers
@@ -147,8 +148,8 @@ class ModelGroups:
                                + ", ".join(sorted(self.models)) + ")")
         if model in self.by_name:
             return None
-        return RouterError(503, CODE_NO_AVAILABLE_WORKERS,
-                           f"No workers available for model '{model}'. Available models: "
+        return RouterError(404, CODE_MODEL_NOT_FOUND,
+                           f"No worker available for model '{model}'. Available models: "
                            + ", ".join(sorted(self.models)))
 
 

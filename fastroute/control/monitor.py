@@ -28,6 +28,7 @@ from typing import Any
 from fastroute.config import Config
 from fastroute.control import httpclient
 from fastroute.control.background import cancel_all
+from fastroute.control.engine import EngineLoads
 from fastroute.control.httpclient import HttpClientError
 from fastroute.control.registry import Registry
 from fastroute.control.worker import Worker
@@ -130,6 +131,8 @@ class Monitor:
         self._tasks: list[asyncio.Task] = []
         # (worker url, "v1_loads" | "get_load" | "failed") -> polls; read by metrics.
         self.polls: dict[tuple[str, str], int] = {}
+        # The last usable answer per worker, for smg's per-rank engine gauges.
+        self.engine = EngineLoads()
         # (worker role, "success" | "failure") -> health probes; read by metrics.
         self.health_checks: dict[tuple[str, str], int] = {}
         # Workers whose last answer had unusable rank entries (warned once per episode).
@@ -192,7 +195,7 @@ class Monitor:
     async def poll_worker(self, w: Worker, timeout: float) -> bool:
         """One load poll of one physical worker; True when usable data arrived."""
         entries: list[tuple[int | None, RankLoad | None]] | None = None
-        mode = "failed"
+        mode, doc = "failed", None
         headers = self.registry.auth_headers(w)
         try:
             if w.load_path != GET_LOAD:
@@ -206,7 +209,8 @@ class Monitor:
                                                                headers=headers, timeout=timeout)
                 if status == 200:
                     w.load_path = query if query == _V1_CORE else V1_LOADS
-                    entries, mode = parse_v1_loads(json.loads(body)), "v1_loads"
+                    doc = json.loads(body)
+                    entries, mode = parse_v1_loads(doc), "v1_loads"
                 elif status == 404:
                     w.load_path = GET_LOAD  # older SGLang: remember, don't ask /v1/loads again
                 else:
@@ -215,7 +219,8 @@ class Monitor:
                 status, _, body = await httpclient.request("GET", w.url + GET_LOAD, headers=headers,
                                                            timeout=timeout)
                 if status == 200:
-                    entries, mode = parse_get_load(json.loads(body)), "get_load"
+                    doc = json.loads(body)
+                    entries, mode = parse_get_load(doc), "get_load"
                 else:
                     if status == 404:
                         # Neither endpoint (or the server was replaced): probe both again next time.
@@ -227,7 +232,9 @@ class Monitor:
         key = (w.url, mode)
         self.polls[key] = self.polls.get(key, 0) + 1
         if w.status != "ready":  # removed during the await: its rows may belong to someone else now
+            self.engine.update(w.url, None, mode)
             return False
+        self.engine.update(w.url, doc if entries else None, mode)   # smg_engine_* gauges
         if entries:
             self._note_unusable(w, entries)
         self._dp_hint(w, entries)

@@ -41,7 +41,7 @@ from fastroute.config import Config
 from fastroute.control import httpclient
 from fastroute.control.admin import AdminAPI
 from fastroute.control.background import Background
-from fastroute.control.httpclient import HttpClientError, HttpTLSError
+from fastroute.control.httpclient import HttpClientError, HttpTLSClosed, HttpTLSError
 from fastroute.control.models import ModelGroups, group_like, parse_aliases, worker_model_names
 from fastroute.control.worker import (ROLES, BadWorkerURL, DuplicateWorker, Worker, address_key, basic_auth,
                                       check_fields, model_id_of, normalize_url, split_host_port)
@@ -74,6 +74,13 @@ ATTEMPT_SPACING = 0.002
 ATTEMPT_BURST = 8           # attempts that start at once after a quiet spell (a token bucket)
 DP_RECHECK_MIN_SECS = 5.0
 
+
+
+def _mtls_hint(cfg: Config) -> str:
+    if cfg.client_cert_path:
+        return " (it may not trust the client certificate of --client-cert-path)"
+    return (" (a worker that requires a client certificate does this: give --client-cert-path and "
+            "--client-key-path)")
 
 
 class Registry(AdminAPI):
@@ -385,6 +392,7 @@ class Registry(AdminAPI):
         interval = max(float(cfg.worker_startup_check_interval), 0.001)
         probe_timeout = max(float(cfg.health_check_timeout_secs), 0.001)
         attempts = 0
+        tls_warned = False
         while True:
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -413,6 +421,12 @@ class Registry(AdminAPI):
                 w.error = str(exc)
                 log.error("worker %s failed to register: %s", w.url, exc)
                 return False
+            except HttpTLSClosed as exc:  # TLS 1.3: a refused client certificate looks like this
+                w.error = str(exc) + _mtls_hint(cfg)
+                if not tls_warned:
+                    tls_warned = True
+                    log.warning("worker %s refuses the router: %s; retrying until "
+                                "--worker-startup-timeout-secs", w.url, w.error)
             except (HttpClientError, _Transient) as exc:
                 w.error = str(exc)
             except _Fatal as exc:

@@ -372,7 +372,7 @@ class App(Front):
             # browsers send no credentials with it, so it is answered before any auth rule.
             ka = req.keep_alive and self.accepting
             if st is not None:
-                self.count_response(204, "")
+                self.count_response(204, "", path)
             proto.reply(self.cors.preflight(req.origin, req.acrh, ka), ka)
         elif path in INFERENCE:   # any method but POST (Front.handle proxies those)
             proto.send_error(RouterError(405, "method_not_allowed",
@@ -382,7 +382,7 @@ class App(Front):
         elif path == b"/health" or path == b"/liveness":
             ka = req.keep_alive and self.accepting
             if st is not None:
-                self.count_response(200, "")
+                self.count_response(200, "", path)
             data = _HEALTH_KA if ka else _HEALTH_CLOSE
             if req.origin is not None:
                 cors = self.cors.headers_for(req.origin)

@@ -305,7 +305,7 @@ class _Exchange(Leg):
         st = self.app._stats
         if st is not None:
             app = self.app
-            app.count_response(self.status, "")
+            app.count_response(self.status, "", self.path)
             if 200 <= self.status < 300:
                 app.observe_keyed(st.router_duration, app.model_keys(self.meta.model)[self.path][2],
                                   app.loop.time() - self.started_at)

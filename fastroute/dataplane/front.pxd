@@ -24,4 +24,4 @@ cdef class Front:
     cpdef observe(self, h, double v)
     cpdef observe_keyed(self, dict d, key, double v)
     cpdef observe_http(self, key, double t0)
-    cpdef count_response(self, status, code, path=*, model=*)
+    cpdef count_response(self, status, code, path=*, model=*, label=*)

@@ -42,7 +42,19 @@ _STATUS_LABEL = {s.value: str(s.value) for s in HTTPStatus}
 # Label tuples built once (a request looks them up, never builds one).
 _HTTP_KEY = {p: {m: (ml, pl) for m, ml in _METHOD_LABEL.items()} for p, pl in _PATH_LABEL.items()}
 _HTTP_KEY_OTHER = {m: (ml, "other") for m, ml in _METHOD_LABEL.items()}
-_RESP_OK = {code: (label, "") for code, label in _STATUS_LABEL.items()}
+# /workers/<id>: one label, smg's route template (a raw id would make labels unbounded).
+WORKER_PATH_LABEL = "/workers/{worker_id}"
+_HTTP_KEY_WORKER = {m: (ml, WORKER_PATH_LABEL) for m, ml in _METHOD_LABEL.items()}
+
+
+def path_label(path: bytes | None) -> str:
+    """The bounded ``path`` label of a request path (None: unknown, "other")."""
+    if path is None:
+        return "other"
+    label = _PATH_LABEL.get(path)
+    if label is None:
+        label = WORKER_PATH_LABEL if path.startswith(b"/workers/") else "other"
+    return label
 # Distinct request models that get a label of their own; later ones count as "other" (the
 # model comes from clients, and labels must stay bounded).
 MAX_MODEL_LABELS = 64
@@ -65,9 +77,12 @@ class Front:
         path, _, query = req.url.partition(b"?")
         st = self._stats
         if st is not None:
-            key = _HTTP_KEY.get(path, _HTTP_KEY_OTHER).get(req.method)
+            keys = _HTTP_KEY.get(path)
+            if keys is None:
+                keys = _HTTP_KEY_WORKER if path.startswith(b"/workers/") else _HTTP_KEY_OTHER
+            key = keys.get(req.method)
             if key is None:
-                key = ("OTHER", _PATH_LABEL.get(path, "other"))
+                key = ("OTHER", path_label(path))
             st.http_requests[key] = st.http_requests.get(key, 0) + 1
             # smg_http_request_duration_seconds: observed when the response is done
             proto.http_key = key
@@ -175,13 +190,13 @@ class Front:
             self.observe_keyed(st.http_duration, key, perf_counter() - t0)
 
     def count_response(self, status: int, code: str, path: bytes | None = None,
-                       model: str | None = None) -> None:
-        """smg_http_responses, and smg_router_request_errors for failed inference requests."""
+                       model: str | None = None, label: str | None = None) -> None:
+        """smg_http_responses (by status, error code and path: ``label``, else ``path``'s), and
+        smg_router_request_errors for failed inference requests."""
         st = self._stats
         d = st.http_responses
-        key = _RESP_OK.get(status) if not code else None
-        if key is None:
-            key = (_STATUS_LABEL.get(status) or str(status), code)
+        key = (_STATUS_LABEL.get(status) or str(status), code,
+               label if label is not None else path_label(path))
         d[key] = d.get(key, 0) + 1
         if code and path is not None:
             keys = self.model_keys(model).get(path)

@@ -284,7 +284,9 @@ class ClientProtocol:
         if w is not None:
             self.waiter = None
             if self.app.admission.cancel(w) and self.app._stats is not None:
-                self.app.count_response(499, "client_closed")
+                key = self.http_key
+                self.app.count_response(499, "client_closed", None, None,
+                                        key[1] if key is not None else "other")
 
     def data_received(self, data: bytes) -> None:
         if self.bad_request:

@@ -26,6 +26,7 @@ from typing import Any, Callable
 from fastroute.config import Config
 from fastroute.control import httpclient
 from fastroute.control.leases import Reconciler
+from fastroute.control.engine import EngineCollector
 from fastroute.control.metrics import RECONCILE_MISMATCH, MetricsServer, Stats, new_stats, start_metrics
 from fastroute.control.monitor import Monitor
 from fastroute.control.registry import Registry
@@ -99,6 +100,8 @@ async def assemble(config: Config, table: TargetTable, *, seed: int | None = Non
         except OSError as exc:
             raise bind_error("--prometheus-port", config.prometheus_host,
                              int(config.prometheus_port), exc) from None
+        if parts.monitor is not None:   # smg's engine gauges from the load polls
+            parts.metrics.registry.register(EngineCollector(parts.monitor, registry))
     # A proxy process's registry has a ledger of its own and follows the supervisor's, which
     # reconciles the shared table once for all processes.
     if getattr(registry, "ledger", None) is None:

@@ -41,7 +41,7 @@ def bind_error(flag: str, host: str, port: int, exc: OSError) -> StartupError:
 def tls_context(config: Config) -> ssl.SSLContext | None:
     """The listener's TLS context (None: plain HTTP); a file that cannot be used stops the start."""
     try:
-        return server_context(config.tls_cert_path, config.tls_key_path)
+        return server_context(config.tls_cert_path, config.tls_key_path, config.tls_min_version)
     except TLSConfigError as exc:
         raise StartupError(str(exc)) from None
 

@@ -75,7 +75,7 @@ def test_oversized_head_is_431_and_closes() -> None:
             assert len(w.inference()) == 1
             await serving(r)
             st = r.server.app.stats
-            assert st.http_responses[("431", "header_too_large")] == 3
+            assert st.http_responses[("431", "header_too_large", "other")] == 3
     run(body())
 
 

@@ -1,5 +1,5 @@
 """--enable-igw over real sockets: the request's model picks the workers; another model's worker
-gets 0 requests; an unknown model gets smg's 503; /v1/models lists each model once; aliases,
+gets 0 requests; an unknown model gets smg's 404 model_not_found; /v1/models lists each model once; aliases,
 --dp-aware, PD and workers added and removed at run time."""
 
 from __future__ import annotations
@@ -56,11 +56,13 @@ def test_each_model_goes_only_to_its_workers() -> None:
             # the full model path names the same model
             assert (await call(r.port, chat("/models/org/model-b"))).status == 200
             assert len(b1.inference()) == 4
-            # unknown model: smg's 503 no_available_workers listing the models; nobody is asked
+            # unknown model: smg's 404 model_not_found listing the models (an OpenAI client
+            # retries a 503, not a 404); nobody is asked
             res = await call(r.port, chat("model-z"))
-            assert res.status == 503
+            assert res.status == 404
             err = res.json["error"]
-            assert err["code"] == "no_available_workers"
+            assert err["code"] == "model_not_found" and err["type"] == "invalid_request_error"
+            assert res.headers.get("x-smg-error-code") == "model_not_found"
             assert "model-z" in err["message"] and "model-a, model-b" in err["message"]
             # no model with two models served: a 400 naming them
             res = await call(r.port, chat(None))
@@ -81,7 +83,7 @@ def test_alias_and_runtime_add_remove() -> None:
                           model_alias=["small=model-a", "fast=model-b"]) as r:
             assert (await call(r.port, chat("small"))).status == 200 and len(a.inference()) == 1
             # alias of a model nobody serves yet: unknown
-            assert (await call(r.port, chat("fast"))).status == 503
+            assert (await call(r.port, chat("fast"))).status == 404
             add = f"POST /add_worker?url={b.url} HTTP/1.1\r\nHost: r\r\nContent-Length: 0\r\n\r\n"
             assert (await call(r.port, add.encode())).status == 200
             assert (await call(r.port, chat("fast"))).status == 200 and len(b.inference()) == 1
@@ -89,7 +91,7 @@ def test_alias_and_runtime_add_remove() -> None:
             # a single model left after removing model-a: requests without a model go to it
             rm = f"POST /remove_worker?url={a.url} HTTP/1.1\r\nHost: r\r\nContent-Length: 0\r\n\r\n"
             assert (await call(r.port, rm.encode())).status == 200
-            assert (await call(r.port, chat("model-a"))).status == 503
+            assert (await call(r.port, chat("model-a"))).status == 404
             assert (await call(r.port, chat(None))).status == 200 and len(b.inference()) == 3
             assert len(a.inference()) == 1
     run(body())
@@ -119,7 +121,7 @@ def test_pd_pairs_stay_in_their_model() -> None:
                 assert res.status == 200
             assert len(pb.inference()) == len(db.inference()) == 3
             assert not pa.inference() and not da.inference()
-            assert (await call(r.port, post("/generate", {"text": "hi", "model": "x"}))).status == 503
+            assert (await call(r.port, post("/generate", {"text": "hi", "model": "x"}))).status == 404
     run(body())
 
 
@@ -144,7 +146,7 @@ def test_igw_under_several_proxy_processes() -> None:
             for _ in range(8):   # fresh connections land on both processes
                 assert (await call(r.port, chat("model-b"))).status == 200
             assert len(b.inference()) == 8 and not a.inference()
-            assert (await call(r.port, chat("model-q"))).status == 503
+            assert (await call(r.port, chat("model-q"))).status == 404
     run(body(), timeout=60)
 
 

@@ -457,7 +457,9 @@ def test_request_metrics_are_counted() -> None:
             assert value("smg_router_requests_total", 'endpoint="generate"', 'streaming="false"') == 1
             assert value("smg_router_requests_total", 'endpoint="generate"', 'streaming="true"') == 1
             assert value("smg_http_requests_total", 'path="/generate"', 'method="POST"') == 3
-            assert value("smg_http_responses_total", 'status_code="200"', 'error_code=""') == 3
+            assert value("smg_http_responses_total", 'path="/generate"', 'status_code="200"',
+                         'error_code=""') == 2
+            assert value("smg_http_responses_total", 'path="/health"', 'status_code="200"') == 1
             assert value("smg_http_responses_total", 'status_code="400"') == 1
             assert value("smg_router_request_duration_seconds_count", 'endpoint="generate"') == 2
     run(body())

@@ -153,8 +153,7 @@ def test_explicit_values_override_defaults() -> None:
 @pytest.mark.parametrize("flag", ["--power-of-two-load-metric", "--p2c-load-metric",
                                   "--router-power-of-two-load-metric", "--router-p2c-load-metric"])
 @pytest.mark.parametrize("value,expected", [("tokens", "tokens"), ("requests", "requests"),
-                                            ("least_requests", "least_requests"),
-                                            ("expected_wait", "tokens")])
+                                            ("least_requests", "least_requests")])
 def test_p2c_metric_spellings(flag: str, value: str, expected: str) -> None:
     assert parse_args([flag, value]).p2c_load_metric == expected
 
