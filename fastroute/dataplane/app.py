@@ -54,6 +54,8 @@ _HEALTH_KA = (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\n"
 _HEALTH_CLOSE = (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\n"
                  b"content-length: 2\r\nconnection: close\r\n\r\nOK")
 
+_DRAINING = b'{"status": "not ready", "reason": "draining: the router is shutting down"}'
+
 # Paths answered by registry.handle_admin (who may call them: fastroute.auth).
 _ADMIN = frozenset({
     b"/workers", b"/add_worker", b"/remove_worker", b"/list_workers", b"/get_loads",
@@ -106,6 +108,9 @@ class App(Front):
         self.rank_field: str | None = (config.rank_field("decode") if self.pd
                                        else config.rank_field("regular") if self.dp_aware else None)
         self.accepting = True
+        # Set when the shutdown drain starts: /readiness answers 503 while requests are still
+        # served (runtime.assemble.drain), so a load balancer stops sending new ones.
+        self.draining = False
         self._stats: Any = None
         self.backend = "pd" if self.pd else "regular"
         self.igw = bool(config.enable_igw)
@@ -390,6 +395,8 @@ class App(Front):
                     head, sep, rest = data.partition(b"\r\n")
                     data = head + sep + cors + rest
             proto.reply(data, ka)
+        elif path == b"/readiness" and self.draining:
+            proto.reply_simple(503, b"application/json", _DRAINING, req)
         elif path in _ADMIN or path.startswith(b"/workers/"):
             who = None
             if self.guarded:

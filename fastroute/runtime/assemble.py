@@ -37,6 +37,9 @@ from fastroute.runtime.startup import bind_error
 from fastroute.tls import worker_context
 
 DRAIN_POLL = 0.05   # seconds between in-flight checks while draining (control plane, not per request)
+# A signal's drain keeps the listener open until nothing has been in flight for this long (or the
+# grace period ends): a client sending one request after another is served, not refused.
+DRAIN_LINGER = 1.0
 
 
 @dataclass(eq=False)
@@ -142,12 +145,30 @@ async def listen(app: App, host: str, port: int, reuse_port: bool = False,
         raise bind_error("--port", host, port, exc) from None
 
 
-async def drain(app: App, grace: float, log: logging.Logger, label: str = "shutdown") -> None:
-    """Graceful end of an App: close idle connections, wait up to ``grace`` seconds for the
-    requests in flight, then abort what is left. The caller closed the listener already."""
+async def drain(app: App, grace: float, log: logging.Logger, label: str = "shutdown",
+                listener: asyncio.AbstractServer | None = None, linger: float = 0.0) -> None:
+    """Graceful end of an App, as smg drains: ``/readiness`` answers 503 from now on, idle
+    client connections close (busy ones after their response), and ``listener``, still open,
+    goes on accepting and serving new requests while any is in flight or arriving. It closes once
+    nothing has been in flight, and no client connection open, for ``linger`` seconds (so a
+    client still sending between two requests is not refused), or when ``grace`` runs out; then
+    what is left in flight gets until the end of ``grace``, and is aborted."""
+    app.draining = True
     app.stop_accepting()
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + grace
+    now = loop.time()
+    deadline = now + grace
+    if listener is not None:
+        linger = min(linger, grace)
+        quiet_since = now
+        while now < deadline:
+            if app.active or app.connections or app.handshaking:
+                quiet_since = now
+            elif now - quiet_since >= linger:
+                break
+            await asyncio.sleep(DRAIN_POLL)
+            now = loop.time()
+        listener.close()
     while app.active and loop.time() < deadline:
         await asyncio.sleep(DRAIN_POLL)
     if app.active:
