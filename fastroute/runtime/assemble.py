@@ -33,8 +33,8 @@ from fastroute.core.breaker import Breakers
 from fastroute.core.routing import Router
 from fastroute.core.table import TargetTable
 from fastroute.dataplane.app import App
-from fastroute.runtime.startup import bind_error
-from fastroute.tls import worker_context
+from fastroute.runtime.startup import StartupError, bind_error
+from fastroute.tls import TLSConfigError, worker_context
 
 DRAIN_POLL = 0.05   # seconds between in-flight checks while draining (control plane, not per request)
 # A signal's drain keeps the listener open until nothing has been in flight for this long (or the
@@ -85,9 +85,13 @@ async def assemble(config: Config, table: TargetTable, *, seed: int | None = Non
     loop = asyncio.get_running_loop()
     # One TLS client context per process for https:// workers: registration, health checks and
     # load polls (httpclient) and the data path (the App's pools) use the same settings.
-    worker_tls = worker_context(config.ca_cert_paths, config.client_cert_path,
-                                config.client_key_path,
-                                [*config.worker_urls, *(u for u, _ in config.prefill), *config.decode])
+    try:
+        worker_tls = worker_context(config.ca_cert_paths, config.client_cert_path,
+                                    config.client_key_path,
+                                    [*config.worker_urls, *(u for u, _ in config.prefill),
+                                     *config.decode])
+    except TLSConfigError as exc:       # a --ca-cert-paths file missing: one line, no traceback
+        raise StartupError(str(exc)) from None
     httpclient.configure_tls(worker_tls)
     router = Router(table, seed=config.seed if seed is None else seed, config=config)
     registry = (registry_factory(router) if registry_factory is not None
