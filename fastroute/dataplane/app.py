@@ -194,12 +194,13 @@ class App(Front):
         return len(self.exchanges) + len(self.admin_tasks) + len(self.admission.queue)
 
     def stop_accepting(self) -> None:
-        """Shutdown phase 1: close idle client connections; busy ones close after their response."""
+        """Shutdown phase 1: from now on every response closes its connection. Idle connections
+        stay open (one just accepted may carry a request in transit); they close at the end."""
         self.accepting = False
-        for conn in list(self.connections):
-            if not conn.busy and not conn.closed and conn.transport is not None:
-                conn.closed = True
-                conn.transport.close()
+
+    def busy_connections(self) -> int:
+        """Client connections with a request being read, queued or answered."""
+        return sum(1 for c in self.connections if c.busy or c._req is not None or c.queue)
 
     def close(self) -> None:
         """Abort everything still open (end of the shutdown grace period)."""
@@ -395,7 +396,7 @@ class App(Front):
                     head, sep, rest = data.partition(b"\r\n")
                     data = head + sep + cors + rest
             proto.reply(data, ka)
-        elif path == b"/readiness" and self.draining:
+        elif path == b"/readiness" and self.draining and req.method == b"GET":
             proto.reply_simple(503, b"application/json", _DRAINING, req)
         elif path in _ADMIN or path.startswith(b"/workers/"):
             who = None

@@ -151,12 +151,12 @@ async def listen(app: App, host: str, port: int, reuse_port: bool = False,
 
 async def drain(app: App, grace: float, log: logging.Logger, label: str = "shutdown",
                 listener: asyncio.AbstractServer | None = None, linger: float = 0.0) -> None:
-    """Graceful end of an App, as smg drains: ``/readiness`` answers 503 from now on, idle
-    client connections close (busy ones after their response), and ``listener``, still open,
-    goes on accepting and serving new requests while any is in flight or arriving. It closes once
-    nothing has been in flight, and no client connection open, for ``linger`` seconds (so a
-    client still sending between two requests is not refused), or when ``grace`` runs out; then
-    what is left in flight gets until the end of ``grace``, and is aborted."""
+    """Graceful end of an App, as smg drains: ``/readiness`` answers 503 from now on, every
+    response closes its connection, and ``listener``, still open, goes on accepting and serving
+    new requests while any is in flight or arriving. It closes once nothing has been in flight
+    (no request being read, queued or answered) for ``linger`` seconds, so a client still sending
+    between two requests is not refused, or when ``grace`` runs out; then what is left in flight
+    gets until the end of ``grace``, and is aborted with the idle connections."""
     app.draining = True
     app.stop_accepting()
     loop = asyncio.get_running_loop()
@@ -166,14 +166,14 @@ async def drain(app: App, grace: float, log: logging.Logger, label: str = "shutd
         linger = min(linger, grace)
         quiet_since = now
         while now < deadline:
-            if app.active or app.connections or app.handshaking:
+            if app.active or app.handshaking or app.busy_connections():
                 quiet_since = now
             elif now - quiet_since >= linger:
                 break
             await asyncio.sleep(DRAIN_POLL)
             now = loop.time()
         listener.close()
-    while app.active and loop.time() < deadline:
+    while (app.active or app.busy_connections()) and loop.time() < deadline:
         await asyncio.sleep(DRAIN_POLL)
     if app.active:
         log.warning("%s: aborting %d requests still in flight", label, app.active)
