@@ -115,6 +115,8 @@ def test_slime_style_launcher_runs_fastroute_through_the_sglang_router_import(tm
              "--router-worker-startup-check-interval", "1",
              "--router-shutdown-grace-period-secs", "5", "--router-log-level", "info"],
             env=env, capture_output=True, text=True, timeout=150)
+        # round robin over the two worker processes: each served its share of the 8
+        served = [json.loads(_get(p, "/sim/stats")[1])["requests"] for p in ports]
     finally:
         for s in sims:
             s.terminate()
@@ -125,34 +127,8 @@ def test_slime_style_launcher_runs_fastroute_through_the_sglang_router_import(tm
     assert first == {"keys": [["k1", "trainer", SECRET, "admin"]], "policy": "round_robin"}
     assert all(200 <= s < 300 for s in result["added"]), result
     assert result["unauth"] == 401
-    assert result["gens"] == [200] * 8
+    assert result["gens"] == [200] * 8 and served == [4, 4]
     assert result["exitcode"] == 0           # SIGTERM drained and ended the router cleanly
     assert SECRET not in out.stderr          # never in a log line
     assert "Traceback" not in out.stderr
 
-
-def test_sim_workers_received_the_launcher_traffic(tmp_path) -> None:
-    """The same launcher with one worker: every generate reached the worker process."""
-    script = tmp_path / "launcher.py"
-    script.write_text(LAUNCHER)
-    port = _free_port()
-    sim = _sim(port)
-    try:
-        deadline = time.time() + 30
-        while _get(port, "/health")[0] != 200:
-            assert time.time() < deadline, "sim worker did not come up"
-            time.sleep(0.05)
-        out = subprocess.run(
-            [sys.executable, "-m", "fastroute.compat", str(script),
-             "--sglang-router-port", str(_free_port()), "--engine-urls",
-             f"http://127.0.0.1:{port}", "--admin-key", SECRET,
-             "--router-control-plane-api-keys", f"k1:trainer:admin:{SECRET}",
-             "--router-prometheus-port", "0", "--router-worker-startup-check-interval", "1"],
-            env={**os.environ, "PYTHONPATH": os.getcwd()}, capture_output=True, text=True,
-            timeout=150)
-        assert out.returncode == 0, out.stderr[-3000:]
-        stats = json.loads(_get(port, "/sim/stats")[1])
-        assert stats["requests"] >= 8
-    finally:
-        sim.terminate()
-        sim.wait(10)
