@@ -97,7 +97,9 @@ def parse_control_plane_keys(specs: Iterable[str]) -> tuple[ControlPlaneKey, ...
         role = role.strip().lower()
         if role not in ROLES:
             raise ControlPlaneKeyError(
-                f"--control-plane-api-keys entry {n} ({key_id}): role must be admin or user, not {role!r}")
+                f"--control-plane-api-keys entry {n} ({key_id}): its third field, the role, must "
+                "be admin or user (the order is id:name:role:key; the value is not shown, in "
+                "case a key was put there)")
         if key_id in seen:
             raise ControlPlaneKeyError(f"--control-plane-api-keys: id {key_id!r} given twice")
         seen.add(key_id)

@@ -32,7 +32,7 @@ from fastroute.config import (
     default,
 )
 from fastroute.names import ASSIGNMENT_MODES, REFUSED_LOAD_METRICS
-from fastroute.log import configure_logging
+from fastroute.log import configure_logging, startup_error
 from fastroute.runtime.server import Server, run
 from fastroute.runtime.startup import StartupError
 from fastroute.runtime.supervisor import Supervisor, resolve_processes
@@ -59,6 +59,25 @@ IGNORED_FLAGS: tuple[str, ...] = BY_STATUS[flags.INERT]
 IGNORED_FAMILIES: tuple[str, ...] = flags.FAMILY_PREFIXES
 
 _LOG_LEVEL_CHOICES = ("debug", "info", "warn", "warning", "error", "critical")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Argument errors are start-up refusals: one line (no usage block), JSON with --log-json."""
+
+    json_errors = False
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        startup_error(message, self.json_errors)
+        self.exit(2)
+
+
+def _wants_json(argv: Sequence[str]) -> bool:
+    for token in argv:
+        if token == "--":
+            return False
+        if token in ("--log-json", "--router-log-json"):
+            return True
+    return False
 
 
 class _IgnoredFlag(argparse.Action):
@@ -142,7 +161,7 @@ class _Adder:
 
 def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
     """The full flag surface, grouped like sglang-router's --help."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=prog,
         usage="%(prog)s [OPTIONS]  |  %(prog)s demo [DEMO-OPTIONS]",
         description=(
@@ -546,6 +565,8 @@ def parse_namespace(
     :mod:`fastroute.flags`); :func:`fastroute.config.config_from_args` judges them."""
     parser = parser or build_parser()
     args = list(sys.argv[1:] if argv is None else argv)
+    if isinstance(parser, _Parser):
+        parser.json_errors = _wants_json(args)
     kept, families = _strip_ignored_families(args)
     ns = argparse.Namespace(ignored_flags=[])
     parser.parse_args(kept, namespace=ns)
@@ -592,7 +613,11 @@ def main(argv: Sequence[str] | None = None) -> int | None:
         return run(config, factory)
     except StartupError as exc:
         # One line, no traceback: a port in use or a TLS file that cannot be used.
-        sys.stderr.write(f"fastroute: error: {exc}\n")
+        startup_error(str(exc), ns.log_json)
         return 1
+    except ConfigError as exc:
+        # Found while starting (an unusable Kubernetes configuration): refused like a flag.
+        startup_error(str(exc), ns.log_json)
+        return 2
     except KeyboardInterrupt:
         return 130

@@ -13,7 +13,7 @@ import os
 import sys
 from datetime import datetime, timezone
 
-__all__ = ["configure_logging", "JsonFormatter"]
+__all__ = ["configure_logging", "JsonFormatter", "startup_error"]
 
 _LOG_FORMAT = "%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s"
 _HANDLER_TAG = "_fastroute_handler"
@@ -66,3 +66,18 @@ def configure_logging(level: str = "info", log_dir: str | None = None,
         handler.setFormatter(formatter)
         root.addHandler(handler)
     root.setLevel(getattr(logging, name.upper()))
+
+
+def startup_error(message: str, json_lines: bool = False) -> None:
+    """A refusal to start, as one line on stderr: ``fastroute: error: MESSAGE``, or with
+    ``--log-json`` one JSON object (level ERROR, logger ``fastroute.startup``, ``event``
+    ``startup_error``) like every other line. Line breaks in the message become spaces."""
+    text = " ".join(str(message).split())
+    if json_lines:
+        record = logging.LogRecord("fastroute.startup", logging.ERROR, __file__, 0, text, None, None)
+        record.event = "startup_error"
+        line = JsonFormatter().format(record)
+    else:
+        line = f"fastroute: error: {text}"
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

@@ -54,6 +54,8 @@ _HEALTH_KA = (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\n"
 _HEALTH_CLOSE = (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\n"
                  b"content-length: 2\r\nconnection: close\r\n\r\nOK")
 
+_DRAINING = b'{"status": "not ready", "reason": "draining: the router is shutting down"}'
+
 # Paths answered by registry.handle_admin (who may call them: fastroute.auth).
 _ADMIN = frozenset({
     b"/workers", b"/add_worker", b"/remove_worker", b"/list_workers", b"/get_loads",
@@ -106,6 +108,9 @@ class App(Front):
         self.rank_field: str | None = (config.rank_field("decode") if self.pd
                                        else config.rank_field("regular") if self.dp_aware else None)
         self.accepting = True
+        # Set when the shutdown drain starts: /readiness answers 503 while requests are still
+        # served (runtime.assemble.drain), so a load balancer stops sending new ones.
+        self.draining = False
         self._stats: Any = None
         self.backend = "pd" if self.pd else "regular"
         self.igw = bool(config.enable_igw)
@@ -189,12 +194,13 @@ class App(Front):
         return len(self.exchanges) + len(self.admin_tasks) + len(self.admission.queue)
 
     def stop_accepting(self) -> None:
-        """Shutdown phase 1: close idle client connections; busy ones close after their response."""
+        """Shutdown phase 1: from now on every response closes its connection. Idle connections
+        stay open (one just accepted may carry a request in transit); they close at the end."""
         self.accepting = False
-        for conn in list(self.connections):
-            if not conn.busy and not conn.closed and conn.transport is not None:
-                conn.closed = True
-                conn.transport.close()
+
+    def busy_connections(self) -> int:
+        """Client connections with a request being read, queued or answered."""
+        return sum(1 for c in self.connections if c.busy or c._req is not None or c.queue)
 
     def close(self) -> None:
         """Abort everything still open (end of the shutdown grace period)."""
@@ -390,6 +396,8 @@ class App(Front):
                     head, sep, rest = data.partition(b"\r\n")
                     data = head + sep + cors + rest
             proto.reply(data, ka)
+        elif path == b"/readiness" and self.draining and req.method == b"GET":
+            proto.reply_simple(503, b"application/json", _DRAINING, req)
         elif path in _ADMIN or path.startswith(b"/workers/"):
             who = None
             if self.guarded:

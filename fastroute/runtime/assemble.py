@@ -34,10 +34,13 @@ from fastroute.core.breaker import Breakers
 from fastroute.core.routing import Router
 from fastroute.core.table import TargetTable
 from fastroute.dataplane.app import App
-from fastroute.runtime.startup import bind_error
-from fastroute.tls import worker_context
+from fastroute.runtime.startup import StartupError, bind_error
+from fastroute.tls import TLSConfigError, worker_context
 
 DRAIN_POLL = 0.05   # seconds between in-flight checks while draining (control plane, not per request)
+# A signal's drain keeps the listener open until nothing has been in flight for this long (or the
+# grace period ends): a client sending one request after another is served, not refused.
+DRAIN_LINGER = 1.0
 
 
 @dataclass(eq=False)
@@ -83,9 +86,13 @@ async def assemble(config: Config, table: TargetTable, *, seed: int | None = Non
     loop = asyncio.get_running_loop()
     # One TLS client context per process for https:// workers: registration, health checks and
     # load polls (httpclient) and the data path (the App's pools) use the same settings.
-    worker_tls = worker_context(config.ca_cert_paths, config.client_cert_path,
-                                config.client_key_path,
-                                [*config.worker_urls, *(u for u, _ in config.prefill), *config.decode])
+    try:
+        worker_tls = worker_context(config.ca_cert_paths, config.client_cert_path,
+                                    config.client_key_path,
+                                    [*config.worker_urls, *(u for u, _ in config.prefill),
+                                     *config.decode])
+    except TLSConfigError as exc:       # a --ca-cert-paths file missing: one line, no traceback
+        raise StartupError(str(exc)) from None
     httpclient.configure_tls(worker_tls)
     router = Router(table, seed=config.seed if seed is None else seed, config=config)
     registry = (registry_factory(router) if registry_factory is not None
@@ -145,13 +152,31 @@ async def listen(app: App, host: str, port: int, reuse_port: bool = False,
         raise bind_error("--port", host, port, exc) from None
 
 
-async def drain(app: App, grace: float, log: logging.Logger, label: str = "shutdown") -> None:
-    """Graceful end of an App: close idle connections, wait up to ``grace`` seconds for the
-    requests in flight, then abort what is left. The caller closed the listener already."""
+async def drain(app: App, grace: float, log: logging.Logger, label: str = "shutdown",
+                listener: asyncio.AbstractServer | None = None, linger: float = 0.0) -> None:
+    """Graceful end of an App, as smg drains: ``/readiness`` answers 503 from now on, every
+    response closes its connection, and ``listener``, still open, goes on accepting and serving
+    new requests while any is in flight or arriving. It closes once nothing has been in flight
+    (no request being read, queued or answered) for ``linger`` seconds, so a client still sending
+    between two requests is not refused, or when ``grace`` runs out; then what is left in flight
+    gets until the end of ``grace``, and is aborted with the idle connections."""
+    app.draining = True
     app.stop_accepting()
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + grace
-    while app.active and loop.time() < deadline:
+    now = loop.time()
+    deadline = now + grace
+    if listener is not None:
+        linger = min(linger, grace)
+        quiet_since = now
+        while now < deadline:
+            if app.active or app.handshaking or app.busy_connections():
+                quiet_since = now
+            elif now - quiet_since >= linger:
+                break
+            await asyncio.sleep(DRAIN_POLL)
+            now = loop.time()
+        listener.close()
+    while (app.active or app.busy_connections()) and loop.time() < deadline:
         await asyncio.sleep(DRAIN_POLL)
     if app.active:
         log.warning("%s: aborting %d requests still in flight", label, app.active)

@@ -28,7 +28,7 @@ from fastroute.control.metrics import group_decisions
 from fastroute.core.routing import Router
 from fastroute.core.table import TargetTable
 from fastroute.log import configure_logging
-from fastroute.runtime.assemble import assemble, drain, freeze_heap, listen
+from fastroute.runtime.assemble import DRAIN_LINGER, assemble, drain, freeze_heap, listen
 from fastroute.runtime.startup import stop_on_signals, tls_context
 
 # Logger name kept from before the split: operators filter on it.
@@ -109,8 +109,9 @@ async def serve_child(state_dir: str, slot: int) -> int:
 
     bg = loop.create_task(background(), name="sync")
     await stop.wait()
-    listener.close()
-    await drain(app, float(cfg.shutdown_grace_period_secs), log, f"proxy process {slot}")
+    # Readiness 503 at once; the shared port goes on accepting here while requests arrive.
+    await drain(app, float(cfg.shutdown_grace_period_secs), log, f"proxy process {slot}",
+                listener=listener, linger=DRAIN_LINGER)
     bg.cancel()
     try:
         report()

@@ -2,8 +2,8 @@
 
 Owns the order of start-up (target table -> router -> registry -> monitor ->
 metrics -> listener, then background worker registration) and of shutdown
-(stop accepting -> wait for in-flight requests up to
-``shutdown_grace_period_secs`` -> abort the rest -> stop control plane ->
+(readiness 503 -> keep serving while requests are in flight, up to
+``shutdown_grace_period_secs`` -> close the listener -> abort the rest -> stop control plane ->
 unlink the shared table). The listener starts before any worker is registered:
 inference requests get 503 until the registry reports ready (protocol.md 2).
 
@@ -32,7 +32,7 @@ from fastroute.control.replica import ReplicaSync, start_replica_sync
 from fastroute.core.routing import Router
 from fastroute.core.table import TargetTable
 from fastroute.dataplane.app import App
-from fastroute.runtime.assemble import assemble, drain, freeze_heap, listen, stop_in_order
+from fastroute.runtime.assemble import DRAIN_LINGER, assemble, drain, freeze_heap, listen, stop_in_order
 from fastroute.runtime.probe import ProbeServer
 from fastroute.runtime.startup import announce, own_listeners, start_probe, stop_on_signals, tls_context
 
@@ -44,7 +44,7 @@ class Process(Protocol):
 
     async def start(self) -> None: ...
 
-    async def stop(self, grace: float | None = None) -> None: ...
+    async def stop(self, grace: float | None = None, linger: float = 0.0) -> None: ...
 
 
 class Server:
@@ -66,6 +66,10 @@ class Server:
         self._stopped = asyncio.Event()
         self._stopping = False
 
+    def probe_ready(self) -> bool:
+        """Readiness on --health-check-port: the workers', and 503 once the drain started."""
+        return not self._stopping and self.registry is not None and self.registry.ready()
+
     async def start(self) -> None:
         """Build everything and start listening; worker registration continues in the background."""
         cfg = self.config
@@ -77,7 +81,7 @@ class Server:
             self.metrics, self.app = parts.metrics, parts.app
             assert self.app is not None and self.monitor is not None
             self.listener = await listen(self.app, cfg.host, cfg.port, tls=tls)
-            self.probe = start_probe(cfg, self.registry.ready)
+            self.probe = start_probe(cfg, self.probe_ready)
             own_listeners(self.registry, cfg, self.listener.sockets[0].getsockname()[1],
                           self.metrics, self.probe)
             self.discovery = await start_discovery(cfg, self.registry, self.metrics.stats)
@@ -104,8 +108,10 @@ class Server:
             self.probe.stop()
             self.probe = None
 
-    async def stop(self, grace: float | None = None) -> None:
-        """Graceful drain: stop accepting, wait for in-flight requests, then close everything."""
+    async def stop(self, grace: float | None = None, linger: float = 0.0) -> None:
+        """Graceful drain (:func:`~fastroute.runtime.assemble.drain`): readiness 503 on both
+        ports at once, requests served until nothing has been in flight for ``linger`` seconds
+        or ``grace`` ends, then the listeners close and everything stops."""
         if self._stopping:
             await self._stopped.wait()
             return
@@ -113,12 +119,12 @@ class Server:
         if grace is None:
             grace = float(self.config.shutdown_grace_period_secs)
         try:
-            if self.listener is not None:
+            if self.app is not None:
+                await drain(self.app, grace, log, listener=self.listener, linger=linger)
+            elif self.listener is not None:
                 self.listener.close()
             if self.probe is not None:
                 self.probe.stop()
-            if self.app is not None:
-                await drain(self.app, grace, log)
             await stop_in_order(self.discovery, self.replica, self.monitor, self.registry,
                                 self.metrics)
         finally:
@@ -143,8 +149,9 @@ async def serve(config: Config, factory: Callable[[Config], Process] = Server) -
     await server.start()
     freeze_heap()
     await stop.wait()
-    log.info("shutdown: draining (grace %ss)", config.shutdown_grace_period_secs)
-    await server.stop()
+    log.info("shutdown: draining (grace %ss): /readiness 503, requests still served",
+             config.shutdown_grace_period_secs)
+    await server.stop(linger=DRAIN_LINGER)
     return 0
 
 

@@ -169,7 +169,7 @@ class Supervisor:
             assert self.metrics is not None and self.monitor is not None
             self.metrics.collector.stats = self.stats_views   # merged at scrape time
             self.metrics.registry.register(ProcessCollector(self))
-            self.probe = start_probe(cfg, self.registry.ready)
+            self.probe = start_probe(cfg, self.probe_ready)
             self._control = await asyncio.start_server(self._control_conn, "127.0.0.1", 0)
             control_port = self._control.sockets[0].getsockname()[1]
             own_listeners(self.registry, cfg, self.port, self.metrics, self.probe)
@@ -372,9 +372,15 @@ class Supervisor:
             writer.close()
 
     # ---- stop ---------------------------------------------------------------------------------
-    async def stop(self, grace: float | None = None) -> None:
-        """Drain every proxy process (SIGTERM; each finishes in-flight requests up to the grace
-        period), then stop the control plane and remove the shared memory."""
+    def probe_ready(self) -> bool:
+        """Readiness on --health-check-port: the workers', and 503 once the drain started (the
+        proxy processes answer 503 on the main port from their SIGTERM on)."""
+        return not self._stopping and self.registry is not None and self.registry.ready()
+
+    async def stop(self, grace: float | None = None, linger: float = 0.0) -> None:
+        """Drain every proxy process (SIGTERM; each keeps serving with readiness 503 while
+        requests are in flight, up to the grace period), then stop the control plane and remove
+        the shared memory. The probe port answers 503 from the start of the drain."""
         if self._stopping:
             await self._stopped.wait()
             return

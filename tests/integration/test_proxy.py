@@ -308,7 +308,7 @@ def test_request_timeout_gives_504_and_aborts_upstream() -> None:
     run(body())
 
 
-def test_graceful_stop_finishes_in_flight_request_then_refuses() -> None:
+def test_graceful_stop_serves_while_in_flight_then_refuses() -> None:
     async def body() -> None:
         (w,) = await workers(1)
         r = Router(worker_urls=[w.url])
@@ -319,8 +319,10 @@ def test_graceful_stop_finishes_in_flight_request_then_refuses() -> None:
         c.send(post("/generate", {"text": "x"}))
         await until(lambda: w.held == 1, what="held")
         stopping = asyncio.get_running_loop().create_task(r.server.stop(grace=10))
-        await until(lambda: r.server.listener is not None and not r.server.listener.is_serving(),
-                    what="listener closed")
+        await until(lambda: r.server.app.draining, what="draining")
+        ready = await call(port, get("/readiness"))      # the listener still answers
+        assert ready.status == 503 and b"draining" in ready.body
+        assert (await call(port, get("/health"))).status == 200
         assert not stopping.done()  # waiting for the held request
         w.release()
         res = await c.response()

@@ -1,6 +1,6 @@
 """A real router process and the signals operators and terminals send (issue 24, item 9):
-SIGHUP and SIGQUIT drain like SIGTERM (the request in flight finishes, the listener closes,
-exit 0), SIGUSR1 is ignored and the router keeps serving."""
+SIGHUP and SIGQUIT drain like SIGTERM (readiness 503, the request in flight finishes, then the
+listener closes, exit 0), SIGUSR1 is ignored and the router keeps serving."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import RawClient, call, post, run, until, workers
+from conftest import RawClient, call, get, post, run, until, workers
 
 
 def free_port() -> int:
@@ -68,7 +68,8 @@ def test_hup_and_quit_drain_like_term(sig: signal.Signals, procs: str) -> None:
             proc.send_signal(sig)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 20
-            while not await refuses(port):          # the listener closes: draining
+            # draining: /readiness 503 while the listener still answers (smg's drain)
+            while (await call(port, get("/readiness"), timeout=5)).status != 503:
                 assert proc.returncode is None and loop.time() < deadline
                 await asyncio.sleep(0.05)
             assert proc.returncode is None          # still waiting for the held request
@@ -76,6 +77,7 @@ def test_hup_and_quit_drain_like_term(sig: signal.Signals, procs: str) -> None:
             res = await c.response(timeout=10)
             assert res.status == 200, res.body
             assert await asyncio.wait_for(proc.wait(), 20) == 0
+            assert await refuses(port)
             c.close()
         finally:
             if proc.returncode is None:
