@@ -53,11 +53,11 @@ def engine_cells(prefill_demand: bool | None = None) -> list[Cell]:
     ]
     if prefill_demand is None:
         prefill_demand = router_has_flag("--prefill-input-demand")
+        if not prefill_demand:
+            print("router has no --prefill-input-demand: its row is left out", file=sys.stderr)
     if prefill_demand:
         cells.append(Cell("least_requests + prefill input demand on", "fastroute",
                           LEAST + ["--prefill-input-demand", "on"]))
-    else:
-        print("router has no --prefill-input-demand: its row is left out", file=sys.stderr)
     return cells
 
 
