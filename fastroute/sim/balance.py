@@ -35,7 +35,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from statistics import fmean, pstdev
 from typing import Any
 
@@ -58,6 +58,8 @@ class Cell:
     python: str = sys.executable  # interpreter that runs the router (peers may live in their own venv)
     replicas: int = 1   # fastroute router processes behind one "Service" (clients spread over them)
     sync: bool = False  # the replicas share load through a real redis-server (--replica-sync)
+    dp_aware: bool = True  # fastroute with --dp-aware (off: the engines place ranks themselves)
+    sim: dict = field(default_factory=dict)  # SimParams overrides of every simulator for this cell
 
 
 def fastroute_cells(sweep: bool = False) -> list[Cell]:
@@ -159,16 +161,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def router_command(cell: Cell, prefill_url: str, bootstrap_port: int, decode_url: str, port: int,
+def router_command(cell: Cell, prefill_url: str, bootstrap_port: int, decode_url: str | list[str], port: int,
                    prom_port: int) -> list[str]:
     module = {"fastroute": "fastroute", "sglang_router": "sglang_router.launch_router",
               "smg": "smg.launch_router"}[cell.router]
-    cmd = [cell.python, "-m", module, "--pd-disaggregation", "--prefill", prefill_url, str(bootstrap_port),
-           "--decode", decode_url, "--host", "127.0.0.1", "--port", str(port),
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom_port),
-           "--worker-startup-check-interval", "1"]
+    cmd = [cell.python, "-m", module, "--pd-disaggregation", "--prefill", prefill_url, str(bootstrap_port)]
+    for url in [decode_url] if isinstance(decode_url, str) else decode_url:
+        cmd += ["--decode", url]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(prom_port), "--worker-startup-check-interval", "1"]
     if cell.router == "fastroute":
-        cmd += ["--dp-aware", "--load-monitor-interval", "1", "--log-level", "warn"]
+        cmd += (["--dp-aware"] if cell.dp_aware else []) + ["--load-monitor-interval", "1", "--log-level", "warn"]
     elif cell.router == "smg":
         cmd += ["--load-monitor-interval", "1"]
     return cmd + cell.args
@@ -264,11 +267,46 @@ async def _drain(cluster: SimCluster, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.1)
 
 
+def merge_samples(per_server: list[list[tuple]]) -> list[tuple]:
+    """Decode samples of several servers as one: each sample of the first server joined with
+    the latest sample of every other server at or before it (rank tuples concatenated, the
+    step of the slowest server)."""
+    if len(per_server) == 1:
+        return per_server[0]
+    out = []
+    idx = [0] * len(per_server)
+    for s in per_server[0]:
+        parts = [s]
+        for k, rows in enumerate(per_server[1:], 1):
+            while idx[k] + 1 < len(rows) and rows[idx[k] + 1][0] <= s[0]:
+                idx[k] += 1
+            if not rows or rows[idx[k]][0] > s[0]:
+                break
+            parts.append(rows[idx[k]])
+        else:
+            out.append((s[0], max(p[1] for p in parts))
+                       + tuple(sum((p[j] for p in parts), ()) for j in range(2, len(s))))
+    return out
+
+
+def prefill_stats(samples: list[tuple]) -> dict:
+    """Per-rank queue balance of a prefill from its (t, outstanding, tokens) samples: mean over
+    busy samples of the CV across ranks of the requests (and input tokens) running or queued."""
+    busy = [s for s in samples if sum(s[1]) > 0]
+    if not busy:
+        return {"samples": 0}
+    req_cv = [pstdev(s[1]) / fmean(s[1]) for s in busy]
+    tok_cv = [pstdev(s[2]) / m for s in busy if (m := fmean(s[2])) > 0]
+    return {"samples": len(busy), "queue_cv": fmean(req_cv), "token_cv": fmean(tok_cv) if tok_cv else float("nan"),
+            "busiest_queue": fmean(max(s[1]) for s in busy), "mean_queue": fmean(x for s in busy for x in s[1])}
+
+
 async def run_cell(cell: Cell, concurrency: int, cluster: SimCluster, trace: list, duration: float,
                    warmup: float, out_dir: str, seed: int = 0, progress: bool = False) -> dict:
-    """One (cell, concurrency) point: returns load summary + balance statistics + raw samples."""
+    """One (cell, concurrency) point: returns load summary + balance statistics + raw samples
+    (of every decode server together, and the prefill's queue balance)."""
     prefill, decode = cluster.prefills[0], cluster.decodes[0]
-    assert prefill.bootstrap_port is not None and decode.decode is not None
+    assert prefill.bootstrap_port is not None and decode.decode is not None and prefill.prefill is not None
     router: RouterProcess | None = None
     replicas: list[RouterProcess] = []
     redis_proc: RedisProcess | None = None
@@ -284,7 +322,8 @@ async def run_cell(cell: Cell, concurrency: int, cluster: SimCluster, trace: lis
             for k in range(cell.replicas):
                 port, p = _free_port(), _free_port()
                 prom = prom or p
-                cmd = router_command(cell, prefill.url, prefill.bootstrap_port, decode.url, port, p)
+                cmd = router_command(cell, prefill.url, prefill.bootstrap_port, [d.url for d in cluster.decodes],
+                                     port, p)
                 if redis_proc is not None:
                     cmd += ["--replica-sync", redis_proc.url, "--replica-id", f"r{k}"]
                 replicas.append(RouterProcess(cmd, port, os.path.join(
@@ -304,7 +343,7 @@ async def run_cell(cell: Cell, concurrency: int, cluster: SimCluster, trace: lis
         target = Target("127.0.0.1", ports[0], ports=tuple(spread.choice(ports) for _ in range(concurrency)))
     loop = asyncio.get_running_loop()
     wall_offset = time.time() - loop.time()
-    retr0 = decode.decode.retractions
+    retr0 = sum(d.decode.retractions for d in cluster.decodes)  # type: ignore[union-attr]
     kv_fit: dict[str, float] = {}
     try:
         res = await run_load(target, trace, concurrency, duration, warmup, seed=seed, progress=progress)
@@ -324,11 +363,14 @@ async def run_cell(cell: Cell, concurrency: int, cluster: SimCluster, trace: lis
             redis_proc.stop()
         await _drain(cluster)
     t0, t1 = res.window[0] + wall_offset, res.window[1] + wall_offset
-    samples = [s for s in decode.decode.samples if t0 <= s[0] <= t1]
+    samples = merge_samples([[s for s in d.decode.samples if t0 <= s[0] <= t1]  # type: ignore[union-attr]
+                             for d in cluster.decodes])
     summary = scale_summary(res.summary(), decode.p.time_scale)
+    retr = sum(d.decode.retractions for d in cluster.decodes) - retr0  # type: ignore[union-attr]
     return {"label": cell.label, "router": cell.router, "concurrency": concurrency,
             "load": summary, "balance": balance_stats(samples), "samples": samples, "t0": t0,
-            "kv_fit": kv_fit, "retractions": decode.decode.retractions - retr0, "args": cell.args}
+            "prefill": prefill_stats([s for s in prefill.prefill.samples if t0 <= s[0] <= t1]),
+            "n_decode": len(cluster.decodes), "kv_fit": kv_fit, "retractions": retr, "args": cell.args}
 
 
 def _f(x: Any, nd: int = 2) -> str:
@@ -454,19 +496,26 @@ def write_plots(results: list[dict], out_dir: str) -> list[str]:
 async def run_matrix(cells: list[Cell], concurrencies: list[int], duration: float, warmup: float,
                      params: SimParams, out_dir: str, seed: int = 0, progress: bool = True,
                      prefill_params: SimParams | None = None, repeat: int = 1,
-                     trace_kwargs: dict | None = None) -> list[dict]:
-    """Start the simulators, run every (repeat, concurrency, cell) point, return the results.
+                     trace_kwargs: dict | None = None, n_decode: int = 1) -> list[dict]:
+    """Start the simulators (1 prefill, ``n_decode`` decodes), run every (repeat, concurrency,
+    cell) point, return the results. A cell with ``sim`` overrides gets simulators of its own.
 
     Repeats are interleaved (every cell once, then again) so a noisy neighbour on the machine
     hurts all cells alike; repeat k replays the trace of seed ``seed + k``."""
     os.makedirs(out_dir, exist_ok=True)
-    cluster = await start_cluster(1, 1, params, prefill_params)
+    cluster = await start_cluster(1, n_decode, params, prefill_params)
+    have: dict = {}
     results = []
     try:
         for rep in range(repeat):
             trace = synthetic_trace(seed=seed + rep, **(trace_kwargs or {}))
             for conc in concurrencies:
                 for cell in cells:
+                    if cell.sim != have:
+                        await cluster.stop()
+                        cluster = await start_cluster(1, n_decode, replace(params, **cell.sim),
+                                                      replace(prefill_params or params, **cell.sim))
+                        have = cell.sim
                     print(f"== {cell.label} @ C={conc}" + (f" (run {rep + 1}/{repeat})" if repeat > 1 else ""),
                           file=sys.stderr, flush=True)
                     try:

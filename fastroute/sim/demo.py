@@ -2,8 +2,9 @@
 
 Owns only the demo's choices: 1 simulated prefill + 1 simulated decode of 8 DP ranks in this
 process, the router as a subprocess in PD + --dp-aware mode, three policies (round_robin,
-power_of_two least_requests, decode demand with W = 1e6), the comparison table on stdout and
-the per-rank plot; then the same cluster with a prefix cache per prefill rank under
+power_of_two least_requests, decode demand with W = 1e6) and, as the baseline, the router
+without --dp-aware leaving the rank to SGLang's own ``--load-balance-method total_requests``;
+the comparison table on stdout and the per-rank plot; then the same cluster with a prefix cache per prefill rank under
 conversation traffic (bursts, prompts that share prefixes): the default policy, least_requests
 and cache_aware with affinity on decode too, with the prefill's prefix hit rate beside the
 balance. The machinery is fastroute.sim.balance and fastroute.sim.convbench.
@@ -18,14 +19,17 @@ import uvloop
 from fastroute.sim.balance import (Cell, add_common_flags, failed_cells, fastroute_cells, run_matrix,
                                    write_outputs)
 from fastroute.sim import convbench
+from fastroute.sim.enginebench import engine_cells
 from fastroute.sim.engine import SimParams
 
 DEMO_LABELS = ("round_robin", "p2c least_requests", "demand W=1e+06")
+ENGINE_LABEL = "no --dp-aware, SGLang total_requests"
 
 
 def demo_cells() -> list[Cell]:
     by_label = {c.label: c for c in fastroute_cells()}
-    return [by_label[label] for label in DEMO_LABELS]
+    by_label.update((c.label, c) for c in engine_cells(prefill_demand=False))
+    return [by_label[label] for label in DEMO_LABELS + (ENGINE_LABEL,)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.set_defaults(out="bench/out/demo")
     ns = ap.parse_args(argv)
     cells = demo_cells()
-    # --duration is the whole demo; each policy gets a third, a quarter of which is warm-up
+    # --duration is the whole demo; each policy gets a quarter, a quarter of which is warm-up
     # unless --warmup says otherwise.
     per_cell = ns.duration / len(cells)
     warmup = ns.warmup if ns.warmup > 0 else per_cell * 0.25

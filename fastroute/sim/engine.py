@@ -30,9 +30,12 @@ map ``boards`` when prefill and decode run in one process; otherwise it long-pol
 tiny bootstrap listener (the simulated counterpart of SGLang's KV bootstrap server). A decode
 request without ``bootstrap_room`` (e.g. a health probe) does not wait.
 
-Rank placement: ``routed_dp_rank``, else ``data_parallel_rank``, else round-robin (SGLang's
-default on a decode). Prefill ranks follow the room (``room % dp_size``) unless
-``routed_dp_rank`` is given.
+Rank placement: ``routed_dp_rank``, else ``data_parallel_rank``, else the engine's own DP
+controller (``dispatch.DpController``, ``--load-balance-method``): by default (``auto``) a
+prefill follows the room (``room % dp_size``) and a decode cycles round robin; with
+``total_requests`` / ``total_tokens`` it books each dispatch and refreshes from the load
+snapshots the ranks publish (a prefill rank at the start and end of each compute, a decode
+every ``load_snapshot_interval`` steps and when idle).
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastroute.sim.dispatch import LB_METHODS, DpController
 
 @dataclass
 class SimParams:
@@ -71,12 +75,24 @@ class SimParams:
     # prefix cache of each prefill DP rank (see PrefillEngine): tokens it holds, 0 = no cache
     prefix_cache_tokens: int = 0
     prefix_block_tokens: int = 512  # cached in blocks of this many tokens, as SGLang's pages
+    # the engine's DP controller (see dispatch): rank of a request the router names none for
+    load_balance_method: str = "auto"  # auto | round_robin | follow_bootstrap_room | total_requests | total_tokens
+    lb_refresh_ms: float = 20.0  # the controller re-reads the ranks' snapshots at most this often
+    load_snapshot_interval: int = 15  # a decode rank publishes its snapshot every N steps (and when idle)
 
     def __post_init__(self) -> None:
         if self.kv_transfer_scope not in ("server", "rank"):
             raise ValueError(f"kv_transfer_scope must be server or rank, not {self.kv_transfer_scope!r}")
         if self.slow_factor <= 0:
             raise ValueError("slow_factor must be positive")
+        if self.load_balance_method not in LB_METHODS:
+            raise ValueError(f"load_balance_method must be one of {', '.join(LB_METHODS)}, "
+                             f"not {self.load_balance_method!r}")
+
+    def controller(self, role: str) -> DpController:
+        """The DP controller of a server of ``role`` with these parameters."""
+        return DpController(self.load_balance_method, role, self.dp_size, time.monotonic,
+                            self.lb_refresh_ms / 1000.0 * self.time_scale)
 
     def step_seconds(self, running: int, ctx_tokens: int) -> float:
         """Step time of one rank alone; the engine takes the max over ranks plus the base."""
@@ -168,14 +184,14 @@ class Rendezvous:
 
 
 class _PrefillRank:
-    __slots__ = ("lock", "running", "waiting", "tokens", "waiting_tokens", "cache")
+    __slots__ = ("lock", "running", "waiting", "tokens", "wait_tokens", "cache")
 
     def __init__(self) -> None:
         self.lock = asyncio.Lock()  # FIFO: asyncio.Lock wakes waiters in arrival order
         self.running = 0
         self.waiting = 0
         self.tokens = 0
-        self.waiting_tokens = 0  # input tokens of the queued requests
+        self.wait_tokens = 0  # input tokens of the requests queued behind the running one
         self.cache: OrderedDict = OrderedDict()  # block hash -> None, least recently used first
 
 
@@ -196,16 +212,45 @@ class PrefillEngine:
 
     With ``prefix_cache_tokens`` each rank keeps its own LRU cache of prompt blocks (each DP
     rank has its own radix cache in SGLang): the leading blocks of a prompt found there are not
-    computed again, so a hit shortens the prefill; ``hit_tokens / input_tokens`` is the hit rate."""
+    computed again, so a hit shortens the prefill; ``hit_tokens / input_tokens`` is the hit rate.
+
+    ``start`` runs a sampler: every ``sample_interval_s`` it appends ``(t_wall, outstanding,
+    tokens)`` to ``samples``, per rank the requests running or queued and their input tokens."""
 
     def __init__(self, params: SimParams, board: Rendezvous) -> None:
         self.p = params
         self.board = board
         self.ranks = [_PrefillRank() for _ in range(params.dp_size)]
+        self.ctl = params.controller("prefill")
         self.completed = 0
         self.aborted = 0
         self.input_tokens = 0  # prompt tokens of started prefills (prefix cache statistics)
         self.hit_tokens = 0    # of those, found in the rank's prefix cache
+        self.samples: deque = deque(maxlen=200_000)
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._sampler())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _sampler(self) -> None:
+        while True:
+            rks = self.ranks
+            self.samples.append((time.time(), tuple(r.running + r.waiting for r in rks),
+                                 tuple(r.tokens + r.wait_tokens for r in rks)))
+            await asyncio.sleep(self.p.sample_interval_s)
+
+    def _publish(self, i: int) -> None:
+        r = self.ranks[i]
+        self.ctl.publish(i, r.running + r.waiting, r.tokens + r.wait_tokens)
 
     def _cached_tokens(self, r: _PrefillRank, g: ParsedGen) -> int:
         """Tokens of g's prompt already in rank r's cache; caches g's blocks (LRU)."""
@@ -226,21 +271,25 @@ class PrefillEngine:
         return min(g.input_tokens, hit * self.p.prefix_block_tokens)
 
     def rank_for(self, g: ParsedGen) -> int:
-        if g.rank is not None:
-            return g.rank
-        # SGLang's default on a prefill: follow_bootstrap_room.
-        return (g.room or 0) % self.p.dp_size
+        return self.place([g])[0]
+
+    def place(self, items: list[ParsedGen]) -> list[int]:
+        """Ranks of a request's items: the body's rank, else the DP controller's choice."""
+        for it in items:
+            if it.rank is not None and not 0 <= it.rank < self.p.dp_size:
+                raise BadRequest(f"dp rank {it.rank} out of range [0, {self.p.dp_size})")
+        return self.ctl.pick_many([(it.rank, it.room, it.input_tokens) for it in items])
 
     async def run(self, g: ParsedGen, rank: int) -> None:
         r = self.ranks[rank]
         queued = True
         r.waiting += 1
-        r.waiting_tokens += g.input_tokens
+        r.wait_tokens += g.input_tokens
         try:
             async with r.lock:
                 queued = False
                 r.waiting -= 1
-                r.waiting_tokens -= g.input_tokens
+                r.wait_tokens -= g.input_tokens
                 # The cache is looked up when the compute starts, as a scheduler matches the
                 # radix tree when it schedules the request.
                 cached = self._cached_tokens(r, g)
@@ -250,16 +299,18 @@ class PrefillEngine:
                                            + (g.input_tokens - cached) / self.p.prefill_tokens_per_s)
                 r.running += 1
                 r.tokens += g.input_tokens
+                self._publish(rank)  # the scheduler formed its batch
                 try:
                     await asyncio.sleep(dur)
                 finally:
                     r.running -= 1
                     r.tokens -= g.input_tokens
+                    self._publish(rank)  # the batch's result
         except asyncio.CancelledError:
             # Client gone: leave the queue (or the compute) without publishing the room.
             if queued:
                 r.waiting -= 1
-                r.waiting_tokens -= g.input_tokens
+                r.wait_tokens -= g.input_tokens
             self.aborted += 1
             raise
         if g.room is not None:
@@ -274,7 +325,7 @@ class PrefillEngine:
         """SGLang's estimate of the uncached tokens waiting on a rank (its fallback when the
         queue is not prefix-matched yet): the queued input tokens times the miss rate so far."""
         miss = 1.0 - (self.hit_tokens / self.input_tokens if self.input_tokens else 0.0)
-        return int(self.ranks[rank].waiting_tokens * miss)
+        return int(self.ranks[rank].wait_tokens * miss)
 
 
 class DecodeReq:
@@ -350,7 +401,7 @@ class DecodeEngine:
         self.p = params
         self.ranks = [_DecodeRank(params.slow_factor if i == params.slow_rank else 1.0)
                       for i in range(params.dp_size)]
-        self._rr = 0
+        self.ctl = params.controller("decode")
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._loop_ref: asyncio.AbstractEventLoop | None = None
@@ -384,14 +435,25 @@ class DecodeEngine:
                     req.xfer.cancel()
                     req.xfer = None
 
-    def pick_rank(self, rank: int | None) -> int:
-        if rank is not None:
-            if not 0 <= rank < self.p.dp_size:
+    def pick_rank(self, rank: int | None, input_tokens: int = 0) -> int:
+        return self.place([(rank, None, input_tokens)])[0]
+
+    def place(self, items: list[tuple[int | None, int | None, int]]) -> list[int]:
+        """Ranks of a request's items ``(rank, room, input_tokens)``: the body's rank, else the
+        DP controller's choice."""
+        for rank, _, _ in items:
+            if rank is not None and not 0 <= rank < self.p.dp_size:
                 raise BadRequest(f"dp rank {rank} out of range [0, {self.p.dp_size})")
-            return rank
-        r = self._rr
-        self._rr = (r + 1) % self.p.dp_size
-        return r
+        return self.ctl.pick_many(items)
+
+    def _publish_all(self) -> None:
+        """Every rank publishes its snapshot: running + waiting requests, and KV allocated plus
+        the tokens of requests not yet holding KV (SGLang's num_total_tokens)."""
+        ctl = self.ctl
+        for i, r in enumerate(self.ranks):
+            pending = sum(q.input_tokens + q.generated for q in r.prealloc) + sum(
+                q.input_tokens + q.generated for q in r.retracted)
+            ctl.publish(i, len(r.running) + r.waiting(), r.used + pending)
 
     def submit(self, req: DecodeReq) -> None:
         if req.reserve > self.p.max_total_num_tokens:
@@ -541,6 +603,8 @@ class DecodeEngine:
                         cost = c
             if not busy:
                 self._sample(loop.time(), 0.0)
+                if self.ctl.load_aware:
+                    self._publish_all()  # an idle scheduler publishes at once
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), p.sample_interval_s)
@@ -581,6 +645,8 @@ class DecodeEngine:
                             keep.append(req)
                     rk.running = keep
                     self._admit(rk)
+            if self.ctl.load_aware and self.steps % max(1, p.load_snapshot_interval) == 0:
+                self._publish_all()  # the step's result, every load_snapshot_interval steps
             now = loop.time()
             if now - self._last_sample >= p.sample_interval_s:
                 # The modelled step time (what the balance decides), not the wall time, which

@@ -97,10 +97,14 @@ class SimWorker:
             self.boards[self.bootstrap_port] = self.board
         if self.decode is not None:
             self.decode.start()
+        if self.prefill is not None:
+            self.prefill.start()
 
     async def stop(self) -> None:
         if self.decode is not None:
             await self.decode.stop()
+        if self.prefill is not None:
+            await self.prefill.stop()
         await self.server.stop()
         if self._boot is not None:
             await self._boot.stop()
@@ -153,10 +157,7 @@ class SimWorker:
     async def _serve_prefill(self, g: ParsedGen, resp: Responder) -> None:
         eng = self.prefill
         assert eng is not None
-        ranks = [eng.rank_for(it) for it in g.items]
-        for rank in ranks:
-            if not 0 <= rank < self.p.dp_size:
-                raise BadRequest(f"dp rank {rank} out of range [0, {self.p.dp_size})")
+        ranks = eng.place(g.items)
         rid = self._ids.next()
         if g.batch is None:
             await eng.run(g, ranks[0])
@@ -202,12 +203,12 @@ class SimWorker:
         loop = asyncio.get_running_loop()
         rid = self._ids.next()
         dreqs: list[DecodeReq] = []
+        ranks = eng.place([(it.rank, it.room, it.input_tokens) for it in g.items])
         try:
-            for it in g.items:
+            for it, rank in zip(g.items, ranks):
                 irid = rid if g.batch is None else f"{rid}.{it.index}"
                 emit = _make_emitter(resp, irid, it) if g.stream else None
-                dreq = DecodeReq(irid, eng.pick_rank(it.rank), it.input_tokens, it.max_new, emit,
-                                 loop.create_future())
+                dreq = DecodeReq(irid, rank, it.input_tokens, it.max_new, emit, loop.create_future())
                 eng.submit(dreq)
                 dreqs.append(dreq)
             if g.stream:
@@ -258,7 +259,7 @@ class SimWorker:
         return {
             "model_path": f"sim/{p.model}", "served_model_name": p.model, "tokenizer_path": f"sim/{p.model}",
             "tp_size": p.dp_size, "dp_size": p.dp_size, "enable_dp_attention": p.dp_size > 1,
-            "load_balance_method": "follow_bootstrap_room" if self.role == "prefill" else "round_robin",
+            "load_balance_method": (self.prefill or self.decode).ctl.method,  # type: ignore[union-attr]
             "disaggregation_mode": mode,
             "disaggregation_bootstrap_port": self.bootstrap_port,
             "max_running_requests": p.max_running_requests * p.dp_size,
@@ -391,18 +392,19 @@ class SimWorker:
         resp.send(200, ("\n".join(lines) + "\n").encode(), b"text/plain; version=0.0.4")
 
     async def _h_samples(self, req: Request, resp: Responder) -> None:
-        """Debug: per-rank samples of a decode since ``?since=<unix time>`` (benchmark input)."""
-        if self.decode is None:
-            resp.send_json(404, {"error": "samples are recorded by decode workers only"})
-            return
+        """Debug: per-rank samples since ``?since=<unix time>`` (benchmark input): a decode's
+        (t, step_ms, running, outstanding, used, prealloc), a prefill's (t, outstanding, tokens)."""
         since = float(req.query_params().get("since", "0") or 0)
-        rows = [s for s in self.decode.samples if s[0] >= since]
+        eng = self.decode if self.decode is not None else self.prefill
+        rows = [s for s in eng.samples if s[0] >= since]  # type: ignore[union-attr]
         resp.send_json(200, {"dp_size": self.p.dp_size, "time_scale": self.p.time_scale, "samples": rows})
 
     async def _h_stats(self, req: Request, resp: Responder) -> None:
         eng = self.prefill if self.prefill is not None else self.decode
         d = {"role": self.role, "requests": self.requests, "completed": eng.completed,  # type: ignore[union-attr]
-             "aborted": eng.aborted, "loads": self.rank_loads()}  # type: ignore[union-attr]
+             "aborted": eng.aborted, "loads": self.rank_loads(),  # type: ignore[union-attr]
+             "dispatch": {"method": eng.ctl.method, "placed": eng.ctl.placed,  # type: ignore[union-attr]
+                          "refreshes": eng.ctl.refreshes}}  # type: ignore[union-attr]
         if self.decode is not None:
             d.update(steps=self.decode.steps, tokens_out=self.decode.tokens_out, placed=self.decode.placed,
                      last_step_ms=self.decode.last_step_ms, retractions=self.decode.retractions,

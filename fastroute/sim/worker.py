@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 
 import uvloop
 
+from fastroute.sim.dispatch import LB_METHODS
 from fastroute.sim.engine import Rendezvous, SimParams
 from fastroute.sim.server import SimWorker
 
@@ -60,6 +61,8 @@ def add_param_flags(ap: argparse.ArgumentParser) -> None:
             ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, dest=f.name)
         elif f.name == "kv_transfer_scope":
             ap.add_argument(flag, choices=("server", "rank"), default=default, dest=f.name)
+        elif f.name == "load_balance_method":  # SGLang's flag: the rank of a request naming none
+            ap.add_argument(flag, choices=LB_METHODS, default=default, dest=f.name)
         else:
             ap.add_argument(flag, type=type(default), default=default, dest=f.name)
 

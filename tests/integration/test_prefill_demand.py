@@ -59,7 +59,7 @@ def _router(cluster: SimCluster, **kw) -> Router:
 def _prefill_queues(cluster: SimCluster) -> list[tuple[int, int]]:
     """(requests, input tokens) on each prefill rank, running or queued."""
     eng = cluster.prefills[0].prefill
-    return [(r.running + r.waiting, r.tokens + r.waiting_tokens) for r in eng.ranks]
+    return [(r.running + r.waiting, r.tokens + r.wait_tokens) for r in eng.ranks]
 
 
 async def _large_then_small(demand: str) -> tuple[list[tuple[int, int]], list[int], list[int], int]:

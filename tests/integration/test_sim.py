@@ -345,7 +345,8 @@ def test_demo_runs_end_to_end(tmp_path) -> None:
                                                     "cache_aware, affinity on decode too"], conv
     assert all(ln.split(" | ")[-3].endswith("%") for ln in conv), conv
     results = json.loads((out / "balance.json").read_text())
-    assert [r["label"] for r in results] == ["round_robin", "p2c least_requests", "demand W=1e+06"]
+    assert [r["label"] for r in results] == ["round_robin", "p2c least_requests", "demand W=1e+06",
+                                             "no --dp-aware, SGLang total_requests"]
     for r in results:
         assert r["load"]["completed_total"] > 0 and r["load"]["errors"] == 0, r
         assert r["balance"]["samples"] > 0
