@@ -72,8 +72,7 @@ cdef inline void _release(int64_t *row, int64_t tokens, int64_t *header) noexcep
     if not _dec_floor(&row[COL_IN_FLIGHT], 1):
         fr_add_i64(&header[HDR_UNDERFLOWS], 1)
         return
-    if not _dec_floor(&row[COL_IN_FLIGHT_TOKENS], tokens):
-        fr_add_i64(&header[HDR_UNDERFLOWS], 1)
+    _release_tokens(row, tokens, header)
 
 
 @cython.freelist(256)

@@ -128,6 +128,16 @@ class ParsedGen:
 # Rendezvous
 
 
+async def _cancelled(task: asyncio.Task | None) -> None:
+    """Cancel an engine's background task and wait until it has ended."""
+    if task is not None:
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+
 class Rendezvous:
     """Bootstrap rooms a prefill has finished, and decodes waiting for them.
 
@@ -233,13 +243,8 @@ class PrefillEngine:
         self._task = asyncio.get_running_loop().create_task(self._sampler())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await _cancelled(self._task)
+        self._task = None
 
     async def _sampler(self) -> None:
         while True:
@@ -422,13 +427,8 @@ class DecodeEngine:
         self._task = self._loop_ref.create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await _cancelled(self._task)
+        self._task = None
         for rk in self.ranks:
             for req in rk.transfer:
                 if req.xfer is not None:

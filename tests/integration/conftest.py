@@ -61,6 +61,16 @@ async def until(cond: Callable[[], bool], timeout: float = 5.0, what: str = "con
         await asyncio.sleep(0.005)
 
 
+async def refuses(port: int) -> bool:
+    """Nothing accepts TCP connections on 127.0.0.1:``port`` any more (a router that closed)."""
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        return True
+    writer.close()
+    return False
+
+
 @dataclass
 class Rec:
     method: str

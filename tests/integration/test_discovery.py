@@ -80,6 +80,14 @@ async def start(api: KubeApi, kubeconfig, pods_port: int, **cfg: Any) -> Server:
     return server
 
 
+async def stop_all(server: Server, api: Any, workers: list[PodWorker]) -> None:
+    """A test's teardown: the router, then the API stand-in, then the pod workers."""
+    await server.stop(grace=0.5)
+    await api.stop()
+    for w in workers:
+        await w.stop()
+
+
 def urls(server: Server, status: str = "ready") -> set[str]:
     return {w.url for w in server.registry.workers if w.status == status}
 
@@ -144,10 +152,7 @@ def test_only_ready_running_matching_pods_become_workers_and_follow_changes(kube
             metrics = server.metrics.render().decode()
             assert 'fastroute_discovery_workers{role="regular"} 0.0' in metrics
         finally:
-            await server.stop(grace=0.5)
-            await api.stop()
-            for w in ws:
-                await w.stop()
+            await stop_all(server, api, ws)
     run(body(), 60)
 
 
@@ -190,10 +195,7 @@ def test_pd_pairs_prefill_and_decode_pods_with_bootstrap_ports(kube_env, caplog)
             assert 'fastroute_discovery_workers{role="prefill"} 2.0' in m
             assert 'fastroute_discovery_workers{role="decode"} 1.0' in m
         finally:
-            await server.stop(grace=0.5)
-            await api.stop()
-            for w in ws:
-                await w.stop()
+            await stop_all(server, api, ws)
     with caplog.at_level(logging.INFO, logger="fastroute.discovery"):
         run(body(), 60)
 
@@ -221,10 +223,7 @@ def test_stale_watch_relists_without_losing_a_pod(kube_env, as_event):
             assert removed == []
             assert server.registry.find(a.url).status == "ready"
         finally:
-            await server.stop(grace=0.5)
-            await api.stop()
-            for w in ws:
-                await w.stop()
+            await stop_all(server, api, ws)
     run(body(), 60)
 
 
@@ -254,10 +253,7 @@ def test_api_errors_keep_workers_back_off_and_are_counted(kube_env, caplog):
             await api.put(pod("b", b.ip))
             await until(lambda: urls(server) == {a.url, b.url}, 15.0, "b after recovery")
         finally:
-            await server.stop(grace=0.5)
-            await api.stop()
-            for w in ws:
-                await w.stop()
+            await stop_all(server, api, ws)
     with caplog.at_level(logging.WARNING, logger="fastroute.discovery"):
         run(body(), 60)
 
@@ -277,10 +273,7 @@ def test_discovered_workers_live_beside_command_line_and_admin_ones(kube_env):
             await api.delete(NS, "a")
             await until(lambda: urls(server) == {b.url, c.url}, 10.0, "a gone, b and c stay")
         finally:
-            await server.stop(grace=0.5)
-            await api.stop()
-            for w in ws:
-                await w.stop()
+            await stop_all(server, api, ws)
     run(body(), 60)
 
 
@@ -362,10 +355,7 @@ def test_get_workers_shows_where_a_discovered_worker_came_from(kube_env):
                                                    "source": f"{NS}/a"}
             assert all(p == "/api/v1/pods" for _, p, _ in api.requests)   # all namespaces
         finally:
-            await server.stop(grace=0.5)
-            await api.stop()
-            for w in ws:
-                await w.stop()
+            await stop_all(server, api, ws)
     run(body(), 30)
 
 
@@ -420,10 +410,7 @@ def test_a_pod_that_is_the_router_is_skipped_and_logged_once(kube_env, caplog):
             await until(lambda: urls(server) == {a.url, b.url}, 10.0, "b registered")
             assert {w.url for w in server.registry.workers} == {a.url, b.url}
         finally:
-            await server.stop(grace=0.5)
-            await api.stop()
-            for w in ws:
-                await w.stop()
+            await stop_all(server, api, ws)
         assert sum("this router" in r.getMessage() for r in caplog.records) == 1
     with caplog.at_level(logging.INFO, logger="fastroute.discovery"):
         run(body(), 60)

@@ -10,7 +10,8 @@ import logging
 
 from conftest import call, get, run, until
 from kubeapi import KubeApi, pod
-from test_discovery import NS, PodWorker, kube_env, pod_workers, start, urls  # noqa: F401
+from test_discovery import (NS, PodWorker, kube_env, pod_workers, start, stop_all,  # noqa: F401
+                            urls)
 
 from fastroute.config import Config
 from fastroute.control import discovery
@@ -82,10 +83,7 @@ def test_watch_lines_of_the_wrong_shape_are_skipped_counted_and_the_watch_goes_o
             assert 1 <= len(warned) <= 3        # once per watch episode, not once per line
             assert 'fastroute_background_task_up{task="discovery regular pods"} 1.0' in m
         finally:
-            await server.stop(grace=0.5)
-            await api.stop()
-            for w in ws:
-                await w.stop()
+            await stop_all(server, api, ws)
     with caplog.at_level(logging.INFO, logger="fastroute"):
         run(body(), 60)
 
@@ -127,10 +125,7 @@ def test_a_crash_inside_the_watch_restarts_the_task_counted_and_logged_once(kube
             assert r.status == 200      # workers stay routable; the stale view is named
             assert TASK in json.loads(r.body).get("stale", [])
         finally:
-            await server.stop(grace=0.5)
-            await api.stop()
-            for w in ws:
-                await w.stop()
+            await stop_all(server, api, ws)
     with caplog.at_level(logging.INFO, logger="fastroute"):
         run(body(), 60)
 
@@ -194,10 +189,7 @@ def test_410_on_every_watch_backs_off_and_logs_once(kube_env, caplog):
             await api.put(pod("b", b.ip))
             await until(lambda: b.url in urls(server), 20.0, "b after the 410s")
         finally:
-            await server.stop(grace=0.5)
-            await api.stop()
-            for w in ws:
-                await w.stop()
+            await stop_all(server, api, ws)
     with caplog.at_level(logging.INFO, logger="fastroute.discovery"):
         run(body(), 60)
 
@@ -220,10 +212,7 @@ def test_a_watch_that_hangs_without_bytes_is_restarted(kube_env):
             assert metric(server, 'fastroute_discovery_errors_total{provider="kubernetes",'
                                   'reason="watch_idle"}') >= 1
         finally:
-            await server.stop(grace=0.5)
-            await api.stop()
-            for w in ws:
-                await w.stop()
+            await stop_all(server, api, ws)
     run(body(), 60)
 
 

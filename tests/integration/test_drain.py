@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.integration.conftest import RawClient, call, get, post, run, until, workers
+from tests.integration.conftest import RawClient, call, get, post, refuses, run, until, workers
 
 
 def _free_port() -> int:
@@ -27,15 +27,6 @@ async def _status(port: int, data: bytes) -> int | None:
         return (await call(port, data, timeout=5)).status
     except (OSError, EOFError, asyncio.TimeoutError):
         return None
-
-
-async def _refuses(port: int) -> bool:
-    try:
-        _, writer = await asyncio.open_connection("127.0.0.1", port)
-    except OSError:
-        return True
-    writer.close()
-    return False
 
 
 @pytest.mark.parametrize("procs", ["1", "2"])
@@ -98,7 +89,7 @@ def test_sigterm_readiness_503_everywhere_while_streams_finish_and_new_requests_
                 assert res.status == 200 and b"data: [DONE]" in res.body
                 assert b"tok2" in res.body
             assert await asyncio.wait_for(proc.wait(), 60) == 0
-            assert await _refuses(port) and await _refuses(probe)
+            assert await refuses(port) and await refuses(probe)
         finally:
             for c in streams:
                 c.close()

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import RawClient, call, get, post, run, until, workers
+from conftest import RawClient, call, get, post, refuses, run, until, workers
 
 
 def free_port() -> int:
@@ -43,15 +43,6 @@ async def start_router(w_url: str, *extra: str) -> tuple[asyncio.subprocess.Proc
         await proc.wait()
         raise
     return proc, port
-
-
-async def refuses(port: int) -> bool:
-    try:
-        _, writer = await asyncio.open_connection("127.0.0.1", port)
-    except OSError:
-        return True
-    writer.close()
-    return False
 
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT], ids=["SIGHUP", "SIGQUIT"])

@@ -131,69 +131,64 @@ def test_picker_books_the_others_estimate_only_when_it_books():
         tt.unlink()
 
 
-def test_later_picks_between_two_syncs_keep_their_exact_place():
+@pytest.fixture
+def synced():
+    """Four healthy ranks in a shared order, a least_requests group over them, and this
+    replica at slot 2 of 3 synced ones."""
+    tt = TargetTable(8)
+    for _ in range(4):
+        tt.set_healthy(tt.alloc(), True)
+    tt.array[:4, COL_ORDER_KEY] = [10, 20, 30, 40]
+    g = Router(tt, seed=1).group([0, 1, 2, 3], "power_of_two", load_metric="least_requests")
+    tt.set_replicas(3, 2)
+    yield tt, g
+    tt.close()
+    tt.unlink()
+
+
+def test_later_picks_between_two_syncs_keep_their_exact_place(synced):
     """The first pick after a sync stays on the least-loaded level (slot modulo the ties); a
     second pick on the same view is part of a burst and takes its exact place in the plan; the
     next sync tick makes the next pick a first one again."""
-    tt = TargetTable(8)
-    try:
-        for _ in range(4):
-            t = tt.alloc()
-            tt.set_healthy(t, True)
-        arr = tt.array
-        arr[:4, COL_ORDER_KEY] = [10, 20, 30, 40]
-        arr[1:4, COL_OTHERS_IN_FLIGHT] = 1           # rank 0 alone is empty
-        g = Router(tt, seed=1).group([0, 1, 2, 3], "power_of_two", load_metric="least_requests")
-        cands = np.arange(4, dtype=np.int64)
-        tt.set_replicas(3, 2)
-        tt.count_sync_tick()
-        first = g.acquire(10)
-        assert first.target == 0                     # 2 % 1 tie: the one empty rank
-        loose = R.coordinated(arr, cands, 10, 0, False, 0, False, 3, 2)[0]
-        exact = R.coordinated(arr, cands, 10, 0, False, 0, False, 3, 2, True)[0]
-        assert loose != exact
-        second = g.acquire(10)
-        assert second.target == exact
-        tt.count_sync_tick()
-        loose = R.coordinated(arr, cands, 10, 0, False, 0, False, 3, 2)[0]
-        third = g.acquire(10)
-        assert third.target == loose
-        for lease in (first, second, third):
-            lease.release()
-    finally:
-        tt.close()
-        tt.unlink()
+    tt, g = synced
+    arr = tt.array
+    arr[1:4, COL_OTHERS_IN_FLIGHT] = 1           # rank 0 alone is empty
+    cands = np.arange(4, dtype=np.int64)
+    tt.count_sync_tick()
+    first = g.acquire(10)
+    assert first.target == 0                     # 2 % 1 tie: the one empty rank
+    loose = R.coordinated(arr, cands, 10, 0, False, 0, False, 3, 2)[0]
+    exact = R.coordinated(arr, cands, 10, 0, False, 0, False, 3, 2, True)[0]
+    assert loose != exact
+    second = g.acquire(10)
+    assert second.target == exact
+    tt.count_sync_tick()
+    loose = R.coordinated(arr, cands, 10, 0, False, 0, False, 3, 2)[0]
+    third = g.acquire(10)
+    assert third.target == loose
+    for lease in (first, second, third):
+        lease.release()
 
 
-def test_a_replica_whose_picks_come_in_bursts_keeps_its_place_from_the_first():
+def test_a_replica_whose_picks_come_in_bursts_keeps_its_place_from_the_first(synced):
     """After picks that came two per view (a bursty client spread over the replicas), the first
     pick after a sync is taken as part of a burst too: its exact place, not the least-loaded."""
-    tt = TargetTable(8)
-    try:
-        for _ in range(4):
-            t = tt.alloc()
-            tt.set_healthy(t, True)
-        arr = tt.array
-        arr[:4, COL_ORDER_KEY] = [10, 20, 30, 40]
-        g = Router(tt, seed=1).group([0, 1, 2, 3], "power_of_two", load_metric="least_requests")
-        tt.set_replicas(3, 2)
-        for _ in range(40):
-            tt.count_sync_tick()
-            for lease in (g.acquire(10), g.acquire(10)):
-                lease.release()
-        arr[:4, COL_OTHERS_EST] = 0
-        arr[:4, COL_OTHERS_EST_TOKENS] = 0
-        arr[1:4, COL_OTHERS_IN_FLIGHT] = 1           # rank 0 alone is empty
-        cands = np.arange(4, dtype=np.int64)
-        exact = R.coordinated(arr, cands, 10, 0, False, 0, False, 3, 2, True)[0]
-        assert exact != 0
+    tt, g = synced
+    arr = tt.array
+    for _ in range(40):
         tt.count_sync_tick()
-        first = g.acquire(10)
-        assert first.target == exact
-        first.release()
-    finally:
-        tt.close()
-        tt.unlink()
+        for lease in (g.acquire(10), g.acquire(10)):
+            lease.release()
+    arr[:4, COL_OTHERS_EST] = 0
+    arr[:4, COL_OTHERS_EST_TOKENS] = 0
+    arr[1:4, COL_OTHERS_IN_FLIGHT] = 1           # rank 0 alone is empty
+    cands = np.arange(4, dtype=np.int64)
+    exact = R.coordinated(arr, cands, 10, 0, False, 0, False, 3, 2, True)[0]
+    assert exact != 0
+    tt.count_sync_tick()
+    first = g.acquire(10)
+    assert first.target == exact
+    first.release()
 
 
 def test_p2c_on_tokens_is_not_coordinated():
