@@ -332,7 +332,7 @@ def test_loadgen_mini_router_end_to_end() -> None:
                     reason="the router (fastroute.runtime.server) is not importable in this install")
 def test_demo_runs_end_to_end(tmp_path) -> None:
     out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "fastroute", "demo", "--duration", "4.5", "--warmup", "0.5", "--concurrency", "8",
+    cmd = [sys.executable, "-m", "fastroute", "demo", "--duration", "10", "--warmup", "0.5", "--concurrency", "8",
            "--time-scale", "0.05", "--out", str(out), "--quiet", "--conversation-rate", "2"]
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
