@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import sys
 import time
@@ -52,7 +53,8 @@ def replica_cells(ns: list[int], args: list[str] | None = None) -> list[Cell]:
 
 
 async def run_point(cell: Cell, cluster: SimCluster, arrivals: list, warmup: float, duration: float,
-                    out_dir: str, tag: str, extra: list[str] | None = None) -> dict:
+                    out_dir: str, tag: str, extra: list[str] | None = None,
+                    sync_ms: int | None = None) -> dict:
     prefill, decode = cluster.prefills[0], cluster.decodes[0]
     assert prefill.prefill is not None and decode.decode is not None
     redis_proc = RedisProcess().start() if cell.sync else None
@@ -66,6 +68,8 @@ async def run_point(cell: Cell, cluster: SimCluster, arrivals: list, warmup: flo
             cmd += extra or []
             if redis_proc is not None:
                 cmd += ["--replica-sync", redis_proc.url, "--replica-id", f"r{k}"]
+                if sync_ms is not None:
+                    cmd += ["--replica-sync-interval-ms", str(sync_ms)]
             replicas.append(RouterProcess(cmd, port, os.path.join(out_dir, f"conv_{safe}_r{k}.log")))
             await replicas[-1].start()
             ports.append(port)
@@ -148,6 +152,15 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quiet", action="store_true")
 
 
+def wall_sync_ms(ns: argparse.Namespace) -> int | None:
+    """The synced replicas' ``--replica-sync-interval-ms``: ``--sync-interval-sim-ms`` of simulated
+    time in wall ms (at least 1, rounded up), or None (the router's default, in wall time)."""
+    sim_ms = getattr(ns, "sync_interval_sim_ms", None)
+    if sim_ms is None:
+        return None
+    return max(1, math.ceil(sim_ms * ns.time_scale))
+
+
 async def run_all(cells: list[Cell], ns: argparse.Namespace) -> list[dict]:
     decode_p, prefill_p = sim_params(ns)
     os.makedirs(ns.out, exist_ok=True)
@@ -165,7 +178,8 @@ async def run_all(cells: list[Cell], ns: argparse.Namespace) -> list[dict]:
                     if not ns.quiet:
                         print(f"== {cell.label} ({tag})", file=sys.stderr, flush=True)
                     try:
-                        r = await run_point(cell, cluster, arrivals, ns.warmup, ns.duration, ns.out, tag, extra)
+                        r = await run_point(cell, cluster, arrivals, ns.warmup, ns.duration, ns.out, tag, extra,
+                                            wall_sync_ms(ns))
                     except RuntimeError as exc:
                         print(f"   skipped: {exc}", file=sys.stderr, flush=True)
                         continue
@@ -185,6 +199,11 @@ def main(argv: list[str] | None = None, mode: str = "policies") -> int:
     if mode == "replicas":
         ap.add_argument("--replicas", type=int, nargs="+", default=[3], help="N of the N-replica rows")
         ap.add_argument("--kv-fit", action="store_true", help="every router with --decode-kv-fit on")
+        ap.add_argument("--sync-interval-sim-ms", type=float, default=None, metavar="MS",
+                        help="the synced replicas' sync interval in simulated ms (wall ms = MS x time "
+                             "scale, rounded up): the simulator runs 1/time-scale times faster than "
+                             "real time, so the router's default 10 wall ms is 10/time-scale simulated "
+                             "ms here; default: the router's own default")
     else:
         ap.add_argument("--kv-fit", action="store_true", help="every row with --decode-kv-fit on")
     ns = ap.parse_args(argv)
