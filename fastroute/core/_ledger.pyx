@@ -311,6 +311,7 @@ cdef class Picker:
     cdef readonly int64_t kv_fallback
     cdef int64_t[::1] scratch        # pick_coordinated: 2 x candidates, then 2 x MAX_SLOTS + 1
     cdef int64_t coord_n             # placements of the last coordinated pick (0: none)
+    cdef bint coord_tokens           # whether that pick books the others' input tokens too
     cdef int64_t coord_slot
     cdef int64_t coord_tick          # sync tick of the last coordinated pick (-1: none yet)
     cdef int64_t coord_burst         # share of recent picks that were not a view's first, /1024
@@ -466,6 +467,11 @@ cdef class Picker:
         if t >= 0:
             self.coord_n = n
             self.coord_slot = self.scratch[2 * m + 2 * n]   # the place it took
+            # A lone pick (not a burst) books the others' places as requests only: should they
+            # not be placing anything now, phantom input tokens would hide free KV on those
+            # ranks from KV fit until the next publication (with tight KV, it then sends work
+            # to ranks that are fuller in fact).
+            self.coord_tokens = strict
         return t
 
     cdef void _book_estimate(self, int64_t tokens) noexcept:
@@ -479,7 +485,8 @@ cdef class Picker:
             t = self.scratch[2 * m + s]
             row = &self.tab[t, 0]
             fr_add_i64(&row[COL_OTHERS_EST], 1)
-            fr_add_i64(&row[COL_OTHERS_EST_TOKENS], tokens)
+            if self.coord_tokens:
+                fr_add_i64(&row[COL_OTHERS_EST_TOKENS], tokens)
         self.coordinated_picks += 1
         self.coord_n = 0
 

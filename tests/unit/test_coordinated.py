@@ -191,6 +191,21 @@ def test_a_replica_whose_picks_come_in_bursts_keeps_its_place_from_the_first(syn
     first.release()
 
 
+def test_a_lone_pick_books_the_others_requests_but_not_their_tokens(synced):
+    """The first pick after a sync, from a replica whose traffic is not bursty, books the others'
+    places as requests only (phantom input tokens would hide free KV from KV fit); a second pick
+    on the same view is a burst, and books their tokens as well."""
+    tt, g = synced
+    arr = tt.array
+    tt.count_sync_tick()
+    first = g.acquire(1000)
+    assert arr[:4, COL_OTHERS_EST].sum() == 2 and arr[:4, COL_OTHERS_EST_TOKENS].sum() == 0
+    second = g.acquire(1000)
+    assert arr[:4, COL_OTHERS_EST].sum() == 4 and arr[:4, COL_OTHERS_EST_TOKENS].sum() == 2000
+    for lease in (first, second):
+        lease.release()
+
+
 def test_p2c_on_tokens_is_not_coordinated():
     tt = TargetTable(4)
     try:
