@@ -13,18 +13,27 @@ on the rank of the port it arrived at, so where a request ran shows where the ro
 * POST /workers with one rank URL registers all the ranks (a second rank URL is a duplicate),
   and a deployment_info that cannot be a layout fails the registration with its reason;
 * prefill input demand keeps small requests off the prefill ranks holding large ones, through a
-  per-rank-port prefill (the classic-layout version is in test_prefill_demand).
+  per-rank-port prefill (the classic-layout version is in test_prefill_demand);
+* Kubernetes discovery: each pod serving rank ports is one worker with all its ranks, and
+  leaves with all of them;
+* under ``--workers 2`` every proxy process sends to the rank ports (the snapshot carries them).
 """
 from __future__ import annotations
 
 import json
 
+import pytest
+
+from fastroute.config import Config
 from fastroute.core.table import COL_HEALTHY
+from fastroute.runtime.server import Server
 from fastroute.sim.engine import SimParams
 from fastroute.sim.http import fetch
 from fastroute.sim.server import SimWorker
 from fastroute.sim.worker import start_cluster
 from tests.integration.conftest import DataWorker, Router, call, get, post, run, until
+from tests.integration.kubeapi import KubeApi, pod
+from tests.integration.test_multiproc import MultiRouter, views_current
 from tests.integration.test_prefill_demand import LARGE, SMALL, Client, _prefill_queues, _router
 
 H = "127.0.0.1"
@@ -228,3 +237,89 @@ def test_small_requests_never_share_a_rank_port_with_a_large_prefill() -> None:
     large = [q for q, tok in queues if tok >= LARGE]
     assert large == [1, 1, 1, 1], queues
     assert sorted(q for q, tok in queues if tok < LARGE) == [2, 2, 2, 2], queues
+
+
+async def _pod_sims(ips: list[str], dp: int) -> list[SimWorker]:
+    """Per-rank-port regular servers on the loopback addresses ``ips`` (pod IPs), all on the
+    same base port (discovery has one port for every pod)."""
+    for _ in range(20):
+        first = SimWorker("regular", SimParams(dp_size=dp, time_scale=0.01), ips[0], rank_ports=True)
+        await first.start()
+        out = [first]
+        try:
+            for ip in ips[1:]:
+                w = SimWorker("regular", SimParams(dp_size=dp, time_scale=0.01), ip, first.port,
+                              rank_ports=True)
+                await w.start()
+                out.append(w)
+            return out
+        except OSError:
+            for w in out:
+                await w.stop()
+    raise RuntimeError("no common free run of ports on the loopback addresses")
+
+
+@pytest.fixture
+def kubeconfig(tmp_path, monkeypatch):
+    path = tmp_path / "kubeconfig"
+    monkeypatch.setenv("KUBECONFIG", str(path))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    return path
+
+
+def test_kubernetes_pods_serving_rank_ports_become_one_worker_each(kubeconfig) -> None:
+    async def body() -> None:
+        api = await KubeApi().start()
+        a, b = sims = await _pod_sims(["127.0.0.2", "127.0.0.3"], 4)
+        kubeconfig.write_text(api.kubeconfig())
+        await api.put(pod("a", a.host))
+        await api.put(pod("b", b.host))
+        server = Server(Config(host="127.0.0.1", port=0, policy="round_robin",
+                               worker_startup_check_interval=1, disable_health_check=True,
+                               shutdown_grace_period_secs=1, prometheus_host="127.0.0.1",
+                               prometheus_port=0, service_discovery=True, selector=["app=sglang"],
+                               service_discovery_namespace="team-a",
+                               service_discovery_port=a.port, discovery_check_interval_secs=30))
+        await server.start()
+        try:
+            reg = server.registry
+            await until(lambda: sorted(w.url for w in reg.workers if w.status == "ready")
+                        == [a.url, b.url], 10.0, "both pods registered")
+            assert all(len(w.targets) == 4 for w in reg.workers)
+            for _ in range(16):
+                status, _ = await fetch(H, server.port, "POST", "/generate", _gen())
+                assert status == 200
+            assert a.port_requests == [2] * 4 and b.port_requests == [2] * 4
+            # the pod goes: its server leaves with every rank
+            await api.delete("team-a", "a")
+            await until(lambda: [w.url for w in reg.workers] == [b.url], 10.0, "a removed")
+            assert reg.find(a.rank_url(2)) is None
+            for _ in range(4):
+                status, _ = await fetch(H, server.port, "POST", "/generate", _gen())
+                assert status == 200
+            assert a.port_requests == [2] * 4 and b.port_requests == [3] * 4
+        finally:
+            await server.stop(grace=0.5)
+            await api.stop()
+            for w in sims:
+                await w.stop()
+    run(body(), 60.0)
+
+
+def test_every_proxy_process_sends_to_the_rank_ports() -> None:
+    async def body() -> None:
+        w = await _regular(4)
+        try:
+            async with MultiRouter("--worker-urls", w.rank_url(1), "--policy", "round_robin") as r:
+                await r.until_metric(views_current, 10.0, "both views current")
+                for _ in range(16):
+                    res = await call(r.port, post("/generate", {"text": "hi"}, keep_alive=False))
+                    assert res.status == 200, res.body
+                assert sum(w.port_requests) == 16 and all(n > 0 for n in w.port_requests), \
+                    w.port_requests
+                res = await call(r.port, get("/get_loads"))
+                names = [e["name"] for e in res.json["loads"]]
+                assert names == [w.rank_url(i) for i in range(4)]
+        finally:
+            await w.stop()
+    run(body(), 60.0)
