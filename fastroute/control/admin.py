@@ -138,9 +138,12 @@ class AdminAPI:
             d["error"] = w.error
         if live:
             if w.split:
-                d["dp_ranks"] = [{"url": name, "dp_rank": r, "load": tab.in_flight(t),
-                                  "is_healthy": w.healthy, **self._polled(t)}
+                ids = w.rank_ids or range(len(w.targets))
+                d["dp_ranks"] = [{"url": name, "dp_rank": ids[r], "load": tab.in_flight(t),
+                                  "is_healthy": w.target_healthy(r), **self._polled(t)}
                                  for r, (t, name) in enumerate(zip(w.targets, w.names))]
+                if w.rank_ports:    # each rank listens on a port of its own
+                    d["rank_ports"] = True
             else:
                 d["engine_load"] = self._polled(w.targets[0])
         return d
@@ -334,7 +337,8 @@ class AdminAPI:
                 p = self._polled(t)
                 inf, inf_tok = tab.in_flight(t), tab.in_flight_tokens(t)
                 loads.append({"name": name, "worker": w.url, "worker_id": w.id, "worker_type": w.role,
-                              "dp_rank": i if w.split else None, "is_healthy": w.healthy,
+                              "dp_rank": (w.rank_ids[i] if w.rank_ids else i) if w.split else None,
+                              "is_healthy": w.target_healthy(i),
                               "in_flight_requests": inf, "in_flight_tokens": inf_tok, **p})
                 agg["total_in_flight_requests"] += inf
                 agg["total_in_flight_tokens"] += inf_tok

@@ -37,13 +37,16 @@ WORKER_FIELDS = ("url", "role", "id", "host", "port", "bootstrap_port", "dp_size
                   "names", "model_id", "server_info", "model_info", "healthy", "status",
                   "priority", "cost", "labels", "api_key", "requested_model_id", "error",
                   "server_info_path", "model_info_path")
+# A per-rank-port server's rank URLs, DP ranks and per-rank health (fastroute.control.rankports).
+RANK_FIELDS = ("rank_urls", "rank_ids", "rank_healthy")
 
 
 
 def snapshot_doc(registry: Registry, version: int) -> dict[str, Any]:
     """The worker set as the proxy processes need it (every worker, any status)."""
     return {"version": version,
-            "workers": [{f: getattr(w, f) for f in WORKER_FIELDS} for w in registry.workers]}
+            "workers": [{f: getattr(w, f) for f in WORKER_FIELDS + RANK_FIELDS}
+                        for w in registry.workers]}
 
 
 class FollowerRegistry(Registry):
@@ -102,6 +105,8 @@ class FollowerRegistry(Registry):
                 w = Worker(url=d["url"], role=d["role"], id=d["id"])
             for f in WORKER_FIELDS:
                 setattr(w, f, d[f])
+            for f in RANK_FIELDS:       # (a snapshot without them: a server on one port)
+                setattr(w, f, list(d.get(f) or ()))
             workers.append(w)
         info: list[tuple[Worker, int | None] | None] = [None] * self.table.capacity
         for w in workers:

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from fastroute.core.table import (COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_POLLED_AT, COL_POLLED_RUNNING,
                                   COL_POLLED_WAITING, TargetTable)
-from fastroute.names import target_name
+from fastroute.control.worker import target_label
 
 # Logger name kept from before the move: operators filter on it.
 log = logging.getLogger("fastroute.monitor")
@@ -96,7 +96,7 @@ class Reconciler:
             if not st[4] and st[3] >= self.min_polls and now - st[2] >= self.timeout:
                 st[4] = True
                 flagged += 1
-                name = target_name(w.url, rank)
+                name = target_label(w, rank)
                 log.warning("reconcile: router holds %d requests on %s but the engine has reported "
                             "fewer (last: %d) for %.0f s over %d polls", held, name, reported,
                             now - st[2], st[3])

@@ -26,7 +26,8 @@ from fastroute.config import DEFAULT_DURATION_BUCKETS, Config
 # The smg families and fastroute's status for each (README's table is generated there).
 from fastroute.control.parity import PEER_SERIES, peer_table_markdown  # noqa: F401
 from fastroute.core import _policy, table as T
-from fastroute.names import label_value, target_name
+from fastroute.control.worker import target_label
+from fastroute.names import label_value
 
 log = logging.getLogger("fastroute.metrics")
 
@@ -162,7 +163,7 @@ class Collector:
             if entry is None:
                 continue
             w, rank = entry
-            name = target_name(w.url, rank)
+            name = target_label(w, rank)
             out.append((t, name, w.role, _model_label(w)))
         return out
 

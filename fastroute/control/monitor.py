@@ -193,42 +193,11 @@ class Monitor:
             await asyncio.gather(*(self.poll_worker(w, timeout) for w in workers))
 
     async def poll_worker(self, w: Worker, timeout: float) -> bool:
-        """One load poll of one physical worker; True when usable data arrived."""
-        entries: list[tuple[int | None, RankLoad | None]] | None = None
-        mode, doc = "failed", None
-        headers = self.registry.auth_headers(w)
-        try:
-            if w.load_path != GET_LOAD:
-                query = _V1_CORE if w.load_path == _V1_CORE else _V1_QUERY
-                status, _, body = await httpclient.request("GET", w.url + query, headers=headers,
-                                                           timeout=timeout)
-                if status == 400 and query == _V1_QUERY:
-                    # An older /v1/loads without the disagg section: core only from now on.
-                    w.load_path = query = _V1_CORE
-                    status, _, body = await httpclient.request("GET", w.url + query,
-                                                               headers=headers, timeout=timeout)
-                if status == 200:
-                    w.load_path = query if query == _V1_CORE else V1_LOADS
-                    doc = json.loads(body)
-                    entries, mode = parse_v1_loads(doc), "v1_loads"
-                elif status == 404:
-                    w.load_path = GET_LOAD  # older SGLang: remember, don't ask /v1/loads again
-                else:
-                    log.debug("load poll %s%s: HTTP %s", w.url, V1_LOADS, status)
-            if entries is None and w.load_path == GET_LOAD:
-                status, _, body = await httpclient.request("GET", w.url + GET_LOAD, headers=headers,
-                                                           timeout=timeout)
-                if status == 200:
-                    doc = json.loads(body)
-                    entries, mode = parse_get_load(doc), "get_load"
-                else:
-                    if status == 404:
-                        # Neither endpoint (or the server was replaced): probe both again next time.
-                        w.load_path = None
-                    log.debug("load poll %s%s: HTTP %s", w.url, GET_LOAD, status)
-        except (HttpClientError, ValueError) as exc:  # ValueError: body is not JSON
-            log.debug("load poll %s failed: %s", w.url, exc)
-            entries = None
+        """One load poll of one physical worker (of each rank port of a per-rank-port
+        server); True when usable data arrived."""
+        if w.rank_ports:
+            return await self._poll_rank_ports(w, timeout)
+        entries, mode, doc = await self._fetch_loads(w, w.url, timeout)
         key = (w.url, mode)
         self.polls[key] = self.polls.get(key, 0) + 1
         if w.status != "ready":  # removed during the await: its rows may belong to someone else now
@@ -240,18 +209,91 @@ class Monitor:
         self._dp_hint(w, entries)
         return self._apply(w, entries)
 
+    async def _poll_rank_ports(self, w: Worker, timeout: float) -> bool:
+        """Poll every rank port of a per-rank-port server; each answer is its own rank's."""
+        urls = list(w.rank_urls)
+        got = await asyncio.gather(*(self._fetch_loads(w, u, timeout) for u in urls))
+        for _, mode, _ in got:
+            key = (w.url, mode)
+            self.polls[key] = self.polls.get(key, 0) + 1
+        if w.status != "ready" or w.rank_urls != urls:   # removed or resized meanwhile
+            self.engine.update(w.url, None, "failed")
+            return False
+        merged: list[Any] = []
+        all_entries: list[tuple[int | None, RankLoad | None]] = []
+        tab, any_ok = self.table, False
+        for i, (t, (entries, mode, doc)) in enumerate(zip(w.targets, got)):
+            rank = w.rank_ids[i]
+            # The port's own entry (an answer without dp_rank is the port's rank).
+            load = next((ld for r, ld in entries or () if r in (rank, None)), None)
+            if load is None:
+                tab.mark_unpolled(t)
+                continue
+            all_entries.append((rank, load))
+            tab.set_polled(t, load[0], load[1], load[2], load[3], self._uncached(w, load[4]),
+                           load[5])
+            any_ok = True
+            if mode == "v1_loads" and isinstance(doc, dict) and isinstance(doc.get("loads"), list):
+                merged += [e for e in doc["loads"] if isinstance(e, dict)
+                           and e.get("dp_rank", rank) == rank]
+        self.engine.update(w.url, {"loads": merged} if merged else None, "v1_loads")
+        if all_entries:
+            self._note_unusable(w, all_entries)
+        self._dp_hint(w, all_entries or None)
+        return any_ok
+
+    async def _fetch_loads(self, w: Worker, url: str, timeout: float
+                           ) -> tuple[list[tuple[int | None, RankLoad | None]] | None, str, Any]:
+        """GET one port's load report -> (entries or None, mode, the JSON answer)."""
+        entries: list[tuple[int | None, RankLoad | None]] | None = None
+        mode, doc = "failed", None
+        headers = self.registry.auth_headers(w)
+        try:
+            if w.load_path != GET_LOAD:
+                query = _V1_CORE if w.load_path == _V1_CORE else _V1_QUERY
+                status, _, body = await httpclient.request("GET", url + query, headers=headers,
+                                                           timeout=timeout)
+                if status == 400 and query == _V1_QUERY:
+                    # An older /v1/loads without the disagg section: core only from now on.
+                    w.load_path = query = _V1_CORE
+                    status, _, body = await httpclient.request("GET", url + query,
+                                                               headers=headers, timeout=timeout)
+                if status == 200:
+                    w.load_path = query if query == _V1_CORE else V1_LOADS
+                    doc = json.loads(body)
+                    entries, mode = parse_v1_loads(doc), "v1_loads"
+                elif status == 404:
+                    w.load_path = GET_LOAD  # older SGLang: remember, don't ask /v1/loads again
+                else:
+                    log.debug("load poll %s%s: HTTP %s", url, V1_LOADS, status)
+            if entries is None and w.load_path == GET_LOAD:
+                status, _, body = await httpclient.request("GET", url + GET_LOAD, headers=headers,
+                                                           timeout=timeout)
+                if status == 200:
+                    doc = json.loads(body)
+                    entries, mode = parse_get_load(doc), "get_load"
+                else:
+                    if status == 404:
+                        # Neither endpoint (or the server was replaced): probe both again next time.
+                        w.load_path = None
+                    log.debug("load poll %s%s: HTTP %s", url, GET_LOAD, status)
+        except (HttpClientError, ValueError) as exc:  # ValueError: body is not JSON
+            log.debug("load poll %s failed: %s", url, exc)
+            entries = None
+        return entries, mode, doc
+
     def _dp_hint(self, w: Worker, entries: list[tuple[int | None, RankLoad | None]] | None) -> None:
         """Under --dp-aware, ask the registry to re-read dp_size when the poll suggests the
         worker restarted with another one: a rank count unlike its targets', the first answer
         after failed polls; and on a slow schedule."""
-        if not self.config.dp_aware:
+        if not (self.config.dp_aware or w.rank_ports):
             return
         reg = self.registry
         if not entries:
             self._poll_failed.add(w.url)
             return
         ranks = len({r for r, _ in entries if r is not None} or entries)
-        if ranks != len(w.targets):
+        if ranks != len(w.targets) and not w.rank_ports:   # (a rank port reports one rank)
             reg.recheck_dp(w, f"/v1/loads reports {ranks} ranks", force=False)
         elif w.url in self._poll_failed:
             reg.recheck_dp(w, "answering load polls again")
@@ -324,7 +366,15 @@ class Monitor:
             await asyncio.gather(*(self.check_worker(w) for w in workers))
 
     async def check_worker(self, w: Worker) -> bool:
-        """One health probe of one physical worker; returns the probe outcome."""
+        """One health probe of one physical worker (of each rank port of a per-rank-port
+        server: a rank whose port fails turns unhealthy alone); returns the outcome (any
+        rank port answered)."""
+        if not w.rank_ports:
+            return await self._probe(w, w.url, None)
+        oks = await asyncio.gather(*(self._probe(w, u, i) for i, u in enumerate(list(w.rank_urls))))
+        return any(oks)
+
+    async def _probe(self, w: Worker, url: str, rank: int | None) -> bool:
         cfg = self.config
         path = cfg.health_check_endpoint or "/health"
         if not path.startswith("/"):
@@ -333,16 +383,19 @@ class Monitor:
         reg = self.registry
         headers = reg.health_headers(w) if path.split("?", 1)[0] == "/health" else reg.auth_headers(w)
         try:
-            status, _, _ = await httpclient.request("GET", w.url + path, headers=headers,
+            status, _, _ = await httpclient.request("GET", url + path, headers=headers,
                                                     timeout=float(cfg.health_check_timeout_secs))
             ok = 200 <= status < 300
         except HttpClientError as exc:
-            log.debug("health probe %s failed: %s", w.url, exc)
+            log.debug("health probe %s failed: %s", url, exc)
             ok = False
         key = (w.role, "success" if ok else "failure")
         self.health_checks[key] = self.health_checks.get(key, 0) + 1
         if w.status == "ready":
-            self.record_health(w, ok)
+            if rank is None:
+                self.record_health(w, ok)
+            elif rank < len(w.rank_healthy) and w.rank_urls[rank] == url:
+                self.record_rank_health(w, rank, ok)
         return ok
 
     def record_health(self, w: Worker, ok: bool) -> None:
@@ -359,11 +412,40 @@ class Monitor:
             if w.healthy and w.health_failures >= max(int(cfg.health_failure_threshold), 1):
                 self._set_health(w, False)
 
+    def record_rank_health(self, w: Worker, i: int, ok: bool) -> None:
+        """One probe outcome of rank port ``i`` of a per-rank-port server: the thresholds
+        flip that rank's target alone; the worker is healthy while any rank is."""
+        cfg = self.config
+        if ok:
+            w.rank_failures[i] = 0
+            w.rank_successes[i] += 1
+            flip = not w.rank_healthy[i] and w.rank_successes[i] >= max(int(cfg.health_success_threshold), 1)
+        else:
+            w.rank_successes[i] = 0
+            w.rank_failures[i] += 1
+            flip = w.rank_healthy[i] and w.rank_failures[i] >= max(int(cfg.health_failure_threshold), 1)
+        if not flip:
+            return
+        w.rank_healthy[i] = ok
+        self.table.set_healthy(w.targets[i], ok and w.healthy)
+        if ok:
+            log.info("rank %d of worker %s (%s) is healthy again", w.rank_ids[i], w.url,
+                     w.rank_urls[i])
+        else:
+            log.warning("rank %d of worker %s (%s) is unhealthy after %d failed health checks; "
+                        "its other ranks keep serving", w.rank_ids[i], w.url, w.rank_urls[i],
+                        w.rank_failures[i])
+        if any(w.rank_healthy) != w.healthy:
+            w.health_failures = 0 if ok else w.rank_failures[i]
+            self._set_health(w, not w.healthy)
+        elif ok:
+            self.registry.recheck_dp(w, "a rank healthy again")
+
     def _set_health(self, w: Worker, ok: bool) -> None:
         w.healthy = ok
         self.registry.invalidate_ready()
-        for t in w.targets:
-            self.table.set_healthy(t, ok)
+        for i, t in enumerate(w.targets):
+            self.table.set_healthy(t, w.target_healthy(i))
         if ok:
             log.info("worker %s is healthy again", w.url)
             self.registry.recheck_dp(w, "healthy again")   # restarted, maybe resized

@@ -43,14 +43,15 @@ from fastroute.control.admin import AdminAPI
 from fastroute.control.background import Background
 from fastroute.control.httpclient import HttpClientError, HttpTLSClosed, HttpTLSError
 from fastroute.control.models import ModelGroups, group_like, parse_aliases, worker_model_names
+from fastroute.control.rankports import RankLayoutError, RankPorts
 from fastroute.control.worker import (ROLES, BadWorkerURL, DuplicateWorker, Worker, address_key, basic_auth,
-                                      check_fields, model_id_of, normalize_url, split_host_port)
+                                      check_fields, model_id_of, normalize_url, split_host_port,
+                                      target_label)
 from fastroute.control.selfaddr import OwnAddresses, SelfWorker
 from fastroute.core.cache_aware import leg_rank_slack
 from fastroute.checks import link_local, worker_url_problem
 from fastroute.core.routing import Group, Router
 from fastroute.core.table import TargetTable
-from fastroute.names import target_name
 
 __all__ = ["Registry", "Worker", "DuplicateWorker", "ROLES", "normalize_url", "split_host_port",
            "model_id_of"]
@@ -83,7 +84,7 @@ def _mtls_hint(cfg: Config) -> str:
             "--client-key-path)")
 
 
-class Registry(AdminAPI):
+class Registry(RankPorts, AdminAPI):
     """All workers, their target rows, the per-role routing groups (and, inherited, the admin
     endpoints)."""
 
@@ -204,9 +205,16 @@ class Registry(AdminAPI):
         self._by_id[w.id] = w
         if w.addr is not None:
             self._by_addr.setdefault(w.addr, w)
+        for url, addr in self._aliases(w):    # the other rank ports of a per-rank-port server
+            self._by_url.setdefault(url, w)
+            if addr is not None:
+                self._by_addr.setdefault(addr, w)
 
     def _unindex(self, w: Worker) -> None:
-        for d, k in ((self._by_url, w.url), (self._by_id, w.id), (self._by_addr, w.addr)):
+        keys = [(self._by_url, w.url), (self._by_id, w.id), (self._by_addr, w.addr)]
+        for url, addr in self._aliases(w):
+            keys += [(self._by_url, url), (self._by_addr, addr)]
+        for d, k in keys:
             if k is not None and d.get(k) is w:
                 del d[k]
 
@@ -259,7 +267,7 @@ class Registry(AdminAPI):
         if info is None:
             return None
         w, rank = info
-        return target_name(w.url, rank)
+        return target_label(w, rank)
 
     # ---- add / remove -------------------------------------------------------------------------
     def add_worker(self, url: str, role: str, *, bootstrap_port: int | None = None,
@@ -436,12 +444,14 @@ class Registry(AdminAPI):
             log.debug("worker %s not ready yet: %s", w.url, w.error)
             await asyncio.sleep(min(interval, max(deadline - loop.time(), 0.0)))
 
-    async def _get_info(self, w: Worker, primary: str, fallback: str,
-                        timeout: float) -> tuple[dict[str, Any] | None, str]:
-        """GET primary, on 404 GET fallback. -> (JSON object or None if both 404, path used)."""
+    async def _get_info(self, w: Worker, primary: str, fallback: str, timeout: float,
+                        url: str | None = None) -> tuple[dict[str, Any] | None, str]:
+        """GET primary, on 404 GET fallback (of ``url``, default the worker's).
+        -> (JSON object or None if both 404, path used)."""
         headers = self.auth_headers(w)
         for path in (primary, fallback):
-            status, _, body = await httpclient.request("GET", w.url + path, headers=headers, timeout=timeout)
+            status, _, body = await httpclient.request("GET", (url or w.url) + path,
+                                                       headers=headers, timeout=timeout)
             if status == 404:
                 continue
             if status != 200:
@@ -461,6 +471,14 @@ class Registry(AdminAPI):
         w.server_info = si or {}
         w.model_info = mi or {}
         w.model_id = model_id_of(w.requested_model_id, w.server_info, w.model_info)
+        try:    # a per-rank-port server takes its dp_size from its deployment_info
+            await self._discover_rank_ports(w, timeout)
+        except RankLayoutError as exc:     # cannot be a layout: retrying will not help
+            raise _Fatal(f"{w.server_info_path}: {exc}") from None
+        except LookupError as exc:         # a rank port not up yet, or not that rank yet
+            raise _Transient(str(exc)) from None
+        if w.rank_ports:
+            return
         dp = w.server_info.get("dp_size")
         valid = isinstance(dp, int) and not isinstance(dp, bool) and dp >= 1
         if self.config.dp_aware and not valid:
@@ -470,7 +488,9 @@ class Registry(AdminAPI):
 
     def _activate(self, w: Worker) -> None:
         """Give the worker its rows and publish them to its group (synchronous: no await)."""
-        n = w.dp_size if (self.config.dp_aware and w.dp_size > 1) else 1
+        # A per-rank-port server is always split: its ports are its ranks.
+        n = len(w.rank_urls) if w.rank_ports else (
+            w.dp_size if (self.config.dp_aware and w.dp_size > 1) else 1)
         rows: list[int] = []
         try:
             for _ in range(n):
@@ -480,7 +500,10 @@ class Registry(AdminAPI):
                 self.table.free(t)
             raise
         w.targets = rows
-        w.names = [w.url] if n == 1 else [target_name(w.url, r) for r in range(n)]
+        w.names = [target_label(w, None if n == 1 else r) for r in range(n)]
+        w.rank_healthy = [True] * n if w.rank_ports else []
+        w.rank_failures = [0] * n if w.rank_ports else []
+        w.rank_successes = [0] * n if w.rank_ports else []
         for r, t in enumerate(rows):
             if t >= len(self.target_info):
                 self.target_info.extend([None] * (t + 1 - len(self.target_info)))
@@ -502,7 +525,7 @@ class Registry(AdminAPI):
         monitor calls it when polls suggest a restart and on a slow schedule. Unless
         ``force``, at most once per DP_RECHECK_MIN_SECS (a hint that keeps holding must not
         turn into a /server_info request per poll)."""
-        if not self.config.dp_aware or w.status != "ready":
+        if not (self.config.dp_aware or w.rank_ports) or w.status != "ready":
             return
         if w.dp_task is not None and not w.dp_task.done():
             return
@@ -520,6 +543,9 @@ class Registry(AdminAPI):
         except (HttpClientError, _Transient) as exc:
             log.debug("dp_size check of %s failed: %s", w.url, exc)
             return
+        if w.rank_ports:
+            self._recheck_rank_ports(w, doc or {}, why)
+            return
         dp = (doc or {}).get("dp_size")
         if not isinstance(dp, int) or isinstance(dp, bool) or not 1 <= dp <= 4096:
             return
@@ -532,7 +558,7 @@ class Registry(AdminAPI):
         that stay are kept (their leases and counts with them), rows of ranks that are gone
         leave the group and are freed once their last lease is released, new ranks get new
         rows. A full table keeps the old layout (logged)."""
-        n_old, n = len(w.targets), dp if dp > 1 else 1
+        n_old, n = len(w.targets), (len(w.rank_urls) if w.rank_ports else dp if dp > 1 else 1)
         added: list[int] = []
         try:
             for _ in range(n - n_old):
@@ -546,7 +572,11 @@ class Registry(AdminAPI):
         old_dp, kept, gone = w.dp_size, w.targets[:n], w.targets[n:]
         w.dp_size = dp
         w.targets = kept + added
-        w.names = [w.url] if n == 1 else [target_name(w.url, r) for r in range(n)]
+        w.names = [target_label(w, None if n == 1 else r) for r in range(n)]
+        if w.rank_ports:
+            for lst, v in ((w.rank_healthy, True), (w.rank_failures, 0), (w.rank_successes, 0)):
+                del lst[n:]
+                lst.extend([v] * (n - len(lst)))
         for r, t in enumerate(w.targets):
             if t >= len(self.target_info):
                 self.target_info.extend([None] * (t + 1 - len(self.target_info)))

@@ -66,11 +66,30 @@ class Worker:
     task: asyncio.Task | None = field(default=None, repr=False)
     dp_task: asyncio.Task | None = field(default=None, repr=False)   # a dp_size re-read
     dp_checked: float = 0.0              # loop time of the last scheduled dp_size re-read
+    # Per-rank ports (fastroute.control.rankports): the URL and DP rank of each target, by
+    # target index; empty for a server on one port. Health is then kept per rank port.
+    rank_urls: list[str] = field(default_factory=list)
+    rank_ids: list[int] = field(default_factory=list)
+    rank_healthy: list[bool] = field(default_factory=list)
+    rank_failures: list[int] = field(default_factory=list)
+    rank_successes: list[int] = field(default_factory=list)
 
     @property
     def split(self) -> bool:
         """True when the worker is represented by one target per DP rank."""
         return len(self.targets) > 1
+
+    @property
+    def rank_ports(self) -> bool:
+        """True when every DP rank of the server listens on a port of its own."""
+        return bool(self.rank_urls)
+
+    def target_healthy(self, i: int) -> bool:
+        """The health of target index ``i`` (per rank port, else the worker's)."""
+        if self.rank_healthy and i < len(self.rank_healthy):
+            return self.healthy and self.rank_healthy[i]
+        return self.healthy
+
 
 
 _DEFAULT_PORT = {"http": "80", "https": "443"}
@@ -173,6 +192,14 @@ def model_id_of(requested: str | None, server_info: Mapping[str, Any], model_inf
         if isinstance(path, str) and path.strip("/"):
             return path.rstrip("/").rsplit("/", 1)[-1]
     return "unknown"
+
+
+def target_label(w: Any, rank: int | None) -> str:
+    """A target's name for any worker-like object (a follower's mirror, a test's stand-in)."""
+    urls = getattr(w, "rank_urls", None)
+    if rank is not None and urls and rank < len(urls):
+        return urls[rank]
+    return w.url if rank is None else f"{w.url}@{rank}"
 
 
 class DuplicateWorker(ValueError):

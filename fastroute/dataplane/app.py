@@ -81,7 +81,7 @@ class App(Front):
         self.config = config
         self.registry = registry
         self.loop = loop or asyncio.get_event_loop()
-        self.pools: dict[Any, Pool] = {}          # by worker identity (a re-added URL is a new worker)
+        self.pools: dict[Any, Pool] = {}          # by (worker identity, port): a re-added URL is a new worker
         self.routes: dict[int, Route] = {}        # by target row
         self.connections: set[ClientProtocol] = set()
         # TLS connections accepted whose handshake has not finished -> when it must have
@@ -335,9 +335,9 @@ class App(Front):
                         route = self._build_route(*entry)
                     routes[t] = route
         self.routes = routes
-        live = {id(route.worker) for route in routes.values()}
-        for worker in [w for w in self.pools if id(w) not in live]:
-            self.pools.pop(worker).retire()
+        live = {(id(route.worker), route.port) for route in routes.values()}
+        for key in [k for k in self.pools if (id(k[0]), k[1]) not in live]:
+            self.pools.pop(key).retire()
 
     def route(self, t: int) -> Route:
         """The route of target ``t`` when the targets listener has not built it (a registry
@@ -346,20 +346,27 @@ class App(Front):
         return route
 
     def _build_route(self, worker: Any, rank: int | None) -> Route:
+        urls = getattr(worker, "rank_urls", None)
+        if urls and rank is not None:   # a per-rank-port server: the rank's own port
+            port = int(worker.port) + rank
+            return Route(worker, rank, self.pool_for(worker, port),
+                         worker.api_key or self.config.api_key, self.rank_field, port)
         return Route(worker, rank, self.pool_for(worker), worker.api_key or self.config.api_key,
                      self.rank_field)
 
-    def pool_for(self, worker: Any) -> Pool:
-        """The keep-alive pool of ``worker`` (one per worker object, made on first use)."""
-        pool = self.pools.get(worker)
+    def pool_for(self, worker: Any, port: int | None = None) -> Pool:
+        """The keep-alive pool of ``worker`` on ``port`` (default its own; one per worker
+        object and port, made on first use)."""
+        port = int(worker.port) if port is None else port
+        pool = self.pools.get((worker, port))
         if pool is None:
             if worker.url.startswith("https://"):
                 if self.worker_tls is None:
                     self.worker_tls = client_context()
-                pool = Pool(worker.host, int(worker.port), self.pool_idle, self.loop, self.worker_tls)
+                pool = Pool(worker.host, port, self.pool_idle, self.loop, self.worker_tls)
             else:
-                pool = Pool(worker.host, int(worker.port), self.pool_idle, self.loop)
-            self.pools[worker] = pool
+                pool = Pool(worker.host, port, self.pool_idle, self.loop)
+            self.pools[(worker, port)] = pool
         return pool
 
     def backoff(self, retry: int) -> float:
@@ -485,5 +492,5 @@ class App(Front):
 def _same_route(route: Route, worker: Any, rank: int | None) -> bool:
     """``route`` was built for this worker object and rank, with its current dp_size (the
     other framing inputs are fixed for a worker object)."""
-    return (route.worker is worker and route.prefill_rank == rank
+    return (route.worker is worker and route.index == rank
             and route.prefill_dp_size == (int(worker.dp_size) if rank is not None else 1))

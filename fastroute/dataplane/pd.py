@@ -220,6 +220,8 @@ class PDRelay(_Exchange):
                                              p_route.prefill_dp_size, p_route.prefill_rank)
             rank = d_route.rank_field
             dfields = pfields if rank is None else pfields + b"," + rank
+            if p_route.prefill_rank_field is not None:   # a per-rank-port prefill rank
+                dfields = dfields + b"," + p_route.prefill_rank_field
             # One scan of the client body for both legs.
             head, sep, tail = _body.splice_parts(req.body)
             # Both legs leave in the same loop iteration (3.4: concurrent dispatch).

@@ -25,13 +25,17 @@ class Route:
     """How to reach one target (see module docstring); immutable once built."""
 
     __slots__ = ("worker", "pool", "authority", "auth", "rank_field", "bootstrap",
-                 "prefill_dp_size", "prefill_rank")
+                 "prefill_dp_size", "prefill_rank", "index", "port", "prefill_rank_field")
 
     def __init__(self, worker: Any, rank: int | None, pool: Pool, api_key: str | None,
-                 rank_field: str | None) -> None:
+                 rank_field: str | None, port: int | None = None) -> None:
         self.worker = worker          # identity only: which worker the pool belongs to
         self.pool = pool
-        self.authority = ("%s:%d" % (worker.host, int(worker.port))).encode("idna")
+        # The target's index in the worker (the rank index when split), and the port it is
+        # sent to: the worker's, or the rank's own on a per-rank-port server.
+        self.index = rank
+        self.port = int(worker.port) if port is None else int(port)
+        self.authority = ("%s:%d" % (worker.host, self.port)).encode("idna")
         # With --api-key (or a per-worker key from POST /workers) the worker always gets that
         # key; the client's own header was checked equal. Else the Basic credentials of the
         # worker's URL (user:password@, stripped from the URL itself), if any. Without
@@ -40,14 +44,22 @@ class Route:
         self.auth = (b"Authorization: Bearer " + api_key.encode("latin-1") + b"\r\n" if api_key
                      else b"Authorization: " + basic.encode("latin-1") + b"\r\n" if basic else b"")
         # ``"<field>":<rank>`` for the body of a leg that targets one DP rank, else None.
-        self.rank_field = (_body.rank_field_bytes(rank_field, rank)
-                           if rank_field is not None and rank is not None else None)
+        # A per-rank-port server's rank index is its port's offset; the DP rank is the one
+        # that port reported (they differ only on the second node of a multi-node server).
+        ids = getattr(worker, "rank_ids", None)
+        dp_rank = ids[rank] if ids and rank is not None and rank < len(ids) else rank
+        self.rank_field = (_body.rank_field_bytes(rank_field, dp_rank)
+                           if rank_field is not None and dp_rank is not None else None)
         # As a PD prefill: the bootstrap host/port values, and the rank the room must encode
         # (room % prefill_dp_size == rank, protocol.md 4.3); a target that is not one DP rank
         # of a split worker uses dp_size 1.
         self.bootstrap = _body.bootstrap_values(worker.host, worker.bootstrap_port)
         self.prefill_dp_size = int(worker.dp_size) if rank is not None else 1
-        self.prefill_rank = rank
+        self.prefill_rank = dp_rank
+        # A per-rank-port prefill rank also tells the decode which rank holds the KV
+        # (``"disagg_prefill_dp_rank":p`` on the decode leg), as the room does for a classic one.
+        self.prefill_rank_field = (_body.rank_field_bytes("disagg_prefill_dp_rank", dp_rank)
+                                   if ids and dp_rank is not None else None)
 
     def frame_injected(self, req: Request, head: Any, sep: bytes, fields: bytes, tail: Any) -> bytes:
         """The upstream request with ``fields`` injected into the body (parts from splice_parts)."""

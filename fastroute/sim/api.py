@@ -148,6 +148,7 @@ def parse_inference(path: str, body: bytes, params: SimParams) -> ParsedGen:
         rank = _int_field(obj, "data_parallel_rank")
     g = ParsedGen(kind, stream, n_in, max_new, room, host if isinstance(host, str) else None, port, rank,
                   return_logprob, include_usage, model)
+    g.prefill_rank = _int_field(obj, "disagg_prefill_dp_rank")
     if params.prefix_cache_tokens > 0 and kind == "generate" and isinstance(text, str):
         g.blocks = block_hashes(text.encode(), int(params.prefix_block_tokens * cpt))
     g.items = [g]
@@ -176,6 +177,8 @@ def _parse_batch(obj: dict, kind: str, per_item: list[int], max_new: list[int], 
         ranks = _per_item(obj, "data_parallel_rank", b, _chk_int)
     items = [ParsedGen(kind, stream, per_item[i], max_new[i], rooms[i], hosts[i], ports[i], ranks[i],
                        return_logprob, include_usage, model, i) for i in range(b)]
+    for it, pr in zip(items, _per_item(obj, "disagg_prefill_dp_rank", b, _chk_int)):
+        it.prefill_rank = pr
     g = ParsedGen(kind, stream, sum(per_item), max(max_new), rooms[0], hosts[0], ports[0], ranks[0],
                   return_logprob, include_usage, model, 0, b, items)
     return g

@@ -122,6 +122,7 @@ class ParsedGen:
     batch: int | None = None  # None = scalar request, B = batch of B (protocol.md 3.3)
     items: list = field(default_factory=list)  # one scalar ParsedGen per batch item ([self] if scalar)
     blocks: tuple = ()  # chained hashes of the prompt's full blocks (prefix cache on), else ()
+    prefill_rank: int | None = None  # disagg_prefill_dp_rank: the prefill rank holding the KV
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,6 +139,9 @@ async def _cancelled(task: asyncio.Task | None) -> None:
             pass
 
 
+ORIGIN_KEEP = 65536
+
+
 class Rendezvous:
     """Bootstrap rooms a prefill has finished, and decodes waiting for them.
 
@@ -149,8 +153,15 @@ class Rendezvous:
         self._waiters: dict[int, list[asyncio.Future]] = {}
         self._ttl = ttl_s
         self._last_prune = time.monotonic()
+        # room -> the prefill DP rank that computed it (newest ORIGIN_KEEP rooms), so a decode
+        # told the prefill rank (disagg_prefill_dp_rank) can check it was told the truth.
+        self.origin: dict[int, int] = {}
 
-    def mark_ready(self, room: int) -> None:
+    def mark_ready(self, room: int, rank: int | None = None) -> None:
+        if rank is not None:
+            self.origin[room] = rank
+            if len(self.origin) > ORIGIN_KEEP:
+                del self.origin[next(iter(self.origin))]
         waiters = self._waiters.pop(room, None)
         if waiters:
             for fut in waiters:
@@ -319,7 +330,7 @@ class PrefillEngine:
             self.aborted += 1
             raise
         if g.room is not None:
-            self.board.mark_ready(g.room)
+            self.board.mark_ready(g.room, rank)
         self.completed += 1
 
     def rank_loads(self) -> list[tuple[int, int, int]]:

@@ -2,6 +2,14 @@
 4, 5.1, 5.2, 6 as seen from a worker), the prefill's bootstrap listener, and per-rank load
 reports, over the engines of ``engine`` and the wire shapes of ``api``.
 
+Two layouts. Classic: one port for the whole server, whose DP controller places each request
+(the body's rank key wins). Per-rank ports (``rank_ports=True``, like SGLang 0.5.23's Rust
+server): rank r listens on base port + r and runs every request sent there on rank r, whatever
+the body says; each port's ``/server_info`` carries ``deployment_info`` (``dp_size``,
+``dp_rank``, ``disaggregation_bootstrap_port``) and its ``/v1/loads`` reports that rank only. A
+per-rank-port prefill serves the bootstrap rooms on its API ports (the base port is the one it
+reports), not on a listener of its own.
+
 A client that closes its connection aborts its request and frees its slot and KV. If any item
 of a batch never gets its room, the whole batch fails (500) and every item is freed.
 """
@@ -22,21 +30,52 @@ LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues")
 SIM_VERSION = "0.5.0-sim"
 
 
-async def _rendezvous_http(host: str, port: int, room: int, timeout: float) -> bool:
-    """Long-poll a (possibly remote) simulated prefill's bootstrap listener for ``room``."""
+async def _rendezvous_http(host: str, port: int, room: int, timeout: float) -> tuple[bool, int | None]:
+    """Long-poll a (possibly remote) simulated prefill's bootstrap listener for ``room``
+    -> (arrived, the prefill rank that computed it if it says)."""
     deadline = time.monotonic() + timeout
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            return False
+            return False, None
         poll = min(left, 30.0)
         try:
-            status, _ = await fetch(host, port, "GET", f"/room/{room}?timeout={poll:.3f}", timeout=poll + 5.0)
+            status, body = await fetch(host, port, "GET", f"/room/{room}?timeout={poll:.3f}", timeout=poll + 5.0)
         except (HttpError, asyncio.TimeoutError):
             await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
             continue
         if status == 200:
-            return True
+            try:
+                rank = json.loads(body).get("rank")
+            except (ValueError, AttributeError):
+                rank = None
+            return True, rank if isinstance(rank, int) else None
+
+
+async def _bind_consecutive(servers: list[HttpServer], port: int) -> None:
+    """Start ``servers`` on ports port, port+1, ...; with ``port`` 0 on the first run of free
+    consecutive ports found above an ephemeral pick (a few tries)."""
+    fixed = port != 0
+    for _ in range(1 if fixed else 50):
+        started: list[HttpServer] = []
+        try:
+            servers[0].port = port
+            await servers[0].start()
+            started.append(servers[0])
+            base = servers[0].port
+            if base + len(servers) - 1 > 65535:
+                raise OSError(f"no room for {len(servers)} rank ports from {base}")
+            for i, srv in enumerate(servers[1:], 1):
+                srv.port = base + i
+                await srv.start()
+                started.append(srv)
+            return
+        except OSError:
+            for srv in started:
+                await srv.stop()
+            if fixed:
+                raise
+    raise OSError(f"found no {len(servers)} consecutive free ports")
 
 
 def _now_ts() -> str:
@@ -62,7 +101,8 @@ class SimWorker:
     maps bootstrap port -> Rendezvous for prefills in the same process (see ``engine``'s docstring)."""
 
     def __init__(self, role: str, params: SimParams | None = None, host: str = "127.0.0.1", port: int = 0,
-                 bootstrap_port: int | None = None, boards: dict[int, Rendezvous] | None = None) -> None:
+                 bootstrap_port: int | None = None, boards: dict[int, Rendezvous] | None = None,
+                 rank_ports: bool = False) -> None:
         if role not in ("prefill", "decode", "regular"):
             raise ValueError(f"role must be prefill, decode or regular, not {role!r}")
         self.role = role
@@ -71,6 +111,12 @@ class SimWorker:
         self.boards = boards if boards is not None else {}
         self.board = Rendezvous()
         self.server = HttpServer(self._app, host, port)
+        # Per-rank ports: rank r's listener is rank_servers[r] (rank 0's is ``server``).
+        self.rank_ports = bool(rank_ports)
+        self.rank_servers: list[HttpServer] = [self.server]
+        if self.rank_ports:
+            self.rank_servers += [HttpServer(self._rank_app(r), host, 0)
+                                  for r in range(1, self.p.dp_size)]
         self.bootstrap_port = bootstrap_port if role == "prefill" else None
         self._boot: HttpServer | None = None
         self.prefill = PrefillEngine(self.p, self.board) if role == "prefill" else None
@@ -79,6 +125,13 @@ class SimWorker:
         self.requests = 0
         self.flushes = 0
         self.last_bodies: deque = deque(maxlen=16)  # recent inference bodies, for tests/debugging
+        self.port_requests = [0] * len(self.rank_servers)   # inference requests per listener
+        self.wrong_prefill_rank = 0   # decode items whose disagg_prefill_dp_rank was not the room's
+
+    def _rank_app(self, rank: int) -> Any:
+        async def app(req: Request, resp: Responder) -> None:
+            await self._app(req, resp, rank)
+        return app
 
     @property
     def port(self) -> int:
@@ -88,9 +141,19 @@ class SimWorker:
     def url(self) -> str:
         return f"http://{self.host}:{self.server.port}"
 
+    def rank_url(self, rank: int) -> str:
+        return f"http://{self.host}:{self.rank_servers[rank].port}"
+
     async def start(self) -> None:
-        await self.server.start()
-        if self.role == "prefill":
+        if self.rank_ports:
+            await _bind_consecutive(self.rank_servers, self.server.port)
+            if self.role == "prefill":
+                # Like the Rust server: the rooms are served on the API port itself.
+                self.bootstrap_port = self.server.port
+                self.boards[self.bootstrap_port] = self.board
+        else:
+            await self.server.start()
+        if self.role == "prefill" and not self.rank_ports:
             self._boot = HttpServer(self._boot_app, self.host, self.bootstrap_port or 0)
             await self._boot.start()
             self.bootstrap_port = self._boot.port
@@ -105,12 +168,22 @@ class SimWorker:
             await self.decode.stop()
         if self.prefill is not None:
             await self.prefill.stop()
-        await self.server.stop()
+        for srv in self.rank_servers:
+            await srv.stop()
+        if self.rank_ports and self.role == "prefill":
+            self.boards.pop(self.bootstrap_port or -1, None)
         if self._boot is not None:
             await self._boot.stop()
             self.boards.pop(self.bootstrap_port or -1, None)
 
     # -- bootstrap listener ---------------------------------------------------------------
+    async def stop_rank(self, rank: int) -> None:
+        """Close rank ``rank``'s listener (per-rank ports): that rank's port goes down alone."""
+        await self.rank_servers[rank].stop()
+
+    async def start_rank(self, rank: int) -> None:
+        await self.rank_servers[rank].start()
+
     async def _boot_app(self, req: Request, resp: Responder) -> None:
         if not req.path.startswith("/room/"):
             resp.send_json(404, {"error": "not found"})
@@ -122,30 +195,46 @@ class SimWorker:
             resp.send_json(400, {"error": "bad room"})
             return
         ok = await self.board.wait(room, timeout)
-        resp.send_json(200 if ok else 404, {"room": room, "ready": ok})
+        resp.send_json(200 if ok else 404, {"room": room, "ready": ok,
+                                            "rank": self.board.origin.pop(room, None) if ok else None})
 
     # -- main app -------------------------------------------------------------------------
-    async def _app(self, req: Request, resp: Responder) -> None:
+    async def _app(self, req: Request, resp: Responder, rank: int | None = None) -> None:
+        """One request on the server's port (``rank`` None: classic; with per-rank ports the
+        listener's rank, 0 for the base port)."""
         path = req.path
+        if self.rank_ports and rank is None:
+            rank = 0
         if path in INFERENCE_PATHS:
             if req.method != "POST":
                 resp.send_json(405, {"detail": "Method Not Allowed"})
                 return
             self.requests += 1
-            await self._inference(req, resp)
+            self.port_requests[rank or 0] += 1
+            await self._inference(req, resp, rank)
+            return
+        if self.rank_ports and self.role == "prefill" and path.startswith("/room/"):
+            await self._boot_app(req, resp)
             return
         handler = _ROUTES.get(path)
         if handler is None:
             resp.send_json(404, {"detail": "Not Found"})
             return
-        await handler(self, req, resp)
+        if rank is not None and handler in _RANKED:
+            await handler(self, req, resp, rank)
+        else:
+            await handler(self, req, resp)
 
-    async def _inference(self, req: Request, resp: Responder) -> None:
+    async def _inference(self, req: Request, resp: Responder, rank: int | None = None) -> None:
         try:
             g = parse_inference(req.path, req.body, self.p)
             if len(self.last_bodies) == self.last_bodies.maxlen:
                 self.last_bodies.popleft()
             self.last_bodies.append((req.path, req.body if len(req.body) < 4096 else req.body[:4096]))
+            if rank is not None:
+                # A rank's own port: the request runs there, whatever rank the body names.
+                for it in g.items:
+                    it.rank = rank
             if self.role == "prefill":
                 await self._serve_prefill(g, resp)
             else:
@@ -181,16 +270,23 @@ class SimWorker:
             resp.send_json(200, body)
 
     async def _await_kv(self, it: ParsedGen, dreq: DecodeReq) -> bool:
-        """Wait for item ``it``'s bootstrap room, then let its request join the batch."""
+        """Wait for item ``it``'s bootstrap room, then let its request join the batch. A decode
+        told the prefill rank (``disagg_prefill_dp_rank``) fails the item when the room was
+        computed on another rank (a real decode would fetch the KV from the wrong rank)."""
         if self.role == "decode" and it.room is not None:
             board = self.boards.get(it.bootstrap_port) if it.bootstrap_port is not None else None
+            origin: int | None = None
             if board is not None:
                 ok = await board.wait(it.room, self.p.rendezvous_timeout_s)
+                origin = board.origin.pop(it.room, None)
             elif it.bootstrap_host and it.bootstrap_port:
-                ok = await _rendezvous_http(it.bootstrap_host, it.bootstrap_port, it.room,
-                                            self.p.rendezvous_timeout_s)
+                ok, origin = await _rendezvous_http(it.bootstrap_host, it.bootstrap_port, it.room,
+                                                    self.p.rendezvous_timeout_s)
             else:
                 ok = False
+            if ok and it.prefill_rank is not None and origin is not None and origin != it.prefill_rank:
+                self.wrong_prefill_rank += 1
+                return False
             if not ok:
                 return False
         assert self.decode is not None
@@ -252,7 +348,18 @@ class SimWorker:
     def rank_loads(self) -> list[tuple[int, int, int]]:
         return self.prefill.rank_loads() if self.prefill is not None else self.decode.rank_loads()  # type: ignore[union-attr]
 
-    def server_info(self) -> dict:
+    def server_info(self, rank: int | None = None) -> dict:
+        """``/server_info``; on a rank port (``rank``) with that rank's ``deployment_info``."""
+        info = self._server_info()
+        if rank is not None:
+            info["deployment_info"] = {
+                "dp_size": self.p.dp_size, "dp_rank": rank, "node_rank": 0, "nnodes": 1,
+                "disaggregation_bootstrap_port": self.bootstrap_port,
+                "enable_dp_attention": self.p.dp_size > 1,
+                "max_running_requests": self.p.max_running_requests}
+        return info
+
+    def _server_info(self) -> dict:
         p = self.p
         mode = {"prefill": "prefill", "decode": "decode", "regular": "null"}[self.role]
         loads = self.rank_loads()
@@ -326,8 +433,8 @@ class SimWorker:
     async def _h_health(self, req: Request, resp: Responder) -> None:
         resp.send(200, b"", CT_TEXT)
 
-    async def _h_server_info(self, req: Request, resp: Responder) -> None:
-        resp.send_json(200, self.server_info())
+    async def _h_server_info(self, req: Request, resp: Responder, rank: int | None = None) -> None:
+        resp.send_json(200, self.server_info(rank))
 
     async def _h_model_info(self, req: Request, resp: Responder) -> None:
         resp.send_json(200, {"model_path": f"sim/{self.p.model}", "tokenizer_path": f"sim/{self.p.model}",
@@ -339,7 +446,7 @@ class SimWorker:
             {"id": self.p.model, "object": "model", "created": 0, "owned_by": "sglang",
              "root": f"sim/{self.p.model}", "max_model_len": self.p.max_total_num_tokens}]})
 
-    async def _h_loads(self, req: Request, resp: Responder) -> None:
+    async def _h_loads(self, req: Request, resp: Responder, rank: int | None = None) -> None:
         q = req.query_params()
         inc = q.get("include", "all")
         sections: set[str] = set()
@@ -364,6 +471,11 @@ class SimWorker:
             if not 0 <= dp_rank < self.p.dp_size:
                 resp.send_json(400, {"error": f"dp_rank {dp_rank} out of range"})
                 return
+        if rank is not None:    # a rank port reports its own rank
+            if dp_rank is not None and dp_rank != rank:
+                resp.send_json(400, {"error": f"this port serves dp_rank {rank}"})
+                return
+            dp_rank = rank
         data = self.loads_json(sections, dp_rank)
         if q.get("format") == "prometheus":
             lines = []
@@ -374,9 +486,10 @@ class SimWorker:
             return
         resp.send_json(200, data)
 
-    async def _h_get_load(self, req: Request, resp: Responder) -> None:
+    async def _h_get_load(self, req: Request, resp: Responder, rank: int | None = None) -> None:
         resp.send_json(200, [{"dp_rank": i, "num_reqs": run + wait, "num_waiting_reqs": wait, "num_tokens": used}
-                             for i, (run, wait, used) in enumerate(self.rank_loads())])
+                             for i, (run, wait, used) in enumerate(self.rank_loads())
+                             if rank is None or i == rank])
 
     async def _h_flush(self, req: Request, resp: Responder) -> None:
         self.flushes += 1
@@ -420,3 +533,5 @@ _ROUTES = {
     "/flush_cache": SimWorker._h_flush, "/metrics": SimWorker._h_metrics,
     "/sim/samples": SimWorker._h_samples, "/sim/stats": SimWorker._h_stats,
 }
+# Handlers that answer for one rank on a rank port.
+_RANKED = {SimWorker._h_server_info, SimWorker._h_loads, SimWorker._h_get_load}

@@ -32,16 +32,18 @@ class SimCluster:
 
 
 async def start_cluster(n_prefill: int = 1, n_decode: int = 1, params: SimParams | None = None,
-                        prefill_params: SimParams | None = None, host: str = "127.0.0.1") -> SimCluster:
-    """Start ``n_prefill`` prefill and ``n_decode`` decode simulators on ephemeral ports."""
+                        prefill_params: SimParams | None = None, host: str = "127.0.0.1",
+                        rank_ports: bool = False) -> SimCluster:
+    """Start ``n_prefill`` prefill and ``n_decode`` decode simulators on ephemeral ports
+    (``rank_ports``: each with one port per DP rank, like SGLang's Rust server)."""
     params = params or SimParams()
     cluster = SimCluster()
     for _ in range(n_prefill):
-        w = SimWorker("prefill", prefill_params or params, host, 0, 0, cluster.boards)
+        w = SimWorker("prefill", prefill_params or params, host, 0, 0, cluster.boards, rank_ports)
         await w.start()
         cluster.prefills.append(w)
     for _ in range(n_decode):
-        w = SimWorker("decode", params, host, 0, None, cluster.boards)
+        w = SimWorker("decode", params, host, 0, None, cluster.boards, rank_ports)
         await w.start()
         cluster.decodes.append(w)
     return cluster
@@ -79,14 +81,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--bootstrap-port", type=int, default=0,
                     help="prefill only: port of the simulated KV bootstrap listener (0 = ephemeral)")
+    ap.add_argument("--rank-ports", action="store_true",
+                    help="one port per DP rank from --port up (SGLang's Rust server layout); a "
+                         "prefill then serves the bootstrap on its API ports")
     add_param_flags(ap)
     ns = ap.parse_args(argv)
     params = params_from_args(ns)
 
     async def run() -> None:
-        w = SimWorker(ns.role, params, ns.host, ns.port, ns.bootstrap_port)
+        w = SimWorker(ns.role, params, ns.host, ns.port, ns.bootstrap_port, rank_ports=ns.rank_ports)
         await w.start()
         extra = f" bootstrap_port={w.bootstrap_port}" if ns.role == "prefill" else ""
+        if w.rank_ports:
+            extra += f" rank_ports={w.port}..{w.port + params.dp_size - 1}"
         print(f"sim {ns.role} listening on {w.url} dp_size={params.dp_size}{extra}", flush=True)
         try:
             await asyncio.Event().wait()
