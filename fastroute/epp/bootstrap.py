@@ -5,10 +5,14 @@ ext_proc (to the picker at 127.0.0.1:``--grpc-port`` over HTTP/2) then the route
 ORIGINAL_DST cluster that sends each request to the address in the
 ``x-gateway-destination-endpoint`` header the picker set. The ext_proc processing mode asks
 for what the picker needs and no more: the request headers, the request body buffered (model,
-tokens, the DP rank spliced into it), and the response trailers, which Envoy synthesises at
-the end of a response that has none, so the picker sees the response end without a message per
-streamed chunk. Streams are not timed out by Envoy (route timeout 0): the router's own
-``--request-timeout-secs`` bounds a lease.
+tokens, the DP rank spliced into it), and the response trailers. Trailers come only when the
+response has some (Envoy 1.40 synthesises none for an HTTP/1.1 worker), but asking for them keeps
+the ext_proc stream open until the response ends; Envoy closes the stream when the HTTP stream is
+done (complete, reset, client gone), which is where the picker releases the lease, with no
+message per streamed chunk. When a pick needs no body the picker answers the headers and
+overrides the mode so that Envoy skips the body (``allow_mode_override``). Streams are not
+timed out by Envoy (route timeout 0): the router's own ``--request-timeout-secs`` bounds a
+lease.
 """
 from __future__ import annotations
 
@@ -56,6 +60,7 @@ _TEMPLATE = """# Envoy bootstrap for fastroute's endpoint picker (fastroute epp 
                 envoy_grpc: {{cluster_name: {epp}}}
                 timeout: {message_timeout}s
               failure_mode_allow: false
+              allow_mode_override: true
               message_timeout: {message_timeout}s
               processing_mode:
                 request_header_mode: SEND

@@ -89,6 +89,15 @@ class Booking:
         return True
 
 
+def needs_body(config: Any) -> bool:
+    """Whether a pick needs the request body: the DP rank goes into it, or the policy reads its
+    text or tokens (cache_aware, power_of_two on tokens, decode demand, KV fit). Otherwise the
+    pick is made on the headers and Envoy is told not to send the body at all."""
+    return bool(config.dp_aware or config.policy == "cache_aware"
+                or (config.policy == "power_of_two" and config.p2c_load_metric == "tokens")
+                or config.decode_input_demand != "off" or config.decode_kv_fit != "off")
+
+
 def endpoint_of(worker: Any) -> str:
     """``ip:port`` of a worker for Envoy's ORIGINAL_DST cluster: the address the registry
     resolved, since Envoy takes an IP address there, not a host name."""
@@ -115,6 +124,7 @@ class Decider:
         self.key_headers = ("x-smg-routing-key",) + tuple(h.lower() for h in
                                                            config.routing_key_headers)
         self._rank_bytes: dict[int, bytes] = {}
+        self.needs_body = needs_body(config)
 
     @property
     def in_flight(self) -> int:
@@ -167,9 +177,11 @@ class Decider:
 
     def decide(self, booking: Booking, method: str, path: str, headers: dict[str, str],
                body: bytes | None) -> Pick:
-        """Pick and book (the lease is the booking's from here); raises RouterError."""
+        """Pick and book (the lease is the booking's from here); raises RouterError. ``body``
+        None: picked on the headers (no body, or the pick does not need it: nothing parsed)."""
         route = path.partition("?")[0]
-        spec = ROUTES.get(route.encode("latin-1", "replace")) if method == "POST" else None
+        spec = (ROUTES.get(route.encode("latin-1", "replace"))
+                if method == "POST" and body is not None else None)
         meta = None
         tokens = out_tokens = 0
         if spec is not None:
@@ -199,7 +211,7 @@ class Decider:
             field = self._rank_bytes.get(rank)
             if field is None:
                 field = self._rank_bytes[rank] = _body.rank_field_bytes(self.rank_field, rank)
-            new_body = _body.inject(body or b"{}", field)
+            new_body = _body.inject(body, field)
         auth = None
         key_ = worker.api_key or self.config.api_key
         if key_:

@@ -3,17 +3,19 @@
 Per stream (the processing mode is the printed bootstrap's, :mod:`fastroute.epp.bootstrap`):
 
 1. request headers: refusals that need no body (readiness, ``--api-key``, a Content-Length
-   over ``--max-payload-size``) answer an ImmediateResponse at once; a request without a body
-   is picked here; otherwise the headers continue unchanged and the body is awaited.
+   over ``--max-payload-size``) answer an ImmediateResponse at once; a request without a body,
+   or any request when the pick needs no body (:func:`~fastroute.epp.decide.needs_body`), is
+   picked here, the latter with a mode override so that Envoy does not send the body; otherwise
+   the headers continue unchanged and the body is awaited.
 2. request body (buffered, ``end_of_stream``): admission, then the pick
    (:meth:`~fastroute.epp.decide.Decider.decide`); the answer sets
    ``x-gateway-destination-endpoint`` (and the Authorization the worker wants), the same value
    under dynamic metadata ``envoy.lb``, and, for one rank of a single-port DP server, the body
    with the rank spliced in (Content-Length set to match).
-3. the response's end (its trailers, which Envoy adds when the response has none, or a
-   header/body message with ``end_of_stream``) releases the booking; so do the stream's end
-   (EOF, cancellation when Envoy resets or dies) and any error. Exactly once
-   (:meth:`~fastroute.epp.decide.Booking.close`).
+3. the response's end releases the booking: the end of the stream (Envoy half-closes it when
+   the HTTP stream is done, completed, reset or abandoned by the client; a dead Envoy ends it
+   too), a response message with ``end_of_stream``, the response trailers when the worker sends
+   some, or the stream's cancellation. Exactly once (:meth:`~fastroute.epp.decide.Booking.close`).
 
 Errors are ImmediateResponses with the proxy's JSON error body and ``x-smg-error-code``.
 """
@@ -25,6 +27,7 @@ from typing import Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
@@ -42,6 +45,14 @@ _CONTINUE_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
 _CONTINUE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 _CONTINUE_REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
 _CONTINUE_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+# Picked on the headers: the rest of the stream without the request body (the bootstrap's mode
+# otherwise; the trailers keep the stream open until the response ends).
+_NO_BODY = ProcessingMode(request_header_mode=ProcessingMode.SEND,
+                             request_body_mode=ProcessingMode.NONE,
+                             request_trailer_mode=ProcessingMode.SKIP,
+                             response_header_mode=ProcessingMode.SKIP,
+                             response_body_mode=ProcessingMode.NONE,
+                             response_trailer_mode=ProcessingMode.SEND)
 
 
 def _header(key: str, value: str) -> Any:
@@ -143,13 +154,15 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 except RouterError as exc:
                     await context.write(immediate(exc))
                     return
-                if not h.end_of_stream:
+                if not h.end_of_stream and d.needs_body:
                     await context.write(_CONTINUE_HEADERS)
                     continue
                 booking = Booking(d)
                 held.append(booking)
                 answer = await self._route(booking, method, path, headers, None,
                                            "request_headers")
+                if not h.end_of_stream and answer.HasField("request_headers"):
+                    answer.mode_override.CopyFrom(_NO_BODY)
                 await context.write(answer)
                 if answer.WhichOneof("response") == "immediate_response":
                     booking.close("refused")

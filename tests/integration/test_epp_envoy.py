@@ -56,6 +56,19 @@ def test_requests_go_where_the_picker_said() -> None:
             for w in ws:
                 assert m[f'fastroute_target_picks_total{{role="regular",target="{w.url}"}}'] == 3
             assert set((await g.in_flight()).values()) == {0.0}
+            # picked on the headers (round robin needs no body): still held to the response end
+            ws[0].hold()
+            ws[1].hold()
+            c = await RawClient(g.port).connect()
+            c.send(post("/generate", {"text": "held"}))
+            await g.until_in_flight(lambda f: sum(f.values()) == 1, 10, "held request booked")
+            await asyncio.sleep(0.3)
+            assert sum((await g.in_flight()).values()) == 1
+            ws[0].release()
+            ws[1].release()
+            assert (await c.response(timeout=10)).status == 200
+            c.close()
+            await g.until_in_flight(lambda f: sum(f.values()) == 0, 10, "released at the end")
     run(body(), 60)
 
 

@@ -149,7 +149,7 @@ class _Rig:
         self.table = TargetTable(16)
         self.worker = _Worker("127.0.0.1", 31000, addr=("10.1.2.3", 31000))
         self.registry = _Registry(self.table, dp, self.worker, policy)
-        self.config = Config(dp_aware=dp > 1, dp_rank_field="routed_dp_rank", **cfg)
+        self.config = Config(dp_aware=dp > 1, dp_rank_field="routed_dp_rank", policy=policy, **cfg)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -351,3 +351,26 @@ def test_endpoint_is_the_resolved_address() -> None:
     assert endpoint_of(_Worker("w.example", 80, addr=("10.0.0.9", 80))) == "10.0.0.9:80"
     assert endpoint_of(_Worker("::1", 81, addr=("::1", 81))) == "[::1]:81"
     assert endpoint_of(_Worker("127.0.0.1", 82)) == "127.0.0.1:82"
+
+
+def test_a_pick_without_body_needs_overrides_the_mode_to_skip_the_body() -> None:
+    rig = _Rig(dp=1, policy="round_robin")
+
+    async def body() -> None:
+        rig.start()
+        assert not rig.decider.needs_body
+        ctx, task = rig.stream()
+        await ctx.inbox.put(_headers())
+        ans = await ctx.answer()
+        assert _set(ans, "request_headers")["x-gateway-destination-endpoint"] == "10.1.2.3:31000"
+        assert ans.HasField("mode_override")
+        assert ans.mode_override.request_body_mode == 0          # NONE
+        assert ans.mode_override.response_trailer_mode == 1      # SEND: open to the end
+        assert rig.in_flight() == [1]
+        await ctx.inbox.put(grpc.aio.EOF)
+        await task
+        assert rig.in_flight() == [0]
+    try:
+        _run(body())
+    finally:
+        rig.close()
