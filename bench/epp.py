@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -252,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             order = order[1:] + order[:1]
         med = {n: {k: ov.median(v) for k, v in d.items()} for n, d in raw.items()}
         version = subprocess.run([envoy, "--version"], capture_output=True, text=True).stdout
-        version = "Envoy " + (version.split("/")[1] if "/" in version else version.strip())
+        hit = re.search(r"version: \S+?/([0-9.]+)/", version)
+        version = "Envoy " + (hit.group(1) if hit else version.strip())
         report = render(shlex.join([sys.executable, *sys.argv]), args, med, commands, version)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(report)
