@@ -586,6 +586,55 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         raise  # unreachable: parser.error exits
 
 
+def _epp(args: list[str]) -> int:
+    """``fastroute epp``: the router's flags plus the picker's (fastroute.epp.options)."""
+    from fastroute.epp.options import EppError, refusal, split
+
+    json_errors = _wants_json(args)
+    try:
+        opts, rest = split(args)
+    except EppError as exc:
+        startup_error(str(exc), json_errors)
+        return 2
+    parser = build_parser("fastroute epp")
+    ns = parse_namespace(rest, parser)
+    try:
+        configure_logging(ns.log_level, ns.log_dir, json_lines=ns.log_json)
+        config = config_from_args(ns)
+    except OSError as exc:
+        parser.error(f"argument --log-dir: {exc}")
+    except ConfigError as exc:
+        parser.error(str(exc))
+    why = refusal(config, resolve_processes(config))
+    if why is not None:
+        startup_error(why, json_errors)
+        return 2
+    if opts.print_config:
+        from fastroute.epp.bootstrap import envoy_bootstrap
+
+        queued = config.max_concurrent_requests > 0 or bool(config.rate_limit_tokens_per_second)
+        sys.stdout.write(envoy_bootstrap(
+            opts.grpc_port, opts.listen_port, opts.admin_port,
+            message_timeout=config.queue_timeout_secs + 5.0 if queued else 10.0,
+            idle_timeout=float(config.request_timeout_secs)))
+        return 0
+    try:
+        from fastroute.epp.server import serve as serve_epp
+    except ImportError as exc:
+        startup_error(f"fastroute epp needs grpcio, grpcio-health-checking and xds-protos "
+                      f"(pip install 'fastroute[epp]'): {exc}", json_errors)
+        return 2
+    import uvloop
+
+    try:
+        return uvloop.run(serve_epp(config, opts.grpc_port))
+    except (StartupError, ConfigError) as exc:
+        startup_error(str(exc), json_errors)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
 def main(argv: Sequence[str] | None = None) -> int | None:
     """Entry point of the `fastroute` console script and `python -m fastroute`."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -594,6 +643,12 @@ def main(argv: Sequence[str] | None = None) -> int | None:
         from fastroute.sim.demo import main as demo_main
 
         return demo_main(args[1:])
+    if args and args[0] == "epp":
+        return _epp(args[1:])
+    if args and args[0] == "sidecar":
+        startup_error("fastroute sidecar: not built (the PD relay of the decode pod taking its "
+                      "picks from the endpoint picker's headers)", _wants_json(args))
+        return 2
     if args and args[0] == "launch":
         # `smg launch ARGS` / `sglang-router launch ARGS` spelling.
         args = args[1:]

@@ -6,7 +6,8 @@ groups it uses are handed in by the runtime.)
 
 And the router as a whole (``fastroute.cli``, which imports every ring) loads no optional
 dependency of a flag that is off by default: redis (``--replica-sync``), kubernetes_asyncio and
-aiohttp (``--service-discovery``) are imported where those flags start their parts."""
+aiohttp (``--service-discovery``) are imported where those flags start their parts, and grpc
+and Envoy's protos only by ``fastroute epp``."""
 from __future__ import annotations
 
 import os
@@ -56,7 +57,7 @@ def test_data_plane_module_imports_no_numpy_and_no_core(module: str) -> None:
     assert out.stdout.split() == [], f"{module} loads {out.stdout.strip()}"
 
 
-_OPTIONAL = ("redis", "kubernetes_asyncio", "aiohttp")
+_OPTIONAL = ("redis", "kubernetes_asyncio", "aiohttp", "grpc", "grpc_health", "envoy")
 _PROBE_OPTIONAL = """
 import sys
 import fastroute.cli

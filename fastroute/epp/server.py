@@ -1,0 +1,184 @@
+"""The ``fastroute epp`` process: the router's control plane plus a gRPC ext_proc listener.
+
+Built from the same pieces as the proxy (:func:`fastroute.runtime.assemble.assemble` with no
+App: table, router and its groups, registry, monitor, metrics, the reconciler), plus an
+:class:`~fastroute.dataplane.admission.Admission` for ``--max-concurrent-requests``, the
+:class:`~fastroute.epp.decide.Decider`, the ext_proc servicer and the standard gRPC health
+service (``grpc.health.v1.Health``: NOT_SERVING until the workers are ready and again once the
+drain starts, for the whole server ``""`` and for the ext_proc service name). In-flight counts
+are the proxy's: ``fastroute_target_in_flight_requests`` (and the smg families) on
+``--prometheus-port``, read from the one target table the leases book into.
+
+A sweep, once a second, expires admission waiters, runs the lease safety net and the
+reconciler, and keeps the health status in step with the registry.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from fastroute.config import Config
+from fastroute.control.discovery import start_discovery
+from fastroute.core.table import TargetTable
+from fastroute.dataplane.admission import Admission
+from fastroute.epp.decide import Decider
+from fastroute.epp.service import ExternalProcessor
+from fastroute.runtime.assemble import Assembly, assemble, stop_in_order
+from fastroute.runtime.startup import StartupError, own_listeners, stop_on_signals
+
+log = logging.getLogger("fastroute.epp")
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+SWEEP_EVERY = 1.0
+LEAK_EVERY = 5.0
+
+
+class EppServer:
+    """One endpoint-picker process (see module docstring)."""
+
+    def __init__(self, config: Config, grpc_port: int, grpc_host: str | None = None) -> None:
+        self.config = config
+        self.grpc_port = int(grpc_port)
+        self.grpc_host = grpc_host if grpc_host is not None else config.host
+        self.table: TargetTable | None = None
+        self.parts: Assembly | None = None
+        self.decider: Decider | None = None
+        self.processor: ExternalProcessor | None = None
+        self.health: Any = None
+        self.grpc: Any = None
+        self.discovery: Any = None
+        self._sweeper: asyncio.Task | None = None
+        self._serving: bool | None = None
+        self._stopping = False
+
+    @property
+    def registry(self) -> Any:
+        return self.parts.registry if self.parts is not None else None
+
+    def ready(self) -> bool:
+        return not self._stopping and self.registry is not None and self.registry.ready()
+
+    async def start(self) -> None:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        self.table = TargetTable()
+        try:
+            self.parts = parts = await assemble(cfg, self.table, serve=False)
+            admission = Admission(int(cfg.max_concurrent_requests), int(cfg.queue_size),
+                                  float(cfg.queue_timeout_secs), loop,
+                                  rate=cfg.rate_limit_tokens_per_second)
+            admission.stats = parts.stats
+            self.decider = Decider(cfg, parts.registry, admission, parts.stats, loop)
+            self.processor = ExternalProcessor(self.decider)
+            self.health = grpc_health.aio.HealthServicer()
+            self.grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self.grpc)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+            await self._set_health(False)
+            address = (f"[{self.grpc_host}]:{self.grpc_port}" if ":" in self.grpc_host
+                       else f"{self.grpc_host}:{self.grpc_port}")
+            try:
+                bound = self.grpc.add_insecure_port(address)
+            except RuntimeError as exc:
+                bound = 0
+                why = str(exc)
+            else:
+                why = "address in use or not available"
+            if not bound:
+                raise StartupError(f"--grpc-port: cannot listen on {address} ({why})")
+            await self.grpc.start()
+            own_listeners(parts.registry, cfg, self.grpc_port, parts.metrics, None)
+            self.discovery = await start_discovery(cfg, parts.registry, parts.stats)
+        except BaseException:
+            await self._close_half_started()
+            raise
+        log.info("fastroute epp: ext_proc on %s, policy %s%s", address, cfg.policy,
+                 " (dp-aware)" if cfg.dp_aware else "")
+        await parts.registry.start()
+        if parts.monitor is not None:
+            parts.monitor.start()
+        self._sweeper = loop.create_task(self._sweep())
+
+    async def _close_half_started(self) -> None:
+        if self.grpc is not None:
+            await self.grpc.stop(0)
+        if self.parts is not None and self.parts.metrics is not None:
+            await self.parts.metrics.stop()
+        if self.table is not None:
+            self.table.close()
+            self.table.unlink()
+
+    async def _set_health(self, serving: bool) -> None:
+        if serving is self._serving:
+            return
+        self._serving = serving
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in ("", EXT_PROC_SERVICE):
+            await self.health.set(service, status)
+
+    async def _sweep(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_leak = loop.time() + LEAK_EVERY
+        while True:
+            await asyncio.sleep(SWEEP_EVERY)
+            try:
+                now = loop.time()
+                d = self.decider
+                if d.admission.queue:
+                    d.admission.expire(now)
+                await self._set_health(self.ready())
+                if now >= next_leak:
+                    next_leak = now + LEAK_EVERY
+                    d.check_leaks(now)
+                    rec = self.parts.reconciler if self.parts is not None else None
+                    if rec is not None:
+                        rec.check(self.registry.target_info, now)
+            except Exception:   # a bug here must not stop the sweep forever
+                log.exception("epp sweep failed")
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Health NOT_SERVING, the gRPC listener drained for ``grace`` seconds (streams in
+        flight finish), every booking left released, the control plane stopped."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if grace is None:
+            grace = float(self.config.shutdown_grace_period_secs)
+        try:
+            if self.health is not None:
+                await self._set_health(False)
+            if self._sweeper is not None:
+                self._sweeper.cancel()
+            if self.grpc is not None:
+                await self.grpc.stop(grace)
+            if self.decider is not None:
+                for b in list(self.decider.bookings):
+                    b.close("shutdown")
+            p = self.parts
+            if p is not None:
+                await stop_in_order(self.discovery, p.monitor, p.registry, p.metrics)
+        finally:
+            if self.table is not None:
+                self.table.close()
+                self.table.unlink()
+
+
+async def serve(config: Config, grpc_port: int) -> int:
+    """Run the picker until SIGTERM/SIGINT/SIGHUP/SIGQUIT, then drain; the exit status."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    stop_on_signals(loop, stop.set)
+    server = EppServer(config, grpc_port)
+    await server.start()
+    await stop.wait()
+    log.info("shutdown: draining the ext_proc streams (grace %ss)",
+             config.shutdown_grace_period_secs)
+    await server.stop()
+    return 0

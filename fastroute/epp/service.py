@@ -1,0 +1,211 @@
+"""The ext_proc servicer: one ``Process`` stream per HTTP request Envoy relays.
+
+Per stream (the processing mode is the printed bootstrap's, :mod:`fastroute.epp.bootstrap`):
+
+1. request headers: refusals that need no body (readiness, ``--api-key``, a Content-Length
+   over ``--max-payload-size``) answer an ImmediateResponse at once; a request without a body,
+   or any request when the pick needs no body (:func:`~fastroute.epp.decide.needs_body`), is
+   picked here, the latter with a mode override so that Envoy does not send the body; otherwise
+   the headers continue unchanged and the body is awaited.
+2. request body (buffered, ``end_of_stream``): admission, then the pick
+   (:meth:`~fastroute.epp.decide.Decider.decide`); the answer sets
+   ``x-gateway-destination-endpoint`` (and the Authorization the worker wants), the same value
+   under dynamic metadata ``envoy.lb``, and, for one rank of a single-port DP server, the body
+   with the rank spliced in (Content-Length set to match).
+3. the response's end releases the booking: the end of the stream (Envoy half-closes it when
+   the HTTP stream is done, completed, reset or abandoned by the client; a dead Envoy ends it
+   too), a response message with ``end_of_stream``, the response trailers when the worker sends
+   some, or the stream's cancellation. Exactly once (:meth:`~fastroute.epp.decide.Booking.close`).
+
+Errors are ImmediateResponses with the proxy's JSON error body and ``x-smg-error-code``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from fastroute.epp.bootstrap import HEADER, METADATA_NAMESPACE
+from fastroute.epp.decide import Booking, Decider, Pick
+from fastroute.errors import RouterError
+
+log = logging.getLogger("fastroute.epp")
+
+_CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+_CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+_CONTINUE_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
+_CONTINUE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+_CONTINUE_REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+_CONTINUE_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+# Picked on the headers: the rest of the stream without the request body (the bootstrap's mode
+# otherwise; the trailers keep the stream open until the response ends).
+_NO_BODY = ProcessingMode(request_header_mode=ProcessingMode.SEND,
+                             request_body_mode=ProcessingMode.NONE,
+                             request_trailer_mode=ProcessingMode.SKIP,
+                             response_header_mode=ProcessingMode.SKIP,
+                             response_body_mode=ProcessingMode.NONE,
+                             response_trailer_mode=ProcessingMode.SEND)
+
+
+def _header(key: str, value: str) -> Any:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode("latin-1")),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+
+
+def headers_of(msg: Any) -> dict[str, str]:
+    """The HttpHeaders of a message as {lower-case name: value} (Envoy sends raw_value)."""
+    out: dict[str, str] = {}
+    for h in msg.headers.headers:
+        out[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
+    return out
+
+
+def immediate(exc: RouterError) -> Any:
+    """The ImmediateResponse of a refusal: the proxy's status, JSON body and error code."""
+    hdrs = [_header("content-type", "application/json"), _header("x-smg-error-code", exc.code)]
+    hdrs.extend(_header(n.decode("latin-1").lower(), v.decode("latin-1")) for n, v in exc.headers)
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=exc.status),
+        headers=pb.HeaderMutation(set_headers=hdrs), body=exc.body(),
+        details="fastroute_epp_" + (exc.code or "error")))
+
+
+def routed(pick: Pick, phase: str) -> Any:
+    """The answer that sends the request to ``pick`` (``phase``: request_headers or
+    request_body, the message it answers)."""
+    sets = [_header(HEADER, pick.endpoint)]
+    if pick.auth is not None:
+        sets.append(_header("authorization", pick.auth))
+    if pick.body is not None:
+        sets.append(_header("content-length", str(len(pick.body))))
+        common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=sets),
+                                   body_mutation=pb.BodyMutation(body=pick.body))
+    else:
+        common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=sets))
+    meta = struct_pb2.Struct()
+    meta.get_or_create_struct(METADATA_NAMESPACE)[HEADER] = pick.endpoint
+    if phase == "request_headers":
+        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common),
+                                     dynamic_metadata=meta)
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
+                                 dynamic_metadata=meta)
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    """``envoy.service.ext_proc.v3.ExternalProcessor`` over a :class:`Decider`."""
+
+    def __init__(self, decider: Decider) -> None:
+        self.decider = decider
+        self.streams = 0          # Process streams open now
+
+    async def Process(self, request_iterator: Any, context: Any) -> None:  # noqa: N802
+        # read()/write() rather than an async generator: a cancelled stream raises inside this
+        # frame at once, so the finally below releases without waiting for a collection.
+        self.streams += 1
+        held: list[Booking] = []       # the stream's booking, once made (even mid-admission)
+        reason = "stream_end"
+        try:
+            await self._serve(context, held)
+        except asyncio.CancelledError:
+            reason = "cancelled"
+            raise
+        except Exception:
+            reason = "error"
+            log.exception("ext_proc stream failed")
+        finally:
+            self.streams -= 1
+            for b in held:
+                b.close(reason)
+
+    async def _serve(self, context: Any, held: list[Booking]) -> None:
+        d = self.decider
+        booking: Booking | None = None
+        method = path = ""
+        headers: dict[str, str] = {}
+        chunks: list[bytes] = []
+        while True:
+            msg = await context.read()
+            if msg is grpc.aio.EOF:
+                return
+            kind = msg.WhichOneof("request")
+            if booking is not None and kind in ("request_headers", "request_body"):
+                log.warning("ext_proc: a second request on one stream; closing it")
+                return
+            if kind == "request_headers":
+                h = msg.request_headers
+                headers = headers_of(h)
+                method = headers.get(":method", "")
+                path = headers.get(":path", "/")
+                try:
+                    length = int(headers.get("content-length", "0") or 0)
+                except ValueError:
+                    length = 0
+                try:
+                    d.check(method, path, headers, length)
+                except RouterError as exc:
+                    await context.write(immediate(exc))
+                    return
+                if not h.end_of_stream and d.needs_body:
+                    await context.write(_CONTINUE_HEADERS)
+                    continue
+                booking = Booking(d)
+                held.append(booking)
+                answer = await self._route(booking, method, path, headers, None,
+                                           "request_headers")
+                if not h.end_of_stream and answer.HasField("request_headers"):
+                    answer.mode_override.CopyFrom(_NO_BODY)
+                await context.write(answer)
+                if answer.WhichOneof("response") == "immediate_response":
+                    booking.close("refused")
+                    return
+            elif kind == "request_body":
+                b = msg.request_body
+                chunks.append(b.body)
+                if not b.end_of_stream:
+                    await context.write(_CONTINUE_BODY)
+                    continue
+                body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                chunks = []
+                booking = Booking(d)
+                held.append(booking)
+                answer = await self._route(booking, method, path, headers, body, "request_body")
+                await context.write(answer)
+                if answer.WhichOneof("response") == "immediate_response":
+                    booking.close("refused")
+                    return
+            elif kind == "request_trailers":
+                await context.write(_CONTINUE_REQUEST_TRAILERS)
+            elif kind == "response_headers":
+                if msg.response_headers.end_of_stream and booking is not None:
+                    booking.close("response_end")
+                await context.write(_CONTINUE_RESPONSE_HEADERS)
+            elif kind == "response_body":
+                if msg.response_body.end_of_stream and booking is not None:
+                    booking.close("response_end")
+                await context.write(_CONTINUE_RESPONSE_BODY)
+            elif kind == "response_trailers":
+                if booking is not None:
+                    booking.close("response_end")
+                await context.write(_CONTINUE_TRAILERS)
+            else:
+                log.warning("ext_proc: unexpected message %s", kind)
+                return
+
+    async def _route(self, booking: Booking, method: str, path: str, headers: dict[str, str],
+                     body: bytes | None, phase: str) -> Any:
+        d = self.decider
+        try:
+            await d.admit(booking)
+            return routed(d.decide(booking, method, path, headers, body), phase)
+        except RouterError as exc:
+            booking.close("refused")
+            return immediate(exc)

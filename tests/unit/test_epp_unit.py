@@ -1,0 +1,376 @@
+"""fastroute epp without Envoy: its command line, the bootstrap it prints, and the ext_proc
+servicer driven message by message over the real routing core (table, router, group, leases),
+so a lease's one release is checked at every ending a stream can have."""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+pytest.importorskip("grpc")
+pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2")
+
+import grpc  # noqa: E402
+from envoy.config.core.v3 import base_pb2  # noqa: E402
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
+
+from fastroute.cli import main  # noqa: E402
+from fastroute.config import Config  # noqa: E402
+from fastroute.core.routing import Router  # noqa: E402
+from fastroute.core.table import TargetTable  # noqa: E402
+from fastroute.dataplane.admission import Admission  # noqa: E402
+from fastroute.epp.bootstrap import envoy_bootstrap  # noqa: E402
+from fastroute.epp.decide import Decider, endpoint_of  # noqa: E402
+from fastroute.epp.options import EppError, refusal, split  # noqa: E402
+from fastroute.epp.service import ExternalProcessor  # noqa: E402
+
+
+# -- the command line -------------------------------------------------------------------
+def test_split_takes_the_picker_flags_and_leaves_the_router_flags() -> None:
+    opts, rest = split(["--grpc-port", "9002", "--policy", "round_robin", "--worker-urls",
+                        "http://a:1", "--print-envoy-config", "--envoy-listen-port=8080"])
+    assert (opts.grpc_port, opts.print_config, opts.listen_port, opts.admin_port) == (
+        9002, True, 8080, None)
+    assert rest == ["--policy", "round_robin", "--worker-urls", "http://a:1"]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    ([], "--grpc-port"),
+    (["--grpc-port", "x"], "--grpc-port"),
+    (["--grpc-port", "70000"], "--grpc-port"),
+    (["--grpc-port", "1", "--print-envoy-config"], "--envoy-listen-port"),
+    (["--grpc-port", "1", "--envoy-admin-port", "2"], "--envoy-admin-port"),
+    (["--grpc-port", "1", "--inference-pool", "pool"], "--inference-pool"),
+    (["--grpc-port", "1", "--failure-mode=FailOpen"], "--failure-mode"),
+    (["--grpc-port", "1", "--sidecar"], "--sidecar"),
+])
+def test_split_refuses_naming_the_flag(argv: list[str], flag: str) -> None:
+    with pytest.raises(EppError, match=f"argument {flag}"):
+        split(argv)
+
+
+@pytest.mark.parametrize("kw, flag", [
+    ({"pd_disaggregation": True, "prefill": [("http://p:1", None)], "decode": ["http://d:2"]},
+     "--pd-disaggregation"),
+    ({"replica_sync": "redis://127.0.0.1:6379"}, "--replica-sync"),
+    ({"worker_urls": ["https://w:1"]}, "--worker-urls"),
+])
+def test_refusal_names_what_the_picker_does_not_do(kw: dict, flag: str) -> None:
+    why = refusal(Config(**kw), 1)
+    assert why is not None and why.startswith(f"argument {flag}:")
+    assert refusal(Config(worker_urls=["http://w:1"]), 1) is None
+    assert refusal(Config(), 2).startswith("argument --workers:")
+
+
+def test_cli_refuses_in_one_line_and_exits_2(capsys: Any) -> None:
+    assert main(["epp", "--grpc-port", "1", "--inference-pool", "p"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--inference-pool" in err[0] and "not built" in err[0]
+    assert main(["sidecar"]) == 2
+    assert "not built" in capsys.readouterr().err
+
+
+def test_cli_prints_the_bootstrap_and_exits(capsys: Any) -> None:
+    assert main(["epp", "--grpc-port", "9002", "--print-envoy-config",
+                 "--envoy-listen-port", "8080", "--envoy-admin-port", "9901"]) == 0
+    out = capsys.readouterr().out
+    assert out == envoy_bootstrap(9002, 8080, 9901, idle_timeout=1800)
+    for needle in ("port_value: 9002", "port_value: 8080", "port_value: 9901",
+                   "http_header_name: x-gateway-destination-endpoint", "type: ORIGINAL_DST",
+                   "http2_protocol_options", "request_body_mode: BUFFERED",
+                   'untyped: ["envoy.lb"]', "failure_mode_allow: false"):
+        assert needle in out
+
+
+# -- the servicer over the real routing core ----------------------------------------------
+@dataclass(eq=False)
+class _Worker:
+    host: str
+    port: int
+    addr: tuple | None = None
+    api_key: str | None = None
+    basic_auth: str | None = None
+
+
+class _Registry:
+    """The registry surface the Decider reads: ready(), group(role), target_info."""
+
+    def __init__(self, table: TargetTable, dp: int, worker: _Worker, policy: str) -> None:
+        rows = [table.alloc() for _ in range(dp)]
+        self.target_info: list[Any] = [None] * (max(rows) + 1)
+        for rank, t in enumerate(rows):
+            self.target_info[t] = (worker, rank if dp > 1 else None)
+        self.rows = rows
+        self._group = Router(table, seed=7).group(rows, policy, load_metric="least_requests")
+        self.is_ready = True
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    def group(self, role: str) -> Any:
+        assert role == "regular"
+        return self._group
+
+
+class _Context:
+    """A Process stream: the test feeds messages (or EOF) and reads the answers."""
+
+    def __init__(self) -> None:
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.out: asyncio.Queue = asyncio.Queue()
+
+    async def read(self) -> Any:
+        return await self.inbox.get()
+
+    async def write(self, msg: Any) -> None:
+        await self.out.put(msg)
+
+    async def answer(self) -> Any:
+        return await asyncio.wait_for(self.out.get(), 2.0)
+
+
+def _headers(path: str = "/generate", method: str = "POST", eos: bool = False,
+             **extra: str) -> Any:
+    hm = pb.HttpHeaders(end_of_stream=eos)
+    for k, v in {":method": method, ":path": path, ":authority": "gw", **extra}.items():
+        hm.headers.headers.append(base_pb2.HeaderValue(key=k, raw_value=v.encode()))
+    return pb.ProcessingRequest(request_headers=hm)
+
+
+def _body(data: bytes) -> Any:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=True))
+
+
+class _Rig:
+    def __init__(self, dp: int = 4, policy: str = "power_of_two", **cfg: Any) -> None:
+        self.table = TargetTable(16)
+        self.worker = _Worker("127.0.0.1", 31000, addr=("10.1.2.3", 31000))
+        self.registry = _Registry(self.table, dp, self.worker, policy)
+        self.config = Config(dp_aware=dp > 1, dp_rank_field="routed_dp_rank", policy=policy, **cfg)
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        c = self.config
+        self.admission = Admission(c.max_concurrent_requests, c.queue_size,
+                                   c.queue_timeout_secs, loop)
+        self.decider = Decider(c, self.registry, self.admission, None, loop)
+        self.servicer = ExternalProcessor(self.decider)
+
+    def stream(self) -> tuple[_Context, asyncio.Task]:
+        ctx = _Context()
+        return ctx, asyncio.get_running_loop().create_task(self.servicer.Process(None, ctx))
+
+    def in_flight(self) -> list[int]:
+        return [self.table.in_flight(t) for t in self.registry.rows]
+
+    def close(self) -> None:
+        self.table.unlink()
+
+
+def _run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+def _set(answer: Any, phase: str) -> dict[str, str]:
+    common = getattr(answer, phase).response
+    return {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+
+
+async def _route(rig: _Rig, body: bytes = b'{"text": "hi"}') -> tuple[_Context, asyncio.Task, Any]:
+    ctx, task = rig.stream()
+    await ctx.inbox.put(_headers())
+    assert (await ctx.answer()).WhichOneof("response") == "request_headers"
+    await ctx.inbox.put(_body(body))
+    return ctx, task, await ctx.answer()
+
+
+def test_a_pick_names_the_endpoint_splices_the_rank_and_releases_at_eof() -> None:
+    rig = _Rig()
+
+    async def body() -> None:
+        rig.start()
+        ctx, task, ans = await _route(rig)
+        assert ans.WhichOneof("response") == "request_body"
+        sets = _set(ans, "request_body")
+        assert sets["x-gateway-destination-endpoint"] == "10.1.2.3:31000"
+        assert ans.dynamic_metadata["envoy.lb"]["x-gateway-destination-endpoint"] == "10.1.2.3:31000"
+        new = ans.request_body.response.body_mutation.body
+        assert json.loads(new) == {"text": "hi", "routed_dp_rank": json.loads(new)["routed_dp_rank"]}
+        assert sets["content-length"] == str(len(new))
+        assert sum(rig.in_flight()) == 1
+        rank = json.loads(new)["routed_dp_rank"]
+        assert rig.in_flight()[rank] == 1
+        await ctx.inbox.put(grpc.aio.EOF)
+        await task
+        assert rig.in_flight() == [0, 0, 0, 0]
+        assert rig.decider.in_flight == 0
+    try:
+        _run(body())
+    finally:
+        rig.close()
+
+
+def test_response_trailers_release_once_and_eof_after_does_nothing_more() -> None:
+    rig = _Rig()
+
+    async def body() -> None:
+        rig.start()
+        held = []
+        for _ in range(4):                       # least_requests: one per rank
+            held.append(await _route(rig))
+        assert rig.in_flight() == [1, 1, 1, 1]
+        ctx, task, _ = held[0]
+        await ctx.inbox.put(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
+        assert (await ctx.answer()).WhichOneof("response") == "response_trailers"
+        assert sum(rig.in_flight()) == 3
+        await ctx.inbox.put(grpc.aio.EOF)
+        await task
+        assert sum(rig.in_flight()) == 3 and rig.table.underflows == 0
+        for ctx, task, _ in held[1:]:
+            task.cancel()                        # Envoy reset / connection gone
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert rig.in_flight() == [0, 0, 0, 0] and rig.table.underflows == 0
+    try:
+        _run(body())
+    finally:
+        rig.close()
+
+
+def test_bad_body_answers_400_and_books_nothing() -> None:
+    rig = _Rig()
+
+    async def body() -> None:
+        rig.start()
+        ctx, task, ans = await _route(rig, b'{"text": ')
+        assert ans.immediate_response.status.code == 400
+        assert json.loads(ans.immediate_response.body)["error"]["code"]
+        await task
+        assert rig.in_flight() == [0, 0, 0, 0] and rig.admission.active == 0
+    try:
+        _run(body())
+    finally:
+        rig.close()
+
+
+def test_not_ready_is_503_at_the_headers() -> None:
+    rig = _Rig()
+
+    async def body() -> None:
+        rig.start()
+        rig.registry.is_ready = False
+        ctx, task = rig.stream()
+        await ctx.inbox.put(_headers())
+        ans = await ctx.answer()
+        assert ans.immediate_response.status.code == 503
+        hdrs = {h.header.key: h.header.raw_value for h in ans.immediate_response.headers.set_headers}
+        assert hdrs["content-type"] == b"application/json"
+        await task
+        assert rig.in_flight() == [0, 0, 0, 0]
+    try:
+        _run(body())
+    finally:
+        rig.close()
+
+
+def test_a_request_without_body_is_picked_at_its_headers() -> None:
+    rig = _Rig(dp=1, policy="round_robin")
+
+    async def body() -> None:
+        rig.start()
+        ctx, task = rig.stream()
+        await ctx.inbox.put(_headers("/v1/models", "GET", eos=True))
+        ans = await ctx.answer()
+        assert _set(ans, "request_headers")["x-gateway-destination-endpoint"] == "10.1.2.3:31000"
+        assert rig.in_flight() == [1]
+        await ctx.inbox.put(grpc.aio.EOF)
+        await task
+        assert rig.in_flight() == [0]
+    try:
+        _run(body())
+    finally:
+        rig.close()
+
+
+def test_shed_is_429_and_a_cancelled_wait_leaves_the_queue() -> None:
+    rig = _Rig(max_concurrent_requests=1, queue_size=1)
+
+    async def body() -> None:
+        rig.start()
+        first = await _route(rig)
+        waiting_ctx, waiting = rig.stream()
+        await waiting_ctx.inbox.put(_headers())
+        await waiting_ctx.answer()
+        await waiting_ctx.inbox.put(_body(b'{"text": "q"}'))
+        for _ in range(100):
+            if rig.admission.queue:
+                break
+            await asyncio.sleep(0.005)
+        assert len(rig.admission.queue) == 1
+        _, shed_task, shed = await _route(rig)          # queue full: shed
+        assert shed.immediate_response.status.code == 429
+        await shed_task
+        waiting.cancel()                                # Envoy gave up on the queued one
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert not rig.admission.queue and rig.admission.active == 1
+        ctx, task, _ = first
+        await ctx.inbox.put(grpc.aio.EOF)
+        await task
+        assert rig.admission.active == 0 and sum(rig.in_flight()) == 0
+    try:
+        _run(body())
+    finally:
+        rig.close()
+
+
+def test_the_safety_net_releases_a_booking_whose_stream_never_ended() -> None:
+    rig = _Rig(request_timeout_secs=1)
+
+    async def body() -> None:
+        rig.start()
+        ctx, task, _ = await _route(rig)
+        assert sum(rig.in_flight()) == 1
+        loop = asyncio.get_running_loop()
+        assert rig.decider.check_leaks(loop.time()) == 0
+        assert rig.decider.check_leaks(loop.time() + 7.0) == 1
+        assert sum(rig.in_flight()) == 0
+        await ctx.inbox.put(grpc.aio.EOF)               # the late end releases nothing twice
+        await task
+        assert rig.table.underflows == 0
+    try:
+        _run(body())
+    finally:
+        rig.close()
+
+
+def test_endpoint_is_the_resolved_address() -> None:
+    assert endpoint_of(_Worker("w.example", 80, addr=("10.0.0.9", 80))) == "10.0.0.9:80"
+    assert endpoint_of(_Worker("::1", 81, addr=("::1", 81))) == "[::1]:81"
+    assert endpoint_of(_Worker("127.0.0.1", 82)) == "127.0.0.1:82"
+
+
+def test_a_pick_without_body_needs_overrides_the_mode_to_skip_the_body() -> None:
+    rig = _Rig(dp=1, policy="round_robin")
+
+    async def body() -> None:
+        rig.start()
+        assert not rig.decider.needs_body
+        ctx, task = rig.stream()
+        await ctx.inbox.put(_headers())
+        ans = await ctx.answer()
+        assert _set(ans, "request_headers")["x-gateway-destination-endpoint"] == "10.1.2.3:31000"
+        assert ans.HasField("mode_override")
+        assert ans.mode_override.request_body_mode == 0          # NONE
+        assert ans.mode_override.response_trailer_mode == 1      # SEND: open to the end
+        assert rig.in_flight() == [1]
+        await ctx.inbox.put(grpc.aio.EOF)
+        await task
+        assert rig.in_flight() == [0]
+    try:
+        _run(body())
+    finally:
+        rig.close()
