@@ -160,7 +160,7 @@ class Group:
 
     def _acquire_text_narrowed(self, tokens: int = 0, key: bytes | None = None, meta=None,
                                out_tokens: int = 0):
-        """cache_aware with KV fit and/or demand (see README "Decode placement"): KV fit is a
+        """cache_aware with KV fit and/or demand (see docs/balancing.md): KV fit is a
         feasibility filter applied first; demand ``on`` narrows to the demand-argmin ties, among
         which the prefix tree chooses (so demand decides, the tree breaks ties and still learns
         the text); shadow modes let the tree pick from the unnarrowed set and count whether the
