@@ -20,11 +20,20 @@ not see them change; the generated C is kept apart per directive set, under buil
 Release builds (neither switch) use ``-O3`` and no checks: every Python entry point validates
 its indices itself, and the nogil inner loops run unchecked.
 """
+import importlib.util
 import os
 
 import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+
+# The module lists, derived from the tree (fastroute/compiled.py), loaded by path: the package
+# itself cannot be imported before it is built.
+_spec = importlib.util.spec_from_file_location(
+    "fastroute_compiled", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                       "fastroute", "compiled.py"))
+compiled = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compiled)
 
 DEBUG = os.environ.get("FASTROUTE_DEBUG") == "1"
 SANITIZE = os.environ.get("FASTROUTE_SANITIZE") == "1"
@@ -49,10 +58,10 @@ if not DEBUG:
     macros.append(("NDEBUG", "1"))
 
 
-def ext(name):
+def ext(package, name):
     return Extension(
-        f"fastroute.core.{name}",
-        [f"fastroute/core/{name}.pyx"],
+        f"fastroute.{package}.{name}",
+        [f"fastroute/{package}/{name}.pyx"],
         include_dirs=["csrc", np.get_include()],
         define_macros=macros,
         extra_compile_args=cflags,
@@ -60,14 +69,11 @@ def ext(name):
     )
 
 
-# The data plane's hot classes (and CORE_PY below), compiled from their .py (Cython pure-Python mode): each module's
-# .pxd declares which classes become extension types and the C types of their attributes; the
-# .py stays the one source (and runs as it is wherever it is not compiled). Annotations stay
-# documentation (annotation_typing off): only the .pxd declares C types.
-DATAPLANE = ["admission", "front", "route", "protocol", "exchange", "pd", "upstream", "flow",
-             "body"]
-# The same for the core's circuit breakers (every upstream response records its outcome there).
-CORE_PY = ["breaker"]
+# The data plane's hot classes and the core's breakers, compiled from their .py (Cython
+# pure-Python mode): each module's .pxd declares which classes become extension types and the C
+# types of their attributes; the .py stays the one source (and runs as it is wherever it is not
+# compiled). Annotations stay documentation (annotation_typing off): only the .pxd declares C
+# types.
 
 
 def py_ext(package, name):
@@ -85,12 +91,12 @@ def py_ext(package, name):
 build_dir = "build/cython-debug" if DEBUG else "build/cython-release"
 setup(
     ext_modules=cythonize(
-        [ext("_policy"), ext("_ledger"), ext("_tree"), ext("_manual")],
+        [ext(package, name) for package, name in compiled.pyx_modules()],
         compiler_directives=directives,
         include_path=["."],
         build_dir=build_dir,
     ) + cythonize(
-        [py_ext("dataplane", name) for name in DATAPLANE] + [py_ext("core", name) for name in CORE_PY],
+        [py_ext(package, name) for package, name in compiled.py_modules()],
         compiler_directives={**directives, "annotation_typing": False},
         include_path=["."],
         build_dir=build_dir,

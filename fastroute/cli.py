@@ -201,7 +201,7 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
     add("--cors-allowed-origins", nargs="*", default=d("cors_allowed_origins"),
         metavar="ORIGIN",
         help="Origins allowed by CORS: '*' or https://host[:port] (default: none). Not "
-             "answered yet (see README's flag table): other origins stay refused.")
+             "answered yet (see docs/flags.md): other origins stay refused.")
     add("--shutdown-grace-period-secs", type=int, default=d("shutdown_grace_period_secs"),
         help="Time to drain in-flight requests after SIGTERM (default: %(default)s s).")
     add("--header-read-timeout-secs", type=float, default=d("header_read_timeout_secs"),
@@ -217,8 +217,8 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
              "keep-alive; 0 = keep no idle connection (a new one per request) "
              "(default: %(default)s s).")
     add("--sse-keepalive-secs", type=float, default=d("sse_keepalive_secs"),
-        help="Interval of SSE keep-alive comments on quiet streams; not sent yet (see README's "
-             "flag table) (default: %(default)s s).")
+        help="Interval of SSE keep-alive comments on quiet streams; not sent yet (see "
+             "docs/flags.md) (default: %(default)s s).")
 
     add.section("Security", "TLS on the listener, admin authentication, probe port.")
     add("--tls-cert-path", default=None, metavar="PEM",
@@ -488,7 +488,7 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
         "Ignored for compatibility",
         "Peer flags that cannot change who gets in, where requests go or readiness: accepted "
         "(with any values) so existing launch scripts keep working, with one warning each "
-        "saying why. The full inventory is README's flag table (python -m fastroute.flags).",
+        "saying why. The full inventory is docs/flags.md (python -m fastroute.flags).",
     )
     for flag in BY_STATUS[flags.INERT]:
         add(flag, action=_IgnoredFlag, metavar="VALUE", help="inert: " + flags.lookup(flag).reason)
@@ -500,7 +500,7 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
         "Refused (not implemented)",
         "Peer flags that would change who gets in, where requests go or readiness: start-up "
         "fails naming the flag, except for the values noted (which ask for what fastroute "
-        "does). Families: " + ", ".join(families) + " (see README).",
+        "does). Families: " + ", ".join(families) + " (see docs/flags.md).",
     )
     for flag in BY_STATUS[flags.REFUSED]:
         add(flag, action=_IgnoredFlag, metavar="VALUE", help="refused: " + flags.lookup(flag).reason)

@@ -8,8 +8,8 @@ A few peer flags ask for what fastroute already does; they are ``implemented`` h
 silently) because they have no field of their own in :class:`fastroute.config.Config`.
 
 ``TABLE`` is the one inventory: the CLI builds its compatibility flags from it, the config
-applies it, and README's table is generated from it (``python -m fastroute.flags``; a test
-checks README against it). Flags fastroute implements with a field of their own are not listed.
+applies it, and docs/flags.md's table is generated from it (``python -m fastroute.flags``; a
+test checks the page against it). Flags fastroute implements with a field of their own are not listed.
 
 Pure Python with no imports from the rest of fastroute, like :mod:`fastroute.names`.
 """
@@ -276,7 +276,7 @@ def apply(given: Sequence[tuple[str, Sequence[str]]]) -> list[str]:
 
 
 def markdown() -> str:
-    """README's inventory table, generated from ``TABLE``."""
+    """The inventory table of docs/flags.md, generated from ``TABLE``."""
     lines = ["| flag | status | why |", "|---|---|---|"]
     for f in sorted(TABLE, key=lambda r: (STATUSES.index(r.status), r.name)):
         name = f"`{f.name}*`" if f.family else f"`{f.name}`"

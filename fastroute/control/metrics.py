@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from fastroute.config import DEFAULT_DURATION_BUCKETS, Config
-# The smg families and fastroute's status for each (README's table is generated there).
+# The smg families and fastroute's status for each (docs/metrics.md's table is generated there).
 from fastroute.control.parity import PEER_SERIES, peer_table_markdown  # noqa: F401
 from fastroute.core import _policy, table as T
 from fastroute.control.worker import target_label

@@ -7,8 +7,8 @@ same name, type and label names, checked against a scrape by
 ``tests/integration/test_metrics_parity.py``) or ``not exported`` with the reason: fastroute has
 no such data, or no such feature.
 
-README's table is generated from here (``python -m fastroute.control.parity``; a test checks
-README against it). Pure Python with no imports from the rest of fastroute.
+docs/metrics.md's table is generated from here (``python -m fastroute.control.parity``; a test
+checks the page against it). Pure Python with no imports from the rest of fastroute.
 """
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ PEER_SERIES: tuple[tuple[str, str, tuple[str, ...], str], ...] = tuple(
 
 
 def markdown() -> str:
-    """README's metrics parity table, generated from ``FAMILIES``."""
+    """The metrics parity table of docs/metrics.md, generated from ``FAMILIES``."""
     n = sum(f.status == EXPORTED for f in FAMILIES)
     rows = [f"{n} of {len(FAMILIES)} smg families exported.", "",
             "| smg family | type | labels | fastroute | note / why not |", "|---|---|---|---|---|"]

@@ -180,7 +180,8 @@ class Registry(RankPorts, AdminAPI):
         self._listeners.append(callback)
 
     # ---- queries ------------------------------------------------------------------------------
-    def group(self, role: str) -> Group:
+    def group(self, role: str) -> Group | ModelGroups:
+        """The role's group; under --enable-igw, its groups by model (ModelGroups)."""
         return self._groups[role]
 
     def _model_names(self, t: int) -> tuple[str, ...]:

@@ -93,7 +93,7 @@ class CacheAwarePolicy:
         self.rank_slack = int(rank_slack)
         self._names: dict[int, str] = {}
         # The per-request entry point is the compiled method itself: one call per pick.
-        self.pick = self.tree.pick
+        self.pick = self.tree.pick  # type: ignore[method-assign]  # the compiled method itself
 
     def pick(self, text: str | None, targets: list[int]) -> int:  # replaced in __init__
         """Target row for a request with this text, or -1 when no target is eligible."""

@@ -111,7 +111,7 @@ def power_of_two(tab: np.ndarray, cands, metric: str, rng: Rng) -> int:
         best, best_key, ties = -1, None, 0
         for t in pool:
             key = (requests(tab, t), int(tab[t, COL_POLLED_TOKENS]) if polled else 0)
-            if best < 0 or key < best_key:
+            if best < 0 or key < best_key:  # type: ignore[operator]  # set once best >= 0
                 best, best_key, ties = t, key, 1
             elif key == best_key:
                 ties += 1
@@ -201,7 +201,7 @@ def kv_fit(tab: np.ndarray, cands, tokens: int, need: int, use_demand: bool, wei
             key = (pending(tab, t) + tokens + weight * requests(tab, t), 0)
         else:
             key = (requests(tab, t), -free)
-        if best < 0 or key < best_key:
+        if best < 0 or key < best_key:  # type: ignore[operator]  # set once best >= 0
             best, best_key, ties = t, key, 1
         elif key == best_key:
             ties += 1
@@ -246,7 +246,7 @@ def coordinated(tab: np.ndarray, cands, tokens: int, need: int, use_demand: bool
         if best < 0:
             return -1, []
         picks.append(best)
-        levels.append(best_key[:2])
+        levels.append(best_key[:2])  # type: ignore[index]  # best >= 0: set
         extra_r[best] += 1
         extra_k[best] += tokens
     ties = sum(1 for lv in levels if lv == levels[0])

@@ -97,28 +97,29 @@ class Group:
         self._picker = _ledger.Picker(router.table.array, router.table.header, compiled,
                                       picker_metric, MODE_CODE[demand], self.request_weight, seed,
                                       MODE_CODE[kv_fit], int(kv_reserve))
-        self._text_policy = None
+        # Set for the flavours that read them (cache_aware, manual), which are bound only then.
+        self._text_policy: CacheAwarePolicy = None  # type: ignore[assignment]
         self._tab = router.table.array
         self._cands = np.zeros(0, dtype=np.int64)
         self.kv_reserve = int(kv_reserve)
         # cache_aware's own decision counters (the compiled picker's stay 0 under it).
         self._ca_demand = [0, 0]            # agree, disagree
         self._ca_kv = [0, 0, 0]             # agree, disagree, fallback
-        self._keys = None
+        self._keys: _manual.KeyTable = None  # type: ignore[assignment]
         if policy == "manual":
             self._keys = _manual_keys(router, seed)
-            self.acquire = self._acquire_manual
+            self.acquire = self._acquire_manual  # type: ignore[method-assign]  # bound per instance to its flavour
         elif policy == "cache_aware":
             self._text_policy = CacheAwarePolicy(router.table, router.config, seed=seed,
                                                  rank_slack=self.rank_slack)
             if demand != "off" or kv_fit != "off":
-                self.acquire = self._acquire_text_narrowed
+                self.acquire = self._acquire_text_narrowed  # type: ignore[method-assign]  # bound per instance to its flavour
             else:
-                self.acquire = self._acquire_text
+                self.acquire = self._acquire_text  # type: ignore[method-assign]  # bound per instance to its flavour
         elif demand == "shadow":
-            self.acquire = self._acquire_shadow
+            self.acquire = self._acquire_shadow  # type: ignore[method-assign]  # bound per instance to its flavour
         else:
-            self.acquire = self._picker.acquire
+            self.acquire = self._picker.acquire  # type: ignore[method-assign, assignment]  # bound per instance; the kernel names meta 'text'
 
     # The acquire flavours share one signature:
     # (tokens=0, key=None, meta=None, out_tokens=0) -> Lease | None.
@@ -137,7 +138,7 @@ class Group:
     def _acquire_coordinated(self, tokens: int, key: bytes | None, meta, out_tokens: int):
         lease = self._picker.acquire(tokens, key, None, out_tokens)
         text = meta.routing_text() if meta is not None and lease is not None else None
-        if text:
+        if text and lease is not None:
             self._text_policy.tree.insert(text, lease.target)
         return lease
 
@@ -160,7 +161,7 @@ class Group:
 
     def _acquire_text_narrowed(self, tokens: int = 0, key: bytes | None = None, meta=None,
                                out_tokens: int = 0):
-        """cache_aware with KV fit and/or demand (see README "Decode placement"): KV fit is a
+        """cache_aware with KV fit and/or demand (see docs/balancing.md): KV fit is a
         feasibility filter applied first; demand ``on`` narrows to the demand-argmin ties, among
         which the prefix tree chooses (so demand decides, the tree breaks ties and still learns
         the text); shadow modes let the tree pick from the unnarrowed set and count whether the
@@ -168,6 +169,8 @@ class Group:
         if self._coordinate and self._header[HDR_REPLICAS] > 1:
             return self._acquire_coordinated(tokens, key, meta, out_tokens)
         cands = self.targets
+        fits: list[int] | None
+        ties: list[int] | None = None
         arr = self._cands
         tab = self._tab
         kv = self.kv_fit
@@ -183,7 +186,6 @@ class Group:
                 arr = np.asarray(fits, dtype=np.int64)
         else:
             fits = None
-        ties = None
         if self.demand != "off":
             ties = _policy.demand_ties(tab, arr, tokens, self.request_weight)
             if self.demand == "on":
@@ -194,7 +196,7 @@ class Group:
         if kv == "shadow" and fits is not None:
             self._ca_kv[0 if t in fits else 1] += 1
         if self.demand == "shadow":
-            self._ca_demand[0 if t in ties else 1] += 1
+            self._ca_demand[0 if ties is not None and t in ties else 1] += 1
         return self._picker.book_target(t, tokens)
 
     def pick(self, tokens: int = 0, key: bytes | None = None, out_tokens: int = 0) -> int:

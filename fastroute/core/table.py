@@ -65,15 +65,15 @@ def _attach_untracked(name: str) -> shared_memory.SharedMemory:
     attaching process would unlink the table when it exits — and unregistering afterwards is
     wrong for processes started by multiprocessing, which share the creator's tracker."""
     try:
-        return shared_memory.SharedMemory(name=name, create=False, track=False)  # 3.13+
+        return shared_memory.SharedMemory(name=name, create=False, track=False)  # type: ignore[call-arg]  # 3.13+
     except TypeError:
         pass
     register = resource_tracker.register
-    resource_tracker.register = lambda *args, **kwargs: None  # type: ignore[assignment]
+    resource_tracker.register = lambda *args, **kwargs: None
     try:
         return shared_memory.SharedMemory(name=name, create=False)
     finally:
-        resource_tracker.register = register  # type: ignore[assignment]
+        resource_tracker.register = register
 
 
 class TargetTable:
@@ -198,10 +198,10 @@ class TargetTable:
     def close(self) -> None:
         """Drop this process's mapping.  Compiled pickers may still hold views; then the mapping
         stays until they are gone (the segment itself is removed by unlink())."""
-        self.array = None  # type: ignore[assignment]
-        self.header = None  # type: ignore[assignment]
+        self.array = None
+        self.header = None
         self.cells = None  # type: ignore[assignment]
-        self._hcells = None
+        self._hcells = None  # type: ignore[assignment]  # closed: no reader is left
         try:
             self._shm.close()
         except BufferError:

@@ -44,7 +44,7 @@ from fastroute.tls import client_context
 
 if TYPE_CHECKING:
     from fastroute.config import Config
-    from fastroute.control.monitor import Reconciler
+    from fastroute.control.leases import Reconciler
     from fastroute.core.breaker import Breakers
 
 log = logging.getLogger("fastroute.proxy")
@@ -342,7 +342,9 @@ class App(Front):
     def route(self, t: int) -> Route:
         """The route of target ``t`` when the targets listener has not built it (a registry
         without listeners, e.g. in tests); built once, then found in ``routes``."""
-        route = self.routes[t] = self._build_route(*self.registry.target_info[t])
+        info = self.registry.target_info[t]
+        assert info is not None, f"target {t} is not registered"
+        route = self.routes[t] = self._build_route(*info)
         return route
 
     def _build_route(self, worker: Any, rank: int | None) -> Route:

@@ -370,7 +370,8 @@ _PARSERS = {GENERATE: _parse_generate, COMPLETIONS: _parse_completions, CHAT: _p
 # json.loads' three Python-level frames and two whitespace regex matches. Anything else
 # (leading or trailing whitespace, extra data, a syntax error) goes through json.loads, which
 # gives the same object, or the same error message, as before.
-_scan_object = json.scanner.make_scanner(json.JSONDecoder())
+# (typeshed types make_scanner's argument as the scanner class itself; it takes a decoder.)
+_scan_object = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
 
 
 def _loads(text: str) -> object:

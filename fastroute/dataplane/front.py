@@ -19,10 +19,12 @@ starts is handed in (``exchange_cls``).
 
 from __future__ import annotations
 
+import asyncio
+import random
 from bisect import bisect_left
 from http import HTTPStatus
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from fastroute import errors as _errors
 from fastroute.auth import authorized
@@ -30,6 +32,15 @@ from fastroute.dataplane import body as _body
 from fastroute.dataplane.routes import ENDPOINT_LABEL, INFERENCE, ROUTES, pd_unsupported
 from fastroute.errors import RouterError
 from fastroute.names import label_value
+
+if TYPE_CHECKING:
+    from fastroute.config import Config
+    from fastroute.control.metrics import Stats
+    from fastroute.control.models import ModelGroups
+    from fastroute.control.registry import Registry
+    from fastroute.core.breaker import Breakers
+    from fastroute.dataplane.admission import Admission
+    from fastroute.dataplane.cors import Cors
 
 # Bounded label values for metrics (unknown paths/methods collapse to one value).
 _PATH_LABEL = {p: p.decode() for p in (
@@ -71,6 +82,38 @@ class Front:
                  "model_role", "exchange_cls", "max_attempts", "header_flags", "rid_headers",
                  "key_headers", "max_payload", "timeout", "header_timeout", "idle_timeout",
                  "sse_keepalive", "accepting", "pd", "igw", "guarded", "handshaking")
+    # The fields' types (front.pxd gives the compiled build's C types). The protocol, routes and
+    # exchanges import this module, so their objects are Any here: naming them would be a cycle.
+    loop: asyncio.AbstractEventLoop
+    _stats: Stats | None
+    registry: Registry
+    admission: Admission
+    routes: dict[int, Any]
+    exchanges: set[Any]
+    connections: set[Any]
+    breakers: Breakers | None
+    cors: Cors
+    api_key: bytes | None
+    config: Config
+    room_rng: random.Random
+    _model_keys: dict[Any, dict[bytes, tuple[Any, ...]]]
+    backend: str
+    model_role: str
+    exchange_cls: Callable[..., Any]
+    max_attempts: int
+    header_flags: dict[bytes, int]
+    rid_headers: tuple[bytes, ...]
+    key_headers: tuple[bytes, ...]
+    max_payload: int
+    timeout: float
+    header_timeout: float
+    idle_timeout: float
+    sse_keepalive: float
+    accepting: bool
+    pd: bool
+    igw: bool
+    guarded: bool
+    handshaking: dict[Any, float]
 
     def handle(self, proto: Any, req: Any) -> None:
         """Answer one parsed request; ends with proto.response_done() (maybe later)."""
@@ -98,6 +141,9 @@ class Front:
     def handle_other(self, proto: Any, req: Any, path: bytes, query: bytes) -> None:
         raise NotImplementedError  # App's: everything but a POST to an inference path
 
+    def refuse_at_head(self, method: bytes, url: bytes, auth: bytes | None) -> RouterError | None:
+        raise NotImplementedError  # App's: the admin auth rule, applied to a call's head
+
     def proxy(self, proto: Any, req: Any, path: bytes) -> None:
         """An inference request: refuse it, or parse its body and start (or queue) its exchange."""
         st = self._stats
@@ -121,7 +167,8 @@ class Front:
         if spec.tokens is not None:  # routes body.py has no batch rules for
             meta.input_tokens = spec.tokens(meta.obj)
         if self.igw:  # --enable-igw: the request's model must be one the router serves
-            refusal = self.registry.group(self.model_role).refusal(meta.model)
+            groups: ModelGroups = self.registry.group(self.model_role)  # type: ignore[assignment]  # --enable-igw groups by model
+            refusal = groups.refusal(meta.model)
             if refusal is not None:
                 proto.send_error(refusal, req)
                 return
@@ -165,7 +212,8 @@ class Front:
         return row
 
     def _count_routed(self, path: bytes, meta: Any) -> None:
-        d = self._stats.router_requests
+        st: Stats = self._stats  # type: ignore[assignment]  # called only while metrics run
+        d = st.router_requests
         key = self.model_keys(meta.model)[path][1 if meta.stream else 0]
         d[key] = d.get(key, 0) + 1
 
@@ -179,7 +227,8 @@ class Front:
         """``Stats.observe`` (the histogram ``d[key]``, made on first use) the same way."""
         h = d.get(key)
         if h is None:
-            self._stats.observe(d, key, v)
+            st: Stats = self._stats  # type: ignore[assignment]  # called only while metrics run
+            st.observe(d, key, v)
         else:
             self.observe(h, v)
 
@@ -192,8 +241,9 @@ class Front:
     def count_response(self, status: int, code: str, path: bytes | None = None,
                        model: str | None = None, label: str | None = None) -> None:
         """smg_http_responses (by status, error code and path: ``label``, else ``path``'s), and
-        smg_router_request_errors for failed inference requests."""
-        st = self._stats
+        smg_router_request_errors for failed inference requests (called only while metrics
+        run)."""
+        st: Stats = self._stats  # type: ignore[assignment]  # see the docstring
         d = st.http_responses
         key = (_STATUS_LABEL.get(status) or str(status), code,
                label if label is not None else path_label(path))

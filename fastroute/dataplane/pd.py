@@ -131,7 +131,7 @@ class _PDLeg(Leg):
 # connection, no status, nothing buffered. One shared instance (a _PDLeg, so that the
 # compiled build can type the exchange's legs), so nothing may ever write to it
 # (tests/unit/test_no_cycles.py checks it stays as made).
-_NO_LEG = _PDLeg(None, "prefill")
+_NO_LEG = _PDLeg(None, "prefill")  # type: ignore[arg-type]  # inert: it has no exchange
 
 
 class PDRelay(_Exchange):

@@ -33,7 +33,7 @@ import os
 import random
 import weakref
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httptools
 
@@ -42,6 +42,9 @@ from fastroute.dataplane.flow import FlowControl
 from fastroute.dataplane.routes import INFERENCE, RID_PREFIX  # noqa: F401 (INFERENCE re-exported)
 from fastroute.dataplane.upstream import _nodelay
 from fastroute.errors import RouterError
+
+if TYPE_CHECKING:
+    from fastroute.dataplane.front import Front
 
 log = logging.getLogger("fastroute.proxy")
 
@@ -206,7 +209,7 @@ class ClientProtocol:
 
     # ``app`` is the App (app.py) and ``exchange`` an exchange (exchange.py); both typed Any so
     # that imports only go one way: app and exchange import this module, never the reverse.
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Front) -> None:
         self.app = app
         self.loop = app.loop
         self.transport: asyncio.Transport | None = None
@@ -266,7 +269,7 @@ class ClientProtocol:
         # The parser holds this protocol (its callbacks) and this protocol the parser: drop
         # the parser and the request being read, so both (and any body bytes they hold)
         # are freed now rather than by a later GC pass.
-        self.parser = None
+        self.parser = None  # type: ignore[assignment]  # closed: no callback reads it again
         self._req = None
         self._chunks = []
         self._body_check = None
@@ -378,7 +381,7 @@ class ClientProtocol:
         if f & _F_FWD:
             self._fwd.append(name + b": " + value + b"\r\n")
         if f & _F_AUTH:
-            req.auth = value  # type: ignore[union-attr]
+            req.auth = value
         if f & _F_RID:
             if self._rid_vals is None:
                 self._rid_vals = {}
@@ -395,9 +398,9 @@ class ClientProtocol:
         if f & _F_EXPECT and value.lower() == b"100-continue":
             self._expect = True
         if f & _F_ORIGIN:
-            req.origin = value  # type: ignore[union-attr]
+            req.origin = value
         if f & _F_ACRH:
-            req.acrh = value  # type: ignore[union-attr]
+            req.acrh = value
 
     def on_headers_complete(self) -> None:
         req = self._req
@@ -407,37 +410,37 @@ class ClientProtocol:
         # The body is read under the head's deadline, now its first inactivity check:
         # on_header_timeout extends it while body bytes keep arriving (no clock read here).
         app = self.app
-        req.method = self.parser.get_method()  # type: ignore[union-attr]
+        req.method = self.parser.get_method()
         url = self._url
         if url[:1] != b"/" and (url[:7].lower() == b"http://" or url[:8].lower() == b"https://"):
             # Absolute form (RFC 9112 3.2.2, what proxies send): routed by its path.
             self._url = url = _origin_form(url)
         if self._cl > app.max_payload:
-            req.too_large = True  # type: ignore[union-attr]
-            req.body_len = self._cl  # type: ignore[union-attr]
+            req.too_large = True
+            req.body_len = self._cl
             if not self.busy and not self.queue:
                 # Answer now instead of reading (or waiting for, under Expect:
                 # 100-continue) a body we will refuse; then close, since the
                 # unread body makes the stream unusable.
                 self._req = None
                 self.bad_request = True  # ignore whatever else arrives
-                req.keep_alive = False  # type: ignore[union-attr]
+                req.keep_alive = False
                 self.busy = True
-                self.head_only = req.method == b"HEAD"  # type: ignore[union-attr]  (reply clears it)
-                self.send_error(_errors.payload_too_large(self._cl, app.max_payload), req)  # type: ignore[arg-type]
+                self.head_only = req.method == b"HEAD"  # (reply clears it)
+                self.send_error(_errors.payload_too_large(self._cl, app.max_payload), req)
         elif (app.guarded and self._cl != 0 and self._url not in INFERENCE and not self.busy
-              and not self.queue and req.method not in _NO_BODY_METHODS):  # type: ignore[union-attr]
+              and not self.queue and req.method not in _NO_BODY_METHODS):
             # An admin call with a body: who may call it is decided before the body is read
             # (the App's one AdminAuth); a refusal is answered now and the connection closed,
             # since the unread body makes the stream unusable.
-            exc = app.refuse_at_head(req.method, self._url, req.auth)  # type: ignore[union-attr]
+            exc = app.refuse_at_head(req.method, self._url, req.auth)
             if exc is not None:
                 self._req = None
                 self.bad_request = True
-                req.keep_alive = False  # type: ignore[union-attr]
-                req.url = self._url  # type: ignore[union-attr]
+                req.keep_alive = False
+                req.url = self._url
                 self.busy = True
-                self.send_error(exc, req)  # type: ignore[arg-type]
+                self.send_error(exc, req)
             elif self._expect:
                 self.transport.write(_CONTINUE)  # type: ignore[union-attr]
         elif self._expect and not self.busy and not self.queue:
@@ -448,12 +451,12 @@ class ClientProtocol:
         req = self._req
         if req is None:
             return
-        n = req.body_len + len(body)  # type: ignore[union-attr]
-        req.body_len = n  # type: ignore[union-attr]  (also the body deadline's progress)
+        n = req.body_len + len(body)
+        req.body_len = n  # (also the body deadline's progress)
         if req.too_large:
             return
         if n > self.app.max_payload:
-            req.too_large = True  # type: ignore[union-attr]
+            req.too_large = True
             self._chunks = []
             return
         self._chunks.append(body)
@@ -465,38 +468,38 @@ class ClientProtocol:
             return
         self._req = None
         p = self.parser
-        req.url = self._url  # type: ignore[union-attr]
-        req.keep_alive = p.should_keep_alive()  # type: ignore[union-attr]
-        req.http11 = p.get_http_version() == "1.1"  # type: ignore[union-attr]
+        req.url = self._url
+        req.keep_alive = p.should_keep_alive()
+        req.http11 = p.get_http_version() == "1.1"
         chunks = self._chunks
         if chunks:
             # The request owns its body from here; the chunk list must not keep a second
             # copy of it alive until the next request on this connection.
             self._chunks = []
-            req.body = chunks[0] if len(chunks) == 1 else b"".join(chunks)  # type: ignore[union-attr]
+            req.body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         app = self.app
         if self._fwd:
-            req.fwd = b"".join(self._fwd)  # type: ignore[union-attr]
+            req.fwd = b"".join(self._fwd)
         rv = self._rid_vals
         if rv:
             for h in app.rid_headers:
                 v = rv.get(h)
                 if v is not None:
-                    req.rid = v  # type: ignore[union-attr]
+                    req.rid = v
                     break
         kv = self._key_vals
         if kv:
             for h in app.key_headers:
                 v = kv.get(h)
                 if v is not None:
-                    req.key = v  # type: ignore[union-attr]
+                    req.key = v
                     break
         if self.busy or self.queue:
-            self.queue.append(req)  # type: ignore[arg-type]
+            self.queue.append(req)
             if len(self.queue) >= _PIPELINE_LIMIT:
                 self.flow.pause_reading()
         else:
-            self._start(req)  # type: ignore[arg-type]
+            self._start(req)
 
     # -- request sequencing ---------------------------------------------------
     def _start(self, req: Request) -> None:

@@ -142,17 +142,17 @@ class UpstreamConnection:
         self.pooled = False    # in the pool's idle list
 
     # -- asyncio.Protocol -------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
         _nodelay(transport)
         if self.closed:  # aborted while connecting
             transport.abort()
             return
         if self.paused:
-            transport.pause_reading()  # type: ignore[attr-defined]
+            transport.pause_reading()
         req = self.request
         if req is not None:
-            transport.write(req)  # type: ignore[attr-defined]
+            transport.write(req)
 
     def data_received(self, data: bytes) -> None:
         if self.leg is None:
@@ -360,9 +360,13 @@ class Pool:
     async def _connect(self, conn: UpstreamConnection) -> None:
         try:
             if self.ssl is None:
-                await self.loop.create_connection(lambda: conn, self.host, self.port)
+                # (conn is an asyncio protocol by its methods; the compiled class cannot
+                # derive from asyncio.BaseProtocol, which the stubs ask for.)
+                await self.loop.create_connection(lambda: conn, self.host,  # type: ignore[type-var]
+                                                  self.port)
             else:
-                await self.loop.create_connection(lambda: conn, self.host, self.port, ssl=self.ssl,
+                await self.loop.create_connection(lambda: conn, self.host,  # type: ignore[type-var]
+                                                  self.port, ssl=self.ssl,
                                                   server_hostname=self.host)
         except asyncio.CancelledError:
             return

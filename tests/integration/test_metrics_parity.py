@@ -92,6 +92,6 @@ def test_scrape_after_json_sse_and_pd_traffic_matches_the_table() -> None:
     run(body())
 
 
-def test_readme_table_is_rendered_from_the_code() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert peer_table_markdown() in readme
+def test_docs_table_is_rendered_from_the_code() -> None:
+    page = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    assert peer_table_markdown() in page

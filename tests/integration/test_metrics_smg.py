@@ -1,7 +1,7 @@
 """Issue 25 item 6 over real sockets: smg's engine gauges from the load polls (per dp_rank, the
 physical worker's URL), smg_worker_requests_total, the path label of smg_http_responses_total,
 /v1/models and /workers in smg_http_requests_total, and the other families the parity table says
-fastroute exports; README's table is generated from fastroute.control.parity."""
+fastroute exports; docs/metrics.md's table is generated from fastroute.control.parity."""
 from __future__ import annotations
 
 import json
@@ -136,11 +136,11 @@ def test_manual_key_table_size() -> None:
     run(body())
 
 
-def test_readme_parity_table_is_the_generators_output() -> None:
+def test_docs_parity_table_is_the_generators_output() -> None:
     out = subprocess.run([sys.executable, "-m", "fastroute.control.parity"], cwd=REPO,
                          capture_output=True, text=True, timeout=60, check=True).stdout
     assert out == parity.markdown()
-    assert out in (REPO / "README.md").read_text(), \
+    assert out in (REPO / "docs" / "metrics.md").read_text(), \
         "regenerate with: python -m fastroute.control.parity"
     names = [f.name for f in parity.FAMILIES]
     assert len(names) == len(set(names))

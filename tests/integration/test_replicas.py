@@ -78,7 +78,7 @@ class ProcessReplica:
 async def send_held(port: int, n: int, spacing: float = 0.0) -> list[RawClient]:
     """n requests to one replica; ``spacing`` > 0 waits between them (longer than two sync
     ticks: a replica that places several requests at once plans them as a burst shared with the
-    other replicas, see README "Bursts", so one-at-a-time turns need the gap)."""
+    other replicas, see docs/operations.md "Bursts", so one-at-a-time turns need the gap)."""
     out = []
     for i in range(n):
         if i and spacing:
