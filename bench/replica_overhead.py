@@ -7,8 +7,8 @@ synced replicas (idle, so the measured router reads two peers' entries every tic
 routers are measured in alternating rounds, order rotated, and the table reports medians and
 the on/off ratio per connection count, the router's CPU per request (its process group's
 utime + stime over each wrk run, divided by the requests wrk counted) and the Redis round trips a
-synced replica makes per second (``INFO commandstats`` over the run, divided by the three synced
-replicas).
+synced replica makes per second (script and transaction calls in ``INFO commandstats`` over the
+run, divided by the three synced replicas).
 
 Usage: ``python bench/replica_overhead.py [--duration S] [--rounds N] [--interval-ms MS]``.
 """
@@ -61,15 +61,16 @@ def group_cpu_seconds(pid: int) -> float:
     return total / tick
 
 
-def redis_calls(port: int) -> int:
-    """Commands Redis has run (``INFO commandstats``), less what this probe itself sends."""
+def redis_round_trips(port: int) -> int:
+    """Script and transaction calls Redis has served (``INFO commandstats``: EVALSHA, EVAL,
+    EXEC): one round trip each. A tick is one script call; the commands a script runs inside
+    Redis are counted under their own names and are not round trips, so they are left out."""
     client = redis_sync.Redis(host="127.0.0.1", port=port, socket_timeout=2.0)
     try:
         stats = client.info("commandstats")
     finally:
         client.close()
-    return sum(int(v["calls"]) for k, v in stats.items()
-               if k not in ("cmdstat_info", "cmdstat_hello") and not k.startswith("cmdstat_client"))
+    return sum(int(stats.get(k, {}).get("calls", 0)) for k in ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_exec"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
                 for name in order if rnd % 2 == 0 else order[::-1]:
                     for c in s.connections:
                         pid = procs.procs[name].pid
-                        cpu0, calls0, t0 = group_cpu_seconds(pid), redis_calls(redis.port), time.monotonic()
+                        cpu0, calls0, t0 = group_cpu_seconds(pid), redis_round_trips(redis.port), time.monotonic()
                         res = ov.run_wrk(s, ports[name], lua, c, s.duration)
-                        cpu1, calls1, t1 = group_cpu_seconds(pid), redis_calls(redis.port), time.monotonic()
+                        cpu1, calls1, t1 = group_cpu_seconds(pid), redis_round_trips(redis.port), time.monotonic()
                         served = max(1.0, res["rps"] * s.duration)
                         rps.setdefault((name, c), []).append(res["rps"])
                         cpu_us.setdefault((name, c), []).append((cpu1 - cpu0) * 1e6 / served)
