@@ -398,32 +398,29 @@ class Monitor:
                 self.record_rank_health(w, rank, ok)
         return ok
 
-    def record_health(self, w: Worker, ok: bool) -> None:
-        """Apply one probe outcome to the consecutive counters and flip health at the thresholds."""
+    def _threshold(self, healthy: bool, successes: int, failures: int, ok: bool
+                   ) -> tuple[int, int, bool]:
+        """One probe outcome applied to consecutive counters: (successes, failures, whether
+        health flips at the configured thresholds)."""
         cfg = self.config
         if ok:
-            w.health_failures = 0
-            w.health_successes += 1
-            if not w.healthy and w.health_successes >= max(int(cfg.health_success_threshold), 1):
-                self._set_health(w, True)
-        else:
-            w.health_successes = 0
-            w.health_failures += 1
-            if w.healthy and w.health_failures >= max(int(cfg.health_failure_threshold), 1):
-                self._set_health(w, False)
+            successes += 1
+            return successes, 0, not healthy and successes >= max(int(cfg.health_success_threshold), 1)
+        failures += 1
+        return 0, failures, healthy and failures >= max(int(cfg.health_failure_threshold), 1)
+
+    def record_health(self, w: Worker, ok: bool) -> None:
+        """Apply one probe outcome to the consecutive counters and flip health at the thresholds."""
+        w.health_successes, w.health_failures, flip = self._threshold(
+            w.healthy, w.health_successes, w.health_failures, ok)
+        if flip:
+            self._set_health(w, ok)
 
     def record_rank_health(self, w: Worker, i: int, ok: bool) -> None:
         """One probe outcome of rank port ``i`` of a per-rank-port server: the thresholds
         flip that rank's target alone; the worker is healthy while any rank is."""
-        cfg = self.config
-        if ok:
-            w.rank_failures[i] = 0
-            w.rank_successes[i] += 1
-            flip = not w.rank_healthy[i] and w.rank_successes[i] >= max(int(cfg.health_success_threshold), 1)
-        else:
-            w.rank_successes[i] = 0
-            w.rank_failures[i] += 1
-            flip = w.rank_healthy[i] and w.rank_failures[i] >= max(int(cfg.health_failure_threshold), 1)
+        w.rank_successes[i], w.rank_failures[i], flip = self._threshold(
+            w.rank_healthy[i], w.rank_successes[i], w.rank_failures[i], ok)
         if not flip:
             return
         w.rank_healthy[i] = ok

@@ -116,4 +116,25 @@ def refusal(config: Any, processes: int) -> str | None:
                     "connects to workers in plain HTTP, TLS to workers is not built for the EPP")
     if config.enable_igw:
         return "argument --enable-igw: not supported by fastroute epp (model-keyed groups)"
+    # Retries and circuit breakers act on upstream outcomes, which a picker never sees (Envoy
+    # relays the bytes): tuning them here would be accepted and do nothing.
+    defaults = type(config)()
+    for field, flag in _UPSTREAM_OUTCOME_FLAGS:
+        if getattr(config, field) != getattr(defaults, field):
+            return (f"argument {flag}: not supported by fastroute epp (the picker sees no upstream "
+                    "response, so it cannot retry or open a circuit; configure Envoy's retry "
+                    "and outlier detection instead)")
     return None
+
+
+# Config fields that only act on upstream outcomes, and the flag that sets each.
+_UPSTREAM_OUTCOME_FLAGS = (
+    ("retry_max_retries", "--retry-max-retries"),
+    ("retry_initial_backoff_ms", "--retry-initial-backoff-ms"),
+    ("retry_max_backoff_ms", "--retry-max-backoff-ms"),
+    ("retry_backoff_multiplier", "--retry-backoff-multiplier"),
+    ("retry_jitter_factor", "--retry-jitter-factor"),
+    ("cb_failure_threshold", "--cb-failure-threshold"),
+    ("cb_success_threshold", "--cb-success-threshold"),
+    ("cb_timeout_duration_secs", "--cb-timeout-duration-secs"),
+)

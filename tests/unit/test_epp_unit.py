@@ -57,6 +57,8 @@ def test_split_refuses_naming_the_flag(argv: list[str], flag: str) -> None:
      "--pd-disaggregation"),
     ({"replica_sync": "redis://127.0.0.1:6379"}, "--replica-sync"),
     ({"worker_urls": ["https://w:1"]}, "--worker-urls"),
+    ({"retry_max_retries": 2}, "--retry-max-retries"),
+    ({"cb_failure_threshold": 3}, "--cb-failure-threshold"),
 ])
 def test_refusal_names_what_the_picker_does_not_do(kw: dict, flag: str) -> None:
     why = refusal(Config(**kw), 1)
