@@ -11,6 +11,7 @@ each. Turning the namespace into a validated `Config` is `fastroute.config`'s jo
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from typing import Any, Sequence
 
@@ -588,7 +589,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 
 def _epp(args: list[str]) -> int:
     """``fastroute epp``: the router's flags plus the picker's (fastroute.epp.options)."""
-    from fastroute.epp.options import EppError, refusal, split
+    from fastroute.epp.options import EppError, inert_flags, refusal, split
 
     json_errors = _wants_json(args)
     try:
@@ -609,14 +610,12 @@ def _epp(args: list[str]) -> int:
     if why is not None:
         startup_error(why, json_errors)
         return 2
+    for line in inert_flags(config, rest):
+        logging.getLogger("fastroute.epp").warning("%s", line)
     if opts.print_config:
-        from fastroute.epp.bootstrap import envoy_bootstrap
+        from fastroute.epp.bootstrap import bootstrap_for
 
-        queued = config.max_concurrent_requests > 0 or bool(config.rate_limit_tokens_per_second)
-        sys.stdout.write(envoy_bootstrap(
-            opts.grpc_port, opts.listen_port, opts.admin_port,
-            message_timeout=config.queue_timeout_secs + 5.0 if queued else 10.0,
-            idle_timeout=float(config.request_timeout_secs)))
+        sys.stdout.write(bootstrap_for(config, opts.grpc_port, opts.listen_port, opts.admin_port))
         return 0
     try:
         from fastroute.epp.server import serve as serve_epp

@@ -9,16 +9,18 @@ and the refusals of what the endpoint picker does not do (yet).
   ``--envoy-listen-port L`` (required then) and ``--envoy-admin-port A`` (optional).
 
 Refused with one line naming the flag (never silently ignored): the gateway features of the
-design that are not built here (PD picks and the decode-pod sidecar, InferencePool discovery,
-Envoy failure-mode options), and router features that mean nothing, or something unsafe, for a
-picker that relays no bytes.
+design that are not built here (PD picks and the decode-pod sidecar, InferencePool discovery, Envoy failure-mode
+options), and router features that mean nothing, or something unsafe, for a picker that relays
+no bytes (:func:`refusal`). Router flags that do nothing here and cannot change who gets in,
+where requests go or readiness are accepted with one warning each (:func:`inert_flags`).
+:data:`AUDIT` says, for every router flag, which of these it is.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["EppOptions", "EppError", "split", "refusal"]
+__all__ = ["EppOptions", "EppError", "split", "refusal", "inert_flags", "flags_named"]
 
 # Flags of the gateway design that this picker does not implement: refused by name.
 NOT_BUILT = {
@@ -116,6 +118,18 @@ def refusal(config: Any, processes: int) -> str | None:
                     "connects to workers in plain HTTP, TLS to workers is not built for the EPP")
     if config.enable_igw:
         return "argument --enable-igw: not supported by fastroute epp (model-keyed groups)"
+    # The client side belongs to Envoy: the picker cannot serve HTTPS or answer CORS, and
+    # accepting them would leave clients on plain HTTP or browsers' origins unchecked.
+    for field, flag in (("tls_cert_path", "--tls-cert-path"), ("tls_key_path", "--tls-key-path")):
+        if getattr(config, field) is not None:
+            return (f"argument {flag}: not supported by fastroute epp (TLS to clients is the "
+                    "gateway's: configure it on the Envoy listener)")
+    if config.tls_min_version != type(config)().tls_min_version:
+        return ("argument --tls-min-version: not supported by fastroute epp (TLS to clients is "
+                "the gateway's: configure it on the Envoy listener)")
+    if config.cors_allowed_origins:
+        return ("argument --cors-allowed-origins: not supported by fastroute epp (the picker "
+                "never sees the responses; configure Envoy's CORS filter instead)")
     # Retries and circuit breakers act on upstream outcomes, which a picker never sees (Envoy
     # relays the bytes): tuning them here would be accepted and do nothing.
     defaults = type(config)()
@@ -138,3 +152,108 @@ _UPSTREAM_OUTCOME_FLAGS = (
     ("cb_success_threshold", "--cb-success-threshold"),
     ("cb_timeout_duration_secs", "--cb-timeout-duration-secs"),
 )
+
+
+# Router flags accepted under fastroute epp that act on nothing the picker does and cannot change
+# who gets in, where requests go or readiness: one warning each when given. (field, flag, why);
+# field None: judged by the flag's presence on the command line alone.
+_INERT = (
+    ("port", "--port", "the picker listens on --grpc-port; clients call Envoy's listener "
+     "(--envoy-listen-port)"),
+    ("control_plane_api_keys", "--control-plane-api-keys", "the picker serves no "
+     "worker-management routes (also $CONTROL_PLANE_API_KEYS)"),
+    ("control_plane_audit_enabled", "--control-plane-audit-enabled", "the picker serves no "
+     "worker-management routes"),
+    ("ca_cert_paths", "--ca-cert-paths", "only used for https:// workers, which fastroute epp "
+     "refuses"),
+    ("client_cert_path", "--client-cert-path", "only used for https:// workers, which "
+     "fastroute epp refuses"),
+    ("client_key_path", "--client-key-path", "only used for https:// workers, which fastroute "
+     "epp refuses"),
+    ("prometheus_duration_buckets", "--prometheus-duration-buckets", "the picker measures no "
+     "request durations (Envoy relays the requests)"),
+    ("request_id_headers", "--request-id-headers", "the picker does not rewrite x-request-id; "
+     "Envoy forwards the client's headers and makes its own x-request-id"),
+    ("sse_keepalive_secs", "--sse-keepalive-secs", "the picker relays no stream, so it sends no "
+     "keep-alive comments"),
+    ("bootstrap_port_annotation", "--bootstrap-port-annotation", "only used for PD prefill "
+     "pods, and fastroute epp refuses PD mode"),
+    (None, "--prefill-policy", "only used in PD mode, which fastroute epp refuses"),
+    (None, "--decode-policy", "only used in PD mode, which fastroute epp refuses"),
+    ("pd_max_batch_size", "--pd-max-batch-size", "only used in PD mode, which fastroute epp "
+     "refuses"),
+)
+
+
+def flags_named(argv: Sequence[str]) -> set[str]:
+    """The flags given on a router command line, by their canonical name (no --router-)."""
+    out = set()
+    for token in argv:
+        if token == "--":
+            break
+        if token.startswith("--"):
+            name = token.partition("=")[0]
+            if name.startswith("--router-"):
+                name = "--" + name[len("--router-"):]
+            out.add(name)
+    return out
+
+
+def inert_flags(config: Any, argv: Sequence[str]) -> list[str]:
+    """One warning line per router flag given that does nothing under fastroute epp (given: on
+    the command line, or a value other than the default, e.g. from the environment)."""
+    defaults = type(config)()
+    named = flags_named(argv)
+    out = []
+    for field, flag, why in _INERT:
+        given = flag in named or (field is not None
+                                  and getattr(config, field) != getattr(defaults, field))
+        if given and flag == "--bootstrap-port-annotation" and config.discovery is None:
+            given = False       # the router's own warning says it (discovery sub-flag)
+        if given:
+            out.append(f"{flag} is accepted and ignored by fastroute epp ({why})")
+    return out
+
+
+# Every router flag under fastroute epp, and what it does there (docs/epp.md has the table; a
+# test holds it to the parser): "picker" works as in the proxy, in the picker; "envoy" works
+# through the printed bootstrap (pass it to --print-envoy-config too); "inert" is accepted with
+# one warning (it cannot change who gets in, where requests go or readiness; the PD selectors
+# are refused, as in the proxy, beside --service-discovery); "refused" stops the start naming
+# it (the flags of retries and circuits only when not at their default).
+WORKS, ENVOY, INERT, REFUSED = "picker", "envoy", "inert", "refused"
+AUDIT: dict[str, str] = {
+    **{f: WORKS for f in (
+        "--host", "--worker-urls", "--api-key", "--dp-aware", "--worker-startup-timeout-secs",
+        "--worker-startup-check-interval", "--shutdown-grace-period-secs",
+        "--allow-link-local-workers", "--health-check-port", "--policy", "--p2c-load-metric",
+        "--load-monitor-interval", "--disable-load-monitoring", "--routing-key-headers",
+        "--assignment-mode", "--max-idle-secs", "--max-manual-keys", "--cache-threshold",
+        "--balance-abs-threshold", "--balance-rel-threshold", "--eviction-interval-secs",
+        "--max-tree-size", "--disable-retries", "--disable-circuit-breaker",
+        "--health-failure-threshold", "--health-success-threshold",
+        "--health-check-timeout-secs", "--health-check-interval-secs", "--health-check-endpoint",
+        "--disable-health-check", "--max-concurrent-requests", "--queue-size",
+        "--rate-limit-tokens-per-second", "--prometheus-host", "--prometheus-port",
+        "--log-level", "--log-json", "--log-dir", "--decode-input-demand",
+        "--decode-request-weight", "--dp-rank-field", "--seed", "--workers", "--decode-kv-fit",
+        "--cache-aware-rank-slack", "--decode-kv-reserve-tokens", "--service-discovery",
+        "--selector", "--service-discovery-port", "--service-discovery-namespace",
+        "--discovery-provider", "--discovery-file", "--discovery-check-interval-secs")},
+    **{f: ENVOY for f in (
+        "--request-timeout-secs", "--max-payload-size", "--queue-timeout-secs",
+        "--header-read-timeout-secs", "--idle-connection-timeout-secs",
+        "--upstream-pool-idle-timeout-secs", "--body-read-timeout-secs")},
+    **{f: INERT for f in (
+        *(flag for _, flag, _ in _INERT),
+        "--cb-window-duration-secs", "--replica-id", "--replica-sync-interval-ms",
+        "--replica-ttl-ms", "--prefill-selector", "--decode-selector")},
+    **{f: REFUSED for f in (
+        "--cors-allowed-origins", "--tls-cert-path", "--tls-key-path", "--tls-min-version",
+        "--enable-igw", "--model-alias", "--pd-disaggregation", "--prefill", "--decode",
+        "--prefill-input-demand",
+        "--retry-max-retries",
+        "--retry-initial-backoff-ms", "--retry-max-backoff-ms", "--retry-backoff-multiplier",
+        "--retry-jitter-factor", "--cb-failure-threshold", "--cb-success-threshold",
+        "--cb-timeout-duration-secs", "--replica-sync")},
+}

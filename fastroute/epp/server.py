@@ -5,7 +5,8 @@ App: table, router and its groups, registry, monitor, metrics, the reconciler), 
 :class:`~fastroute.dataplane.admission.Admission` for ``--max-concurrent-requests``, the
 :class:`~fastroute.epp.decide.Decider`, the ext_proc servicer and the standard gRPC health
 service (``grpc.health.v1.Health``: NOT_SERVING until the workers are ready and again once the
-drain starts, for the whole server ``""`` and for the ext_proc service name). In-flight counts
+drain starts, for the whole server ``""`` and for the ext_proc service name; the same answer on
+``--health-check-port``'s /readiness, as in the proxy). In-flight counts
 are the proxy's: ``fastroute_target_in_flight_requests`` (and the smg families) on
 ``--prometheus-port``, read from the one target table the leases book into.
 
@@ -30,7 +31,7 @@ from fastroute.dataplane.admission import Admission
 from fastroute.epp.decide import Decider
 from fastroute.epp.service import ExternalProcessor
 from fastroute.runtime.assemble import Assembly, assemble, stop_in_order
-from fastroute.runtime.startup import StartupError, own_listeners, stop_on_signals
+from fastroute.runtime.startup import StartupError, own_listeners, start_probe, stop_on_signals
 
 log = logging.getLogger("fastroute.epp")
 
@@ -53,6 +54,7 @@ class EppServer:
         self.health: Any = None
         self.grpc: Any = None
         self.discovery: Any = None
+        self.probe: Any = None          # --health-check-port: /health, /liveness, /readiness
         self._sweeper: asyncio.Task | None = None
         self._serving: bool | None = None
         self._stopping = False
@@ -93,7 +95,8 @@ class EppServer:
             if not bound:
                 raise StartupError(f"--grpc-port: cannot listen on {address} ({why})")
             await self.grpc.start()
-            own_listeners(parts.registry, cfg, self.grpc_port, parts.metrics, None)
+            self.probe = start_probe(cfg, self.ready)
+            own_listeners(parts.registry, cfg, self.grpc_port, parts.metrics, self.probe)
             self.discovery = await start_discovery(cfg, parts.registry, parts.stats)
         except BaseException:
             await self._close_half_started()
@@ -106,6 +109,9 @@ class EppServer:
         self._sweeper = loop.create_task(self._sweep())
 
     async def _close_half_started(self) -> None:
+        if self.probe is not None:
+            self.probe.stop()
+            self.probe = None
         if self.grpc is not None:
             await self.grpc.stop(0)
         if self.parts is not None and self.parts.metrics is not None:
@@ -158,6 +164,8 @@ class EppServer:
                 self._sweeper.cancel()
             if self.grpc is not None:
                 await self.grpc.stop(grace)
+            if self.probe is not None:
+                self.probe.stop()
             if self.decider is not None:
                 for b in list(self.decider.bookings):
                     b.close("shutdown")

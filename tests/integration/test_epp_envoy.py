@@ -15,7 +15,7 @@ import sys
 from collections import Counter
 from typing import Any
 
-from tests.integration.conftest import DataWorker, RawClient, call, post, run, workers
+from tests.integration.conftest import DataWorker, RawClient, call, get, post, run, workers
 from tests.integration.envoy_harness import Gateway, free_port, need_envoy
 
 HEADER = "x-gateway-destination-endpoint"
@@ -212,3 +212,35 @@ def test_envoy_killed_mid_stream_releases_every_lease() -> None:
                 c.close()
             w.stream_gate.set()
     run(body(), 90)
+
+
+def _chunked(path: str, body: bytes) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            f"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % len(body)).encode() + body + \
+        b"\r\n0\r\n\r\n"
+
+
+def test_the_proxy_connection_flags_act_at_envoy_and_the_probe_port_answers() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        probe = free_port()
+        async with Gateway([w.url], "--header-read-timeout-secs", "1", "--max-payload-size",
+                           "2000", "--upstream-pool-idle-timeout-secs", "0",
+                           "--health-check-port", str(probe)) as g:
+            r = await call(probe, get("/readiness"), timeout=5)
+            assert r.status == 200 and r.json == {"status": "ready"}
+            # a request head that never ends is cut by --header-read-timeout-secs
+            slow = await RawClient(g.port).connect()
+            slow.send(b"POST /generate HTTP/1.1\r\nHost: gw\r\n")
+            assert await slow.closed(timeout=8)
+            slow.close()
+            # a chunked body (no Content-Length) over --max-payload-size never reaches a worker
+            big = json.dumps({"text": "x" * 3000}).encode()
+            r = await call(g.port, _chunked("/generate", big), timeout=10)
+            assert r.status == 413
+            small = json.dumps({"text": "y" * 100}).encode()
+            r = await call(g.port, _chunked("/generate", small), timeout=10)
+            assert r.status == 200
+            assert [json.loads(x.body)["text"] for x in w.inference()] == ["y" * 100]
+            await g.until_in_flight(lambda f: sum(f.values()) == 0, 10, "released")
+    run(body(), 60)

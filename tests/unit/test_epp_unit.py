@@ -376,3 +376,109 @@ def test_a_pick_without_body_needs_overrides_the_mode_to_skip_the_body() -> None
         _run(body())
     finally:
         rig.close()
+
+
+# -- every router flag under fastroute epp: works, warned once, or refused ------------------
+from fastroute.cli import _IgnoredFlag, build_parser  # noqa: E402
+from fastroute.epp.options import AUDIT, INERT, REFUSED  # noqa: E402
+
+_PRINT = ["epp", "--grpc-port", "9002", "--print-envoy-config", "--envoy-listen-port", "8080"]
+
+# A value for each flag the picker warns about or refuses (several flags go together).
+_INERT_SAMPLES = {
+    "--port": ["--port", "31000"],
+    "--control-plane-api-keys": ["--control-plane-api-keys", "k1:ops:admin:s3cret-key-0001"],
+    "--control-plane-audit-enabled": ["--control-plane-audit-enabled"],
+    "--ca-cert-paths": ["--ca-cert-paths", "/etc/ssl/ca.pem"],
+    "--client-cert-path": ["--client-cert-path", "/c.pem", "--client-key-path", "/k.pem"],
+    "--client-key-path": ["--client-cert-path", "/c.pem", "--client-key-path", "/k.pem"],
+    "--prometheus-duration-buckets": ["--prometheus-duration-buckets", "0.1", "1"],
+    "--request-id-headers": ["--router-request-id-headers", "x-my-id"],
+    "--sse-keepalive-secs": ["--sse-keepalive-secs", "5"],
+    "--bootstrap-port-annotation": ["--bootstrap-port-annotation", "x/port"],
+    "--prefill-policy": ["--prefill-policy", "round_robin"],
+    "--decode-policy": ["--decode-policy", "round_robin"],
+    "--pd-max-batch-size": ["--pd-max-batch-size", "3"],
+    "--cb-window-duration-secs": ["--cb-window-duration-secs", "5"],
+    "--replica-id": ["--replica-id", "r1"],
+    "--replica-sync-interval-ms": ["--replica-sync-interval-ms", "20"],
+    "--replica-ttl-ms": ["--replica-ttl-ms", "5000"],
+    "--prefill-selector": ["--prefill-selector", "app=p"],
+    "--decode-selector": ["--decode-selector", "app=d"],
+}
+_REFUSED_SAMPLES = {
+    "--cors-allowed-origins": ["--cors-allowed-origins", "https://app.example"],
+    "--tls-cert-path": ["--tls-cert-path", "/c.pem", "--tls-key-path", "/k.pem"],
+    "--tls-key-path": ["--tls-key-path", "/k.pem", "--tls-cert-path", "/c.pem"],
+    "--tls-min-version": ["--tls-min-version", "1.3"],
+    "--enable-igw": ["--enable-igw"],
+    "--model-alias": ["--model-alias", "a=b"],
+    "--pd-disaggregation": ["--pd-disaggregation", "--prefill", "http://p:1", "--decode",
+                            "http://d:2"],
+    "--prefill": ["--prefill", "http://p:1"],
+    "--decode": ["--decode", "http://d:1"],
+    "--retry-max-retries": ["--retry-max-retries", "2"],
+    "--retry-initial-backoff-ms": ["--retry-initial-backoff-ms", "10"],
+    "--retry-max-backoff-ms": ["--retry-max-backoff-ms", "100"],
+    "--retry-backoff-multiplier": ["--retry-backoff-multiplier", "2"],
+    "--retry-jitter-factor": ["--retry-jitter-factor", "0.5"],
+    "--cb-failure-threshold": ["--cb-failure-threshold", "3"],
+    "--cb-success-threshold": ["--cb-success-threshold", "1"],
+    "--cb-timeout-duration-secs": ["--cb-timeout-duration-secs", "5"],
+    "--replica-sync": ["--replica-sync", "redis://127.0.0.1:6379"],
+    "--prefill-input-demand": ["--prefill-input-demand", "on"],
+}
+# The flag a refusal names when the router's own check speaks first.
+_NAMED = {"--tls-key-path": "--tls-cert-path"}
+
+
+def _status(argv: list[str]) -> int | None:
+    try:
+        return main(argv)
+    except SystemExit as exc:         # the router's own refusals exit through argparse
+        return exc.code  # type: ignore[return-value]
+
+
+def test_every_router_flag_has_its_place_under_epp() -> None:
+    parser = build_parser()
+    named = set()
+    for action in parser._actions:
+        if isinstance(action, _IgnoredFlag) or action.help == "==SUPPRESS==":
+            continue          # the peers' inventory: judged as in the proxy (fastroute.flags)
+        opts = [o for o in action.option_strings if o not in ("-h", "--help", "--version")]
+        if opts:
+            named.add("--p2c-load-metric" if "--p2c-load-metric" in opts else opts[0])
+    assert named == set(AUDIT)
+    assert {f for f, c in AUDIT.items() if c == INERT} == set(_INERT_SAMPLES)
+    assert {f for f, c in AUDIT.items() if c == REFUSED} == set(_REFUSED_SAMPLES)
+
+
+@pytest.mark.parametrize("flag", sorted(_INERT_SAMPLES))
+def test_an_inert_flag_is_warned_about_exactly_once(flag: str, capsys: Any) -> None:
+    assert main([*_PRINT, *_INERT_SAMPLES[flag]]) == 0
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if f" {flag} " in ln + " "]
+    assert len(lines) == 1, err
+    assert "WARNING" in lines[0] and "ignored" in lines[0]
+
+
+@pytest.mark.parametrize("flag", sorted(_REFUSED_SAMPLES))
+def test_a_flag_the_picker_cannot_honour_refuses_the_start(flag: str, capsys: Any) -> None:
+    assert _status([*_PRINT, *_REFUSED_SAMPLES[flag]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"argument {_NAMED.get(flag, flag)}" in err[0], err
+
+
+def test_connection_flags_go_into_the_printed_bootstrap(capsys: Any) -> None:
+    assert main([*_PRINT, "--header-read-timeout-secs", "2.5", "--body-read-timeout-secs", "40",
+                 "--idle-connection-timeout-secs", "7", "--upstream-pool-idle-timeout-secs", "1.5",
+                 "--max-payload-size", "4096"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("request_headers_timeout: 2.5s", "request_timeout: 50s",
+                   "idle_timeout: 7s", "idle_timeout: 1.5s",
+                   "per_connection_buffer_limit_bytes: 4096"):
+        assert needle in out
+    assert main([*_PRINT, "--upstream-pool-idle-timeout-secs", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "max_requests_per_connection: 1" in out
+    assert f"per_connection_buffer_limit_bytes: {32 * 1024 * 1024}" in out   # Envoy's default
