@@ -9,7 +9,8 @@ tokens, the DP rank spliced into it), and the response trailers. Trailers come o
 response has some (Envoy 1.40 synthesises none for an HTTP/1.1 worker), but asking for them keeps
 the ext_proc stream open until the response ends; Envoy closes the stream when the HTTP stream is
 done (complete, reset, client gone), which is where the picker releases the lease, with no
-message per streamed chunk. When a pick needs no body the picker answers the headers and
+message per streamed chunk. The filter forwards the request's ``envoy.lb.subset_hint`` metadata
+(the endpoints a gateway allows for this request) and accepts the picker's ``envoy.lb``. When a pick needs no body the picker answers the headers and
 overrides the mode so that Envoy skips the body (``allow_mode_override``). Streams are not
 timed out by Envoy (route timeout 0): the router's own ``--request-timeout-secs`` bounds a
 lease.
@@ -30,6 +31,10 @@ from fastroute.config import default
 
 HEADER = "x-gateway-destination-endpoint"
 METADATA_NAMESPACE = "envoy.lb"
+# Where a gateway puts the endpoints a request may go to (the endpoint picker protocol's subset
+# hint); the printed ext_proc filter forwards that namespace to the picker.
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 EPP_CLUSTER = "fastroute_epp"
 ENDPOINTS_CLUSTER = "fastroute_endpoints"
 # The largest request body Envoy buffers for the picker (larger ones get 413 from Envoy), unless
@@ -88,6 +93,8 @@ _TEMPLATE = """# Envoy bootstrap for fastroute's endpoint picker (fastroute epp 
                 response_body_mode: NONE
                 response_trailer_mode: SEND
               metadata_options:
+                forwarding_namespaces:
+                  untyped: ["{subset_namespace}"]
                 receiving_namespaces:
                   untyped: ["{namespace}"]
           - name: envoy.filters.http.router
@@ -143,7 +150,7 @@ def envoy_bootstrap(grpc_port: int, listen_port: int, admin_port: int | None = N
     return _TEMPLATE.format(admin=admin, listen_host=listen_host, listen=int(listen_port),
                             grpc=int(grpc_port), epp=EPP_CLUSTER, endpoints=ENDPOINTS_CLUSTER,
                             header=HEADER, namespace=METADATA_NAMESPACE,
-                            body_limit=int(body_limit), message_timeout=_secs(message_timeout),
+                            subset_namespace=SUBSET_NAMESPACE, body_limit=int(body_limit), message_timeout=_secs(message_timeout),
                             idle=_secs(idle_timeout), header_timeout=_secs(header_timeout),
                             request_timeout=_secs(body_timeout + message_timeout),
                             conn_idle=_secs(conn_idle_timeout), upstream_pool=pool)

@@ -13,13 +13,15 @@ cancelled or reset, the ext_proc stream dying, or the safety net (a booking olde
 :meth:`Decider.decide` turns the request (method, path, headers, buffered body) into a
 :class:`Pick` (the destination ``ip:port``, the body with the DP rank spliced in when the
 target is one rank of a single-port DP server, the Authorization the worker wants) or raises
-:class:`~fastroute.errors.RouterError` (400 bad body, 401 key, 413 size, 503 no endpoint;
+:class:`~fastroute.errors.RouterError` (400 bad body, 401 key, 413 size, 503 no endpoint, or
+none among the gateway's subset hint (:class:`Subsets`);
 admission's 429 and 408 come from :meth:`Decider.admit`), never leaving a lease behind.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from time import perf_counter
 from typing import Any
 
@@ -32,6 +34,8 @@ from fastroute.errors import RouterError
 log = logging.getLogger("fastroute.epp")
 
 LEAK_SLACK = 5.0     # seconds past --request-timeout-secs before a booking counts as leaked
+SUBSET_GROUPS = 64   # routing groups kept for distinct subset hints (least recently used go)
+CODE_NO_SUBSET_ENDPOINT = "no_available_subset_endpoint"
 
 
 class Pick:
@@ -106,6 +110,58 @@ def endpoint_of(worker: Any) -> str:
     return ("[%s]:%d" if ":" in host else "%s:%d") % (host, int(port))
 
 
+def no_subset_endpoint(subset: frozenset[str]) -> RouterError:
+    """503 when no available target has an address in the gateway's subset hint."""
+    shown = ", ".join(sorted(subset)[:8]) + (", ..." if len(subset) > 8 else "")
+    return RouterError(503, CODE_NO_SUBSET_ENDPOINT,
+                       "No available worker among the endpoints the gateway allowed "
+                       f"(x-gateway-destination-endpoint-subset: [{shown}])")
+
+
+class Subsets:
+    """The subset hint of the endpoint picker protocol: the gateway names the ``ip:port``
+    endpoints a request may go to, and the pick is made among the available targets of the
+    ``regular`` group whose address is one of them (every rank of a DP server shares its
+    address). Each distinct subset gets a group configured like the regular one (same policy,
+    metric, demand, KV fit) over the same target table, so loads and leases are the shared
+    ledger's; policy state of its own (the prefix tree, round robin's turn, manual keys) is the
+    subset group's. The last SUBSET_GROUPS subsets are kept."""
+
+    def __init__(self, registry: Any) -> None:
+        self.registry = registry
+        self.groups: OrderedDict[frozenset[str], Any] = OrderedDict()
+
+    def group(self, subset: frozenset[str]) -> Any:
+        """The group over the subset's available targets, or None when there is none."""
+        reg = self.registry
+        base = reg.group("regular")
+        info = reg.target_info
+        cands: list[int] = []
+        names: list[str] = []
+        for t, name in zip(base.targets, base.names):
+            entry = info[t] if t < len(info) else None
+            if entry is not None and endpoint_of(entry[0]) in subset:
+                cands.append(t)
+                names.append(name)
+        if not cands:
+            return None
+        g = self.groups.get(subset)
+        if g is None:
+            g = reg.router.group([], base.policy, load_metric=base.load_metric,
+                                 demand=base.demand, request_weight=base.request_weight,
+                                 names=[], kv_fit=base.kv_fit, kv_reserve=base.kv_reserve,
+                                 rank_slack=base.rank_slack,
+                                 tokens_until_answer=base.tokens_until_answer)
+            self.groups[subset] = g
+            if len(self.groups) > SUBSET_GROUPS:
+                self.groups.popitem(last=False)
+        else:
+            self.groups.move_to_end(subset)
+        if g.targets != cands or g.names != names:
+            g.set_targets(cands, names)
+        return g
+
+
 class Decider:
     """Picks for the gateway with the registry's routing group (see module docstring)."""
 
@@ -125,6 +181,7 @@ class Decider:
                                                            config.routing_key_headers)
         self._rank_bytes: dict[int, bytes] = {}
         self.needs_body = needs_body(config)
+        self.subsets = Subsets(registry)
 
     @property
     def in_flight(self) -> int:
@@ -176,9 +233,10 @@ class Decider:
             raise _errors.payload_too_large(body_len, self.max_payload)
 
     def decide(self, booking: Booking, method: str, path: str, headers: dict[str, str],
-               body: bytes | None) -> Pick:
+               body: bytes | None, subset: frozenset[str] | None = None) -> Pick:
         """Pick and book (the lease is the booking's from here); raises RouterError. ``body``
-        None: picked on the headers (no body, or the pick does not need it: nothing parsed)."""
+        None: picked on the headers (no body, or the pick does not need it: nothing parsed).
+        ``subset``: the gateway's subset hint (None: any target), see :class:`Subsets`."""
         route = path.partition("?")[0]
         spec = (ROUTES.get(route.encode("latin-1", "replace"))
                 if method == "POST" and body is not None else None)
@@ -198,10 +256,18 @@ class Decider:
                 break
         st = self.stats
         t0 = perf_counter()
-        lease = self.registry.group("regular").acquire(tokens, key, meta, out_tokens)
+        if subset is None:
+            group = self.registry.group("regular")
+        else:
+            group = self.subsets.group(subset)
+            if group is None:
+                raise no_subset_endpoint(subset)
+        lease = group.acquire(tokens, key, meta, out_tokens)
         if st is not None:
             st.pick_seconds.observe(perf_counter() - t0)
         if lease is None:
+            if subset is not None:
+                raise no_subset_endpoint(subset)
             raise _errors.no_available_workers()
         booking.lease = lease
         entry = self.registry.target_info[lease.target]

@@ -9,9 +9,9 @@ and the refusals of what the endpoint picker does not do (yet).
   ``--envoy-listen-port L`` (required then) and ``--envoy-admin-port A`` (optional).
 
 Refused with one line naming the flag (never silently ignored): the gateway features of the
-design that are not built here (PD picks and the decode-pod sidecar, InferencePool discovery, Envoy failure-mode
-options), and router features that mean nothing, or something unsafe, for a picker that relays
-no bytes (:func:`refusal`). Router flags that do nothing here and cannot change who gets in,
+design that are not built here (PD picks and the decode-pod sidecar, InferencePool discovery,
+Envoy failure-mode options), and router features that mean nothing, or something unsafe, for a
+picker that relays no bytes (:func:`refusal`). Router flags that do nothing here and cannot change who gets in,
 where requests go or readiness are accepted with one warning each (:func:`inert_flags`).
 :data:`AUDIT` says, for every router flag, which of these it is.
 """
@@ -33,7 +33,6 @@ NOT_BUILT = {
                       "(failure_mode_allow: false in the printed bootstrap)",
     "--failure-mode-allow": "failure-mode options are not built: Envoy's ext_proc filter fails "
                             "closed",
-    "--subset-hint": "the endpoint subset hint is not built",
 }
 
 

@@ -17,6 +17,10 @@ Per stream (the processing mode is the printed bootstrap's, :mod:`fastroute.epp.
    too), a response message with ``end_of_stream``, the response trailers when the worker sends
    some, or the stream's cancellation. Exactly once (:meth:`~fastroute.epp.decide.Booking.close`).
 
+The gateway's subset hint (the endpoint picker protocol's ``envoy.lb.subset_hint`` metadata,
+forwarded by the printed bootstrap) limits the pick to the endpoints it lists; none of them
+available is a 503 (:class:`~fastroute.epp.decide.Subsets`).
+
 Errors are ImmediateResponses with the proxy's JSON error body and ``x-smg-error-code``.
 """
 from __future__ import annotations
@@ -33,7 +37,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from fastroute.epp.bootstrap import HEADER, METADATA_NAMESPACE
+from fastroute.epp.bootstrap import HEADER, METADATA_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE
 from fastroute.epp.decide import Booking, Decider, Pick
 from fastroute.errors import RouterError
 
@@ -59,6 +63,28 @@ def _header(key: str, value: str) -> Any:
     return base_pb2.HeaderValueOption(
         header=base_pb2.HeaderValue(key=key, raw_value=value.encode("latin-1")),
         append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+
+
+def subset_of(msg: Any) -> frozenset[str] | None:
+    """The subset hint a ProcessingRequest carries: the endpoints listed under
+    ``envoy.lb.subset_hint`` / ``x-gateway-destination-endpoint-subset`` in its metadata
+    context (a list of ``ip:port`` strings; a comma-separated string is read too), or None when
+    the key is absent. A value of another shape is an empty subset: nothing may be picked."""
+    if not msg.HasField("metadata_context"):
+        return None
+    ns = msg.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    if ns is None or SUBSET_KEY not in ns.fields:
+        return None
+    value = ns.fields[SUBSET_KEY]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        items = [v.string_value for v in value.list_value.values
+                 if v.WhichOneof("kind") == "string_value"]
+    elif kind == "string_value":
+        items = value.string_value.split(",")
+    else:
+        items = []
+    return frozenset(i.strip() for i in items if i.strip())
 
 
 def headers_of(msg: Any) -> dict[str, str]:
@@ -132,11 +158,16 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         method = path = ""
         headers: dict[str, str] = {}
         chunks: list[bytes] = []
+        subset: frozenset[str] | None = None
         while True:
             msg = await context.read()
             if msg is grpc.aio.EOF:
                 return
             kind = msg.WhichOneof("request")
+            if booking is None:
+                hint = subset_of(msg)
+                if hint is not None:
+                    subset = hint
             if booking is not None and kind in ("request_headers", "request_body"):
                 log.warning("ext_proc: a second request on one stream; closing it")
                 return
@@ -160,7 +191,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 booking = Booking(d)
                 held.append(booking)
                 answer = await self._route(booking, method, path, headers, None,
-                                           "request_headers")
+                                           "request_headers", subset)
                 if not h.end_of_stream and answer.HasField("request_headers"):
                     answer.mode_override.CopyFrom(_NO_BODY)
                 await context.write(answer)
@@ -177,7 +208,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 chunks = []
                 booking = Booking(d)
                 held.append(booking)
-                answer = await self._route(booking, method, path, headers, body, "request_body")
+                answer = await self._route(booking, method, path, headers, body, "request_body",
+                                           subset)
                 await context.write(answer)
                 if answer.WhichOneof("response") == "immediate_response":
                     booking.close("refused")
@@ -201,11 +233,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 return
 
     async def _route(self, booking: Booking, method: str, path: str, headers: dict[str, str],
-                     body: bytes | None, phase: str) -> Any:
+                     body: bytes | None, phase: str, subset: frozenset[str] | None) -> Any:
         d = self.decider
         try:
             await d.admit(booking)
-            return routed(d.decide(booking, method, path, headers, body), phase)
+            return routed(d.decide(booking, method, path, headers, body, subset), phase)
         except RouterError as exc:
             booking.close("refused")
             return immediate(exc)

@@ -62,7 +62,8 @@ def scrape(text: str) -> dict[str, float]:
 class Gateway:
     """Envoy + ``fastroute epp`` (see module docstring)."""
 
-    def __init__(self, worker_urls: list[str], *flags: str, wait_serving: bool = True) -> None:
+    def __init__(self, worker_urls: list[str], *flags: str, wait_serving: bool = True,
+                 edit: Any = None) -> None:
         self.envoy_bin = need_envoy()
         self.grpc_port = free_port()
         self.mport = free_port()
@@ -71,6 +72,7 @@ class Gateway:
         self.worker_urls = worker_urls
         self.flags = flags
         self.wait_serving = wait_serving
+        self.edit = edit          # bootstrap text -> the text Envoy runs (a test's own filters)
         self.epp: asyncio.subprocess.Process | None = None
         self.envoy: asyncio.subprocess.Process | None = None
         self.tmp = tempfile.mkdtemp(prefix="fastroute-epp-test-")
@@ -94,6 +96,8 @@ class Gateway:
                  "--print-envoy-config", "--envoy-listen-port", str(self.port),
                  "--envoy-admin-port", str(self.admin_port), *self.flags],
                 env=self.env, check=True, capture_output=True, timeout=30).stdout
+            if self.edit is not None:
+                text = self.edit(text.decode()).encode()
             path = os.path.join(self.tmp, "envoy.yaml")
             with open(path, "wb") as f:
                 f.write(text)

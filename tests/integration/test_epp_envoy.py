@@ -244,3 +244,46 @@ def test_the_proxy_connection_flags_act_at_envoy_and_the_probe_port_answers() ->
             assert [json.loads(x.body)["text"] for x in w.inference()] == ["y" * 100]
             await g.until_in_flight(lambda f: sum(f.values()) == 0, 10, "released")
     run(body(), 60)
+
+
+def _subset_hint(endpoints: list[str]) -> Any:
+    """A bootstrap edit: Envoy's set_metadata filter, before ext_proc, puts ``endpoints`` in the
+    request's ``envoy.lb.subset_hint`` metadata, as a gateway narrowing the pool would."""
+    listed = ", ".join(f'"{e}"' for e in endpoints)
+    hint = (
+        "          - name: envoy.filters.http.set_metadata\n"
+        "            typed_config:\n"
+        '              "@type": type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config\n'
+        "              metadata:\n"
+        "              - metadata_namespace: envoy.lb.subset_hint\n"
+        "                value:\n"
+        f"                  x-gateway-destination-endpoint-subset: [{listed}]\n")
+    marker = "          - name: envoy.filters.http.ext_proc\n"
+
+    def edit(text: str) -> str:
+        assert marker in text
+        return text.replace(marker, hint + marker, 1)
+    return edit
+
+
+def test_the_gateway_subset_hint_is_honoured_and_an_empty_match_is_503() -> None:
+    async def body() -> None:
+        ws = await workers(3)
+        allowed = [f"127.0.0.1:{ws[1].port}", f"127.0.0.1:{ws[2].port}", "10.255.0.1:9"]
+        async with Gateway([w.url for w in ws], "--policy", "round_robin",
+                           edit=_subset_hint(allowed)) as g:
+            for i in range(8):
+                r = await call(g.port, post("/generate", {"text": f"s{i}"}), timeout=10)
+                assert r.status == 200
+            assert ws[0].inference() == []
+            assert len(ws[1].inference()) == 4 and len(ws[2].inference()) == 4
+            await g.until_in_flight(lambda f: sum(f.values()) == 0, 10, "released")
+        async with Gateway([w.url for w in ws], edit=_subset_hint(["10.255.0.1:9"])) as g:
+            r = await call(g.port, post("/generate", {"text": "nowhere"}), timeout=10)
+            assert r.status == 503
+            assert r.headers["content-type"] == "application/json"
+            assert r.json["error"]["code"] == "no_available_subset_endpoint"
+            assert r.headers["x-smg-error-code"] == "no_available_subset_endpoint"
+            assert all(w.inference() == [] for w in ws[:1])
+            assert set((await g.in_flight()).values()) == {0.0}
+    run(body(), 90)

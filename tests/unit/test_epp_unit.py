@@ -482,3 +482,91 @@ def test_connection_flags_go_into_the_printed_bootstrap(capsys: Any) -> None:
     out = capsys.readouterr().out
     assert "max_requests_per_connection: 1" in out
     assert f"per_connection_buffer_limit_bytes: {32 * 1024 * 1024}" in out   # Envoy's default
+
+
+# -- the subset hint -------------------------------------------------------------------------
+from google.protobuf import struct_pb2  # noqa: E402
+
+from fastroute.epp.decide import CODE_NO_SUBSET_ENDPOINT  # noqa: E402
+
+
+class _Pool(_Registry):
+    """Several single-rank workers (distinct endpoints) in one regular group."""
+
+    def __init__(self, table: TargetTable, workers: list[_Worker], policy: str) -> None:
+        rows = [table.alloc() for _ in workers]
+        self.target_info = [None] * (max(rows) + 1)
+        for w, t in zip(workers, rows):
+            self.target_info[t] = (w, None)
+        self.rows = rows
+        self.router = Router(table, seed=7)
+        self._group = self.router.group(rows, policy, load_metric="least_requests",
+                                        names=[f"w{t}" for t in rows])
+        self.is_ready = True
+
+
+def _hinted(value: Any) -> Any:
+    """Request headers carrying the subset hint (``value``: a list, a string, or None)."""
+    msg = _headers("/v1/models", "GET", eos=True)
+    hint = struct_pb2.Struct()
+    if isinstance(value, list):
+        hint.get_or_create_list("x-gateway-destination-endpoint-subset").extend(value)
+    elif value is not None:
+        hint["x-gateway-destination-endpoint-subset"] = value
+    msg.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
+    return msg
+
+
+def test_the_subset_hint_limits_the_pick_and_none_left_is_a_503() -> None:
+    table = TargetTable(16)
+    ws = [_Worker("a", 1, addr=("10.0.0.1", 8000)), _Worker("b", 1, addr=("10.0.0.2", 8000)),
+          _Worker("c", 1, addr=("10.0.0.3", 8000))]
+    reg = _Pool(table, ws, "round_robin")
+
+    async def one(value: Any, hinted: bool = True) -> Any:
+        ctx, task = servicer.stream()
+        await ctx.inbox.put(_hinted(value) if hinted else _headers("/v1/models", "GET", eos=True))
+        ans = await ctx.answer()
+        if ans.WhichOneof("response") != "immediate_response":
+            await ctx.inbox.put(grpc.aio.EOF)
+        await task
+        return ans
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        c = Config(policy="round_robin")
+        d = Decider(c, reg, Admission(-1, 0, 1, loop), None, loop)
+        servicer.servicer = ExternalProcessor(d)
+        got = set()
+        for _ in range(6):
+            ans = await one(["10.0.0.2:8000", "10.0.0.3:8000", "10.9.9.9:1"])
+            got.add(_set(ans, "request_headers")["x-gateway-destination-endpoint"])
+        assert got == {"10.0.0.2:8000", "10.0.0.3:8000"}
+        ans = await one("10.0.0.1:8000, 10.9.9.9:1")          # comma-separated form
+        assert _set(ans, "request_headers")["x-gateway-destination-endpoint"] == "10.0.0.1:8000"
+        for bad in (["10.9.9.9:1"], [], 7.0):                   # nothing allowed is available
+            ans = await one(bad)
+            imm = ans.immediate_response
+            assert imm.status.code == 503
+            err = json.loads(imm.body)["error"]
+            assert err["code"] == CODE_NO_SUBSET_ENDPOINT and "subset" in err["message"]
+        got = set()
+        for _ in range(3):                                      # no hint: the whole pool
+            ans = await one(None, hinted=False)
+            got.add(_set(ans, "request_headers")["x-gateway-destination-endpoint"])
+        assert len(got) == 3
+        assert [table.in_flight(t) for t in reg.rows] == [0, 0, 0]
+        assert d.in_flight == 0 and table.underflows == 0
+
+    class _S:
+        servicer: Any = None
+
+        def stream(self) -> tuple[_Context, asyncio.Task]:
+            ctx = _Context()
+            return ctx, asyncio.get_running_loop().create_task(self.servicer.Process(None, ctx))
+
+    servicer = _S()
+    try:
+        _run(body())
+    finally:
+        table.unlink()
