@@ -606,7 +606,12 @@ def _epp(args: list[str]) -> int:
         parser.error(f"argument --log-dir: {exc}")
     except ConfigError as exc:
         parser.error(str(exc))
-    why = refusal(config, resolve_processes(config))
+    why = refusal(config, resolve_processes(config), opts.pool)
+    if why is None and opts.pool is not None and not opts.print_config:
+        from fastroute.kube import NO_KUBE_CONFIG, kube_config_source
+
+        if kube_config_source() is None:
+            why = f"argument --inference-pool: {NO_KUBE_CONFIG}"
     if why is not None:
         startup_error(why, json_errors)
         return 2
@@ -626,7 +631,7 @@ def _epp(args: list[str]) -> int:
     import uvloop
 
     try:
-        return uvloop.run(serve_epp(config, opts.grpc_port))
+        return uvloop.run(serve_epp(config, opts.grpc_port, opts.pool, opts.pool_namespace))
     except (StartupError, ConfigError) as exc:
         startup_error(str(exc), json_errors)
         return 1

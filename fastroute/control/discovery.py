@@ -353,14 +353,14 @@ class _ApiError(Exception):
         self.message = message
 
 
-async def _kube_api() -> Any:
+async def _kube_api(flag: str = "--service-discovery") -> Any:
     # Deferred: kubernetes_asyncio + aiohttp take ~0.3 s to import and only discovery uses them.
     from kubernetes_asyncio import client, config as kconfig
     from kubernetes_asyncio.config.config_exception import ConfigException
 
     source = kube_config_source()
     if source is None:
-        raise ConfigError("--service-discovery", NO_KUBE_CONFIG)
+        raise ConfigError(flag, NO_KUBE_CONFIG)
     conf = client.Configuration()
     try:
         if source[0] == "incluster":
@@ -369,7 +369,7 @@ async def _kube_api() -> Any:
             await kconfig.load_kube_config(config_file=source[1], client_configuration=conf,
                                            persist_config=False)
     except (ConfigException, OSError, ValueError) as exc:
-        raise ConfigError("--service-discovery", f"unusable Kubernetes configuration "
+        raise ConfigError(flag, f"unusable Kubernetes configuration "
                           f"({source[1] or 'in-cluster'}): {exc}") from None
     return client.CoreV1Api(client.ApiClient(configuration=conf))
 
@@ -427,13 +427,18 @@ async def _list(d: Discovery, sets: _PodSets, role: str, ns: str | None, selecto
     return rv if isinstance(rv, str) else ""
 
 
+_CONFIGURED: Any = object()
+
+
 async def _watch_pods(d: Discovery, sets: _PodSets, role: str,
-                      reqs: list[tuple[str, str, tuple[str, ...]]], st: Any) -> None:
-    """List, then watch from the list's resourceVersion, forever (see module docstring)."""
+                      reqs: list[tuple[str, str, tuple[str, ...]]], st: Any,
+                      namespace: Any = _CONFIGURED) -> None:
+    """List, then watch from the list's resourceVersion, forever (see module docstring), in
+    ``namespace`` (default: --service-discovery-namespace; None: all namespaces)."""
     import aiohttp  # already loaded by _kube_api; named here only for its exception types
 
     cfg = d.registry.config
-    ns = cfg.service_discovery_namespace
+    ns = cfg.service_discovery_namespace if namespace is _CONFIGURED else namespace
     selector = ",".join(_requirement_text(r) for r in reqs)
     interval = int(cfg.discovery_check_interval_secs)
     idle = min(interval + WATCH_IDLE_GRACE, WATCH_IDLE_MAX)

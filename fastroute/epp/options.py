@@ -6,17 +6,20 @@ and the refusals of what the endpoint picker does not do (yet).
 
 * ``--grpc-port G`` (required): the ext_proc and gRPC health listener, on ``--host``;
 * ``--print-envoy-config``: print an Envoy bootstrap for this picker and exit, with
-  ``--envoy-listen-port L`` (required then) and ``--envoy-admin-port A`` (optional).
+  ``--envoy-listen-port L`` (required then) and ``--envoy-admin-port A`` (optional);
+* ``--inference-pool NAME`` [``--inference-pool-namespace NS``]: the workers are the endpoints
+  of that InferencePool (:mod:`fastroute.epp.pool`; namespace default: the picker's own).
 
 Refused with one line naming the flag (never silently ignored): the gateway features of the
-design that are not built here (PD picks and the decode-pod sidecar, InferencePool discovery,
-Envoy failure-mode options), and router features that mean nothing, or something unsafe, for a
+design that are not built here (PD picks and the decode-pod sidecar, Envoy failure-mode
+options), and router features that mean nothing, or something unsafe, for a
 picker that relays no bytes (:func:`refusal`). Router flags that do nothing here and cannot change who gets in,
 where requests go or readiness are accepted with one warning each (:func:`inert_flags`).
 :data:`AUDIT` says, for every router flag, which of these it is.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -25,10 +28,6 @@ __all__ = ["EppOptions", "EppError", "split", "refusal", "inert_flags", "flags_n
 # Flags of the gateway design that this picker does not implement: refused by name.
 NOT_BUILT = {
     "--sidecar": "the PD sidecar mode of the decode pod is not built",
-    "--inference-pool": "InferencePool discovery is not built; give --worker-urls or "
-                        "--service-discovery",
-    "--inference-pool-namespace": "InferencePool discovery is not built",
-    "--inference-pool-name": "InferencePool discovery is not built",
     "--failure-mode": "failure-mode options are not built: Envoy's ext_proc filter fails closed "
                       "(failure_mode_allow: false in the printed bootstrap)",
     "--failure-mode-allow": "failure-mode options are not built: Envoy's ext_proc filter fails "
@@ -46,6 +45,12 @@ class EppOptions:
     print_config: bool = False
     listen_port: int | None = None
     admin_port: int | None = None
+    pool: str | None = None              # --inference-pool NAME
+    pool_namespace: str | None = None    # --inference-pool-namespace NS
+
+
+# A Kubernetes object name or namespace (DNS subdomain / label).
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?\Z")
 
 
 def _port(flag: str, text: str) -> int:
@@ -81,6 +86,17 @@ def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
             else:
                 raise EppError(f"argument {name}: expected one port number")
             found[name] = _port(name, value)
+        elif name in ("--inference-pool", "--inference-pool-namespace"):
+            if eq:
+                value = inline
+            elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+                i += 1
+                value = args[i]
+            else:
+                raise EppError(f"argument {name}: expected one name")
+            if not _NAME.match(value):
+                raise EppError(f"argument {name}: {value!r} is not a Kubernetes object name")
+            found[name] = value
         elif name == "--print-envoy-config":
             if eq:
                 raise EppError("argument --print-envoy-config: takes no value")
@@ -97,12 +113,20 @@ def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
         for flag in ("--envoy-listen-port", "--envoy-admin-port"):
             if flag in found:
                 raise EppError(f"argument {flag}: only means something with --print-envoy-config")
+    if "--inference-pool-namespace" in found and "--inference-pool" not in found:
+        raise EppError("argument --inference-pool-namespace: only means something with "
+                       "--inference-pool")
     return EppOptions(found["--grpc-port"], printing, found.get("--envoy-listen-port"),
-                      found.get("--envoy-admin-port")), rest
+                      found.get("--envoy-admin-port"), found.get("--inference-pool"),
+                      found.get("--inference-pool-namespace")), rest
 
 
-def refusal(config: Any, processes: int) -> str | None:
-    """Why this router configuration cannot run as an endpoint picker, or None."""
+def refusal(config: Any, processes: int, pool: str | None = None) -> str | None:
+    """Why this router configuration cannot run as an endpoint picker, or None (``pool``: the
+    --inference-pool given)."""
+    if pool is not None and config.discovery is not None:
+        return ("argument --inference-pool: the pool's selector picks the worker pods; give it "
+                "instead of --service-discovery / --discovery-provider, not with them")
     if config.pd_disaggregation:
         return ("argument --pd-disaggregation: not supported by fastroute epp (PD picks through "
                 "the gateway and the decode-pod sidecar are not built)")

@@ -43,8 +43,12 @@ LEAK_EVERY = 5.0
 class EppServer:
     """One endpoint-picker process (see module docstring)."""
 
-    def __init__(self, config: Config, grpc_port: int, grpc_host: str | None = None) -> None:
+    def __init__(self, config: Config, grpc_port: int, grpc_host: str | None = None,
+                 pool: str | None = None, pool_namespace: str | None = None) -> None:
         self.config = config
+        self.pool_name = pool
+        self.pool_namespace = pool_namespace
+        self.pool: Any = None           # --inference-pool: fastroute.epp.pool.PoolDiscovery
         self.grpc_port = int(grpc_port)
         self.grpc_host = grpc_host if grpc_host is not None else config.host
         self.table: TargetTable | None = None
@@ -98,6 +102,12 @@ class EppServer:
             self.probe = start_probe(cfg, self.ready)
             own_listeners(parts.registry, cfg, self.grpc_port, parts.metrics, self.probe)
             self.discovery = await start_discovery(cfg, parts.registry, parts.stats)
+            if self.pool_name is not None:
+                from fastroute.epp.pool import PoolDiscovery, namespace_or_default
+
+                self.pool = PoolDiscovery(cfg, parts.registry, parts.stats, self.pool_name,
+                                          namespace_or_default(self.pool_namespace))
+                await self.pool.start()
         except BaseException:
             await self._close_half_started()
             raise
@@ -109,6 +119,8 @@ class EppServer:
         self._sweeper = loop.create_task(self._sweep())
 
     async def _close_half_started(self) -> None:
+        if self.pool is not None:
+            await self.pool.stop()
         if self.probe is not None:
             self.probe.stop()
             self.probe = None
@@ -171,19 +183,20 @@ class EppServer:
                     b.close("shutdown")
             p = self.parts
             if p is not None:
-                await stop_in_order(self.discovery, p.monitor, p.registry, p.metrics)
+                await stop_in_order(self.pool, self.discovery, p.monitor, p.registry, p.metrics)
         finally:
             if self.table is not None:
                 self.table.close()
                 self.table.unlink()
 
 
-async def serve(config: Config, grpc_port: int) -> int:
+async def serve(config: Config, grpc_port: int, pool: str | None = None,
+                pool_namespace: str | None = None) -> int:
     """Run the picker until SIGTERM/SIGINT/SIGHUP/SIGQUIT, then drain; the exit status."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     stop_on_signals(loop, stop.set)
-    server = EppServer(config, grpc_port)
+    server = EppServer(config, grpc_port, pool=pool, pool_namespace=pool_namespace)
     await server.start()
     await stop.wait()
     log.info("shutdown: draining the ext_proc streams (grace %ss)",

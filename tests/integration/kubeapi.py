@@ -1,4 +1,5 @@
-"""A Kubernetes API stand-in for discovery tests: pods only, real list/watch wire format.
+"""A Kubernetes API stand-in for discovery tests: pods and InferencePools, real list/watch wire
+format.
 
 ``GET /api/v1/pods`` and ``GET /api/v1/namespaces/{ns}/pods`` with ``labelSelector``
 (equality requirements), ``watch=true``, ``resourceVersion``, ``allowWatchBookmarks`` and
@@ -10,7 +11,9 @@ matching as DELETED. A resourceVersion older than the compaction floor gets ``41
 (a Status object, or an ERROR event when ``gone_as_event``); ``status`` set to e.g. 403
 answers every request with that Status; ``hang`` makes a watch send its head and then nothing,
 ignoring timeoutSeconds (a stuck server or proxy); :meth:`inject` streams a raw line as the
-next watch event (hostile or broken input). Runs in the test's event loop.
+next watch event (hostile or broken input). InferencePools (``inference_pool``) are served the
+same way at ``/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools``, with a
+``fieldSelector`` of ``metadata.name=NAME``. Runs in the test's event loop.
 """
 from __future__ import annotations
 
@@ -38,12 +41,32 @@ def pod(name: str, ip: str | None, *, ns: str = "team-a", labels: dict | None = 
             "status": status}
 
 
+def inference_pool(name: str, labels: dict, ports: list[int], *, ns: str = "team-a",
+                   **spec: Any) -> dict[str, Any]:
+    """An inference.networking.k8s.io/v1 InferencePool selecting ``labels`` on ``ports``."""
+    return {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+            "metadata": {"name": name, "namespace": ns, "uid": f"uid-pool-{ns}-{name}",
+                         "labels": {}},
+            "spec": {"selector": {"matchLabels": dict(labels)},
+                     "targetPorts": [{"number": p} for p in ports],
+                     "endpointPickerRef": {"name": f"{name}-epp", "port": {"number": 9002}},
+                     **spec}}
+
+
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
     return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
             "message": message, "reason": reason, "code": code}
 
 
-def _matches(selector: str, labels: dict) -> bool:
+def _matches(selector: str, labels: dict, kind: str = "Pod", fields: str = "",
+             obj: dict | None = None) -> bool:
+    if obj is not None:
+        if obj.get("kind", "Pod") != kind:
+            return False
+        for req in filter(None, fields.split(",")):
+            k, _, v = req.partition("=")
+            if k == "metadata.name" and obj["metadata"]["name"] != v:
+                return False
     for req in filter(None, selector.split(",")):
         k, _, v = req.partition("=")
         if labels.get(k) != v:
@@ -87,6 +110,8 @@ class KubeApi:
     # ---- store changes ----------------------------------------------------------------------
     async def put(self, obj: dict) -> None:
         key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
+        if obj.get("kind") == "InferencePool":
+            key = ("InferencePool", *key)       # stored beside the pods, listed apart
         self.rv += 1
         obj = copy.deepcopy(obj)
         obj["metadata"]["resourceVersion"] = str(self.rv)
@@ -94,8 +119,8 @@ class KubeApi:
         self.pods[key] = obj
         await self._record(old, obj)
 
-    async def delete(self, ns: str, name: str) -> None:
-        gone = self.pods.pop((ns, name))
+    async def delete(self, ns: str, name: str, kind: str = "Pod") -> None:
+        gone = self.pods.pop((ns, name) if kind == "Pod" else (kind, ns, name))
         self.rv += 1
         gone = copy.deepcopy(gone)
         gone["metadata"]["resourceVersion"] = str(self.rv)
@@ -139,10 +164,14 @@ class KubeApi:
                     query[k] = "true" if query[k].lower() in ("true", "t", "1") else "false"
             self.requests.append((asyncio.get_running_loop().time(), parts.path, query))
             path = parts.path.split("/")
+            kind = "Pod"
             if parts.path == "/api/v1/pods":
                 ns = None
             elif len(path) == 6 and path[1:4] == ["api", "v1", "namespaces"] and path[5] == "pods":
                 ns = path[4]
+            elif (len(path) == 7 and path[1:5] == ["apis", "inference.networking.k8s.io", "v1",
+                                                    "namespaces"] and path[6] == "inferencepools"):
+                ns, kind = path[5], "InferencePool"
             else:
                 return self._send(writer, 404, _status(404, "NotFound", "not found"))
             if self.status is not None:
@@ -151,15 +180,17 @@ class KubeApi:
                     'team-a:fastroute" cannot list resource "pods" in API group "" in the '
                     'namespace "team-a"'))
             selector = query.get("labelSelector", "")
+            fields = query.get("fieldSelector", "")
             if query.get("watch") != "true":
-                items = [p for (pns, _), p in self.pods.items()
-                         if (ns is None or pns == ns) and _matches(selector, p["metadata"]["labels"])]
-                return self._send(writer, 200, {"kind": "PodList", "apiVersion": "v1",
+                items = [p for p in self.pods.values()
+                         if (ns is None or p["metadata"]["namespace"] == ns)
+                         and _matches(selector, p["metadata"]["labels"], kind, fields, p)]
+                return self._send(writer, 200, {"kind": kind + "List", "apiVersion": "v1",
                                                 "metadata": {"resourceVersion": str(self.rv)},
                                                 "items": items})
             await self._watch(writer, ns, selector, int(query.get("resourceVersion") or 0),
                               float(query.get("timeoutSeconds") or 60),
-                              query.get("allowWatchBookmarks") == "true")
+                              query.get("allowWatchBookmarks") == "true", kind, fields)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -171,7 +202,7 @@ class KubeApi:
                      b"Connection: close\r\n\r\n%b" % (status, len(body), body))
 
     async def _watch(self, writer: asyncio.StreamWriter, ns: str | None, selector: str, since: int,
-                     timeout: float, bookmarks: bool) -> None:
+                     timeout: float, bookmarks: bool, kind: str = "Pod", fields: str = "") -> None:
         if since < self.floor:
             gone = _status(410, "Expired", f"too old resource version: {since} ({self.floor})")
             if not self.gone_as_event:
@@ -199,7 +230,7 @@ class KubeApi:
                 if raw is not None:
                     writer.write(b"%x\r\n%b\n\r\n" % (len(raw) + 1, raw))
                     continue
-                ev = self._event(ns, selector, old, new)
+                ev = self._event(ns, selector, old, new, kind, fields)
                 if ev is not None:
                     self._chunk(writer, ev)
             await writer.drain()
@@ -213,14 +244,15 @@ class KubeApi:
                     pass
         if bookmarks:
             self._chunk(writer, {"type": "BOOKMARK", "object": {
-                "kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": str(sent)}}})
+                "kind": kind, "apiVersion": "v1", "metadata": {"resourceVersion": str(sent)}}})
         writer.write(b"0\r\n\r\n")
 
     @staticmethod
-    def _event(ns: str | None, selector: str, old: dict | None, new: dict | None) -> dict | None:
+    def _event(ns: str | None, selector: str, old: dict | None, new: dict | None,
+               kind: str = "Pod", fields: str = "") -> dict | None:
         def visible(p: dict | None) -> bool:
             return p is not None and (ns is None or p["metadata"]["namespace"] == ns) and \
-                _matches(selector, p["metadata"]["labels"])
+                _matches(selector, p["metadata"]["labels"], kind, fields, p)
         was, now = visible(old), visible(new)
         if was and now:
             return {"type": "MODIFIED", "object": new}

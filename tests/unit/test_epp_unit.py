@@ -43,7 +43,8 @@ def test_split_takes_the_picker_flags_and_leaves_the_router_flags() -> None:
     (["--grpc-port", "70000"], "--grpc-port"),
     (["--grpc-port", "1", "--print-envoy-config"], "--envoy-listen-port"),
     (["--grpc-port", "1", "--envoy-admin-port", "2"], "--envoy-admin-port"),
-    (["--grpc-port", "1", "--inference-pool", "pool"], "--inference-pool"),
+    (["--grpc-port", "1", "--inference-pool-namespace", "ns"], "--inference-pool-namespace"),
+    (["--grpc-port", "1", "--inference-pool", "Pool_1"], "--inference-pool"),
     (["--grpc-port", "1", "--failure-mode=FailOpen"], "--failure-mode"),
     (["--grpc-port", "1", "--sidecar"], "--sidecar"),
 ])
@@ -68,9 +69,9 @@ def test_refusal_names_what_the_picker_does_not_do(kw: dict, flag: str) -> None:
 
 
 def test_cli_refuses_in_one_line_and_exits_2(capsys: Any) -> None:
-    assert main(["epp", "--grpc-port", "1", "--inference-pool", "p"]) == 2
+    assert main(["epp", "--grpc-port", "1", "--failure-mode", "FailOpen"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--inference-pool" in err[0] and "not built" in err[0]
+    assert len(err) == 1 and "--failure-mode" in err[0] and "not built" in err[0]
     assert main(["sidecar"]) == 2
     assert "not built" in capsys.readouterr().err
 
