@@ -10,10 +10,10 @@ response has some (Envoy 1.40 synthesises none for an HTTP/1.1 worker), but aski
 the ext_proc stream open until the response ends; Envoy closes the stream when the HTTP stream is
 done (complete, reset, client gone), which is where the picker releases the lease, with no
 message per streamed chunk. The filter forwards the request's ``envoy.lb.subset_hint`` metadata
-(the endpoints a gateway allows for this request) and accepts the picker's ``envoy.lb``. When a pick needs no body the picker answers the headers and
-overrides the mode so that Envoy skips the body (``allow_mode_override``). Streams are not
-timed out by Envoy (route timeout 0): the router's own ``--request-timeout-secs`` bounds a
-lease.
+(the endpoints a gateway allows for this request) and accepts the picker's ``envoy.lb``. When a
+pick needs no body the picker answers the headers and overrides the mode so that Envoy skips
+the body (``allow_mode_override``). Streams are not timed out by Envoy (route timeout 0): the
+router's own ``--request-timeout-secs`` bounds a lease.
 
 The proxy's client-side and worker-side connection flags act here, where Envoy owns the
 connections: ``--header-read-timeout-secs`` is the connection manager's request headers timeout,
@@ -150,7 +150,8 @@ def envoy_bootstrap(grpc_port: int, listen_port: int, admin_port: int | None = N
     return _TEMPLATE.format(admin=admin, listen_host=listen_host, listen=int(listen_port),
                             grpc=int(grpc_port), epp=EPP_CLUSTER, endpoints=ENDPOINTS_CLUSTER,
                             header=HEADER, namespace=METADATA_NAMESPACE,
-                            subset_namespace=SUBSET_NAMESPACE, body_limit=int(body_limit), message_timeout=_secs(message_timeout),
+                            subset_namespace=SUBSET_NAMESPACE, body_limit=int(body_limit),
+                            message_timeout=_secs(message_timeout),
                             idle=_secs(idle_timeout), header_timeout=_secs(header_timeout),
                             request_timeout=_secs(body_timeout + message_timeout),
                             conn_idle=_secs(conn_idle_timeout), upstream_pool=pool)

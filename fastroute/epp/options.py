@@ -12,10 +12,10 @@ and the refusals of what the endpoint picker does not do (yet).
 
 Refused with one line naming the flag (never silently ignored): the gateway features of the
 design that are not built here (PD picks and the decode-pod sidecar, Envoy failure-mode
-options), and router features that mean nothing, or something unsafe, for a
-picker that relays no bytes (:func:`refusal`). Router flags that do nothing here and cannot change who gets in,
-where requests go or readiness are accepted with one warning each (:func:`inert_flags`).
-:data:`AUDIT` says, for every router flag, which of these it is.
+options), and router features that mean nothing, or something unsafe, for a picker that
+relays no bytes (:func:`refusal`). Router flags that do nothing here and cannot
+change who gets in, where requests go or readiness are accepted with one warning each
+(:func:`inert_flags`). :data:`AUDIT` says, for every router flag, which of these it is.
 """
 from __future__ import annotations
 

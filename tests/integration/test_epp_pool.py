@@ -13,14 +13,14 @@ import pytest
 pytest.importorskip("grpc")
 pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2")
 
-from conftest import run, until  # noqa: E402
+from conftest import call, post, run, until  # noqa: E402
 from kubeapi import KubeApi, inference_pool, pod  # noqa: E402
 from test_discovery import PodWorker, kube_env, pod_workers  # noqa: E402,F401
 
 from fastroute.cli import main  # noqa: E402
 from fastroute.config import Config  # noqa: E402
 from fastroute.epp.server import EppServer  # noqa: E402
-from tests.integration.envoy_harness import free_port  # noqa: E402
+from tests.integration.envoy_harness import Gateway, free_port  # noqa: E402
 
 NS = "team-a"
 
@@ -165,6 +165,29 @@ def test_a_pool_created_after_the_start_is_picked_up(kube_env: Any) -> None:
     run(body(), 60)
 
 
+def test_a_forbidden_pool_is_logged_with_the_rbac_hint_and_retried(kube_env: Any,
+                                                                    caplog: Any) -> None:
+    async def body() -> None:
+        api = await KubeApi().start()
+        (a,) = await pod_workers(1)
+        await api.put(pod("a", a.ip))
+        await api.put(inference_pool("llama", {"app": "sglang"}, [a.port]))
+        api.status = 403
+        server = await start(api, kube_env)
+        try:
+            await until(lambda: "inferencepools.inference.networking.k8s.io" in caplog.text, 10,
+                        "the RBAC hint")
+            assert not server.registry.workers
+            api.status = None                       # the Role was fixed: the backoff retries
+            await until(lambda: urls(server) == {a.url}, 15, "the pool after the fix")
+        finally:
+            await server.stop(grace=0.2)
+            await api.stop()
+            await a.stop()
+    with caplog.at_level("WARNING", logger="fastroute.epp.pool"):
+        run(body(), 60)
+
+
 def test_the_pool_flags_are_checked(kube_env: Any, capsys: Any, monkeypatch: Any) -> None:
     base = ["epp", "--grpc-port", "9002"]
     assert main([*base, "--inference-pool-namespace", "ns"]) == 2
@@ -177,3 +200,31 @@ def test_the_pool_flags_are_checked(kube_env: Any, capsys: Any, monkeypatch: Any
     assert main([*base, "--inference-pool", "p", "--discovery-provider", "file",
                  "--discovery-file", "/nonexistent.json"]) == 2
     assert "argument --inference-pool:" in capsys.readouterr().err
+
+
+def test_through_envoy_the_picker_process_routes_to_the_pool(kube_env: Any) -> None:
+    async def body() -> None:
+        api = await KubeApi().start()
+        kube_env.write_text(api.kubeconfig())
+        a, b = await pod_workers(2)
+        await api.put(pod("a", a.ip))
+        await api.put(pod("b", b.ip))
+        await api.put(inference_pool("llama", {"app": "sglang"}, [a.port]))
+        try:
+            async with Gateway([], "--inference-pool", "llama", "--inference-pool-namespace", NS,
+                               "--policy", "round_robin") as g:
+                for i in range(4):
+                    r = await call(g.port, post("/generate", {"text": f"r{i}"}), timeout=10)
+                    assert r.status == 200
+                assert len(a.inference()) == 2 and len(b.inference()) == 2
+                await api.delete(NS, "b")
+                await g.until_in_flight(lambda f: set(f) == {a.url}, 10, "b gone")
+                for i in range(2):
+                    r = await call(g.port, post("/generate", {"text": f"s{i}"}), timeout=10)
+                    assert r.status == 200
+                assert len(a.inference()) == 4 and len(b.inference()) == 2
+        finally:
+            await api.stop()
+            for w in (a, b):
+                await w.stop()
+    run(body(), 90)
