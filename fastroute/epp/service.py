@@ -39,7 +39,7 @@ from google.protobuf import struct_pb2
 
 from fastroute.epp.bootstrap import HEADER, METADATA_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE
 from fastroute.epp.decide import Booking, Decider, Pick
-from fastroute.errors import RouterError
+from fastroute.errors import RouterError, payload_too_large
 
 log = logging.getLogger("fastroute.epp")
 
@@ -206,6 +206,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     continue
                 body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 chunks = []
+                if len(body) > d.max_payload:      # chunked: no Content-Length to judge early
+                    await context.write(immediate(payload_too_large(len(body), d.max_payload)))
+                    return
                 booking = Booking(d)
                 held.append(booking)
                 answer = await self._route(booking, method, path, headers, body, "request_body",

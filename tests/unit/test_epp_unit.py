@@ -571,3 +571,18 @@ def test_the_subset_hint_limits_the_pick_and_none_left_is_a_503() -> None:
         _run(body())
     finally:
         table.unlink()
+
+
+def test_a_body_over_the_limit_without_content_length_is_413() -> None:
+    rig = _Rig(max_payload_size=64)
+
+    async def body() -> None:
+        rig.start()
+        ctx, task, ans = await _route(rig, b'{"text": "%s"}' % (b"x" * 100))
+        assert ans.immediate_response.status.code == 413
+        await task
+        assert rig.in_flight() == [0, 0, 0, 0] and rig.admission.active == 0
+    try:
+        _run(body())
+    finally:
+        rig.close()
