@@ -5,7 +5,8 @@ App: table, router and its groups, registry, monitor, metrics, the reconciler), 
 :class:`~fastroute.dataplane.admission.Admission` for ``--max-concurrent-requests``, the
 :class:`~fastroute.epp.decide.Decider`, the ext_proc servicer and the standard gRPC health
 service (``grpc.health.v1.Health``: NOT_SERVING until the workers are ready and again once the
-drain starts, for the whole server ``""`` and for the ext_proc service name; the same answer on
+drain starts, for the whole server ``""``, the ext_proc service name and ``readiness``;
+``liveness`` is SERVING while the process answers; the same readiness on
 ``--health-check-port``'s /readiness, as in the proxy). In-flight counts
 are the proxy's: ``fastroute_target_in_flight_requests`` (and the smg families) on
 ``--prometheus-port``, read from the one target table the leases book into.
@@ -36,6 +37,10 @@ from fastroute.runtime.startup import StartupError, own_listeners, start_probe, 
 log = logging.getLogger("fastroute.epp")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# The health service names of the endpoint picker protocol: readiness follows the picker's
+# readiness like the ext_proc service; liveness is SERVING while the process answers.
+READINESS_SERVICE = "readiness"
+LIVENESS_SERVICE = "liveness"
 SWEEP_EVERY = 1.0
 LEAK_EVERY = 5.0
 
@@ -87,6 +92,7 @@ class EppServer:
             pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self.grpc)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
             await self._set_health(False)
+            await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
             address = (f"[{self.grpc_host}]:{self.grpc_port}" if ":" in self.grpc_host
                        else f"{self.grpc_host}:{self.grpc_port}")
             try:
@@ -138,7 +144,7 @@ class EppServer:
         self._serving = serving
         status = (health_pb2.HealthCheckResponse.SERVING if serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
-        for service in ("", EXT_PROC_SERVICE):
+        for service in ("", EXT_PROC_SERVICE, READINESS_SERVICE):
             await self.health.set(service, status)
 
     async def _sweep(self) -> None:

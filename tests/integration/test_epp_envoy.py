@@ -109,6 +109,8 @@ def test_no_endpoint_is_a_503_json_and_health_not_serving() -> None:
         async with Gateway([dead], wait_serving=False) as g:
             assert await g.health() == "NOT_SERVING"
             assert await g.health("envoy.service.ext_proc.v3.ExternalProcessor") == "NOT_SERVING"
+            assert await g.health("readiness") == "NOT_SERVING"
+            assert await g.health("liveness") == "SERVING"
             r = await call(g.port, post("/generate", {"text": "x"}), timeout=10)
             assert r.status == 503
             assert r.headers["content-type"] == "application/json"
@@ -229,6 +231,7 @@ def test_the_proxy_connection_flags_act_at_envoy_and_the_probe_port_answers() ->
                            "--health-check-port", str(probe)) as g:
             r = await call(probe, get("/readiness"), timeout=5)
             assert r.status == 200 and r.json == {"status": "ready"}
+            assert await g.health("readiness") == await g.health("liveness") == "SERVING"
             # a request head that never ends is cut by --header-read-timeout-secs
             slow = await RawClient(g.port).connect()
             slow.send(b"POST /generate HTTP/1.1\r\nHost: gw\r\n")
