@@ -606,7 +606,7 @@ def _epp(args: list[str]) -> int:
         parser.error(f"argument --log-dir: {exc}")
     except ConfigError as exc:
         parser.error(str(exc))
-    why = refusal(config, resolve_processes(config), opts.pool)
+    why = refusal(config, resolve_processes(config), opts.pool, opts.sidecar_port)
     if why is None and opts.pool is not None and not opts.print_config:
         from fastroute.kube import NO_KUBE_CONFIG, kube_config_source
 
@@ -631,7 +631,8 @@ def _epp(args: list[str]) -> int:
     import uvloop
 
     try:
-        return uvloop.run(serve_epp(config, opts.grpc_port, opts.pool, opts.pool_namespace))
+        return uvloop.run(serve_epp(config, opts.grpc_port, opts.pool, opts.pool_namespace,
+                                    opts.sidecar_port))
     except (StartupError, ConfigError) as exc:
         startup_error(str(exc), json_errors)
         return 1
@@ -649,10 +650,9 @@ def main(argv: Sequence[str] | None = None) -> int | None:
         return demo_main(args[1:])
     if args and args[0] == "epp":
         return _epp(args[1:])
-    if args and args[0] == "sidecar":
-        startup_error("fastroute sidecar: not built (the PD relay of the decode pod taking its "
-                      "picks from the endpoint picker's headers)", _wants_json(args))
-        return 2
+    sidecar = bool(args) and args[0] == "sidecar"     # the PD relay of a decode pod (epp)
+    if sidecar:
+        args = args[1:]
     if args and args[0] == "launch":
         # `smg launch ARGS` / `sglang-router launch ARGS` spelling.
         args = args[1:]
@@ -667,7 +667,14 @@ def main(argv: Sequence[str] | None = None) -> int | None:
     except ConfigError as exc:
         parser.error(str(exc))
     # One process serves, or (--workers N, N > 1) a supervisor runs N proxy processes.
-    factory = Supervisor if resolve_processes(config) > 1 else Server
+    factory: Any = Supervisor if resolve_processes(config) > 1 else Server
+    if sidecar:
+        from fastroute.epp.sidecar import SidecarServer, refusal as sidecar_refusal
+
+        why = sidecar_refusal(config, resolve_processes(config))
+        if why is not None:
+            parser.error(why)
+        factory = SidecarServer
     try:
         return run(config, factory)
     except StartupError as exc:

@@ -36,31 +36,37 @@ log = logging.getLogger("fastroute.epp")
 LEAK_SLACK = 5.0     # seconds past --request-timeout-secs before a booking counts as leaked
 SUBSET_GROUPS = 64   # routing groups kept for distinct subset hints (least recently used go)
 CODE_NO_SUBSET_ENDPOINT = "no_available_subset_endpoint"
+# PD: the header naming the pair the picker booked, read by the sidecar's PD relay as its
+# routing key (fastroute.epp.sidecar).
+PIN_HEADER = "x-smg-routing-key"
 
 
 class Pick:
     """Where one request goes: ``endpoint`` (``ip:port``), the body to send when it changed
     (None: as it came), and the Authorization value the worker wants (None: the client's)."""
 
-    __slots__ = ("endpoint", "body", "auth", "target", "rank")
+    __slots__ = ("endpoint", "body", "auth", "target", "rank", "headers")
 
     def __init__(self, endpoint: str, body: bytes | None, auth: str | None, target: int,
-                 rank: int | None) -> None:
+                 rank: int | None, headers: tuple[tuple[str, str], ...] = ()) -> None:
         self.endpoint = endpoint
         self.body = body
         self.auth = auth
         self.target = target
         self.rank = rank
+        self.headers = headers       # more request headers to set (PD: the pair picked)
 
 
 class Booking:
     """The admission slot and lease of one request (see module docstring)."""
 
-    __slots__ = ("decider", "lease", "slot", "waiter", "started_at", "closed", "reason")
+    __slots__ = ("decider", "lease", "lease2", "slot", "waiter", "started_at", "closed",
+                 "reason")
 
     def __init__(self, decider: "Decider") -> None:
         self.decider = decider
         self.lease: Any = None
+        self.lease2: Any = None      # PD: the decode lease (``lease`` is the prefill's)
         self.slot = False
         self.waiter: Any = None
         self.started_at = decider.loop.time()
@@ -81,8 +87,13 @@ class Booking:
         d.bookings.discard(self)
         try:
             lease, self.lease = self.lease, None
-            if lease is not None:
-                lease.release()
+            lease2, self.lease2 = self.lease2, None
+            try:
+                if lease is not None:
+                    lease.release()
+            finally:
+                if lease2 is not None:
+                    lease2.release()
         finally:
             if self.waiter is not None:
                 d.admission.cancel(self.waiter)
@@ -95,9 +106,10 @@ class Booking:
 
 def needs_body(config: Any) -> bool:
     """Whether a pick needs the request body: the DP rank goes into it, or the policy reads its
-    text or tokens (cache_aware, power_of_two on tokens, decode demand, KV fit). Otherwise the
-    pick is made on the headers and Envoy is told not to send the body at all."""
-    return bool(config.dp_aware or config.policy == "cache_aware"
+    text or tokens (cache_aware, power_of_two on tokens, decode demand, KV fit; PD always, its
+    legs weigh the input). Otherwise the pick is made on the headers and Envoy is told not to
+    send the body at all."""
+    return bool(config.dp_aware or config.pd_disaggregation or config.policy == "cache_aware"
                 or (config.policy == "power_of_two" and config.p2c_load_metric == "tokens")
                 or config.decode_input_demand != "off" or config.decode_kv_fit != "off")
 
@@ -182,6 +194,7 @@ class Decider:
         self._rank_bytes: dict[int, bytes] = {}
         self.needs_body = needs_body(config)
         self.subsets = Subsets(registry)
+        self.sidecar_port: int | None = None    # PD: the fastroute sidecar on each decode pod
 
     @property
     def in_flight(self) -> int:
@@ -256,6 +269,8 @@ class Decider:
                 break
         st = self.stats
         t0 = perf_counter()
+        if self.sidecar_port is not None:
+            return self._decide_pd(booking, tokens, key, meta, out_tokens, subset)
         if subset is None:
             group = self.registry.group("regular")
         else:
@@ -285,6 +300,30 @@ class Decider:
         elif worker.basic_auth:
             auth = worker.basic_auth
         return Pick(endpoint_of(worker), new_body, auth, lease.target, rank)
+
+    def _decide_pd(self, booking: Booking, tokens: int, key: bytes | None, meta: Any,
+                   out_tokens: int, subset: frozenset[str] | None) -> Pick:
+        """PD through the gateway: book a prefill and a decode target with the registry's PD
+        groups (the proxy's pick of a pair), send the request to the fastroute sidecar on the
+        decode worker's pod (its address, ``--sidecar-port``) and name the pair in
+        ``x-smg-routing-key`` (``PREFILL|DECODE`` target names), from which the sidecar's PD
+        relay takes its legs. The subset hint, when given, must allow the decode worker."""
+        reg = self.registry
+        p = reg.group("prefill").acquire(tokens, key, meta, out_tokens)
+        if p is None:
+            raise _errors.no_available_workers("prefill")
+        booking.lease = p
+        d = reg.group("decode").acquire(tokens, key, meta, out_tokens)
+        if d is None:
+            raise _errors.no_available_workers("decode")
+        booking.lease2 = d
+        worker, rank = reg.target_info[d.target]
+        if subset is not None and endpoint_of(worker) not in subset:
+            raise no_subset_endpoint(subset)
+        host = endpoint_of(worker).rpartition(":")[0]
+        pin = f"{reg.target_name(p.target)}|{reg.target_name(d.target)}"
+        return Pick(f"{host}:{self.sidecar_port}", None, None, d.target, rank,
+                    headers=((PIN_HEADER, pin),))
 
     # -- the safety net ----------------------------------------------------------------
     def check_leaks(self, now: float | None = None) -> int:

@@ -8,11 +8,12 @@ and the refusals of what the endpoint picker does not do (yet).
 * ``--print-envoy-config``: print an Envoy bootstrap for this picker and exit, with
   ``--envoy-listen-port L`` (required then) and ``--envoy-admin-port A`` (optional);
 * ``--inference-pool NAME`` [``--inference-pool-namespace NS``]: the workers are the endpoints
-  of that InferencePool (:mod:`fastroute.epp.pool`; namespace default: the picker's own).
+  of that InferencePool (:mod:`fastroute.epp.pool`; namespace default: the picker's own);
+* ``--sidecar-port P`` (with ``--pd-disaggregation``): PD picks, relayed by the ``fastroute
+  sidecar`` listening on P on each decode pod (:mod:`fastroute.epp.sidecar`).
 
 Refused with one line naming the flag (never silently ignored): the gateway features of the
-design that are not built here (PD picks and the decode-pod sidecar, Envoy failure-mode
-options), and router features that mean nothing, or something unsafe, for a picker that
+design that are not built here (Envoy failure-mode options), and router features that mean nothing, or something unsafe, for a picker that
 relays no bytes (:func:`refusal`). Router flags that do nothing here and cannot
 change who gets in, where requests go or readiness are accepted with one warning each
 (:func:`inert_flags`). :data:`AUDIT` says, for every router flag, which of these it is.
@@ -27,7 +28,7 @@ __all__ = ["EppOptions", "EppError", "split", "refusal", "inert_flags", "flags_n
 
 # Flags of the gateway design that this picker does not implement: refused by name.
 NOT_BUILT = {
-    "--sidecar": "the PD sidecar mode of the decode pod is not built",
+    "--sidecar": "the PD sidecar of a decode pod is a command of its own: fastroute sidecar",
     "--failure-mode": "failure-mode options are not built: Envoy's ext_proc filter fails closed "
                       "(failure_mode_allow: false in the printed bootstrap)",
     "--failure-mode-allow": "failure-mode options are not built: Envoy's ext_proc filter fails "
@@ -47,6 +48,7 @@ class EppOptions:
     admin_port: int | None = None
     pool: str | None = None              # --inference-pool NAME
     pool_namespace: str | None = None    # --inference-pool-namespace NS
+    sidecar_port: int | None = None      # --sidecar-port P: PD through the decode pods' sidecar
 
 
 # A Kubernetes object name or namespace (DNS subdomain / label).
@@ -77,7 +79,7 @@ def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
             break
         if name in NOT_BUILT:
             raise EppError(f"argument {name}: not supported by fastroute epp ({NOT_BUILT[name]})")
-        if name in ("--grpc-port", "--envoy-listen-port", "--envoy-admin-port"):
+        if name in ("--grpc-port", "--envoy-listen-port", "--envoy-admin-port", "--sidecar-port"):
             if eq:
                 value = inline
             elif i + 1 < len(args):
@@ -118,18 +120,27 @@ def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
                        "--inference-pool")
     return EppOptions(found["--grpc-port"], printing, found.get("--envoy-listen-port"),
                       found.get("--envoy-admin-port"), found.get("--inference-pool"),
-                      found.get("--inference-pool-namespace")), rest
+                      found.get("--inference-pool-namespace"), found.get("--sidecar-port")), rest
 
 
-def refusal(config: Any, processes: int, pool: str | None = None) -> str | None:
+def refusal(config: Any, processes: int, pool: str | None = None,
+            sidecar_port: int | None = None) -> str | None:
     """Why this router configuration cannot run as an endpoint picker, or None (``pool``: the
-    --inference-pool given)."""
+    --inference-pool given; ``sidecar_port``: the --sidecar-port given)."""
     if pool is not None and config.discovery is not None:
         return ("argument --inference-pool: the pool's selector picks the worker pods; give it "
                 "instead of --service-discovery / --discovery-provider, not with them")
-    if config.pd_disaggregation:
-        return ("argument --pd-disaggregation: not supported by fastroute epp (PD picks through "
-                "the gateway and the decode-pod sidecar are not built)")
+    if config.pd_disaggregation and sidecar_port is None:
+        return ("argument --pd-disaggregation: needs --sidecar-port, the port of the "
+                "`fastroute sidecar` on each decode pod, which relays the two legs")
+    if sidecar_port is not None and not config.pd_disaggregation:
+        return "argument --sidecar-port: only means something with --pd-disaggregation"
+    if config.pd_disaggregation and config.prefill_input_demand != "off":
+        return ("argument --prefill-input-demand: not supported by fastroute epp (the picker "
+                "never sees the prefill answer that gives the tokens back)")
+    if config.pd_disaggregation and pool is not None:
+        return ("argument --inference-pool: an InferencePool has one role of pods; PD through "
+                "the gateway takes --prefill/--decode or --service-discovery selectors")
     if config.replica_sync is not None:
         return ("argument --replica-sync: not supported by fastroute epp (EPP replicas sharing "
                 "in-flight state is not built); run one picker")
@@ -203,9 +214,13 @@ _INERT = (
      "pods, and fastroute epp refuses PD mode"),
     (None, "--prefill-policy", "only used in PD mode, which fastroute epp refuses"),
     (None, "--decode-policy", "only used in PD mode, which fastroute epp refuses"),
-    ("pd_max_batch_size", "--pd-max-batch-size", "only used in PD mode, which fastroute epp "
-     "refuses"),
+    ("pd_max_batch_size", "--pd-max-batch-size", "the picker does not read PD batches; the "
+     "PD relay of fastroute sidecar enforces it (give it there)"),
+    (None, "--dp-rank-field", "with --pd-disaggregation the ranks travel in the pair the picker "
+     "names; the rank field is the fastroute sidecar's"),
 )
+# PD-only flags: they work (or are the sidecar's) once --pd-disaggregation is given.
+_PD_ONLY = frozenset({"--prefill-policy", "--decode-policy", "--bootstrap-port-annotation"})
 
 
 def flags_named(argv: Sequence[str]) -> set[str]:
@@ -233,6 +248,10 @@ def inert_flags(config: Any, argv: Sequence[str]) -> list[str]:
                                   and getattr(config, field) != getattr(defaults, field))
         if given and flag == "--bootstrap-port-annotation" and config.discovery is None:
             given = False       # the router's own warning says it (discovery sub-flag)
+        if flag in _PD_ONLY and config.pd_disaggregation:
+            given = False       # PD through the sidecar: they act
+        if flag == "--dp-rank-field" and not config.pd_disaggregation:
+            given = False       # regular mode: the picker splices the rank with it
         if given:
             out.append(f"{flag} is accepted and ignored by fastroute epp ({why})")
     return out
@@ -242,8 +261,10 @@ def inert_flags(config: Any, argv: Sequence[str]) -> list[str]:
 # test holds it to the parser): "picker" works as in the proxy, in the picker; "envoy" works
 # through the printed bootstrap (pass it to --print-envoy-config too); "inert" is accepted with
 # one warning (it cannot change who gets in, where requests go or readiness; the PD selectors
-# are refused, as in the proxy, beside --service-discovery); "refused" stops the start naming
-# it (the flags of retries and circuits only when not at their default).
+# are refused, as in the proxy, beside --service-discovery outside PD mode; the PD policy flags
+# and --dp-rank-field warn only in the mode where they do nothing); "refused" stops the start
+# naming it (the flags of retries and circuits only when not at their default). PD
+# (--pd-disaggregation, --prefill, --decode) needs --sidecar-port.
 WORKS, ENVOY, INERT, REFUSED = "picker", "envoy", "inert", "refused"
 AUDIT: dict[str, str] = {
     **{f: WORKS for f in (
@@ -259,10 +280,11 @@ AUDIT: dict[str, str] = {
         "--disable-health-check", "--max-concurrent-requests", "--queue-size",
         "--rate-limit-tokens-per-second", "--prometheus-host", "--prometheus-port",
         "--log-level", "--log-json", "--log-dir", "--decode-input-demand",
-        "--decode-request-weight", "--dp-rank-field", "--seed", "--workers", "--decode-kv-fit",
+        "--decode-request-weight", "--seed", "--workers", "--decode-kv-fit",
         "--cache-aware-rank-slack", "--decode-kv-reserve-tokens", "--service-discovery",
         "--selector", "--service-discovery-port", "--service-discovery-namespace",
-        "--discovery-provider", "--discovery-file", "--discovery-check-interval-secs")},
+        "--discovery-provider", "--discovery-file", "--discovery-check-interval-secs",
+        "--pd-disaggregation", "--prefill", "--decode")},
     **{f: ENVOY for f in (
         "--request-timeout-secs", "--max-payload-size", "--queue-timeout-secs",
         "--header-read-timeout-secs", "--idle-connection-timeout-secs",
@@ -273,8 +295,7 @@ AUDIT: dict[str, str] = {
         "--replica-ttl-ms", "--prefill-selector", "--decode-selector")},
     **{f: REFUSED for f in (
         "--cors-allowed-origins", "--tls-cert-path", "--tls-key-path", "--tls-min-version",
-        "--enable-igw", "--model-alias", "--pd-disaggregation", "--prefill", "--decode",
-        "--prefill-input-demand",
+        "--enable-igw", "--model-alias", "--prefill-input-demand",
         "--retry-max-retries",
         "--retry-initial-backoff-ms", "--retry-max-backoff-ms", "--retry-backoff-multiplier",
         "--retry-jitter-factor", "--cb-failure-threshold", "--cb-success-threshold",

@@ -49,8 +49,10 @@ class EppServer:
     """One endpoint-picker process (see module docstring)."""
 
     def __init__(self, config: Config, grpc_port: int, grpc_host: str | None = None,
-                 pool: str | None = None, pool_namespace: str | None = None) -> None:
+                 pool: str | None = None, pool_namespace: str | None = None,
+                 sidecar_port: int | None = None) -> None:
         self.config = config
+        self.sidecar_port = sidecar_port
         self.pool_name = pool
         self.pool_namespace = pool_namespace
         self.pool: Any = None           # --inference-pool: fastroute.epp.pool.PoolDiscovery
@@ -86,6 +88,7 @@ class EppServer:
                                   rate=cfg.rate_limit_tokens_per_second)
             admission.stats = parts.stats
             self.decider = Decider(cfg, parts.registry, admission, parts.stats, loop)
+            self.decider.sidecar_port = self.sidecar_port
             self.processor = ExternalProcessor(self.decider)
             self.health = grpc_health.aio.HealthServicer()
             self.grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -197,12 +200,13 @@ class EppServer:
 
 
 async def serve(config: Config, grpc_port: int, pool: str | None = None,
-                pool_namespace: str | None = None) -> int:
+                pool_namespace: str | None = None, sidecar_port: int | None = None) -> int:
     """Run the picker until SIGTERM/SIGINT/SIGHUP/SIGQUIT, then drain; the exit status."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     stop_on_signals(loop, stop.set)
-    server = EppServer(config, grpc_port, pool=pool, pool_namespace=pool_namespace)
+    server = EppServer(config, grpc_port, pool=pool, pool_namespace=pool_namespace,
+                       sidecar_port=sidecar_port)
     await server.start()
     await stop.wait()
     log.info("shutdown: draining the ext_proc streams (grace %ss)",

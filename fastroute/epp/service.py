@@ -109,6 +109,7 @@ def routed(pick: Pick, phase: str) -> Any:
     """The answer that sends the request to ``pick`` (``phase``: request_headers or
     request_body, the message it answers)."""
     sets = [_header(HEADER, pick.endpoint)]
+    sets.extend(_header(k, v) for k, v in pick.headers)
     if pick.auth is not None:
         sets.append(_header("authorization", pick.auth))
     if pick.body is not None:

@@ -72,8 +72,8 @@ def test_cli_refuses_in_one_line_and_exits_2(capsys: Any) -> None:
     assert main(["epp", "--grpc-port", "1", "--failure-mode", "FailOpen"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--failure-mode" in err[0] and "not built" in err[0]
-    assert main(["sidecar"]) == 2
-    assert "not built" in capsys.readouterr().err
+    assert _status(["sidecar"]) == 2
+    assert "argument --pd-disaggregation" in capsys.readouterr().err
 
 
 def test_cli_prints_the_bootstrap_and_exits(capsys: Any) -> None:
@@ -400,6 +400,8 @@ _INERT_SAMPLES = {
     "--prefill-policy": ["--prefill-policy", "round_robin"],
     "--decode-policy": ["--decode-policy", "round_robin"],
     "--pd-max-batch-size": ["--pd-max-batch-size", "3"],
+    "--dp-rank-field": ["--pd-disaggregation", "--prefill", "http://p:1", "--decode",
+                        "http://d:2", "--sidecar-port", "9", "--dp-rank-field", "routed_dp_rank"],
     "--cb-window-duration-secs": ["--cb-window-duration-secs", "5"],
     "--replica-id": ["--replica-id", "r1"],
     "--replica-sync-interval-ms": ["--replica-sync-interval-ms", "20"],
@@ -414,10 +416,6 @@ _REFUSED_SAMPLES = {
     "--tls-min-version": ["--tls-min-version", "1.3"],
     "--enable-igw": ["--enable-igw"],
     "--model-alias": ["--model-alias", "a=b"],
-    "--pd-disaggregation": ["--pd-disaggregation", "--prefill", "http://p:1", "--decode",
-                            "http://d:2"],
-    "--prefill": ["--prefill", "http://p:1"],
-    "--decode": ["--decode", "http://d:1"],
     "--retry-max-retries": ["--retry-max-retries", "2"],
     "--retry-initial-backoff-ms": ["--retry-initial-backoff-ms", "10"],
     "--retry-max-backoff-ms": ["--retry-max-backoff-ms", "100"],
@@ -468,6 +466,22 @@ def test_a_flag_the_picker_cannot_honour_refuses_the_start(flag: str, capsys: An
     assert _status([*_PRINT, *_REFUSED_SAMPLES[flag]]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"argument {_NAMED.get(flag, flag)}" in err[0], err
+
+
+def test_pd_needs_the_sidecar_port_and_the_pd_flags_then_act(capsys: Any) -> None:
+    pd = ["--pd-disaggregation", "--prefill", "http://p:1", "--decode", "http://d:2"]
+    assert _status([*_PRINT, *pd]) == 2
+    assert "argument --pd-disaggregation: needs --sidecar-port" in capsys.readouterr().err
+    assert _status([*_PRINT, "--sidecar-port", "9"]) == 2
+    assert "argument --sidecar-port" in capsys.readouterr().err
+    assert _status([*_PRINT, *pd, "--sidecar-port", "9", "--prefill-input-demand", "on"]) == 2
+    assert "argument --prefill-input-demand" in capsys.readouterr().err
+    assert main([*_PRINT, *pd, "--sidecar-port", "9", "--prefill-policy", "random",
+                 "--decode-policy", "round_robin"]) == 0
+    assert "WARNING" not in capsys.readouterr().err
+    assert _status(["sidecar", "--worker-urls", "http://w:1"]) == 2
+    assert "argument --pd-disaggregation: required by fastroute sidecar" in \
+        capsys.readouterr().err
 
 
 def test_connection_flags_go_into_the_printed_bootstrap(capsys: Any) -> None:
