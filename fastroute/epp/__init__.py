@@ -9,6 +9,8 @@ lease at the pick and releases it when the response ends or the stream dies.
 Modules: :mod:`~fastroute.epp.options` (the command line, refusals), :mod:`~fastroute.epp.bootstrap`
 (the Envoy bootstrap it prints), :mod:`~fastroute.epp.decide` (the pick and the lease of one
 stream, no gRPC), :mod:`~fastroute.epp.service` (the ext_proc servicer),
-:mod:`~fastroute.epp.server` (the process). gRPC and the Envoy protos (``pip install
-fastroute[epp]``) are imported only by the last two.
+:mod:`~fastroute.epp.server` (the process), :mod:`~fastroute.epp.pool` (InferencePool
+discovery), :mod:`~fastroute.epp.sidecar` (``fastroute sidecar``, the PD relay of a decode
+pod). gRPC and the Envoy protos (``pip install fastroute[epp]``) are imported only by the
+service and the server.
 """
