@@ -5,7 +5,9 @@ return_logprob, the input length: ids count or text length, and a few keys it re
 builds the whole object tree with json's C scanner and reads the fields from it. This compares,
 on chat and /generate bodies of ~0.1, 2 and 48 KB (distinct bodies, as real users send):
 
-* ``json-scanner``: fastroute's parse today (``body.parse_request`` as of this commit's parent);
+* ``json-scanner``: the full parse (``body._parse_full``: json's C scanner, the whole tree) and
+  the field reads, what ``parse_request`` did before fields.py;
+* ``parse_request``: fastroute's parse now (fields.py's msgspec pick, then the same reads);
 * ``orjson``: ``orjson.loads`` then the same field reads (if orjson is installed);
 * ``msgspec-any``: ``msgspec.json.decode`` to Python objects, same field reads;
 * ``msgspec-typed``: ``msgspec.json.decode(type=Struct)`` of only the fields a pick needs (the
@@ -16,7 +18,7 @@ on chat and /generate bodies of ~0.1, 2 and 48 KB (distinct bodies, as real user
   escape), and only a string with ``\\u`` or ``\\\\`` escapes is decoded.
 
 Each row is the median over rounds of the per-call time (us) from ``timeit``; the ratio column is
-against ``json-scanner``. Usage: ``python bench/field_extract.py [--rounds N]``.
+against ``json-scanner``. Usage: ``python bench/field_extract.py [--rounds N] [--ascii]``.
 """
 from __future__ import annotations
 
@@ -43,13 +45,14 @@ except ImportError:  # optional: only measured when present
 WORDS = ("the quick brown fox jumps over a lazy dog while routers count tokens and caches "
          "remember prefixes of long prompts").split()
 # Real prompts: mostly ASCII, lines (JSON \n escapes), now and then a non-ASCII word.
+ASCII = False  # --ascii: no non-ASCII words (escapes only)
 RARE = ("caf\u00e9", "na\u00efve", "\u4f60\u597d", "\n", "\n\n")
 
 
 def prose(rng: random.Random, size: int) -> str:
     out, n = [], 0
     while n < size:
-        w = rng.choice(WORDS) if rng.random() > 0.03 else rng.choice(RARE)
+        w = rng.choice(WORDS) if rng.random() > 0.03 else rng.choice(RARE[3:] if ASCII else RARE)
         out.append(w)
         n += len(w) + 1
     return " ".join(out)
@@ -200,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--variants", type=int, default=64)
+    ap.add_argument("--ascii", action="store_true", help="ASCII bodies (JSON escapes only)")
     args = ap.parse_args(argv)
+    global ASCII
+    ASCII = args.ascii
     rng = random.Random(1)
     rows = []
     for kind, path, make in (("chat", _body.CHAT, chat_body),
@@ -208,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         for size in (100, 2048, 48 * 1024):
             bodies = [make(rng, size) for _ in range(args.variants)]
             methods: dict[str, Callable[[bytes], Any]] = {
-                "json-scanner": lambda b, p=path: _body.parse_request(p, b).input_tokens,
+                "json-scanner": with_reads(_body._parse_full, path),
+                "parse_request": lambda b, p=path: _body.parse_request(p, b).input_tokens,
                 "msgspec-any": with_reads(_any_dec.decode, path),
                 "msgspec-typed": typed_chat if kind == "chat" else typed_generate,
                 "msgspec-typed-raw": raw_chat if kind == "chat" else raw_generate,
