@@ -14,7 +14,8 @@ once, the decode's answer relayed): the leanest uvloop+httptools relays, no body
 * added p50 at concurrency 1 (router minus direct, same round) on the 2 KB chat JSON body;
 * router CPU microseconds per request (process tree, /proc) for every wrk row.
 
-Columns: direct (latency only), lean (the floor), fastroute, bare (bench/bare_relay.py), nginx (a
+Columns: direct (latency only), lean (the floor), fastroute, fastroute-base (the same command
+from ``--base-checkout DIR``, for before/after in one run), bare (bench/bare_relay.py), nginx (a
 reverse proxy, 1 worker, upstream keep-alive, no buffering: the C reference; regular only) and
 smg when importable. Rounds alternate the router order; cells are medians over rounds. Output:
 markdown, printed and written to bench/out/floor.md.
@@ -155,9 +156,10 @@ def nginx_proxy(tmp: Path, name: str, port: int, upstreams: list[int], nginx: st
 
 
 def routers(mode: str, be: ov.Backends, pythons: dict[str, str | None], tmp: Path, tag: str,
-            nginx: str) -> list[ov.Router]:
-    """direct, lean, fastroute, bare, [nginx], [smg] for one mode and one backend set."""
-    base = {r.name: r for r in ov.router_commands(mode, be, pythons)}
+            nginx: str, base_checkout: Path | None = None) -> list[ov.Router]:
+    """direct, lean, fastroute, [fastroute-base], bare, [nginx], [smg] for one mode and one
+    backend set."""
+    base = {r.name: r for r in ov.router_commands(mode, be, pythons, base_checkout)}
     out = [base["direct"]]
     p = ov.free_port()
     if mode == "regular":
@@ -167,6 +169,8 @@ def routers(mode: str, be: ov.Backends, pythons: dict[str, str | None], tmp: Pat
                 f"http://127.0.0.1:{be.prefill}", str(be.bootstrap), f"http://127.0.0.1:{be.decode}"]
     out.append(ov.Router("lean", p, lean))
     out.append(base["fastroute"])
+    if "fastroute-base" in base:
+        out.append(base["fastroute-base"])
     out.append(base["bare"])
     if mode == "regular":
         p = ov.free_port()
@@ -202,7 +206,7 @@ def run_phase(s: ov.Settings, mode: str, be: ov.Backends, pythons: dict[str, str
               procs: ov.Procs, tmp: Path, tag: str, nginx: str,
               loads: list[tuple[str, Path]], lat: list[bytes] | None, sink: dict[str, Any],
               commands: list[str], notes: list[str]) -> None:
-    rs = routers(mode, be, pythons, tmp, tag, nginx)
+    rs = routers(mode, be, pythons, tmp, tag, nginx, s.base)
     live = []
     for r in rs:
         if r.argv is not None:
@@ -256,8 +260,9 @@ def run_phase(s: ov.Settings, mode: str, be: ov.Backends, pythons: dict[str, str
 
 
 def table(mode: str, sink: dict[str, Any], rows: list[str]) -> str:
-    cols = [c for c in ("direct", "lean", "fastroute", "bare", "nginx", "smg") if c in sink]
-    peers = [c for c in ("lean", "nginx", "smg", "bare") if c in sink]
+    cols = [c for c in ("direct", "lean", "fastroute", "fastroute-base", "bare", "nginx", "smg")
+            if c in sink]
+    peers = [c for c in ("lean", "fastroute-base", "nginx", "smg", "bare") if c in sink]
     head = ["metric", *cols, *(f"fastroute/{p}" for p in peers)]
     out = [f"### mode: {mode}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
@@ -300,6 +305,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--modes", nargs="+", choices=("regular", "pd"), default=["regular", "pd"])
     ap.add_argument("--latency-requests", type=int, default=2000)
     ap.add_argument("--smg-python", default=None)
+    ap.add_argument("--base-checkout", default=None, metavar="DIR",
+                    help="also run fastroute from DIR (built in place) as fastroute-base")
     ap.add_argument("--skip-peers", action="store_true")
     ap.add_argument("--sizes", nargs="+", type=int, default=list(SIZES),
                     help="body sizes in bytes (default 100 2048 49152)")
@@ -312,7 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cmdline = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv)
     nginx, wrk = shutil.which("nginx") or "/usr/sbin/nginx", shutil.which("wrk") or "wrk"
     s = ov.Settings(duration=args.duration, rounds=args.rounds, modes=args.modes,
-                    lat_json=args.latency_requests, lat_sse=0, wrk=wrk)
+                    lat_json=args.latency_requests, lat_sse=0, wrk=wrk,
+                    base=Path(args.base_checkout).resolve() if args.base_checkout else None)
     pythons: dict[str, str | None] = {}
     if not args.skip_peers:
         pythons["smg"], info = ov.detect_peer("smg", args.smg_python)
