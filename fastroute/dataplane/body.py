@@ -64,6 +64,7 @@ from functools import lru_cache
 from typing import Any, Protocol
 
 from fastroute.dataplane.fields import PICKERS as _PICKERS
+from fastroute.dataplane.fields import Message as _Message
 from fastroute.errors import CODE_BAD_REQUEST, RouterError
 
 __all__ = [
@@ -376,7 +377,7 @@ def _parse_chat(obj: dict, meta: RequestMeta) -> None:
         raise _bad("'messages' must be a list")
     tokens = 0
     for msg in messages:
-        if type(msg) is not dict:
+        if type(msg) is not dict and type(msg) is not _Message:  # (_Message: fields.py's)
             raise _bad("'messages' must be a list of objects")
         tokens += _CHAT_TOKENS_PER_MESSAGE
         content = msg.get("content")
