@@ -27,7 +27,8 @@ with a non-zero status.
 Output: a markdown table (N, idle RSS, RSS held, peak RSS, peak - idle per stream, RSS after the
 streams closed), printed and written to ``bench/out/memory.md``. Every process started here is
 stopped on exit.  Usage: ``python bench/memory.py [--streams 1000 2000 5000] [--interval 1]
-[--hold 5] [--prompt-bytes 200] [--out FILE] [-- extra fastroute flags]``.
+[--hold 5] [--prompt-bytes 200] [--out FILE] [-- extra fastroute flags]``; ``--shape generate``
+runs bench/memory_generate.py instead (5,000 aiohttp /generate streams through P2C).
 """
 from __future__ import annotations
 
@@ -407,6 +408,11 @@ async def run(args: argparse.Namespace) -> str:
 
 
 def main() -> None:
+    if "--shape" in sys.argv[1:]:
+        # --shape generate: N /generate streams with ~2 KB texts from an aiohttp client through
+        # an aiohttp worker, P2C on request counts (bench/memory_generate.py).
+        import memory_generate
+        raise SystemExit(memory_generate.main(sys.argv[1:]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, nargs="+", default=[1000, 2000, 5000])
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between a stream's events")

@@ -13,6 +13,9 @@ alternating rounds so that ratios taken within one run are meaningful on a noisy
 Output: a markdown table with medians over rounds and ratios, printed and written to
 bench/out/overhead.md. Every process started here is stopped on exit, Ctrl-C or error.
 Usage: ``python bench/overhead.py [--quick] [--duration S] [--rounds N] [--modes regular pd]``.
+``--floor`` runs bench/floor.py instead: fastroute against the lean relay floor
+(/work/shared/bench/lean_relay.py, bench/lean_pd_relay.py) and nginx on 0.1/2/48 KB chat and
+/generate bodies and paced SSE streams.
 """
 from __future__ import annotations
 
@@ -763,6 +766,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if "--floor" in (sys.argv[1:] if argv is None else argv):
+        # The floor run (bench/floor.py): fastroute against the lean relays on real body sizes.
+        import floor
+        return floor.main(argv)
     args = parse_args(argv)
     cmdline = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv)
     s = Settings(duration=args.duration, rounds=args.rounds, modes=args.modes,

@@ -41,8 +41,12 @@ def main() -> int:
                          "fastroute's compiled modules)")
     ap.add_argument("--strace", action="store_true",
                     help="count the router's system calls per request (strace -c) instead")
-    ap.add_argument("--router", choices=("fastroute", "bare"), default="fastroute",
-                    help="bare: sample bench/bare_relay.py instead (with --perf), for comparison")
+    ap.add_argument("--router", choices=("fastroute", "bare", "lean"), default="fastroute",
+                    help="bare: sample bench/bare_relay.py instead (with --perf), for comparison; "
+                         "lean: the floor, /work/shared/bench/lean_relay.py (regular mode)")
+    ap.add_argument("--chat-bytes", type=int, default=None,
+                    help="send distinct ~N byte chat bodies (bench/floor.py's) instead of the "
+                         "fixed small ones")
     ap.add_argument("--checkout", type=Path, default=ov.REPO,
                     help="fastroute checkout to profile (extensions built in place)")
     a = ap.parse_args()
@@ -52,7 +56,13 @@ def main() -> int:
     procs = ov.Procs(tmp)
     try:
         procs.start("nginx", ["nginx", "-c", str(ov.write_nginx(tmp, be)), "-p", str(tmp)])
-        fr = next(r for r in ov.router_commands(a.mode, be, {}) if r.name == a.router)
+        import floor
+        if a.router == "lean":
+            lp = ov.free_port()
+            fr = ov.Router("lean", lp, [sys.executable, str(floor.LEAN), str(lp),
+                                        *(f"http://127.0.0.1:{q}" for q in be.regular)])
+        else:
+            fr = next(r for r in ov.router_commands(a.mode, be, {}) if r.name == a.router)
         out = tmp / "prof.out"
         argv = ([sys.executable, *fr.argv[1:]] if a.perf or a.strace
                 else [sys.executable, "-m", "cProfile", "-o", str(out), *fr.argv[1:]])
@@ -64,7 +74,12 @@ def main() -> int:
             return 1
         path, body = (ov.JSON_PATH, ov.JSON_BODY) if a.kind == "json" else (ov.SSE_PATH,
                                                                               ov.SSE_BODY)
-        lua = ov.write_lua(tmp, a.kind, path, body)
+        if a.chat_bytes:
+            path = ov.SSE_PATH
+            lua = floor.write_lua(tmp, "chat", path, floor.variants(
+                floor.chat_obj, a.chat_bytes, a.kind == "sse", a.chat_bytes))
+        else:
+            lua = ov.write_lua(tmp, a.kind, path, body)
         s = ov.Settings(duration=a.seconds, rounds=1, modes=[a.mode], lat_json=0, lat_sse=0)
         warm = ov.run_wrk(s, fr.port, lua, 64, 1)  # warm-up (its requests are profiled too)
         if a.strace:

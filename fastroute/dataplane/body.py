@@ -2,8 +2,8 @@
 
 Owns:
 
-* ``parse_request(path, body) -> RequestMeta``: one ``json.loads`` of the client
-  body, type checks of the fields the router reads (wrong type -> RouterError
+* ``parse_request(path, body) -> RequestMeta``: one decode of the client body
+  (of only the keys the router reads, :mod:`fastroute.dataplane.fields`), type checks of the fields the router reads (wrong type -> RouterError
   400 naming the field), and what routing needs: ``stream``, ``batch`` (protocol.md
   3.3: None for a scalar request, B for a batch of B), ``input_tokens``,
   ``return_logprob``, ``max_new_tokens``, ``model``.
@@ -61,8 +61,10 @@ from __future__ import annotations
 import json
 import json.scanner
 from functools import lru_cache
-from typing import Protocol
+from typing import Any, Protocol
 
+from fastroute.dataplane.fields import PICKERS as _PICKERS
+from fastroute.dataplane.fields import Message as _Message
 from fastroute.errors import CODE_BAD_REQUEST, RouterError
 
 __all__ = [
@@ -119,11 +121,17 @@ class RequestMeta:
     """What the router needs to know about one client request.
 
     ``obj`` is the parsed body (the proxy may read e.g. ``rid`` from it but must
-    not mutate it for forwarding: the original bytes are forwarded).
+    not mutate it for forwarding: the original bytes are forwarded). For the
+    three inference endpoints it is built on first read, from ``body``: the
+    request path reads only ``fields``, the top-level keys the router looks at
+    (``READ_FIELDS``), decoded without the rest of the tree. Elsewhere ``fields``
+    is the whole object.
     """
 
     __slots__ = (
-        "obj",
+        "_obj",
+        "body",
+        "fields",
         "stream",
         "batch",
         "input_tokens",
@@ -143,8 +151,11 @@ class RequestMeta:
         max_new_tokens: int | None = None,
         model: str | None = None,
         path: str = "",
+        body: bytes | None = None,
     ) -> None:
-        self.obj = obj
+        self._obj: Any = obj
+        self.fields: Any = obj
+        self.body = body
         self.stream = stream
         self.batch = batch
         self.input_tokens = input_tokens
@@ -153,13 +164,34 @@ class RequestMeta:
         self.model = model
         self.path = path
 
+    @property
+    def obj(self) -> Any:
+        """The whole parsed body (built on the first read when only ``fields`` were decoded)."""
+        if self._obj is None and self.body is not None:
+            try:
+                self._obj = _loads(str(self.body, "utf-8"))
+            except (ValueError, RecursionError):
+                # Only bodies the fast decode took and json refuses: integers beyond Python's
+                # digit limit, nesting at json's recursion limit (see _pick_fields).
+                self._obj = {}
+            self.body = None
+        return self._obj
+
+    @obj.setter
+    def obj(self, value: Any) -> None:
+        # None drops the parse and the bytes it came from (a started response never retries).
+        self._obj = value
+        self.body = None
+        if value is None:
+            self.fields = None
+
     def routing_text(self) -> str | None:
         """Text for prefix-aware policies (cache_aware), computed on demand.
 
         The first prompt of a batch, the chat message contents joined by
         newlines, or None when the request only has token ids.
         """
-        obj = self.obj
+        obj = self.fields
         if self.path == CHAT:
             parts = []
             for msg in obj.get("messages") or ():
@@ -345,7 +377,7 @@ def _parse_chat(obj: dict, meta: RequestMeta) -> None:
         raise _bad("'messages' must be a list")
     tokens = 0
     for msg in messages:
-        if type(msg) is not dict:
+        if type(msg) is not dict and type(msg) is not _Message:  # (_Message: fields.py's)
             raise _bad("'messages' must be a list of objects")
         tokens += _CHAT_TOKENS_PER_MESSAGE
         content = msg.get("content")
@@ -385,12 +417,7 @@ def _loads(text: str) -> object:
     return json.loads(text)
 
 
-def parse_request(path: str, body: bytes) -> RequestMeta:
-    """Parse a client body once; raise RouterError(400) on anything malformed.
-
-    ``path`` selects the batch rules (a query string, if any, is ignored).
-    Other paths get only the generic fields (stream, model).
-    """
+def _parse_full(body: bytes) -> dict:
     try:
         # Decoding ourselves (instead of json.loads(bytes)) pins the encoding to
         # UTF-8: json.loads would also accept UTF-16/32 and a BOM, and inject()
@@ -404,6 +431,32 @@ def parse_request(path: str, body: bytes) -> RequestMeta:
         raise _bad(f"Request body is not valid JSON: {exc}") from None
     if type(obj) is not dict:
         raise _bad("Request body must be a JSON object")
+    return obj
+
+
+def parse_request(path: str, body: bytes) -> RequestMeta:
+    """Parse a client body once; raise RouterError(400) on anything malformed.
+
+    ``path`` selects the batch rules (a query string, if any, is ignored).
+    Other paths get only the generic fields (stream, model), and the whole
+    object parsed. The three inference endpoints decode only the keys the
+    router reads (``fields.READ_FIELDS`` into ``meta.fields``; ``meta.obj`` is
+    parsed when first read); a body that decoder refuses takes the full parse,
+    whose result or error is the answer.
+    """
+    if "?" in path:
+        path = path.partition("?")[0]
+    if type(body) is not bytes:
+        body = bytes(body)
+    picker = _PICKERS.get(path)
+    obj = None
+    if picker is not None:
+        obj = picker.pick(body)
+    if obj is None:
+        obj = _parse_full(body)
+        raw = None
+    else:
+        raw = body
 
     stream = obj.get("stream")
     if stream is None:
@@ -414,9 +467,9 @@ def parse_request(path: str, body: bytes) -> RequestMeta:
     if model is not None and type(model) is not str:
         raise _bad("'model' must be a string")
 
-    if "?" in path:
-        path = path.partition("?")[0]
-    meta = RequestMeta(obj, stream, None, 0, False, None, model, path)
+    meta = RequestMeta(obj, stream, None, 0, False, None, model, path, raw)
+    if raw is not None:
+        meta._obj = None  # the whole object: built from ``body`` if someone reads it
     parser = _PARSERS.get(path)
     if parser is not None:
         parser(obj, meta)

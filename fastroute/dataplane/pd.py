@@ -168,7 +168,7 @@ class PDRelay(_Exchange):
             return RouterError(413, "batch_too_large",
                                "PD batch of %d items exceeds --pd-max-batch-size %d"
                                % (batch, self.app.config.pd_max_batch_size))
-        obj = meta.obj
+        obj = meta.fields  # (the rank keys are among the fields body.py always reads)
         for field in DP_RANK_FIELDS:
             if field in obj:
                 return RouterError(400, _errors.CODE_BAD_REQUEST,
@@ -179,7 +179,7 @@ class PDRelay(_Exchange):
     def attempt(self) -> None:
         """Pick a fresh pair, draw a fresh room, send both legs (first attempt and retries)."""
         meta, req = self.meta, self.req
-        if not self.tries and (meta.batch is not None or _RANK_A in meta.obj or _RANK_B in meta.obj):
+        if not self.tries and (meta.batch is not None or _RANK_A in meta.fields or _RANK_B in meta.fields):
             refused = self._refusal()  # (called only for the requests that may need it)
             if refused is not None:
                 self._fail_client(refused)
