@@ -3,6 +3,7 @@
 Each check names the flag at fault, so a bad command line fails with one line that says which
 option to fix.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -29,12 +30,14 @@ EXPECTED_WAIT_REFUSAL = (
     "since the last load poll) / its reported gen_throughput, plus 0.15 s x k/(1-k) of its KV "
     "usage k; fastroute's load polls keep running and waiting requests and used tokens, not "
     "throughput or queued tokens, so it cannot compute that score and does not substitute "
-    "another one; choose tokens, requests or least_requests")
+    "another one; choose tokens, requests or least_requests"
+)
 MANUAL_WORKERS_REFUSAL = (
     "the manual policy's routing-key table is kept per proxy process, so with --workers {n} each "
     "process would place the same key on its own and keys would move between workers; use "
     "--workers 1 with manual, or --policy consistent_hashing (the same key always hashes to the "
-    "same worker in every process)")
+    "same worker in every process)"
+)
 
 
 def _legs(c: Any) -> list[tuple[str, str]]:
@@ -51,7 +54,8 @@ def metric_in_use(c: Any) -> str:
     if c.p2c_load_metric == "expected_wait" and all(p != "power_of_two" for _, p in _legs(c)):
         logging.getLogger("fastroute.config").warning(
             "--power-of-two-load-metric expected_wait is accepted and ignored by fastroute (only "
-            "used with --policy power_of_two, which is not in use)")
+            "used with --policy power_of_two, which is not in use)"
+        )
         return "tokens"
     return c.p2c_load_metric
 
@@ -60,14 +64,12 @@ def check_peer_semantics(c: Any) -> None:
     """Combinations that would quietly route otherwise than the peers: refused by name."""
     used = _legs(c)
     if c.p2c_load_metric == "expected_wait":
-        source = c.load_metric_source   # the flag, or the environment variable that gave it
-        raise ConfigError(source if source.isupper() else "--power-of-two-load-metric",
-                          EXPECTED_WAIT_REFUSAL)
+        source = c.load_metric_source  # the flag, or the environment variable that gave it
+        raise ConfigError(source if source.isupper() else "--power-of-two-load-metric", EXPECTED_WAIT_REFUSAL)
     workers = c.workers
     manual = [flag for flag, p in used if p == "manual"]
     if manual and workers > 1:
         raise ConfigError(manual[0], MANUAL_WORKERS_REFUSAL.format(n=workers))
-
 
 
 def _strip_url(url: str) -> str:
@@ -102,10 +104,16 @@ def _check_origin(origin: str) -> None:
         parts.port  # noqa: B018 - raises ValueError on a malformed port
     except ValueError:
         parts = None
-    if (parts is None or parts.scheme not in ("http", "https") or not parts.hostname
-            or parts.path or parts.query or parts.fragment or parts.username):
-        raise ConfigError("--cors-allowed-origins",
-                          f"{origin!r} is not '*' or an origin like https://host[:port]")
+    if (
+        parts is None
+        or parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or parts.path
+        or parts.query
+        or parts.fragment
+        or parts.username
+    ):
+        raise ConfigError("--cors-allowed-origins", f"{origin!r} is not '*' or an origin like https://host[:port]")
 
 
 def _check_header(flag: str, name: str) -> None:
@@ -175,7 +183,7 @@ def worker_url_problem(url: str, allow_link_local: bool = False) -> str | None:
         end = hostport.find("]")
         if end < 0:
             return "has an unterminated [IPv6] host"
-        host, port = hostport[: end + 1], hostport[end + 1:]
+        host, port = hostport[: end + 1], hostport[end + 1 :]
         if port and not port.startswith(":"):
             return "has text after the [IPv6] host"
         port = port[1:] if port else None
@@ -196,6 +204,8 @@ def worker_url_problem(url: str, allow_link_local: bool = False) -> str | None:
     if port is not None and not (port.isdigit() and port.isascii() and 1 <= int(port) <= 65535):
         return f"port {port!r} is not in 1..65535"
     if not allow_link_local and link_local(host):
-        return (f"host {host} is a link-local address (169.254.0.0/16, fe80::/10); "
-                "pass --allow-link-local-workers to allow it")
+        return (
+            f"host {host} is a link-local address (169.254.0.0/16, fe80::/10); "
+            "pass --allow-link-local-workers to allow it"
+        )
     return None

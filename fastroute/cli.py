@@ -8,6 +8,7 @@ accepted, each routing flag also answers to its `--router-` spelling (as passed 
 each. Turning the namespace into a validated `Config` is `fastroute.config`'s job; running it is
 `fastroute.runtime.server.run`'s (a `Server`, or a `Supervisor` under `--workers N`). `fastroute demo ...` hands over to `fastroute.sim.demo`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,7 @@ _OWN_PREFIXED = frozenset(f.name for f in flags.TABLE if f.name.startswith(ROUTE
 # Every peer flag fastroute accepts without a field of its own comes from the one inventory,
 # fastroute.flags.TABLE (implemented / inert / refused, with the reason).
 BY_STATUS: dict[str, tuple[str, ...]] = {
-    status: tuple(n for n in flags.COMPAT_NAMES if flags.lookup(n).status == status)
-    for status in flags.STATUSES
+    status: tuple(n for n in flags.COMPAT_NAMES if flags.lookup(n).status == status) for status in flags.STATUSES
 }
 # Inert flags: accepted with one warning each.
 IGNORED_FLAGS: tuple[str, ...] = BY_STATUS[flags.INERT]
@@ -85,9 +85,7 @@ class _IgnoredFlag(argparse.Action):
 
     def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
         kwargs.setdefault("nargs", "*")
-        super().__init__(
-            option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, **kwargs
-        )
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
         flag = _canonical(option_string or self.option_strings[0])
@@ -108,7 +106,7 @@ class _DiscoveryOption(argparse.Action):
 def _canonical(flag: str) -> str:
     flag = flag.split("=", 1)[0]
     if flag.startswith(ROUTER_PREFIX) and flag not in _OWN_PREFIXED:
-        return "--" + flag[len(ROUTER_PREFIX):]
+        return "--" + flag[len(ROUTER_PREFIX) :]
     return flag
 
 
@@ -125,10 +123,7 @@ def _p2c_metric(text: str) -> str:
     value = text.strip().lower()
     if value in P2C_LOAD_METRICS or value in REFUSED_LOAD_METRICS:
         return value  # expected_wait parses and is refused with its reason (fastroute.checks)
-    raise argparse.ArgumentTypeError(
-        f"invalid choice {text!r} (choose from "
-        + ", ".join(P2C_LOAD_METRICS) + ")"
-    )
+    raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from " + ", ".join(P2C_LOAD_METRICS) + ")")
 
 
 class _Adder:
@@ -153,8 +148,9 @@ class _Adder:
             alias_kwargs["dest"] = action.dest
             if "default" in alias_kwargs or action.default is not None:
                 alias_kwargs["default"] = argparse.SUPPRESS
-        aliases = [ROUTER_PREFIX + n[2:] for n in names
-                   if n.startswith("--") and ROUTER_PREFIX + n[2:] not in _OWN_PREFIXED]
+        aliases = [
+            ROUTER_PREFIX + n[2:] for n in names if n.startswith("--") and ROUTER_PREFIX + n[2:] not in _OWN_PREFIXED
+        ]
         if aliases:
             self.parser.add_argument(*aliases, **alias_kwargs)
 
@@ -178,310 +174,668 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
     add.section("Worker configuration", "Listener, worker list and worker start-up.")
     add("--host", default=d("host"), help="Bind address, IPv4 or IPv6 (default: %(default)s).")
     add("--port", type=int, default=d("port"), help="Bind port (default: %(default)s).")
-    add("--worker-urls", nargs="*", default=d("worker_urls"), metavar="URL",
+    add(
+        "--worker-urls",
+        nargs="*",
+        default=d("worker_urls"),
+        metavar="URL",
         help="Regular-mode (non-PD) worker URLs, http:// or https:// (default: none; workers "
-             "can also be added at run time through /workers).")
-    add("--api-key", default=None,
+        "can also be added at run time through /workers).",
+    )
+    add(
+        "--api-key",
+        default=None,
         help="Require 'Authorization: Bearer KEY' on inference and worker-management "
-             "endpoints and send it to workers (default: none, client header forwarded).")
-    add("--dp-aware", action="store_true",
+        "endpoints and send it to workers (default: none, client header forwarded).",
+    )
+    add(
+        "--dp-aware",
+        action="store_true",
         help="Treat each DP rank of a worker as its own target and send the chosen rank in "
-             "the request body (default: off).")
-    add("--worker-startup-timeout-secs", type=int, default=d("worker_startup_timeout_secs"),
-        help="How long to wait for a worker to become healthy at registration "
-             "(default: %(default)s s).")
-    add("--worker-startup-check-interval", type=int,
+        "the request body (default: off).",
+    )
+    add(
+        "--worker-startup-timeout-secs",
+        type=int,
+        default=d("worker_startup_timeout_secs"),
+        help="How long to wait for a worker to become healthy at registration (default: %(default)s s).",
+    )
+    add(
+        "--worker-startup-check-interval",
+        type=int,
         default=d("worker_startup_check_interval"),
-        help="Seconds between registration health probes (default: %(default)s s).")
-    add("--request-timeout-secs", type=int, default=d("request_timeout_secs"),
-        help="Upper bound for one whole upstream request (default: %(default)s s).")
-    add("--max-payload-size", type=int, default=d("max_payload_size"),
-        help="Largest accepted request body in bytes; larger bodies get 413 "
-             "(default: %(default)s).")
-    add("--cors-allowed-origins", nargs="*", default=d("cors_allowed_origins"),
+        help="Seconds between registration health probes (default: %(default)s s).",
+    )
+    add(
+        "--request-timeout-secs",
+        type=int,
+        default=d("request_timeout_secs"),
+        help="Upper bound for one whole upstream request (default: %(default)s s).",
+    )
+    add(
+        "--max-payload-size",
+        type=int,
+        default=d("max_payload_size"),
+        help="Largest accepted request body in bytes; larger bodies get 413 (default: %(default)s).",
+    )
+    add(
+        "--cors-allowed-origins",
+        nargs="*",
+        default=d("cors_allowed_origins"),
         metavar="ORIGIN",
         help="Origins allowed by CORS: '*' or https://host[:port] (default: none). Not "
-             "answered yet (see docs/flags.md): other origins stay refused.")
-    add("--shutdown-grace-period-secs", type=int, default=d("shutdown_grace_period_secs"),
-        help="Time to drain in-flight requests after SIGTERM (default: %(default)s s).")
-    add("--header-read-timeout-secs", type=float, default=d("header_read_timeout_secs"),
-        help="Close a client connection whose request head does not arrive within this "
-             "time (default: %(default)s s).")
-    add("--idle-connection-timeout-secs", type=float,
+        "answered yet (see docs/flags.md): other origins stay refused.",
+    )
+    add(
+        "--shutdown-grace-period-secs",
+        type=int,
+        default=d("shutdown_grace_period_secs"),
+        help="Time to drain in-flight requests after SIGTERM (default: %(default)s s).",
+    )
+    add(
+        "--header-read-timeout-secs",
+        type=float,
+        default=d("header_read_timeout_secs"),
+        help="Close a client connection whose request head does not arrive within this time (default: %(default)s s).",
+    )
+    add(
+        "--idle-connection-timeout-secs",
+        type=float,
         default=d("idle_connection_timeout_secs"),
-        help="Close an idle keep-alive client connection after this time "
-             "(default: %(default)s s).")
-    add("--upstream-pool-idle-timeout-secs", type=float,
+        help="Close an idle keep-alive client connection after this time (default: %(default)s s).",
+    )
+    add(
+        "--upstream-pool-idle-timeout-secs",
+        type=float,
         default=d("upstream_pool_idle_timeout_secs"),
         help="Drop pooled worker connections idle this long; keep below SGLang's 5 s "
-             "keep-alive; 0 = keep no idle connection (a new one per request) "
-             "(default: %(default)s s).")
-    add("--sse-keepalive-secs", type=float, default=d("sse_keepalive_secs"),
+        "keep-alive; 0 = keep no idle connection (a new one per request) "
+        "(default: %(default)s s).",
+    )
+    add(
+        "--sse-keepalive-secs",
+        type=float,
+        default=d("sse_keepalive_secs"),
         help="Interval of SSE keep-alive comments on quiet streams; not sent yet (see "
-             "docs/flags.md) (default: %(default)s s).")
+        "docs/flags.md) (default: %(default)s s).",
+    )
 
     add.section("Security", "TLS on the listener, admin authentication, probe port.")
-    add("--tls-cert-path", default=None, metavar="PEM",
-        help="Serve HTTPS on --port with this certificate chain (needs --tls-key-path; "
-             "default: plain HTTP).")
-    add("--tls-key-path", default=None, metavar="PEM",
-        help="Private key of --tls-cert-path (default: none).")
-    add("--tls-min-version", choices=("1.2", "1.3"), default=d("tls_min_version"),
-        help="Oldest TLS version the HTTPS listener negotiates; TLS 1.0/1.1 are never offered "
-             "(default: %(default)s).")
-    add("--control-plane-api-keys", nargs="*", action="extend", default=None,
+    add(
+        "--tls-cert-path",
+        default=None,
+        metavar="PEM",
+        help="Serve HTTPS on --port with this certificate chain (needs --tls-key-path; default: plain HTTP).",
+    )
+    add("--tls-key-path", default=None, metavar="PEM", help="Private key of --tls-cert-path (default: none).")
+    add(
+        "--tls-min-version",
+        choices=("1.2", "1.3"),
+        default=d("tls_min_version"),
+        help="Oldest TLS version the HTTPS listener negotiates; TLS 1.0/1.1 are never offered (default: %(default)s).",
+    )
+    add(
+        "--control-plane-api-keys",
+        nargs="*",
+        action="extend",
+        default=None,
         metavar="ID:NAME:ROLE:KEY",
         help="Keys of the worker-management routes (role admin: every route; role user: "
-             "GET only, 403 on changes); when given, --api-key no longer opens those routes. "
-             "Also $" + ENV_CONTROL_PLANE_API_KEYS + " (comma or space separated) "
-             "(default: none).")
-    add("--control-plane-audit-enabled", action="store_true",
+        "GET only, 403 on changes); when given, --api-key no longer opens those routes. "
+        "Also $" + ENV_CONTROL_PLANE_API_KEYS + " (comma or space separated) "
+        "(default: none).",
+    )
+    add(
+        "--control-plane-audit-enabled",
+        action="store_true",
         help="Log one control_plane_audit line per worker-management change "
-             "(key id, role, route, target, outcome; never the key) (default: off).")
-    add("--allow-link-local-workers", action="store_true",
+        "(key id, role, route, target, outcome; never the key) (default: off).",
+    )
+    add(
+        "--allow-link-local-workers",
+        action="store_true",
         help="Accept workers at link-local addresses (169.254.0.0/16, fe80::/10, where cloud "
-             "metadata services answer); refused by default (fastroute only; default: off).")
-    add("--health-check-port", type=int, default=None, metavar="PORT",
+        "metadata services answer); refused by default (fastroute only; default: off).",
+    )
+    add(
+        "--health-check-port",
+        type=int,
+        default=None,
+        metavar="PORT",
         help="Also answer /health, /liveness and /readiness on this port, from a thread of "
-             "their own that keeps answering while the proxy is busy (default: none).")
+        "their own that keeps answering while the proxy is busy (default: none).",
+    )
 
-    add.section("Routing policy",
-                f"Implemented policies: {', '.join(SUPPORTED_POLICIES)}. The peers' other "
-                "names (" + ", ".join(p for p in ALL_POLICIES if p not in SUPPORTED_POLICIES)
-                + "; bucket for prefill) parse but fail at start-up with an error.")
-    add("--policy", choices=ALL_POLICIES, default=d("policy"), metavar="POLICY",
-        help="Policy of regular mode and default of both PD roles (default: %(default)s).")
-    add("--prefill-policy", choices=ALL_POLICIES + PREFILL_ONLY_POLICIES, default=None,
+    add.section(
+        "Routing policy",
+        f"Implemented policies: {', '.join(SUPPORTED_POLICIES)}. The peers' other "
+        "names ("
+        + ", ".join(p for p in ALL_POLICIES if p not in SUPPORTED_POLICIES)
+        + "; bucket for prefill) parse but fail at start-up with an error.",
+    )
+    add(
+        "--policy",
+        choices=ALL_POLICIES,
+        default=d("policy"),
         metavar="POLICY",
-        help="PD prefill policy (default: same as --policy).")
-    add("--decode-policy", choices=ALL_POLICIES, default=None, metavar="POLICY",
-        help="PD decode policy (default: same as --policy).")
-    add("--power-of-two-load-metric", "--p2c-load-metric", dest="p2c_load_metric",
-        type=_p2c_metric, default=None, metavar="{tokens,requests,least_requests}",
+        help="Policy of regular mode and default of both PD roles (default: %(default)s).",
+    )
+    add(
+        "--prefill-policy",
+        choices=ALL_POLICIES + PREFILL_ONLY_POLICIES,
+        default=None,
+        metavar="POLICY",
+        help="PD prefill policy (default: same as --policy).",
+    )
+    add(
+        "--decode-policy",
+        choices=ALL_POLICIES,
+        default=None,
+        metavar="POLICY",
+        help="PD decode policy (default: same as --policy).",
+    )
+    add(
+        "--power-of-two-load-metric",
+        "--p2c-load-metric",
+        dest="p2c_load_metric",
+        type=_p2c_metric,
+        default=None,
+        metavar="{tokens,requests,least_requests}",
         help="What power_of_two compares: polled tokens (tie: in-flight requests), "
-             "in-flight requests (tie: polled tokens), or least_requests over all targets; "
-             "smg's expected_wait is refused with its reason (default: $" + ENV_P2C_LOAD_METRIC
-             + " if set, else tokens).")
-    add("--load-monitor-interval", type=float, default=d("load_monitor_interval"),
-        help="Seconds between /v1/loads polls of each worker, minimum 0.1 "
-             "(default: %(default)s s).")
-    add("--disable-load-monitoring", action="store_true",
-        help="Poll worker loads only when a policy needs them (default: off).")
-    add("--routing-key-headers", nargs="*", default=d("routing_key_headers"), metavar="HEADER",
-        help="Extra headers used as consistent_hashing key after X-SMG-Routing-Key "
-             "(default: none).")
-    add("--enable-igw", action="store_true",
+        "in-flight requests (tie: polled tokens), or least_requests over all targets; "
+        "smg's expected_wait is refused with its reason (default: $" + ENV_P2C_LOAD_METRIC + " if set, else tokens).",
+    )
+    add(
+        "--load-monitor-interval",
+        type=float,
+        default=d("load_monitor_interval"),
+        help="Seconds between /v1/loads polls of each worker, minimum 0.1 (default: %(default)s s).",
+    )
+    add(
+        "--disable-load-monitoring",
+        action="store_true",
+        help="Poll worker loads only when a policy needs them (default: off).",
+    )
+    add(
+        "--routing-key-headers",
+        nargs="*",
+        default=d("routing_key_headers"),
+        metavar="HEADER",
+        help="Extra headers used as consistent_hashing key after X-SMG-Routing-Key (default: none).",
+    )
+    add(
+        "--enable-igw",
+        action="store_true",
         help="Multi-model gateway: workers are grouped by the model they serve and a request's "
-             "\"model\" picks the group its policy balances in (default: off).")
-    add("--model-alias", nargs="*", default=d("model_alias"), metavar="ALIAS=MODEL",
-        help="With --enable-igw: requests for ALIAS go to MODEL's workers (default: none).")
-    add("--ca-cert-paths", nargs="*", default=d("ca_cert_paths"), metavar="PEM",
-        help="CA certificates trusted for https:// workers, besides the system CAs "
-             "(default: none).")
-    add("--client-cert-path", default=None, metavar="PEM",
-        help="Client certificate presented to https:// workers (mTLS; with --client-key-path).")
-    add("--client-key-path", default=None, metavar="PEM",
-        help="Private key of --client-cert-path.")
-    add("--assignment-mode", choices=ASSIGNMENT_MODES, default=d("assignment_mode"),
+        '"model" picks the group its policy balances in (default: off).',
+    )
+    add(
+        "--model-alias",
+        nargs="*",
+        default=d("model_alias"),
+        metavar="ALIAS=MODEL",
+        help="With --enable-igw: requests for ALIAS go to MODEL's workers (default: none).",
+    )
+    add(
+        "--ca-cert-paths",
+        nargs="*",
+        default=d("ca_cert_paths"),
+        metavar="PEM",
+        help="CA certificates trusted for https:// workers, besides the system CAs (default: none).",
+    )
+    add(
+        "--client-cert-path",
+        default=None,
+        metavar="PEM",
+        help="Client certificate presented to https:// workers (mTLS; with --client-key-path).",
+    )
+    add("--client-key-path", default=None, metavar="PEM", help="Private key of --client-cert-path.")
+    add(
+        "--assignment-mode",
+        choices=ASSIGNMENT_MODES,
+        default=d("assignment_mode"),
         help="manual: how a new routing key is placed: random, min_load (fewest in-flight "
-             "requests) or min_group (fewest keys) (default: %(default)s).")
-    add("--max-idle-secs", "--sticky-key-idle-secs", type=int, default=d("max_idle_secs"),
-        help="manual: forget a routing key idle this long (default: %(default)s s).")
-    add("--max-manual-keys", type=int, default=d("max_manual_keys"), metavar="N",
+        "requests) or min_group (fewest keys) (default: %(default)s).",
+    )
+    add(
+        "--max-idle-secs",
+        "--sticky-key-idle-secs",
+        type=int,
+        default=d("max_idle_secs"),
+        help="manual: forget a routing key idle this long (default: %(default)s s).",
+    )
+    add(
+        "--max-manual-keys",
+        type=int,
+        default=d("max_manual_keys"),
+        metavar="N",
         help="manual: keep at most N routing keys per group and process; a new key past it "
-             "evicts the least recently used eighth, counted in "
-             "fastroute_manual_keys_evicted_total (fastroute only; default: %(default)s).")
-    add("--cache-threshold", "--cache-match-threshold", type=float, default=d("cache_threshold"),
-        help="cache_aware: minimum prefix match ratio to follow the cache "
-             "(default: %(default)s).")
-    add("--balance-abs-threshold", "--spill-abs-threshold", type=int, default=d("balance_abs_threshold"),
+        "evicts the least recently used eighth, counted in "
+        "fastroute_manual_keys_evicted_total (fastroute only; default: %(default)s).",
+    )
+    add(
+        "--cache-threshold",
+        "--cache-match-threshold",
+        type=float,
+        default=d("cache_threshold"),
+        help="cache_aware: minimum prefix match ratio to follow the cache (default: %(default)s).",
+    )
+    add(
+        "--balance-abs-threshold",
+        "--spill-abs-threshold",
+        type=int,
+        default=d("balance_abs_threshold"),
         help="cache_aware: balance instead when max-min load > this AND max > min x "
-             "--balance-rel-threshold (default: %(default)s).")
-    add("--balance-rel-threshold", "--spill-rel-threshold", type=float, default=d("balance_rel_threshold"),
-        help="cache_aware: relative part of the balance rule (default: %(default)s).")
-    add("--eviction-interval-secs", type=int, default=d("eviction_interval_secs"),
-        help="cache_aware: seconds between prefix tree evictions (default: %(default)s).")
-    add("--max-tree-size", type=int, default=d("max_tree_size"),
-        help="cache_aware: prefix tree size bound (default: %(default)s).")
+        "--balance-rel-threshold (default: %(default)s).",
+    )
+    add(
+        "--balance-rel-threshold",
+        "--spill-rel-threshold",
+        type=float,
+        default=d("balance_rel_threshold"),
+        help="cache_aware: relative part of the balance rule (default: %(default)s).",
+    )
+    add(
+        "--eviction-interval-secs",
+        type=int,
+        default=d("eviction_interval_secs"),
+        help="cache_aware: seconds between prefix tree evictions (default: %(default)s).",
+    )
+    add(
+        "--max-tree-size",
+        type=int,
+        default=d("max_tree_size"),
+        help="cache_aware: prefix tree size bound (default: %(default)s).",
+    )
 
     add.section("PD disaggregation", "Prefill/decode disaggregated serving.")
-    add("--pd-disaggregation", action="store_true",
+    add(
+        "--pd-disaggregation",
+        action="store_true",
         help="Run in PD mode: each request goes to one prefill and one decode worker "
-             "(default: off; cannot be combined with --worker-urls).")
-    add("--prefill", nargs="+", action="append", metavar=("URL", "BOOTSTRAP_PORT"),
+        "(default: off; cannot be combined with --worker-urls).",
+    )
+    add(
+        "--prefill",
+        nargs="+",
+        action="append",
+        metavar=("URL", "BOOTSTRAP_PORT"),
         help="A prefill worker and its KV bootstrap port; the port is an integer, 'none' or "
-             "absent (= null). Repeat for several workers (default: none).")
-    add("--decode", action="append", metavar="URL",
-        help="A decode worker; repeat for several (default: none).")
+        "absent (= null). Repeat for several workers (default: none).",
+    )
+    add("--decode", action="append", metavar="URL", help="A decode worker; repeat for several (default: none).")
 
     add.section("Retries")
-    add("--retry-max-retries", type=int, default=d("retry_max_retries"),
-        help="Total attempts per request on 408/429/500/502/503/504 (default: %(default)s).")
-    add("--retry-initial-backoff-ms", type=int, default=d("retry_initial_backoff_ms"),
-        help="Delay before the second attempt (default: %(default)s ms).")
-    add("--retry-max-backoff-ms", type=int, default=d("retry_max_backoff_ms"),
-        help="Cap of the retry delay (default: %(default)s ms).")
-    add("--retry-backoff-multiplier", type=float, default=d("retry_backoff_multiplier"),
-        help="Growth factor of the retry delay (default: %(default)s).")
-    add("--retry-jitter-factor", type=float, default=d("retry_jitter_factor"),
-        help="Random +/- fraction applied to each delay (default: %(default)s).")
+    add(
+        "--retry-max-retries",
+        type=int,
+        default=d("retry_max_retries"),
+        help="Total attempts per request on 408/429/500/502/503/504 (default: %(default)s).",
+    )
+    add(
+        "--retry-initial-backoff-ms",
+        type=int,
+        default=d("retry_initial_backoff_ms"),
+        help="Delay before the second attempt (default: %(default)s ms).",
+    )
+    add(
+        "--retry-max-backoff-ms",
+        type=int,
+        default=d("retry_max_backoff_ms"),
+        help="Cap of the retry delay (default: %(default)s ms).",
+    )
+    add(
+        "--retry-backoff-multiplier",
+        type=float,
+        default=d("retry_backoff_multiplier"),
+        help="Growth factor of the retry delay (default: %(default)s).",
+    )
+    add(
+        "--retry-jitter-factor",
+        type=float,
+        default=d("retry_jitter_factor"),
+        help="Random +/- fraction applied to each delay (default: %(default)s).",
+    )
     add("--disable-retries", action="store_true", help="One attempt only (default: off).")
 
     add.section("Circuit breaker", "Per worker (per rank with --dp-aware).")
-    add("--cb-failure-threshold", type=int, default=d("cb_failure_threshold"),
-        help="Consecutive failures that open the circuit (default: %(default)s).")
-    add("--cb-success-threshold", type=int, default=d("cb_success_threshold"),
-        help="Consecutive half-open successes that close it (default: %(default)s).")
-    add("--cb-timeout-duration-secs", type=int, default=d("cb_timeout_duration_secs"),
-        help="Time open before a half-open trial (default: %(default)s s).")
-    add("--cb-window-duration-secs", type=int, default=d("cb_window_duration_secs"),
+    add(
+        "--cb-failure-threshold",
+        type=int,
+        default=d("cb_failure_threshold"),
+        help="Consecutive failures that open the circuit (default: %(default)s).",
+    )
+    add(
+        "--cb-success-threshold",
+        type=int,
+        default=d("cb_success_threshold"),
+        help="Consecutive half-open successes that close it (default: %(default)s).",
+    )
+    add(
+        "--cb-timeout-duration-secs",
+        type=int,
+        default=d("cb_timeout_duration_secs"),
+        help="Time open before a half-open trial (default: %(default)s s).",
+    )
+    add(
+        "--cb-window-duration-secs",
+        type=int,
+        default=d("cb_window_duration_secs"),
         help="Accepted with a warning: like smg's, the circuit breaker counts consecutive "
-             "failures and never reads it; must be at least 1 (default: %(default)s s).")
-    add("--disable-circuit-breaker", action="store_true",
-        help="Never open circuits (default: off).")
+        "failures and never reads it; must be at least 1 (default: %(default)s s).",
+    )
+    add("--disable-circuit-breaker", action="store_true", help="Never open circuits (default: off).")
 
     add.section("Health checks")
-    add("--health-failure-threshold", type=int, default=d("health_failure_threshold"),
-        help="Consecutive failed probes that mark a worker unhealthy (default: %(default)s).")
-    add("--health-success-threshold", type=int, default=d("health_success_threshold"),
-        help="Consecutive good probes that mark it healthy again (default: %(default)s).")
-    add("--health-check-timeout-secs", type=int, default=d("health_check_timeout_secs"),
-        help="Timeout of one probe (default: %(default)s s).")
-    add("--health-check-interval-secs", type=int, default=d("health_check_interval_secs"),
-        help="Seconds between probes of each worker (default: %(default)s s).")
-    add("--health-check-endpoint", default=d("health_check_endpoint"),
-        help="Path probed on each worker (default: %(default)s).")
-    add("--disable-health-check", action="store_true",
-        help="Do not probe workers at run time (default: off).")
+    add(
+        "--health-failure-threshold",
+        type=int,
+        default=d("health_failure_threshold"),
+        help="Consecutive failed probes that mark a worker unhealthy (default: %(default)s).",
+    )
+    add(
+        "--health-success-threshold",
+        type=int,
+        default=d("health_success_threshold"),
+        help="Consecutive good probes that mark it healthy again (default: %(default)s).",
+    )
+    add(
+        "--health-check-timeout-secs",
+        type=int,
+        default=d("health_check_timeout_secs"),
+        help="Timeout of one probe (default: %(default)s s).",
+    )
+    add(
+        "--health-check-interval-secs",
+        type=int,
+        default=d("health_check_interval_secs"),
+        help="Seconds between probes of each worker (default: %(default)s s).",
+    )
+    add(
+        "--health-check-endpoint",
+        default=d("health_check_endpoint"),
+        help="Path probed on each worker (default: %(default)s).",
+    )
+    add("--disable-health-check", action="store_true", help="Do not probe workers at run time (default: off).")
 
     add.section("Admission/Rate limiting")
-    add("--max-concurrent-requests", type=int, default=d("max_concurrent_requests"),
-        help="Requests in flight before queueing; -1 = unlimited (default: %(default)s).")
-    add("--queue-size", type=int, default=d("queue_size"),
-        help="Requests that may wait for a slot; 0 = reject at once with 429 "
-             "(default: %(default)s).")
-    add("--queue-timeout-secs", type=int, default=d("queue_timeout_secs"),
-        help="Longest wait in the queue before 408 (default: %(default)s s).")
-    add("--rate-limit-tokens-per-second", type=int, default=None,
+    add(
+        "--max-concurrent-requests",
+        type=int,
+        default=d("max_concurrent_requests"),
+        help="Requests in flight before queueing; -1 = unlimited (default: %(default)s).",
+    )
+    add(
+        "--queue-size",
+        type=int,
+        default=d("queue_size"),
+        help="Requests that may wait for a slot; 0 = reject at once with 429 (default: %(default)s).",
+    )
+    add(
+        "--queue-timeout-secs",
+        type=int,
+        default=d("queue_timeout_secs"),
+        help="Longest wait in the queue before 408 (default: %(default)s s).",
+    )
+    add(
+        "--rate-limit-tokens-per-second",
+        type=int,
+        default=None,
         help="Admitted requests per second: a token bucket (burst --max-concurrent-requests) "
-             "in front of the admission queue (default: none, only the concurrency limit).")
+        "in front of the admission queue (default: none, only the concurrency limit).",
+    )
 
     add.section("Prometheus")
-    add("--prometheus-host", default=d("prometheus_host"),
-        help="Bind address of the /metrics listener (default: %(default)s).")
-    add("--prometheus-port", type=int, default=d("prometheus_port"),
-        help="Port of the /metrics listener (default: %(default)s).")
-    add("--prometheus-duration-buckets", nargs="+", type=float,
-        default=d("prometheus_duration_buckets"), metavar="SECS",
-        help="Request duration histogram buckets (default: the sglang-router legacy list, "
-             "0.001 ... 240 s).")
+    add(
+        "--prometheus-host",
+        default=d("prometheus_host"),
+        help="Bind address of the /metrics listener (default: %(default)s).",
+    )
+    add(
+        "--prometheus-port",
+        type=int,
+        default=d("prometheus_port"),
+        help="Port of the /metrics listener (default: %(default)s).",
+    )
+    add(
+        "--prometheus-duration-buckets",
+        nargs="+",
+        type=float,
+        default=d("prometheus_duration_buckets"),
+        metavar="SECS",
+        help="Request duration histogram buckets (default: the sglang-router legacy list, 0.001 ... 240 s).",
+    )
 
     add.section("Logging")
-    add("--log-level", type=str.lower, choices=_LOG_LEVEL_CHOICES, default=d("log_level"),
-        help="Log verbosity (default: %(default)s).")
-    add("--log-json", action="store_true",
+    add(
+        "--log-level",
+        type=str.lower,
+        choices=_LOG_LEVEL_CHOICES,
+        default=d("log_level"),
+        help="Log verbosity (default: %(default)s).",
+    )
+    add(
+        "--log-json",
+        action="store_true",
         help="Write each log line as one JSON object (time, level, logger, message, pid and "
-             "the line's fields) (default: off).")
-    add("--log-dir", default=None,
-        help="Also write logs to DIR/fastroute.log (default: console only).")
-    add("--request-id-headers", nargs="*", default=d("request_id_headers"), metavar="HEADER",
+        "the line's fields) (default: off).",
+    )
+    add("--log-dir", default=None, help="Also write logs to DIR/fastroute.log (default: console only).")
+    add(
+        "--request-id-headers",
+        nargs="*",
+        default=d("request_id_headers"),
+        metavar="HEADER",
         help="Request headers whose first present value becomes x-request-id "
-             "(default: " + " ".join(d("request_id_headers")) + ").")
+        "(default: " + " ".join(d("request_id_headers")) + ").",
+    )
 
     add.section("fastroute extensions", "Not in sglang-router; defaults keep peer behaviour.")
-    add("--decode-input-demand", choices=DEMAND_MODES, default=d("decode_input_demand"),
+    add(
+        "--decode-input-demand",
+        choices=DEMAND_MODES,
+        default=d("decode_input_demand"),
         help="Pick decode targets by in-flight input tokens + request tokens (+ W x held "
-             "requests): off, shadow (count agreement, dispatch legacy pick) or on "
-             "(default: %(default)s).")
-    add("--decode-request-weight", type=int, default=None, metavar="W",
+        "requests): off, shadow (count agreement, dispatch legacy pick) or on "
+        "(default: %(default)s).",
+    )
+    add(
+        "--decode-request-weight",
+        type=int,
+        default=None,
+        metavar="W",
         help="Token charge per request a decode target already holds in the demand cost; "
-             "nonzero needs --decode-input-demand shadow or on (default: $"
-             + ENV_DECODE_REQUEST_WEIGHT + " if set, else 0).")
-    add("--prefill-input-demand", choices=DEMAND_MODES, default=d("prefill_input_demand"),
+        "nonzero needs --decode-input-demand shadow or on (default: $"
+        + ENV_DECODE_REQUEST_WEIGHT
+        + " if set, else 0).",
+    )
+    add(
+        "--prefill-input-demand",
+        choices=DEMAND_MODES,
+        default=d("prefill_input_demand"),
         help="PD: pick prefill targets (ranks under --dp-aware) by the input tokens waiting "
-             "there + this request's: booked at the pick, given back when the prefill answers, "
-             "corrected by /v1/loads num_waiting_uncached_tokens where reported; off, shadow "
-             "(count agreement, dispatch the prefill policy's pick) or on (default: %(default)s).")
-    add("--dp-rank-field", choices=DP_RANK_FIELDS, default=None,
+        "there + this request's: booked at the pick, given back when the prefill answers, "
+        "corrected by /v1/loads num_waiting_uncached_tokens where reported; off, shadow "
+        "(count agreement, dispatch the prefill policy's pick) or on (default: %(default)s).",
+    )
+    add(
+        "--dp-rank-field",
+        choices=DP_RANK_FIELDS,
+        default=None,
         help="Body key carrying the chosen DP rank (default: routed_dp_rank on the PD decode "
-             "leg, data_parallel_rank in regular mode).")
-    add("--seed", type=int, default=None,
-        help="Seed of the tie-break RNG, for reproducible runs (default: random).")
-    add("--body-read-timeout-secs", type=float, default=d("body_read_timeout_secs"),
+        "leg, data_parallel_rank in regular mode).",
+    )
+    add("--seed", type=int, default=None, help="Seed of the tie-break RNG, for reproducible runs (default: random).")
+    add(
+        "--body-read-timeout-secs",
+        type=float,
+        default=d("body_read_timeout_secs"),
         help="Answer 408 and close when a request body has not fully arrived within this time; "
-             "a body stalled for --header-read-timeout-secs is cut sooner (default: %(default)s s).")
-    add("--pd-max-batch-size", type=int, default=d("pd_max_batch_size"),
-        help="Largest PD batch (items, one bootstrap room each); larger ones get 413 "
-             "(default: %(default)s).")
-    add("--workers", type=_workers_value, default=d("workers"), metavar="N|auto",
-        help="Proxy processes sharing the port and one in-flight ledger; auto = one per CPU "
-             "(default: %(default)s).")
-    add("--decode-kv-fit", choices=DEMAND_MODES, default=d("decode_kv_fit"),
+        "a body stalled for --header-read-timeout-secs is cut sooner (default: %(default)s s).",
+    )
+    add(
+        "--pd-max-batch-size",
+        type=int,
+        default=d("pd_max_batch_size"),
+        help="Largest PD batch (items, one bootstrap room each); larger ones get 413 (default: %(default)s).",
+    )
+    add(
+        "--workers",
+        type=_workers_value,
+        default=d("workers"),
+        metavar="N|auto",
+        help="Proxy processes sharing the port and one in-flight ledger; auto = one per CPU (default: %(default)s).",
+    )
+    add(
+        "--decode-kv-fit",
+        choices=DEMAND_MODES,
+        default=d("decode_kv_fit"),
         help="KV-fit decode placement: narrow the decode candidates to the ranks whose "
-             "estimated free KV (last /v1/loads poll + the router's bookings since) holds this "
-             "request's input + max_new_tokens + the reserve, then apply the decode policy (or the "
-             "demand cost); no rank fits: the one with the most free KV. 'shadow' dispatches the "
-             "usual pick and counts agreement (default: %(default)s).")
-    add("--cache-aware-rank-slack", type=int, default=d("cache_aware_rank_slack"), metavar="N",
+        "estimated free KV (last /v1/loads poll + the router's bookings since) holds this "
+        "request's input + max_new_tokens + the reserve, then apply the decode policy (or the "
+        "demand cost); no rank fits: the one with the most free KV. 'shadow' dispatches the "
+        "usual pick and counts agreement (default: %(default)s).",
+    )
+    add(
+        "--cache-aware-rank-slack",
+        type=int,
+        default=d("cache_aware_rank_slack"),
+        metavar="N",
         help="cache_aware on a leg that decodes (PD decode, regular): pick only among targets "
-             "holding at most the least-loaded one's in-flight requests + N; a prefix hit goes to "
-             "the least-loaded holder, a miss to the least-loaded target. Default: 0 on the PD "
-             "decode leg under --dp-aware when it inherits --policy cache_aware (every decode "
-             "step waits for the busiest rank), unbounded elsewhere and with an explicit "
-             "--decode-policy cache_aware.")
-    add("--decode-kv-reserve-tokens", type=int, default=d("decode_kv_reserve_tokens"),
+        "holding at most the least-loaded one's in-flight requests + N; a prefix hit goes to "
+        "the least-loaded holder, a miss to the least-loaded target. Default: 0 on the PD "
+        "decode leg under --dp-aware when it inherits --policy cache_aware (every decode "
+        "step waits for the busiest rank), unbounded elsewhere and with an explicit "
+        "--decode-policy cache_aware.",
+    )
+    add(
+        "--decode-kv-reserve-tokens",
+        type=int,
+        default=d("decode_kv_reserve_tokens"),
         metavar="TOKENS",
         help="Extra KV tokens a request must leave free on its rank under --decode-kv-fit, "
-             "on top of its input and max_new_tokens (default: %(default)s).")
+        "on top of its input and max_new_tokens (default: %(default)s).",
+    )
 
-    add.section("Service discovery", "Workers from Kubernetes pods or a JSON manifest file, beside "
-                "--worker-urls / --prefill / --decode and POST /workers (fastroute.control.discovery).")
+    add.section(
+        "Service discovery",
+        "Workers from Kubernetes pods or a JSON manifest file, beside "
+        "--worker-urls / --prefill / --decode and POST /workers (fastroute.control.discovery).",
+    )
     opt = _DiscoveryOption
-    add("--service-discovery", action="store_true",
+    add(
+        "--service-discovery",
+        action="store_true",
         help="Watch Kubernetes pods (in-cluster service account or kubeconfig; refuses to start "
-             "without either): a Running and Ready pod matching the selector becomes worker "
-             "http://<podIP>:<--service-discovery-port> (default: off).")
-    add("--selector", action=opt, nargs="*", default=d("selector"), metavar="KEY=VALUE",
+        "without either): a Running and Ready pod matching the selector becomes worker "
+        "http://<podIP>:<--service-discovery-port> (default: off).",
+    )
+    add(
+        "--selector",
+        action=opt,
+        nargs="*",
+        default=d("selector"),
+        metavar="KEY=VALUE",
         help="Label selector of regular-mode worker pods, space- or comma-separated, "
-             "set-based forms allowed (default: none).")
-    add("--prefill-selector", action=opt, nargs="*", default=d("prefill_selector"),
-        metavar="KEY=VALUE", help="PD mode: label selector of prefill pods (default: none).")
-    add("--decode-selector", action=opt, nargs="*", default=d("decode_selector"),
-        metavar="KEY=VALUE", help="PD mode: label selector of decode pods (default: none).")
-    add("--service-discovery-port", action=opt, type=int, default=d("service_discovery_port"),
+        "set-based forms allowed (default: none).",
+    )
+    add(
+        "--prefill-selector",
+        action=opt,
+        nargs="*",
+        default=d("prefill_selector"),
+        metavar="KEY=VALUE",
+        help="PD mode: label selector of prefill pods (default: none).",
+    )
+    add(
+        "--decode-selector",
+        action=opt,
+        nargs="*",
+        default=d("decode_selector"),
+        metavar="KEY=VALUE",
+        help="PD mode: label selector of decode pods (default: none).",
+    )
+    add(
+        "--service-discovery-port",
+        action=opt,
+        type=int,
+        default=d("service_discovery_port"),
         metavar="PORT",
-        help="Worker HTTP port on each pod (default: %(default)s).")
-    add("--service-discovery-namespace", action=opt, default=None, metavar="NAMESPACE",
-        help="Namespace to watch (default: all namespaces).")
-    add("--bootstrap-port-annotation", action=opt, default=d("bootstrap_port_annotation"),
+        help="Worker HTTP port on each pod (default: %(default)s).",
+    )
+    add(
+        "--service-discovery-namespace",
+        action=opt,
+        default=None,
+        metavar="NAMESPACE",
+        help="Namespace to watch (default: all namespaces).",
+    )
+    add(
+        "--bootstrap-port-annotation",
+        action=opt,
+        default=d("bootstrap_port_annotation"),
         metavar="KEY",
-        help="Pod annotation holding a prefill pod's KV bootstrap port; absent = null "
-             "(default: %(default)s).")
-    add("--discovery-provider", choices=DISCOVERY_PROVIDERS, default=None,
+        help="Pod annotation holding a prefill pod's KV bootstrap port; absent = null (default: %(default)s).",
+    )
+    add(
+        "--discovery-provider",
+        choices=DISCOVERY_PROVIDERS,
+        default=None,
         help="Where workers come from: kubernetes pods or a JSON manifest file; giving it turns "
-             "discovery on (default: kubernetes with --service-discovery).")
-    add("--discovery-file", action=opt, default=None, metavar="PATH",
-        help="--discovery-provider file: the manifest {\"workers\": [{\"url\": ..., "
-             "\"worker_type\": ..., \"bootstrap_port\": ...}]}; may appear after start-up, "
-             "re-read on change; a malformed file keeps the last good set (default: none).")
-    add("--discovery-check-interval-secs", action=opt, type=int, metavar="SECS",
+        "discovery on (default: kubernetes with --service-discovery).",
+    )
+    add(
+        "--discovery-file",
+        action=opt,
+        default=None,
+        metavar="PATH",
+        help='--discovery-provider file: the manifest {"workers": [{"url": ..., '
+        '"worker_type": ..., "bootstrap_port": ...}]}; may appear after start-up, '
+        "re-read on change; a malformed file keeps the last good set (default: none).",
+    )
+    add(
+        "--discovery-check-interval-secs",
+        action=opt,
+        type=int,
+        metavar="SECS",
         default=d("discovery_check_interval_secs"),
         help="Full re-read of the manifest, and the length of one Kubernetes watch before it is "
-             "resumed (default: %(default)s s).")
+        "resumed (default: %(default)s s).",
+    )
 
-    add.section("Router replicas", "Several routers balancing as one: each publishes its per-target "
-                "in-flight counts to Redis and adds the other live replicas' to its own, off the "
-                "request path (fastroute.control.replica).")
-    add("--replica-sync", default=None, metavar="redis://HOST:PORT[/DB]",
+    add.section(
+        "Router replicas",
+        "Several routers balancing as one: each publishes its per-target "
+        "in-flight counts to Redis and adds the other live replicas' to its own, off the "
+        "request path (fastroute.control.replica).",
+    )
+    add(
+        "--replica-sync",
+        default=None,
+        metavar="redis://HOST:PORT[/DB]",
         help="Share in-flight load and circuit opens with the other replicas through this Redis; "
-             "Redis gone: routing goes on with local counts (default: off).")
-    add("--replica-id", default=None, metavar="ID",
-        help="This replica's name in Redis (default: host:port:pid, so a restart starts clean).")
-    add("--replica-sync-interval-ms", type=int, default=d("replica_sync_interval_ms"), metavar="MS",
-        help="Publish and refresh the other replicas' counts every MS (default: %(default)s).")
-    add("--replica-ttl-ms", type=int, default=d("replica_ttl_ms"), metavar="MS",
-        help="A replica that has not published for MS drops out of the others' view "
-             "(default: %(default)s).")
+        "Redis gone: routing goes on with local counts (default: off).",
+    )
+    add(
+        "--replica-id",
+        default=None,
+        metavar="ID",
+        help="This replica's name in Redis (default: host:port:pid, so a restart starts clean).",
+    )
+    add(
+        "--replica-sync-interval-ms",
+        type=int,
+        default=d("replica_sync_interval_ms"),
+        metavar="MS",
+        help="Publish and refresh the other replicas' counts every MS (default: %(default)s).",
+    )
+    add(
+        "--replica-ttl-ms",
+        type=int,
+        default=d("replica_ttl_ms"),
+        metavar="MS",
+        help="A replica that has not published for MS drops out of the others' view (default: %(default)s).",
+    )
 
     families = [f.name + "*" for f in flags.FAMILIES]
     add.section(
@@ -492,8 +846,9 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
     )
     for flag in BY_STATUS[flags.INERT]:
         add(flag, action=_IgnoredFlag, metavar="VALUE", help="inert: " + flags.lookup(flag).reason)
-    add.section("Accepted: fastroute already does this",
-                "Peer flags asking for what fastroute does anyway; accepted silently.")
+    add.section(
+        "Accepted: fastroute already does this", "Peer flags asking for what fastroute does anyway; accepted silently."
+    )
     for flag in BY_STATUS[flags.IMPLEMENTED]:
         add(flag, action=_IgnoredFlag, metavar="VALUE", help=flags.lookup(flag).reason)
     add.section(
@@ -516,7 +871,7 @@ def _values(argv: Sequence[str], i: int) -> tuple[list[str], int]:
     j = i + 1
     while j < len(argv) and not argv[j].startswith("--"):
         j += 1
-    return list(argv[i + 1:j]), j
+    return list(argv[i + 1 : j]), j
 
 
 def _strip_ignored_families(
@@ -613,16 +968,23 @@ def _epp(args: list[str]) -> int:
         from fastroute.epp.bootstrap import envoy_bootstrap
 
         queued = config.max_concurrent_requests > 0 or bool(config.rate_limit_tokens_per_second)
-        sys.stdout.write(envoy_bootstrap(
-            opts.grpc_port, opts.listen_port, opts.admin_port,
-            message_timeout=config.queue_timeout_secs + 5.0 if queued else 10.0,
-            idle_timeout=float(config.request_timeout_secs)))
+        sys.stdout.write(
+            envoy_bootstrap(
+                opts.grpc_port,
+                opts.listen_port,
+                opts.admin_port,
+                message_timeout=config.queue_timeout_secs + 5.0 if queued else 10.0,
+                idle_timeout=float(config.request_timeout_secs),
+            )
+        )
         return 0
     try:
         from fastroute.epp.server import serve as serve_epp
     except ImportError as exc:
-        startup_error(f"fastroute epp needs grpcio, grpcio-health-checking and xds-protos "
-                      f"(pip install 'fastroute[epp]'): {exc}", json_errors)
+        startup_error(
+            f"fastroute epp needs grpcio, grpcio-health-checking and xds-protos (pip install 'fastroute[epp]'): {exc}",
+            json_errors,
+        )
         return 2
     import uvloop
 
@@ -646,8 +1008,11 @@ def main(argv: Sequence[str] | None = None) -> int | None:
     if args and args[0] == "epp":
         return _epp(args[1:])
     if args and args[0] == "sidecar":
-        startup_error("fastroute sidecar: not built (the PD relay of the decode pod taking its "
-                      "picks from the endpoint picker's headers)", _wants_json(args))
+        startup_error(
+            "fastroute sidecar: not built (the PD relay of the decode pod taking its "
+            "picks from the endpoint picker's headers)",
+            _wants_json(args),
+        )
         return 2
     if args and args[0] == "launch":
         # `smg launch ARGS` / `sglang-router launch ARGS` spelling.

@@ -11,6 +11,7 @@ A `Config` is validated on construction (`__post_init__`), so a hand-built `Conf
 test is held to the same rules as one built from a command line. Errors raise `ConfigError`,
 which names the offending flag; the CLI turns it into an argparse-style exit (status 2).
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,11 +22,22 @@ from typing import Any, Iterable
 from urllib.parse import urlsplit
 
 from fastroute import flags
-from fastroute.checks import ConfigError, check_peer_semantics, metric_in_use, _strip_url, _check_url, worker_url_problem, _check_port, _check_origin, _check_header, _at_least, _finite_at_least
+from fastroute.checks import (
+    ConfigError,
+    check_peer_semantics,
+    metric_in_use,
+    _strip_url,
+    _check_url,
+    worker_url_problem,
+    _check_port,
+    _check_origin,
+    _check_header,
+    _at_least,
+    _finite_at_least,
+)
 from fastroute.auth import ControlPlaneKeyError, parse_control_plane_keys, split_env_keys
 from fastroute.kube import NO_KUBE_CONFIG, kube_config_source, parse_selector
-from fastroute.names import (ASSIGNMENT_MODES, LOAD_METRIC_ALIASES, LOAD_METRICS, MODES, POLICIES,
-                             REFUSED_LOAD_METRICS)
+from fastroute.names import ASSIGNMENT_MODES, LOAD_METRIC_ALIASES, LOAD_METRICS, MODES, POLICIES, REFUSED_LOAD_METRICS
 
 __all__ = [
     "Config",
@@ -90,8 +102,26 @@ DEFAULT_REQUEST_ID_HEADERS: tuple[str, ...] = (
 )
 # Legacy sglang-router duration histogram buckets (protocol.md 8), in seconds.
 DEFAULT_DURATION_BUCKETS: tuple[float, ...] = (
-    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 30.0, 45.0,
-    60.0, 90.0, 120.0, 180.0, 240.0,
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    30.0,
+    45.0,
+    60.0,
+    90.0,
+    120.0,
+    180.0,
+    240.0,
 )
 
 ENV_P2C_LOAD_METRIC = "SGLANG_ROUTER_P2C_LOAD_METRIC"
@@ -126,7 +156,7 @@ class Config:
     # bad one stops the router: fastroute.tls).
     tls_cert_path: str | None = None
     tls_key_path: str | None = None
-    tls_min_version: str = "1.2"   # oldest TLS the listener negotiates: 1.2 or 1.3
+    tls_min_version: str = "1.2"  # oldest TLS the listener negotiates: 1.2 or 1.3
     # smg's 'id:name:role:key' specs (flag + $CONTROL_PLANE_API_KEYS); parsed by fastroute.auth.
     control_plane_api_keys: list[str] = _list(())
     control_plane_audit_enabled: bool = False
@@ -248,19 +278,19 @@ class Config:
 
     # --- Worker discovery (fastroute.control.discovery) -----------------------------------
     service_discovery: bool = False
-    discovery_provider: str | None = None   # None: kubernetes when --service-discovery is set
+    discovery_provider: str | None = None  # None: kubernetes when --service-discovery is set
     selector: list[str] = _list(())
     prefill_selector: list[str] = _list(())
     decode_selector: list[str] = _list(())
     service_discovery_port: int = 80
-    service_discovery_namespace: str | None = None   # None = all namespaces
+    service_discovery_namespace: str | None = None  # None = all namespaces
     bootstrap_port_annotation: str = "sglang.ai/bootstrap-port"
     discovery_file: str | None = None
     discovery_check_interval_secs: int = 60
 
     # --- Router replicas balancing as one (fastroute.control.replica) ---------------------
-    replica_sync: str | None = None          # redis://HOST:PORT[/DB]; None = off
-    replica_id: str | None = None            # None: host:port:pid
+    replica_sync: str | None = None  # redis://HOST:PORT[/DB]; None = off
+    replica_id: str | None = None  # None: host:port:pid
     replica_sync_interval_ms: int = 10
     replica_ttl_ms: int = 3000
 
@@ -289,9 +319,7 @@ class Config:
         self.routing_key_headers = [h.strip().lower() for h in self.routing_key_headers]
         self.cors_allowed_origins = [o.strip().rstrip("/") for o in self.cors_allowed_origins]
         self.control_plane_api_keys = list(self.control_plane_api_keys)
-        self.prometheus_duration_buckets = sorted(
-            {float(b) for b in self.prometheus_duration_buckets}
-        )
+        self.prometheus_duration_buckets = sorted({float(b) for b in self.prometheus_duration_buckets})
         self.validate()
 
     # ------------------------------------------------------------------ derived values
@@ -322,14 +350,17 @@ class Config:
             return
         parsed = urlsplit(self.replica_sync)
         db = parsed.path.strip("/")
-        if parsed.scheme not in ("redis", "rediss") or not parsed.hostname or not (
-                db == "" or db.isdigit()):
-            raise ConfigError("--replica-sync", f"{self.replica_sync!r} is not "
-                              "redis://HOST:PORT[/DB] (or rediss:// for TLS)")
+        if parsed.scheme not in ("redis", "rediss") or not parsed.hostname or not (db == "" or db.isdigit()):
+            raise ConfigError(
+                "--replica-sync", f"{self.replica_sync!r} is not redis://HOST:PORT[/DB] (or rediss:// for TLS)"
+            )
         _at_least("--replica-sync-interval-ms", self.replica_sync_interval_ms, 1)
         if self.replica_ttl_ms < 2 * self.replica_sync_interval_ms:
-            raise ConfigError("--replica-ttl-ms", f"{self.replica_ttl_ms} ms must be at least two "
-                              "sync intervals, or a live replica drops out between its heartbeats")
+            raise ConfigError(
+                "--replica-ttl-ms",
+                f"{self.replica_ttl_ms} ms must be at least two "
+                "sync intervals, or a live replica drops out between its heartbeats",
+            )
         if self.replica_id is not None and not self.replica_id.strip():
             raise ConfigError("--replica-id", "must not be empty")
 
@@ -381,8 +412,10 @@ class Config:
                 )
             raise ConfigError(flag, f"unknown policy {value!r}; supported: {supported}")
         if self.p2c_load_metric not in P2C_LOAD_METRICS + REFUSED_LOAD_METRICS:
-            raise ConfigError("--power-of-two-load-metric", f"invalid value {self.p2c_load_metric!r}; "
-                              "choose from " + ", ".join(P2C_LOAD_METRICS))
+            raise ConfigError(
+                "--power-of-two-load-metric",
+                f"invalid value {self.p2c_load_metric!r}; choose from " + ", ".join(P2C_LOAD_METRICS),
+            )
         check_peer_semantics(self)
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ConfigError("--cache-threshold", "must be within 0.0..1.0")
@@ -390,19 +423,18 @@ class Config:
         _finite_at_least("--balance-rel-threshold", self.balance_rel_threshold, 0.0)
         _at_least("--eviction-interval-secs", self.eviction_interval_secs, 1)
         _at_least("--max-tree-size", self.max_tree_size, 1)
-        if not math.isfinite(self.load_monitor_interval) or (
-            self.load_monitor_interval < MIN_LOAD_MONITOR_INTERVAL
-        ):
+        if not math.isfinite(self.load_monitor_interval) or (self.load_monitor_interval < MIN_LOAD_MONITOR_INTERVAL):
             raise ConfigError(
                 "--load-monitor-interval",
-                f"must be at least {MIN_LOAD_MONITOR_INTERVAL} seconds "
-                f"(got {self.load_monitor_interval})",
+                f"must be at least {MIN_LOAD_MONITOR_INTERVAL} seconds (got {self.load_monitor_interval})",
             )
         for name in self.routing_key_headers:
             _check_header("--routing-key-headers", name)
         if self.assignment_mode not in ASSIGNMENT_MODES:
-            raise ConfigError("--assignment-mode", f"invalid value {self.assignment_mode!r}; "
-                              f"choose from {', '.join(ASSIGNMENT_MODES)}")
+            raise ConfigError(
+                "--assignment-mode",
+                f"invalid value {self.assignment_mode!r}; choose from {', '.join(ASSIGNMENT_MODES)}",
+            )
         _at_least("--max-idle-secs", self.max_idle_secs, 1)
         _at_least("--max-manual-keys", self.max_manual_keys, 1)
         for item in self.model_alias:
@@ -453,20 +485,17 @@ class Config:
             _check_header("--request-id-headers", name)
         _at_least("--shutdown-grace-period-secs", self.shutdown_grace_period_secs, 0)
         _finite_at_least("--header-read-timeout-secs", self.header_read_timeout_secs, 0.001)
-        _finite_at_least(
-            "--idle-connection-timeout-secs", self.idle_connection_timeout_secs, 0.001
-        )
-        _finite_at_least(
-            "--upstream-pool-idle-timeout-secs", self.upstream_pool_idle_timeout_secs, 0.0
-        )
+        _finite_at_least("--idle-connection-timeout-secs", self.idle_connection_timeout_secs, 0.001)
+        _finite_at_least("--upstream-pool-idle-timeout-secs", self.upstream_pool_idle_timeout_secs, 0.0)
         _finite_at_least("--sse-keepalive-secs", self.sse_keepalive_secs, 0.0)
         _finite_at_least("--body-read-timeout-secs", self.body_read_timeout_secs, 0.001)
         _at_least("--pd-max-batch-size", self.pd_max_batch_size, 1)
 
     def _validate_security(self) -> None:
         if bool(self.tls_cert_path) != bool(self.tls_key_path):
-            flag, other = (("--tls-key-path", "--tls-cert-path") if self.tls_cert_path
-                           else ("--tls-cert-path", "--tls-key-path"))
+            flag, other = (
+                ("--tls-key-path", "--tls-cert-path") if self.tls_cert_path else ("--tls-cert-path", "--tls-key-path")
+            )
             raise ConfigError(flag, f"is required with {other}")
         if self.tls_min_version not in ("1.2", "1.3"):
             raise ConfigError("--tls-min-version", f"{self.tls_min_version!r}: choose from 1.2, 1.3")
@@ -476,23 +505,27 @@ class Config:
             raise ConfigError("--control-plane-api-keys", str(exc)) from None
         if self.health_check_port is not None:
             _check_port("--health-check-port", self.health_check_port)
-            if self.health_check_port and self.health_check_port in (self.port,
-                                                                      self.prometheus_port):
-                raise ConfigError("--health-check-port",
-                                  f"{self.health_check_port} is already --port or --prometheus-port")
+            if self.health_check_port and self.health_check_port in (self.port, self.prometheus_port):
+                raise ConfigError(
+                    "--health-check-port", f"{self.health_check_port} is already --port or --prometheus-port"
+                )
         for origin in self.cors_allowed_origins:
             _check_origin(origin)
 
     def _validate_extensions(self) -> None:
-        for flag, mode in (("--decode-input-demand", self.decode_input_demand),
-                           ("--prefill-input-demand", self.prefill_input_demand),
-                           ("--decode-kv-fit", self.decode_kv_fit)):
+        for flag, mode in (
+            ("--decode-input-demand", self.decode_input_demand),
+            ("--prefill-input-demand", self.prefill_input_demand),
+            ("--decode-kv-fit", self.decode_kv_fit),
+        ):
             if mode not in DEMAND_MODES:
                 raise ConfigError(flag, f"invalid value {mode!r}; choose from off, shadow, on")
-        if self.prefill_input_demand != "off" and (not self.pd_disaggregation
-                                                   or self.prefill_policy == "manual"):
-            raise ConfigError("--prefill-input-demand", "places the prefill leg of PD requests: "
-                              "needs --pd-disaggregation and a prefill policy other than manual")
+        if self.prefill_input_demand != "off" and (not self.pd_disaggregation or self.prefill_policy == "manual"):
+            raise ConfigError(
+                "--prefill-input-demand",
+                "places the prefill leg of PD requests: "
+                "needs --pd-disaggregation and a prefill policy other than manual",
+            )
         _at_least("--decode-request-weight", self.decode_request_weight, 0)
         if self.decode_request_weight and self.decode_input_demand == "off":
             # The weight only enters the demand cost; with demand off it would do nothing,
@@ -516,18 +549,28 @@ class Config:
         decoding = self.decode_policy if self.pd_disaggregation else self.policy
         if decoding == "manual":
             # manual pins each routing key to a worker; a cost or a KV filter would move keys.
-            for flag, mode in (("--decode-input-demand", self.decode_input_demand),
-                               ("--decode-kv-fit", self.decode_kv_fit)):
+            for flag, mode in (
+                ("--decode-input-demand", self.decode_input_demand),
+                ("--decode-kv-fit", self.decode_kv_fit),
+            ):
                 if mode != "off":
-                    raise ConfigError(flag, "does not combine with the manual policy (it pins each "
-                                      "routing key to one worker); use --decode-policy power_of_two")
+                    raise ConfigError(
+                        flag,
+                        "does not combine with the manual policy (it pins each "
+                        "routing key to one worker); use --decode-policy power_of_two",
+                    )
 
     def _validate_discovery(self) -> None:
         if self.discovery_provider not in (None,) + DISCOVERY_PROVIDERS:
-            raise ConfigError("--discovery-provider", f"invalid value {self.discovery_provider!r}; "
-                              "choose from " + ", ".join(DISCOVERY_PROVIDERS))
-        for flag, tokens in (("--selector", self.selector), ("--prefill-selector", self.prefill_selector),
-                             ("--decode-selector", self.decode_selector)):
+            raise ConfigError(
+                "--discovery-provider",
+                f"invalid value {self.discovery_provider!r}; choose from " + ", ".join(DISCOVERY_PROVIDERS),
+            )
+        for flag, tokens in (
+            ("--selector", self.selector),
+            ("--prefill-selector", self.prefill_selector),
+            ("--decode-selector", self.decode_selector),
+        ):
             try:
                 parse_selector(tokens)
             except ValueError as exc:
@@ -540,16 +583,15 @@ class Config:
                 raise ConfigError("--discovery-file", "is required by --discovery-provider file")
             return
         if not 1 <= self.service_discovery_port <= 65535:
-            raise ConfigError("--service-discovery-port", f"port {self.service_discovery_port} "
-                              "is not in 1..65535")
+            raise ConfigError("--service-discovery-port", f"port {self.service_discovery_port} is not in 1..65535")
         if self.pd_disaggregation and not (self.prefill_selector or self.decode_selector):
-            raise ConfigError("--service-discovery", "PD mode needs --prefill-selector and/or "
-                              "--decode-selector")
+            raise ConfigError("--service-discovery", "PD mode needs --prefill-selector and/or --decode-selector")
         if not self.pd_disaggregation and not self.selector:
             raise ConfigError("--selector", "is required by --service-discovery (e.g. app=sglang)")
         if not self.pd_disaggregation and (self.prefill_selector or self.decode_selector):
-            raise ConfigError("--prefill-selector" if self.prefill_selector else "--decode-selector",
-                              "requires --pd-disaggregation")
+            raise ConfigError(
+                "--prefill-selector" if self.prefill_selector else "--decode-selector", "requires --pd-disaggregation"
+            )
 
 
 # ---------------------------------------------------------------------- helpers
@@ -558,10 +600,17 @@ class Config:
 DISCOVERY_PROVIDERS: tuple[str, ...] = ("kubernetes", "file")
 # Flags that only mean something with discovery on; given without it they are ignored (one warning).
 DISCOVERY_FLAGS: tuple[str, ...] = (
-    "--selector", "--service-discovery-port", "--service-discovery-namespace", "--prefill-selector",
-    "--decode-selector", "--bootstrap-port-annotation", "--discovery-file",
+    "--selector",
+    "--service-discovery-port",
+    "--service-discovery-namespace",
+    "--prefill-selector",
+    "--decode-selector",
+    "--bootstrap-port-annotation",
+    "--discovery-file",
     "--discovery-check-interval-secs",
 )
+
+
 def _field_names() -> frozenset[str]:
     return frozenset(f.name for f in fields(Config))
 
@@ -585,7 +634,9 @@ def _p2c_metric_from_env(environ: dict[str, str] | os._Environ[str]) -> str:
         # The patched power_of_two this mirrors treats any other value as `tokens`; keep that
         # so an existing environment still starts, but say so once.
         logger.warning(
-            "%s=%r is not one of %s; using tokens", ENV_P2C_LOAD_METRIC, raw,
+            "%s=%r is not one of %s; using tokens",
+            ENV_P2C_LOAD_METRIC,
+            raw,
             ", ".join(P2C_LOAD_METRICS),
         )
         return "tokens"
@@ -617,9 +668,7 @@ def config_from_args(ns: Any, environ: dict[str, str] | None = None) -> Config:
     kwargs: dict[str, Any] = {k: v for k, v in raw.items() if k in names and v is not None}
 
     kwargs["prefill"] = [_parse_prefill(tokens) for tokens in raw.get("prefill") or ()]
-    kwargs["decode"] = [
-        tokens[0] if isinstance(tokens, list) else tokens for tokens in raw.get("decode") or ()
-    ]
+    kwargs["decode"] = [tokens[0] if isinstance(tokens, list) else tokens for tokens in raw.get("decode") or ()]
     # Explicit None means "not given": the policy sub-flags then resolve to --policy.
     kwargs["prefill_policy"] = raw.get("prefill_policy")
     kwargs["decode_policy"] = raw.get("decode_policy")
@@ -654,8 +703,10 @@ def config_from_args(ns: Any, environ: dict[str, str] | None = None) -> Config:
     if config.discovery is not None:
         noted = [f for f in noted if f == "--selector" and config.pd_disaggregation]
     for flag in dict.fromkeys(noted):
-        warnings.append(f"{flag} is accepted for compatibility and ignored by fastroute "
-                        f"(only used by worker discovery{' outside PD mode' if config.discovery else ''})")
+        warnings.append(
+            f"{flag} is accepted for compatibility and ignored by fastroute "
+            f"(only used by worker discovery{' outside PD mode' if config.discovery else ''})"
+        )
     # Settings that only mean something beside another one: set without it, one warning each.
     for field_name, flag, needs, used in _COMPANIONS:
         if getattr(config, field_name) != default(field_name) and not used(config):
@@ -668,24 +719,33 @@ def config_from_args(ns: Any, environ: dict[str, str] | None = None) -> Config:
 
 
 _COMPANIONS: tuple[tuple[str, str, str, Any], ...] = (
-    ("assignment_mode", "--assignment-mode", "--policy manual",
-     lambda c: "manual" in (c.policy, c.prefill_policy, c.decode_policy)),
-    ("max_idle_secs", "--max-idle-secs", "--policy manual",
-     lambda c: "manual" in (c.policy, c.prefill_policy, c.decode_policy)),
-    ("max_manual_keys", "--max-manual-keys", "--policy manual",
-     lambda c: "manual" in (c.policy, c.prefill_policy, c.decode_policy)),
+    (
+        "assignment_mode",
+        "--assignment-mode",
+        "--policy manual",
+        lambda c: "manual" in (c.policy, c.prefill_policy, c.decode_policy),
+    ),
+    (
+        "max_idle_secs",
+        "--max-idle-secs",
+        "--policy manual",
+        lambda c: "manual" in (c.policy, c.prefill_policy, c.decode_policy),
+    ),
+    (
+        "max_manual_keys",
+        "--max-manual-keys",
+        "--policy manual",
+        lambda c: "manual" in (c.policy, c.prefill_policy, c.decode_policy),
+    ),
     ("replica_id", "--replica-id", "--replica-sync", lambda c: c.replica_sync is not None),
-    ("replica_sync_interval_ms", "--replica-sync-interval-ms", "--replica-sync",
-     lambda c: c.replica_sync is not None),
+    ("replica_sync_interval_ms", "--replica-sync-interval-ms", "--replica-sync", lambda c: c.replica_sync is not None),
     ("replica_ttl_ms", "--replica-ttl-ms", "--replica-sync", lambda c: c.replica_sync is not None),
 )
 
 
 def _parse_prefill(tokens: list[str]) -> tuple[str, int | None]:
     if not 1 <= len(tokens) <= 2:
-        raise ConfigError(
-            "--prefill", f"takes URL [BOOTSTRAP_PORT], got {len(tokens)} values: {tokens}"
-        )
+        raise ConfigError("--prefill", f"takes URL [BOOTSTRAP_PORT], got {len(tokens)} values: {tokens}")
     url = tokens[0]
     if len(tokens) == 1 or tokens[1].strip().lower() == "none":
         return url, None

@@ -14,6 +14,7 @@ command, so every field goes through the same validation and the same fail-close
 fastroute does not implement refuses to start exactly as its flag would. ``launch_router``
 blocks until the router stops. ``python -m fastroute.launch_router ARGS`` equals ``fastroute ARGS``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,7 @@ class RouterArgs:
     # PD
     mini_lb: bool = False
     pd_disaggregation: bool = default("pd_disaggregation")
-    prefill_urls: List[tuple] = dataclasses.field(default_factory=list)   # (url, bootstrap port | None)
+    prefill_urls: List[tuple] = dataclasses.field(default_factory=list)  # (url, bootstrap port | None)
     decode_urls: List[str] = dataclasses.field(default_factory=list)
     # Routing policy
     policy: str = default("policy")
@@ -145,8 +146,9 @@ class RouterArgs:
     jwt_role_mapping: Dict[str, str] = dataclasses.field(default_factory=dict)
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser, use_router_prefix: bool = False,
-                     exclude_host_port: bool = False) -> None:
+    def add_cli_args(
+        parser: argparse.ArgumentParser, use_router_prefix: bool = False, exclude_host_port: bool = False
+    ) -> None:
         """Add sglang-router 0.3.2's router flags to a launcher's ``parser``: the same option
         names and dests (``--router-policy`` -> ``router_policy`` with the prefix; ``--host``,
         ``--port`` and ``--worker-urls`` never take it), the same defaults, so
@@ -185,14 +187,16 @@ class RouterArgs:
                 if key in src:
                     return src[key]
             return None
+
         kw: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             value = given(f.name)
             if value is not None and f.name not in _SPECIAL:
                 kw[f.name] = value
         kw["prefill_urls"] = [_prefill_entry(e) for e in given("prefill") or given("prefill_urls") or []]
-        kw["decode_urls"] = [e[0] if isinstance(e, (list, tuple)) else e
-                             for e in given("decode") or given("decode_urls") or []]
+        kw["decode_urls"] = [
+            e[0] if isinstance(e, (list, tuple)) else e for e in given("decode") or given("decode_urls") or []
+        ]
         for ours, theirs in (("tls_cert_path", "server_cert_path"), ("tls_key_path", "server_key_path")):
             value = given(ours) or given(theirs)
             if value:
@@ -200,8 +204,9 @@ class RouterArgs:
         for name in ("selector", "prefill_selector", "decode_selector"):
             kw[name] = _selector(given(name))
         kw["jwt_role_mapping"] = _selector(given("jwt_role_mapping"))
-        kw["control_plane_api_keys"] = [_key_tuple(e, n) for n, e in
-                                        enumerate(given("control_plane_api_keys") or [], 1)]
+        kw["control_plane_api_keys"] = [
+            _key_tuple(e, n) for n, e in enumerate(given("control_plane_api_keys") or [], 1)
+        ]
         return cls(**kw)
 
     def check_fields(self) -> None:
@@ -210,8 +215,12 @@ class RouterArgs:
         names = {f.name for f in dataclasses.fields(self)}
         extra = sorted(k for k in vars(self) if k not in names)
         if extra:
-            hints = [f"{k!r} (the field is {k[7:]!r}: the router- prefix is for command lines)"
-                     if k.startswith("router_") and k[7:] in names else repr(k) for k in extra]
+            hints = [
+                f"{k!r} (the field is {k[7:]!r}: the router- prefix is for command lines)"
+                if k.startswith("router_") and k[7:] in names
+                else repr(k)
+                for k in extra
+            ]
             raise TypeError("RouterArgs has no field " + ", ".join(hints))
 
     def to_argv(self) -> list[str]:
@@ -231,7 +240,7 @@ class RouterArgs:
             elif isinstance(value, (list, tuple)):
                 argv += [flag, *map(str, value)]
             else:
-                argv.append(f"{flag}={value}")   # one token: a value starting with '-' stays a value
+                argv.append(f"{flag}={value}")  # one token: a value starting with '-' stays a value
         for url, port in (_prefill_entry(e) for e in self.prefill_urls):
             argv += ["--prefill", str(url), "none" if port is None else str(port)]
         for url in self.decode_urls:
@@ -239,8 +248,9 @@ class RouterArgs:
         for name in ("selector", "prefill_selector", "decode_selector", "jwt_role_mapping"):
             mapping = getattr(self, name)
             if mapping:
-                values = ([f"{k}={v}" for k, v in mapping.items()] if isinstance(mapping, dict)
-                          else [str(v) for v in mapping])
+                values = (
+                    [f"{k}={v}" for k, v in mapping.items()] if isinstance(mapping, dict) else [str(v) for v in mapping]
+                )
                 argv += ["--" + name.replace("_", "-"), *values]
         if self.control_plane_api_keys:
             argv.append("--control-plane-api-keys")
@@ -253,32 +263,59 @@ class RouterArgs:
 
 
 # Fields written by to_argv / read by from_cli_args in a form of their own.
-_SPECIAL = frozenset({"prefill_urls", "decode_urls", "selector", "prefill_selector",
-                      "decode_selector", "control_plane_api_keys", "jwt_role_mapping",
-                      "server_cert_path", "server_key_path"})
+_SPECIAL = frozenset(
+    {
+        "prefill_urls",
+        "decode_urls",
+        "selector",
+        "prefill_selector",
+        "decode_selector",
+        "control_plane_api_keys",
+        "jwt_role_mapping",
+        "server_cert_path",
+        "server_key_path",
+    }
+)
 # sglang-router 0.3.2's add_cli_args: flag names that are not the field's, fields without a flag.
-_FLAG_NAME = {"prefill_urls": "prefill", "decode_urls": "decode",
-              "server_cert_path": "tls-cert-path", "server_key_path": "tls-key-path"}
+_FLAG_NAME = {
+    "prefill_urls": "prefill",
+    "decode_urls": "decode",
+    "server_cert_path": "tls-cert-path",
+    "server_key_path": "tls-key-path",
+}
 _NO_FLAG = frozenset({"bootstrap_port_annotation"})
 # Its parser defaults where they differ from the dataclass's (None there: "not given").
-_CLI_DEFAULT: dict[str, Any] = {"prometheus_port": 29000, "prometheus_host": "0.0.0.0",
-                                "log_level": "info", "selector": {}, "prefill_selector": {},
-                                "decode_selector": {}, "jwt_role_mapping": [],
-                                "control_plane_api_keys": []}
+_CLI_DEFAULT: dict[str, Any] = {
+    "prometheus_port": 29000,
+    "prometheus_host": "0.0.0.0",
+    "log_level": "info",
+    "selector": {},
+    "prefill_selector": {},
+    "decode_selector": {},
+    "jwt_role_mapping": [],
+    "control_plane_api_keys": [],
+}
 _KIND: dict[str, dict[str, Any]] = {
     "prefill_urls": {"nargs": "+", "action": "append", "metavar": ("URL", "BOOTSTRAP_PORT")},
     "decode_urls": {"nargs": 1, "action": "append", "metavar": "URL"},
-    "selector": {"nargs": "+", "type": str}, "prefill_selector": {"nargs": "+", "type": str},
-    "decode_selector": {"nargs": "+", "type": str}, "jwt_role_mapping": {"nargs": "*", "type": str},
-    "prometheus_port": {"type": int}, "prometheus_host": {"type": str},
+    "selector": {"nargs": "+", "type": str},
+    "prefill_selector": {"nargs": "+", "type": str},
+    "decode_selector": {"nargs": "+", "type": str},
+    "jwt_role_mapping": {"nargs": "*", "type": str},
+    "prometheus_port": {"type": int},
+    "prometheus_host": {"type": str},
     "prometheus_duration_buckets": {"nargs": "+", "type": float},
-    "request_id_headers": {"nargs": "*", "type": str}, "rate_limit_tokens_per_second": {"type": int},
+    "request_id_headers": {"nargs": "*", "type": str},
+    "rate_limit_tokens_per_second": {"type": int},
     "control_plane_api_keys": {"nargs": "*", "type": str},
 }
 _CHOICES: dict[str, Sequence[str]] = {
-    "policy": ALL_POLICIES, "decode_policy": ALL_POLICIES,
-    "prefill_policy": ALL_POLICIES + PREFILL_ONLY_POLICIES, "assignment_mode": ASSIGNMENT_MODES,
-    "log_level": ("debug", "info", "warn", "error"), "backend": ("sglang", "openai"),
+    "policy": ALL_POLICIES,
+    "decode_policy": ALL_POLICIES,
+    "prefill_policy": ALL_POLICIES + PREFILL_ONLY_POLICIES,
+    "assignment_mode": ASSIGNMENT_MODES,
+    "log_level": ("debug", "info", "warn", "error"),
+    "backend": ("sglang", "openai"),
     "history_backend": ("memory", "none", "oracle", "postgres", "redis"),
 }
 
@@ -309,8 +346,7 @@ def _prefill_entry(entry: Any) -> tuple[str, int | None]:
     try:
         return url, int(port)
     except (TypeError, ValueError):
-        raise ValueError(f"--prefill {url}: bootstrap port {port!r} is neither a number nor "
-                         "'none'") from None
+        raise ValueError(f"--prefill {url}: bootstrap port {port!r} is neither a number nor 'none'") from None
 
 
 def _selector(value: Any) -> Any:
@@ -349,8 +385,10 @@ def _key_spec(entry: Any, n: int) -> str:
     if isinstance(entry, (tuple, list)) and len(entry) == 4 and all(isinstance(x, str) for x in entry):
         key_id, name, key, role = entry
         return f"{key_id}:{name}:{role}:{key}"
-    raise TypeError(f"control_plane_api_keys entry {n}: expected an (id, name, key, role) tuple "
-                    f"of strings, got a {type(entry).__name__}")
+    raise TypeError(
+        f"control_plane_api_keys entry {n}: expected an (id, name, key, role) tuple "
+        f"of strings, got a {type(entry).__name__}"
+    )
 
 
 def launch_router(args: RouterArgs | argparse.Namespace) -> None:

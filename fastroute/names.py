@@ -4,10 +4,10 @@ modes, circuit states and target names.
 Pure Python with no imports of its own, so every ring (config, core, data plane, control plane)
 can use it without pulling anything else in. The compiled kernels take the integer codes below.
 """
+
 from __future__ import annotations
 
-POLICIES: tuple[str, ...] = ("random", "round_robin", "cache_aware", "power_of_two", "consistent_hashing",
-                             "manual")
+POLICIES: tuple[str, ...] = ("random", "round_robin", "cache_aware", "power_of_two", "consistent_hashing", "manual")
 
 # --assignment-mode of the manual policy (how a new routing key is placed); the code is what
 # the compiled KeyTable takes.
@@ -28,8 +28,7 @@ MODE_CODE: dict[str, int] = {name: i for i, name in enumerate(MODES)}
 
 # Circuit states as stored in the table's COL_CIRCUIT cell (the kernels skip OPEN).
 CIRCUIT_CLOSED, CIRCUIT_OPEN, CIRCUIT_HALF_OPEN = 0, 1, 2
-CIRCUIT_STATE_NAMES: dict[int, str] = {CIRCUIT_CLOSED: "closed", CIRCUIT_OPEN: "open",
-                                       CIRCUIT_HALF_OPEN: "half_open"}
+CIRCUIT_STATE_NAMES: dict[int, str] = {CIRCUIT_CLOSED: "closed", CIRCUIT_OPEN: "open", CIRCUIT_HALF_OPEN: "half_open"}
 
 
 def target_name(url: str, rank: int | None) -> str:

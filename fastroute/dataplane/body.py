@@ -104,6 +104,7 @@ _JSON_WS = frozenset(b" \t\n\r")
 _OPEN = 0x7B  # "{"
 _CLOSE = 0x7D  # "}"
 
+
 class _RandomBits(Protocol):
     def getrandbits(self, k: int, /) -> int: ...
 
@@ -175,7 +176,7 @@ class RequestMeta:
         if value is None and self.path != COMPLETIONS:
             value = obj.get("input_ids")
         if type(value) is list and value and type(value[0]) in (list, str):
-            value = value[0]                      # a batch: route by its first prompt
+            value = value[0]  # a batch: route by its first prompt
         if type(value) is list:
             # Token ids: rendered as text for the prefix tree.  Only the first
             # ROUTING_IDS_MAX ids, so a 100k-token prompt costs a bounded join; a
@@ -459,7 +460,7 @@ def inject_parts(body: bytes, fields: bytes) -> tuple[memoryview, bytes, memoryv
     """
     view = memoryview(body)
     if not fields:
-        return view, b"", view[len(view):]
+        return view, b"", view[len(view) :]
     end, empty = _object_bounds(body)
     return view[:end], (fields if empty else b"," + fields), view[end:]
 

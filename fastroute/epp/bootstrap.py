@@ -14,6 +14,7 @@ overrides the mode so that Envoy skips the body (``allow_mode_override``). Strea
 timed out by Envoy (route timeout 0): the router's own ``--request-timeout-secs`` bounds a
 lease.
 """
+
 from __future__ import annotations
 
 HEADER = "x-gateway-destination-endpoint"
@@ -101,17 +102,32 @@ _TEMPLATE = """# Envoy bootstrap for fastroute's endpoint picker (fastroute epp 
 """
 
 
-def envoy_bootstrap(grpc_port: int, listen_port: int, admin_port: int | None = None, *,
-                    listen_host: str = "0.0.0.0", message_timeout: float = 10.0,
-                    idle_timeout: float = 1800.0) -> str:
+def envoy_bootstrap(
+    grpc_port: int,
+    listen_port: int,
+    admin_port: int | None = None,
+    *,
+    listen_host: str = "0.0.0.0",
+    message_timeout: float = 10.0,
+    idle_timeout: float = 1800.0,
+) -> str:
     """The bootstrap YAML (see module docstring). ``message_timeout``: how long Envoy waits for
     one answer of the picker (a request queued by --max-concurrent-requests waits in it);
     ``idle_timeout``: Envoy's stream idle timeout (the router's request timeout)."""
     admin = _ADMIN.format(admin=int(admin_port)) if admin_port is not None else ""
-    return _TEMPLATE.format(admin=admin, listen_host=listen_host, listen=int(listen_port),
-                            grpc=int(grpc_port), epp=EPP_CLUSTER, endpoints=ENDPOINTS_CLUSTER,
-                            header=HEADER, namespace=METADATA_NAMESPACE, body_limit=BODY_LIMIT,
-                            message_timeout=_secs(message_timeout), idle=_secs(idle_timeout))
+    return _TEMPLATE.format(
+        admin=admin,
+        listen_host=listen_host,
+        listen=int(listen_port),
+        grpc=int(grpc_port),
+        epp=EPP_CLUSTER,
+        endpoints=ENDPOINTS_CLUSTER,
+        header=HEADER,
+        namespace=METADATA_NAMESPACE,
+        body_limit=BODY_LIMIT,
+        message_timeout=_secs(message_timeout),
+        idle=_secs(idle_timeout),
+    )
 
 
 def _secs(value: float) -> str:

@@ -16,6 +16,7 @@ target is one rank of a single-port DP server, the Authorization the worker want
 :class:`~fastroute.errors.RouterError` (400 bad body, 401 key, 413 size, 503 no endpoint;
 admission's 429 and 408 come from :meth:`Decider.admit`), never leaving a lease behind.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,7 +32,7 @@ from fastroute.errors import RouterError
 
 log = logging.getLogger("fastroute.epp")
 
-LEAK_SLACK = 5.0     # seconds past --request-timeout-secs before a booking counts as leaked
+LEAK_SLACK = 5.0  # seconds past --request-timeout-secs before a booking counts as leaked
 
 
 class Pick:
@@ -40,8 +41,7 @@ class Pick:
 
     __slots__ = ("endpoint", "body", "auth", "target", "rank")
 
-    def __init__(self, endpoint: str, body: bytes | None, auth: str | None, target: int,
-                 rank: int | None) -> None:
+    def __init__(self, endpoint: str, body: bytes | None, auth: str | None, target: int, rank: int | None) -> None:
         self.endpoint = endpoint
         self.body = body
         self.auth = auth
@@ -71,8 +71,7 @@ class Booking:
         self.closed = True
         self.reason = reason
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("booking closed (%s) after %.3f s", reason,
-                      self.decider.loop.time() - self.started_at)
+            log.debug("booking closed (%s) after %.3f s", reason, self.decider.loop.time() - self.started_at)
         d = self.decider
         d.bookings.discard(self)
         try:
@@ -93,9 +92,13 @@ def needs_body(config: Any) -> bool:
     """Whether a pick needs the request body: the DP rank goes into it, or the policy reads its
     text or tokens (cache_aware, power_of_two on tokens, decode demand, KV fit). Otherwise the
     pick is made on the headers and Envoy is told not to send the body at all."""
-    return bool(config.dp_aware or config.policy == "cache_aware"
-                or (config.policy == "power_of_two" and config.p2c_load_metric == "tokens")
-                or config.decode_input_demand != "off" or config.decode_kv_fit != "off")
+    return bool(
+        config.dp_aware
+        or config.policy == "cache_aware"
+        or (config.policy == "power_of_two" and config.p2c_load_metric == "tokens")
+        or config.decode_input_demand != "off"
+        or config.decode_kv_fit != "off"
+    )
 
 
 def endpoint_of(worker: Any) -> str:
@@ -109,8 +112,14 @@ def endpoint_of(worker: Any) -> str:
 class Decider:
     """Picks for the gateway with the registry's routing group (see module docstring)."""
 
-    def __init__(self, config: Any, registry: Any, admission: Any, stats: Any = None,
-                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        registry: Any,
+        admission: Any,
+        stats: Any = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
         self.config = config
         self.registry = registry
         self.admission = admission
@@ -121,8 +130,7 @@ class Decider:
         self.max_payload = int(config.max_payload_size)
         self.timeout = float(config.request_timeout_secs)
         self.api_key = bearer(config.api_key)
-        self.key_headers = ("x-smg-routing-key",) + tuple(h.lower() for h in
-                                                           config.routing_key_headers)
+        self.key_headers = ("x-smg-routing-key",) + tuple(h.lower() for h in config.routing_key_headers)
         self._rank_bytes: dict[int, bytes] = {}
         self.needs_body = needs_body(config)
 
@@ -144,7 +152,7 @@ class Decider:
         def start() -> None:
             booking.waiter = None
             if booking.closed or fut.done():
-                adm.leave()          # the stream ended between the dequeue and this callback
+                adm.leave()  # the stream ended between the dequeue and this callback
                 return
             booking.slot = True
             fut.set_result(True)
@@ -165,23 +173,23 @@ class Decider:
     def check(self, method: str, path: str, headers: dict[str, str], body_len: int) -> None:
         """What is refused before any slot or lease: readiness, the key, the size."""
         if not self.registry.ready():
-            raise RouterError(503, _errors.CODE_NO_AVAILABLE_WORKERS,
-                              "No available workers (router is still registering workers)")
+            raise RouterError(
+                503, _errors.CODE_NO_AVAILABLE_WORKERS, "No available workers (router is still registering workers)"
+            )
         raw = path.partition("?")[0].encode("latin-1", "replace")
         auth = headers.get("authorization")
         if self.api_key is not None and not authorized(
-                self.api_key, raw, auth.encode("latin-1", "replace") if auth is not None else None):
+            self.api_key, raw, auth.encode("latin-1", "replace") if auth is not None else None
+        ):
             raise _errors.invalid_api_key()
         if body_len > self.max_payload:
             raise _errors.payload_too_large(body_len, self.max_payload)
 
-    def decide(self, booking: Booking, method: str, path: str, headers: dict[str, str],
-               body: bytes | None) -> Pick:
+    def decide(self, booking: Booking, method: str, path: str, headers: dict[str, str], body: bytes | None) -> Pick:
         """Pick and book (the lease is the booking's from here); raises RouterError. ``body``
         None: picked on the headers (no body, or the pick does not need it: nothing parsed)."""
         route = path.partition("?")[0]
-        spec = (ROUTES.get(route.encode("latin-1", "replace"))
-                if method == "POST" and body is not None else None)
+        spec = ROUTES.get(route.encode("latin-1", "replace")) if method == "POST" and body is not None else None
         meta = None
         tokens = out_tokens = 0
         if spec is not None:

@@ -13,6 +13,7 @@ design that are not built here (PD picks and the decode-pod sidecar, InferencePo
 Envoy failure-mode options), and router features that mean nothing, or something unsafe, for a
 picker that relays no bytes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,14 +24,12 @@ __all__ = ["EppOptions", "EppError", "split", "refusal"]
 # Flags of the gateway design that this picker does not implement: refused by name.
 NOT_BUILT = {
     "--sidecar": "the PD sidecar mode of the decode pod is not built",
-    "--inference-pool": "InferencePool discovery is not built; give --worker-urls or "
-                        "--service-discovery",
+    "--inference-pool": "InferencePool discovery is not built; give --worker-urls or --service-discovery",
     "--inference-pool-namespace": "InferencePool discovery is not built",
     "--inference-pool-name": "InferencePool discovery is not built",
     "--failure-mode": "failure-mode options are not built: Envoy's ext_proc filter fails closed "
-                      "(failure_mode_allow: false in the printed bootstrap)",
-    "--failure-mode-allow": "failure-mode options are not built: Envoy's ext_proc filter fails "
-                            "closed",
+    "(failure_mode_allow: false in the printed bootstrap)",
+    "--failure-mode-allow": "failure-mode options are not built: Envoy's ext_proc filter fails closed",
     "--subset-hint": "the endpoint subset hint is not built",
 }
 
@@ -96,24 +95,31 @@ def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
         for flag in ("--envoy-listen-port", "--envoy-admin-port"):
             if flag in found:
                 raise EppError(f"argument {flag}: only means something with --print-envoy-config")
-    return EppOptions(found["--grpc-port"], printing, found.get("--envoy-listen-port"),
-                      found.get("--envoy-admin-port")), rest
+    return EppOptions(
+        found["--grpc-port"], printing, found.get("--envoy-listen-port"), found.get("--envoy-admin-port")
+    ), rest
 
 
 def refusal(config: Any, processes: int) -> str | None:
     """Why this router configuration cannot run as an endpoint picker, or None."""
     if config.pd_disaggregation:
-        return ("argument --pd-disaggregation: not supported by fastroute epp (PD picks through "
-                "the gateway and the decode-pod sidecar are not built)")
+        return (
+            "argument --pd-disaggregation: not supported by fastroute epp (PD picks through "
+            "the gateway and the decode-pod sidecar are not built)"
+        )
     if config.replica_sync is not None:
-        return ("argument --replica-sync: not supported by fastroute epp (EPP replicas sharing "
-                "in-flight state is not built); run one picker")
+        return (
+            "argument --replica-sync: not supported by fastroute epp (EPP replicas sharing "
+            "in-flight state is not built); run one picker"
+        )
     if processes > 1:
         return "argument --workers: fastroute epp runs as one process (give --workers 1)"
     for url in config.worker_urls:
         if url.strip().lower().startswith("https://"):
-            return (f"argument --worker-urls: {url} is https://; the printed Envoy cluster "
-                    "connects to workers in plain HTTP, TLS to workers is not built for the EPP")
+            return (
+                f"argument --worker-urls: {url} is https://; the printed Envoy cluster "
+                "connects to workers in plain HTTP, TLS to workers is not built for the EPP"
+            )
     if config.enable_igw:
         return "argument --enable-igw: not supported by fastroute epp (model-keyed groups)"
     # Retries and circuit breakers act on upstream outcomes, which a picker never sees (Envoy
@@ -121,9 +127,11 @@ def refusal(config: Any, processes: int) -> str | None:
     defaults = type(config)()
     for field, flag in _UPSTREAM_OUTCOME_FLAGS:
         if getattr(config, field) != getattr(defaults, field):
-            return (f"argument {flag}: not supported by fastroute epp (the picker sees no upstream "
-                    "response, so it cannot retry or open a circuit; configure Envoy's retry "
-                    "and outlier detection instead)")
+            return (
+                f"argument {flag}: not supported by fastroute epp (the picker sees no upstream "
+                "response, so it cannot retry or open a circuit; configure Envoy's retry "
+                "and outlier detection instead)"
+            )
     return None
 
 

@@ -12,6 +12,7 @@ are the proxy's: ``fastroute_target_in_flight_requests`` (and the smg families) 
 A sweep, once a second, expires admission waiters, runs the lease safety net and the
 reconciler, and keeps the health status in step with the registry.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -70,9 +71,13 @@ class EppServer:
         self.table = TargetTable()
         try:
             self.parts = parts = await assemble(cfg, self.table, serve=False)
-            admission = Admission(int(cfg.max_concurrent_requests), int(cfg.queue_size),
-                                  float(cfg.queue_timeout_secs), loop,
-                                  rate=cfg.rate_limit_tokens_per_second)
+            admission = Admission(
+                int(cfg.max_concurrent_requests),
+                int(cfg.queue_size),
+                float(cfg.queue_timeout_secs),
+                loop,
+                rate=cfg.rate_limit_tokens_per_second,
+            )
             admission.stats = parts.stats
             self.decider = Decider(cfg, parts.registry, admission, parts.stats, loop)
             self.processor = ExternalProcessor(self.decider)
@@ -81,8 +86,11 @@ class EppServer:
             pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self.grpc)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
             await self._set_health(False)
-            address = (f"[{self.grpc_host}]:{self.grpc_port}" if ":" in self.grpc_host
-                       else f"{self.grpc_host}:{self.grpc_port}")
+            address = (
+                f"[{self.grpc_host}]:{self.grpc_port}"
+                if ":" in self.grpc_host
+                else f"{self.grpc_host}:{self.grpc_port}"
+            )
             try:
                 bound = self.grpc.add_insecure_port(address)
             except RuntimeError as exc:
@@ -98,8 +106,9 @@ class EppServer:
         except BaseException:
             await self._close_half_started()
             raise
-        log.info("fastroute epp: ext_proc on %s, policy %s%s", address, cfg.policy,
-                 " (dp-aware)" if cfg.dp_aware else "")
+        log.info(
+            "fastroute epp: ext_proc on %s, policy %s%s", address, cfg.policy, " (dp-aware)" if cfg.dp_aware else ""
+        )
         await parts.registry.start()
         if parts.monitor is not None:
             parts.monitor.start()
@@ -118,8 +127,7 @@ class EppServer:
         if serving is self._serving:
             return
         self._serving = serving
-        status = (health_pb2.HealthCheckResponse.SERVING if serving
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", EXT_PROC_SERVICE):
             await self.health.set(service, status)
 
@@ -140,7 +148,7 @@ class EppServer:
                     rec = self.parts.reconciler if self.parts is not None else None
                     if rec is not None:
                         rec.check(self.registry.target_info, now)
-            except Exception:   # a bug here must not stop the sweep forever
+            except Exception:  # a bug here must not stop the sweep forever
                 log.exception("epp sweep failed")
 
     async def stop(self, grace: float | None = None) -> None:
@@ -178,7 +186,6 @@ async def serve(config: Config, grpc_port: int) -> int:
     server = EppServer(config, grpc_port)
     await server.start()
     await stop.wait()
-    log.info("shutdown: draining the ext_proc streams (grace %ss)",
-             config.shutdown_grace_period_secs)
+    log.info("shutdown: draining the ext_proc streams (grace %ss)", config.shutdown_grace_period_secs)
     await server.stop()
     return 0

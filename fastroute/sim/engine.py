@@ -37,6 +37,7 @@ prefill follows the room (``room % dp_size``) and a decode cycles round robin; w
 snapshots the ranks publish (a prefill rank at the start and end of each compute, a decode
 every ``load_snapshot_interval`` steps and when idle).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastroute.sim.dispatch import LB_METHODS, DpController
+
 
 @dataclass
 class SimParams:
@@ -86,13 +88,15 @@ class SimParams:
         if self.slow_factor <= 0:
             raise ValueError("slow_factor must be positive")
         if self.load_balance_method not in LB_METHODS:
-            raise ValueError(f"load_balance_method must be one of {', '.join(LB_METHODS)}, "
-                             f"not {self.load_balance_method!r}")
+            raise ValueError(
+                f"load_balance_method must be one of {', '.join(LB_METHODS)}, not {self.load_balance_method!r}"
+            )
 
     def controller(self, role: str) -> DpController:
         """The DP controller of a server of ``role`` with these parameters."""
-        return DpController(self.load_balance_method, role, self.dp_size, time.monotonic,
-                            self.lb_refresh_ms / 1000.0 * self.time_scale)
+        return DpController(
+            self.load_balance_method, role, self.dp_size, time.monotonic, self.lb_refresh_ms / 1000.0 * self.time_scale
+        )
 
     def step_seconds(self, running: int, ctx_tokens: int) -> float:
         """Step time of one rank alone; the engine takes the max over ranks plus the base."""
@@ -223,7 +227,7 @@ def block_hashes(data: bytes, block_bytes: int) -> tuple:
     out = []
     h = 0
     for i in range(0, len(data) - block_bytes + 1, block_bytes):
-        h = hash((h, data[i:i + block_bytes]))
+        h = hash((h, data[i : i + block_bytes]))
         out.append(h)
     return tuple(out)
 
@@ -246,7 +250,7 @@ class PrefillEngine:
         self.completed = 0
         self.aborted = 0
         self.input_tokens = 0  # prompt tokens of started prefills (prefix cache statistics)
-        self.hit_tokens = 0    # of those, found in the rank's prefix cache
+        self.hit_tokens = 0  # of those, found in the rank's prefix cache
         self.samples: deque = deque(maxlen=200_000)
         self._task: asyncio.Task | None = None
 
@@ -260,8 +264,9 @@ class PrefillEngine:
     async def _sampler(self) -> None:
         while True:
             rks = self.ranks
-            self.samples.append((time.time(), tuple(r.running + r.waiting for r in rks),
-                                 tuple(r.tokens + r.wait_tokens for r in rks)))
+            self.samples.append(
+                (time.time(), tuple(r.running + r.waiting for r in rks), tuple(r.tokens + r.wait_tokens for r in rks))
+            )
             await asyncio.sleep(self.p.sample_interval_s)
 
     def _publish(self, i: int) -> None:
@@ -311,8 +316,9 @@ class PrefillEngine:
                 cached = self._cached_tokens(r, g)
                 self.input_tokens += g.input_tokens
                 self.hit_tokens += cached
-                dur = self.p.time_scale * (self.p.prefill_base_ms / 1000.0
-                                           + (g.input_tokens - cached) / self.p.prefill_tokens_per_s)
+                dur = self.p.time_scale * (
+                    self.p.prefill_base_ms / 1000.0 + (g.input_tokens - cached) / self.p.prefill_tokens_per_s
+                )
                 r.running += 1
                 r.tokens += g.input_tokens
                 self._publish(rank)  # the scheduler formed its batch
@@ -351,8 +357,20 @@ class DecodeReq:
     running -> retracted -> ready. ``r_out`` is the output KV the engine holds back for it at
     admission (all of ``max_new`` unless the engine over-commits under ``retract``)."""
 
-    __slots__ = ("rid", "rank", "input_tokens", "max_new", "generated", "state", "emit", "done", "reserve",
-                 "kv_in", "r_out", "xfer")
+    __slots__ = (
+        "rid",
+        "rank",
+        "input_tokens",
+        "max_new",
+        "generated",
+        "state",
+        "emit",
+        "done",
+        "reserve",
+        "kv_in",
+        "r_out",
+        "xfer",
+    )
 
     def __init__(self, rid: str, rank: int, input_tokens: int, max_new: int, emit: Any, done: asyncio.Future) -> None:
         self.rid = rid
@@ -378,8 +396,18 @@ class _DecodeRank:
     ``used + held <= capacity`` and only decoding past the reserve (``retract``) can break it,
     which retraction then repairs."""
 
-    __slots__ = ("prealloc", "transfer", "ready", "running", "retracted", "used", "held", "ctx", "xfer_free_at",
-                 "step_factor")
+    __slots__ = (
+        "prealloc",
+        "transfer",
+        "ready",
+        "running",
+        "retracted",
+        "used",
+        "held",
+        "ctx",
+        "xfer_free_at",
+        "step_factor",
+    )
 
     def __init__(self, step_factor: float = 1.0) -> None:
         self.prealloc: deque[DecodeReq] = deque()
@@ -415,8 +443,7 @@ class DecodeEngine:
 
     def __init__(self, params: SimParams) -> None:
         self.p = params
-        self.ranks = [_DecodeRank(params.slow_factor if i == params.slow_rank else 1.0)
-                      for i in range(params.dp_size)]
+        self.ranks = [_DecodeRank(params.slow_factor if i == params.slow_rank else 1.0) for i in range(params.dp_size)]
         self.ctl = params.controller("decode")
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -463,7 +490,8 @@ class DecodeEngine:
         ctl = self.ctl
         for i, r in enumerate(self.ranks):
             pending = sum(q.input_tokens + q.generated for q in r.prealloc) + sum(
-                q.input_tokens + q.generated for q in r.retracted)
+                q.input_tokens + q.generated for q in r.retracted
+            )
             ctl.publish(i, len(r.running) + r.waiting(), r.used + pending)
 
     def submit(self, req: DecodeReq) -> None:
@@ -667,11 +695,16 @@ class DecodeEngine:
     def _sample(self, now: float, step_ms: float) -> None:
         self._last_sample = now
         rks = self.ranks
-        self.samples.append((time.time(), step_ms,
-                             tuple(len(r.running) for r in rks),
-                             tuple(len(r.running) + r.waiting() for r in rks),
-                             tuple(r.used for r in rks),
-                             tuple(len(r.prealloc) for r in rks)))
+        self.samples.append(
+            (
+                time.time(),
+                step_ms,
+                tuple(len(r.running) for r in rks),
+                tuple(len(r.running) + r.waiting() for r in rks),
+                tuple(r.used for r in rks),
+                tuple(len(r.prealloc) for r in rks),
+            )
+        )
 
     def rank_loads(self) -> list[tuple[int, int, int]]:
         """(running, waiting, used tokens) per rank; waiting = every queue before the batch."""

@@ -6,6 +6,7 @@ runs Envoy on it (one worker thread, no hot restart), waiting for the admin ``/r
 fake workers run in the test's event loop (``conftest.DataWorker``), so they record what they
 served and can hold streams. Every wait is bounded.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -66,7 +67,7 @@ class Gateway:
         self.envoy_bin = need_envoy()
         self.grpc_port = free_port()
         self.mport = free_port()
-        self.port = free_port()          # Envoy's listener: what clients call
+        self.port = free_port()  # Envoy's listener: what clients call
         self.admin_port = free_port()
         self.worker_urls = worker_urls
         self.flags = flags
@@ -77,23 +78,59 @@ class Gateway:
         self.env = {**os.environ, "PYTHONPATH": os.getcwd()}
 
     def epp_args(self) -> list[str]:
-        return ["epp", "--host", "127.0.0.1", "--grpc-port", str(self.grpc_port),
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.mport),
-                "--worker-urls", *self.worker_urls, "--worker-startup-check-interval", "1",
-                "--disable-health-check", "--shutdown-grace-period-secs", "1",
-                "--log-level", "warning", *self.flags]
+        return [
+            "epp",
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            str(self.grpc_port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(self.mport),
+            "--worker-urls",
+            *self.worker_urls,
+            "--worker-startup-check-interval",
+            "1",
+            "--disable-health-check",
+            "--shutdown-grace-period-secs",
+            "1",
+            "--log-level",
+            "warning",
+            *self.flags,
+        ]
 
     async def __aenter__(self) -> "Gateway":
         self.epp = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fastroute", *self.epp_args(), env=self.env,
-            stderr=open(os.path.join(self.tmp, "epp.log"), "wb"))
+            sys.executable,
+            "-m",
+            "fastroute",
+            *self.epp_args(),
+            env=self.env,
+            stderr=open(os.path.join(self.tmp, "epp.log"), "wb"),
+        )
         try:
             await self.until_health("SERVING" if self.wait_serving else "NOT_SERVING", 20.0)
             text = subprocess.run(
-                [sys.executable, "-m", "fastroute", "epp", "--grpc-port", str(self.grpc_port),
-                 "--print-envoy-config", "--envoy-listen-port", str(self.port),
-                 "--envoy-admin-port", str(self.admin_port), *self.flags],
-                env=self.env, check=True, capture_output=True, timeout=30).stdout
+                [
+                    sys.executable,
+                    "-m",
+                    "fastroute",
+                    "epp",
+                    "--grpc-port",
+                    str(self.grpc_port),
+                    "--print-envoy-config",
+                    "--envoy-listen-port",
+                    str(self.port),
+                    "--envoy-admin-port",
+                    str(self.admin_port),
+                    *self.flags,
+                ],
+                env=self.env,
+                check=True,
+                capture_output=True,
+                timeout=30,
+            ).stdout
             path = os.path.join(self.tmp, "envoy.yaml")
             with open(path, "wb") as f:
                 f.write(text)
@@ -105,9 +142,17 @@ class Gateway:
 
     async def start_envoy(self, path: str) -> None:
         self.envoy = await asyncio.create_subprocess_exec(
-            self.envoy_bin, "-c", path, "--concurrency", "1", "--disable-hot-restart",
-            "-l", "warning", stdout=subprocess.DEVNULL,
-            stderr=open(os.path.join(self.tmp, "envoy.log"), "wb"))
+            self.envoy_bin,
+            "-c",
+            path,
+            "--concurrency",
+            "1",
+            "--disable-hot-restart",
+            "-l",
+            "warning",
+            stdout=subprocess.DEVNULL,
+            stderr=open(os.path.join(self.tmp, "envoy.log"), "wb"),
+        )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 20.0
         while True:
@@ -148,7 +193,7 @@ class Gateway:
                 got = await self.health()
                 if got == want:
                     return
-            except Exception as exc:     # not listening yet
+            except Exception as exc:  # not listening yet
                 got = repr(exc)
             await asyncio.sleep(0.1)
         raise AssertionError(f"epp health never {want} (last {got}): " + self.log("epp.log"))

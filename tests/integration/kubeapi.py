@@ -12,6 +12,7 @@ answers every request with that Status; ``hang`` makes a watch send its head and
 ignoring timeoutSeconds (a stuck server or proxy); :meth:`inject` streams a raw line as the
 next watch event (hostile or broken input). Runs in the test's event loop.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,26 +22,48 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 
-def pod(name: str, ip: str | None, *, ns: str = "team-a", labels: dict | None = None,
-        ready: bool = True, phase: str = "Running", annotations: dict | None = None,
-        deleting: bool = False) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "namespace": ns, "uid": f"uid-{ns}-{name}",
-                            "labels": dict(labels if labels is not None else {"app": "sglang"}),
-                            "annotations": dict(annotations or {})}
+def pod(
+    name: str,
+    ip: str | None,
+    *,
+    ns: str = "team-a",
+    labels: dict | None = None,
+    ready: bool = True,
+    phase: str = "Running",
+    annotations: dict | None = None,
+    deleting: bool = False,
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": ns,
+        "uid": f"uid-{ns}-{name}",
+        "labels": dict(labels if labels is not None else {"app": "sglang"}),
+        "annotations": dict(annotations or {}),
+    }
     if deleting:
         meta["deletionTimestamp"] = "2026-12-01T00:00:00Z"
-    status: dict[str, Any] = {"phase": phase, "conditions": [
-        {"type": "PodScheduled", "status": "True"},
-        {"type": "Ready", "status": "True" if ready else "False"}]}
+    status: dict[str, Any] = {
+        "phase": phase,
+        "conditions": [
+            {"type": "PodScheduled", "status": "True"},
+            {"type": "Ready", "status": "True" if ready else "False"},
+        ],
+    }
     if ip:
         status["podIP"] = ip
-    return {"kind": "Pod", "apiVersion": "v1", "metadata": meta, "spec": {"containers": []},
-            "status": status}
+    return {"kind": "Pod", "apiVersion": "v1", "metadata": meta, "spec": {"containers": []}, "status": status}
 
 
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-            "message": message, "reason": reason, "code": code}
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
 
 
 def _matches(selector: str, labels: dict) -> bool:
@@ -55,13 +78,13 @@ class KubeApi:
     def __init__(self) -> None:
         self.pods: dict[tuple[str, str], dict] = {}
         self.rv = 100
-        self.floor = 0              # watches from a resourceVersion below this get 410
+        self.floor = 0  # watches from a resourceVersion below this get 410
         # (rv, old, new, raw line or None)
         self.events: list[tuple[int, dict | None, dict | None, bytes | None]] = []
         self.status: int | None = None
         self.hang = False
         self.gone_as_event = False
-        self.requests: list[tuple[float, str, dict]] = []   # (time, path, query)
+        self.requests: list[tuple[float, str, dict]] = []  # (time, path, query)
         self.port = 0
         self._changed = asyncio.Condition()
         self._kick = 0
@@ -78,11 +101,16 @@ class KubeApi:
         await self.kick()
 
     def kubeconfig(self) -> str:
-        return json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "test",
-            "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{self.port}"}}],
-            "users": [{"name": "u", "user": {"token": "test-token"}}],
-            "contexts": [{"name": "test", "context": {"cluster": "c", "user": "u"}}]})
+        return json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "test",
+                "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{self.port}"}}],
+                "users": [{"name": "u", "user": {"token": "test-token"}}],
+                "contexts": [{"name": "test", "context": {"cluster": "c", "user": "u"}}],
+            }
+        )
 
     # ---- store changes ----------------------------------------------------------------------
     async def put(self, obj: dict) -> None:
@@ -134,7 +162,7 @@ class KubeApi:
             target = head.split(b"\r\n", 1)[0].split()[1].decode()
             parts = urlsplit(target)
             query = {k: v[0] for k, v in parse_qs(parts.query).items()}
-            for k in ("watch", "allowWatchBookmarks"):     # Go's ParseBool: True, true, 1, ...
+            for k in ("watch", "allowWatchBookmarks"):  # Go's ParseBool: True, true, 1, ...
                 if k in query:
                     query[k] = "true" if query[k].lower() in ("true", "t", "1") else "false"
             self.requests.append((asyncio.get_running_loop().time(), parts.path, query))
@@ -146,20 +174,42 @@ class KubeApi:
             else:
                 return self._send(writer, 404, _status(404, "NotFound", "not found"))
             if self.status is not None:
-                return self._send(writer, self.status, _status(
-                    self.status, "Forbidden", 'pods is forbidden: User "system:serviceaccount:'
-                    'team-a:fastroute" cannot list resource "pods" in API group "" in the '
-                    'namespace "team-a"'))
+                return self._send(
+                    writer,
+                    self.status,
+                    _status(
+                        self.status,
+                        "Forbidden",
+                        'pods is forbidden: User "system:serviceaccount:'
+                        'team-a:fastroute" cannot list resource "pods" in API group "" in the '
+                        'namespace "team-a"',
+                    ),
+                )
             selector = query.get("labelSelector", "")
             if query.get("watch") != "true":
-                items = [p for (pns, _), p in self.pods.items()
-                         if (ns is None or pns == ns) and _matches(selector, p["metadata"]["labels"])]
-                return self._send(writer, 200, {"kind": "PodList", "apiVersion": "v1",
-                                                "metadata": {"resourceVersion": str(self.rv)},
-                                                "items": items})
-            await self._watch(writer, ns, selector, int(query.get("resourceVersion") or 0),
-                              float(query.get("timeoutSeconds") or 60),
-                              query.get("allowWatchBookmarks") == "true")
+                items = [
+                    p
+                    for (pns, _), p in self.pods.items()
+                    if (ns is None or pns == ns) and _matches(selector, p["metadata"]["labels"])
+                ]
+                return self._send(
+                    writer,
+                    200,
+                    {
+                        "kind": "PodList",
+                        "apiVersion": "v1",
+                        "metadata": {"resourceVersion": str(self.rv)},
+                        "items": items,
+                    },
+                )
+            await self._watch(
+                writer,
+                ns,
+                selector,
+                int(query.get("resourceVersion") or 0),
+                float(query.get("timeoutSeconds") or 60),
+                query.get("allowWatchBookmarks") == "true",
+            )
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -167,17 +217,22 @@ class KubeApi:
 
     def _send(self, writer: asyncio.StreamWriter, status: int, doc: dict) -> None:
         body = json.dumps(doc).encode()
-        writer.write(b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-                     b"Connection: close\r\n\r\n%b" % (status, len(body), body))
+        writer.write(
+            b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+            b"Connection: close\r\n\r\n%b" % (status, len(body), body)
+        )
 
-    async def _watch(self, writer: asyncio.StreamWriter, ns: str | None, selector: str, since: int,
-                     timeout: float, bookmarks: bool) -> None:
+    async def _watch(
+        self, writer: asyncio.StreamWriter, ns: str | None, selector: str, since: int, timeout: float, bookmarks: bool
+    ) -> None:
         if since < self.floor:
             gone = _status(410, "Expired", f"too old resource version: {since} ({self.floor})")
             if not self.gone_as_event:
                 return self._send(writer, 410, gone)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                     b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        )
         if since < self.floor:
             self._chunk(writer, {"type": "ERROR", "object": gone})
             writer.write(b"0\r\n\r\n")
@@ -185,10 +240,10 @@ class KubeApi:
         kick = self._kick
         if self.hang:
             await writer.drain()
-            while kick == self._kick:      # hung for good, whatever happens next
+            while kick == self._kick:  # hung for good, whatever happens next
                 async with self._changed:
                     await self._changed.wait()
-            return      # the connection closes without a last chunk
+            return  # the connection closes without a last chunk
         deadline = asyncio.get_running_loop().time() + timeout
         sent = since
         while kick == self._kick:
@@ -212,15 +267,24 @@ class KubeApi:
                 except asyncio.TimeoutError:
                     pass
         if bookmarks:
-            self._chunk(writer, {"type": "BOOKMARK", "object": {
-                "kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": str(sent)}}})
+            self._chunk(
+                writer,
+                {
+                    "type": "BOOKMARK",
+                    "object": {"kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": str(sent)}},
+                },
+            )
         writer.write(b"0\r\n\r\n")
 
     @staticmethod
     def _event(ns: str | None, selector: str, old: dict | None, new: dict | None) -> dict | None:
         def visible(p: dict | None) -> bool:
-            return p is not None and (ns is None or p["metadata"]["namespace"] == ns) and \
-                _matches(selector, p["metadata"]["labels"])
+            return (
+                p is not None
+                and (ns is None or p["metadata"]["namespace"] == ns)
+                and _matches(selector, p["metadata"]["labels"])
+            )
+
         was, now = visible(old), visible(new)
         if was and now:
             return {"type": "MODIFIED", "object": new}

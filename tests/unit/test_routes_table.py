@@ -13,9 +13,9 @@ def tokens(path: str, obj: dict) -> int:
 def test_estimates_per_route() -> None:
     assert tokens("/v1/embeddings", {"input": "x" * 40}) == 10
     assert tokens("/v1/embeddings", {"input": ["x" * 40, "y" * 8]}) == 12
-    assert tokens("/v1/embeddings", {"input": [1, 2, 3]}) == 3          # one tokenized input
+    assert tokens("/v1/embeddings", {"input": [1, 2, 3]}) == 3  # one tokenized input
     assert tokens("/v1/embeddings", {"input": [[1, 2], [3]]}) == 3
-    assert tokens("/v1/embeddings", {"input": 7}) == 0                  # malformed: the worker says
+    assert tokens("/v1/embeddings", {"input": 7}) == 0  # malformed: the worker says
     # the query is scored against each document
     assert tokens("/v1/rerank", {"query": "q" * 8, "documents": ["a" * 4, "b" * 4, "c" * 4]}) == 9
     assert tokens("/rerank", {"query": "q" * 8}) == 2
@@ -25,10 +25,19 @@ def test_estimates_per_route() -> None:
     assert tokens("/v1/detokenize", {"tokens": [1, 2, 3]}) == 0
     assert tokens("/v1/responses", {"instructions": "i" * 4, "input": "x" * 8}) == 3
     assert tokens("/v1/responses", {"input": [{"role": "user", "content": "x" * 8}]}) == 6
-    assert tokens("/v1/messages", {"system": "s" * 4,
-                                   "messages": [{"role": "user", "content": "x" * 8},
-                                                {"role": "user", "content": [{"type": "text",
-                                                                              "text": "y" * 4}]}]}) == 12
+    assert (
+        tokens(
+            "/v1/messages",
+            {
+                "system": "s" * 4,
+                "messages": [
+                    {"role": "user", "content": "x" * 8},
+                    {"role": "user", "content": [{"type": "text", "text": "y" * 4}]},
+                ],
+            },
+        )
+        == 12
+    )
 
 
 def test_protocol_uses_the_table() -> None:
