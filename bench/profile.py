@@ -166,7 +166,7 @@ def main() -> int:
         )
         print("| function | calls/req | own us/req | share |")
         print("|---|---|---|---|")
-        for (file, line, name), (cc, nc, tt, ct, _callers) in rows[: a.top]:
+        for (file, line, name), (_cc, nc, tt, _ct, _callers) in rows[: a.top]:
             short = file.replace(str(a.checkout) + "/", "").replace(sys.prefix, "<py>")
             if "site-packages/" in short:
                 short = short.split("site-packages/")[1]

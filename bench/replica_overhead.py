@@ -29,7 +29,6 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import overhead as ov  # noqa: E402  (bench/ is not a package)
-
 import redis as redis_sync  # noqa: E402
 
 from fastroute.sim.redisproc import RedisProcess  # noqa: E402

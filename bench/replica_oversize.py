@@ -6,13 +6,18 @@ live peer entry of 2.9 MB. Prints {case: (p50 ms, peers, sync errors, max ms)}. 
 size cap every 25 ms tick decoded the entry on the loop (max ~70 ms); now Redis sends only its
 length and the entry is skipped."""
 
-import asyncio, sys, time, os, statistics
+import asyncio
+import os
+import statistics
+import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import redis
+
+from fastroute.control.replica import BEAT_KEY, LOAD_KEY
 from fastroute.sim.redisproc import RedisProcess
 from tests.integration.conftest import Router, call, post, workers
-from fastroute.control.replica import BEAT_KEY, LOAD_KEY
 
 
 async def main():

@@ -29,14 +29,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from overhead import (
+from overhead import (  # noqa: E402 - bench/ is on sys.path only from the line above
     CLK_TCK,
     JSON_BODY,
     JSON_PATH,

@@ -23,8 +23,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 # Paths that stay open when an API key is configured.
 OPEN_PATHS: frozenset[bytes] = frozenset({b"/health", b"/liveness", b"/readiness", b"/v1/models"})

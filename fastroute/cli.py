@@ -6,34 +6,36 @@ defaults are read from `fastroute.config.Config`, the single source of truth), s
 accepted, each routing flag also answers to its `--router-` spelling (as passed by
 `sglang.launch_server`), and flags with no meaning for fastroute are accepted with one warning
 each. Turning the namespace into a validated `Config` is `fastroute.config`'s job; running it is
-`fastroute.runtime.server.run`'s (a `Server`, or a `Supervisor` under `--workers N`). `fastroute demo ...` hands over to `fastroute.sim.demo`.
+`fastroute.runtime.server.run`'s (a `Server`, or a `Supervisor` under `--workers N`).
+`fastroute demo ...` hands over to `fastroute.sim.demo`.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from fastroute import __version__, flags
 from fastroute.config import (
     ALL_POLICIES,
     DEMAND_MODES,
+    DISCOVERY_PROVIDERS,
     DP_RANK_FIELDS,
-    ENV_DECODE_REQUEST_WEIGHT,
     ENV_CONTROL_PLANE_API_KEYS,
+    ENV_DECODE_REQUEST_WEIGHT,
     ENV_P2C_LOAD_METRIC,
     P2C_LOAD_METRICS,
     PREFILL_ONLY_POLICIES,
     SUPPORTED_POLICIES,
     Config,
-    DISCOVERY_PROVIDERS,
     ConfigError,
     config_from_args,
     default,
 )
-from fastroute.names import ASSIGNMENT_MODES, REFUSED_LOAD_METRICS
 from fastroute.log import configure_logging, startup_error
+from fastroute.names import ASSIGNMENT_MODES, REFUSED_LOAD_METRICS
 from fastroute.runtime.server import Server, run
 from fastroute.runtime.startup import StartupError
 from fastroute.runtime.supervisor import Supervisor, resolve_processes
@@ -133,7 +135,7 @@ class _Adder:
         self.parser = parser
         self.group: Any = parser
 
-    def section(self, title: str, description: str | None = None) -> "_Adder":
+    def section(self, title: str, description: str | None = None) -> _Adder:
         self.group = self.parser.add_argument_group(title, description)
         return self
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import runpy
 import sys
 import types
-from typing import Sequence
+from collections.abc import Sequence
 
 from fastroute import __version__
 

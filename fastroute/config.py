@@ -4,8 +4,8 @@ This module owns the data (field names are the argparse dest names of the sglang
 dashes turned into underscores), the defaults (the single source of truth: the CLI reads its
 defaults from the dataclass), the environment fallbacks and every start-up validation rule.
 It does no I/O beyond reading the environment (and, for `--service-discovery`, looking for a
-Kubernetes credential file, so a router that could never find a worker refuses to start) and logs nothing except the one-line
-"ignored by fastroute" warnings for compatibility flags.
+Kubernetes credential file, so a router that could never find a worker refuses to start) and
+logs nothing except the one-line "ignored by fastroute" warnings for compatibility flags.
 
 A `Config` is validated on construction (`__post_init__`), so a hand-built `Config(...)` in a
 test is held to the same rules as one built from a command line. Errors raise `ConfigError`,
@@ -17,25 +17,26 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Iterable
+from typing import Any
 from urllib.parse import urlsplit
 
 from fastroute import flags
+from fastroute.auth import ControlPlaneKeyError, parse_control_plane_keys, split_env_keys
 from fastroute.checks import (
     ConfigError,
+    _at_least,
+    _check_header,
+    _check_origin,
+    _check_port,
+    _check_url,
+    _finite_at_least,
+    _strip_url,
     check_peer_semantics,
     metric_in_use,
-    _strip_url,
-    _check_url,
     worker_url_problem,
-    _check_port,
-    _check_origin,
-    _check_header,
-    _at_least,
-    _finite_at_least,
 )
-from fastroute.auth import ControlPlaneKeyError, parse_control_plane_keys, split_env_keys
 from fastroute.kube import NO_KUBE_CONFIG, kube_config_source, parse_selector
 from fastroute.names import ASSIGNMENT_MODES, LOAD_METRIC_ALIASES, LOAD_METRICS, MODES, POLICIES, REFUSED_LOAD_METRICS
 

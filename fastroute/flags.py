@@ -17,8 +17,8 @@ Pure Python with no imports from the rest of fastroute, like :mod:`fastroute.nam
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 INERT, REFUSED, IMPLEMENTED = "inert", "refused", "implemented"
 STATUSES: tuple[str, ...] = (IMPLEMENTED, INERT, REFUSED)

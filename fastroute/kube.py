@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 KUBE_TOKEN_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 # One Kubernetes label-selector requirement: [!]key, key(=|==|!=)value, key (in|notin) (v, ...).

@@ -20,7 +20,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from fastroute import cli
 from fastroute.config import ALL_POLICIES, PREFILL_ONLY_POLICIES, default
@@ -35,18 +36,18 @@ def _listed(name: str) -> Any:
 @dataclasses.dataclass
 class RouterArgs:
     # Workers and listener
-    worker_urls: List[str] = _listed("worker_urls")
+    worker_urls: list[str] = _listed("worker_urls")
     host: str = default("host")
     port: int = default("port")
     # PD
     mini_lb: bool = False
     pd_disaggregation: bool = default("pd_disaggregation")
-    prefill_urls: List[tuple] = dataclasses.field(default_factory=list)  # (url, bootstrap port | None)
-    decode_urls: List[str] = dataclasses.field(default_factory=list)
+    prefill_urls: list[tuple] = dataclasses.field(default_factory=list)  # (url, bootstrap port | None)
+    decode_urls: list[str] = dataclasses.field(default_factory=list)
     # Routing policy
     policy: str = default("policy")
-    prefill_policy: Optional[str] = default("prefill_policy")
-    decode_policy: Optional[str] = default("decode_policy")
+    prefill_policy: str | None = default("prefill_policy")
+    decode_policy: str | None = default("decode_policy")
     worker_startup_timeout_secs: int = default("worker_startup_timeout_secs")
     worker_startup_check_interval: int = default("worker_startup_check_interval")
     cache_threshold: float = default("cache_threshold")
@@ -60,29 +61,29 @@ class RouterArgs:
     bucket_adjust_interval_secs: int = 5
     dp_aware: bool = default("dp_aware")
     enable_igw: bool = default("enable_igw")
-    api_key: Optional[str] = default("api_key")
-    log_dir: Optional[str] = default("log_dir")
-    log_level: Optional[str] = None
+    api_key: str | None = default("api_key")
+    log_dir: str | None = default("log_dir")
+    log_level: str | None = None
     # Service discovery
     service_discovery: bool = default("service_discovery")
-    selector: Dict[str, str] = dataclasses.field(default_factory=dict)
+    selector: dict[str, str] = dataclasses.field(default_factory=dict)
     service_discovery_port: int = default("service_discovery_port")
-    service_discovery_namespace: Optional[str] = default("service_discovery_namespace")
-    prefill_selector: Dict[str, str] = dataclasses.field(default_factory=dict)
-    decode_selector: Dict[str, str] = dataclasses.field(default_factory=dict)
+    service_discovery_namespace: str | None = default("service_discovery_namespace")
+    prefill_selector: dict[str, str] = dataclasses.field(default_factory=dict)
+    decode_selector: dict[str, str] = dataclasses.field(default_factory=dict)
     bootstrap_port_annotation: str = default("bootstrap_port_annotation")
     # Prometheus, request ids, timeouts, admission
-    prometheus_port: Optional[int] = None
-    prometheus_host: Optional[str] = None
-    prometheus_duration_buckets: Optional[List[float]] = None
-    request_id_headers: Optional[List[str]] = None
+    prometheus_port: int | None = None
+    prometheus_host: str | None = None
+    prometheus_duration_buckets: list[float] | None = None
+    request_id_headers: list[str] | None = None
     request_timeout_secs: int = default("request_timeout_secs")
     shutdown_grace_period_secs: int = default("shutdown_grace_period_secs")
     max_concurrent_requests: int = default("max_concurrent_requests")
     queue_size: int = default("queue_size")
     queue_timeout_secs: int = default("queue_timeout_secs")
-    rate_limit_tokens_per_second: Optional[int] = default("rate_limit_tokens_per_second")
-    cors_allowed_origins: List[str] = _listed("cors_allowed_origins")
+    rate_limit_tokens_per_second: int | None = default("rate_limit_tokens_per_second")
+    cors_allowed_origins: list[str] = _listed("cors_allowed_origins")
     # Retries
     retry_max_retries: int = default("retry_max_retries")
     retry_initial_backoff_ms: int = default("retry_initial_backoff_ms")
@@ -104,46 +105,46 @@ class RouterArgs:
     cb_window_duration_secs: int = default("cb_window_duration_secs")
     disable_circuit_breaker: bool = default("disable_circuit_breaker")
     # Tokenizer, parsers, storage backends (gateway features)
-    model_path: Optional[str] = None
-    tokenizer_path: Optional[str] = None
-    chat_template: Optional[str] = None
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    chat_template: str | None = None
     tokenizer_cache_enable_l0: bool = False
     tokenizer_cache_l0_max_entries: int = 10000
     tokenizer_cache_enable_l1: bool = False
     tokenizer_cache_l1_max_memory: int = 50 * 1024 * 1024
-    reasoning_parser: Optional[str] = None
-    tool_call_parser: Optional[str] = None
-    mcp_config_path: Optional[str] = None
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    mcp_config_path: str | None = None
     backend: str = "sglang"
     history_backend: str = "memory"
-    oracle_wallet_path: Optional[str] = None
-    oracle_tns_alias: Optional[str] = None
-    oracle_connect_descriptor: Optional[str] = None
-    oracle_username: Optional[str] = None
-    oracle_password: Optional[str] = None
+    oracle_wallet_path: str | None = None
+    oracle_tns_alias: str | None = None
+    oracle_connect_descriptor: str | None = None
+    oracle_username: str | None = None
+    oracle_password: str | None = None
     oracle_pool_min: int = 1
     oracle_pool_max: int = 16
     oracle_pool_timeout_secs: int = 30
-    postgres_db_url: Optional[str] = None
+    postgres_db_url: str | None = None
     postgres_pool_max: int = 16
-    redis_url: Optional[str] = None
+    redis_url: str | None = None
     redis_pool_max: int = 16
     redis_retention_days: int = 30
     # TLS
-    client_cert_path: Optional[str] = default("client_cert_path")
-    client_key_path: Optional[str] = default("client_key_path")
-    ca_cert_paths: List[str] = _listed("ca_cert_paths")
-    server_cert_path: Optional[str] = None
-    server_key_path: Optional[str] = None
+    client_cert_path: str | None = default("client_cert_path")
+    client_key_path: str | None = default("client_key_path")
+    ca_cert_paths: list[str] = _listed("ca_cert_paths")
+    server_cert_path: str | None = None
+    server_key_path: str | None = None
     # Tracing and control-plane auth
     enable_trace: bool = False
     otlp_traces_endpoint: str = "localhost:4317"
-    control_plane_api_keys: List[tuple] = _listed("control_plane_api_keys")
+    control_plane_api_keys: list[tuple] = _listed("control_plane_api_keys")
     control_plane_audit_enabled: bool = default("control_plane_audit_enabled")
-    jwt_issuer: Optional[str] = None
-    jwt_audience: Optional[str] = None
-    jwt_jwks_uri: Optional[str] = None
-    jwt_role_mapping: Dict[str, str] = dataclasses.field(default_factory=dict)
+    jwt_issuer: str | None = None
+    jwt_audience: str | None = None
+    jwt_jwks_uri: str | None = None
+    jwt_role_mapping: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def add_cli_args(
@@ -173,7 +174,7 @@ class RouterArgs:
             group.add_argument(flag, **kwargs)
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace, use_router_prefix: bool = False) -> "RouterArgs":
+    def from_cli_args(cls, args: argparse.Namespace, use_router_prefix: bool = False) -> RouterArgs:
         """From a namespace parsed with :meth:`add_cli_args` (``use_router_prefix`` as given
         there), or from one whose attributes use the dataclass names (sglang-router's parser,
         fastroute's own). ``--prefill``/``--decode`` lists become ``prefill_urls`` /

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import ssl
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class TLSConfigError(ValueError):

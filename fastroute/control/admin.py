@@ -14,8 +14,9 @@ import json
 import logging
 import random
 import uuid
+from collections.abc import Iterable
 from datetime import datetime, timezone
-from typing import Any, Iterable
+from typing import Any
 from urllib.parse import parse_qs
 
 from fastroute import __version__

@@ -22,7 +22,8 @@ import asyncio
 import logging
 import random
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 log = logging.getLogger("fastroute.background")
 

@@ -56,12 +56,13 @@ import json
 import logging
 import os
 import time
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from fastroute.config import ConfigError
-from fastroute.kube import NO_KUBE_CONFIG, kube_config_source, parse_selector
 from fastroute.control.background import backoff_delay, cancel_all
 from fastroute.control.worker import ROLES, DuplicateWorker
+from fastroute.kube import NO_KUBE_CONFIG, kube_config_source, parse_selector
 
 log = logging.getLogger("fastroute.discovery")
 
@@ -365,7 +366,8 @@ class _ApiError(Exception):
 
 async def _kube_api() -> Any:
     # Deferred: kubernetes_asyncio + aiohttp take ~0.3 s to import and only discovery uses them.
-    from kubernetes_asyncio import client, config as kconfig
+    from kubernetes_asyncio import client
+    from kubernetes_asyncio import config as kconfig
     from kubernetes_asyncio.config.config_exception import ConfigException
 
     source = kube_config_source()

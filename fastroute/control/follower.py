@@ -152,7 +152,7 @@ class FollowerRegistry(Registry):
         self.workers = workers
         self.reindex()
         self.target_info = info
-        for role, g in self._groups.items():
+        for role, _g in self._groups.items():
             targets: list[int] = []
             names: list[str] = []
             for w in workers:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl as _ssl
-from typing import Iterable, Mapping, Union
+from collections.abc import Iterable, Mapping
 from urllib.parse import urlsplit
 
 import httptools
@@ -32,7 +32,7 @@ __all__ = [
     "header",
 ]
 
-HeadersIn = Union[Mapping[str, str], Iterable[tuple[str, str]], None]
+HeadersIn = Mapping[str, str] | Iterable[tuple[str, str]] | None
 HeaderList = list[tuple[str, str]]
 
 _READ_CHUNK = 65536

@@ -11,8 +11,10 @@ Both compare bookings with another account of the same work and neither polls an
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
+from fastroute.control.worker import target_label
 from fastroute.core.table import (
     COL_IN_FLIGHT,
     COL_IN_FLIGHT_TOKENS,
@@ -21,7 +23,6 @@ from fastroute.core.table import (
     COL_POLLED_WAITING,
     TargetTable,
 )
-from fastroute.control.worker import target_label
 
 # Logger name kept from before the move: operators filter on it.
 log = logging.getLogger("fastroute.monitor")

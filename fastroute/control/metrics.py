@@ -18,7 +18,8 @@ import asyncio
 import logging
 import time
 from bisect import bisect_left
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -27,8 +28,9 @@ from fastroute.config import DEFAULT_DURATION_BUCKETS, Config
 
 # The smg families and fastroute's status for each (docs/metrics.md's table is generated there).
 from fastroute.control.parity import PEER_SERIES, peer_table_markdown  # noqa: F401
-from fastroute.core import _policy, table as T
 from fastroute.control.worker import target_label
+from fastroute.core import _policy
+from fastroute.core import table as T
 from fastroute.names import label_value
 
 log = logging.getLogger("fastroute.metrics")
@@ -177,7 +179,7 @@ class Collector:
     def _per_target(self, targets, snap):
         def gauge(name, doc, col, labels=("target",)):
             g = GaugeMetricFamily(name, doc, labels=list(labels))
-            for t, name_, role, _ in targets:
+            for t, name_, _role, _ in targets:
                 g.add_metric([name_], float(snap[t, col]))
             return g
 
@@ -270,7 +272,7 @@ class Collector:
             labels=["role", "result"],
         )
         by_role: dict[tuple[str, str], list[int]] = {}
-        for t, name, role, model in targets:
+        for t, _name, role, model in targets:
             by_role.setdefault((role, model), []).append(t)
         workers: dict[tuple[str, str], set] = {}
         for entry in getattr(self.registry, "target_info", None) or []:

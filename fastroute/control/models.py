@@ -21,7 +21,8 @@ as long as the model has targets, so its policy state survives other models' chu
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from fastroute.errors import CODE_BAD_REQUEST, CODE_MODEL_NOT_FOUND, RouterError
 

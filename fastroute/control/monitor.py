@@ -4,11 +4,11 @@ Owns two background loops over the *physical* workers of the :class:`~fastroute.
 (one HTTP call per server per tick, however many rank targets it has):
 
 * load polling (protocol.md 4.4, 5.1, 5.2) every ``load_monitor_interval`` seconds:
-  ``GET /v1/loads?include=core,disagg`` (core only after a 400), falling back to ``GET /get_load`` when the worker answers 404
-  (the working endpoint is remembered per worker). Entries are parsed defensively and fanned
-  out by ``dp_rank`` to the rank targets with ``table.set_polled``. Anything missing or failed
-  becomes ``table.mark_unpolled`` -- unknown, never zero, so a policy cannot mistake a dead or
-  mute worker for an idle one.
+  ``GET /v1/loads?include=core,disagg`` (core only after a 400), falling back to
+  ``GET /get_load`` when the worker answers 404 (the working endpoint is remembered per worker).
+  Entries are parsed defensively and fanned out by ``dp_rank`` to the rank targets with
+  ``table.set_polled``. Anything missing or failed becomes ``table.mark_unpolled`` -- unknown,
+  never zero, so a policy cannot mistake a dead or mute worker for an idle one.
 * health checks (protocol.md 7.1) every ``health_check_interval_secs`` seconds on
   ``health_check_endpoint`` with ``health_check_timeout_secs``; a worker turns unhealthy after
   ``health_failure_threshold`` consecutive failures and healthy again after

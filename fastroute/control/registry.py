@@ -35,9 +35,11 @@ import json
 import logging
 import random
 import socket
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from fastroute.auth import AdminAuth, parse_control_plane_keys
+from fastroute.checks import link_local, worker_url_problem
 from fastroute.config import Config
 from fastroute.control import httpclient
 from fastroute.control.admin import AdminAPI
@@ -45,6 +47,7 @@ from fastroute.control.background import Background
 from fastroute.control.httpclient import HttpClientError, HttpTLSClosed, HttpTLSError
 from fastroute.control.models import ModelGroups, group_like, parse_aliases, worker_model_names
 from fastroute.control.rankports import RankLayoutError, RankPorts
+from fastroute.control.selfaddr import OwnAddresses, SelfWorker
 from fastroute.control.worker import (
     ROLES,
     BadWorkerURL,
@@ -58,9 +61,7 @@ from fastroute.control.worker import (
     split_host_port,
     target_label,
 )
-from fastroute.control.selfaddr import OwnAddresses, SelfWorker
 from fastroute.core.cache_aware import leg_rank_slack
-from fastroute.checks import link_local, worker_url_problem
 from fastroute.core.routing import Group, Router
 from fastroute.core.table import TargetTable
 

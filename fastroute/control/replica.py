@@ -68,8 +68,8 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from fastroute.core.routing import hash64
 from fastroute.control.background import cancel_all
+from fastroute.core.routing import hash64
 from fastroute.core.table import (
     CIRCUIT_OPEN,
     COL_ALLOCATED,

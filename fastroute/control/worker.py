@@ -21,8 +21,9 @@ import ipaddress
 import math
 import socket
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 ROLES = ("regular", "prefill", "decode")

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -119,10 +120,9 @@ class Breakers:
             d[key] = d.get(key, 0) + 1
         # Closed (the common case): the compiled call also ends a failure streak.
         s = self.cells.ok_closed(t)
-        if s == HALF_OPEN:
-            if self.cells.add(t, COL_CB_OKS, 1) >= self.success_threshold:
-                # Several processes may cross the threshold; the swap picks one.
-                self._move(t, HALF_OPEN, CLOSED)
+        if s == HALF_OPEN and self.cells.add(t, COL_CB_OKS, 1) >= self.success_threshold:
+            # Several processes may cross the threshold; the swap picks one.
+            self._move(t, HALF_OPEN, CLOSED)
         # OPEN: a response that was already in flight when the circuit opened;
         # it proves nothing about the probe window, so it changes nothing.
 

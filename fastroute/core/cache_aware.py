@@ -27,7 +27,8 @@ process routed, while the loads come from the shared table and so cover every pr
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from fastroute.core import _tree
 from fastroute.core.table import TargetTable

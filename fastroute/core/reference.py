@@ -12,9 +12,10 @@ targets, since the tree breaks them with its own RNG.
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Iterable
+from typing import Any
 
-from typing import Any, Iterable
+import numpy as np
 
 from fastroute.core.table import (
     COL_CIRCUIT,
@@ -28,11 +29,11 @@ from fastroute.core.table import (
     COL_OTHERS_OPEN,
     COL_OTHERS_TOKENS,
     COL_POLLED_AT,
+    COL_POLLED_KV_QUEUE,
     COL_POLLED_MAX_TOKENS,
     COL_POLLED_TOKENS,
-    COL_TOKENS_AT_POLL,
     COL_POLLED_UNCACHED,
-    COL_POLLED_KV_QUEUE,
+    COL_TOKENS_AT_POLL,
 )
 from fastroute.names import CIRCUIT_OPEN, LOAD_METRIC_CODE
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -50,7 +50,7 @@ def build_ring(
     return hashes[order], owners[order]
 
 
-def _manual_keys(router: "Router", seed: int) -> _manual.KeyTable:
+def _manual_keys(router: Router, seed: int) -> _manual.KeyTable:
     """The manual policy's key table, configured from --assignment-mode / --max-idle-secs /
     --max-manual-keys."""
     cfg = router.config
@@ -66,7 +66,7 @@ class Group:
 
     def __init__(
         self,
-        router: "Router",
+        router: Router,
         policy: str,
         load_metric: str,
         demand: str,

@@ -117,7 +117,7 @@ class TargetTable:
             self.header[HDR_MAGIC] = MAGIC
 
     @classmethod
-    def attach(cls, name: str) -> "TargetTable":
+    def attach(cls, name: str) -> TargetTable:
         return cls(name=name, create=False)
 
     # ---- rows (control plane: the supervisor allocates, never the hot path) ----------------------
@@ -231,7 +231,7 @@ class TargetTable:
         except FileNotFoundError:
             pass
 
-    def __enter__(self) -> "TargetTable":
+    def __enter__(self) -> TargetTable:
         return self
 
     def __exit__(self, *exc) -> None:

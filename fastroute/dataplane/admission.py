@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class Waiter:

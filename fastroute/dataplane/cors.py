@@ -13,7 +13,7 @@ an ``Origin`` header and nothing for the others.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 METHODS = b"GET, POST, PUT, DELETE, OPTIONS"
 # Response headers a browser script may read beyond the CORS-safelisted ones.

@@ -22,9 +22,10 @@ from __future__ import annotations
 import asyncio
 import random
 from bisect import bisect_left
+from collections.abc import Callable
 from http import HTTPStatus
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
 from fastroute.auth import authorized

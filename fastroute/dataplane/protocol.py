@@ -626,8 +626,8 @@ class ClientProtocol:
         body = _errors.error_response(status, code, self._bad_message)
         if self.app._stats is not None:
             self.app.count_response(status, code)
-        self.transport.write(
-            b"%bcontent-type: application/json\r\nx-smg-error-code: %b\r\n"  # type: ignore[union-attr]
+        self.transport.write(  # type: ignore[union-attr]
+            b"%bcontent-type: application/json\r\nx-smg-error-code: %b\r\n"
             b"content-length: %d\r\nconnection: close\r\n\r\n%b" % (status_line(status), code.encode(), len(body), body)
         )
         self.closed = True

@@ -24,7 +24,8 @@ every route is measured on the same scale as chat and completions.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastroute.dataplane.body import estimate_tokens
 from fastroute.errors import RouterError

@@ -54,7 +54,7 @@ class Booking:
 
     __slots__ = ("decider", "lease", "slot", "waiter", "started_at", "closed", "reason")
 
-    def __init__(self, decider: "Decider") -> None:
+    def __init__(self, decider: Decider) -> None:
         self.decider = decider
         self.lease: Any = None
         self.slot = False

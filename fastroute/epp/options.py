@@ -16,8 +16,9 @@ picker that relays no bytes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = ["EppOptions", "EppError", "split", "refusal"]
 

@@ -21,13 +21,14 @@ import inspect
 import logging
 import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from fastroute.config import Config
 from fastroute.control import httpclient
-from fastroute.control.leases import Reconciler
 from fastroute.control.engine import EngineCollector
+from fastroute.control.leases import Reconciler
 from fastroute.control.metrics import RECONCILE_MISMATCH, MetricsServer, Stats, new_stats, start_metrics
 from fastroute.control.monitor import Monitor
 from fastroute.control.registry import Registry

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import socket
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger("fastroute.probe")
 

@@ -14,7 +14,8 @@ import ipaddress
 import logging
 import signal
 import ssl
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastroute import __version__
 from fastroute.config import Config

@@ -8,8 +8,9 @@ Owns everything that exists only when the router runs as several processes:
   ``/metrics`` once for all processes, and starts, watches and restarts the proxy processes;
 * the **proxy processes** (``python -P -m fastroute.runtime.child DIR SLOT``) attach the table
   by name, listen on the same port with ``SO_REUSEPORT`` (the kernel spreads connections across
-  them), and serve requests with a :class:`~fastroute.control.follower.FollowerRegistry`: a registry that never registers
-  or monitors anything itself but mirrors the supervisor's worker set.
+  them), and serve requests with a :class:`~fastroute.control.follower.FollowerRegistry`: a
+  registry that never registers or monitors anything itself but mirrors the supervisor's worker
+  set.
 
 Worker-set sync: the supervisor writes a JSON snapshot of its workers (``workers.json`` in a
 private 0700 state directory, replaced atomically) whenever it changes and then bumps the table's
@@ -61,12 +62,12 @@ from typing import Any
 from fastroute.auth import matches
 from fastroute.config import Config
 from fastroute.control.discovery import Discovery, start_discovery
-from fastroute.control.replica import ReplicaSync, start_replica_sync
 from fastroute.control.follower import CONTROL_HEADER, VERSION_HEADER, snapshot_doc
 from fastroute.control.leases import Reconciler, reclaim
 from fastroute.control.metrics import MetricsServer, ProcessCollector, Stats, merge_stats, new_stats
 from fastroute.control.monitor import Monitor
 from fastroute.control.registry import Registry
+from fastroute.control.replica import ReplicaSync, start_replica_sync
 from fastroute.core.table import TargetTable
 from fastroute.runtime.assemble import assemble, stop_in_order
 from fastroute.runtime.probe import ProbeServer

@@ -235,7 +235,7 @@ class RouterProcess:
         self._log: Any = None
 
     async def start(self, timeout: float = 60.0) -> None:
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - open while the router runs; stop() closes it
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -530,8 +530,8 @@ def kv_markdown_table(results: list[dict], time_scale: float, params: SimParams)
             def med(key: str, src: list = ld) -> Any:
                 return _median([x.get(key) for x in src])
 
-            def runs(key: str, nd: int) -> str:
-                return " (" + ", ".join(_f(x[key], nd) for x in ld) + ")" if len(ld) > 1 else ""
+            def runs(key: str, nd: int, src: list = ld) -> str:
+                return " (" + ", ".join(_f(x[key], nd) for x in src) + ")" if len(src) > 1 else ""
 
             pre = [r["balance"].get("prealloc_per_rank") or [] for r in rr]
             pre_med = [_median([p[k] for p in pre if len(p) > k]) for k in range(max(map(len, pre), default=0))]

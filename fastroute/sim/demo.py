@@ -17,10 +17,10 @@ import sys
 
 import uvloop
 
-from fastroute.sim.balance import Cell, add_common_flags, failed_cells, fastroute_cells, run_matrix, write_outputs
 from fastroute.sim import convbench
-from fastroute.sim.enginebench import engine_cells
+from fastroute.sim.balance import Cell, add_common_flags, failed_cells, fastroute_cells, run_matrix, write_outputs
 from fastroute.sim.engine import SimParams
+from fastroute.sim.enginebench import engine_cells
 
 DEMO_LABELS = ("round_robin", "p2c least_requests", "demand W=1e+06")
 ENGINE_LABEL = "no --dp-aware, SGLang total_requests"

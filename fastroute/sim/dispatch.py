@@ -25,7 +25,7 @@ is the engines' part: they call ``publish``.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 LB_METHODS = ("auto", "round_robin", "follow_bootstrap_room", "total_requests", "total_tokens")
 _LOAD_AWARE = ("total_requests", "total_tokens")

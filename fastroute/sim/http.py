@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import deque
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import httptools
 
@@ -70,7 +71,7 @@ class Responder:
 
     __slots__ = ("_conn", "_keep_alive", "streaming", "done")
 
-    def __init__(self, conn: "_ServerConn", keep_alive: bool) -> None:
+    def __init__(self, conn: _ServerConn, keep_alive: bool) -> None:
         self._conn = conn
         self._keep_alive = keep_alive
         self.streaming = False

@@ -66,7 +66,7 @@ class RedisProcess:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout: float = 10.0) -> "RedisProcess":
+    def start(self, timeout: float = 10.0) -> RedisProcess:
         assert self.binary is not None
         self.proc = subprocess.Popen(
             [
@@ -114,7 +114,7 @@ class RedisProcess:
                 self.proc.stderr.close()
             self.proc = None
 
-    def __enter__(self) -> "RedisProcess":
+    def __enter__(self) -> RedisProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

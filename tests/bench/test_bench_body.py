@@ -22,7 +22,22 @@ import pytest
 
 from fastroute.dataplane.body import estimate_tokens, inject, parse_request, pd_leg_fields
 
-WORDS = "the quick brown fox jumps over a lazy dog while routers balance decode ranks".split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "routers",
+    "balance",
+    "decode",
+    "ranks",
+]
 
 
 def _chat_body(size: int) -> bytes:

@@ -19,8 +19,9 @@ import asyncio
 import json
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import httptools
 import uvloop

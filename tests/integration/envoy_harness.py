@@ -100,15 +100,17 @@ class Gateway:
             *self.flags,
         ]
 
-    async def __aenter__(self) -> "Gateway":
-        self.epp = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "fastroute",
-            *self.epp_args(),
-            env=self.env,
-            stderr=open(os.path.join(self.tmp, "epp.log"), "wb"),
-        )
+    async def __aenter__(self) -> Gateway:
+        # The child keeps its own copy of the log's descriptor; this process closes its copy.
+        with open(os.path.join(self.tmp, "epp.log"), "wb") as log:
+            self.epp = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "fastroute",
+                *self.epp_args(),
+                env=self.env,
+                stderr=log,
+            )
         try:
             await self.until_health("SERVING" if self.wait_serving else "NOT_SERVING", 20.0)
             text = subprocess.run(
@@ -141,18 +143,19 @@ class Gateway:
         return self
 
     async def start_envoy(self, path: str) -> None:
-        self.envoy = await asyncio.create_subprocess_exec(
-            self.envoy_bin,
-            "-c",
-            path,
-            "--concurrency",
-            "1",
-            "--disable-hot-restart",
-            "-l",
-            "warning",
-            stdout=subprocess.DEVNULL,
-            stderr=open(os.path.join(self.tmp, "envoy.log"), "wb"),
-        )
+        with open(os.path.join(self.tmp, "envoy.log"), "wb") as log:
+            self.envoy = await asyncio.create_subprocess_exec(
+                self.envoy_bin,
+                "-c",
+                path,
+                "--concurrency",
+                "1",
+                "--disable-hot-restart",
+                "-l",
+                "warning",
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 20.0
         while True:

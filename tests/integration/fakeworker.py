@@ -1,10 +1,11 @@
 """A recording fake SGLang worker for the control-plane tests.
 
 Real loopback HTTP server (the simulator's ``fastroute.sim.http.HttpServer``, so the httptools
-server loop is written once) that runs inside the test's event loop. It serves the control endpoints a router talks to (/health, /server_info,
-/get_server_info, /model_info, /get_model_info, /v1/loads, /get_load, /flush_cache, /metrics,
-/health_generate, /v1/models) and records every request (method, path, query, headers, body)
-so tests can assert on wire behaviour. Knobs are plain attributes that tests flip at any time.
+server loop is written once) that runs inside the test's event loop. It serves the control
+endpoints a router talks to (/health, /server_info, /get_server_info, /model_info,
+/get_model_info, /v1/loads, /get_load, /flush_cache, /metrics, /health_generate, /v1/models) and
+records every request (method, path, query, headers, body) so tests can assert on wire behaviour.
+Knobs are plain attributes that tests flip at any time.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class FakeWorker:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    async def start(self) -> "FakeWorker":
+    async def start(self) -> FakeWorker:
         self._http = HttpServer(self._serve, "127.0.0.1", 0)
         await self._http.start()
         self.port = self._http.port
@@ -221,11 +222,11 @@ class Plane:
         self.config = config
         self.capacity = capacity
 
-    async def __aenter__(self) -> "Plane":
+    async def __aenter__(self) -> Plane:
         from fastroute.control.monitor import Monitor
+        from fastroute.control.registry import Registry
         from fastroute.core.routing import Router
         from fastroute.core.table import TargetTable
-        from fastroute.control.registry import Registry
 
         self.table = TargetTable(capacity=self.capacity)
         self.router = Router(self.table, seed=7)

@@ -4,7 +4,7 @@ machine without any fails with the install hint."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 

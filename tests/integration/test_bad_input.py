@@ -9,7 +9,6 @@ import asyncio
 import json
 
 import pytest
-
 from conftest import RawClient, Router, call, post, run, until, workers
 
 

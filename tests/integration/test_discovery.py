@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 import pytest
-
 from conftest import DataWorker, _WorkerConn, call, get, post, run, until
 from kubeapi import KubeApi, pod
 

@@ -14,10 +14,10 @@ from kubeapi import KubeApi, pod
 from test_discovery import (
     NS,
     PodWorker,
-    kube_env,
+    kube_env,  # noqa: F401 (the fixture)
     pod_workers,
     start,
-    stop_all,  # noqa: F401
+    stop_all,
     urls,
 )
 

@@ -17,8 +17,8 @@ import sys
 from typing import Any
 
 import httptools
-
 from conftest import INFERENCE, DataWorker, RawClient, Router, _WorkerConn, call, get, post, run, until
+
 from fastroute.core.table import COL_CIRCUIT
 
 

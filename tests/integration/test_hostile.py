@@ -31,7 +31,6 @@ from tests.integration.conftest import (
     workers,
 )
 
-
 # ------------------------------------------------------------------------------ misbehaving worker
 
 RESET = object()  # in a script: abort the connection (a TCP reset)

@@ -3,8 +3,6 @@ router's own counters while requests are held, and return to zero after release.
 
 from __future__ import annotations
 
-import asyncio
-
 from tests.integration.conftest import RawClient, Router, call, get, post, run, until, workers
 
 
@@ -39,13 +37,13 @@ def test_per_rank_series_follow_the_ledger() -> None:
             await until(lambda: all(r.server.table.get(t, 5) >= 0 for t in dec.targets), what="first poll")
             d.hold()
             clients = []
-            for i in range(16):
+            for _i in range(16):
                 c = await RawClient(r.port).connect()
                 c.send(post("/generate", {"text": "x" * 400, "sampling_params": {"max_new_tokens": 8}}))
                 clients.append(c)
             await until(lambda: sum(r.rank_in_flight(d)) == 16, what="16 held")
             m = scrape((await call(r.server.metrics.port, get("/metrics"))).body.decode())
-            for rank, t in enumerate(dec.targets):
+            for rank, _t in enumerate(dec.targets):
                 name = f'target="{d.url}@{rank}"'
                 assert m[f"fastroute_decode_demand_requests{{{name}}}"] == 2
                 assert m[f"fastroute_decode_demand_tokens{{{name}}}"] == 200  # 400 bytes / 4

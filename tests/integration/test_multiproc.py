@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import glob
-import json
 import os
 import re
 import signal
@@ -18,7 +17,7 @@ import socket
 import sys
 from typing import Any
 
-from tests.integration.conftest import DataWorker, RawClient, call, get, post, run, until, workers
+from tests.integration.conftest import RawClient, call, get, post, run, until, workers
 
 
 def _free_port() -> int:
@@ -60,7 +59,7 @@ class MultiRouter:
         self.n = processes
         self.proc: asyncio.subprocess.Process | None = None
 
-    async def __aenter__(self) -> "MultiRouter":
+    async def __aenter__(self) -> MultiRouter:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "fastroute", *self.args, env={**os.environ, "PYTHONPATH": os.getcwd()}
         )
@@ -319,8 +318,8 @@ def test_worker_added_through_any_process_reaches_both() -> None:
 
 
 def test_reclaim_subtracts_exactly_the_dead_process_ledger() -> None:
-    from fastroute.core.routing import Router
     from fastroute.control.leases import reclaim
+    from fastroute.core.routing import Router
     from fastroute.core.table import TargetTable
 
     with TargetTable(capacity=8) as table, TargetTable(capacity=8) as la, TargetTable(capacity=8) as lb:
@@ -348,8 +347,7 @@ def test_reclaim_subtracts_exactly_the_dead_process_ledger() -> None:
 
 
 def test_merge_stats_adds_counters_and_histograms_not_gauges() -> None:
-    from fastroute.control.metrics import Stats
-    from fastroute.control.metrics import merge_stats
+    from fastroute.control.metrics import Stats, merge_stats
 
     a, b = Stats(), Stats()
     a.count(a.http_requests, ("POST", "/generate"), 3)
@@ -369,8 +367,8 @@ def test_merge_stats_adds_counters_and_histograms_not_gauges() -> None:
 
 def test_follower_applies_snapshots_and_forgets_removed_workers() -> None:
     from fastroute.config import Config
-    from fastroute.core.routing import Router
     from fastroute.control.follower import FollowerRegistry
+    from fastroute.core.routing import Router
     from fastroute.core.table import TargetTable
 
     cfg = Config(worker_urls=[], policy="round_robin", dp_aware=True)

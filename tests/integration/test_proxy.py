@@ -292,7 +292,7 @@ def test_dp_aware_regular_injects_data_parallel_rank() -> None:
     async def body() -> None:
         (w,) = await workers(1, dp_size=4)
         async with Router(worker_urls=[w.url], dp_aware=True) as r:
-            for i in range(8):
+            for _i in range(8):
                 assert (await call(r.port, post("/generate", {"text": "x"}))).status == 200
             ranks = [rec.json["data_parallel_rank"] for rec in w.inference()]
             assert sorted(ranks) == [0, 0, 1, 1, 2, 2, 3, 3]

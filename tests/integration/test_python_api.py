@@ -8,7 +8,7 @@ import socket
 import sys
 import textwrap
 
-from tests.integration.conftest import call, get, post, run, until, workers
+from tests.integration.conftest import call, get, post, run, workers
 
 
 def _free_port() -> int:

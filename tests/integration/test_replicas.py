@@ -78,7 +78,7 @@ class ProcessReplica:
         ]
         self.proc: asyncio.subprocess.Process | None = None
 
-    async def start(self) -> "ProcessReplica":
+    async def start(self) -> ProcessReplica:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "fastroute", *self.args, env={**os.environ, "PYTHONPATH": os.getcwd()}
         )

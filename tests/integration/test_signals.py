@@ -11,7 +11,6 @@ import socket
 import sys
 
 import pytest
-
 from conftest import RawClient, call, get, post, refuses, run, until, workers
 
 

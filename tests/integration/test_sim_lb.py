@@ -14,7 +14,6 @@ import sys
 from fastroute.sim.engine import SimParams
 from fastroute.sim.http import HttpConnection, fetch
 from fastroute.sim.server import SimWorker
-
 from tests.integration.test_sim import H, gen_body, get_json, run, until
 
 # A prefill that holds every request: 1 token/s, so even 10 tokens compute for 10 s.

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("cryptography")
 
 from tests.integration.certs import make_ca, make_leaf  # noqa: E402
-from tests.integration.conftest import DataWorker, Router, call, get, run, until  # noqa: E402
+from tests.integration.conftest import DataWorker, Router, call, run, until  # noqa: E402
 from tests.integration.test_tls_workers import TLSWorker, server_ctx  # noqa: E402
 
 with warnings.catch_warnings():
@@ -180,7 +180,7 @@ def test_worker_requiring_a_client_certificate_warns_on_the_first_refusal(tmp_pa
             worker_startup_timeout_secs=60,
             worker_startup_check_interval=1,
         ) as r:
-            add = f"POST /workers HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+            add = "POST /workers HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
             doc = '{"url": "%s"}' % w.url
             res = await call(r.port, (add + f"Content-Length: {len(doc)}\r\n\r\n{doc}").encode())
             assert res.status == 202

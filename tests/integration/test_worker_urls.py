@@ -11,7 +11,6 @@ import socket
 from urllib.parse import quote
 
 import pytest
-
 from conftest import Router, call, get, post, run, until, workers
 
 

@@ -8,8 +8,8 @@ import uuid
 import pytest
 from fakeworker import FakeWorker, Plane, make_config, run, wait_until
 
-from fastroute.core.table import COL_ALLOCATED, COL_HEALTHY
 from fastroute.control.worker import split_host_port
+from fastroute.core.table import COL_ALLOCATED, COL_HEALTHY
 
 
 def acquire_targets(group, n: int) -> list[int]:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from fastroute.dataplane.admission import Admission
 from fastroute.control.metrics import Stats
+from fastroute.dataplane.admission import Admission
 
 
 def make(limit: int = 2, queue: int = 2, timeout: float = 5.0) -> Admission:

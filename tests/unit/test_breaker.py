@@ -12,9 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from fastroute.core import _ledger, _policy, table as T
-from fastroute.core.breaker import CLOSED, HALF_OPEN, OPEN, Breakers
 from fastroute.control.metrics import Stats
+from fastroute.core import _ledger, _policy
+from fastroute.core import table as T
+from fastroute.core.breaker import CLOSED, HALF_OPEN, OPEN, Breakers
 from fastroute.core.table import TargetTable
 
 
@@ -51,7 +52,7 @@ def test_breaker_columns_mirror_the_compiled_layout() -> None:
     layout = _policy.layout()
     for name in ("COL_CIRCUIT", "COL_CB_FAILS", "COL_CB_OKS", "COL_CB_OPENED_AT"):
         assert getattr(T, name) == layout[name], name
-    assert (CLOSED, OPEN, HALF_OPEN) == (layout["CIRCUIT_CLOSED"], layout["CIRCUIT_OPEN"], layout["CIRCUIT_HALF_OPEN"])
+    assert (layout["CIRCUIT_CLOSED"], layout["CIRCUIT_OPEN"], layout["CIRCUIT_HALF_OPEN"]) == (CLOSED, OPEN, HALF_OPEN)
     cols = {T.COL_CB_FAILS, T.COL_CB_OKS, T.COL_CB_OPENED_AT}
     assert len(cols) == 3 and max(cols) < T.NCOLS
     assert not cols & {

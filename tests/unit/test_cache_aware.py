@@ -17,9 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastroute.core import _tree, reference as R
-from fastroute.core.cache_aware import CacheAwarePolicy
 from fastroute.config import Config
+from fastroute.core import _tree
+from fastroute.core import reference as R
+from fastroute.core.cache_aware import CacheAwarePolicy
 from fastroute.core.routing import Router
 from fastroute.core.table import (
     CIRCUIT_HALF_OPEN,

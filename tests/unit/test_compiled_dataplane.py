@@ -59,7 +59,9 @@ def _pxd_attributes(package: str, module: str) -> dict[str, set[str]]:
     here = os.path.dirname(importlib.import_module(f"fastroute.{package}").__file__)
     out: dict[str, set[str]] = {}
     cls = None
-    for line in open(os.path.join(here, f"{module}.pxd")):
+    with open(os.path.join(here, f"{module}.pxd")) as f:
+        lines = f.read().splitlines()
+    for line in lines:
         line = line.strip()
         if line.startswith("cdef class "):
             cls = line[len("cdef class ") :].split("(")[0].rstrip(":")
@@ -77,7 +79,8 @@ def test_pxd_attributes_match_the_slots_of_the_interpreted_classes(package: str,
     same attributes: a name missing from either fails only in that build."""
     declared = _pxd_attributes(package, module)
     here = os.path.dirname(importlib.import_module(f"fastroute.{package}").__file__)
-    source = open(os.path.join(here, f"{module}.py")).read()
+    with open(os.path.join(here, f"{module}.py")) as f:
+        source = f.read()
     tree = ast.parse(source)
     classes = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
     assert set(declared) <= classes, (module, set(declared) - classes)

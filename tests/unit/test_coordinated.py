@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastroute.core import _ledger, _policy, reference as R
+from fastroute.core import _ledger, _policy
+from fastroute.core import reference as R
 from fastroute.core.routing import Router
 from fastroute.core.table import (
     COL_HEALTHY,
@@ -73,12 +74,12 @@ def test_a_burst_over_three_replicas_fills_distinct_ranks():
     base[[1, 3, 4, 6, 7]] = 1
     placed = np.zeros(n_ranks, dtype=np.int64)
     views = []
-    for slot in range(n_rep):
+    for _slot in range(n_rep):
         tab = table(n_ranks)
         tab[:, COL_OTHERS_IN_FLIGHT] = base  # the synced view (own counts are zero here)
         views.append(tab)
     cands = np.arange(n_ranks, dtype=np.int64)
-    for k in range(3):
+    for _k in range(3):
         for slot, tab in enumerate(views):
             mine, seq = _policy.coordinated(tab, cands, 100, 0, False, 0, False, n_rep, slot)
             tab[mine, COL_IN_FLIGHT] += 1  # booked, live here

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastroute.core import _policy, reference as R
+from fastroute.core import _policy
+from fastroute.core import reference as R
 from fastroute.core.routing import POLICIES, Router
 from fastroute.core.table import TargetTable
 

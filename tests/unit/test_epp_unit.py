@@ -268,7 +268,7 @@ def test_response_trailers_release_once_and_eof_after_does_nothing_more() -> Non
         await ctx.inbox.put(grpc.aio.EOF)
         await task
         assert sum(rig.in_flight()) == 3 and rig.table.underflows == 0
-        for ctx, task, _ in held[1:]:
+        for _ctx, task, _ in held[1:]:
             task.cancel()  # Envoy reset / connection gone
             with pytest.raises(asyncio.CancelledError):
                 await task

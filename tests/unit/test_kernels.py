@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastroute.core import _policy, reference as R
-from fastroute.names import LOAD_METRIC_CODE
-from fastroute.core.routing import build_ring
+from fastroute.core import _policy
+from fastroute.core import reference as R
 from fastroute.core import table as T
+from fastroute.core.routing import build_ring
 from fastroute.core.table import (
     COL_CIRCUIT,
     COL_HEALTHY,
@@ -19,6 +19,7 @@ from fastroute.core.table import (
     COL_POLLED_TOKENS,
     NCOLS,
 )
+from fastroute.names import LOAD_METRIC_CODE
 
 METRIC = LOAD_METRIC_CODE
 

@@ -5,19 +5,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastroute.core import _policy, reference as R
+from fastroute.core import _policy
+from fastroute.core import reference as R
 from fastroute.core.routing import Router
 from fastroute.core.table import (
     COL_HEALTHY,
     COL_IN_FLIGHT,
     COL_IN_FLIGHT_TOKENS,
     COL_POLLED_AT,
+    COL_POLLED_KV_QUEUE,
     COL_POLLED_MAX_TOKENS,
     COL_POLLED_TOKENS,
+    COL_POLLED_UNCACHED,
     COL_TOKENS_AT_POLL,
     NCOLS,
-    COL_POLLED_KV_QUEUE,
-    COL_POLLED_UNCACHED,
     TargetTable,
 )
 

@@ -9,7 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from fastroute.core import _manual, reference as R
+from fastroute.core import _manual
+from fastroute.core import reference as R
 from fastroute.core.table import COL_CIRCUIT, COL_HEALTHY, COL_IN_FLIGHT, NCOLS
 from fastroute.names import ASSIGNMENT_MODE_CODE, ASSIGNMENT_MODES, CIRCUIT_OPEN
 

@@ -8,7 +8,8 @@ import pytest
 
 from fastroute.cli import parse_args
 from fastroute.control.monitor import parse_v1_loads
-from fastroute.core import _policy, reference as R
+from fastroute.core import _policy
+from fastroute.core import reference as R
 from fastroute.core.routing import Router
 from fastroute.core.table import COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_POLLED_UNCACHED, TargetTable
 

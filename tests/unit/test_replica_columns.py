@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from fastroute.core import _ledger, _policy, reference as R
+from fastroute.core import _ledger, _policy
+from fastroute.core import reference as R
 from fastroute.core.cache_aware import CacheAwarePolicy
 from fastroute.core.table import (
     COL_CIRCUIT,

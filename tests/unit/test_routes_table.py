@@ -41,7 +41,7 @@ def test_estimates_per_route() -> None:
 
 
 def test_protocol_uses_the_table() -> None:
-    assert INFERENCE == {p: s.endpoint for p, s in ROUTES.items()}
+    assert {p: s.endpoint for p, s in ROUTES.items()} == INFERENCE
     assert new_request_id(b"/v1/embeddings").startswith(b"embd-")
     assert new_request_id(b"/v1/chat/completions").startswith(b"chatcmpl-")
     assert new_request_id(b"/other").startswith(b"req-")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from fastroute.sim.balance import Cell, balance_stats, merge_samples, prefill_stats, router_command
-from fastroute.sim.enginebench import engine_cells, table
 from fastroute.sim.engine import SimParams
+from fastroute.sim.enginebench import engine_cells, table
 
 
 def test_rows_leave_the_rank_to_the_engine_or_send_it() -> None:

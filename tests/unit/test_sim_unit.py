@@ -242,7 +242,7 @@ def test_synthetic_trace_is_seeded_and_input_heavy() -> None:
     mean_in = sum(t.input_tokens for t in a) / len(a)
     mean_out = sum(t.output_tokens for t in a) / len(a)
     assert 20_000 <= mean_in <= 40_000
-    assert 100 <= min(t.output_tokens for t in a) and max(t.output_tokens for t in a) <= 500
+    assert min(t.output_tokens for t in a) >= 100 and max(t.output_tokens for t in a) <= 500
     assert 180 <= mean_out <= 320
     assert max(t.input_tokens for t in a) > 4 * mean_in  # heavy tail
 

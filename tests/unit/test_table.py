@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from fastroute import names
-from fastroute.core import _ledger, _policy, table as T
+from fastroute.core import _ledger, _policy
+from fastroute.core import table as T
 from fastroute.core.table import TargetTable
 
 
