@@ -1,6 +1,6 @@
 """Measure the data plane compiled *as it is* with Cython against the same code interpreted.
 
-Issue 17 asks whether compiling the data-plane modules pays. This script answers the first half
+Does compiling the data-plane modules pay? This script answers the first half
 of that question with one run: it exports HEAD (``git archive``) into a scratch directory, builds
 the core extensions there as usual, then also compiles every ``fastroute/dataplane/*.py`` with
 Cython unchanged (plain Python classes, no ``cdef class``, no typed attributes; the ``.so`` next to

@@ -1,4 +1,5 @@
-"""Event-loop lag while Kubernetes discovery takes a burst of pods (issue 24 item 2).
+"""Event-loop lag while Kubernetes discovery takes a burst of pods (a slow pass would stall
+every request on the same loop).
 
 ``PYTHONPATH=. python3 bench/discovery_burst.py [--listed 1000] [--events 500]``
 

@@ -1,4 +1,5 @@
-"""/generate latency with a 2.9 MB live peer entry in Redis (issue 24 item 5).
+"""/generate latency with a 2.9 MB live peer entry in Redis (it must be skipped, not
+parsed on the request path).
 
 ``PYTHONPATH=. python3 bench/replica_oversize.py``: one router with --replica-sync to a real
 redis-server and a fake 8-rank worker; 300 sequential requests without, then with, a forged

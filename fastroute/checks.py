@@ -24,7 +24,8 @@ class ConfigError(ValueError):
         super().__init__(f"argument {flag}: {message}")
 
 
-# Why smg's default power_of_two metric is refused rather than mapped (issue 25).
+# Why smg's default power_of_two metric is refused rather than mapped (no fastroute metric
+# means the same, and a silent substitute would route differently from what was asked).
 EXPECTED_WAIT_REFUSAL = (
     "smg's expected_wait scores a worker by (queued prompt tokens + 1024 per request sent to it "
     "since the last load poll) / its reported gen_throughput, plus 0.15 s x k/(1-k) of its KV "

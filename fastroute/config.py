@@ -271,9 +271,10 @@ class Config:
     # Where p2c_load_metric came from, for the start-up banner: "flag", the environment
     # variable's name, or "default" (set by config_from_args; not a flag).
     load_metric_source: str = "default"
-    # Hostile-client bounds (issue 19): a request body must arrive within this total time
-    # (inactivity within it is bounded by header_read_timeout_secs), and a PD batch may hold
-    # at most this many items (one bootstrap room each; the peers only bound the body size).
+    # Hostile-client bounds (a slow or endless client must not hold a slot forever): a request body
+    # must arrive within this total time (inactivity within it is bounded by
+    # header_read_timeout_secs), and a PD batch may hold at most this many items (one bootstrap room
+    # each; the peers only bound the body size).
     body_read_timeout_secs: float = 300.0
     pd_max_batch_size: int = 1024
 

@@ -1,6 +1,6 @@
 """The rule and the inventory of flags fastroute accepts but does not implement as the peers do.
 
-The rule (issue 13): every accepted flag works as the peer's does, or it is one that cannot
+The rule (fail closed): every accepted flag works as the peer's does, or it is one that cannot
 change who gets in, where requests go, or whether the router becomes ready. Such a flag is
 ``inert``: accepted, with one warning naming it at start-up. A flag that would change any of
 those and is not implemented is ``refused``: start-up fails with a one-line message naming it.
@@ -88,7 +88,7 @@ _NO_HISTORY = (
 _NO_TOKENIZER = "fastroute forwards text and never loads a tokenizer or parses model output"
 
 TABLE: tuple[Flag, ...] = (
-    # ---- security and availability (issue 13) -----------------------------------------------
+    # ---- security and availability (never ignored: that would leave the router open) ---------
     Flag("--jwt-", REFUSED, "JWT/OIDC authentication is not implemented; ignoring it would leave the admin API open"),
     Flag("--tenant-api-key", REFUSED, "per-tenant keys are not implemented; those tenants would be refused"),
     Flag(

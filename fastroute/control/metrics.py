@@ -99,7 +99,7 @@ class Stats:
         self.pick_seconds = Hist(FAST_BUCKETS)
         self.overhead_seconds = Hist(FAST_BUCKETS)
         self._duration_buckets = tuple(duration_buckets)
-        # Peer parity (issue 14 item 5).
+        # Peer parity: the series smg exports, under its names, so its dashboards work.
         self.http_duration: dict[tuple[str, str], Hist] = {}  # (method, path)
         self.pd_ttft: dict[str, Hist] = {}  # model
         self.worker_errors: dict[tuple[str, str], int] = {}  # (worker_type, error_type)
@@ -387,7 +387,7 @@ class Collector:
         yield c
         reclaimed = merged("reclaimed")
         # The reconciler releases nothing (another process may own the leases), so its flags
-        # are a counter of their own, not a reclaim reason (review L1).
+        # are a counter of their own, not a reclaim reason (that would count releases that never happened).
         mismatches = reclaimed.pop(RECONCILE_MISMATCH, 0)
         c = CounterMetricFamily(
             "fastroute_leases_reclaimed",

@@ -39,7 +39,7 @@ machine are never written. Only *open* is published, not half-open: once the ope
 passes every replica may send traffic again and each one's own breaker judges the worker, so a
 replica that gets no traffic can never keep a worker fenced off for the others.
 
-Input from Redis is not trusted (issue 24): only replicas with a live heartbeat are read (a
+Input from Redis is not trusted (any client of that Redis can write it): only replicas with a live heartbeat are read (a
 load field without one is never counted); an entry over ``MAX_ENTRY_BYTES`` is not even sent
 by the script (its length is) and is skipped; a line with a count past ``COUNT_LIMIT`` is
 skipped, a negative count is 0 and sums are capped, so nothing can overflow the int64 cells;

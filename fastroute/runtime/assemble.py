@@ -153,7 +153,7 @@ async def listen(
 
     Only the proxy processes of ``--workers N`` share a port (``reuse_port``): a single process
     that set SO_REUSEPORT would let a second router bind the same port and silently take half
-    the traffic with a target table of its own (review L2). A port in use is a StartupError."""
+    the traffic with a target table of its own, invisible to this one. A port in use is a StartupError."""
     loop = asyncio.get_running_loop()
     # A TLS handshake is part of reading the request head: bounded by the same timeout (the
     # default, 60 s, let idle sockets pile up), and counted from the accept (App.handshaking).

@@ -146,7 +146,8 @@ def _reachable(host: str) -> bool:
 
 
 def posture_warnings(config: Config) -> list[str]:
-    """Who can do what without a credential, when others can reach the port (issue 19 item 8)."""
+    """Who can do what without a credential, when others can reach the port: warned at start-up,
+    because a listener on a public address with no keys is open to anyone who finds it."""
     out = []
     if not config.api_key and not config.control_plane_api_keys and _reachable(config.host):
         out.append(

@@ -14,9 +14,10 @@ are means over the decode's 100 ms samples inside the measured window: CV = std 
 the 8 ranks of one sample; "busiest batch" = largest running batch of a sample; "KV max/mean" =
 busiest rank's KV tokens over the mean rank's.
 
-``--kv-tight`` is issue 9's scenario: concurrency 192, the input-heavy trace at ~38k input tokens
-per request, each rank's KV (``--max-total-num-tokens``, default 1M) about as large as its share
-of the work, so placements blind to memory park requests in the prealloc queue of unlucky ranks.
+``--kv-tight`` is the KV-tight scenario (memory, not requests, is what runs short): concurrency 192,
+the input-heavy trace at ~38k input tokens per request, each rank's KV (``--max-total-num-tokens``,
+default 1M) about as large as its share of the work, so placements blind to memory park requests in
+the prealloc queue of unlucky ranks.
 It compares least_requests and demand W=1e6 (both with ``--decode-kv-fit shadow``, whose
 agreement counters are scraped from the router's /metrics) against the same two with KV fit
 on, repeated ``--repeat`` times (a new trace seed per repeat), and reports medians: TTFT and
@@ -113,8 +114,8 @@ def kv_tight_cells(reserve: int = 0) -> list[Cell]:
 
 
 def replica_cells(kv_tight: bool = False, k: int = 3) -> list[Cell]:
-    """Issue 18: one router vs K replicas synced through Redis vs K independent replicas, for
-    least_requests (and, KV-tight, also least_requests + KV fit)."""
+    """What replica sync buys: one router vs K replicas synced through Redis vs K independent
+    replicas, for least_requests (and, KV-tight, also least_requests + KV fit)."""
     base = ["--prefill-policy", "round_robin", "--policy", "power_of_two", "--p2c-load-metric", "least_requests"]
     flavours = [("least_requests", base + (["--decode-kv-fit", "shadow"] if kv_tight else []))]
     if kv_tight:
@@ -505,7 +506,7 @@ def _median(xs: list) -> Any:
 
 
 def kv_markdown_table(results: list[dict], time_scale: float, params: SimParams) -> str:
-    """Issue 9's table: per policy, the median over repeats (each run's value in brackets for
+    """The KV-tight scenario's table: per policy, the median over repeats (each run's value in brackets for
     the headline numbers), prealloc queue per rank and the kv-fit shadow agreement."""
     lines = []
     for conc in sorted({r["concurrency"] for r in results}):
@@ -708,10 +709,10 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         metavar="K",
-        help="issue 18: least_requests through 1 router vs K replicas synced through a real "
+        help="replica sync: least_requests through 1 router vs K replicas synced through a real "
         "redis-server vs K independent replicas (with --kv-tight: also with KV fit on)",
     )
-    kv = ap.add_argument_group("KV-tight scenario (issue 9)")
+    kv = ap.add_argument_group("KV-tight scenario (KV memory is what runs short)")
     kv.add_argument(
         "--kv-tight",
         action="store_true",

@@ -31,7 +31,7 @@ LEAST = ["--policy", "power_of_two", "--p2c-load-metric", "least_requests"]
 
 
 def policy_cells(kv_fit: bool = False) -> list[Cell]:
-    """Issue 30's comparison: the default (no policy flag), least_requests, round robin and
+    """The conversation benchmark's comparison: the default (no policy flag), least_requests, round robin and
     cache_aware on both legs with affinity on decode too (what the default did before)."""
     kv = ["--decode-kv-fit", "on"] if kv_fit else []
     cells = [

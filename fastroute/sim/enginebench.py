@@ -1,4 +1,4 @@
-"""Issue 26's benchmark: SGLang balancing its own DP ranks vs fastroute placing them.
+"""The engine-balance benchmark: SGLang balancing its own DP ranks vs fastroute placing them.
 
 ``python bench/balance.py --engine-balance`` runs here. Scenarios: a DP-8 prefill and 1 or 2
 decode servers of 8 DP ranks each (1P1D, 1P2D), closed-loop concurrency 192 and 512, the

@@ -1,6 +1,7 @@
-"""Background tasks under hostile input (issue 24): the health checker, the load monitor and
-the replica sync keep running, count what they skipped or what failed, say when their view is
-stale and come back. Real routers over loopback, fake workers, a real redis-server."""
+"""Background tasks under hostile input (a task that dies silently leaves a stale view): the health
+checker, the load monitor and the replica sync keep running, count what they skipped or what failed,
+say when their view is stale and come back. Real routers over loopback, fake workers, a real
+redis-server."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Kubernetes discovery against hostile or broken API answers (issue 24): watch lines of the
+"""Kubernetes discovery against hostile or broken API answers: watch lines of the
 wrong shape, a crash inside the watch, 410 Gone on every watch, a watch that hangs without a
 byte, and a burst of 1,500 pods. Same stand-ins as test_discovery.py: the Kubernetes API
 stand-in (tests/integration/kubeapi.py) and fake workers on loopback addresses."""
@@ -28,7 +28,7 @@ from fastroute.runtime.server import Server
 
 TASK = "discovery regular pods"
 
-# Valid JSON, wrong shape: each of these ended the watch task for good before (issue 24).
+# Valid JSON, wrong shape: each of these once ended the watch task for good, so discovery stopped.
 BAD_LINES = [
     b"null",
     b"[1,2]",

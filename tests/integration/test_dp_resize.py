@@ -1,4 +1,4 @@
-"""A worker restarted with another dp_size is followed (issue 24 item 4): under --dp-aware the
+"""A worker restarted with another dp_size is followed: under --dp-aware the
 router re-reads /server_info when polls suggest a restart and rebuilds that worker's rank
 targets; leases held on ranks that are gone are released normally. Real router and fake
 workers over loopback."""

@@ -1,4 +1,4 @@
-"""Drain as smg does (issue 25, item 2): on SIGTERM ``/readiness`` answers 503 at once on the main
+"""Drain as smg does (so a rollout loses no request): on SIGTERM ``/readiness`` answers 503 at once on the main
 port and the probe port, in every process, while the listener goes on accepting and serving new
 requests as long as requests are in flight; the SSE streams in flight finish, then the router
 exits 0 and the port refuses. A real router process (``--workers 1`` and ``2``), fake SGLang

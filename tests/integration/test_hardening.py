@@ -1,4 +1,4 @@
-"""Issue 24 hardening, over real sockets: each defect's hostile input gets a clear answer and
+"""Hardening, over real sockets: each hostile input gets a clear answer and
 leaves the router fully working (scrapes, leases, later requests)."""
 
 from __future__ import annotations

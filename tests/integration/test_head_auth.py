@@ -1,5 +1,5 @@
 """Admin auth decided from the request head (the body is never read), and CORS lines on every
-kind of response head (issue 13's data-plane wiring)."""
+kind of response head (the fail-closed rules as the data plane applies them)."""
 
 from __future__ import annotations
 

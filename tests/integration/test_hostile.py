@@ -1,4 +1,4 @@
-"""Hostile clients and misbehaving workers over real sockets (issue 19).
+"""Hostile clients and misbehaving workers over real sockets.
 
 Every case asserts the answer the client gets, that in-flight counts return to 0, and that the
 router keeps serving. The misbehaving worker is the recording ``DataWorker`` with a scripted

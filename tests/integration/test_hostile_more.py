@@ -1,4 +1,4 @@
-"""More hostile clients and misbehaving workers over real sockets (issue 19), beside
+"""More hostile clients and misbehaving workers over real sockets, beside
 ``test_hostile.py``: resets and dribbling workers, a 101 on the PD decode leg, head and body
 deadlines (inactivity and total), ``HEAD`` on every kind of path, PD refusals and the bounded
 logprob merge, and the control plane (oversized ``/v1/loads``, Basic auth from a URL, alias

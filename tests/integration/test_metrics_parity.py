@@ -1,6 +1,7 @@
-"""Peer metrics parity (issue 14 item 5): scrape /metrics after JSON, SSE and PD traffic and check
-every series the mapping table says fastroute emits as the peers do: name, type and label names,
-and the peers' label values (endpoint=generate/chat/completions, the request's model)."""
+"""Peer metrics parity (dashboards built for the peers keep working): scrape /metrics after JSON,
+SSE and PD traffic and check every series the mapping table says fastroute emits as the peers do:
+name, type and label names, and the peers' label values (endpoint=generate/chat/completions, the
+request's model)."""
 
 from __future__ import annotations
 

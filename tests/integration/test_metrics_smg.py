@@ -1,4 +1,4 @@
-"""Issue 25 item 6 over real sockets: smg's engine gauges from the load polls (per dp_rank, the
+"""Over real sockets: smg's engine gauges from the load polls (per dp_rank, the
 physical worker's URL), smg_worker_requests_total, the path label of smg_http_responses_total,
 /v1/models and /workers in smg_http_requests_total, and the other families the parity table says
 fastroute exports; docs/metrics.md's table is generated from fastroute.control.parity."""

@@ -1,6 +1,6 @@
-"""Failing closed, over real sockets (issue 13): HTTPS on the listener, control-plane keys with
-roles, CORS, a probe listener that answers while the proxy loop is blocked, port clashes and
-flags that must refuse to start."""
+"""Failing closed, over real sockets (what the router cannot do safely it refuses to do): HTTPS on
+the listener, control-plane keys with roles, CORS, a probe listener that answers while the proxy
+loop is blocked, port clashes and flags that must refuse to start."""
 
 from __future__ import annotations
 

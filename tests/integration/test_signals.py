@@ -1,4 +1,4 @@
-"""A real router process and the signals operators and terminals send (issue 24, item 9):
+"""A real router process and the signals operators and terminals send:
 SIGHUP and SIGQUIT drain like SIGTERM (readiness 503, the request in flight finishes, then the
 listener closes, exit 0), SIGUSR1 is ignored and the router keeps serving."""
 

@@ -1,4 +1,4 @@
-"""SSE keep-alive comments over real sockets (issue 14 item 2).
+"""SSE keep-alive comments over real sockets (so idle proxies do not cut a waiting stream).
 
 While a stream waits for its first upstream byte (a long prefill, a queue in the engine), the
 router sends ``: keep-alive`` comments every ``--sse-keepalive-secs`` under a committed 200

@@ -1,4 +1,4 @@
-"""Every start-up refusal is one line on stderr (issue 25, item 5): ``fastroute: error: ...``, or
+"""Every start-up refusal is one line on stderr, like smg's: ``fastroute: error: ...``, or
 with ``--log-json`` one JSON object like every other line; never a traceback or a usage block.
 Each case runs the real ``python -m fastroute`` (``--workers 2`` for the port clash too)."""
 

@@ -1,4 +1,4 @@
-"""Issue 25 item 4 over real sockets: the HTTPS listener's oldest TLS version (1.2, or 1.3 with
+"""Over real sockets: the HTTPS listener's oldest TLS version (1.2, or 1.3 with
 --tls-min-version), smg's auth scope on /get_loads and the shared reads, and the WARNING a worker
 that requires a client certificate gets on its first refusal."""
 

@@ -1,4 +1,4 @@
-"""Issue 14 / review H2 over real sockets: a worker removed and added again under the same URL
+"""Over real sockets: a worker removed and added again under the same URL
 with a new api_key receives the new key (pools follow the worker, not its URL)."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Who may be a worker (issue 24, items 1-2): never the router itself, under any alias and
+"""Who may be a worker (a router that proxies to itself loops; a link-local address reaches
+cloud metadata): never the router itself, under any alias and
 whoever adds it (admin API, legacy API, manifest discovery, command line); never a malformed URL
 or (without --allow-link-local-workers) a link-local address. Refusals are 409 / 400 with a JSON
 reason, and the registry is left as it was."""

@@ -1,4 +1,4 @@
-"""control.background: the one supervision rule of every background task (issue 24)."""
+"""control.background: the one supervision rule of every background task (log, back off, keep running)."""
 
 from __future__ import annotations
 

@@ -553,7 +553,7 @@ def _ignored_lines(caplog) -> list[str]:
 
 
 def test_ignored_flags_warn_once_each_and_swallow_values(caplog) -> None:
-    # --enable-igw and --jwt-issuer left this list: issue 13's rule refuses them (tests below).
+    # --enable-igw and --jwt-issuer left this list: they could change who gets in, so they are refused (tests below).
     argv = [
         "--mini-lb",
         "--model-path",

@@ -1,4 +1,4 @@
-"""Demand and KV fit under every decode policy, cache_aware (the default) included (issue 14 item 1).
+"""Demand and KV fit under every decode policy, cache_aware (the default) included.
 
 KV fit is a feasibility filter applied before the policy; demand ``on`` narrows to the
 demand-argmin ties and the prefix tree chooses among them; shadow modes count one decision per

@@ -1,4 +1,4 @@
-"""Issue 25 item 3: peer flags that used to map silently onto something else now refuse by name
+"""Peer flags that used to map silently onto something else now refuse by name
 (or, where they cannot change routing, start with one warning saying why)."""
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def test_cb_window_warns_once_and_is_still_validated(caplog, capsys) -> None:
 
 def test_readme_first_example_is_a_real_smg_line_and_the_same_fastroute_line() -> None:
     """The README's "before" command uses only flags smg 1.13 has, and the "after" line is the
-    same arguments, which fastroute parses (issue 25 item 7: it used --p2c-load-metric)."""
+    same arguments, which fastroute parses (an earlier README used --p2c-load-metric, which smg lacks)."""
     from tests.unit.test_flags import SMG_1_13_FLAGS
 
     block = (REPO / "README.md").read_text().split("```", 2)[1]

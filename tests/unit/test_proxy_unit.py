@@ -235,7 +235,7 @@ def test_client_disconnect_aborts_upstream_and_releases_exactly_once(env) -> Non
 
 
 def test_held_stream_keeps_neither_the_request_body_nor_its_parse(env) -> None:
-    """Memory per stream (issue 17): what no later attempt can read is let go at the head."""
+    """Memory per stream: what no later attempt can read is let go at the head."""
     assert not hasattr(env.proto, "__dict__")  # slots: no per-connection instance dict
     env.proto.data_received(post(b'{"text": "hi", "stream": true}'))
     ((_, leg),) = env.pool.sent
@@ -433,7 +433,8 @@ class _ListeningRegistry(Registry):
 
 
 def test_worker_re_added_under_the_same_url_gets_its_new_key(monkeypatch) -> None:
-    """Review H2: pools (and the framing key) follow the worker, not its URL."""
+    """Pools (and the framing key) follow the worker, not its URL: a worker re-added under the
+    same URL with a new api_key must not reuse connections made for the old one."""
     from fastroute.control.worker import Worker
     from fastroute.dataplane import app as app_module
 
@@ -478,7 +479,7 @@ def test_worker_re_added_under_the_same_url_gets_its_new_key(monkeypatch) -> Non
 
 
 def test_pool_idle_timeout_zero_turns_connection_reuse_off() -> None:
-    """Review M1: --upstream-pool-idle-timeout-secs 0 stays 0 (no reuse), not the 3 s default."""
+    """--upstream-pool-idle-timeout-secs 0 stays 0 (no reuse), not the 3 s default."""
     from fastroute.dataplane.upstream import Pool, UpstreamConnection
 
     loop = asyncio.new_event_loop()

@@ -1,4 +1,4 @@
-"""Issue 26's benchmark plumbing: the rows (SGLang's methods without a router rank, fastroute's
+"""The engine-balance benchmark's plumbing: the rows (SGLang's methods without a router rank, fastroute's
 policies), the router command for several decodes, samples of two decodes merged into one set
 of 16 ranks, and the prefill-rank queue CV."""
 
