@@ -34,8 +34,9 @@ from fastroute.dataplane.admission import Admission
 from fastroute.dataplane.cors import Cors
 from fastroute.dataplane.exchange import Relay, _Exchange
 from fastroute.dataplane.front import Front
+from fastroute.dataplane.headerflags import header_flags
 from fastroute.dataplane.pd import PDRelay
-from fastroute.dataplane.protocol import INFERENCE, ClientProtocol, Request, header_flags
+from fastroute.dataplane.protocol import INFERENCE, ClientProtocol, Request
 from fastroute.dataplane.route import Route
 from fastroute.dataplane.upstream import Pool
 from fastroute.errors import RouterError

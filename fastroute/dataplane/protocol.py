@@ -1,10 +1,10 @@
 """The client side of the data path: HTTP/1.1 parsing and in-order answering, per connection.
 
-Owns, per client connection, the request parsing (httptools, keep-alive,
-pipelining answered strictly in order, chunked request bodies, the read
-deadlines, the head and payload limits), the header flag table that classifies
-request headers in one lookup, request ids, prebuilt status lines, and the simple
-responses (inline answers and errors; none carries a body for ``HEAD``).
+Owns, per client connection, the request parsing (httptools, keep-alive, pipelining
+answered strictly in order, chunked request bodies, the read deadlines, the head and
+payload limits), request headers classified in one lookup (the table is
+:mod:`fastroute.dataplane.headerflags`), request ids, prebuilt status lines, and the
+simple responses (inline answers and errors; none carries a body for ``HEAD``).
 
 Reading a request is bounded in time and bytes, as the bytes arrive:
 
@@ -15,11 +15,10 @@ Reading a request is bounded in time and bytes, as the bytes arrive:
 * the body must keep arriving (no read for ``header_read_timeout_secs``: 408 and
   close) and be complete within ``body_read_timeout_secs`` of its head.
 
-No reference cycle keeps a request body alive: the body chunks are dropped when
-the request is handed off, and the protocol<->parser cycle is broken when the
-connection is lost, so a finished body is freed at once, without a GC pass. What a request means is the App's
-business (:mod:`fastroute.dataplane.app`); backpressure is
-:class:`~fastroute.dataplane.flow.FlowControl`'s.
+No reference cycle keeps a request body alive: the body chunks are dropped when the request is
+handed off, and the protocol<->parser cycle is broken when the connection is lost, so a finished
+body is freed at once, without a GC pass. What a request means is the App's business
+(:mod:`fastroute.dataplane.app`); backpressure is :class:`~fastroute.dataplane.flow.FlowControl`'s.
 
 Per request: one header scan (lower-cased name -> flag bits), one join of the
 forwarded headers, no logging. Byte constants are built at import.
@@ -39,6 +38,18 @@ import httptools
 
 from fastroute import errors as _errors
 from fastroute.dataplane.flow import FlowControl
+from fastroute.dataplane.headerflags import (  # header_flags re-exported (the App builds the table)
+    _F_ACRH,
+    _F_AUTH,
+    _F_CL,
+    _F_EXPECT,
+    _F_FWD,
+    _F_KEY,
+    _F_ORIGIN,
+    _F_RID,
+    _classify,
+    header_flags,  # noqa: F401
+)
 from fastroute.dataplane.routes import INFERENCE, RID_PREFIX  # noqa: F401 (INFERENCE re-exported)
 from fastroute.dataplane.upstream import _nodelay
 from fastroute.errors import RouterError
@@ -75,74 +86,11 @@ CT_SSE = b"text/event-stream"
 # The inference paths (raw path -> endpoint label) come from the route table
 # (fastroute.dataplane.routes); everything else is answered, not proxied.
 
-# Request header flags (bitmask) by lower-cased name; see ClientProtocol.on_header.
-_F_FWD = 1  # forwarded verbatim to the worker (3.4 whitelist)
-_F_AUTH = 2  # Authorization
-_F_RID = 4  # candidate for the x-request-id response header
-_F_KEY = 8  # routing key for consistent hashing
-_F_CL = 16  # Content-Length
-_F_EXPECT = 32  # Expect: 100-continue
-_F_ORIGIN = 64  # Origin (flagged only with --cors-allowed-origins)
-_F_ACRH = 128  # Access-Control-Request-Headers (ditto: preflights)
-
 _NO_BODY_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS"})
 _PIPELINE_LIMIT = 32  # queued pipelined requests before we stop reading the client
 _HEAD_LIMIT = 1 << 16  # bytes of request line + headers before 431
 # Answers to a request that could not be read, by status.
 _READ_ERROR_CODE = {400: _errors.CODE_BAD_REQUEST, 408: "request_timeout", 431: "header_too_large"}
-
-
-def header_flags(
-    request_id_headers: list[str],
-    routing_key_headers: list[str],
-    cors: bool = False,
-) -> tuple[dict[bytes, int], tuple[bytes, ...], tuple[bytes, ...]]:
-    """(flag table, request-id headers in priority order, routing-key headers in priority order).
-
-    Built once per App from the configured header names (already lower-cased by Config).
-    ``cors``: also flag the CORS request headers (without CORS they cost nothing).
-    """
-    flags: dict[bytes, int] = {
-        b"x-request-id": _F_FWD,
-        b"x-correlation-id": _F_FWD,
-        b"traceparent": _F_FWD,
-        b"tracestate": _F_FWD,
-        b"x-smg-routing-key": _F_FWD | _F_KEY,
-        b"authorization": _F_AUTH,
-        b"content-length": _F_CL,
-        b"expect": _F_EXPECT,
-    }
-    if cors:
-        flags[b"origin"] = _F_ORIGIN
-        flags[b"access-control-request-headers"] = _F_ACRH
-    rid_headers = tuple(h.encode("latin-1") for h in request_id_headers)
-    for h in rid_headers:
-        flags[h] = flags.get(h, 0) | _F_RID
-    key_headers = (b"x-smg-routing-key",) + tuple(h.encode("latin-1") for h in routing_key_headers)
-    for h in key_headers:
-        flags[h] = flags.get(h, 0) | _F_KEY
-    return flags, rid_headers, key_headers
-
-
-_HEADER_SPELLINGS = 1024  # raw header-name spellings remembered per App (see _classify)
-
-
-def _classify(flags: dict[bytes, int], name: bytes) -> int:
-    """The flag bits of a header name as the client spelled it, remembered in the App's table.
-
-    The table starts with the flagged lower-case names; each new spelling (``Content-Length``,
-    ``User-Agent``...) is looked up once by its lower-case form and then found by one dict
-    lookup, without a ``lower()`` per header. Unflagged names get 0, ``x-request-id-*``
-    (forwarded) ``_F_FWD``. A client inventing names cannot grow the table past
-    ``_HEADER_SPELLINGS`` new entries: beyond that, names are classified each time.
-    """
-    n = name.lower()
-    f = flags.get(n)
-    if f is None:
-        f = _F_FWD if len(n) > 13 and n.startswith(b"x-request-id-") else 0
-    if len(flags) < _HEADER_SPELLINGS:
-        flags[name] = f
-    return f
 
 
 _RID_PREFIX = RID_PREFIX
