@@ -20,6 +20,7 @@ not see them change; the generated C is kept apart per directive set, under buil
 Release builds (neither switch) use ``-O3`` and no checks: every Python entry point validates
 its indices itself, and the nogil inner loops run unchecked.
 """
+
 import importlib.util
 import os
 
@@ -30,8 +31,8 @@ from setuptools import Extension, setup
 # The module lists, derived from the tree (fastroute/compiled.py), loaded by path: the package
 # itself cannot be imported before it is built.
 _spec = importlib.util.spec_from_file_location(
-    "fastroute_compiled", os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                       "fastroute", "compiled.py"))
+    "fastroute_compiled", os.path.join(os.path.dirname(os.path.abspath(__file__)), "fastroute", "compiled.py")
+)
 compiled = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(compiled)
 
@@ -95,7 +96,8 @@ setup(
         compiler_directives=directives,
         include_path=["."],
         build_dir=build_dir,
-    ) + cythonize(
+    )
+    + cythonize(
         [py_ext(package, name) for package, name in compiled.py_modules()],
         compiler_directives={**directives, "annotation_typing": False},
         include_path=["."],

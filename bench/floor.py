@@ -20,6 +20,7 @@ reverse proxy, 1 worker, upstream keep-alive, no buffering: the C reference; reg
 smg when importable. Rounds alternate the router order; cells are medians over rounds. Output:
 markdown, printed and written to bench/out/floor.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,12 +30,12 @@ import shlex
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -43,11 +44,32 @@ import overhead as ov  # noqa: E402
 LEAN = Path("/work/shared/bench/lean_relay.py")
 VARIANTS = 64
 SIZES = (100, 2048, 48 * 1024)
-WORDS = ("the quick brown fox jumps over a lazy dog while routers count tokens and caches "
-         "remember prefixes of long prompts").split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "routers",
+    "count",
+    "tokens",
+    "and",
+    "caches",
+    "remember",
+    "prefixes",
+    "of",
+    "long",
+    "prompts",
+]
 
 
 # ----------------------------------------------------------------------------- bodies
+
 
 def prose(rng: random.Random, size: int) -> str:
     out, n = [], 0
@@ -68,17 +90,20 @@ def chat_obj(rng: random.Random, size: int, stream: bool) -> dict[str, Any]:
     msgs = [{"role": "system", "content": MARK + prose(rng, per)}]
     for i in range(turns):
         msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": prose(rng, per)})
-    return {"model": ov.MODEL, "messages": msgs, "max_tokens": 16, "stream": stream,
-            "temperature": 0.7}
+    return {"model": ov.MODEL, "messages": msgs, "max_tokens": 16, "stream": stream, "temperature": 0.7}
 
 
 def generate_obj(rng: random.Random, size: int, stream: bool) -> dict[str, Any]:
-    return {"text": MARK + prose(rng, max(8, size - 110)),
-            "sampling_params": {"max_new_tokens": 16, "temperature": 0.7}, "stream": stream}
+    return {
+        "text": MARK + prose(rng, max(8, size - 110)),
+        "sampling_params": {"max_new_tokens": 16, "temperature": 0.7},
+        "stream": stream,
+    }
 
 
-def variants(make: Callable[[random.Random, int, bool], dict[str, Any]], size: int,
-             stream: bool, seed: int) -> list[tuple[str, str]]:
+def variants(
+    make: Callable[[random.Random, int, bool], dict[str, Any]], size: int, stream: bool, seed: int
+) -> list[tuple[str, str]]:
     """VARIANTS (pre, post) pairs: a request body is ``pre + str(counter) + post``."""
     rng = random.Random(seed)
     out = []
@@ -91,20 +116,25 @@ def variants(make: Callable[[random.Random, int, bool], dict[str, Any]], size: i
 
 def write_lua(tmp: Path, name: str, path: str, parts: list[tuple[str, str]]) -> Path:
     """A wrk script sending distinct bodies: variant (n mod 64) with the counter n spliced in."""
+
     def q(s: str) -> str:
         if "]==]" in s:
             raise ValueError("body would end the Lua long string")
         return "[==[" + s + "]==]"
-    lines = ['wrk.method = "POST"', f'wrk.path = "{path}"',
-             'wrk.headers["Content-Type"] = "application/json"',
-             "local pre = {" + ",\n".join(q(a) for a, _ in parts) + "}",
-             "local post = {" + ",\n".join(q(b) for _, b in parts) + "}",
-             "local n = 0",
-             "request = function()",
-             "  n = n + 1",
-             f"  local i = n % {len(parts)} + 1",
-             "  return wrk.format(nil, nil, nil, pre[i] .. n .. post[i])",
-             "end"]
+
+    lines = [
+        'wrk.method = "POST"',
+        f'wrk.path = "{path}"',
+        'wrk.headers["Content-Type"] = "application/json"',
+        "local pre = {" + ",\n".join(q(a) for a, _ in parts) + "}",
+        "local post = {" + ",\n".join(q(b) for _, b in parts) + "}",
+        "local n = 0",
+        "request = function()",
+        "  n = n + 1",
+        f"  local i = n % {len(parts)} + 1",
+        "  return wrk.format(nil, nil, nil, pre[i] .. n .. post[i])",
+        "end",
+    ]
     lua = tmp / f"{name}.lua"
     lua.write_text("\n".join(lines) + "\n")
     return lua
@@ -155,8 +185,15 @@ def nginx_proxy(tmp: Path, name: str, port: int, upstreams: list[int], nginx: st
     return [nginx, "-c", str(conf), "-p", str(prefix), "-e", str(prefix / "error.log")]
 
 
-def routers(mode: str, be: ov.Backends, pythons: dict[str, str | None], tmp: Path, tag: str,
-            nginx: str, base_checkout: Path | None = None) -> list[ov.Router]:
+def routers(
+    mode: str,
+    be: ov.Backends,
+    pythons: dict[str, str | None],
+    tmp: Path,
+    tag: str,
+    nginx: str,
+    base_checkout: Path | None = None,
+) -> list[ov.Router]:
     """direct, lean, fastroute, [fastroute-base], bare, [nginx], [smg] for one mode and one
     backend set."""
     base = {r.name: r for r in ov.router_commands(mode, be, pythons, base_checkout)}
@@ -165,8 +202,14 @@ def routers(mode: str, be: ov.Backends, pythons: dict[str, str | None], tmp: Pat
     if mode == "regular":
         lean = [sys.executable, str(LEAN), str(p), *(f"http://127.0.0.1:{q}" for q in be.regular)]
     else:
-        lean = [sys.executable, str(HERE / "lean_pd_relay.py"), str(p),
-                f"http://127.0.0.1:{be.prefill}", str(be.bootstrap), f"http://127.0.0.1:{be.decode}"]
+        lean = [
+            sys.executable,
+            str(HERE / "lean_pd_relay.py"),
+            str(p),
+            f"http://127.0.0.1:{be.prefill}",
+            str(be.bootstrap),
+            f"http://127.0.0.1:{be.decode}",
+        ]
     out.append(ov.Router("lean", p, lean))
     out.append(base["fastroute"])
     if "fastroute-base" in base:
@@ -181,6 +224,7 @@ def routers(mode: str, be: ov.Backends, pythons: dict[str, str | None], tmp: Pat
 
 
 # ----------------------------------------------------------------------------- measurement
+
 
 def c1_added(port: int, raws: list[bytes], n: int) -> float:
     """p50 (s) of n sequential requests on one keep-alive connection, cycling raws."""
@@ -202,10 +246,21 @@ def raws_of(path: str, parts: list[tuple[str, str]]) -> list[bytes]:
     return [ov.raw_request("POST", path, a + str(i) + b) for i, (a, b) in enumerate(parts)]
 
 
-def run_phase(s: ov.Settings, mode: str, be: ov.Backends, pythons: dict[str, str | None],
-              procs: ov.Procs, tmp: Path, tag: str, nginx: str,
-              loads: list[tuple[str, Path]], lat: list[bytes] | None, sink: dict[str, Any],
-              commands: list[str], notes: list[str]) -> None:
+def run_phase(
+    s: ov.Settings,
+    mode: str,
+    be: ov.Backends,
+    pythons: dict[str, str | None],
+    procs: ov.Procs,
+    tmp: Path,
+    tag: str,
+    nginx: str,
+    loads: list[tuple[str, Path]],
+    lat: list[bytes] | None,
+    sink: dict[str, Any],
+    commands: list[str],
+    notes: list[str],
+) -> None:
     rs = routers(mode, be, pythons, tmp, tag, nginx, s.base)
     live = []
     for r in rs:
@@ -227,8 +282,7 @@ def run_phase(s: ov.Settings, mode: str, be: ov.Backends, pythons: dict[str, str
         rest = [r for r in live if r.name != "direct"]
         k = rnd % max(1, len(rest))
         order = [r for r in live if r.name == "direct"] + rest[k:] + rest[:k]
-        print(f"  [{tag}] round {rnd + 1}/{s.rounds}: " + ", ".join(r.name for r in order),
-              flush=True)
+        print(f"  [{tag}] round {rnd + 1}/{s.rounds}: " + ", ".join(r.name for r in order), flush=True)
         direct_p50 = None
         for r in order:
             cell = sink.setdefault(r.name, {})
@@ -252,16 +306,18 @@ def run_phase(s: ov.Settings, mode: str, be: ov.Backends, pythons: dict[str, str
                 cell.setdefault(f"{name}_rps", []).append(res["rps"])
                 cell.setdefault(f"{name}_cpu", []).append(cpu)
                 cell.setdefault("errors", []).append(errs)
-                print(f"    {r.name:10s} {name:14s} {res['rps']:9.0f} req/s errors={errs}"
-                      + (f" cpu={cpu:.0f}us/req" if cpu is not None else ""), flush=True)
+                print(
+                    f"    {r.name:10s} {name:14s} {res['rps']:9.0f} req/s errors={errs}"
+                    + (f" cpu={cpu:.0f}us/req" if cpu is not None else ""),
+                    flush=True,
+                )
     for r in rs:
         if r.proc is not None:
             procs.stop(f"{tag}-{r.name}")
 
 
 def table(mode: str, sink: dict[str, Any], rows: list[str]) -> str:
-    cols = [c for c in ("direct", "lean", "fastroute", "fastroute-base", "bare", "nginx", "smg")
-            if c in sink]
+    cols = [c for c in ("direct", "lean", "fastroute", "fastroute-base", "bare", "nginx", "smg") if c in sink]
     peers = [c for c in ("lean", "fastroute-base", "nginx", "smg", "bare") if c in sink]
     head = ["metric", *cols, *(f"fastroute/{p}" for p in peers)]
     out = [f"### mode: {mode}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -270,8 +326,7 @@ def table(mode: str, sink: dict[str, Any], rows: list[str]) -> str:
         vals = [v for v in sink.get(router, {}).get(key, []) if v is not None]
         return statistics.median(vals) if vals else None
 
-    labels = {"c1_p50": "c=1 p50, 2 KB chat JSON (us)",
-              "c1_add_p50": "c=1 **added** p50, 2 KB chat JSON (us)"}
+    labels = {"c1_p50": "c=1 p50, 2 KB chat JSON (us)", "c1_add_p50": "c=1 **added** p50, 2 KB chat JSON (us)"}
     keys = ["c1_p50", "c1_add_p50"] + [f"{r}_rps" for r in rows] + [f"{r}_cpu" for r in rows]
     for key in keys:
         if key.endswith("_rps"):
@@ -292,8 +347,7 @@ def table(mode: str, sink: dict[str, Any], rows: list[str]) -> str:
                 cells.append("" if not a or not b or a <= 0 or b <= 0 else f"{a / b:.2f}x")
         out.append("| " + " | ".join(cells) + " |")
     errs = {c: sum(sink[c].get("errors", [])) for c in cols}
-    out.append("| errors (all runs) | " + " | ".join(str(errs[c]) for c in cols) + " |"
-               + " |" * len(peers))
+    out.append("| errors (all runs) | " + " | ".join(str(errs[c]) for c in cols) + " |" + " |" * len(peers))
     return "\n".join(out) + "\n"
 
 
@@ -305,11 +359,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--modes", nargs="+", choices=("regular", "pd"), default=["regular", "pd"])
     ap.add_argument("--latency-requests", type=int, default=2000)
     ap.add_argument("--smg-python", default=None)
-    ap.add_argument("--base-checkout", default=None, metavar="DIR",
-                    help="also run fastroute from DIR (built in place) as fastroute-base")
+    ap.add_argument(
+        "--base-checkout",
+        default=None,
+        metavar="DIR",
+        help="also run fastroute from DIR (built in place) as fastroute-base",
+    )
     ap.add_argument("--skip-peers", action="store_true")
-    ap.add_argument("--sizes", nargs="+", type=int, default=list(SIZES),
-                    help="body sizes in bytes (default 100 2048 49152)")
+    ap.add_argument(
+        "--sizes", nargs="+", type=int, default=list(SIZES), help="body sizes in bytes (default 100 2048 49152)"
+    )
     ap.add_argument("--out", default=str(HERE / "out" / "floor.md"))
     return ap.parse_args(argv)
 
@@ -318,9 +377,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     cmdline = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv)
     nginx, wrk = shutil.which("nginx") or "/usr/sbin/nginx", shutil.which("wrk") or "wrk"
-    s = ov.Settings(duration=args.duration, rounds=args.rounds, modes=args.modes,
-                    lat_json=args.latency_requests, lat_sse=0, wrk=wrk,
-                    base=Path(args.base_checkout).resolve() if args.base_checkout else None)
+    s = ov.Settings(
+        duration=args.duration,
+        rounds=args.rounds,
+        modes=args.modes,
+        lat_json=args.latency_requests,
+        lat_sse=0,
+        wrk=wrk,
+        base=Path(args.base_checkout).resolve() if args.base_checkout else None,
+    )
     pythons: dict[str, str | None] = {}
     if not args.skip_peers:
         pythons["smg"], info = ov.detect_peer("smg", args.smg_python)
@@ -333,27 +398,40 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def on_term(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
+
     old = signal.signal(signal.SIGTERM, on_term)
     old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        be = ov.Backends(regular=[ov.free_port(), ov.free_port()], prefill=ov.free_port(),
-                         decode=ov.free_port(), bootstrap=ov.free_port())
+        be = ov.Backends(
+            regular=[ov.free_port(), ov.free_port()],
+            prefill=ov.free_port(),
+            decode=ov.free_port(),
+            bootstrap=ov.free_port(),
+        )
         conf = ov.write_nginx(tmp, be)
         procs.start("nginx", [nginx, "-c", str(conf), "-p", str(tmp), "-e", str(tmp / "error.log")])
         commands.append("backends: " + shlex.join([nginx, "-c", str(conf), "-p", str(tmp)]))
-        paced = ov.Backends(regular=[ov.free_port(), ov.free_port()], prefill=ov.free_port(),
-                            decode=ov.free_port(), bootstrap=be.bootstrap)
+        paced = ov.Backends(
+            regular=[ov.free_port(), ov.free_port()],
+            prefill=ov.free_port(),
+            decode=ov.free_port(),
+            bootstrap=be.bootstrap,
+        )
         script = str(HERE / "paced_sse.py")
         for i, port in enumerate(paced.regular):
             procs.start(f"paced-{i}", [sys.executable, script, str(port)])
-        procs.start("paced-prefill", [sys.executable, script, str(paced.prefill), "--role",
-                                      "prefill", "--bootstrap-port", str(be.bootstrap)])
-        procs.start("paced-decode", [sys.executable, script, str(paced.decode), "--role",
-                                     "decode", "--dp-size", str(ov.DECODE_DP)])
-        commands.append(f"paced backends: {sys.executable} {script} PORT [--role prefill|decode]"
-                        " (10 events, 20-50 ms apart)")
-        for port in (*be.regular, be.prefill, be.decode, *paced.regular, paced.prefill,
-                     paced.decode):
+        procs.start(
+            "paced-prefill",
+            [sys.executable, script, str(paced.prefill), "--role", "prefill", "--bootstrap-port", str(be.bootstrap)],
+        )
+        procs.start(
+            "paced-decode",
+            [sys.executable, script, str(paced.decode), "--role", "decode", "--dp-size", str(ov.DECODE_DP)],
+        )
+        commands.append(
+            f"paced backends: {sys.executable} {script} PORT [--role prefill|decode] (10 events, 20-50 ms apart)"
+        )
+        for port in (*be.regular, be.prefill, be.decode, *paced.regular, paced.prefill, paced.decode):
             err = ov.wait_ready(port, None, timeout=20)
             if err:
                 raise RuntimeError(f"backend {port} not serving: {err}")
@@ -361,20 +439,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         for kind, path, make in (("chat", ov.SSE_PATH, chat_obj), ("gen", ov.JSON_PATH, generate_obj)):
             for size in args.sizes:
                 label = f"{kind}-{size / 1024:g}KB" if size >= 1024 else f"{kind}-{size}B"
-                json_loads.append((label, write_lua(tmp, label, path,
-                                                    variants(make, size, False, size))))
+                json_loads.append((label, write_lua(tmp, label, path, variants(make, size, False, size))))
         chat2 = variants(chat_obj, 2048, False, 7)
         lat = raws_of(ov.SSE_PATH, chat2)
-        sse = [("sse-paced-2KB", write_lua(tmp, "sse", ov.SSE_PATH,
-                                           variants(chat_obj, 2048, True, 9)))]
+        sse = [("sse-paced-2KB", write_lua(tmp, "sse", ov.SSE_PATH, variants(chat_obj, 2048, True, 9)))]
         for mode in args.modes:
             sink: dict[str, Any] = {}
             print(f"mode {mode}: JSON against nginx workers", flush=True)
-            run_phase(s, mode, be, pythons, procs, tmp, f"{mode}-json", nginx, json_loads, lat,
-                      sink, commands, notes)
+            run_phase(s, mode, be, pythons, procs, tmp, f"{mode}-json", nginx, json_loads, lat, sink, commands, notes)
             print(f"mode {mode}: paced SSE", flush=True)
-            run_phase(s, mode, paced, pythons, procs, tmp, f"{mode}-sse", nginx, sse, None,
-                      sink, commands, notes)
+            run_phase(s, mode, paced, pythons, procs, tmp, f"{mode}-sse", nginx, sse, None, sink, commands, notes)
             results[mode] = (sink, [n for n, _ in json_loads] + [n for n, _ in sse])
     except KeyboardInterrupt:
         print("interrupted: stopping every process started by this run", file=sys.stderr)
@@ -383,11 +457,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         procs.stop_all()
         signal.signal(signal.SIGTERM, old)
         signal.signal(signal.SIGINT, old_int)
-    parts = ["# fastroute against the lean relay floor", "", f"Command: `{cmdline}`", "",
-             f"wrk -t1 -c256, {s.duration} s per run, {s.rounds} alternated rounds (medians); "
-             f"c=1: {s.lat_json} sequential requests, 64 distinct bodies. "
-             f"Bodies distinct per request (counter spliced into the prompt). Machine: "
-             f"{ov.os.cpu_count()} CPUs, Python {sys.version.split()[0]}.", ""]
+    parts = [
+        "# fastroute against the lean relay floor",
+        "",
+        f"Command: `{cmdline}`",
+        "",
+        f"wrk -t1 -c256, {s.duration} s per run, {s.rounds} alternated rounds (medians); "
+        f"c=1: {s.lat_json} sequential requests, 64 distinct bodies. "
+        f"Bodies distinct per request (counter spliced into the prompt). Machine: "
+        f"{ov.os.cpu_count()} CPUs, Python {sys.version.split()[0]}.",
+        "",
+    ]
     for mode, (sink, rows) in results.items():
         parts.append(table(mode, sink, rows))
     parts += ["Command lines:", "", "```", *commands, "```", ""]

@@ -30,6 +30,7 @@ stopped on exit.  Usage: ``python bench/memory.py [--streams 1000 2000 5000] [--
 [--hold 5] [--prompt-bytes 200] [--out FILE] [-- extra fastroute flags]``; ``--shape generate``
 runs bench/memory_generate.py instead (5,000 aiohttp /generate streams through P2C).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,30 +62,47 @@ FDS_PER_STREAM = 2
 
 # ----------------------------------------------------------------------------- backend
 
+
 def _event(i: int) -> bytes:
-    chunk = {"id": "chatcmpl-membench", "object": "chat.completion.chunk", "created": 0,
-             "model": MODEL, "choices": [{"index": 0, "delta": {"content": f" tok{i}"},
-                                          "finish_reason": None}]}
+    chunk = {
+        "id": "chatcmpl-membench",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": MODEL,
+        "choices": [{"index": 0, "delta": {"content": f" tok{i}"}, "finish_reason": None}],
+    }
     data = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
     return b"%x\r\n%b\r\n" % (len(data), data)
 
 
-_SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
-             b"transfer-encoding: chunked\r\n\r\n")
+_SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+    b"transfer-encoding: chunked\r\n\r\n"
+)
 
 
 def _answers() -> dict[bytes, bytes]:
     """GET path -> full response, from overhead.py's fixed SGLang-shaped bodies."""
     b = worker_bodies("regular", 1, None)
-    bodies = {b"/health": b"", b"/health_generate": b"", b"/flush_cache": b"",
-              b"/server_info": b["SERVER_INFO"], b"/get_server_info": b["SERVER_INFO"],
-              b"/model_info": b["MODEL_INFO"], b"/get_model_info": b["MODEL_INFO"],
-              b"/v1/models": b["MODELS"], b"/v1/loads": b["LOADS"], b"/get_load": b["GET_LOAD"]}
+    bodies = {
+        b"/health": b"",
+        b"/health_generate": b"",
+        b"/flush_cache": b"",
+        b"/server_info": b["SERVER_INFO"],
+        b"/get_server_info": b["SERVER_INFO"],
+        b"/model_info": b["MODEL_INFO"],
+        b"/get_model_info": b["MODEL_INFO"],
+        b"/v1/models": b["MODELS"],
+        b"/v1/loads": b["LOADS"],
+        b"/get_load": b["GET_LOAD"],
+    }
     out = {}
     for path, body in bodies.items():
         data = body.encode() if isinstance(body, str) else body
-        out[path] = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
-                     % (len(data), data))
+        out[path] = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b" % (
+            len(data),
+            data,
+        )
     return out
 
 
@@ -132,8 +150,7 @@ async def _backend_main(port: int, interval: float) -> None:
     loop = asyncio.get_running_loop()
     answers = _answers()
     streams: set[_Backend] = set()
-    server = await loop.create_server(lambda: _Backend(answers, streams), "127.0.0.1", port,
-                                      backlog=4096)
+    server = await loop.create_server(lambda: _Backend(answers, streams), "127.0.0.1", port, backlog=4096)
     # One timer for every stream: each gets its next event once per interval.
     while True:
         await asyncio.sleep(interval)
@@ -146,13 +163,22 @@ async def _backend_main(port: int, interval: float) -> None:
 
 # ----------------------------------------------------------------------------- client
 
+
 def _request(i: int, prompt_bytes: int, port: int) -> bytes:
-    text = (f"memory benchmark stream {i}: " + "count slowly, one word at a time. " * 400)
-    body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 100000,
-                       "messages": [{"role": "user", "content": text[:prompt_bytes]}]},
-                      separators=(",", ":")).encode()
-    return (b"POST %b HTTP/1.1\r\nHost: 127.0.0.1:%d\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n\r\n%b" % (SSE_PATH.encode(), port, len(body), body))
+    text = f"memory benchmark stream {i}: " + "count slowly, one word at a time. " * 400
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "stream": True,
+            "max_tokens": 100000,
+            "messages": [{"role": "user", "content": text[:prompt_bytes]}],
+        },
+        separators=(",", ":"),
+    ).encode()
+    return (
+        b"POST %b HTTP/1.1\r\nHost: 127.0.0.1:%d\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%b" % (SSE_PATH.encode(), port, len(body), body)
+    )
 
 
 class _Stream(asyncio.Protocol):
@@ -182,7 +208,7 @@ class _Stream(asyncio.Protocol):
                 self.status = int(self.buf.split(b" ", 2)[1])
             except (IndexError, ValueError):
                 self.status = -1
-            data = self.buf[end + 4:]
+            data = self.buf[end + 4 :]
             self.buf = b""
             if self.status != 200:
                 self.error = "status %d" % self.status
@@ -206,8 +232,7 @@ class _Stream(asyncio.Protocol):
             self.first.set_result(None)
 
 
-async def _open_streams(n: int, port: int, prompt_bytes: int, batch: int,
-                        timeout: float) -> list[_Stream]:
+async def _open_streams(n: int, port: int, prompt_bytes: int, batch: int, timeout: float) -> list[_Stream]:
     """Open n streams through the router (``batch`` connects at a time), held open; return when
     every one has its first event (or failed, or the timeout passed)."""
     loop = asyncio.get_running_loop()
@@ -240,6 +265,7 @@ def _check(streams: list[_Stream], what: str) -> None:
 
 # ----------------------------------------------------------------------------- /proc
 
+
 def proc_kb(pid: int, key: str) -> int:
     """A ``kB`` line of /proc/PID/status (VmRSS, VmHWM, ...)."""
     with open(f"/proc/{pid}/status") as f:
@@ -271,6 +297,7 @@ def cmdline(pid: int) -> str:
 
 # ----------------------------------------------------------------------------- run
 
+
 def wait_ready(port: int, proc: Any, timeout: float = 60.0) -> None:
     """GET /readiness until 200 (the backend is registered as a worker)."""
     deadline = time.monotonic() + timeout
@@ -294,26 +321,39 @@ def raise_nofile(need: int) -> int:
         soft = min(need, hard) if hard != resource.RLIM_INFINITY else need
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     if soft < need:
-        raise SystemExit(f"RLIMIT_NOFILE hard limit {hard} is below the {need} descriptors this "
-                         "run needs (raise it with ulimit -Hn as root)")
+        raise SystemExit(
+            f"RLIMIT_NOFILE hard limit {hard} is below the {need} descriptors this "
+            "run needs (raise it with ulimit -Hn as root)"
+        )
     return soft
 
 
 async def measure(n: int, args: argparse.Namespace, procs: Procs, backend_url: str) -> dict[str, Any]:
     port, prom = free_port(), free_port()
-    argv = [sys.executable, "-m", "fastroute", "--worker-urls", backend_url, "--host", "127.0.0.1",
-            "--port", str(port), "--prometheus-port", str(prom), *args.router_args]
+    argv = [
+        sys.executable,
+        "-m",
+        "fastroute",
+        "--worker-urls",
+        backend_url,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-port",
+        str(prom),
+        *args.router_args,
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     name = f"router-{n}"
     proc = procs.start(name, argv, env=env, cwd=REPO)
     try:
         await asyncio.to_thread(wait_ready, port, proc)
-        await asyncio.sleep(1.0)   # let the first load poll and start-up allocations settle
+        await asyncio.sleep(1.0)  # let the first load poll and start-up allocations settle
         pid = proc.pid
         idle = proc_kb(pid, "VmRSS")
         t0 = time.monotonic()
-        streams = await _open_streams(n, port, args.prompt_bytes, args.batch,
-                                      timeout=max(30.0, n / 100))
+        streams = await _open_streams(n, port, args.prompt_bytes, args.batch, timeout=max(30.0, n / 100))
         opened = time.monotonic() - t0
         _check(streams, f"N={n}, first event")
         before = [s.events for s in streams]
@@ -336,9 +376,17 @@ async def measure(n: int, args: argparse.Namespace, procs: Procs, backend_url: s
         # After the streams: the pool keeps their upstream connections idle up to its timeout.
         await asyncio.sleep(args.settle)
         after = proc_kb(pid, "VmRSS")
-        return {"n": n, "idle": idle, "held": max(held), "peak": peak, "after": after,
-                "per_stream": (peak - idle) * 1024 / n, "open_s": opened,
-                "events": sum(s.events for s in streams), "children": kids}
+        return {
+            "n": n,
+            "idle": idle,
+            "held": max(held),
+            "peak": peak,
+            "after": after,
+            "per_stream": (peak - idle) * 1024 / n,
+            "open_s": opened,
+            "events": sum(s.events for s in streams),
+            "children": kids,
+        }
     finally:
         procs.stop(name)
 
@@ -348,12 +396,16 @@ def mb(kb: int) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = ["| streams | idle RSS (MB) | RSS held (MB) | peak RSS (MB) | (peak - idle) / stream (KB) "
-           "| RSS after close (MB) |",
-           "|---|---|---|---|---|---|"]
+    out = [
+        "| streams | idle RSS (MB) | RSS held (MB) | peak RSS (MB) | (peak - idle) / stream (KB) "
+        "| RSS after close (MB) |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        out.append(f"| {r['n']:,} | {mb(r['idle'])} | {mb(r['held'])} | {mb(r['peak'])} "
-                   f"| {r['per_stream'] / 1024:.1f} | {mb(r['after'])} |")
+        out.append(
+            f"| {r['n']:,} | {mb(r['idle'])} | {mb(r['held'])} | {mb(r['peak'])} "
+            f"| {r['per_stream'] / 1024:.1f} | {mb(r['after'])} |"
+        )
     return "\n".join(out)
 
 
@@ -367,8 +419,11 @@ async def run(args: argparse.Namespace) -> str:
     rows = []
     try:
         bport = free_port()
-        backend = procs.start("backend", [sys.executable, str(Path(__file__).resolve()), "--backend",
-                                          str(bport), "--interval", str(args.interval)], cwd=REPO)
+        backend = procs.start(
+            "backend",
+            [sys.executable, str(Path(__file__).resolve()), "--backend", str(bport), "--interval", str(args.interval)],
+            cwd=REPO,
+        )
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -376,34 +431,42 @@ async def run(args: argparse.Namespace) -> str:
                     break
             except OSError:
                 if backend.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("backend did not start:\n" + procs.log_tail("backend"))
+                    raise SystemExit("backend did not start:\n" + procs.log_tail("backend")) from None
                 time.sleep(0.1)
         for n in args.streams:
             r = await measure(n, args, procs, f"http://127.0.0.1:{bport}")
             rows.append(r)
-            print(f"N={n}: idle {mb(r['idle'])} MB, peak {mb(r['peak'])} MB, "
-                  f"{r['per_stream'] / 1024:.1f} KB/stream, opened in {r['open_s']:.1f}s, "
-                  f"{r['events']} events; children: "
-                  + (", ".join(f"{c} {mb(k)} MB ({cmd[:60]})" for c, (cmd, k) in r["children"].items())
-                     or "none"), file=sys.stderr, flush=True)
+            print(
+                f"N={n}: idle {mb(r['idle'])} MB, peak {mb(r['peak'])} MB, "
+                f"{r['per_stream'] / 1024:.1f} KB/stream, opened in {r['open_s']:.1f}s, "
+                f"{r['events']} events; children: "
+                + (", ".join(f"{c} {mb(k)} MB ({cmd[:60]})" for c, (cmd, k) in r["children"].items()) or "none"),
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         procs.stop_all()
     cmd = "python bench/memory.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    lines = [table(rows), "",
-             f"`{cmd.strip()}`: one fresh router per row (regular mode, default flags"
-             + (f" + `{' '.join(args.router_args)}`" if args.router_args else "")
-             + f"), one slow backend (one event per {args.interval:g} s per stream), "
-             f"{args.prompt_bytes}-byte prompts, RSS of the router process from /proc "
-             f"(peak = VmHWM), held for {args.hold:g} s, \"after close\" {args.settle:g} s after "
-             "the clients left."]
+    lines = [
+        table(rows),
+        "",
+        f"`{cmd.strip()}`: one fresh router per row (regular mode, default flags"
+        + (f" + `{' '.join(args.router_args)}`" if args.router_args else "")
+        + f"), one slow backend (one event per {args.interval:g} s per stream), "
+        f"{args.prompt_bytes}-byte prompts, RSS of the router process from /proc "
+        f'(peak = VmHWM), held for {args.hold:g} s, "after close" {args.settle:g} s after '
+        "the clients left.",
+    ]
     kids: dict[str, int] = {}
     for r in rows:
         for cmd, kb in r["children"].values():
             kids[cmd] = max(kids.get(cmd, 0), kb)
     if kids:
-        lines.append("Child processes of the router, not counted above: "
-                     + "; ".join(f"`{cmd[:70]}` {mb(kb)} MB" for cmd, kb in sorted(kids.items()))
-                     + ".")
+        lines.append(
+            "Child processes of the router, not counted above: "
+            + "; ".join(f"`{cmd[:70]}` {mb(kb)} MB" for cmd, kb in sorted(kids.items()))
+            + "."
+        )
     return "\n".join(lines)
 
 
@@ -412,13 +475,15 @@ def main() -> None:
         # --shape generate: N /generate streams with ~2 KB texts from an aiohttp client through
         # an aiohttp worker, P2C on request counts (bench/memory_generate.py).
         import memory_generate
+
         raise SystemExit(memory_generate.main(sys.argv[1:]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, nargs="+", default=[1000, 2000, 5000])
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between a stream's events")
     ap.add_argument("--hold", type=float, default=5.0, help="seconds the N streams are held and sampled")
-    ap.add_argument("--settle", type=float, default=5.0,
-                    help="seconds after the clients left before the last RSS reading")
+    ap.add_argument(
+        "--settle", type=float, default=5.0, help="seconds after the clients left before the last RSS reading"
+    )
     ap.add_argument("--prompt-bytes", type=int, default=200, help="user message length per request")
     ap.add_argument("--batch", type=int, default=250, help="connections opened at a time")
     ap.add_argument("--out", type=Path, default=HERE / "out" / "memory.md")

@@ -14,6 +14,7 @@ bench/out/memory_generate.md.
 Usage: ``python bench/memory_generate.py [--streams 5000] [--events 10] [--gap 0.5]
 [--text-bytes 2048] [-- extra fastroute flags]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,27 +32,57 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from memory import proc_kb, raise_nofile, wait_ready  # noqa: E402
-from overhead import MODEL, Procs, free_port, worker_bodies  # noqa: E402
+from overhead import Procs, free_port, worker_bodies  # noqa: E402
 
-WORDS = "the quick brown fox jumps over a lazy dog while routers relay long prompts".split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "routers",
+    "relay",
+    "long",
+    "prompts",
+]
 
 
 # ----------------------------------------------------------------------------- worker
+
 
 def worker_main(port: int, events: int, gap: float) -> None:
     from aiohttp import web
 
     b = worker_bodies("regular", 1, None)
-    fixed = {"/health": "", "/health_generate": "", "/flush_cache": "",
-             "/server_info": b["SERVER_INFO"], "/get_server_info": b["SERVER_INFO"],
-             "/model_info": b["MODEL_INFO"], "/get_model_info": b["MODEL_INFO"],
-             "/v1/models": b["MODELS"], "/v1/loads": b["LOADS"], "/get_load": b["GET_LOAD"]}
+    fixed = {
+        "/health": "",
+        "/health_generate": "",
+        "/flush_cache": "",
+        "/server_info": b["SERVER_INFO"],
+        "/get_server_info": b["SERVER_INFO"],
+        "/model_info": b["MODEL_INFO"],
+        "/get_model_info": b["MODEL_INFO"],
+        "/v1/models": b["MODELS"],
+        "/v1/loads": b["LOADS"],
+        "/get_load": b["GET_LOAD"],
+    }
     chunks = []
     for i in range(events):
-        ev = {"text": f" tok{i}", "output_ids": [i],
-              "meta_info": {"id": "membench", "finish_reason": None if i < events - 1 else
-                            {"type": "length", "length": events},
-                            "prompt_tokens": 512, "completion_tokens": i + 1}}
+        ev = {
+            "text": f" tok{i}",
+            "output_ids": [i],
+            "meta_info": {
+                "id": "membench",
+                "finish_reason": None if i < events - 1 else {"type": "length", "length": events},
+                "prompt_tokens": 512,
+                "completion_tokens": i + 1,
+            },
+        }
         chunks.append(b"data: " + json.dumps(ev, separators=(",", ":")).encode() + b"\n\n")
 
     async def get(request: Any) -> Any:
@@ -74,11 +105,11 @@ def worker_main(port: int, events: int, gap: float) -> None:
     app = web.Application(client_max_size=1 << 24)
     app.router.add_post("/generate", generate)
     app.router.add_get("/{tail:.*}", get)
-    web.run_app(app, host="127.0.0.1", port=port, backlog=8192, print=None,
-                access_log=None, handle_signals=True)
+    web.run_app(app, host="127.0.0.1", port=port, backlog=8192, print=None, access_log=None, handle_signals=True)
 
 
 # ----------------------------------------------------------------------------- client
+
 
 async def one(session: Any, url: str, body: bytes, out: list[int]) -> None:
     async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
@@ -105,17 +136,18 @@ async def clients(n: int, port: int, text_bytes: int, timeout: float) -> tuple[l
             w = rng.choice(WORDS)
             words.append(w)
             size += len(w) + 1
-        bodies.append(json.dumps({"text": " ".join(words), "stream": True,
-                                  "sampling_params": {"max_new_tokens": 10,
-                                                      "temperature": 0}}).encode())
+        bodies.append(
+            json.dumps(
+                {"text": " ".join(words), "stream": True, "sampling_params": {"max_new_tokens": 10, "temperature": 0}}
+            ).encode()
+        )
     out = [0, 0, 0]  # complete, failed, events
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
     to = aiohttp.ClientTimeout(total=timeout)
     t0 = time.monotonic()
     async with aiohttp.ClientSession(connector=conn, timeout=to) as session:
         url = f"http://127.0.0.1:{port}/generate"
-        res = await asyncio.gather(*(one(session, url, b, out) for b in bodies),
-                                   return_exceptions=True)
+        res = await asyncio.gather(*(one(session, url, b, out) for b in bodies), return_exceptions=True)
     out[1] += sum(1 for r in res if isinstance(r, BaseException))
     return out, time.monotonic() - t0
 
@@ -134,12 +166,29 @@ async def run(args: argparse.Namespace) -> str:
     procs = Procs(Path(os.environ.get("TMPDIR", "/tmp")))
     wport = free_port()
     try:
-        procs.start("memgen-worker", [sys.executable, __file__, "--worker", str(wport),
-                                      "--events", str(args.events), "--gap", str(args.gap)])
+        procs.start(
+            "memgen-worker",
+            [sys.executable, __file__, "--worker", str(wport), "--events", str(args.events), "--gap", str(args.gap)],
+        )
         port, prom = free_port(), free_port()
-        argv = [sys.executable, "-m", "fastroute", "--worker-urls", f"http://127.0.0.1:{wport}",
-                "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(prom),
-                "--policy", "power_of_two", "--p2c-load-metric", "requests", *args.router_args]
+        argv = [
+            sys.executable,
+            "-m",
+            "fastroute",
+            "--worker-urls",
+            f"http://127.0.0.1:{wport}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-port",
+            str(prom),
+            "--policy",
+            "power_of_two",
+            "--p2c-load-metric",
+            "requests",
+            *args.router_args,
+        ]
         env = dict(os.environ, PYTHONPATH=str(args.checkout))
         proc = procs.start("memgen-router", argv, env=env, cwd=args.checkout)
         await asyncio.to_thread(wait_ready, port, proc)
@@ -148,8 +197,7 @@ async def run(args: argparse.Namespace) -> str:
         rss: list[int] = []
         stop = asyncio.Event()
         sampler = asyncio.create_task(sample(proc.pid, stop, rss))
-        out, took = await clients(args.streams, port, args.text_bytes,
-                                  timeout=60 + args.events * args.gap * 4)
+        out, took = await clients(args.streams, port, args.text_bytes, timeout=60 + args.events * args.gap * 4)
         stop.set()
         await sampler
         peak = proc_kb(proc.pid, "VmHWM")
@@ -158,17 +206,24 @@ async def run(args: argparse.Namespace) -> str:
     finally:
         procs.stop_all()
     complete, failed, events = out
-    lines = ["# Memory: concurrent /generate SSE streams (aiohttp client and worker)", "",
-             f"Command: `{' '.join([sys.executable, *sys.argv])}`", "",
-             f"fastroute: `{' '.join(argv[3:])}`", "",
-             f"{args.streams} requests started at once, ~{args.text_bytes} B distinct `text` "
-             f"each, {args.events} events {args.gap} s apart per stream.", "",
-             "| streams | complete | failed | events | idle RSS MB | peak RSS MB | "
-             "max sampled RSS MB | RSS after MB | (peak-idle)/stream KB | wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|",
-             f"| {args.streams} | {complete} | {failed} | {events} | {idle / 1024:.1f} | "
-             f"{peak / 1024:.1f} | {max(rss, default=0) / 1024:.1f} | {after / 1024:.1f} | "
-             f"{(peak - idle) / args.streams:.1f} | {took:.1f} |", ""]
+    lines = [
+        "# Memory: concurrent /generate SSE streams (aiohttp client and worker)",
+        "",
+        f"Command: `{' '.join([sys.executable, *sys.argv])}`",
+        "",
+        f"fastroute: `{' '.join(argv[3:])}`",
+        "",
+        f"{args.streams} requests started at once, ~{args.text_bytes} B distinct `text` "
+        f"each, {args.events} events {args.gap} s apart per stream.",
+        "",
+        "| streams | complete | failed | events | idle RSS MB | peak RSS MB | "
+        "max sampled RSS MB | RSS after MB | (peak-idle)/stream KB | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| {args.streams} | {complete} | {failed} | {events} | {idle / 1024:.1f} | "
+        f"{peak / 1024:.1f} | {max(rss, default=0) / 1024:.1f} | {after / 1024:.1f} | "
+        f"{(peak - idle) / args.streams:.1f} | {took:.1f} |",
+        "",
+    ]
     if not alive:
         lines.append("router exited during the run")
     report = "\n".join(lines)
@@ -186,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gap", type=float, default=0.5)
     ap.add_argument("--text-bytes", type=int, default=2048)
     ap.add_argument("--out", type=Path, default=HERE / "out" / "memory_generate.md")
-    ap.add_argument("--checkout", type=Path, default=REPO,
-                    help="fastroute checkout to run (extensions built in place)")
+    ap.add_argument("--checkout", type=Path, default=REPO, help="fastroute checkout to run (extensions built in place)")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("router_args", nargs="*", help="extra fastroute flags (after --)")
     args = ap.parse_args(argv)

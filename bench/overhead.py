@@ -17,6 +17,7 @@ Usage: ``python bench/overhead.py [--quick] [--duration S] [--rounds N] [--modes
 (/work/shared/bench/lean_relay.py, bench/lean_pd_relay.py) and nginx on 0.1/2/48 KB chat and
 /generate bodies and paced SSE streams.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,9 +35,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -56,11 +58,14 @@ DECODE_DP = 8
 READY_TIMEOUT = 90.0
 
 # Client request bodies (what wrk and the latency client send).
-JSON_BODY = json.dumps({"text": "hello world, benchmark prompt",
-                        "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
-                       separators=(",", ":"))
-SSE_BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}],
-                       "max_tokens": 16, "stream": True}, separators=(",", ":"))
+JSON_BODY = json.dumps(
+    {"text": "hello world, benchmark prompt", "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+    separators=(",", ":"),
+)
+SSE_BODY = json.dumps(
+    {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16, "stream": True},
+    separators=(",", ":"),
+)
 JSON_PATH, SSE_PATH = "/generate", "/v1/chat/completions"
 
 
@@ -110,7 +115,7 @@ def parse_proc_stat(text: str) -> tuple[int, int]:
     The command name (field 2) may contain spaces and parentheses, so split after the last ')'.
     cutime/cstime cover reaped children, so CPU of short-lived helpers is not lost.
     """
-    rest = text[text.rindex(")") + 2:].split()
+    rest = text[text.rindex(")") + 2 :].split()
     # rest[0] is field 3 (state); ppid is field 4, utime..cstime are fields 14..17.
     return int(rest[1]), sum(int(x) for x in rest[11:15])
 
@@ -154,9 +159,13 @@ ROWS = (
     ("sse_c256_cpu", "router CPU per req, SSE c=256 (us)", "cpu"),
     ("errors", "errors (non-2xx + socket), all runs", "err"),
 )
-RATIOS = (("smg", "fastroute/smg"), ("sglang-router", "fastroute/sglang-router"),
-          ("bare", "fastroute/bare"), ("fastroute-base", "fastroute/base"),
-          ("fastroute-tls", "fastroute/tls"))
+RATIOS = (
+    ("smg", "fastroute/smg"),
+    ("sglang-router", "fastroute/sglang-router"),
+    ("bare", "fastroute/bare"),
+    ("fastroute-base", "fastroute/base"),
+    ("fastroute-tls", "fastroute/tls"),
+)
 
 
 def _fmt(v: float | None, kind: str) -> str:
@@ -190,11 +199,9 @@ def build_table(mode: str, med: dict[str, dict[str, float | None]], routers: Seq
     """
     cols = [r for r in routers if r in med]
     # The base-checkout column exists only in runs that measured one.
-    ratios = [(peer, label) for peer, label in RATIOS
-              if peer not in ("fastroute-base", "fastroute-tls") or peer in med]
+    ratios = [(peer, label) for peer, label in RATIOS if peer not in ("fastroute-base", "fastroute-tls") or peer in med]
     head = ["metric", *cols, *(label for peer, label in ratios)]
-    lines = [f"### mode: {mode}", "", "| " + " | ".join(head) + " |",
-             "|" + "---|" * len(head)]
+    lines = [f"### mode: {mode}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     fr = med.get("fastroute", {})
     for key, label, kind in ROWS:
         cells = [label]
@@ -233,12 +240,12 @@ def check_bars(mode: str, med: dict[str, dict[str, float | None]]) -> list[str]:
             out.append(f"- {mode} {key}: n.a.")
         else:
             verdict = "PASS" if a <= 0.5 * b else "FAIL"
-            out.append(f"- {mode} {key}: fastroute {a:.0f} us vs smg {b:.0f} us "
-                       f"(bar <= half of smg): {verdict}")
+            out.append(f"- {mode} {key}: fastroute {a:.0f} us vs smg {b:.0f} us (bar <= half of smg): {verdict}")
     return out
 
 
 # ----------------------------------------------------------------------------- processes
+
 
 def free_port() -> int:
     """An ephemeral loopback port that was free a moment ago (small race accepted)."""
@@ -255,12 +262,20 @@ class Procs:
         self.logdir = logdir
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None,
-              cwd: Path | None = None) -> subprocess.Popen[bytes]:
-        log = open(self.logdir / f"{name}.log", "wb")
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             env=env, cwd=cwd, start_new_session=True)
-        log.close()
+    def start(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> subprocess.Popen[bytes]:
+        # The child keeps its own copy of the log's descriptor; this process closes its copy.
+        with open(self.logdir / f"{name}.log", "wb") as log:
+            p = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+            )
         self.procs[name] = p
         return p
 
@@ -320,6 +335,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # ----------------------------------------------------------------------------- latency client
+
 
 class HttpConn:
     """Minimal blocking HTTP/1.1 keep-alive client with TCP_NODELAY: one request at a time,
@@ -383,8 +399,10 @@ class HttpConn:
 
 def raw_request(method: str, path: str, body: str = "") -> bytes:
     b = body.encode()
-    return (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(b)}\r\n\r\n").encode() + b
+    return (
+        f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(b)}\r\n\r\n"
+    ).encode() + b
 
 
 def measure_c1(port: int, raw: bytes, n: int, budget: float = 1e9) -> tuple[float, float, int]:
@@ -409,8 +427,7 @@ def measure_c1(port: int, raw: bytes, n: int, budget: float = 1e9) -> tuple[floa
     return percentile(times, 50), percentile(times, 99), fails
 
 
-def wait_ready(port: int, proc: subprocess.Popen[bytes] | None, timeout: float = READY_TIMEOUT
-               ) -> str | None:
+def wait_ready(port: int, proc: subprocess.Popen[bytes] | None, timeout: float = READY_TIMEOUT) -> str | None:
     """Poll a JSON and an SSE test POST until both answer 200. Returns None or an error text."""
     deadline = time.monotonic() + timeout
     last = "no answer"
@@ -435,52 +452,106 @@ def wait_ready(port: int, proc: subprocess.Popen[bytes] | None, timeout: float =
 
 # ----------------------------------------------------------------------------- backends
 
+
 def worker_bodies(role: str, dp_size: int, bootstrap_port: int | None) -> dict[str, str]:
     """Fixed answers of one fake SGLang worker, in SGLang's JSON shapes."""
+
     def dump(obj: Any) -> str:
         return json.dumps(obj, separators=(",", ":"))
+
     server_info = {
-        "model_path": f"/models/{MODEL}", "served_model_name": MODEL,
-        "tokenizer_path": f"/models/{MODEL}", "tp_size": 1, "dp_size": dp_size,
+        "model_path": f"/models/{MODEL}",
+        "served_model_name": MODEL,
+        "tokenizer_path": f"/models/{MODEL}",
+        "tp_size": 1,
+        "dp_size": dp_size,
         "load_balance_method": "follow_bootstrap_room" if role == "prefill" else "round_robin",
         "disaggregation_mode": role if role != "regular" else "null",
-        "disaggregation_bootstrap_port": bootstrap_port, "enable_dp_attention": dp_size > 1,
-        "max_running_requests": 256, "max_total_num_tokens": 100000, "version": "0.5.0",
-        "internal_states": [{"dp_rank": r} for r in range(dp_size)]}
-    model_info = {"model_path": f"/models/{MODEL}", "tokenizer_path": f"/models/{MODEL}",
-                  "is_generation": True, "model_type": "llama",
-                  "architectures": ["LlamaForCausalLM"]}
-    models = {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0,
-                                          "owned_by": "sglang", "root": MODEL,
-                                          "max_model_len": 4096}]}
-    ranks = [{"dp_rank": r, "timestamp": 1795958836.2, "num_running_reqs": 1,
-              "num_waiting_reqs": 0, "num_total_reqs": 1, "num_used_tokens": 100,
-              "max_total_num_tokens": 100000, "token_usage": 0.001, "gen_throughput": 10.0,
-              "cache_hit_rate": 0.0, "utilization": 0.0, "max_running_requests": 256}
-             for r in range(dp_size)]
-    loads = {"timestamp": "2026-11-29T13:27:16+00:00", "version": "0.5.0",
-             "dp_rank_count": dp_size, "loads": ranks,
-             "aggregate": {"total_running_reqs": dp_size, "total_waiting_reqs": 0,
-                           "total_reqs": dp_size, "total_used_tokens": 100 * dp_size,
-                           "avg_token_usage": 0.001, "avg_throughput": 10.0,
-                           "avg_utilization": 0.0}}
-    get_load = [{"dp_rank": r, "num_reqs": 1, "num_waiting_reqs": 0, "num_tokens": 100}
-                for r in range(dp_size)]
-    generate = {"text": " the quick brown fox jumps over it", "output_ids": [1, 2, 3, 4, 5, 6, 7, 8],
-                "meta_info": {"id": "0123456789abcdef", "finish_reason": {"type": "length",
-                                                                            "length": 8},
-                              "prompt_tokens": 7, "completion_tokens": 8, "cached_tokens": 0,
-                              "e2e_latency": 0.01}}
+        "disaggregation_bootstrap_port": bootstrap_port,
+        "enable_dp_attention": dp_size > 1,
+        "max_running_requests": 256,
+        "max_total_num_tokens": 100000,
+        "version": "0.5.0",
+        "internal_states": [{"dp_rank": r} for r in range(dp_size)],
+    }
+    model_info = {
+        "model_path": f"/models/{MODEL}",
+        "tokenizer_path": f"/models/{MODEL}",
+        "is_generation": True,
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+    }
+    models = {
+        "object": "list",
+        "data": [
+            {"id": MODEL, "object": "model", "created": 0, "owned_by": "sglang", "root": MODEL, "max_model_len": 4096}
+        ],
+    }
+    ranks = [
+        {
+            "dp_rank": r,
+            "timestamp": 1795958836.2,
+            "num_running_reqs": 1,
+            "num_waiting_reqs": 0,
+            "num_total_reqs": 1,
+            "num_used_tokens": 100,
+            "max_total_num_tokens": 100000,
+            "token_usage": 0.001,
+            "gen_throughput": 10.0,
+            "cache_hit_rate": 0.0,
+            "utilization": 0.0,
+            "max_running_requests": 256,
+        }
+        for r in range(dp_size)
+    ]
+    loads = {
+        "timestamp": "2026-11-29T13:27:16+00:00",
+        "version": "0.5.0",
+        "dp_rank_count": dp_size,
+        "loads": ranks,
+        "aggregate": {
+            "total_running_reqs": dp_size,
+            "total_waiting_reqs": 0,
+            "total_reqs": dp_size,
+            "total_used_tokens": 100 * dp_size,
+            "avg_token_usage": 0.001,
+            "avg_throughput": 10.0,
+            "avg_utilization": 0.0,
+        },
+    }
+    get_load = [{"dp_rank": r, "num_reqs": 1, "num_waiting_reqs": 0, "num_tokens": 100} for r in range(dp_size)]
+    generate = {
+        "text": " the quick brown fox jumps over it",
+        "output_ids": [1, 2, 3, 4, 5, 6, 7, 8],
+        "meta_info": {
+            "id": "0123456789abcdef",
+            "finish_reason": {"type": "length", "length": 8},
+            "prompt_tokens": 7,
+            "completion_tokens": 8,
+            "cached_tokens": 0,
+            "e2e_latency": 0.01,
+        },
+    }
     events = []
     for i in range(16):
-        chunk = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 0,
-                 "model": MODEL, "choices": [{"index": 0, "delta": {"content": f" tok{i}"},
-                                              "finish_reason": "length" if i == 15 else None}]}
+        chunk = {
+            "id": "chatcmpl-bench",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": MODEL,
+            "choices": [{"index": 0, "delta": {"content": f" tok{i}"}, "finish_reason": "length" if i == 15 else None}],
+        }
         events.append(f"data: {dump(chunk)}\n\n")
     events.append("data: [DONE]\n\n")
-    return {"SERVER_INFO": dump(server_info), "MODEL_INFO": dump(model_info),
-            "MODELS": dump(models), "LOADS": dump(loads), "GET_LOAD": dump(get_load),
-            "GENERATE": dump(generate), "SSE": "".join(events)}
+    return {
+        "SERVER_INFO": dump(server_info),
+        "MODEL_INFO": dump(model_info),
+        "MODELS": dump(models),
+        "LOADS": dump(loads),
+        "GET_LOAD": dump(get_load),
+        "GENERATE": dump(generate),
+        "SSE": "".join(events),
+    }
 
 
 def fill(template: str, values: dict[str, str]) -> str:
@@ -504,16 +575,15 @@ def write_nginx(tmp: Path, be: Backends) -> Path:
     dp_size 8, and a listener on the prefill's bootstrap port."""
     worker_t = (HERE / "nginx" / "worker.conf.in").read_text()
     blocks = []
-    for port, role, dp, bport in [*[(p, "regular", 1, None) for p in be.regular],
-                                  (be.prefill, "prefill", 1, be.bootstrap),
-                                  (be.decode, "decode", DECODE_DP, None)]:
+    for port, role, dp, bport in [
+        *[(p, "regular", 1, None) for p in be.regular],
+        (be.prefill, "prefill", 1, be.bootstrap),
+        (be.decode, "decode", DECODE_DP, None),
+    ]:
         bodies = {k: nginx_quote(v) for k, v in worker_bodies(role, dp, bport).items()}
-        blocks.append(fill(worker_t, {"PORT": str(port), "ROLE": role, "DP_SIZE": str(dp),
-                                      **bodies}))
-    blocks.append(fill((HERE / "nginx" / "bootstrap.conf.in").read_text(),
-                       {"PORT": str(be.bootstrap)}))
-    conf = fill((HERE / "nginx" / "nginx.conf.in").read_text(),
-                {"PREFIX": str(tmp), "SERVERS": "\n".join(blocks)})
+        blocks.append(fill(worker_t, {"PORT": str(port), "ROLE": role, "DP_SIZE": str(dp), **bodies}))
+    blocks.append(fill((HERE / "nginx" / "bootstrap.conf.in").read_text(), {"PORT": str(be.bootstrap)}))
+    conf = fill((HERE / "nginx" / "nginx.conf.in").read_text(), {"PREFIX": str(tmp), "SERVERS": "\n".join(blocks)})
     path = tmp / "nginx.conf"
     path.write_text(conf)
     return path
@@ -521,13 +591,16 @@ def write_nginx(tmp: Path, be: Backends) -> Path:
 
 def write_lua(tmp: Path, name: str, path: str, body: str) -> Path:
     lua = tmp / f"{name}.lua"
-    lua.write_text(f'wrk.method = "POST"\nwrk.path = "{path}"\n'
-                   f'wrk.headers["Content-Type"] = "application/json"\n'
-                   f"wrk.body = [[{body}]]\n")
+    lua.write_text(
+        f'wrk.method = "POST"\nwrk.path = "{path}"\n'
+        f'wrk.headers["Content-Type"] = "application/json"\n'
+        f"wrk.body = [[{body}]]\n"
+    )
     return lua
 
 
 # ----------------------------------------------------------------------------- routers
+
 
 @dataclass
 class Router:
@@ -540,39 +613,71 @@ class Router:
     cwd: Path = REPO  # `python -m fastroute` imports the package of its working directory
 
 
-def router_commands(mode: str, be: Backends, pythons: dict[str, str | None],
-                    base: Path | None = None, tls: tuple[Path, Path] | None = None) -> list[Router]:
+def router_commands(
+    mode: str,
+    be: Backends,
+    pythons: dict[str, str | None],
+    base: Path | None = None,
+    tls: tuple[Path, Path] | None = None,
+) -> list[Router]:
     """Command lines of every router for one mode; peers absent from ``pythons`` are skipped."""
     reg = [f"http://127.0.0.1:{p}" for p in be.regular]
     pre, dec = f"http://127.0.0.1:{be.prefill}", f"http://127.0.0.1:{be.decode}"
     out: list[Router] = []
     direct_port = be.regular[0] if mode == "regular" else be.decode
-    out.append(Router("direct", direct_port, None,
-                      note="no router: client -> nginx (PD: decode worker only, one leg)"))
+    out.append(Router("direct", direct_port, None, note="no router: client -> nginx (PD: decode worker only, one leg)"))
     p = free_port()
     bare = [sys.executable, str(HERE / "bare_relay.py"), "--port", str(p)]
     bare += ["--upstream", *reg] if mode == "regular" else ["--upstream", dec, "--prefill", pre]
     out.append(Router("bare", p, bare))
     common = ["--host", "127.0.0.1", "--worker-startup-check-interval", "1"]
     p, q = free_port(), free_port()
-    fr = [sys.executable, "-m", "fastroute", "--port", str(p), "--prometheus-port", str(q),
-          *common, "--log-level", "warning"]
+    fr = [
+        sys.executable,
+        "-m",
+        "fastroute",
+        "--port",
+        str(p),
+        "--prometheus-port",
+        str(q),
+        *common,
+        "--log-level",
+        "warning",
+    ]
     if mode == "regular":
         fr += ["--worker-urls", *reg, "--policy", "power_of_two", "--p2c-load-metric", "requests"]
     else:
-        fr += ["--pd-disaggregation", "--prefill", pre, str(be.bootstrap), "--decode", dec,
-               "--policy", "power_of_two", "--p2c-load-metric", "least_requests", "--dp-aware"]
+        fr += [
+            "--pd-disaggregation",
+            "--prefill",
+            pre,
+            str(be.bootstrap),
+            "--decode",
+            dec,
+            "--policy",
+            "power_of_two",
+            "--p2c-load-metric",
+            "least_requests",
+            "--dp-aware",
+        ]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out.append(Router("fastroute", p, fr, env))
     if base is not None:
         p2, q2 = free_port(), free_port()
         fr2 = [*fr[:4], str(p2), fr[5], str(q2), *fr[7:]]
-        out.append(Router("fastroute-base", p2, fr2, dict(os.environ, PYTHONPATH=str(base)),
-                          note=f"the same command from {base}", cwd=base))
+        out.append(
+            Router(
+                "fastroute-base",
+                p2,
+                fr2,
+                dict(os.environ, PYTHONPATH=str(base)),
+                note=f"the same command from {base}",
+                cwd=base,
+            )
+        )
     if tls is not None:
         p3, q3 = free_port(), free_port()
-        fr3 = [*fr[:4], str(p3), fr[5], str(q3), *fr[7:],
-               "--tls-cert-path", str(tls[0]), "--tls-key-path", str(tls[1])]
+        fr3 = [*fr[:4], str(p3), fr[5], str(q3), *fr[7:], "--tls-cert-path", str(tls[0]), "--tls-key-path", str(tls[1])]
         TLS_PORTS.add(p3)
         out.append(Router("fastroute-tls", p3, fr3, env, note="the same command serving HTTPS"))
     for name in ("sglang-router", "smg"):
@@ -580,18 +685,35 @@ def router_commands(mode: str, be: Backends, pythons: dict[str, str | None],
         if not py:
             continue
         p, q = free_port(), free_port()
-        argv = [py, "-m", f"{PEER_MODULES[name]}.launch_router", "--port", str(p),
-                "--prometheus-port", str(q), *common, "--log-level", "warn"]
+        argv = [
+            py,
+            "-m",
+            f"{PEER_MODULES[name]}.launch_router",
+            "--port",
+            str(p),
+            "--prometheus-port",
+            str(q),
+            *common,
+            "--log-level",
+            "warn",
+        ]
         penv = dict(os.environ)
         note = ""
         if mode == "regular":
             argv += ["--worker-urls", *reg, "--policy", "power_of_two"]
         else:
-            argv += ["--pd-disaggregation", "--prefill", pre, str(be.bootstrap), "--decode", dec,
-                     "--policy", "power_of_two"]
+            argv += [
+                "--pd-disaggregation",
+                "--prefill",
+                pre,
+                str(be.bootstrap),
+                "--decode",
+                dec,
+                "--policy",
+                "power_of_two",
+            ]
         if name == "smg":
-            argv += ["--power-of-two-load-metric",
-                     "requests" if mode == "regular" else "least_requests"]
+            argv += ["--power-of-two-load-metric", "requests" if mode == "regular" else "least_requests"]
             if mode == "pd":
                 argv.append("--dp-aware")
         else:
@@ -611,17 +733,16 @@ def detect_peer(name: str, given: str | None) -> tuple[str | None, str]:
     for py in candidates:
         if not py or not os.path.exists(py):
             continue
-        r = subprocess.run([py, "-c", f"import {PEER_MODULES[name]}.launch_router"],
-                           capture_output=True, timeout=60)
+        r = subprocess.run([py, "-c", f"import {PEER_MODULES[name]}.launch_router"], capture_output=True, timeout=60)
         if r.returncode == 0:
-            ver = subprocess.run([py, "-m", "pip", "show", name], capture_output=True,
-                                 text=True, timeout=60).stdout
+            ver = subprocess.run([py, "-m", "pip", "show", name], capture_output=True, text=True, timeout=60).stdout
             m = re.search(r"^Version: (\S+)", ver, re.M)
             return py, f"{name} {m.group(1) if m else '?'} via {py}"
     return None, f"{name} skipped: not importable from {candidates}"
 
 
 # ----------------------------------------------------------------------------- measurement
+
 
 @dataclass
 class Settings:
@@ -633,23 +754,33 @@ class Settings:
     connections: tuple[int, ...] = (64, 256)
     wrk: str = "wrk"
     base: Path | None = None
-    tls: tuple[Path, Path] | None = None   # (cert, key) of fastroute-tls
+    tls: tuple[Path, Path] | None = None  # (cert, key) of fastroute-tls
 
 
 def run_wrk(s: Settings, port: int, lua: Path, conns: int, seconds: int) -> dict[str, Any]:
     scheme = "https" if port in TLS_PORTS else "http"
-    argv = [s.wrk, "-t1", f"-c{conns}", f"-d{seconds}s", "--timeout", "10s", "--latency",
-            "-s", str(lua), f"{scheme}://127.0.0.1:{port}"]
+    argv = [
+        s.wrk,
+        "-t1",
+        f"-c{conns}",
+        f"-d{seconds}s",
+        "--timeout",
+        "10s",
+        "--latency",
+        "-s",
+        str(lua),
+        f"{scheme}://127.0.0.1:{port}",
+    ]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60)
     return parse_wrk(r.stdout)
 
 
-def measure_router(s: Settings, r: Router, luas: dict[str, Path], direct: dict[str, float],
-                   sink: dict[str, list[float | None]]) -> None:
+def measure_router(
+    s: Settings, r: Router, luas: dict[str, Path], direct: dict[str, float], sink: dict[str, list[float | None]]
+) -> None:
     """One round of every measurement for one router; appends to ``sink`` per metric key."""
     errors = 0
-    for kind, path, body, n in (("json", JSON_PATH, JSON_BODY, s.lat_json),
-                                ("sse", SSE_PATH, SSE_BODY, s.lat_sse)):
+    for kind, path, body, n in (("json", JSON_PATH, JSON_BODY, s.lat_json), ("sse", SSE_PATH, SSE_BODY, s.lat_sse)):
         raw = raw_request("POST", path, body)
         measure_c1(r.port, raw, max(20, n // 20), budget=1.0)  # warm-up, fresh connection
         p50, p99, fails = measure_c1(r.port, raw, n, budget=max(5.0, s.duration))
@@ -675,15 +806,25 @@ def measure_router(s: Settings, r: Router, luas: dict[str, Path], direct: dict[s
             if pid and res.get("requests"):
                 cpu = (t1 - t0) / CLK_TCK / res["requests"] * 1e6
             sink.setdefault(f"{kind}_c{c}_cpu", []).append(cpu)
-            print(f"    {r.name:14s} {kind:4s} c={c:<3d} {res['rps']:9.0f} req/s"
-                  f"  errors={res['non2xx'] + res['socket_errors']}"
-                  + (f"  cpu={cpu:.0f}us/req" if cpu is not None else ""), flush=True)
+            print(
+                f"    {r.name:14s} {kind:4s} c={c:<3d} {res['rps']:9.0f} req/s"
+                f"  errors={res['non2xx'] + res['socket_errors']}"
+                + (f"  cpu={cpu:.0f}us/req" if cpu is not None else ""),
+                flush=True,
+            )
     sink.setdefault("errors", []).append(float(errors))
 
 
-def run_mode(s: Settings, mode: str, be: Backends, pythons: dict[str, str | None], procs: Procs,
-             luas: dict[str, Path], notes: list[str], commands: list[str]
-             ) -> dict[str, dict[str, list[float | None]]]:
+def run_mode(
+    s: Settings,
+    mode: str,
+    be: Backends,
+    pythons: dict[str, str | None],
+    procs: Procs,
+    luas: dict[str, Path],
+    notes: list[str],
+    commands: list[str],
+) -> dict[str, dict[str, list[float | None]]]:
     routers = router_commands(mode, be, pythons, s.base, s.tls)
     live: list[Router] = []
     for r in routers:
@@ -697,8 +838,7 @@ def run_mode(s: Settings, mode: str, be: Backends, pythons: dict[str, str | None
     for r in routers:
         err = wait_ready(r.port, r.proc)
         if err is not None:
-            notes.append(f"{mode}/{r.name} NOT MEASURED: {err}\n```\n"
-                         f"{procs.log_tail(f'{mode}-{r.name}')}\n```")
+            notes.append(f"{mode}/{r.name} NOT MEASURED: {err}\n```\n{procs.log_tail(f'{mode}-{r.name}')}\n```")
             print(f"  {r.name}: {err}", flush=True)
             procs.stop(f"{mode}-{r.name}")
             continue
@@ -713,19 +853,21 @@ def run_mode(s: Settings, mode: str, be: Backends, pythons: dict[str, str | None
         rest = [r for r in live if r.name != "direct"]
         k = rnd % max(1, len(rest))
         order = [r for r in live if r.name == "direct"] + rest[k:] + rest[:k]
-        print(f"  [{mode}] round {rnd + 1}/{s.rounds}: " + ", ".join(r.name for r in order),
-              flush=True)
+        print(f"  [{mode}] round {rnd + 1}/{s.rounds}: " + ", ".join(r.name for r in order), flush=True)
         direct: dict[str, float] = {}
         for r in order:
             if r.proc is not None and r.proc.poll() is not None:
-                notes.append(f"{mode}/{r.name} died (exit {r.proc.returncode}) in round "
-                             f"{rnd + 1}\n```\n{procs.log_tail(f'{mode}-{r.name}')}\n```")
+                notes.append(
+                    f"{mode}/{r.name} died (exit {r.proc.returncode}) in round "
+                    f"{rnd + 1}\n```\n{procs.log_tail(f'{mode}-{r.name}')}\n```"
+                )
                 continue
             try:
                 measure_router(s, r, luas, direct, raw[r.name])
             except (OSError, ValueError, subprocess.TimeoutExpired) as e:
-                notes.append(f"{mode}/{r.name} round {rnd + 1} failed: {e!r}\n```\n"
-                             f"{procs.log_tail(f'{mode}-{r.name}')}\n```")
+                notes.append(
+                    f"{mode}/{r.name} round {rnd + 1} failed: {e!r}\n```\n{procs.log_tail(f'{mode}-{r.name}')}\n```"
+                )
     for r in routers:
         if r.proc is not None:
             procs.stop(f"{mode}-{r.name}")
@@ -735,9 +877,28 @@ def run_mode(s: Settings, mode: str, be: Backends, pythons: dict[str, str | None
 def make_cert(tmp: Path) -> tuple[Path, Path]:
     """A self-signed certificate for 127.0.0.1 (the clients do not verify it)."""
     cert, key = tmp / "cert.pem", tmp / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return cert, key
 
 
@@ -746,21 +907,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--duration", type=int, default=10, help="seconds per wrk run (default 10)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     ap.add_argument("--modes", nargs="+", choices=("regular", "pd"), default=["regular", "pd"])
-    ap.add_argument("--latency-requests", type=int, default=3000,
-                    help="sequential JSON requests per c=1 latency run (SSE: half)")
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 2 s wrk runs, 1 round, 300 latency requests")
-    ap.add_argument("--sglang-router-python", default=None,
-                    help=f"python with sglang_router (default: {PEER_VENVS['sglang-router']})")
-    ap.add_argument("--smg-python", default=None,
-                    help=f"python with smg (default: {PEER_VENVS['smg']})")
+    ap.add_argument(
+        "--latency-requests", type=int, default=3000, help="sequential JSON requests per c=1 latency run (SSE: half)"
+    )
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 s wrk runs, 1 round, 300 latency requests")
+    ap.add_argument(
+        "--sglang-router-python",
+        default=None,
+        help=f"python with sglang_router (default: {PEER_VENVS['sglang-router']})",
+    )
+    ap.add_argument("--smg-python", default=None, help=f"python with smg (default: {PEER_VENVS['smg']})")
     ap.add_argument("--skip-peers", action="store_true", help="measure without the peers")
-    ap.add_argument("--tls", action="store_true",
-                    help="also measure fastroute serving HTTPS (self-signed, made with openssl) "
-                         "as fastroute-tls")
-    ap.add_argument("--base-checkout", default=None, metavar="DIR",
-                    help="also measure fastroute from DIR (a checkout with its extensions built in "
-                         "place, e.g. a git worktree of the previous commit) as fastroute-base")
+    ap.add_argument(
+        "--tls",
+        action="store_true",
+        help="also measure fastroute serving HTTPS (self-signed, made with openssl) as fastroute-tls",
+    )
+    ap.add_argument(
+        "--base-checkout",
+        default=None,
+        metavar="DIR",
+        help="also measure fastroute from DIR (a checkout with its extensions built in "
+        "place, e.g. a git worktree of the previous commit) as fastroute-base",
+    )
     ap.add_argument("--out", default=str(HERE / "out" / "overhead.md"))
     return ap.parse_args(argv)
 
@@ -769,26 +938,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--floor" in (sys.argv[1:] if argv is None else argv):
         # The floor run (bench/floor.py): fastroute against the lean relays on real body sizes.
         import floor
+
         return floor.main(argv)
     args = parse_args(argv)
     cmdline = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv)
-    s = Settings(duration=args.duration, rounds=args.rounds, modes=args.modes,
-                 lat_json=args.latency_requests, lat_sse=max(1, args.latency_requests // 2),
-                 base=Path(args.base_checkout).resolve() if args.base_checkout else None)
+    s = Settings(
+        duration=args.duration,
+        rounds=args.rounds,
+        modes=args.modes,
+        lat_json=args.latency_requests,
+        lat_sse=max(1, args.latency_requests // 2),
+        base=Path(args.base_checkout).resolve() if args.base_checkout else None,
+    )
     if args.quick:
         s.duration, s.rounds, s.lat_json, s.lat_sse = 2, 1, 300, 150
     nginx, wrk = shutil.which("nginx") or "/usr/sbin/nginx", shutil.which("wrk")
     if not os.path.exists(nginx) or not wrk:
-        print("needs nginx and wrk: apt-get update && apt-get install -y nginx wrk",
-              file=sys.stderr)
+        print("needs nginx and wrk: apt-get update && apt-get install -y nginx wrk", file=sys.stderr)
         return 2
     s.wrk = wrk
     notes: list[str] = []
     pythons: dict[str, str | None] = {}
     versions: list[str] = []
     if not args.skip_peers:
-        for name, given in (("sglang-router", args.sglang_router_python),
-                            ("smg", args.smg_python)):
+        for name, given in (("sglang-router", args.sglang_router_python), ("smg", args.smg_python)):
             pythons[name], info = detect_peer(name, given)
             (versions if pythons[name] else notes).append(info)
     tmp = Path(tempfile.mkdtemp(prefix="fastroute-overhead-"))
@@ -800,13 +973,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def on_term(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
+
     # SIGTERM and SIGINT both unwind through the finally below. SIGINT is installed explicitly
     # because a shell starting us in the background hands it down as "ignored".
     old = signal.signal(signal.SIGTERM, on_term)
     old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        be = Backends(regular=[free_port(), free_port()], prefill=free_port(),
-                      decode=free_port(), bootstrap=free_port())
+        be = Backends(
+            regular=[free_port(), free_port()], prefill=free_port(), decode=free_port(), bootstrap=free_port()
+        )
         conf = write_nginx(tmp, be)
         procs.start("nginx", [nginx, "-c", str(conf), "-p", str(tmp), "-e", str(tmp / "error.log")])
         commands.append("nginx: " + shlex.join([nginx, "-c", str(conf), "-p", str(tmp)]))
@@ -814,8 +989,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             err = wait_ready(port, procs.procs["nginx"], timeout=20)
             if err:
                 raise RuntimeError(f"nginx not serving on {port}: {err}\n{procs.log_tail('nginx')}")
-        luas = {"json": write_lua(tmp, "json", JSON_PATH, JSON_BODY),
-                "sse": write_lua(tmp, "sse", SSE_PATH, SSE_BODY)}
+        luas = {"json": write_lua(tmp, "json", JSON_PATH, JSON_BODY), "sse": write_lua(tmp, "sse", SSE_PATH, SSE_BODY)}
         for mode in s.modes:
             print(f"mode {mode}", flush=True)
             results[mode] = run_mode(s, mode, be, pythons, procs, luas, notes, commands)
@@ -835,22 +1009,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def render_report(cmdline: str, s: Settings,
-                  results: dict[str, dict[str, dict[str, list[float | None]]]],
-                  versions: list[str], notes: list[str], commands: list[str], tmp: Path) -> str:
-    parts = ["# Router overhead benchmark", "",
-             f"Command: `{cmdline}`", "",
-             f"Settings: wrk -t1, {s.duration} s per run, connections {list(s.connections)}, "
-             f"{s.rounds} round(s) (medians over rounds), c=1 latency: {s.lat_json} JSON / "
-             f"{s.lat_sse} SSE sequential requests (or {max(5.0, s.duration):.0f} s, whichever "
-             f"ends first) on one keep-alive TCP_NODELAY connection. "
-             f"Machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}.", "",
-             "Backends: one nginx (1 worker process) with fixed answers; JSON = POST /generate "
-             "(~250 B answer), SSE = POST /v1/chat/completions with a static 16-event body + "
-             "`data: [DONE]` sent chunked (nginx cannot pace chunks, so the whole stream is "
-             "available at once). Regular mode: 2 workers; PD mode: 1 prefill (dp 1) + 1 decode "
-             "(dp_size 8). Added latency = router minus direct in the same round. Ratios are "
-             "fastroute / other: > 1 is better for req/s, < 1 is better for latency and CPU.", ""]
+def render_report(
+    cmdline: str,
+    s: Settings,
+    results: dict[str, dict[str, dict[str, list[float | None]]]],
+    versions: list[str],
+    notes: list[str],
+    commands: list[str],
+    tmp: Path,
+) -> str:
+    parts = [
+        "# Router overhead benchmark",
+        "",
+        f"Command: `{cmdline}`",
+        "",
+        f"Settings: wrk -t1, {s.duration} s per run, connections {list(s.connections)}, "
+        f"{s.rounds} round(s) (medians over rounds), c=1 latency: {s.lat_json} JSON / "
+        f"{s.lat_sse} SSE sequential requests (or {max(5.0, s.duration):.0f} s, whichever "
+        f"ends first) on one keep-alive TCP_NODELAY connection. "
+        f"Machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}.",
+        "",
+        "Backends: one nginx (1 worker process) with fixed answers; JSON = POST /generate "
+        "(~250 B answer), SSE = POST /v1/chat/completions with a static 16-event body + "
+        "`data: [DONE]` sent chunked (nginx cannot pace chunks, so the whole stream is "
+        "available at once). Regular mode: 2 workers; PD mode: 1 prefill (dp 1) + 1 decode "
+        "(dp_size 8). Added latency = router minus direct in the same round. Ratios are "
+        "fastroute / other: > 1 is better for req/s, < 1 is better for latency and CPU.",
+        "",
+    ]
     if versions:
         parts += ["Peers: " + "; ".join(versions), ""]
     for mode, raw in results.items():
@@ -860,10 +1046,11 @@ def render_report(cmdline: str, s: Settings,
         parts += [f"Per-round req/s at c=256 ({mode}):", ""]
         for router in ROUTERS:
             if router in raw:
-                rounds = {k: ", ".join(f"{v:,.0f}" for v in raw[router].get(k, []) if v is not None)
-                          for k in ("json_c256_rps", "sse_c256_rps")}
-                parts.append(f"- {router}: JSON [{rounds['json_c256_rps']}], "
-                             f"SSE [{rounds['sse_c256_rps']}]")
+                rounds = {
+                    k: ", ".join(f"{v:,.0f}" for v in raw[router].get(k, []) if v is not None)
+                    for k in ("json_c256_rps", "sse_c256_rps")
+                }
+                parts.append(f"- {router}: JSON [{rounds['json_c256_rps']}], SSE [{rounds['sse_c256_rps']}]")
         parts.append("")
     parts += ["Command lines:", "", "```", *commands, "```", ""]
     if notes:

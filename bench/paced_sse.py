@@ -11,6 +11,7 @@ not what the client waits for).
 Usage: ``python bench/paced_sse.py PORT [--role regular|prefill|decode] [--dp-size N]
 [--bootstrap-port P] [--events 10] [--gap-ms 20 50]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,17 +28,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import MODEL, worker_bodies  # noqa: E402
 
 _JSON_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
-_SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
-             b"transfer-encoding: chunked\r\n\r\n")
+_SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+    b"transfer-encoding: chunked\r\n\r\n"
+)
 
 
 def sse_events(n: int) -> list[bytes]:
     """n chat-completion chunks then [DONE], each already framed as one HTTP chunk."""
     out = []
     for i in range(n):
-        chunk = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 0,
-                 "model": MODEL, "choices": [{"index": 0, "delta": {"content": f" tok{i}"},
-                                              "finish_reason": "length" if i == n - 1 else None}]}
+        chunk = {
+            "id": "chatcmpl-bench",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": MODEL,
+            "choices": [
+                {"index": 0, "delta": {"content": f" tok{i}"}, "finish_reason": "length" if i == n - 1 else None}
+            ],
+        }
         ev = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
         out.append(b"%x\r\n%s\r\n" % (len(ev), ev))
     done = b"data: [DONE]\n\n"
@@ -123,9 +132,16 @@ def main() -> None:
     ap.add_argument("--gap-ms", type=float, nargs=2, default=(20.0, 50.0))
     a = ap.parse_args()
     bodies = worker_bodies(a.role, a.dp_size, a.bootstrap_port)
-    paths = {"/server_info": "SERVER_INFO", "/get_server_info": "SERVER_INFO",
-             "/model_info": "MODEL_INFO", "/get_model_info": "MODEL_INFO", "/v1/models": "MODELS",
-             "/v1/loads": "LOADS", "/get_load": "GET_LOAD", "/generate": "GENERATE"}
+    paths = {
+        "/server_info": "SERVER_INFO",
+        "/get_server_info": "SERVER_INFO",
+        "/model_info": "MODEL_INFO",
+        "/get_model_info": "MODEL_INFO",
+        "/v1/models": "MODELS",
+        "/v1/loads": "LOADS",
+        "/get_load": "GET_LOAD",
+        "/generate": "GENERATE",
+    }
     Worker.answers = {p.encode(): bodies[k].encode() for p, k in paths.items()}
     for p in ("/health", "/health_generate", "/flush_cache", "/metrics"):
         Worker.answers[p.encode()] = b""

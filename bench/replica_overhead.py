@@ -12,6 +12,7 @@ run, divided by the three synced replicas).
 
 Usage: ``python bench/replica_overhead.py [--duration S] [--rounds N] [--interval-ms MS]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,6 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import overhead as ov  # noqa: E402  (bench/ is not a package)
-
 import redis as redis_sync  # noqa: E402
 
 from fastroute.sim.redisproc import RedisProcess  # noqa: E402
@@ -36,11 +36,33 @@ from fastroute.sim.redisproc import RedisProcess  # noqa: E402
 
 def fastroute_pd(be: ov.Backends, port: int, extra: list[str]) -> list[str]:
     pre, dec = f"http://127.0.0.1:{be.prefill}", f"http://127.0.0.1:{be.decode}"
-    return [sys.executable, "-m", "fastroute", "--host", "127.0.0.1", "--port", str(port),
-            "--prometheus-port", str(ov.free_port()), "--worker-startup-check-interval", "1",
-            "--log-level", "warning", "--pd-disaggregation", "--prefill", pre, str(be.bootstrap),
-            "--decode", dec, "--policy", "power_of_two", "--p2c-load-metric", "least_requests",
-            "--dp-aware", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "fastroute",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-port",
+        str(ov.free_port()),
+        "--worker-startup-check-interval",
+        "1",
+        "--log-level",
+        "warning",
+        "--pd-disaggregation",
+        "--prefill",
+        pre,
+        str(be.bootstrap),
+        "--decode",
+        dec,
+        "--policy",
+        "power_of_two",
+        "--p2c-load-metric",
+        "least_requests",
+        "--dp-aware",
+        *extra,
+    ]
 
 
 def group_cpu_seconds(pid: int) -> float:
@@ -85,8 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists(nginx) or not wrk:
         print("needs nginx and wrk: apt-get install -y nginx wrk", file=sys.stderr)
         return 2
-    s = ov.Settings(duration=args.duration, rounds=args.rounds, modes=["pd"], lat_json=0, lat_sse=0,
-                    connections=tuple(args.connections), wrk=wrk)
+    s = ov.Settings(
+        duration=args.duration,
+        rounds=args.rounds,
+        modes=["pd"],
+        lat_json=0,
+        lat_sse=0,
+        connections=tuple(args.connections),
+        wrk=wrk,
+    )
     tmp = Path(tempfile.mkdtemp(prefix="fastroute-replica-overhead-"))
     procs = ov.Procs(tmp)
     env = dict(os.environ, PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -95,25 +124,28 @@ def main(argv: list[str] | None = None) -> int:
     trips: list[float] = []
     with RedisProcess() as redis:
         try:
-            be = ov.Backends(regular=[ov.free_port()], prefill=ov.free_port(), decode=ov.free_port(),
-                             bootstrap=ov.free_port())
+            be = ov.Backends(
+                regular=[ov.free_port()], prefill=ov.free_port(), decode=ov.free_port(), bootstrap=ov.free_port()
+            )
             conf = ov.write_nginx(tmp, be)
             procs.start("nginx", [nginx, "-c", str(conf), "-p", str(tmp), "-e", str(tmp / "error.log")])
             lua = ov.write_lua(tmp, "json", ov.JSON_PATH, ov.JSON_BODY)
             sync = ["--replica-sync", redis.url, "--replica-sync-interval-ms", str(args.interval_ms)]
             ports = {"off": ov.free_port(), "on": ov.free_port()}
             procs.start("off", fastroute_pd(be, ports["off"], []), env, cwd=HERE.parent)
-            procs.start("on", fastroute_pd(be, ports["on"], sync + ["--replica-id", "measured"]), env,
-                        cwd=HERE.parent)
+            procs.start("on", fastroute_pd(be, ports["on"], sync + ["--replica-id", "measured"]), env, cwd=HERE.parent)
             for k in range(2):
-                procs.start(f"peer{k}", fastroute_pd(be, ov.free_port(), sync + ["--replica-id",
-                                                                                  f"peer{k}"]),
-                            env, cwd=HERE.parent)
+                procs.start(
+                    f"peer{k}",
+                    fastroute_pd(be, ov.free_port(), sync + ["--replica-id", f"peer{k}"]),
+                    env,
+                    cwd=HERE.parent,
+                )
             for name, port in ports.items():
                 err = ov.wait_ready(port, procs.procs[name])
                 if err:
                     raise RuntimeError(f"{name}: {err}\n{procs.log_tail(name)}")
-                ov.run_wrk(s, port, lua, 64, 2)         # warm-up
+                ov.run_wrk(s, port, lua, 64, 2)  # warm-up
             order = ["off", "on"]
             for rnd in range(s.rounds):
                 for name in order if rnd % 2 == 0 else order[::-1]:
@@ -126,24 +158,35 @@ def main(argv: list[str] | None = None) -> int:
                         rps.setdefault((name, c), []).append(res["rps"])
                         cpu_us.setdefault((name, c), []).append((cpu1 - cpu0) * 1e6 / served)
                         trips.append((calls1 - calls0) / (t1 - t0) / 3)
-                        print(f"  round {rnd + 1} sync {name:3s} c={c}: {res['rps']:9.0f} req/s "
-                              f"{cpu_us[(name, c)][-1]:6.1f} us CPU/req "
-                              f"errors={res['non2xx'] + res['socket_errors']}", flush=True)
+                        print(
+                            f"  round {rnd + 1} sync {name:3s} c={c}: {res['rps']:9.0f} req/s "
+                            f"{cpu_us[(name, c)][-1]:6.1f} us CPU/req "
+                            f"errors={res['non2xx'] + res['socket_errors']}",
+                            flush=True,
+                        )
         finally:
             procs.stop_all()
-    lines = ["| connections | sync off req/s (median) | sync on req/s (median) | on / off | runs off | runs on "
-             "| CPU us/req off | CPU us/req on |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| connections | sync off req/s (median) | sync on req/s (median) | on / off | runs off | runs on "
+        "| CPU us/req off | CPU us/req on |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for c in s.connections:
         off, on = statistics.median(rps[("off", c)]), statistics.median(rps[("on", c)])
-        lines.append(f"| {c} | {off:.0f} | {on:.0f} | {on / off:.3f} | "
-                     + ", ".join(f"{x:.0f}" for x in rps[("off", c)]) + " | "
-                     + ", ".join(f"{x:.0f}" for x in rps[("on", c)]) + " | "
-                     + f"{statistics.median(cpu_us[('off', c)]):.1f} | "
-                     + f"{statistics.median(cpu_us[('on', c)]):.1f} |")
+        lines.append(
+            f"| {c} | {off:.0f} | {on:.0f} | {on / off:.3f} | "
+            + ", ".join(f"{x:.0f}" for x in rps[("off", c)])
+            + " | "
+            + ", ".join(f"{x:.0f}" for x in rps[("on", c)])
+            + " | "
+            + f"{statistics.median(cpu_us[('off', c)]):.1f} | "
+            + f"{statistics.median(cpu_us[('on', c)]):.1f} |"
+        )
     table = "\n".join(lines) + "\n"
-    table += (f"\nRedis round trips per synced replica per second (interval {args.interval_ms} ms): median "
-              f"{statistics.median(trips):.1f} (min {min(trips):.1f}, max {max(trips):.1f})\n")
+    table += (
+        f"\nRedis round trips per synced replica per second (interval {args.interval_ms} ms): median "
+        f"{statistics.median(trips):.1f} (min {min(trips):.1f}, max {max(trips):.1f})\n"
+    )
     print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

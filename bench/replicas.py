@@ -3,6 +3,7 @@
 Everything lives in fastroute.sim.convbench; this file only makes the benchmark runnable from a
 checkout without installing the package.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """`python -m fastroute ARGS`: same as the `fastroute` console script."""
+
 from __future__ import annotations
 
 from fastroute.cli import main

@@ -17,32 +17,45 @@ Two layers, as the peers define them:
 
 Keys are kept only as SHA-256 digests and compared in constant time.
 """
+
 from __future__ import annotations
 
 import hashlib
 import hmac
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 # Paths that stay open when an API key is configured.
 OPEN_PATHS: frozenset[bytes] = frozenset({b"/health", b"/liveness", b"/readiness", b"/v1/models"})
 
 # Worker management: the routes control-plane keys protect (plus every /workers/<id> path).
 # /get_loads is one of smg's admin routes: control-plane keys guard it as they guard /workers.
-MANAGEMENT_PATHS: frozenset[bytes] = frozenset({
-    b"/workers", b"/add_worker", b"/remove_worker", b"/list_workers", b"/flush_cache",
-    b"/get_loads",
-})
+MANAGEMENT_PATHS: frozenset[bytes] = frozenset(
+    {
+        b"/workers",
+        b"/add_worker",
+        b"/remove_worker",
+        b"/list_workers",
+        b"/flush_cache",
+        b"/get_loads",
+    }
+)
 # Not a management route, yet it runs a generation on workers: it needs a key whenever any
 # key is configured (AdminAuth.check).
 HEALTH_GENERATE = b"/health_generate"
 # Reads smg serves on its public routes. fastroute keeps them behind --api-key when one is set
 # (stricter than smg: a caller without any key is refused), and then any control-plane key
 # (admin or user) opens them as the data-plane key does.
-SHARED_READ_PATHS: frozenset[bytes] = frozenset({
-    b"/get_server_info", b"/server_info", b"/engine_metrics", b"/get_model_info", b"/model_info",
-})
+SHARED_READ_PATHS: frozenset[bytes] = frozenset(
+    {
+        b"/get_server_info",
+        b"/server_info",
+        b"/engine_metrics",
+        b"/get_model_info",
+        b"/model_info",
+    }
+)
 _READ_METHODS = frozenset({b"GET", b"HEAD"})
 ROLES: tuple[str, ...] = ("admin", "user")
 
@@ -91,15 +104,15 @@ def parse_control_plane_keys(specs: Iterable[str]) -> tuple[ControlPlaneKey, ...
     for n, spec in enumerate(specs, 1):
         parts = spec.split(":", 3)
         if len(parts) != 4 or not parts[0] or not parts[3]:
-            raise ControlPlaneKeyError(
-                f"--control-plane-api-keys entry {n}: expected 'id:name:role:key'")
+            raise ControlPlaneKeyError(f"--control-plane-api-keys entry {n}: expected 'id:name:role:key'")
         key_id, name, role, secret = parts
         role = role.strip().lower()
         if role not in ROLES:
             raise ControlPlaneKeyError(
                 f"--control-plane-api-keys entry {n} ({key_id}): its third field, the role, must "
                 "be admin or user (the order is id:name:role:key; the value is not shown, in "
-                "case a key was put there)")
+                "case a key was put there)"
+            )
         if key_id in seen:
             raise ControlPlaneKeyError(f"--control-plane-api-keys: id {key_id!r} given twice")
         seen.add(key_id)
@@ -137,8 +150,7 @@ class AdminAuth:
 
     def check(self, method: bytes, path: bytes, got: bytes | None) -> tuple[int, ControlPlaneKey | None]:
         """-> (OK | UNAUTHORIZED | FORBIDDEN, the control-plane key used, if any)."""
-        if self.keys and (path == HEALTH_GENERATE or (
-                path in SHARED_READ_PATHS and self.api_key is not None)):
+        if self.keys and (path == HEALTH_GENERATE or (path in SHARED_READ_PATHS and self.api_key is not None)):
             # /health_generate (a real generation on a worker) is never open while any key is
             # configured; the shared reads need a key once --api-key is set. The data-plane
             # key or any control-plane key (these are reads) may call them.
@@ -159,13 +171,26 @@ class AdminAuth:
 _audit_log = logging.getLogger("fastroute.audit")
 
 
-def audit(key: ControlPlaneKey | None, method: str, path: str, target: str, outcome: str,
-          status: int) -> None:
+def audit(key: ControlPlaneKey | None, method: str, path: str, target: str, outcome: str, status: int) -> None:
     """One ``control_plane_audit`` line (--control-plane-audit-enabled): who, what, on which
     worker, how it ended. Never the secret: only the key's id and role."""
-    _audit_log.info("control_plane_audit key=%s role=%s method=%s path=%s target=%s outcome=%s status=%d",
-                    key.key_id if key is not None else "-", key.role if key is not None else "-",
-                    method, path, target, outcome, status,
-                    extra={"audit": True, "key_id": key.key_id if key is not None else None,
-                           "role": key.role if key is not None else None, "method": method,
-                           "path": path, "target": target, "outcome": outcome, "status": status})
+    _audit_log.info(
+        "control_plane_audit key=%s role=%s method=%s path=%s target=%s outcome=%s status=%d",
+        key.key_id if key is not None else "-",
+        key.role if key is not None else "-",
+        method,
+        path,
+        target,
+        outcome,
+        status,
+        extra={
+            "audit": True,
+            "key_id": key.key_id if key is not None else None,
+            "role": key.role if key is not None else None,
+            "method": method,
+            "path": path,
+            "target": target,
+            "outcome": outcome,
+            "status": status,
+        },
+    )

@@ -15,12 +15,13 @@ or, for every Python process of an environment (also ``spawn``-started ones), a
 The real ``sglang_router`` is never imported; if it already was, :func:`install` refuses
 (mixing the two would start the wrong router).
 """
+
 from __future__ import annotations
 
 import runpy
 import sys
 import types
-from typing import Sequence
+from collections.abc import Sequence
 
 from fastroute import __version__
 
@@ -34,12 +35,14 @@ def install() -> None:
 
     pkg = sys.modules.get("sglang_router")
     if pkg is not None and not getattr(pkg, "__fastroute__", False):
-        raise RuntimeError("sglang_router was imported before fastroute.compat.install(); call "
-                           "install() first (or use python -m fastroute.compat)")
+        raise RuntimeError(
+            "sglang_router was imported before fastroute.compat.install(); call "
+            "install() first (or use python -m fastroute.compat)"
+        )
     if pkg is None:
         pkg = types.ModuleType("sglang_router", "fastroute standing in for sglang-router")
-        pkg.__path__ = []             # a package: its submodules come from sys.modules
-        pkg.__fastroute__ = True      # type: ignore[attr-defined]
+        pkg.__path__ = []  # a package: its submodules come from sys.modules
+        pkg.__fastroute__ = True  # type: ignore[attr-defined]
         pkg.__version__ = __version__  # type: ignore[attr-defined]
         sys.modules["sglang_router"] = pkg
     for name in ALIASES:

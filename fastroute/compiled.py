@@ -13,6 +13,7 @@ before anything is built, and the tests read the same lists.
 second kind, so the next import runs its .py: the interpreted data plane, which ``.ci/run`` tests
 before it rebuilds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,13 +25,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _packages(root: str) -> list[str]:
     base = os.path.join(root, "fastroute")
-    return sorted(d for d in os.listdir(base)
-                  if os.path.isfile(os.path.join(base, d, "__init__.py")))
+    return sorted(d for d in os.listdir(base) if os.path.isfile(os.path.join(base, d, "__init__.py")))
 
 
 def _stems(root: str, package: str, suffix: str) -> set[str]:
     here = os.path.join(root, "fastroute", package)
-    return {f[:-len(suffix)] for f in os.listdir(here) if f.endswith(suffix)}
+    return {f[: -len(suffix)] for f in os.listdir(here) if f.endswith(suffix)}
 
 
 def pyx_modules(root: str = ROOT) -> list[tuple[str, str]]:
@@ -40,21 +40,24 @@ def pyx_modules(root: str = ROOT) -> list[tuple[str, str]]:
 
 def py_modules(root: str = ROOT) -> list[tuple[str, str]]:
     """(package, module) of every .py compiled through the .pxd beside it."""
-    return [(p, m) for p in _packages(root)
-            for m in sorted(_stems(root, p, ".pxd") & _stems(root, p, ".py"))]
+    return [(p, m) for p in _packages(root) for m in sorted(_stems(root, p, ".pxd") & _stems(root, p, ".py"))]
 
 
 def built_extensions(package: str, module: str, root: str = ROOT) -> list[str]:
     """Paths of the extension files built in place for ``fastroute.<package>.<module>``."""
     here = os.path.join(root, "fastroute", package)
-    return [os.path.join(here, module + s) for s in importlib.machinery.EXTENSION_SUFFIXES
-            if os.path.exists(os.path.join(here, module + s))]
+    return [
+        os.path.join(here, module + s)
+        for s in importlib.machinery.EXTENSION_SUFFIXES
+        if os.path.exists(os.path.join(here, module + s))
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="The modules setup.py compiles.")
-    ap.add_argument("--interpreted", action="store_true",
-                    help="delete the built extensions of the modules compiled from their .py")
+    ap.add_argument(
+        "--interpreted", action="store_true", help="delete the built extensions of the modules compiled from their .py"
+    )
     a = ap.parse_args(argv)
     if a.interpreted:
         for package, module in py_modules():

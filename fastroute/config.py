@@ -2,30 +2,47 @@
 
 This module owns the data (field names are the argparse dest names of the sglang-router flags,
 dashes turned into underscores), the defaults (the single source of truth: the CLI reads its
-defaults from the dataclass), the environment fallbacks and every start-up validation rule.
-It does no I/O beyond reading the environment (and, for `--service-discovery`, looking for a
-Kubernetes credential file, so a router that could never find a worker refuses to start) and logs nothing except the one-line
-"ignored by fastroute" warnings for compatibility flags.
+defaults from the dataclass) and the environment fallbacks; the start-up rules a `Config` is held to
+are `fastroute.checks.validate`'s, and the names the flags accept (policies, modes, environment
+variables) are `fastroute.names`', re-exported here. It does no I/O beyond reading the environment
+(and, for `--service-discovery`, looking for a Kubernetes credential file, so a router that could
+never find a worker refuses to start) and logs nothing except the one-line "ignored by fastroute"
+warnings for compatibility flags.
 
-A `Config` is validated on construction (`__post_init__`), so a hand-built `Config(...)` in a
-test is held to the same rules as one built from a command line. Errors raise `ConfigError`,
-which names the offending flag; the CLI turns it into an argparse-style exit (status 2).
+A `Config` is validated on construction (`__post_init__` runs the rules), so a hand-built
+`Config(...)` in a test is held to the same rules as one built from a command line. Errors raise
+`ConfigError`, which names the offending flag; the CLI turns it into an argparse-style
+exit (status 2).
 """
+
 from __future__ import annotations
 
 import logging
-import math
 import os
+from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Iterable
-from urllib.parse import urlsplit
+from typing import Any
 
 from fastroute import flags
-from fastroute.checks import ConfigError, check_peer_semantics, metric_in_use, _strip_url, _check_url, worker_url_problem, _check_port, _check_origin, _check_header, _at_least, _finite_at_least
-from fastroute.auth import ControlPlaneKeyError, parse_control_plane_keys, split_env_keys
-from fastroute.kube import NO_KUBE_CONFIG, kube_config_source, parse_selector
-from fastroute.names import (ASSIGNMENT_MODES, LOAD_METRIC_ALIASES, LOAD_METRICS, MODES, POLICIES,
-                             REFUSED_LOAD_METRICS)
+from fastroute.auth import split_env_keys
+from fastroute.checks import ConfigError, _strip_url, metric_in_use
+from fastroute.checks import validate as _validate
+from fastroute.kube import NO_KUBE_CONFIG, kube_config_source
+from fastroute.names import (
+    ALL_POLICIES,
+    DISCOVERY_PROVIDERS,
+    DP_RANK_FIELDS,
+    ENV_CONTROL_PLANE_API_KEYS,
+    ENV_DECODE_REQUEST_WEIGHT,
+    ENV_P2C_LOAD_METRIC,
+    LOAD_METRIC_ALIASES,
+    LOAD_METRICS,
+    LOG_LEVELS,
+    MODES,
+    POLICIES,
+    PREFILL_ONLY_POLICIES,
+    REFUSED_LOAD_METRICS,
+)
 
 __all__ = [
     "Config",
@@ -50,38 +67,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Every policy name the peers' CLIs accept (sglang-router 0.3.2 + smg 1.13.0), so that any
-# existing command line parses; only SUPPORTED_POLICIES actually run. The rest are rejected at
-# start-up by name rather than silently remapped to something with different behaviour.
-ALL_POLICIES: tuple[str, ...] = (
-    "random",
-    "round_robin",
-    "cache_aware",
-    "power_of_two",
-    "manual",
-    "consistent_hashing",
-    "prefix_hash",
-    "least_load",
-    "passthrough",
-)
-PREFILL_ONLY_POLICIES: tuple[str, ...] = ("bucket",)
-# Why --prefill-policy bucket is refused rather than approximated.
-BUCKET_REFUSAL = (
-    "policy 'bucket' is not implemented by fastroute: it gives each prefill worker a range of "
-    "request lengths whose boundaries move with observed load every "
-    "--bucket-adjust-interval-secs, and what it does rests on that tuning loop, which the peers "
-    "do not specify; an imitation would balance differently under the same flags. Use "
-    "--prefill-policy cache_aware or power_of_two (both balance prefill by load)"
-)
 SUPPORTED_POLICIES: tuple[str, ...] = POLICIES
 
 P2C_LOAD_METRICS: tuple[str, ...] = LOAD_METRICS
 P2C_LOAD_METRIC_ALIASES: dict[str, str] = LOAD_METRIC_ALIASES
 DEMAND_MODES: tuple[str, ...] = MODES
-DP_RANK_FIELDS: tuple[str, ...] = ("routed_dp_rank", "data_parallel_rank")
-# Stored as Python logging level names; `warn` (the peers' spelling) is normalised to `warning`.
-LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error", "critical")
-
 DEFAULT_REQUEST_ID_HEADERS: tuple[str, ...] = (
     "x-request-id",
     "x-correlation-id",
@@ -90,15 +80,27 @@ DEFAULT_REQUEST_ID_HEADERS: tuple[str, ...] = (
 )
 # Legacy sglang-router duration histogram buckets (protocol.md 8), in seconds.
 DEFAULT_DURATION_BUCKETS: tuple[float, ...] = (
-    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 30.0, 45.0,
-    60.0, 90.0, 120.0, 180.0, 240.0,
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    30.0,
+    45.0,
+    60.0,
+    90.0,
+    120.0,
+    180.0,
+    240.0,
 )
-
-ENV_P2C_LOAD_METRIC = "SGLANG_ROUTER_P2C_LOAD_METRIC"
-ENV_DECODE_REQUEST_WEIGHT = "FASTROUTE_DECODE_REQUEST_WEIGHT"
-ENV_CONTROL_PLANE_API_KEYS = "CONTROL_PLANE_API_KEYS"
-
-MIN_LOAD_MONITOR_INTERVAL = 0.1
 
 
 def _list(default: Iterable[Any]) -> Any:
@@ -126,7 +128,7 @@ class Config:
     # bad one stops the router: fastroute.tls).
     tls_cert_path: str | None = None
     tls_key_path: str | None = None
-    tls_min_version: str = "1.2"   # oldest TLS the listener negotiates: 1.2 or 1.3
+    tls_min_version: str = "1.2"  # oldest TLS the listener negotiates: 1.2 or 1.3
     # smg's 'id:name:role:key' specs (flag + $CONTROL_PLANE_API_KEYS); parsed by fastroute.auth.
     control_plane_api_keys: list[str] = _list(())
     control_plane_audit_enabled: bool = False
@@ -240,27 +242,28 @@ class Config:
     # Where p2c_load_metric came from, for the start-up banner: "flag", the environment
     # variable's name, or "default" (set by config_from_args; not a flag).
     load_metric_source: str = "default"
-    # Hostile-client bounds (issue 19): a request body must arrive within this total time
-    # (inactivity within it is bounded by header_read_timeout_secs), and a PD batch may hold
-    # at most this many items (one bootstrap room each; the peers only bound the body size).
+    # Hostile-client bounds (a slow or endless client must not hold a slot forever): a request body
+    # must arrive within this total time (inactivity within it is bounded by
+    # header_read_timeout_secs), and a PD batch may hold at most this many items (one bootstrap room
+    # each; the peers only bound the body size).
     body_read_timeout_secs: float = 300.0
     pd_max_batch_size: int = 1024
 
     # --- Worker discovery (fastroute.control.discovery) -----------------------------------
     service_discovery: bool = False
-    discovery_provider: str | None = None   # None: kubernetes when --service-discovery is set
+    discovery_provider: str | None = None  # None: kubernetes when --service-discovery is set
     selector: list[str] = _list(())
     prefill_selector: list[str] = _list(())
     decode_selector: list[str] = _list(())
     service_discovery_port: int = 80
-    service_discovery_namespace: str | None = None   # None = all namespaces
+    service_discovery_namespace: str | None = None  # None = all namespaces
     bootstrap_port_annotation: str = "sglang.ai/bootstrap-port"
     discovery_file: str | None = None
     discovery_check_interval_secs: int = 60
 
     # --- Router replicas balancing as one (fastroute.control.replica) ---------------------
-    replica_sync: str | None = None          # redis://HOST:PORT[/DB]; None = off
-    replica_id: str | None = None            # None: host:port:pid
+    replica_sync: str | None = None  # redis://HOST:PORT[/DB]; None = off
+    replica_id: str | None = None  # None: host:port:pid
     replica_sync_interval_ms: int = 10
     replica_ttl_ms: int = 3000
 
@@ -289,9 +292,7 @@ class Config:
         self.routing_key_headers = [h.strip().lower() for h in self.routing_key_headers]
         self.cors_allowed_origins = [o.strip().rstrip("/") for o in self.cors_allowed_origins]
         self.control_plane_api_keys = list(self.control_plane_api_keys)
-        self.prometheus_duration_buckets = sorted(
-            {float(b) for b in self.prometheus_duration_buckets}
-        )
+        self.prometheus_duration_buckets = sorted({float(b) for b in self.prometheus_duration_buckets})
         self.validate()
 
     # ------------------------------------------------------------------ derived values
@@ -308,260 +309,24 @@ class Config:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """Raise ConfigError naming the first offending flag; no side effects."""
-        self._validate_workers()
-        self._validate_policies()
-        self._validate_numbers()
-        self._validate_extensions()
-        self._validate_discovery()
-        self._validate_security()
-        self._validate_replica()
-
-    def _validate_replica(self) -> None:
-        if self.replica_sync is None:
-            return
-        parsed = urlsplit(self.replica_sync)
-        db = parsed.path.strip("/")
-        if parsed.scheme not in ("redis", "rediss") or not parsed.hostname or not (
-                db == "" or db.isdigit()):
-            raise ConfigError("--replica-sync", f"{self.replica_sync!r} is not "
-                              "redis://HOST:PORT[/DB] (or rediss:// for TLS)")
-        _at_least("--replica-sync-interval-ms", self.replica_sync_interval_ms, 1)
-        if self.replica_ttl_ms < 2 * self.replica_sync_interval_ms:
-            raise ConfigError("--replica-ttl-ms", f"{self.replica_ttl_ms} ms must be at least two "
-                              "sync intervals, or a live replica drops out between its heartbeats")
-        if self.replica_id is not None and not self.replica_id.strip():
-            raise ConfigError("--replica-id", "must not be empty")
-
-    def _validate_workers(self) -> None:
-        if self.pd_disaggregation and self.worker_urls:
-            raise ConfigError(
-                "--worker-urls",
-                "cannot be combined with --pd-disaggregation; use --prefill and --decode",
-            )
-        if not self.pd_disaggregation and (self.prefill or self.decode):
-            flag = "--prefill" if self.prefill else "--decode"
-            raise ConfigError(flag, "requires --pd-disaggregation")
-        seen: dict[str, str] = {}
-        for flag, urls in (
-            ("--worker-urls", self.worker_urls),
-            ("--prefill", [u for u, _ in self.prefill]),
-            ("--decode", self.decode),
-        ):
-            for url in urls:
-                _check_url(flag, url)
-                problem = worker_url_problem(url, self.allow_link_local_workers)
-                if problem is not None:
-                    raise ConfigError(flag, f"{url!r} {problem}")
-                if url in seen:
-                    raise ConfigError(flag, f"{url} is already given by {seen[url]}")
-                seen[url] = flag
-        for url, port in self.prefill:
-            if port is not None and not 1 <= port <= 65535:
-                raise ConfigError("--prefill", f"bootstrap port {port} of {url} is not in 1..65535")
-        if not self.host:
-            raise ConfigError("--host", "must not be empty")
-        _check_port("--port", self.port)
-
-    def _validate_policies(self) -> None:
-        for flag, value, extra in (
-            ("--policy", self.policy, ()),
-            ("--prefill-policy", self.prefill_policy, PREFILL_ONLY_POLICIES),
-            ("--decode-policy", self.decode_policy, ()),
-        ):
-            if value in SUPPORTED_POLICIES:
-                continue
-            supported = ", ".join(SUPPORTED_POLICIES)
-            if value == "bucket" and flag == "--prefill-policy":
-                raise ConfigError(flag, f"{BUCKET_REFUSAL}; supported: {supported}")
-            if value in ALL_POLICIES or value in extra:
-                raise ConfigError(
-                    flag,
-                    f"policy {value!r} is not implemented by fastroute; supported: {supported}",
-                )
-            raise ConfigError(flag, f"unknown policy {value!r}; supported: {supported}")
-        if self.p2c_load_metric not in P2C_LOAD_METRICS + REFUSED_LOAD_METRICS:
-            raise ConfigError("--power-of-two-load-metric", f"invalid value {self.p2c_load_metric!r}; "
-                              "choose from " + ", ".join(P2C_LOAD_METRICS))
-        check_peer_semantics(self)
-        if not 0.0 <= self.cache_threshold <= 1.0:
-            raise ConfigError("--cache-threshold", "must be within 0.0..1.0")
-        _at_least("--balance-abs-threshold", self.balance_abs_threshold, 0)
-        _finite_at_least("--balance-rel-threshold", self.balance_rel_threshold, 0.0)
-        _at_least("--eviction-interval-secs", self.eviction_interval_secs, 1)
-        _at_least("--max-tree-size", self.max_tree_size, 1)
-        if not math.isfinite(self.load_monitor_interval) or (
-            self.load_monitor_interval < MIN_LOAD_MONITOR_INTERVAL
-        ):
-            raise ConfigError(
-                "--load-monitor-interval",
-                f"must be at least {MIN_LOAD_MONITOR_INTERVAL} seconds "
-                f"(got {self.load_monitor_interval})",
-            )
-        for name in self.routing_key_headers:
-            _check_header("--routing-key-headers", name)
-        if self.assignment_mode not in ASSIGNMENT_MODES:
-            raise ConfigError("--assignment-mode", f"invalid value {self.assignment_mode!r}; "
-                              f"choose from {', '.join(ASSIGNMENT_MODES)}")
-        _at_least("--max-idle-secs", self.max_idle_secs, 1)
-        _at_least("--max-manual-keys", self.max_manual_keys, 1)
-        for item in self.model_alias:
-            alias, sep, model = item.partition("=")
-            if not sep or not alias.strip() or not model.strip():
-                raise ConfigError("--model-alias", f"{item!r} is not ALIAS=MODEL")
-        if self.model_alias and not self.enable_igw:
-            raise ConfigError("--model-alias", "requires --enable-igw")
-
-    def _validate_numbers(self) -> None:
-        _at_least("--worker-startup-timeout-secs", self.worker_startup_timeout_secs, 1)
-        _at_least("--worker-startup-check-interval", self.worker_startup_check_interval, 1)
-        _at_least("--request-timeout-secs", self.request_timeout_secs, 1)
-        _at_least("--max-payload-size", self.max_payload_size, 1)
-        _at_least("--retry-max-retries", self.retry_max_retries, 0)
-        _at_least("--retry-initial-backoff-ms", self.retry_initial_backoff_ms, 0)
-        _at_least("--retry-max-backoff-ms", self.retry_max_backoff_ms, 0)
-        _finite_at_least("--retry-backoff-multiplier", self.retry_backoff_multiplier, 1.0)
-        if not 0.0 <= self.retry_jitter_factor <= 1.0:
-            raise ConfigError("--retry-jitter-factor", "must be within 0.0..1.0")
-        _at_least("--cb-failure-threshold", self.cb_failure_threshold, 1)
-        _at_least("--cb-success-threshold", self.cb_success_threshold, 1)
-        _at_least("--cb-timeout-duration-secs", self.cb_timeout_duration_secs, 0)
-        _at_least("--cb-window-duration-secs", self.cb_window_duration_secs, 1)
-        _at_least("--health-failure-threshold", self.health_failure_threshold, 1)
-        _at_least("--health-success-threshold", self.health_success_threshold, 1)
-        _at_least("--health-check-timeout-secs", self.health_check_timeout_secs, 1)
-        _at_least("--health-check-interval-secs", self.health_check_interval_secs, 1)
-        if not self.health_check_endpoint.startswith("/"):
-            raise ConfigError("--health-check-endpoint", "must be a path starting with '/'")
-        # -1 = unlimited (sglang-router's default); 0 is left to mean the same.
-        _at_least("--max-concurrent-requests", self.max_concurrent_requests, -1)
-        _at_least("--queue-size", self.queue_size, 0)
-        _at_least("--queue-timeout-secs", self.queue_timeout_secs, 0)
-        if self.rate_limit_tokens_per_second is not None:
-            _at_least("--rate-limit-tokens-per-second", self.rate_limit_tokens_per_second, 1)
-        if not self.prometheus_host:
-            raise ConfigError("--prometheus-host", "must not be empty")
-        _check_port("--prometheus-port", self.prometheus_port)
-        if not self.prometheus_duration_buckets:
-            raise ConfigError("--prometheus-duration-buckets", "needs at least one bucket")
-        for b in self.prometheus_duration_buckets:
-            if not math.isfinite(b) or b <= 0:
-                raise ConfigError("--prometheus-duration-buckets", f"bucket {b} is not > 0")
-        if self.log_level not in LOG_LEVELS:
-            raise ConfigError("--log-level", f"invalid level {self.log_level!r}")
-        for name in self.request_id_headers:
-            _check_header("--request-id-headers", name)
-        _at_least("--shutdown-grace-period-secs", self.shutdown_grace_period_secs, 0)
-        _finite_at_least("--header-read-timeout-secs", self.header_read_timeout_secs, 0.001)
-        _finite_at_least(
-            "--idle-connection-timeout-secs", self.idle_connection_timeout_secs, 0.001
-        )
-        _finite_at_least(
-            "--upstream-pool-idle-timeout-secs", self.upstream_pool_idle_timeout_secs, 0.0
-        )
-        _finite_at_least("--sse-keepalive-secs", self.sse_keepalive_secs, 0.0)
-        _finite_at_least("--body-read-timeout-secs", self.body_read_timeout_secs, 0.001)
-        _at_least("--pd-max-batch-size", self.pd_max_batch_size, 1)
-
-    def _validate_security(self) -> None:
-        if bool(self.tls_cert_path) != bool(self.tls_key_path):
-            flag, other = (("--tls-key-path", "--tls-cert-path") if self.tls_cert_path
-                           else ("--tls-cert-path", "--tls-key-path"))
-            raise ConfigError(flag, f"is required with {other}")
-        if self.tls_min_version not in ("1.2", "1.3"):
-            raise ConfigError("--tls-min-version", f"{self.tls_min_version!r}: choose from 1.2, 1.3")
-        try:
-            parse_control_plane_keys(self.control_plane_api_keys)
-        except ControlPlaneKeyError as exc:
-            raise ConfigError("--control-plane-api-keys", str(exc)) from None
-        if self.health_check_port is not None:
-            _check_port("--health-check-port", self.health_check_port)
-            if self.health_check_port and self.health_check_port in (self.port,
-                                                                      self.prometheus_port):
-                raise ConfigError("--health-check-port",
-                                  f"{self.health_check_port} is already --port or --prometheus-port")
-        for origin in self.cors_allowed_origins:
-            _check_origin(origin)
-
-    def _validate_extensions(self) -> None:
-        for flag, mode in (("--decode-input-demand", self.decode_input_demand),
-                           ("--prefill-input-demand", self.prefill_input_demand),
-                           ("--decode-kv-fit", self.decode_kv_fit)):
-            if mode not in DEMAND_MODES:
-                raise ConfigError(flag, f"invalid value {mode!r}; choose from off, shadow, on")
-        if self.prefill_input_demand != "off" and (not self.pd_disaggregation
-                                                   or self.prefill_policy == "manual"):
-            raise ConfigError("--prefill-input-demand", "places the prefill leg of PD requests: "
-                              "needs --pd-disaggregation and a prefill policy other than manual")
-        _at_least("--decode-request-weight", self.decode_request_weight, 0)
-        if self.decode_request_weight and self.decode_input_demand == "off":
-            # The weight only enters the demand cost; with demand off it would do nothing,
-            # which an operator setting it surely did not intend (seed PR semantics).
-            raise ConfigError(
-                "--decode-request-weight",
-                f"{self.decode_request_weight} (or {ENV_DECODE_REQUEST_WEIGHT}) requires "
-                "--decode-input-demand shadow or on (it is off)",
-            )
-        if self.dp_rank_field is not None and self.dp_rank_field not in DP_RANK_FIELDS:
-            raise ConfigError(
-                "--dp-rank-field",
-                f"invalid value {self.dp_rank_field!r}; choose from " + ", ".join(DP_RANK_FIELDS),
-            )
-        if self.seed is not None and not 0 <= self.seed < 2**64:
-            raise ConfigError("--seed", "must be within 0..2**64-1")
-        _at_least("--workers", self.workers, 1)
-        _at_least("--decode-kv-reserve-tokens", self.decode_kv_reserve_tokens, 0)
-        if self.cache_aware_rank_slack is not None:
-            _at_least("--cache-aware-rank-slack", self.cache_aware_rank_slack, 0)
-        decoding = self.decode_policy if self.pd_disaggregation else self.policy
-        if decoding == "manual":
-            # manual pins each routing key to a worker; a cost or a KV filter would move keys.
-            for flag, mode in (("--decode-input-demand", self.decode_input_demand),
-                               ("--decode-kv-fit", self.decode_kv_fit)):
-                if mode != "off":
-                    raise ConfigError(flag, "does not combine with the manual policy (it pins each "
-                                      "routing key to one worker); use --decode-policy power_of_two")
-
-    def _validate_discovery(self) -> None:
-        if self.discovery_provider not in (None,) + DISCOVERY_PROVIDERS:
-            raise ConfigError("--discovery-provider", f"invalid value {self.discovery_provider!r}; "
-                              "choose from " + ", ".join(DISCOVERY_PROVIDERS))
-        for flag, tokens in (("--selector", self.selector), ("--prefill-selector", self.prefill_selector),
-                             ("--decode-selector", self.decode_selector)):
-            try:
-                parse_selector(tokens)
-            except ValueError as exc:
-                raise ConfigError(flag, str(exc)) from None
-        if self.discovery is None:
-            return
-        _at_least("--discovery-check-interval-secs", self.discovery_check_interval_secs, 1)
-        if self.discovery == "file":
-            if not self.discovery_file:
-                raise ConfigError("--discovery-file", "is required by --discovery-provider file")
-            return
-        if not 1 <= self.service_discovery_port <= 65535:
-            raise ConfigError("--service-discovery-port", f"port {self.service_discovery_port} "
-                              "is not in 1..65535")
-        if self.pd_disaggregation and not (self.prefill_selector or self.decode_selector):
-            raise ConfigError("--service-discovery", "PD mode needs --prefill-selector and/or "
-                              "--decode-selector")
-        if not self.pd_disaggregation and not self.selector:
-            raise ConfigError("--selector", "is required by --service-discovery (e.g. app=sglang)")
-        if not self.pd_disaggregation and (self.prefill_selector or self.decode_selector):
-            raise ConfigError("--prefill-selector" if self.prefill_selector else "--decode-selector",
-                              "requires --pd-disaggregation")
+        """Raise ConfigError naming the first offending flag; no side effects. The rules are
+        :func:`fastroute.checks.validate`'s."""
+        _validate(self)
 
 
-# ---------------------------------------------------------------------- helpers
-
-
-DISCOVERY_PROVIDERS: tuple[str, ...] = ("kubernetes", "file")
 # Flags that only mean something with discovery on; given without it they are ignored (one warning).
 DISCOVERY_FLAGS: tuple[str, ...] = (
-    "--selector", "--service-discovery-port", "--service-discovery-namespace", "--prefill-selector",
-    "--decode-selector", "--bootstrap-port-annotation", "--discovery-file",
+    "--selector",
+    "--service-discovery-port",
+    "--service-discovery-namespace",
+    "--prefill-selector",
+    "--decode-selector",
+    "--bootstrap-port-annotation",
+    "--discovery-file",
     "--discovery-check-interval-secs",
 )
+
+
 def _field_names() -> frozenset[str]:
     return frozenset(f.name for f in fields(Config))
 
@@ -585,7 +350,9 @@ def _p2c_metric_from_env(environ: dict[str, str] | os._Environ[str]) -> str:
         # The patched power_of_two this mirrors treats any other value as `tokens`; keep that
         # so an existing environment still starts, but say so once.
         logger.warning(
-            "%s=%r is not one of %s; using tokens", ENV_P2C_LOAD_METRIC, raw,
+            "%s=%r is not one of %s; using tokens",
+            ENV_P2C_LOAD_METRIC,
+            raw,
             ", ".join(P2C_LOAD_METRICS),
         )
         return "tokens"
@@ -617,9 +384,7 @@ def config_from_args(ns: Any, environ: dict[str, str] | None = None) -> Config:
     kwargs: dict[str, Any] = {k: v for k, v in raw.items() if k in names and v is not None}
 
     kwargs["prefill"] = [_parse_prefill(tokens) for tokens in raw.get("prefill") or ()]
-    kwargs["decode"] = [
-        tokens[0] if isinstance(tokens, list) else tokens for tokens in raw.get("decode") or ()
-    ]
+    kwargs["decode"] = [tokens[0] if isinstance(tokens, list) else tokens for tokens in raw.get("decode") or ()]
     # Explicit None means "not given": the policy sub-flags then resolve to --policy.
     kwargs["prefill_policy"] = raw.get("prefill_policy")
     kwargs["decode_policy"] = raw.get("decode_policy")
@@ -654,8 +419,10 @@ def config_from_args(ns: Any, environ: dict[str, str] | None = None) -> Config:
     if config.discovery is not None:
         noted = [f for f in noted if f == "--selector" and config.pd_disaggregation]
     for flag in dict.fromkeys(noted):
-        warnings.append(f"{flag} is accepted for compatibility and ignored by fastroute "
-                        f"(only used by worker discovery{' outside PD mode' if config.discovery else ''})")
+        warnings.append(
+            f"{flag} is accepted for compatibility and ignored by fastroute "
+            f"(only used by worker discovery{' outside PD mode' if config.discovery else ''})"
+        )
     # Settings that only mean something beside another one: set without it, one warning each.
     for field_name, flag, needs, used in _COMPANIONS:
         if getattr(config, field_name) != default(field_name) and not used(config):
@@ -668,24 +435,33 @@ def config_from_args(ns: Any, environ: dict[str, str] | None = None) -> Config:
 
 
 _COMPANIONS: tuple[tuple[str, str, str, Any], ...] = (
-    ("assignment_mode", "--assignment-mode", "--policy manual",
-     lambda c: "manual" in (c.policy, c.prefill_policy, c.decode_policy)),
-    ("max_idle_secs", "--max-idle-secs", "--policy manual",
-     lambda c: "manual" in (c.policy, c.prefill_policy, c.decode_policy)),
-    ("max_manual_keys", "--max-manual-keys", "--policy manual",
-     lambda c: "manual" in (c.policy, c.prefill_policy, c.decode_policy)),
+    (
+        "assignment_mode",
+        "--assignment-mode",
+        "--policy manual",
+        lambda c: "manual" in (c.policy, c.prefill_policy, c.decode_policy),
+    ),
+    (
+        "max_idle_secs",
+        "--max-idle-secs",
+        "--policy manual",
+        lambda c: "manual" in (c.policy, c.prefill_policy, c.decode_policy),
+    ),
+    (
+        "max_manual_keys",
+        "--max-manual-keys",
+        "--policy manual",
+        lambda c: "manual" in (c.policy, c.prefill_policy, c.decode_policy),
+    ),
     ("replica_id", "--replica-id", "--replica-sync", lambda c: c.replica_sync is not None),
-    ("replica_sync_interval_ms", "--replica-sync-interval-ms", "--replica-sync",
-     lambda c: c.replica_sync is not None),
+    ("replica_sync_interval_ms", "--replica-sync-interval-ms", "--replica-sync", lambda c: c.replica_sync is not None),
     ("replica_ttl_ms", "--replica-ttl-ms", "--replica-sync", lambda c: c.replica_sync is not None),
 )
 
 
 def _parse_prefill(tokens: list[str]) -> tuple[str, int | None]:
     if not 1 <= len(tokens) <= 2:
-        raise ConfigError(
-            "--prefill", f"takes URL [BOOTSTRAP_PORT], got {len(tokens)} values: {tokens}"
-        )
+        raise ConfigError("--prefill", f"takes URL [BOOTSTRAP_PORT], got {len(tokens)} values: {tokens}")
     url = tokens[0]
     if len(tokens) == 1 or tokens[1].strip().lower() == "none":
         return url, None

@@ -219,7 +219,9 @@ def unknown_url(method: str, path: str) -> RouterError:
 def no_available_workers(role: str | None = None) -> RouterError:
     """503 when no healthy, circuit-closed target exists for a leg."""
     what = f"{role} workers" if role else "workers"
-    return RouterError(503, CODE_NO_AVAILABLE_WORKERS, f"No available {what} (all unhealthy, circuits open or none registered)")
+    return RouterError(
+        503, CODE_NO_AVAILABLE_WORKERS, f"No available {what} (all unhealthy, circuits open or none registered)"
+    )
 
 
 def payload_too_large(size: int, limit: int) -> RouterError:
@@ -228,8 +230,9 @@ def payload_too_large(size: int, limit: int) -> RouterError:
 
 def queue_full() -> RouterError:
     # Retry-After: clients (and the openai library) back off instead of hammering a full queue.
-    return RouterError(429, CODE_QUEUE_FULL, "Too many requests: admission queue is full",
-                       headers=((b"Retry-After", b"1"),))
+    return RouterError(
+        429, CODE_QUEUE_FULL, "Too many requests: admission queue is full", headers=((b"Retry-After", b"1"),)
+    )
 
 
 def queue_timeout() -> RouterError:

@@ -1,6 +1,6 @@
 """The rule and the inventory of flags fastroute accepts but does not implement as the peers do.
 
-The rule (issue 13): every accepted flag works as the peer's does, or it is one that cannot
+The rule (fail closed): every accepted flag works as the peer's does, or it is one that cannot
 change who gets in, where requests go, or whether the router becomes ready. Such a flag is
 ``inert``: accepted, with one warning naming it at start-up. A flag that would change any of
 those and is not implemented is ``refused``: start-up fails with a one-line message naming it.
@@ -13,11 +13,12 @@ test checks the page against it). Flags fastroute implements with a field of the
 
 Pure Python with no imports from the rest of fastroute, like :mod:`fastroute.names`.
 """
+
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 INERT, REFUSED, IMPLEMENTED = "inert", "refused", "implemented"
 STATUSES: tuple[str, ...] = (IMPLEMENTED, INERT, REFUSED)
@@ -49,6 +50,7 @@ def _non_positive(values: Sequence[str]) -> bool:
 def _one_of(*accepted: str) -> Callable[[Sequence[str]], bool]:
     def check(values: Sequence[str]) -> bool:
         return bool(values) and all(v.strip().lower() in accepted for v in values)
+
     check.__doc__ = "one of " + ", ".join(accepted)
     return check
 
@@ -76,38 +78,56 @@ class Flag:
         return self.neutral is not None and self.neutral(values)
 
 
-_DISCOVERY_EXTRA = ("smg's discovery reads it to annotate workers; fastroute's discovery does not, "
-                    "and routing never uses it")
+_DISCOVERY_EXTRA = (
+    "smg's discovery reads it to annotate workers; fastroute's discovery does not, and routing never uses it"
+)
 _NO_MEDIA = "fastroute forwards multimodal requests as they are and never fetches or processes media"
-_NO_HISTORY = ("storage of conversations/responses; fastroute serves no Responses or Conversations "
-               "API, so nothing is stored")
+_NO_HISTORY = (
+    "storage of conversations/responses; fastroute serves no Responses or Conversations API, so nothing is stored"
+)
 _NO_TOKENIZER = "fastroute forwards text and never loads a tokenizer or parses model output"
 
 TABLE: tuple[Flag, ...] = (
-    # ---- security and availability (issue 13) -----------------------------------------------
-    Flag("--jwt-", REFUSED, "JWT/OIDC authentication is not implemented; ignoring it would leave "
-         "the admin API open"),
-    Flag("--tenant-api-key", REFUSED, "per-tenant keys are not implemented; those tenants would "
-         "be refused"),
-    Flag("--encode-selector", REFUSED, "encoder (EPD) workers are not supported; discovered encode "
-         "pods would never be used"),
+    # ---- security and availability (never ignored: that would leave the router open) ---------
+    Flag("--jwt-", REFUSED, "JWT/OIDC authentication is not implemented; ignoring it would leave the admin API open"),
+    Flag("--tenant-api-key", REFUSED, "per-tenant keys are not implemented; those tenants would be refused"),
+    Flag(
+        "--encode-selector",
+        REFUSED,
+        "encoder (EPD) workers are not supported; discovered encode pods would never be used",
+    ),
     Flag("--kv-connector-annotation", INERT, _DISCOVERY_EXTRA),
     Flag("--kv-engine-id-annotation", INERT, _DISCOVERY_EXTRA),
     Flag("--model-id-from", INERT, _DISCOVERY_EXTRA),
     Flag("--enable-mesh", REFUSED, "multi-router HA coordination is not implemented"),
-    Flag("--router-selector", REFUSED, "smg selects the router pods of its HA mesh with it, which "
-         "is not implemented (it is not a --router- spelling of --selector: give the worker pod "
-         "selector as --selector)"),
+    Flag(
+        "--router-selector",
+        REFUSED,
+        "smg selects the router pods of its HA mesh with it, which "
+        "is not implemented (it is not a --router- spelling of --selector: give the worker pod "
+        "selector as --selector)",
+    ),
     Flag("--mesh-", INERT, "only used by --enable-mesh, which is refused"),
     Flag("--enable-wasm", REFUSED, "WASM middleware is not implemented; it may decide who gets in"),
     Flag("--storage-hook-wasm-path", INERT, _NO_HISTORY),
     # ---- routing ------------------------------------------------------------------------------
-    Flag("--routing-key-override", REFUSED, "sticky sessions are not implemented; use --policy "
-         "consistent_hashing with X-SMG-Routing-Key or --routing-key-headers"),
-    Flag("--sticky-sessions", REFUSED, "sticky sessions are not implemented; use --policy "
-         "consistent_hashing with X-SMG-Routing-Key or --routing-key-headers"),
-    Flag("--dp-minimum-tokens-scheduler", REFUSED, "the minimum-tokens DP scheduler is not "
-         "implemented; use --dp-aware with --decode-input-demand on"),
+    Flag(
+        "--routing-key-override",
+        REFUSED,
+        "sticky sessions are not implemented; use --policy "
+        "consistent_hashing with X-SMG-Routing-Key or --routing-key-headers",
+    ),
+    Flag(
+        "--sticky-sessions",
+        REFUSED,
+        "sticky sessions are not implemented; use --policy "
+        "consistent_hashing with X-SMG-Routing-Key or --routing-key-headers",
+    ),
+    Flag(
+        "--dp-minimum-tokens-scheduler",
+        REFUSED,
+        "the minimum-tokens DP scheduler is not implemented; use --dp-aware with --decode-input-demand on",
+    ),
     Flag("--epd-disaggregation", REFUSED, "encode/prefill/decode disaggregation is not implemented"),
     Flag("--encode", REFUSED, "encode workers (EPD mode) are not implemented"),
     Flag("--encode-policy", INERT, "policy of encode workers (EPD mode), which is refused"),
@@ -115,88 +135,163 @@ TABLE: tuple[Flag, ...] = (
     Flag("--prefix-token-count", INERT, "only used by the prefix_hash policy, which is refused"),
     Flag("--prefix-hash-", INERT, "only used by the prefix_hash policy, which is refused"),
     Flag("--least-load-", INERT, "only used by the least_load policy, which is refused"),
-    Flag("--balance-token-usage-threshold", REFUSED, "KV-usage spread gate of cache_aware is not "
-         "implemented (a value >= 1.0, off, is accepted)", neutral=_at_least_one),
-    Flag("--overload-token-usage-threshold", REFUSED, "KV-usage ceiling of cache_aware is not "
-         "implemented (a value >= 1.0, off, is accepted)", neutral=_at_least_one),
-    Flag("--selection-policy", REFUSED, "only the cache-aware-default selection exists in "
-         "fastroute", neutral=_one_of("cache-aware-default")),
-    Flag("--selection-accounting-ttl-ms", REFUSED, "optimistic cache_aware bookings are not "
-         "implemented (0, off, is accepted)", neutral=_zero),
-    Flag("--overlap-decay", REFUSED, "cache_aware overlap decay is not implemented (0, off, is "
-         "accepted)", neutral=_zero),
-    Flag("--selection-temperature", REFUSED, "cache_aware softmax selection is not implemented "
-         "(0, exact argmax, is accepted)", neutral=_zero),
-    Flag("--cache-index", REFUSED, "only the prefix tree index exists in fastroute",
-         neutral=_one_of("tree")),
+    Flag(
+        "--balance-token-usage-threshold",
+        REFUSED,
+        "KV-usage spread gate of cache_aware is not implemented (a value >= 1.0, off, is accepted)",
+        neutral=_at_least_one,
+    ),
+    Flag(
+        "--overload-token-usage-threshold",
+        REFUSED,
+        "KV-usage ceiling of cache_aware is not implemented (a value >= 1.0, off, is accepted)",
+        neutral=_at_least_one,
+    ),
+    Flag(
+        "--selection-policy",
+        REFUSED,
+        "only the cache-aware-default selection exists in fastroute",
+        neutral=_one_of("cache-aware-default"),
+    ),
+    Flag(
+        "--selection-accounting-ttl-ms",
+        REFUSED,
+        "optimistic cache_aware bookings are not implemented (0, off, is accepted)",
+        neutral=_zero,
+    ),
+    Flag(
+        "--overlap-decay", REFUSED, "cache_aware overlap decay is not implemented (0, off, is accepted)", neutral=_zero
+    ),
+    Flag(
+        "--selection-temperature",
+        REFUSED,
+        "cache_aware softmax selection is not implemented (0, exact argmax, is accepted)",
+        neutral=_zero,
+    ),
+    Flag("--cache-index", REFUSED, "only the prefix tree index exists in fastroute", neutral=_one_of("tree")),
     Flag("--cache-boundaries", INERT, "only used by --cache-index hash, which is refused"),
-    Flag("--cache-ttl-secs", INERT, "fastroute's prefix tree ages by --eviction-interval-secs and "
-         "--max-tree-size"),
-    Flag("--kv-index", INERT, "the data structure of smg's event-driven KV index; fastroute's "
-         "cache_aware uses its own prefix tree"),
-    Flag("--block-size", INERT, "KV block size of smg's event-driven KV index, which fastroute "
-         "does not use"),
-    Flag("--cb-window-duration-secs", INERT, "smg checks it is at least 1 and its circuit "
-         "breaker never reads it (it counts consecutive failures); fastroute does the same",
-         parsed=True),
+    Flag("--cache-ttl-secs", INERT, "fastroute's prefix tree ages by --eviction-interval-secs and --max-tree-size"),
+    Flag(
+        "--kv-index",
+        INERT,
+        "the data structure of smg's event-driven KV index; fastroute's cache_aware uses its own prefix tree",
+    ),
+    Flag("--block-size", INERT, "KV block size of smg's event-driven KV index, which fastroute does not use"),
+    Flag(
+        "--cb-window-duration-secs",
+        INERT,
+        "smg checks it is at least 1 and its circuit "
+        "breaker never reads it (it counts consecutive failures); fastroute does the same",
+        parsed=True,
+    ),
     # ---- worker health (smg 1.13) -------------------------------------------------------------
-    Flag("--disable-worker-overload-protection", IMPLEMENTED, "fastroute never leaves a worker "
-         "out for its waiting queue or KV usage, which is what this asks for"),
-    Flag("--worker-overload-protection", REFUSED, "leaving overloaded workers out of routing is "
-         "not implemented; give --disable-worker-overload-protection to start without it"),
-    Flag("--worker-overload-waiting-requests", REFUSED, "worker overload protection is not "
-         "implemented (0 is accepted)", neutral=_zero),
-    Flag("--worker-overload-token-usage", REFUSED, "worker overload protection is not implemented "
-         "(a value >= 1.0, off, is accepted)", neutral=_at_least_one),
-    Flag("--worker-overload-shed", REFUSED, "shedding with 503 when every worker is overloaded is "
-         "not implemented"),
-    Flag("--worker-stall-secs", REFUSED, "contact-age exclusion is not implemented; fastroute "
-         "excludes failing workers by --cb-* and --health-* (0 is accepted)", neutral=_zero),
-    Flag("--worker-wedge-secs", REFUSED, "progress-based exclusion is not implemented; fastroute "
-         "excludes failing workers by --cb-* and --health-* (0 is accepted)", neutral=_zero),
-    Flag("--worker-stale-secs", REFUSED, "KV-event staleness exclusion is not implemented "
-         "(0 is accepted)", neutral=_zero),
-    Flag("--worker-warmup-", REFUSED, "the cache_aware warm-up slice is not implemented "
-         "(0, off, is accepted)", neutral=_zero),
-    Flag("--remove-unhealthy-workers", INERT, "fastroute keeps an unhealthy worker registered, out "
-         "of routing, and re-admits it after --health-success-threshold good probes: the recovery "
-         "this flag exists for"),
-    Flag("--worker-auto-recovery", INERT, "fastroute keeps an unhealthy worker registered, out of "
-         "routing, and re-admits it after --health-success-threshold good probes"),
-    Flag("--no-remove-unhealthy-workers", IMPLEMENTED, "fastroute keeps unhealthy workers "
-         "registered"),
+    Flag(
+        "--disable-worker-overload-protection",
+        IMPLEMENTED,
+        "fastroute never leaves a worker out for its waiting queue or KV usage, which is what this asks for",
+    ),
+    Flag(
+        "--worker-overload-protection",
+        REFUSED,
+        "leaving overloaded workers out of routing is "
+        "not implemented; give --disable-worker-overload-protection to start without it",
+    ),
+    Flag(
+        "--worker-overload-waiting-requests",
+        REFUSED,
+        "worker overload protection is not implemented (0 is accepted)",
+        neutral=_zero,
+    ),
+    Flag(
+        "--worker-overload-token-usage",
+        REFUSED,
+        "worker overload protection is not implemented (a value >= 1.0, off, is accepted)",
+        neutral=_at_least_one,
+    ),
+    Flag("--worker-overload-shed", REFUSED, "shedding with 503 when every worker is overloaded is not implemented"),
+    Flag(
+        "--worker-stall-secs",
+        REFUSED,
+        "contact-age exclusion is not implemented; fastroute "
+        "excludes failing workers by --cb-* and --health-* (0 is accepted)",
+        neutral=_zero,
+    ),
+    Flag(
+        "--worker-wedge-secs",
+        REFUSED,
+        "progress-based exclusion is not implemented; fastroute "
+        "excludes failing workers by --cb-* and --health-* (0 is accepted)",
+        neutral=_zero,
+    ),
+    Flag(
+        "--worker-stale-secs", REFUSED, "KV-event staleness exclusion is not implemented (0 is accepted)", neutral=_zero
+    ),
+    Flag(
+        "--worker-warmup-",
+        REFUSED,
+        "the cache_aware warm-up slice is not implemented (0, off, is accepted)",
+        neutral=_zero,
+    ),
+    Flag(
+        "--remove-unhealthy-workers",
+        INERT,
+        "fastroute keeps an unhealthy worker registered, out "
+        "of routing, and re-admits it after --health-success-threshold good probes: the recovery "
+        "this flag exists for",
+    ),
+    Flag(
+        "--worker-auto-recovery",
+        INERT,
+        "fastroute keeps an unhealthy worker registered, out of "
+        "routing, and re-admits it after --health-success-threshold good probes",
+    ),
+    Flag("--no-remove-unhealthy-workers", IMPLEMENTED, "fastroute keeps unhealthy workers registered"),
     Flag("--no-worker-auto-recovery", IMPLEMENTED, "fastroute keeps unhealthy workers registered"),
-    Flag("--worker-startup-delay", INERT, "fastroute probes a new worker until "
-         "--worker-startup-timeout-secs; an earlier first probe only fails and is retried"),
+    Flag(
+        "--worker-startup-delay",
+        INERT,
+        "fastroute probes a new worker until "
+        "--worker-startup-timeout-secs; an earlier first probe only fails and is retried",
+    ),
     # ---- admission ----------------------------------------------------------------------------
-    Flag("--prefill-max-inflight-requests-per-worker", REFUSED, "PD prefill admission is not "
-         "implemented (a value <= 0, off, is accepted)", neutral=_non_positive),
-    Flag("--prefill-queue-size", INERT, "only used with --prefill-max-inflight-requests-per-worker "
-         "> 0, which is refused"),
-    Flag("--prefill-queue-timeout-secs", INERT, "only used with "
-         "--prefill-max-inflight-requests-per-worker > 0, which is refused"),
-    Flag("--pd-admission-wait-secs", REFUSED, "the PD decode running-window gate is not "
-         "implemented"),
+    Flag(
+        "--prefill-max-inflight-requests-per-worker",
+        REFUSED,
+        "PD prefill admission is not implemented (a value <= 0, off, is accepted)",
+        neutral=_non_positive,
+    ),
+    Flag(
+        "--prefill-queue-size", INERT, "only used with --prefill-max-inflight-requests-per-worker > 0, which is refused"
+    ),
+    Flag(
+        "--prefill-queue-timeout-secs",
+        INERT,
+        "only used with --prefill-max-inflight-requests-per-worker > 0, which is refused",
+    ),
+    Flag("--pd-admission-wait-secs", REFUSED, "the PD decode running-window gate is not implemented"),
     Flag("--priority-scheduler-enabled", REFUSED, "priority admission is not implemented"),
-    Flag("--priority-scheduler-", INERT, "only used with --priority-scheduler-enabled, which is "
-         "refused"),
+    Flag("--priority-scheduler-", INERT, "only used with --priority-scheduler-enabled, which is refused"),
     Flag("--tenant-rate-limit-enabled", REFUSED, "per-tenant rate limiting is not implemented"),
-    Flag("--tenant-rate-limit-", INERT, "only used with --tenant-rate-limit-enabled, which is "
-         "refused"),
+    Flag("--tenant-rate-limit-", INERT, "only used with --tenant-rate-limit-enabled, which is refused"),
     Flag("--trust-tenant-header", INERT, "tenant scoping of stored responses; " + _NO_HISTORY),
     Flag("--tenant-header-name", INERT, "tenant scoping of stored responses; " + _NO_HISTORY),
     Flag("--max-background-responses", INERT, "the Responses API is not served by fastroute"),
-    Flag("--max-buffered-request-bytes", INERT, "fastroute reads a whole request body (bounded by "
-         "--max-payload-size) before it routes, so every request stays retryable"),
-    Flag("--stream-body-stall-timeout-secs", INERT, "fastroute reads a whole request body before "
-         "it routes and never streams it to a worker"),
+    Flag(
+        "--max-buffered-request-bytes",
+        INERT,
+        "fastroute reads a whole request body (bounded by "
+        "--max-payload-size) before it routes, so every request stays retryable",
+    ),
+    Flag(
+        "--stream-body-stall-timeout-secs",
+        INERT,
+        "fastroute reads a whole request body before it routes and never streams it to a worker",
+    ),
     Flag("--job-queue-", INERT, "fastroute registers workers as tasks without a bounded job queue"),
     # ---- transport, observability and features fastroute does not have ----------------------
-    Flag("--upstream-http2", INERT, "fastroute speaks HTTP/1.1 to workers; same workers, same "
-         "requests"),
+    Flag("--upstream-http2", INERT, "fastroute speaks HTTP/1.1 to workers; same workers, same requests"),
     Flag("--mini-lb", INERT, "fastroute replaces mini_lb (same PD request semantics)"),
-    Flag("--enable-trace", INERT, "OpenTelemetry export is not implemented; tracing headers are "
-         "still forwarded"),
+    Flag("--enable-trace", INERT, "OpenTelemetry export is not implemented; tracing headers are still forwarded"),
     Flag("--otlp-traces-endpoint", INERT, "OpenTelemetry export is not implemented"),
     Flag("--jemalloc-prof-dir", INERT, "a heap-profiling route of smg's Rust build"),
     Flag("--enable-rl", INERT, "the /v1/rl control routes are not served (404)"),
@@ -218,9 +313,13 @@ TABLE: tuple[Flag, ...] = (
     Flag("--reasoning-parser", INERT, _NO_TOKENIZER),
     Flag("--tool-call-parser", INERT, _NO_TOKENIZER),
     Flag("--disable-tokenizer-autoload", IMPLEMENTED, "fastroute never loads a tokenizer"),
-    Flag("--backend", REFUSED, "fastroute routes to SGLang workers only; an openai, anthropic, "
-         "vllm or tokenspeed backend is out of scope (sglang is accepted)",
-         neutral=_one_of("sglang")),
+    Flag(
+        "--backend",
+        REFUSED,
+        "fastroute routes to SGLang workers only; an openai, anthropic, "
+        "vllm or tokenspeed backend is out of scope (sglang is accepted)",
+        neutral=_one_of("sglang"),
+    ),
     Flag("--zmq-engine-count", INERT, "fastroute has no ZMQ workers"),
     Flag("--multimodal-", INERT, _NO_MEDIA),
     Flag("--mm-", INERT, _NO_MEDIA),
@@ -270,8 +369,7 @@ def apply(given: Sequence[tuple[str, Sequence[str]]]) -> list[str]:
             raise RefusedFlag(flag, row.reason)
         if row.status == INERT and flag not in seen:
             seen.add(flag)
-            warnings.append(f"{flag} is accepted for compatibility and ignored by fastroute "
-                            f"({row.reason})")
+            warnings.append(f"{flag} is accepted for compatibility and ignored by fastroute ({row.reason})")
     return warnings
 
 

@@ -1,16 +1,19 @@
 """Kubernetes helpers shared by the config (validation at start-up) and the discovery provider:
 label-selector parsing and where API credentials come from. Pure Python, no client library."""
+
 from __future__ import annotations
 
 import os
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 KUBE_TOKEN_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 # One Kubernetes label-selector requirement: [!]key, key(=|==|!=)value, key (in|notin) (v, ...).
 _SELECTOR_REQ = re.compile(
     r"\s*(?P<neg>!)?\s*(?P<key>[A-Za-z0-9][A-Za-z0-9./_-]*)\s*"
-    r"(?:(?P<op>==|=|!=)\s*(?P<value>[A-Za-z0-9._-]*)|\s(?P<setop>in|notin)\s*\((?P<values>[^()]*)\))?\s*\Z")
+    r"(?:(?P<op>==|=|!=)\s*(?P<value>[A-Za-z0-9._-]*)|\s(?P<setop>in|notin)\s*\((?P<values>[^()]*)\))?\s*\Z"
+)
 
 
 def parse_selector(tokens: Iterable[str]) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -24,8 +27,10 @@ def parse_selector(tokens: Iterable[str]) -> list[tuple[str, str, tuple[str, ...
                 continue
             m = _SELECTOR_REQ.match(part)
             if m is None or (m["neg"] and (m["op"] or m["setop"])):
-                raise ValueError(f"{part.strip()!r} is not a label selector requirement "
-                                 "(key=value, key!=value, key, !key, key in (a,b), key notin (a,b))")
+                raise ValueError(
+                    f"{part.strip()!r} is not a label selector requirement "
+                    "(key=value, key!=value, key, !key, key in (a,b), key notin (a,b))"
+                )
             if m["setop"]:
                 values = tuple(v.strip() for v in m["values"].split(",") if v.strip())
                 out.append((m["key"], m["setop"], values))
@@ -49,5 +54,7 @@ def kube_config_source(environ: Any = None) -> tuple[str, str | None] | None:
     return ("kubeconfig", os.pathsep.join(found)) if found else None
 
 
-NO_KUBE_CONFIG = ("no Kubernetes configuration found: not running in a pod (KUBERNETES_SERVICE_HOST "
-                  "and a service-account token) and no kubeconfig ($KUBECONFIG or ~/.kube/config)")
+NO_KUBE_CONFIG = (
+    "no Kubernetes configuration found: not running in a pod (KUBERNETES_SERVICE_HOST "
+    "and a service-account token) and no kubeconfig ($KUBECONFIG or ~/.kube/config)"
+)

@@ -14,12 +14,14 @@ command, so every field goes through the same validation and the same fail-close
 fastroute does not implement refuses to start exactly as its flag would. ``launch_router``
 blocks until the router stops. ``python -m fastroute.launch_router ARGS`` equals ``fastroute ARGS``.
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from fastroute import cli
 from fastroute.config import ALL_POLICIES, PREFILL_ONLY_POLICIES, default
@@ -34,18 +36,18 @@ def _listed(name: str) -> Any:
 @dataclasses.dataclass
 class RouterArgs:
     # Workers and listener
-    worker_urls: List[str] = _listed("worker_urls")
+    worker_urls: list[str] = _listed("worker_urls")
     host: str = default("host")
     port: int = default("port")
     # PD
     mini_lb: bool = False
     pd_disaggregation: bool = default("pd_disaggregation")
-    prefill_urls: List[tuple] = dataclasses.field(default_factory=list)   # (url, bootstrap port | None)
-    decode_urls: List[str] = dataclasses.field(default_factory=list)
+    prefill_urls: list[tuple] = dataclasses.field(default_factory=list)  # (url, bootstrap port | None)
+    decode_urls: list[str] = dataclasses.field(default_factory=list)
     # Routing policy
     policy: str = default("policy")
-    prefill_policy: Optional[str] = default("prefill_policy")
-    decode_policy: Optional[str] = default("decode_policy")
+    prefill_policy: str | None = default("prefill_policy")
+    decode_policy: str | None = default("decode_policy")
     worker_startup_timeout_secs: int = default("worker_startup_timeout_secs")
     worker_startup_check_interval: int = default("worker_startup_check_interval")
     cache_threshold: float = default("cache_threshold")
@@ -59,29 +61,29 @@ class RouterArgs:
     bucket_adjust_interval_secs: int = 5
     dp_aware: bool = default("dp_aware")
     enable_igw: bool = default("enable_igw")
-    api_key: Optional[str] = default("api_key")
-    log_dir: Optional[str] = default("log_dir")
-    log_level: Optional[str] = None
+    api_key: str | None = default("api_key")
+    log_dir: str | None = default("log_dir")
+    log_level: str | None = None
     # Service discovery
     service_discovery: bool = default("service_discovery")
-    selector: Dict[str, str] = dataclasses.field(default_factory=dict)
+    selector: dict[str, str] = dataclasses.field(default_factory=dict)
     service_discovery_port: int = default("service_discovery_port")
-    service_discovery_namespace: Optional[str] = default("service_discovery_namespace")
-    prefill_selector: Dict[str, str] = dataclasses.field(default_factory=dict)
-    decode_selector: Dict[str, str] = dataclasses.field(default_factory=dict)
+    service_discovery_namespace: str | None = default("service_discovery_namespace")
+    prefill_selector: dict[str, str] = dataclasses.field(default_factory=dict)
+    decode_selector: dict[str, str] = dataclasses.field(default_factory=dict)
     bootstrap_port_annotation: str = default("bootstrap_port_annotation")
     # Prometheus, request ids, timeouts, admission
-    prometheus_port: Optional[int] = None
-    prometheus_host: Optional[str] = None
-    prometheus_duration_buckets: Optional[List[float]] = None
-    request_id_headers: Optional[List[str]] = None
+    prometheus_port: int | None = None
+    prometheus_host: str | None = None
+    prometheus_duration_buckets: list[float] | None = None
+    request_id_headers: list[str] | None = None
     request_timeout_secs: int = default("request_timeout_secs")
     shutdown_grace_period_secs: int = default("shutdown_grace_period_secs")
     max_concurrent_requests: int = default("max_concurrent_requests")
     queue_size: int = default("queue_size")
     queue_timeout_secs: int = default("queue_timeout_secs")
-    rate_limit_tokens_per_second: Optional[int] = default("rate_limit_tokens_per_second")
-    cors_allowed_origins: List[str] = _listed("cors_allowed_origins")
+    rate_limit_tokens_per_second: int | None = default("rate_limit_tokens_per_second")
+    cors_allowed_origins: list[str] = _listed("cors_allowed_origins")
     # Retries
     retry_max_retries: int = default("retry_max_retries")
     retry_initial_backoff_ms: int = default("retry_initial_backoff_ms")
@@ -103,50 +105,51 @@ class RouterArgs:
     cb_window_duration_secs: int = default("cb_window_duration_secs")
     disable_circuit_breaker: bool = default("disable_circuit_breaker")
     # Tokenizer, parsers, storage backends (gateway features)
-    model_path: Optional[str] = None
-    tokenizer_path: Optional[str] = None
-    chat_template: Optional[str] = None
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    chat_template: str | None = None
     tokenizer_cache_enable_l0: bool = False
     tokenizer_cache_l0_max_entries: int = 10000
     tokenizer_cache_enable_l1: bool = False
     tokenizer_cache_l1_max_memory: int = 50 * 1024 * 1024
-    reasoning_parser: Optional[str] = None
-    tool_call_parser: Optional[str] = None
-    mcp_config_path: Optional[str] = None
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    mcp_config_path: str | None = None
     backend: str = "sglang"
     history_backend: str = "memory"
-    oracle_wallet_path: Optional[str] = None
-    oracle_tns_alias: Optional[str] = None
-    oracle_connect_descriptor: Optional[str] = None
-    oracle_username: Optional[str] = None
-    oracle_password: Optional[str] = None
+    oracle_wallet_path: str | None = None
+    oracle_tns_alias: str | None = None
+    oracle_connect_descriptor: str | None = None
+    oracle_username: str | None = None
+    oracle_password: str | None = None
     oracle_pool_min: int = 1
     oracle_pool_max: int = 16
     oracle_pool_timeout_secs: int = 30
-    postgres_db_url: Optional[str] = None
+    postgres_db_url: str | None = None
     postgres_pool_max: int = 16
-    redis_url: Optional[str] = None
+    redis_url: str | None = None
     redis_pool_max: int = 16
     redis_retention_days: int = 30
     # TLS
-    client_cert_path: Optional[str] = default("client_cert_path")
-    client_key_path: Optional[str] = default("client_key_path")
-    ca_cert_paths: List[str] = _listed("ca_cert_paths")
-    server_cert_path: Optional[str] = None
-    server_key_path: Optional[str] = None
+    client_cert_path: str | None = default("client_cert_path")
+    client_key_path: str | None = default("client_key_path")
+    ca_cert_paths: list[str] = _listed("ca_cert_paths")
+    server_cert_path: str | None = None
+    server_key_path: str | None = None
     # Tracing and control-plane auth
     enable_trace: bool = False
     otlp_traces_endpoint: str = "localhost:4317"
-    control_plane_api_keys: List[tuple] = _listed("control_plane_api_keys")
+    control_plane_api_keys: list[tuple] = _listed("control_plane_api_keys")
     control_plane_audit_enabled: bool = default("control_plane_audit_enabled")
-    jwt_issuer: Optional[str] = None
-    jwt_audience: Optional[str] = None
-    jwt_jwks_uri: Optional[str] = None
-    jwt_role_mapping: Dict[str, str] = dataclasses.field(default_factory=dict)
+    jwt_issuer: str | None = None
+    jwt_audience: str | None = None
+    jwt_jwks_uri: str | None = None
+    jwt_role_mapping: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser, use_router_prefix: bool = False,
-                     exclude_host_port: bool = False) -> None:
+    def add_cli_args(
+        parser: argparse.ArgumentParser, use_router_prefix: bool = False, exclude_host_port: bool = False
+    ) -> None:
         """Add sglang-router 0.3.2's router flags to a launcher's ``parser``: the same option
         names and dests (``--router-policy`` -> ``router_policy`` with the prefix; ``--host``,
         ``--port`` and ``--worker-urls`` never take it), the same defaults, so
@@ -171,7 +174,7 @@ class RouterArgs:
             group.add_argument(flag, **kwargs)
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace, use_router_prefix: bool = False) -> "RouterArgs":
+    def from_cli_args(cls, args: argparse.Namespace, use_router_prefix: bool = False) -> RouterArgs:
         """From a namespace parsed with :meth:`add_cli_args` (``use_router_prefix`` as given
         there), or from one whose attributes use the dataclass names (sglang-router's parser,
         fastroute's own). ``--prefill``/``--decode`` lists become ``prefill_urls`` /
@@ -185,14 +188,16 @@ class RouterArgs:
                 if key in src:
                     return src[key]
             return None
+
         kw: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             value = given(f.name)
             if value is not None and f.name not in _SPECIAL:
                 kw[f.name] = value
         kw["prefill_urls"] = [_prefill_entry(e) for e in given("prefill") or given("prefill_urls") or []]
-        kw["decode_urls"] = [e[0] if isinstance(e, (list, tuple)) else e
-                             for e in given("decode") or given("decode_urls") or []]
+        kw["decode_urls"] = [
+            e[0] if isinstance(e, (list, tuple)) else e for e in given("decode") or given("decode_urls") or []
+        ]
         for ours, theirs in (("tls_cert_path", "server_cert_path"), ("tls_key_path", "server_key_path")):
             value = given(ours) or given(theirs)
             if value:
@@ -200,8 +205,9 @@ class RouterArgs:
         for name in ("selector", "prefill_selector", "decode_selector"):
             kw[name] = _selector(given(name))
         kw["jwt_role_mapping"] = _selector(given("jwt_role_mapping"))
-        kw["control_plane_api_keys"] = [_key_tuple(e, n) for n, e in
-                                        enumerate(given("control_plane_api_keys") or [], 1)]
+        kw["control_plane_api_keys"] = [
+            _key_tuple(e, n) for n, e in enumerate(given("control_plane_api_keys") or [], 1)
+        ]
         return cls(**kw)
 
     def check_fields(self) -> None:
@@ -210,8 +216,12 @@ class RouterArgs:
         names = {f.name for f in dataclasses.fields(self)}
         extra = sorted(k for k in vars(self) if k not in names)
         if extra:
-            hints = [f"{k!r} (the field is {k[7:]!r}: the router- prefix is for command lines)"
-                     if k.startswith("router_") and k[7:] in names else repr(k) for k in extra]
+            hints = [
+                f"{k!r} (the field is {k[7:]!r}: the router- prefix is for command lines)"
+                if k.startswith("router_") and k[7:] in names
+                else repr(k)
+                for k in extra
+            ]
             raise TypeError("RouterArgs has no field " + ", ".join(hints))
 
     def to_argv(self) -> list[str]:
@@ -231,7 +241,7 @@ class RouterArgs:
             elif isinstance(value, (list, tuple)):
                 argv += [flag, *map(str, value)]
             else:
-                argv.append(f"{flag}={value}")   # one token: a value starting with '-' stays a value
+                argv.append(f"{flag}={value}")  # one token: a value starting with '-' stays a value
         for url, port in (_prefill_entry(e) for e in self.prefill_urls):
             argv += ["--prefill", str(url), "none" if port is None else str(port)]
         for url in self.decode_urls:
@@ -239,8 +249,9 @@ class RouterArgs:
         for name in ("selector", "prefill_selector", "decode_selector", "jwt_role_mapping"):
             mapping = getattr(self, name)
             if mapping:
-                values = ([f"{k}={v}" for k, v in mapping.items()] if isinstance(mapping, dict)
-                          else [str(v) for v in mapping])
+                values = (
+                    [f"{k}={v}" for k, v in mapping.items()] if isinstance(mapping, dict) else [str(v) for v in mapping]
+                )
                 argv += ["--" + name.replace("_", "-"), *values]
         if self.control_plane_api_keys:
             argv.append("--control-plane-api-keys")
@@ -253,32 +264,59 @@ class RouterArgs:
 
 
 # Fields written by to_argv / read by from_cli_args in a form of their own.
-_SPECIAL = frozenset({"prefill_urls", "decode_urls", "selector", "prefill_selector",
-                      "decode_selector", "control_plane_api_keys", "jwt_role_mapping",
-                      "server_cert_path", "server_key_path"})
+_SPECIAL = frozenset(
+    {
+        "prefill_urls",
+        "decode_urls",
+        "selector",
+        "prefill_selector",
+        "decode_selector",
+        "control_plane_api_keys",
+        "jwt_role_mapping",
+        "server_cert_path",
+        "server_key_path",
+    }
+)
 # sglang-router 0.3.2's add_cli_args: flag names that are not the field's, fields without a flag.
-_FLAG_NAME = {"prefill_urls": "prefill", "decode_urls": "decode",
-              "server_cert_path": "tls-cert-path", "server_key_path": "tls-key-path"}
+_FLAG_NAME = {
+    "prefill_urls": "prefill",
+    "decode_urls": "decode",
+    "server_cert_path": "tls-cert-path",
+    "server_key_path": "tls-key-path",
+}
 _NO_FLAG = frozenset({"bootstrap_port_annotation"})
 # Its parser defaults where they differ from the dataclass's (None there: "not given").
-_CLI_DEFAULT: dict[str, Any] = {"prometheus_port": 29000, "prometheus_host": "0.0.0.0",
-                                "log_level": "info", "selector": {}, "prefill_selector": {},
-                                "decode_selector": {}, "jwt_role_mapping": [],
-                                "control_plane_api_keys": []}
+_CLI_DEFAULT: dict[str, Any] = {
+    "prometheus_port": 29000,
+    "prometheus_host": "0.0.0.0",
+    "log_level": "info",
+    "selector": {},
+    "prefill_selector": {},
+    "decode_selector": {},
+    "jwt_role_mapping": [],
+    "control_plane_api_keys": [],
+}
 _KIND: dict[str, dict[str, Any]] = {
     "prefill_urls": {"nargs": "+", "action": "append", "metavar": ("URL", "BOOTSTRAP_PORT")},
     "decode_urls": {"nargs": 1, "action": "append", "metavar": "URL"},
-    "selector": {"nargs": "+", "type": str}, "prefill_selector": {"nargs": "+", "type": str},
-    "decode_selector": {"nargs": "+", "type": str}, "jwt_role_mapping": {"nargs": "*", "type": str},
-    "prometheus_port": {"type": int}, "prometheus_host": {"type": str},
+    "selector": {"nargs": "+", "type": str},
+    "prefill_selector": {"nargs": "+", "type": str},
+    "decode_selector": {"nargs": "+", "type": str},
+    "jwt_role_mapping": {"nargs": "*", "type": str},
+    "prometheus_port": {"type": int},
+    "prometheus_host": {"type": str},
     "prometheus_duration_buckets": {"nargs": "+", "type": float},
-    "request_id_headers": {"nargs": "*", "type": str}, "rate_limit_tokens_per_second": {"type": int},
+    "request_id_headers": {"nargs": "*", "type": str},
+    "rate_limit_tokens_per_second": {"type": int},
     "control_plane_api_keys": {"nargs": "*", "type": str},
 }
 _CHOICES: dict[str, Sequence[str]] = {
-    "policy": ALL_POLICIES, "decode_policy": ALL_POLICIES,
-    "prefill_policy": ALL_POLICIES + PREFILL_ONLY_POLICIES, "assignment_mode": ASSIGNMENT_MODES,
-    "log_level": ("debug", "info", "warn", "error"), "backend": ("sglang", "openai"),
+    "policy": ALL_POLICIES,
+    "decode_policy": ALL_POLICIES,
+    "prefill_policy": ALL_POLICIES + PREFILL_ONLY_POLICIES,
+    "assignment_mode": ASSIGNMENT_MODES,
+    "log_level": ("debug", "info", "warn", "error"),
+    "backend": ("sglang", "openai"),
     "history_backend": ("memory", "none", "oracle", "postgres", "redis"),
 }
 
@@ -309,8 +347,7 @@ def _prefill_entry(entry: Any) -> tuple[str, int | None]:
     try:
         return url, int(port)
     except (TypeError, ValueError):
-        raise ValueError(f"--prefill {url}: bootstrap port {port!r} is neither a number nor "
-                         "'none'") from None
+        raise ValueError(f"--prefill {url}: bootstrap port {port!r} is neither a number nor 'none'") from None
 
 
 def _selector(value: Any) -> Any:
@@ -349,8 +386,10 @@ def _key_spec(entry: Any, n: int) -> str:
     if isinstance(entry, (tuple, list)) and len(entry) == 4 and all(isinstance(x, str) for x in entry):
         key_id, name, key, role = entry
         return f"{key_id}:{name}:{role}:{key}"
-    raise TypeError(f"control_plane_api_keys entry {n}: expected an (id, name, key, role) tuple "
-                    f"of strings, got a {type(entry).__name__}")
+    raise TypeError(
+        f"control_plane_api_keys entry {n}: expected an (id, name, key, role) tuple "
+        f"of strings, got a {type(entry).__name__}"
+    )
 
 
 def launch_router(args: RouterArgs | argparse.Namespace) -> None:

@@ -5,6 +5,7 @@ Root logging: timestamp, level, pid and logger name, on stderr and optionally in
 pipelines parse). Logger names are per module and stable ("fastroute.proxy",
 "fastroute.workers", ...), so operators can filter on them.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,7 @@ __all__ = ["configure_logging", "JsonFormatter", "startup_error"]
 _LOG_FORMAT = "%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s"
 _HANDLER_TAG = "_fastroute_handler"
 # Attributes every LogRecord has; anything else on a record came from `extra=` and is a field.
-_STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
-    "message", "asctime", "taskName"}
+_STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "taskName"}
 
 
 class JsonFormatter(logging.Formatter):
@@ -28,8 +28,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         doc = {
-            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(
-                timespec="milliseconds"),
+            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
             "level": record.levelname,
             "logger": record.name,
             "message": record.getMessage(),
@@ -43,8 +42,7 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc, default=str, ensure_ascii=False)
 
 
-def configure_logging(level: str = "info", log_dir: str | None = None,
-                      json_lines: bool = False) -> None:
+def configure_logging(level: str = "info", log_dir: str | None = None, json_lines: bool = False) -> None:
     """Root logging on stderr (and DIR/fastroute.log): text lines, or JSON with ``json_lines``.
 
     Replaces only handlers this function installed earlier, so a host application's (or

@@ -1,4 +1,5 @@
 """Session-wide checks shared by every test directory."""
+
 from __future__ import annotations
 
 import importlib.machinery
@@ -20,7 +21,7 @@ def stale_compiled_modules(directory: str = _DATAPLANE) -> list[str]:
     for name in sorted(os.listdir(directory)):
         for suffix in importlib.machinery.EXTENSION_SUFFIXES:
             if name.endswith(suffix):
-                stem = name[:-len(suffix)]
+                stem = name[: -len(suffix)]
                 built = os.path.getmtime(os.path.join(directory, name))
                 for src in (stem + ".py", stem + ".pxd"):
                     path = os.path.join(directory, src)
@@ -35,4 +36,5 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if stale:
         raise pytest.UsageError(
             "compiled modules are older than their sources: %s; rebuild with "
-            "`python3 setup.py build_ext --inplace`" % ", ".join(stale))
+            "`python3 setup.py build_ext --inplace`" % ", ".join(stale)
+        )

@@ -1,5 +1,6 @@
 """Stand-ins for the routing layer in proxy tests that use a mock transport (no sockets, no
 compiled table): one copy, so a change to Group.acquire's signature is made once."""
+
 from __future__ import annotations
 
 import asyncio
@@ -35,8 +36,7 @@ class StubGroup:
         self.record = record
         self.leases: list[StubLease] = []
 
-    def acquire(self, tokens: int = 0, key: bytes | None = None, meta: object = None,
-                out_tokens: int = 0) -> StubLease:
+    def acquire(self, tokens: int = 0, key: bytes | None = None, meta: object = None, out_tokens: int = 0) -> StubLease:
         lease = StubLease(self.target)
         if self.record:
             self.leases.append(lease)
@@ -114,11 +114,11 @@ class StubRegistry:
     decode target 1."""
 
     def __init__(self, record: bool = True) -> None:
-        w = SimpleNamespace(url="http://127.0.0.1:9", host="127.0.0.1", port=9, api_key=None,
-                            bootstrap_port=8998, dp_size=1)
+        w = SimpleNamespace(
+            url="http://127.0.0.1:9", host="127.0.0.1", port=9, api_key=None, bootstrap_port=8998, dp_size=1
+        )
         self.target_info = [(w, None), (w, 3)]
-        self.groups = {"regular": StubGroup(0, record), "prefill": StubGroup(0, record),
-                       "decode": StubGroup(1, record)}
+        self.groups = {"regular": StubGroup(0, record), "prefill": StubGroup(0, record), "decode": StubGroup(1, record)}
 
     def ready(self) -> bool:
         return True

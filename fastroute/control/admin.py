@@ -6,6 +6,7 @@ shared table and answers ``(status, body, content-type)``. It holds no state of 
 registry inherits it so the data plane keeps one object to call (``registry.handle_admin``).
 Authentication is :mod:`fastroute.auth`'s one rule; error bodies come from :mod:`fastroute.errors`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +14,9 @@ import json
 import logging
 import random
 import uuid
+from collections.abc import Iterable
 from datetime import datetime, timezone
-from typing import Any, Iterable
+from typing import Any
 from urllib.parse import parse_qs
 
 from fastroute import __version__
@@ -24,10 +26,23 @@ from fastroute.control import httpclient
 from fastroute.control.httpclient import HttpClientError
 from fastroute.control.selfaddr import SelfWorker
 from fastroute.control.worker import BadWorkerURL, DuplicateWorker, Worker, check_fields, normalize_url
-from fastroute.core.table import (COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_POLLED_RUNNING, COL_POLLED_TOKENS,
-                                  COL_POLLED_WAITING, TargetTable)
-from fastroute.errors import (CODE_BAD_REQUEST, CODE_NO_AVAILABLE_WORKERS, RouterError, bad_gateway,
-                              insufficient_role, invalid_api_key, unknown_url)
+from fastroute.core.table import (
+    COL_POLLED_AT,
+    COL_POLLED_MAX_TOKENS,
+    COL_POLLED_RUNNING,
+    COL_POLLED_TOKENS,
+    COL_POLLED_WAITING,
+    TargetTable,
+)
+from fastroute.errors import (
+    CODE_BAD_REQUEST,
+    CODE_NO_AVAILABLE_WORKERS,
+    RouterError,
+    bad_gateway,
+    insufficient_role,
+    invalid_api_key,
+    unknown_url,
+)
 
 # Logger name kept from before the split: operators filter on it.
 log = logging.getLogger("fastroute.workers")
@@ -43,9 +58,20 @@ LEGACY_ADD_WAIT_SECS = 2.0
 _READS = frozenset({"GET", "HEAD"})
 
 # server_info keys copied (as strings) into the /workers "metadata" object.
-_META_KEYS = ("model_path", "served_model_name", "tokenizer_path", "tp_size", "dp_size",
-              "load_balance_method", "disaggregation_mode", "disaggregation_bootstrap_port",
-              "enable_dp_attention", "max_running_requests", "max_total_num_tokens", "version")
+_META_KEYS = (
+    "model_path",
+    "served_model_name",
+    "tokenizer_path",
+    "tp_size",
+    "dp_size",
+    "load_balance_method",
+    "disaggregation_mode",
+    "disaggregation_bootstrap_port",
+    "enable_dp_attention",
+    "max_running_requests",
+    "max_total_num_tokens",
+    "version",
+)
 
 
 def request_header(headers: Any, name: str) -> str | None:
@@ -108,26 +134,41 @@ class AdminAPI:
         """Polled engine values of a target; all None when never polled / unknown."""
         tab = self.table
         if tab.get(t, COL_POLLED_AT) < 0:
-            return {"num_running_reqs": None, "num_waiting_reqs": None, "num_total_reqs": None,
-                    "num_used_tokens": None, "max_total_num_tokens": None, "polled_at_ms": None}
+            return {
+                "num_running_reqs": None,
+                "num_waiting_reqs": None,
+                "num_total_reqs": None,
+                "num_used_tokens": None,
+                "max_total_num_tokens": None,
+                "polled_at_ms": None,
+            }
         running = tab.get(t, COL_POLLED_RUNNING)
         waiting = tab.get(t, COL_POLLED_WAITING)
         mx = tab.get(t, COL_POLLED_MAX_TOKENS)
-        return {"num_running_reqs": running, "num_waiting_reqs": waiting,
-                "num_total_reqs": running + waiting,
-                "num_used_tokens": tab.get(t, COL_POLLED_TOKENS),
-                "max_total_num_tokens": mx if mx >= 0 else None,
-                "polled_at_ms": tab.get(t, COL_POLLED_AT)}
+        return {
+            "num_running_reqs": running,
+            "num_waiting_reqs": waiting,
+            "num_total_reqs": running + waiting,
+            "num_used_tokens": tab.get(t, COL_POLLED_TOKENS),
+            "max_total_num_tokens": mx if mx >= 0 else None,
+            "polled_at_ms": tab.get(t, COL_POLLED_AT),
+        }
 
     def worker_json(self, w: Worker) -> dict[str, Any]:
         """One entry of GET /workers (smg field names, plus per-rank detail when split)."""
         tab = self.table
         live = w.status == "ready"
         d: dict[str, Any] = {
-            "id": w.id, "url": w.url, "model_id": w.model_id, "worker_type": w.role,
-            "is_healthy": w.healthy and live, "status": w.status,
+            "id": w.id,
+            "url": w.url,
+            "model_id": w.model_id,
+            "worker_type": w.role,
+            "is_healthy": w.healthy and live,
+            "status": w.status,
             "load": sum(tab.in_flight(t) for t in w.targets) if live else 0,
-            "connection_mode": "http", "priority": w.priority, "cost": w.cost,
+            "connection_mode": "http",
+            "priority": w.priority,
+            "cost": w.cost,
             "labels": dict(w.labels),
             "metadata": {k: str(w.server_info[k]) for k in _META_KEYS if k in w.server_info},
             "dp_size": w.dp_size,
@@ -139,19 +180,26 @@ class AdminAPI:
         if live:
             if w.split:
                 ids = w.rank_ids or range(len(w.targets))
-                d["dp_ranks"] = [{"url": name, "dp_rank": ids[r], "load": tab.in_flight(t),
-                                  "is_healthy": w.target_healthy(r), **self._polled(t)}
-                                 for r, (t, name) in enumerate(zip(w.targets, w.names))]
-                if w.rank_ports:    # each rank listens on a port of its own
+                d["dp_ranks"] = [
+                    {
+                        "url": name,
+                        "dp_rank": ids[r],
+                        "load": tab.in_flight(t),
+                        "is_healthy": w.target_healthy(r),
+                        **self._polled(t),
+                    }
+                    for r, (t, name) in enumerate(zip(w.targets, w.names))
+                ]
+                if w.rank_ports:  # each rank listens on a port of its own
                     d["rank_ports"] = True
             else:
                 d["engine_load"] = self._polled(w.targets[0])
         return d
 
     # ---- admin endpoints ----------------------------------------------------------------------
-    async def handle_admin(self, method: str, path: str, query: str, body: bytes,
-                           headers: Any, principal: ControlPlaneKey | None = None
-                           ) -> tuple[int, bytes, bytes]:
+    async def handle_admin(
+        self, method: str, path: str, query: str, body: bytes, headers: Any, principal: ControlPlaneKey | None = None
+    ) -> tuple[int, bytes, bytes]:
         """Serve one admin/info request -> (status, body, content-type).
 
         Authentication is the one rule of :class:`fastroute.auth.AdminAuth`, decided on the
@@ -163,33 +211,37 @@ class AdminAPI:
             verdict, key = OK, principal
         else:
             got = request_header(headers, "authorization")
-            verdict, key = self.admin_auth.check(method.encode("latin-1"), path.encode("latin-1"),
-                                                 None if got is None else got.encode("latin-1"))
-        audited = (self.config.control_plane_audit_enabled and method not in _READS
-                   and is_management(path.encode("latin-1")))
+            verdict, key = self.admin_auth.check(
+                method.encode("latin-1"), path.encode("latin-1"), None if got is None else got.encode("latin-1")
+            )
+        audited = (
+            self.config.control_plane_audit_enabled and method not in _READS and is_management(path.encode("latin-1"))
+        )
         if verdict != OK:
             if audited:
                 self._audit(key, method, path, query, body, "denied", verdict)
-            return _error(insufficient_role(key.role) if verdict == FORBIDDEN and key is not None
-                          else invalid_api_key())
+            return _error(
+                insufficient_role(key.role) if verdict == FORBIDDEN and key is not None else invalid_api_key()
+            )
         result = await self._dispatch(method, path, query, body, headers)
         if audited and not self.forwards(method, path):
-            self._audit(key, method, path, query, body,
-                        "success" if result[0] < 400 else "error", result[0])
+            self._audit(key, method, path, query, body, "success" if result[0] < 400 else "error", result[0])
         return result
 
     def forwards(self, method: str, path: str) -> bool:
         """Whether this process hands the request to another that applies it (supervisor)."""
         return False
 
-    def _audit(self, key: ControlPlaneKey | None, method: str, path: str, query: str, body: bytes,
-               outcome: str, status: int) -> None:
+    def _audit(
+        self, key: ControlPlaneKey | None, method: str, path: str, query: str, body: bytes, outcome: str, status: int
+    ) -> None:
         """One control_plane_audit line: who, what, on which worker, how it ended (never the
         secret: only the key's id and role)."""
         audit(key, method, path, _audit_target(self, method, path, query, body), outcome, status)
 
-    async def _dispatch(self, method: str, path: str, query: str, body: bytes,
-                        headers: Any) -> tuple[int, bytes, bytes]:
+    async def _dispatch(
+        self, method: str, path: str, query: str, body: bytes, headers: Any
+    ) -> tuple[int, bytes, bytes]:
         """Route an authenticated admin request to its handler."""
         try:
             if path == "/workers":
@@ -199,7 +251,7 @@ class AdminAPI:
                     return self._post_worker(body)
                 raise _method_not_allowed(method, path)
             if path.startswith("/workers/"):
-                return self._worker_item(method, path[len("/workers/"):], body)
+                return self._worker_item(method, path[len("/workers/") :], body)
             handler = self._ROUTES.get(path)
             if handler is None:
                 raise unknown_url(method, path)
@@ -233,14 +285,31 @@ class AdminAPI:
         if labels is not None and not isinstance(labels, dict):
             raise _invalid("labels must be an object")
         try:
-            w = self.add_worker(req["url"], role, bootstrap_port=bport, model_id=req.get("model_id"),
-                                priority=req.get("priority"), cost=req.get("cost"), labels=labels,
-                                api_key=req.get("api_key"))
+            w = self.add_worker(
+                req["url"],
+                role,
+                bootstrap_port=bport,
+                model_id=req.get("model_id"),
+                priority=req.get("priority"),
+                cost=req.get("cost"),
+                labels=labels,
+                api_key=req.get("api_key"),
+            )
         except ValueError as exc:
             raise _refused(exc) from None
-        return 202, _json({"status": "accepted", "worker_id": w.id, "url": w.url,
-                           "location": f"/workers/{w.id}",
-                           "message": "Worker addition queued for background processing"}), _JSON
+        return (
+            202,
+            _json(
+                {
+                    "status": "accepted",
+                    "worker_id": w.id,
+                    "url": w.url,
+                    "location": f"/workers/{w.id}",
+                    "message": "Worker addition queued for background processing",
+                }
+            ),
+            _JSON,
+        )
 
     def _worker_item(self, method: str, wid: str, body: bytes) -> tuple[int, bytes, bytes]:
         try:
@@ -271,12 +340,32 @@ class AdminAPI:
                     w.labels = {str(k): str(v) for k, v in upd["labels"].items()}
             except (TypeError, ValueError) as exc:
                 raise _invalid(str(exc)) from None
-            return 202, _json({"status": "accepted", "worker_id": w.id, "url": w.url,
-                               "message": "Worker update queued for background processing"}), _JSON
+            return (
+                202,
+                _json(
+                    {
+                        "status": "accepted",
+                        "worker_id": w.id,
+                        "url": w.url,
+                        "message": "Worker update queued for background processing",
+                    }
+                ),
+                _JSON,
+            )
         if method == "DELETE":
             self.remove_worker(w)
-            return 202, _json({"status": "accepted", "worker_id": w.id, "url": w.url,
-                               "message": "Worker removal queued for background processing"}), _JSON
+            return (
+                202,
+                _json(
+                    {
+                        "status": "accepted",
+                        "worker_id": w.id,
+                        "url": w.url,
+                        "message": "Worker removal queued for background processing",
+                    }
+                ),
+                _JSON,
+            )
         raise _method_not_allowed(method, f"/workers/{wid}")
 
     # Legacy API (sglang-router <= 0.2.x): plain-text answers, synchronous registration.
@@ -297,7 +386,7 @@ class AdminAPI:
         try:
             w = self.add_worker(url, role, bootstrap_port=bport)
         except (SelfWorker, BadWorkerURL) as exc:
-            return _error(_refused(exc))    # JSON, like POST /workers
+            return _error(_refused(exc))  # JSON, like POST /workers
         except ValueError as exc:
             return 400, str(exc).encode(), _TEXT
         # sglang-router answered once the worker was up, which for one that is down took the
@@ -307,8 +396,13 @@ class AdminAPI:
         if await self.wait_registered(w, LEGACY_ADD_WAIT_SECS):
             return 200, f"Successfully added worker: {w.url}".encode(), _TEXT
         if w.status == "pending":
-            return 202, (f"Worker addition accepted, registration continues in the background: "
-                         f"{w.url} (see /workers/{w.id})").encode(), _TEXT
+            return (
+                202,
+                (
+                    f"Worker addition accepted, registration continues in the background: {w.url} (see /workers/{w.id})"
+                ).encode(),
+                _TEXT,
+            )
         return 400, f"Failed to add worker {w.url}: {w.error}".encode(), _TEXT
 
     async def _remove_worker_legacy(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
@@ -328,18 +422,32 @@ class AdminAPI:
         tab = self.table
         loads = []
         legacy = []
-        agg = {"total_in_flight_requests": 0, "total_in_flight_tokens": 0, "total_running_reqs": 0,
-               "total_waiting_reqs": 0, "total_used_tokens": 0}
+        agg = {
+            "total_in_flight_requests": 0,
+            "total_in_flight_tokens": 0,
+            "total_running_reqs": 0,
+            "total_waiting_reqs": 0,
+            "total_used_tokens": 0,
+        }
         for w in self.ready_workers():
             tokens_sum = 0
             complete = True
             for i, (t, name) in enumerate(zip(w.targets, w.names)):
                 p = self._polled(t)
                 inf, inf_tok = tab.in_flight(t), tab.in_flight_tokens(t)
-                loads.append({"name": name, "worker": w.url, "worker_id": w.id, "worker_type": w.role,
-                              "dp_rank": (w.rank_ids[i] if w.rank_ids else i) if w.split else None,
-                              "is_healthy": w.target_healthy(i),
-                              "in_flight_requests": inf, "in_flight_tokens": inf_tok, **p})
+                loads.append(
+                    {
+                        "name": name,
+                        "worker": w.url,
+                        "worker_id": w.id,
+                        "worker_type": w.role,
+                        "dp_rank": (w.rank_ids[i] if w.rank_ids else i) if w.split else None,
+                        "is_healthy": w.target_healthy(i),
+                        "in_flight_requests": inf,
+                        "in_flight_tokens": inf_tok,
+                        **p,
+                    }
+                )
                 agg["total_in_flight_requests"] += inf
                 agg["total_in_flight_tokens"] += inf_tok
                 if p["polled_at_ms"] is None:
@@ -351,20 +459,30 @@ class AdminAPI:
                     tokens_sum += p["num_used_tokens"]
             # sglang-router shape: Σ tokens per worker, -1 when unknown.
             legacy.append({"worker": w.url, "load": tokens_sum if complete else -1})
-        doc = {"timestamp": datetime.now(timezone.utc).isoformat(), "version": f"fastroute-{__version__}",
-               "dp_rank_count": len(loads), "loads": loads, "aggregate": agg, "workers": legacy}
+        doc = {
+            "timestamp": datetime.now(timezone.utc).isoformat(),
+            "version": f"fastroute-{__version__}",
+            "dp_rank_count": len(loads),
+            "loads": loads,
+            "aggregate": agg,
+            "workers": legacy,
+        }
         return 200, _json(doc), _JSON
 
-    async def _fan_out(self, workers: Iterable[Worker], method: str, path: str,
-                       timeout: float) -> list[tuple[Worker, int | None, bytes | str]]:
+    async def _fan_out(
+        self, workers: Iterable[Worker], method: str, path: str, timeout: float
+    ) -> list[tuple[Worker, int | None, bytes | str]]:
         """Same request to many workers concurrently -> (worker, status or None, body or error)."""
+
         async def one(w: Worker) -> tuple[Worker, int | None, bytes | str]:
             try:
-                status, _, body = await httpclient.request(method, w.url + path, headers=self.auth_headers(w),
-                                                           timeout=timeout)
+                status, _, body = await httpclient.request(
+                    method, w.url + path, headers=self.auth_headers(w), timeout=timeout
+                )
                 return w, status, body
             except HttpClientError as exc:
                 return w, None, str(exc)
+
         return list(await asyncio.gather(*(one(w) for w in workers)))
 
     def _admin_timeout(self) -> float:
@@ -386,8 +504,12 @@ class AdminAPI:
             doc = {"status": "success", "message": f"Successfully flushed cache on all {n} HTTP workers", **doc}
             return 200, _json(doc), _JSON
         # Some flushed -> 206 partial; none flushed -> 502 (no worker honoured the request).
-        doc = {"status": "partial_success" if ok else "failed",
-               "message": f"Flushed cache on {ok} of {n} HTTP workers", **doc, "failed": failed}
+        doc = {
+            "status": "partial_success" if ok else "failed",
+            "message": f"Flushed cache on {ok} of {n} HTTP workers",
+            **doc,
+            "failed": failed,
+        }
         return (206 if ok else 502), _json(doc), _JSON
 
     async def _engine_metrics(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
@@ -423,9 +545,9 @@ class AdminAPI:
     async def _server_info(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
         async def fresh(w: Worker) -> dict[str, Any]:
             try:
-                status, _, rbody = await httpclient.request("GET", w.url + w.server_info_path,
-                                                            headers=self.auth_headers(w),
-                                                            timeout=self._admin_timeout())
+                status, _, rbody = await httpclient.request(
+                    "GET", w.url + w.server_info_path, headers=self.auth_headers(w), timeout=self._admin_timeout()
+                )
                 if status == 200:
                     doc = json.loads(rbody)
                     if isinstance(doc, dict):
@@ -434,12 +556,13 @@ class AdminAPI:
             except (HttpClientError, ValueError):
                 pass  # fall back to the registration-time copy
             return w.server_info
+
         if self.config.pd_disaggregation:
             pre, dec = self.ready_workers("prefill"), self.ready_workers("decode")
             if not pre and not dec:
                 raise _no_workers()
             infos = await asyncio.gather(*(fresh(w) for w in pre + dec))
-            p_infos, d_infos = list(infos[: len(pre)]), list(infos[len(pre):])
+            p_infos, d_infos = list(infos[: len(pre)]), list(infos[len(pre) :])
             states = [s for i in d_infos for s in (i.get("internal_states") or [])]
             # mini_lb shape (what sglang.bench_one_batch_server reads).
             return 200, _json({"internal_states": states, "prefill": p_infos, "decode": d_infos}), _JSON
@@ -458,9 +581,9 @@ class AdminAPI:
             raise _no_workers()
         w = healthy[0]
         try:
-            status, hdrs, rbody = await httpclient.request("GET", w.url + w.model_info_path,
-                                                           headers=self.auth_headers(w),
-                                                           timeout=self._admin_timeout())
+            status, hdrs, rbody = await httpclient.request(
+                "GET", w.url + w.model_info_path, headers=self.auth_headers(w), timeout=self._admin_timeout()
+            )
         except HttpClientError as exc:
             raise RouterError(503, "worker_unreachable", str(exc)) from None
         if status != 200:
@@ -488,16 +611,14 @@ class AdminAPI:
             doc["stale"] = stale
         if self.ready():
             return 200, _json({"status": "ready", **doc}), _JSON
-        return 503, _json({"status": "not ready", "reason": "insufficient healthy workers",
-                           **doc}), _JSON
+        return 503, _json({"status": "not ready", "reason": "insufficient healthy workers", **doc}), _JSON
 
     async def _health_generate(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
         """smg style: a real /health_generate on one healthy pair (PD) or one healthy worker."""
         if self.config.pd_disaggregation:
             pre, dec = self._healthy("prefill"), self._healthy("decode")
             if not pre or not dec:
-                raise RouterError(503, "no_healthy_worker_pair",
-                                  "No healthy prefill/decode worker pair available")
+                raise RouterError(503, "no_healthy_worker_pair", "No healthy prefill/decode worker pair available")
             chosen = [self._rng.choice(pre), self._rng.choice(dec)]
         else:
             reg = self._healthy("regular")
@@ -506,8 +627,11 @@ class AdminAPI:
             chosen = [self._rng.choice(reg)]
         timeout = min(float(self.config.request_timeout_secs), 60.0)
         results = await self._fan_out(chosen, "GET", "/health_generate", timeout)
-        bad = [f"{w.url}: {status if status is not None else rbody}"
-               for w, status, rbody in results if status is None or not 200 <= status < 300]
+        bad = [
+            f"{w.url}: {status if status is not None else rbody}"
+            for w, status, rbody in results
+            if status is None or not 200 <= status < 300
+        ]
         if bad:
             raise RouterError(503, "health_generate_failed", "Health generate failed on " + "; ".join(bad))
         if len(chosen) == 2:
@@ -544,7 +668,7 @@ def _audit_target(api: AdminAPI, method: str, path: str, query: str, body: bytes
         if isinstance(doc, dict) and isinstance(doc.get("url"), str):
             url = doc["url"]
     if not url and path.startswith("/workers/"):
-        wid = path[len("/workers/"):]
+        wid = path[len("/workers/") :]
         try:
             w = api.get(wid)  # type: ignore[attr-defined]
         except (TypeError, ValueError):
@@ -564,7 +688,6 @@ def _add_label(line: str, label: str) -> str:
     while i < n and line[i] not in "{ \t":
         i += 1
     if i < n and line[i] == "{":
-        sep = "" if line[i + 1: i + 2] == "}" else ","
-        return f"{line[: i + 1]}{label}{sep}{line[i + 1:]}"
+        sep = "" if line[i + 1 : i + 2] == "}" else ","
+        return f"{line[: i + 1]}{label}{sep}{line[i + 1 :]}"
     return f"{line[:i]}{{{label}}}{line[i:]}"
-

@@ -15,13 +15,15 @@ after it one INFO. ``fastroute_background_task_up{task}`` is 1 while the last it
 ``fastroute_background_task_age_seconds{task}`` the time since the last success; ``/readiness``
 lists the tasks whose view is stale (last iteration failed, or no success yet after a crash).
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import random
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 log = logging.getLogger("fastroute.background")
 
@@ -44,11 +46,11 @@ class TaskState:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.up: bool | None = None        # None until the first report
-        self.errors = 0                    # failures, handled or not (the counter)
-        self.restarts = 0                  # bodies that raised or returned
+        self.up: bool | None = None  # None until the first report
+        self.errors = 0  # failures, handled or not (the counter)
+        self.restarts = 0  # bodies that raised or returned
         self.last_ok: float | None = None  # time.monotonic() of the last success
-        self.cause: str | None = None      # the current episode's first failure
+        self.cause: str | None = None  # the current episode's first failure
         self.crashed_at: float | None = None
         self._failing = False
 
@@ -73,8 +75,7 @@ class TaskState:
         self._failing = True
         self.cause = cause
         if not logged:
-            log.error("background task %s failed: %s; it goes on (logged once until it works "
-                      "again)", self.name, cause)
+            log.error("background task %s failed: %s; it goes on (logged once until it works again)", self.name, cause)
         return True
 
     def age(self) -> float | None:
@@ -94,14 +95,21 @@ class Background:
             st = self.tasks[name] = TaskState(name)
         return st
 
-    def spawn(self, name: str, body: Callable[[TaskState], Awaitable[Any]], *,
-              initial: float = RESTART_INITIAL, cap: float = RESTART_MAX) -> asyncio.Task:
+    def spawn(
+        self,
+        name: str,
+        body: Callable[[TaskState], Awaitable[Any]],
+        *,
+        initial: float = RESTART_INITIAL,
+        cap: float = RESTART_MAX,
+    ) -> asyncio.Task:
         """Run ``body(state)`` under supervision on the running loop (see module docstring)."""
         st = self.state(name)
         return asyncio.get_running_loop().create_task(self._run(st, body, initial, cap), name=name)
 
-    async def _run(self, st: TaskState, body: Callable[[TaskState], Awaitable[Any]],
-                   initial: float, cap: float) -> None:
+    async def _run(
+        self, st: TaskState, body: Callable[[TaskState], Awaitable[Any]], initial: float, cap: float
+    ) -> None:
         delay = initial
         loop = asyncio.get_running_loop()
         while True:
@@ -118,7 +126,7 @@ class Background:
             st.fail(f"{cause}; restarting")
             st.crashed_at = time.monotonic()
             if loop.time() - started >= STABLE_SECS:
-                delay = initial      # it worked for a while before failing: a new episode
+                delay = initial  # it worked for a while before failing: a new episode
             await asyncio.sleep(backoff_delay(delay, self._rng))
             delay = min(delay * 2, cap)
 
@@ -137,15 +145,21 @@ class BackgroundCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         tasks = sorted(self.background.tasks.items())
-        errors = CounterMetricFamily("fastroute_background_errors",
-                                     "Failed iterations and crashes of a background task "
-                                     "(each crash restarts it after a backoff)", labels=["task"])
-        up = GaugeMetricFamily("fastroute_background_task_up",
-                               "1 while the task's last iteration succeeded (0: its view is stale)",
-                               labels=["task"])
-        age = GaugeMetricFamily("fastroute_background_task_age_seconds",
-                                "Seconds since the task's last successful iteration "
-                                "(absent before the first)", labels=["task"])
+        errors = CounterMetricFamily(
+            "fastroute_background_errors",
+            "Failed iterations and crashes of a background task (each crash restarts it after a backoff)",
+            labels=["task"],
+        )
+        up = GaugeMetricFamily(
+            "fastroute_background_task_up",
+            "1 while the task's last iteration succeeded (0: its view is stale)",
+            labels=["task"],
+        )
+        age = GaugeMetricFamily(
+            "fastroute_background_task_age_seconds",
+            "Seconds since the task's last successful iteration (absent before the first)",
+            labels=["task"],
+        )
         for name, st in tasks:
             errors.add_metric([name], float(st.errors))
             up.add_metric([name], 1.0 if st.up else 0.0)

@@ -47,6 +47,7 @@ decode in PD mode). The file may appear after start-up; it is re-read when its s
 (checked every 0.2 s) and every ``--discovery-check-interval-secs``. A malformed manifest keeps
 the last good set and logs why once per version of the file.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -55,12 +56,13 @@ import json
 import logging
 import os
 import time
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from fastroute.config import ConfigError
-from fastroute.kube import NO_KUBE_CONFIG, kube_config_source, parse_selector
 from fastroute.control.background import backoff_delay, cancel_all
 from fastroute.control.worker import ROLES, DuplicateWorker
+from fastroute.kube import NO_KUBE_CONFIG, kube_config_source, parse_selector
 
 log = logging.getLogger("fastroute.discovery")
 
@@ -69,17 +71,19 @@ __all__ = ["Discovery", "start_discovery", "pod_worker", "selector_matches", "re
 BACKOFF_INITIAL = 0.5
 BACKOFF_MAX = 30.0
 FILE_POLL_SECS = 0.2
-SLICE_SECS = 0.01       # longest stretch of reconciling before the loop gets a turn
+SLICE_SECS = 0.01  # longest stretch of reconciling before the loop gets a turn
 # A watch silent for this long past the server's timeoutSeconds (or longer than this in all) is
 # given up and resumed from its resourceVersion: a hung API server or proxy is noticed.
 WATCH_IDLE_GRACE = 5.0
 WATCH_IDLE_MAX = 30.0
-_LIVE = ("pending", "ready")    # Worker.status of a worker still in the registry
+_LIVE = ("pending", "ready")  # Worker.status of a worker still in the registry
 # Reasons the API gives for a status, turned into what the operator has to fix.
-_HINTS = {401: "the credentials were rejected (expired token or wrong kubeconfig user)",
-          403: "RBAC forbids it: the service account needs get, list and watch on pods "
-               "(a Role + RoleBinding, see deploy/kubernetes.yaml)",
-          404: "the namespace or API path does not exist"}
+_HINTS = {
+    401: "the credentials were rejected (expired token or wrong kubeconfig user)",
+    403: "RBAC forbids it: the service account needs get, list and watch on pods "
+    "(a Role + RoleBinding, see deploy/kubernetes.yaml)",
+    404: "the namespace or API path does not exist",
+}
 
 # What one URL should be: (role, bootstrap port, source: pod namespace/name or manifest entry).
 Found = tuple
@@ -92,10 +96,10 @@ class Discovery:
         self.provider = provider
         self.registry = registry
         self.stats = stats
-        self.owned: dict[str, tuple[Found, Any]] = {}     # url -> (what, Worker)
-        self._foreign: set[str] = set()     # URLs registered by someone else, logged once
-        self._counts: dict[str, int] = {}   # role -> len(owned) of that role
-        self._slice_mark = 0.0              # time.monotonic() of the last pause()
+        self.owned: dict[str, tuple[Found, Any]] = {}  # url -> (what, Worker)
+        self._foreign: set[str] = set()  # URLs registered by someone else, logged once
+        self._counts: dict[str, int] = {}  # role -> len(owned) of that role
+        self._slice_mark = 0.0  # time.monotonic() of the last pause()
         self._tasks: list[asyncio.Task] = []
         self._api: Any = None
         if stats is not None:
@@ -136,20 +140,21 @@ class Discovery:
             self._counts[held[0][0]] -= 1
             w = held[1]
             if w.status in _LIVE:
-                log.info("discovery (%s): removing %s worker %s (%s)", self.provider, w.role,
-                         url, held[0][2])
+                log.info("discovery (%s): removing %s worker %s (%s)", self.provider, w.role, url, held[0][2])
                 reg.remove_worker(w)
         if what is None:
             return
         role, bport, source = what
         try:
-            w = reg.add_worker(url, role, bootstrap_port=bport,
-                               labels={"discovery": self.provider, "source": source})
+            w = reg.add_worker(url, role, bootstrap_port=bport, labels={"discovery": self.provider, "source": source})
         except DuplicateWorker:
             if url not in self._foreign:
                 self._foreign.add(url)
-                log.info("discovery (%s): %s is already registered (command line or "
-                         "/workers); left as it is", self.provider, url)
+                log.info(
+                    "discovery (%s): %s is already registered (command line or /workers); left as it is",
+                    self.provider,
+                    url,
+                )
             return
         except ValueError as exc:
             if url not in self._foreign:
@@ -190,23 +195,28 @@ async def start_discovery(config: Any, registry: Any, stats: Any) -> Discovery |
         log.info("discovery: following manifest %s", config.discovery_file)
         return d
     d._api = await _kube_api()
-    roles = ([("prefill", config.prefill_selector), ("decode", config.decode_selector)]
-             if config.pd_disaggregation else [("regular", config.selector)])
+    roles = (
+        [("prefill", config.prefill_selector), ("decode", config.decode_selector)]
+        if config.pd_disaggregation
+        else [("regular", config.selector)]
+    )
     sets = _PodSets(d, config, [r for r, sel in roles if sel])
     for role, tokens in roles:
         if tokens:
             reqs = parse_selector(tokens)
             d.spawn(functools.partial(_watch_pods, d, sets, role, reqs), f"discovery {role} pods")
-    log.info("discovery: watching pods in %s: %s", config.service_discovery_namespace or
-             "all namespaces", "; ".join(f"{r} {','.join(t)}" for r, t in roles if t))
+    log.info(
+        "discovery: watching pods in %s: %s",
+        config.service_discovery_namespace or "all namespaces",
+        "; ".join(f"{r} {','.join(t)}" for r, t in roles if t),
+    )
     return d
 
 
 # ---------------------------------------------------------------------------------- pods
 
 
-def selector_matches(reqs: Iterable[tuple[str, str, tuple[str, ...]]],
-                     labels: Mapping[str, str]) -> bool:
+def selector_matches(reqs: Iterable[tuple[str, str, tuple[str, ...]]], labels: Mapping[str, str]) -> bool:
     """Kubernetes label-selector semantics over parsed requirements (config.parse_selector)."""
     for key, op, values in reqs:
         v = labels.get(key)
@@ -216,7 +226,7 @@ def selector_matches(reqs: Iterable[tuple[str, str, tuple[str, ...]]],
             ok = v is None
         elif op in ("=", "in"):
             ok = v is not None and v in values
-        else:   # != and notin also match a missing label, as in Kubernetes
+        else:  # != and notin also match a missing label, as in Kubernetes
             ok = v is None or v not in values
         if not ok:
             return False
@@ -224,8 +234,7 @@ def selector_matches(reqs: Iterable[tuple[str, str, tuple[str, ...]]],
 
 
 def _string_map(v: Any) -> bool:
-    return v is None or (isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str)
-                                                     for k, x in v.items()))
+    return v is None or (isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()))
 
 
 def pod_problem(pod: Any) -> str | None:
@@ -253,8 +262,7 @@ def pod_problem(pod: Any) -> str | None:
         if status.get(f) is not None and not isinstance(status[f], str):
             return f"status.{f} is not a string"
     conds = status.get("conditions")
-    if conds is not None and (not isinstance(conds, list)
-                              or not all(isinstance(c, dict) for c in conds)):
+    if conds is not None and (not isinstance(conds, list) or not all(isinstance(c, dict) for c in conds)):
         return "status.conditions is not a list of objects"
     return None
 
@@ -267,8 +275,7 @@ def pod_worker(pod: Mapping[str, Any], port: int, annotation: str) -> tuple[str,
     ip = status.get("podIP")
     if not ip or meta.get("deletionTimestamp") or status.get("phase") != "Running":
         return None
-    if not any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in status.get("conditions") or ()):
+    if not any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ()):
         return None
     host = f"[{ip}]" if ":" in ip else ip
     raw = (meta.get("annotations") or {}).get(annotation)
@@ -291,8 +298,8 @@ class _PodSets:
         self.port = int(config.service_discovery_port)
         self.annotation = config.bootstrap_port_annotation
         self.pods: dict[str, dict[str, tuple[str, int | None] | None]] = {r: {} for r in roles}
-        self.desired: dict[str, Found] = {}     # url -> (role, bootstrap port, pod key)
-        self._url_of: dict[str, str] = {}       # pod key -> its url in desired
+        self.desired: dict[str, Found] = {}  # url -> (role, bootstrap port, pod key)
+        self._url_of: dict[str, str] = {}  # pod key -> its url in desired
         self._both: set[str] = set()
         self._bad_logged = False
 
@@ -307,8 +314,7 @@ class _PodSets:
         if len(roles) > 1:
             if key not in self._both:
                 self._both.add(key)
-                log.error("discovery: pod %s matches both the prefill and the decode selector; "
-                          "not used", key)
+                log.error("discovery: pod %s matches both the prefill and the decode selector; not used", key)
             return touched
         self._both.discard(key)
         if roles:
@@ -341,9 +347,14 @@ class _PodSets:
         self.d.error("bad_object")
         if not self._bad_logged:
             self._bad_logged = True
-            log.warning("discovery: skipped a %s from the Kubernetes API for %s pods: %s "
-                        "(counted in fastroute_discovery_errors_total{reason=\"bad_object\"}; "
-                        "logged once until the watch works again)", what, role, problem)
+            log.warning(
+                "discovery: skipped a %s from the Kubernetes API for %s pods: %s "
+                '(counted in fastroute_discovery_errors_total{reason="bad_object"}; '
+                "logged once until the watch works again)",
+                what,
+                role,
+                problem,
+            )
 
 
 class _ApiError(Exception):
@@ -355,7 +366,8 @@ class _ApiError(Exception):
 
 async def _kube_api(flag: str = "--service-discovery") -> Any:
     # Deferred: kubernetes_asyncio + aiohttp take ~0.3 s to import and only discovery uses them.
-    from kubernetes_asyncio import client, config as kconfig
+    from kubernetes_asyncio import client
+    from kubernetes_asyncio import config as kconfig
     from kubernetes_asyncio.config.config_exception import ConfigException
 
     source = kube_config_source()
@@ -366,22 +378,18 @@ async def _kube_api(flag: str = "--service-discovery") -> Any:
         if source[0] == "incluster":
             kconfig.load_incluster_config(client_configuration=conf)
         else:
-            await kconfig.load_kube_config(config_file=source[1], client_configuration=conf,
-                                           persist_config=False)
+            await kconfig.load_kube_config(config_file=source[1], client_configuration=conf, persist_config=False)
     except (ConfigException, OSError, ValueError) as exc:
-        raise ConfigError(flag, f"unusable Kubernetes configuration "
-                          f"({source[1] or 'in-cluster'}): {exc}") from None
+        raise ConfigError(flag, f"unusable Kubernetes configuration ({source[1] or 'in-cluster'}): {exc}") from None
     return client.CoreV1Api(client.ApiClient(configuration=conf))
 
 
 async def _request(d: Discovery, ns: str | None, selector: str, **kw: Any) -> Any:
     api = d._api
     if ns:
-        resp = await api.list_namespaced_pod(ns, label_selector=selector, _preload_content=False,
-                                             **kw)
+        resp = await api.list_namespaced_pod(ns, label_selector=selector, _preload_content=False, **kw)
     else:
-        resp = await api.list_pod_for_all_namespaces(label_selector=selector,
-                                                     _preload_content=False, **kw)
+        resp = await api.list_pod_for_all_namespaces(label_selector=selector, _preload_content=False, **kw)
     if resp.status != 200:
         body = await resp.read()
         resp.release()
@@ -402,8 +410,9 @@ def _labels(pod: Mapping[str, Any]) -> Mapping[str, str]:
     return pod["metadata"].get("labels") or {}
 
 
-async def _list(d: Discovery, sets: _PodSets, role: str, ns: str | None, selector: str,
-                reqs: list[tuple[str, str, tuple[str, ...]]]) -> str:
+async def _list(
+    d: Discovery, sets: _PodSets, role: str, ns: str | None, selector: str, reqs: list[tuple[str, str, tuple[str, ...]]]
+) -> str:
     resp = await _request(d, ns, selector, _request_timeout=30)
     try:
         doc = json.loads(await resp.read())
@@ -430,9 +439,14 @@ async def _list(d: Discovery, sets: _PodSets, role: str, ns: str | None, selecto
 _CONFIGURED: Any = object()
 
 
-async def _watch_pods(d: Discovery, sets: _PodSets, role: str,
-                      reqs: list[tuple[str, str, tuple[str, ...]]], st: Any,
-                      namespace: Any = _CONFIGURED) -> None:
+async def _watch_pods(
+    d: Discovery,
+    sets: _PodSets,
+    role: str,
+    reqs: list[tuple[str, str, tuple[str, ...]]],
+    st: Any,
+    namespace: Any = _CONFIGURED,
+) -> None:
     """List, then watch from the list's resourceVersion, forever (see module docstring), in
     ``namespace`` (default: --service-discovery-namespace; None: all namespaces)."""
     import aiohttp  # already loaded by _kube_api; named here only for its exception types
@@ -444,25 +458,30 @@ async def _watch_pods(d: Discovery, sets: _PodSets, role: str,
     idle = min(interval + WATCH_IDLE_GRACE, WATCH_IDLE_MAX)
     rv: str | None = None
     backoff = BACKOFF_INITIAL
-    gone = BACKOFF_INITIAL      # the wait before re-listing after a 410, reset by a good watch
+    gone = BACKOFF_INITIAL  # the wait before re-listing after a 410, reset by a good watch
     gone_logged = False
     while True:
         try:
             if rv is None:
                 rv = await _list(d, sets, role, ns, selector, reqs)
                 st.ok()
-            resp = await _request(d, ns, selector, watch=True, resource_version=rv,
-                                  allow_watch_bookmarks=True, timeout_seconds=interval,
-                                  _request_timeout=aiohttp.ClientTimeout(sock_connect=10,
-                                                                         sock_read=idle))
+            resp = await _request(
+                d,
+                ns,
+                selector,
+                watch=True,
+                resource_version=rv,
+                allow_watch_bookmarks=True,
+                timeout_seconds=interval,
+                _request_timeout=aiohttp.ClientTimeout(sock_connect=10, sock_read=idle),
+            )
             started = asyncio.get_running_loop().time()
             try:
                 rv = await _consume(resp, sets, role, reqs, rv, st)
             except asyncio.TimeoutError:
                 # Silent past the server's own timeout: a hung server or proxy. Resume from rv
                 # (nothing is lost); not an error of the API as long as the next one answers.
-                log.debug("discovery: watch of %s pods silent for %.0fs; watching again", role,
-                          idle)
+                log.debug("discovery: watch of %s pods silent for %.0fs; watching again", role, idle)
                 d.error("watch_idle")
             finally:
                 resp.release()
@@ -485,34 +504,46 @@ async def _watch_pods(d: Discovery, sets: _PodSets, role: str,
                 rv = None
                 if not gone_logged:
                     gone_logged = True
-                    log.info("discovery: watch of %s pods expired (410 Gone); listing again "
-                             "(logged once until a watch works again)", role)
+                    log.info(
+                        "discovery: watch of %s pods expired (410 Gone); listing again "
+                        "(logged once until a watch works again)",
+                        role,
+                    )
                 # Backed off too: an API server (or proxy) that answers 410 to every watch
                 # must not be listed and watched hundreds of times a second.
                 await asyncio.sleep(backoff_delay(gone))
                 gone = min(gone * 2, BACKOFF_MAX)
                 continue
             d.error(str(exc.status))
-            msg = (f"Kubernetes API answered {exc.status} for {role} pods in "
-                   f"{ns or 'all namespaces'}: {exc.message}"
-                   + (f" ({_HINTS[exc.status]})" if exc.status in _HINTS else ""))
+            msg = f"Kubernetes API answered {exc.status} for {role} pods in {ns or 'all namespaces'}: {exc.message}" + (
+                f" ({_HINTS[exc.status]})" if exc.status in _HINTS else ""
+            )
             if st.fail(msg, logged=True):
-                log.warning("discovery: %s; keeping the current workers, retrying with backoff "
-                            "from %.1fs (logged once until it works again)", msg, backoff)
+                log.warning(
+                    "discovery: %s; keeping the current workers, retrying with backoff "
+                    "from %.1fs (logged once until it works again)",
+                    msg,
+                    backoff,
+                )
             await asyncio.sleep(backoff_delay(backoff))
             backoff = min(backoff * 2, BACKOFF_MAX)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
             d.error("unreachable")
             msg = f"Kubernetes API unreachable for {role} pods ({type(exc).__name__}: {exc})"
             if st.fail(msg, logged=True):
-                log.warning("discovery: %s; keeping the current workers, retrying with backoff "
-                            "from %.1fs (logged once until it works again)", msg, backoff)
+                log.warning(
+                    "discovery: %s; keeping the current workers, retrying with backoff "
+                    "from %.1fs (logged once until it works again)",
+                    msg,
+                    backoff,
+                )
             await asyncio.sleep(backoff_delay(backoff))
             backoff = min(backoff * 2, BACKOFF_MAX)
 
 
-async def _consume(resp: Any, sets: _PodSets, role: str,
-                   reqs: list[tuple[str, str, tuple[str, ...]]], rv: str, st: Any) -> str:
+async def _consume(
+    resp: Any, sets: _PodSets, role: str, reqs: list[tuple[str, str, tuple[str, ...]]], rv: str, st: Any
+) -> str:
     """Apply watch events (one JSON object per line) until the server ends the watch. An event
     of the wrong shape is skipped and counted (sets.bad), never the end of the watch."""
     pods = sets.pods[role]
@@ -535,8 +566,10 @@ async def _consume(resp: Any, sets: _PodSets, role: str,
             if kind == "ERROR":
                 code = obj.get("code") if isinstance(obj, dict) else None
                 msg = obj.get("message") if isinstance(obj, dict) else None
-                raise _ApiError(code if isinstance(code, int) and not isinstance(code, bool)
-                                else 500, msg if isinstance(msg, str) else "watch error")
+                raise _ApiError(
+                    code if isinstance(code, int) and not isinstance(code, bool) else 500,
+                    msg if isinstance(msg, str) else "watch error",
+                )
             if kind == "BOOKMARK":
                 meta = obj.get("metadata") if isinstance(obj, dict) else None
                 got = meta.get("resourceVersion") if isinstance(meta, dict) else None
@@ -546,8 +579,11 @@ async def _consume(resp: Any, sets: _PodSets, role: str,
                     sets.bad(role, "bookmark", "no resourceVersion")
                 continue
             if kind not in ("ADDED", "MODIFIED", "DELETED"):
-                sets.bad(role, "watch event", f"type {kind!r}" if isinstance(event, dict)
-                         else f"the event is a JSON {type(event).__name__}")
+                sets.bad(
+                    role,
+                    "watch event",
+                    f"type {kind!r}" if isinstance(event, dict) else f"the event is a JSON {type(event).__name__}",
+                )
                 continue
             problem = pod_problem(obj)
             if problem is not None:
@@ -561,7 +597,7 @@ async def _consume(resp: Any, sets: _PodSets, role: str,
             else:
                 got = sets.worker_of(obj)
                 if key in pods and pods[key] == got:
-                    continue        # nothing discovery uses changed (status churn)
+                    continue  # nothing discovery uses changed (status churn)
                 pods[key] = got
             await sets.event((key,))
             st.ok()
@@ -595,11 +631,13 @@ def read_manifest(text: str, pd: bool) -> dict[str, Found]:
             raise ValueError(f"workers[{i}]: an object with a string `url` is required")
         role = e.get("worker_type") or "regular"
         if role not in ROLES or role not in allowed:
-            raise ValueError(f"workers[{i}]: worker_type {role!r} is not one of "
-                             + ", ".join(allowed) + (" (PD mode)" if pd else " (regular mode)"))
+            raise ValueError(
+                f"workers[{i}]: worker_type {role!r} is not one of "
+                + ", ".join(allowed)
+                + (" (PD mode)" if pd else " (regular mode)")
+            )
         bport = e.get("bootstrap_port")
-        if bport is not None and (not isinstance(bport, int) or isinstance(bport, bool)
-                                  or not 1 <= bport <= 65535):
+        if bport is not None and (not isinstance(bport, int) or isinstance(bport, bool) or not 1 <= bport <= 65535):
             raise ValueError(f"workers[{i}]: bootstrap_port must be an integer in 1..65535 or null")
         url = e["url"].strip().rstrip("/")
         if url in out:
@@ -635,8 +673,12 @@ async def _follow_file(d: Discovery, config: Any, task: Any) -> None:
                 task.fail(f"manifest {path} rejected: {exc}", logged=True)
                 if changed:
                     d.error("malformed")
-                    log.error("discovery: manifest %s rejected, keeping the last good set of %d "
-                              "workers: %s", path, len(d.owned), exc)
+                    log.error(
+                        "discovery: manifest %s rejected, keeping the last good set of %d workers: %s",
+                        path,
+                        len(d.owned),
+                        exc,
+                    )
             else:
                 await d.apply(desired)
                 task.ok()

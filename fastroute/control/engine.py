@@ -12,6 +12,7 @@ A failed poll drops the worker's rows (absent while unknown, like ``fastroute_ta
 where smg keeps the last values until the worker is removed. The legacy ``/get_load`` answer has
 no ``token_usage``, ``gen_throughput`` or ``cache_hit_rate``: only the two request gauges then.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,7 +45,7 @@ def engine_rows(doc: Any, mode: str) -> list[tuple[str, dict[str, float]]]:
     not carry (or carries as garbage) are left out."""
     if mode == "v1_loads":
         entries = doc.get("loads") if isinstance(doc, dict) else None
-    else:   # /get_load: an array per rank (num_reqs = running + waiting)
+    else:  # /get_load: an array per rank (num_reqs = running + waiting)
         entries = doc.get("loads", [doc]) if isinstance(doc, dict) else doc
     out: list[tuple[str, dict[str, float]]] = []
     if not isinstance(entries, list):
@@ -103,19 +104,20 @@ class EngineCollector:
         rows = getattr(self.monitor, "engine", None)
         rows = rows.rows if rows is not None else {}
         for name, key, doc in GAUGES:
-            g = GaugeMetricFamily(name, doc + " by worker, model, dp_rank",
-                                  labels=["worker", "model", "dp_rank"])
+            g = GaugeMetricFamily(name, doc + " by worker, model, dp_rank", labels=["worker", "model", "dp_rank"])
             for url, ranks in rows.items():
                 model = models.get(url)
-                if model is None:   # removed since its last poll
+                if model is None:  # removed since its last poll
                     continue
                 for rank, values in ranks:
                     if key in values:
                         g.add_metric([url, model, rank], values[key])
             yield g
-        c = CounterMetricFamily("smg_engine_load_polls", "Load polls by worker and the endpoint "
-                                "that answered (v1_loads, get_load) or failed",
-                                labels=["worker", "mode"])
+        c = CounterMetricFamily(
+            "smg_engine_load_polls",
+            "Load polls by worker and the endpoint that answered (v1_loads, get_load) or failed",
+            labels=["worker", "mode"],
+        )
         for (url, mode), n in sorted(getattr(self.monitor, "polls", {}).items()):
             if url in models:
                 c.add_metric([url, mode], float(n))

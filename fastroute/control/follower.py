@@ -8,6 +8,7 @@ when it moved. Requests that change the worker set are forwarded to the supervis
 control listener (guarded by a per-run secret, ``CONTROL_HEADER``); the answer carries the
 snapshot version (``VERSION_HEADER``) the follower applies before it replies.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,26 +28,46 @@ from fastroute.errors import error_response
 # Logger name kept from before the split: operators filter on it.
 log = logging.getLogger("fastroute.supervisor")
 
-SYNC_INTERVAL = 0.1          # seconds between a proxy process's generation checks
+SYNC_INTERVAL = 0.1  # seconds between a proxy process's generation checks
 
 CONTROL_HEADER = "x-fastroute-control"
 VERSION_HEADER = "x-fastroute-snapshot"
 # Admin requests that change the worker set: served by the supervisor, wherever they arrive.
 FORWARD_PATHS = ("/add_worker", "/remove_worker")
-WORKER_FIELDS = ("url", "role", "id", "host", "port", "bootstrap_port", "dp_size", "targets",
-                  "names", "model_id", "server_info", "model_info", "healthy", "status",
-                  "priority", "cost", "labels", "api_key", "requested_model_id", "error",
-                  "server_info_path", "model_info_path")
+WORKER_FIELDS = (
+    "url",
+    "role",
+    "id",
+    "host",
+    "port",
+    "bootstrap_port",
+    "dp_size",
+    "targets",
+    "names",
+    "model_id",
+    "server_info",
+    "model_info",
+    "healthy",
+    "status",
+    "priority",
+    "cost",
+    "labels",
+    "api_key",
+    "requested_model_id",
+    "error",
+    "server_info_path",
+    "model_info_path",
+)
 # A per-rank-port server's rank URLs, DP ranks and per-rank health (fastroute.control.rankports).
 RANK_FIELDS = ("rank_urls", "rank_ids", "rank_healthy")
 
 
-
 def snapshot_doc(registry: Registry, version: int) -> dict[str, Any]:
     """The worker set as the proxy processes need it (every worker, any status)."""
-    return {"version": version,
-            "workers": [{f: getattr(w, f) for f in WORKER_FIELDS + RANK_FIELDS}
-                        for w in registry.workers]}
+    return {
+        "version": version,
+        "workers": [{f: getattr(w, f) for f in WORKER_FIELDS + RANK_FIELDS} for w in registry.workers],
+    }
 
 
 class FollowerRegistry(Registry):
@@ -55,8 +76,16 @@ class FollowerRegistry(Registry):
     Reads (``/workers`` GET, ``/get_loads``, ``/readiness``, info endpoints) are answered from
     the mirrored workers and the shared table; changes are forwarded to the supervisor."""
 
-    def __init__(self, config: Config, table: TargetTable, router: Router, ledger: TargetTable,
-                 state_dir: str, control_url: str, secret: str) -> None:
+    def __init__(
+        self,
+        config: Config,
+        table: TargetTable,
+        router: Router,
+        ledger: TargetTable,
+        state_dir: str,
+        control_url: str,
+        secret: str,
+    ) -> None:
         super().__init__(config, table, router)
         self.ledger = ledger
         self.state_dir = state_dir
@@ -105,7 +134,7 @@ class FollowerRegistry(Registry):
                 w = Worker(url=d["url"], role=d["role"], id=d["id"])
             for f in WORKER_FIELDS:
                 setattr(w, f, d[f])
-            for f in RANK_FIELDS:       # (a snapshot without them: a server on one port)
+            for f in RANK_FIELDS:  # (a snapshot without them: a server on one port)
                 setattr(w, f, list(d.get(f) or ()))
             workers.append(w)
         info: list[tuple[Worker, int | None] | None] = [None] * self.table.capacity
@@ -123,7 +152,7 @@ class FollowerRegistry(Registry):
         self.workers = workers
         self.reindex()
         self.target_info = info
-        for role, g in self._groups.items():
+        for role, _g in self._groups.items():
             targets: list[int] = []
             names: list[str] = []
             for w in workers:
@@ -133,22 +162,22 @@ class FollowerRegistry(Registry):
             if (targets, names) != before[role]:
                 self._sync_group(role)
         self.version = int(doc["version"])
-        self.invalidate_ready()     # Registry.ready() recomputes once, on the next request
+        self.invalidate_ready()  # Registry.ready() recomputes once, on the next request
 
     def forwards(self, method: str, path: str) -> bool:
-        return (path in FORWARD_PATHS
-                or (method in ("POST", "PUT", "DELETE") and (path == "/workers"
-                                                              or path.startswith("/workers/"))))
+        return path in FORWARD_PATHS or (
+            method in ("POST", "PUT", "DELETE") and (path == "/workers" or path.startswith("/workers/"))
+        )
 
-    async def _dispatch(self, method: str, path: str, query: str, body: bytes,
-                        headers: Any) -> tuple[int, bytes, bytes]:
+    async def _dispatch(
+        self, method: str, path: str, query: str, body: bytes, headers: Any
+    ) -> tuple[int, bytes, bytes]:
         # Authenticated here already (handle_admin); the supervisor checks again and audits.
         if self.forwards(method, path):
             return await self._forward(method, path, query, body, headers)
         return await super()._dispatch(method, path, query, body, headers)
 
-    async def _forward(self, method: str, path: str, query: str, body: bytes,
-                       headers: Any) -> tuple[int, bytes, bytes]:
+    async def _forward(self, method: str, path: str, query: str, body: bytes, headers: Any) -> tuple[int, bytes, bytes]:
         fwd = {CONTROL_HEADER: self._secret}
         auth = request_header(headers, "authorization")
         if auth is not None:
@@ -162,6 +191,6 @@ class FollowerRegistry(Registry):
             return 503, error_response(503, "supervisor_unreachable", str(exc)), b"application/json"
         version = httpclient.header(rhdrs, VERSION_HEADER)
         if version is not None and int(version) > self.version:
-            self.sync()     # written before the supervisor answered
+            self.sync()  # written before the supervisor answered
         ctype = httpclient.header(rhdrs, "content-type") or "application/json"
         return status, rbody, ctype.encode("latin-1")

@@ -12,11 +12,12 @@ uniformly: :class:`HttpConnectError` (could not connect), :class:`HttpTimeout` (
 exceeded) and :class:`HttpProtocolError` (malformed or truncated response), all subclasses of
 :class:`HttpClientError`.
 """
+
 from __future__ import annotations
 
 import asyncio
 import ssl as _ssl
-from typing import Iterable, Mapping, Union
+from collections.abc import Iterable, Mapping
 from urllib.parse import urlsplit
 
 import httptools
@@ -31,7 +32,7 @@ __all__ = [
     "header",
 ]
 
-HeadersIn = Union[Mapping[str, str], Iterable[tuple[str, str]], None]
+HeadersIn = Mapping[str, str] | Iterable[tuple[str, str]] | None
 HeaderList = list[tuple[str, str]]
 
 _READ_CHUNK = 65536
@@ -150,12 +151,11 @@ def _encode_request(method: str, netloc: str, target: str, body: bytes, headers:
 async def _exchange(method: str, url: str, body: bytes, headers: HeadersIn) -> tuple[int, HeaderList, bytes]:
     host, port, tls, netloc, target = _split_url(url)
     try:
-        reader, writer = await asyncio.open_connection(
-            host, port, ssl=_tls_context() if tls else None
-        )
+        reader, writer = await asyncio.open_connection(host, port, ssl=_tls_context() if tls else None)
     except _ssl.SSLError as exc:  # before OSError: SSLError is one
-        raise HttpTLSError(f"TLS handshake with {host}:{port} failed: "
-                           f"{getattr(exc, 'verify_message', None) or exc.reason or exc}") from exc
+        raise HttpTLSError(
+            f"TLS handshake with {host}:{port} failed: {getattr(exc, 'verify_message', None) or exc.reason or exc}"
+        ) from exc
     except OSError as exc:
         raise HttpConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
     col = _Collector()
@@ -172,8 +172,11 @@ async def _exchange(method: str, url: str, body: bytes, headers: HeadersIn) -> t
             if not data:
                 # EOF. A response without Content-Length/chunked framing ends at EOF, which
                 # httptools cannot be told about; accept it only in that case.
-                if col.headers_done and header(col.headers, "content-length") is None and \
-                        "chunked" not in (header(col.headers, "transfer-encoding") or ""):
+                if (
+                    col.headers_done
+                    and header(col.headers, "content-length") is None
+                    and "chunked" not in (header(col.headers, "transfer-encoding") or "")
+                ):
                     break
                 raise HttpProtocolError(f"connection closed before the response from {url} was complete")
             try:

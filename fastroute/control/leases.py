@@ -7,14 +7,22 @@ Both compare bookings with another account of the same work and neither polls an
 * :class:`Reconciler`: the router's in-flight count of a target against the engine's polled
   load, to flag leaks the proxy's own safety net cannot see. It only flags, never releases.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from fastroute.core.table import (COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_POLLED_AT, COL_POLLED_RUNNING,
-                                  COL_POLLED_WAITING, TargetTable)
 from fastroute.control.worker import target_label
+from fastroute.core.table import (
+    COL_IN_FLIGHT,
+    COL_IN_FLIGHT_TOKENS,
+    COL_POLLED_AT,
+    COL_POLLED_RUNNING,
+    COL_POLLED_WAITING,
+    TargetTable,
+)
 
 # Logger name kept from before the move: operators filter on it.
 log = logging.getLogger("fastroute.monitor")
@@ -54,8 +62,9 @@ class Reconciler:
     until the decode stream ends, protocol.md 3.8).
     """
 
-    def __init__(self, table: TargetTable, timeout: float,
-                 on_mismatch: Callable[[str], None] | None = None, min_polls: int = 3) -> None:
+    def __init__(
+        self, table: TargetTable, timeout: float, on_mismatch: Callable[[str], None] | None = None, min_polls: int = 3
+    ) -> None:
         self.table = table
         self.timeout = float(timeout)
         self.on_mismatch = on_mismatch
@@ -97,9 +106,15 @@ class Reconciler:
                 st[4] = True
                 flagged += 1
                 name = target_label(w, rank)
-                log.warning("reconcile: router holds %d requests on %s but the engine has reported "
-                            "fewer (last: %d) for %.0f s over %d polls", held, name, reported,
-                            now - st[2], st[3])
+                log.warning(
+                    "reconcile: router holds %d requests on %s but the engine has reported "
+                    "fewer (last: %d) for %.0f s over %d polls",
+                    held,
+                    name,
+                    reported,
+                    now - st[2],
+                    st[3],
+                )
                 if self.on_mismatch is not None:
                     self.on_mismatch(name)
         for t in [t for t in self._state if t not in seen]:

@@ -11,30 +11,33 @@ Labels stay bounded: target names (``url`` or ``url@rank``), roles, known paths,
 Under ``--workers N`` the supervisor merges the proxy processes' reported ``Stats``
 (:func:`merge_stats`, the one merge rule) and adds :class:`ProcessCollector`'s per-process series.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
 from bisect import bisect_left
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from fastroute.config import DEFAULT_DURATION_BUCKETS, Config
+
 # The smg families and fastroute's status for each (docs/metrics.md's table is generated there).
 from fastroute.control.parity import PEER_SERIES, peer_table_markdown  # noqa: F401
-from fastroute.core import _policy, table as T
 from fastroute.control.worker import target_label
+from fastroute.core import _policy
+from fastroute.core import table as T
 from fastroute.names import label_value
 
 log = logging.getLogger("fastroute.metrics")
 
-DEFAULT_BUCKETS = DEFAULT_DURATION_BUCKETS   # one definition, in the Config module
+DEFAULT_BUCKETS = DEFAULT_DURATION_BUCKETS  # one definition, in the Config module
 # Router-side work is measured in microseconds: its own buckets.
-FAST_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
-                5e-2, 0.1, 0.25, 1.0)
+FAST_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
 
 
 class Hist:
@@ -75,7 +78,7 @@ class Stats:
 
     def __init__(self, duration_buckets: Iterable[float] = DEFAULT_BUCKETS) -> None:
         self.http_requests: dict[tuple[str, str], int] = {}
-        self.http_responses: dict[tuple[str, str, str], int] = {}   # (status, code, path)
+        self.http_responses: dict[tuple[str, str, str], int] = {}  # (status, code, path)
         self.router_requests: dict[tuple[str, str, str], int] = {}
         self.router_errors: dict[tuple[str, str, str], int] = {}
         self.router_duration: dict[tuple[str, str], Hist] = {}
@@ -86,20 +89,20 @@ class Stats:
         self.decisions: dict[tuple[str, str, str], int] = {}
         # Resilience (fastroute.core.breaker / admission / proxy retries).
         self.retries_exhausted: dict[tuple[str, str], int] = {}
-        self.cb_outcomes: dict[tuple[str, str], int] = {}            # (worker, outcome)
-        self.cb_transitions: dict[tuple[str, str, str], int] = {}    # (worker, from, to)
-        self.rate_limit: dict[str, int] = {}                         # result
+        self.cb_outcomes: dict[tuple[str, str], int] = {}  # (worker, outcome)
+        self.cb_transitions: dict[tuple[str, str, str], int] = {}  # (worker, from, to)
+        self.rate_limit: dict[str, int] = {}  # result
         self.connections_active = 0
         # Worker discovery (fastroute.control.discovery), in the process that owns the registry.
-        self.discovery_errors: dict[tuple[str, str], int] = {}       # (provider, reason)
-        self.discovered: dict[str, int] = {}                         # role -> discovered workers
+        self.discovery_errors: dict[tuple[str, str], int] = {}  # (provider, reason)
+        self.discovered: dict[str, int] = {}  # role -> discovered workers
         self.pick_seconds = Hist(FAST_BUCKETS)
         self.overhead_seconds = Hist(FAST_BUCKETS)
         self._duration_buckets = tuple(duration_buckets)
-        # Peer parity (issue 14 item 5).
-        self.http_duration: dict[tuple[str, str], Hist] = {}         # (method, path)
-        self.pd_ttft: dict[str, Hist] = {}                           # model
-        self.worker_errors: dict[tuple[str, str], int] = {}          # (worker_type, error_type)
+        # Peer parity: the series smg exports, under its names, so its dashboards work.
+        self.http_duration: dict[tuple[str, str], Hist] = {}  # (method, path)
+        self.pd_ttft: dict[str, Hist] = {}  # model
+        self.worker_errors: dict[tuple[str, str], int] = {}  # (worker_type, error_type)
         # (worker_type, "success" | "failure"): the Monitor's probe counter (assembly shares it).
         self.health_checks: dict[tuple[str, str], int] = {}
 
@@ -148,8 +151,7 @@ def _model_label(w: Any) -> str:
 class Collector:
     """Builds every family from the table, the registry and the Stats objects at scrape time."""
 
-    def __init__(self, table: T.TargetTable, registry: Any, stats: list[Stats],
-                 config: Config | None = None) -> None:
+    def __init__(self, table: T.TargetTable, registry: Any, stats: list[Stats], config: Config | None = None) -> None:
         self.table = table
         self.registry = registry
         self.stats = stats
@@ -177,23 +179,26 @@ class Collector:
     def _per_target(self, targets, snap):
         def gauge(name, doc, col, labels=("target",)):
             g = GaugeMetricFamily(name, doc, labels=list(labels))
-            for t, name_, role, _ in targets:
+            for t, name_, _role, _ in targets:
                 g.add_metric([name_], float(snap[t, col]))
             return g
 
-        active = GaugeMetricFamily("smg_worker_requests_active", "Requests in flight per worker",
-                                   labels=["worker"])
-        health = GaugeMetricFamily("smg_worker_health", "Worker health (1 healthy, 0 not)",
-                                   labels=["worker"])
-        cb = GaugeMetricFamily("smg_worker_cb_state",
-                               "Circuit state (0 closed, 1 open, 2 half-open)", labels=["worker"])
-        picks = CounterMetricFamily("fastroute_target_picks", "Picks of each target",
-                                    labels=["target", "role"])
-        sent = CounterMetricFamily("smg_worker_requests", "Requests sent to each worker (every "
-                                   "attempt, both PD legs)", labels=["worker", "model"])
-        fails = GaugeMetricFamily("smg_worker_cb_consecutive_failures",
-                                  "Consecutive failures counted by the circuit breaker",
-                                  labels=["worker"])
+        active = GaugeMetricFamily("smg_worker_requests_active", "Requests in flight per worker", labels=["worker"])
+        health = GaugeMetricFamily("smg_worker_health", "Worker health (1 healthy, 0 not)", labels=["worker"])
+        cb = GaugeMetricFamily(
+            "smg_worker_cb_state", "Circuit state (0 closed, 1 open, 2 half-open)", labels=["worker"]
+        )
+        picks = CounterMetricFamily("fastroute_target_picks", "Picks of each target", labels=["target", "role"])
+        sent = CounterMetricFamily(
+            "smg_worker_requests",
+            "Requests sent to each worker (every attempt, both PD legs)",
+            labels=["worker", "model"],
+        )
+        fails = GaugeMetricFamily(
+            "smg_worker_cb_consecutive_failures",
+            "Consecutive failures counted by the circuit breaker",
+            labels=["worker"],
+        )
         for t, name, role, model in targets:
             active.add_metric([name], float(snap[t, T.COL_IN_FLIGHT]))
             health.add_metric([name], float(snap[t, T.COL_HEALTHY]))
@@ -202,51 +207,72 @@ class Collector:
             sent.add_metric([name, model], float(snap[t, T.COL_PICKS]))
             fails.add_metric([name], float(snap[t, T.COL_CB_FAILS]))
         yield from (active, health, cb, picks, sent, fails)
-        yield gauge("fastroute_target_in_flight_requests",
-                    "Requests booked on the target and not yet released", T.COL_IN_FLIGHT)
-        yield gauge("fastroute_target_in_flight_tokens",
-                    "Input tokens of the requests in flight on the target", T.COL_IN_FLIGHT_TOKENS)
+        yield gauge(
+            "fastroute_target_in_flight_requests", "Requests booked on the target and not yet released", T.COL_IN_FLIGHT
+        )
+        yield gauge(
+            "fastroute_target_in_flight_tokens",
+            "Input tokens of the requests in flight on the target",
+            T.COL_IN_FLIGHT_TOKENS,
+        )
         yield gauge("fastroute_target_healthy", "1 healthy, 0 not", T.COL_HEALTHY)
         yield gauge("fastroute_target_circuit_state", "0 closed, 1 open, 2 half-open", T.COL_CIRCUIT)
         polled = [(t, n, r, m) for t, n, r, m in targets if snap[t, T.COL_POLLED_AT] >= 0]
-        for col, name, doc in ((T.COL_POLLED_RUNNING, "running", "num_running_reqs"),
-                               (T.COL_POLLED_WAITING, "waiting", "num_waiting_reqs"),
-                               (T.COL_POLLED_TOKENS, "tokens", "num_used_tokens")):
-            g = GaugeMetricFamily(f"fastroute_target_polled_{name}",
-                                  f"Last polled {doc} of the target (absent while unknown)",
-                                  labels=["target"])
+        for col, name, doc in (
+            (T.COL_POLLED_RUNNING, "running", "num_running_reqs"),
+            (T.COL_POLLED_WAITING, "waiting", "num_waiting_reqs"),
+            (T.COL_POLLED_TOKENS, "tokens", "num_used_tokens"),
+        ):
+            g = GaugeMetricFamily(
+                f"fastroute_target_polled_{name}",
+                f"Last polled {doc} of the target (absent while unknown)",
+                labels=["target"],
+            )
             for t, n, _, _ in polled:
                 g.add_metric([n], float(snap[t, col]))
             yield g
-        age = GaugeMetricFamily("fastroute_target_poll_age_seconds",
-                                "Seconds since the target's load was last polled successfully",
-                                labels=["target"])
+        age = GaugeMetricFamily(
+            "fastroute_target_poll_age_seconds",
+            "Seconds since the target's load was last polled successfully",
+            labels=["target"],
+        )
         now_ms = time.time() * 1000
         for t, n, _, _ in polled:
             age.add_metric([n], max(0.0, (now_ms - snap[t, T.COL_POLLED_AT]) / 1000))
         yield age
-        under = CounterMetricFamily("fastroute_lease_underflows",
-                                    "Releases that found a counter at zero (a bug signal)")
+        under = CounterMetricFamily(
+            "fastroute_lease_underflows", "Releases that found a counter at zero (a bug signal)"
+        )
         under.add_metric([], float(self.table.underflows))
         yield under
 
     def _groups(self, targets, snap):
         groups = getattr(self.registry, "_groups", None) or {}
-        sel = CounterMetricFamily("smg_worker_selection", "Worker selections by role and policy",
-                                  labels=["worker_type", "connection_mode", "model", "policy"])
-        pool = GaugeMetricFamily("smg_worker_pool_size", "Registered workers by role",
-                                 labels=["worker_type", "connection_mode", "model"])
-        dreq = GaugeMetricFamily("fastroute_decode_demand_requests",
-                                 "Requests held by each target, as the demand cost counts them",
-                                 labels=["target"])
-        dtok = GaugeMetricFamily("fastroute_decode_demand_tokens",
-                                 "In-flight input tokens of each target, as the demand cost counts them",
-                                 labels=["target"])
-        shadow = CounterMetricFamily("fastroute_decode_demand_shadow_decisions",
-                                     "Shadow demand picks that agreed / disagreed with the dispatched pick",
-                                     labels=["role", "result"])
+        sel = CounterMetricFamily(
+            "smg_worker_selection",
+            "Worker selections by role and policy",
+            labels=["worker_type", "connection_mode", "model", "policy"],
+        )
+        pool = GaugeMetricFamily(
+            "smg_worker_pool_size", "Registered workers by role", labels=["worker_type", "connection_mode", "model"]
+        )
+        dreq = GaugeMetricFamily(
+            "fastroute_decode_demand_requests",
+            "Requests held by each target, as the demand cost counts them",
+            labels=["target"],
+        )
+        dtok = GaugeMetricFamily(
+            "fastroute_decode_demand_tokens",
+            "In-flight input tokens of each target, as the demand cost counts them",
+            labels=["target"],
+        )
+        shadow = CounterMetricFamily(
+            "fastroute_decode_demand_shadow_decisions",
+            "Shadow demand picks that agreed / disagreed with the dispatched pick",
+            labels=["role", "result"],
+        )
         by_role: dict[tuple[str, str], list[int]] = {}
-        for t, name, role, model in targets:
+        for t, _name, role, model in targets:
             by_role.setdefault((role, model), []).append(t)
         workers: dict[tuple[str, str], set] = {}
         for entry in getattr(self.registry, "target_info", None) or []:
@@ -259,17 +285,21 @@ class Collector:
             g = groups.get(role)
             policy = getattr(g, "policy", "unknown")
             sel.add_metric([role, "http", model, policy], float(sum(int(snap[t, T.COL_PICKS]) for t in rows)))
-        kv = CounterMetricFamily("fastroute_decode_kv_fit_decisions",
-                                 "KV-fit placement: shadow agreement with the dispatched pick, and picks "
-                                 "where no rank had a known KV capacity (usual policy used)",
-                                 labels=["role", "result"])
+        kv = CounterMetricFamily(
+            "fastroute_decode_kv_fit_decisions",
+            "KV-fit placement: shadow agreement with the dispatched pick, and picks "
+            "where no rank had a known KV capacity (usual policy used)",
+            labels=["role", "result"],
+        )
         decisions = group_decisions(groups)
         for s in self.stats:
             for k, v in getattr(s, "decisions", {}).items():
                 decisions[k] = decisions.get(k, 0) + v
-        evicted = CounterMetricFamily("fastroute_manual_keys_evicted",
-                                      "manual: routing keys evicted by --max-manual-keys (least "
-                                      "recently used first)", labels=["role"])
+        evicted = CounterMetricFamily(
+            "fastroute_manual_keys_evicted",
+            "manual: routing keys evicted by --max-manual-keys (least recently used first)",
+            labels=["role"],
+        )
         for (role, family, result), n in sorted(decisions.items()):
             if family == "manual":
                 evicted.add_metric([role], float(n))
@@ -282,9 +312,11 @@ class Collector:
                 if r == role:
                     dreq.add_metric([name], float(snap[t, T.COL_IN_FLIGHT]))
                     dtok.add_metric([name], float(snap[t, T.COL_IN_FLIGHT_TOKENS]))
-        free = GaugeMetricFamily("fastroute_target_kv_free_tokens",
-                                 "Estimated free KV tokens of the target (poll + live bookings since)",
-                                 labels=["target"])
+        free = GaugeMetricFamily(
+            "fastroute_target_kv_free_tokens",
+            "Estimated free KV tokens of the target (poll + live bookings since)",
+            labels=["target"],
+        )
         for role, g in groups.items():
             if getattr(g, "kv_fit", "off") == "off":
                 continue
@@ -293,8 +325,7 @@ class Collector:
                     f = _policy.free_kv(self.table.array, t)
                     if f is not None:
                         free.add_metric([name], float(f))
-        keys = GaugeMetricFamily("smg_manual_policy_cache_entries",
-                                 "Routing keys held by the manual policy")
+        keys = GaugeMetricFamily("smg_manual_policy_cache_entries", "Routing keys held by the manual policy")
         tables = [g._keys for g in groups.values() if getattr(g, "_keys", None) is not None]
         if tables:
             keys.add_metric([], float(sum(int(k.count) for k in tables)))
@@ -308,13 +339,15 @@ class Collector:
                     out[k] = out.get(k, 0) + v
             return out
 
-        c = CounterMetricFamily("smg_http_requests", "HTTP requests by method and path",
-                                labels=["method", "path"])
+        c = CounterMetricFamily("smg_http_requests", "HTTP requests by method and path", labels=["method", "path"])
         for (m, p), v in merged("http_requests").items():
             c.add_metric([m, p], float(v))
         yield c
-        c = CounterMetricFamily("smg_http_responses", "HTTP responses by path, status and error code",
-                                labels=["path", "status_code", "error_code"])
+        c = CounterMetricFamily(
+            "smg_http_responses",
+            "HTTP responses by path, status and error code",
+            labels=["path", "status_code", "error_code"],
+        )
         for (s, e, p), v in merged("http_responses").items():
             c.add_metric([p, s, e], float(v))
         yield c
@@ -322,91 +355,103 @@ class Collector:
         g.add_metric([], float(sum(s.connections_active for s in self.stats)))
         yield g
         labels = ["router_type", "backend_type", "connection_mode", "model", "endpoint"]
-        c = CounterMetricFamily("smg_router_requests", "Routed inference requests",
-                                labels=labels + ["streaming"])
+        c = CounterMetricFamily("smg_router_requests", "Routed inference requests", labels=labels + ["streaming"])
         for key, v in merged("router_requests").items():
             b, e, m, st = key if len(key) == 4 else (key[0], key[1], "unknown", key[2])
             c.add_metric(["http", b, "http", m, e, st], float(v))
         yield c
-        c = CounterMetricFamily("smg_router_request_errors", "Routed requests that failed",
-                                labels=labels + ["error_type"])
+        c = CounterMetricFamily(
+            "smg_router_request_errors", "Routed requests that failed", labels=labels + ["error_type"]
+        )
         for key, v in merged("router_errors").items():
             b, e, m, et = key if len(key) == 4 else (key[0], key[1], "unknown", key[2])
             c.add_metric(["http", b, "http", m, e, et], float(v))
         yield c
-        c = CounterMetricFamily("smg_worker_errors", "Upstream failures by worker role (connect "
-                                "errors, broken streams, timeouts, 5xx answers)",
-                                labels=["worker_type", "connection_mode", "error_type"])
+        c = CounterMetricFamily(
+            "smg_worker_errors",
+            "Upstream failures by worker role (connect errors, broken streams, timeouts, 5xx answers)",
+            labels=["worker_type", "connection_mode", "error_type"],
+        )
         for (r, et), v in merged("worker_errors").items():
             c.add_metric([r, "http", et], float(v))
         yield c
-        c = CounterMetricFamily("smg_worker_health_checks", "Health probes by worker role and result",
-                                labels=["worker_type", "result"])
+        c = CounterMetricFamily(
+            "smg_worker_health_checks", "Health probes by worker role and result", labels=["worker_type", "result"]
+        )
         for (r, res), v in merged("health_checks").items():
             c.add_metric([r, res], float(v))
         yield c
-        c = CounterMetricFamily("smg_worker_retries", "Retried attempts",
-                                labels=["worker_type", "endpoint"])
+        c = CounterMetricFamily("smg_worker_retries", "Retried attempts", labels=["worker_type", "endpoint"])
         for (r, e), v in merged("retries").items():
             c.add_metric([r, e], float(v))
         yield c
         reclaimed = merged("reclaimed")
         # The reconciler releases nothing (another process may own the leases), so its flags
-        # are a counter of their own, not a reclaim reason (review L1).
+        # are a counter of their own, not a reclaim reason (that would count releases that never happened).
         mismatches = reclaimed.pop(RECONCILE_MISMATCH, 0)
-        c = CounterMetricFamily("fastroute_leases_reclaimed",
-                                "Leases reclaimed by the safety net rather than released by their owner",
-                                labels=["reason"])
+        c = CounterMetricFamily(
+            "fastroute_leases_reclaimed",
+            "Leases reclaimed by the safety net rather than released by their owner",
+            labels=["reason"],
+        )
         for r, v in reclaimed.items():
             c.add_metric([r], float(v))
         yield c
-        c = CounterMetricFamily("fastroute_reconcile_mismatches",
-                                "Targets the reconciler flagged: the router held more requests than the "
-                                "engine reported, poll after poll (logged, nothing released)")
+        c = CounterMetricFamily(
+            "fastroute_reconcile_mismatches",
+            "Targets the reconciler flagged: the router held more requests than the "
+            "engine reported, poll after poll (logged, nothing released)",
+        )
         c.add_metric([], float(mismatches))
         yield c
-        c = CounterMetricFamily("smg_worker_retries_exhausted",
-                                "Requests that failed after using every attempt",
-                                labels=["worker_type", "endpoint"])
+        c = CounterMetricFamily(
+            "smg_worker_retries_exhausted",
+            "Requests that failed after using every attempt",
+            labels=["worker_type", "endpoint"],
+        )
         for (r, e), v in merged("retries_exhausted").items():
             c.add_metric([r, e], float(v))
         yield c
-        c = CounterMetricFamily("smg_worker_cb_outcomes", "Circuit breaker outcomes per worker",
-                                labels=["worker", "outcome"])
+        c = CounterMetricFamily(
+            "smg_worker_cb_outcomes", "Circuit breaker outcomes per worker", labels=["worker", "outcome"]
+        )
         for (w, o), v in merged("cb_outcomes").items():
             c.add_metric([w, o], float(v))
         yield c
-        c = CounterMetricFamily("smg_worker_cb_transitions", "Circuit state transitions per worker",
-                                labels=["worker", "from", "to"])
+        c = CounterMetricFamily(
+            "smg_worker_cb_transitions", "Circuit state transitions per worker", labels=["worker", "from", "to"]
+        )
         for (w, f, t), v in merged("cb_transitions").items():
             c.add_metric([w, f, t], float(v))
         yield c
-        c = CounterMetricFamily("smg_http_rate_limit", "Admission decisions",
-                                labels=["result"])
+        c = CounterMetricFamily("smg_http_rate_limit", "Admission decisions", labels=["result"])
         for r, v in merged("rate_limit").items():
             c.add_metric([r], float(v))
         yield c
         if any(s.discovered or s.discovery_errors for s in self.stats):
-            c = CounterMetricFamily("fastroute_discovery_errors",
-                                    "Failed discovery attempts (API status code, unreachable, "
-                                    "malformed manifest); workers are kept meanwhile",
-                                    labels=["provider", "reason"])
+            c = CounterMetricFamily(
+                "fastroute_discovery_errors",
+                "Failed discovery attempts (API status code, unreachable, "
+                "malformed manifest); workers are kept meanwhile",
+                labels=["provider", "reason"],
+            )
             for (p, r), v in merged("discovery_errors").items():
                 c.add_metric([p, r], float(v))
             yield c
-            g = GaugeMetricFamily("fastroute_discovery_workers",
-                                  "Workers currently registered by discovery", labels=["role"])
+            g = GaugeMetricFamily(
+                "fastroute_discovery_workers", "Workers currently registered by discovery", labels=["role"]
+            )
             for r, v in merged("discovered").items():
                 g.add_metric([r], float(v))
             yield g
-        g = GaugeMetricFamily("smg_discovery_workers_discovered",
-                              "Workers currently registered by discovery", labels=["source"])
+        g = GaugeMetricFamily(
+            "smg_discovery_workers_discovered", "Workers currently registered by discovery", labels=["source"]
+        )
         source = getattr(self.config, "discovery", None)
         if source is not None:
             g.add_metric([source], float(sum(merged("discovered").values())))
         yield g
-        h = _hist_family("smg_router_request_duration_seconds", "Routed request duration (success)",
-                         labels)
+        h = _hist_family("smg_router_request_duration_seconds", "Routed request duration (success)", labels)
         keys = set()
         for s in self.stats:
             keys.update(s.router_duration)
@@ -417,12 +462,21 @@ class Collector:
             h.add_metric(["http", key[0], "http", model, key[1]], yield_h.buckets(), yield_h.sum)
         yield h
         for attr, name, doc, names, values in (
-                ("http_duration", "smg_http_request_duration_seconds",
-                 "HTTP request duration, from the complete request to the end of its response",
-                 ["method", "path"], lambda k: list(k)),
-                ("pd_ttft", "smg_pd_ttft_seconds",
-                 "PD time to first token: request start to the decode's response head",
-                 ["backend_type", "model", "runtime"], lambda k: ["pd", k, "sglang"])):
+            (
+                "http_duration",
+                "smg_http_request_duration_seconds",
+                "HTTP request duration, from the complete request to the end of its response",
+                ["method", "path"],
+                lambda k: list(k),
+            ),
+            (
+                "pd_ttft",
+                "smg_pd_ttft_seconds",
+                "PD time to first token: request start to the decode's response head",
+                ["backend_type", "model", "runtime"],
+                lambda k: ["pd", k, "sglang"],
+            ),
+        ):
             f = _hist_family(name, doc, names)
             keys = set()
             for s in self.stats:
@@ -431,10 +485,14 @@ class Collector:
                 m = _merge_hists([getattr(s, attr)[key] for s in self.stats if key in getattr(s, attr)])
                 f.add_metric(values(key), m.buckets(), m.sum)
             yield f
-        for attr, name, doc in (("pick_seconds", "fastroute_pick_seconds",
-                                 "Time spent choosing and booking a target"),
-                                ("overhead_seconds", "fastroute_router_overhead_seconds",
-                                 "Router-added latency to the first response byte (time not spent waiting on a worker)")):
+        for attr, name, doc in (
+            ("pick_seconds", "fastroute_pick_seconds", "Time spent choosing and booking a target"),
+            (
+                "overhead_seconds",
+                "fastroute_router_overhead_seconds",
+                "Router-added latency to the first response byte (time not spent waiting on a worker)",
+            ),
+        ):
             m = _merge_hists([getattr(s, attr) for s in self.stats])
             f = _hist_family(name, doc, [])
             f.add_metric([], m.buckets(), m.sum)
@@ -491,23 +549,29 @@ class ProcessCollector:
 
     def collect(self):
         sup = self.sup
-        up = GaugeMetricFamily("fastroute_proxy_process_up",
-                               "1 when the proxy process runs and reported a ready worker view",
-                               labels=["process"])
-        restarts = CounterMetricFamily("fastroute_proxy_process_restarts",
-                                       "Proxy processes started again after they exited",
-                                       labels=["process"])
-        inflight = GaugeMetricFamily("fastroute_proxy_process_in_flight_requests",
-                                     "Leases the proxy process holds", labels=["process"])
-        picks = CounterMetricFamily("fastroute_proxy_process_picks",
-                                    "Targets picked by the proxy process slot", labels=["process"])
-        version = GaugeMetricFamily("fastroute_proxy_process_snapshot_version",
-                                    "Worker snapshot version the proxy process last reported "
-                                    "(the supervisor's own is process=\"supervisor\")",
-                                    labels=["process"])
+        up = GaugeMetricFamily(
+            "fastroute_proxy_process_up",
+            "1 when the proxy process runs and reported a ready worker view",
+            labels=["process"],
+        )
+        restarts = CounterMetricFamily(
+            "fastroute_proxy_process_restarts", "Proxy processes started again after they exited", labels=["process"]
+        )
+        inflight = GaugeMetricFamily(
+            "fastroute_proxy_process_in_flight_requests", "Leases the proxy process holds", labels=["process"]
+        )
+        picks = CounterMetricFamily(
+            "fastroute_proxy_process_picks", "Targets picked by the proxy process slot", labels=["process"]
+        )
+        version = GaugeMetricFamily(
+            "fastroute_proxy_process_snapshot_version",
+            'Worker snapshot version the proxy process last reported (the supervisor\'s own is process="supervisor")',
+            labels=["process"],
+        )
         version.add_metric(["supervisor"], float(sup.version))
-        pid = GaugeMetricFamily("fastroute_proxy_process_pid",
-                                "Operating-system pid of the running proxy process", labels=["process"])
+        pid = GaugeMetricFamily(
+            "fastroute_proxy_process_pid", "Operating-system pid of the running proxy process", labels=["process"]
+        )
         for slot, child in enumerate(sup.children):
             label = [str(slot)]
             up.add_metric(label, 1.0 if child.alive and child.reported_ready else 0.0)
@@ -549,12 +613,18 @@ class MetricsServer:
                 ctype = b"text/plain; version=0.0.4; charset=utf-8"
             else:
                 body, status, ctype = b"not found\n", b"404 Not Found", b"text/plain"
-            writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype
-                         + b"\r\nContent-Length: " + str(len(body)).encode()
-                         + b"\r\nConnection: close\r\n\r\n" + body)
+            writer.write(
+                b"HTTP/1.1 "
+                + status
+                + b"\r\nContent-Type: "
+                + ctype
+                + b"\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\nConnection: close\r\n\r\n"
+                + body
+            )
             await writer.drain()
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError,
-                asyncio.LimitOverrunError):
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
             pass
         finally:
             writer.close()
@@ -571,14 +641,16 @@ def new_stats(config: Config) -> Stats:
     return Stats(config.prometheus_duration_buckets or DEFAULT_BUCKETS)
 
 
-async def start_metrics(config: Config, table: T.TargetTable, registry: Any,
-                        stats: Stats | None = None) -> MetricsServer:
+async def start_metrics(
+    config: Config, table: T.TargetTable, registry: Any, stats: Stats | None = None
+) -> MetricsServer:
     """Start the metrics listener (called by the runtime's assembly)."""
     stats = stats if stats is not None else new_stats(config)
     m = MetricsServer(Collector(table, registry, [stats], config))
     m.stats = stats  # type: ignore[attr-defined]
     if getattr(registry, "background", None) is not None:
         from fastroute.control.background import BackgroundCollector
+
         m.registry.register(BackgroundCollector(registry.background))
     await m.start(config.prometheus_host, int(config.prometheus_port))
     return m

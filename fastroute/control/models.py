@@ -21,7 +21,8 @@ as long as the model has targets, so its policy state survives other models' chu
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from fastroute.errors import CODE_BAD_REQUEST, CODE_MODEL_NOT_FOUND, RouterError
 
@@ -57,21 +58,25 @@ class ModelGroups:
     ``make_group()`` builds an empty group configured like the role's; ``names_of(t)`` gives the
     model names of target ``t`` (its model id first)."""
 
-    def __init__(self, make_group: Callable[[], Any], names_of: Callable[[int], Sequence[str]],
-                 aliases: dict[str, str] | None = None, policy: str = "unknown") -> None:
-        self.policy = policy                   # the metrics' policy label (every model's)
+    def __init__(
+        self,
+        make_group: Callable[[], Any],
+        names_of: Callable[[int], Sequence[str]],
+        aliases: dict[str, str] | None = None,
+        policy: str = "unknown",
+    ) -> None:
+        self.policy = policy  # the metrics' policy label (every model's)
         self._make = make_group
         self._names_of = names_of
         self._aliases = dict(aliases or {})
         self._ledger: Any = None
-        self.models: dict[str, Any] = {}       # model id -> group
-        self.by_name: dict[str, Any] = {}      # every accepted name (ids, paths, aliases) -> group
+        self.models: dict[str, Any] = {}  # model id -> group
+        self.by_name: dict[str, Any] = {}  # every accepted name (ids, paths, aliases) -> group
         self.targets: list[int] = []
         self.names: list[str] = []
 
     # -- the Group interface the data path and the registry use ------------------------------
-    def acquire(self, tokens: int = 0, key: bytes | None = None, meta: Any = None,
-                out_tokens: int = 0) -> Any:
+    def acquire(self, tokens: int = 0, key: bytes | None = None, meta: Any = None, out_tokens: int = 0) -> Any:
         model = meta.model if meta is not None else None
         g = self.by_name.get(model) if model is not None else self._only()
         if g is None:
@@ -142,21 +147,32 @@ class ModelGroups:
         not retry a 404, while it retries a 503 twice), listing the models served."""
         if model is None:
             if self._only() is not None or not self.models:
-                return None   # no models yet: the usual "no available workers" answers
-            return RouterError(400, CODE_BAD_REQUEST,
-                               "'model' is required: this router serves several models ("
-                               + ", ".join(sorted(self.models)) + ")")
+                return None  # no models yet: the usual "no available workers" answers
+            return RouterError(
+                400,
+                CODE_BAD_REQUEST,
+                "'model' is required: this router serves several models (" + ", ".join(sorted(self.models)) + ")",
+            )
         if model in self.by_name:
             return None
-        return RouterError(404, CODE_MODEL_NOT_FOUND,
-                           f"No worker available for model '{model}'. Available models: "
-                           + ", ".join(sorted(self.models)))
+        return RouterError(
+            404,
+            CODE_MODEL_NOT_FOUND,
+            f"No worker available for model '{model}'. Available models: " + ", ".join(sorted(self.models)),
+        )
 
 
 def group_like(router: Any, template: Any, kv_reserve: int = 0) -> Any:
     """An empty group configured like ``template`` (a role's group), for one model."""
-    return router.group([], template.policy, load_metric=template.load_metric,
-                        demand=template.demand, request_weight=template.request_weight, names=[],
-                        kv_fit=template.kv_fit, kv_reserve=kv_reserve,
-                        rank_slack=template.rank_slack,
-                        tokens_until_answer=template.tokens_until_answer)
+    return router.group(
+        [],
+        template.policy,
+        load_metric=template.load_metric,
+        demand=template.demand,
+        request_weight=template.request_weight,
+        names=[],
+        kv_fit=template.kv_fit,
+        kv_reserve=kv_reserve,
+        rank_slack=template.rank_slack,
+        tokens_until_answer=template.tokens_until_answer,
+    )

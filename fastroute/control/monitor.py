@@ -4,11 +4,11 @@ Owns two background loops over the *physical* workers of the :class:`~fastroute.
 (one HTTP call per server per tick, however many rank targets it has):
 
 * load polling (protocol.md 4.4, 5.1, 5.2) every ``load_monitor_interval`` seconds:
-  ``GET /v1/loads?include=core,disagg`` (core only after a 400), falling back to ``GET /get_load`` when the worker answers 404
-  (the working endpoint is remembered per worker). Entries are parsed defensively and fanned
-  out by ``dp_rank`` to the rank targets with ``table.set_polled``. Anything missing or failed
-  becomes ``table.mark_unpolled`` -- unknown, never zero, so a policy cannot mistake a dead or
-  mute worker for an idle one.
+  ``GET /v1/loads?include=core,disagg`` (core only after a 400), falling back to
+  ``GET /get_load`` when the worker answers 404 (the working endpoint is remembered per worker).
+  Entries are parsed defensively and fanned out by ``dp_rank`` to the rank targets with
+  ``table.set_polled``. Anything missing or failed becomes ``table.mark_unpolled`` -- unknown,
+  never zero, so a policy cannot mistake a dead or mute worker for an idle one.
 * health checks (protocol.md 7.1) every ``health_check_interval_secs`` seconds on
   ``health_check_endpoint`` with ``health_check_timeout_secs``; a worker turns unhealthy after
   ``health_failure_threshold`` consecutive failures and healthy again after
@@ -17,6 +17,7 @@ Owns two background loops over the *physical* workers of the :class:`~fastroute.
 Invariant: results are written only if the worker is still ``ready`` after the await, because
 a removed worker's rows may already be reallocated to another worker.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,7 +40,7 @@ log = logging.getLogger("fastroute.monitor")
 V1_LOADS = "/v1/loads"
 GET_LOAD = "/get_load"
 _V1_QUERY = "/v1/loads?include=core,disagg"
-_V1_CORE = "/v1/loads?include=core"      # a server that refuses the disagg section (400)
+_V1_CORE = "/v1/loads?include=core"  # a server that refuses the disagg section (400)
 
 # One parsed rank entry: (running, waiting, used tokens, max tokens or -1, uncached tokens
 # waiting for prefill or -1, decode prealloc + retracted queue requests).
@@ -79,8 +80,7 @@ def parse_v1_loads(doc: Any) -> list[tuple[int | None, RankLoad | None]]:
         tokens = _count(e.get("num_used_tokens"))
         mx = _count(e.get("max_total_num_tokens"))
         usage = e.get("token_usage")
-        if (mx and isinstance(usage, (int, float)) and not isinstance(usage, bool)
-                and 0 <= usage <= 1):
+        if mx and isinstance(usage, (int, float)) and not isinstance(usage, bool) and 0 <= usage <= 1:
             # token_usage (SGLang 0.5.23) is the fullest pool's share: never credit the rank
             # with more free KV than it says
             tokens = max(tokens or 0, int(usage * mx))
@@ -92,8 +92,14 @@ def parse_v1_loads(doc: Any) -> list[tuple[int | None, RankLoad | None]]:
                 queued += _count(disagg.get(name)) or 0
         load = None
         if running is not None and tokens is not None:
-            load = (running, waiting or 0, tokens, -1 if mx is None else mx,
-                    -1 if uncached is None else uncached, queued)
+            load = (
+                running,
+                waiting or 0,
+                tokens,
+                -1 if mx is None else mx,
+                -1 if uncached is None else uncached,
+                queued,
+            )
         out.append((_count(e.get("dp_rank")), load))
     return out
 
@@ -162,7 +168,7 @@ class Monitor:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # never let one bad tick end the loop
-                st.fail(exc)          # logged once per episode, counted (background.py)
+                st.fail(exc)  # logged once per episode, counted (background.py)
                 log.debug("monitor tick failed", exc_info=True)
             else:
                 st.ok()
@@ -203,7 +209,7 @@ class Monitor:
         if w.status != "ready":  # removed during the await: its rows may belong to someone else now
             self.engine.update(w.url, None, mode)
             return False
-        self.engine.update(w.url, doc if entries else None, mode)   # smg_engine_* gauges
+        self.engine.update(w.url, doc if entries else None, mode)  # smg_engine_* gauges
         if entries:
             self._note_unusable(w, entries)
         self._dp_hint(w, entries)
@@ -216,7 +222,7 @@ class Monitor:
         for _, mode, _ in got:
             key = (w.url, mode)
             self.polls[key] = self.polls.get(key, 0) + 1
-        if w.status != "ready" or w.rank_urls != urls:   # removed or resized meanwhile
+        if w.status != "ready" or w.rank_urls != urls:  # removed or resized meanwhile
             self.engine.update(w.url, None, "failed")
             return False
         merged: list[Any] = []
@@ -230,20 +236,19 @@ class Monitor:
                 tab.mark_unpolled(t)
                 continue
             all_entries.append((rank, load))
-            tab.set_polled(t, load[0], load[1], load[2], load[3], self._uncached(w, load[4]),
-                           load[5])
+            tab.set_polled(t, load[0], load[1], load[2], load[3], self._uncached(w, load[4]), load[5])
             any_ok = True
             if mode == "v1_loads" and isinstance(doc, dict) and isinstance(doc.get("loads"), list):
-                merged += [e for e in doc["loads"] if isinstance(e, dict)
-                           and e.get("dp_rank", rank) == rank]
+                merged += [e for e in doc["loads"] if isinstance(e, dict) and e.get("dp_rank", rank) == rank]
         self.engine.update(w.url, {"loads": merged} if merged else None, "v1_loads")
         if all_entries:
             self._note_unusable(w, all_entries)
         self._dp_hint(w, all_entries or None)
         return any_ok
 
-    async def _fetch_loads(self, w: Worker, url: str, timeout: float
-                           ) -> tuple[list[tuple[int | None, RankLoad | None]] | None, str, Any]:
+    async def _fetch_loads(
+        self, w: Worker, url: str, timeout: float
+    ) -> tuple[list[tuple[int | None, RankLoad | None]] | None, str, Any]:
         """GET one port's load report -> (entries or None, mode, the JSON answer)."""
         entries: list[tuple[int | None, RankLoad | None]] | None = None
         mode, doc = "failed", None
@@ -251,13 +256,11 @@ class Monitor:
         try:
             if w.load_path != GET_LOAD:
                 query = _V1_CORE if w.load_path == _V1_CORE else _V1_QUERY
-                status, _, body = await httpclient.request("GET", url + query, headers=headers,
-                                                           timeout=timeout)
+                status, _, body = await httpclient.request("GET", url + query, headers=headers, timeout=timeout)
                 if status == 400 and query == _V1_QUERY:
                     # An older /v1/loads without the disagg section: core only from now on.
                     w.load_path = query = _V1_CORE
-                    status, _, body = await httpclient.request("GET", url + query,
-                                                               headers=headers, timeout=timeout)
+                    status, _, body = await httpclient.request("GET", url + query, headers=headers, timeout=timeout)
                 if status == 200:
                     w.load_path = query if query == _V1_CORE else V1_LOADS
                     doc = json.loads(body)
@@ -267,8 +270,7 @@ class Monitor:
                 else:
                     log.debug("load poll %s%s: HTTP %s", url, V1_LOADS, status)
             if entries is None and w.load_path == GET_LOAD:
-                status, _, body = await httpclient.request("GET", url + GET_LOAD, headers=headers,
-                                                           timeout=timeout)
+                status, _, body = await httpclient.request("GET", url + GET_LOAD, headers=headers, timeout=timeout)
                 if status == 200:
                     doc = json.loads(body)
                     entries, mode = parse_get_load(doc), "get_load"
@@ -293,7 +295,7 @@ class Monitor:
             self._poll_failed.add(w.url)
             return
         ranks = len({r for r, _ in entries if r is not None} or entries)
-        if ranks != len(w.targets) and not w.rank_ports:   # (a rank port reports one rank)
+        if ranks != len(w.targets) and not w.rank_ports:  # (a rank port reports one rank)
             reg.recheck_dp(w, f"/v1/loads reports {ranks} ranks", force=False)
         elif w.url in self._poll_failed:
             reg.recheck_dp(w, "answering load polls again")
@@ -308,8 +310,11 @@ class Monitor:
             self._unusable.discard(w.url)
         elif w.url not in self._unusable:
             self._unusable.add(w.url)
-            log.warning("worker %s reports load entries with missing or out-of-range counts; "
-                        "those targets count as unpolled until it reports usable ones", w.url)
+            log.warning(
+                "worker %s reports load entries with missing or out-of-range counts; "
+                "those targets count as unpolled until it reports usable ones",
+                w.url,
+            )
 
     def _apply(self, w: Worker, entries: list[tuple[int | None, RankLoad | None]] | None) -> bool:
         tab = self.table
@@ -333,7 +338,7 @@ class Monitor:
                 uncached = -1 if (u < 0 or uncached < 0) else uncached + u
                 queued += b
             if max(running, waiting, tokens, mx, uncached, queued) >= _COUNT_LIMIT:
-                tab.mark_unpolled(t)      # (sums of in-range counts)
+                tab.mark_unpolled(t)  # (sums of in-range counts)
                 return False
             tab.set_polled(t, running, waiting, tokens, mx, self._uncached(w, uncached), queued)
             return True
@@ -347,8 +352,7 @@ class Monitor:
             if load is None:
                 tab.mark_unpolled(t)
             else:
-                tab.set_polled(t, load[0], load[1], load[2], load[3],
-                               self._uncached(w, load[4]), load[5])
+                tab.set_polled(t, load[0], load[1], load[2], load[3], self._uncached(w, load[4]), load[5])
                 any_ok = True
         return any_ok
 
@@ -383,8 +387,9 @@ class Monitor:
         reg = self.registry
         headers = reg.health_headers(w) if path.split("?", 1)[0] == "/health" else reg.auth_headers(w)
         try:
-            status, _, _ = await httpclient.request("GET", url + path, headers=headers,
-                                                    timeout=float(cfg.health_check_timeout_secs))
+            status, _, _ = await httpclient.request(
+                "GET", url + path, headers=headers, timeout=float(cfg.health_check_timeout_secs)
+            )
             ok = 200 <= status < 300
         except HttpClientError as exc:
             log.debug("health probe %s failed: %s", url, exc)
@@ -398,8 +403,7 @@ class Monitor:
                 self.record_rank_health(w, rank, ok)
         return ok
 
-    def _threshold(self, healthy: bool, successes: int, failures: int, ok: bool
-                   ) -> tuple[int, int, bool]:
+    def _threshold(self, healthy: bool, successes: int, failures: int, ok: bool) -> tuple[int, int, bool]:
         """One probe outcome applied to consecutive counters: (successes, failures, whether
         health flips at the configured thresholds)."""
         cfg = self.config
@@ -412,7 +416,8 @@ class Monitor:
     def record_health(self, w: Worker, ok: bool) -> None:
         """Apply one probe outcome to the consecutive counters and flip health at the thresholds."""
         w.health_successes, w.health_failures, flip = self._threshold(
-            w.healthy, w.health_successes, w.health_failures, ok)
+            w.healthy, w.health_successes, w.health_failures, ok
+        )
         if flip:
             self._set_health(w, ok)
 
@@ -420,18 +425,22 @@ class Monitor:
         """One probe outcome of rank port ``i`` of a per-rank-port server: the thresholds
         flip that rank's target alone; the worker is healthy while any rank is."""
         w.rank_successes[i], w.rank_failures[i], flip = self._threshold(
-            w.rank_healthy[i], w.rank_successes[i], w.rank_failures[i], ok)
+            w.rank_healthy[i], w.rank_successes[i], w.rank_failures[i], ok
+        )
         if not flip:
             return
         w.rank_healthy[i] = ok
         self.table.set_healthy(w.targets[i], ok and w.healthy)
         if ok:
-            log.info("rank %d of worker %s (%s) is healthy again", w.rank_ids[i], w.url,
-                     w.rank_urls[i])
+            log.info("rank %d of worker %s (%s) is healthy again", w.rank_ids[i], w.url, w.rank_urls[i])
         else:
-            log.warning("rank %d of worker %s (%s) is unhealthy after %d failed health checks; "
-                        "its other ranks keep serving", w.rank_ids[i], w.url, w.rank_urls[i],
-                        w.rank_failures[i])
+            log.warning(
+                "rank %d of worker %s (%s) is unhealthy after %d failed health checks; its other ranks keep serving",
+                w.rank_ids[i],
+                w.url,
+                w.rank_urls[i],
+                w.rank_failures[i],
+            )
         if any(w.rank_healthy) != w.healthy:
             w.health_failures = 0 if ok else w.rank_failures[i]
             self._set_health(w, not w.healthy)
@@ -445,6 +454,6 @@ class Monitor:
             self.table.set_healthy(t, w.target_healthy(i))
         if ok:
             log.info("worker %s is healthy again", w.url)
-            self.registry.recheck_dp(w, "healthy again")   # restarted, maybe resized
+            self.registry.recheck_dp(w, "healthy again")  # restarted, maybe resized
         else:
             log.warning("worker %s is unhealthy after %d failed health checks", w.url, w.health_failures)

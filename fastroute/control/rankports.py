@@ -16,12 +16,14 @@ The router keeps such a server as one worker with one target per rank port, what
 * the registry then names each target by its rank URL, the monitor polls and health-checks
   each rank port on its own, and the data plane sends each request to its rank's port.
 """
+
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 log = logging.getLogger("fastroute.workers")
@@ -35,11 +37,11 @@ class RankLayoutError(ValueError):
 class RankLayout:
     """What one rank port says about its server."""
 
-    dp_size: int                  # DP ranks of the whole deployment (all nodes)
-    dp_rank: int                  # the rank served on this port
-    count: int                    # rank ports on this host (dp_size / nnodes)
-    first: int                    # the DP rank on this host's base port
-    bootstrap_port: int | None    # disaggregation_bootstrap_port (a prefill's)
+    dp_size: int  # DP ranks of the whole deployment (all nodes)
+    dp_rank: int  # the rank served on this port
+    count: int  # rank ports on this host (dp_size / nnodes)
+    first: int  # the DP rank on this host's base port
+    bootstrap_port: int | None  # disaggregation_bootstrap_port (a prefill's)
 
     @property
     def local(self) -> int:
@@ -67,18 +69,24 @@ def layout_of(server_info: Mapping[str, Any]) -> RankLayout | None:
         return None
     rank, size = _int(di.get("dp_rank")), _int(di.get("dp_size"))
     if rank is None or size is None or size < 1 or not 0 <= rank < size or size > 4096:
-        raise RankLayoutError(f"deployment_info has dp_rank {di.get('dp_rank')!r} and dp_size "
-                              f"{di.get('dp_size')!r}: not a rank of a deployment")
+        raise RankLayoutError(
+            f"deployment_info has dp_rank {di.get('dp_rank')!r} and dp_size "
+            f"{di.get('dp_size')!r}: not a rank of a deployment"
+        )
     nnodes = _int(di.get("nnodes", 1)) or 1
     node = _int(di.get("node_rank", 0)) or 0
     if nnodes < 1 or size % nnodes or not 0 <= node < nnodes:
-        raise RankLayoutError(f"deployment_info has dp_size {size} over nnodes {nnodes} "
-                              f"(node_rank {node}): the ranks do not split evenly over the nodes")
+        raise RankLayoutError(
+            f"deployment_info has dp_size {size} over nnodes {nnodes} "
+            f"(node_rank {node}): the ranks do not split evenly over the nodes"
+        )
     count = size // nnodes
     first = node * count
     if not first <= rank < first + count:
-        raise RankLayoutError(f"deployment_info puts dp_rank {rank} on node {node} of {nnodes}, "
-                              f"which holds ranks {first}..{first + count - 1}")
+        raise RankLayoutError(
+            f"deployment_info puts dp_rank {rank} on node {node} of {nnodes}, "
+            f"which holds ranks {first}..{first + count - 1}"
+        )
     boot = _int(di.get("disaggregation_bootstrap_port"))
     return RankLayout(size, rank, count, first, boot if boot and 0 < boot < 65536 else None)
 
@@ -94,9 +102,9 @@ def with_port(url: str, port: int) -> str:
     return urlunsplit((sp.scheme, f"{host}:{port}", sp.path, sp.query, ""))
 
 
-async def find_rank_ports(url: str, port: int, layout: RankLayout,
-                          get_info: Callable[[str], Awaitable[Mapping[str, Any] | None]]
-                          ) -> tuple[list[str], list[int]]:
+async def find_rank_ports(
+    url: str, port: int, layout: RankLayout, get_info: Callable[[str], Awaitable[Mapping[str, Any] | None]]
+) -> tuple[list[str], list[int]]:
     """-> (URL, DP rank) of every rank port on this host, by offset from the base port.
 
     ``url`` is the port that answered with ``layout``; ``get_info(rank_url)`` returns another
@@ -105,8 +113,10 @@ async def find_rank_ports(url: str, port: int, layout: RankLayout,
     retries until its start-up deadline: a server's ranks come up one by one)."""
     base = port - layout.local
     if base < 1 or base + layout.count - 1 > 65535:
-        raise RankLayoutError(f"rank {layout.dp_rank} on port {port} puts the base port at "
-                              f"{base}: the {layout.count} rank ports do not fit in 1..65535")
+        raise RankLayoutError(
+            f"rank {layout.dp_rank} on port {port} puts the base port at "
+            f"{base}: the {layout.count} rank ports do not fit in 1..65535"
+        )
     urls = [with_port(url, base + i) for i in range(layout.count)]
     ids = [layout.first + i for i in range(layout.count)]
     for i, rank_url in enumerate(urls):
@@ -118,19 +128,23 @@ async def find_rank_ports(url: str, port: int, layout: RankLayout,
         except RankLayoutError as exc:
             raise LookupError(f"{rank_url}/server_info: {exc}") from None
         if other is None or other.dp_size != layout.dp_size or other.dp_rank != ids[i]:
-            got = "no per-rank deployment_info" if other is None else \
-                f"dp_rank {other.dp_rank} of dp_size {other.dp_size}"
-            raise LookupError(f"{rank_url}/server_info reports {got}; expected dp_rank {ids[i]} "
-                              f"of dp_size {layout.dp_size} (the port of rank {layout.dp_rank} "
-                              f"is {url})")
+            got = (
+                "no per-rank deployment_info"
+                if other is None
+                else f"dp_rank {other.dp_rank} of dp_size {other.dp_size}"
+            )
+            raise LookupError(
+                f"{rank_url}/server_info reports {got}; expected dp_rank {ids[i]} "
+                f"of dp_size {layout.dp_size} (the port of rank {layout.dp_rank} "
+                f"is {url})"
+            )
     return urls, ids
 
 
 def describe(url: str, rank_urls: list[str], rank_ids: list[int], dp_size: int) -> str:
     """The start-up log line of a per-rank-port server."""
     first, last = urlsplit(rank_urls[0]).port, urlsplit(rank_urls[-1]).port
-    ranks = f"ranks {rank_ids[0]}..{rank_ids[-1]} of {dp_size}" if len(rank_ids) != dp_size \
-        else f"{dp_size} ranks"
+    ranks = f"ranks {rank_ids[0]}..{rank_ids[-1]} of {dp_size}" if len(rank_ids) != dp_size else f"{dp_size} ranks"
     return f"worker {url} serves {ranks} on ports {first}..{last}, one port per rank"
 
 
@@ -156,33 +170,42 @@ class RankPorts:
         layout = layout_of(w.server_info)
         w.rank_urls, w.rank_ids = [], []
         if layout is None or layout.count < 2:
-            return      # one port for the whole server (or a single rank): as before
+            return  # one port for the whole server (or a single rank): as before
 
         async def info(url: str) -> Mapping[str, Any] | None:
-            doc, _ = await self._get_info(w, w.server_info_path, "/get_server_info", timeout,  # type: ignore[attr-defined]
-                                          url=url)
+            doc, _ = await self._get_info(
+                w,
+                w.server_info_path,
+                "/get_server_info",
+                timeout,  # type: ignore[attr-defined]
+                url=url,
+            )
             return doc
+
         urls, ids = await find_rank_ports(w.url, w.port, layout, info)
         for url in urls:
-            other = self.find(url)    # type: ignore[attr-defined]
+            other = self.find(url)  # type: ignore[attr-defined]
             if other is not None and other is not w:
                 raise RankLayoutError(f"rank port {url} is already worker {other.url}")
-        given, indexed = w.url, self._by_id.get(w.id) is w    # type: ignore[attr-defined]
-        self._unindex(w)              # type: ignore[attr-defined]
+        given, indexed = w.url, self._by_id.get(w.id) is w  # type: ignore[attr-defined]
+        self._unindex(w)  # type: ignore[attr-defined]
         w.url, w.port = urls[0], urlsplit(urls[0]).port
         if w.addr is not None:
             w.addr = (w.addr[0], w.port)
         w.rank_urls, w.rank_ids, w.dp_size = urls, ids, layout.dp_size
         if indexed:
-            self._index(w)            # type: ignore[attr-defined]
+            self._index(w)  # type: ignore[attr-defined]
         if w.role == "prefill" and layout.bootstrap_port is not None:
             if w.bootstrap_port not in (None, layout.bootstrap_port):
-                log.warning("prefill %s reports disaggregation_bootstrap_port %d; using it, not "
-                            "the configured %d", w.url, layout.bootstrap_port, w.bootstrap_port)
+                log.warning(
+                    "prefill %s reports disaggregation_bootstrap_port %d; using it, not the configured %d",
+                    w.url,
+                    layout.bootstrap_port,
+                    w.bootstrap_port,
+                )
             w.bootstrap_port = layout.bootstrap_port
         if given != w.url:
-            log.info("worker %s is the port of DP rank %d; registering its server at %s",
-                     given, layout.dp_rank, w.url)
+            log.info("worker %s is the port of DP rank %d; registering its server at %s", given, layout.dp_rank, w.url)
         log.info("%s", describe(w.url, urls, ids, layout.dp_size))
 
     def _recheck_rank_ports(self, w: Any, doc: Mapping[str, Any], why: str) -> None:
@@ -196,9 +219,9 @@ class RankPorts:
             return
         if layout.count < 2 or (layout.count == len(w.targets) and layout.dp_size == w.dp_size):
             return
-        self._unindex(w)              # type: ignore[attr-defined]
+        self._unindex(w)  # type: ignore[attr-defined]
         w.rank_urls = [with_port(w.url, w.port + i) for i in range(layout.count)]
         w.rank_ids = [layout.first + i for i in range(layout.count)]
-        self._index(w)                # type: ignore[attr-defined]
+        self._index(w)  # type: ignore[attr-defined]
         w.server_info = dict(doc)
-        self.resize(w, layout.dp_size, why)   # type: ignore[attr-defined]
+        self.resize(w, layout.dp_size, why)  # type: ignore[attr-defined]

@@ -6,7 +6,8 @@ shared :class:`~fastroute.core.table.TargetTable`:
 * registration (protocol.md 2): poll ``GET /health`` every ``worker_startup_check_interval``
   until ``worker_startup_timeout_secs``, then ``/server_info`` (fallback ``/get_server_info`` on
   404) and ``/model_info`` (fallback ``/get_model_info``). Runs in background tasks, so the
-  listener keeps serving (and answering 503) meanwhile.
+  listener keeps serving (and answering 503) meanwhile; the handshake itself is inherited from
+  :class:`~fastroute.control.handshake.Handshake`.
 * targets (4.1): one row per worker, or under ``--dp-aware`` one row per DP rank named
   ``url@rank`` (a ``dp_size`` of 1 is not split). ``target_info[row] -> (Worker, rank|None)``.
 * one routing :class:`Group` per role, kept equal to the targets of *ready* workers in
@@ -26,65 +27,51 @@ shared :class:`~fastroute.core.table.TargetTable`:
 Load polling and periodic health checks live in :mod:`fastroute.control.monitor`; they write the table
 and ``Worker.healthy`` and read the worker list from here.
 """
+
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import random
-import socket
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from fastroute.auth import AdminAuth, parse_control_plane_keys
+from fastroute.checks import worker_url_problem
 from fastroute.config import Config
-from fastroute.control import httpclient
 from fastroute.control.admin import AdminAPI
 from fastroute.control.background import Background
-from fastroute.control.httpclient import HttpClientError, HttpTLSClosed, HttpTLSError
+from fastroute.control.handshake import Handshake, _Transient
+from fastroute.control.httpclient import HttpClientError
 from fastroute.control.models import ModelGroups, group_like, parse_aliases, worker_model_names
-from fastroute.control.rankports import RankLayoutError, RankPorts
-from fastroute.control.worker import (ROLES, BadWorkerURL, DuplicateWorker, Worker, address_key, basic_auth,
-                                      check_fields, model_id_of, normalize_url, split_host_port,
-                                      target_label)
+from fastroute.control.rankports import RankPorts
 from fastroute.control.selfaddr import OwnAddresses, SelfWorker
+from fastroute.control.worker import (
+    ROLES,
+    BadWorkerURL,
+    DuplicateWorker,
+    Worker,
+    address_key,
+    basic_auth,
+    check_fields,
+    model_id_of,
+    normalize_url,
+    split_host_port,
+    target_label,
+)
 from fastroute.core.cache_aware import leg_rank_slack
-from fastroute.checks import link_local, worker_url_problem
 from fastroute.core.routing import Group, Router
 from fastroute.core.table import TargetTable
 
-__all__ = ["Registry", "Worker", "DuplicateWorker", "ROLES", "normalize_url", "split_host_port",
-           "model_id_of"]
+__all__ = ["Registry", "Worker", "DuplicateWorker", "ROLES", "normalize_url", "split_host_port", "model_id_of"]
 
 log = logging.getLogger("fastroute.workers")
 
 
-class _Transient(Exception):
-    """A handshake step failed in a way worth retrying until the startup deadline."""
-
-
-class _Fatal(Exception):
-    """A handshake step failed in a way retrying cannot fix (e.g. no dp_size under --dp-aware)."""
-
-
-# Handshake attempts start at most this often (seconds apart; 500 a second): a thousand
-# workers discovered at once would otherwise all answer in the same loop iterations and stall
-# it for ~100 ms at a time. A queue, not a concurrency limit: a hanging worker holds no slot,
-# but with many workers pending their retries are spaced by at least this much each.
-ATTEMPT_SPACING = 0.002
-ATTEMPT_BURST = 8           # attempts that start at once after a quiet spell (a token bucket)
 DP_RECHECK_MIN_SECS = 5.0
 
 
-
-def _mtls_hint(cfg: Config) -> str:
-    if cfg.client_cert_path:
-        return " (it may not trust the client certificate of --client-cert-path)"
-    return (" (a worker that requires a client certificate does this: give --client-cert-path and "
-            "--client-key-path)")
-
-
-class Registry(RankPorts, AdminAPI):
+class Registry(Handshake, RankPorts, AdminAPI):
     """All workers, their target rows, the per-role routing groups (and, inherited, the admin
     endpoints)."""
 
@@ -98,52 +85,75 @@ class Registry(RankPorts, AdminAPI):
         self._by_url: dict[str, Worker] = {}
         self._by_addr: dict[tuple[str, int], Worker] = {}
         self._by_id: dict[str, Worker] = {}
-        self._sync_soon: set[str] = set()       # roles whose group sync is scheduled
-        self._next_attempt = 0.0                # loop time of the next free handshake slot
+        self._sync_soon: set[str] = set()  # roles whose group sync is scheduled
+        self._next_attempt = 0.0  # loop time of the next free handshake slot
         # The supervised background tasks of this process (fastroute.control.background).
         self.background = Background(config.seed)
         # Indexed by table row; None for rows not owned by a worker. Entries of removed workers
         # stay until the row is freed, so in-flight requests can still resolve their target.
         self.target_info: list[tuple[Worker, int | None] | None] = []
         self._rng = random.Random(config.seed)
-        self._deferred: list[int] = []          # rows of removed targets waiting for in_flight == 0
+        self._deferred: list[int] = []  # rows of removed targets waiting for in_flight == 0
         self._reaper: asyncio.Task | None = None
         self._listeners: list[Callable[[str], None]] = []
         self._ready_cache: bool | None = None
         # The router's own listeners (filled in once bound): a worker there is refused.
         self.own = OwnAddresses()
         # The one admin auth rule, built once (control-plane keys kept as digests only).
-        self.admin_auth = AdminAuth(config.api_key,
-                                    parse_control_plane_keys(config.control_plane_api_keys))
+        self.admin_auth = AdminAuth(config.api_key, parse_control_plane_keys(config.control_plane_api_keys))
         demand = config.decode_input_demand
         weight = config.decode_request_weight
         metric = config.p2c_load_metric
         self._groups = {
             # A regular worker decodes too: demand and KV fit apply to its group as to PD's
             # decode group.
-            "regular": router.group([], config.policy, load_metric=metric, demand=demand,
-                                    request_weight=weight, names=[], kv_fit=config.decode_kv_fit,
-                                    kv_reserve=config.decode_kv_reserve_tokens,
-                                    rank_slack=leg_rank_slack(config, "regular")),
+            "regular": router.group(
+                [],
+                config.policy,
+                load_metric=metric,
+                demand=demand,
+                request_weight=weight,
+                names=[],
+                kv_fit=config.decode_kv_fit,
+                kv_reserve=config.decode_kv_reserve_tokens,
+                rank_slack=leg_rank_slack(config, "regular"),
+            ),
             # Prefill demand: the input tokens in flight there, held until the prefill answers.
-            "prefill": router.group([], config.prefill_policy, load_metric=metric, names=[],
-                                    demand=config.prefill_input_demand,
-                                    tokens_until_answer=config.prefill_input_demand != "off",
-                                    rank_slack=leg_rank_slack(config, "prefill")),
-            "decode": router.group([], config.decode_policy, load_metric=metric, demand=demand,
-                                   request_weight=weight, names=[],
-                                   kv_fit=config.decode_kv_fit,
-                                   kv_reserve=config.decode_kv_reserve_tokens,
-                                   rank_slack=leg_rank_slack(config, "decode")),
+            "prefill": router.group(
+                [],
+                config.prefill_policy,
+                load_metric=metric,
+                names=[],
+                demand=config.prefill_input_demand,
+                tokens_until_answer=config.prefill_input_demand != "off",
+                rank_slack=leg_rank_slack(config, "prefill"),
+            ),
+            "decode": router.group(
+                [],
+                config.decode_policy,
+                load_metric=metric,
+                demand=demand,
+                request_weight=weight,
+                names=[],
+                kv_fit=config.decode_kv_fit,
+                kv_reserve=config.decode_kv_reserve_tokens,
+                rank_slack=leg_rank_slack(config, "decode"),
+            ),
         }
         if config.enable_igw:
             # One group per model inside each role (fastroute.control.models).
             aliases = parse_aliases(config.model_alias)
             self._groups = {
-                role: ModelGroups(functools.partial(group_like, router, g,
-                                                    config.decode_kv_reserve_tokens if role == "decode" else 0),
-                                  self._model_names, aliases, g.policy)
-                for role, g in self._groups.items()}
+                role: ModelGroups(
+                    functools.partial(
+                        group_like, router, g, config.decode_kv_reserve_tokens if role == "decode" else 0
+                    ),
+                    self._model_names,
+                    aliases,
+                    g.policy,
+                )
+                for role, g in self._groups.items()
+            }
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -161,13 +171,12 @@ class Registry(RankPorts, AdminAPI):
     def _queue_configured(self, url: str, role: str, bootstrap_port: int | None = None) -> None:
         try:
             self._queue(url, role, bootstrap_port=bootstrap_port)
-        except SelfWorker as exc:   # known only once bound (--port 0): skipped, said once
+        except SelfWorker as exc:  # known only once bound (--port 0): skipped, said once
             log.error("not registering %s: %s", url, exc)
 
     async def stop(self) -> None:
         """Cancel pending registrations and the reaper (rows are left to the table's owner)."""
-        tasks = [t for w in self.workers for t in (w.task, w.dp_task)
-                 if t is not None and not t.done()]
+        tasks = [t for w in self.workers for t in (w.task, w.dp_task) if t is not None and not t.done()]
         if self._reaper is not None:
             tasks.append(self._reaper)
         for t in tasks:
@@ -206,7 +215,7 @@ class Registry(RankPorts, AdminAPI):
         self._by_id[w.id] = w
         if w.addr is not None:
             self._by_addr.setdefault(w.addr, w)
-        for url, addr in self._aliases(w):    # the other rank ports of a per-rank-port server
+        for url, addr in self._aliases(w):  # the other rank ports of a per-rank-port server
             self._by_url.setdefault(url, w)
             if addr is not None:
                 self._by_addr.setdefault(addr, w)
@@ -271,17 +280,43 @@ class Registry(RankPorts, AdminAPI):
         return target_label(w, rank)
 
     # ---- add / remove -------------------------------------------------------------------------
-    def add_worker(self, url: str, role: str, *, bootstrap_port: int | None = None,
-                   model_id: str | None = None, priority: int | None = None, cost: float | None = None,
-                   labels: Mapping[str, str] | None = None, api_key: str | None = None) -> Worker:
+    def add_worker(
+        self,
+        url: str,
+        role: str,
+        *,
+        bootstrap_port: int | None = None,
+        model_id: str | None = None,
+        priority: int | None = None,
+        cost: float | None = None,
+        labels: Mapping[str, str] | None = None,
+        api_key: str | None = None,
+    ) -> Worker:
         """Queue a worker for background registration. Raises DuplicateWorker (a ValueError) on a
         known URL and ValueError on a bad role; the handshake outcome is ``Worker.status``."""
-        return self._queue(url, role, bootstrap_port=bootstrap_port, model_id=model_id,
-                           priority=priority, cost=cost, labels=labels, api_key=api_key)
+        return self._queue(
+            url,
+            role,
+            bootstrap_port=bootstrap_port,
+            model_id=model_id,
+            priority=priority,
+            cost=cost,
+            labels=labels,
+            api_key=api_key,
+        )
 
-    def _queue(self, url: str, role: str, *, bootstrap_port: int | None = None,
-               model_id: str | None = None, priority: int | None = None, cost: float | None = None,
-               labels: Mapping[str, str] | None = None, api_key: str | None = None) -> Worker:
+    def _queue(
+        self,
+        url: str,
+        role: str,
+        *,
+        bootstrap_port: int | None = None,
+        model_id: str | None = None,
+        priority: int | None = None,
+        cost: float | None = None,
+        labels: Mapping[str, str] | None = None,
+        api_key: str | None = None,
+    ) -> Worker:
         if role not in ROLES:
             raise ValueError(f"unknown worker_type {role!r} (expected one of {', '.join(ROLES)})")
         check_fields(priority, cost, labels, api_key)
@@ -300,12 +335,20 @@ class Registry(RankPorts, AdminAPI):
         self.own.check(url, address_key(host, port))
         same = self.find(url)
         if same is not None:
-            raise DuplicateWorker(f"worker {url} already exists" if same.url == url
-                                  else f"worker {url} is {same.url} (same address)")
-        w = Worker(url=url, role=role, host=host, port=port,
-                   bootstrap_port=bootstrap_port if role == "prefill" else None,
-                   requested_model_id=model_id, api_key=api_key or None, basic_auth=basic,
-                   addr=address_key(host, port))
+            raise DuplicateWorker(
+                f"worker {url} already exists" if same.url == url else f"worker {url} is {same.url} (same address)"
+            )
+        w = Worker(
+            url=url,
+            role=role,
+            host=host,
+            port=port,
+            bootstrap_port=bootstrap_port if role == "prefill" else None,
+            requested_model_id=model_id,
+            api_key=api_key or None,
+            basic_auth=basic,
+            addr=address_key(host, port),
+        )
         if priority is not None:
             w.priority = priority
         if cost is not None:
@@ -345,153 +388,10 @@ class Registry(RankPorts, AdminAPI):
                 self._retire(t)
         log.info("removed %s worker %s", w.role, w.url)
 
-    # ---- registration handshake ---------------------------------------------------------------
-    async def _register(self, w: Worker) -> None:
-        try:
-            ok = await self._handshake(w)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a bug here must not kill the task silently
-            log.exception("registration of %s crashed", w.url)
-            ok, w.error = False, f"internal error: {exc}"
-        if w.status != "pending":       # removed while the handshake ran
-            return
-        if ok:
-            try:
-                self._activate(w)
-                return
-            except Exception as exc:    # e.g. the table is full
-                log.error("cannot add worker %s: %s", w.url, exc)
-                w.error = str(exc)
-        w.status = "failed"
-        self.invalidate_ready()
-        if self._by_id.get(w.id) is w:
-            self.workers.remove(w)
-            self._unindex(w)
-
-    async def _resolve(self, w: Worker) -> None:
-        """Resolve a host name to its address; a second worker on an address already
-        registered is the same backend under another name: it fails (_Fatal)."""
-        loop = asyncio.get_running_loop()
-        try:
-            infos = await loop.getaddrinfo(w.host.strip("[]"), w.port, type=socket.SOCK_STREAM)
-        except OSError:
-            return  # unresolvable for now: the health probe reports it, and retries
-        if not infos or w.addr is not None:
-            return
-        key = (str(infos[0][4][0]), w.port)
-        try:
-            self.own.check(w.url, key)
-        except SelfWorker as exc:
-            raise _Fatal(str(exc)) from None
-        if not self.config.allow_link_local_workers and link_local(key[0]):
-            raise _Fatal(f"{w.host} resolves to the link-local address {key[0]}; pass "
-                         "--allow-link-local-workers to allow it")
-        other = self._by_addr.get(key)
-        if other is not None and other is not w:
-            raise _Fatal(f"same backend as worker {other.url} ({key[0]}:{key[1]})")
-        w.addr = key
-        if self._by_id.get(w.id) is w:
-            self._by_addr[key] = w
-
-    async def _handshake(self, w: Worker) -> bool:
-        cfg = self.config
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + float(cfg.worker_startup_timeout_secs)
-        interval = max(float(cfg.worker_startup_check_interval), 0.001)
-        probe_timeout = max(float(cfg.health_check_timeout_secs), 0.001)
-        attempts = 0
-        tls_warned = False
-        while True:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                w.error = f"not ready after {cfg.worker_startup_timeout_secs}s ({attempts} attempts): {w.error}"
-                log.error("worker %s failed to register: %s", w.url, w.error)
-                return False
-            attempts += 1
-            now = loop.time()
-            slot = max(self._next_attempt, now - ATTEMPT_BURST * ATTEMPT_SPACING)
-            self._next_attempt = slot + ATTEMPT_SPACING
-            if slot > now:
-                await asyncio.sleep(slot - now)
-            timeout = min(probe_timeout, max(deadline - loop.time(), 0.001))
-            try:
-                if w.addr is None:
-                    await self._resolve(w)
-                # No bearer key on /health (protocol.md 2).
-                status, _, _ = await httpclient.request("GET", w.url + "/health",
-                                                        headers=self.health_headers(w),
-                                                        timeout=timeout)
-                if 200 <= status < 300:
-                    await self._discover(w, timeout)
-                    return True
-                w.error = f"/health answered {status}"
-            except HttpTLSError as exc:   # a bad certificate does not fix itself
-                w.error = str(exc)
-                log.error("worker %s failed to register: %s", w.url, exc)
-                return False
-            except HttpTLSClosed as exc:  # TLS 1.3: a refused client certificate looks like this
-                w.error = str(exc) + _mtls_hint(cfg)
-                if not tls_warned:
-                    tls_warned = True
-                    log.warning("worker %s refuses the router: %s; retrying until "
-                                "--worker-startup-timeout-secs", w.url, w.error)
-            except (HttpClientError, _Transient) as exc:
-                w.error = str(exc)
-            except _Fatal as exc:
-                w.error = str(exc)
-                log.error("worker %s failed to register: %s", w.url, exc)
-                return False
-            log.debug("worker %s not ready yet: %s", w.url, w.error)
-            await asyncio.sleep(min(interval, max(deadline - loop.time(), 0.0)))
-
-    async def _get_info(self, w: Worker, primary: str, fallback: str, timeout: float,
-                        url: str | None = None) -> tuple[dict[str, Any] | None, str]:
-        """GET primary, on 404 GET fallback (of ``url``, default the worker's).
-        -> (JSON object or None if both 404, path used)."""
-        headers = self.auth_headers(w)
-        for path in (primary, fallback):
-            status, _, body = await httpclient.request("GET", (url or w.url) + path,
-                                                       headers=headers, timeout=timeout)
-            if status == 404:
-                continue
-            if status != 200:
-                raise _Transient(f"{path} answered {status}")
-            try:
-                doc = json.loads(body)
-            except ValueError:
-                raise _Transient(f"{path} returned invalid JSON") from None
-            if not isinstance(doc, dict):
-                raise _Transient(f"{path} returned a JSON {type(doc).__name__}, expected an object")
-            return doc, path
-        return None, primary
-
-    async def _discover(self, w: Worker, timeout: float) -> None:
-        si, w.server_info_path = await self._get_info(w, "/server_info", "/get_server_info", timeout)
-        mi, w.model_info_path = await self._get_info(w, "/model_info", "/get_model_info", timeout)
-        w.server_info = si or {}
-        w.model_info = mi or {}
-        w.model_id = model_id_of(w.requested_model_id, w.server_info, w.model_info)
-        try:    # a per-rank-port server takes its dp_size from its deployment_info
-            await self._discover_rank_ports(w, timeout)
-        except RankLayoutError as exc:     # cannot be a layout: retrying will not help
-            raise _Fatal(f"{w.server_info_path}: {exc}") from None
-        except LookupError as exc:         # a rank port not up yet, or not that rank yet
-            raise _Transient(str(exc)) from None
-        if w.rank_ports:
-            return
-        dp = w.server_info.get("dp_size")
-        valid = isinstance(dp, int) and not isinstance(dp, bool) and dp >= 1
-        if self.config.dp_aware and not valid:
-            raise _Fatal(f"No dp_size in response from {w.server_info_path} (got {dp!r}); "
-                         "--dp-aware needs it")
-        w.dp_size = dp if valid else 1
-
     def _activate(self, w: Worker) -> None:
         """Give the worker its rows and publish them to its group (synchronous: no await)."""
         # A per-rank-port server is always split: its ports are its ranks.
-        n = len(w.rank_urls) if w.rank_ports else (
-            w.dp_size if (self.config.dp_aware and w.dp_size > 1) else 1)
+        n = len(w.rank_urls) if w.rank_ports else (w.dp_size if (self.config.dp_aware and w.dp_size > 1) else 1)
         rows: list[int] = []
         try:
             for _ in range(n):
@@ -517,8 +417,15 @@ class Registry(RankPorts, AdminAPI):
         self.invalidate_ready()
         w.error = None
         self._sync_group(w.role, soon=True)
-        log.info("worker %s ready: role=%s model=%s dp_size=%d ranks=%s targets=%s",
-                 w.url, w.role, w.model_id, w.dp_size, ",".join(w.names), rows)
+        log.info(
+            "worker %s ready: role=%s model=%s dp_size=%d ranks=%s targets=%s",
+            w.url,
+            w.role,
+            w.model_id,
+            w.dp_size,
+            ",".join(w.names),
+            rows,
+        )
 
     # ---- dp_size changes (a worker restarted with another --dp-size) ------------------------
     def recheck_dp(self, w: Worker, why: str, force: bool = True) -> None:
@@ -534,8 +441,7 @@ class Registry(RankPorts, AdminAPI):
         if not force and now - w.dp_checked < DP_RECHECK_MIN_SECS:
             return
         w.dp_checked = now
-        w.dp_task = asyncio.get_running_loop().create_task(self._recheck_dp(w, why),
-                                                           name=f"dp_size {w.url}")
+        w.dp_task = asyncio.get_running_loop().create_task(self._recheck_dp(w, why), name=f"dp_size {w.url}")
 
     async def _recheck_dp(self, w: Worker, why: str) -> None:
         timeout = max(float(self.config.health_check_timeout_secs), 0.001)
@@ -567,8 +473,7 @@ class Registry(RankPorts, AdminAPI):
         except Exception as exc:
             for t in added:
                 self.table.free(t)
-            log.error("worker %s now has dp_size %d but its ranks cannot be added: %s",
-                      w.url, dp, exc)
+            log.error("worker %s now has dp_size %d but its ranks cannot be added: %s", w.url, dp, exc)
             return
         old_dp, kept, gone = w.dp_size, w.targets[:n], w.targets[n:]
         w.dp_size = dp
@@ -589,8 +494,9 @@ class Registry(RankPorts, AdminAPI):
             self.table.set_healthy(t, False)
             self.table.mark_unpolled(t)
             self._retire(t)
-        log.warning("worker %s dp_size changed %d -> %d (%s): ranks=%s", w.url, old_dp, dp,
-                    why or "re-read", ",".join(w.names))
+        log.warning(
+            "worker %s dp_size changed %d -> %d (%s): ranks=%s", w.url, old_dp, dp, why or "re-read", ",".join(w.names)
+        )
 
     def _sync_group(self, role: str, soon: bool = False) -> None:
         """Publish the role's ready targets to its group and the listeners. ``soon``: once
@@ -646,4 +552,3 @@ class Registry(RankPorts, AdminAPI):
         # Leases end at response EOF; streams can be long, so poll gently until all are gone.
         while self.reap():
             await asyncio.sleep(0.05)
-

@@ -39,7 +39,7 @@ machine are never written. Only *open* is published, not half-open: once the ope
 passes every replica may send traffic again and each one's own breaker judges the worker, so a
 replica that gets no traffic can never keep a worker fenced off for the others.
 
-Input from Redis is not trusted (issue 24): only replicas with a live heartbeat are read (a
+Input from Redis is not trusted (any client of that Redis can write it): only replicas with a live heartbeat are read (a
 load field without one is never counted); an entry over ``MAX_ENTRY_BYTES`` is not even sent
 by the script (its length is) and is skipped; a line with a count past ``COUNT_LIMIT`` is
 skipped, a negative count is 0 and sums are capped, so nothing can overflow the int64 cells;
@@ -57,6 +57,7 @@ the columns for one TTL after the last good tick (a blip does not make every rep
 the targets the others were loading), then the columns are cleared and routing uses local counts
 and the polled engine loads alone, so a dead link cannot freeze stale load.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -67,12 +68,22 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from fastroute.core.routing import hash64
 from fastroute.control.background import cancel_all
-from fastroute.core.table import (CIRCUIT_OPEN, COL_ALLOCATED, COL_CIRCUIT, COL_IN_FLIGHT,
-                                  COL_IN_FLIGHT_TOKENS, COL_ORDER_KEY, COL_OTHERS_EST,
-                                  COL_OTHERS_EST_TOKENS, COL_OTHERS_IN_FLIGHT, COL_OTHERS_OPEN,
-                                  COL_OTHERS_TOKENS, TargetTable)
+from fastroute.core.routing import hash64
+from fastroute.core.table import (
+    CIRCUIT_OPEN,
+    COL_ALLOCATED,
+    COL_CIRCUIT,
+    COL_IN_FLIGHT,
+    COL_IN_FLIGHT_TOKENS,
+    COL_ORDER_KEY,
+    COL_OTHERS_EST,
+    COL_OTHERS_EST_TOKENS,
+    COL_OTHERS_IN_FLIGHT,
+    COL_OTHERS_OPEN,
+    COL_OTHERS_TOKENS,
+    TargetTable,
+)
 
 log = logging.getLogger("fastroute.replica")
 
@@ -148,7 +159,7 @@ def decode(payload: bytes, into: dict[str, list[int]]) -> tuple[int, int]:
     for line in payload.decode("utf-8", "replace").splitlines():
         parts = line.split("\t")
         if len(parts) != 4 or max(len(parts[1]), len(parts[2]), len(parts[3])) > 19:
-            bad += 1        # (19 digits: int() of a huge digit string is itself slow)
+            bad += 1  # (19 digits: int() of a huge digit string is itself slow)
             continue
         try:
             r, k, o = int(parts[1]), int(parts[2]), int(parts[3])
@@ -173,8 +184,9 @@ def decode(payload: bytes, into: dict[str, list[int]]) -> tuple[int, int]:
 class ReplicaSync:
     """The sync task of one host (see module docstring)."""
 
-    def __init__(self, url: str, replica_id: str, table: TargetTable, registry: Any,
-                 interval: float, ttl: float) -> None:
+    def __init__(
+        self, url: str, replica_id: str, table: TargetTable, registry: Any, interval: float, ttl: float
+    ) -> None:
         self.url = url
         self.id = replica_id
         self.table = table
@@ -183,21 +195,21 @@ class ReplicaSync:
         self.ttl = ttl
         self.errors = 0
         self.peers = 0
-        self.up: bool | None = None        # None until the first tick
+        self.up: bool | None = None  # None until the first tick
         # Input the tick skipped rather than trusted: "oversize" entries, "bad_line"s of a
         # payload, "repaired" keys of the wrong type; and ticks that found another live
         # replica under this id (fastroute_replica_id_conflicts_total).
         self.skipped: dict[str, int] = {}
         self.conflicts = 0
-        self.nonce = os.urandom(8).hex()   # this instance, told apart from a same-id twin
-        self._published = False            # a tick of ours went through (set the nonce)
+        self.nonce = os.urandom(8).hex()  # this instance, told apart from a same-id twin
+        self._published = False  # a tick of ours went through (set the nonce)
         self._conflict_logged = False
         self._skip_logged: set[str] = set()
         self._bg = getattr(registry, "background", None)
         self._last_ok = 0.0
-        self._cleared = True               # the others columns hold nothing
+        self._cleared = True  # the others columns hold nothing
         self._order_keys: dict[str, int] = {}
-        self._est_kept: dict[int, int] = {}   # row -> estimate left at the last tick
+        self._est_kept: dict[int, int] = {}  # row -> estimate left at the last tick
         self._task: asyncio.Task | None = None
         timeout = max(0.05, min(1.0, ttl / 2))
         # Deferred: redis adds ~6 MB of RSS at import and only --replica-sync uses it.
@@ -210,20 +222,24 @@ class ReplicaSync:
         self._failures = (RedisError, OSError, asyncio.TimeoutError)
         # No retries inside the client: this task retries with its own backoff, and a command
         # never waits longer than the timeout.
-        self.client = aioredis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                        retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
-                                        health_check_interval=0)
+        self.client = aioredis.from_url(
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            health_check_interval=0,
+        )
         self._script = self.client.register_script(_TICK)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         if self._bg is None:
             from fastroute.control.background import Background
+
             self._bg = Background()
-        self._task = self._bg.spawn("replica sync", self._loop, initial=BACKOFF_INITIAL,
-                                    cap=BACKOFF_MAX)
-        log.info("replica sync: %s as %r every %.0f ms (ttl %.1f s)", self.url, self.id,
-                 self.interval * 1000, self.ttl)
+        self._task = self._bg.spawn("replica sync", self._loop, initial=BACKOFF_INITIAL, cap=BACKOFF_MAX)
+        log.info("replica sync: %s as %r every %.0f ms (ttl %.1f s)", self.url, self.id, self.interval * 1000, self.ttl)
 
     async def stop(self) -> None:
         """Stop syncing, withdraw this replica's entry (best effort) and clear the columns."""
@@ -238,7 +254,7 @@ class ReplicaSync:
                 pipe.hdel(OWNER_KEY, self.id)
                 await asyncio.wait_for(pipe.execute(), self.ttl)
             except self._failures:
-                pass        # the entry ages out after the TTL instead
+                pass  # the entry ages out after the TTL instead
         self._clear()
         await self.client.aclose()
 
@@ -255,7 +271,7 @@ class ReplicaSync:
             k = cells.load(t, COL_IN_FLIGHT_TOKENS)
             o = cells.load(t, COL_CIRCUIT) == CIRCUIT_OPEN
             if not (r or k or o):
-                continue        # absent means zero: payloads stay small on idle targets
+                continue  # absent means zero: payloads stay small on idle targets
             name = self.registry.target_name(t)
             prev = out.get(name)
             out[name] = (r, k, o) if prev is None else (prev[0] + r, prev[1] + k, prev[2] or o)
@@ -265,14 +281,19 @@ class ReplicaSync:
         """Publish, read the live replicas, store the others' sums; returns the live peers."""
         payload = encode(self.local_counts())
         reply = await asyncio.wait_for(
-            self._script(keys=[BEAT_KEY, LOAD_KEY, OWNER_KEY],
-                         args=[self.id, payload, int(self.ttl * 1000), self.nonce,
-                               MAX_ENTRY_BYTES]),
-            self.ttl)
+            self._script(
+                keys=[BEAT_KEY, LOAD_KEY, OWNER_KEY],
+                args=[self.id, payload, int(self.ttl * 1000), self.nonce, MAX_ENTRY_BYTES],
+            ),
+            self.ttl,
+        )
         repaired, prev, live = reply[0], reply[1], reply[2:]
         if repaired:
-            self._skip("repaired", f"{repaired} sync key(s) of the wrong type were deleted "
-                                   "(something else wrote them)", repaired)
+            self._skip(
+                "repaired",
+                f"{repaired} sync key(s) of the wrong type were deleted (something else wrote them)",
+                repaired,
+            )
         self._check_twin(prev)
         others: dict[str, list[int]] = {}
         peers = 0
@@ -282,16 +303,14 @@ class ReplicaSync:
             if live[i] == own:
                 continue
             entry = live[i + 1]
-            if isinstance(entry, int):      # Redis sent its length only: too big to use
-                self._skip("oversize", f"replica {live[i]!r} has a {entry}-byte entry "
-                                       f"(limit {MAX_ENTRY_BYTES})")
+            if isinstance(entry, int):  # Redis sent its length only: too big to use
+                self._skip("oversize", f"replica {live[i]!r} has a {entry}-byte entry (limit {MAX_ENTRY_BYTES})")
                 continue
             good, bad = decode(entry, others)
             if bad:
-                self._skip("bad_line", f"replica {live[i]!r} sent {bad} malformed or "
-                                       "out-of-range line(s)", bad)
+                self._skip("bad_line", f"replica {live[i]!r} sent {bad} malformed or out-of-range line(s)", bad)
             if good or not bad:
-                peers += 1      # garbage only is not a router replica
+                peers += 1  # garbage only is not a router replica
                 ids.append(live[i])
         self.apply(others)
         ids.sort()
@@ -304,8 +323,11 @@ class ReplicaSync:
         self.skipped[what] = self.skipped.get(what, 0) + n
         if what not in self._skip_logged:
             self._skip_logged.add(what)
-            log.warning("replica sync: %s; skipped (counted in "
-                        "fastroute_replica_sync_skipped_total{what=%r}, logged once)", why, what)
+            log.warning(
+                "replica sync: %s; skipped (counted in fastroute_replica_sync_skipped_total{what=%r}, logged once)",
+                why,
+                what,
+            )
 
     def _check_twin(self, prev: Any) -> None:
         """Another live instance wrote its nonce under this id since our last tick: two
@@ -314,9 +336,11 @@ class ReplicaSync:
             self.conflicts += 1
             if not self._conflict_logged:
                 self._conflict_logged = True
-                log.error("replica sync: another router replica publishes as %r too (its entry "
-                          "overwrites this one's); give every replica its own --replica-id",
-                          self.id)
+                log.error(
+                    "replica sync: another router replica publishes as %r too (its entry "
+                    "overwrites this one's); give every replica its own --replica-id",
+                    self.id,
+                )
         self._published = True
 
     def apply(self, others: dict[str, list[int]]) -> None:
@@ -386,8 +410,13 @@ class ReplicaSync:
         if self.table.cells is None:
             return
         for t in range(self.table.capacity):
-            for col in (COL_OTHERS_IN_FLIGHT, COL_OTHERS_TOKENS, COL_OTHERS_OPEN, COL_OTHERS_EST,
-                        COL_OTHERS_EST_TOKENS):
+            for col in (
+                COL_OTHERS_IN_FLIGHT,
+                COL_OTHERS_TOKENS,
+                COL_OTHERS_OPEN,
+                COL_OTHERS_EST,
+                COL_OTHERS_EST_TOKENS,
+            ):
                 self._store(t, col, 0)
         self.table.set_replicas(0, 0)
         self._est_kept.clear()
@@ -407,22 +436,24 @@ class ReplicaSync:
                 self.errors += 1
                 redis_down = isinstance(exc, self._failures)
                 if self.up is not False and redis_down:
-                    log.warning("replica sync: Redis at %s unreachable (%s); routing on this "
-                                "replica's own counts until it returns", self.url,
-                                exc or type(exc).__name__)
+                    log.warning(
+                        "replica sync: Redis at %s unreachable (%s); routing on this "
+                        "replica's own counts until it returns",
+                        self.url,
+                        exc or type(exc).__name__,
+                    )
                 st.fail(exc, logged=redis_down)
                 self.up = False
                 self._stop_coordinating()
-                self.peers = 0          # unknown while down, not the last count
+                self.peers = 0  # unknown while down, not the last count
                 if not self._cleared and loop.time() - self._last_ok > self.ttl:
-                    self._clear()       # the last view is older than the TTL: stale, not load
+                    self._clear()  # the last view is older than the TTL: stale, not load
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX)
                 continue
             self.peers = peers
             if self.up is False:
-                log.info("replica sync: Redis at %s is back (%d other replicas live)", self.url,
-                         self.peers)
+                log.info("replica sync: Redis at %s is back (%d other replicas live)", self.url, self.peers)
             self.up = True
             st.ok()
             self._last_ok = loop.time()
@@ -437,35 +468,46 @@ class ReplicaCollector:
         self.sync = sync
 
     def collect(self):
-        errors = CounterMetricFamily("fastroute_replica_sync_errors",
-                                     "Replica sync ticks that failed (Redis unreachable or slow)")
+        errors = CounterMetricFamily(
+            "fastroute_replica_sync_errors", "Replica sync ticks that failed (Redis unreachable or slow)"
+        )
         errors.add_metric([], float(self.sync.errors))
-        peers = GaugeMetricFamily("fastroute_replica_peers",
-                                  "Other router replicas live in the last sync (0 while Redis is down)")
+        peers = GaugeMetricFamily(
+            "fastroute_replica_peers", "Other router replicas live in the last sync (0 while Redis is down)"
+        )
         peers.add_metric([], float(self.sync.peers))
         up = GaugeMetricFamily("fastroute_replica_sync_up", "1 when the last sync tick succeeded")
         up.add_metric([], 1.0 if self.sync.up else 0.0)
-        skipped = CounterMetricFamily("fastroute_replica_sync_skipped",
-                                      "Replica-sync input skipped: oversize entries, malformed or "
-                                      "out-of-range payload lines, sync keys of the wrong type",
-                                      labels=["what"])
+        skipped = CounterMetricFamily(
+            "fastroute_replica_sync_skipped",
+            "Replica-sync input skipped: oversize entries, malformed or "
+            "out-of-range payload lines, sync keys of the wrong type",
+            labels=["what"],
+        )
         for what, n in sorted(self.sync.skipped.items()):
             skipped.add_metric([what], float(n))
-        twins = CounterMetricFamily("fastroute_replica_id_conflicts",
-                                    "Sync ticks that found another live replica publishing "
-                                    "under this --replica-id")
+        twins = CounterMetricFamily(
+            "fastroute_replica_id_conflicts",
+            "Sync ticks that found another live replica publishing under this --replica-id",
+        )
         twins.add_metric([], float(self.sync.conflicts))
         yield from (errors, peers, up, skipped, twins)
 
 
-async def start_replica_sync(config: Any, table: TargetTable, registry: Any, metrics: Any,
-                             port: int) -> ReplicaSync | None:
+async def start_replica_sync(
+    config: Any, table: TargetTable, registry: Any, metrics: Any, port: int
+) -> ReplicaSync | None:
     """Start the sync where the table is owned; None when ``--replica-sync`` is off."""
     if config.replica_sync is None:
         return None
-    sync = ReplicaSync(config.replica_sync, config.replica_id or default_replica_id(port), table,
-                       registry, config.replica_sync_interval_ms / 1000.0,
-                       config.replica_ttl_ms / 1000.0)
+    sync = ReplicaSync(
+        config.replica_sync,
+        config.replica_id or default_replica_id(port),
+        table,
+        registry,
+        config.replica_sync_interval_ms / 1000.0,
+        config.replica_ttl_ms / 1000.0,
+    )
     if metrics is not None:
         metrics.registry.register(ReplicaCollector(sync))
     sync.start()

@@ -13,6 +13,7 @@ unspecified address itself (connecting to ``0.0.0.0`` reaches the local host) an
 address of the host's interfaces, found by binding a UDP socket to it (only local addresses
 bind). IPv4-mapped IPv6 addresses count as their IPv4 address.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -66,7 +67,7 @@ class OwnAddresses:
         except OSError:
             infos = []
         addrs = {_canonical(str(i[4][0])) for i in infos} - {None}
-        if not addrs:   # could not resolve what we bound: assume every local address
+        if not addrs:  # could not resolve what we bound: assume every local address
             addrs = {ipaddress.IPv4Address("0.0.0.0")}
         for a in addrs:
             assert a is not None
@@ -96,5 +97,7 @@ class OwnAddresses:
             return
         what = self.owner(*addr)
         if what is not None:
-            raise SelfWorker(f"worker URL {url} is this router itself ({what}, "
-                             f"reached at {addr[0]}:{addr[1]}); a worker must be another server")
+            raise SelfWorker(
+                f"worker URL {url} is this router itself ({what}, "
+                f"reached at {addr[0]}:{addr[1]}); a worker must be another server"
+            )

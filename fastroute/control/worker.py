@@ -12,6 +12,7 @@ normalised (scheme and host lower-case, default port and trailing slashes droppe
 address (``address_key``: every spelling of an IP literal, and ``localhost``; other host names
 are resolved by the registry's handshake).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,8 +21,9 @@ import ipaddress
 import math
 import socket
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 ROLES = ("regular", "prefill", "decode")
@@ -34,12 +36,12 @@ class Worker:
     url: str
     role: str
     id: str = field(default_factory=lambda: str(uuid.uuid4()))
-    host: str = ""              # hostname of the URL verbatim (IPv6 bracketed): bootstrap_host
+    host: str = ""  # hostname of the URL verbatim (IPv6 bracketed): bootstrap_host
     port: int = 0
     bootstrap_port: int | None = None
     dp_size: int = 1
-    targets: list[int] = field(default_factory=list)   # table rows, index = rank when split
-    names: list[str] = field(default_factory=list)     # url or url@rank, parallel to targets
+    targets: list[int] = field(default_factory=list)  # table rows, index = rank when split
+    names: list[str] = field(default_factory=list)  # url or url@rank, parallel to targets
     model_id: str = "unknown"
     server_info: dict[str, Any] = field(default_factory=dict)
     model_info: dict[str, Any] = field(default_factory=dict)
@@ -54,7 +56,7 @@ class Worker:
     basic_auth: str | None = field(default=None, repr=False)
     addr: tuple[str, int] | None = None  # resolved (address, port): one backend, one worker
     requested_model_id: str | None = None
-    error: str | None = None             # why registration failed
+    error: str | None = None  # why registration failed
     # Which info paths answered (the /get_* fallbacks are remembered per worker).
     server_info_path: str = "/server_info"
     model_info_path: str = "/model_info"
@@ -64,8 +66,8 @@ class Worker:
     health_failures: int = 0
     health_successes: int = 0
     task: asyncio.Task | None = field(default=None, repr=False)
-    dp_task: asyncio.Task | None = field(default=None, repr=False)   # a dp_size re-read
-    dp_checked: float = 0.0              # loop time of the last scheduled dp_size re-read
+    dp_task: asyncio.Task | None = field(default=None, repr=False)  # a dp_size re-read
+    dp_checked: float = 0.0  # loop time of the last scheduled dp_size re-read
     # Per-rank ports (fastroute.control.rankports): the URL and DP rank of each target, by
     # target index; empty for a server on one port. Health is then kept per rank port.
     rank_urls: list[str] = field(default_factory=list)
@@ -91,7 +93,6 @@ class Worker:
         return self.healthy
 
 
-
 _DEFAULT_PORT = {"http": "80", "https": "443"}
 PRIORITY_MAX = (1 << 31) - 1
 
@@ -105,7 +106,7 @@ def _parts(url: str) -> tuple[str, str, str, str, str, str]:
     userinfo, _, hostport = sp.netloc.rpartition("@")
     if hostport.startswith("["):
         end = hostport.find("]") + 1
-        host, port = hostport[:end], hostport[end + 1:] if end > 0 else ""
+        host, port = hostport[:end], hostport[end + 1 :] if end > 0 else ""
     else:
         host, _, port = hostport.partition(":")
     return sp.scheme.lower(), userinfo, host.lower(), port, sp.path, sp.query
@@ -147,15 +148,13 @@ def address_key(host: str, port: int) -> tuple[str, int] | None:
         return None
 
 
-def check_fields(priority: Any = None, cost: Any = None, labels: Any = None,
-                 api_key: Any = None) -> None:
+def check_fields(priority: Any = None, cost: Any = None, labels: Any = None, api_key: Any = None) -> None:
     """Raise ValueError naming the first field a caller set to something unusable (None: unset).
 
     ``api_key`` goes into a header line of every request to the worker, so it must be a string
     of visible ASCII; ``priority`` an int in [0, 2^31); ``cost`` a finite number >= 0 (it is
     shown in ``GET /workers``, which must stay strict JSON); ``labels`` an object."""
-    if api_key is not None and (type(api_key) is not str
-                                or not all(0x21 <= ord(c) <= 0x7E for c in api_key)):
+    if api_key is not None and (type(api_key) is not str or not all(0x21 <= ord(c) <= 0x7E for c in api_key)):
         raise ValueError("api_key must be a string of visible ASCII characters")
     if priority is not None and (type(priority) is not int or not 0 <= priority <= PRIORITY_MAX):
         raise ValueError(f"priority must be an integer in [0, {PRIORITY_MAX}]")

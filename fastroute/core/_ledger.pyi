@@ -4,6 +4,7 @@ Arrays are the target table's int64 (rows, 16) array and its int64 header (8 cel
 point checks the rows, columns and shapes it is given (IndexError / ValueError), since the
 compiled code behind it runs without bounds checks.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -34,8 +35,8 @@ class Lease:
 
 def book(tab: _Table, header: _Header, t: int, tokens: int, keep: Any = None) -> Lease:
     """Book target ``t`` directly; returns its Lease."""
-def stress_book_release(tab: _Table, header: _Header, targets: npt.NDArray[np.int64],
-                        rounds: int, tokens: int) -> None:
+
+def stress_book_release(tab: _Table, header: _Header, targets: npt.NDArray[np.int64], rounds: int, tokens: int) -> None:
     """Book then release every target ``rounds`` times without the GIL (multi-process tests)."""
 
 class Cells:
@@ -58,9 +59,19 @@ class Cells:
     def rows_where(self, col: int, value: int) -> list[int]:
         """Rows whose cell ``col`` holds ``value``."""
 
-def store_polled(tab: _Table, t: int, running: int, waiting: int, tokens: int,
-                 max_tokens: int, at_ms: int, uncached: int = ..., kv_queue: int = ...) -> None:
+def store_polled(
+    tab: _Table,
+    t: int,
+    running: int,
+    waiting: int,
+    tokens: int,
+    max_tokens: int,
+    at_ms: int,
+    uncached: int = ...,
+    kv_queue: int = ...,
+) -> None:
     """Store one poll of target ``t``; the poll time is written last."""
+
 def snapshot(tab: _Table, n: int) -> npt.NDArray[np.int64]:
     """Atomic-load copy of the first ``n`` rows (0 <= n <= rows)."""
 
@@ -103,17 +114,27 @@ class Picker:
     @property
     def candidates(self) -> npt.NDArray[np.int64]:
         """A copy of the current candidate rows."""
-    def __init__(self, table_array: _Table, header_array: _Header, policy: str,
-                 metric: str = "tokens", demand: int = 0, weight: int = 0,
-                 seed: int | None = None, kv_fit: int = 0, kv_reserve: int = 0) -> None: ...
+    def __init__(
+        self,
+        table_array: _Table,
+        header_array: _Header,
+        policy: str,
+        metric: str = "tokens",
+        demand: int = 0,
+        weight: int = 0,
+        seed: int | None = None,
+        kv_fit: int = 0,
+        kv_reserve: int = 0,
+    ) -> None: ...
     def set_own_ledger(self, own_array: _Table | None) -> None:
         """Also book every lease in this process's private ledger (same shape as the table)."""
     def set_candidates(self, cands: npt.ArrayLike) -> None: ...
     def set_ring(self, hashes: npt.ArrayLike, targets: npt.ArrayLike) -> None: ...
     def pick(self, tokens: int = 0, key: bytes | None = None, out_tokens: int = 0) -> int:
         """The target the policy chooses now (no booking), or -1."""
-    def acquire(self, tokens: int = 0, key: bytes | None = None, text: object = None,
-                out_tokens: int = 0) -> Lease | None:
+    def acquire(
+        self, tokens: int = 0, key: bytes | None = None, text: object = None, out_tokens: int = 0
+    ) -> Lease | None:
         """Pick and book in one call; None when no target is eligible.  ``text`` is ignored."""
     def book_target(self, t: int, tokens: int = 0) -> Lease:
         """Book a target chosen elsewhere (the cache_aware tree); returns its Lease."""

@@ -6,6 +6,7 @@ min_load, min_group).  Times are monotonic seconds.  A pick returns a target row
 candidate is eligible (healthy, circuit not open).  fastroute.core.reference.ManualKeys is the
 NumPy/Python twin.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,8 +24,7 @@ class KeyTable:
     max_keys: int
     evicted: int
     capacity: int
-    def __init__(self, rows: int, mode: int, max_idle: float, sweep_every: float,
-                 seed: int, max_keys: int = 0) -> None:
+    def __init__(self, rows: int, mode: int, max_idle: float, sweep_every: float, seed: int, max_keys: int = 0) -> None:
         """``rows``: the table's row count; keys idle over ``max_idle`` s (<= 0: never) are
         dropped by a sweep run from a pick at most every ``sweep_every`` s; past ``max_keys``
         stored keys (0: no bound) the least recently used eighth is evicted."""

@@ -7,6 +7,7 @@ unchecked kernel runs.  ``state`` is the RNG state, a numpy uint64 array of shap
 in place exactly as ``reference.Rng`` advances.  A kernel returns a target row, or -1 when no
 candidate is eligible (healthy, circuit not open).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -18,29 +19,43 @@ _State = npt.NDArray[np.uint64]
 
 def round_robin(tab: _Table, cands: _Rows, cursor: npt.NDArray[np.int64]) -> int:
     """Next eligible candidate from ``cursor[0]`` on; advances the cursor (shape (1,), >= 0)."""
+
 def random_pick(tab: _Table, cands: _Rows, state: _State) -> int: ...
 def power_of_two(tab: _Table, cands: _Rows, metric: int, state: _State) -> int:
     """``metric`` is a code of fastroute.names.LOAD_METRIC_CODE."""
+
 def demand(tab: _Table, cands: _Rows, tokens: int, weight: int, state: _State) -> int:
     """Least in-flight tokens + ``tokens`` + ``weight`` x requests held."""
-def kv_fit(tab: _Table, cands: _Rows, tokens: int, need: int, use_demand: bool, weight: int,
-           state: _State) -> int:
+
+def kv_fit(tab: _Table, cands: _Rows, tokens: int, need: int, use_demand: bool, weight: int, state: _State) -> int:
     """The pick among ranks where ``need`` more KV tokens fit; -2 when no rank's capacity is
     known."""
-def coordinated(tab: _Table, cands: _Rows, tokens: int, need: int, use_demand: bool, weight: int,
-                kv: bool, n: int, slot: int, strict: bool = ...) -> tuple[int, list[int]]:
+
+def coordinated(
+    tab: _Table,
+    cands: _Rows,
+    tokens: int,
+    need: int,
+    use_demand: bool,
+    weight: int,
+    kv: bool,
+    n: int,
+    slot: int,
+    strict: bool = ...,
+) -> tuple[int, list[int]]:
     """Synced replicas: (this replica's pick, the plan of the next ``n`` placements)."""
-def demand_ties(tab: npt.NDArray[np.int64], cands: npt.NDArray[np.int64], tokens: int,
-                weight: int) -> list[int]: ...
-def kv_feasible(tab: npt.NDArray[np.int64], cands: npt.NDArray[np.int64],
-                need: int) -> tuple[list[int], list[int]]: ...
+
+def demand_ties(tab: npt.NDArray[np.int64], cands: npt.NDArray[np.int64], tokens: int, weight: int) -> list[int]: ...
+def kv_feasible(tab: npt.NDArray[np.int64], cands: npt.NDArray[np.int64], need: int) -> tuple[list[int], list[int]]: ...
 def free_kv(tab: _Table, t: int) -> int | None:
     """Estimated free KV tokens of target t, or None when its capacity is unknown."""
-def ring_lookup(tab: _Table, ring_hash: npt.NDArray[np.uint64], ring_target: _Rows,
-                key: int) -> int:
+
+def ring_lookup(tab: _Table, ring_hash: npt.NDArray[np.uint64], ring_target: _Rows, key: int) -> int:
     """First eligible target clockwise from ``key`` on the sorted ring."""
+
 def hash64(data: bytes) -> int:
     """64-bit hash of a byte string (ring positions and routing keys)."""
+
 def layout() -> dict[str, int]:
     """Every constant of _layout.pxd and _policy.pxd as compiled: COL_*, NCOLS, HDR_*, NHDR,
     CIRCUIT_*, METRIC_* and MODE_*."""

@@ -1,7 +1,8 @@
 """Typed API of fastroute.core._tree: the cache_aware policy's shared prefix tree and pick."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -46,9 +47,15 @@ class PrefixTree:
     @property
     def entry_count(self) -> int:
         """Live (node, target) holdings."""
-    def __init__(self, array: np.ndarray, cache_threshold: float = 0.3,
-                 balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5,
-                 max_tree_size: int = 67108864, seed: int = 0) -> None: ...
+    def __init__(
+        self,
+        array: np.ndarray,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+        max_tree_size: int = 67108864,
+        seed: int = 0,
+    ) -> None: ...
     def pick(self, text: str | bytes | None, targets: list[int]) -> int:
         """Chosen target row (text inserted under it), or -1 when none is eligible.
         ``targets`` is cached by identity: pass a new list when the set changes."""

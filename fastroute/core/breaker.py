@@ -31,11 +31,13 @@ call doing two atomic loads and no write, plus one dict increment; everything
 else runs only on failures, in half-open, and at the sweep (``tick``), whose
 scan for open rows is one compiled call.
 """
+
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -63,13 +65,34 @@ class Breakers:
     private array, for a single process without a table.
     """
 
-    __slots__ = ("table", "clock", "stats", "name_of", "cells", "_ok_key", "_fail_key", "enabled",
-                 "failure_threshold", "success_threshold", "_timeout_us", "capacity", "timeout")
+    __slots__ = (
+        "table",
+        "clock",
+        "stats",
+        "name_of",
+        "cells",
+        "_ok_key",
+        "_fail_key",
+        "enabled",
+        "failure_threshold",
+        "success_threshold",
+        "_timeout_us",
+        "capacity",
+        "timeout",
+    )
 
-    def __init__(self, table: Any, capacity: int, failure_threshold: int = 10,
-                 success_threshold: int = 3, timeout_secs: float = 60.0, enabled: bool = True,
-                 stats: Any = None, name_of: Callable[[int], str | None] | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self,
+        table: Any,
+        capacity: int,
+        failure_threshold: int = 10,
+        success_threshold: int = 3,
+        timeout_secs: float = 60.0,
+        enabled: bool = True,
+        stats: Any = None,
+        name_of: Callable[[int], str | None] | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         self.table = table
         self.clock = clock or time.monotonic
         self.enabled = bool(enabled)
@@ -80,8 +103,7 @@ class Breakers:
         self._timeout_us = int(self.timeout * _US)
         self.stats = stats
         self.name_of = name_of
-        self.cells = (table.cells if table is not None
-                      else _ledger.Cells(np.zeros((int(capacity), NCOLS), np.int64)))
+        self.cells = table.cells if table is not None else _ledger.Cells(np.zeros((int(capacity), NCOLS), np.int64))
         n = min(int(capacity), int(self.cells.rows))
         self.capacity = n
         # Prebuilt metric keys per row: (name, "success") / (name, "failure"), dropped by
@@ -98,10 +120,9 @@ class Breakers:
             d[key] = d.get(key, 0) + 1
         # Closed (the common case): the compiled call also ends a failure streak.
         s = self.cells.ok_closed(t)
-        if s == HALF_OPEN:
-            if self.cells.add(t, COL_CB_OKS, 1) >= self.success_threshold:
-                # Several processes may cross the threshold; the swap picks one.
-                self._move(t, HALF_OPEN, CLOSED)
+        if s == HALF_OPEN and self.cells.add(t, COL_CB_OKS, 1) >= self.success_threshold:
+            # Several processes may cross the threshold; the swap picks one.
+            self._move(t, HALF_OPEN, CLOSED)
         # OPEN: a response that was already in flight when the circuit opened;
         # it proves nothing about the probe window, so it changes nothing.
 
@@ -210,8 +231,7 @@ class Breakers:
             st.cb_transitions[key] = st.cb_transitions.get(key, 0) + 1
         if to == OPEN:
             if frm == CLOSED:
-                log.warning("circuit of %s opened after %d consecutive failures", name,
-                            cells.load(t, COL_CB_FAILS))
+                log.warning("circuit of %s opened after %d consecutive failures", name, cells.load(t, COL_CB_FAILS))
             else:
                 log.warning("circuit of %s reopened: a half-open probe failed", name)
         else:

@@ -23,10 +23,12 @@ every target within ``max_tree_size`` bytes after every pick).
 Each proxy process keeps its own tree: what a target caches is learned from the requests this
 process routed, while the loads come from the shared table and so cover every process.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from fastroute.core import _tree
 from fastroute.core.table import TargetTable
@@ -66,10 +68,10 @@ def leg_rank_slack(config: Any, role: str) -> int:
 class CacheAwarePolicy:
     """Prefix-tree policy for one group of targets; ``pick`` does not book (the Group does)."""
 
-    def __init__(self, table: TargetTable, config: Any = None, *, seed: int | None = None,
-                 rank_slack: int = -1) -> None:
-        params = {k: getattr(config, k, v) if config is not None else v
-                  for k, v in DEFAULTS.items()}
+    def __init__(
+        self, table: TargetTable, config: Any = None, *, seed: int | None = None, rank_slack: int = -1
+    ) -> None:
+        params = {k: getattr(config, k, v) if config is not None else v for k, v in DEFAULTS.items()}
         if not 0.0 <= float(params["cache_threshold"]) <= 1.0:
             raise ValueError("cache_threshold must be within [0, 1]")
         if int(params["max_tree_size"]) < 1:
@@ -125,5 +127,10 @@ class CacheAwarePolicy:
     @property
     def counters(self) -> dict[str, int]:
         t = self.tree
-        return {"cache_hits": t.hits, "cache_misses": t.misses, "balanced": t.balanced,
-                "evicted_bytes": t.evicted_bytes, "nodes": t.node_count}
+        return {
+            "cache_hits": t.hits,
+            "cache_misses": t.misses,
+            "balanced": t.balanced,
+            "evicted_bytes": t.evicted_bytes,
+            "nodes": t.node_count,
+        }

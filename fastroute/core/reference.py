@@ -9,17 +9,32 @@ The prefix tree (``_tree.PrefixTree``) has a twin of its meaning rather than of 
 target was given, which the radix tree must reproduce byte for byte; ties are a set of allowed
 targets, since the tree breaks them with its own RNG.
 """
+
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
-from typing import Any, Iterable
-
-from fastroute.core.table import (COL_CIRCUIT, COL_HEALTHY, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS,
-                                  COL_ORDER_KEY, COL_OTHERS_EST, COL_OTHERS_EST_TOKENS,
-                                  COL_OTHERS_IN_FLIGHT, COL_OTHERS_OPEN, COL_OTHERS_TOKENS,
-                                  COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_POLLED_TOKENS,
-                                  COL_TOKENS_AT_POLL, COL_POLLED_UNCACHED, COL_POLLED_KV_QUEUE)
+from fastroute.core.table import (
+    COL_CIRCUIT,
+    COL_HEALTHY,
+    COL_IN_FLIGHT,
+    COL_IN_FLIGHT_TOKENS,
+    COL_ORDER_KEY,
+    COL_OTHERS_EST,
+    COL_OTHERS_EST_TOKENS,
+    COL_OTHERS_IN_FLIGHT,
+    COL_OTHERS_OPEN,
+    COL_OTHERS_TOKENS,
+    COL_POLLED_AT,
+    COL_POLLED_KV_QUEUE,
+    COL_POLLED_MAX_TOKENS,
+    COL_POLLED_TOKENS,
+    COL_POLLED_UNCACHED,
+    COL_TOKENS_AT_POLL,
+)
 from fastroute.names import CIRCUIT_OPEN, LOAD_METRIC_CODE
 
 M64 = (1 << 64) - 1
@@ -59,8 +74,7 @@ def _eligible(tab: np.ndarray, cands) -> list[int]:
 def _row_eligible(tab: np.ndarray, t) -> bool:
     """``_layout.row_eligible``: healthy, circuit not open (half-open may take a probe), and not
     open at another replica."""
-    return bool(tab[t, COL_HEALTHY] == 1 and tab[t, COL_CIRCUIT] != CIRCUIT_OPEN
-                and tab[t, COL_OTHERS_OPEN] == 0)
+    return bool(tab[t, COL_HEALTHY] == 1 and tab[t, COL_CIRCUIT] != CIRCUIT_OPEN and tab[t, COL_OTHERS_OPEN] == 0)
 
 
 def requests(tab: np.ndarray, t) -> int:
@@ -71,8 +85,7 @@ def requests(tab: np.ndarray, t) -> int:
 
 def tokens_in_flight(tab: np.ndarray, t) -> int:
     """``_layout.row_tokens``: this host's in-flight input tokens plus the other replicas'."""
-    return (int(tab[t, COL_IN_FLIGHT_TOKENS]) + int(tab[t, COL_OTHERS_TOKENS])
-            + int(tab[t, COL_OTHERS_EST_TOKENS]))
+    return int(tab[t, COL_IN_FLIGHT_TOKENS]) + int(tab[t, COL_OTHERS_TOKENS]) + int(tab[t, COL_OTHERS_EST_TOKENS])
 
 
 def pending(tab: np.ndarray, t) -> int:
@@ -175,12 +188,11 @@ def free_kv(tab: np.ndarray, t: int) -> int | None:
     live = tokens_in_flight(tab, t)
     used = max(int(tab[t, COL_POLLED_TOKENS]) + live - int(tab[t, COL_TOKENS_AT_POLL]), live)
     if tab[t, COL_POLLED_KV_QUEUE] > 0:
-        used = max(used, cap)       # a prealloc/retracted queue at the poll: no KV free
+        used = max(used, cap)  # a prealloc/retracted queue at the poll: no KV free
     return cap - used
 
 
-def kv_fit(tab: np.ndarray, cands, tokens: int, need: int, use_demand: bool, weight: int,
-           rng: Rng) -> int:
+def kv_fit(tab: np.ndarray, cands, tokens: int, need: int, use_demand: bool, weight: int, rng: Rng) -> int:
     best, best_key, ties = -1, None, 0
     room, room_free, room_ties = -1, 0, 0
     known = False
@@ -214,8 +226,19 @@ def kv_fit(tab: np.ndarray, cands, tokens: int, need: int, use_demand: bool, wei
 
 # ---- the prefix tree, by meaning ----------------------------------------------------------------
 
-def coordinated(tab: np.ndarray, cands, tokens: int, need: int, use_demand: bool, weight: int,
-                kv: bool, n: int, slot: int, strict: bool = False) -> tuple[int, list[int]]:
+
+def coordinated(
+    tab: np.ndarray,
+    cands,
+    tokens: int,
+    need: int,
+    use_demand: bool,
+    weight: int,
+    kv: bool,
+    n: int,
+    slot: int,
+    strict: bool = False,
+) -> tuple[int, list[int]]:
     """``_policy.pick_coordinated``: the next n placements as one router would make them (each
     the best by (fits, least requests or demand cost, shared order key), or the most free KV
     when nothing fits), and this replica's: the slot-th when ``strict``, else the slot-th modulo
@@ -269,8 +292,7 @@ def held_bytes(texts: Iterable[bytes]) -> int:
     return len({s[:k] for s in texts for k in range(1, len(s) + 1)})
 
 
-def tree_match(held: dict[int, list[bytes]], query: bytes,
-               eligible: set[int]) -> tuple[int, list[int]]:
+def tree_match(held: dict[int, list[bytes]], query: bytes, eligible: set[int]) -> tuple[int, list[int]]:
     """``PrefixTree.match``: (longest match among the eligible targets' texts, sorted targets
     holding it); (0, []) when nothing matches."""
     best, who = 0, []
@@ -285,8 +307,14 @@ def tree_match(held: dict[int, list[bytes]], query: bytes,
     return best, sorted(who)
 
 
-def tree_pick(held: dict[int, list[bytes]], sizes: dict[int, int], loads: dict[int, int],
-              eligible: set[int], text: bytes | None, cfg: Any) -> tuple[str, set[int]]:
+def tree_pick(
+    held: dict[int, list[bytes]],
+    sizes: dict[int, int],
+    loads: dict[int, int],
+    eligible: set[int],
+    text: bytes | None,
+    cfg: Any,
+) -> tuple[str, set[int]]:
     """``PrefixTree.pick`` as (reason, the set of targets it may choose): the reasons are those of
     ``cache_aware.REASONS``, "none" with an empty set when no target is eligible.  ``cfg`` has
     cache_threshold, balance_abs_threshold and balance_rel_threshold, and optionally rank_slack
@@ -329,8 +357,7 @@ class ManualKeys:
     """Twin of ``_manual.KeyTable``: a dict instead of open addressing, same decisions, same
     RNG draws and the same sweep schedule (first pick, then every ``sweep_every`` seconds)."""
 
-    def __init__(self, mode: str, max_idle: float, sweep_every: float, seed: int,
-                 max_keys: int = 0) -> None:
+    def __init__(self, mode: str, max_idle: float, sweep_every: float, seed: int, max_keys: int = 0) -> None:
         self.mode = MANUAL_MODES.index(mode)
         self.max_keys = max_keys
         self.evicted = 0
@@ -338,7 +365,7 @@ class ManualKeys:
         self.sweep_every = sweep_every
         self.next_sweep = 0.0
         self.rng = Rng(seed)
-        self.keys: dict[int, list] = {}        # hash -> [target, last use]
+        self.keys: dict[int, list] = {}  # hash -> [target, last use]
         self.per_target: dict[int, int] = {}
         self.reassigned = 0
 
@@ -350,7 +377,7 @@ class ManualKeys:
             return el[self.rng.below(len(el))]
         best, best_score, ties = -1, 0, 0
         for t in el:
-            score = (int(tab[t, COL_IN_FLIGHT]) if self.mode == 1 else self.per_target.get(t, 0))
+            score = int(tab[t, COL_IN_FLIGHT]) if self.mode == 1 else self.per_target.get(t, 0)
             if best < 0 or score < best_score:
                 best, best_score, ties = t, score, 1
             elif score == best_score:
@@ -362,8 +389,9 @@ class ManualKeys:
     def sweep(self, cands, now: float) -> None:
         self.next_sweep = now + self.sweep_every
         keep = {int(c) for c in cands}
-        self.keys = {h: e for h, e in self.keys.items()
-                     if (self.max_idle <= 0 or now - e[1] <= self.max_idle) and e[0] in keep}
+        self.keys = {
+            h: e for h, e in self.keys.items() if (self.max_idle <= 0 or now - e[1] <= self.max_idle) and e[0] in keep
+        }
         self.per_target = {}
         for t, _ in self.keys.values():
             self.per_target[t] = self.per_target.get(t, 0) + 1

@@ -6,11 +6,12 @@ eligible.  For the compiled policies ``Group.acquire`` *is* the compiled ``Picke
 pick costs one Python call, and ``meta`` (the request, anything with ``routing_text()``) is not
 looked at; only cache_aware asks it for its text, so the proxy never branches on a policy.
 """
+
 from __future__ import annotations
 
 import logging
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -29,8 +30,9 @@ def hash64(data: bytes) -> int:
     return _policy.hash64(data)
 
 
-def build_ring(targets: Sequence[int], names: Sequence[str],
-               points: int = RING_POINTS_PER_TARGET) -> tuple[np.ndarray, np.ndarray]:
+def build_ring(
+    targets: Sequence[int], names: Sequence[str], points: int = RING_POINTS_PER_TARGET
+) -> tuple[np.ndarray, np.ndarray]:
     """Ring of ``points`` positions per target name, sorted by position.  Positions depend only on
     the name, so removing a target moves only the keys that lived on it."""
     if len(targets) != len(names):
@@ -48,7 +50,7 @@ def build_ring(targets: Sequence[int], names: Sequence[str],
     return hashes[order], owners[order]
 
 
-def _manual_keys(router: "Router", seed: int) -> _manual.KeyTable:
+def _manual_keys(router: Router, seed: int) -> _manual.KeyTable:
     """The manual policy's key table, configured from --assignment-mode / --max-idle-secs /
     --max-manual-keys."""
     cfg = router.config
@@ -56,16 +58,24 @@ def _manual_keys(router: "Router", seed: int) -> _manual.KeyTable:
     max_idle = float(getattr(cfg, "max_idle_secs", 4 * 3600))
     every = float(getattr(cfg, "eviction_interval_secs", 60))
     bound = int(getattr(cfg, "max_manual_keys", 1_000_000))
-    return _manual.KeyTable(router.table.array.shape[0], ASSIGNMENT_MODE_CODE[mode], max_idle,
-                            every, seed, bound)
+    return _manual.KeyTable(router.table.array.shape[0], ASSIGNMENT_MODE_CODE[mode], max_idle, every, seed, bound)
 
 
 class Group:
     """A candidate set (e.g. all decode ranks) with its policy; see module docstring."""
 
-    def __init__(self, router: "Router", policy: str, load_metric: str, demand: str,
-                 request_weight: int, seed: int, kv_fit: str = "off", kv_reserve: int = 0,
-                 rank_slack: int = -1) -> None:
+    def __init__(
+        self,
+        router: Router,
+        policy: str,
+        load_metric: str,
+        demand: str,
+        request_weight: int,
+        seed: int,
+        kv_fit: str = "off",
+        kv_reserve: int = 0,
+        rank_slack: int = -1,
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; fastroute implements {', '.join(POLICIES)}")
         if load_metric not in LOAD_METRICS:
@@ -94,24 +104,31 @@ class Group:
         else:
             picker_metric = load_metric
         self._header = router.table.header
-        self._picker = _ledger.Picker(router.table.array, router.table.header, compiled,
-                                      picker_metric, MODE_CODE[demand], self.request_weight, seed,
-                                      MODE_CODE[kv_fit], int(kv_reserve))
+        self._picker = _ledger.Picker(
+            router.table.array,
+            router.table.header,
+            compiled,
+            picker_metric,
+            MODE_CODE[demand],
+            self.request_weight,
+            seed,
+            MODE_CODE[kv_fit],
+            int(kv_reserve),
+        )
         # Set for the flavours that read them (cache_aware, manual), which are bound only then.
         self._text_policy: CacheAwarePolicy = None  # type: ignore[assignment]
         self._tab = router.table.array
         self._cands = np.zeros(0, dtype=np.int64)
         self.kv_reserve = int(kv_reserve)
         # cache_aware's own decision counters (the compiled picker's stay 0 under it).
-        self._ca_demand = [0, 0]            # agree, disagree
-        self._ca_kv = [0, 0, 0]             # agree, disagree, fallback
+        self._ca_demand = [0, 0]  # agree, disagree
+        self._ca_kv = [0, 0, 0]  # agree, disagree, fallback
         self._keys: _manual.KeyTable = None  # type: ignore[assignment]
         if policy == "manual":
             self._keys = _manual_keys(router, seed)
             self.acquire = self._acquire_manual  # type: ignore[method-assign]  # bound per instance to its flavour
         elif policy == "cache_aware":
-            self._text_policy = CacheAwarePolicy(router.table, router.config, seed=seed,
-                                                 rank_slack=self.rank_slack)
+            self._text_policy = CacheAwarePolicy(router.table, router.config, seed=seed, rank_slack=self.rank_slack)
             if demand != "off" or kv_fit != "off":
                 self.acquire = self._acquire_text_narrowed  # type: ignore[method-assign]  # bound per instance to its flavour
             else:
@@ -126,13 +143,16 @@ class Group:
     def acquire(self, tokens: int = 0, key: bytes | None = None, meta=None, out_tokens: int = 0):
         raise NotImplementedError  # replaced per instance in __init__
 
-    def _acquire_shadow(self, tokens: int = 0, key: bytes | None = None, meta=None,
-                        out_tokens: int = 0):
+    def _acquire_shadow(self, tokens: int = 0, key: bytes | None = None, meta=None, out_tokens: int = 0):
         lease = self._picker.acquire(tokens, key, None, out_tokens)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("decode_demand legacy=%s demand=%s weight=%s tokens=%s",
-                      self._picker.last_legacy, self._picker.last_demand, self.request_weight,
-                      tokens)
+            log.debug(
+                "decode_demand legacy=%s demand=%s weight=%s tokens=%s",
+                self._picker.last_legacy,
+                self._picker.last_demand,
+                self.request_weight,
+                tokens,
+            )
         return lease
 
     def _acquire_coordinated(self, tokens: int, key: bytes | None, meta, out_tokens: int):
@@ -142,8 +162,7 @@ class Group:
             self._text_policy.tree.insert(text, lease.target)
         return lease
 
-    def _acquire_text(self, tokens: int = 0, key: bytes | None = None, meta=None,
-                      out_tokens: int = 0):
+    def _acquire_text(self, tokens: int = 0, key: bytes | None = None, meta=None, out_tokens: int = 0):
         if self._coordinate and self._header[HDR_REPLICAS] > 1:
             return self._acquire_coordinated(tokens, key, meta, out_tokens)
         # The request's text is computed here, only for this policy (it costs a join for chat).
@@ -152,15 +171,13 @@ class Group:
             return None
         return self._picker.book_target(t, tokens)
 
-    def _acquire_manual(self, tokens: int = 0, key: bytes | None = None, meta=None,
-                        out_tokens: int = 0):
+    def _acquire_manual(self, tokens: int = 0, key: bytes | None = None, meta=None, out_tokens: int = 0):
         t = self._keys.pick_bound(key)
         if t < 0:
             return None
         return self._picker.book_target(t, tokens)
 
-    def _acquire_text_narrowed(self, tokens: int = 0, key: bytes | None = None, meta=None,
-                               out_tokens: int = 0):
+    def _acquire_text_narrowed(self, tokens: int = 0, key: bytes | None = None, meta=None, out_tokens: int = 0):
         """cache_aware with KV fit and/or demand (see docs/balancing.md): KV fit is a
         feasibility filter applied first; demand ``on`` narrows to the demand-argmin ties, among
         which the prefix tree chooses (so demand decides, the tree breaks ties and still learns
@@ -177,10 +194,10 @@ class Group:
         if kv != "off":
             fits, roomiest = _policy.kv_feasible(tab, arr, tokens + out_tokens + self.kv_reserve)
             if not roomiest:
-                self._ca_kv[2] += 1            # no capacity known: the usual policy decides
+                self._ca_kv[2] += 1  # no capacity known: the usual policy decides
                 fits = None
             elif not fits:
-                fits = roomiest                # nothing fits: the most free KV (as the kernel)
+                fits = roomiest  # nothing fits: the most free KV (as the kernel)
             if kv == "on" and fits is not None:
                 cands = fits
                 arr = np.asarray(fits, dtype=np.int64)
@@ -231,8 +248,7 @@ class Group:
     def kv_counts(self) -> dict[str, int]:
         """KV-fit decisions: agree/disagree (shadow) and fallback (no rank had known capacity)."""
         p, c = self._picker, self._ca_kv
-        return {"agree": p.kv_agree + c[0], "disagree": p.kv_disagree + c[1],
-                "fallback": p.kv_fallback + c[2]}
+        return {"agree": p.kv_agree + c[0], "disagree": p.kv_disagree + c[1], "fallback": p.kv_fallback + c[2]}
 
     @property
     def tokens_until_answer(self) -> bool:
@@ -256,16 +272,24 @@ class Router:
         self._seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed)
         self._groups = 0
 
-    def group(self, targets: Sequence[int], policy: str, *, load_metric: str = "tokens",
-              demand: str = "off", request_weight: int = 0,
-              names: Sequence[str] | None = None, kv_fit: str = "off",
-              kv_reserve: int = 0, rank_slack: int = -1,
-              tokens_until_answer: bool = False) -> Group:
+    def group(
+        self,
+        targets: Sequence[int],
+        policy: str,
+        *,
+        load_metric: str = "tokens",
+        demand: str = "off",
+        request_weight: int = 0,
+        names: Sequence[str] | None = None,
+        kv_fit: str = "off",
+        kv_reserve: int = 0,
+        rank_slack: int = -1,
+        tokens_until_answer: bool = False,
+    ) -> Group:
         # Each group gets its own RNG stream, derived from the router seed and its creation order.
         seed = (self._seed + 0x9E3779B97F4A7C15 * (self._groups + 1)) & 0xFFFFFFFFFFFFFFFF
         self._groups += 1
-        g = Group(self, policy, load_metric, demand, request_weight, seed, kv_fit, kv_reserve,
-                  rank_slack)
+        g = Group(self, policy, load_metric, demand, request_weight, seed, kv_fit, kv_reserve, rank_slack)
         # A PD prefill's input tokens are its work until it answers (Lease.answered).
         g._picker.tokens_until_answer = bool(tokens_until_answer)
         g.set_targets(targets, names)

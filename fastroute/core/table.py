@@ -8,6 +8,7 @@ compiled atomics (``fastroute.core._ledger``); the NumPy view is handed to compi
 Layout constants mirror ``fastroute/core/_layout.pxd``; ``tests/unit/test_table.py`` checks that
 every constant exists on both sides with the same value.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,6 +18,7 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 from fastroute.core import _ledger
+
 # The values of COL_CIRCUIT, re-exported beside the column they describe.
 from fastroute.names import CIRCUIT_CLOSED, CIRCUIT_HALF_OPEN, CIRCUIT_OPEN  # noqa: F401
 
@@ -32,26 +34,26 @@ COL_CIRCUIT = 8
 COL_POLLED_MAX_TOKENS = 9
 COL_ALLOCATED = 10
 COL_TOKENS_AT_POLL = 11
-COL_CB_FAILS = 12        # breaker cells (fastroute.core.breaker): consecutive failures,
-COL_CB_OKS = 13          # successes since half-open,
-COL_CB_OPENED_AT = 14    # monotonic microseconds of the last opening
-COL_OTHERS_OPEN = 15        # the other router replicas' view (fastroute.control.replica):
-COL_OTHERS_IN_FLIGHT = 16   # circuit open at one of them, their requests and input tokens
-COL_OTHERS_TOKENS = 17      # in flight here; zero without --replica-sync
-COL_OTHERS_EST = 18         # coordination of synced replicas: the others' estimated
+COL_CB_FAILS = 12  # breaker cells (fastroute.core.breaker): consecutive failures,
+COL_CB_OKS = 13  # successes since half-open,
+COL_CB_OPENED_AT = 14  # monotonic microseconds of the last opening
+COL_OTHERS_OPEN = 15  # the other router replicas' view (fastroute.control.replica):
+COL_OTHERS_IN_FLIGHT = 16  # circuit open at one of them, their requests and input tokens
+COL_OTHERS_TOKENS = 17  # in flight here; zero without --replica-sync
+COL_OTHERS_EST = 18  # coordination of synced replicas: the others' estimated
 COL_OTHERS_EST_TOKENS = 19  # placements since the last sync (requests, input tokens) and
-COL_ORDER_KEY = 20          # the tie-break order they share (hash of the target name)
-COL_POLLED_UNCACHED = 21    # a prefill's polled uncached tokens waiting (-1 unknown)
-COL_POLLED_KV_QUEUE = 22    # a decode's polled prealloc + retracted queue requests
+COL_ORDER_KEY = 20  # the tie-break order they share (hash of the target name)
+COL_POLLED_UNCACHED = 21  # a prefill's polled uncached tokens waiting (-1 unknown)
+COL_POLLED_KV_QUEUE = 22  # a decode's polled prealloc + retracted queue requests
 NCOLS = 24
 
 HDR_MAGIC = 0
 HDR_CAPACITY = 1
 HDR_UNDERFLOWS = 2
 HDR_GENERATION = 3
-HDR_REPLICAS = 4            # live synced replicas, this one included (0/1: alone)
-HDR_REPLICA_SLOT = 5        # this replica's place among them
-HDR_SYNC_TICKS = 6          # successful sync ticks
+HDR_REPLICAS = 4  # live synced replicas, this one included (0/1: alone)
+HDR_REPLICA_SLOT = 5  # this replica's place among them
+HDR_SYNC_TICKS = 6  # successful sync ticks
 NHDR = 8
 
 MAGIC = 0x66726F7574653031  # "frout01" in ASCII
@@ -104,8 +106,7 @@ class TargetTable:
         self.header = np.ndarray((NHDR,), dtype=np.int64, buffer=self._shm.buf)
         # Atomic accessors holding the buffers once (no buffer setup per call).
         self._hcells = _ledger.Cells(self.header.reshape(1, NHDR))
-        self.array = np.ndarray((capacity, NCOLS), dtype=np.int64, buffer=self._shm.buf,
-                                offset=NHDR * 8)
+        self.array = np.ndarray((capacity, NCOLS), dtype=np.int64, buffer=self._shm.buf, offset=NHDR * 8)
         self.cells = _ledger.Cells(self.array)
         if create:
             self.array[:] = 0
@@ -116,7 +117,7 @@ class TargetTable:
             self.header[HDR_MAGIC] = MAGIC
 
     @classmethod
-    def attach(cls, name: str) -> "TargetTable":
+    def attach(cls, name: str) -> TargetTable:
         return cls(name=name, create=False)
 
     # ---- rows (control plane: the supervisor allocates, never the hot path) ----------------------
@@ -140,11 +141,27 @@ class TargetTable:
         self.bump_generation()
 
     # ---- writers ------------------------------------------------------------------------------
-    def set_polled(self, t: int, running: int, waiting: int, tokens: int,
-                   max_tokens: int = -1, uncached: int = -1, kv_queue: int = 0) -> None:
-        _ledger.store_polled(self.array, t, int(running), int(waiting), int(tokens),
-                             int(max_tokens), int(time.time() * 1000), int(uncached),
-                             int(kv_queue))
+    def set_polled(
+        self,
+        t: int,
+        running: int,
+        waiting: int,
+        tokens: int,
+        max_tokens: int = -1,
+        uncached: int = -1,
+        kv_queue: int = 0,
+    ) -> None:
+        _ledger.store_polled(
+            self.array,
+            t,
+            int(running),
+            int(waiting),
+            int(tokens),
+            int(max_tokens),
+            int(time.time() * 1000),
+            int(uncached),
+            int(kv_queue),
+        )
 
     def mark_unpolled(self, t: int) -> None:
         """The last poll failed or had no entry for this target: its load is unknown, not zero."""
@@ -214,7 +231,7 @@ class TargetTable:
         except FileNotFoundError:
             pass
 
-    def __enter__(self) -> "TargetTable":
+    def __enter__(self) -> TargetTable:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -27,11 +27,14 @@ burst. A request without a token waits in the same FIFO queue (429 when full,
 queue when the next token is due. Without the flag none of this code runs:
 ``try_enter`` is the plain slot check.
 """
+
 from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
+
 
 class Waiter:
     """One queued request: ``start()`` when admitted, ``expired()`` past the queue timeout."""
@@ -47,11 +50,31 @@ class Waiter:
 class Admission:
     """Concurrency limit + FIFO queue (see module docstring)."""
 
-    __slots__ = ("enabled", "limit", "queue_size", "active", "rate", "capacity", "tokens", "_at",
-                 "queue_timeout", "_wake", "loop", "stats", "queue")
+    __slots__ = (
+        "enabled",
+        "limit",
+        "queue_size",
+        "active",
+        "rate",
+        "capacity",
+        "tokens",
+        "_at",
+        "queue_timeout",
+        "_wake",
+        "loop",
+        "stats",
+        "queue",
+    )
 
-    def __init__(self, limit: int = -1, queue_size: int = 100, queue_timeout: float = 60.0,
-                 loop: Any = None, stats: Any = None, rate: float | None = None) -> None:
+    def __init__(
+        self,
+        limit: int = -1,
+        queue_size: int = 100,
+        queue_timeout: float = 60.0,
+        loop: Any = None,
+        stats: Any = None,
+        rate: float | None = None,
+    ) -> None:
         self.enabled = limit > 0 or bool(rate)
         self.limit = int(limit) if limit > 0 else sys.maxsize
         self.rate = float(rate) if rate else 0.0
@@ -104,8 +127,7 @@ class Admission:
                 self._refill()
                 if self.tokens < 1.0:
                     if self._wake is None:
-                        self._wake = self.loop.call_later((1.0 - self.tokens) / self.rate,
-                                                          self._on_wake)
+                        self._wake = self.loop.call_later((1.0 - self.tokens) / self.rate, self._on_wake)
                     return
                 self.tokens -= 1.0
             w, _ = q.popitem(last=False)
@@ -122,8 +144,7 @@ class Admission:
         self._wake = None
         self._admit()
 
-    def wait(self, start: Callable[[], None], expired: Callable[[], None],
-             now: float) -> Waiter | None:
+    def wait(self, start: Callable[[], None], expired: Callable[[], None], now: float) -> Waiter | None:
         """Queue a request that found no slot; None when the queue is full (reject it).
 
         The waiter is later either ``start``-ed (its slot already taken) or
@@ -136,7 +157,7 @@ class Admission:
         self.queue[w] = None
         self._count("queued")
         if self.rate and self.active < self.limit:
-            self._admit()   # waiting for a token, not a slot: arm the wake-up timer
+            self._admit()  # waiting for a token, not a slot: arm the wake-up timer
         return w
 
     def leave(self) -> None:

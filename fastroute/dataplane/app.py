@@ -29,14 +29,14 @@ import random
 from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
-from fastroute.auth import (FORBIDDEN, OK, AdminAuth, audit, bearer, is_management,
-                            parse_control_plane_keys)
+from fastroute.auth import FORBIDDEN, OK, AdminAuth, audit, bearer, is_management, parse_control_plane_keys
 from fastroute.dataplane.admission import Admission
 from fastroute.dataplane.cors import Cors
 from fastroute.dataplane.exchange import Relay, _Exchange
 from fastroute.dataplane.front import Front
+from fastroute.dataplane.headerflags import header_flags
 from fastroute.dataplane.pd import PDRelay
-from fastroute.dataplane.protocol import INFERENCE, ClientProtocol, Request, header_flags
+from fastroute.dataplane.protocol import INFERENCE, ClientProtocol, Request
 from fastroute.dataplane.route import Route
 from fastroute.dataplane.upstream import Pool
 from fastroute.errors import RouterError
@@ -49,22 +49,35 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fastroute.proxy")
 
-_HEALTH_KA = (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\n"
-              b"content-length: 2\r\n\r\nOK")
-_HEALTH_CLOSE = (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                 b"content-length: 2\r\nconnection: close\r\n\r\nOK")
+_HEALTH_KA = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: 2\r\n\r\nOK"
+_HEALTH_CLOSE = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: 2\r\nconnection: close\r\n\r\nOK"
+)
 
 _DRAINING = b'{"status": "not ready", "reason": "draining: the router is shutting down"}'
 
 # Paths answered by registry.handle_admin (who may call them: fastroute.auth).
-_ADMIN = frozenset({
-    b"/workers", b"/add_worker", b"/remove_worker", b"/list_workers", b"/get_loads",
-    b"/flush_cache", b"/get_server_info", b"/server_info", b"/get_model_info", b"/model_info",
-    b"/v1/models", b"/readiness", b"/health_generate", b"/engine_metrics",
-})
+_ADMIN = frozenset(
+    {
+        b"/workers",
+        b"/add_worker",
+        b"/remove_worker",
+        b"/list_workers",
+        b"/get_loads",
+        b"/flush_cache",
+        b"/get_server_info",
+        b"/server_info",
+        b"/get_model_info",
+        b"/model_info",
+        b"/v1/models",
+        b"/readiness",
+        b"/health_generate",
+        b"/engine_metrics",
+    }
+)
 
-_LEAK_EVERY = 5.0             # seconds between passes of the lease safety net
-_LEAK_SLACK = 5.0             # grace past request_timeout_secs before a booking counts as leaked
+_LEAK_EVERY = 5.0  # seconds between passes of the lease safety net
+_LEAK_SLACK = 5.0  # grace past request_timeout_secs before a booking counts as leaked
 
 
 class App(Front):
@@ -75,14 +88,20 @@ class App(Front):
     mismatch counter) are built by the runtime (``runtime.assemble``); None runs without them.
     """
 
-    def __init__(self, config: Config, registry: Any, loop: asyncio.AbstractEventLoop | None = None,
-                 room_rng: Any = None, breakers: Breakers | None = None,
-                 reconciler: Reconciler | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        registry: Any,
+        loop: asyncio.AbstractEventLoop | None = None,
+        room_rng: Any = None,
+        breakers: Breakers | None = None,
+        reconciler: Reconciler | None = None,
+    ) -> None:
         self.config = config
         self.registry = registry
         self.loop = loop or asyncio.get_event_loop()
-        self.pools: dict[Any, Pool] = {}          # by (worker identity, port): a re-added URL is a new worker
-        self.routes: dict[int, Route] = {}        # by target row
+        self.pools: dict[Any, Pool] = {}  # by (worker identity, port): a re-added URL is a new worker
+        self.routes: dict[int, Route] = {}  # by target row
         self.connections: set[ClientProtocol] = set()
         # TLS connections accepted whose handshake has not finished -> when it must have
         # (accept + --header-read-timeout-secs, the listener's handshake timeout). Counted in
@@ -105,8 +124,9 @@ class App(Front):
         self.room_rng = room_rng if room_rng is not None else random.Random(config.seed)
         # The body key carrying the DP rank of a target split per rank: the regular request
         # under --dp-aware, the decode leg under PD (the prefill's rank travels in the room).
-        self.rank_field: str | None = (config.rank_field("decode") if self.pd
-                                       else config.rank_field("regular") if self.dp_aware else None)
+        self.rank_field: str | None = (
+            config.rank_field("decode") if self.pd else config.rank_field("regular") if self.dp_aware else None
+        )
         self.accepting = True
         # Set when the shutdown drain starts: /readiness answers 503 while requests are still
         # served (runtime.assemble.drain), so a load balancer stops sending new ones.
@@ -114,7 +134,7 @@ class App(Front):
         self._stats: Any = None
         self.backend = "pd" if self.pd else "regular"
         self.igw = bool(config.enable_igw)
-        self.model_role = "decode" if self.pd else "regular"   # whose groups know the models
+        self.model_role = "decode" if self.pd else "regular"  # whose groups know the models
 
         # -- resilience (protocol.md 7.2-7.4) --
         self.max_attempts = config.max_attempts
@@ -131,9 +151,13 @@ class App(Front):
         add_listener = getattr(registry, "add_listener", None)
         if add_listener is not None:
             add_listener(self._targets_changed)
-        self.admission = Admission(int(config.max_concurrent_requests), int(config.queue_size),
-                                   float(config.queue_timeout_secs), self.loop,
-                                   rate=config.rate_limit_tokens_per_second)
+        self.admission = Admission(
+            int(config.max_concurrent_requests),
+            int(config.queue_size),
+            float(config.queue_timeout_secs),
+            self.loop,
+            rate=config.rate_limit_tokens_per_second,
+        )
         self.leak_every = _LEAK_EVERY
         self.leak_slack = _LEAK_SLACK
         self._next_leak = 0.0
@@ -141,12 +165,12 @@ class App(Front):
         self.api_key = bearer(config.api_key)
         # The one rule for admin paths (--api-key, or the control-plane keys with roles),
         # applied at head time when the call carries a body (protocol.on_headers_complete).
-        self.admin_auth = AdminAuth(config.api_key,
-                                    parse_control_plane_keys(config.control_plane_api_keys))
+        self.admin_auth = AdminAuth(config.api_key, parse_control_plane_keys(config.control_plane_api_keys))
         self.guarded = self.admin_auth.api_key is not None or bool(self.admin_auth.keys)
         self.cors = Cors(config.cors_allowed_origins)
         self.header_flags, self.rid_headers, self.key_headers = header_flags(
-            config.request_id_headers, config.routing_key_headers, self.cors.enabled)
+            config.request_id_headers, config.routing_key_headers, self.cors.enabled
+        )
         # SSE keep-alive comments while a stream waits for its first upstream byte (0: off).
         self.sse_keepalive = float(config.sse_keepalive_secs)
         self._sweep_handle: asyncio.TimerHandle | None = None
@@ -288,14 +312,19 @@ class App(Front):
         for lease in ex.leases:
             if lease.release():
                 n += 1
-                log.warning("reclaimed a leaked lease on target %s (%s, request %s, age %.1f s)",
-                            lease.target, reason, ex.rid.decode("latin-1"), now - ex.started_at)
+                log.warning(
+                    "reclaimed a leaked lease on target %s (%s, request %s, age %.1f s)",
+                    lease.target,
+                    reason,
+                    ex.rid.decode("latin-1"),
+                    now - ex.started_at,
+                )
                 if self._stats is not None:
                     self._stats.reclaim(reason)
         ex.leases = ()
         try:
             if reason == "expired" and not ex.finished:
-                ex.on_timeout()   # answers 504 (or cuts the stream) like the timeout sweep
+                ex.on_timeout()  # answers 504 (or cuts the stream) like the timeout sweep
             elif not ex.finished:
                 ex.cancel()
         except Exception:
@@ -326,7 +355,7 @@ class App(Front):
         # joining must not rebuild the other 999 (discovery adds them in bursts).
         routes: dict[int, Route] = {}
         old = self.routes
-        for r in (("prefill", "decode") if self.pd else ("regular",)):
+        for r in ("prefill", "decode") if self.pd else ("regular",):
             for t in self.registry.group(r).targets:
                 entry = info[t] if t < len(info) else None
                 if entry is not None:
@@ -349,12 +378,12 @@ class App(Front):
 
     def _build_route(self, worker: Any, rank: int | None) -> Route:
         urls = getattr(worker, "rank_urls", None)
-        if urls and rank is not None:   # a per-rank-port server: the rank's own port
+        if urls and rank is not None:  # a per-rank-port server: the rank's own port
             port = int(worker.port) + rank
-            return Route(worker, rank, self.pool_for(worker, port),
-                         worker.api_key or self.config.api_key, self.rank_field, port)
-        return Route(worker, rank, self.pool_for(worker), worker.api_key or self.config.api_key,
-                     self.rank_field)
+            return Route(
+                worker, rank, self.pool_for(worker, port), worker.api_key or self.config.api_key, self.rank_field, port
+            )
+        return Route(worker, rank, self.pool_for(worker), worker.api_key or self.config.api_key, self.rank_field)
 
     def pool_for(self, worker: Any, port: int | None = None) -> Pool:
         """The keep-alive pool of ``worker`` on ``port`` (default its own; one per worker
@@ -373,7 +402,7 @@ class App(Front):
 
     def backoff(self, retry: int) -> float:
         """Delay in seconds before retry number ``retry`` (0-based), with jitter (7.2)."""
-        d = min(self.backoff_initial * self.backoff_mult ** retry, self.backoff_max)
+        d = min(self.backoff_initial * self.backoff_mult**retry, self.backoff_max)
         j = self.backoff_jitter
         return d * self.retry_rng.uniform(1.0 - j, 1.0 + j) if j else d
 
@@ -389,11 +418,15 @@ class App(Front):
             if st is not None:
                 self.count_response(204, "", path)
             proto.reply(self.cors.preflight(req.origin, req.acrh, ka), ka)
-        elif path in INFERENCE:   # any method but POST (Front.handle proxies those)
-            proto.send_error(RouterError(405, "method_not_allowed",
-                                         "Method Not Allowed (%s %s)" % (req.method.decode("latin-1"),
-                                                                        path.decode("latin-1"))),
-                             req)
+        elif path in INFERENCE:  # any method but POST (Front.handle proxies those)
+            proto.send_error(
+                RouterError(
+                    405,
+                    "method_not_allowed",
+                    "Method Not Allowed (%s %s)" % (req.method.decode("latin-1"), path.decode("latin-1")),
+                ),
+                req,
+            )
         elif path == b"/health" or path == b"/liveness":
             ka = req.keep_alive and self.accepting
             if st is not None:
@@ -414,15 +447,14 @@ class App(Front):
                 if verdict != OK:
                     proto.send_error(self._refusal(req.method, path, verdict, who), req)
                     return
-            if req.too_large:   # a chunked body past --max-payload-size (no length at the head)
+            if req.too_large:  # a chunked body past --max-payload-size (no length at the head)
                 proto.send_error(_errors.payload_too_large(req.body_len, self.max_payload), req)
                 return
             task = self.loop.create_task(self._admin(proto, req, path, query, who))
             self.admin_tasks.add(task)
             task.add_done_callback(self.admin_tasks.discard)
         else:
-            proto.send_error(_errors.unknown_url(req.method.decode("latin-1"),
-                                                 path.decode("latin-1")), req)
+            proto.send_error(_errors.unknown_url(req.method.decode("latin-1"), path.decode("latin-1")), req)
 
     def refuse_at_head(self, method: bytes, url: bytes, auth: bytes | None) -> RouterError | None:
         """The error for an admin call refused by the auth rule, decided from its head alone
@@ -439,21 +471,28 @@ class App(Front):
     def _refusal(self, method: bytes, path: bytes, verdict: int, who: Any) -> RouterError:
         """The answer to an admin call the auth rule refused; a refused management change is
         audited like an applied one (its body was never read, so its target is unknown)."""
-        exc = (_errors.insufficient_role(who.role) if verdict == FORBIDDEN and who is not None
-               else _errors.invalid_api_key())
-        if (self.config.control_plane_audit_enabled and method not in (b"GET", b"HEAD")
-                and is_management(path)):
+        exc = (
+            _errors.insufficient_role(who.role)
+            if verdict == FORBIDDEN and who is not None
+            else _errors.invalid_api_key()
+        )
+        if self.config.control_plane_audit_enabled and method not in (b"GET", b"HEAD") and is_management(path):
             audit(who, method.decode("latin-1"), path.decode("latin-1"), "-", "denied", exc.status)
         return exc
 
-    async def _admin(self, proto: ClientProtocol, req: Request, path: bytes, query: bytes,
-                     who: Any = None) -> None:
+    async def _admin(self, proto: ClientProtocol, req: Request, path: bytes, query: bytes, who: Any = None) -> None:
         try:
-            args = (req.method.decode("latin-1"), path.decode("latin-1"), query.decode("latin-1"),
-                    req.body, ((b"authorization", req.auth),) if req.auth is not None else ())
+            args = (
+                req.method.decode("latin-1"),
+                path.decode("latin-1"),
+                query.decode("latin-1"),
+                req.body,
+                ((b"authorization", req.auth),) if req.auth is not None else (),
+            )
             # The control-plane key that passed the check goes on to the handler's audit log.
-            status, body, ctype = await (self.registry.handle_admin(*args) if who is None else
-                                         self.registry.handle_admin(*args, principal=who))
+            status, body, ctype = await (
+                self.registry.handle_admin(*args) if who is None else self.registry.handle_admin(*args, principal=who)
+            )
         except asyncio.CancelledError:
             raise
         except RouterError as exc:
@@ -469,6 +508,7 @@ class App(Front):
 
     def wait(self, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
         """Over --max-concurrent-requests: queue (FIFO) or refuse with 429."""
+
         def start() -> None:
             proto.waiter = None
             if proto.closed:  # client left between the dequeue and this callback
@@ -494,5 +534,8 @@ class App(Front):
 def _same_route(route: Route, worker: Any, rank: int | None) -> bool:
     """``route`` was built for this worker object and rank, with its current dp_size (the
     other framing inputs are fixed for a worker object)."""
-    return (route.worker is worker and route.index == rank
-            and route.prefill_dp_size == (int(worker.dp_size) if rank is not None else 1))
+    return (
+        route.worker is worker
+        and route.index == rank
+        and route.prefill_dp_size == (int(worker.dp_size) if rank is not None else 1)
+    )

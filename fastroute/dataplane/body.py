@@ -3,10 +3,10 @@
 Owns:
 
 * ``parse_request(path, body) -> RequestMeta``: one decode of the client body
-  (of only the keys the router reads, :mod:`fastroute.dataplane.fields`), type checks of the fields the router reads (wrong type -> RouterError
-  400 naming the field), and what routing needs: ``stream``, ``batch`` (protocol.md
-  3.3: None for a scalar request, B for a batch of B), ``input_tokens``,
-  ``return_logprob``, ``max_new_tokens``, ``model``.
+  (of only the keys the router reads, :mod:`fastroute.dataplane.fields`), type checks of
+  the fields the router reads (wrong type -> RouterError 400 naming the field), and what
+  routing needs: ``stream``, ``batch`` (protocol.md 3.3: None for a scalar request, B for a
+  batch of B), ``input_tokens``, ``return_logprob``, ``max_new_tokens``, ``model``.
 * ``inject(body, fields)``: splice pre-encoded ``"k":v`` pairs before the final
   ``}`` of the client's bytes.  The client JSON is forwarded unchanged apart from
   the added keys (protocol.md 3.3 [REC]); it is never re-serialised.  If the
@@ -105,6 +105,7 @@ MAX_N = 1024
 _JSON_WS = frozenset(b" \t\n\r")
 _OPEN = 0x7B  # "{"
 _CLOSE = 0x7D  # "}"
+
 
 class _RandomBits(Protocol):
     def getrandbits(self, k: int, /) -> int: ...
@@ -207,7 +208,7 @@ class RequestMeta:
         if value is None and self.path != COMPLETIONS:
             value = obj.get("input_ids")
         if type(value) is list and value and type(value[0]) in (list, str):
-            value = value[0]                      # a batch: route by its first prompt
+            value = value[0]  # a batch: route by its first prompt
         if type(value) is list:
             # Token ids: rendered as text for the prefix tree.  Only the first
             # ROUTING_IDS_MAX ids, so a 100k-token prompt costs a bounded join; a
@@ -512,7 +513,7 @@ def inject_parts(body: bytes, fields: bytes) -> tuple[memoryview, bytes, memoryv
     """
     view = memoryview(body)
     if not fields:
-        return view, b"", view[len(view):]
+        return view, b"", view[len(view) :]
     end, empty = _object_bounds(body)
     return view[:end], (fields if empty else b"," + fields), view[end:]
 

@@ -10,9 +10,10 @@ methods and the requested headers, and every response to an allowed origin carri
 Everything is precomputed bytes; the per-request cost is one dict lookup for requests that carry
 an ``Origin`` header and nothing for the others.
 """
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 METHODS = b"GET, POST, PUT, DELETE, OPTIONS"
 # Response headers a browser script may read beyond the CORS-safelisted ones.
@@ -43,8 +44,10 @@ class Cors:
 
     @staticmethod
     def _lines(origin: bytes) -> bytes:
-        return (b"access-control-allow-origin: " + origin + b"\r\nvary: Origin\r\n"
-                b"access-control-expose-headers: " + _EXPOSE + b"\r\n")
+        return (
+            b"access-control-allow-origin: " + origin + b"\r\nvary: Origin\r\n"
+            b"access-control-expose-headers: " + _EXPOSE + b"\r\n"
+        )
 
     def headers_for(self, origin: bytes | None) -> bytes:
         """Header lines to add to a response to ``origin`` (empty when not allowed)."""
@@ -55,8 +58,9 @@ class Cors:
         if lines is not None:
             return lines
         if self.any:
-            return (b"access-control-allow-origin: *\r\nvary: Origin\r\n"
-                    b"access-control-expose-headers: " + _EXPOSE + b"\r\n")
+            return (
+                b"access-control-allow-origin: *\r\nvary: Origin\r\naccess-control-expose-headers: " + _EXPOSE + b"\r\n"
+            )
         return b""
 
     def preflight(self, origin: bytes | None, request_headers: bytes | None, keep_alive: bool) -> bytes:

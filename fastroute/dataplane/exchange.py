@@ -36,11 +36,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("fastroute.proxy")
 
 # Response headers never copied from the worker (hop-by-hop, or set by us).
-_HOP = frozenset({
-    b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
-    b"proxy-authorization", b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade",
-    b"content-encoding", b"host", b"content-length", b"x-request-id",
-})
+_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
+        b"content-encoding",
+        b"host",
+        b"content-length",
+        b"x-request-id",
+    }
+)
 # What the client head does with a worker header, by its name as the worker spelled it
 # (workers send the same few names, so the lower() and set test run once per name, not per
 # response): copy it, drop it (_HOP), it is the Content-Length, or the Content-Type.
@@ -51,8 +64,7 @@ _NAME_KIND_MAX = 512  # names beyond this many distinct spellings are classified
 
 def _name_kind(name: bytes) -> int:
     n = name.lower()
-    kind = (_LENGTH if n == b"content-length" else _DROP if n in _HOP
-            else _CTYPE if n == b"content-type" else _COPY)
+    kind = _LENGTH if n == b"content-length" else _DROP if n in _HOP else _CTYPE if n == b"content-type" else _COPY
     if len(_NAME_KIND) < _NAME_KIND_MAX:
         _NAME_KIND[name] = kind
     return kind
@@ -64,8 +76,9 @@ _LAST_CHUNK = b"0\r\n\r\n"
 # An SSE comment (ignored by every SSE client), as one chunk of a chunked body.
 KEEPALIVE = b": keep-alive\n\n"
 _KEEPALIVE_CHUNK = b"%x\r\n%b\r\n" % (len(KEEPALIVE), KEEPALIVE)
-_KEEPALIVE_HEAD = (b"content-type: text/event-stream\r\ncache-control: no-cache\r\n"
-                   b"transfer-encoding: chunked\r\n")
+_KEEPALIVE_HEAD = b"content-type: text/event-stream\r\ncache-control: no-cache\r\ntransfer-encoding: chunked\r\n"
+
+
 def retry_after(status: int, headers: list) -> float:
     """Seconds a 429 or 503 asks the client to wait (``Retry-After``: delta-seconds or an
     HTTP-date, RFC 9110 10.2.3); -1.0 when there is none or it does not parse."""
@@ -101,26 +114,46 @@ class _Exchange(Leg):
     ``app`` is the App (app.py), typed Any because app.py imports this module (one-way imports).
     """
 
-    __slots__ = ("app", "proto", "req", "leases", "deadline", "chunked", "head", "started",
-                 "finished", "keep_alive", "rid", "out", "started_at", "path", "status",
-                 "meta", "tries", "retry_handle", "slot", "gave_up", "ka_due", "ka_sent")
+    __slots__ = (
+        "app",
+        "proto",
+        "req",
+        "leases",
+        "deadline",
+        "chunked",
+        "head",
+        "started",
+        "finished",
+        "keep_alive",
+        "rid",
+        "out",
+        "started_at",
+        "path",
+        "status",
+        "meta",
+        "tries",
+        "retry_handle",
+        "slot",
+        "gave_up",
+        "ka_due",
+        "ka_sent",
+    )
 
-    def __init__(self, app: Any, proto: ClientProtocol, req: Request, path: bytes,
-                 meta: Any) -> None:
+    def __init__(self, app: Any, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
         self.app = app
         self.proto = proto
         self.req = req
         self.meta = meta
-        self.leases: tuple = ()          # bookings of the current attempt
-        self.tries = 0                   # attempts started
+        self.leases: tuple = ()  # bookings of the current attempt
+        self.tries = 0  # attempts started
         self.retry_handle: asyncio.TimerHandle | None = None
-        self.slot = True                 # holds an admission slot until _close_books
-        self.gave_up = False             # retries_exhausted counted
+        self.slot = True  # holds an admission slot until _close_books
+        self.gave_up = False  # retries_exhausted counted
         self.started_at = app.loop.time()
         self.deadline = self.started_at + app.timeout
         self.chunked = False
-        self.head: bytes | None = None   # client head not yet written (sent with the first body bytes)
-        self.started = False             # client head built: errors now end the connection
+        self.head: bytes | None = None  # client head not yet written (sent with the first body bytes)
+        self.started = False  # client head built: errors now end the connection
         self.finished = False
         self.keep_alive = req.keep_alive
         self.rid = req.rid if req.rid is not None else new_request_id(path)
@@ -132,8 +165,9 @@ class _Exchange(Leg):
         self.status = 0
         # SSE keep-alive (protocol.md 3.6): when the next ": keep-alive" comment is due (0: none
         # for this request), and whether the router already committed the 200 event-stream head.
-        self.ka_due = (self.started_at + app.sse_keepalive
-                       if meta.stream and app.sse_keepalive > 0 and req.http11 else 0.0)
+        self.ka_due = (
+            self.started_at + app.sse_keepalive if meta.stream and app.sse_keepalive > 0 and req.http11 else 0.0
+        )
         self.ka_sent = False
         app.exchanges.add(self)
         proto.exchange = self
@@ -171,8 +205,9 @@ class _Exchange(Leg):
         d[key] = d.get(key, 0) + 1
 
     # -- client writing -----------------------------------------------------
-    def _start_response(self, status: int, headers: list, length: bytes | None = KEEP_LENGTH,
-                        ctype: bytes | None = None) -> None:
+    def _start_response(
+        self, status: int, headers: list, length: bytes | None = KEEP_LENGTH, ctype: bytes | None = None
+    ) -> None:
         """Build the client head from the upstream head (hop-by-hop stripped), in one scan.
 
         ``length``: ``KEEP_LENGTH`` keeps the upstream Content-Length if there is one (a
@@ -183,7 +218,7 @@ class _Exchange(Leg):
         # request body and its parse alive to its end.
         self.req.body = b""
         self.meta.obj = None
-        if self.ka_sent:                 # (started below ends the keep-alives: see keepalive)
+        if self.ka_sent:  # (started below ends the keep-alives: see keepalive)
             # The 200 event-stream head is already out (keep-alive comments went first): the
             # upstream's 2xx head adds nothing the client can still receive.
             self.status = status
@@ -243,8 +278,7 @@ class _Exchange(Leg):
             return
         app = self.app
         if self.started:
-            if self.ka_sent or (self.head is not None and self.chunked
-                                and 200 <= self.status < 300):
+            if self.ka_sent or (self.head is not None and self.chunked and 200 <= self.status < 300):
                 data = _KEEPALIVE_CHUNK
                 head = self.head
                 if head is not None:
@@ -266,13 +300,19 @@ class _Exchange(Leg):
             self.keep_alive = False
         origin = self.req.origin
         self.proto.transport.write(  # type: ignore[union-attr]
-            b"%b%bx-request-id: %b\r\n%b%b\r\n%b" % (
-                status_line(200), _KEEPALIVE_HEAD, self.rid,
+            b"%b%bx-request-id: %b\r\n%b%b\r\n%b"
+            % (
+                status_line(200),
+                _KEEPALIVE_HEAD,
+                self.rid,
                 app.cors.headers_for(origin) if origin is not None else b"",
-                b"" if self.keep_alive else b"connection: close\r\n", _KEEPALIVE_CHUNK))
+                b"" if self.keep_alive else b"connection: close\r\n",
+                _KEEPALIVE_CHUNK,
+            )
+        )
 
     def _write(self, data: bytes) -> None:
-        self.ka_due = 0.0                # the first body byte ends the keep-alives
+        self.ka_due = 0.0  # the first body byte ends the keep-alives
         if self.chunked:
             data = b"%x\r\n%b\r\n" % (len(data), data)
         head = self.head
@@ -307,8 +347,9 @@ class _Exchange(Leg):
             app = self.app
             app.count_response(self.status, "", self.path)
             if 200 <= self.status < 300:
-                app.observe_keyed(st.router_duration, app.model_keys(self.meta.model)[self.path][2],
-                                  app.loop.time() - self.started_at)
+                app.observe_keyed(
+                    st.router_duration, app.model_keys(self.meta.model)[self.path][2], app.loop.time() - self.started_at
+                )
         self._finish(self.keep_alive)
 
     def _release_leases(self) -> None:
@@ -334,8 +375,7 @@ class _Exchange(Leg):
                 self.slot = False
                 self.app.admission.leave()
 
-    def _finish(self, keep_alive: bool, error: RouterError | None = None,
-                sse: bool = False) -> None:
+    def _finish(self, keep_alive: bool, error: RouterError | None = None, sse: bool = False) -> None:
         """The one ending: give the books back, then hand the connection on, either with the
         response done or (``error``, nothing of a response sent yet) with that error."""
         if self.finished:
@@ -473,8 +513,7 @@ class Relay(_Exchange):
 
     __slots__ = ("conn", "target")
 
-    def __init__(self, app: Any, proto: ClientProtocol, req: Request, path: bytes,
-                 meta: Any) -> None:
+    def __init__(self, app: Any, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
         super().__init__(app, proto, req, path, meta)
         self.conn: Any = None
         self.target = -1
@@ -490,12 +529,14 @@ class Relay(_Exchange):
         try:
             # out_tokens only matters to KV-fit placement (the decode group); 0 when not given.
             if st is None:
-                lease = app.registry.group("regular").acquire(meta.input_tokens, self.req.key, meta,
-                                                              meta.max_new_tokens or 0)
+                lease = app.registry.group("regular").acquire(
+                    meta.input_tokens, self.req.key, meta, meta.max_new_tokens or 0
+                )
             else:
                 t0 = perf_counter()
-                lease = app.registry.group("regular").acquire(meta.input_tokens, self.req.key, meta,
-                                                              meta.max_new_tokens or 0)
+                lease = app.registry.group("regular").acquire(
+                    meta.input_tokens, self.req.key, meta, meta.max_new_tokens or 0
+                )
                 app.observe(st.pick_seconds, perf_counter() - t0)
             if lease is None:
                 self._fail_client(_errors.no_available_workers())
@@ -522,8 +563,10 @@ class Relay(_Exchange):
         if self.ka_sent and not 200 <= status < 300:
             # The 200 head is out: the worker's error becomes an SSE error event.
             self._outcome(self.target, status)
-            self._fail_client(RouterError(status if status >= 400 else 502, "upstream_error",
-                                          "Worker answered HTTP %d" % status), True)
+            self._fail_client(
+                RouterError(status if status >= 400 else 502, "upstream_error", "Worker answered HTTP %d" % status),
+                True,
+            )
             return
         self._start_response(status, headers)  # (keeps the worker's Content-Length, if any)
         self.proto.flow.relay(self)

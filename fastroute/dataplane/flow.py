@@ -31,9 +31,9 @@ class FlowControl:
 
     def __init__(self, transport: asyncio.Transport | None = None) -> None:
         self.transport = transport
-        self.reading_paused = False   # we stopped reading the client
-        self.writing_paused = False   # the client transport is above its high-water mark
-        self._leg: Any = None         # the leg whose upstream body flows to this client
+        self.reading_paused = False  # we stopped reading the client
+        self.writing_paused = False  # the client transport is above its high-water mark
+        self._leg: Any = None  # the leg whose upstream body flows to this client
 
     # -- reading the client -----------------------------------------------------
     def pause_reading(self) -> None:

@@ -22,9 +22,10 @@ from __future__ import annotations
 import asyncio
 import random
 from bisect import bisect_left
+from collections.abc import Callable
 from http import HTTPStatus
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
 from fastroute.auth import authorized
@@ -43,11 +44,28 @@ if TYPE_CHECKING:
     from fastroute.dataplane.cors import Cors
 
 # Bounded label values for metrics (unknown paths/methods collapse to one value).
-_PATH_LABEL = {p: p.decode() for p in (
-    *ROUTES, b"/health", b"/liveness",
-    b"/readiness", b"/workers", b"/add_worker", b"/remove_worker", b"/list_workers", b"/get_loads",
-    b"/flush_cache", b"/get_server_info", b"/server_info", b"/get_model_info", b"/model_info",
-    b"/v1/models", b"/health_generate", b"/engine_metrics")}
+_PATH_LABEL = {
+    p: p.decode()
+    for p in (
+        *ROUTES,
+        b"/health",
+        b"/liveness",
+        b"/readiness",
+        b"/workers",
+        b"/add_worker",
+        b"/remove_worker",
+        b"/list_workers",
+        b"/get_loads",
+        b"/flush_cache",
+        b"/get_server_info",
+        b"/server_info",
+        b"/get_model_info",
+        b"/model_info",
+        b"/v1/models",
+        b"/health_generate",
+        b"/engine_metrics",
+    )
+}
 _METHOD_LABEL = {m: m.decode() for m in (b"GET", b"POST", b"PUT", b"DELETE", b"HEAD", b"PATCH", b"OPTIONS")}
 _STATUS_LABEL = {s.value: str(s.value) for s in HTTPStatus}
 # Label tuples built once (a request looks them up, never builds one).
@@ -66,6 +84,8 @@ def path_label(path: bytes | None) -> str:
     if label is None:
         label = WORKER_PATH_LABEL if path.startswith(b"/workers/") else "other"
     return label
+
+
 # Distinct request models that get a label of their own; later ones count as "other" (the
 # model comes from clients, and labels must stay bounded).
 MAX_MODEL_LABELS = 64
@@ -77,11 +97,38 @@ class Front:
     The fields are set by ``App.__init__``; ``handle_other`` and ``wait`` are App's.
     """
 
-    __slots__ = ("loop", "_stats", "registry", "admission", "routes", "exchanges", "connections",
-                 "breakers", "cors", "api_key", "config", "room_rng", "_model_keys", "backend",
-                 "model_role", "exchange_cls", "max_attempts", "header_flags", "rid_headers",
-                 "key_headers", "max_payload", "timeout", "header_timeout", "idle_timeout",
-                 "sse_keepalive", "accepting", "pd", "igw", "guarded", "handshaking")
+    __slots__ = (
+        "loop",
+        "_stats",
+        "registry",
+        "admission",
+        "routes",
+        "exchanges",
+        "connections",
+        "breakers",
+        "cors",
+        "api_key",
+        "config",
+        "room_rng",
+        "_model_keys",
+        "backend",
+        "model_role",
+        "exchange_cls",
+        "max_attempts",
+        "header_flags",
+        "rid_headers",
+        "key_headers",
+        "max_payload",
+        "timeout",
+        "header_timeout",
+        "idle_timeout",
+        "sse_keepalive",
+        "accepting",
+        "pd",
+        "igw",
+        "guarded",
+        "handshaking",
+    )
     # The fields' types (front.pxd gives the compiled build's C types). The protocol, routes and
     # exchanges import this module, so their objects are Any here: naming them would be a cycle.
     loop: asyncio.AbstractEventLoop
@@ -151,9 +198,12 @@ class Front:
             proto.send_error(_errors.payload_too_large(req.body_len, self.max_payload), req)
             return
         if not self.registry.ready():
-            proto.send_error(RouterError(503, _errors.CODE_NO_AVAILABLE_WORKERS,
-                                         "No available workers (router is still registering workers)"),
-                             req)
+            proto.send_error(
+                RouterError(
+                    503, _errors.CODE_NO_AVAILABLE_WORKERS, "No available workers (router is still registering workers)"
+                ),
+                req,
+            )
             return
         spec = ROUTES[path]
         if self.pd and not spec.pd:
@@ -208,7 +258,8 @@ class Front:
             b = self.backend
             row = self._model_keys[model] = {
                 p: ((b, e, label, "false"), (b, e, label, "true"), (b, e, label), label)
-                for p, e in ENDPOINT_LABEL.items()}
+                for p, e in ENDPOINT_LABEL.items()
+            }
         return row
 
     def _count_routed(self, path: bytes, meta: Any) -> None:
@@ -238,15 +289,15 @@ class Front:
         if st is not None:
             self.observe_keyed(st.http_duration, key, perf_counter() - t0)
 
-    def count_response(self, status: int, code: str, path: bytes | None = None,
-                       model: str | None = None, label: str | None = None) -> None:
+    def count_response(
+        self, status: int, code: str, path: bytes | None = None, model: str | None = None, label: str | None = None
+    ) -> None:
         """smg_http_responses (by status, error code and path: ``label``, else ``path``'s), and
         smg_router_request_errors for failed inference requests (called only while metrics
         run)."""
         st: Stats = self._stats  # type: ignore[assignment]  # see the docstring
         d = st.http_responses
-        key = (_STATUS_LABEL.get(status) or str(status), code,
-               label if label is not None else path_label(path))
+        key = (_STATUS_LABEL.get(status) or str(status), code, label if label is not None else path_label(path))
         d[key] = d.get(key, 0) + 1
         if code and path is not None:
             keys = self.model_keys(model).get(path)

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fastroute.proxy")
 
-_PD_BUFFER_LIMIT = 1 << 20    # decode bytes buffered while the prefill finishes
-_ERROR_BODY_LIMIT = 1 << 16   # bytes of a failed leg's body kept for the error message
+_PD_BUFFER_LIMIT = 1 << 20  # decode bytes buffered while the prefill finishes
+_ERROR_BODY_LIMIT = 1 << 16  # bytes of a failed leg's body kept for the error message
 # Bytes of one leg's answer kept for a logprob merge (the prefill's whole answer, and the
 # decode's for a JSON merge): input logprobs of a 128k-token prompt with top-20 logprobs
 # are a few tens of MB; anything beyond is not worth holding (and re-encoding) in memory.
@@ -139,8 +139,7 @@ class PDRelay(_Exchange):
 
     __slots__ = ("p", "d", "stream", "merge", "relaying", "merger")
 
-    def __init__(self, app: Any, proto: ClientProtocol, req: Request, path: bytes,
-                 meta: Any) -> None:
+    def __init__(self, app: Any, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
         super().__init__(app, proto, req, path, meta)
         # attempt() makes the real legs; until then both point at an inert leg
         # (no connection, no status) so every path that reads them stays valid.
@@ -157,23 +156,29 @@ class PDRelay(_Exchange):
         self.p.chunks = []
         if leg is self.p:
             self.p.size = 0
-        log.warning("request %s: %s answer over %d bytes, input logprobs not merged",
-                    self.rid.decode("latin-1"), leg.role, _MERGE_LIMIT)
+        log.warning(
+            "request %s: %s answer over %d bytes, input logprobs not merged",
+            self.rid.decode("latin-1"),
+            leg.role,
+            _MERGE_LIMIT,
+        )
 
     def _refusal(self) -> RouterError | None:
         """Why this request must not be sent at all (checked once, before the first pick)."""
         meta = self.meta
         batch = meta.batch
         if batch is not None and batch > self.app.config.pd_max_batch_size:
-            return RouterError(413, "batch_too_large",
-                               "PD batch of %d items exceeds --pd-max-batch-size %d"
-                               % (batch, self.app.config.pd_max_batch_size))
+            return RouterError(
+                413,
+                "batch_too_large",
+                "PD batch of %d items exceeds --pd-max-batch-size %d" % (batch, self.app.config.pd_max_batch_size),
+            )
         obj = meta.fields  # (the rank keys are among the fields body.py always reads)
         for field in DP_RANK_FIELDS:
             if field in obj:
-                return RouterError(400, _errors.CODE_BAD_REQUEST,
-                                   "'%s' is chosen by the router in PD mode; do not send it"
-                                   % field)
+                return RouterError(
+                    400, _errors.CODE_BAD_REQUEST, "'%s' is chosen by the router in PD mode; do not send it" % field
+                )
         return None
 
     def attempt(self) -> None:
@@ -200,7 +205,7 @@ class PDRelay(_Exchange):
             self.leases = (p_lease,)
             d_lease = registry.group("decode").acquire(tokens, key, meta, out_tokens)
             if st is not None:
-                app.observe(st.pick_seconds, perf_counter() - t0)   # the pair's pick
+                app.observe(st.pick_seconds, perf_counter() - t0)  # the pair's pick
             if d_lease is None:
                 self._fail_client(_errors.no_available_workers("decode"))  # releases p_lease
                 return
@@ -216,11 +221,12 @@ class PDRelay(_Exchange):
             d_route = routes[t] if t in routes else app.route(t)
             # Prefill rank travels in the room (room % prefill_dp_size == rank, 4.3),
             # never as a body key on the prefill leg; one room for both legs.
-            pfields = _body.bootstrap_fields(meta.batch, p_route.bootstrap, app.room_rng,
-                                             p_route.prefill_dp_size, p_route.prefill_rank)
+            pfields = _body.bootstrap_fields(
+                meta.batch, p_route.bootstrap, app.room_rng, p_route.prefill_dp_size, p_route.prefill_rank
+            )
             rank = d_route.rank_field
             dfields = pfields if rank is None else pfields + b"," + rank
-            if p_route.prefill_rank_field is not None:   # a per-rank-port prefill rank
+            if p_route.prefill_rank_field is not None:  # a per-rank-port prefill rank
                 dfields = dfields + b"," + p_route.prefill_rank_field
             # One scan of the client body for both legs.
             head, sep, tail = _body.splice_parts(req.body)
@@ -304,8 +310,7 @@ class PDRelay(_Exchange):
         """smg_pd_ttft_seconds: from the request's start to the decode's response head."""
         app = self.app
         st = app._stats
-        app.observe_keyed(st.pd_ttft, app.model_keys(self.meta.model)[self.path][3],
-                          app.loop.time() - self.started_at)
+        app.observe_keyed(st.pd_ttft, app.model_keys(self.meta.model)[self.path][3], app.loop.time() - self.started_at)
 
     def relay_body(self, data: bytes) -> None:
         m = self.merger
@@ -336,8 +341,7 @@ class PDRelay(_Exchange):
                 self.retry_later(leg.role)
                 return
             self.exhausted(leg.role)
-        self._fail_client(_errors.bad_gateway("PD disaggregation request failed (%s leg: %s)"
-                                              % (leg.role, exc)))
+        self._fail_client(_errors.bad_gateway("PD disaggregation request failed (%s leg: %s)" % (leg.role, exc)))
 
     def _blame_timeout(self) -> None:
         # The leg the exchange is still waiting for is the slow one: the

@@ -1,10 +1,10 @@
 """The client side of the data path: HTTP/1.1 parsing and in-order answering, per connection.
 
-Owns, per client connection, the request parsing (httptools, keep-alive,
-pipelining answered strictly in order, chunked request bodies, the read
-deadlines, the head and payload limits), the header flag table that classifies
-request headers in one lookup, request ids, prebuilt status lines, and the simple
-responses (inline answers and errors; none carries a body for ``HEAD``).
+Owns, per client connection, the request parsing (httptools, keep-alive, pipelining
+answered strictly in order, chunked request bodies, the read deadlines, the head and
+payload limits), request headers classified in one lookup (the table is
+:mod:`fastroute.dataplane.headerflags`), request ids, prebuilt status lines, and the
+simple responses (inline answers and errors; none carries a body for ``HEAD``).
 
 Reading a request is bounded in time and bytes, as the bytes arrive:
 
@@ -15,11 +15,10 @@ Reading a request is bounded in time and bytes, as the bytes arrive:
 * the body must keep arriving (no read for ``header_read_timeout_secs``: 408 and
   close) and be complete within ``body_read_timeout_secs`` of its head.
 
-No reference cycle keeps a request body alive: the body chunks are dropped when
-the request is handed off, and the protocol<->parser cycle is broken when the
-connection is lost, so a finished body is freed at once, without a GC pass. What a request means is the App's
-business (:mod:`fastroute.dataplane.app`); backpressure is
-:class:`~fastroute.dataplane.flow.FlowControl`'s.
+No reference cycle keeps a request body alive: the body chunks are dropped when the request is
+handed off, and the protocol<->parser cycle is broken when the connection is lost, so a finished
+body is freed at once, without a GC pass. What a request means is the App's business
+(:mod:`fastroute.dataplane.app`); backpressure is :class:`~fastroute.dataplane.flow.FlowControl`'s.
 
 Per request: one header scan (lower-cased name -> flag bits), one join of the
 forwarded headers, no logging. Byte constants are built at import.
@@ -39,6 +38,18 @@ import httptools
 
 from fastroute import errors as _errors
 from fastroute.dataplane.flow import FlowControl
+from fastroute.dataplane.headerflags import (  # header_flags re-exported (the App builds the table)
+    _F_ACRH,
+    _F_AUTH,
+    _F_CL,
+    _F_EXPECT,
+    _F_FWD,
+    _F_KEY,
+    _F_ORIGIN,
+    _F_RID,
+    _classify,
+    header_flags,  # noqa: F401
+)
 from fastroute.dataplane.routes import INFERENCE, RID_PREFIX  # noqa: F401 (INFERENCE re-exported)
 from fastroute.dataplane.upstream import _nodelay
 from fastroute.errors import RouterError
@@ -75,67 +86,11 @@ CT_SSE = b"text/event-stream"
 # The inference paths (raw path -> endpoint label) come from the route table
 # (fastroute.dataplane.routes); everything else is answered, not proxied.
 
-# Request header flags (bitmask) by lower-cased name; see ClientProtocol.on_header.
-_F_FWD = 1       # forwarded verbatim to the worker (3.4 whitelist)
-_F_AUTH = 2      # Authorization
-_F_RID = 4       # candidate for the x-request-id response header
-_F_KEY = 8       # routing key for consistent hashing
-_F_CL = 16       # Content-Length
-_F_EXPECT = 32   # Expect: 100-continue
-_F_ORIGIN = 64   # Origin (flagged only with --cors-allowed-origins)
-_F_ACRH = 128    # Access-Control-Request-Headers (ditto: preflights)
-
 _NO_BODY_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS"})
-_PIPELINE_LIMIT = 32          # queued pipelined requests before we stop reading the client
-_HEAD_LIMIT = 1 << 16         # bytes of request line + headers before 431
+_PIPELINE_LIMIT = 32  # queued pipelined requests before we stop reading the client
+_HEAD_LIMIT = 1 << 16  # bytes of request line + headers before 431
 # Answers to a request that could not be read, by status.
 _READ_ERROR_CODE = {400: _errors.CODE_BAD_REQUEST, 408: "request_timeout", 431: "header_too_large"}
-
-
-def header_flags(request_id_headers: list[str], routing_key_headers: list[str],
-                 cors: bool = False,
-                 ) -> tuple[dict[bytes, int], tuple[bytes, ...], tuple[bytes, ...]]:
-    """(flag table, request-id headers in priority order, routing-key headers in priority order).
-
-    Built once per App from the configured header names (already lower-cased by Config).
-    ``cors``: also flag the CORS request headers (without CORS they cost nothing).
-    """
-    flags: dict[bytes, int] = {
-        b"x-request-id": _F_FWD, b"x-correlation-id": _F_FWD, b"traceparent": _F_FWD,
-        b"tracestate": _F_FWD, b"x-smg-routing-key": _F_FWD | _F_KEY,
-        b"authorization": _F_AUTH, b"content-length": _F_CL, b"expect": _F_EXPECT,
-    }
-    if cors:
-        flags[b"origin"] = _F_ORIGIN
-        flags[b"access-control-request-headers"] = _F_ACRH
-    rid_headers = tuple(h.encode("latin-1") for h in request_id_headers)
-    for h in rid_headers:
-        flags[h] = flags.get(h, 0) | _F_RID
-    key_headers = (b"x-smg-routing-key",) + tuple(h.encode("latin-1") for h in routing_key_headers)
-    for h in key_headers:
-        flags[h] = flags.get(h, 0) | _F_KEY
-    return flags, rid_headers, key_headers
-
-
-_HEADER_SPELLINGS = 1024  # raw header-name spellings remembered per App (see _classify)
-
-
-def _classify(flags: dict[bytes, int], name: bytes) -> int:
-    """The flag bits of a header name as the client spelled it, remembered in the App's table.
-
-    The table starts with the flagged lower-case names; each new spelling (``Content-Length``,
-    ``User-Agent``...) is looked up once by its lower-case form and then found by one dict
-    lookup, without a ``lower()`` per header. Unflagged names get 0, ``x-request-id-*``
-    (forwarded) ``_F_FWD``. A client inventing names cannot grow the table past
-    ``_HEADER_SPELLINGS`` new entries: beyond that, names are classified each time.
-    """
-    n = name.lower()
-    f = flags.get(n)
-    if f is None:
-        f = _F_FWD if len(n) > 13 and n.startswith(b"x-request-id-") else 0
-    if len(flags) < _HEADER_SPELLINGS:
-        flags[name] = f
-    return f
 
 
 _RID_PREFIX = RID_PREFIX
@@ -163,9 +118,9 @@ def _origin_form(url: bytes) -> bytes:
     rest = url.partition(b"://")[2]
     for i in range(len(rest)):
         c = rest[i]
-        if c == 47:        # '/'
+        if c == 47:  # '/'
             return rest[i:]
-        if c == 63:        # '?'
+        if c == 63:  # '?'
             return b"/" + rest[i:]
     return b"/"
 
@@ -173,8 +128,22 @@ def _origin_form(url: bytes) -> bytes:
 class Request:
     """One parsed client request (kept only until it is answered)."""
 
-    __slots__ = ("method", "url", "fwd", "auth", "rid", "key", "body", "body_len",
-                 "too_large", "keep_alive", "http11", "origin", "acrh", "__weakref__")
+    __slots__ = (
+        "method",
+        "url",
+        "fwd",
+        "auth",
+        "rid",
+        "key",
+        "body",
+        "body_len",
+        "too_large",
+        "keep_alive",
+        "http11",
+        "origin",
+        "acrh",
+        "__weakref__",
+    )
 
     def __init__(self) -> None:
         self.method = b"GET"
@@ -188,7 +157,7 @@ class Request:
         self.too_large = False
         self.keep_alive = True
         self.http11 = True
-        self.origin: bytes | None = None   # set only when CORS is configured
+        self.origin: bytes | None = None  # set only when CORS is configured
         self.acrh: bytes | None = None
 
 
@@ -201,11 +170,39 @@ class ClientProtocol:
     # Slots: past 30 attributes CPython gives each instance a full dict (~1.6 KB per held
     # connection, and slower attribute access); slots cost 8 bytes a name. Keep in step with
     # __init__ (a name missing here fails the first time it is set).
-    __slots__ = ("app", "loop", "transport", "parser", "_flags", "closed", "busy", "queue",
-                 "draining", "bad_request", "flow", "exchange", "head_deadline", "in_head",
-                 "head_only", "_req", "_url", "_fwd", "_chunks", "_rid_vals", "_key_vals",
-                 "_expect", "_cl", "_head_size", "_head_bytes", "_body_check", "waiter",
-                 "http_key", "http_t0", "_bad_message", "_bad_status")
+    __slots__ = (
+        "app",
+        "loop",
+        "transport",
+        "parser",
+        "_flags",
+        "closed",
+        "busy",
+        "queue",
+        "draining",
+        "bad_request",
+        "flow",
+        "exchange",
+        "head_deadline",
+        "in_head",
+        "head_only",
+        "_req",
+        "_url",
+        "_fwd",
+        "_chunks",
+        "_rid_vals",
+        "_key_vals",
+        "_expect",
+        "_cl",
+        "_head_size",
+        "_head_bytes",
+        "_body_check",
+        "waiter",
+        "http_key",
+        "http_t0",
+        "_bad_message",
+        "_bad_status",
+    )
 
     # ``app`` is the App (app.py) and ``exchange`` an exchange (exchange.py); both typed Any so
     # that imports only go one way: app and exchange import this module, never the reverse.
@@ -214,20 +211,20 @@ class ClientProtocol:
         self.loop = app.loop
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
-        self._flags = app.header_flags   # header name -> _F_* bits (per App; see _classify)
+        self._flags = app.header_flags  # header name -> _F_* bits (per App; see _classify)
         self.closed = False
-        self.busy = False                 # a response is in progress
-        self.queue: list[Request] = []    # pipelined requests waiting for their turn
+        self.busy = False  # a response is in progress
+        self.queue: list[Request] = []  # pipelined requests waiting for their turn
         self.draining = False
-        self.bad_request = False          # parse error seen: answer what is queued, then 400 + close
-        self.flow = FlowControl()        # backpressure, both directions
-        self.exchange: Any = None         # the exchange answering the current request
+        self.bad_request = False  # parse error seen: answer what is queued, then 400 + close
+        self.flow = FlowControl()  # backpressure, both directions
+        self.exchange: Any = None  # the exchange answering the current request
         # The one read deadline the App's sweep checks (on_header_timeout): the head's total
         # deadline, then the body's next inactivity check, then the keep-alive idle limit.
         self.head_deadline = 0.0
         self.in_head = False
         # A body is being read while ``_req`` is set and ``in_head`` is not (no flag to keep).
-        self.head_only = False            # the request being answered is a HEAD (reply clears it)
+        self.head_only = False  # the request being answered is a HEAD (reply clears it)
         # per-message parse state
         self._req: Request | None = None
         self._url = b""
@@ -238,15 +235,15 @@ class ClientProtocol:
         self._expect = False
         self._cl = -1
         self._head_size = 0
-        self._head_bytes = 0              # bytes of reads wholly inside an unfinished head
+        self._head_bytes = 0  # bytes of reads wholly inside an unfinished head
         # The body deadline's state, set at its first check (nothing per request): (a weak
         # reference to the request it is about, so a finished body is not kept alive by it,
         # its body bytes at the last check, its total deadline). One attribute, not three:
         # CPython keeps an instance's attributes inline (fast) only up to 30 names.
         self._body_check: tuple[Any, int, float] | None = None
-        self.waiter: Any = None           # admission queue entry while the request waits for a slot
-        self.http_key: Any = None         # metrics on: the current request's (method, path) labels
-        self.http_t0 = 0.0                # ... and when it was complete (perf_counter)
+        self.waiter: Any = None  # admission queue entry while the request waits for a slot
+        self.http_key: Any = None  # metrics on: the current request's (method, path) labels
+        self.http_t0 = 0.0  # ... and when it was complete (perf_counter)
         self._bad_message = ""
         self._bad_status = 400
 
@@ -259,7 +256,7 @@ class ClientProtocol:
         app.connections.add(self)
         hs = app.handshaking
         if hs and self in hs:
-            del hs[self]        # TLS: counted since the accept (App.protocol_factory)
+            del hs[self]  # TLS: counted since the accept (App.protocol_factory)
         elif app._stats is not None:
             app._stats.connections_active += 1
         self.head_deadline = self.loop.time() + self.app.header_timeout
@@ -288,8 +285,7 @@ class ClientProtocol:
             self.waiter = None
             if self.app.admission.cancel(w) and self.app._stats is not None:
                 key = self.http_key
-                self.app.count_response(499, "client_closed", None, None,
-                                        key[1] if key is not None else "other")
+                self.app.count_response(499, "client_closed", None, None, key[1] if key is not None else "other")
 
     def data_received(self, data: bytes) -> None:
         if self.bad_request:
@@ -328,7 +324,7 @@ class ClientProtocol:
     def on_message_begin(self) -> None:
         self._req = Request()
         self._url = b""
-        if self._fwd:            # (joined into the last request: a fresh list, else reused)
+        if self._fwd:  # (joined into the last request: a fresh list, else reused)
             self._fwd = []
         if self._chunks:
             self._chunks = []
@@ -428,8 +424,14 @@ class ClientProtocol:
                 self.busy = True
                 self.head_only = req.method == b"HEAD"  # (reply clears it)
                 self.send_error(_errors.payload_too_large(self._cl, app.max_payload), req)
-        elif (app.guarded and self._cl != 0 and self._url not in INFERENCE and not self.busy
-              and not self.queue and req.method not in _NO_BODY_METHODS):
+        elif (
+            app.guarded
+            and self._cl != 0
+            and self._url not in INFERENCE
+            and not self.busy
+            and not self.queue
+            and req.method not in _NO_BODY_METHODS
+        ):
             # An admin call with a body: who may call it is decided before the body is read
             # (the App's one AdminAuth); a refusal is answered now and the connection closed,
             # since the unread body makes the stream unusable.
@@ -572,9 +574,10 @@ class ClientProtocol:
         body = _errors.error_response(status, code, self._bad_message)
         if self.app._stats is not None:
             self.app.count_response(status, code)
-        self.transport.write(b"%bcontent-type: application/json\r\nx-smg-error-code: %b\r\n"  # type: ignore[union-attr]
-                             b"content-length: %d\r\nconnection: close\r\n\r\n%b"
-                             % (status_line(status), code.encode(), len(body), body))
+        self.transport.write(  # type: ignore[union-attr]
+            b"%bcontent-type: application/json\r\nx-smg-error-code: %b\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%b" % (status_line(status), code.encode(), len(body), body)
+        )
         self.closed = True
         self.transport.close()  # type: ignore[union-attr]
 
@@ -605,8 +608,7 @@ class ClientProtocol:
         if check is None or check[0]() is not req:
             # First check of this body: head_deadline is still the head's (its first byte +
             # header timeout), and no body byte has been checked yet.
-            check = (weakref.ref(req), 0, self.head_deadline - app.header_timeout
-                     + app.config.body_read_timeout_secs)
+            check = (weakref.ref(req), 0, self.head_deadline - app.header_timeout + app.config.body_read_timeout_secs)
         end = check[2]
         got = req.body_len  # type: ignore[union-attr]
         if got != check[1] and now < end:
@@ -626,23 +628,35 @@ class ClientProtocol:
                 # HEAD: the head of the answer the GET would get, never its body (RFC 9110
                 # 9.3.2); a body here would be read as the next response on this connection.
                 self.head_only = False
-                data = data[:data.find(b"\r\n\r\n") + 4]
+                data = data[: data.find(b"\r\n\r\n") + 4]
             self.transport.write(data)  # type: ignore[union-attr]
         self.response_done(keep_alive)
 
-    def reply_simple(self, status: int, ctype: bytes, body: bytes, req: Request,
-                     extra: bytes = b"", code: str = "", model: str | None = None) -> None:
+    def reply_simple(
+        self,
+        status: int,
+        ctype: bytes,
+        body: bytes,
+        req: Request,
+        extra: bytes = b"",
+        code: str = "",
+        model: str | None = None,
+    ) -> None:
         ka = req.keep_alive and self.app.accepting
         if self.app._stats is not None:
             self.app.count_response(status, code, req.url.partition(b"?")[0], model)
         if req.origin is not None:
             extra += self.app.cors.headers_for(req.origin)
         head = b"%bcontent-type: %b\r\ncontent-length: %d\r\n%b%b\r\n" % (
-            status_line(status), ctype, len(body), extra, b"" if ka else b"connection: close\r\n")
+            status_line(status),
+            ctype,
+            len(body),
+            extra,
+            b"" if ka else b"connection: close\r\n",
+        )
         self.reply(head + body, ka)
 
-    def send_error(self, exc: RouterError, req: Request, sse: bool = False,
-                   model: str | None = None) -> None:
+    def send_error(self, exc: RouterError, req: Request, sse: bool = False, model: str | None = None) -> None:
         extra = b"x-smg-error-code: " + exc.code.encode("latin-1") + b"\r\n"
         for k, v in exc.headers:
             extra += k + b": " + v + b"\r\n"
@@ -650,4 +664,3 @@ class ClientProtocol:
             self.reply_simple(exc.status, CT_SSE, exc.sse(), req, extra, exc.code, model)
         else:
             self.reply_simple(exc.status, CT_JSON, exc.body(), req, extra, exc.code, model)
-

@@ -24,12 +24,30 @@ from fastroute.dataplane.upstream import Pool
 class Route:
     """How to reach one target (see module docstring); immutable once built."""
 
-    __slots__ = ("worker", "pool", "authority", "auth", "rank_field", "bootstrap",
-                 "prefill_dp_size", "prefill_rank", "index", "port", "prefill_rank_field")
+    __slots__ = (
+        "worker",
+        "pool",
+        "authority",
+        "auth",
+        "rank_field",
+        "bootstrap",
+        "prefill_dp_size",
+        "prefill_rank",
+        "index",
+        "port",
+        "prefill_rank_field",
+    )
 
-    def __init__(self, worker: Any, rank: int | None, pool: Pool, api_key: str | None,
-                 rank_field: str | None, port: int | None = None) -> None:
-        self.worker = worker          # identity only: which worker the pool belongs to
+    def __init__(
+        self,
+        worker: Any,
+        rank: int | None,
+        pool: Pool,
+        api_key: str | None,
+        rank_field: str | None,
+        port: int | None = None,
+    ) -> None:
+        self.worker = worker  # identity only: which worker the pool belongs to
         self.pool = pool
         # The target's index in the worker (the rank index when split), and the port it is
         # sent to: the worker's, or the rank's own on a per-rank-port server.
@@ -41,15 +59,21 @@ class Route:
         # worker's URL (user:password@, stripped from the URL itself), if any. Without
         # either, the client's header (if any) is forwarded as it came.
         basic = getattr(worker, "basic_auth", None)
-        self.auth = (b"Authorization: Bearer " + api_key.encode("latin-1") + b"\r\n" if api_key
-                     else b"Authorization: " + basic.encode("latin-1") + b"\r\n" if basic else b"")
+        self.auth = (
+            b"Authorization: Bearer " + api_key.encode("latin-1") + b"\r\n"
+            if api_key
+            else b"Authorization: " + basic.encode("latin-1") + b"\r\n"
+            if basic
+            else b""
+        )
         # ``"<field>":<rank>`` for the body of a leg that targets one DP rank, else None.
         # A per-rank-port server's rank index is its port's offset; the DP rank is the one
         # that port reported (they differ only on the second node of a multi-node server).
         ids = getattr(worker, "rank_ids", None)
         dp_rank = ids[rank] if ids and rank is not None and rank < len(ids) else rank
-        self.rank_field = (_body.rank_field_bytes(rank_field, dp_rank)
-                           if rank_field is not None and dp_rank is not None else None)
+        self.rank_field = (
+            _body.rank_field_bytes(rank_field, dp_rank) if rank_field is not None and dp_rank is not None else None
+        )
         # As a PD prefill: the bootstrap host/port values, and the rank the room must encode
         # (room % prefill_dp_size == rank, protocol.md 4.3); a target that is not one DP rank
         # of a split worker uses dp_size 1.
@@ -58,17 +82,29 @@ class Route:
         self.prefill_rank = dp_rank
         # A per-rank-port prefill rank also tells the decode which rank holds the KV
         # (``"disagg_prefill_dp_rank":p`` on the decode leg), as the room does for a classic one.
-        self.prefill_rank_field = (_body.rank_field_bytes("disagg_prefill_dp_rank", dp_rank)
-                                   if ids and dp_rank is not None else None)
+        self.prefill_rank_field = (
+            _body.rank_field_bytes("disagg_prefill_dp_rank", dp_rank) if ids and dp_rank is not None else None
+        )
 
     def frame_injected(self, req: Request, head: Any, sep: bytes, fields: bytes, tail: Any) -> bytes:
         """The upstream request with ``fields`` injected into the body (parts from splice_parts)."""
         auth = self.auth
         if not auth and req.auth is not None:
             auth = b"Authorization: " + req.auth + b"\r\n"
-        return b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b%b\r\n%b%b%b%b" % (
-            req.url, self.authority, len(head) + len(sep) + len(fields) + len(tail), req.fwd, auth,
-            head, sep, fields, tail)
+        return (
+            b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b%b\r\n%b%b%b%b"
+            % (
+                req.url,
+                self.authority,
+                len(head) + len(sep) + len(fields) + len(tail),
+                req.fwd,
+                auth,
+                head,
+                sep,
+                fields,
+                tail,
+            )
+        )
 
     def send(self, req: Request, leg: Any) -> None:
         """Regular mode: send the client body as it came (framed inline: the common case), or
@@ -79,8 +115,11 @@ class Route:
             if not auth and req.auth is not None:
                 auth = b"Authorization: " + req.auth + b"\r\n"
             body = req.body
-            self.pool.send(b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b%b\r\n%b" % (
-                req.url, self.authority, len(body), req.fwd, auth, body), leg)
+            self.pool.send(
+                b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b%b\r\n%b"
+                % (req.url, self.authority, len(body), req.fwd, auth, body),
+                leg,
+            )
         else:
             head, sep, tail = _body.splice_parts(req.body)
             self.pool.send(self.frame_injected(req, head, sep, field, tail), leg)

@@ -24,7 +24,8 @@ every route is measured on the same scale as chat and completions.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastroute.dataplane.body import estimate_tokens
 from fastroute.errors import RouterError
@@ -49,7 +50,7 @@ def _text_tokens(value: Any) -> int:
         return 0
     first = type(value[0])
     if first is int:
-        return len(value)                     # one tokenized input
+        return len(value)  # one tokenized input
     total = 0
     for item in value:
         ti = type(item)
@@ -57,7 +58,7 @@ def _text_tokens(value: Any) -> int:
             total += estimate_tokens(item)
         elif ti is list:
             total += len(item)
-        elif ti is dict:                      # content parts / response input items
+        elif ti is dict:  # content parts / response input items
             total += _item_tokens(item)
     return total
 
@@ -117,8 +118,9 @@ class RouteSpec:
 
     __slots__ = ("path", "endpoint", "pd", "tokens", "rid_prefix")
 
-    def __init__(self, path: str, endpoint: str, pd: bool,
-                 tokens: Callable[[dict], int] | None, rid_prefix: bytes) -> None:
+    def __init__(
+        self, path: str, endpoint: str, pd: bool, tokens: Callable[[dict], int] | None, rid_prefix: bytes
+    ) -> None:
         self.path = path
         self.endpoint = endpoint
         self.pd = pd
@@ -131,24 +133,22 @@ class RouteSpec:
 
 _TABLE = (
     # path                   endpoint label           PD     tokens              rid prefix
-    ("/generate",            "/generate",             True,  None,               b"gnt-"),
-    ("/v1/completions",      "/v1/completions",       True,  None,               b"cmpl-"),
-    ("/v1/chat/completions", "/v1/chat/completions",  True,  None,               b"chatcmpl-"),
-    ("/v1/embeddings",       "/v1/embeddings",        False, _input_tokens,      b"embd-"),
-    ("/v1/rerank",           "/v1/rerank",            False, _rerank_tokens,     b"rerank-"),
-    ("/rerank",              "/v1/rerank",            False, _rerank_tokens,     b"rerank-"),
-    ("/v1/score",            "/v1/score",             False, _score_tokens,      b"score-"),
-    ("/v1/classify",         "/v1/classify",          False, _input_tokens,      b"classify-"),
-    ("/v1/tokenize",         "/v1/tokenize",          False, _no_tokens,         b"tok-"),
-    ("/v1/detokenize",       "/v1/detokenize",        False, _no_tokens,         b"detok-"),
-    ("/v1/responses",        "/v1/responses",         False, _responses_tokens,  b"resp_"),
-    ("/v1/messages",         "/v1/messages",          False, _messages_tokens,   b"msg_"),
+    ("/generate", "/generate", True, None, b"gnt-"),
+    ("/v1/completions", "/v1/completions", True, None, b"cmpl-"),
+    ("/v1/chat/completions", "/v1/chat/completions", True, None, b"chatcmpl-"),
+    ("/v1/embeddings", "/v1/embeddings", False, _input_tokens, b"embd-"),
+    ("/v1/rerank", "/v1/rerank", False, _rerank_tokens, b"rerank-"),
+    ("/rerank", "/v1/rerank", False, _rerank_tokens, b"rerank-"),
+    ("/v1/score", "/v1/score", False, _score_tokens, b"score-"),
+    ("/v1/classify", "/v1/classify", False, _input_tokens, b"classify-"),
+    ("/v1/tokenize", "/v1/tokenize", False, _no_tokens, b"tok-"),
+    ("/v1/detokenize", "/v1/detokenize", False, _no_tokens, b"detok-"),
+    ("/v1/responses", "/v1/responses", False, _responses_tokens, b"resp_"),
+    ("/v1/messages", "/v1/messages", False, _messages_tokens, b"msg_"),
 )
 
 # Raw client path -> spec (the one lookup per request).
-ROUTES: dict[bytes, RouteSpec] = {
-    p.encode(): RouteSpec(p, e, pd, tok, rid) for p, e, pd, tok, rid in _TABLE
-}
+ROUTES: dict[bytes, RouteSpec] = {p.encode(): RouteSpec(p, e, pd, tok, rid) for p, e, pd, tok, rid in _TABLE}
 # Raw path -> endpoint label (metrics labels, body rules); the set of proxied paths.
 INFERENCE: dict[bytes, str] = {p: spec.endpoint for p, spec in ROUTES.items()}
 RID_PREFIX: dict[bytes, bytes] = {p: spec.rid_prefix for p, spec in ROUTES.items()}
@@ -156,11 +156,15 @@ RID_PREFIX: dict[bytes, bytes] = {p: spec.rid_prefix for p, spec in ROUTES.items
 # embeddings, rerank, ...
 ENDPOINT_LABEL: dict[bytes, str] = {
     p: "chat" if spec.endpoint == "/v1/chat/completions" else spec.endpoint.rsplit("/", 1)[-1]
-    for p, spec in ROUTES.items()}
+    for p, spec in ROUTES.items()
+}
 
 
 def pd_unsupported(path: str) -> RouterError:
     """501 for a route PD mode cannot serve, as the peers' PD routers answer it."""
-    return RouterError(501, CODE_NOT_IMPLEMENTED,
-                       f"{path} is not supported in PD disaggregation mode "
-                       "(it needs a regular worker: run a router without --pd-disaggregation)")
+    return RouterError(
+        501,
+        CODE_NOT_IMPLEMENTED,
+        f"{path} is not supported in PD disaggregation mode "
+        "(it needs a regular worker: run a router without --pd-disaggregation)",
+    )

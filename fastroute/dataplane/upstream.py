@@ -117,9 +117,23 @@ class UpstreamConnection:
     compiled build can make it an extension type: see upstream.pxd)."""
 
     __slots__ = (
-        "pool", "transport", "parser", "leg", "request", "reused", "got_bytes",
-        "headers", "head_done", "status", "keep_alive", "closed",
-        "idle_since", "connect_task", "paused", "interim", "pooled",
+        "pool",
+        "transport",
+        "parser",
+        "leg",
+        "request",
+        "reused",
+        "got_bytes",
+        "headers",
+        "head_done",
+        "status",
+        "keep_alive",
+        "closed",
+        "idle_since",
+        "connect_task",
+        "paused",
+        "interim",
+        "pooled",
     )
 
     def __init__(self, pool: Pool) -> None:
@@ -138,8 +152,8 @@ class UpstreamConnection:
         self.idle_since = 0.0
         self.connect_task: asyncio.Task | None = None
         self.paused = False
-        self.interim = False   # the message being parsed is a 1xx head: the final one follows
-        self.pooled = False    # in the pool's idle list
+        self.interim = False  # the message being parsed is a 1xx head: the final one follows
+        self.pooled = False  # in the pool's idle list
 
     # -- asyncio.Protocol -------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:
@@ -309,11 +323,16 @@ class UpstreamConnection:
 class Pool:
     """Keep-alive connections to one worker ``host:port``."""
 
-    __slots__ = ("host", "port", "idle", "busy", "idle_timeout", "loop", "_sweep_handle", "closed",
-                 "ssl")
+    __slots__ = ("host", "port", "idle", "busy", "idle_timeout", "loop", "_sweep_handle", "closed", "ssl")
 
-    def __init__(self, host: str, port: int, idle_timeout: float = _IDLE_TIMEOUT,
-                 loop: asyncio.AbstractEventLoop | None = None, ssl: Any = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        idle_timeout: float = _IDLE_TIMEOUT,
+        loop: asyncio.AbstractEventLoop | None = None,
+        ssl: Any = None,
+    ) -> None:
         self.host = host[1:-1] if host.startswith("[") else host  # bracketed IPv6 -> connect form
         self.port = port
         # An ssl.SSLContext for an https:// worker (fastroute.tls.client_context), else None.
@@ -362,12 +381,19 @@ class Pool:
             if self.ssl is None:
                 # (conn is an asyncio protocol by its methods; the compiled class cannot
                 # derive from asyncio.BaseProtocol, which the stubs ask for.)
-                await self.loop.create_connection(lambda: conn, self.host,  # type: ignore[type-var]
-                                                  self.port)
+                await self.loop.create_connection(
+                    lambda: conn,
+                    self.host,  # type: ignore[type-var]
+                    self.port,
+                )
             else:
-                await self.loop.create_connection(lambda: conn, self.host,  # type: ignore[type-var]
-                                                  self.port, ssl=self.ssl,
-                                                  server_hostname=self.host)
+                await self.loop.create_connection(
+                    lambda: conn,
+                    self.host,  # type: ignore[type-var]
+                    self.port,
+                    ssl=self.ssl,
+                    server_hostname=self.host,
+                )
         except asyncio.CancelledError:
             return
         except OSError as exc:

@@ -23,6 +23,7 @@ timeout, ``--upstream-pool-idle-timeout-secs`` the worker cluster's (0: one requ
 connection, none kept idle), and ``--max-payload-size``, when given, the buffer limit (a larger
 body gets 413 from Envoy).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -40,7 +41,7 @@ ENDPOINTS_CLUSTER = "fastroute_endpoints"
 # The largest request body Envoy buffers for the picker (larger ones get 413 from Envoy), unless
 # --max-payload-size says otherwise; Envoy's limit is a 32-bit count of bytes.
 BODY_LIMIT = 32 * 1024 * 1024
-ENVOY_BUFFER_MAX = 2 ** 32 - 1
+ENVOY_BUFFER_MAX = 2**32 - 1
 
 _ADMIN = """admin:
   address:
@@ -133,11 +134,20 @@ _TEMPLATE = """# Envoy bootstrap for fastroute's endpoint picker (fastroute epp 
 """
 
 
-def envoy_bootstrap(grpc_port: int, listen_port: int, admin_port: int | None = None, *,
-                    listen_host: str = "0.0.0.0", message_timeout: float = 10.0,
-                    idle_timeout: float = 1800.0, header_timeout: float = 30.0,
-                    body_timeout: float = 300.0, conn_idle_timeout: float = 60.0,
-                    upstream_idle_timeout: float = 3.0, body_limit: int = BODY_LIMIT) -> str:
+def envoy_bootstrap(
+    grpc_port: int,
+    listen_port: int,
+    admin_port: int | None = None,
+    *,
+    listen_host: str = "0.0.0.0",
+    message_timeout: float = 10.0,
+    idle_timeout: float = 1800.0,
+    header_timeout: float = 30.0,
+    body_timeout: float = 300.0,
+    conn_idle_timeout: float = 60.0,
+    upstream_idle_timeout: float = 3.0,
+    body_limit: int = BODY_LIMIT,
+) -> str:
     """The bootstrap YAML (see module docstring). ``message_timeout``: how long Envoy waits for
     one answer of the picker (a request queued by --max-concurrent-requests waits in it);
     ``idle_timeout``: Envoy's stream idle timeout (the router's request timeout); the others
@@ -145,33 +155,44 @@ def envoy_bootstrap(grpc_port: int, listen_port: int, admin_port: int | None = N
     admin = _ADMIN.format(admin=int(admin_port)) if admin_port is not None else ""
     if upstream_idle_timeout > 0:
         pool = "          idle_timeout: %ss" % _secs(upstream_idle_timeout)
-    else:       # the proxy's 0: no idle worker connection is kept, one request per connection
+    else:  # the proxy's 0: no idle worker connection is kept, one request per connection
         pool = "          max_requests_per_connection: 1"
-    return _TEMPLATE.format(admin=admin, listen_host=listen_host, listen=int(listen_port),
-                            grpc=int(grpc_port), epp=EPP_CLUSTER, endpoints=ENDPOINTS_CLUSTER,
-                            header=HEADER, namespace=METADATA_NAMESPACE,
-                            subset_namespace=SUBSET_NAMESPACE, body_limit=int(body_limit),
-                            message_timeout=_secs(message_timeout),
-                            idle=_secs(idle_timeout), header_timeout=_secs(header_timeout),
-                            request_timeout=_secs(body_timeout + message_timeout),
-                            conn_idle=_secs(conn_idle_timeout), upstream_pool=pool)
+    return _TEMPLATE.format(
+        admin=admin,
+        listen_host=listen_host,
+        listen=int(listen_port),
+        grpc=int(grpc_port),
+        epp=EPP_CLUSTER,
+        endpoints=ENDPOINTS_CLUSTER,
+        header=HEADER,
+        namespace=METADATA_NAMESPACE,
+        subset_namespace=SUBSET_NAMESPACE,
+        body_limit=int(body_limit),
+        message_timeout=_secs(message_timeout),
+        idle=_secs(idle_timeout),
+        header_timeout=_secs(header_timeout),
+        request_timeout=_secs(body_timeout + message_timeout),
+        conn_idle=_secs(conn_idle_timeout),
+        upstream_pool=pool,
+    )
 
 
-def bootstrap_for(config: Any, grpc_port: int, listen_port: int,
-                  admin_port: int | None = None) -> str:
+def bootstrap_for(config: Any, grpc_port: int, listen_port: int, admin_port: int | None = None) -> str:
     """The bootstrap for a router configuration: its admission and connection flags."""
     queued = config.max_concurrent_requests > 0 or bool(config.rate_limit_tokens_per_second)
     limit = int(config.max_payload_size)
     return envoy_bootstrap(
-        grpc_port, listen_port, admin_port,
+        grpc_port,
+        listen_port,
+        admin_port,
         message_timeout=config.queue_timeout_secs + 5.0 if queued else 10.0,
         idle_timeout=float(config.request_timeout_secs),
         header_timeout=float(config.header_read_timeout_secs),
         body_timeout=float(config.body_read_timeout_secs),
         conn_idle_timeout=float(config.idle_connection_timeout_secs),
         upstream_idle_timeout=float(config.upstream_pool_idle_timeout_secs),
-        body_limit=BODY_LIMIT if limit == default("max_payload_size") else limit)
-
+        body_limit=BODY_LIMIT if limit == default("max_payload_size") else limit,
+    )
 
 
 def _secs(value: float) -> str:

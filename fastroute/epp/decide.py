@@ -17,6 +17,7 @@ target is one rank of a single-port DP server, the Authorization the worker want
 none among the gateway's subset hint (:class:`Subsets`);
 admission's 429 and 408 come from :meth:`Decider.admit`), never leaving a lease behind.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +34,8 @@ from fastroute.errors import RouterError
 
 log = logging.getLogger("fastroute.epp")
 
-LEAK_SLACK = 5.0     # seconds past --request-timeout-secs before a booking counts as leaked
-SUBSET_GROUPS = 64   # routing groups kept for distinct subset hints (least recently used go)
+LEAK_SLACK = 5.0  # seconds past --request-timeout-secs before a booking counts as leaked
+SUBSET_GROUPS = 64  # routing groups kept for distinct subset hints (least recently used go)
 CODE_NO_SUBSET_ENDPOINT = "no_available_subset_endpoint"
 # PD: the header naming the pair the picker booked, read by the sidecar's PD relay as its
 # routing key (fastroute.epp.sidecar).
@@ -47,26 +48,32 @@ class Pick:
 
     __slots__ = ("endpoint", "body", "auth", "target", "rank", "headers")
 
-    def __init__(self, endpoint: str, body: bytes | None, auth: str | None, target: int,
-                 rank: int | None, headers: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        body: bytes | None,
+        auth: str | None,
+        target: int,
+        rank: int | None,
+        headers: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         self.endpoint = endpoint
         self.body = body
         self.auth = auth
         self.target = target
         self.rank = rank
-        self.headers = headers       # more request headers to set (PD: the pair picked)
+        self.headers = headers  # more request headers to set (PD: the pair picked)
 
 
 class Booking:
     """The admission slot and lease of one request (see module docstring)."""
 
-    __slots__ = ("decider", "lease", "lease2", "slot", "waiter", "started_at", "closed",
-                 "reason")
+    __slots__ = ("decider", "lease", "lease2", "slot", "waiter", "started_at", "closed", "reason")
 
-    def __init__(self, decider: "Decider") -> None:
+    def __init__(self, decider: Decider) -> None:
         self.decider = decider
         self.lease: Any = None
-        self.lease2: Any = None      # PD: the decode lease (``lease`` is the prefill's)
+        self.lease2: Any = None  # PD: the decode lease (``lease`` is the prefill's)
         self.slot = False
         self.waiter: Any = None
         self.started_at = decider.loop.time()
@@ -81,8 +88,7 @@ class Booking:
         self.closed = True
         self.reason = reason
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("booking closed (%s) after %.3f s", reason,
-                      self.decider.loop.time() - self.started_at)
+            log.debug("booking closed (%s) after %.3f s", reason, self.decider.loop.time() - self.started_at)
         d = self.decider
         d.bookings.discard(self)
         try:
@@ -109,9 +115,14 @@ def needs_body(config: Any) -> bool:
     text or tokens (cache_aware, power_of_two on tokens, decode demand, KV fit; PD always, its
     legs weigh the input). Otherwise the pick is made on the headers and Envoy is told not to
     send the body at all."""
-    return bool(config.dp_aware or config.pd_disaggregation or config.policy == "cache_aware"
-                or (config.policy == "power_of_two" and config.p2c_load_metric == "tokens")
-                or config.decode_input_demand != "off" or config.decode_kv_fit != "off")
+    return bool(
+        config.dp_aware
+        or config.pd_disaggregation
+        or config.policy == "cache_aware"
+        or (config.policy == "power_of_two" and config.p2c_load_metric == "tokens")
+        or config.decode_input_demand != "off"
+        or config.decode_kv_fit != "off"
+    )
 
 
 def endpoint_of(worker: Any) -> str:
@@ -125,9 +136,12 @@ def endpoint_of(worker: Any) -> str:
 def no_subset_endpoint(subset: frozenset[str]) -> RouterError:
     """503 when no available target has an address in the gateway's subset hint."""
     shown = ", ".join(sorted(subset)[:8]) + (", ..." if len(subset) > 8 else "")
-    return RouterError(503, CODE_NO_SUBSET_ENDPOINT,
-                       "No available worker among the endpoints the gateway allowed "
-                       f"(x-gateway-destination-endpoint-subset: [{shown}])")
+    return RouterError(
+        503,
+        CODE_NO_SUBSET_ENDPOINT,
+        "No available worker among the endpoints the gateway allowed "
+        f"(x-gateway-destination-endpoint-subset: [{shown}])",
+    )
 
 
 class Subsets:
@@ -159,11 +173,18 @@ class Subsets:
             return None
         g = self.groups.get(subset)
         if g is None:
-            g = reg.router.group([], base.policy, load_metric=base.load_metric,
-                                 demand=base.demand, request_weight=base.request_weight,
-                                 names=[], kv_fit=base.kv_fit, kv_reserve=base.kv_reserve,
-                                 rank_slack=base.rank_slack,
-                                 tokens_until_answer=base.tokens_until_answer)
+            g = reg.router.group(
+                [],
+                base.policy,
+                load_metric=base.load_metric,
+                demand=base.demand,
+                request_weight=base.request_weight,
+                names=[],
+                kv_fit=base.kv_fit,
+                kv_reserve=base.kv_reserve,
+                rank_slack=base.rank_slack,
+                tokens_until_answer=base.tokens_until_answer,
+            )
             self.groups[subset] = g
             if len(self.groups) > SUBSET_GROUPS:
                 self.groups.popitem(last=False)
@@ -177,8 +198,14 @@ class Subsets:
 class Decider:
     """Picks for the gateway with the registry's routing group (see module docstring)."""
 
-    def __init__(self, config: Any, registry: Any, admission: Any, stats: Any = None,
-                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        registry: Any,
+        admission: Any,
+        stats: Any = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
         self.config = config
         self.registry = registry
         self.admission = admission
@@ -189,12 +216,11 @@ class Decider:
         self.max_payload = int(config.max_payload_size)
         self.timeout = float(config.request_timeout_secs)
         self.api_key = bearer(config.api_key)
-        self.key_headers = ("x-smg-routing-key",) + tuple(h.lower() for h in
-                                                           config.routing_key_headers)
+        self.key_headers = ("x-smg-routing-key",) + tuple(h.lower() for h in config.routing_key_headers)
         self._rank_bytes: dict[int, bytes] = {}
         self.needs_body = needs_body(config)
         self.subsets = Subsets(registry)
-        self.sidecar_port: int | None = None    # PD: the fastroute sidecar on each decode pod
+        self.sidecar_port: int | None = None  # PD: the fastroute sidecar on each decode pod
 
     @property
     def in_flight(self) -> int:
@@ -214,7 +240,7 @@ class Decider:
         def start() -> None:
             booking.waiter = None
             if booking.closed or fut.done():
-                adm.leave()          # the stream ended between the dequeue and this callback
+                adm.leave()  # the stream ended between the dequeue and this callback
                 return
             booking.slot = True
             fut.set_result(True)
@@ -235,24 +261,32 @@ class Decider:
     def check(self, method: str, path: str, headers: dict[str, str], body_len: int) -> None:
         """What is refused before any slot or lease: readiness, the key, the size."""
         if not self.registry.ready():
-            raise RouterError(503, _errors.CODE_NO_AVAILABLE_WORKERS,
-                              "No available workers (router is still registering workers)")
+            raise RouterError(
+                503, _errors.CODE_NO_AVAILABLE_WORKERS, "No available workers (router is still registering workers)"
+            )
         raw = path.partition("?")[0].encode("latin-1", "replace")
         auth = headers.get("authorization")
         if self.api_key is not None and not authorized(
-                self.api_key, raw, auth.encode("latin-1", "replace") if auth is not None else None):
+            self.api_key, raw, auth.encode("latin-1", "replace") if auth is not None else None
+        ):
             raise _errors.invalid_api_key()
         if body_len > self.max_payload:
             raise _errors.payload_too_large(body_len, self.max_payload)
 
-    def decide(self, booking: Booking, method: str, path: str, headers: dict[str, str],
-               body: bytes | None, subset: frozenset[str] | None = None) -> Pick:
+    def decide(
+        self,
+        booking: Booking,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        body: bytes | None,
+        subset: frozenset[str] | None = None,
+    ) -> Pick:
         """Pick and book (the lease is the booking's from here); raises RouterError. ``body``
         None: picked on the headers (no body, or the pick does not need it: nothing parsed).
         ``subset``: the gateway's subset hint (None: any target), see :class:`Subsets`."""
         route = path.partition("?")[0]
-        spec = (ROUTES.get(route.encode("latin-1", "replace"))
-                if method == "POST" and body is not None else None)
+        spec = ROUTES.get(route.encode("latin-1", "replace")) if method == "POST" and body is not None else None
         meta = None
         tokens = out_tokens = 0
         if spec is not None:
@@ -301,8 +335,15 @@ class Decider:
             auth = worker.basic_auth
         return Pick(endpoint_of(worker), new_body, auth, lease.target, rank)
 
-    def _decide_pd(self, booking: Booking, tokens: int, key: bytes | None, meta: Any,
-                   out_tokens: int, subset: frozenset[str] | None) -> Pick:
+    def _decide_pd(
+        self,
+        booking: Booking,
+        tokens: int,
+        key: bytes | None,
+        meta: Any,
+        out_tokens: int,
+        subset: frozenset[str] | None,
+    ) -> Pick:
         """PD through the gateway: book a prefill and a decode target with the registry's PD
         groups (the proxy's pick of a pair), send the request to the fastroute sidecar on the
         decode worker's pod (its address, ``--sidecar-port``) and name the pair in
@@ -322,8 +363,7 @@ class Decider:
             raise no_subset_endpoint(subset)
         host = endpoint_of(worker).rpartition(":")[0]
         pin = f"{reg.target_name(p.target)}|{reg.target_name(d.target)}"
-        return Pick(f"{host}:{self.sidecar_port}", None, None, d.target, rank,
-                    headers=((PIN_HEADER, pin),))
+        return Pick(f"{host}:{self.sidecar_port}", None, None, d.target, rank, headers=((PIN_HEADER, pin),))
 
     # -- the safety net ----------------------------------------------------------------
     def check_leaks(self, now: float | None = None) -> int:

@@ -13,16 +13,18 @@ and the refusals of what the endpoint picker does not do (yet).
   sidecar`` listening on P on each decode pod (:mod:`fastroute.epp.sidecar`).
 
 Refused with one line naming the flag (never silently ignored): the gateway features of the
-design that are not built here (Envoy failure-mode options), and router features that mean nothing, or something unsafe, for a picker that
-relays no bytes (:func:`refusal`). Router flags that do nothing here and cannot
-change who gets in, where requests go or readiness are accepted with one warning each
-(:func:`inert_flags`). :data:`AUDIT` says, for every router flag, which of these it is.
+design that are not built here (Envoy failure-mode options), and router features that mean
+nothing, or something unsafe, for a picker that relays no bytes (:func:`refusal`). Router
+flags that do nothing here and cannot change who gets in, where requests go or readiness are
+accepted with one warning each (:func:`inert_flags`). :data:`AUDIT` says, for every router flag, which of these it is.
 """
+
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = ["EppOptions", "EppError", "split", "refusal", "inert_flags", "flags_named"]
 
@@ -30,9 +32,8 @@ __all__ = ["EppOptions", "EppError", "split", "refusal", "inert_flags", "flags_n
 NOT_BUILT = {
     "--sidecar": "the PD sidecar of a decode pod is a command of its own: fastroute sidecar",
     "--failure-mode": "failure-mode options are not built: Envoy's ext_proc filter fails closed "
-                      "(failure_mode_allow: false in the printed bootstrap)",
-    "--failure-mode-allow": "failure-mode options are not built: Envoy's ext_proc filter fails "
-                            "closed",
+    "(failure_mode_allow: false in the printed bootstrap)",
+    "--failure-mode-allow": "failure-mode options are not built: Envoy's ext_proc filter fails closed",
 }
 
 
@@ -46,9 +47,9 @@ class EppOptions:
     print_config: bool = False
     listen_port: int | None = None
     admin_port: int | None = None
-    pool: str | None = None              # --inference-pool NAME
-    pool_namespace: str | None = None    # --inference-pool-namespace NS
-    sidecar_port: int | None = None      # --sidecar-port P: PD through the decode pods' sidecar
+    pool: str | None = None  # --inference-pool NAME
+    pool_namespace: str | None = None  # --inference-pool-namespace NS
+    sidecar_port: int | None = None  # --sidecar-port P: PD through the decode pods' sidecar
 
 
 # A Kubernetes object name or namespace (DNS subdomain / label).
@@ -116,62 +117,86 @@ def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
             if flag in found:
                 raise EppError(f"argument {flag}: only means something with --print-envoy-config")
     if "--inference-pool-namespace" in found and "--inference-pool" not in found:
-        raise EppError("argument --inference-pool-namespace: only means something with "
-                       "--inference-pool")
-    return EppOptions(found["--grpc-port"], printing, found.get("--envoy-listen-port"),
-                      found.get("--envoy-admin-port"), found.get("--inference-pool"),
-                      found.get("--inference-pool-namespace"), found.get("--sidecar-port")), rest
+        raise EppError("argument --inference-pool-namespace: only means something with --inference-pool")
+    return EppOptions(
+        found["--grpc-port"],
+        printing,
+        found.get("--envoy-listen-port"),
+        found.get("--envoy-admin-port"),
+        found.get("--inference-pool"),
+        found.get("--inference-pool-namespace"),
+        found.get("--sidecar-port"),
+    ), rest
 
 
-def refusal(config: Any, processes: int, pool: str | None = None,
-            sidecar_port: int | None = None) -> str | None:
+def refusal(config: Any, processes: int, pool: str | None = None, sidecar_port: int | None = None) -> str | None:
     """Why this router configuration cannot run as an endpoint picker, or None (``pool``: the
     --inference-pool given; ``sidecar_port``: the --sidecar-port given)."""
     if pool is not None and config.discovery is not None:
-        return ("argument --inference-pool: the pool's selector picks the worker pods; give it "
-                "instead of --service-discovery / --discovery-provider, not with them")
+        return (
+            "argument --inference-pool: the pool's selector picks the worker pods; give it "
+            "instead of --service-discovery / --discovery-provider, not with them"
+        )
     if config.pd_disaggregation and sidecar_port is None:
-        return ("argument --pd-disaggregation: needs --sidecar-port, the port of the "
-                "`fastroute sidecar` on each decode pod, which relays the two legs")
+        return (
+            "argument --pd-disaggregation: needs --sidecar-port, the port of the "
+            "`fastroute sidecar` on each decode pod, which relays the two legs"
+        )
     if sidecar_port is not None and not config.pd_disaggregation:
         return "argument --sidecar-port: only means something with --pd-disaggregation"
     if config.pd_disaggregation and config.prefill_input_demand != "off":
-        return ("argument --prefill-input-demand: not supported by fastroute epp (the picker "
-                "never sees the prefill answer that gives the tokens back)")
+        return (
+            "argument --prefill-input-demand: not supported by fastroute epp (the picker "
+            "never sees the prefill answer that gives the tokens back)"
+        )
     if config.pd_disaggregation and pool is not None:
-        return ("argument --inference-pool: an InferencePool has one role of pods; PD through "
-                "the gateway takes --prefill/--decode or --service-discovery selectors")
+        return (
+            "argument --inference-pool: an InferencePool has one role of pods; PD through "
+            "the gateway takes --prefill/--decode or --service-discovery selectors"
+        )
     if config.replica_sync is not None:
-        return ("argument --replica-sync: not supported by fastroute epp (EPP replicas sharing "
-                "in-flight state is not built); run one picker")
+        return (
+            "argument --replica-sync: not supported by fastroute epp (EPP replicas sharing "
+            "in-flight state is not built); run one picker"
+        )
     if processes > 1:
         return "argument --workers: fastroute epp runs as one process (give --workers 1)"
     for url in config.worker_urls:
         if url.strip().lower().startswith("https://"):
-            return (f"argument --worker-urls: {url} is https://; the printed Envoy cluster "
-                    "connects to workers in plain HTTP, TLS to workers is not built for the EPP")
+            return (
+                f"argument --worker-urls: {url} is https://; the printed Envoy cluster "
+                "connects to workers in plain HTTP, TLS to workers is not built for the EPP"
+            )
     if config.enable_igw:
         return "argument --enable-igw: not supported by fastroute epp (model-keyed groups)"
     # The client side belongs to Envoy: the picker cannot serve HTTPS or answer CORS, and
     # accepting them would leave clients on plain HTTP or browsers' origins unchecked.
     for field, flag in (("tls_cert_path", "--tls-cert-path"), ("tls_key_path", "--tls-key-path")):
         if getattr(config, field) is not None:
-            return (f"argument {flag}: not supported by fastroute epp (TLS to clients is the "
-                    "gateway's: configure it on the Envoy listener)")
+            return (
+                f"argument {flag}: not supported by fastroute epp (TLS to clients is the "
+                "gateway's: configure it on the Envoy listener)"
+            )
     if config.tls_min_version != type(config)().tls_min_version:
-        return ("argument --tls-min-version: not supported by fastroute epp (TLS to clients is "
-                "the gateway's: configure it on the Envoy listener)")
+        return (
+            "argument --tls-min-version: not supported by fastroute epp (TLS to clients is "
+            "the gateway's: configure it on the Envoy listener)"
+        )
     if config.cors_allowed_origins:
-        return ("argument --cors-allowed-origins: not supported by fastroute epp (the picker "
-                "never sees the responses; configure Envoy's CORS filter instead)")
+        return (
+            "argument --cors-allowed-origins: not supported by fastroute epp (the picker "
+            "never sees the responses; configure Envoy's CORS filter instead)"
+        )
     # Retries and circuit breakers act on upstream outcomes, which a picker never sees (Envoy
     # relays the bytes): tuning them here would be accepted and do nothing.
     defaults = type(config)()
     for field, flag in _UPSTREAM_OUTCOME_FLAGS:
         if getattr(config, field) != getattr(defaults, field):
-            return (f"argument {flag}: not supported by fastroute epp (the picker sees no upstream "
-                    "response, so it cannot retry or open a circuit; configure Envoy's retry "
-                    "and outlier detection instead)")
+            return (
+                f"argument {flag}: not supported by fastroute epp (the picker sees no upstream "
+                "response, so it cannot retry or open a circuit; configure Envoy's retry "
+                "and outlier detection instead)"
+            )
     return None
 
 
@@ -192,32 +217,45 @@ _UPSTREAM_OUTCOME_FLAGS = (
 # who gets in, where requests go or readiness: one warning each when given. (field, flag, why);
 # field None: judged by the flag's presence on the command line alone.
 _INERT = (
-    ("port", "--port", "the picker listens on --grpc-port; clients call Envoy's listener "
-     "(--envoy-listen-port)"),
-    ("control_plane_api_keys", "--control-plane-api-keys", "the picker serves no "
-     "worker-management routes (also $CONTROL_PLANE_API_KEYS)"),
-    ("control_plane_audit_enabled", "--control-plane-audit-enabled", "the picker serves no "
-     "worker-management routes"),
-    ("ca_cert_paths", "--ca-cert-paths", "only used for https:// workers, which fastroute epp "
-     "refuses"),
-    ("client_cert_path", "--client-cert-path", "only used for https:// workers, which "
-     "fastroute epp refuses"),
-    ("client_key_path", "--client-key-path", "only used for https:// workers, which fastroute "
-     "epp refuses"),
-    ("prometheus_duration_buckets", "--prometheus-duration-buckets", "the picker measures no "
-     "request durations (Envoy relays the requests)"),
-    ("request_id_headers", "--request-id-headers", "the picker does not rewrite x-request-id; "
-     "Envoy forwards the client's headers and makes its own x-request-id"),
-    ("sse_keepalive_secs", "--sse-keepalive-secs", "the picker relays no stream, so it sends no "
-     "keep-alive comments"),
-    ("bootstrap_port_annotation", "--bootstrap-port-annotation", "only used for PD prefill "
-     "pods, and fastroute epp refuses PD mode"),
+    ("port", "--port", "the picker listens on --grpc-port; clients call Envoy's listener (--envoy-listen-port)"),
+    (
+        "control_plane_api_keys",
+        "--control-plane-api-keys",
+        "the picker serves no worker-management routes (also $CONTROL_PLANE_API_KEYS)",
+    ),
+    ("control_plane_audit_enabled", "--control-plane-audit-enabled", "the picker serves no worker-management routes"),
+    ("ca_cert_paths", "--ca-cert-paths", "only used for https:// workers, which fastroute epp refuses"),
+    ("client_cert_path", "--client-cert-path", "only used for https:// workers, which fastroute epp refuses"),
+    ("client_key_path", "--client-key-path", "only used for https:// workers, which fastroute epp refuses"),
+    (
+        "prometheus_duration_buckets",
+        "--prometheus-duration-buckets",
+        "the picker measures no request durations (Envoy relays the requests)",
+    ),
+    (
+        "request_id_headers",
+        "--request-id-headers",
+        "the picker does not rewrite x-request-id; Envoy forwards the client's headers and makes its own x-request-id",
+    ),
+    ("sse_keepalive_secs", "--sse-keepalive-secs", "the picker relays no stream, so it sends no keep-alive comments"),
+    (
+        "bootstrap_port_annotation",
+        "--bootstrap-port-annotation",
+        "only used for PD prefill pods, and fastroute epp refuses PD mode",
+    ),
     (None, "--prefill-policy", "only used in PD mode, which fastroute epp refuses"),
     (None, "--decode-policy", "only used in PD mode, which fastroute epp refuses"),
-    ("pd_max_batch_size", "--pd-max-batch-size", "the picker does not read PD batches; the "
-     "PD relay of fastroute sidecar enforces it (give it there)"),
-    (None, "--dp-rank-field", "with --pd-disaggregation the ranks travel in the pair the picker "
-     "names; the rank field is the fastroute sidecar's"),
+    (
+        "pd_max_batch_size",
+        "--pd-max-batch-size",
+        "the picker does not read PD batches; the PD relay of fastroute sidecar enforces it (give it there)",
+    ),
+    (
+        None,
+        "--dp-rank-field",
+        "with --pd-disaggregation the ranks travel in the pair the picker "
+        "names; the rank field is the fastroute sidecar's",
+    ),
 )
 # PD-only flags: they work (or are the sidecar's) once --pd-disaggregation is given.
 _PD_ONLY = frozenset({"--prefill-policy", "--decode-policy", "--bootstrap-port-annotation"})
@@ -232,7 +270,7 @@ def flags_named(argv: Sequence[str]) -> set[str]:
         if token.startswith("--"):
             name = token.partition("=")[0]
             if name.startswith("--router-"):
-                name = "--" + name[len("--router-"):]
+                name = "--" + name[len("--router-") :]
             out.add(name)
     return out
 
@@ -244,14 +282,13 @@ def inert_flags(config: Any, argv: Sequence[str]) -> list[str]:
     named = flags_named(argv)
     out = []
     for field, flag, why in _INERT:
-        given = flag in named or (field is not None
-                                  and getattr(config, field) != getattr(defaults, field))
+        given = flag in named or (field is not None and getattr(config, field) != getattr(defaults, field))
         if given and flag == "--bootstrap-port-annotation" and config.discovery is None:
-            given = False       # the router's own warning says it (discovery sub-flag)
+            given = False  # the router's own warning says it (discovery sub-flag)
         if flag in _PD_ONLY and config.pd_disaggregation:
-            given = False       # PD through the sidecar: they act
+            given = False  # PD through the sidecar: they act
         if flag == "--dp-rank-field" and not config.pd_disaggregation:
-            given = False       # regular mode: the picker splices the rank with it
+            given = False  # regular mode: the picker splices the rank with it
         if given:
             out.append(f"{flag} is accepted and ignored by fastroute epp ({why})")
     return out
@@ -267,37 +304,109 @@ def inert_flags(config: Any, argv: Sequence[str]) -> list[str]:
 # (--pd-disaggregation, --prefill, --decode) needs --sidecar-port.
 WORKS, ENVOY, INERT, REFUSED = "picker", "envoy", "inert", "refused"
 AUDIT: dict[str, str] = {
-    **{f: WORKS for f in (
-        "--host", "--worker-urls", "--api-key", "--dp-aware", "--worker-startup-timeout-secs",
-        "--worker-startup-check-interval", "--shutdown-grace-period-secs",
-        "--allow-link-local-workers", "--health-check-port", "--policy", "--p2c-load-metric",
-        "--load-monitor-interval", "--disable-load-monitoring", "--routing-key-headers",
-        "--assignment-mode", "--max-idle-secs", "--max-manual-keys", "--cache-threshold",
-        "--balance-abs-threshold", "--balance-rel-threshold", "--eviction-interval-secs",
-        "--max-tree-size", "--disable-retries", "--disable-circuit-breaker",
-        "--health-failure-threshold", "--health-success-threshold",
-        "--health-check-timeout-secs", "--health-check-interval-secs", "--health-check-endpoint",
-        "--disable-health-check", "--max-concurrent-requests", "--queue-size",
-        "--rate-limit-tokens-per-second", "--prometheus-host", "--prometheus-port",
-        "--log-level", "--log-json", "--log-dir", "--decode-input-demand",
-        "--decode-request-weight", "--seed", "--workers", "--decode-kv-fit",
-        "--cache-aware-rank-slack", "--decode-kv-reserve-tokens", "--service-discovery",
-        "--selector", "--service-discovery-port", "--service-discovery-namespace",
-        "--discovery-provider", "--discovery-file", "--discovery-check-interval-secs",
-        "--pd-disaggregation", "--prefill", "--decode")},
-    **{f: ENVOY for f in (
-        "--request-timeout-secs", "--max-payload-size", "--queue-timeout-secs",
-        "--header-read-timeout-secs", "--idle-connection-timeout-secs",
-        "--upstream-pool-idle-timeout-secs", "--body-read-timeout-secs")},
-    **{f: INERT for f in (
-        *(flag for _, flag, _ in _INERT),
-        "--cb-window-duration-secs", "--replica-id", "--replica-sync-interval-ms",
-        "--replica-ttl-ms", "--prefill-selector", "--decode-selector")},
-    **{f: REFUSED for f in (
-        "--cors-allowed-origins", "--tls-cert-path", "--tls-key-path", "--tls-min-version",
-        "--enable-igw", "--model-alias", "--prefill-input-demand",
-        "--retry-max-retries",
-        "--retry-initial-backoff-ms", "--retry-max-backoff-ms", "--retry-backoff-multiplier",
-        "--retry-jitter-factor", "--cb-failure-threshold", "--cb-success-threshold",
-        "--cb-timeout-duration-secs", "--replica-sync")},
+    **{
+        f: WORKS
+        for f in (
+            "--host",
+            "--worker-urls",
+            "--api-key",
+            "--dp-aware",
+            "--worker-startup-timeout-secs",
+            "--worker-startup-check-interval",
+            "--shutdown-grace-period-secs",
+            "--allow-link-local-workers",
+            "--health-check-port",
+            "--policy",
+            "--p2c-load-metric",
+            "--load-monitor-interval",
+            "--disable-load-monitoring",
+            "--routing-key-headers",
+            "--assignment-mode",
+            "--max-idle-secs",
+            "--max-manual-keys",
+            "--cache-threshold",
+            "--balance-abs-threshold",
+            "--balance-rel-threshold",
+            "--eviction-interval-secs",
+            "--max-tree-size",
+            "--disable-retries",
+            "--disable-circuit-breaker",
+            "--health-failure-threshold",
+            "--health-success-threshold",
+            "--health-check-timeout-secs",
+            "--health-check-interval-secs",
+            "--health-check-endpoint",
+            "--disable-health-check",
+            "--max-concurrent-requests",
+            "--queue-size",
+            "--rate-limit-tokens-per-second",
+            "--prometheus-host",
+            "--prometheus-port",
+            "--log-level",
+            "--log-json",
+            "--log-dir",
+            "--decode-input-demand",
+            "--decode-request-weight",
+            "--seed",
+            "--workers",
+            "--decode-kv-fit",
+            "--cache-aware-rank-slack",
+            "--decode-kv-reserve-tokens",
+            "--service-discovery",
+            "--selector",
+            "--service-discovery-port",
+            "--service-discovery-namespace",
+            "--discovery-provider",
+            "--discovery-file",
+            "--discovery-check-interval-secs",
+            "--pd-disaggregation",
+            "--prefill",
+            "--decode",
+        )
+    },
+    **{
+        f: ENVOY
+        for f in (
+            "--request-timeout-secs",
+            "--max-payload-size",
+            "--queue-timeout-secs",
+            "--header-read-timeout-secs",
+            "--idle-connection-timeout-secs",
+            "--upstream-pool-idle-timeout-secs",
+            "--body-read-timeout-secs",
+        )
+    },
+    **{
+        f: INERT
+        for f in (
+            *(flag for _, flag, _ in _INERT),
+            "--cb-window-duration-secs",
+            "--replica-id",
+            "--replica-sync-interval-ms",
+            "--replica-ttl-ms",
+            "--prefill-selector",
+            "--decode-selector",
+        )
+    },
+    **{
+        f: REFUSED
+        for f in (
+            "--cors-allowed-origins",
+            "--tls-cert-path",
+            "--tls-key-path",
+            "--tls-min-version",
+            "--enable-igw",
+            "--model-alias",
+            "--prefill-input-demand",
+            "--retry-max-retries",
+            "--retry-initial-backoff-ms",
+            "--retry-max-backoff-ms",
+            "--retry-backoff-multiplier",
+            "--retry-jitter-factor",
+            "--cb-failure-threshold",
+            "--cb-success-threshold",
+            "--cb-timeout-duration-secs",
+            "--replica-sync",
+        )
+    },
 }

@@ -17,18 +17,29 @@ the picker cannot serve (``appProtocol`` other than ``http``, a spec of the wron
 endpoints: its workers are removed and the picker answers 503 until it is usable. The pool's
 ``endpointPickerRef`` tells the gateway where the picker is; the picker does not read it.
 """
+
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from fastroute.control.background import backoff_delay, cancel_all
-from fastroute.control.discovery import (BACKOFF_INITIAL, BACKOFF_MAX, WATCH_IDLE_GRACE,
-                                         WATCH_IDLE_MAX, Discovery, _ApiError, _kube_api,
-                                         _PodSets, _watch_pods, pod_worker)
+from fastroute.control.discovery import (
+    BACKOFF_INITIAL,
+    BACKOFF_MAX,
+    WATCH_IDLE_GRACE,
+    WATCH_IDLE_MAX,
+    Discovery,
+    _ApiError,
+    _kube_api,
+    _PodSets,
+    _watch_pods,
+    pod_worker,
+)
 
 log = logging.getLogger("fastroute.epp.pool")
 
@@ -37,7 +48,7 @@ VERSION = "v1"
 PLURAL = "inferencepools"
 PROVIDER = "inferencepool"
 SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
-_LABEL_KEY_MAX = 317     # prefix (253) + "/" + name (63)
+_LABEL_KEY_MAX = 317  # prefix (253) + "/" + name (63)
 
 Spec = tuple  # (matchLabels as sorted ((key, value), ...), target ports (int, ...))
 
@@ -60,13 +71,16 @@ def pool_spec(obj: Any) -> Spec:
     spec = obj["spec"]
     proto = spec.get("appProtocol", "http")
     if proto != "http":
-        raise ValueError(f"appProtocol {proto!r}: the picker's workers must speak HTTP/1.1 "
-                         "(appProtocol http)")
+        raise ValueError(f"appProtocol {proto!r}: the picker's workers must speak HTTP/1.1 (appProtocol http)")
     sel = spec.get("selector")
     labels = sel.get("matchLabels") if isinstance(sel, dict) else None
-    if (not isinstance(labels, dict) or not labels
-            or not all(isinstance(k, str) and k and len(k) <= _LABEL_KEY_MAX
-                       and isinstance(v, str) for k, v in labels.items())):
+    if (
+        not isinstance(labels, dict)
+        or not labels
+        or not all(
+            isinstance(k, str) and k and len(k) <= _LABEL_KEY_MAX and isinstance(v, str) for k, v in labels.items()
+        )
+    ):
         raise ValueError("spec.selector.matchLabels is not a non-empty map of strings")
     ports = spec.get("targetPorts")
     if not isinstance(ports, list) or not ports:
@@ -88,11 +102,11 @@ class _PoolPods(_PodSets):
     def __init__(self, d: Discovery, config: Any) -> None:
         super().__init__(d, config, ["regular"])
         self.ports: tuple[int, ...] = ()
-        self._urls: dict[str, list[str]] = {}     # pod key -> its URLs in desired
+        self._urls: dict[str, list[str]] = {}  # pod key -> its URLs in desired
 
     def worker_of(self, pod: Any) -> Any:
-        got = pod_worker(pod, 1, self.annotation)   # "http://<ip>:1": the base is kept
-        return None if got is None else (got[0][:-len(":1")], None)
+        got = pod_worker(pod, 1, self.annotation)  # "http://<ip>:1": the base is kept
+        return None if got is None else (got[0][: -len(":1")], None)
 
     def _update(self, key: str) -> list[str]:
         touched = []
@@ -124,7 +138,7 @@ class PoolDiscovery:
         self.d = Discovery(PROVIDER, registry, stats)
         self.sets = _PoolPods(self.d, config)
         self.spec: Spec | None = None
-        self.problem: str | None = None        # why the pool has no endpoints (None: it has)
+        self.problem: str | None = None  # why the pool has no endpoints (None: it has)
         self._pods: asyncio.Task | None = None
         self._custom: Any = None
 
@@ -156,17 +170,24 @@ class PoolDiscovery:
                 self.d.error("bad_object")
         if problem != self.problem:
             if problem is None:
-                log.info("discovery: InferencePool %s/%s: pods %s, ports %s", self.namespace,
-                         self.name, ",".join(f"{k}={v}" for k, v in spec[0]) if spec else "",
-                         ",".join(map(str, spec[1])) if spec else "")
+                log.info(
+                    "discovery: InferencePool %s/%s: pods %s, ports %s",
+                    self.namespace,
+                    self.name,
+                    ",".join(f"{k}={v}" for k, v in spec[0]) if spec else "",
+                    ",".join(map(str, spec[1])) if spec else "",
+                )
             else:
-                log.error("discovery: InferencePool %s/%s has no endpoints: %s", self.namespace,
-                          self.name, problem)
+                log.error("discovery: InferencePool %s/%s has no endpoints: %s", self.namespace, self.name, problem)
         self.problem = problem
         if spec is not None and self.spec is not None and spec[0] == self.spec[0]:
             if spec[1] != self.sets.ports:
-                log.info("discovery: InferencePool %s/%s ports now %s", self.namespace,
-                         self.name, ",".join(map(str, spec[1])))
+                log.info(
+                    "discovery: InferencePool %s/%s ports now %s",
+                    self.namespace,
+                    self.name,
+                    ",".join(map(str, spec[1])),
+                )
                 await self.sets.set_ports(spec[1])
             self.spec = spec
             return
@@ -183,13 +204,21 @@ class PoolDiscovery:
 
         async def pods(st: Any) -> None:
             await _watch_pods(self.d, self.sets, "regular", reqs, st, namespace=self.namespace)
+
         self._pods = self.d.registry.background.spawn(
-            f"discovery inferencepool pods {self.namespace}/{self.name}", pods, cap=BACKOFF_MAX)
+            f"discovery inferencepool pods {self.namespace}/{self.name}", pods, cap=BACKOFF_MAX
+        )
 
     async def _request(self, **kw: Any) -> Any:
         resp = await self._custom.list_namespaced_custom_object(
-            GROUP, VERSION, self.namespace, PLURAL, field_selector=f"metadata.name={self.name}",
-            _preload_content=False, **kw)
+            GROUP,
+            VERSION,
+            self.namespace,
+            PLURAL,
+            field_selector=f"metadata.name={self.name}",
+            _preload_content=False,
+            **kw,
+        )
         if resp.status != 200:
             body = await resp.read()
             resp.release()
@@ -234,9 +263,12 @@ class PoolDiscovery:
                     rv = await self._list()
                     st.ok()
                 resp = await self._request(
-                    watch=True, resource_version=rv, allow_watch_bookmarks=True,
+                    watch=True,
+                    resource_version=rv,
+                    allow_watch_bookmarks=True,
                     timeout_seconds=interval,
-                    _request_timeout=aiohttp.ClientTimeout(sock_connect=10, sock_read=idle))
+                    _request_timeout=aiohttp.ClientTimeout(sock_connect=10, sock_read=idle),
+                )
                 started = asyncio.get_running_loop().time()
                 try:
                     rv = await self._consume(resp, rv)
@@ -260,11 +292,16 @@ class PoolDiscovery:
                     backoff = min(backoff * 2, BACKOFF_MAX)
                     continue
                 self.d.error(str(exc.status))
-                msg = (f"Kubernetes API answered {exc.status} for InferencePool "
-                       f"{self.namespace}/{self.name}: {exc.message}"
-                       + (" (RBAC: the service account needs get, list and watch on "
-                          "inferencepools.inference.networking.k8s.io)"
-                          if exc.status == 403 else ""))
+                msg = (
+                    f"Kubernetes API answered {exc.status} for InferencePool "
+                    f"{self.namespace}/{self.name}: {exc.message}"
+                    + (
+                        " (RBAC: the service account needs get, list and watch on "
+                        "inferencepools.inference.networking.k8s.io)"
+                        if exc.status == 403
+                        else ""
+                    )
+                )
                 if st.fail(msg, logged=True) or not logged:
                     logged = True
                     log.warning("discovery: %s; keeping the current workers, retrying", msg)

@@ -14,6 +14,7 @@ are the proxy's: ``fastroute_target_in_flight_requests`` (and the smg families) 
 A sweep, once a second, expires admission waiters, runs the lease safety net and the
 reconciler, and keeps the health status in step with the registry.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -48,14 +49,20 @@ LEAK_EVERY = 5.0
 class EppServer:
     """One endpoint-picker process (see module docstring)."""
 
-    def __init__(self, config: Config, grpc_port: int, grpc_host: str | None = None,
-                 pool: str | None = None, pool_namespace: str | None = None,
-                 sidecar_port: int | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        grpc_port: int,
+        grpc_host: str | None = None,
+        pool: str | None = None,
+        pool_namespace: str | None = None,
+        sidecar_port: int | None = None,
+    ) -> None:
         self.config = config
         self.sidecar_port = sidecar_port
         self.pool_name = pool
         self.pool_namespace = pool_namespace
-        self.pool: Any = None           # --inference-pool: fastroute.epp.pool.PoolDiscovery
+        self.pool: Any = None  # --inference-pool: fastroute.epp.pool.PoolDiscovery
         self.grpc_port = int(grpc_port)
         self.grpc_host = grpc_host if grpc_host is not None else config.host
         self.table: TargetTable | None = None
@@ -65,7 +72,7 @@ class EppServer:
         self.health: Any = None
         self.grpc: Any = None
         self.discovery: Any = None
-        self.probe: Any = None          # --health-check-port: /health, /liveness, /readiness
+        self.probe: Any = None  # --health-check-port: /health, /liveness, /readiness
         self._sweeper: asyncio.Task | None = None
         self._serving: bool | None = None
         self._stopping = False
@@ -83,9 +90,13 @@ class EppServer:
         self.table = TargetTable()
         try:
             self.parts = parts = await assemble(cfg, self.table, serve=False)
-            admission = Admission(int(cfg.max_concurrent_requests), int(cfg.queue_size),
-                                  float(cfg.queue_timeout_secs), loop,
-                                  rate=cfg.rate_limit_tokens_per_second)
+            admission = Admission(
+                int(cfg.max_concurrent_requests),
+                int(cfg.queue_size),
+                float(cfg.queue_timeout_secs),
+                loop,
+                rate=cfg.rate_limit_tokens_per_second,
+            )
             admission.stats = parts.stats
             self.decider = Decider(cfg, parts.registry, admission, parts.stats, loop)
             self.decider.sidecar_port = self.sidecar_port
@@ -96,8 +107,11 @@ class EppServer:
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
             await self._set_health(False)
             await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-            address = (f"[{self.grpc_host}]:{self.grpc_port}" if ":" in self.grpc_host
-                       else f"{self.grpc_host}:{self.grpc_port}")
+            address = (
+                f"[{self.grpc_host}]:{self.grpc_port}"
+                if ":" in self.grpc_host
+                else f"{self.grpc_host}:{self.grpc_port}"
+            )
             try:
                 bound = self.grpc.add_insecure_port(address)
             except RuntimeError as exc:
@@ -114,14 +128,16 @@ class EppServer:
             if self.pool_name is not None:
                 from fastroute.epp.pool import PoolDiscovery, namespace_or_default
 
-                self.pool = PoolDiscovery(cfg, parts.registry, parts.stats, self.pool_name,
-                                          namespace_or_default(self.pool_namespace))
+                self.pool = PoolDiscovery(
+                    cfg, parts.registry, parts.stats, self.pool_name, namespace_or_default(self.pool_namespace)
+                )
                 await self.pool.start()
         except BaseException:
             await self._close_half_started()
             raise
-        log.info("fastroute epp: ext_proc on %s, policy %s%s", address, cfg.policy,
-                 " (dp-aware)" if cfg.dp_aware else "")
+        log.info(
+            "fastroute epp: ext_proc on %s, policy %s%s", address, cfg.policy, " (dp-aware)" if cfg.dp_aware else ""
+        )
         await parts.registry.start()
         if parts.monitor is not None:
             parts.monitor.start()
@@ -145,8 +161,7 @@ class EppServer:
         if serving is self._serving:
             return
         self._serving = serving
-        status = (health_pb2.HealthCheckResponse.SERVING if serving
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", EXT_PROC_SERVICE, READINESS_SERVICE):
             await self.health.set(service, status)
 
@@ -167,7 +182,7 @@ class EppServer:
                     rec = self.parts.reconciler if self.parts is not None else None
                     if rec is not None:
                         rec.check(self.registry.target_info, now)
-            except Exception:   # a bug here must not stop the sweep forever
+            except Exception:  # a bug here must not stop the sweep forever
                 log.exception("epp sweep failed")
 
     async def stop(self, grace: float | None = None) -> None:
@@ -199,17 +214,20 @@ class EppServer:
                 self.table.unlink()
 
 
-async def serve(config: Config, grpc_port: int, pool: str | None = None,
-                pool_namespace: str | None = None, sidecar_port: int | None = None) -> int:
+async def serve(
+    config: Config,
+    grpc_port: int,
+    pool: str | None = None,
+    pool_namespace: str | None = None,
+    sidecar_port: int | None = None,
+) -> int:
     """Run the picker until SIGTERM/SIGINT/SIGHUP/SIGQUIT, then drain; the exit status."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     stop_on_signals(loop, stop.set)
-    server = EppServer(config, grpc_port, pool=pool, pool_namespace=pool_namespace,
-                       sidecar_port=sidecar_port)
+    server = EppServer(config, grpc_port, pool=pool, pool_namespace=pool_namespace, sidecar_port=sidecar_port)
     await server.start()
     await stop.wait()
-    log.info("shutdown: draining the ext_proc streams (grace %ss)",
-             config.shutdown_grace_period_secs)
+    log.info("shutdown: draining the ext_proc streams (grace %ss)", config.shutdown_grace_period_secs)
     await server.stop()
     return 0

@@ -23,6 +23,7 @@ available is a 503 (:class:`~fastroute.epp.decide.Subsets`).
 
 Errors are ImmediateResponses with the proxy's JSON error body and ``x-smg-error-code``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,18 +52,21 @@ _CONTINUE_REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersR
 _CONTINUE_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
 # Picked on the headers: the rest of the stream without the request body (the bootstrap's mode
 # otherwise; the trailers keep the stream open until the response ends).
-_NO_BODY = ProcessingMode(request_header_mode=ProcessingMode.SEND,
-                             request_body_mode=ProcessingMode.NONE,
-                             request_trailer_mode=ProcessingMode.SKIP,
-                             response_header_mode=ProcessingMode.SKIP,
-                             response_body_mode=ProcessingMode.NONE,
-                             response_trailer_mode=ProcessingMode.SEND)
+_NO_BODY = ProcessingMode(
+    request_header_mode=ProcessingMode.SEND,
+    request_body_mode=ProcessingMode.NONE,
+    request_trailer_mode=ProcessingMode.SKIP,
+    response_header_mode=ProcessingMode.SKIP,
+    response_body_mode=ProcessingMode.NONE,
+    response_trailer_mode=ProcessingMode.SEND,
+)
 
 
 def _header(key: str, value: str) -> Any:
     return base_pb2.HeaderValueOption(
         header=base_pb2.HeaderValue(key=key, raw_value=value.encode("latin-1")),
-        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
 
 
 def subset_of(msg: Any) -> frozenset[str] | None:
@@ -78,8 +82,7 @@ def subset_of(msg: Any) -> frozenset[str] | None:
     value = ns.fields[SUBSET_KEY]
     kind = value.WhichOneof("kind")
     if kind == "list_value":
-        items = [v.string_value for v in value.list_value.values
-                 if v.WhichOneof("kind") == "string_value"]
+        items = [v.string_value for v in value.list_value.values if v.WhichOneof("kind") == "string_value"]
     elif kind == "string_value":
         items = value.string_value.split(",")
     else:
@@ -99,10 +102,14 @@ def immediate(exc: RouterError) -> Any:
     """The ImmediateResponse of a refusal: the proxy's status, JSON body and error code."""
     hdrs = [_header("content-type", "application/json"), _header("x-smg-error-code", exc.code)]
     hdrs.extend(_header(n.decode("latin-1").lower(), v.decode("latin-1")) for n, v in exc.headers)
-    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=exc.status),
-        headers=pb.HeaderMutation(set_headers=hdrs), body=exc.body(),
-        details="fastroute_epp_" + (exc.code or "error")))
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=exc.status),
+            headers=pb.HeaderMutation(set_headers=hdrs),
+            body=exc.body(),
+            details="fastroute_epp_" + (exc.code or "error"),
+        )
+    )
 
 
 def routed(pick: Pick, phase: str) -> Any:
@@ -114,17 +121,16 @@ def routed(pick: Pick, phase: str) -> Any:
         sets.append(_header("authorization", pick.auth))
     if pick.body is not None:
         sets.append(_header("content-length", str(len(pick.body))))
-        common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=sets),
-                                   body_mutation=pb.BodyMutation(body=pick.body))
+        common = pb.CommonResponse(
+            header_mutation=pb.HeaderMutation(set_headers=sets), body_mutation=pb.BodyMutation(body=pick.body)
+        )
     else:
         common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=sets))
     meta = struct_pb2.Struct()
     meta.get_or_create_struct(METADATA_NAMESPACE)[HEADER] = pick.endpoint
     if phase == "request_headers":
-        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common),
-                                     dynamic_metadata=meta)
-    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
-                                 dynamic_metadata=meta)
+        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=meta)
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=meta)
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
@@ -132,13 +138,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     def __init__(self, decider: Decider) -> None:
         self.decider = decider
-        self.streams = 0          # Process streams open now
+        self.streams = 0  # Process streams open now
 
     async def Process(self, request_iterator: Any, context: Any) -> None:  # noqa: N802
         # read()/write() rather than an async generator: a cancelled stream raises inside this
         # frame at once, so the finally below releases without waiting for a collection.
         self.streams += 1
-        held: list[Booking] = []       # the stream's booking, once made (even mid-admission)
+        held: list[Booking] = []  # the stream's booking, once made (even mid-admission)
         reason = "stream_end"
         try:
             await self._serve(context, held)
@@ -191,8 +197,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     continue
                 booking = Booking(d)
                 held.append(booking)
-                answer = await self._route(booking, method, path, headers, None,
-                                           "request_headers", subset)
+                answer = await self._route(booking, method, path, headers, None, "request_headers", subset)
                 if not h.end_of_stream and answer.HasField("request_headers"):
                     answer.mode_override.CopyFrom(_NO_BODY)
                 await context.write(answer)
@@ -207,13 +212,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     continue
                 body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 chunks = []
-                if len(body) > d.max_payload:      # chunked: no Content-Length to judge early
+                if len(body) > d.max_payload:  # chunked: no Content-Length to judge early
                     await context.write(immediate(payload_too_large(len(body), d.max_payload)))
                     return
                 booking = Booking(d)
                 held.append(booking)
-                answer = await self._route(booking, method, path, headers, body, "request_body",
-                                           subset)
+                answer = await self._route(booking, method, path, headers, body, "request_body", subset)
                 await context.write(answer)
                 if answer.WhichOneof("response") == "immediate_response":
                     booking.close("refused")
@@ -236,8 +240,16 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 log.warning("ext_proc: unexpected message %s", kind)
                 return
 
-    async def _route(self, booking: Booking, method: str, path: str, headers: dict[str, str],
-                     body: bytes | None, phase: str, subset: frozenset[str] | None) -> Any:
+    async def _route(
+        self,
+        booking: Booking,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        body: bytes | None,
+        phase: str,
+        subset: frozenset[str] | None,
+    ) -> Any:
         d = self.decider
         try:
             await d.admit(booking)

@@ -10,6 +10,7 @@ dual dispatch, bootstrap room, rank fields, logprob merge and error mapping are 
 request without such a pair, or naming a target this sidecar does not have (not registered or
 not available here), gets the relay's 503 for that leg: the sidecar never picks on its own.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -22,8 +23,10 @@ ROLES = ("prefill", "decode")
 def refusal(config: Any, processes: int) -> str | None:
     """Why a router configuration cannot run as the sidecar, or None."""
     if not config.pd_disaggregation:
-        return ("argument --pd-disaggregation: required by fastroute sidecar (it relays the "
-                "prefill and decode legs the endpoint picker chose)")
+        return (
+            "argument --pd-disaggregation: required by fastroute sidecar (it relays the "
+            "prefill and decode legs the endpoint picker chose)"
+        )
     if processes > 1:
         return "argument --workers: fastroute sidecar runs as one process"
     if config.enable_igw:
@@ -36,10 +39,9 @@ class PinnedGroup:
 
     def __init__(self, group: Any, index: int) -> None:
         self.group = group
-        self.index = index          # 0: the prefill name of the pair, 1: the decode name
+        self.index = index  # 0: the prefill name of the pair, 1: the decode name
 
-    def acquire(self, tokens: int = 0, key: bytes | None = None, meta: Any = None,
-                out_tokens: int = 0) -> Any:
+    def acquire(self, tokens: int = 0, key: bytes | None = None, meta: Any = None, out_tokens: int = 0) -> Any:
         if not key:
             return None
         pair = key.split(b"|")

@@ -12,6 +12,7 @@ Three processes are built from these pieces, differing only in what they own:
   workers through a :class:`~fastroute.control.follower.FollowerRegistry` (which has a ledger),
   serves requests, no monitor and no metrics listener (``monitor=False, metrics=False``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,13 +21,14 @@ import inspect
 import logging
 import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from fastroute.config import Config
 from fastroute.control import httpclient
-from fastroute.control.leases import Reconciler
 from fastroute.control.engine import EngineCollector
+from fastroute.control.leases import Reconciler
 from fastroute.control.metrics import RECONCILE_MISMATCH, MetricsServer, Stats, new_stats, start_metrics
 from fastroute.control.monitor import Monitor
 from fastroute.control.registry import Registry
@@ -37,7 +39,7 @@ from fastroute.dataplane.app import App
 from fastroute.runtime.startup import StartupError, bind_error
 from fastroute.tls import TLSConfigError, worker_context
 
-DRAIN_POLL = 0.05   # seconds between in-flight checks while draining (control plane, not per request)
+DRAIN_POLL = 0.05  # seconds between in-flight checks while draining (control plane, not per request)
 # A signal's drain keeps the listener open until nothing has been in flight for this long (or the
 # grace period ends): a client sending one request after another is served, not refused.
 DRAIN_LINGER = 1.0
@@ -69,14 +71,20 @@ class Assembly:
 def reconciler_for(config: Config, table: TargetTable, stats: Stats) -> Reconciler:
     """The reconciler of a table. A mismatch is a fact about the table, so exactly one process
     runs it per table: the single-process server, or the supervisor under ``--workers N``."""
-    return Reconciler(table, float(config.request_timeout_secs),
-                      lambda name: stats.reclaim(RECONCILE_MISMATCH))
+    return Reconciler(table, float(config.request_timeout_secs), lambda name: stats.reclaim(RECONCILE_MISMATCH))
 
 
-async def assemble(config: Config, table: TargetTable, *, seed: int | None = None,
-                   registry_factory: Callable[[Router], Registry] | None = None,
-                   serve: bool = True, monitor: bool = True, metrics: bool = True,
-                   stats: Stats | None = None) -> Assembly:
+async def assemble(
+    config: Config,
+    table: TargetTable,
+    *,
+    seed: int | None = None,
+    registry_factory: Callable[[Router], Registry] | None = None,
+    serve: bool = True,
+    monitor: bool = True,
+    metrics: bool = True,
+    stats: Stats | None = None,
+) -> Assembly:
     """Build one router process over ``table`` (created or attached by the caller, who owns it).
 
     ``seed`` defaults to ``config.seed``; ``registry_factory(router)`` builds the registry
@@ -87,37 +95,43 @@ async def assemble(config: Config, table: TargetTable, *, seed: int | None = Non
     # One TLS client context per process for https:// workers: registration, health checks and
     # load polls (httpclient) and the data path (the App's pools) use the same settings.
     try:
-        worker_tls = worker_context(config.ca_cert_paths, config.client_cert_path,
-                                    config.client_key_path,
-                                    [*config.worker_urls, *(u for u, _ in config.prefill),
-                                     *config.decode])
-    except TLSConfigError as exc:       # a --ca-cert-paths file missing: one line, no traceback
+        worker_tls = worker_context(
+            config.ca_cert_paths,
+            config.client_cert_path,
+            config.client_key_path,
+            [*config.worker_urls, *(u for u, _ in config.prefill), *config.decode],
+        )
+    except TLSConfigError as exc:  # a --ca-cert-paths file missing: one line, no traceback
         raise StartupError(str(exc)) from None
     httpclient.configure_tls(worker_tls)
     router = Router(table, seed=config.seed if seed is None else seed, config=config)
-    registry = (registry_factory(router) if registry_factory is not None
-                else Registry(config, table, router))
+    registry = registry_factory(router) if registry_factory is not None else Registry(config, table, router)
     parts = Assembly(config, table, router, registry, stats if stats is not None else new_stats(config))
     if monitor:
         parts.monitor = Monitor(config, registry, table)
-        parts.monitor.health_checks = parts.stats.health_checks   # smg_worker_health_checks_total
+        parts.monitor.health_checks = parts.stats.health_checks  # smg_worker_health_checks_total
     if metrics:
         try:
             parts.metrics = await start_metrics(config, table, registry, parts.stats)
         except OSError as exc:
-            raise bind_error("--prometheus-port", config.prometheus_host,
-                             int(config.prometheus_port), exc) from None
-        if parts.monitor is not None:   # smg's engine gauges from the load polls
+            raise bind_error("--prometheus-port", config.prometheus_host, int(config.prometheus_port), exc) from None
+        if parts.monitor is not None:  # smg's engine gauges from the load polls
             parts.metrics.registry.register(EngineCollector(parts.monitor, registry))
     # A proxy process's registry has a ledger of its own and follows the supervisor's, which
     # reconciles the shared table once for all processes.
     if getattr(registry, "ledger", None) is None:
         parts.reconciler = reconciler_for(config, table, parts.stats)
     if serve:
-        breakers = Breakers(table, int(table.capacity), config.cb_failure_threshold,
-                            config.cb_success_threshold, config.cb_timeout_duration_secs,
-                            not config.disable_circuit_breaker, name_of=registry.target_name,
-                            clock=loop.time)
+        breakers = Breakers(
+            table,
+            int(table.capacity),
+            config.cb_failure_threshold,
+            config.cb_success_threshold,
+            config.cb_timeout_duration_secs,
+            not config.disable_circuit_breaker,
+            name_of=registry.target_name,
+            clock=loop.time,
+        )
         parts.app = App(config, registry, loop, breakers=breakers, reconciler=parts.reconciler)
         parts.app.stats = parts.stats
         parts.app.worker_tls = worker_tls
@@ -132,28 +146,41 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-async def listen(app: App, host: str, port: int, reuse_port: bool = False,
-                 tls: ssl.SSLContext | None = None) -> asyncio.AbstractServer:
+async def listen(
+    app: App, host: str, port: int, reuse_port: bool = False, tls: ssl.SSLContext | None = None
+) -> asyncio.AbstractServer:
     """The client listener of ``app``, HTTPS when ``tls`` is given.
 
     Only the proxy processes of ``--workers N`` share a port (``reuse_port``): a single process
     that set SO_REUSEPORT would let a second router bind the same port and silently take half
-    the traffic with a target table of its own (review L2). A port in use is a StartupError."""
+    the traffic with a target table of its own, invisible to this one. A port in use is a StartupError."""
     loop = asyncio.get_running_loop()
     # A TLS handshake is part of reading the request head: bounded by the same timeout (the
     # default, 60 s, let idle sockets pile up), and counted from the accept (App.handshaking).
     app.tls_listener = tls is not None
     try:
-        return await loop.create_server(app.protocol_factory, host, port, reuse_address=True,
-                                        reuse_port=reuse_port and hasattr(socket, "SO_REUSEPORT"),
-                                        backlog=4096, ssl=tls,
-                                        ssl_handshake_timeout=app.header_timeout if tls else None)
+        return await loop.create_server(
+            app.protocol_factory,
+            host,
+            port,
+            reuse_address=True,
+            reuse_port=reuse_port and hasattr(socket, "SO_REUSEPORT"),
+            backlog=4096,
+            ssl=tls,
+            ssl_handshake_timeout=app.header_timeout if tls else None,
+        )
     except OSError as exc:
         raise bind_error("--port", host, port, exc) from None
 
 
-async def drain(app: App, grace: float, log: logging.Logger, label: str = "shutdown",
-                listener: asyncio.AbstractServer | None = None, linger: float = 0.0) -> None:
+async def drain(
+    app: App,
+    grace: float,
+    log: logging.Logger,
+    label: str = "shutdown",
+    listener: asyncio.AbstractServer | None = None,
+    linger: float = 0.0,
+) -> None:
     """Graceful end of an App, as smg drains: ``/readiness`` answers 503 from now on, every
     response closes its connection, and ``listener``, still open, goes on accepting and serving
     new requests while any is in flight or arriving. It closes once nothing has been in flight

@@ -9,6 +9,7 @@ shared port with ``SO_REUSEPORT`` and serves requests until SIGTERM, then drains
 Every ``STATS_INTERVAL`` seconds, and when it exits, it pickles its Stats into
 ``stats-SLOT.pickle`` for the supervisor's ``/metrics``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,7 +35,7 @@ from fastroute.runtime.startup import stop_on_signals, tls_context
 # Logger name kept from before the split: operators filter on it.
 log = logging.getLogger("fastroute.supervisor")
 
-STATS_INTERVAL = 0.25        # seconds between a proxy process's Stats reports
+STATS_INTERVAL = 0.25  # seconds between a proxy process's Stats reports
 # Distinct RNG streams per process (ties and random picks must not move in lockstep).
 SEED_STRIDE = 0x1000003
 
@@ -43,7 +44,7 @@ def _die_with_parent() -> None:
     """Ask Linux to SIGTERM this process when the supervisor dies (no orphaned listeners)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)   # PR_SET_PDEATHSIG
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 
@@ -64,14 +65,12 @@ async def serve_child(state_dir: str, slot: int) -> int:
     ledger = TargetTable.attach(info["ledgers"][slot])
 
     def follower(router: Router) -> FollowerRegistry:
-        registry = FollowerRegistry(cfg, table, router, ledger, state_dir, info["control_url"],
-                                    info["secret"])
-        registry.poll()     # the current worker set before the App exists
+        registry = FollowerRegistry(cfg, table, router, ledger, state_dir, info["control_url"], info["secret"])
+        registry.poll()  # the current worker set before the App exists
         return registry
 
     seed = None if cfg.seed is None else int(cfg.seed) + SEED_STRIDE * (slot + 1)
-    parts = await assemble(cfg, table, seed=seed, registry_factory=follower, monitor=False,
-                           metrics=False)
+    parts = await assemble(cfg, table, seed=seed, registry_factory=follower, monitor=False, metrics=False)
     app, registry = parts.app, parts.registry
     assert app is not None and isinstance(registry, FollowerRegistry)
     stop = asyncio.Event()  # (handlers before the listener: a SIGTERM from then on drains)
@@ -85,8 +84,7 @@ async def serve_child(state_dir: str, slot: int) -> int:
         # Policy decision counters live in this process's compiled pickers: carry their
         # current totals in the report so the supervisor's /metrics includes them.
         app.stats.decisions = group_decisions(registry._groups)
-        doc = {"pid": os.getpid(), "version": registry.version, "ready": registry.ready(),
-               "stats": app.stats}
+        doc = {"pid": os.getpid(), "version": registry.version, "ready": registry.ready(), "stats": app.stats}
         tmp = f"{report_path}.{os.getpid()}"
         with open(tmp, "wb") as f:
             pickle.dump(doc, f, protocol=pickle.HIGHEST_PROTOCOL)
@@ -102,7 +100,7 @@ async def serve_child(state_dir: str, slot: int) -> int:
                 tick += 1
                 if tick % every == 0:
                     report()
-                if os.getppid() != parent:      # supervisor gone (PDEATHSIG is the fast path)
+                if os.getppid() != parent:  # supervisor gone (PDEATHSIG is the fast path)
                     stop.set()
             except Exception:
                 log.exception("proxy process %d background tick", slot)
@@ -110,8 +108,9 @@ async def serve_child(state_dir: str, slot: int) -> int:
     bg = loop.create_task(background(), name="sync")
     await stop.wait()
     # Readiness 503 at once; the shared port goes on accepting here while requests arrive.
-    await drain(app, float(cfg.shutdown_grace_period_secs), log, f"proxy process {slot}",
-                listener=listener, linger=DRAIN_LINGER)
+    await drain(
+        app, float(cfg.shutdown_grace_period_secs), log, f"proxy process {slot}", listener=listener, linger=DRAIN_LINGER
+    )
     bg.cancel()
     try:
         report()

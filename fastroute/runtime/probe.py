@@ -5,24 +5,30 @@ kubelet restarts a router that is merely busy. So the probe listener runs in a d
 its own event loop; it reads readiness through a callable that only looks at state the router
 already keeps (the registry's cached readiness), so it never blocks on the proxy's loop.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import socket
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger("fastroute.probe")
 
-_OK = (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: 2\r\n"
-       b"connection: close\r\n\r\nOK")
-_READY = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 19\r\n"
-          b"connection: close\r\n\r\n{\"status\": \"ready\"}")
-_NOT_READY_BODY = (b'{"error":{"type":"server_error","code":"service_unavailable",'
-                   b'"message":"No healthy workers available","param":null}}')
-_NOT_READY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-              b"content-length: %d\r\nconnection: close\r\n\r\n%b" % (len(_NOT_READY_BODY), _NOT_READY_BODY))
+_OK = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: 2\r\nconnection: close\r\n\r\nOK"
+_READY = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 19\r\n"
+    b'connection: close\r\n\r\n{"status": "ready"}'
+)
+_NOT_READY_BODY = (
+    b'{"error":{"type":"server_error","code":"service_unavailable",'
+    b'"message":"No healthy workers available","param":null}}'
+)
+_NOT_READY = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+    b"content-length: %d\r\nconnection: close\r\n\r\n%b" % (len(_NOT_READY_BODY), _NOT_READY_BODY)
+)
 _NOT_FOUND = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 _HEAD_LIMIT = 8192
 
@@ -57,8 +63,7 @@ class ProbeServer:
         if self._sock is None:
             self.bind()
         started = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(started,), name="fastroute-probe",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(started,), name="fastroute-probe", daemon=True)
         self._thread.start()
         started.wait(5)
         log.info("health probes on http://%s:%d (/health, /liveness, /readiness)", self.host, self.port)
@@ -78,11 +83,10 @@ class ProbeServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError,
-                ConnectionError):
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ConnectionError):
             writer.close()
             return
-        line = head[:min(len(head), _HEAD_LIMIT)].split(b"\r\n", 1)[0].split()
+        line = head[: min(len(head), _HEAD_LIMIT)].split(b"\r\n", 1)[0].split()
         path = line[1].split(b"?", 1)[0] if len(line) >= 2 else b""
         if path in (b"/health", b"/liveness"):
             out = _OK

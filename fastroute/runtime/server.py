@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import uvloop
 
@@ -73,7 +74,7 @@ class Server:
     async def start(self) -> None:
         """Build everything and start listening; worker registration continues in the background."""
         cfg = self.config
-        tls = tls_context(cfg)      # a TLS file that cannot be used stops the start here
+        tls = tls_context(cfg)  # a TLS file that cannot be used stops the start here
         self.table = TargetTable()
         try:
             parts = await assemble(cfg, self.table)
@@ -82,8 +83,7 @@ class Server:
             assert self.app is not None and self.monitor is not None
             self.listener = await listen(self.app, cfg.host, cfg.port, tls=tls)
             self.probe = start_probe(cfg, self.probe_ready)
-            own_listeners(self.registry, cfg, self.listener.sockets[0].getsockname()[1],
-                          self.metrics, self.probe)
+            own_listeners(self.registry, cfg, self.listener.sockets[0].getsockname()[1], self.metrics, self.probe)
             self.discovery = await start_discovery(cfg, self.registry, self.metrics.stats)
         except BaseException:
             await self._close_listeners()
@@ -125,8 +125,7 @@ class Server:
                 self.listener.close()
             if self.probe is not None:
                 self.probe.stop()
-            await stop_in_order(self.discovery, self.replica, self.monitor, self.registry,
-                                self.metrics)
+            await stop_in_order(self.discovery, self.replica, self.monitor, self.registry, self.metrics)
         finally:
             if self.table is not None:
                 self.table.close()
@@ -149,8 +148,7 @@ async def serve(config: Config, factory: Callable[[Config], Process] = Server) -
     await server.start()
     freeze_heap()
     await stop.wait()
-    log.info("shutdown: draining (grace %ss): /readiness 503, requests still served",
-             config.shutdown_grace_period_secs)
+    log.info("shutdown: draining (grace %ss): /readiness 503, requests still served", config.shutdown_grace_period_secs)
     await server.stop(linger=DRAIN_LINGER)
     return 0
 

@@ -5,6 +5,7 @@ Shared by the single-process server, the ``--workers N`` supervisor and its prox
 all three fail and speak the same way. The CLI prints a :class:`StartupError` as one line and
 exits with status 1 (no traceback).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,8 @@ import ipaddress
 import logging
 import signal
 import ssl
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastroute import __version__
 from fastroute.config import Config
@@ -30,11 +32,12 @@ class StartupError(RuntimeError):
 def bind_error(flag: str, host: str, port: int, exc: OSError) -> StartupError:
     """The one line for a listener that cannot bind (the usual case: the port is taken)."""
     if exc.errno == errno.EADDRINUSE:
-        return StartupError(f"port {port} is already in use ({flag}, host {host}): another "
-                            "process listens there; stop it or choose another port")
+        return StartupError(
+            f"port {port} is already in use ({flag}, host {host}): another "
+            "process listens there; stop it or choose another port"
+        )
     if exc.errno == errno.EADDRNOTAVAIL:
-        return StartupError(f"cannot listen on {host}:{port} ({flag}): the address is not one of "
-                            "this machine's")
+        return StartupError(f"cannot listen on {host}:{port} ({flag}): the address is not one of this machine's")
     return StartupError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror or exc}")
 
 
@@ -54,8 +57,7 @@ def start_probe(config: Config, ready: Callable[[], bool]) -> ProbeServer | None
     try:
         probe.bind()
     except OSError as exc:
-        raise bind_error("--health-check-port", config.host, int(config.health_check_port),
-                         exc) from None
+        raise bind_error("--health-check-port", config.host, int(config.health_check_port), exc) from None
     probe.start()
     return probe
 
@@ -69,13 +71,14 @@ IGNORED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 def stop_on_signals(loop: asyncio.AbstractEventLoop, stop: Callable[[], None]) -> None:
     """Call ``stop`` on any of DRAIN_SIGNALS; log IGNORED_SIGNALS (main thread only)."""
+
     def drain(sig: signal.Signals) -> None:
         log.info("%s received: draining", sig.name)
         stop()
 
     def ignore(sig: signal.Signals) -> None:
-        log.info("%s received: ignored (SIGTERM, SIGINT, SIGHUP or SIGQUIT drain the router)",
-                 sig.name)
+        log.info("%s received: ignored (SIGTERM, SIGINT, SIGHUP or SIGQUIT drain the router)", sig.name)
+
     for sig in DRAIN_SIGNALS + IGNORED_SIGNALS:
         try:
             loop.add_signal_handler(sig, drain if sig in DRAIN_SIGNALS else ignore, sig)
@@ -100,8 +103,10 @@ def _url(scheme: str, host: str, port: int) -> str:
 def banner(config: Config, port: int, processes: int) -> str:
     """One block saying what runs: version, URLs, mode, per-leg policy, modes, processes."""
     scheme = "https" if config.tls_cert_path else "http"
-    lines = [f"fastroute {__version__} listening on {_url(scheme, config.host, port)}"
-             + (f" ({processes} proxy processes)" if processes > 1 else "")]
+    lines = [
+        f"fastroute {__version__} listening on {_url(scheme, config.host, port)}"
+        + (f" ({processes} proxy processes)" if processes > 1 else "")
+    ]
     if config.pd_disaggregation:
         legs = (("prefill", config.prefill_policy), ("decode", config.decode_policy))
         lines.append("  mode: PD disaggregation")
@@ -114,19 +119,18 @@ def banner(config: Config, port: int, processes: int) -> str:
             text += f", load metric {config.p2c_load_metric} (from {config.load_metric_source})"
         lines.append(text)
     if config.pd_disaggregation or config.decode_input_demand != "off":
-        lines.append(f"  decode input demand: {config.decode_input_demand}, "
-                     f"W={config.decode_request_weight}")
-        lines.append(f"  decode KV fit: {config.decode_kv_fit}, reserve "
-                     f"{config.decode_kv_reserve_tokens} tokens")
+        lines.append(f"  decode input demand: {config.decode_input_demand}, W={config.decode_request_weight}")
+        lines.append(f"  decode KV fit: {config.decode_kv_fit}, reserve {config.decode_kv_reserve_tokens} tokens")
     if config.pd_disaggregation:
         lines.append(f"  prefill input demand: {config.prefill_input_demand}")
-    lines.append(f"  dp-aware: {'on' if config.dp_aware else 'off'}"
-                 + (f", rank field {config.dp_rank_field}" if config.dp_rank_field else ""))
+    lines.append(
+        f"  dp-aware: {'on' if config.dp_aware else 'off'}"
+        + (f", rank field {config.dp_rank_field}" if config.dp_rank_field else "")
+    )
     extras = []
     if config.health_check_port is not None:
         extras.append(f"probes on {_url('http', config.host, config.health_check_port)}")
-    extras.append(f"metrics on {_url('http', config.prometheus_host, config.prometheus_port)}"
-                  "/metrics")
+    extras.append(f"metrics on {_url('http', config.prometheus_host, config.prometheus_port)}/metrics")
     lines.append("  " + ", ".join(extras))
     return "\n".join(lines)
 
@@ -138,20 +142,25 @@ def _reachable(host: str) -> bool:
     try:
         return not ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return True     # a host name: assume it resolves to a reachable address
+        return True  # a host name: assume it resolves to a reachable address
 
 
 def posture_warnings(config: Config) -> list[str]:
-    """Who can do what without a credential, when others can reach the port (issue 19 item 8)."""
+    """Who can do what without a credential, when others can reach the port: warned at start-up,
+    because a listener on a public address with no keys is open to anyone who finds it."""
     out = []
     if not config.api_key and not config.control_plane_api_keys and _reachable(config.host):
-        out.append(f"the worker admin API on {config.host}:{config.port} is unauthenticated: anyone "
-                   "who reaches the port can register a worker and receive users' prompts, or "
-                   "remove workers (give --api-key or --control-plane-api-keys)")
+        out.append(
+            f"the worker admin API on {config.host}:{config.port} is unauthenticated: anyone "
+            "who reaches the port can register a worker and receive users' prompts, or "
+            "remove workers (give --api-key or --control-plane-api-keys)"
+        )
     if _reachable(config.prometheus_host):
-        out.append(f"/metrics on {config.prometheus_host}:{config.prometheus_port} is "
-                   "unauthenticated: anyone who reaches the port can read worker URLs and traffic "
-                   "figures (use --prometheus-host 127.0.0.1 or a firewall)")
+        out.append(
+            f"/metrics on {config.prometheus_host}:{config.prometheus_port} is "
+            "unauthenticated: anyone who reaches the port can read worker URLs and traffic "
+            "figures (use --prometheus-host 127.0.0.1 or a firewall)"
+        )
     return out
 
 

@@ -8,8 +8,9 @@ Owns everything that exists only when the router runs as several processes:
   ``/metrics`` once for all processes, and starts, watches and restarts the proxy processes;
 * the **proxy processes** (``python -P -m fastroute.runtime.child DIR SLOT``) attach the table
   by name, listen on the same port with ``SO_REUSEPORT`` (the kernel spreads connections across
-  them), and serve requests with a :class:`~fastroute.control.follower.FollowerRegistry`: a registry that never registers
-  or monitors anything itself but mirrors the supervisor's worker set.
+  them), and serve requests with a :class:`~fastroute.control.follower.FollowerRegistry`: a
+  registry that never registers or monitors anything itself but mirrors the supervisor's worker
+  set.
 
 Worker-set sync: the supervisor writes a JSON snapshot of its workers (``workers.json`` in a
 private 0700 state directory, replaced atomically) whenever it changes and then bumps the table's
@@ -42,6 +43,7 @@ Where the pieces live: the follower registry and the snapshot format in
 merge and the per-process collector in :mod:`fastroute.control.metrics`, the proxy process's
 entry in :mod:`fastroute.runtime.child`; this module supervises.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -60,12 +62,12 @@ from typing import Any
 from fastroute.auth import matches
 from fastroute.config import Config
 from fastroute.control.discovery import Discovery, start_discovery
-from fastroute.control.replica import ReplicaSync, start_replica_sync
 from fastroute.control.follower import CONTROL_HEADER, VERSION_HEADER, snapshot_doc
 from fastroute.control.leases import Reconciler, reclaim
 from fastroute.control.metrics import MetricsServer, ProcessCollector, Stats, merge_stats, new_stats
 from fastroute.control.monitor import Monitor
 from fastroute.control.registry import Registry
+from fastroute.control.replica import ReplicaSync, start_replica_sync
 from fastroute.core.table import TargetTable
 from fastroute.runtime.assemble import assemble, stop_in_order
 from fastroute.runtime.probe import ProbeServer
@@ -73,10 +75,10 @@ from fastroute.runtime.startup import announce, bind_error, own_listeners, start
 
 log = logging.getLogger("fastroute.supervisor")
 
-PUBLISH_INTERVAL = 0.1       # seconds between the supervisor's snapshot change checks
-RECONCILE_TICKS = 50          # reconcile the table with the engines' polls every 5 s
+PUBLISH_INTERVAL = 0.1  # seconds between the supervisor's snapshot change checks
+RECONCILE_TICKS = 50  # reconcile the table with the engines' polls every 5 s
 RESTART_BACKOFF = (0.05, 5.0)  # first and largest delay before restarting a crashed process
-HEAD_LIMIT_SECS = 10          # a control request's head and body must arrive within this
+HEAD_LIMIT_SECS = 10  # a control request's head and body must arrive within this
 
 
 def child_command(state_dir: str, slot: int) -> list[str]:
@@ -89,8 +91,10 @@ def child_command(state_dir: str, slot: int) -> list[str]:
 
 
 # Python < 3.11 has no -P: `-c` puts '' (the current directory) first; drop it before importing.
-_CHILD_BOOT = ("import sys; del sys.path[0]; from fastroute.runtime.child import main; "
-               "sys.exit(main(sys.argv[1], int(sys.argv[2])))")
+_CHILD_BOOT = (
+    "import sys; del sys.path[0]; from fastroute.runtime.child import main; "
+    "sys.exit(main(sys.argv[1], int(sys.argv[2])))"
+)
 
 
 def resolve_processes(config: Config) -> int:
@@ -133,7 +137,7 @@ class Supervisor:
         self.probe: ProbeServer | None = None
         self.reconciler: Reconciler | None = None
         self.discovery: Discovery | None = None
-        self.replica: ReplicaSync | None = None     # once for the host: the table is here
+        self.replica: ReplicaSync | None = None  # once for the host: the table is here
         self.children = [_Child(i) for i in range(self.n)]
         self.port = 0
         self.state_dir = ""
@@ -145,15 +149,15 @@ class Supervisor:
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._stopped = asyncio.Event()
-        self.stats: Stats | None = None         # the supervisor's own (reclaims)
-        self.retired: Stats | None = None       # final reports of processes that exited
-        self.stats_views: list[Stats] = []      # what the metrics collector merges
+        self.stats: Stats | None = None  # the supervisor's own (reclaims)
+        self.retired: Stats | None = None  # final reports of processes that exited
+        self.stats_views: list[Stats] = []  # what the metrics collector merges
 
     # ---- start --------------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
-        tls_context(cfg)    # checked once here: the proxy processes load the same files
-        self.state_dir = tempfile.mkdtemp(prefix="fastroute-")   # 0700: holds worker API keys
+        tls_context(cfg)  # checked once here: the proxy processes load the same files
+        self.state_dir = tempfile.mkdtemp(prefix="fastroute-")  # 0700: holds worker API keys
         try:
             self.table = TargetTable()
             for _ in range(self.n):
@@ -167,7 +171,7 @@ class Supervisor:
             self.registry, self.monitor, self.metrics = parts.registry, parts.monitor, parts.metrics
             self.reconciler = parts.reconciler
             assert self.metrics is not None and self.monitor is not None
-            self.metrics.collector.stats = self.stats_views   # merged at scrape time
+            self.metrics.collector.stats = self.stats_views  # merged at scrape time
             self.metrics.registry.register(ProcessCollector(self))
             self.probe = start_probe(cfg, self.probe_ready)
             self._control = await asyncio.start_server(self._control_conn, "127.0.0.1", 0)
@@ -177,17 +181,23 @@ class Supervisor:
             with open(os.path.join(self.state_dir, "config.pickle"), "wb") as f:
                 pickle.dump(cfg, f)
             with open(os.path.join(self.state_dir, "child.json"), "w") as f:
-                json.dump({"table": self.table.name, "ledgers": [x.name for x in self.ledgers],
-                           "port": self.port, "control_url": f"http://127.0.0.1:{control_port}",
-                           "secret": self._secret}, f)
+                json.dump(
+                    {
+                        "table": self.table.name,
+                        "ledgers": [x.name for x in self.ledgers],
+                        "port": self.port,
+                        "control_url": f"http://127.0.0.1:{control_port}",
+                        "secret": self._secret,
+                    },
+                    f,
+                )
             self.publish(force=True)
             for child in self.children:
                 await self._spawn(child)
             await self.registry.start()
             self.discovery = await start_discovery(cfg, self.registry, self.stats)
             self.monitor.start()
-            self.replica = await start_replica_sync(cfg, self.table, self.registry, self.metrics,
-                                                    self.port)
+            self.replica = await start_replica_sync(cfg, self.table, self.registry, self.metrics, self.port)
             loop = asyncio.get_running_loop()
             self._tasks.append(loop.create_task(self._publish_loop(), name="snapshot publisher"))
         except BaseException:
@@ -216,7 +226,7 @@ class Supervisor:
                 s.close()
                 raise bind_error("--port", cfg.host, port, exc) from None
             if not reuse_port:
-                port = s.getsockname()[1]     # --port 0: keep the port the kernel chose
+                port = s.getsockname()[1]  # --port 0: keep the port the kernel chose
                 s.close()
         self._reserve = s
         return port
@@ -229,9 +239,9 @@ class Supervisor:
         child.stats = None
         child.version = -1
         child.proc = await asyncio.create_subprocess_exec(
-            *child_command(self.state_dir, child.slot), stdin=asyncio.subprocess.DEVNULL, env=env)
-        child.watch = asyncio.get_running_loop().create_task(self._watch(child),
-                                                             name=f"proxy {child.slot}")
+            *child_command(self.state_dir, child.slot), stdin=asyncio.subprocess.DEVNULL, env=env
+        )
+        child.watch = asyncio.get_running_loop().create_task(self._watch(child), name=f"proxy {child.slot}")
         log.info("proxy process %d started (pid %d)", child.slot, child.proc.pid)
 
     async def _watch(self, child: _Child) -> None:
@@ -242,8 +252,9 @@ class Supervisor:
         self._retire(child, proc.pid)
         if self._stopping:
             return
-        log.error("proxy process %d (pid %d) exited with %s; restarting in %.2fs", child.slot,
-                  proc.pid, code, child.delay)
+        log.error(
+            "proxy process %d (pid %d) exited with %s; restarting in %.2fs", child.slot, proc.pid, code, child.delay
+        )
         await asyncio.sleep(child.delay)
         # Back off while it keeps crashing; a process that lived a while starts over fast.
         child.delay = min(child.delay * 2, RESTART_BACKOFF[1])
@@ -326,8 +337,7 @@ class Supervisor:
                 if ticks % 2 == 0:
                     self._refresh_views()
                 if ticks % RECONCILE_TICKS == 0:
-                    self.reconciler.check(self.registry.target_info,
-                                          asyncio.get_running_loop().time())
+                    self.reconciler.check(self.registry.target_info, asyncio.get_running_loop().time())
             except Exception:  # keep publishing whatever one tick did
                 log.exception("snapshot publisher")
 
@@ -356,17 +366,23 @@ class Supervisor:
                 body = await asyncio.wait_for(reader.readexactly(n), HEAD_LIMIT_SECS) if n else b""
                 path, _, query = target.partition("?")
                 assert self.registry is not None
-                status, rbody, ctype = await self.registry.handle_admin(method, path, query, body,
-                                                                        headers)
+                status, rbody, ctype = await self.registry.handle_admin(method, path, query, body, headers)
                 self.publish()
             if isinstance(ctype, str):
                 ctype = ctype.encode("latin-1")
-            writer.write(b"HTTP/1.1 %d X\r\nContent-Type: %b\r\nContent-Length: %d\r\n%b: %d\r\n"
-                         b"Connection: close\r\n\r\n%b"
-                         % (status, ctype, len(rbody), VERSION_HEADER.encode(), self.version, rbody))
+            writer.write(
+                b"HTTP/1.1 %d X\r\nContent-Type: %b\r\nContent-Length: %d\r\n%b: %d\r\n"
+                b"Connection: close\r\n\r\n%b"
+                % (status, ctype, len(rbody), VERSION_HEADER.encode(), self.version, rbody)
+            )
             await writer.drain()
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError,
-                asyncio.LimitOverrunError):
+        except (
+            asyncio.TimeoutError,
+            asyncio.IncompleteReadError,
+            ConnectionError,
+            ValueError,
+            asyncio.LimitOverrunError,
+        ):
             pass
         finally:
             writer.close()
@@ -396,8 +412,7 @@ class Supervisor:
                     pass
             if procs:
                 # The processes enforce the grace period themselves; the margin covers start-up.
-                _, pending = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs],
-                                                timeout=grace + 5.0)
+                _, pending = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs], timeout=grace + 5.0)
                 for p in procs:
                     if p.returncode is None:
                         log.warning("proxy process pid %d did not drain in time; killing it", p.pid)
@@ -417,15 +432,14 @@ class Supervisor:
         for c in self.children:
             if c.watch is not None and not c.watch.done():
                 c.watch.cancel()
-            if c.alive and c.proc is not None:      # only after a failed start or a stuck drain
+            if c.alive and c.proc is not None:  # only after a failed start or a stuck drain
                 c.proc.kill()
                 try:
                     await asyncio.wait_for(c.proc.wait(), 5.0)
                 except asyncio.TimeoutError:
                     pass
         try:
-            await stop_in_order(self.discovery, self.replica, self.monitor, self.registry,
-                                self.metrics)
+            await stop_in_order(self.discovery, self.replica, self.monitor, self.registry, self.metrics)
             if self._control is not None:
                 self._control.close()
             if self.probe is not None:
@@ -442,5 +456,3 @@ class Supervisor:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
-
-

@@ -8,6 +8,7 @@ OpenAI paths one body with a choice per item; stream events carry the item's ind
 ``/generate`` events carry the new token only (incremental), not SGLang's cumulative text, so a
 long stream stays O(tokens) bytes.
 """
+
 from __future__ import annotations
 
 import json
@@ -93,8 +94,10 @@ def parse_inference(path: str, body: bytes, params: SimParams) -> ParsedGen:
             raise BadRequest("either text or input_ids should be provided")
         sp = obj.get("sampling_params") or {}
         if isinstance(sp, list) and per_item is not None and len(sp) == len(per_item):
-            item_max_new = [_chk_max_new(x.get("max_new_tokens") if isinstance(x, dict) else None,
-                                         params.max_new_tokens) for x in sp]
+            item_max_new = [
+                _chk_max_new(x.get("max_new_tokens") if isinstance(x, dict) else None, params.max_new_tokens)
+                for x in sp
+            ]
         elif not isinstance(sp, dict):
             raise BadRequest("sampling_params must be an object")
         max_new = sp.get("max_new_tokens") if isinstance(sp, dict) else None
@@ -136,8 +139,9 @@ def parse_inference(path: str, body: bytes, params: SimParams) -> ParsedGen:
     include_usage = isinstance(so, dict) and bool(so.get("include_usage"))
     model = obj.get("model") if isinstance(obj.get("model"), str) else params.model
     if per_item is not None:
-        return _parse_batch(obj, kind, per_item, item_max_new or [max_new] * len(per_item),
-                            stream, return_logprob, include_usage, model)
+        return _parse_batch(
+            obj, kind, per_item, item_max_new or [max_new] * len(per_item), stream, return_logprob, include_usage, model
+        )
     room = _int_field(obj, "bootstrap_room")
     port = obj.get("bootstrap_port")
     if port is not None and (isinstance(port, bool) or not isinstance(port, int)):
@@ -146,8 +150,19 @@ def parse_inference(path: str, body: bytes, params: SimParams) -> ParsedGen:
     rank = _int_field(obj, "routed_dp_rank")
     if rank is None:
         rank = _int_field(obj, "data_parallel_rank")
-    g = ParsedGen(kind, stream, n_in, max_new, room, host if isinstance(host, str) else None, port, rank,
-                  return_logprob, include_usage, model)
+    g = ParsedGen(
+        kind,
+        stream,
+        n_in,
+        max_new,
+        room,
+        host if isinstance(host, str) else None,
+        port,
+        rank,
+        return_logprob,
+        include_usage,
+        model,
+    )
     g.prefill_rank = _int_field(obj, "disagg_prefill_dp_rank")
     if params.prefix_cache_tokens > 0 and kind == "generate" and isinstance(text, str):
         g.blocks = block_hashes(text.encode(), int(params.prefix_block_tokens * cpt))
@@ -159,8 +174,16 @@ def _bad_item(name: str) -> int:
     raise BadRequest(f"{name}: every batch item must have the same type")
 
 
-def _parse_batch(obj: dict, kind: str, per_item: list[int], max_new: list[int], stream: bool,
-                 return_logprob: bool, include_usage: bool, model: str) -> ParsedGen:
+def _parse_batch(
+    obj: dict,
+    kind: str,
+    per_item: list[int],
+    max_new: list[int],
+    stream: bool,
+    return_logprob: bool,
+    include_usage: bool,
+    model: str,
+) -> ParsedGen:
     """A batch of B (protocol.md 3.3): bootstrap keys and rank keys may be scalars or lists of B.
 
     A scalar room is expanded to room, room+1, ... like SGLang does for parallel sampling."""
@@ -175,12 +198,41 @@ def _parse_batch(obj: dict, kind: str, per_item: list[int], max_new: list[int], 
     ranks = _per_item(obj, "routed_dp_rank", b, _chk_int)
     if all(r is None for r in ranks):
         ranks = _per_item(obj, "data_parallel_rank", b, _chk_int)
-    items = [ParsedGen(kind, stream, per_item[i], max_new[i], rooms[i], hosts[i], ports[i], ranks[i],
-                       return_logprob, include_usage, model, i) for i in range(b)]
+    items = [
+        ParsedGen(
+            kind,
+            stream,
+            per_item[i],
+            max_new[i],
+            rooms[i],
+            hosts[i],
+            ports[i],
+            ranks[i],
+            return_logprob,
+            include_usage,
+            model,
+            i,
+        )
+        for i in range(b)
+    ]
     for it, pr in zip(items, _per_item(obj, "disagg_prefill_dp_rank", b, _chk_int)):
         it.prefill_rank = pr
-    g = ParsedGen(kind, stream, sum(per_item), max(max_new), rooms[0], hosts[0], ports[0], ranks[0],
-                  return_logprob, include_usage, model, 0, b, items)
+    g = ParsedGen(
+        kind,
+        stream,
+        sum(per_item),
+        max(max_new),
+        rooms[0],
+        hosts[0],
+        ports[0],
+        ranks[0],
+        return_logprob,
+        include_usage,
+        model,
+        0,
+        b,
+        items,
+    )
     return g
 
 
@@ -193,8 +245,13 @@ def _finish(n: int) -> dict:
 
 
 def _generate_body(rid: str, g: ParsedGen, n_out: int, role: str) -> dict:
-    meta: dict[str, Any] = {"id": rid, "finish_reason": _finish(n_out), "prompt_tokens": g.input_tokens,
-                            "completion_tokens": n_out, "cached_tokens": 0}
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": _finish(n_out),
+        "prompt_tokens": g.input_tokens,
+        "completion_tokens": n_out,
+        "cached_tokens": 0,
+    }
     if g.return_logprob:
         if role == "prefill":
             meta["input_token_logprobs"] = [[-1.0, 1, None] for _ in range(g.input_tokens)]
@@ -211,21 +268,44 @@ def _openai_body(rid: str, g: ParsedGen, outs: list[int]) -> dict:
     n_in = g.items[0].input_tokens if g.kind == "chat" else g.input_tokens
     usage = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
     if g.kind == "chat":
-        choices = [{"index": i, "message": {"role": "assistant", "content": " t" * k},
-                    "finish_reason": "length", "logprobs": None} for i, k in enumerate(outs)]
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": g.model,
-                "choices": choices, "usage": usage}
-    choices = [{"index": i, "text": " t" * k, "finish_reason": "length", "logprobs": None}
-               for i, k in enumerate(outs)]
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": g.model,
-            "choices": choices, "usage": usage}
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": " t" * k},
+                "finish_reason": "length",
+                "logprobs": None,
+            }
+            for i, k in enumerate(outs)
+        ]
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": g.model,
+            "choices": choices,
+            "usage": usage,
+        }
+    choices = [{"index": i, "text": " t" * k, "finish_reason": "length", "logprobs": None} for i, k in enumerate(outs)]
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": g.model,
+        "choices": choices,
+        "usage": usage,
+    }
 
 
 def _make_emitter(resp: Responder, rid: str, g: ParsedGen) -> Any:
     """Per-token SSE writer for one streaming request; the constant parts are encoded once."""
     if g.kind == "generate":
-        head = b'data: {"text":" t","output_ids":[1],"meta_info":{"id":"' + rid.encode() + \
-            b'","prompt_tokens":' + str(g.input_tokens).encode() + b',"completion_tokens":'
+        head = (
+            b'data: {"text":" t","output_ids":[1],"meta_info":{"id":"'
+            + rid.encode()
+            + b'","prompt_tokens":'
+            + str(g.input_tokens).encode()
+            + b',"completion_tokens":'
+        )
         last = g.max_new
 
         tail_mid = b',"finish_reason":null},"index":%d}\n\n' % g.index
@@ -237,18 +317,31 @@ def _make_emitter(resp: Responder, rid: str, g: ParsedGen) -> Any:
                 resp.write_chunk(head + b"%d" % n + tail_mid)
             else:
                 resp.write_chunk(head + b"%d" % n + tail_end % n)
+
         return emit
     created = int(time.time())
     if g.kind == "chat":
-        head = (b'data: {"id":"' + rid.encode() + b'","object":"chat.completion.chunk","created":'
-                + str(created).encode() + b',"model":' + json.dumps(g.model).encode()
-                + b',"choices":[{"index":%d,"delta":{' % g.index)
+        head = (
+            b'data: {"id":"'
+            + rid.encode()
+            + b'","object":"chat.completion.chunk","created":'
+            + str(created).encode()
+            + b',"model":'
+            + json.dumps(g.model).encode()
+            + b',"choices":[{"index":%d,"delta":{' % g.index
+        )
         mid_first = b'"role":"assistant","content":" t"},"logprobs":null,"finish_reason":'
         mid = b'"content":" t"},"logprobs":null,"finish_reason":'
     else:
-        head = (b'data: {"id":"' + rid.encode() + b'","object":"text_completion","created":'
-                + str(created).encode() + b',"model":' + json.dumps(g.model).encode()
-                + b',"choices":[{"index":%d,' % g.index)
+        head = (
+            b'data: {"id":"'
+            + rid.encode()
+            + b'","object":"text_completion","created":'
+            + str(created).encode()
+            + b',"model":'
+            + json.dumps(g.model).encode()
+            + b',"choices":[{"index":%d,' % g.index
+        )
         mid_first = mid = b'"text":" t","logprobs":null,"finish_reason":'
     last = g.max_new
 
@@ -256,12 +349,18 @@ def _make_emitter(resp: Responder, rid: str, g: ParsedGen) -> Any:
         n = req.generated
         fin = b'"length"' if n >= last else b"null"
         resp.write_chunk(head + (mid_first if n == 1 else mid) + fin + b"}]}\n\n")
+
     return emit_oa
 
 
 def _usage_event(rid: str, g: ParsedGen, n_out: int) -> bytes:
     n_in = g.items[0].input_tokens if g.kind == "chat" else g.input_tokens
-    obj = {"id": rid, "object": "chat.completion.chunk" if g.kind == "chat" else "text_completion",
-           "created": int(time.time()), "model": g.model, "choices": [],
-           "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}}
+    obj = {
+        "id": rid,
+        "object": "chat.completion.chunk" if g.kind == "chat" else "text_completion",
+        "created": int(time.time()),
+        "model": g.model,
+        "choices": [],
+        "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out},
+    }
     return b"data: " + json.dumps(obj).encode() + b"\n\n"

@@ -1,12 +1,12 @@
 """Decode-rank balance benchmark: the policy matrix of seeds 000/001 on the simulator.
 
-Owns the matrix (round_robin; power_of_two with tokens / requests / least_requests; decode
-input demand on with W = 0 and W = 1e6, optionally the W sweep), running each cell (a router
-subprocess in front of 1 simulated prefill + 1 simulated decode of 8 DP ranks, the closed-loop
-load generator, the decode's per-rank samples), the statistics of seed 001's balance table and
-the markdown / JSON / PNG output. ``sglang_router`` and ``smg`` are benchmarked on the same
-workload when importable. The simulators and the load generator share this process's event
-loop; each router runs as its own process, as in production.
+Owns the matrix (round_robin; power_of_two with tokens / requests / least_requests; decode input
+demand on with W = 0 and W = 1e6, optionally the W sweep), running each cell (a router subprocess in
+front of 1 simulated prefill + 1 simulated decode of 8 DP ranks, the closed-loop load generator, the
+decode's per-rank samples), the statistics of seed 001's balance table; the markdown / JSON / PNG
+output is :mod:`fastroute.sim.report`'s. ``sglang_router`` and ``smg`` are benchmarked on the same
+workload when importable. The simulators and the load generator share this process's event loop;
+each router runs as its own process, as in production.
 
 Times in the tables are *simulated* milliseconds (wall / time_scale) and throughput is
 simulated tokens/s, so runs at different ``--time-scale`` compare directly. Balance statistics
@@ -14,20 +14,21 @@ are means over the decode's 100 ms samples inside the measured window: CV = std 
 the 8 ranks of one sample; "busiest batch" = largest running batch of a sample; "KV max/mean" =
 busiest rank's KV tokens over the mean rank's.
 
-``--kv-tight`` is issue 9's scenario: concurrency 192, the input-heavy trace at ~38k input tokens
-per request, each rank's KV (``--max-total-num-tokens``, default 1M) about as large as its share
-of the work, so placements blind to memory park requests in the prealloc queue of unlucky ranks.
+``--kv-tight`` is the KV-tight scenario (memory, not requests, is what runs short): concurrency 192,
+the input-heavy trace at ~38k input tokens per request, each rank's KV (``--max-total-num-tokens``,
+default 1M) about as large as its share of the work, so placements blind to memory park requests in
+the prealloc queue of unlucky ranks.
 It compares least_requests and demand W=1e6 (both with ``--decode-kv-fit shadow``, whose
 agreement counters are scraped from the router's /metrics) against the same two with KV fit
 on, repeated ``--repeat`` times (a new trace seed per repeat), and reports medians: TTFT and
 TPOT p50/p90, throughput and the prealloc queue per rank.
 """
+
 from __future__ import annotations
 
 import argparse
 import asyncio
 import importlib.util
-import json
 import os
 import random
 import signal
@@ -45,6 +46,16 @@ from fastroute.sim.engine import SimParams
 from fastroute.sim.http import HttpError, fetch
 from fastroute.sim.loadgen import Target, run_load, scale_summary, synthetic_trace
 from fastroute.sim.redisproc import RedisProcess
+
+# The tables, plots and output files of a run live in report; importers of balance find them here.
+from fastroute.sim.report import (  # noqa: F401 (the table writers re-exported)
+    _f,
+    failed_cells,
+    kv_markdown_table,
+    markdown_table,
+    write_outputs,
+    write_plots,
+)
 from fastroute.sim.worker import SimCluster, start_cluster
 
 
@@ -56,7 +67,7 @@ class Cell:
     router: str  # "fastroute" | "sglang_router" | "smg" | "direct" (loadgen plays mini-router)
     args: list[str] = field(default_factory=list)
     python: str = sys.executable  # interpreter that runs the router (peers may live in their own venv)
-    replicas: int = 1   # fastroute router processes behind one "Service" (clients spread over them)
+    replicas: int = 1  # fastroute router processes behind one "Service" (clients spread over them)
     sync: bool = False  # the replicas share load through a real redis-server (--replica-sync)
     dp_aware: bool = True  # fastroute with --dp-aware (off: the engines place ranks themselves)
     sim: dict = field(default_factory=dict)  # SimParams overrides of every simulator for this cell
@@ -69,14 +80,31 @@ def fastroute_cells(sweep: bool = False) -> list[Cell]:
         Cell("round_robin", "fastroute", ["--policy", "round_robin"] + base),
         Cell("p2c tokens", "fastroute", ["--policy", "power_of_two", "--p2c-load-metric", "tokens"] + base),
         Cell("p2c requests", "fastroute", ["--policy", "power_of_two", "--p2c-load-metric", "requests"] + base),
-        Cell("p2c least_requests", "fastroute",
-             ["--policy", "power_of_two", "--p2c-load-metric", "least_requests"] + base),
+        Cell(
+            "p2c least_requests",
+            "fastroute",
+            ["--policy", "power_of_two", "--p2c-load-metric", "least_requests"] + base,
+        ),
     ]
     weights = [0, 100_000, 200_000, 500_000, 1_000_000] if sweep else [0, 1_000_000]
     for w in weights:
-        cells.append(Cell(f"demand W={w:g}", "fastroute",
-                          ["--policy", "power_of_two", "--p2c-load-metric", "least_requests",
-                           "--decode-input-demand", "on", "--decode-request-weight", str(w)] + base))
+        cells.append(
+            Cell(
+                f"demand W={w:g}",
+                "fastroute",
+                [
+                    "--policy",
+                    "power_of_two",
+                    "--p2c-load-metric",
+                    "least_requests",
+                    "--decode-input-demand",
+                    "on",
+                    "--decode-request-weight",
+                    str(w),
+                ]
+                + base,
+            )
+        )
     return cells
 
 
@@ -86,24 +114,28 @@ def kv_tight_cells(reserve: int = 0) -> list[Cell]:
     dem = ["--decode-input-demand", "on", "--decode-request-weight", "1000000"]
     on = ["--decode-kv-fit", "on", "--decode-kv-reserve-tokens", str(reserve)]
     shadow = ["--decode-kv-fit", "shadow", "--decode-kv-reserve-tokens", str(reserve)]
-    return [Cell("least_requests", "fastroute", base + shadow),
-            Cell("demand W=1e6", "fastroute", base + dem + shadow),
-            Cell("least_requests + kv-fit", "fastroute", base + on),
-            Cell("demand W=1e6 + kv-fit", "fastroute", base + dem + on)]
+    return [
+        Cell("least_requests", "fastroute", base + shadow),
+        Cell("demand W=1e6", "fastroute", base + dem + shadow),
+        Cell("least_requests + kv-fit", "fastroute", base + on),
+        Cell("demand W=1e6 + kv-fit", "fastroute", base + dem + on),
+    ]
 
 
 def replica_cells(kv_tight: bool = False, k: int = 3) -> list[Cell]:
-    """Issue 18: one router vs K replicas synced through Redis vs K independent replicas, for
-    least_requests (and, KV-tight, also least_requests + KV fit)."""
+    """What replica sync buys: one router vs K replicas synced through Redis vs K independent
+    replicas, for least_requests (and, KV-tight, also least_requests + KV fit)."""
     base = ["--prefill-policy", "round_robin", "--policy", "power_of_two", "--p2c-load-metric", "least_requests"]
     flavours = [("least_requests", base + (["--decode-kv-fit", "shadow"] if kv_tight else []))]
     if kv_tight:
         flavours.append(("least_requests + kv-fit", base + ["--decode-kv-fit", "on"]))
     cells = []
     for label, args in flavours:
-        cells += [Cell(f"{label}, 1 router", "fastroute", args),
-                  Cell(f"{label}, {k} replicas synced", "fastroute", args, replicas=k, sync=True),
-                  Cell(f"{label}, {k} replicas independent", "fastroute", args, replicas=k)]
+        cells += [
+            Cell(f"{label}, 1 router", "fastroute", args),
+            Cell(f"{label}, {k} replicas synced", "fastroute", args, replicas=k, sync=True),
+            Cell(f"{label}, {k} replicas independent", "fastroute", args, replicas=k),
+        ]
     return cells
 
 
@@ -112,14 +144,16 @@ def parse_kv_fit_metrics(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
         # the counter's samples only (not its _created timestamps)
-        if not line.startswith(("fastroute_decode_kv_fit_decisions_total{", "fastroute_decode_kv_fit_decisions{")) \
-                or 'role="decode"' not in line:
+        if (
+            not line.startswith(("fastroute_decode_kv_fit_decisions_total{", "fastroute_decode_kv_fit_decisions{"))
+            or 'role="decode"' not in line
+        ):
             continue
         lab, _, val = line.rpartition(" ")
         i = lab.find('result="')
         if i < 0:
             continue
-        res = lab[i + 8:lab.index('"', i + 8)]
+        res = lab[i + 8 : lab.index('"', i + 8)]
         try:
             out[res] = float(val)
         except ValueError:
@@ -145,13 +179,24 @@ def peer_cells(sglang_router_python: str = sys.executable, smg_python: str = sys
     what it can do, ranks placed by the decode's own round-robin."""
     cells = []
     if _importable(sglang_router_python, "sglang_router"):
-        cells.append(Cell("sglang-router round_robin (no dp-aware)", "sglang_router", ["--policy", "round_robin"],
-                          sglang_router_python))
+        cells.append(
+            Cell(
+                "sglang-router round_robin (no dp-aware)",
+                "sglang_router",
+                ["--policy", "round_robin"],
+                sglang_router_python,
+            )
+        )
     if _importable(smg_python, "smg"):
         cells.append(Cell("smg round_robin", "smg", ["--policy", "round_robin", "--dp-aware"], smg_python))
-        cells.append(Cell("smg p2c least_requests", "smg",
-                          ["--policy", "power_of_two", "--power-of-two-load-metric", "least_requests",
-                           "--dp-aware"], smg_python))
+        cells.append(
+            Cell(
+                "smg p2c least_requests",
+                "smg",
+                ["--policy", "power_of_two", "--power-of-two-load-metric", "least_requests", "--dp-aware"],
+                smg_python,
+            )
+        )
     return cells
 
 
@@ -161,15 +206,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def router_command(cell: Cell, prefill_url: str, bootstrap_port: int, decode_url: str | list[str], port: int,
-                   prom_port: int) -> list[str]:
-    module = {"fastroute": "fastroute", "sglang_router": "sglang_router.launch_router",
-              "smg": "smg.launch_router"}[cell.router]
+def router_command(
+    cell: Cell, prefill_url: str, bootstrap_port: int, decode_url: str | list[str], port: int, prom_port: int
+) -> list[str]:
+    module = {"fastroute": "fastroute", "sglang_router": "sglang_router.launch_router", "smg": "smg.launch_router"}[
+        cell.router
+    ]
     cmd = [cell.python, "-m", module, "--pd-disaggregation", "--prefill", prefill_url, str(bootstrap_port)]
     for url in [decode_url] if isinstance(decode_url, str) else decode_url:
         cmd += ["--decode", url]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-            "--prometheus-port", str(prom_port), "--worker-startup-check-interval", "1"]
+    cmd += [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(prom_port),
+        "--worker-startup-check-interval",
+        "1",
+    ]
     if cell.router == "fastroute":
         cmd += (["--dp-aware"] if cell.dp_aware else []) + ["--load-monitor-interval", "1", "--log-level", "warn"]
     elif cell.router == "smg":
@@ -188,9 +245,8 @@ class RouterProcess:
         self._log: Any = None
 
     async def start(self, timeout: float = 60.0) -> None:
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - open while the router runs; stop() closes it
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -249,8 +305,10 @@ def balance_stats(samples: list[tuple]) -> dict:
     pre = [float(fmean(col)) for col in zip(*(s[5] for s in busy))] if len(busy[0]) > 5 else []
     return {
         "samples": len(busy),
-        "outstanding_cv": cv([s[3] for s in busy]), "running_cv": cv(run),
-        "busiest_batch": fmean(max(r) for r in run), "mean_batch": fmean(x for r in run for x in r),
+        "outstanding_cv": cv([s[3] for s in busy]),
+        "running_cv": cv(run),
+        "busiest_batch": fmean(max(r) for r in run),
+        "mean_batch": fmean(x for r in run for x in r),
         "kv_busiest_over_mean": fmean(kv_ratio) if kv_ratio else nan,
         "step_ms": fmean(step) if step else nan,
         "prealloc_per_rank": pre,
@@ -284,8 +342,9 @@ def merge_samples(per_server: list[list[tuple]]) -> list[tuple]:
                 break
             parts.append(rows[idx[k]])
         else:
-            out.append((s[0], max(p[1] for p in parts))
-                       + tuple(sum((p[j] for p in parts), ()) for j in range(2, len(s))))
+            out.append(
+                (s[0], max(p[1] for p in parts)) + tuple(sum((p[j] for p in parts), ()) for j in range(2, len(s)))
+            )
     return out
 
 
@@ -297,12 +356,26 @@ def prefill_stats(samples: list[tuple]) -> dict:
         return {"samples": 0}
     req_cv = [pstdev(s[1]) / fmean(s[1]) for s in busy]
     tok_cv = [pstdev(s[2]) / m for s in busy if (m := fmean(s[2])) > 0]
-    return {"samples": len(busy), "queue_cv": fmean(req_cv), "token_cv": fmean(tok_cv) if tok_cv else float("nan"),
-            "busiest_queue": fmean(max(s[1]) for s in busy), "mean_queue": fmean(x for s in busy for x in s[1])}
+    return {
+        "samples": len(busy),
+        "queue_cv": fmean(req_cv),
+        "token_cv": fmean(tok_cv) if tok_cv else float("nan"),
+        "busiest_queue": fmean(max(s[1]) for s in busy),
+        "mean_queue": fmean(x for s in busy for x in s[1]),
+    }
 
 
-async def run_cell(cell: Cell, concurrency: int, cluster: SimCluster, trace: list, duration: float,
-                   warmup: float, out_dir: str, seed: int = 0, progress: bool = False) -> dict:
+async def run_cell(
+    cell: Cell,
+    concurrency: int,
+    cluster: SimCluster,
+    trace: list,
+    duration: float,
+    warmup: float,
+    out_dir: str,
+    seed: int = 0,
+    progress: bool = False,
+) -> dict:
     """One (cell, concurrency) point: returns load summary + balance statistics + raw samples
     (of every decode server together, and the prefill's queue balance)."""
     prefill, decode = cluster.prefills[0], cluster.decodes[0]
@@ -322,12 +395,20 @@ async def run_cell(cell: Cell, concurrency: int, cluster: SimCluster, trace: lis
             for k in range(cell.replicas):
                 port, p = _free_port(), _free_port()
                 prom = prom or p
-                cmd = router_command(cell, prefill.url, prefill.bootstrap_port, [d.url for d in cluster.decodes],
-                                     port, p)
+                cmd = router_command(
+                    cell, prefill.url, prefill.bootstrap_port, [d.url for d in cluster.decodes], port, p
+                )
                 if redis_proc is not None:
                     cmd += ["--replica-sync", redis_proc.url, "--replica-id", f"r{k}"]
-                replicas.append(RouterProcess(cmd, port, os.path.join(
-                    out_dir, f"router_{safe}_c{concurrency}_s{seed}" + (f"_r{k}" if k else "") + ".log")))
+                replicas.append(
+                    RouterProcess(
+                        cmd,
+                        port,
+                        os.path.join(
+                            out_dir, f"router_{safe}_c{concurrency}_s{seed}" + (f"_r{k}" if k else "") + ".log"
+                        ),
+                    )
+                )
                 await replicas[-1].start()
                 ports.append(port)
         except BaseException:
@@ -363,140 +444,44 @@ async def run_cell(cell: Cell, concurrency: int, cluster: SimCluster, trace: lis
             redis_proc.stop()
         await _drain(cluster)
     t0, t1 = res.window[0] + wall_offset, res.window[1] + wall_offset
-    samples = merge_samples([[s for s in d.decode.samples if t0 <= s[0] <= t1]  # type: ignore[union-attr]
-                             for d in cluster.decodes])
+    samples = merge_samples(
+        [
+            [s for s in d.decode.samples if t0 <= s[0] <= t1]  # type: ignore[union-attr]
+            for d in cluster.decodes
+        ]
+    )
     summary = scale_summary(res.summary(), decode.p.time_scale)
     retr = sum(d.decode.retractions for d in cluster.decodes) - retr0  # type: ignore[union-attr]
-    return {"label": cell.label, "router": cell.router, "concurrency": concurrency,
-            "load": summary, "balance": balance_stats(samples), "samples": samples, "t0": t0,
-            "prefill": prefill_stats([s for s in prefill.prefill.samples if t0 <= s[0] <= t1]),
-            "n_decode": len(cluster.decodes), "kv_fit": kv_fit, "retractions": retr, "args": cell.args}
+    return {
+        "label": cell.label,
+        "router": cell.router,
+        "concurrency": concurrency,
+        "load": summary,
+        "balance": balance_stats(samples),
+        "samples": samples,
+        "t0": t0,
+        "prefill": prefill_stats([s for s in prefill.prefill.samples if t0 <= s[0] <= t1]),
+        "n_decode": len(cluster.decodes),
+        "kv_fit": kv_fit,
+        "retractions": retr,
+        "args": cell.args,
+    }
 
 
-def _f(x: Any, nd: int = 2) -> str:
-    if x is None:
-        return "-"
-    try:
-        if x != x:  # NaN
-            return "-"
-        return f"{x:.{nd}f}"
-    except (TypeError, ValueError):
-        return str(x)
-
-
-def markdown_table(results: list[dict], time_scale: float) -> str:
-    """One table per concurrency, columns as in seed 001's balance table plus latency/throughput."""
-    lines = []
-    for conc in sorted({r["concurrency"] for r in results}):
-        lines.append(f"\n### concurrency {conc} (1P1D, decode 8 DP ranks, time scale {time_scale:g}; "
-                     "times in simulated ms)\n")
-        lines.append("| policy | outstanding CV | running CV | busiest batch | KV busiest/mean | step ms "
-                     "| TPOT p50 / p90 | TTFT p50 / p90 | interactivity p50 / p90 | out tok/s | done | err |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for r in results:
-            if r["concurrency"] != conc:
-                continue
-            b, ld = r["balance"], r["load"]
-            lines.append(
-                f"| {r['label']} | {_f(b.get('outstanding_cv'))} | {_f(b.get('running_cv'))} | "
-                f"{_f(b.get('busiest_batch'), 1)} | {_f(b.get('kv_busiest_over_mean'))} | {_f(b.get('step_ms'), 1)} | "
-                f"{_f(ld['tpot_p50_ms'], 1)} / {_f(ld['tpot_p90_ms'], 1)} | "
-                f"{_f(ld['ttft_p50_ms'], 0)} / {_f(ld['ttft_p90_ms'], 0)} | "
-                f"{_f(ld['interactivity_p50'], 1)} / {_f(ld['interactivity_p90'], 1)} | "
-                f"{_f(ld['output_tok_s'], 0)} | {ld['completed']} | {ld['errors']} |")
-    return "\n".join(lines) + "\n"
-
-
-def _median(xs: list) -> Any:
-    xs = sorted(x for x in xs if x is not None and x == x)
-    if not xs:
-        return None
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
-
-
-def kv_markdown_table(results: list[dict], time_scale: float, params: SimParams) -> str:
-    """Issue 9's table: per policy, the median over repeats (each run's value in brackets for
-    the headline numbers), prealloc queue per rank and the kv-fit shadow agreement."""
-    lines = []
-    for conc in sorted({r["concurrency"] for r in results}):
-        rows = [r for r in results if r["concurrency"] == conc]
-        n_rep = len({r.get("repeat", 0) for r in rows})
-        lines.append(f"\n### KV-tight, concurrency {conc}: 1P1D, decode {params.dp_size} DP ranks x "
-                     f"{params.max_total_num_tokens:,} KV tokens, time scale {time_scale:g}, "
-                     f"median of {n_rep} run(s); times in simulated ms\n")
-        lines.append("| policy | TTFT p50 | TTFT p90 (runs) | TPOT p50 | TPOT p90 (runs) | out tok/s (runs) "
-                     "| prealloc waiting per rank (mean) | busiest batch | step ms | retractions "
-                     "| kv-fit shadow agree / disagree | done | err |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        labels = list(dict.fromkeys(r["label"] for r in rows))
-        for label in labels:
-            rr = [r for r in rows if r["label"] == label]
-            ld = [r["load"] for r in rr]
-
-            def med(key: str, src: list = ld) -> Any:
-                return _median([x.get(key) for x in src])
-
-            def runs(key: str, nd: int) -> str:
-                return " (" + ", ".join(_f(x[key], nd) for x in ld) + ")" if len(ld) > 1 else ""
-
-            pre = [r["balance"].get("prealloc_per_rank") or [] for r in rr]
-            pre_med = [_median([p[k] for p in pre if len(p) > k]) for k in range(max(map(len, pre), default=0))]
-            kvs = [r.get("kv_fit") or {} for r in rr]
-            agree = sum(k.get("agree", 0) for k in kvs)
-            dis = sum(k.get("disagree", 0) for k in kvs)
-            shadow = (f"{agree:.0f} / {dis:.0f} ({100 * agree / (agree + dis):.0f}% agree)"
-                      if "shadow" in rr[0].get("args", []) and agree + dis > 0 else "-")
-            lines.append(
-                f"| {label} | {_f(med('ttft_p50_ms'), 0)} | {_f(med('ttft_p90_ms'), 0)}{runs('ttft_p90_ms', 0)} | "
-                f"{_f(med('tpot_p50_ms'), 1)} | {_f(med('tpot_p90_ms'), 1)}{runs('tpot_p90_ms', 1)} | "
-                f"{_f(med('output_tok_s'), 0)}{runs('output_tok_s', 0)} | "
-                f"{' '.join(_f(x, 1) for x in pre_med) or '-'} | "
-                f"{_f(_median([r['balance'].get('busiest_batch') for r in rr]), 1)} | "
-                f"{_f(_median([r['balance'].get('step_ms') for r in rr]), 1)} | "
-                f"{sum(r.get('retractions', 0) for r in rr)} | {shadow} | "
-                f"{sum(x['completed'] for x in ld)} | {sum(x['errors'] for x in ld)} |")
-    return "\n".join(lines) + "\n"
-
-
-def write_plots(results: list[dict], out_dir: str) -> list[str]:
-    """Per-rank outstanding requests over time, one panel per policy, one PNG per concurrency."""
-    try:  # deferred: matplotlib is an optional, heavy dependency used only for the plots
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: skipping plots (pip install matplotlib)", file=sys.stderr)
-        return []
-    os.makedirs(out_dir, exist_ok=True)
-    paths = []
-    for conc in sorted({r["concurrency"] for r in results}):
-        rows = [r for r in results if r["concurrency"] == conc and r["samples"]]
-        if not rows:
-            continue
-        fig, axes = plt.subplots(len(rows), 1, figsize=(10, 2.2 * len(rows)), sharex=True, squeeze=False)
-        for ax, r in zip(axes[:, 0], rows):
-            t = [s[0] - r["t0"] for s in r["samples"]]
-            n_ranks = len(r["samples"][0][3])
-            for k in range(n_ranks):
-                ax.plot(t, [s[3][k] for s in r["samples"]], lw=0.8, label=f"rank {k}")
-            ax.set_title(f"{r['label']}: outstanding CV {_f(r['balance'].get('outstanding_cv'))}", fontsize=9)
-            ax.set_ylabel("outstanding")
-        axes[-1, 0].set_xlabel("seconds (wall) in the measured window")
-        fig.legend(*axes[0, 0].get_legend_handles_labels(), ncol=8, fontsize=7, loc="lower center")
-        fig.suptitle(f"Per-rank outstanding requests (running + waiting), concurrency {conc}")
-        fig.tight_layout(rect=(0, 0.03, 1, 0.97))  # leave room for the suptitle
-        path = os.path.join(out_dir, f"outstanding_c{conc}.png")
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        paths.append(path)
-    return paths
-
-
-async def run_matrix(cells: list[Cell], concurrencies: list[int], duration: float, warmup: float,
-                     params: SimParams, out_dir: str, seed: int = 0, progress: bool = True,
-                     prefill_params: SimParams | None = None, repeat: int = 1,
-                     trace_kwargs: dict | None = None, n_decode: int = 1) -> list[dict]:
+async def run_matrix(
+    cells: list[Cell],
+    concurrencies: list[int],
+    duration: float,
+    warmup: float,
+    params: SimParams,
+    out_dir: str,
+    seed: int = 0,
+    progress: bool = True,
+    prefill_params: SimParams | None = None,
+    repeat: int = 1,
+    trace_kwargs: dict | None = None,
+    n_decode: int = 1,
+) -> list[dict]:
     """Start the simulators (1 prefill, ``n_decode`` decodes), run every (repeat, concurrency,
     cell) point, return the results. A cell with ``sim`` overrides gets simulators of its own.
 
@@ -513,52 +498,44 @@ async def run_matrix(cells: list[Cell], concurrencies: list[int], duration: floa
                 for cell in cells:
                     if cell.sim != have:
                         await cluster.stop()
-                        cluster = await start_cluster(1, n_decode, replace(params, **cell.sim),
-                                                      replace(prefill_params or params, **cell.sim))
+                        cluster = await start_cluster(
+                            1, n_decode, replace(params, **cell.sim), replace(prefill_params or params, **cell.sim)
+                        )
                         have = cell.sim
-                    print(f"== {cell.label} @ C={conc}" + (f" (run {rep + 1}/{repeat})" if repeat > 1 else ""),
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"== {cell.label} @ C={conc}" + (f" (run {rep + 1}/{repeat})" if repeat > 1 else ""),
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     try:
-                        r = await run_cell(cell, conc, cluster, trace, duration, warmup, out_dir, seed + rep,
-                                           progress)
+                        r = await run_cell(cell, conc, cluster, trace, duration, warmup, out_dir, seed + rep, progress)
                     except RuntimeError as exc:
                         print(f"   skipped: {exc}", file=sys.stderr, flush=True)
                         continue
                     r["repeat"] = rep
                     ld = r["load"]
-                    print(f"   done={ld['completed']} err={ld['errors']} outstanding CV="
-                          f"{_f(r['balance'].get('outstanding_cv'))} TTFT p90={_f(ld['ttft_p90_ms'], 0)} ms "
-                          f"TPOT p90={_f(ld['tpot_p90_ms'], 1)} ms out tok/s={_f(ld['output_tok_s'], 0)}",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"   done={ld['completed']} err={ld['errors']} outstanding CV="
+                        f"{_f(r['balance'].get('outstanding_cv'))} TTFT p90={_f(ld['ttft_p90_ms'], 0)} ms "
+                        f"TPOT p90={_f(ld['tpot_p90_ms'], 1)} ms out tok/s={_f(ld['output_tok_s'], 0)}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     results.append(r)
     finally:
         await cluster.stop()
     return results
 
 
-def write_outputs(results: list[dict], out_dir: str, time_scale: float,
-                  kv_params: SimParams | None = None) -> str:
-    os.makedirs(out_dir, exist_ok=True)
-    table = markdown_table(results, time_scale) if kv_params is None else kv_markdown_table(
-        results, time_scale, kv_params)
-    with open(os.path.join(out_dir, "balance.md"), "w") as fh:
-        fh.write(table)
-    with open(os.path.join(out_dir, "balance.json"), "w") as fh:
-        json.dump([{k: v for k, v in r.items() if k != "samples"} for r in results], fh, indent=1)
-    write_plots(results, out_dir)
-    return table
-
-
-def failed_cells(results: list[dict]) -> list[str]:
-    """Labels of points where no request completed (router broken, sim misconfigured...)."""
-    return [f"{r['label']} @ C={r['concurrency']}" for r in results if not r["load"]["completed_total"]]
-
-
 def add_common_flags(ap: argparse.ArgumentParser, duration: float, warmup: float, time_scale: float) -> None:
     ap.add_argument("--duration", type=float, default=duration, help="measured wall seconds per point")
     ap.add_argument("--warmup", type=float, default=warmup, help="unmeasured wall seconds per point")
-    ap.add_argument("--time-scale", type=float, default=time_scale,
-                    help="simulated durations are multiplied by this (0.25 = 4x faster than real time)")
+    ap.add_argument(
+        "--time-scale",
+        type=float,
+        default=time_scale,
+        help="simulated durations are multiplied by this (0.25 = 4x faster than real time)",
+    )
     ap.add_argument("--out", default="bench/out", help="output directory (tables, JSON, PNG, router logs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dp-size", type=int, default=8)
@@ -566,34 +543,59 @@ def add_common_flags(ap: argparse.ArgumentParser, duration: float, warmup: float
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python bench/balance.py", description="Decode DP-rank balance benchmark "
-                                 "(seed 001's table) on simulated 1P1D with 8 decode ranks")
+    ap = argparse.ArgumentParser(
+        prog="python bench/balance.py",
+        description="Decode DP-rank balance benchmark (seed 001's table) on simulated 1P1D with 8 decode ranks",
+    )
     ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 192])
     ap.add_argument("--sweep", action="store_true", help="demand W sweep {0, 1e5, 2e5, 5e5, 1e6}")
     ap.add_argument("--no-peers", action="store_true", help="skip sglang-router / smg even when installed")
-    ap.add_argument("--no-direct", action="store_true",
-                    help="skip the no-router baseline (loadgen as mini-router, decode places ranks round-robin)")
-    ap.add_argument("--sglang-router-python", default=sys.executable,
-                    help="interpreter with sglang-router installed (default: this one)")
+    ap.add_argument(
+        "--no-direct",
+        action="store_true",
+        help="skip the no-router baseline (loadgen as mini-router, decode places ranks round-robin)",
+    )
+    ap.add_argument(
+        "--sglang-router-python",
+        default=sys.executable,
+        help="interpreter with sglang-router installed (default: this one)",
+    )
     ap.add_argument("--smg-python", default=sys.executable, help="interpreter with smg installed (default: this one)")
     ap.add_argument("--only", nargs="*", help="run only cells whose label contains one of these strings")
-    ap.add_argument("--replicas", type=int, default=0, metavar="K",
-                    help="issue 18: least_requests through 1 router vs K replicas synced through a real "
-                         "redis-server vs K independent replicas (with --kv-tight: also with KV fit on)")
-    kv = ap.add_argument_group("KV-tight scenario (issue 9)")
-    kv.add_argument("--kv-tight", action="store_true",
-                    help="least_requests / demand W=1e6 with --decode-kv-fit shadow vs on, concurrency 192, "
-                         "~38k-token inputs, 1M KV tokens per rank (override with the flags below)")
+    ap.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        metavar="K",
+        help="replica sync: least_requests through 1 router vs K replicas synced through a real "
+        "redis-server vs K independent replicas (with --kv-tight: also with KV fit on)",
+    )
+    kv = ap.add_argument_group("KV-tight scenario (KV memory is what runs short)")
+    kv.add_argument(
+        "--kv-tight",
+        action="store_true",
+        help="least_requests / demand W=1e6 with --decode-kv-fit shadow vs on, concurrency 192, "
+        "~38k-token inputs, 1M KV tokens per rank (override with the flags below)",
+    )
     kv.add_argument("--repeat", type=int, default=1, help="runs of every cell, interleaved; tables quote medians")
-    kv.add_argument("--input-mean", type=float, default=None, help="trace input mean (default 30000; 38000 "
-                    "with --kv-tight)")
-    kv.add_argument("--max-total-num-tokens", type=int, default=None,
-                    help="decode KV capacity per rank (default 1,500,000; 1,000,000 with --kv-tight)")
+    kv.add_argument(
+        "--input-mean", type=float, default=None, help="trace input mean (default 30000; 38000 with --kv-tight)"
+    )
+    kv.add_argument(
+        "--max-total-num-tokens",
+        type=int,
+        default=None,
+        help="decode KV capacity per rank (default 1,500,000; 1,000,000 with --kv-tight)",
+    )
     kv.add_argument("--kv-reserve", type=int, default=0, help="--decode-kv-reserve-tokens for the kv-fit cells")
     kv.add_argument("--retract", action="store_true", help="simulated decode over-commits output KV and retracts")
     kv.add_argument("--reserved-decode-tokens", type=int, default=SimParams.reserved_decode_tokens)
-    kv.add_argument("--kv-transfer-tokens-per-s", type=float, default=0.0,
-                    help="simulated prefill->decode KV bandwidth (0 = instant)")
+    kv.add_argument(
+        "--kv-transfer-tokens-per-s",
+        type=float,
+        default=0.0,
+        help="simulated prefill->decode KV bandwidth (0 = instant)",
+    )
     kv.add_argument("--kv-transfer-scope", choices=("server", "rank"), default="server")
     kv.add_argument("--slow-rank", type=int, default=-1)
     kv.add_argument("--slow-factor", type=float, default=1.0)
@@ -608,21 +610,37 @@ def main(argv: list[str] | None = None) -> int:
         if ns.concurrency == [64, 192]:
             ns.concurrency = [192]
     else:
-        cells = ([] if ns.no_direct else [Cell("no router (decode round-robin)", "direct")])
-        cells += fastroute_cells(ns.sweep) + ([] if ns.no_peers else peer_cells(ns.sglang_router_python,
-                                                                                  ns.smg_python))
+        cells = [] if ns.no_direct else [Cell("no router (decode round-robin)", "direct")]
+        cells += fastroute_cells(ns.sweep) + ([] if ns.no_peers else peer_cells(ns.sglang_router_python, ns.smg_python))
     if ns.only:
         cells = [c for c in cells if any(o in c.label for o in ns.only)]
     cap = ns.max_total_num_tokens or (1_000_000 if ns.kv_tight else SimParams.max_total_num_tokens)
-    params = SimParams(dp_size=ns.dp_size, time_scale=ns.time_scale, max_total_num_tokens=cap,
-                       retract=ns.retract, reserved_decode_tokens=ns.reserved_decode_tokens,
-                       kv_transfer_tokens_per_s=ns.kv_transfer_tokens_per_s,
-                       kv_transfer_scope=ns.kv_transfer_scope, slow_rank=ns.slow_rank, slow_factor=ns.slow_factor)
+    params = SimParams(
+        dp_size=ns.dp_size,
+        time_scale=ns.time_scale,
+        max_total_num_tokens=cap,
+        retract=ns.retract,
+        reserved_decode_tokens=ns.reserved_decode_tokens,
+        kv_transfer_tokens_per_s=ns.kv_transfer_tokens_per_s,
+        kv_transfer_scope=ns.kv_transfer_scope,
+        slow_rank=ns.slow_rank,
+        slow_factor=ns.slow_factor,
+    )
     input_mean = ns.input_mean or (38_000.0 if ns.kv_tight else 30_000.0)
 
     async def go() -> list[dict]:
-        return await run_matrix(cells, ns.concurrency, ns.duration, ns.warmup, params, ns.out, ns.seed,
-                                not ns.quiet, repeat=ns.repeat, trace_kwargs={"input_mean": input_mean})
+        return await run_matrix(
+            cells,
+            ns.concurrency,
+            ns.duration,
+            ns.warmup,
+            params,
+            ns.out,
+            ns.seed,
+            not ns.quiet,
+            repeat=ns.repeat,
+            trace_kwargs={"input_mean": input_mean},
+        )
 
     results = uvloop.run(go())
     print(write_outputs(results, ns.out, ns.time_scale, params if ns.kv_tight else None))

@@ -8,6 +8,7 @@ to the rank that computed its prefix shortens its prefill. The conversation trac
 reports decode balance (TPOT, busiest running batch, CV of outstanding requests per rank), TTFT
 and the prefill's prefix hit rate (cached / input tokens of the prefills started in the window).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,13 +31,18 @@ LEAST = ["--policy", "power_of_two", "--p2c-load-metric", "least_requests"]
 
 
 def policy_cells(kv_fit: bool = False) -> list[Cell]:
-    """Issue 30's comparison: the default (no policy flag), least_requests, round robin and
+    """The conversation benchmark's comparison: the default (no policy flag), least_requests, round robin and
     cache_aware on both legs with affinity on decode too (what the default did before)."""
     kv = ["--decode-kv-fit", "on"] if kv_fit else []
-    cells = [Cell("default (cache_aware)", "fastroute", kv),
-             Cell("least_requests", "fastroute", LEAST + kv),
-             Cell("cache_aware, affinity on decode too", "fastroute",
-                  ["--policy", "cache_aware", "--decode-policy", "cache_aware"] + kv)]
+    cells = [
+        Cell("default (cache_aware)", "fastroute", kv),
+        Cell("least_requests", "fastroute", LEAST + kv),
+        Cell(
+            "cache_aware, affinity on decode too",
+            "fastroute",
+            ["--policy", "cache_aware", "--decode-policy", "cache_aware"] + kv,
+        ),
+    ]
     if not kv_fit:
         cells.append(Cell("round_robin", "fastroute", ["--policy", "round_robin"]))
     return cells
@@ -47,14 +53,24 @@ def replica_cells(ns: list[int], args: list[str] | None = None) -> list[Cell]:
     args = LEAST if args is None else args
     cells = [Cell("1 router", "fastroute", args)]
     for n in ns:
-        cells += [Cell(f"{n} replicas, no sync", "fastroute", args, replicas=n),
-                  Cell(f"{n} replicas, synced", "fastroute", args, replicas=n, sync=True)]
+        cells += [
+            Cell(f"{n} replicas, no sync", "fastroute", args, replicas=n),
+            Cell(f"{n} replicas, synced", "fastroute", args, replicas=n, sync=True),
+        ]
     return cells
 
 
-async def run_point(cell: Cell, cluster: SimCluster, arrivals: list, warmup: float, duration: float,
-                    out_dir: str, tag: str, extra: list[str] | None = None,
-                    sync_ms: int | None = None) -> dict:
+async def run_point(
+    cell: Cell,
+    cluster: SimCluster,
+    arrivals: list,
+    warmup: float,
+    duration: float,
+    out_dir: str,
+    tag: str,
+    extra: list[str] | None = None,
+    sync_ms: int | None = None,
+) -> dict:
     prefill, decode = cluster.prefills[0], cluster.decodes[0]
     assert prefill.prefill is not None and decode.decode is not None
     redis_proc = RedisProcess().start() if cell.sync else None
@@ -100,32 +116,44 @@ async def run_point(cell: Cell, cluster: SimCluster, arrivals: list, warmup: flo
     done = [r for r in res.records if r.ok and r.t_start >= res.window[0] and r.t_last <= res.window[1]]
     ttft = [(r.t_first - r.t_start) * 1000 / decode.p.time_scale for r in done if r.n_tokens]
     load["ttft_p99_ms"] = _percentile(ttft, 99)
-    return {"label": cell.label, "tag": tag, "load": load, "balance": balance_stats(samples),
-            "hit_rate": hit_rate, "args": cell.args}
+    return {
+        "label": cell.label,
+        "tag": tag,
+        "load": load,
+        "balance": balance_stats(samples),
+        "hit_rate": hit_rate,
+        "args": cell.args,
+    }
 
 
 def table(results: list[dict]) -> str:
-    head = ("| arrivals | router | TPOT p50 / p90 ms | busiest batch | mean batch | busiest - mean | "
-            "CV of outstanding | step ms | TTFT p50 / p90 / p99 ms | prefill prefix hits | completed | "
-            "errors |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    head = (
+        "| arrivals | router | TPOT p50 / p90 ms | busiest batch | mean batch | busiest - mean | "
+        "CV of outstanding | step ms | TTFT p50 / p90 / p99 ms | prefill prefix hits | completed | "
+        "errors |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
     rows = []
     for r in results:
         ld, b = r["load"], r["balance"]
-        rows.append(f"| {r['tag']} | {r['label']} | {_f(ld['tpot_p50_ms'], 1)} / {_f(ld['tpot_p90_ms'], 1)} | "
-                    f"{_f(b.get('busiest_batch'), 1)} | {_f(b.get('mean_batch'), 1)} | "
-                    f"{_f(b.get('busiest_batch', 0) - b.get('mean_batch', 0), 2)} | "
-                    f"{_f(b.get('outstanding_cv'), 3)} | {_f(b.get('step_ms'), 1)} | "
-                    f"{_f(ld['ttft_p50_ms'], 0)} / {_f(ld['ttft_p90_ms'], 0)} / {_f(ld['ttft_p99_ms'], 0)} | "
-                    f"{100 * r['hit_rate']:.1f}% | {ld['completed']} | {ld['errors']} |")
+        rows.append(
+            f"| {r['tag']} | {r['label']} | {_f(ld['tpot_p50_ms'], 1)} / {_f(ld['tpot_p90_ms'], 1)} | "
+            f"{_f(b.get('busiest_batch'), 1)} | {_f(b.get('mean_batch'), 1)} | "
+            f"{_f(b.get('busiest_batch', 0) - b.get('mean_batch', 0), 2)} | "
+            f"{_f(b.get('outstanding_cv'), 3)} | {_f(b.get('step_ms'), 1)} | "
+            f"{_f(ld['ttft_p50_ms'], 0)} / {_f(ld['ttft_p90_ms'], 0)} / {_f(ld['ttft_p99_ms'], 0)} | "
+            f"{100 * r['hit_rate']:.1f}% | {ld['completed']} | {ld['errors']} |"
+        )
     return head + "\n".join(rows) + "\n"
 
 
 def sim_params(ns: argparse.Namespace) -> tuple[SimParams, SimParams]:
-    decode = SimParams(dp_size=ns.dp_size, time_scale=ns.time_scale,
-                       max_total_num_tokens=ns.max_total_num_tokens,
-                       kv_transfer_tokens_per_s=ns.kv_transfer_tokens_per_s)
-    prefill = SimParams(dp_size=ns.dp_size, time_scale=ns.time_scale,
-                        prefix_cache_tokens=ns.prefix_cache_tokens)
+    decode = SimParams(
+        dp_size=ns.dp_size,
+        time_scale=ns.time_scale,
+        max_total_num_tokens=ns.max_total_num_tokens,
+        kv_transfer_tokens_per_s=ns.kv_transfer_tokens_per_s,
+    )
+    prefill = SimParams(dp_size=ns.dp_size, time_scale=ns.time_scale, prefix_cache_tokens=ns.prefix_cache_tokens)
     return decode, prefill
 
 
@@ -140,15 +168,19 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1, help="interleaved runs (trace seed + k); tables list each")
     ap.add_argument("--max-total-num-tokens", type=int, default=1_500_000, help="decode KV per rank")
-    ap.add_argument("--kv-tight", action="store_true",
-                    help="420k KV tokens per decode rank and a 2M tokens/s KV transfer channel")
+    ap.add_argument(
+        "--kv-tight", action="store_true", help="420k KV tokens per decode rank and a 2M tokens/s KV transfer channel"
+    )
     ap.add_argument("--kv-transfer-tokens-per-s", type=float, default=0.0)
     ap.add_argument("--prefix-cache-tokens", type=int, default=500_000, help="prefix cache per prefill rank")
     ap.add_argument("--only", nargs="*", help="run only cells whose label contains one of these")
     ap.add_argument("--router-args", default="", help="extra flags for every fastroute (one string)")
     ap.add_argument("--out", default="bench/out/conversations")
-    ap.add_argument("--router-checkout", metavar="DIR",
-                    help="run the routers from this checkout (built in place), e.g. an older commit")
+    ap.add_argument(
+        "--router-checkout",
+        metavar="DIR",
+        help="run the routers from this checkout (built in place), e.g. an older commit",
+    )
     ap.add_argument("--quiet", action="store_true")
 
 
@@ -178,8 +210,9 @@ async def run_all(cells: list[Cell], ns: argparse.Namespace) -> list[dict]:
                     if not ns.quiet:
                         print(f"== {cell.label} ({tag})", file=sys.stderr, flush=True)
                     try:
-                        r = await run_point(cell, cluster, arrivals, ns.warmup, ns.duration, ns.out, tag, extra,
-                                            wall_sync_ms(ns))
+                        r = await run_point(
+                            cell, cluster, arrivals, ns.warmup, ns.duration, ns.out, tag, extra, wall_sync_ms(ns)
+                        )
                     except RuntimeError as exc:
                         print(f"   skipped: {exc}", file=sys.stderr, flush=True)
                         continue
@@ -194,16 +227,22 @@ async def run_all(cells: list[Cell], ns: argparse.Namespace) -> list[dict]:
 def main(argv: list[str] | None = None, mode: str = "policies") -> int:
     ap = argparse.ArgumentParser(
         prog="python bench/replicas.py" if mode == "replicas" else "python bench/balance.py --conversations",
-        description=__doc__.split("\n")[0])
+        description=__doc__.split("\n")[0],
+    )
     add_flags(ap)
     if mode == "replicas":
         ap.add_argument("--replicas", type=int, nargs="+", default=[3], help="N of the N-replica rows")
         ap.add_argument("--kv-fit", action="store_true", help="every router with --decode-kv-fit on")
-        ap.add_argument("--sync-interval-sim-ms", type=float, default=None, metavar="MS",
-                        help="the synced replicas' sync interval in simulated ms (wall ms = MS x time "
-                             "scale, rounded up): the simulator runs 1/time-scale times faster than "
-                             "real time, so the router's default 10 wall ms is 10/time-scale simulated "
-                             "ms here; default: the router's own default")
+        ap.add_argument(
+            "--sync-interval-sim-ms",
+            type=float,
+            default=None,
+            metavar="MS",
+            help="the synced replicas' sync interval in simulated ms (wall ms = MS x time "
+            "scale, rounded up): the simulator runs 1/time-scale times faster than "
+            "real time, so the router's default 10 wall ms is 10/time-scale simulated "
+            "ms here; default: the router's own default",
+        )
     else:
         ap.add_argument("--kv-fit", action="store_true", help="every row with --decode-kv-fit on")
     ns = ap.parse_args(argv)

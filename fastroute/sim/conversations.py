@@ -16,6 +16,7 @@ to the router replicas in turn (round robin over ``ports``), as one load generat
 Times in a trace are simulated seconds; the replay runs them ``time_scale`` times faster, like
 the simulators.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,16 +38,24 @@ def block_text(block_id: int) -> str:
 
 @dataclass
 class Arrival:
-    t: float            # simulated seconds from the start of the replay
+    t: float  # simulated seconds from the start of the replay
     item: TraceItem
     session: int
 
 
-def conversation_trace(duration_s: float, rate: float, seed: int = 0, system_prompts: int = 16,
-                       system_blocks: tuple[int, int] = (2, 10), turns_mean: float = 3.0,
-                       user_blocks_mean: float = 6.0, output_mean: float = 343.0,
-                       think_mean_s: float = 20.0, max_blocks: int = 120,
-                       prehistory_s: float = 300.0) -> list[Arrival]:
+def conversation_trace(
+    duration_s: float,
+    rate: float,
+    seed: int = 0,
+    system_prompts: int = 16,
+    system_blocks: tuple[int, int] = (2, 10),
+    turns_mean: float = 3.0,
+    user_blocks_mean: float = 6.0,
+    output_mean: float = 343.0,
+    think_mean_s: float = 20.0,
+    max_blocks: int = 120,
+    prehistory_s: float = 300.0,
+) -> list[Arrival]:
     """Sessions arrive as a Poisson process at ``rate / turns_mean``; each has a system prompt
     from a shared pool, then turns (geometric count, mean ``turns_mean``) separated by
     exponential think times; turn k's prompt is turn k-1's prompt + its answer + a new user
@@ -62,8 +71,8 @@ def conversation_trace(duration_s: float, rate: float, seed: int = 0, system_pro
         return out
 
     pool = [new_blocks(rng.randint(*system_blocks)) for _ in range(system_prompts)]
-    mu_user = math.log(user_blocks_mean) - 0.5 ** 2 / 2
-    mu_out = math.log(output_mean) - 0.6 ** 2 / 2
+    mu_user = math.log(user_blocks_mean) - 0.5**2 / 2
+    mu_out = math.log(output_mean) - 0.6**2 / 2
     arrivals: list[Arrival] = []
     t = -prehistory_s
     session = 0
@@ -82,8 +91,7 @@ def conversation_trace(duration_s: float, rate: float, seed: int = 0, system_pro
             out = int(min(2000, max(16, rng.lognormvariate(mu_out, 0.6))))
             if when >= 0:
                 text = "".join(block_text(b) for b in history)
-                arrivals.append(Arrival(when, TraceItem(len(history) * BLOCK_TOKENS, out, text=text),
-                                        session))
+                arrivals.append(Arrival(when, TraceItem(len(history) * BLOCK_TOKENS, out, text=text), session))
             if rng.random() < 1.0 / turns_mean:
                 break
             history += new_blocks(max(1, math.ceil(out / BLOCK_TOKENS)))  # the answer joins the prompt
@@ -102,9 +110,16 @@ def burstify(arrivals: list[Arrival], rate: float, burst: float) -> list[Arrival
     return [Arrival(math.floor(a.t / grid) * grid, a.item, a.session) for a in arrivals]
 
 
-async def run_open_loop(host: str, ports: tuple[int, ...], arrivals: list[Arrival], time_scale: float,
-                        warmup_s: float, duration_s: float, seed: int = 0,
-                        request_timeout_s: float = 600.0) -> LoadResult:
+async def run_open_loop(
+    host: str,
+    ports: tuple[int, ...],
+    arrivals: list[Arrival],
+    time_scale: float,
+    warmup_s: float,
+    duration_s: float,
+    seed: int = 0,
+    request_timeout_s: float = 600.0,
+) -> LoadResult:
     """Send each arrival at ``t * time_scale`` wall seconds (request i to ``ports[i % n]``) until
     ``warmup_s + duration_s`` wall seconds; measure requests that start and end in the last
     ``duration_s``. Requests still open at the end are aborted, as a client that leaves."""

@@ -9,6 +9,7 @@ conversation traffic (bursts, prompts that share prefixes): the default policy, 
 and cache_aware with affinity on decode too, with the prefill's prefix hit rate beside the
 balance. The machinery is fastroute.sim.balance and fastroute.sim.convbench.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,11 +17,10 @@ import sys
 
 import uvloop
 
-from fastroute.sim.balance import (Cell, add_common_flags, failed_cells, fastroute_cells, run_matrix,
-                                   write_outputs)
 from fastroute.sim import convbench
-from fastroute.sim.enginebench import engine_cells
+from fastroute.sim.balance import Cell, add_common_flags, failed_cells, fastroute_cells, run_matrix, write_outputs
 from fastroute.sim.engine import SimParams
+from fastroute.sim.enginebench import engine_cells
 
 DEMO_LABELS = ("round_robin", "p2c least_requests", "demand W=1e+06")
 ENGINE_LABEL = "no --dp-aware, SGLang total_requests"
@@ -35,8 +35,9 @@ def demo_cells() -> list[Cell]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fastroute demo", description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--conversation-rate", type=float, default=6.5,
-                    help="arrivals per simulated second of the conversation part")
+    ap.add_argument(
+        "--conversation-rate", type=float, default=6.5, help="arrivals per simulated second of the conversation part"
+    )
     ap.add_argument("--no-conversations", action="store_true", help="skip the conversation part")
     add_common_flags(ap, duration=60.0, warmup=0.0, time_scale=0.25)
     ap.set_defaults(out="bench/out/demo")
@@ -48,13 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     warmup = ns.warmup if ns.warmup > 0 else per_cell * 0.25
     measured = max(0.5, per_cell - warmup)
     params = SimParams(dp_size=ns.dp_size, time_scale=ns.time_scale)
-    print(f"fastroute demo: 1 prefill + 1 decode x {ns.dp_size} DP ranks (simulated, time scale "
-          f"{ns.time_scale:g}), concurrency {ns.concurrency}, {len(cells)} policies x "
-          f"({warmup:.1f} s warm-up + {measured:.1f} s measured)", flush=True)
+    print(
+        f"fastroute demo: 1 prefill + 1 decode x {ns.dp_size} DP ranks (simulated, time scale "
+        f"{ns.time_scale:g}), concurrency {ns.concurrency}, {len(cells)} policies x "
+        f"({warmup:.1f} s warm-up + {measured:.1f} s measured)",
+        flush=True,
+    )
 
     async def go() -> list[dict]:
-        return await run_matrix(cells, [ns.concurrency], measured, warmup, params, ns.out, ns.seed,
-                                not ns.quiet)
+        return await run_matrix(cells, [ns.concurrency], measured, warmup, params, ns.out, ns.seed, not ns.quiet)
 
     results = uvloop.run(go())
     if not results:
@@ -66,10 +69,25 @@ def main(argv: list[str] | None = None) -> int:
     if not ns.no_conversations:
         cap = argparse.ArgumentParser()
         convbench.add_flags(cap)
-        cns = cap.parse_args(["--duration", str(measured), "--warmup", str(warmup), "--time-scale",
-                              str(ns.time_scale), "--rate", str(ns.conversation_rate), "--arrivals",
-                              "bursty", "--out", f"{ns.out}/conversations", "--seed", str(ns.seed)]
-                             + (["--quiet"] if ns.quiet else []))
+        cns = cap.parse_args(
+            [
+                "--duration",
+                str(measured),
+                "--warmup",
+                str(warmup),
+                "--time-scale",
+                str(ns.time_scale),
+                "--rate",
+                str(ns.conversation_rate),
+                "--arrivals",
+                "bursty",
+                "--out",
+                f"{ns.out}/conversations",
+                "--seed",
+                str(ns.seed),
+            ]
+            + (["--quiet"] if ns.quiet else [])
+        )
         cells = [c for c in convbench.policy_cells() if c.label != "round_robin"]
         print("conversations (bursts, shared prefixes, a prefix cache per prefill rank):", flush=True)
         conv = uvloop.run(convbench.run_all(cells, cns))
@@ -78,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(conv) < len(cells):
             bad.append("conversations")
     if bad:
-        print(f"demo: no request completed in {', '.join(bad)}; see the router logs in {ns.out}/",
-              file=sys.stderr)
+        print(f"demo: no request completed in {', '.join(bad)}; see the router logs in {ns.out}/", file=sys.stderr)
         return 1
     return 0
 

@@ -22,9 +22,10 @@ What a scheduler publishes (``running + waiting`` requests, KV used + queued tok
 ``load_snapshot_interval`` steps and when idle, as SGLang's ``--load-snapshot-publish-interval``)
 is the engines' part: they call ``publish``.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 LB_METHODS = ("auto", "round_robin", "follow_bootstrap_room", "total_requests", "total_tokens")
 _LOAD_AWARE = ("total_requests", "total_tokens")
@@ -42,8 +43,9 @@ def resolve_method(method: str, role: str) -> str:
 class DpController:
     """Rank choice for one simulated server; ``clock`` gives the (event-loop) time in seconds."""
 
-    def __init__(self, method: str, role: str, dp_size: int, clock: Callable[[], float],
-                 refresh_s: float = 0.02) -> None:
+    def __init__(
+        self, method: str, role: str, dp_size: int, clock: Callable[[], float], refresh_s: float = 0.02
+    ) -> None:
         self.method = resolve_method(method, role)
         self.n = dp_size
         self.clock = clock

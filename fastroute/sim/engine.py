@@ -37,92 +37,27 @@ prefill follows the room (``room % dp_size``) and a decode cycles round robin; w
 snapshots the ranks publish (a prefill rank at the start and end of each compute, a decode
 every ``load_snapshot_interval`` steps and when idle).
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
 from typing import Any
 
-from fastroute.sim.dispatch import LB_METHODS, DpController
+# The knobs and the parsed request live in params; importers of the engine find them here too.
+from fastroute.sim.params import BadRequest, ParsedGen, SimParams
 
-@dataclass
-class SimParams:
-    """Knobs of one simulated server; every field is a ``--flag`` of the worker CLI."""
-
-    dp_size: int = 8
-    model: str = "sim-model"
-    max_total_num_tokens: int = 1_500_000  # per rank
-    max_running_requests: int = 256  # per rank
-    max_new_tokens: int = 128  # default when the request names none
-    step_base_ms: float = 27.3
-    step_request_ms: float = 2.0
-    step_mtoken_ms: float = 4.0
-    prefill_base_ms: float = 20.0
-    prefill_tokens_per_s: float = 120_000.0  # per prefill rank
-    chars_per_token: float = 4.0  # text -> token estimate (utf-8 bytes per token)
-    time_scale: float = 1.0
-    sample_interval_s: float = 0.1
-    rendezvous_timeout_s: float = 120.0
-    # decode KV model (see DecodeEngine)
-    retract: bool = False  # over-commit output KV and retract when decoding runs out
-    reserved_decode_tokens: int = 128  # output KV held back per request under --retract
-    kv_transfer_tokens_per_s: float = 0.0  # prefill -> decode KV bandwidth; 0 = instant
-    kv_transfer_scope: str = "server"  # one transfer channel per "server" or per "rank"
-    slow_rank: int = -1  # this decode rank steps slow_factor times slower (-1: none)
-    slow_factor: float = 1.0
-    # prefix cache of each prefill DP rank (see PrefillEngine): tokens it holds, 0 = no cache
-    prefix_cache_tokens: int = 0
-    prefix_block_tokens: int = 512  # cached in blocks of this many tokens, as SGLang's pages
-    # the engine's DP controller (see dispatch): rank of a request the router names none for
-    load_balance_method: str = "auto"  # auto | round_robin | follow_bootstrap_room | total_requests | total_tokens
-    lb_refresh_ms: float = 20.0  # the controller re-reads the ranks' snapshots at most this often
-    load_snapshot_interval: int = 15  # a decode rank publishes its snapshot every N steps (and when idle)
-
-    def __post_init__(self) -> None:
-        if self.kv_transfer_scope not in ("server", "rank"):
-            raise ValueError(f"kv_transfer_scope must be server or rank, not {self.kv_transfer_scope!r}")
-        if self.slow_factor <= 0:
-            raise ValueError("slow_factor must be positive")
-        if self.load_balance_method not in LB_METHODS:
-            raise ValueError(f"load_balance_method must be one of {', '.join(LB_METHODS)}, "
-                             f"not {self.load_balance_method!r}")
-
-    def controller(self, role: str) -> DpController:
-        """The DP controller of a server of ``role`` with these parameters."""
-        return DpController(self.load_balance_method, role, self.dp_size, time.monotonic,
-                            self.lb_refresh_ms / 1000.0 * self.time_scale)
-
-    def step_seconds(self, running: int, ctx_tokens: int) -> float:
-        """Step time of one rank alone; the engine takes the max over ranks plus the base."""
-        return self.step_request_ms * running + self.step_mtoken_ms * ctx_tokens / 1e6
-
-
-class BadRequest(Exception):
-    """A request the simulator refuses, from the parser or the engine; answered 400."""
-
-
-@dataclass
-class ParsedGen:
-    """What the simulator needs from one inference body."""
-
-    kind: str  # "generate" | "completions" | "chat"
-    stream: bool
-    input_tokens: int
-    max_new: int
-    room: int | None
-    bootstrap_host: str | None
-    bootstrap_port: int | None
-    rank: int | None
-    return_logprob: bool
-    include_usage: bool
-    model: str
-    index: int = 0  # position inside a batch
-    batch: int | None = None  # None = scalar request, B = batch of B (protocol.md 3.3)
-    items: list = field(default_factory=list)  # one scalar ParsedGen per batch item ([self] if scalar)
-    blocks: tuple = ()  # chained hashes of the prompt's full blocks (prefix cache on), else ()
-    prefill_rank: int | None = None  # disagg_prefill_dp_rank: the prefill rank holding the KV
+__all__ = [
+    "BadRequest",
+    "DecodeEngine",
+    "DecodeReq",
+    "ParsedGen",
+    "PrefillEngine",
+    "Rendezvous",
+    "SimParams",
+    "block_hashes",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,7 +158,7 @@ def block_hashes(data: bytes, block_bytes: int) -> tuple:
     out = []
     h = 0
     for i in range(0, len(data) - block_bytes + 1, block_bytes):
-        h = hash((h, data[i:i + block_bytes]))
+        h = hash((h, data[i : i + block_bytes]))
         out.append(h)
     return tuple(out)
 
@@ -246,7 +181,7 @@ class PrefillEngine:
         self.completed = 0
         self.aborted = 0
         self.input_tokens = 0  # prompt tokens of started prefills (prefix cache statistics)
-        self.hit_tokens = 0    # of those, found in the rank's prefix cache
+        self.hit_tokens = 0  # of those, found in the rank's prefix cache
         self.samples: deque = deque(maxlen=200_000)
         self._task: asyncio.Task | None = None
 
@@ -260,8 +195,9 @@ class PrefillEngine:
     async def _sampler(self) -> None:
         while True:
             rks = self.ranks
-            self.samples.append((time.time(), tuple(r.running + r.waiting for r in rks),
-                                 tuple(r.tokens + r.wait_tokens for r in rks)))
+            self.samples.append(
+                (time.time(), tuple(r.running + r.waiting for r in rks), tuple(r.tokens + r.wait_tokens for r in rks))
+            )
             await asyncio.sleep(self.p.sample_interval_s)
 
     def _publish(self, i: int) -> None:
@@ -311,8 +247,9 @@ class PrefillEngine:
                 cached = self._cached_tokens(r, g)
                 self.input_tokens += g.input_tokens
                 self.hit_tokens += cached
-                dur = self.p.time_scale * (self.p.prefill_base_ms / 1000.0
-                                           + (g.input_tokens - cached) / self.p.prefill_tokens_per_s)
+                dur = self.p.time_scale * (
+                    self.p.prefill_base_ms / 1000.0 + (g.input_tokens - cached) / self.p.prefill_tokens_per_s
+                )
                 r.running += 1
                 r.tokens += g.input_tokens
                 self._publish(rank)  # the scheduler formed its batch
@@ -351,8 +288,20 @@ class DecodeReq:
     running -> retracted -> ready. ``r_out`` is the output KV the engine holds back for it at
     admission (all of ``max_new`` unless the engine over-commits under ``retract``)."""
 
-    __slots__ = ("rid", "rank", "input_tokens", "max_new", "generated", "state", "emit", "done", "reserve",
-                 "kv_in", "r_out", "xfer")
+    __slots__ = (
+        "rid",
+        "rank",
+        "input_tokens",
+        "max_new",
+        "generated",
+        "state",
+        "emit",
+        "done",
+        "reserve",
+        "kv_in",
+        "r_out",
+        "xfer",
+    )
 
     def __init__(self, rid: str, rank: int, input_tokens: int, max_new: int, emit: Any, done: asyncio.Future) -> None:
         self.rid = rid
@@ -378,8 +327,18 @@ class _DecodeRank:
     ``used + held <= capacity`` and only decoding past the reserve (``retract``) can break it,
     which retraction then repairs."""
 
-    __slots__ = ("prealloc", "transfer", "ready", "running", "retracted", "used", "held", "ctx", "xfer_free_at",
-                 "step_factor")
+    __slots__ = (
+        "prealloc",
+        "transfer",
+        "ready",
+        "running",
+        "retracted",
+        "used",
+        "held",
+        "ctx",
+        "xfer_free_at",
+        "step_factor",
+    )
 
     def __init__(self, step_factor: float = 1.0) -> None:
         self.prealloc: deque[DecodeReq] = deque()
@@ -415,8 +374,7 @@ class DecodeEngine:
 
     def __init__(self, params: SimParams) -> None:
         self.p = params
-        self.ranks = [_DecodeRank(params.slow_factor if i == params.slow_rank else 1.0)
-                      for i in range(params.dp_size)]
+        self.ranks = [_DecodeRank(params.slow_factor if i == params.slow_rank else 1.0) for i in range(params.dp_size)]
         self.ctl = params.controller("decode")
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -463,7 +421,8 @@ class DecodeEngine:
         ctl = self.ctl
         for i, r in enumerate(self.ranks):
             pending = sum(q.input_tokens + q.generated for q in r.prealloc) + sum(
-                q.input_tokens + q.generated for q in r.retracted)
+                q.input_tokens + q.generated for q in r.retracted
+            )
             ctl.publish(i, len(r.running) + r.waiting(), r.used + pending)
 
     def submit(self, req: DecodeReq) -> None:
@@ -667,11 +626,16 @@ class DecodeEngine:
     def _sample(self, now: float, step_ms: float) -> None:
         self._last_sample = now
         rks = self.ranks
-        self.samples.append((time.time(), step_ms,
-                             tuple(len(r.running) for r in rks),
-                             tuple(len(r.running) + r.waiting() for r in rks),
-                             tuple(r.used for r in rks),
-                             tuple(len(r.prealloc) for r in rks)))
+        self.samples.append(
+            (
+                time.time(),
+                step_ms,
+                tuple(len(r.running) for r in rks),
+                tuple(len(r.running) + r.waiting() for r in rks),
+                tuple(r.used for r in rks),
+                tuple(len(r.prealloc) for r in rks),
+            )
+        )
 
     def rank_loads(self) -> list[tuple[int, int, int]]:
         """(running, waiting, used tokens) per rank; waiting = every queue before the batch."""

@@ -5,19 +5,29 @@ streams, which is what SGLang's uvicorn sends for SSE), disconnect detection, an
 client connection that the load generator and the simulated decode reuse. No routing logic
 lives here; an application is any ``async def app(req: Request, resp: Responder)``.
 """
+
 from __future__ import annotations
 
 import asyncio
 import json
 from collections import deque
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import httptools
 
 _REASONS = {
-    200: b"OK", 202: b"Accepted", 204: b"No Content", 400: b"Bad Request", 404: b"Not Found",
-    405: b"Method Not Allowed", 408: b"Request Timeout", 413: b"Payload Too Large",
-    500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable",
+    200: b"OK",
+    202: b"Accepted",
+    204: b"No Content",
+    400: b"Bad Request",
+    404: b"Not Found",
+    405: b"Method Not Allowed",
+    408: b"Request Timeout",
+    413: b"Payload Too Large",
+    500: b"Internal Server Error",
+    502: b"Bad Gateway",
+    503: b"Service Unavailable",
     504: b"Gateway Timeout",
 }
 # Status lines are prebuilt once; per-response work is one join.
@@ -61,7 +71,7 @@ class Responder:
 
     __slots__ = ("_conn", "_keep_alive", "streaming", "done")
 
-    def __init__(self, conn: "_ServerConn", keep_alive: bool) -> None:
+    def __init__(self, conn: _ServerConn, keep_alive: bool) -> None:
         self._conn = conn
         self._keep_alive = keep_alive
         self.streaming = False
@@ -77,9 +87,21 @@ class Responder:
             return
         self.done = True
         conn_hdr = b"keep-alive" if self._keep_alive else b"close"
-        self._conn.transport.write(b"".join((
-            _status_line(status), b"content-type: ", content_type, b"\r\ncontent-length: ",
-            str(len(body)).encode(), b"\r\nconnection: ", conn_hdr, b"\r\n\r\n", body)))
+        self._conn.transport.write(
+            b"".join(
+                (
+                    _status_line(status),
+                    b"content-type: ",
+                    content_type,
+                    b"\r\ncontent-length: ",
+                    str(len(body)).encode(),
+                    b"\r\nconnection: ",
+                    conn_hdr,
+                    b"\r\n\r\n",
+                    body,
+                )
+            )
+        )
         if not self._keep_alive:
             self._conn.transport.close()
 
@@ -90,10 +112,18 @@ class Responder:
         self.streaming = True
         if self._conn.closed:
             return
-        self._conn.transport.write(b"".join((
-            _status_line(status), b"content-type: ", content_type,
-            b"\r\ntransfer-encoding: chunked\r\ncache-control: no-cache\r\nconnection: ",
-            b"keep-alive" if self._keep_alive else b"close", b"\r\n\r\n")))
+        self._conn.transport.write(
+            b"".join(
+                (
+                    _status_line(status),
+                    b"content-type: ",
+                    content_type,
+                    b"\r\ntransfer-encoding: chunked\r\ncache-control: no-cache\r\nconnection: ",
+                    b"keep-alive" if self._keep_alive else b"close",
+                    b"\r\n\r\n",
+                )
+            )
+        )
 
     def write_chunk(self, data: bytes) -> None:
         # Called from the decode step loop for every token: one write, no awaits.
@@ -208,7 +238,8 @@ class HttpServer:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: _ServerConn(self.app, self._conns), self.host, self.port, reuse_address=True)
+            lambda: _ServerConn(self.app, self._conns), self.host, self.port, reuse_address=True
+        )
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
@@ -313,14 +344,25 @@ class HttpConnection:
             raise HttpError(repr(exc)) from exc
         return proto
 
-    async def request(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None,
-                      on_chunk: Callable[[bytes], None] | None = None,
-                      on_head: Callable[[int], None] | None = None) -> tuple[int, dict[bytes, bytes], bytes]:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes = b"",
+        headers: dict[str, str] | None = None,
+        on_chunk: Callable[[bytes], None] | None = None,
+        on_head: Callable[[int], None] | None = None,
+    ) -> tuple[int, dict[bytes, bytes], bytes]:
         proto = self._proto
         # A transport already closing (the server's FIN was read, connection_lost not yet
         # delivered) cannot carry a request: reconnect rather than write into it.
-        if proto is None or proto.lost or not proto.keep_alive or proto.transport is None \
-                or proto.transport.is_closing():
+        if (
+            proto is None
+            or proto.lost
+            or not proto.keep_alive
+            or proto.transport is None
+            or proto.transport.is_closing()
+        ):
             if proto is not None and proto.transport is not None:
                 proto.transport.close()
             proto = self._proto = await self._connect()
@@ -333,8 +375,10 @@ class HttpConnection:
         proto.head_done = loop.create_future() if on_head is not None else None
         proto.complete = loop.create_future()
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()) if headers else ""
-        head = (f"{method} {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
-                f"content-type: application/json\r\ncontent-length: {len(body)}\r\n{extra}\r\n").encode()
+        head = (
+            f"{method} {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n{extra}\r\n"
+        ).encode()
         assert proto.transport is not None
         try:
             proto.transport.write(head + body if len(body) < 65536 else head)
@@ -361,8 +405,9 @@ class HttpConnection:
         self._proto = None
 
 
-async def fetch(host: str, port: int, method: str, path: str, body: bytes = b"",
-                timeout: float = 10.0) -> tuple[int, bytes]:
+async def fetch(
+    host: str, port: int, method: str, path: str, body: bytes = b"", timeout: float = 10.0
+) -> tuple[int, bytes]:
     """One-shot request on a fresh connection, bounded by ``timeout``; returns (status, body)."""
     conn = HttpConnection(host, port)
     try:

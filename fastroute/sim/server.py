@@ -13,6 +13,7 @@ reports), not on a listener of its own.
 A client that closes its connection aborts its request and frees its slot and KV. If any item
 of a batch never gets its room, the whole batch fails (500) and every item is freed.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -100,9 +101,16 @@ class SimWorker:
     A prefill also runs its bootstrap listener on ``bootstrap_port`` (0 = ephemeral). ``boards``
     maps bootstrap port -> Rendezvous for prefills in the same process (see ``engine``'s docstring)."""
 
-    def __init__(self, role: str, params: SimParams | None = None, host: str = "127.0.0.1", port: int = 0,
-                 bootstrap_port: int | None = None, boards: dict[int, Rendezvous] | None = None,
-                 rank_ports: bool = False) -> None:
+    def __init__(
+        self,
+        role: str,
+        params: SimParams | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        bootstrap_port: int | None = None,
+        boards: dict[int, Rendezvous] | None = None,
+        rank_ports: bool = False,
+    ) -> None:
         if role not in ("prefill", "decode", "regular"):
             raise ValueError(f"role must be prefill, decode or regular, not {role!r}")
         self.role = role
@@ -115,22 +123,22 @@ class SimWorker:
         self.rank_ports = bool(rank_ports)
         self.rank_servers: list[HttpServer] = [self.server]
         if self.rank_ports:
-            self.rank_servers += [HttpServer(self._rank_app(r), host, 0)
-                                  for r in range(1, self.p.dp_size)]
+            self.rank_servers += [HttpServer(self._rank_app(r), host, 0) for r in range(1, self.p.dp_size)]
         self.bootstrap_port = bootstrap_port if role == "prefill" else None
         self._boot: HttpServer | None = None
         self.prefill = PrefillEngine(self.p, self.board) if role == "prefill" else None
         self.decode = DecodeEngine(self.p) if role != "prefill" else None
-        self._ids = _Ids({"prefill": "p", "decode": "d", "regular": "r"}[role] + "%x-" % (id(self) & 0xffff))
+        self._ids = _Ids({"prefill": "p", "decode": "d", "regular": "r"}[role] + "%x-" % (id(self) & 0xFFFF))
         self.requests = 0
         self.flushes = 0
         self.last_bodies: deque = deque(maxlen=16)  # recent inference bodies, for tests/debugging
-        self.port_requests = [0] * len(self.rank_servers)   # inference requests per listener
-        self.wrong_prefill_rank = 0   # decode items whose disagg_prefill_dp_rank was not the room's
+        self.port_requests = [0] * len(self.rank_servers)  # inference requests per listener
+        self.wrong_prefill_rank = 0  # decode items whose disagg_prefill_dp_rank was not the room's
 
     def _rank_app(self, rank: int) -> Any:
         async def app(req: Request, resp: Responder) -> None:
             await self._app(req, resp, rank)
+
         return app
 
     @property
@@ -195,8 +203,9 @@ class SimWorker:
             resp.send_json(400, {"error": "bad room"})
             return
         ok = await self.board.wait(room, timeout)
-        resp.send_json(200 if ok else 404, {"room": room, "ready": ok,
-                                            "rank": self.board.origin.pop(room, None) if ok else None})
+        resp.send_json(
+            200 if ok else 404, {"room": room, "ready": ok, "rank": self.board.origin.pop(room, None) if ok else None}
+        )
 
     # -- main app -------------------------------------------------------------------------
     async def _app(self, req: Request, resp: Responder, rank: int | None = None) -> None:
@@ -240,8 +249,16 @@ class SimWorker:
             else:
                 await self._serve_decode(g, resp)
         except BadRequest as exc:
-            resp.send_json(400, {"error": {"message": str(exc), "code": 400}, "object": "error",
-                                 "message": str(exc), "type": "BadRequestError", "code": 400})
+            resp.send_json(
+                400,
+                {
+                    "error": {"message": str(exc), "code": 400},
+                    "object": "error",
+                    "message": str(exc),
+                    "type": "BadRequestError",
+                    "code": 400,
+                },
+            )
 
     async def _serve_prefill(self, g: ParsedGen, resp: Responder) -> None:
         eng = self.prefill
@@ -263,8 +280,9 @@ class SimWorker:
         if g.stream:
             resp.start_stream()
             events = body if isinstance(body, list) else [body]
-            resp.write_chunk(b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
-                             + b"data: [DONE]\n\n")
+            resp.write_chunk(
+                b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+            )
             resp.end_stream()
         else:
             resp.send_json(200, body)
@@ -280,8 +298,9 @@ class SimWorker:
                 ok = await board.wait(it.room, self.p.rendezvous_timeout_s)
                 origin = board.origin.pop(it.room, None)
             elif it.bootstrap_host and it.bootstrap_port:
-                ok, origin = await _rendezvous_http(it.bootstrap_host, it.bootstrap_port, it.room,
-                                                    self.p.rendezvous_timeout_s)
+                ok, origin = await _rendezvous_http(
+                    it.bootstrap_host, it.bootstrap_port, it.room, self.p.rendezvous_timeout_s
+                )
             else:
                 ok = False
             if ok and it.prefill_rank is not None and origin is not None and origin != it.prefill_rank:
@@ -322,8 +341,16 @@ class SimWorker:
                     resp.write_chunk(b"data: " + err + b"\n\ndata: [DONE]\n\n")
                     resp.end_stream()
                 else:
-                    resp.send_json(500, {"error": {"message": msg, "code": 500}, "object": "error",
-                                         "message": msg, "type": "InternalServerError", "code": 500})
+                    resp.send_json(
+                        500,
+                        {
+                            "error": {"message": msg, "code": 500},
+                            "object": "error",
+                            "message": msg,
+                            "type": "InternalServerError",
+                            "code": 500,
+                        },
+                    )
                 return
             for d in dreqs:
                 await d.done
@@ -353,10 +380,14 @@ class SimWorker:
         info = self._server_info()
         if rank is not None:
             info["deployment_info"] = {
-                "dp_size": self.p.dp_size, "dp_rank": rank, "node_rank": 0, "nnodes": 1,
+                "dp_size": self.p.dp_size,
+                "dp_rank": rank,
+                "node_rank": 0,
+                "nnodes": 1,
                 "disaggregation_bootstrap_port": self.bootstrap_port,
                 "enable_dp_attention": self.p.dp_size > 1,
-                "max_running_requests": self.p.max_running_requests}
+                "max_running_requests": self.p.max_running_requests,
+            }
         return info
 
     def _server_info(self) -> dict:
@@ -364,17 +395,29 @@ class SimWorker:
         mode = {"prefill": "prefill", "decode": "decode", "regular": "null"}[self.role]
         loads = self.rank_loads()
         return {
-            "model_path": f"sim/{p.model}", "served_model_name": p.model, "tokenizer_path": f"sim/{p.model}",
-            "tp_size": p.dp_size, "dp_size": p.dp_size, "enable_dp_attention": p.dp_size > 1,
+            "model_path": f"sim/{p.model}",
+            "served_model_name": p.model,
+            "tokenizer_path": f"sim/{p.model}",
+            "tp_size": p.dp_size,
+            "dp_size": p.dp_size,
+            "enable_dp_attention": p.dp_size > 1,
             "load_balance_method": (self.prefill or self.decode).ctl.method,  # type: ignore[union-attr]
             "disaggregation_mode": mode,
             "disaggregation_bootstrap_port": self.bootstrap_port,
             "max_running_requests": p.max_running_requests * p.dp_size,
-            "max_total_num_tokens": p.max_total_num_tokens, "version": SIM_VERSION,
-            "internal_states": [{"dp_rank": i, "max_total_num_tokens": p.max_total_num_tokens,
-                                 "last_gen_throughput": 0.0, "num_running_reqs": lr[0]}
-                                for i, lr in enumerate(loads)],
-            "simulated": True, "time_scale": p.time_scale,
+            "max_total_num_tokens": p.max_total_num_tokens,
+            "version": SIM_VERSION,
+            "internal_states": [
+                {
+                    "dp_rank": i,
+                    "max_total_num_tokens": p.max_total_num_tokens,
+                    "last_gen_throughput": 0.0,
+                    "num_running_reqs": lr[0],
+                }
+                for i, lr in enumerate(loads)
+            ],
+            "simulated": True,
+            "time_scale": p.time_scale,
         }
 
     def loads_json(self, sections: set[str], dp_rank: int | None) -> dict:
@@ -390,13 +433,19 @@ class SimWorker:
             tot_wait += wait
             tot_used += used
             e: dict[str, Any] = {
-                "dp_rank": i, "timestamp": ts, "num_running_reqs": run, "num_waiting_reqs": wait,
-                "num_total_reqs": run + wait, "num_used_tokens": used, "max_total_num_tokens": cap,
-                "token_usage": round(used / cap, 6) if cap else 0.0, "gen_throughput": 0.0,
-                "cache_hit_rate": 0.0, "utilization": round(min(1.0, run / max(1, p.max_running_requests)), 6),
+                "dp_rank": i,
+                "timestamp": ts,
+                "num_running_reqs": run,
+                "num_waiting_reqs": wait,
+                "num_total_reqs": run + wait,
+                "num_used_tokens": used,
+                "max_total_num_tokens": cap,
+                "token_usage": round(used / cap, 6) if cap else 0.0,
+                "gen_throughput": 0.0,
+                "cache_hit_rate": 0.0,
+                "utilization": round(min(1.0, run / max(1, p.max_running_requests)), 6),
                 "max_running_requests": p.max_running_requests,
-                "num_waiting_uncached_tokens":
-                    self.prefill.waiting_uncached(i) if self.prefill is not None else 0,
+                "num_waiting_uncached_tokens": self.prefill.waiting_uncached(i) if self.prefill is not None else 0,
             }
             if "memory" in sections:
                 e["memory"] = {"weight_gb": 0.0, "kv_cache_gb": 0.0, "graph_gb": 0.0, "token_capacity": cap}
@@ -405,11 +454,16 @@ class SimWorker:
             if "lora" in sections:
                 e["lora"] = {"slots_used": 0, "slots_total": 0, "utilization": 0.0}
             if "disagg" in sections:
-                d = {"mode": {"prefill": "prefill", "decode": "decode", "regular": "null"}[self.role],
-                     "prefill_prealloc_queue_reqs": 0, "prefill_inflight_queue_reqs": 0,
-                     "decode_prealloc_queue_reqs": 0, "decode_transfer_queue_reqs": 0,
-                     "decode_retracted_queue_reqs": 0, "kv_transfer_speed_gb_s": 0.0,
-                     "kv_transfer_latency_ms": 0.0}
+                d = {
+                    "mode": {"prefill": "prefill", "decode": "decode", "regular": "null"}[self.role],
+                    "prefill_prealloc_queue_reqs": 0,
+                    "prefill_inflight_queue_reqs": 0,
+                    "decode_prealloc_queue_reqs": 0,
+                    "decode_transfer_queue_reqs": 0,
+                    "decode_retracted_queue_reqs": 0,
+                    "kv_transfer_speed_gb_s": 0.0,
+                    "kv_transfer_latency_ms": 0.0,
+                }
                 if self.role == "prefill":
                     d["prefill_prealloc_queue_reqs"] = wait
                 elif self.decode is not None:
@@ -423,11 +477,21 @@ class SimWorker:
                 e["queues"] = {"waiting": wait - ret, "grammar": 0, "paused": 0, "retracted": ret}
             out.append(e)
         n = max(1, len(out))
-        return {"timestamp": _now_ts(), "version": SIM_VERSION, "dp_rank_count": len(out), "loads": out,
-                "aggregate": {"total_running_reqs": tot_run, "total_waiting_reqs": tot_wait,
-                              "total_reqs": tot_run + tot_wait, "total_used_tokens": tot_used,
-                              "avg_token_usage": round(tot_used / (cap * n), 6) if cap else 0.0,
-                              "avg_throughput": 0.0, "avg_utilization": 0.0}}
+        return {
+            "timestamp": _now_ts(),
+            "version": SIM_VERSION,
+            "dp_rank_count": len(out),
+            "loads": out,
+            "aggregate": {
+                "total_running_reqs": tot_run,
+                "total_waiting_reqs": tot_wait,
+                "total_reqs": tot_run + tot_wait,
+                "total_used_tokens": tot_used,
+                "avg_token_usage": round(tot_used / (cap * n), 6) if cap else 0.0,
+                "avg_throughput": 0.0,
+                "avg_utilization": 0.0,
+            },
+        }
 
     # route handlers
     async def _h_health(self, req: Request, resp: Responder) -> None:
@@ -437,14 +501,35 @@ class SimWorker:
         resp.send_json(200, self.server_info(rank))
 
     async def _h_model_info(self, req: Request, resp: Responder) -> None:
-        resp.send_json(200, {"model_path": f"sim/{self.p.model}", "tokenizer_path": f"sim/{self.p.model}",
-                             "is_generation": True, "model_type": "sim", "architectures": ["SimForCausalLM"],
-                             "preferred_sampling_params": None})
+        resp.send_json(
+            200,
+            {
+                "model_path": f"sim/{self.p.model}",
+                "tokenizer_path": f"sim/{self.p.model}",
+                "is_generation": True,
+                "model_type": "sim",
+                "architectures": ["SimForCausalLM"],
+                "preferred_sampling_params": None,
+            },
+        )
 
     async def _h_models(self, req: Request, resp: Responder) -> None:
-        resp.send_json(200, {"object": "list", "data": [
-            {"id": self.p.model, "object": "model", "created": 0, "owned_by": "sglang",
-             "root": f"sim/{self.p.model}", "max_model_len": self.p.max_total_num_tokens}]})
+        resp.send_json(
+            200,
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.p.model,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "sglang",
+                        "root": f"sim/{self.p.model}",
+                        "max_model_len": self.p.max_total_num_tokens,
+                    }
+                ],
+            },
+        )
 
     async def _h_loads(self, req: Request, resp: Responder, rank: int | None = None) -> None:
         q = req.query_params()
@@ -471,7 +556,7 @@ class SimWorker:
             if not 0 <= dp_rank < self.p.dp_size:
                 resp.send_json(400, {"error": f"dp_rank {dp_rank} out of range"})
                 return
-        if rank is not None:    # a rank port reports its own rank
+        if rank is not None:  # a rank port reports its own rank
             if dp_rank is not None and dp_rank != rank:
                 resp.send_json(400, {"error": f"this port serves dp_rank {rank}"})
                 return
@@ -487,21 +572,33 @@ class SimWorker:
         resp.send_json(200, data)
 
     async def _h_get_load(self, req: Request, resp: Responder, rank: int | None = None) -> None:
-        resp.send_json(200, [{"dp_rank": i, "num_reqs": run + wait, "num_waiting_reqs": wait, "num_tokens": used}
-                             for i, (run, wait, used) in enumerate(self.rank_loads())
-                             if rank is None or i == rank])
+        resp.send_json(
+            200,
+            [
+                {"dp_rank": i, "num_reqs": run + wait, "num_waiting_reqs": wait, "num_tokens": used}
+                for i, (run, wait, used) in enumerate(self.rank_loads())
+                if rank is None or i == rank
+            ],
+        )
 
     async def _h_flush(self, req: Request, resp: Responder) -> None:
         self.flushes += 1
-        resp.send(200, b"Cache flushed.\nPlease check backend logs for more details. (When there are running or "
-                       b"waiting requests, the operation will not be performed.)\n", CT_TEXT)
+        resp.send(
+            200,
+            b"Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+            b"waiting requests, the operation will not be performed.)\n",
+            CT_TEXT,
+        )
 
     async def _h_metrics(self, req: Request, resp: Responder) -> None:
         lines = []
         for i, (run, wait, used) in enumerate(self.rank_loads()):
             lab = f'{{dp_rank="{i}",model_name="{self.p.model}"}}'
-            lines += [f"sglang_num_running_reqs{lab} {run}", f"sglang_num_queue_reqs{lab} {wait}",
-                      f"sglang_token_usage{lab} {used / self.p.max_total_num_tokens:.6f}"]
+            lines += [
+                f"sglang_num_running_reqs{lab} {run}",
+                f"sglang_num_queue_reqs{lab} {wait}",
+                f"sglang_token_usage{lab} {used / self.p.max_total_num_tokens:.6f}",
+            ]
         resp.send(200, ("\n".join(lines) + "\n").encode(), b"text/plain; version=0.0.4")
 
     async def _h_samples(self, req: Request, resp: Responder) -> None:
@@ -514,24 +611,44 @@ class SimWorker:
 
     async def _h_stats(self, req: Request, resp: Responder) -> None:
         eng = self.prefill if self.prefill is not None else self.decode
-        d = {"role": self.role, "requests": self.requests, "completed": eng.completed,  # type: ignore[union-attr]
-             "aborted": eng.aborted, "loads": self.rank_loads(),  # type: ignore[union-attr]
-             "dispatch": {"method": eng.ctl.method, "placed": eng.ctl.placed,  # type: ignore[union-attr]
-                          "refreshes": eng.ctl.refreshes}}  # type: ignore[union-attr]
+        d = {
+            "role": self.role,
+            "requests": self.requests,
+            "completed": eng.completed,  # type: ignore[union-attr]
+            "aborted": eng.aborted,
+            "loads": self.rank_loads(),  # type: ignore[union-attr]
+            "dispatch": {
+                "method": eng.ctl.method,
+                "placed": eng.ctl.placed,  # type: ignore[union-attr]
+                "refreshes": eng.ctl.refreshes,
+            },
+        }  # type: ignore[union-attr]
         if self.decode is not None:
-            d.update(steps=self.decode.steps, tokens_out=self.decode.tokens_out, placed=self.decode.placed,
-                     last_step_ms=self.decode.last_step_ms, retractions=self.decode.retractions,
-                     queues=[self.decode.rank_queues(i) for i in range(self.p.dp_size)])
+            d.update(
+                steps=self.decode.steps,
+                tokens_out=self.decode.tokens_out,
+                placed=self.decode.placed,
+                last_step_ms=self.decode.last_step_ms,
+                retractions=self.decode.retractions,
+                queues=[self.decode.rank_queues(i) for i in range(self.p.dp_size)],
+            )
         resp.send_json(200, d)
 
 
 _ROUTES = {
-    "/health": SimWorker._h_health, "/health_generate": SimWorker._h_health,
-    "/server_info": SimWorker._h_server_info, "/get_server_info": SimWorker._h_server_info,
-    "/model_info": SimWorker._h_model_info, "/get_model_info": SimWorker._h_model_info,
-    "/v1/models": SimWorker._h_models, "/v1/loads": SimWorker._h_loads, "/get_load": SimWorker._h_get_load,
-    "/flush_cache": SimWorker._h_flush, "/metrics": SimWorker._h_metrics,
-    "/sim/samples": SimWorker._h_samples, "/sim/stats": SimWorker._h_stats,
+    "/health": SimWorker._h_health,
+    "/health_generate": SimWorker._h_health,
+    "/server_info": SimWorker._h_server_info,
+    "/get_server_info": SimWorker._h_server_info,
+    "/model_info": SimWorker._h_model_info,
+    "/get_model_info": SimWorker._h_model_info,
+    "/v1/models": SimWorker._h_models,
+    "/v1/loads": SimWorker._h_loads,
+    "/get_load": SimWorker._h_get_load,
+    "/flush_cache": SimWorker._h_flush,
+    "/metrics": SimWorker._h_metrics,
+    "/sim/samples": SimWorker._h_samples,
+    "/sim/stats": SimWorker._h_stats,
 }
 # Handlers that answer for one rank on a rank port.
 _RANKED = {SimWorker._h_server_info, SimWorker._h_loads, SimWorker._h_get_load}

@@ -5,6 +5,7 @@ The pieces: ``engine`` (the timing, KV and rendezvous model), ``api`` (request p
 response bodies), ``server`` (``SimWorker``, one server's HTTP surface). This module only starts
 them: ``start_cluster`` for tests and benchmarks, ``main`` for a separate process.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,14 @@ class SimCluster:
             await w.stop()
 
 
-async def start_cluster(n_prefill: int = 1, n_decode: int = 1, params: SimParams | None = None,
-                        prefill_params: SimParams | None = None, host: str = "127.0.0.1",
-                        rank_ports: bool = False) -> SimCluster:
+async def start_cluster(
+    n_prefill: int = 1,
+    n_decode: int = 1,
+    params: SimParams | None = None,
+    prefill_params: SimParams | None = None,
+    host: str = "127.0.0.1",
+    rank_ports: bool = False,
+) -> SimCluster:
     """Start ``n_prefill`` prefill and ``n_decode`` decode simulators on ephemeral ports
     (``rank_ports``: each with one port per DP rank, like SGLang's Rust server)."""
     params = params or SimParams()
@@ -74,16 +80,24 @@ def params_from_args(ns: argparse.Namespace) -> SimParams:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fastroute.sim.worker",
-                                 description="Simulated SGLang PD worker with DP attention")
+    ap = argparse.ArgumentParser(
+        prog="python -m fastroute.sim.worker", description="Simulated SGLang PD worker with DP attention"
+    )
     ap.add_argument("--role", choices=("prefill", "decode", "regular"), required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--bootstrap-port", type=int, default=0,
-                    help="prefill only: port of the simulated KV bootstrap listener (0 = ephemeral)")
-    ap.add_argument("--rank-ports", action="store_true",
-                    help="one port per DP rank from --port up (SGLang's Rust server layout); a "
-                         "prefill then serves the bootstrap on its API ports")
+    ap.add_argument(
+        "--bootstrap-port",
+        type=int,
+        default=0,
+        help="prefill only: port of the simulated KV bootstrap listener (0 = ephemeral)",
+    )
+    ap.add_argument(
+        "--rank-ports",
+        action="store_true",
+        help="one port per DP rank from --port up (SGLang's Rust server layout); a "
+        "prefill then serves the bootstrap on its API ports",
+    )
     add_param_flags(ap)
     ns = ap.parse_args(argv)
     params = params_from_args(ns)

@@ -22,7 +22,22 @@ import pytest
 
 from fastroute.dataplane.body import estimate_tokens, inject, parse_request, pd_leg_fields
 
-WORDS = "the quick brown fox jumps over a lazy dog while routers balance decode ranks".split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "routers",
+    "balance",
+    "decode",
+    "ranks",
+]
 
 
 def _chat_body(size: int) -> bytes:
@@ -54,8 +69,9 @@ def _ids_body(size: int) -> bytes:
 
 
 def _text_body(size: int) -> bytes:
-    return json.dumps({"text": json.loads(_chat_body(size))["messages"][1]["content"],
-                       "sampling_params": {"max_new_tokens": 64}}).encode()
+    return json.dumps(
+        {"text": json.loads(_chat_body(size))["messages"][1]["content"], "sampling_params": {"max_new_tokens": 64}}
+    ).encode()
 
 
 CASES = {
@@ -104,15 +120,17 @@ def _samples() -> dict[str, list[str]]:
                     data = f.read()
             except (OSError, UnicodeDecodeError):
                 continue
-            out += [data[i:i + size] for i in range(0, len(data) - size // 2, size)]
+            out += [data[i : i + size] for i in range(0, len(data) - size // 2, size)]
             if len(out) >= limit:
                 break
         return out[:limit]
 
     stdlib = os.path.dirname(json.__file__).rsplit(os.sep, 1)[0]
     licenses = sorted(glob.glob("/usr/share/common-licenses/*"))
-    code = [os.path.join(stdlib, p) for p in
-            ("asyncio/base_events.py", "json/decoder.py", "argparse.py", "typing.py", "random.py")]
+    code = [
+        os.path.join(stdlib, p)
+        for p in ("asyncio/base_events.py", "json/decoder.py", "argparse.py", "typing.py", "random.py")
+    ]
     site = os.path.join(stdlib, "site-packages")
     docs = sorted(glob.glob(os.path.join(site, "**", "*.md"), recursive=True))
     return {
@@ -143,8 +161,10 @@ def main() -> int:
             ratios = sorted(est(t) / max(n, 1) for t, n in zip(texts, truth))
             errs = sorted(abs(r - 1) for r in ratios)
             p90 = errs[int(0.9 * (len(errs) - 1))]
-            print(f"{name:32} {ename:28} {len(texts):4d} {sum(ratios) / len(ratios):14.3f} "
-                  f"{sum(errs) / len(errs):10.1%} {p90:10.1%}")
+            print(
+                f"{name:32} {ename:28} {len(texts):4d} {sum(ratios) / len(ratios):14.3f} "
+                f"{sum(errs) / len(errs):10.1%} {p90:10.1%}"
+            )
     return 0
 
 

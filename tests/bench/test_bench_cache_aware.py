@@ -11,6 +11,7 @@ Run: python -m pytest tests/bench/test_bench_cache_aware.py --benchmark-only
 (opt-in: tests/bench is outside the default testpaths).  The ``acquire`` rows go through the
 Group (pick + book + release), the way the proxy calls it.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -26,8 +27,14 @@ from tests.stubs import StubMeta
 
 TARGETS = [8, 64]
 SIZES = [1024, 32 * 1024]
-CONFIG = SimpleNamespace(cache_threshold=0.3, balance_abs_threshold=64, balance_rel_threshold=1.5,
-                         eviction_interval_secs=60, max_tree_size=1 << 20, seed=1)
+CONFIG = SimpleNamespace(
+    cache_threshold=0.3,
+    balance_abs_threshold=64,
+    balance_rel_threshold=1.5,
+    eviction_interval_secs=60,
+    max_tree_size=1 << 20,
+    seed=1,
+)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +76,7 @@ def test_pick(benchmark, tab, n, size, workload):
     pick = pol.pick
     if workload == "chat":
         prompts = chat_prompts(size)
-        for p in prompts:                          # warm-up: the tree knows every conversation
+        for p in prompts:  # warm-up: the tree knows every conversation
             pick(p, ids)
         it = itertools.cycle(prompts)
     else:
@@ -79,6 +86,7 @@ def test_pick(benchmark, tab, n, size, workload):
 
     def once():
         pick(next(it), ids)
+
     benchmark(once)
     sizes = pol.tree.sizes()
     assert max(sizes.values()) <= CONFIG.max_tree_size
@@ -90,8 +98,7 @@ def test_pick(benchmark, tab, n, size, workload):
 def test_acquire_1kb_chat(benchmark, tab, n):
     benchmark.group = "cache_aware-acquire-1KB"
     ids = list(range(n))
-    g = Router(tab, seed=1, config=CONFIG).group(ids, "cache_aware",
-                                                 names=[f"http://w{i}:8000" for i in ids])
+    g = Router(tab, seed=1, config=CONFIG).group(ids, "cache_aware", names=[f"http://w{i}:8000" for i in ids])
     prompts = [StubMeta(p) for p in chat_prompts(1024)]
     for p in prompts:
         g.acquire(10, None, p).release()
@@ -100,5 +107,6 @@ def test_acquire_1kb_chat(benchmark, tab, n):
 
     def once():
         acquire(10, None, next(it)).release()
+
     benchmark(once)
     assert sum(tab.in_flight(t) for t in ids) == 0

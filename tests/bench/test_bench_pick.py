@@ -4,6 +4,7 @@ Run: python -m pytest tests/bench/test_bench_pick.py --benchmark-only
 (opt-in: tests/bench is outside the default testpaths).  Compare the compiled and reference
 rows of the same run; absolute times move with the machine's load.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -14,8 +15,11 @@ from fastroute.core.routing import Router
 from fastroute.core.table import COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_POLLED_AT, TargetTable
 
 SIZES = [8, 64, 1024]
-CASES = [("power_of_two", "tokens", "off"), ("power_of_two", "least_requests", "off"),
-         ("power_of_two", "requests", "on")]
+CASES = [
+    ("power_of_two", "tokens", "off"),
+    ("power_of_two", "least_requests", "off"),
+    ("power_of_two", "requests", "on"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +35,14 @@ def tab():
 @pytest.mark.parametrize("policy,metric,demand", CASES, ids=["p2c_tokens", "least_requests", "demand"])
 def test_compiled(benchmark, tab, n, policy, metric, demand):
     benchmark.group = f"{metric if demand == 'off' else 'demand'}-{n}"
-    g = Router(tab, seed=1).group(list(range(n)), policy, load_metric=metric, demand=demand,
-                                  request_weight=1_000_000 if demand == "on" else 0)
+    g = Router(tab, seed=1).group(
+        list(range(n)), policy, load_metric=metric, demand=demand, request_weight=1_000_000 if demand == "on" else 0
+    )
     acquire = g.acquire
 
     def once():
         acquire(100).release()
+
     benchmark(once)
     assert sum(tab.in_flight(t) for t in range(n)) == 0
 
@@ -60,4 +66,5 @@ def test_reference(benchmark, n, policy, metric, demand):
         arr[t, COL_IN_FLIGHT_TOKENS] += 100
         arr[t, COL_IN_FLIGHT] -= 1
         arr[t, COL_IN_FLIGHT_TOKENS] -= 100
+
     benchmark(once)

@@ -47,16 +47,28 @@ def _setup(**cfg: Any) -> tuple[ClientProtocol, _Pool, asyncio.AbstractEventLoop
 
 
 BODY = b'{"text": "The capital of France is", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}'
-REQ = (b"POST /generate HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
-       b"User-Agent: python-requests/2.31\r\nAccept: */*\r\nX-Request-Id: bench-1\r\n"
-       b"Content-Length: %d\r\n\r\n%b" % (len(BODY), BODY))
+REQ = (
+    b"POST /generate HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+    b"User-Agent: python-requests/2.31\r\nAccept: */*\r\nX-Request-Id: bench-1\r\n"
+    b"Content-Length: %d\r\n\r\n%b" % (len(BODY), BODY)
+)
 SSE_REQ_BODY = BODY[:-1] + b', "stream": true}'
-SSE_REQ = (b"POST /generate HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
-           b"Content-Length: %d\r\n\r\n%b" % (len(SSE_REQ_BODY), SSE_REQ_BODY))
-JSON_HEAD = [(b"date", b"Sun, 29 Nov 2026 00:00:00 GMT"), (b"server", b"uvicorn"),
-             (b"content-length", b"120"), (b"content-type", b"application/json")]
-SSE_HEAD = [(b"date", b"Sun, 29 Nov 2026 00:00:00 GMT"), (b"server", b"uvicorn"),
-            (b"content-type", b"text/event-stream"), (b"transfer-encoding", b"chunked")]
+SSE_REQ = (
+    b"POST /generate HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\n\r\n%b" % (len(SSE_REQ_BODY), SSE_REQ_BODY)
+)
+JSON_HEAD = [
+    (b"date", b"Sun, 29 Nov 2026 00:00:00 GMT"),
+    (b"server", b"uvicorn"),
+    (b"content-length", b"120"),
+    (b"content-type", b"application/json"),
+]
+SSE_HEAD = [
+    (b"date", b"Sun, 29 Nov 2026 00:00:00 GMT"),
+    (b"server", b"uvicorn"),
+    (b"content-type", b"text/event-stream"),
+    (b"transfer-encoding", b"chunked"),
+]
 JSON_BODY = b'{"text": " Paris.", "meta_info": {"id": "x", "prompt_tokens": 6, "completion_tokens": 2}}'.ljust(120)
 EVENT = b'data: {"text": " tok", "output_ids": [21], "meta_info": {"id": "x"}, "index": 0}\n\n'
 
@@ -132,8 +144,9 @@ def test_bench_regular_sse_8_events(benchmark) -> None:
 
 @pytest.mark.benchmark(group="proxy")
 def test_bench_pd_sse_8_events_dp_aware(benchmark) -> None:
-    proto, pool, loop = _setup(pd_disaggregation=True, prefill=[("http://127.0.0.1:9", 8998)],
-                               decode=["http://127.0.0.1:10"], dp_aware=True)
+    proto, pool, loop = _setup(
+        pd_disaggregation=True, prefill=[("http://127.0.0.1:9", 8998)], decode=["http://127.0.0.1:10"], dp_aware=True
+    )
     ex_legs: list = []
     pool.send = lambda request, leg: (setattr(leg, "conn", StubConn()), ex_legs.append(leg))  # type: ignore[method-assign]
 
@@ -182,14 +195,21 @@ def _worker_main(port: int, stream: bool) -> None:
     if stream:
         events = b"".join(b"%x\r\n%b\r\n" % (len(EVENT), EVENT) for _ in range(8))
         done = b"data: [DONE]\n\n"
-        answer = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-                  + events + b"%x\r\n%b\r\n0\r\n\r\n" % (len(done), done))
+        answer = (
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            + events
+            + b"%x\r\n%b\r\n0\r\n\r\n" % (len(done), done)
+        )
     else:
-        answer = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
-                  % (len(JSON_BODY), JSON_BODY))
+        answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b" % (
+            len(JSON_BODY),
+            JSON_BODY,
+        )
     info = b'{"model_path": "/m/fake", "dp_size": 1}'
     info_answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b" % (
-        len(info), info)
+        len(info),
+        info,
+    )
 
     class W(asyncio.Protocol):
         def connection_made(self, t: Any) -> None:
@@ -219,8 +239,10 @@ def _worker_main(port: int, stream: bool) -> None:
 async def _load(port: int, conns: int, seconds: float, body: bytes) -> int:
     import httptools
 
-    req = (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-           b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+    req = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%b" % (
+        len(body),
+        body,
+    )
     count = 0
     loop = asyncio.get_running_loop()
     stop_at = loop.time() + seconds
@@ -283,10 +305,27 @@ def _script() -> None:
     wport, rport = free_port(), free_port()
     worker = multiprocessing.Process(target=_worker_main, args=(wport, args.stream), daemon=True)
     worker.start()
-    router = subprocess.Popen([sys.executable, "-m", "fastroute", "--host", "127.0.0.1", "--port", str(rport),
-                               "--worker-urls", f"http://127.0.0.1:{wport}", "--policy", "round_robin",
-                               "--disable-health-check", "--disable-load-monitoring",
-                               "--prometheus-port", str(free_port()), "--log-level", "warn"])
+    router = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fastroute",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(rport),
+            "--worker-urls",
+            f"http://127.0.0.1:{wport}",
+            "--policy",
+            "round_robin",
+            "--disable-health-check",
+            "--disable-load-monitoring",
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "warn",
+        ]
+    )
     body = SSE_REQ_BODY if args.stream else BODY
     try:
         deadline = time.time() + 15
@@ -301,8 +340,7 @@ def _script() -> None:
             time.sleep(0.2)
         for name, port in (("direct", wport), ("router", rport)):
             n = uvloop.run(_load(port, args.conns, args.seconds, body))
-            print(f"{name:7s} {'sse' if args.stream else 'json'} conns={args.conns}: "
-                  f"{n / args.seconds:10.0f} req/s")
+            print(f"{name:7s} {'sse' if args.stream else 'json'} conns={args.conns}: {n / args.seconds:10.0f} req/s")
     finally:
         router.terminate()
         router.wait(10)

@@ -51,8 +51,10 @@ async def _round(port: int, model_path: str, n: int) -> list[float]:
 def _report(name: str, lat: list[float], secs: float) -> float:
     lat.sort()
     rps = len(lat) / secs
-    print(f"{name:6s} {rps:8.0f} req/s  p50 {1e3 * statistics.median(lat):6.2f} ms  "
-          f"p99 {1e3 * lat[int(0.99 * (len(lat) - 1))]:6.2f} ms")
+    print(
+        f"{name:6s} {rps:8.0f} req/s  p50 {1e3 * statistics.median(lat):6.2f} ms  "
+        f"p99 {1e3 * lat[int(0.99 * (len(lat) - 1))]:6.2f} ms"
+    )
     return rps
 
 
@@ -63,9 +65,8 @@ def test_tls_overhead(tmp_path) -> None:
         plain = await DataWorker().start()
         tls = await TLSWorker(server_ctx(leaf)).start()
         # Two routers in one process, one per worker, so each round measures one transport.
-        async with Router(worker_urls=[plain.url]) as rp, \
-                Router(worker_urls=[tls.url], ca_cert_paths=[ca.cert]) as rt:
-            await _round(rp.port, "/generate", CLIENTS * 4)       # warm pools
+        async with Router(worker_urls=[plain.url]) as rp, Router(worker_urls=[tls.url], ca_cert_paths=[ca.cert]) as rt:
+            await _round(rp.port, "/generate", CLIENTS * 4)  # warm pools
             await _round(rt.port, "/generate", CLIENTS * 4)
             res: dict[str, tuple[list[float], float]] = {"plain": ([], 0.0), "tls": ([], 0.0)}
             for _ in range(ROUNDS):
@@ -78,4 +79,5 @@ def test_tls_overhead(tmp_path) -> None:
             a = _report("plain", *res["plain"])
             b = _report("tls", *res["tls"])
             print(f"TLS overhead: {100 * (a - b) / a:+.1f}% throughput")
+
     run(body(), timeout=300)

@@ -19,8 +19,9 @@ import asyncio
 import json
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import httptools
 import uvloop
@@ -33,8 +34,10 @@ INFERENCE = ("/generate", "/v1/completions", "/v1/chat/completions")
 
 def run(coro: Awaitable[Any], timeout: float = 30.0) -> Any:
     """Run one async test body on uvloop with a hard timeout."""
+
     async def bounded() -> Any:
         return await asyncio.wait_for(coro, timeout)
+
     return uvloop.run(bounded())
 
 
@@ -88,25 +91,25 @@ class Rec:
 class DataWorker:
     """Fake SGLang worker (see module docstring). Knobs are plain attributes."""
 
-    paths: tuple[str, ...] = INFERENCE   # paths answered like inference (subclasses add routes)
+    paths: tuple[str, ...] = INFERENCE  # paths answered like inference (subclasses add routes)
 
     def __init__(self, dp_size: int = 1, role: str = "regular") -> None:
         self.dp_size = dp_size
         self.role = role
         self.port = 0
         self.requests: list[Rec] = []
-        self.gate: asyncio.Event | None = None       # hold inference requests before the head
+        self.gate: asyncio.Event | None = None  # hold inference requests before the head
         self.stream_gate: asyncio.Event | None = None  # hold SSE streams after the first event
-        self.head_gate: asyncio.Event | None = None    # hold SSE streams after the head (prefill)
+        self.head_gate: asyncio.Event | None = None  # hold SSE streams after the head (prefill)
         self.held = 0
         self.status = 200
         self.error_body = b'{"error": {"message": "worker said no"}}'
-        self.error_headers = b""            # extra header lines of an error answer
+        self.error_headers = b""  # extra header lines of an error answer
         self.events = 3
-        self.die_after: int | None = None   # abort the connection after this many SSE events
+        self.die_after: int | None = None  # abort the connection after this many SSE events
         self.input_logprobs: list = [[-1.0, 11, None], [-2.0, 12, None]]
         self.connections = 0
-        self.aborted = 0                    # client side vanished while we were answering
+        self.aborted = 0  # client side vanished while we were answering
         self.sse_chunked = True
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[_WorkerConn] = set()
@@ -148,15 +151,28 @@ class DataWorker:
         if path == "/health" or path == "/health_generate":
             return 200, b""
         if path in ("/server_info", "/get_server_info"):
-            info = {"model_path": "/models/fake-model", "dp_size": self.dp_size, "tp_size": 1,
-                    "max_total_num_tokens": 100000,
-                    "disaggregation_mode": "null" if self.role == "regular" else self.role}
+            info = {
+                "model_path": "/models/fake-model",
+                "dp_size": self.dp_size,
+                "tp_size": 1,
+                "max_total_num_tokens": 100000,
+                "disaggregation_mode": "null" if self.role == "regular" else self.role,
+            }
             return 200, json.dumps(info).encode()
         if path in ("/model_info", "/get_model_info"):
             return 200, b'{"model_path": "/models/fake-model", "is_generation": true}'
         if path == "/v1/loads":
-            loads = [{"dp_rank": r, "num_running_reqs": 0, "num_waiting_reqs": 0, "num_total_reqs": 0,
-                      "num_used_tokens": 0, "max_total_num_tokens": 100000} for r in range(self.dp_size)]
+            loads = [
+                {
+                    "dp_rank": r,
+                    "num_running_reqs": 0,
+                    "num_waiting_reqs": 0,
+                    "num_total_reqs": 0,
+                    "num_used_tokens": 0,
+                    "max_total_num_tokens": 100000,
+                }
+                for r in range(self.dp_size)
+            ]
             return 200, json.dumps({"dp_rank_count": self.dp_size, "loads": loads}).encode()
         if path == "/v1/models":
             return 200, b'{"object": "list", "data": [{"id": "fake-model", "object": "model"}]}'
@@ -173,14 +189,29 @@ class DataWorker:
         if obj.get("return_logprob"):
             doc["meta_info"]["input_token_logprobs"] = self.input_logprobs
         if "messages" in obj:  # OpenAI chat shape, for the openai client
-            doc = {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "fake-model",
-                   "choices": [{"index": 0, "message": {"role": "assistant", "content": f"hi from {self.name}"},
-                                "finish_reason": "stop"}]}
+            doc = {
+                "id": "chatcmpl-1",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "fake-model",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": f"hi from {self.name}"},
+                        "finish_reason": "stop",
+                    }
+                ],
+            }
         return json.dumps(doc).encode()
 
     def chat_chunk(self, i: int) -> bytes:
-        doc = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "fake-model",
-               "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}]}
+        doc = {
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": "fake-model",
+            "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}],
+        }
         return b"data: " + json.dumps(doc).encode() + b"\n\n"
 
 
@@ -234,9 +265,14 @@ class _WorkerConn(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         u = httptools.parse_url(self._url)
-        rec = Rec(self.parser.get_method().decode(), u.path.decode(),
-                  {k.decode().lower(): v.decode() for k, v in self._headers},
-                  list(self._headers), b"".join(self._body), self.id)
+        rec = Rec(
+            self.parser.get_method().decode(),
+            u.path.decode(),
+            {k.decode().lower(): v.decode() for k, v in self._headers},
+            list(self._headers),
+            b"".join(self._body),
+            self.id,
+        )
         self.w.requests.append(rec)
         self.busy = True
         asyncio.get_running_loop().create_task(self._respond(rec, self.parser.should_keep_alive()))
@@ -252,8 +288,10 @@ class _WorkerConn(asyncio.Protocol):
         ctl = w.control(rec.path)
         if ctl is not None:
             status, body = ctl
-            self._write(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
-                        % (status, len(body), body))
+            self._write(
+                b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+                % (status, len(body), body)
+            )
             self.busy = False
             return
         if rec.path not in w.paths:
@@ -272,16 +310,20 @@ class _WorkerConn(asyncio.Protocol):
         obj = json.loads(rec.body) if rec.body else {}
         if w.status != 200:
             body = w.error_body
-            self._write(b"HTTP/1.1 %d Err\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                        b"%b\r\n%b" % (w.status, len(body), w.error_headers, body))
+            self._write(
+                b"HTTP/1.1 %d Err\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                b"%b\r\n%b" % (w.status, len(body), w.error_headers, body)
+            )
             self.busy = False
             return
         if obj.get("stream"):
             await self._stream(rec, obj)
         else:
             body = w.json_body(obj)
-            self._write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nserver: fake\r\n"
-                        b"content-length: %d\r\n\r\n%b" % (len(body), body))
+            self._write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nserver: fake\r\n"
+                b"content-length: %d\r\n\r\n%b" % (len(body), body)
+            )
         self.busy = False
         if not keep and not self.lost:
             self.transport.close()
@@ -289,10 +331,12 @@ class _WorkerConn(asyncio.Protocol):
     async def _stream(self, rec: Rec, obj: dict) -> None:
         w = self.w
         chat = rec.path == "/v1/chat/completions" and "messages" in obj
-        self._write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                    + (b"transfer-encoding: chunked\r\n" if w.sse_chunked else b"connection: close\r\n")
-                    + b"\r\n")
-        if w.head_gate is not None:     # SGLang sends its head, then the first event after prefill
+        self._write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            + (b"transfer-encoding: chunked\r\n" if w.sse_chunked else b"connection: close\r\n")
+            + b"\r\n"
+        )
+        if w.head_gate is not None:  # SGLang sends its head, then the first event after prefill
             w.held += 1
             try:
                 await w.head_gate.wait()
@@ -444,11 +488,13 @@ class RawClient:
 
     async def response(self, index: int | None = None, timeout: float = 5.0) -> Response:
         """Wait until response ``index`` (default: the next unfinished one) is complete."""
+
         async def wait() -> Response:
             i = index if index is not None else sum(1 for r in self.p.responses if r.done)
             while not (len(self.p.responses) > i and self.p.responses[i].done):
                 await self._read_some()
             return self.p.responses[i]
+
         return await asyncio.wait_for(wait(), timeout)
 
     async def head(self, timeout: float = 5.0) -> Response:
@@ -456,6 +502,7 @@ class RawClient:
             while not (self.p.responses and self.p.responses[-1].status):
                 await self._read_some()
             return self.p.responses[-1]
+
         return await asyncio.wait_for(wait(), timeout)
 
     async def until_body(self, needle: bytes, timeout: float = 5.0) -> Response:
@@ -463,10 +510,12 @@ class RawClient:
             while not (self.p.responses and needle in self.p.responses[-1].body):
                 await self._read_some()
             return self.p.responses[-1]
+
         return await asyncio.wait_for(wait(), timeout)
 
     async def closed(self, timeout: float = 5.0) -> bool:
         """Read until EOF; True if the router closed the connection."""
+
         async def wait() -> bool:
             try:
                 while True:
@@ -475,6 +524,7 @@ class RawClient:
                 return True
             except httptools.HttpParserError:
                 return True
+
         return await asyncio.wait_for(wait(), timeout)
 
     def close(self) -> None:
@@ -486,8 +536,10 @@ def post(path: str, obj: Any, headers: dict[str, str] | None = None, keep_alive:
     body = json.dumps(obj).encode() if not isinstance(obj, bytes) else obj
     h = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
     conn = "" if keep_alive else "Connection: close\r\n"
-    return (f"POST {path} HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n{h}{conn}\r\n").encode() + body
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n{h}{conn}\r\n"
+    ).encode() + body
 
 
 def get(path: str, headers: dict[str, str] | None = None) -> bytes:

@@ -6,6 +6,7 @@ runs Envoy on it (one worker thread, no hot restart), waiting for the admin ``/r
 fake workers run in the test's event loop (``conftest.DataWorker``), so they record what they
 served and can hold streams. Every wait is bounded.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -62,40 +63,77 @@ def scrape(text: str) -> dict[str, float]:
 class Gateway:
     """Envoy + ``fastroute epp`` (see module docstring)."""
 
-    def __init__(self, worker_urls: list[str], *flags: str, wait_serving: bool = True,
-                 edit: Any = None) -> None:
+    def __init__(self, worker_urls: list[str], *flags: str, wait_serving: bool = True, edit: Any = None) -> None:
         self.envoy_bin = need_envoy()
         self.grpc_port = free_port()
         self.mport = free_port()
-        self.port = free_port()          # Envoy's listener: what clients call
+        self.port = free_port()  # Envoy's listener: what clients call
         self.admin_port = free_port()
         self.worker_urls = worker_urls
         self.flags = flags
         self.wait_serving = wait_serving
-        self.edit = edit          # bootstrap text -> the text Envoy runs (a test's own filters)
+        self.edit = edit  # bootstrap text -> the text Envoy runs (a test's own filters)
         self.epp: asyncio.subprocess.Process | None = None
         self.envoy: asyncio.subprocess.Process | None = None
         self.tmp = tempfile.mkdtemp(prefix="fastroute-epp-test-")
         self.env = {**os.environ, "PYTHONPATH": os.getcwd()}
 
     def epp_args(self) -> list[str]:
-        return ["epp", "--host", "127.0.0.1", "--grpc-port", str(self.grpc_port),
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.mport),
-                "--worker-urls", *self.worker_urls, "--worker-startup-check-interval", "1",
-                "--disable-health-check", "--shutdown-grace-period-secs", "1",
-                "--log-level", "warning", *self.flags]
+        return [
+            "epp",
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            str(self.grpc_port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(self.mport),
+            "--worker-urls",
+            *self.worker_urls,
+            "--worker-startup-check-interval",
+            "1",
+            "--disable-health-check",
+            "--shutdown-grace-period-secs",
+            "1",
+            "--log-level",
+            "warning",
+            *self.flags,
+        ]
 
-    async def __aenter__(self) -> "Gateway":
-        self.epp = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fastroute", *self.epp_args(), env=self.env,
-            stderr=open(os.path.join(self.tmp, "epp.log"), "wb"))
+    async def __aenter__(self) -> Gateway:
+        # The child keeps its own copy of the log's descriptor; this process closes its copy.
+        with open(os.path.join(self.tmp, "epp.log"), "wb") as log:
+            self.epp = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "fastroute",
+                *self.epp_args(),
+                env=self.env,
+                stderr=log,
+            )
         try:
             await self.until_health("SERVING" if self.wait_serving else "NOT_SERVING", 20.0)
             text = subprocess.run(
-                [sys.executable, "-m", "fastroute", "epp", "--grpc-port", str(self.grpc_port),
-                 "--print-envoy-config", "--envoy-listen-port", str(self.port),
-                 "--envoy-admin-port", str(self.admin_port), *self.flags],
-                env=self.env, check=True, capture_output=True, timeout=30).stdout
+                [
+                    sys.executable,
+                    "-m",
+                    "fastroute",
+                    "epp",
+                    "--grpc-port",
+                    str(self.grpc_port),
+                    "--print-envoy-config",
+                    "--envoy-listen-port",
+                    str(self.port),
+                    "--envoy-admin-port",
+                    str(self.admin_port),
+                    *self.flags,
+                ],
+                env=self.env,
+                check=True,
+                capture_output=True,
+                timeout=30,
+            ).stdout
             if self.edit is not None:
                 text = self.edit(text.decode()).encode()
             path = os.path.join(self.tmp, "envoy.yaml")
@@ -108,10 +146,19 @@ class Gateway:
         return self
 
     async def start_envoy(self, path: str) -> None:
-        self.envoy = await asyncio.create_subprocess_exec(
-            self.envoy_bin, "-c", path, "--concurrency", "1", "--disable-hot-restart",
-            "-l", "warning", stdout=subprocess.DEVNULL,
-            stderr=open(os.path.join(self.tmp, "envoy.log"), "wb"))
+        with open(os.path.join(self.tmp, "envoy.log"), "wb") as log:
+            self.envoy = await asyncio.create_subprocess_exec(
+                self.envoy_bin,
+                "-c",
+                path,
+                "--concurrency",
+                "1",
+                "--disable-hot-restart",
+                "-l",
+                "warning",
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 20.0
         while True:
@@ -152,7 +199,7 @@ class Gateway:
                 got = await self.health()
                 if got == want:
                     return
-            except Exception as exc:     # not listening yet
+            except Exception as exc:  # not listening yet
                 got = repr(exc)
             await asyncio.sleep(0.1)
         raise AssertionError(f"epp health never {want} (last {got}): " + self.log("epp.log"))

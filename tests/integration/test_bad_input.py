@@ -2,13 +2,13 @@
 (400 malformed / smuggling, 431 oversized head, 413 oversized body, 400 bad JSON or field types,
 a closed connection for a slow-loris head) and the router keeps serving afterwards.
 """
+
 from __future__ import annotations
 
 import asyncio
 import json
 
 import pytest
-
 from conftest import RawClient, Router, call, post, run, until, workers
 
 
@@ -35,10 +35,14 @@ MALFORMED = [
     pytest.param(b"GET /\x01 HTTP/1.1\r\nHost: x\r\n\r\n", id="url-control-char"),
     pytest.param(b"GET / HTTP/1.1\r\nHost : x\r\n\r\n", id="header-space-before-colon"),
     pytest.param(b"GET / HTTP/1.1\r\nNoColonHere\r\n\r\n", id="header-no-colon"),
-    pytest.param(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
-                 b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n", id="smuggling-cl-te"),
-    pytest.param(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
-                 b"Content-Length: 30\r\n\r\n{}", id="duplicate-content-length"),
+    pytest.param(
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        id="smuggling-cl-te",
+    ),
+    pytest.param(
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 30\r\n\r\n{}",
+        id="duplicate-content-length",
+    ),
     pytest.param(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", id="negative-length"),
     pytest.param(b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\n", id="bad-chunk"),
 ]
@@ -55,6 +59,7 @@ def test_malformed_http_is_400_and_closes(data: bytes) -> None:
             assert w.inference() == []
             await serving(r)
             assert r.in_flight(w) == 0
+
     run(body())
 
 
@@ -62,10 +67,11 @@ def test_oversized_head_is_431_and_closes() -> None:
     async def body() -> None:
         (w,) = await workers(1)
         async with Router(worker_urls=[w.url]) as r:
-            for data in (b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n",
-                         post("/generate", {"text": "x"}, {"X-Big": "v" * 70_000}),
-                         b"GET / HTTP/1.1\r\n" + b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 100)
-                                                          for i in range(1000)) + b"\r\n"):
+            for data in (
+                b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n",
+                post("/generate", {"text": "x"}, {"X-Big": "v" * 70_000}),
+                b"GET / HTTP/1.1\r\n" + b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 100) for i in range(1000)) + b"\r\n",
+            ):
                 status, closed, doc = await raw_status(r.port, data)
                 assert status == 431 and closed, status
                 assert doc["error"]["code"] == "header_too_large"
@@ -76,6 +82,7 @@ def test_oversized_head_is_431_and_closes() -> None:
             await serving(r)
             st = r.server.app.stats
             assert st.http_responses[("431", "header_too_large", "other")] == 3
+
     run(body())
 
 
@@ -85,8 +92,11 @@ def test_oversized_body_is_413() -> None:
         async with Router(worker_urls=[w.url], max_payload_size=1000) as r:
             status, closed, doc = await raw_status(r.port, post("/generate", {"text": "x" * 2000}))
             assert status == 413 and closed and doc["error"]["code"] == "payload_too_large"
-            chunked = (b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                       + b"".join(b"100\r\n" + b"a" * 256 + b"\r\n" for _ in range(8)) + b"0\r\n\r\n")
+            chunked = (
+                b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                + b"".join(b"100\r\n" + b"a" * 256 + b"\r\n" for _ in range(8))
+                + b"0\r\n\r\n"
+            )
             # Chunked: the size is known only once read, so the connection stays usable.
             c = await RawClient(r.port).connect()
             c.send(chunked)
@@ -97,6 +107,7 @@ def test_oversized_body_is_413() -> None:
             c.close()
             assert len(w.inference()) == 1
             await serving(r)
+
     run(body())
 
 
@@ -134,6 +145,7 @@ def test_invalid_json_and_wrong_field_types_are_400_on_a_kept_connection() -> No
             assert (await c.response()).status == 200
             c.close()
             assert len(w.inference()) == 1 and r.in_flight(w) == 0
+
     run(body())
 
 
@@ -160,4 +172,5 @@ def test_slow_loris_head_is_cut_at_the_header_read_timeout() -> None:
             await until(lambda: len(r.server.app.connections) == 0, what="connection dropped")
             await serving(r)
             assert w.inference()[-1].json["text"] == "still here"
+
     run(body())

@@ -1,7 +1,8 @@
-"""Kubernetes discovery against hostile or broken API answers (issue 24): watch lines of the
+"""Kubernetes discovery against hostile or broken API answers: watch lines of the
 wrong shape, a crash inside the watch, 410 Gone on every watch, a watch that hangs without a
 byte, and a burst of 1,500 pods. Same stand-ins as test_discovery.py: the Kubernetes API
 stand-in (tests/integration/kubeapi.py) and fake workers on loopback addresses."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,8 +11,15 @@ import logging
 
 from conftest import call, get, run, until
 from kubeapi import KubeApi, pod
-from test_discovery import (NS, PodWorker, kube_env, pod_workers, start, stop_all,  # noqa: F401
-                            urls)
+from test_discovery import (
+    NS,
+    PodWorker,
+    kube_env,  # noqa: F401 (the fixture)
+    pod_workers,
+    start,
+    stop_all,
+    urls,
+)
 
 from fastroute.config import Config
 from fastroute.control import discovery
@@ -20,13 +28,18 @@ from fastroute.runtime.server import Server
 
 TASK = "discovery regular pods"
 
-# Valid JSON, wrong shape: each of these ended the watch task for good before (issue 24).
+# Valid JSON, wrong shape: each of these once ended the watch task for good, so discovery stopped.
 BAD_LINES = [
-    b"null", b"[1,2]", b'"ADDED"', b"17", b'{"type": "ADDED"}', b'{"type": "ADDED", "object": null}',
-    b'{"type": "ADDED", "object": [1]}', b'{"type": ["ADDED"], "object": {}}',
+    b"null",
+    b"[1,2]",
+    b'"ADDED"',
+    b"17",
+    b'{"type": "ADDED"}',
+    b'{"type": "ADDED", "object": null}',
+    b'{"type": "ADDED", "object": [1]}',
+    b'{"type": ["ADDED"], "object": {}}',
     b'{"type": "ADDED", "object": {"metadata": "pod-x"}}',
-    b'{"type": "ADDED", "object": {"metadata": {"name": "x", "namespace": "team-a", '
-    b'"labels": ["app", "sglang"]}}}',
+    b'{"type": "ADDED", "object": {"metadata": {"name": "x", "namespace": "team-a", "labels": ["app", "sglang"]}}}',
     b'{"type": "ADDED", "object": {"metadata": {"name": 5, "namespace": "team-a"}}}',
     b'{"type": "MODIFIED", "object": {"metadata": {"name": "x", "namespace": "team-a", '
     b'"labels": {"app": "sglang"}}, "status": {"phase": "Running", "podIP": 167772165}}}',
@@ -48,8 +61,7 @@ def metric(server, name: str) -> float:
     return 0.0
 
 
-def test_watch_lines_of_the_wrong_shape_are_skipped_counted_and_the_watch_goes_on(kube_env,
-                                                                                  caplog):
+def test_watch_lines_of_the_wrong_shape_are_skipped_counted_and_the_watch_goes_on(kube_env, caplog):
     async def body():
         api = await KubeApi().start()
         a, b, c = ws = await pod_workers(3)
@@ -66,8 +78,10 @@ def test_watch_lines_of_the_wrong_shape_are_skipped_counted_and_the_watch_goes_o
             await until(lambda: urls(server) == {b.url}, 10.0, "a removed after the bad lines")
             # a bad listed pod is skipped too, the others of the list are used
             api.compact()
-            api.pods[(NS, "junk")] = {"metadata": {"name": "junk", "namespace": NS,
-                                                   "labels": {"app": "sglang"}}, "status": [1]}
+            api.pods[(NS, "junk")] = {
+                "metadata": {"name": "junk", "namespace": NS, "labels": {"app": "sglang"}},
+                "status": [1],
+            }
             await api.kick()
             await api.put(pod("c", c.ip))
             await until(lambda: urls(server) == {b.url, c.url}, 10.0, "c after the re-list")
@@ -75,22 +89,22 @@ def test_watch_lines_of_the_wrong_shape_are_skipped_counted_and_the_watch_goes_o
             st = server.registry.background.tasks[TASK]
             assert st.restarts == 0
             m = server.metrics.render().decode()
-            skipped = metric(server, 'fastroute_discovery_errors_total{provider="kubernetes",'
-                                     'reason="bad_object"}')
+            skipped = metric(server, 'fastroute_discovery_errors_total{provider="kubernetes",reason="bad_object"}')
             assert skipped >= len(BAD_LINES) + 1, m
             assert api.watch_count() > watches
             warned = [r for r in caplog.records if "skipped a" in r.getMessage()]
-            assert 1 <= len(warned) <= 3        # once per watch episode, not once per line
+            assert 1 <= len(warned) <= 3  # once per watch episode, not once per line
             assert 'fastroute_background_task_up{task="discovery regular pods"} 1.0' in m
         finally:
             await stop_all(server, api, ws)
+
     with caplog.at_level(logging.INFO, logger="fastroute"):
         run(body(), 60)
 
 
-def test_a_crash_inside_the_watch_restarts_the_task_counted_and_logged_once(kube_env, caplog,
-                                                                          monkeypatch):
+def test_a_crash_inside_the_watch_restarts_the_task_counted_and_logged_once(kube_env, caplog, monkeypatch):
     """Whatever still kills the watch loop (here: a bug on one pod) restarts it."""
+
     async def body():
         api = await KubeApi().start()
         a, b = ws = await pod_workers(2)
@@ -104,6 +118,7 @@ def test_a_crash_inside_the_watch_restarts_the_task_counted_and_logged_once(kube
                 crashes.append(1)
                 raise KeyError("a bug")
             return real(p, *args)
+
         monkeypatch.setattr(discovery, "pod_worker", buggy)
         try:
             await until(lambda: urls(server) == {a.url}, 10.0, "a")
@@ -118,14 +133,14 @@ def test_a_crash_inside_the_watch_restarts_the_task_counted_and_logged_once(kube
             m = server.metrics.render().decode()
             assert metric(server, f'fastroute_background_errors_total{{task="{TASK}"}}') >= 4
             assert f'fastroute_background_task_up{{task="{TASK}"}} 1.0' in m
-            errors = [x for x in caplog.records if x.levelno >= logging.ERROR
-                      and TASK in x.getMessage()]
+            errors = [x for x in caplog.records if x.levelno >= logging.ERROR and TASK in x.getMessage()]
             assert len(errors) == 1 and "KeyError" in errors[0].getMessage()
             assert "Traceback" not in caplog.text
-            assert r.status == 200      # workers stay routable; the stale view is named
+            assert r.status == 200  # workers stay routable; the stale view is named
             assert TASK in json.loads(r.body).get("stale", [])
         finally:
             await stop_all(server, api, ws)
+
     with caplog.at_level(logging.INFO, logger="fastroute"):
         run(body(), 60)
 
@@ -134,20 +149,31 @@ def test_file_manifests_that_killed_the_follower_are_rejected_and_it_goes_on(tmp
     async def body():
         a, b = ws = await pod_workers(2)
         path = tmp_path / "workers.json"
-        server = Server(Config(host="127.0.0.1", port=0, policy="round_robin",
-                               worker_startup_check_interval=1, disable_health_check=True,
-                               prometheus_host="127.0.0.1", prometheus_port=0,
-                               discovery_provider="file", discovery_file=str(path)))
+        server = Server(
+            Config(
+                host="127.0.0.1",
+                port=0,
+                policy="round_robin",
+                worker_startup_check_interval=1,
+                disable_health_check=True,
+                prometheus_host="127.0.0.1",
+                prometheus_port=0,
+                discovery_provider="file",
+                discovery_file=str(path),
+            )
+        )
         await server.start()
         try:
             path.write_text(json.dumps([{"url": a.url}]))
             await until(lambda: urls(server) == {a.url}, 5.0, "a")
-            for bad in ("[" * 100000, json.dumps([{"url": b.url, "worker_type": {"x": 1}}]),
-                        json.dumps([{"url": b.url, "bootstrap_port": [1]}])):
+            for bad in (
+                "[" * 100000,
+                json.dumps([{"url": b.url, "worker_type": {"x": 1}}]),
+                json.dumps([{"url": b.url, "bootstrap_port": [1]}]),
+            ):
                 n = server.registry.background.tasks["discovery file"].errors
                 path.write_text(bad)
-                await until(lambda: server.registry.background.tasks["discovery file"].errors > n,
-                            5.0, "rejected")
+                await until(lambda: server.registry.background.tasks["discovery file"].errors > n, 5.0, "rejected")
                 assert server.registry.background.stale() == ["discovery file"]
             path.write_text(json.dumps([{"url": a.url}, {"url": b.url}]))
             await until(lambda: urls(server) == {a.url, b.url}, 5.0, "b after the bad files")
@@ -157,6 +183,7 @@ def test_file_manifests_that_killed_the_follower_are_rejected_and_it_goes_on(tmp
             await server.stop(grace=0.5)
             for w in ws:
                 await w.stop()
+
     with caplog.at_level(logging.INFO, logger="fastroute.discovery"):
         run(body(), 60)
 
@@ -169,17 +196,19 @@ def test_410_on_every_watch_backs_off_and_logs_once(kube_env, caplog):
         server = await start(api, kube_env, a.port)
         try:
             await until(lambda: urls(server) == {a.url}, 10.0, "a")
-            api.floor = 10 ** 9         # every watch is too old: an API that 410s forever
+            api.floor = 10**9  # every watch is too old: an API that 410s forever
             await api.kick()
             t0 = asyncio.get_running_loop().time()
-            await until(lambda: sum(1 for t, _, q in api.requests if t > t0
-                                    and q.get("watch") != "true") >= 4, 20.0, "four re-lists")
+            await until(
+                lambda: sum(1 for t, _, q in api.requests if t > t0 and q.get("watch") != "true") >= 4,
+                20.0,
+                "four re-lists",
+            )
             lists = [t for t, _, q in api.requests if t > t0 and q.get("watch") != "true"]
             gaps = [y - x for x, y in zip(lists, lists[1:])]
-            assert gaps[2] > gaps[0] * 1.5          # the wait grows (jitter is +-20 %)
-            assert len(api.requests) < 40            # not hundreds of requests a second
-            gone = [r for r in caplog.records
-                    if r.name == "fastroute.discovery" and "410" in r.getMessage()]
+            assert gaps[2] > gaps[0] * 1.5  # the wait grows (jitter is +-20 %)
+            assert len(api.requests) < 40  # not hundreds of requests a second
+            gone = [r for r in caplog.records if r.name == "fastroute.discovery" and "410" in r.getMessage()]
             assert len(gone) == 1
             assert urls(server) == {a.url}
             # success resets it: a healthy API is followed at once again
@@ -190,6 +219,7 @@ def test_410_on_every_watch_backs_off_and_logs_once(kube_env, caplog):
             await until(lambda: b.url in urls(server), 20.0, "b after the 410s")
         finally:
             await stop_all(server, api, ws)
+
     with caplog.at_level(logging.INFO, logger="fastroute.discovery"):
         run(body(), 60)
 
@@ -205,14 +235,14 @@ def test_a_watch_that_hangs_without_bytes_is_restarted(kube_env):
         try:
             await until(lambda: urls(server) == {a.url}, 10.0, "a from the list")
             await until(lambda: api.watch_count() >= 1, 5.0, "a watch")
-            api.hang = False        # the next watch works; the hung one never will
+            api.hang = False  # the next watch works; the hung one never will
             await api.put(pod("b", b.ip))
             await until(lambda: b.url in urls(server), 15.0, "b through a new watch")
             assert api.watch_count() >= 2 and api.list_count() == 1
-            assert metric(server, 'fastroute_discovery_errors_total{provider="kubernetes",'
-                                  'reason="watch_idle"}') >= 1
+            assert metric(server, 'fastroute_discovery_errors_total{provider="kubernetes",reason="watch_idle"}') >= 1
         finally:
             await stop_all(server, api, ws)
+
     run(body(), 60)
 
 
@@ -220,10 +250,11 @@ def test_a_burst_of_pods_is_linear_and_never_stalls_the_loop(kube_env, monkeypat
     """1,000 pods listed (700 Ready) and 500 watch events (300 turn Ready, 200 new ones not
     yet): each event is one pod's work (counted), and the loop keeps serving meanwhile (lag
     bound generous: /health took 17.8 s before). 1,000 workers: the table holds 1,024."""
+
     async def body():
         api = await KubeApi().start()
-        w = await PodWorker("0.0.0.0").start()      # answers on every 127.x.y.z address
-        ip = lambda i: f"127.1.{i // 250}.{i % 250 + 1}"   # noqa: E731
+        w = await PodWorker("0.0.0.0").start()  # answers on every 127.x.y.z address
+        ip = lambda i: f"127.1.{i // 250}.{i % 250 + 1}"  # noqa: E731
         for i in range(1000):
             api.pods[(NS, f"p{i}")] = pod(f"p{i}", ip(i), ready=i < 700)
         calls = []
@@ -231,8 +262,7 @@ def test_a_burst_of_pods_is_linear_and_never_stalls_the_loop(kube_env, monkeypat
         monkeypatch.setattr(discovery, "pod_worker", lambda *a: (calls.append(1), real(*a))[1])
         builds = []
         real_build = App._build_route
-        monkeypatch.setattr(App, "_build_route",
-                            lambda self, *a: (builds.append(1), real_build(self, *a))[1])
+        monkeypatch.setattr(App, "_build_route", lambda self, *a: (builds.append(1), real_build(self, *a))[1])
         lag = [0.0]
         loop = asyncio.get_running_loop()
 
@@ -241,6 +271,7 @@ def test_a_burst_of_pods_is_linear_and_never_stalls_the_loop(kube_env, monkeypat
                 t = loop.time()
                 await asyncio.sleep(0.005)
                 lag[0] = max(lag[0], loop.time() - t - 0.005)
+
         server = await start(api, kube_env, w.port, disable_load_monitoring=True)
         ticker = loop.create_task(probe())
         try:
@@ -252,12 +283,13 @@ def test_a_burst_of_pods_is_linear_and_never_stalls_the_loop(kube_env, monkeypat
             await until(lambda: len(urls(server)) == 1000, 60.0, "every Ready pod registered")
             r = await call(server.port, get("/health"))
             assert r.status == 200
-            assert len(calls) <= 2 * 1500       # O(1) per event, not a recount per event
-            assert len(builds) <= 2 * 1000      # a route per worker, not all per activation
+            assert len(calls) <= 2 * 1500  # O(1) per event, not a recount per event
+            assert len(builds) <= 2 * 1000  # a route per worker, not all per activation
             assert lag[0] < 0.5, lag[0]
         finally:
             ticker.cancel()
             await server.stop(grace=0.5)
             await api.stop()
             await w.stop()
+
     run(body(), 120)

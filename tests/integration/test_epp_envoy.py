@@ -5,6 +5,7 @@ record every request they serve, so a test sees where Envoy really sent each req
 what body the worker got. In-flight counts are read from the picker's ``/metrics``
 (``fastroute_target_in_flight_requests``, the proxy's series).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,17 +24,32 @@ HEADER = "x-gateway-destination-endpoint"
 
 def test_printed_bootstrap_is_valid_for_envoy(tmp_path: Any) -> None:
     envoy = need_envoy()
-    out = subprocess.run([sys.executable, "-m", "fastroute", "epp", "--grpc-port", "9002",
-                          "--print-envoy-config", "--envoy-listen-port", "8080",
-                          "--envoy-admin-port", "9901", "--max-concurrent-requests", "4"],
-                         capture_output=True, check=True, timeout=30,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()}).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fastroute",
+            "epp",
+            "--grpc-port",
+            "9002",
+            "--print-envoy-config",
+            "--envoy-listen-port",
+            "8080",
+            "--envoy-admin-port",
+            "9901",
+            "--max-concurrent-requests",
+            "4",
+        ],
+        capture_output=True,
+        check=True,
+        timeout=30,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    ).stdout
     path = tmp_path / "envoy.yaml"
     path.write_bytes(out)
-    check = subprocess.run([envoy, "--mode", "validate", "-c", str(path)], capture_output=True,
-                           timeout=60)
+    check = subprocess.run([envoy, "--mode", "validate", "-c", str(path)], capture_output=True, timeout=60)
     assert check.returncode == 0, check.stderr[-2000:]
-    assert b"message_timeout: 65s" in out          # a queued request may wait its queue timeout
+    assert b"message_timeout: 65s" in out  # a queued request may wait its queue timeout
 
 
 def test_requests_go_where_the_picker_said() -> None:
@@ -47,7 +63,7 @@ def test_requests_go_where_the_picker_said() -> None:
                 answers.append(r.json["text"])
             for w in ws:
                 served = w.inference()
-                assert len(served) == 3          # round robin over the two, as picked
+                assert len(served) == 3  # round robin over the two, as picked
                 for rec in served:
                     # the destination the picker named is the worker that served it
                     assert rec.headers[HEADER] == f"127.0.0.1:{w.port}"
@@ -69,6 +85,7 @@ def test_requests_go_where_the_picker_said() -> None:
             assert (await c.response(timeout=10)).status == 200
             c.close()
             await g.until_in_flight(lambda f: sum(f.values()) == 0, 10, "released at the end")
+
     run(body(), 60)
 
 
@@ -85,6 +102,7 @@ def test_sse_is_byte_exact_through_envoy() -> None:
             assert via.body == direct.body and via.body.endswith(b"data: [DONE]\n\n")
             assert via.body.count(b"data: ") == 41
             await g.until_in_flight(lambda f: set(f.values()) == {0.0}, 5, "released")
+
     run(body(), 60)
 
 
@@ -100,6 +118,7 @@ def test_bad_body_is_refused_and_books_nothing() -> None:
             assert set((await g.in_flight()).values()) == {0.0}
             m = await g.metrics()
             assert m[f'fastroute_target_picks_total{{role="regular",target="{w.url}"}}'] == 0
+
     run(body(), 60)
 
 
@@ -115,6 +134,7 @@ def test_no_endpoint_is_a_503_json_and_health_not_serving() -> None:
             assert r.status == 503
             assert r.headers["content-type"] == "application/json"
             assert r.json["error"]["code"] == r.headers["x-smg-error-code"]
+
     run(body(), 60)
 
 
@@ -136,11 +156,19 @@ def test_over_the_limit_is_shed_with_429() -> None:
             await g.until_in_flight(lambda f: sum(f.values()) == 0, 10, "released")
             r = await call(g.port, post("/generate", {"text": "again"}), timeout=10)
             assert r.status == 200
+
     run(body(), 60)
 
 
-DP_FLAGS = ("--dp-aware", "--policy", "power_of_two", "--p2c-load-metric", "least_requests",
-            "--dp-rank-field", "routed_dp_rank")
+DP_FLAGS = (
+    "--dp-aware",
+    "--policy",
+    "power_of_two",
+    "--p2c-load-metric",
+    "least_requests",
+    "--dp-rank-field",
+    "routed_dp_rank",
+)
 
 
 async def _open_64(g: Gateway, w: DataWorker) -> list[RawClient]:
@@ -178,6 +206,7 @@ def test_64_streams_land_8_per_rank_and_release_when_they_end() -> None:
                 assert resp.body.endswith(b"data: [DONE]\n\n")
                 c.close()
             await g.until_in_flight(lambda f: sum(f.values()) == 0, 10, "all released")
+
     run(body(), 90)
 
 
@@ -188,7 +217,7 @@ def test_clients_leaving_mid_stream_release_their_leases() -> None:
             clients = await _open_64(g, w)
             await g.until_in_flight(_eight_each(w), 5, "8 in flight per rank")
             for c in clients:
-                c.close()                      # RST: the clients are gone mid-stream
+                c.close()  # RST: the clients are gone mid-stream
             await g.until_in_flight(lambda f: sum(f.values()) == 0, 10, "all released")
             w.stream_gate.set()
             # the ledger is usable again: the next 8 land one per rank
@@ -198,6 +227,7 @@ def test_clients_leaving_mid_stream_release_their_leases() -> None:
                 r = await call(g.port, post("/generate", {"text": f"n{i}", "stream": True}), 10)
                 assert r.status == 200
             assert len(w.inference()) == before + 8
+
     run(body(), 90)
 
 
@@ -213,22 +243,36 @@ def test_envoy_killed_mid_stream_releases_every_lease() -> None:
             for c in clients:
                 c.close()
             w.stream_gate.set()
+
     run(body(), 90)
 
 
 def _chunked(path: str, body: bytes) -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-            f"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % len(body)).encode() + body + \
-        b"\r\n0\r\n\r\n"
+    return (
+        (
+            f"POST {path} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            f"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % len(body)
+        ).encode()
+        + body
+        + b"\r\n0\r\n\r\n"
+    )
 
 
 def test_the_proxy_connection_flags_act_at_envoy_and_the_probe_port_answers() -> None:
     async def body() -> None:
         (w,) = await workers(1)
         probe = free_port()
-        async with Gateway([w.url], "--header-read-timeout-secs", "1", "--max-payload-size",
-                           "2000", "--upstream-pool-idle-timeout-secs", "0",
-                           "--health-check-port", str(probe)) as g:
+        async with Gateway(
+            [w.url],
+            "--header-read-timeout-secs",
+            "1",
+            "--max-payload-size",
+            "2000",
+            "--upstream-pool-idle-timeout-secs",
+            "0",
+            "--health-check-port",
+            str(probe),
+        ) as g:
             r = await call(probe, get("/readiness"), timeout=5)
             assert r.status == 200 and r.json == {"status": "ready"}
             assert await g.health("readiness") == await g.health("liveness") == "SERVING"
@@ -246,6 +290,7 @@ def test_the_proxy_connection_flags_act_at_envoy_and_the_probe_port_answers() ->
             assert r.status == 200
             assert [json.loads(x.body)["text"] for x in w.inference()] == ["y" * 100]
             await g.until_in_flight(lambda f: sum(f.values()) == 0, 10, "released")
+
     run(body(), 60)
 
 
@@ -260,12 +305,14 @@ def _subset_hint(endpoints: list[str]) -> Any:
         "              metadata:\n"
         "              - metadata_namespace: envoy.lb.subset_hint\n"
         "                value:\n"
-        f"                  x-gateway-destination-endpoint-subset: [{listed}]\n")
+        f"                  x-gateway-destination-endpoint-subset: [{listed}]\n"
+    )
     marker = "          - name: envoy.filters.http.ext_proc\n"
 
     def edit(text: str) -> str:
         assert marker in text
         return text.replace(marker, hint + marker, 1)
+
     return edit
 
 
@@ -273,8 +320,7 @@ def test_the_gateway_subset_hint_is_honoured_and_an_empty_match_is_503() -> None
     async def body() -> None:
         ws = await workers(3)
         allowed = [f"127.0.0.1:{ws[1].port}", f"127.0.0.1:{ws[2].port}", "10.255.0.1:9"]
-        async with Gateway([w.url for w in ws], "--policy", "round_robin",
-                           edit=_subset_hint(allowed)) as g:
+        async with Gateway([w.url for w in ws], "--policy", "round_robin", edit=_subset_hint(allowed)) as g:
             for i in range(8):
                 r = await call(g.port, post("/generate", {"text": f"s{i}"}), timeout=10)
                 assert r.status == 200
@@ -289,4 +335,5 @@ def test_the_gateway_subset_hint_is_honoured_and_an_empty_match_is_503() -> None
             assert r.headers["x-smg-error-code"] == "no_available_subset_endpoint"
             assert all(w.inference() == [] for w in ws[:1])
             assert set((await g.in_flight()).values()) == {0.0}
+
     run(body(), 90)

@@ -3,6 +3,7 @@ sockets. The Kubernetes API stand-in (kubeapi.py, the real list/watch wire forma
 pool and its pods through a kubeconfig in $KUBECONFIG; fake SGLang workers listen on
 127.0.0.2, 127.0.0.3 ... (the pod IPs), each on the pool's target ports; the picker's EppServer
 runs in this event loop and its picks are asked over its real gRPC ext_proc listener."""
+
 from __future__ import annotations
 
 import asyncio
@@ -43,10 +44,16 @@ async def second_port(ws: list[PodWorker]) -> list[PodWorker]:
 
 async def start(api: KubeApi, kubeconfig: Any, pool: str = "llama") -> EppServer:
     kubeconfig.write_text(api.kubeconfig())
-    cfg = Config(host="127.0.0.1", policy="round_robin", worker_startup_check_interval=1,
-                 disable_health_check=True, shutdown_grace_period_secs=1,
-                 prometheus_host="127.0.0.1", prometheus_port=0,
-                 discovery_check_interval_secs=30)
+    cfg = Config(
+        host="127.0.0.1",
+        policy="round_robin",
+        worker_startup_check_interval=1,
+        disable_health_check=True,
+        shutdown_grace_period_secs=1,
+        prometheus_host="127.0.0.1",
+        prometheus_port=0,
+        discovery_check_interval_secs=30,
+    )
     server = EppServer(cfg, free_port(), pool=pool, pool_namespace=NS)
     await server.start()
     return server
@@ -75,8 +82,7 @@ async def pick(server: EppServer) -> str:
         if ans.WhichOneof("response") == "immediate_response":
             return str(ans.immediate_response.status.code)
         sets = ans.request_headers.response.header_mutation.set_headers
-        return {h.header.key: h.header.raw_value.decode() for h in sets}[
-            "x-gateway-destination-endpoint"]
+        return {h.header.key: h.header.raw_value.decode() for h in sets}["x-gateway-destination-endpoint"]
 
 
 def test_pool_pods_become_targets_on_every_port_and_follow_the_pool(kube_env: Any) -> None:
@@ -89,7 +95,7 @@ def test_pool_pods_become_targets_on_every_port_and_follow_the_pool(kube_env: An
         await api.put(pod("a", a.ip))
         await api.put(pod("b", b.ip))
         await api.put(pod("c", c.ip, labels={"app": "other"}))
-        await api.put(pod("x", a.ip, ns="elsewhere"))          # the pool selects in its own NS
+        await api.put(pod("x", a.ip, ns="elsewhere"))  # the pool selects in its own NS
         await api.put(inference_pool("llama", {"app": "sglang"}, [p1]))
         await api.put(inference_pool("unrelated", {"app": "other"}, [p2]))
         server = await start(api, kube_env)
@@ -110,8 +116,9 @@ def test_pool_pods_become_targets_on_every_port_and_follow_the_pool(kube_env: An
 
             # the selector changes: only c's pods now, on both ports
             await api.put(inference_pool("llama", {"app": "other"}, [p1, p2]))
-            await until(lambda: urls(server) == {f"http://{c.ip}:{p1}", f"http://{c.ip}:{p2}"},
-                        10, "the new selector's pods")
+            await until(
+                lambda: urls(server) == {f"http://{c.ip}:{p1}", f"http://{c.ip}:{p2}"}, 10, "the new selector's pods"
+            )
 
             # a pod of the pool that is not Ready leaves; back to the first port only
             await api.put(pod("c", c.ip, labels={"app": "other"}, ready=False))
@@ -121,8 +128,7 @@ def test_pool_pods_become_targets_on_every_port_and_follow_the_pool(kube_env: An
             await until(lambda: urls(server) == {f"http://{c.ip}:{p1}"}, 10, "c on p1")
 
             # the pool the picker cannot serve, then deleted: no endpoints, 503, not ready
-            await api.put(inference_pool("llama", {"app": "other"}, [p1],
-                                         appProtocol="kubernetes.io/h2c"))
+            await api.put(inference_pool("llama", {"app": "other"}, [p1], appProtocol="kubernetes.io/h2c"))
             await until(lambda: not server.registry.workers, 10, "h2c pool: no endpoints")
             await api.put(inference_pool("llama", {"app": "sglang"}, [p1]))
             await until(lambda: urls(server) == {a.url, b.url}, 10, "usable again")
@@ -132,17 +138,23 @@ def test_pool_pods_become_targets_on_every_port_and_follow_the_pool(kube_env: An
             assert await pick(server) == "503"
             # the pool is asked for by name in its namespace; pods only with its selector
             paths = {p for _, p, _ in api.requests}
-            assert paths == {f"/api/v1/namespaces/{NS}/pods",
-                             f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools"}
-            assert {q.get("fieldSelector") for _, p, q in api.requests
-                    if p.endswith("inferencepools")} == {"metadata.name=llama"}
-            assert {q.get("labelSelector") for _, p, q in api.requests
-                    if p.endswith("pods")} == {"app=sglang", "app=other"}
+            assert paths == {
+                f"/api/v1/namespaces/{NS}/pods",
+                f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools",
+            }
+            assert {q.get("fieldSelector") for _, p, q in api.requests if p.endswith("inferencepools")} == {
+                "metadata.name=llama"
+            }
+            assert {q.get("labelSelector") for _, p, q in api.requests if p.endswith("pods")} == {
+                "app=sglang",
+                "app=other",
+            }
         finally:
             await server.stop(grace=0.2)
             await api.stop()
             for w in ws + more:
                 await w.stop()
+
     run(body(), 90)
 
 
@@ -162,11 +174,11 @@ def test_a_pool_created_after_the_start_is_picked_up(kube_env: Any) -> None:
             await server.stop(grace=0.2)
             await api.stop()
             await a.stop()
+
     run(body(), 60)
 
 
-def test_a_forbidden_pool_is_logged_with_the_rbac_hint_and_retried(kube_env: Any,
-                                                                    caplog: Any) -> None:
+def test_a_forbidden_pool_is_logged_with_the_rbac_hint_and_retried(kube_env: Any, caplog: Any) -> None:
     async def body() -> None:
         api = await KubeApi().start()
         (a,) = await pod_workers(1)
@@ -175,15 +187,15 @@ def test_a_forbidden_pool_is_logged_with_the_rbac_hint_and_retried(kube_env: Any
         api.status = 403
         server = await start(api, kube_env)
         try:
-            await until(lambda: "inferencepools.inference.networking.k8s.io" in caplog.text, 10,
-                        "the RBAC hint")
+            await until(lambda: "inferencepools.inference.networking.k8s.io" in caplog.text, 10, "the RBAC hint")
             assert not server.registry.workers
-            api.status = None                       # the Role was fixed: the backoff retries
+            api.status = None  # the Role was fixed: the backoff retries
             await until(lambda: urls(server) == {a.url}, 15, "the pool after the fix")
         finally:
             await server.stop(grace=0.2)
             await api.stop()
             await a.stop()
+
     with caplog.at_level("WARNING", logger="fastroute.epp.pool"):
         run(body(), 60)
 
@@ -194,11 +206,13 @@ def test_the_pool_flags_are_checked(kube_env: Any, capsys: Any, monkeypatch: Any
     assert "argument --inference-pool-namespace" in capsys.readouterr().err
     assert main([*base, "--inference-pool", "Not_A_Name"]) == 2
     assert "argument --inference-pool" in capsys.readouterr().err
-    assert main([*base, "--inference-pool", "p"]) == 2           # no kubeconfig at all
+    assert main([*base, "--inference-pool", "p"]) == 2  # no kubeconfig at all
     assert "argument --inference-pool: no Kubernetes configuration" in capsys.readouterr().err
     kube_env.write_text("{}")
-    assert main([*base, "--inference-pool", "p", "--discovery-provider", "file",
-                 "--discovery-file", "/nonexistent.json"]) == 2
+    assert (
+        main([*base, "--inference-pool", "p", "--discovery-provider", "file", "--discovery-file", "/nonexistent.json"])
+        == 2
+    )
     assert "argument --inference-pool:" in capsys.readouterr().err
 
 
@@ -211,8 +225,9 @@ def test_through_envoy_the_picker_process_routes_to_the_pool(kube_env: Any) -> N
         await api.put(pod("b", b.ip))
         await api.put(inference_pool("llama", {"app": "sglang"}, [a.port]))
         try:
-            async with Gateway([], "--inference-pool", "llama", "--inference-pool-namespace", NS,
-                               "--policy", "round_robin") as g:
+            async with Gateway(
+                [], "--inference-pool", "llama", "--inference-pool-namespace", NS, "--policy", "round_robin"
+            ) as g:
                 for i in range(4):
                     r = await call(g.port, post("/generate", {"text": f"r{i}"}), timeout=10)
                     assert r.status == 200
@@ -227,4 +242,5 @@ def test_through_envoy_the_picker_process_routes_to_the_pool(kube_env: Any) -> N
             await api.stop()
             for w in (a, b):
                 await w.stop()
+
     run(body(), 90)

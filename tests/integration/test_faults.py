@@ -4,6 +4,7 @@ Workers are ``FaultWorker`` (the conftest fake worker with per-request faults ch
 request body, each firing once per request id and leg role so a retry can succeed) and, in the
 load run, a real ``python -m fastroute.sim.worker`` subprocess that is killed and restarted.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,9 +17,8 @@ import sys
 from typing import Any
 
 import httptools
+from conftest import INFERENCE, DataWorker, RawClient, Router, _WorkerConn, call, get, post, run, until
 
-from conftest import (INFERENCE, DataWorker, RawClient, Router, _WorkerConn, call, get, post, run,
-                      until)
 from fastroute.core.table import COL_CIRCUIT
 
 
@@ -56,8 +56,10 @@ class _FaultConn(_WorkerConn):
             FaultWorker.fired.add(key)
             if fault.isdigit():
                 body = b'{"error": {"message": "injected %b"}}' % fault.encode()
-                self._write(b"HTTP/1.1 %b Err\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
-                            % (fault.encode(), len(body), body))
+                self._write(
+                    b"HTTP/1.1 %b Err\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+                    % (fault.encode(), len(body), body)
+                )
                 self.busy = False
                 return
             if fault == "hang":
@@ -66,13 +68,16 @@ class _FaultConn(_WorkerConn):
                 return
             if fault == "cut":
                 if obj.get("stream"):
-                    self._write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                                b"transfer-encoding: chunked\r\n\r\n")
+                    self._write(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                    )
                     ev = w.sse_event(0, obj)
                     self._write(b"%x\r\n%b\r\n" % (len(ev), ev))
                 else:
-                    self._write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                                b"content-length: 500\r\n\r\n{\"text\": \"part")
+                    self._write(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                        b'content-length: 500\r\n\r\n{"text": "part'
+                    )
                 await asyncio.sleep(0.01)
                 self.transport.abort()
                 return
@@ -137,6 +142,7 @@ def test_retryable_status_is_retried_on_another_worker_with_a_fresh_lease() -> N
             assert sum(len(w.inference()) for w in ws) == 12
             assert sum(stats(r).retries.values()) == 6
             assert stats(r).retries_exhausted == {}
+
     FaultWorker.fired.clear()
     run(body())
 
@@ -146,11 +152,12 @@ def test_retries_stop_at_max_attempts_and_the_last_answer_is_relayed() -> None:
         ws = await fault_workers(2)
         for w in ws:
             w.status = 500
-        async with Router(worker_urls=[w.url for w in ws], retry_max_retries=3,
-                          cb_failure_threshold=100, **FAST_RETRY) as r:
+        async with Router(
+            worker_urls=[w.url for w in ws], retry_max_retries=3, cb_failure_threshold=100, **FAST_RETRY
+        ) as r:
             res = await call(r.port, post("/generate", {"text": "x"}))
             assert res.status == 500 and res.json == {"error": {"message": "worker said no"}}
-            assert sum(len(w.inference()) for w in ws) == 3          # total attempts, not retries
+            assert sum(len(w.inference()) for w in ws) == 3  # total attempts, not retries
             assert stats(r).retries_exhausted == {("regular", "/generate"): 1}
             for w in ws:
                 w.status = 400
@@ -162,6 +169,7 @@ def test_retries_stop_at_max_attempts_and_the_last_answer_is_relayed() -> None:
             before = len(ws[0].inference())
             assert (await call(r.port, post("/generate", {"text": "x"}))).status == 503
             assert len(ws[0].inference()) == before + 1
+
     run(body())
 
 
@@ -185,6 +193,7 @@ def test_connect_failure_is_retried_but_a_stream_cut_is_not() -> None:
             assert len(ws[1].inference()) == before + 1
             assert outcomes[(ws[1].url, "failure")] == 1
             await until(lambda: all_in_flight(r) == [0, 0], what="released")
+
     FaultWorker.fired.clear()
     run(body())
 
@@ -193,23 +202,27 @@ def test_pd_decode_503_is_retried_with_a_fresh_pair_and_room_and_blames_only_dec
     async def body() -> None:
         ps = await fault_workers(2, role="prefill")
         ds = await fault_workers(2, role="decode")
-        async with Router(pd_disaggregation=True, prefill=[(p.url, 9000 + i) for i, p in enumerate(ps)],
-                          decode=[d.url for d in ds], **FAST_RETRY) as r:
+        async with Router(
+            pd_disaggregation=True,
+            prefill=[(p.url, 9000 + i) for i, p in enumerate(ps)],
+            decode=[d.url for d in ds],
+            **FAST_RETRY,
+        ) as r:
             res = await call(r.port, post("/generate", {"text": "x", "fault": "503", "fid": "pd1"}))
             assert res.status == 200, res.body
             drecs = [rec for d in ds for rec in d.inference()]
             precs = [rec for p in ps for rec in p.inference()]
-            assert len(drecs) == 2 and len(precs) == 2   # both legs re-sent
+            assert len(drecs) == 2 and len(precs) == 2  # both legs re-sent
             rooms = {rec.json["bootstrap_room"] for rec in drecs}
-            assert len(rooms) == 2                        # fresh room per attempt
-            res = await call(r.port, post("/generate", {"text": "x", "stream": True, "pfault": "500",
-                                                        "fid": "pd2"}))
+            assert len(rooms) == 2  # fresh room per attempt
+            res = await call(r.port, post("/generate", {"text": "x", "stream": True, "pfault": "500", "fid": "pd2"}))
             assert res.status == 200 and res.body.endswith(b"data: [DONE]\n\n")
             out = stats(r).cb_outcomes
             # 503 is neutral; the prefill 500 is a failure on that prefill only.
             assert not any(k[1] == "failure" and k[0] in {d.url for d in ds} for k in out)
             assert sum(v for k, v in out.items() if k[1] == "failure") == 1
             await until(lambda: all_in_flight(r) == [0, 0, 0, 0], what="released")
+
     FaultWorker.fired.clear()
     run(body())
 
@@ -220,8 +233,13 @@ def test_pd_decode_503_is_retried_with_a_fresh_pair_and_room_and_blames_only_dec
 def test_server_errors_open_the_circuit_backpressure_does_not_and_half_open_recovers() -> None:
     async def body() -> None:
         (w,) = await fault_workers(1)
-        async with Router(worker_urls=[w.url], disable_retries=True, cb_failure_threshold=3,
-                          cb_success_threshold=2, cb_timeout_duration_secs=1) as r:
+        async with Router(
+            worker_urls=[w.url],
+            disable_retries=True,
+            cb_failure_threshold=3,
+            cb_success_threshold=2,
+            cb_timeout_duration_secs=1,
+        ) as r:
             w.status = 503
             for _ in range(5):
                 assert (await call(r.port, post("/generate", {"text": "x"}))).status == 503
@@ -236,7 +254,7 @@ def test_server_errors_open_the_circuit_backpressure_does_not_and_half_open_reco
             sent = len(w.inference())
             res = await call(r.port, post("/generate", {"text": "x"}))
             assert res.status == 503 and res.headers["x-smg-error-code"] == "no_available_workers"
-            assert len(w.inference()) == sent                    # the open circuit was skipped
+            assert len(w.inference()) == sent  # the open circuit was skipped
             w.status = 200
             await until(lambda: circuit(r, w) == 2, 5.0, "half-open")
             assert (await call(r.port, post("/generate", {"text": "x"}))).status == 200
@@ -244,11 +262,15 @@ def test_server_errors_open_the_circuit_backpressure_does_not_and_half_open_reco
             assert (await call(r.port, post("/generate", {"text": "x"}))).status == 200
             assert circuit(r, w) == 0
             tr = stats(r).cb_transitions
-            assert tr == {(w.url, "closed", "open"): 1, (w.url, "open", "half_open"): 1,
-                          (w.url, "half_open", "closed"): 1}
+            assert tr == {
+                (w.url, "closed", "open"): 1,
+                (w.url, "open", "half_open"): 1,
+                (w.url, "half_open", "closed"): 1,
+            }
             text = (await call(r.server.metrics.port, get("/metrics"))).body.decode()
             assert f'smg_worker_cb_outcomes_total{{outcome="failure",worker="{w.url}"}} 3.0' in text
             assert f'smg_worker_cb_state{{worker="{w.url}"}} 0.0' in text
+
     run(body())
 
 
@@ -258,8 +280,7 @@ def test_server_errors_open_the_circuit_backpressure_does_not_and_half_open_reco
 def test_admission_queue_429_with_retry_after_then_fifo_service_and_408() -> None:
     async def body() -> None:
         (w,) = await fault_workers(1)
-        async with Router(worker_urls=[w.url], max_concurrent_requests=1, queue_size=1,
-                          queue_timeout_secs=1) as r:
+        async with Router(worker_urls=[w.url], max_concurrent_requests=1, queue_size=1, queue_timeout_secs=1) as r:
             w.hold()
             a = await RawClient(r.port).connect()
             a.send(post("/generate", {"text": "a"}))
@@ -291,23 +312,25 @@ def test_admission_queue_429_with_retry_after_then_fifo_service_and_408() -> Non
             w.release()
             assert (await a.response()).status == 200
             assert r.server.app.admission.active == 0
-            assert stats(r).rate_limit == {"allowed": 2, "queued": 3, "rejected": 1, "dequeued": 1,
-                                           "timeout": 1}
+            assert stats(r).rate_limit == {"allowed": 2, "queued": 3, "rejected": 1, "dequeued": 1, "timeout": 1}
             a.close()
             b.close()
+
     run(body())
 
 
 def test_no_healthy_target_is_503_not_queued() -> None:
     async def body() -> None:
         (w,) = await fault_workers(1)
-        async with Router(worker_urls=[w.url], max_concurrent_requests=1,
-                          cb_failure_threshold=1, disable_retries=True) as r:
+        async with Router(
+            worker_urls=[w.url], max_concurrent_requests=1, cb_failure_threshold=1, disable_retries=True
+        ) as r:
             w.status = 500
             assert (await call(r.port, post("/generate", {"text": "x"}))).status == 500
             res = await call(r.port, post("/generate", {"text": "x"}))
             assert res.status == 503 and res.json["error"]["code"] == "no_available_workers"
             assert r.server.app.admission.active == 0
+
     run(body())
 
 
@@ -324,7 +347,7 @@ def test_leaked_lease_of_a_vanished_client_is_reclaimed_and_counted() -> None:
             c.send(post("/generate", {"text": "x"}))
             await until(lambda: w.held == 1, what="held")
             (ex,) = app.exchanges
-            ex.proto.exchange = None   # inject the bug: the connection forgets its exchange
+            ex.proto.exchange = None  # inject the bug: the connection forgets its exchange
             c.close()
             await until(lambda: ex.proto.closed, what="client gone")
             assert r.in_flight(w) == 1  # nobody released it
@@ -337,6 +360,7 @@ def test_leaked_lease_of_a_vanished_client_is_reclaimed_and_counted() -> None:
             assert 'fastroute_leases_reclaimed_total{reason="client_gone"} 1.0' in text
             w.release()
             assert (await call(r.port, post("/generate", {"text": "x"}))).status == 200
+
     run(body())
 
 
@@ -352,10 +376,11 @@ def test_reconcile_flags_a_booking_the_engine_never_reports_without_releasing_it
             app.leak_every = 0.05
             app._next_leak = 0.0
             await until(lambda: stats(r).reclaimed.get("reconcile_mismatch") == 1, 5.0, "mismatch")
-            assert r.in_flight(w) == 1   # counted and logged, never released from here
+            assert r.in_flight(w) == 1  # counted and logged, never released from here
             await asyncio.sleep(0.4)
             assert stats(r).reclaimed == {"reconcile_mismatch": 1}  # flagged once, not per pass
             lease.release()
+
     run(body())
 
 
@@ -371,9 +396,23 @@ def _free_port() -> int:
 
 
 def _sim(port: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "fastroute.sim.worker", "--role", "regular",
-                             "--port", str(port), "--max-new-tokens", "4", "--step-base-ms", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fastroute.sim.worker",
+            "--role",
+            "regular",
+            "--port",
+            str(port),
+            "--max-new-tokens",
+            "4",
+            "--step-base-ms",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 async def _wait_http(port: int, timeout: float) -> None:
@@ -414,7 +453,7 @@ async def _client(port: int, obj: dict, mode: str) -> str:
     try:
         writer.write(post("/generate", obj, keep_alive=False))
         if mode == "disc0":
-            await asyncio.sleep(0.05)   # the worker answers after 0.3 s: no byte yet
+            await asyncio.sleep(0.05)  # the worker answers after 0.3 s: no byte yet
             return "gone"
         r = _Parsed()
         while not r.done:
@@ -454,13 +493,26 @@ def test_load_with_faults_leaves_no_lease_behind() -> None:
             ps = await fault_workers(2, role="prefill")
             ds = await fault_workers(2, role="decode")
             common = dict(request_timeout_secs=2, cb_timeout_duration_secs=1, **FAST_RETRY)
-            async with Router(worker_urls=[w.url for w in regs] + [f"http://127.0.0.1:{sim_port}"],
-                              **common) as rr, \
-                    Router(pd_disaggregation=True, prefill=[(p.url, 9100 + i) for i, p in enumerate(ps)],
-                           decode=[d.url for d in ds], **common) as pr:
+            async with (
+                Router(worker_urls=[w.url for w in regs] + [f"http://127.0.0.1:{sim_port}"], **common) as rr,
+                Router(
+                    pd_disaggregation=True,
+                    prefill=[(p.url, 9100 + i) for i, p in enumerate(ps)],
+                    decode=[d.url for d in ds],
+                    **common,
+                ) as pr,
+            ):
                 rng = random.Random(7)
-                faults = ["500"] * 20 + ["503"] * 20 + ["429"] * 15 + ["cut"] * 10 + ["hang"] * 4 \
-                    + ["disc0"] * 10 + ["discmid"] * 10 + ["pfault"] * 10
+                faults = (
+                    ["500"] * 20
+                    + ["503"] * 20
+                    + ["429"] * 15
+                    + ["cut"] * 10
+                    + ["hang"] * 4
+                    + ["disc0"] * 10
+                    + ["discmid"] * 10
+                    + ["pfault"] * 10
+                )
                 faults += [""] * (1000 - len(faults))
                 jobs = []
                 for i in range(2000):
@@ -509,11 +561,19 @@ def test_load_with_faults_leaves_no_lease_behind() -> None:
                 await asyncio.gather(chaos(), *(one(k) for k in range(len(jobs))))
 
                 # Every client got a complete answer or a clean error, per fault.
-                allowed = {"": {"ok"}, "500": {"ok"}, "503": {"ok"}, "429": {"ok"}, "pfault": {"ok"},
-                           # A cut before the PD relay starts (or an RST that beats the
-                           # head) is a clean 502 rather than a truncated stream.
-                           "hang": {"err:504", "ok"}, "cut": {"cut", "err:502", "ok"},
-                           "disc0": {"gone"}, "discmid": {"gone", "ok"}}
+                allowed = {
+                    "": {"ok"},
+                    "500": {"ok"},
+                    "503": {"ok"},
+                    "429": {"ok"},
+                    "pfault": {"ok"},
+                    # A cut before the PD relay starts (or an RST that beats the
+                    # head) is a clean 502 rather than a truncated stream.
+                    "hang": {"err:504", "ok"},
+                    "cut": {"cut", "err:502", "ok"},
+                    "disc0": {"gone"},
+                    "discmid": {"gone", "ok"},
+                }
                 t_kill, t_back = kill_window
                 seen: dict[str, int] = {}
                 for f, res, t0, t1 in results:
@@ -542,4 +602,5 @@ def test_load_with_faults_leaves_no_lease_behind() -> None:
                 if p.poll() is None:
                     p.kill()
                     p.wait(5)
+
     run(body(), timeout=90.0)

@@ -12,6 +12,7 @@ Load polls are triggered by the test (``monitor.poll_once``) and the periodic mo
 an hour, so the test decides what the router has seen. Requests stream with long outputs at a
 slow step, so they stay on their ranks while the test looks; every wait is bounded.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,8 +30,7 @@ H = "127.0.0.1"
 
 def _body(n_in: int, n_out: int) -> bytes:
     # text of 4 * n ASCII bytes weighs n tokens for both the router and the simulator
-    return json.dumps({"text": "tok " * n_in, "sampling_params": {"max_new_tokens": n_out},
-                       "stream": True}).encode()
+    return json.dumps({"text": "tok " * n_in, "sampling_params": {"max_new_tokens": n_out}, "stream": True}).encode()
 
 
 class Client:
@@ -39,8 +39,9 @@ class Client:
     def __init__(self, port: int, n_in: int, n_out: int = 100_000) -> None:
         self.conn = HttpConnection(H, port)
         self.chunks: list[bytes] = []
-        self.task = asyncio.ensure_future(self.conn.request("POST", "/generate", _body(n_in, n_out),
-                                                            on_chunk=self.chunks.append))
+        self.task = asyncio.ensure_future(
+            self.conn.request("POST", "/generate", _body(n_in, n_out), on_chunk=self.chunks.append)
+        )
 
     async def close(self) -> None:
         self.task.cancel()
@@ -54,10 +55,18 @@ async def _setup(cap: int, dp: int) -> tuple[SimCluster, Router]:
     params = SimParams(dp_size=dp, max_total_num_tokens=cap, time_scale=3.0)
     cluster = await start_cluster(1, 1, params, SimParams(dp_size=dp, time_scale=0.1))
     p, d = cluster.prefills[0], cluster.decodes[0]
-    router = Router(pd_disaggregation=True, prefill=[(p.url, p.bootstrap_port)], decode=[d.url],
-                    dp_aware=True, policy="power_of_two", p2c_load_metric="least_requests",
-                    prefill_policy="round_robin", decode_kv_fit="on", load_monitor_interval=3600.0,
-                    seed=7)
+    router = Router(
+        pd_disaggregation=True,
+        prefill=[(p.url, p.bootstrap_port)],
+        decode=[d.url],
+        dp_aware=True,
+        policy="power_of_two",
+        p2c_load_metric="least_requests",
+        prefill_policy="round_robin",
+        decode_kv_fit="on",
+        load_monitor_interval=3600.0,
+        seed=7,
+    )
     return cluster, router
 
 
@@ -94,8 +103,7 @@ def test_free_kv_estimate_reconciles_with_the_engine_between_and_at_polls() -> N
                 for k, n in enumerate(ins):
                     clients.append(Client(r.port, n))
                     await until(lambda: sum(_placed(cluster)) == k + 1, 10.0, "request placed")
-                await until(lambda: all(len(rk.running) + len(rk.ready) == 2 for rk in eng.ranks), 10.0,
-                            "all running")
+                await until(lambda: all(len(rk.running) + len(rk.ready) == 2 for rk in eng.ranks), 10.0, "all running")
                 # Between polls the router knows the inputs it booked: the estimate is the true
                 # free KV plus exactly what the engine generated since the (empty) poll, which
                 # the router does not track. (No await between the reads: one consistent view.)
@@ -132,6 +140,7 @@ def test_free_kv_estimate_reconciles_with_the_engine_between_and_at_polls() -> N
             for c in clients:
                 await c.close()
             await cluster.stop()
+
     run(body(), 60.0)
 
 
@@ -172,6 +181,7 @@ def test_a_full_rank_is_skipped_end_to_end() -> None:
             for c in clients:
                 await c.close()
             await cluster.stop()
+
     run(body(), 60.0)
 
 
@@ -210,4 +220,5 @@ def test_no_rank_fits_falls_back_to_the_most_headroom() -> None:
             for c in clients:
                 await c.close()
             await cluster.stop()
+
     run(body(), 60.0)

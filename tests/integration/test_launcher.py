@@ -2,6 +2,7 @@
 fastroute through ``python -m fastroute.compat``: argparse with the router prefix,
 ``RouterArgs.from_cli_args``, ``multiprocessing.Process(target=launch_router)``, workers added
 with ``POST /workers`` under a control-plane key given as sglang-router's tuple, SIGTERM."""
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ import urllib.request
 
 SECRET = "s3cret-launcher-key-0042"
 
-LAUNCHER = textwrap.dedent('''
+LAUNCHER = textwrap.dedent("""
     import argparse, json, multiprocessing, sys, time, urllib.error, urllib.request
     from sglang_router.launch_router import RouterArgs, launch_router   # unchanged import
 
@@ -72,7 +73,7 @@ LAUNCHER = textwrap.dedent('''
 
     if __name__ == "__main__":
         main()
-''')
+""")
 
 
 def _free_port() -> int:
@@ -90,9 +91,23 @@ def _get(port: int, path: str) -> tuple[int | None, bytes]:
 
 
 def _sim(port: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "fastroute.sim.worker", "--role", "regular",
-                             "--port", str(port), "--max-new-tokens", "2", "--step-base-ms", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fastroute.sim.worker",
+            "--role",
+            "regular",
+            "--port",
+            str(port),
+            "--max-new-tokens",
+            "2",
+            "--step-base-ms",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def test_slime_style_launcher_runs_fastroute_through_the_sglang_router_import(tmp_path) -> None:
@@ -107,14 +122,35 @@ def test_slime_style_launcher_runs_fastroute_through_the_sglang_router_import(tm
             assert time.time() < deadline, "sim workers did not come up"
             time.sleep(0.05)
         out = subprocess.run(
-            [sys.executable, "-m", "fastroute.compat", str(script),
-             "--sglang-router-port", str(_free_port()),
-             "--engine-urls", *(f"http://127.0.0.1:{p}" for p in ports), "--admin-key", SECRET,
-             "--router-policy", "round_robin", "--router-prometheus-port", "0",
-             "--router-control-plane-api-keys", f"k1:trainer:admin:{SECRET}",
-             "--router-worker-startup-check-interval", "1",
-             "--router-shutdown-grace-period-secs", "5", "--router-log-level", "info"],
-            env=env, capture_output=True, text=True, timeout=150)
+            [
+                sys.executable,
+                "-m",
+                "fastroute.compat",
+                str(script),
+                "--sglang-router-port",
+                str(_free_port()),
+                "--engine-urls",
+                *(f"http://127.0.0.1:{p}" for p in ports),
+                "--admin-key",
+                SECRET,
+                "--router-policy",
+                "round_robin",
+                "--router-prometheus-port",
+                "0",
+                "--router-control-plane-api-keys",
+                f"k1:trainer:admin:{SECRET}",
+                "--router-worker-startup-check-interval",
+                "1",
+                "--router-shutdown-grace-period-secs",
+                "5",
+                "--router-log-level",
+                "info",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=150,
+        )
         # round robin over the two worker processes: each served its share of the 8
         served = [json.loads(_get(p, "/sim/stats")[1])["requests"] for p in ports]
     finally:
@@ -128,7 +164,6 @@ def test_slime_style_launcher_runs_fastroute_through_the_sglang_router_import(tm
     assert all(200 <= s < 300 for s in result["added"]), result
     assert result["unauth"] == 401
     assert result["gens"] == [200] * 8 and served == [4, 4]
-    assert result["exitcode"] == 0           # SIGTERM drained and ended the router cleanly
-    assert SECRET not in out.stderr          # never in a log line
+    assert result["exitcode"] == 0  # SIGTERM drained and ended the router cleanly
+    assert SECRET not in out.stderr  # never in a log line
     assert "Traceback" not in out.stderr
-

@@ -1,7 +1,8 @@
-"""Issue 25 item 6 over real sockets: smg's engine gauges from the load polls (per dp_rank, the
+"""Over real sockets: smg's engine gauges from the load polls (per dp_rank, the
 physical worker's URL), smg_worker_requests_total, the path label of smg_http_responses_total,
 /v1/models and /workers in smg_http_requests_total, and the other families the parity table says
 fastroute exports; docs/metrics.md's table is generated from fastroute.control.parity."""
+
 from __future__ import annotations
 
 import json
@@ -28,13 +29,27 @@ class LoadedWorker(DataWorker):
         if path == "/v1/loads" and self.legacy:
             return 404, b"{}"
         if path == "/get_load" and self.legacy:
-            return 200, json.dumps([{"dp_rank": r, "num_reqs": 5 + r, "num_waiting_reqs": 2,
-                                     "num_tokens": 100} for r in range(self.dp_size)]).encode()
+            return 200, json.dumps(
+                [
+                    {"dp_rank": r, "num_reqs": 5 + r, "num_waiting_reqs": 2, "num_tokens": 100}
+                    for r in range(self.dp_size)
+                ]
+            ).encode()
         if path == "/v1/loads":
-            loads = [{"dp_rank": r, "num_running_reqs": 3 + r, "num_waiting_reqs": 1 + 2 * r,
-                      "num_total_reqs": 4 + 3 * r, "num_used_tokens": 10, "max_total_num_tokens": 1000,
-                      "token_usage": 0.25 + r / 10, "gen_throughput": 80.0 + r,
-                      "cache_hit_rate": 0.5} for r in range(self.dp_size)]
+            loads = [
+                {
+                    "dp_rank": r,
+                    "num_running_reqs": 3 + r,
+                    "num_waiting_reqs": 1 + 2 * r,
+                    "num_total_reqs": 4 + 3 * r,
+                    "num_used_tokens": 10,
+                    "max_total_num_tokens": 1000,
+                    "token_usage": 0.25 + r / 10,
+                    "gen_throughput": 80.0 + r,
+                    "cache_hit_rate": 0.5,
+                }
+                for r in range(self.dp_size)
+            ]
             return 200, json.dumps({"dp_rank_count": self.dp_size, "loads": loads}).encode()
         return super().control(path)
 
@@ -54,8 +69,7 @@ def test_engine_gauges_per_rank_from_the_load_polls() -> None:
         async with Router(worker_urls=[w.url], dp_aware=True, load_monitor_interval=0.1) as r:
             await until(lambda: r.server.monitor.engine.rows.get(w.url), 10, "a load poll")
             m = await _scrape(r)
-            got = {(lab["worker"], lab["model"], lab["dp_rank"]): v
-                   for lab, v in m["smg_engine_running_requests"]}
+            got = {(lab["worker"], lab["model"], lab["dp_rank"]): v for lab, v in m["smg_engine_running_requests"]}
             assert got == {(w.url, "fake-model", "0"): 3.0, (w.url, "fake-model", "1"): 4.0}
             waiting = {lab["dp_rank"]: v for lab, v in m["smg_engine_waiting_requests"]}
             assert waiting == {"0": 1.0, "1": 3.0}
@@ -64,6 +78,7 @@ def test_engine_gauges_per_rank_from_the_load_polls() -> None:
             assert {lab["dp_rank"]: v for lab, v in m["smg_engine_cache_hit_rate"]} == {"0": 0.5, "1": 0.5}
             polls = {(lab["worker"], lab["mode"]): v for lab, v in m["smg_engine_load_polls_total"]}
             assert polls[(w.url, "v1_loads")] >= 1
+
     run(body())
 
 
@@ -75,15 +90,15 @@ def test_engine_gauges_from_the_legacy_get_load() -> None:
             m = await _scrape(r)
             assert {lab["dp_rank"]: v for lab, v in m["smg_engine_running_requests"]} == {"0": 3.0, "1": 4.0}
             assert {lab["dp_rank"]: v for lab, v in m["smg_engine_waiting_requests"]} == {"0": 2.0, "1": 2.0}
-            assert "smg_engine_token_usage" not in m   # /get_load has no such field
+            assert "smg_engine_token_usage" not in m  # /get_load has no such field
+
     run(body())
 
 
 def test_worker_requests_and_breaker_streak_per_worker() -> None:
     async def body() -> None:
         w = await DataWorker(dp_size=2).start()
-        async with Router(worker_urls=[w.url], dp_aware=True, retry_max_retries=1,
-                          policy="round_robin") as r:
+        async with Router(worker_urls=[w.url], dp_aware=True, retry_max_retries=1, policy="round_robin") as r:
             for _ in range(4):
                 assert (await call(r.port, post("/generate", {"text": "x"}))).status == 200
             w.status = 500
@@ -94,6 +109,7 @@ def test_worker_requests_and_breaker_streak_per_worker() -> None:
             assert sent == {(w.url + "@0", "fake-model"): 3.0, (w.url + "@1", "fake-model"): 3.0}
             streak = {lab["worker"]: v for lab, v in m["smg_worker_cb_consecutive_failures"]}
             assert streak == {w.url + "@0": 1.0, w.url + "@1": 1.0}
+
     run(body())
 
 
@@ -111,12 +127,12 @@ def test_http_series_carry_the_path_and_count_models_and_workers() -> None:
             req = {(lab["method"], lab["path"]): v for lab, v in m["smg_http_requests_total"]}
             assert req[("GET", "/v1/models")] == 1 and req[("GET", "/workers")] == 2
             assert req[("GET", "/workers/{worker_id}")] == 1 and req[("GET", "other")] == 1
-            resp = {(lab["path"], lab["status_code"], lab["error_code"]): v
-                    for lab, v in m["smg_http_responses_total"]}
+            resp = {(lab["path"], lab["status_code"], lab["error_code"]): v for lab, v in m["smg_http_responses_total"]}
             assert resp[("/generate", "200", "")] == 1
             assert resp[("/v1/models", "200", "")] == 1
             assert resp[("/workers/{worker_id}", "200", "")] == 1
             assert resp[("other", "404", "unknown_url")] == 1
+
     run(body())
 
 
@@ -127,23 +143,31 @@ def test_manual_key_table_size() -> None:
         await w2.start()
         async with Router(worker_urls=[w1.url, w2.url], policy="manual") as r:
             for key in ("a", "b", "c", "a"):
-                raw = (f"POST /generate HTTP/1.1\r\nHost: x\r\nX-SMG-Routing-Key: {key}\r\n"
-                       "Content-Type: application/json\r\nContent-Length: 12\r\n\r\n"
-                       '{"text":"x"}').encode()
+                raw = (
+                    f"POST /generate HTTP/1.1\r\nHost: x\r\nX-SMG-Routing-Key: {key}\r\n"
+                    "Content-Type: application/json\r\nContent-Length: 12\r\n\r\n"
+                    '{"text":"x"}'
+                ).encode()
                 assert (await call(r.port, raw)).status == 200
             m = await _scrape(r)
             assert m["smg_manual_policy_cache_entries"] == [({}, 3.0)]
+
     run(body())
 
 
 def test_docs_parity_table_is_the_generators_output() -> None:
-    out = subprocess.run([sys.executable, "-m", "fastroute.control.parity"], cwd=REPO,
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "fastroute.control.parity"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     assert out == parity.markdown()
-    assert out in (REPO / "docs" / "metrics.md").read_text(), \
-        "regenerate with: python -m fastroute.control.parity"
+    assert out in (REPO / "docs" / "metrics.md").read_text(), "regenerate with: python -m fastroute.control.parity"
     names = [f.name for f in parity.FAMILIES]
     assert len(names) == len(set(names))
     for f in parity.FAMILIES:
         assert f.status in (parity.EXPORTED, parity.NOT_EXPORTED)
-        assert f.status == parity.EXPORTED or f.why, f.name   # every gap says why
+        assert f.status == parity.EXPORTED or f.why, f.name  # every gap says why

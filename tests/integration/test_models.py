@@ -19,8 +19,13 @@ class ModelWorker(DataWorker):
 
     def control(self, path: str) -> tuple[int, bytes] | None:
         ans = super().control(path)
-        if ans is None or path not in ("/server_info", "/get_server_info", "/model_info",
-                                       "/get_model_info", "/v1/models"):
+        if ans is None or path not in (
+            "/server_info",
+            "/get_server_info",
+            "/model_info",
+            "/get_model_info",
+            "/v1/models",
+        ):
             return ans
         doc = json.loads(ans[1])
         if path == "/v1/models":
@@ -44,11 +49,10 @@ def chat(model: str | None) -> bytes:
 def test_each_model_goes_only_to_its_workers() -> None:
     async def body() -> None:
         a1, a2, b1 = await model_workers("model-a", "model-a", "model-b")
-        async with Router(worker_urls=[w.url for w in (a1, a2, b1)], enable_igw=True,
-                          policy="round_robin") as r:
+        async with Router(worker_urls=[w.url for w in (a1, a2, b1)], enable_igw=True, policy="round_robin") as r:
             for _ in range(10):
                 assert (await call(r.port, chat("model-a"))).status == 200
-            assert len(b1.inference()) == 0                       # 0 to the other model
+            assert len(b1.inference()) == 0  # 0 to the other model
             assert len(a1.inference()) == len(a2.inference()) == 5  # balanced inside model-a
             for _ in range(3):
                 assert (await call(r.port, chat("model-b"))).status == 200
@@ -72,6 +76,7 @@ def test_each_model_goes_only_to_its_workers() -> None:
             res = await call(r.port, get("/v1/models"))
             assert [m["id"] for m in res.json["data"]] == ["model-a", "model-b"]
             await until(lambda: all(r.in_flight(w) == 0 for w in (a1, a2, b1)), what="released")
+
     run(body())
 
 
@@ -79,8 +84,7 @@ def test_alias_and_runtime_add_remove() -> None:
     async def body() -> None:
         (a,) = await model_workers("model-a")
         (b,) = await model_workers("model-b")
-        async with Router(worker_urls=[a.url], enable_igw=True,
-                          model_alias=["small=model-a", "fast=model-b"]) as r:
+        async with Router(worker_urls=[a.url], enable_igw=True, model_alias=["small=model-a", "fast=model-b"]) as r:
             assert (await call(r.port, chat("small"))).status == 200 and len(a.inference()) == 1
             # alias of a model nobody serves yet: unknown
             assert (await call(r.port, chat("fast"))).status == 404
@@ -94,6 +98,7 @@ def test_alias_and_runtime_add_remove() -> None:
             assert (await call(r.port, chat("model-a"))).status == 404
             assert (await call(r.port, chat(None))).status == 200 and len(b.inference()) == 3
             assert len(a.inference()) == 1
+
     run(body())
 
 
@@ -101,12 +106,12 @@ def test_dp_aware_ranks_stay_in_their_model() -> None:
     async def body() -> None:
         (a,) = await model_workers("model-a", dp_size=2)
         (b,) = await model_workers("model-b", dp_size=2)
-        async with Router(worker_urls=[a.url, b.url], enable_igw=True, dp_aware=True,
-                          policy="round_robin") as r:
+        async with Router(worker_urls=[a.url, b.url], enable_igw=True, dp_aware=True, policy="round_robin") as r:
             for _ in range(4):
                 assert (await call(r.port, chat("model-b"))).status == 200
             ranks = sorted(rec.json["data_parallel_rank"] for rec in b.inference())
             assert ranks == [0, 0, 1, 1] and not a.inference()
+
     run(body())
 
 
@@ -114,14 +119,16 @@ def test_pd_pairs_stay_in_their_model() -> None:
     async def body() -> None:
         pa, pb = await model_workers("model-a", "model-b", role="prefill")
         da, db = await model_workers("model-a", "model-b", role="decode")
-        async with Router(pd_disaggregation=True, enable_igw=True,
-                          prefill=[(pa.url, 8998), (pb.url, 8999)], decode=[da.url, db.url]) as r:
+        async with Router(
+            pd_disaggregation=True, enable_igw=True, prefill=[(pa.url, 8998), (pb.url, 8999)], decode=[da.url, db.url]
+        ) as r:
             for _ in range(3):
                 res = await call(r.port, post("/generate", {"text": "hi", "model": "model-b"}))
                 assert res.status == 200
             assert len(pb.inference()) == len(db.inference()) == 3
             assert not pa.inference() and not da.inference()
             assert (await call(r.port, post("/generate", {"text": "hi", "model": "x"}))).status == 404
+
     run(body())
 
 
@@ -132,6 +139,7 @@ def test_without_igw_models_are_not_looked_at() -> None:
             for _ in range(4):
                 assert (await call(r.port, chat("model-z"))).status == 200
             assert len(a.inference()) == len(b.inference()) == 2
+
     run(body())
 
 
@@ -141,12 +149,12 @@ def test_igw_under_several_proxy_processes() -> None:
 
     async def body() -> None:
         a, b = await model_workers("model-a", "model-b")
-        async with MultiRouter("--worker-urls", a.url, b.url, "--enable-igw",
-                               "--policy", "round_robin") as r:
-            for _ in range(8):   # fresh connections land on both processes
+        async with MultiRouter("--worker-urls", a.url, b.url, "--enable-igw", "--policy", "round_robin") as r:
+            for _ in range(8):  # fresh connections land on both processes
                 assert (await call(r.port, chat("model-b"))).status == 200
             assert len(b.inference()) == 8 and not a.inference()
             assert (await call(r.port, chat("model-q"))).status == 404
+
     run(body(), timeout=60)
 
 
@@ -157,7 +165,10 @@ def test_worker_metrics_carry_the_model() -> None:
             for _ in range(3):
                 assert (await call(r.port, chat("model-b"))).status == 200
             text = (await call(r.server.metrics.port, get("/metrics"))).body.decode()
-            assert ('smg_worker_selection_total{connection_mode="http",model="model-b",'
-                    'policy="round_robin",worker_type="regular"} 3.0') in text
+            assert (
+                'smg_worker_selection_total{connection_mode="http",model="model-b",'
+                'policy="round_robin",worker_type="regular"} 3.0'
+            ) in text
             assert 'smg_worker_pool_size{connection_mode="http",model="model-a",' in text
+
     run(body())

@@ -1,4 +1,5 @@
 """Monitor over real loopback HTTP: per-rank load fan-out, fallbacks, unknown-on-failure, health."""
+
 from __future__ import annotations
 
 import asyncio
@@ -6,8 +7,14 @@ import asyncio
 from fakeworker import FakeWorker, Plane, make_config, run, wait_until
 
 from fastroute.control.monitor import parse_get_load, parse_v1_loads
-from fastroute.core.table import (COL_HEALTHY, COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_POLLED_RUNNING,
-                             COL_POLLED_TOKENS, COL_POLLED_WAITING)
+from fastroute.core.table import (
+    COL_HEALTHY,
+    COL_POLLED_AT,
+    COL_POLLED_MAX_TOKENS,
+    COL_POLLED_RUNNING,
+    COL_POLLED_TOKENS,
+    COL_POLLED_WAITING,
+)
 
 LOADS4 = [{"num_running_reqs": r, "num_waiting_reqs": r % 2, "num_used_tokens": 1000 * (r + 1)} for r in range(4)]
 
@@ -28,34 +35,39 @@ def test_v1_loads_fan_out_per_rank_one_call_per_server():
             polls = [r for r in fw.requests if r.path == "/v1/loads"]
             assert len(polls) == 1  # one per physical server, not per rank
             assert polls[0].query == "include=core,disagg" and polls[0].headers["authorization"] == "Bearer k"
-            assert [polled(p.table, t) for t in w.targets] == [(0, 0, 1000), (1, 1, 2000), (2, 0, 3000),
-                                                               (3, 1, 4000)]
+            assert [polled(p.table, t) for t in w.targets] == [(0, 0, 1000), (1, 1, 2000), (2, 0, 3000), (3, 1, 4000)]
             assert p.table.get(w.targets[0], COL_POLLED_MAX_TOKENS) == 100000
             # New values replace old ones on the next poll.
             fw.loads[2] = {"num_running_reqs": 9, "num_used_tokens": 5}
             await p.monitor.poll_once()
             assert polled(p.table, w.targets[2]) == (9, 0, 5)
         await fw.stop()
+
     run(body)
 
 
 def test_fallback_to_get_load_is_remembered():
     async def body():
-        fw = await FakeWorker(dp_size=2, load_mode="get_load",
-                              loads=[{"num_running_reqs": 2, "num_waiting_reqs": 3, "num_used_tokens": 70},
-                                     {"num_running_reqs": 1, "num_used_tokens": 10}]).start()
+        fw = await FakeWorker(
+            dp_size=2,
+            load_mode="get_load",
+            loads=[
+                {"num_running_reqs": 2, "num_waiting_reqs": 3, "num_used_tokens": 70},
+                {"num_running_reqs": 1, "num_used_tokens": 10},
+            ],
+        ).start()
         async with Plane(make_config(dp_aware=True)) as p:
             w = await p.add(fw)
             await p.monitor.poll_once()
             await p.monitor.poll_once()
             # /v1/loads asked once (404), then only /get_load.
-            assert [x for x in fw.paths() if x in ("/v1/loads", "/get_load")] == \
-                ["/v1/loads", "/get_load", "/get_load"]
+            assert [x for x in fw.paths() if x in ("/v1/loads", "/get_load")] == ["/v1/loads", "/get_load", "/get_load"]
             # num_reqs = running + waiting on /get_load: running is recovered as 5 - 3.
             assert [polled(p.table, t) for t in w.targets] == [(2, 3, 70), (1, 0, 10)]
             assert p.table.get(w.targets[0], COL_POLLED_MAX_TOKENS) == -1
             assert p.monitor.polls[(fw.url, "get_load")] == 2
         await fw.stop()
+
     run(body)
 
 
@@ -77,6 +89,7 @@ def test_failed_poll_marks_unknown_never_zero():
             await p.monitor.poll_once()
             assert [polled(p.table, t) for t in w.targets] == [None, None]
             assert p.monitor.polls[(fw.url, "failed")] == 2
+
     run(body)
 
 
@@ -89,6 +102,7 @@ def test_missing_rank_entry_is_unknown_others_kept():
             await p.monitor.poll_once()
             assert [polled(p.table, t) for t in w.targets] == [(0, 0, 1000), (1, 1, 2000), None]
         await fw.stop()
+
     run(body)
 
 
@@ -101,6 +115,7 @@ def test_unsplit_worker_sums_its_ranks():
             assert polled(p.table, w.targets[0]) == (1, 1, 3000)
             assert p.table.get(w.targets[0], COL_POLLED_MAX_TOKENS) == 200000
         await fw.stop()
+
     run(body)
 
 
@@ -108,10 +123,22 @@ def test_parsers_are_defensive():
     assert parse_v1_loads({"loads": "x"}) == []
     assert parse_v1_loads([1, 2]) == []
     assert parse_v1_loads({"loads": [{"dp_rank": 0, "num_running_reqs": 1}]}) == [(0, None)]
-    assert parse_v1_loads({"loads": [{"dp_rank": 1, "num_total_reqs": 4, "num_waiting_reqs": 1,
-                                      "num_used_tokens": 9.0, "max_total_num_tokens": None}]}) == [(1, (3, 1, 9, -1, -1, 0))]
-    assert parse_v1_loads({"loads": [{"dp_rank": True, "num_running_reqs": -1, "num_used_tokens": 3}]}) == \
-        [(None, None)]
+    assert parse_v1_loads(
+        {
+            "loads": [
+                {
+                    "dp_rank": 1,
+                    "num_total_reqs": 4,
+                    "num_waiting_reqs": 1,
+                    "num_used_tokens": 9.0,
+                    "max_total_num_tokens": None,
+                }
+            ]
+        }
+    ) == [(1, (3, 1, 9, -1, -1, 0))]
+    assert parse_v1_loads({"loads": [{"dp_rank": True, "num_running_reqs": -1, "num_used_tokens": 3}]}) == [
+        (None, None)
+    ]
     # A fork reporting pages instead of tokens: unknown, not zero.
     assert parse_get_load([{"dp_rank": 0, "num_reqs": 2, "num_waiting_reqs": 0, "num_pages": 4}]) == [(0, None)]
     assert parse_get_load({"dp_rank": 0, "num_reqs": 2, "num_tokens": 5}) == [(0, (2, 0, 5, -1, -1, 0))]
@@ -131,10 +158,12 @@ def test_garbage_body_marks_unknown():
                 if rec.path == "/v1/loads":
                     return 200, b"{not json", "application/json"
                 return await original(rec)
+
             fw.handle = broken
             await p.monitor.poll_once()
             assert polled(p.table, w.targets[0]) is None
         await fw.stop()
+
     run(body)
 
 
@@ -167,6 +196,7 @@ def test_health_thresholds_one_probe_per_server():
             await p.monitor.check_once()
             assert w.healthy
         await fw.stop()
+
     run(body)
 
 
@@ -183,6 +213,7 @@ def test_slow_health_within_timeout_stays_healthy():
             assert not await p.monitor.check_worker(w)
             assert not w.healthy and p.table.get(w.targets[0], COL_HEALTHY) == 0
         await fw.stop()
+
     run(body)
 
 
@@ -198,14 +229,16 @@ def test_health_endpoint_auth_rules():
             assert fw.requests[-1].path == "/health_generate"
             assert fw.requests[-1].headers["authorization"] == "Bearer k"
         await fw.stop()
+
     run(body)
 
 
 def test_background_loops_poll_and_check_until_stopped():
     async def body():
         fw = await FakeWorker(dp_size=2, loads=LOADS4[:2]).start()
-        cfg = make_config(dp_aware=True, load_monitor_interval=0.1, health_check_interval_secs=0.05,
-                          health_failure_threshold=2)
+        cfg = make_config(
+            dp_aware=True, load_monitor_interval=0.1, health_check_interval_secs=0.05, health_failure_threshold=2
+        )
         async with Plane(cfg) as p:
             w = await p.add(fw)
             p.monitor.start()
@@ -217,6 +250,7 @@ def test_background_loops_poll_and_check_until_stopped():
             await asyncio.sleep(0.25)
             assert len(fw.requests) == n  # nothing polls after stop()
         await fw.stop()
+
     run(body)
 
 
@@ -231,6 +265,7 @@ def test_disabled_loops_do_not_run():
             await asyncio.sleep(0.3)
             assert len(fw.requests) == n and polled(p.table, w.targets[0]) is None
         await fw.stop()
+
     run(body)
 
 
@@ -255,4 +290,5 @@ def test_removed_worker_results_are_not_written():
             assert p.table.get(t, COL_HEALTHY) == 0 and not w2.healthy
             await other.stop()
         await fw.stop()
+
     run(body)

@@ -5,11 +5,11 @@ SGLang workers run in the test's event loop so requests can be held open.  Conne
 spread over the two proxy processes by the kernel (SO_REUSEPORT), so tests that need both
 processes keep opening connections until the per-process metrics show that each one picked.
 """
+
 from __future__ import annotations
 
 import asyncio
 import glob
-import json
 import os
 import re
 import signal
@@ -17,7 +17,7 @@ import socket
 import sys
 from typing import Any
 
-from tests.integration.conftest import DataWorker, RawClient, call, get, post, run, until, workers
+from tests.integration.conftest import RawClient, call, get, post, run, until, workers
 
 
 def _free_port() -> int:
@@ -36,19 +36,38 @@ class MultiRouter:
     def __init__(self, *args: str, processes: int = 2) -> None:
         self.port = _free_port()
         self.mport = _free_port()
-        self.args = ["--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host",
-                     "127.0.0.1", "--prometheus-port", str(self.mport), "--workers", str(processes),
-                     "--worker-startup-check-interval", "1", "--disable-health-check",
-                     "--shutdown-grace-period-secs", "2", "--log-level", "warning", *args]
+        self.args = [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(self.mport),
+            "--workers",
+            str(processes),
+            "--worker-startup-check-interval",
+            "1",
+            "--disable-health-check",
+            "--shutdown-grace-period-secs",
+            "2",
+            "--log-level",
+            "warning",
+            *args,
+        ]
         self.n = processes
         self.proc: asyncio.subprocess.Process | None = None
 
-    async def __aenter__(self) -> "MultiRouter":
+    async def __aenter__(self) -> MultiRouter:
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fastroute", *self.args,
-            env={**os.environ, "PYTHONPATH": os.getcwd()})
-        await self.until_metric(lambda m: sum(v for _, v in m.get("fastroute_proxy_process_up", []))
-                                == self.n, 20.0, "every proxy process up with a ready view")
+            sys.executable, "-m", "fastroute", *self.args, env={**os.environ, "PYTHONPATH": os.getcwd()}
+        )
+        await self.until_metric(
+            lambda m: sum(v for _, v in m.get("fastroute_proxy_process_up", [])) == self.n,
+            20.0,
+            "every proxy process up with a ready view",
+        )
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -75,7 +94,7 @@ class MultiRouter:
         for line in text.splitlines():
             if not line or line.startswith("#"):
                 continue
-            m = re.match(r'^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)$', line)
+            m = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)$", line)
             if m is None:
                 continue
             labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
@@ -94,8 +113,10 @@ class MultiRouter:
             except (OSError, IndexError, asyncio.TimeoutError):
                 pass
             await asyncio.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}; last metrics: "
-                             f"{ {k: v for k, v in last.items() if k.startswith('fastroute_proxy')} }")
+        raise AssertionError(
+            f"timed out waiting for {what}; last metrics: "
+            f"{ {k: v for k, v in last.items() if k.startswith('fastroute_proxy')} }"
+        )
 
 
 def per_process(m: dict, name: str) -> dict[str, float]:
@@ -123,8 +144,9 @@ def test_least_requests_balances_ranks_across_both_processes() -> None:
     async def body() -> None:
         (w,) = await workers(1, dp_size=4)
         w.hold()
-        async with MultiRouter("--worker-urls", w.url, "--dp-aware", "--policy", "power_of_two",
-                               "--p2c-load-metric", "least_requests") as r:
+        async with MultiRouter(
+            "--worker-urls", w.url, "--dp-aware", "--policy", "power_of_two", "--p2c-load-metric", "least_requests"
+        ) as r:
             clients: list[RawClient] = []
             held = 0
             # One request at a time, each on a new connection (the kernel picks the process),
@@ -166,13 +188,16 @@ def test_least_requests_balances_ranks_across_both_processes() -> None:
             # Statistics of both processes are merged by the supervisor's /metrics.
             m = await r.until_metric(
                 lambda m: value(m, "smg_router_requests_total", endpoint="generate") == held,
-                5.0, "routed requests of both processes in /metrics")
+                5.0,
+                "routed requests of both processes in /metrics",
+            )
             assert value(m, "fastroute_lease_underflows_total") == 0
             pid = r.proc.pid
             assert _segments(pid), "the shared table should exist while running"
             assert await r.stop() == 0
             assert _segments(pid) == []
         await w.stop()
+
     run(body(), timeout=60)
 
 
@@ -180,13 +205,14 @@ def test_sigkill_of_a_proxy_process_mid_stream_reclaims_its_leases() -> None:
     async def body() -> None:
         (w,) = await workers(1, dp_size=2)
         w.stream_gate = asyncio.Event()
-        async with MultiRouter("--worker-urls", w.url, "--dp-aware", "--policy", "power_of_two",
-                               "--p2c-load-metric", "least_requests") as r:
+        async with MultiRouter(
+            "--worker-urls", w.url, "--dp-aware", "--policy", "power_of_two", "--p2c-load-metric", "least_requests"
+        ) as r:
             clients: list[RawClient] = []
             while True:
                 c = await RawClient(r.port).connect()
                 c.send(post("/generate", {"text": "x", "stream": True}))
-                await c.until_body(b"data:", 5.0)       # the stream is open mid-response
+                await c.until_body(b"data:", 5.0)  # the stream is open mid-response
                 clients.append(c)
                 m = await r.metrics()
                 inflight = per_process(m, "fastroute_proxy_process_in_flight_requests")
@@ -198,16 +224,19 @@ def test_sigkill_of_a_proxy_process_mid_stream_reclaims_its_leases() -> None:
             survivor_held = inflight["1"]
             os.kill(int(pids["0"]), signal.SIGKILL)
             m = await r.until_metric(
-                lambda m: per_process(m, "fastroute_proxy_process_restarts_total").get("0") == 1
-                and per_process(m, "fastroute_proxy_process_up").get("0") == 1,
-                15.0, "process 0 restarted")
+                lambda m: (
+                    per_process(m, "fastroute_proxy_process_restarts_total").get("0") == 1
+                    and per_process(m, "fastroute_proxy_process_up").get("0") == 1
+                ),
+                15.0,
+                "process 0 restarted",
+            )
             assert per_process(m, "fastroute_proxy_process_pid")["0"] != pids["0"]
             assert value(m, "fastroute_leases_reclaimed_total", reason="process_exit") == victim_held
             # Only the survivor's streams are still booked; nothing of the dead process remains.
             loads = await get_loads(r.port)
             assert loads["aggregate"]["total_in_flight_requests"] == survivor_held
-            assert per_process(m, "fastroute_proxy_process_in_flight_requests") == {
-                "0": 0.0, "1": float(survivor_held)}
+            assert per_process(m, "fastroute_proxy_process_in_flight_requests") == {"0": 0.0, "1": float(survivor_held)}
             w.stream_gate.set()
             done = 0
             for c in clients:
@@ -215,7 +244,7 @@ def test_sigkill_of_a_proxy_process_mid_stream_reclaims_its_leases() -> None:
                     await c.until_body(b"[DONE]", 5.0)
                     done += 1
                 except (EOFError, ConnectionError):
-                    pass                                 # a stream of the killed process
+                    pass  # a stream of the killed process
                 c.close()
             assert done == survivor_held
             loads = await get_loads(r.port)
@@ -229,6 +258,7 @@ def test_sigkill_of_a_proxy_process_mid_stream_reclaims_its_leases() -> None:
             assert await r.stop() == 0
             assert _segments(pid) == []
         await w.stop()
+
     run(body(), timeout=60)
 
 
@@ -280,6 +310,7 @@ def test_worker_added_through_any_process_reaches_both() -> None:
             assert _segments(pid) == []
         await a.stop()
         await b.stop()
+
     run(body(), timeout=60)
 
 
@@ -287,12 +318,11 @@ def test_worker_added_through_any_process_reaches_both() -> None:
 
 
 def test_reclaim_subtracts_exactly_the_dead_process_ledger() -> None:
-    from fastroute.core.routing import Router
     from fastroute.control.leases import reclaim
+    from fastroute.core.routing import Router
     from fastroute.core.table import TargetTable
 
-    with TargetTable(capacity=8) as table, TargetTable(capacity=8) as la, \
-            TargetTable(capacity=8) as lb:
+    with TargetTable(capacity=8) as table, TargetTable(capacity=8) as la, TargetTable(capacity=8) as lb:
         rows = [table.alloc() for _ in range(3)]
         ga = Router(table, seed=1).group(rows, "round_robin")
         gb = Router(table, seed=2).group(rows, "round_robin")
@@ -301,14 +331,14 @@ def test_reclaim_subtracts_exactly_the_dead_process_ledger() -> None:
         acq_a, acq_b = ga.acquire, gb.acquire
         held_a = [acq_a(10) for _ in range(5)]
         held_b = [acq_b(7) for _ in range(4)]
-        held_a[0].release()                       # released leases are not reclaimed
-        assert held_a[0].release() is False       # and release stays idempotent
-        reqs, toks = reclaim(table, la)           # process a "died" holding 4 leases
+        held_a[0].release()  # released leases are not reclaimed
+        assert held_a[0].release() is False  # and release stays idempotent
+        reqs, toks = reclaim(table, la)  # process a "died" holding 4 leases
         assert (reqs, toks) == (4, 40)
         assert sum(table.in_flight(t) for t in rows) == 4
         assert sum(table.in_flight_tokens(t) for t in rows) == 28
         assert la.snapshot()[:, :2].sum() == 0
-        assert reclaim(table, la) == (0, 0)       # idempotent
+        assert reclaim(table, la) == (0, 0)  # idempotent
         for lease in held_b:
             lease.release()
         assert sum(table.in_flight(t) for t in rows) == 0
@@ -317,8 +347,7 @@ def test_reclaim_subtracts_exactly_the_dead_process_ledger() -> None:
 
 
 def test_merge_stats_adds_counters_and_histograms_not_gauges() -> None:
-    from fastroute.control.metrics import Stats
-    from fastroute.control.metrics import merge_stats
+    from fastroute.control.metrics import Stats, merge_stats
 
     a, b = Stats(), Stats()
     a.count(a.http_requests, ("POST", "/generate"), 3)
@@ -338,28 +367,54 @@ def test_merge_stats_adds_counters_and_histograms_not_gauges() -> None:
 
 def test_follower_applies_snapshots_and_forgets_removed_workers() -> None:
     from fastroute.config import Config
-    from fastroute.core.routing import Router
     from fastroute.control.follower import FollowerRegistry
+    from fastroute.core.routing import Router
     from fastroute.core.table import TargetTable
 
     cfg = Config(worker_urls=[], policy="round_robin", dp_aware=True)
     with TargetTable(capacity=8) as table, TargetTable(capacity=8) as ledger:
-        reg = FollowerRegistry(cfg, table, Router(table, seed=3, config=cfg), ledger, "/nonexistent",
-                               "http://127.0.0.1:1", "s")
+        reg = FollowerRegistry(
+            cfg, table, Router(table, seed=3, config=cfg), ledger, "/nonexistent", "http://127.0.0.1:1", "s"
+        )
         assert not reg.ready()
 
         def worker(url: str, wid: str, targets: list[int], status: str = "ready") -> dict:
-            return {"url": url, "role": "regular", "id": wid, "host": "127.0.0.1", "port": 1,
-                    "bootstrap_port": None, "dp_size": len(targets), "targets": targets,
-                    "names": [f"{url}@{i}" for i in range(len(targets))], "model_id": "m",
-                    "server_info": {}, "model_info": {}, "healthy": True, "status": status,
-                    "priority": 50, "cost": 1.0, "labels": {}, "api_key": None,
-                    "requested_model_id": None, "error": None, "server_info_path": "/server_info",
-                    "model_info_path": "/model_info"}
+            return {
+                "url": url,
+                "role": "regular",
+                "id": wid,
+                "host": "127.0.0.1",
+                "port": 1,
+                "bootstrap_port": None,
+                "dp_size": len(targets),
+                "targets": targets,
+                "names": [f"{url}@{i}" for i in range(len(targets))],
+                "model_id": "m",
+                "server_info": {},
+                "model_info": {},
+                "healthy": True,
+                "status": status,
+                "priority": 50,
+                "cost": 1.0,
+                "labels": {},
+                "api_key": None,
+                "requested_model_id": None,
+                "error": None,
+                "server_info_path": "/server_info",
+                "model_info_path": "/model_info",
+            }
+
         rows = [table.alloc() for _ in range(3)]
-        reg.apply({"version": 1, "workers": [worker("http://a:1", "a", rows[:2]),
-                                             worker("http://b:1", "b", [rows[2]]),
-                                             worker("http://c:1", "c", [], status="pending")]})
+        reg.apply(
+            {
+                "version": 1,
+                "workers": [
+                    worker("http://a:1", "a", rows[:2]),
+                    worker("http://b:1", "b", [rows[2]]),
+                    worker("http://c:1", "c", [], status="pending"),
+                ],
+            }
+        )
         assert reg.ready() and reg.version == 1
         assert reg.group("regular").targets == rows
         wa = reg.target_info[rows[1]][0]
@@ -371,13 +426,13 @@ def test_follower_applies_snapshots_and_forgets_removed_workers() -> None:
         wb = reg.target_info[rows[2]][0]
         reg.apply({"version": 2, "workers": [worker("http://a:1", "a", rows[:2])]})
         assert reg.group("regular").targets == rows[:2]
-        assert reg.find("http://a:1") is wa               # identity kept across snapshots
+        assert reg.find("http://a:1") is wa  # identity kept across snapshots
         assert reg.find("http://b:1") is None
         # b's row still resolves until the supervisor frees it (a late lookup of a lease) ...
         assert reg.target_info[rows[2]] == (wb, None)
         table.free(rows[2])
         reg.apply({"version": 3, "workers": [worker("http://a:1", "a", rows[:2])]})
-        assert reg.target_info[rows[2]] is None           # ... and not after
+        assert reg.target_info[rows[2]] is None  # ... and not after
         reg.apply({"version": 4, "workers": []})
         assert not reg.ready() and reg.group("regular").acquire(1) is None
         del reg, lease
@@ -402,13 +457,14 @@ def test_sigterm_drains_everywhere_and_finishes_in_flight() -> None:
                     return (await call(r.port, get("/readiness"), timeout=5)).status
                 except OSError:
                     return None
+
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 10
             # every proxy process answers 503 (20 fresh connections in a row), none refuses
             while [await readiness() for _ in range(20)] != [503] * 20:
                 assert loop.time() < deadline, "a proxy process stayed ready after SIGTERM"
                 await asyncio.sleep(0.02)
-            assert r.proc.returncode is None      # still draining the held requests
+            assert r.proc.returncode is None  # still draining the held requests
             w.release()
             for c in clients:
                 res = await c.response(timeout=5)
@@ -417,6 +473,7 @@ def test_sigterm_drains_everywhere_and_finishes_in_flight() -> None:
             assert await asyncio.wait_for(r.proc.wait(), 15) == 0
             assert _segments(pid) == []
         await w.stop()
+
     run(body(), timeout=60)
 
 
@@ -440,8 +497,10 @@ def test_killed_supervisor_takes_its_proxy_processes_and_segments_along() -> Non
                     except OSError:
                         alive.append(False)
                 return not any(alive) and not _segments(pid)
+
             await until(gone, 10.0, "proxy processes exited and shared memory removed")
         await w.stop()
+
     run(body(), timeout=60)
 
 
@@ -450,9 +509,19 @@ def test_pd_mode_balances_decode_ranks_across_both_processes() -> None:
         (p,) = await workers(1, role="prefill")
         (d,) = await workers(1, role="decode", dp_size=2)
         d.hold()
-        async with MultiRouter("--pd-disaggregation", "--prefill", p.url, "8998", "--decode", d.url,
-                               "--dp-aware", "--policy", "power_of_two", "--p2c-load-metric",
-                               "least_requests") as r:
+        async with MultiRouter(
+            "--pd-disaggregation",
+            "--prefill",
+            p.url,
+            "8998",
+            "--decode",
+            d.url,
+            "--dp-aware",
+            "--policy",
+            "power_of_two",
+            "--p2c-load-metric",
+            "least_requests",
+        ) as r:
             clients: list[RawClient] = []
             while True:
                 c = await RawClient(r.port).connect()
@@ -461,8 +530,7 @@ def test_pd_mode_balances_decode_ranks_across_both_processes() -> None:
                 n = len(clients)
                 await until(lambda: d.held == n, 5.0, f"{n} decode legs held")
                 if n >= 4 and n % 2 == 0:
-                    inflight = per_process(await r.metrics(),
-                                           "fastroute_proxy_process_in_flight_requests")
+                    inflight = per_process(await r.metrics(), "fastroute_proxy_process_in_flight_requests")
                     # Two leases (prefill + decode) per request, booked by the process that took it.
                     if len(inflight) == 2 and min(inflight.values()) > 0:
                         assert sum(inflight.values()) == 2 * n
@@ -484,4 +552,5 @@ def test_pd_mode_balances_decode_ranks_across_both_processes() -> None:
             assert _segments(pid) == []
         await p.stop()
         await d.stop()
+
     run(body(), timeout=60)

@@ -11,8 +11,12 @@ from tests.integration.conftest import RawClient, Router, call, post, run, until
 
 def pd_router(prefills, decodes, **kw) -> Router:
     kw.setdefault("policy", "round_robin")
-    return Router(pd_disaggregation=True, prefill=[(p.url, 8998 + i) for i, p in enumerate(prefills)],
-                  decode=[d.url for d in decodes], **kw)
+    return Router(
+        pd_disaggregation=True,
+        prefill=[(p.url, 8998 + i) for i, p in enumerate(prefills)],
+        decode=[d.url for d in decodes],
+        **kw,
+    )
 
 
 def test_both_legs_get_same_room_and_bootstrap_of_prefill() -> None:
@@ -36,6 +40,7 @@ def test_both_legs_get_same_room_and_bootstrap_of_prefill() -> None:
             await call(r.port, post("/generate", raw))
             assert p.inference()[1].json["bootstrap_room"] != pj["bootstrap_room"]
             await until(lambda: r.in_flight(p) == 0 and r.in_flight(d) == 0, what="released")
+
     run(body())
 
 
@@ -49,6 +54,7 @@ def test_batch_gets_room_lists() -> None:
             j = d.inference()[0].json
             assert j["bootstrap_host"] == ["127.0.0.1"] * 2 and len(set(j["bootstrap_room"])) == 2
             assert p.inference()[0].json["bootstrap_room"] == j["bootstrap_room"]
+
     run(body())
 
 
@@ -67,6 +73,7 @@ def test_dp_aware_rank_on_decode_leg_and_room_arithmetic_for_prefill() -> None:
             assert sorted(rec.json["routed_dp_rank"] for rec in d.inference()) == [0, 0, 1, 1, 2, 2, 3, 3]
             # round robin over the 2 prefill ranks, carried by room % 2
             assert sorted(rec.json["bootstrap_room"] % 2 for rec in p.inference()) == [0] * 4 + [1] * 4
+
     run(body())
 
 
@@ -78,6 +85,7 @@ def test_dp_rank_field_override() -> None:
             assert (await call(r.port, post("/generate", {"text": "x"}))).status == 200
             dj = d.inference()[0].json
             assert "data_parallel_rank" in dj and "routed_dp_rank" not in dj
+
     run(body())
 
 
@@ -97,6 +105,7 @@ def test_decode_error_is_mapped_first() -> None:
             res = await call(r.port, post("/generate", {"text": "x"}))
             assert res.status == 500 and res.json["error"]["code"] == "decode_error"
             await until(lambda: r.in_flight(p) == 0 and r.in_flight(d) == 0, what="released")
+
     run(body())
 
 
@@ -111,6 +120,7 @@ def test_prefill_error_surfaces_even_if_decode_ok() -> None:
             err = res.json["error"]
             assert err["code"] == "prefill_bad_request" and "bad prompt" in err["message"]
             await until(lambda: r.in_flight(p) == 0 and r.in_flight(d) == 0, what="released")
+
     run(body())
 
 
@@ -125,8 +135,9 @@ def test_streaming_decode_error_is_a_complete_sse_event() -> None:
             assert res.headers["content-type"] == "text/event-stream"
             events = [e for e in res.body.split(b"\n\n") if e]
             assert events[-1] == b"data: [DONE]"
-            first = json.loads(events[0][len(b"data: "):])
+            first = json.loads(events[0][len(b"data: ") :])
             assert first == {"error": {"message": "boom", "status": 500}}
+
     run(body())
 
 
@@ -140,6 +151,7 @@ def test_streaming_relays_decode_bytes() -> None:
             assert res.status == 200 and res.chunked
             assert res.body == b"".join(d.sse_event(i, {}) for i in range(4)) + b"data: [DONE]\n\n"
             assert p.inference()[0].path == "/v1/completions"
+
     run(body())
 
 
@@ -161,6 +173,7 @@ def test_transport_failure_of_one_leg_is_502_and_cancels_the_other() -> None:
             await until(lambda: r.in_flight(p) == 0 and r.in_flight(d) == 0, what="released")
             d.release()
             p.release()
+
     run(body())
 
 
@@ -180,6 +193,7 @@ def test_client_disconnect_cancels_both_legs_and_releases_both_leases() -> None:
             await until(lambda: r.in_flight(p) == 0 and r.in_flight(d) == 0, what="released")
             p.release()
             d.release()
+
     run(body())
 
 
@@ -193,15 +207,19 @@ def test_logprobs_merged_non_streaming_and_streaming() -> None:
             res = await call(r.port, post("/generate", {"text": "x", "return_logprob": True}))
             assert res.status == 200
             assert res.json["meta_info"]["input_token_logprobs"] == [
-                [-1.0, 11, None], [-2.0, 12, None], [-9.0, 99, None]]
+                [-1.0, 11, None],
+                [-2.0, 12, None],
+                [-9.0, 99, None],
+            ]
             assert res.headers["content-length"] == str(len(res.body))
             d.events = 2
             res = await call(r.port, post("/generate", {"text": "x", "stream": True, "return_logprob": True}))
             events = [e for e in res.body.split(b"\n\n") if e]
             assert events[-1] == b"data: [DONE]" and len(events) == 3
             for e in events[:2]:
-                lp = json.loads(e[len(b"data: "):])["meta_info"]["input_token_logprobs"]
+                lp = json.loads(e[len(b"data: ") :])["meta_info"]["input_token_logprobs"]
                 assert lp == [[-1.0, 11, None], [-2.0, 12, None], [-9.0, 99, None]]
+
     run(body())
 
 
@@ -209,8 +227,9 @@ def test_least_requests_spreads_64_held_requests_over_8_decode_ranks() -> None:
     async def body() -> None:
         (p,) = await workers(1, role="prefill")
         (d,) = await workers(1, role="decode", dp_size=8)
-        async with pd_router([p], [d], policy="power_of_two", p2c_load_metric="least_requests",
-                             dp_aware=True, seed=7) as r:
+        async with pd_router(
+            [p], [d], policy="power_of_two", p2c_load_metric="least_requests", dp_aware=True, seed=7
+        ) as r:
             d.hold()
             clients = [await RawClient(r.port).connect() for _ in range(64)]
             for c in clients:
@@ -224,6 +243,7 @@ def test_least_requests_spreads_64_held_requests_over_8_decode_ranks() -> None:
                 assert (await c.response()).status == 200
                 c.close()
             await until(lambda: r.rank_in_flight(d) == [0] * 8, what="all released")
+
     run(body(), timeout=60)
 
 
@@ -239,4 +259,5 @@ def test_decode_error_answers_without_waiting_for_a_stuck_prefill() -> None:
             await until(lambda: p.aborted == 1, what="prefill leg cancelled")
             await until(lambda: r.in_flight(p) == 0 and r.in_flight(d) == 0, what="released")
             p.release()
+
     run(body())

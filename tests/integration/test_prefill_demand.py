@@ -11,6 +11,7 @@
 * The monitor stores a prefill's ``num_waiting_uncached_tokens`` (and only a prefill's), and a
   decode rank whose poll shows a prealloc queue has no free KV for KV fit.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +32,7 @@ LARGE, SMALL = 40_000, 100
 
 def _body(n_in: int, n_out: int = 100_000) -> bytes:
     # 4 ASCII bytes weigh one token for both the router and the simulator
-    return json.dumps({"text": "tok " * n_in, "sampling_params": {"max_new_tokens": n_out},
-                       "stream": True}).encode()
+    return json.dumps({"text": "tok " * n_in, "sampling_params": {"max_new_tokens": n_out}, "stream": True}).encode()
 
 
 class Client:
@@ -40,8 +40,7 @@ class Client:
 
     def __init__(self, port: int, n_in: int) -> None:
         self.conn = HttpConnection(H, port)
-        self.task = asyncio.ensure_future(self.conn.request("POST", "/generate", _body(n_in),
-                                                            on_chunk=lambda c: None))
+        self.task = asyncio.ensure_future(self.conn.request("POST", "/generate", _body(n_in), on_chunk=lambda c: None))
 
     async def close(self) -> None:
         self.task.cancel()
@@ -51,9 +50,17 @@ class Client:
 
 def _router(cluster: SimCluster, **kw) -> Router:
     p, d = cluster.prefills[0], cluster.decodes[0]
-    return Router(pd_disaggregation=True, prefill=[(p.url, p.bootstrap_port)], decode=[d.url],
-                  dp_aware=True, policy="power_of_two", p2c_load_metric="least_requests",
-                  load_monitor_interval=3600.0, seed=7, **kw)
+    return Router(
+        pd_disaggregation=True,
+        prefill=[(p.url, p.bootstrap_port)],
+        decode=[d.url],
+        dp_aware=True,
+        policy="power_of_two",
+        p2c_load_metric="least_requests",
+        load_monitor_interval=3600.0,
+        seed=7,
+        **kw,
+    )
 
 
 def _prefill_queues(cluster: SimCluster) -> list[tuple[int, int]]:
@@ -64,15 +71,17 @@ def _prefill_queues(cluster: SimCluster) -> list[tuple[int, int]]:
 
 async def _large_then_small(demand: str) -> tuple[list[tuple[int, int]], list[int], list[int], int]:
     # The prefill holds each request 60 s (longer than the test), so the queues stay put.
-    cluster = await start_cluster(1, 1, SimParams(dp_size=8, time_scale=1.0),
-                                  SimParams(dp_size=8, prefill_base_ms=60_000.0))
+    cluster = await start_cluster(
+        1, 1, SimParams(dp_size=8, time_scale=1.0), SimParams(dp_size=8, prefill_base_ms=60_000.0)
+    )
     clients: list[Client] = []
     try:
         async with _router(cluster, prefill_input_demand=demand) as r:
             for k, n in enumerate([LARGE] * 4 + [SMALL] * 8):
                 clients.append(Client(r.port, n))
-                await until(lambda: sum(q for q, _ in _prefill_queues(cluster)) == k + 1, 10.0,
-                            "request at the prefill")
+                await until(
+                    lambda: sum(q for q, _ in _prefill_queues(cluster)) == k + 1, 10.0, "request at the prefill"
+                )
             queues = _prefill_queues(cluster)
             await r.server.monitor.poll_once()
             ptargets = list(r.server.registry.find(cluster.prefills[0].url).targets)
@@ -114,8 +123,7 @@ def test_least_requests_alone_queues_small_requests_behind_large_ones() -> None:
 def test_prefill_tokens_are_given_back_when_the_prefill_answers() -> None:
     async def body(demand: str) -> tuple[int, int, int, int]:
         # a quick prefill, a decode that streams for long
-        cluster = await start_cluster(1, 1, SimParams(dp_size=2, time_scale=3.0),
-                                      SimParams(dp_size=2, time_scale=0.1))
+        cluster = await start_cluster(1, 1, SimParams(dp_size=2, time_scale=3.0), SimParams(dp_size=2, time_scale=0.1))
         client = None
         try:
             async with _router(cluster, prefill_input_demand=demand) as r:
@@ -124,20 +132,24 @@ def test_prefill_tokens_are_given_back_when_the_prefill_answers() -> None:
                 client = Client(r.port, 5_000)
                 await until(lambda: cluster.prefills[0].prefill.completed == 1, 10.0, "prefilled")
                 await until(lambda: sum(cluster.decodes[0].decode.placed) == 1, 10.0, "decoding")
-                held = (sum(int(tab[t, COL_IN_FLIGHT]) for t in ptargets),
-                        sum(int(tab[t, COL_IN_FLIGHT_TOKENS]) for t in ptargets))
+                held = (
+                    sum(int(tab[t, COL_IN_FLIGHT]) for t in ptargets),
+                    sum(int(tab[t, COL_IN_FLIGHT_TOKENS]) for t in ptargets),
+                )
                 await client.close()
                 client = None
-                await until(lambda: sum(int(tab[t, COL_IN_FLIGHT]) for t in ptargets) == 0, 10.0,
-                            "released")
-                after = (sum(int(tab[t, COL_IN_FLIGHT]) for t in ptargets),
-                         sum(int(tab[t, COL_IN_FLIGHT_TOKENS]) for t in ptargets))
+                await until(lambda: sum(int(tab[t, COL_IN_FLIGHT]) for t in ptargets) == 0, 10.0, "released")
+                after = (
+                    sum(int(tab[t, COL_IN_FLIGHT]) for t in ptargets),
+                    sum(int(tab[t, COL_IN_FLIGHT_TOKENS]) for t in ptargets),
+                )
                 assert r.server.table.underflows == 0
                 return held + after
         finally:
             if client is not None:
                 await client.close()
             await cluster.stop()
+
     # demand on: the request stays booked (1), its 5,000 tokens went back with the answer
     assert run(body("on"), 60.0) == (1, 0, 0, 0)
     # demand off: as before, both are held until the exchange ends
@@ -146,11 +158,20 @@ def test_prefill_tokens_are_given_back_when_the_prefill_answers() -> None:
 
 def test_a_decode_rank_with_a_prealloc_queue_is_skipped_by_kv_fit() -> None:
     async def body() -> None:
-        queue = {"mode": "decode", "decode_prealloc_queue_reqs": 2, "decode_transfer_queue_reqs": 0,
-                 "decode_retracted_queue_reqs": 0}
+        queue = {
+            "mode": "decode",
+            "decode_prealloc_queue_reqs": 2,
+            "decode_transfer_queue_reqs": 0,
+            "decode_retracted_queue_reqs": 0,
+        }
         fw = await FakeWorker(dp_size=4, loads=[{}, {}, {"disaggregation": queue}, {}]).start()
-        cfg = make_config(pd_disaggregation=True, dp_aware=True, policy="power_of_two",
-                          p2c_load_metric="least_requests", decode_kv_fit="on")
+        cfg = make_config(
+            pd_disaggregation=True,
+            dp_aware=True,
+            policy="power_of_two",
+            p2c_load_metric="least_requests",
+            decode_kv_fit="on",
+        )
         async with Plane(cfg) as p:
             w = await p.add(fw, "decode")
             await p.monitor.poll_once()
@@ -168,4 +189,5 @@ def test_a_decode_rank_with_a_prealloc_queue_is_skipped_by_kv_fit() -> None:
             await p.monitor.poll_once()
             assert _policy.free_kv(tab, w.targets[2]) == 100_000
         await fw.stop()
+
     run_plain(body)

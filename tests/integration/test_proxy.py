@@ -6,7 +6,16 @@ from __future__ import annotations
 import asyncio
 
 from tests.integration.conftest import (
-    DataWorker, RawClient, Router, call, get, post, run, until, wait_port, workers,
+    DataWorker,
+    RawClient,
+    Router,
+    call,
+    get,
+    post,
+    run,
+    until,
+    wait_port,
+    workers,
 )
 
 
@@ -15,10 +24,22 @@ def test_generate_forwards_body_and_whitelisted_headers_only() -> None:
         (w,) = await workers(1)
         async with Router(worker_urls=[w.url]) as r:
             raw = b'{"text": "hi",  "sampling_params": {"max_new_tokens": 2}, "x": "\\u00e9"}'
-            res = await call(r.port, post("/generate", raw, {
-                "Authorization": "Bearer client", "X-Request-Id": "abc", "traceparent": "tp",
-                "x-request-id-extra": "e", "User-Agent": "ua", "X-Other": "no",
-                "X-SMG-Routing-Key": "k1"}))
+            res = await call(
+                r.port,
+                post(
+                    "/generate",
+                    raw,
+                    {
+                        "Authorization": "Bearer client",
+                        "X-Request-Id": "abc",
+                        "traceparent": "tp",
+                        "x-request-id-extra": "e",
+                        "User-Agent": "ua",
+                        "X-Other": "no",
+                        "X-SMG-Routing-Key": "k1",
+                    },
+                ),
+            )
             assert res.status == 200
             assert res.json["text"] == f"hello from {w.name}"
             assert res.headers["x-request-id"] == "abc"
@@ -33,6 +54,7 @@ def test_generate_forwards_body_and_whitelisted_headers_only() -> None:
             assert h["content-type"] == "application/json"
             assert h["content-length"] == str(len(raw))
             assert "user-agent" not in h and "x-other" not in h
+
     run(body())
 
 
@@ -40,15 +62,24 @@ def test_request_id_generated_with_path_prefix() -> None:
     async def body() -> None:
         (w,) = await workers(1)
         async with Router(worker_urls=[w.url]) as r:
-            for path, prefix in (("/generate", "gnt-"), ("/v1/completions", "cmpl-"),
-                                 ("/v1/chat/completions", "chatcmpl-")):
-                obj = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else \
-                    {"prompt": "x"} if "compl" in path else {"text": "x"}
+            for path, prefix in (
+                ("/generate", "gnt-"),
+                ("/v1/completions", "cmpl-"),
+                ("/v1/chat/completions", "chatcmpl-"),
+            ):
+                obj = (
+                    {"messages": [{"role": "user", "content": "x"}]}
+                    if "chat" in path
+                    else {"prompt": "x"}
+                    if "compl" in path
+                    else {"text": "x"}
+                )
                 res = await call(r.port, post(path, obj))
                 rid = res.headers["x-request-id"]
-                assert rid.startswith(prefix) and len(rid) == len(prefix) + 24 and rid[len(prefix):].isalnum()
+                assert rid.startswith(prefix) and len(rid) == len(prefix) + 24 and rid[len(prefix) :].isalnum()
             res = await call(r.port, post("/generate", {"text": "x"}, {"x-correlation-id": "corr-1"}))
             assert res.headers["x-request-id"] == "corr-1"
+
     run(body())
 
 
@@ -66,6 +97,7 @@ def test_sse_stream_is_relayed_byte_exact_and_chunked() -> None:
             assert res.body == expected
             assert await until_zero(r, w)
             c.close()
+
     run(body())
 
 
@@ -89,6 +121,7 @@ def test_in_flight_visible_while_held_and_zero_after_eof() -> None:
                 assert (await c.response()).status == 200
                 c.close()
             await until_zero(r, w)
+
     run(body())
 
 
@@ -106,6 +139,7 @@ def test_client_disconnect_mid_stream_aborts_upstream_and_releases() -> None:
             await until_zero(r, w)
             # still serving
             assert (await call(r.port, post("/generate", {"text": "x"}))).status == 200
+
     run(body())
 
 
@@ -121,6 +155,7 @@ def test_worker_dying_mid_stream_truncates_client_and_releases() -> None:
             assert res.status == 200 and not res.done  # no terminating chunk
             assert b"tok1" in res.body and b"[DONE]" not in res.body
             await until_zero(r, w)
+
     run(body())
 
 
@@ -136,6 +171,7 @@ def test_keep_alive_reuses_client_and_upstream_connections() -> None:
             c.close()
             conn_ids = {rec.conn_id for rec in w.inference()}
             assert len(conn_ids) == 1 and w.connections == base + 1
+
     run(body())
 
 
@@ -144,16 +180,19 @@ def test_pipelined_requests_answered_in_order() -> None:
         (w,) = await workers(1)
         async with Router(worker_urls=[w.url]) as r:
             c = await RawClient(r.port).connect()
-            c.send(post("/generate", {"text": "a"}, {"X-Request-Id": "r1"})
-                   + get("/health")
-                   + post("/generate", {"text": "b", "stream": True}, {"X-Request-Id": "r3"})
-                   + get("/nope"))
+            c.send(
+                post("/generate", {"text": "a"}, {"X-Request-Id": "r1"})
+                + get("/health")
+                + post("/generate", {"text": "b", "stream": True}, {"X-Request-Id": "r3"})
+                + get("/nope")
+            )
             res = [await c.response(i) for i in range(4)]
             assert [x.status for x in res] == [200, 200, 200, 404]
             assert res[0].headers["x-request-id"] == "r1" and res[1].body == b"OK"
             assert res[2].headers["x-request-id"] == "r3" and res[2].body.endswith(b"data: [DONE]\n\n")
             assert res[3].json["error"]["code"] == "unknown_url"
             c.close()
+
     run(body())
 
 
@@ -162,14 +201,18 @@ def test_chunked_request_body_is_forwarded_with_content_length() -> None:
         (w,) = await workers(1)
         async with Router(worker_urls=[w.url]) as r:
             payload = b'{"text": "chunked body"}'
-            data = (b"POST /generate HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n"
-                    + b"%x\r\n%b\r\n" % (5, payload[:5]) + b"%x\r\n%b\r\n" % (len(payload) - 5, payload[5:])
-                    + b"0\r\n\r\n")
+            data = (
+                b"POST /generate HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n"
+                + b"%x\r\n%b\r\n" % (5, payload[:5])
+                + b"%x\r\n%b\r\n" % (len(payload) - 5, payload[5:])
+                + b"0\r\n\r\n"
+            )
             res = await call(r.port, data)
             assert res.status == 200
             (rec,) = w.inference()
             assert rec.body == payload and rec.headers["content-length"] == str(len(payload))
             assert "transfer-encoding" not in rec.headers
+
     run(body())
 
 
@@ -191,6 +234,7 @@ def test_bad_inputs_get_json_errors_and_router_keeps_serving() -> None:
             assert w.inference() == []
             res = await call(r.port, post("/generate", {"text": "ok"}))
             assert res.status == 200
+
     run(body())
 
 
@@ -212,6 +256,7 @@ def test_api_key_gates_data_plane_and_is_sent_to_workers() -> None:
             (rec,) = w.inference()
             assert rec.headers["authorization"] == "Bearer sekret"
             assert (await call(r.port, get("/workers", {"Authorization": "Bearer sekret"}))).status == 200
+
     run(body())
 
 
@@ -227,6 +272,7 @@ def test_no_worker_ready_gives_503() -> None:
             assert (await call(r.port, get("/health"))).status == 200
         finally:
             await r.server.stop(grace=0.1)
+
     run(body())
 
 
@@ -238,6 +284,7 @@ def test_dead_worker_gives_502_and_releases() -> None:
             res = await call(r.port, post("/generate", {"text": "x"}))
             assert res.status == 502 and res.json["error"]["code"] == "bad_gateway"
             await until_zero(r, w)
+
     run(body())
 
 
@@ -245,10 +292,11 @@ def test_dp_aware_regular_injects_data_parallel_rank() -> None:
     async def body() -> None:
         (w,) = await workers(1, dp_size=4)
         async with Router(worker_urls=[w.url], dp_aware=True) as r:
-            for i in range(8):
+            for _i in range(8):
                 assert (await call(r.port, post("/generate", {"text": "x"}))).status == 200
             ranks = [rec.json["data_parallel_rank"] for rec in w.inference()]
             assert sorted(ranks) == [0, 0, 1, 1, 2, 2, 3, 3]
+
     run(body())
 
 
@@ -259,6 +307,7 @@ def test_admin_paths_are_delegated_to_registry() -> None:
             res = await call(r.port, get("/workers"))
             assert res.status == 200 and res.json["workers"][0]["url"] == w.url
             assert (await call(r.port, get("/readiness"))).status == 200
+
     run(body())
 
 
@@ -270,16 +319,17 @@ def test_openai_client_streaming_and_not() -> None:
         w.events = 4
         async with Router(worker_urls=[w.url]) as r:
             client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="k", max_retries=0, timeout=10)
-            out = await client.chat.completions.create(
-                model="fake-model", messages=[{"role": "user", "content": "hi"}])
+            out = await client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}])
             assert out.choices[0].message.content == f"hi from {w.name}"
             stream = await client.chat.completions.create(
-                model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=True)
+                model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=True
+            )
             parts = [chunk.choices[0].delta.content async for chunk in stream]
             assert "".join(p or "" for p in parts) == "t0 t1 t2 t3 "
             await client.close()
             await until_zero(r, w)
             assert all(rec.headers["authorization"] == "Bearer k" for rec in w.inference())
+
     run(body())
 
 
@@ -292,6 +342,7 @@ def test_slow_client_header_read_timeout_closes_connection() -> None:
             assert await c.closed(timeout=5.0)
             assert w.inference() == []
             assert (await call(r.port, post("/generate", {"text": "x"}))).status == 200
+
     run(body())
 
 
@@ -305,6 +356,7 @@ def test_request_timeout_gives_504_and_aborts_upstream() -> None:
             await until(lambda: w.aborted == 1, what="upstream closed on timeout")
             await until_zero(r, w)
             w.release()
+
     run(body())
 
 
@@ -320,7 +372,7 @@ def test_graceful_stop_serves_while_in_flight_then_refuses() -> None:
         await until(lambda: w.held == 1, what="held")
         stopping = asyncio.get_running_loop().create_task(r.server.stop(grace=10))
         await until(lambda: r.server.app.draining, what="draining")
-        ready = await call(port, get("/readiness"))      # the listener still answers
+        ready = await call(port, get("/readiness"))  # the listener still answers
         assert ready.status == 503 and b"draining" in ready.body
         assert (await call(port, get("/health"))).status == 200
         assert not stopping.done()  # waiting for the held request
@@ -334,6 +386,7 @@ def test_graceful_stop_serves_while_in_flight_then_refuses() -> None:
         except OSError:
             refused = True
         assert refused
+
     run(body())
 
 
@@ -352,10 +405,25 @@ def test_subprocess_router_serves_and_exits_on_sigterm() -> None:
             s.bind(("127.0.0.1", 0))
             mport = s.getsockname()[1]
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fastroute", "--host", "127.0.0.1", "--port", str(port),
-            "--worker-urls", w.url, "--policy", "round_robin", "--prometheus-port", str(mport),
-            "--log-level", "warn", env={**os.environ, "PYTHONPATH": os.getcwd()})
+            sys.executable,
+            "-m",
+            "fastroute",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            w.url,
+            "--policy",
+            "round_robin",
+            "--prometheus-port",
+            str(mport),
+            "--log-level",
+            "warn",
+            env={**os.environ, "PYTHONPATH": os.getcwd()},
+        )
         try:
+
             async def ready() -> None:
                 while True:
                     try:
@@ -365,6 +433,7 @@ def test_subprocess_router_serves_and_exits_on_sigterm() -> None:
                     except OSError:
                         pass
                     await asyncio.sleep(0.05)
+
             await asyncio.wait_for(ready(), 15)
             assert w.inference()[-1].json == {"text": "x"}
             proc.send_signal(signal.SIGTERM)
@@ -373,6 +442,7 @@ def test_subprocess_router_serves_and_exits_on_sigterm() -> None:
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+
     run(body(), timeout=40)
 
 
@@ -391,10 +461,24 @@ def test_sigterm_as_soon_as_the_port_accepts_stops_cleanly() -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "fastroute", "--host", "127.0.0.1", "--port", str(port),
-             "--prometheus-port", "0", "--log-level", "warn"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONPATH": os.getcwd()})
+            [
+                sys.executable,
+                "-m",
+                "fastroute",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--prometheus-port",
+                "0",
+                "--log-level",
+                "warn",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": os.getcwd()},
+        )
         try:
             wait_port(port, poll=0.01)
             proc.send_signal(signal.SIGTERM)
@@ -410,8 +494,9 @@ def test_sigterm_as_soon_as_the_port_accepts_stops_cleanly() -> None:
 def test_routing_key_header_sticks_under_consistent_hashing() -> None:
     async def body() -> None:
         ws = await workers(3)
-        async with Router(worker_urls=[w.url for w in ws], policy="consistent_hashing",
-                          routing_key_headers=["x-session"]) as r:
+        async with Router(
+            worker_urls=[w.url for w in ws], policy="consistent_hashing", routing_key_headers=["x-session"]
+        ) as r:
             for key_header in ("X-SMG-Routing-Key", "X-Session"):
                 for key in ("alpha", "beta", "gamma"):
                     before = [len(w.inference()) for w in ws]
@@ -420,6 +505,7 @@ def test_routing_key_header_sticks_under_consistent_hashing() -> None:
                         assert res.status == 200
                     gained = [len(w.inference()) - b for w, b in zip(ws, before)]
                     assert sorted(gained) == [0, 0, 4], (key_header, key, gained)
+
     run(body())
 
 
@@ -436,6 +522,7 @@ def test_close_delimited_upstream_stream_reaches_client_chunked() -> None:
             assert len({rec.conn_id for rec in w.inference()}) == 2  # not reused after EOF framing
             c.close()
             await until_zero(r, w)
+
     run(body())
 
 
@@ -456,12 +543,13 @@ def test_request_metrics_are_counted() -> None:
                     if line.startswith(prefix) and all(n in line for n in needles):
                         return float(line.rsplit(" ", 1)[1])
                 raise AssertionError(f"{prefix} {needles} missing")
+
             assert value("smg_router_requests_total", 'endpoint="generate"', 'streaming="false"') == 1
             assert value("smg_router_requests_total", 'endpoint="generate"', 'streaming="true"') == 1
             assert value("smg_http_requests_total", 'path="/generate"', 'method="POST"') == 3
-            assert value("smg_http_responses_total", 'path="/generate"', 'status_code="200"',
-                         'error_code=""') == 2
+            assert value("smg_http_responses_total", 'path="/generate"', 'status_code="200"', 'error_code=""') == 2
             assert value("smg_http_responses_total", 'path="/health"', 'status_code="200"') == 1
             assert value("smg_http_responses_total", 'status_code="400"') == 1
             assert value("smg_router_request_duration_seconds_count", 'endpoint="generate"') == 2
+
     run(body())

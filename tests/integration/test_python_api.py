@@ -1,4 +1,5 @@
 """A script that starts fastroute through the SGLang router's Python API serves traffic."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +8,7 @@ import socket
 import sys
 import textwrap
 
-from tests.integration.conftest import call, get, post, run, until, workers
+from tests.integration.conftest import call, get, post, run, workers
 
 
 def _free_port() -> int:
@@ -27,14 +28,17 @@ def test_router_args_and_launch_router_serve_traffic() -> None:
                                      policy="round_robin", worker_startup_check_interval=1,
                                      disable_health_check=True, shutdown_grace_period_secs=1))
         """)
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", script,
-                                                    env={**os.environ, "PYTHONPATH": os.getcwd()})
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", script, env={**os.environ, "PYTHONPATH": os.getcwd()}
+        )
         try:
+
             async def ready() -> bool:
                 try:
                     return (await call(port, get("/readiness"), timeout=1)).status == 200
                 except (OSError, EOFError, asyncio.TimeoutError):
                     return False
+
             deadline = asyncio.get_running_loop().time() + 20
             while not await ready():
                 assert proc.returncode is None, "router exited"
@@ -47,4 +51,5 @@ def test_router_args_and_launch_router_serve_traffic() -> None:
         finally:
             proc.terminate()
             await asyncio.wait_for(proc.wait(), 15)
+
     run(body(), timeout=60)

@@ -18,6 +18,7 @@ on the rank of the port it arrived at, so where a request ran shows where the ro
   leaves with all of them;
 * under ``--workers 2`` every proxy process sends to the rank ports (the snapshot carries them).
 """
+
 from __future__ import annotations
 
 import json
@@ -70,35 +71,47 @@ def test_requests_go_to_the_port_of_the_picked_rank() -> None:
                 assert entry["rank_ports"] is True
         finally:
             await w.stop()
+
     run(body(), 30.0)
 
 
 def test_least_requests_spreads_held_streams_two_per_rank_port() -> None:
     async def body() -> None:
-        cluster = await start_cluster(1, 1, SimParams(dp_size=8, time_scale=1.0),
-                                      SimParams(dp_size=8, time_scale=0.01), rank_ports=True)
+        cluster = await start_cluster(
+            1, 1, SimParams(dp_size=8, time_scale=1.0), SimParams(dp_size=8, time_scale=0.01), rank_ports=True
+        )
         p, d = cluster.prefills[0], cluster.decodes[0]
         clients: list[Client] = []
         try:
-            async with Router(pd_disaggregation=True, prefill=[(p.url, None)], decode=[d.url],
-                              policy="power_of_two", p2c_load_metric="least_requests",
-                              load_monitor_interval=3600.0, seed=7) as r:
+            async with Router(
+                pd_disaggregation=True,
+                prefill=[(p.url, None)],
+                decode=[d.url],
+                policy="power_of_two",
+                p2c_load_metric="least_requests",
+                load_monitor_interval=3600.0,
+                seed=7,
+            ) as r:
                 for _ in range(16):
                     clients.append(Client(r.port, SMALL))
                 assert d.decode is not None
                 await until(lambda: sum(d.port_requests) == 16, 10.0, "16 streams at the decode")
                 assert d.port_requests == [2] * 8
-                assert d.decode.placed == [2] * 8     # each ran on its port's rank
+                assert d.decode.placed == [2] * 8  # each ran on its port's rank
                 assert r.rank_in_flight(d) == [2] * 8
                 for c in clients:
                     await c.close()
                 clients = []
-                await until(lambda: r.rank_in_flight(d) == [0] * 8
-                            and r.rank_in_flight(p) == [0] * 8, 10.0, "in-flight back to 0")
+                await until(
+                    lambda: r.rank_in_flight(d) == [0] * 8 and r.rank_in_flight(p) == [0] * 8,
+                    10.0,
+                    "in-flight back to 0",
+                )
         finally:
             for c in clients:
                 await c.close()
             await cluster.stop()
+
     run(body(), 60.0)
 
 
@@ -107,10 +120,11 @@ def test_pd_through_per_rank_port_prefill_and_decode() -> None:
         cluster = await start_cluster(1, 1, SimParams(dp_size=4, time_scale=0.01), rank_ports=True)
         p, d = cluster.prefills[0], cluster.decodes[0]
         try:
-            async with Router(pd_disaggregation=True, prefill=[(p.rank_url(1), None)],
-                              decode=[d.rank_url(3)], policy="round_robin") as r:
+            async with Router(
+                pd_disaggregation=True, prefill=[(p.rank_url(1), None)], decode=[d.rank_url(3)], policy="round_robin"
+            ) as r:
                 pw = r.server.registry.find(p.url)
-                assert pw is not None and pw.bootstrap_port == p.port   # served on the API port
+                assert pw is not None and pw.bootstrap_port == p.port  # served on the API port
                 for _ in range(16):
                     status, out = await fetch(H, r.port, "POST", "/generate", _gen())
                     assert status == 200, out
@@ -123,6 +137,7 @@ def test_pd_through_per_rank_port_prefill_and_decode() -> None:
                 assert sent["bootstrap_room"] % 4 == sent["disagg_prefill_dp_rank"]
         finally:
             await cluster.stop()
+
     run(body(), 30.0)
 
 
@@ -130,8 +145,9 @@ def test_a_rank_port_that_goes_down_is_unhealthy_alone() -> None:
     async def body() -> None:
         w = await _regular(4)
         try:
-            async with Router(worker_urls=[w.url], policy="round_robin",
-                              health_failure_threshold=1, health_success_threshold=1) as r:
+            async with Router(
+                worker_urls=[w.url], policy="round_robin", health_failure_threshold=1, health_success_threshold=1
+            ) as r:
                 reg, tab, mon = r.server.registry, r.server.table, r.server.monitor
                 (worker,) = reg.workers
                 await w.stop_rank(2)
@@ -152,6 +168,7 @@ def test_a_rank_port_that_goes_down_is_unhealthy_alone() -> None:
                 assert all(tab.get(t, COL_HEALTHY) for t in worker.targets)
         finally:
             await w.stop()
+
     run(body(), 30.0)
 
 
@@ -163,8 +180,9 @@ def test_post_workers_with_one_rank_url_registers_every_rank() -> None:
                 reg = r.server.registry
                 resp = await call(r.port, post("/workers", {"url": b.rank_url(3)}))
                 assert resp.status == 202, resp.body
-                await until(lambda: (reg.find(b.url) is not None
-                                     and reg.find(b.url).status == "ready"), 10.0, "b registered")
+                await until(
+                    lambda: reg.find(b.url) is not None and reg.find(b.url).status == "ready", 10.0, "b registered"
+                )
                 wb = reg.find(b.url)
                 assert wb.url == b.url and len(wb.targets) == 4
                 assert wb.names == [b.rank_url(i) for i in range(4)]
@@ -182,6 +200,7 @@ def test_post_workers_with_one_rank_url_registers_every_rank() -> None:
         finally:
             await a.stop()
             await b.stop()
+
     run(body(), 30.0)
 
 
@@ -190,8 +209,7 @@ class _BadLayout(DataWorker):
 
     def control(self, path: str) -> tuple[int, bytes] | None:
         if path.startswith("/server_info"):
-            return 200, json.dumps({"dp_size": 4, "deployment_info":
-                                    {"dp_size": 4, "dp_rank": 9}}).encode()
+            return 200, json.dumps({"dp_size": 4, "deployment_info": {"dp_size": 4, "dp_rank": 9}}).encode()
         return super().control(path)
 
 
@@ -212,27 +230,30 @@ def test_a_deployment_info_that_cannot_be_a_layout_fails_registration() -> None:
         finally:
             await bad.stop()
             await good.stop()
+
     run(body(), 30.0)
 
 
 def test_small_requests_never_share_a_rank_port_with_a_large_prefill() -> None:
     async def body() -> list[tuple[int, int]]:
-        cluster = await start_cluster(1, 1, SimParams(dp_size=8, time_scale=1.0),
-                                      SimParams(dp_size=8, prefill_base_ms=60_000.0),
-                                      rank_ports=True)
+        cluster = await start_cluster(
+            1, 1, SimParams(dp_size=8, time_scale=1.0), SimParams(dp_size=8, prefill_base_ms=60_000.0), rank_ports=True
+        )
         clients: list[Client] = []
         try:
             async with _router(cluster, prefill_input_demand="on") as r:
                 for k, n in enumerate([LARGE] * 4 + [SMALL] * 8):
                     clients.append(Client(r.port, n))
-                    await until(lambda: sum(q for q, _ in _prefill_queues(cluster)) == k + 1, 10.0,
-                                "request at the prefill")
+                    await until(
+                        lambda: sum(q for q, _ in _prefill_queues(cluster)) == k + 1, 10.0, "request at the prefill"
+                    )
                 assert sum(cluster.prefills[0].port_requests) == 12
                 return _prefill_queues(cluster)
         finally:
             for c in clients:
                 await c.close()
             await cluster.stop()
+
     queues = run(body(), 60.0)
     large = [q for q, tok in queues if tok >= LARGE]
     assert large == [1, 1, 1, 1], queues
@@ -248,8 +269,7 @@ async def _pod_sims(ips: list[str], dp: int) -> list[SimWorker]:
         out = [first]
         try:
             for ip in ips[1:]:
-                w = SimWorker("regular", SimParams(dp_size=dp, time_scale=0.01), ip, first.port,
-                              rank_ports=True)
+                w = SimWorker("regular", SimParams(dp_size=dp, time_scale=0.01), ip, first.port, rank_ports=True)
                 await w.start()
                 out.append(w)
             return out
@@ -274,17 +294,31 @@ def test_kubernetes_pods_serving_rank_ports_become_one_worker_each(kubeconfig) -
         kubeconfig.write_text(api.kubeconfig())
         await api.put(pod("a", a.host))
         await api.put(pod("b", b.host))
-        server = Server(Config(host="127.0.0.1", port=0, policy="round_robin",
-                               worker_startup_check_interval=1, disable_health_check=True,
-                               shutdown_grace_period_secs=1, prometheus_host="127.0.0.1",
-                               prometheus_port=0, service_discovery=True, selector=["app=sglang"],
-                               service_discovery_namespace="team-a",
-                               service_discovery_port=a.port, discovery_check_interval_secs=30))
+        server = Server(
+            Config(
+                host="127.0.0.1",
+                port=0,
+                policy="round_robin",
+                worker_startup_check_interval=1,
+                disable_health_check=True,
+                shutdown_grace_period_secs=1,
+                prometheus_host="127.0.0.1",
+                prometheus_port=0,
+                service_discovery=True,
+                selector=["app=sglang"],
+                service_discovery_namespace="team-a",
+                service_discovery_port=a.port,
+                discovery_check_interval_secs=30,
+            )
+        )
         await server.start()
         try:
             reg = server.registry
-            await until(lambda: sorted(w.url for w in reg.workers if w.status == "ready")
-                        == [a.url, b.url], 10.0, "both pods registered")
+            await until(
+                lambda: sorted(w.url for w in reg.workers if w.status == "ready") == [a.url, b.url],
+                10.0,
+                "both pods registered",
+            )
             assert all(len(w.targets) == 4 for w in reg.workers)
             for _ in range(16):
                 status, _ = await fetch(H, server.port, "POST", "/generate", _gen())
@@ -303,6 +337,7 @@ def test_kubernetes_pods_serving_rank_ports_become_one_worker_each(kubeconfig) -
             await api.stop()
             for w in sims:
                 await w.stop()
+
     run(body(), 60.0)
 
 
@@ -315,11 +350,11 @@ def test_every_proxy_process_sends_to_the_rank_ports() -> None:
                 for _ in range(16):
                     res = await call(r.port, post("/generate", {"text": "hi"}, keep_alive=False))
                     assert res.status == 200, res.body
-                assert sum(w.port_requests) == 16 and all(n > 0 for n in w.port_requests), \
-                    w.port_requests
+                assert sum(w.port_requests) == 16 and all(n > 0 for n in w.port_requests), w.port_requests
                 res = await call(r.port, get("/get_loads"))
                 names = [e["name"] for e in res.json["loads"]]
                 assert names == [w.rank_url(i) for i in range(4)]
         finally:
             await w.stop()
+
     run(body(), 60.0)

@@ -4,6 +4,7 @@ Three replicas share one 8-rank fake worker: A is a real router process (so it c
 SIGKILLed), B and C are in-process Servers. Requests are held in the worker by its gate, so
 in-flight counts stay put while the test looks at where they landed.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,17 +16,21 @@ from typing import Any
 
 import redis
 
-from fastroute.core.table import (CIRCUIT_OPEN, COL_CIRCUIT, COL_OTHERS_EST, COL_OTHERS_IN_FLIGHT,
-                                  COL_OTHERS_OPEN)
+from fastroute.core.table import CIRCUIT_OPEN, COL_CIRCUIT, COL_OTHERS_EST, COL_OTHERS_IN_FLIGHT, COL_OTHERS_OPEN
 from fastroute.sim.redisproc import free_port
 from tests.integration.conftest import DataWorker, RawClient, Router, call, get, post, run, until, workers
 from tests.integration.redis_fixture import redis_server  # noqa: F401  (the fixture)
 from tests.integration.test_multiproc import MultiRouter
 
 TTL_MS = 1000
-TURN = 0.15     # seconds between one replica's requests taken one at a time (> two 20 ms ticks)
-SYNC = dict(dp_aware=True, policy="power_of_two", p2c_load_metric="least_requests",
-            replica_sync_interval_ms=20, replica_ttl_ms=TTL_MS)
+TURN = 0.15  # seconds between one replica's requests taken one at a time (> two 20 ms ticks)
+SYNC = dict(
+    dp_aware=True,
+    policy="power_of_two",
+    p2c_load_metric="least_requests",
+    replica_sync_interval_ms=20,
+    replica_ttl_ms=TTL_MS,
+)
 
 
 def replica(worker: DataWorker, redis_url: str, **kw: Any) -> Router:
@@ -41,19 +46,42 @@ class ProcessReplica:
 
     def __init__(self, worker: DataWorker, redis_url: str) -> None:
         self.port = free_port()
-        self.args = ["--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host",
-                     "127.0.0.1", "--prometheus-port", str(free_port()),
-                     "--worker-urls", worker.url, "--dp-aware", "--policy", "power_of_two",
-                     "--p2c-load-metric", "least_requests", "--worker-startup-check-interval", "1",
-                     "--disable-health-check", "--log-level", "warning",
-                     "--replica-sync", redis_url, "--replica-id", "A",
-                     "--replica-sync-interval-ms", "20", "--replica-ttl-ms", str(TTL_MS)]
+        self.args = [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+            "--worker-urls",
+            worker.url,
+            "--dp-aware",
+            "--policy",
+            "power_of_two",
+            "--p2c-load-metric",
+            "least_requests",
+            "--worker-startup-check-interval",
+            "1",
+            "--disable-health-check",
+            "--log-level",
+            "warning",
+            "--replica-sync",
+            redis_url,
+            "--replica-id",
+            "A",
+            "--replica-sync-interval-ms",
+            "20",
+            "--replica-ttl-ms",
+            str(TTL_MS),
+        ]
         self.proc: asyncio.subprocess.Process | None = None
 
-    async def start(self) -> "ProcessReplica":
+    async def start(self) -> ProcessReplica:
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fastroute", *self.args,
-            env={**os.environ, "PYTHONPATH": os.getcwd()})
+            sys.executable, "-m", "fastroute", *self.args, env={**os.environ, "PYTHONPATH": os.getcwd()}
+        )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 20
         while True:
@@ -100,8 +128,10 @@ def test_three_replicas_balance_as_one_survive_a_kill_and_a_redis_outage(redis_s
         (w,) = await workers(1, dp_size=8)
         a = await ProcessReplica(w, redis_server.url).start()
         try:
-            async with replica(w, redis_server.url, replica_id="B") as b, \
-                       replica(w, redis_server.url, replica_id="C") as c:
+            async with (
+                replica(w, redis_server.url, replica_id="B") as b,
+                replica(w, redis_server.url, replica_id="C") as c,
+            ):
                 for r in (b, c):
                     await until(lambda r=r: r.server.replica.peers == 2, 10, "three live replicas")
                 w.hold()
@@ -114,13 +144,16 @@ def test_three_replicas_balance_as_one_survive_a_kill_and_a_redis_outage(redis_s
                 held += await send_held(c.port, 2, TURN)
                 await until(lambda: w.held == 8, 5, "C's 2 requests held")
                 first = ranks(w)
-                assert sorted(first) == list(range(8)), first      # 8 distinct ranks
+                assert sorted(first) == list(range(8)), first  # 8 distinct ranks
                 a_ranks = set(first[:3])
 
                 # A dies with its 3 requests: after the TTL its load leaves B's view.
                 a.kill()
-                await until(lambda: b.server.replica.peers == 1 and others(b) == 2,
-                            TTL_MS / 1000 + 5, "A dropped out of B's view")
+                await until(
+                    lambda: b.server.replica.peers == 1 and others(b) == 2,
+                    TTL_MS / 1000 + 5,
+                    "A dropped out of B's view",
+                )
                 held_b = await send_held(b.port, 3, TURN)
                 await until(lambda: len(w.inference()) == 11, 5, "B's next 3 requests arrived")
                 assert set(ranks(w, 8)) == a_ranks
@@ -136,11 +169,11 @@ def test_three_replicas_balance_as_one_survive_a_kill_and_a_redis_outage(redis_s
                 for r in (b, c):
                     for _ in range(8):
                         assert (await call(r.port, post("/generate", {"text": "x"}))).status == 200
-                await until(lambda: b.server.replica.errors > 0 and not b.server.replica.up, 5,
-                            "B noticed the outage")
+                await until(lambda: b.server.replica.errors > 0 and not b.server.replica.up, 5, "B noticed the outage")
                 # the last view ages out after the TTL: stale load is not kept
-                await until(lambda: others(b) == 0 and b.server.replica.peers == 0,
-                            TTL_MS / 1000 + 5, "B's stale view cleared")
+                await until(
+                    lambda: others(b) == 0 and b.server.replica.peers == 0, TTL_MS / 1000 + 5, "B's stale view cleared"
+                )
                 assert (await call(b.port, post("/generate", {"text": "x"}))).status == 200
                 metrics = b.server.metrics.render().decode()
                 assert "fastroute_replica_sync_errors_total" in metrics
@@ -149,15 +182,13 @@ def test_three_replicas_balance_as_one_survive_a_kill_and_a_redis_outage(redis_s
                 # Redis back on the same port: both replicas find each other again.
                 redis_server.start()
                 for r in (b, c):
-                    await until(lambda r=r: r.server.replica.up and r.server.replica.peers == 1,
-                                10, "sync resumed")
+                    await until(lambda r=r: r.server.replica.up and r.server.replica.peers == 1, 10, "sync resumed")
         finally:
             await a.close()
             await w.stop()
 
     run(body(), timeout=90)
-    msgs = [(rec.levelname, rec.getMessage()) for rec in caplog.records
-            if rec.name == "fastroute.replica"]
+    msgs = [(rec.levelname, rec.getMessage()) for rec in caplog.records if rec.name == "fastroute.replica"]
     # One warning when the link dropped and one info when it returned, per replica.
     assert sum(1 for lvl, m in msgs if lvl == "WARNING" and "unreachable" in m) == 2, msgs
     assert sum(1 for lvl, m in msgs if lvl == "INFO" and "is back" in m) == 2, msgs
@@ -167,11 +198,19 @@ def test_an_open_circuit_at_one_replica_is_avoided_by_all(redis_server):
     async def body() -> None:
         w1, w2 = await workers(2)
         try:
-            kw = dict(policy="round_robin", replica_sync=redis_server.url,
-                      replica_sync_interval_ms=20, replica_ttl_ms=TTL_MS,
-                      cb_failure_threshold=2, cb_timeout_duration_secs=60, disable_retries=True)
-            async with Router(worker_urls=[w1.url, w2.url], replica_id="B", **kw) as b, \
-                       Router(worker_urls=[w1.url, w2.url], replica_id="C", **kw) as c:
+            kw = dict(
+                policy="round_robin",
+                replica_sync=redis_server.url,
+                replica_sync_interval_ms=20,
+                replica_ttl_ms=TTL_MS,
+                cb_failure_threshold=2,
+                cb_timeout_duration_secs=60,
+                disable_retries=True,
+            )
+            async with (
+                Router(worker_urls=[w1.url, w2.url], replica_id="B", **kw) as b,
+                Router(worker_urls=[w1.url, w2.url], replica_id="C", **kw) as c,
+            ):
                 w1.status = 500
                 for _ in range(6):
                     await call(b.port, post("/generate", {"text": "x"}))
@@ -181,7 +220,7 @@ def test_an_open_circuit_at_one_replica_is_avoided_by_all(redis_server):
                 n1 = len(w1.inference())
                 for _ in range(10):
                     assert (await call(c.port, post("/generate", {"text": "x"}))).status == 200
-                assert len(w1.inference()) == n1          # C never tried the failing worker
+                assert len(w1.inference()) == n1  # C never tried the failing worker
         finally:
             await w1.stop()
             await w2.stop()
@@ -193,9 +232,17 @@ def test_workers_2_publishes_the_host_once(redis_server):
     async def body() -> None:
         (w,) = await workers(1, dp_size=4)
         try:
-            async with MultiRouter("--worker-urls", w.url, "--dp-aware", "--replica-sync",
-                                   redis_server.url, "--replica-id", "host1",
-                                   "--replica-sync-interval-ms", "20") as m:
+            async with MultiRouter(
+                "--worker-urls",
+                w.url,
+                "--dp-aware",
+                "--replica-sync",
+                redis_server.url,
+                "--replica-id",
+                "host1",
+                "--replica-sync-interval-ms",
+                "20",
+            ) as m:
                 w.hold()
                 held = []
                 for _ in range(6):
@@ -203,13 +250,17 @@ def test_workers_2_publishes_the_host_once(redis_server):
                 await until(lambda: w.held == 6, 10, "6 requests held")
                 client = redis.Redis(port=redis_server.port)
                 try:
+
                     def published() -> tuple[list[bytes], int]:
                         load = client.hgetall("fastroute:{replicas}:load")
-                        total = sum(int(line.split(b"\t")[1])
-                                    for v in load.values() for line in v.splitlines())
+                        total = sum(int(line.split(b"\t")[1]) for v in load.values() for line in v.splitlines())
                         return sorted(load), total
-                    await until(lambda: published() == ([b"host1"], 6), 5,
-                                "one entry for the host, holding both processes' requests")
+
+                    await until(
+                        lambda: published() == ([b"host1"], 6),
+                        5,
+                        "one entry for the host, holding both processes' requests",
+                    )
                 finally:
                     client.close()
                 w.release()
@@ -241,9 +292,11 @@ def test_a_burst_over_synced_replicas_is_placed_as_one_router_would(redis_server
     async def body() -> None:
         (w,) = await workers(1, dp_size=8)
         try:
-            async with replica(w, redis_server.url, replica_id="A", **slow) as a, \
-                       replica(w, redis_server.url, replica_id="B", **slow) as b, \
-                       replica(w, redis_server.url, replica_id="C", **slow) as c:
+            async with (
+                replica(w, redis_server.url, replica_id="A", **slow) as a,
+                replica(w, redis_server.url, replica_id="B", **slow) as b,
+                replica(w, redis_server.url, replica_id="C", **slow) as c,
+            ):
                 for r in (a, b, c):
                     await until(lambda r=r: r.server.replica.peers == 2, 15, "three live replicas")
                 w.hold()

@@ -16,17 +16,18 @@ from tests.integration.conftest import DataWorker, Router, call, post, run, unti
 # A request body per route, shaped like the peers' docs show them.
 BODIES: dict[str, dict[str, Any]] = {
     "/v1/embeddings": {"model": "fake-model", "input": ["hello world", "second text"]},
-    "/v1/rerank": {"model": "fake-model", "query": "capital of France",
-                   "documents": ["Paris is the capital", "Berlin is a city"]},
+    "/v1/rerank": {
+        "model": "fake-model",
+        "query": "capital of France",
+        "documents": ["Paris is the capital", "Berlin is a city"],
+    },
     "/rerank": {"query": "q", "documents": ["a", "b"]},
-    "/v1/score": {"model": "fake-model", "query": "Is this good?", "items": ["yes", "no"],
-                  "label_token_ids": [1, 2]},
+    "/v1/score": {"model": "fake-model", "query": "Is this good?", "items": ["yes", "no"], "label_token_ids": [1, 2]},
     "/v1/classify": {"model": "fake-model", "input": "I love this product!"},
     "/v1/tokenize": {"model": "fake-model", "prompt": "Hello, world!"},
     "/v1/detokenize": {"model": "fake-model", "tokens": [15339, 11, 1917, 0]},
     "/v1/responses": {"model": "fake-model", "input": "Tell me a joke", "instructions": "Be brief"},
-    "/v1/messages": {"model": "fake-model", "max_tokens": 16,
-                     "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/messages": {"model": "fake-model", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]},
     "/generate": {"text": "hi"},
     "/v1/completions": {"prompt": "hi"},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
@@ -50,8 +51,7 @@ async def route_workers(n: int, **kw: Any) -> list[RouteWorker]:
 def test_table_covers_the_peer_routes() -> None:
     assert set(BODIES) == {p.decode() for p in ROUTES}
     assert ROUTES[b"/rerank"].endpoint == "/v1/rerank"
-    assert [p for p, s in ROUTES.items() if s.pd] == [b"/generate", b"/v1/completions",
-                                                      b"/v1/chat/completions"]
+    assert [p for p, s in ROUTES.items() if s.pd] == [b"/generate", b"/v1/completions", b"/v1/chat/completions"]
 
 
 @pytest.mark.parametrize("path", NEW_ROUTES)
@@ -67,10 +67,11 @@ def test_each_route_reaches_a_worker_and_returns_its_answer(path: str) -> None:
                 assert res.headers["x-request-id"] == f"r{i}"
             got = [rec for w in ws for rec in w.requests if rec.path == path]
             assert len(got) == 2 and {rec.method for rec in got} == {"POST"}
-            assert all(rec.json == BODIES[path] for rec in got)   # the client's body, unchanged
+            assert all(rec.json == BODIES[path] for rec in got)  # the client's body, unchanged
             # round robin through the same lease/policy path: one request per worker
             assert [sum(rec.path == path for rec in w.requests) for w in ws] == [1, 1]
             await until(lambda: all(r.in_flight(w) == 0 for w in ws), what="released")
+
     run(body())
 
 
@@ -84,6 +85,7 @@ def test_streaming_routes_relay_sse(path: str) -> None:
             assert res.headers["content-type"] == "text/event-stream"
             events = [e for e in res.body.split(b"\n\n") if e]
             assert len(events) == w.events + 1 and events[-1] == b"data: [DONE]"
+
     run(body())
 
 
@@ -93,6 +95,7 @@ def test_get_on_a_post_route_is_405() -> None:
         async with Router(worker_urls=[w.url]) as r:
             res = await call(r.port, b"GET /v1/embeddings HTTP/1.1\r\nHost: r\r\n\r\n")
             assert res.status == 405 and not w.inference()
+
     run(body())
 
 
@@ -102,7 +105,7 @@ def test_token_estimate_books_the_ledger_per_route() -> None:
         async with Router(worker_urls=[w.url]) as r:
             t = r.server.registry.find(w.url).targets[0]
             w.hold()
-            text = "x" * 400                                   # 100 tokens at 4 bytes/token
+            text = "x" * 400  # 100 tokens at 4 bytes/token
             c = call(r.port, post("/v1/embeddings", {"input": [text, text]}))
             task = asyncio.ensure_future(c)
             await until(lambda: w.held == 1, what="held")
@@ -110,6 +113,7 @@ def test_token_estimate_books_the_ledger_per_route() -> None:
             w.release()
             assert (await task).status == 200
             await until(lambda: r.server.table.in_flight_tokens(t) == 0, what="released")
+
     run(body())
 
 
@@ -126,4 +130,5 @@ def test_pd_mode_answers_501_for_routes_pd_cannot_serve(path: str) -> None:
             assert res.headers["x-smg-error-code"] == "not_implemented"
             assert not p.requests[-1:] or p.requests[-1].path != path
             assert not any(rec.path == path for rec in d.requests)
+
     run(body())

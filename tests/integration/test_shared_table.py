@@ -1,4 +1,5 @@
 """Several real processes book and release on one shared table; the totals must come out exact."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -10,13 +11,12 @@ from fastroute.core import _ledger
 from fastroute.core.routing import Router
 from fastroute.core.table import TargetTable
 
-ROUNDS = 250_000          # x 8 targets x 2 (book + release) = 4M atomic updates per process
+ROUNDS = 250_000  # x 8 targets x 2 (book + release) = 4M atomic updates per process
 
 
 def _hammer(name: str, targets: list[int], rounds: int, q) -> None:
     tab = TargetTable.attach(name)
-    _ledger.stress_book_release(tab.array, tab.header, np.asarray(targets, dtype=np.int64),
-                                rounds, 3)
+    _ledger.stress_book_release(tab.array, tab.header, np.asarray(targets, dtype=np.int64), rounds, 3)
     q.put(os.getpid())
 
 

@@ -1,6 +1,7 @@
-"""A real router process and the signals operators and terminals send (issue 24, item 9):
+"""A real router process and the signals operators and terminals send:
 SIGHUP and SIGQUIT drain like SIGTERM (readiness 503, the request in flight finishes, then the
 listener closes, exit 0), SIGUSR1 is ignored and the router keeps serving."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,6 @@ import socket
 import sys
 
 import pytest
-
 from conftest import RawClient, call, get, post, refuses, run, until, workers
 
 
@@ -23,10 +23,26 @@ def free_port() -> int:
 async def start_router(w_url: str, *extra: str) -> tuple[asyncio.subprocess.Process, int]:
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fastroute", "--host", "127.0.0.1", "--port", str(port),
-        "--worker-urls", w_url, "--policy", "round_robin", "--prometheus-port", "0",
-        "--shutdown-grace-period-secs", "30", "--log-level", "warn", *extra,
-        env={**os.environ, "PYTHONPATH": os.getcwd()})
+        sys.executable,
+        "-m",
+        "fastroute",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        w_url,
+        "--policy",
+        "round_robin",
+        "--prometheus-port",
+        "0",
+        "--shutdown-grace-period-secs",
+        "30",
+        "--log-level",
+        "warn",
+        *extra,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
 
     async def ready() -> None:
         while True:
@@ -36,6 +52,7 @@ async def start_router(w_url: str, *extra: str) -> tuple[asyncio.subprocess.Proc
             except OSError:
                 pass
             await asyncio.sleep(0.05)
+
     try:
         await asyncio.wait_for(ready(), 20)
     except BaseException:
@@ -63,7 +80,7 @@ def test_hup_and_quit_drain_like_term(sig: signal.Signals, procs: str) -> None:
             while (await call(port, get("/readiness"), timeout=5)).status != 503:
                 assert proc.returncode is None and loop.time() < deadline
                 await asyncio.sleep(0.05)
-            assert proc.returncode is None          # still waiting for the held request
+            assert proc.returncode is None  # still waiting for the held request
             w.release()
             res = await c.response(timeout=10)
             assert res.status == 200, res.body
@@ -75,6 +92,7 @@ def test_hup_and_quit_drain_like_term(sig: signal.Signals, procs: str) -> None:
                 proc.kill()
                 await proc.wait()
             await w.stop()
+
     run(body(), timeout=90)
 
 
@@ -94,4 +112,5 @@ def test_usr1_is_ignored() -> None:
                 proc.kill()
                 await proc.wait()
             await w.stop()
+
     run(body(), timeout=60)

@@ -1,6 +1,7 @@
 """Simulated SGLang workers over real loopback sockets: protocol answers, room rendezvous (in
 process and over the bootstrap listener), DP rank placement, abort on disconnect, the busiest
 rank pacing the step, the load generator end to end, and a short `fastroute demo` run."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,6 +26,7 @@ H = "127.0.0.1"
 def run(coro, timeout: float = 30.0):
     async def bounded():
         return await asyncio.wait_for(coro, timeout)
+
     return asyncio.run(bounded())
 
 
@@ -59,7 +61,9 @@ def test_protocol_answers() -> None:
                 assert st == 200 and info["dp_size"] == 4 and info["disaggregation_mode"] == "decode"
                 assert len(info["internal_states"]) == 4
             st, info = await get_json(p.port, "/server_info")
-            assert info["disaggregation_mode"] == "prefill" and info["disaggregation_bootstrap_port"] == p.bootstrap_port
+            assert (
+                info["disaggregation_mode"] == "prefill" and info["disaggregation_bootstrap_port"] == p.bootstrap_port
+            )
             assert info["load_balance_method"] == "follow_bootstrap_room"
             for path in ("/model_info", "/get_model_info"):
                 st, mi = await get_json(d.port, path)
@@ -74,8 +78,15 @@ def test_protocol_answers() -> None:
             st, loads = await get_json(d.port, "/v1/loads?include=core")
             assert st == 200 and loads["dp_rank_count"] == 4 and len(loads["loads"]) == 4
             entry = loads["loads"][2]
-            for k in ("dp_rank", "num_running_reqs", "num_waiting_reqs", "num_total_reqs", "num_used_tokens",
-                      "max_total_num_tokens", "token_usage"):
+            for k in (
+                "dp_rank",
+                "num_running_reqs",
+                "num_waiting_reqs",
+                "num_total_reqs",
+                "num_used_tokens",
+                "max_total_num_tokens",
+                "token_usage",
+            ):
                 assert k in entry
             assert entry["dp_rank"] == 2 and "disaggregation" not in entry
             assert set(loads["aggregate"]) >= {"total_running_reqs", "total_waiting_reqs", "total_used_tokens"}
@@ -93,6 +104,7 @@ def test_protocol_answers() -> None:
             assert st == 400
         finally:
             await c.stop()
+
     run(scenario())
 
 
@@ -131,6 +143,7 @@ def test_decode_waits_for_its_room(shared_board: bool) -> None:
         finally:
             await d.stop()
             await p.stop()
+
     run(scenario())
 
 
@@ -140,8 +153,14 @@ def test_rank_placement_by_body_field_else_round_robin() -> None:
         await d.start()
         try:
             conn = HttpConnection(H, d.port)
-            for extra in ({"routed_dp_rank": 5}, {"data_parallel_rank": 3},
-                          {"routed_dp_rank": 6, "data_parallel_rank": 1}, {}, {}, {}):
+            for extra in (
+                {"routed_dp_rank": 5},
+                {"data_parallel_rank": 3},
+                {"routed_dp_rank": 6, "data_parallel_rank": 1},
+                {},
+                {},
+                {},
+            ):
                 st, _, _ = await conn.request("POST", "/generate", gen_body(10, 1, **extra))
                 assert st == 200
             assert d.decode.placed == [1, 1, 1, 1, 0, 1, 1, 0]  # 5, 3, 6 then round-robin 0, 1, 2
@@ -150,6 +169,7 @@ def test_rank_placement_by_body_field_else_round_robin() -> None:
             conn.close()
         finally:
             await d.stop()
+
     run(scenario())
 
 
@@ -160,9 +180,9 @@ def test_client_disconnect_aborts_and_frees_the_slot() -> None:
         try:
             got: list[bytes] = []
             conn = HttpConnection(H, d.port)
-            task = asyncio.ensure_future(conn.request("POST", "/generate", gen_body(1000, 100_000, True,
-                                                                                    routed_dp_rank=1),
-                                                      on_chunk=got.append))
+            task = asyncio.ensure_future(
+                conn.request("POST", "/generate", gen_body(1000, 100_000, True, routed_dp_rank=1), on_chunk=got.append)
+            )
             await until(lambda: len(got) >= 3, what="tokens streaming")
             assert d.rank_loads()[1][0] == 1 and d.rank_loads()[1][2] > 1000
             task.cancel()  # closes the connection mid-stream
@@ -172,6 +192,7 @@ def test_client_disconnect_aborts_and_frees_the_slot() -> None:
             assert all(r.used == 0 and r.held == 0 for r in d.decode.ranks)
         finally:
             await d.stop()
+
     run(scenario())
 
 
@@ -179,6 +200,7 @@ def test_connection_lost_before_the_head_leaves_no_unretrieved_error() -> None:
     """The server drops a request waiting for its head (``on_head``): the caller gets HttpError
     from the head, and the body future that failed with it must not leak "Future exception was
     never retrieved" (the noise at the end of demo runs)."""
+
     async def scenario() -> list:
         loop = asyncio.get_running_loop()
         errors: list = []
@@ -201,6 +223,7 @@ def test_connection_lost_before_the_head_leaves_no_unretrieved_error() -> None:
         await asyncio.sleep(0.05)  # let the closed transports drop their protocols
         gc.collect()
         return errors
+
     errors = run(scenario())
     assert not [e for e in errors if e and "never retrieved" in e], errors
 
@@ -208,6 +231,7 @@ def test_connection_lost_before_the_head_leaves_no_unretrieved_error() -> None:
 def test_keep_alive_connection_closing_under_the_client_is_replaced() -> None:
     """The transport is closing (e.g. the server's FIN was just read) but connection_lost has
     not run yet: the next request must go out on a fresh connection, not into the closing one."""
+
     async def scenario() -> None:
         d = SimWorker("regular", SimParams(dp_size=1, time_scale=0.01))
         await d.start()
@@ -221,6 +245,7 @@ def test_keep_alive_connection_closing_under_the_client_is_replaced() -> None:
             conn.close()
         finally:
             await d.stop()
+
     run(scenario())
 
 
@@ -259,6 +284,7 @@ def test_streaming_formats_and_openai_client() -> None:
             ready.set()
             await asyncio.wait_for(box["stop"].wait(), 60)
             await w.stop()
+
         asyncio.run(main())
 
     th = threading.Thread(target=serve, daemon=True)
@@ -266,9 +292,15 @@ def test_streaming_formats_and_openai_client() -> None:
     assert ready.wait(10)
     try:
         client = openai.OpenAI(base_url=f"http://{H}:{box['port']}/v1", api_key="x", timeout=10, max_retries=0)
-        chunks = list(client.chat.completions.create(model="sim-model", messages=[{"role": "user", "content": "hi"}],
-                                                     max_tokens=3, stream=True,
-                                                     stream_options={"include_usage": True}))
+        chunks = list(
+            client.chat.completions.create(
+                model="sim-model",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=3,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == " t t t" and chunks[-1].usage.completion_tokens == 3
         comp = client.completions.create(model="sim-model", prompt="abcdefgh", max_tokens=2)
@@ -311,8 +343,9 @@ def test_loadgen_mini_router_end_to_end() -> None:
         try:
             p, d = c.prefills[0], c.decodes[0]
             trace = [TraceItem(2_000 + 1000 * i, 20 + i) for i in range(10)]
-            res = await run_load(Target(H, d.port, prefill=(H, p.port, p.bootstrap_port)), trace, 8,
-                                 duration_s=1.5, warmup_s=0.2)
+            res = await run_load(
+                Target(H, d.port, prefill=(H, p.port, p.bootstrap_port)), trace, 8, duration_s=1.5, warmup_s=0.2
+            )
             s = res.summary()
             await until(lambda: all(x == (0, 0, 0) for x in d.rank_loads()), what="decode drained")
             s["prefill_completed"] = p.prefill.completed
@@ -328,12 +361,31 @@ def test_loadgen_mini_router_end_to_end() -> None:
     assert max(s["placed"]) - min(s["placed"]) <= 1  # the decode's own round-robin
 
 
-@pytest.mark.skipif(importlib.util.find_spec("fastroute.runtime.server") is None,
-                    reason="the router (fastroute.runtime.server) is not importable in this install")
+@pytest.mark.skipif(
+    importlib.util.find_spec("fastroute.runtime.server") is None,
+    reason="the router (fastroute.runtime.server) is not importable in this install",
+)
 def test_demo_runs_end_to_end(tmp_path) -> None:
     out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "fastroute", "demo", "--duration", "10", "--warmup", "0.5", "--concurrency", "8",
-           "--time-scale", "0.05", "--out", str(out), "--quiet", "--conversation-rate", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fastroute",
+        "demo",
+        "--duration",
+        "10",
+        "--warmup",
+        "0.5",
+        "--concurrency",
+        "8",
+        "--time-scale",
+        "0.05",
+        "--out",
+        str(out),
+        "--quiet",
+        "--conversation-rate",
+        "2",
+    ]
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -341,12 +393,19 @@ def test_demo_runs_end_to_end(tmp_path) -> None:
     assert "| round_robin |" in proc.stdout and "| demand W=1e+06 |" in proc.stdout
     # the conversation part: the default policy beside least_requests, with the prefix hit rate
     conv = [ln for ln in proc.stdout.splitlines() if ln.startswith("| bursty |")]
-    assert [ln.split(" | ")[1] for ln in conv] == ["default (cache_aware)", "least_requests",
-                                                    "cache_aware, affinity on decode too"], conv
+    assert [ln.split(" | ")[1] for ln in conv] == [
+        "default (cache_aware)",
+        "least_requests",
+        "cache_aware, affinity on decode too",
+    ], conv
     assert all(ln.split(" | ")[-3].endswith("%") for ln in conv), conv
     results = json.loads((out / "balance.json").read_text())
-    assert [r["label"] for r in results] == ["round_robin", "p2c least_requests", "demand W=1e+06",
-                                             "no --dp-aware, SGLang total_requests"]
+    assert [r["label"] for r in results] == [
+        "round_robin",
+        "p2c least_requests",
+        "demand W=1e+06",
+        "no --dp-aware, SGLang total_requests",
+    ]
     for r in results:
         assert r["load"]["completed_total"] > 0 and r["load"]["errors"] == 0, r
         assert r["balance"]["samples"] > 0
@@ -366,18 +425,27 @@ def test_worker_cli_processes_rendezvous_over_the_bootstrap_port() -> None:
 
     pp, boot, dp = free(), free(), free()
     common = [sys.executable, "-m", "fastroute.sim.worker", "--dp-size", "2", "--time-scale", "0.01"]
-    procs = [subprocess.Popen(common + ["--role", "prefill", "--port", str(pp), "--bootstrap-port", str(boot)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT),
-             subprocess.Popen(common + ["--role", "decode", "--port", str(dp)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)]
+    procs = [
+        subprocess.Popen(
+            common + ["--role", "prefill", "--port", str(pp), "--bootstrap-port", str(boot)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        ),
+        subprocess.Popen(
+            common + ["--role", "decode", "--port", str(dp)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        ),
+    ]
     try:
+
         async def scenario() -> None:
             for port in (pp, dp):
+
                 async def up(port: int = port) -> bool:
                     try:
                         return (await fetch(H, port, "GET", "/health", timeout=1.0))[0] == 200
                     except Exception:
                         return False
+
                 for _ in range(200):
                     if await up():
                         break
@@ -385,11 +453,13 @@ def test_worker_cli_processes_rendezvous_over_the_bootstrap_port() -> None:
                 else:
                     raise AssertionError(f"sim worker on {port} did not come up")
             body = gen_body(30, 2, bootstrap_host=H, bootstrap_port=boot, bootstrap_room=99, routed_dp_rank=1)
-            (ps, pb), (ds, db) = await asyncio.gather(fetch(H, pp, "POST", "/generate", body),
-                                                      fetch(H, dp, "POST", "/generate", body))
+            (ps, pb), (ds, db) = await asyncio.gather(
+                fetch(H, pp, "POST", "/generate", body), fetch(H, dp, "POST", "/generate", body)
+            )
             assert ps == 200 and ds == 200 and json.loads(db)["meta_info"]["completion_tokens"] == 2
             st, stats = await get_json(dp, "/sim/stats")
             assert stats["placed"] == [0, 1] and stats["completed"] == 1
+
         run(scenario())
     finally:
         for p in procs:
@@ -407,11 +477,19 @@ def test_batches_rendezvous_per_item_and_answer_per_item() -> None:
         c = await start_cluster(params=SimParams(dp_size=4, time_scale=0.01))
         try:
             p, d = c.prefills[0], c.decodes[0]
-            body = json.dumps({"input_ids": [[1] * 10, [1] * 20, [1] * 30], "bootstrap_host": [H] * 3,
-                               "bootstrap_port": [p.bootstrap_port] * 3, "bootstrap_room": [7, 9, 12],
-                               "routed_dp_rank": [3, 3, 1], "sampling_params": {"max_new_tokens": 2}}).encode()
-            (ps, pb), (ds, db) = await asyncio.gather(fetch(H, p.port, "POST", "/generate", body),
-                                                      fetch(H, d.port, "POST", "/generate", body))
+            body = json.dumps(
+                {
+                    "input_ids": [[1] * 10, [1] * 20, [1] * 30],
+                    "bootstrap_host": [H] * 3,
+                    "bootstrap_port": [p.bootstrap_port] * 3,
+                    "bootstrap_room": [7, 9, 12],
+                    "routed_dp_rank": [3, 3, 1],
+                    "sampling_params": {"max_new_tokens": 2},
+                }
+            ).encode()
+            (ps, pb), (ds, db) = await asyncio.gather(
+                fetch(H, p.port, "POST", "/generate", body), fetch(H, d.port, "POST", "/generate", body)
+            )
             assert ps == 200 and len(json.loads(pb)) == 3
             assert ds == 200
             out = json.loads(db)
@@ -420,14 +498,22 @@ def test_batches_rendezvous_per_item_and_answer_per_item() -> None:
             assert d.decode.placed == [0, 1, 0, 2] and p.prefill.completed == 3
 
             # Streaming completions batch with a scalar room: rooms room, room+1 on both legs.
-            body = json.dumps({"prompt": ["abcd" * 5, "abcd" * 6], "max_tokens": 3, "stream": True,
-                               "bootstrap_host": H, "bootstrap_port": p.bootstrap_port,
-                               "bootstrap_room": 100}).encode()
+            body = json.dumps(
+                {
+                    "prompt": ["abcd" * 5, "abcd" * 6],
+                    "max_tokens": 3,
+                    "stream": True,
+                    "bootstrap_host": H,
+                    "bootstrap_port": p.bootstrap_port,
+                    "bootstrap_room": 100,
+                }
+            ).encode()
             got: list[bytes] = []
             dconn = HttpConnection(H, d.port)
             (ps, _), (ds, _, _) = await asyncio.gather(
                 fetch(H, p.port, "POST", "/v1/completions", body),
-                dconn.request("POST", "/v1/completions", body, on_chunk=got.append))
+                dconn.request("POST", "/v1/completions", body, on_chunk=got.append),
+            )
             dconn.close()
             events = [json.loads(e[6:]) for e in b"".join(got).split(b"\n\n") if e.startswith(b"data: {")]
             assert ps == 200 and ds == 200
@@ -435,14 +521,23 @@ def test_batches_rendezvous_per_item_and_answer_per_item() -> None:
 
             # A batch whose second room never comes back fails as a whole and frees everything.
             d.p.rendezvous_timeout_s = 0.3
-            body = json.dumps({"text": ["a", "b"], "bootstrap_host": H, "bootstrap_port": p.bootstrap_port,
-                               "bootstrap_room": [500, 501]}).encode()
-            one = json.dumps({"text": "a", "bootstrap_room": 500, "bootstrap_host": H,
-                              "bootstrap_port": p.bootstrap_port}).encode()
-            (ps, _), (ds, db) = await asyncio.gather(fetch(H, p.port, "POST", "/generate", one),
-                                                     fetch(H, d.port, "POST", "/generate", body))
+            body = json.dumps(
+                {
+                    "text": ["a", "b"],
+                    "bootstrap_host": H,
+                    "bootstrap_port": p.bootstrap_port,
+                    "bootstrap_room": [500, 501],
+                }
+            ).encode()
+            one = json.dumps(
+                {"text": "a", "bootstrap_room": 500, "bootstrap_host": H, "bootstrap_port": p.bootstrap_port}
+            ).encode()
+            (ps, _), (ds, db) = await asyncio.gather(
+                fetch(H, p.port, "POST", "/generate", one), fetch(H, d.port, "POST", "/generate", body)
+            )
             assert ps == 200 and ds == 500 and b"501" in db
             await until(lambda: all(x == (0, 0, 0) for x in d.rank_loads()), what="batch freed")
         finally:
             await c.stop()
+
     run(scenario())

@@ -2,6 +2,7 @@
 where a request lands when the router names no rank, for each method, on the prefill and the
 decode; the routed rank overriding it; the booking at dispatch and the 20 ms refresh; and the
 method in /server_info, also from the worker CLI."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,6 @@ import sys
 from fastroute.sim.engine import SimParams
 from fastroute.sim.http import HttpConnection, fetch
 from fastroute.sim.server import SimWorker
-
 from tests.integration.test_sim import H, gen_body, get_json, run, until
 
 # A prefill that holds every request: 1 token/s, so even 10 tokens compute for 10 s.
@@ -58,6 +58,7 @@ class Holder:
 
 def held_spread(method: str, room: int = 3) -> list[int]:
     """8 requests with the same room and no rank to a prefill that holds them: loads per rank."""
+
     async def scenario() -> list[int]:
         w = SimWorker("prefill", SimParams(load_balance_method=method, **HOLD_PREFILL))
         await w.start()
@@ -69,6 +70,7 @@ def held_spread(method: str, room: int = 3) -> list[int]:
         finally:
             await h.close()
             await w.stop()
+
     return run(scenario())
 
 
@@ -94,6 +96,7 @@ def test_round_robin_cycles_whatever_the_room() -> None:
                 assert stats["dispatch"]["placed"] == want, method
             finally:
                 await w.stop()
+
     run(scenario())
 
 
@@ -101,6 +104,7 @@ def test_total_tokens_weighs_inputs_total_requests_counts_requests() -> None:
     """One 50k-token request, then 8 of 1k: the 8th small one goes to the next-lightest rank by
     tokens (rank 1) under total_tokens, to rank 0 (one request like the others) under
     total_requests."""
+
     async def scenario(method: str) -> list[int]:
         w = SimWorker("prefill", SimParams(load_balance_method=method, **HOLD_PREFILL))
         await w.start()
@@ -113,6 +117,7 @@ def test_total_tokens_weighs_inputs_total_requests_counts_requests() -> None:
         finally:
             await h.close()
             await w.stop()
+
     assert run(scenario("total_tokens")) == [1, 2, 1, 1, 1, 1, 1, 1]
     assert run(scenario("total_requests")) == [2, 1, 1, 1, 1, 1, 1, 1]
 
@@ -136,6 +141,7 @@ def test_routed_rank_overrides_the_engines_balancing() -> None:
             finally:
                 await h.close()
                 await w.stop()
+
     run(scenario(), timeout=60)
 
 
@@ -143,9 +149,15 @@ def test_decode_refreshes_its_budget_at_most_every_refresh_window() -> None:
     """Rank 1 gets 4 routed requests (not booked). Inside the refresh window the controller
     still sees rank 1 empty and sends the next request there; with a short window it reads the
     ranks' published snapshots and keeps 8 more requests off rank 1."""
+
     async def scenario(refresh_ms: float) -> tuple[list[int], int]:
-        p = SimParams(dp_size=8, time_scale=1.0, load_balance_method="total_requests",
-                      lb_refresh_ms=refresh_ms, load_snapshot_interval=1)
+        p = SimParams(
+            dp_size=8,
+            time_scale=1.0,
+            load_balance_method="total_requests",
+            lb_refresh_ms=refresh_ms,
+            load_snapshot_interval=1,
+        )
         w = SimWorker("decode", p)
         await w.start()
         h = Holder(w)
@@ -162,6 +174,7 @@ def test_decode_refreshes_its_budget_at_most_every_refresh_window() -> None:
         finally:
             await h.close()
             await w.stop()
+
     stale, n_stale = run(scenario(60_000.0))  # window 60 s: the budget of the first dispatch
     assert n_stale == 1
     assert stale == [1, 5, 0, 0, 0, 0, 0, 0]
@@ -172,8 +185,11 @@ def test_decode_refreshes_its_budget_at_most_every_refresh_window() -> None:
 
 def test_server_info_reports_the_method_and_the_worker_cli_takes_it() -> None:
     async def scenario() -> None:
-        for role, method, want in (("prefill", "auto", "follow_bootstrap_room"), ("decode", "auto", "round_robin"),
-                                   ("decode", "total_tokens", "total_tokens")):
+        for role, method, want in (
+            ("prefill", "auto", "follow_bootstrap_room"),
+            ("decode", "auto", "round_robin"),
+            ("decode", "total_tokens", "total_tokens"),
+        ):
             w = SimWorker(role, SimParams(dp_size=2, load_balance_method=method))
             await w.start()
             try:
@@ -181,14 +197,30 @@ def test_server_info_reports_the_method_and_the_worker_cli_takes_it() -> None:
                 assert st == 200 and info["load_balance_method"] == want
             finally:
                 await w.stop()
+
     run(scenario())
     with __import__("socket").socket() as s:
         s.bind((H, 0))
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    proc = subprocess.Popen([sys.executable, "-m", "fastroute.sim.worker", "--role", "decode", "--port", str(port),
-                             "--dp-size", "2", "--load-balance-method", "total_requests"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fastroute.sim.worker",
+            "--role",
+            "decode",
+            "--port",
+            str(port),
+            "--dp-size",
+            "2",
+            "--load-balance-method",
+            "total_requests",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     try:
         assert b"listening" in proc.stdout.readline()
 
@@ -196,6 +228,7 @@ def test_server_info_reports_the_method_and_the_worker_cli_takes_it() -> None:
             st, body = await fetch(H, port, "GET", "/server_info")
             assert st == 200
             return json.loads(body)
+
         assert run(info())["load_balance_method"] == "total_requests"
     finally:
         proc.terminate()

@@ -13,8 +13,15 @@ import pytest
 pytest.importorskip("cryptography")
 
 from tests.integration.certs import make_ca, make_leaf  # noqa: E402
-from tests.integration.conftest import (DataWorker, Router, _WorkerConn, call, post,  # noqa: E402
-                                        run, until)
+from tests.integration.conftest import (
+    DataWorker,
+    Router,
+    _WorkerConn,
+    call,
+    post,  # noqa: E402
+    run,
+    until,
+)
 
 
 class TLSWorker(DataWorker):
@@ -56,27 +63,34 @@ def test_https_worker_with_private_ca_serves(pki) -> None:
     async def body() -> None:
         w = await TLSWorker(server_ctx(pki["server"])).start()
         async with Router(worker_urls=[w.url], ca_cert_paths=[pki["ca"].cert]) as r:
-            for i in range(3):   # keep-alive reuse of the TLS connection
+            for i in range(3):  # keep-alive reuse of the TLS connection
                 res = await call(r.port, post("/generate", {"text": f"hi {i}"}))
                 assert res.status == 200 and res.json["text"] == f"hello from {w.name}"
-            res = await call(r.port, post("/v1/chat/completions",
-                                          {"messages": [{"role": "user", "content": "x"}], "stream": True}))
+            res = await call(
+                r.port, post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True})
+            )
             assert res.status == 200 and res.body.endswith(b"data: [DONE]\n\n")
             assert [rec.path for rec in w.inference()] == ["/generate"] * 3 + ["/v1/chat/completions"]
             # registration went over the same TLS settings
             assert {"/health"} <= {rec.path for rec in w.requests}
             assert r.server.registry.find(w.url).status == "ready"
             await until(lambda: r.in_flight(w) == 0, what="released")
+
     run(body())
 
 
 def test_mtls_presents_the_client_certificate(pki) -> None:
     async def body() -> None:
         w = await TLSWorker(server_ctx(pki["server"], client_ca=pki["ca"].cert)).start()
-        async with Router(worker_urls=[w.url], ca_cert_paths=[pki["ca"].cert],
-                          client_cert_path=pki["client"].cert, client_key_path=pki["client"].key) as r:
+        async with Router(
+            worker_urls=[w.url],
+            ca_cert_paths=[pki["ca"].cert],
+            client_cert_path=pki["client"].cert,
+            client_key_path=pki["client"].key,
+        ) as r:
             res = await call(r.port, post("/generate", {"text": "hi"}))
             assert res.status == 200
+
     run(body())
 
 
@@ -86,28 +100,36 @@ def test_untrusted_certificate_is_a_clear_registration_error(pki) -> None:
         bad = make_leaf(pki["dir"], "impostor", other_cert, other_key)
         good = await TLSWorker(server_ctx(pki["server"])).start()
         evil = await TLSWorker(server_ctx(bad)).start()
-        async with Router(worker_urls=[good.url], ca_cert_paths=[pki["ca"].cert],
-                          worker_startup_timeout_secs=30) as r:
+        async with Router(worker_urls=[good.url], ca_cert_paths=[pki["ca"].cert], worker_startup_timeout_secs=30) as r:
             loop = asyncio.get_running_loop()
             t0 = loop.time()
-            res = await call(r.port, f"POST /add_worker?url={evil.url} HTTP/1.1\r\nHost: r\r\n"
-                                     "Content-Length: 0\r\n\r\n".encode(), timeout=20)
+            res = await call(
+                r.port,
+                f"POST /add_worker?url={evil.url} HTTP/1.1\r\nHost: r\r\nContent-Length: 0\r\n\r\n".encode(),
+                timeout=20,
+            )
             # refused at once (not after the 30 s startup timeout), saying why
             assert loop.time() - t0 < 10
             assert res.status == 400
             assert b"TLS handshake" in res.body and b"certificate" in res.body.lower()
             assert not evil.requests
             assert (await call(r.port, post("/generate", {"text": "hi"}))).status == 200
+
     run(body())
 
 
 def test_https_without_ca_is_refused_by_default_verification(pki) -> None:
     """Verification is on by default: without --ca-cert-paths the private CA is not trusted."""
+
     async def body() -> None:
         plain = await DataWorker().start()
         w = await TLSWorker(server_ctx(pki["server"])).start()
         async with Router(worker_urls=[plain.url]) as r:
-            res = await call(r.port, f"POST /add_worker?url={w.url} HTTP/1.1\r\nHost: r\r\n"
-                                     "Content-Length: 0\r\n\r\n".encode(), timeout=20)
+            res = await call(
+                r.port,
+                f"POST /add_worker?url={w.url} HTTP/1.1\r\nHost: r\r\nContent-Length: 0\r\n\r\n".encode(),
+                timeout=20,
+            )
             assert res.status == 400 and b"TLS handshake" in res.body
+
     run(body())

@@ -1,4 +1,5 @@
 """Registry over real loopback HTTP: handshake, dp-aware targets, groups, admin endpoints."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,8 +8,8 @@ import uuid
 import pytest
 from fakeworker import FakeWorker, Plane, make_config, run, wait_until
 
-from fastroute.core.table import COL_ALLOCATED, COL_HEALTHY
 from fastroute.control.worker import split_host_port
+from fastroute.core.table import COL_ALLOCATED, COL_HEALTHY
 
 
 def acquire_targets(group, n: int) -> list[int]:
@@ -36,6 +37,7 @@ def test_handshake_order_fallbacks_and_auth():
             assert w.server_info["max_total_num_tokens"] == 100000
             assert (w.server_info_path, w.model_info_path) == ("/get_server_info", "/get_model_info")
         await fw.stop()
+
     run(body)
 
 
@@ -51,6 +53,7 @@ def test_model_id_rule_prefers_requested_then_served_name():
             assert status == 200 and [m["id"] for m in doc["data"]] == ["served-a", "explicit-b"]
         await a.stop()
         await b.stop()
+
     run(body)
 
 
@@ -72,6 +75,7 @@ def test_registration_waits_for_health_while_serving_503():
             status, doc, _ = await p.admin("GET", "/readiness")
             assert status == 200 and doc == {"status": "ready", "healthy_workers": 1, "total_workers": 1}
         await fw.stop()
+
     run(body)
 
 
@@ -88,6 +92,7 @@ def test_startup_timeout_fails_and_drops_worker():
             assert 2 <= fw.count("/health") <= 10
             assert p.table.get(0, COL_ALLOCATED) == 0
         await fw.stop()
+
     run(body)
 
 
@@ -100,6 +105,7 @@ def test_unreachable_worker_fails_registration():
             w = p.registry.add_worker(url, "regular")
             assert not await p.registry.wait_registered(w)
             assert "connect" in w.error
+
     run(body)
 
 
@@ -123,6 +129,7 @@ def test_dp_aware_one_target_per_rank():
             assert [r["url"] for r in doc["dp_ranks"]] == w8.names
         await d8.stop()
         await d1.stop()
+
     run(body)
 
 
@@ -140,6 +147,7 @@ def test_dp_aware_without_dp_size_fails_fast():
             w = await p.add(fw)
             assert len(w.targets) == 1
         await fw.stop()
+
     run(body)
 
 
@@ -147,8 +155,9 @@ def test_prefill_keeps_bootstrap_port_and_host():
     async def body():
         fw = await FakeWorker().start()
         async with Plane(make_config(pd_disaggregation=True)) as p:
-            status, doc, _ = await p.admin("POST", "/workers",
-                                           {"url": fw.url, "worker_type": "prefill", "bootstrap_port": 8999})
+            status, doc, _ = await p.admin(
+                "POST", "/workers", {"url": fw.url, "worker_type": "prefill", "bootstrap_port": 8999}
+            )
             assert status == 202
             w = p.registry.get(doc["worker_id"])
             assert await p.registry.wait_registered(w)
@@ -158,6 +167,7 @@ def test_prefill_keeps_bootstrap_port_and_host():
         await fw.stop()
         assert split_host_port("http://[::1]:8000") == ("[::1]", 8000)
         assert split_host_port("http://MyHost") == ("MyHost", 80)
+
     run(body)
 
 
@@ -183,6 +193,7 @@ def test_config_workers_register_in_background():
             assert status == 503 and dec.url in doc["error"]["message"]
         await pre.stop()
         await dec.stop()
+
     run(body)
 
 
@@ -205,8 +216,17 @@ def test_workers_api_add_get_put_delete_reaches_group():
             status, doc, _ = await p.admin("GET", "/workers")
             assert status == 200 and doc["total"] == 2 and doc["stats"]["regular_count"] == 2
             entry = doc["workers"][0]
-            for k in ("id", "url", "model_id", "worker_type", "is_healthy", "load", "connection_mode",
-                      "priority", "cost"):
+            for k in (
+                "id",
+                "url",
+                "model_id",
+                "worker_type",
+                "is_healthy",
+                "load",
+                "connection_mode",
+                "priority",
+                "cost",
+            ):
                 assert k in entry
             assert entry["url"] == a.url and entry["is_healthy"] is True
 
@@ -228,6 +248,7 @@ def test_workers_api_add_get_put_delete_reaches_group():
             assert (await p.admin("PATCH", "/workers"))[0] == 405
         await a.stop()
         await b.stop()
+
     run(body)
 
 
@@ -251,6 +272,7 @@ def test_remove_with_lease_in_flight_defers_row_free():
             await wait_until(lambda: p.table.get(t, COL_ALLOCATED) == 0)
             assert p.registry.target_info[t] is None
         await fw.stop()
+
     run(body)
 
 
@@ -276,6 +298,7 @@ def test_legacy_add_list_remove():
             assert (await p.admin("POST", f"/remove_worker?url={fw.url}"))[0] == 404
         await fw.stop()
         await dead.stop()
+
     run(body)
 
 
@@ -289,8 +312,13 @@ def test_flush_cache_200_206_and_405():
             auth = [(b"authorization", b"Bearer k")]
             status, doc, _ = await p.admin("POST", "/flush_cache", headers=auth)
             assert status == 200
-            assert doc == {"status": "success", "message": "Successfully flushed cache on all 2 HTTP workers",
-                           "workers_flushed": 2, "total_http_workers": 2, "total_workers": 2}
+            assert doc == {
+                "status": "success",
+                "message": "Successfully flushed cache on all 2 HTTP workers",
+                "workers_flushed": 2,
+                "total_http_workers": 2,
+                "total_workers": 2,
+            }
             assert a.count("/flush_cache") == 1 and b.count("/flush_cache") == 1
             assert [r.method for r in a.requests if r.path == "/flush_cache"] == ["POST"]
             assert a.requests[-1].headers["authorization"] == "Bearer k"
@@ -307,14 +335,19 @@ def test_flush_cache_200_206_and_405():
             assert (await p.admin("GET", "/v1/models"))[0] == 200  # open
         await a.stop()
         await b.stop()
+
     run(body)
 
 
 def test_get_loads_shape_null_until_polled():
     async def body():
-        fw = await FakeWorker(dp_size=2, loads=[{"num_running_reqs": 3, "num_used_tokens": 300},
-                                                {"num_running_reqs": 1, "num_waiting_reqs": 2,
-                                                 "num_used_tokens": 100}]).start()
+        fw = await FakeWorker(
+            dp_size=2,
+            loads=[
+                {"num_running_reqs": 3, "num_used_tokens": 300},
+                {"num_running_reqs": 1, "num_waiting_reqs": 2, "num_used_tokens": 100},
+            ],
+        ).start()
         async with Plane(make_config(pd_disaggregation=True, dp_aware=True)) as p:
             w = await p.add(fw, "decode")
             lease = p.registry.group("decode").acquire(50)
@@ -340,6 +373,7 @@ def test_get_loads_shape_null_until_polled():
             finally:
                 lease.release()
         await fw.stop()
+
     run(body)
 
 
@@ -366,6 +400,7 @@ def test_server_info_model_info_and_engine_metrics():
             assert (await p.admin("GET", "/nope"))[0] == 404
         await pre.stop()
         await dec.stop()
+
     run(body)
 
 
@@ -383,6 +418,7 @@ async def raw_server(reply: bytes, close: bool = True, delay: float = 0.0):
         await writer.drain()
         if close:
             writer.close()
+
     srv = await asyncio.start_server(handle, "127.0.0.1", 0)
     return srv, f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
 
@@ -391,8 +427,9 @@ def test_httpclient_framing_and_errors():
     from fastroute.control import httpclient as hc
 
     async def body():
-        srv, url = await raw_server(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: b\r\n\r\n"
-                                    b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+        srv, url = await raw_server(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: b\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+        )
         status, headers, data = await hc.request("GET", url + "/x")
         assert (status, data, hc.header(headers, "x-a")) == (200, b"abcde", "b")
         srv.close()
@@ -423,4 +460,5 @@ def test_httpclient_framing_and_errors():
         assert r.headers["x-y"] == "z" and r.headers["content-length"] == "2"
         assert r.headers["host"] == f"127.0.0.1:{fw.port}"
         await fw.stop()
+
     run(body)

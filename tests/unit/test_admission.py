@@ -1,8 +1,9 @@
 """Admission control (fastroute.dataplane.admission): limit, FIFO queue, rejection, expiry, cancel."""
+
 from __future__ import annotations
 
-from fastroute.dataplane.admission import Admission
 from fastroute.control.metrics import Stats
+from fastroute.dataplane.admission import Admission
 
 
 def make(limit: int = 2, queue: int = 2, timeout: float = 5.0) -> Admission:
@@ -27,7 +28,7 @@ def test_over_limit_waits_fifo_and_a_freed_slot_goes_to_the_oldest() -> None:
     w1 = a.wait(lambda: started.append("a"), lambda: None, 0.0)
     w2 = a.wait(lambda: started.append("b"), lambda: None, 0.0)
     assert w1 is not None and w2 is not None
-    assert not a.try_enter()         # nobody overtakes the queue
+    assert not a.try_enter()  # nobody overtakes the queue
     a.leave()
     assert started == ["a"] and a.active == 2
     a.leave()
@@ -104,11 +105,11 @@ class _Clock:
 
 def test_rate_bucket_admits_a_burst_then_the_refill_rate_through_the_queue() -> None:
     clock = _Clock()
-    a = Admission(4, 10, 5.0, loop=clock, rate=2.0)   # burst 4, then 2 requests per second
+    a = Admission(4, 10, 5.0, loop=clock, rate=2.0)  # burst 4, then 2 requests per second
     a.stats = Stats()
     assert all(a.try_enter() for _ in range(4))
     for _ in range(4):
-        a.leave()                                    # slots free, but the tokens are spent
+        a.leave()  # slots free, but the tokens are spent
     assert not a.try_enter()
     started: list[int] = []
     for i in range(3):
@@ -125,14 +126,14 @@ def test_rate_bucket_admits_a_burst_then_the_refill_rate_through_the_queue() -> 
 
 def test_rate_limited_queue_full_is_429_and_waiting_too_long_is_408() -> None:
     clock = _Clock()
-    a = Admission(-1, 1, 2.0, loop=clock, rate=1.0)   # unlimited slots: burst = 1 s of rate
+    a = Admission(-1, 1, 2.0, loop=clock, rate=1.0)  # unlimited slots: burst = 1 s of rate
     assert a.enabled
     assert a.try_enter() and not a.try_enter()
     expired: list[int] = []
     assert a.wait(lambda: None, lambda: expired.append(1), clock.now) is not None
-    assert a.wait(lambda: None, lambda: None, clock.now) is None      # queue full: 429
+    assert a.wait(lambda: None, lambda: None, clock.now) is None  # queue full: 429
     a2 = Admission(-1, 5, 0.5, loop=clock, rate=0.1)
     assert a2.try_enter() and not a2.try_enter()
     a2.wait(lambda: None, lambda: expired.append(2), clock.now)
     clock.now += 1.0
-    assert a2.expire(clock.now) == 1 and expired == [2]                 # waited too long: 408
+    assert a2.expire(clock.now) == 1 and expired == [2]  # waited too long: 408

@@ -1,4 +1,5 @@
-"""control.background: the one supervision rule of every background task (issue 24)."""
+"""control.background: the one supervision rule of every background task (log, back off, keep running)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +20,7 @@ def test_a_crashing_body_restarts_with_growing_backoff_logged_once(caplog, monke
     async def sleep(d, *a):
         slept.append(d)
         await real_sleep(0)
+
     monkeypatch.setattr(background.asyncio, "sleep", sleep)
 
     async def body():
@@ -31,6 +33,7 @@ def test_a_crashing_body_restarts_with_growing_backoff_logged_once(caplog, monke
                 raise ValueError(f"bad input {len(runs)}")
             st.ok()
             await asyncio.Event().wait()
+
         t = bg.spawn("t", task, initial=0.1, cap=0.5)
         while len(runs) < 7:
             await real_sleep(0)
@@ -40,11 +43,12 @@ def test_a_crashing_body_restarts_with_growing_backoff_logged_once(caplog, monke
         t.cancel()
         await asyncio.gather(t, return_exceptions=True)
         return slept
+
     with caplog.at_level(logging.DEBUG, logger="fastroute.background"):
         delays = run(body())
     assert len(delays) == 6
     assert all(0.08 <= d <= 0.12 for d in delays[:1]) and delays[1] > delays[0] * 1.5
-    assert all(d <= 0.5 * 1.2 for d in delays)          # capped (+ jitter)
+    assert all(d <= 0.5 * 1.2 for d in delays)  # capped (+ jitter)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "ValueError: bad input 1" in errors[0].getMessage()
     assert "Traceback" not in "".join(r.getMessage() for r in errors)
@@ -60,6 +64,7 @@ def test_a_body_that_returns_is_restarted_and_counted():
             if len(runs) > 2:
                 st.ok()
                 await asyncio.Event().wait()
+
         t = bg.spawn("quits", task, initial=0.001, cap=0.002)
         while len(runs) < 3:
             await asyncio.sleep(0.001)
@@ -67,6 +72,7 @@ def test_a_body_that_returns_is_restarted_and_counted():
         t.cancel()
         await asyncio.gather(t, return_exceptions=True)
         return st
+
     st = run(body())
     assert st.restarts == 2 and st.up is True and "returned" in st.cause
 
@@ -92,6 +98,7 @@ def test_handled_failures_mark_stale_and_the_metrics_say_so(caplog):
 
 def test_cancel_all_cancels_again_a_task_that_swallowed_the_cancel():
     """The Python 3.11 wait_for race eats a cancel; stopping must still end the task."""
+
     async def body():
         swallowed = []
 
@@ -102,9 +109,11 @@ def test_cancel_all_cancels_again_a_task_that_swallowed_the_cancel():
                 except asyncio.CancelledError:
                     swallowed.append(1)
             await asyncio.sleep(10)
+
         t = asyncio.get_running_loop().create_task(stubborn())
         await asyncio.sleep(0)
         await background.cancel_all([t], retry=0.01)
         return t, swallowed
+
     t, swallowed = run(body())
     assert t.cancelled() and len(swallowed) == 2

@@ -25,8 +25,16 @@ from fastroute.errors import RouterError
 PD_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
-def forwarded(path: str, body: dict | bytes, *, host: str = "127.0.0.1", port: int | None = 8998,
-              seed: int = 0, rank_field: str | None = None, rank: int | None = None) -> tuple[RequestMeta, dict]:
+def forwarded(
+    path: str,
+    body: dict | bytes,
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = 8998,
+    seed: int = 0,
+    rank_field: str | None = None,
+    rank: int | None = None,
+) -> tuple[RequestMeta, dict]:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     meta = parse_request(path, raw)
     fields = pd_fields(meta, host, port, random.Random(seed), rank_field, rank)
@@ -374,9 +382,22 @@ def test_bad_types_are_400_naming_the_field(path: str, body: bytes, field: str) 
 
 @pytest.mark.parametrize(
     "body",
-    [b"", b"{", b"[]", b"[1]", b'"text"', b"null", b"1", b'{"a":1} x', b"\xff\xfe{}",
-     b"\xef\xbb\xbf{}", b'{"a":"\xc3"}', b"[" * 100_000, b'{"a":' + b"9" * 5000 + b"}",
-     '{"a":1}'.encode("utf-16")],
+    [
+        b"",
+        b"{",
+        b"[]",
+        b"[1]",
+        b'"text"',
+        b"null",
+        b"1",
+        b'{"a":1} x',
+        b"\xff\xfe{}",
+        b"\xef\xbb\xbf{}",
+        b'{"a":"\xc3"}',
+        b"[" * 100_000,
+        b'{"a":' + b"9" * 5000 + b"}",
+        '{"a":1}'.encode("utf-16"),
+    ],
 )
 def test_malformed_bodies_are_400(body: bytes) -> None:
     with pytest.raises(RouterError) as info:
@@ -419,7 +440,9 @@ def test_routing_text() -> None:
     long_ids = parse_request("/generate", json.dumps({"input_ids": list(range(20000))}).encode())
     assert long_ids.routing_text().split() == [str(i) for i in range(8192)]
     assert parse_request("/v1/completions", b'{"prompt":"zz"}').routing_text() == "zz"
-    chat = parse_request("/v1/chat/completions", b'{"messages":[{"role":"system","content":"s"},{"role":"user","content":"u"}]}')
+    chat = parse_request(
+        "/v1/chat/completions", b'{"messages":[{"role":"system","content":"s"},{"role":"user","content":"u"}]}'
+    )
     assert chat.routing_text() == "s\nu"
 
 
@@ -441,14 +464,18 @@ def test_merge_json_observed_example() -> None:
 
 
 def test_merge_json_batch_item_by_item() -> None:
-    prefill = json.dumps([
-        {"meta_info": {"input_token_logprobs": [[-1.0, 1, None]]}},
-        {"meta_info": {"input_token_logprobs": [[-2.0, 2, None]]}},
-    ]).encode()
-    decode = json.dumps([
-        {"meta_info": {"input_token_logprobs": [[-3.0, 3, None]]}},
-        {"meta_info": {"input_token_logprobs": None}},
-    ]).encode()
+    prefill = json.dumps(
+        [
+            {"meta_info": {"input_token_logprobs": [[-1.0, 1, None]]}},
+            {"meta_info": {"input_token_logprobs": [[-2.0, 2, None]]}},
+        ]
+    ).encode()
+    decode = json.dumps(
+        [
+            {"meta_info": {"input_token_logprobs": [[-3.0, 3, None]]}},
+            {"meta_info": {"input_token_logprobs": None}},
+        ]
+    ).encode()
     merged = json.loads(merge_logprobs_json(prefill, decode))
     assert merged[0]["meta_info"]["input_token_logprobs"] == [[-1.0, 1, None], [-3.0, 3, None]]
     assert merged[1]["meta_info"]["input_token_logprobs"] == [[-2.0, 2, None]]
@@ -487,21 +514,23 @@ def events(raw: bytes) -> list[bytes]:
 def run_merger(prefill: bytes, decode: bytes, chunk: int) -> bytes:
     m = SSELogprobMerger()
     for i in range(0, len(prefill), max(chunk, 1)):
-        m.feed_prefill(prefill[i:i + chunk])
-    out = [m.transform(decode[i:i + chunk]) for i in range(0, len(decode), chunk)]
+        m.feed_prefill(prefill[i : i + chunk])
+    out = [m.transform(decode[i : i + chunk]) for i in range(0, len(decode), chunk)]
     out.append(m.flush())
     return b"".join(out)
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 64, 10_000])
 def test_sse_merge_split_chunks(chunk: int) -> None:
-    prefill = sse({"meta_info": {"input_token_logprobs": PREFILL_LP}, "index": 0},
-                  {"meta_info": {"input_token_logprobs": [[-7.0, 1, None]]}, "index": 0})
+    prefill = sse(
+        {"meta_info": {"input_token_logprobs": PREFILL_LP}, "index": 0},
+        {"meta_info": {"input_token_logprobs": [[-7.0, 1, None]]}, "index": 0},
+    )
     out = run_merger(prefill, decode_stream(), chunk)
     evs = events(out)
     assert len(evs) == 4 and evs[-1] == b"data: [DONE]"
-    first = json.loads(evs[0][len(b"data: "):])
-    second = json.loads(evs[1][len(b"data: "):])
+    first = json.loads(evs[0][len(b"data: ") :])
+    second = json.loads(evs[1][len(b"data: ") :])
     assert first["meta_info"]["input_token_logprobs"] == PREFILL_LP + DECODE_LP
     assert second["meta_info"]["input_token_logprobs"] == PREFILL_LP
     # Events without the key are relayed byte for byte.
@@ -509,11 +538,15 @@ def test_sse_merge_split_chunks(chunk: int) -> None:
 
 
 def test_sse_merge_per_index_with_first_event_fallback() -> None:
-    prefill = sse({"meta_info": {"input_token_logprobs": [[-1.0, 1, None]]}, "index": 0},
-                  {"meta_info": {"input_token_logprobs": [[-2.0, 2, None]]}, "index": 1})
-    decode = sse({"meta_info": {"input_token_logprobs": []}, "index": 1},
-                 {"meta_info": {"input_token_logprobs": []}, "index": 0},
-                 {"meta_info": {"input_token_logprobs": []}, "index": 5})
+    prefill = sse(
+        {"meta_info": {"input_token_logprobs": [[-1.0, 1, None]]}, "index": 0},
+        {"meta_info": {"input_token_logprobs": [[-2.0, 2, None]]}, "index": 1},
+    )
+    decode = sse(
+        {"meta_info": {"input_token_logprobs": []}, "index": 1},
+        {"meta_info": {"input_token_logprobs": []}, "index": 0},
+        {"meta_info": {"input_token_logprobs": []}, "index": 5},
+    )
     evs = events(run_merger(prefill, decode, 5))
     got = [json.loads(e[6:])["meta_info"]["input_token_logprobs"] for e in evs[:3]]
     assert got == [[[-2.0, 2, None]], [[-1.0, 1, None]], [[-1.0, 1, None]]]

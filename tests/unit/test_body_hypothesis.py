@@ -29,12 +29,14 @@ json_objects = st.dictionaries(st.text(max_size=10), json_values, max_size=6)
 
 # Ways a client may lay out the same object: compact, pretty, ASCII-escaped,
 # with surrounding whitespace.
-layouts = st.sampled_from([
-    lambda o: json.dumps(o),
-    lambda o: json.dumps(o, separators=(",", ":")),
-    lambda o: json.dumps(o, indent=2, ensure_ascii=False),
-    lambda o: " \n\t" + json.dumps(o, ensure_ascii=False) + "\r\n  ",
-])
+layouts = st.sampled_from(
+    [
+        lambda o: json.dumps(o),
+        lambda o: json.dumps(o, separators=(",", ":")),
+        lambda o: json.dumps(o, indent=2, ensure_ascii=False),
+        lambda o: " \n\t" + json.dumps(o, ensure_ascii=False) + "\r\n  ",
+    ]
+)
 
 # Field values the router injects: keys disjoint from the object's so the
 # expected result is a plain dict union.
@@ -113,8 +115,10 @@ def test_parse_request_only_raises_router_error_on_request_like(obj: dict, path:
 
 
 @SETTINGS
-@given(raw=st.binary(max_size=200) | st.text(max_size=200).map(lambda s: s.encode("utf-8", "surrogatepass")),
-       path=st.sampled_from(PATHS))
+@given(
+    raw=st.binary(max_size=200) | st.text(max_size=200).map(lambda s: s.encode("utf-8", "surrogatepass")),
+    path=st.sampled_from(PATHS),
+)
 def test_parse_request_only_raises_router_error_on_bytes(raw: bytes, path: str) -> None:
     try:
         parse_request(path, raw)

@@ -4,6 +4,7 @@ Single-object tests use a fake clock; the sharing tests run two ``Breakers`` ove
 table (two proxy processes in one interpreter), and one test runs real spawned
 processes that attach the table by name and race on the same rows.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -11,9 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from fastroute.core import _ledger, _policy, table as T
-from fastroute.core.breaker import CLOSED, HALF_OPEN, OPEN, Breakers
 from fastroute.control.metrics import Stats
+from fastroute.core import _ledger, _policy
+from fastroute.core import table as T
+from fastroute.core.breaker import CLOSED, HALF_OPEN, OPEN, Breakers
 from fastroute.core.table import TargetTable
 
 
@@ -38,8 +40,7 @@ def make(tab: TargetTable, clock=None, **kw):
     kw.setdefault("failure_threshold", 3)
     kw.setdefault("success_threshold", 2)
     kw.setdefault("timeout_secs", 10.0)
-    br = Breakers(tab, tab.capacity, stats=stats, name_of=lambda t: f"w{t}",
-                  clock=lambda: clock.now, **kw)
+    br = Breakers(tab, tab.capacity, stats=stats, name_of=lambda t: f"w{t}", clock=lambda: clock.now, **kw)
     return br, stats, clock
 
 
@@ -51,14 +52,23 @@ def test_breaker_columns_mirror_the_compiled_layout() -> None:
     layout = _policy.layout()
     for name in ("COL_CIRCUIT", "COL_CB_FAILS", "COL_CB_OKS", "COL_CB_OPENED_AT"):
         assert getattr(T, name) == layout[name], name
-    assert (CLOSED, OPEN, HALF_OPEN) == (layout["CIRCUIT_CLOSED"], layout["CIRCUIT_OPEN"],
-                                         layout["CIRCUIT_HALF_OPEN"])
+    assert (layout["CIRCUIT_CLOSED"], layout["CIRCUIT_OPEN"], layout["CIRCUIT_HALF_OPEN"]) == (CLOSED, OPEN, HALF_OPEN)
     cols = {T.COL_CB_FAILS, T.COL_CB_OKS, T.COL_CB_OPENED_AT}
     assert len(cols) == 3 and max(cols) < T.NCOLS
-    assert not cols & {T.COL_IN_FLIGHT, T.COL_IN_FLIGHT_TOKENS, T.COL_POLLED_RUNNING,
-                       T.COL_POLLED_WAITING, T.COL_POLLED_TOKENS, T.COL_POLLED_AT, T.COL_HEALTHY,
-                       T.COL_PICKS, T.COL_CIRCUIT, T.COL_POLLED_MAX_TOKENS, T.COL_ALLOCATED,
-                       T.COL_TOKENS_AT_POLL}
+    assert not cols & {
+        T.COL_IN_FLIGHT,
+        T.COL_IN_FLIGHT_TOKENS,
+        T.COL_POLLED_RUNNING,
+        T.COL_POLLED_WAITING,
+        T.COL_POLLED_TOKENS,
+        T.COL_POLLED_AT,
+        T.COL_HEALTHY,
+        T.COL_PICKS,
+        T.COL_CIRCUIT,
+        T.COL_POLLED_MAX_TOKENS,
+        T.COL_ALLOCATED,
+        T.COL_TOKENS_AT_POLL,
+    }
 
 
 def test_cas_changes_the_cell_only_from_the_expected_value(tables) -> None:
@@ -72,7 +82,7 @@ def test_cas_changes_the_cell_only_from_the_expected_value(tables) -> None:
     assert cells.add(2, T.COL_CB_FAILS, 5) == 5 and cells.add(2, T.COL_CB_FAILS, 2) == 7
     assert cells.ok_closed(2) == HALF_OPEN and cells.load(2, T.COL_CB_FAILS) == 7  # not closed
     cells.store(2, T.COL_CIRCUIT, CLOSED)
-    assert cells.ok_closed(2) == CLOSED and cells.load(2, T.COL_CB_FAILS) == 0     # streak ended
+    assert cells.ok_closed(2) == CLOSED and cells.load(2, T.COL_CB_FAILS) == 0  # streak ended
 
 
 def test_opens_after_consecutive_failures_only(tables) -> None:
@@ -80,7 +90,7 @@ def test_opens_after_consecutive_failures_only(tables) -> None:
     br, stats, _ = make(tab)
     br.failure(1)
     br.failure(1)
-    br.success(1)          # breaks the streak
+    br.success(1)  # breaks the streak
     assert br.failures(1) == 0
     br.failure(1)
     br.failure(1)
@@ -89,7 +99,7 @@ def test_opens_after_consecutive_failures_only(tables) -> None:
     assert br.state_of(1) == OPEN and circuit(tab, 1) == OPEN
     assert stats.cb_outcomes == {("w1", "failure"): 5, ("w1", "success"): 1}
     assert stats.cb_transitions == {("w1", "closed", "open"): 1}
-    br.failure(1)          # already open: no second transition, the count is frozen
+    br.failure(1)  # already open: no second transition, the count is frozen
     assert stats.cb_transitions == {("w1", "closed", "open"): 1} and br.failures(1) == 3
 
 
@@ -101,7 +111,7 @@ def test_backpressure_statuses_are_neutral_and_server_errors_fail(tables) -> Non
     assert br.state_of(2) == CLOSED and br.failures(2) == 0
     assert stats.cb_outcomes == {}
     br.status(2, 500)
-    br.status(2, 503)      # neutral: does not reset the streak either
+    br.status(2, 503)  # neutral: does not reset the streak either
     br.status(2, 504)
     assert br.state_of(2) == OPEN
     br2, _, _ = make(tables(), failure_threshold=1)
@@ -130,8 +140,11 @@ def test_half_open_after_timeout_then_closes_after_successes(tables) -> None:
     br.success(4)
     assert br.state_of(4) == CLOSED and circuit(tab, 4) == CLOSED
     assert br.failures(4) == 0 and tab.get(4, T.COL_CB_OKS) == 0
-    assert stats.cb_transitions == {("w4", "closed", "open"): 1, ("w4", "open", "half_open"): 1,
-                                    ("w4", "half_open", "closed"): 1}
+    assert stats.cb_transitions == {
+        ("w4", "closed", "open"): 1,
+        ("w4", "open", "half_open"): 1,
+        ("w4", "half_open", "closed"): 1,
+    }
 
 
 def test_success_while_open_changes_nothing(tables) -> None:
@@ -140,12 +153,12 @@ def test_success_while_open_changes_nothing(tables) -> None:
     for _ in range(3):
         br.failure(6)
     for _ in range(5):
-        br.success(6)      # responses that were in flight when it opened
+        br.success(6)  # responses that were in flight when it opened
     assert br.state_of(6) == OPEN and tab.get(6, T.COL_CB_OKS) == 0
     clock.now += 10
     br.tick()
     br.success(6)
-    assert br.state_of(6) == HALF_OPEN   # the probe window starts from zero
+    assert br.state_of(6) == HALF_OPEN  # the probe window starts from zero
 
 
 def test_failure_in_half_open_reopens_and_restarts_the_timer(tables) -> None:
@@ -161,11 +174,11 @@ def test_failure_in_half_open_reopens_and_restarts_the_timer(tables) -> None:
     assert stats.cb_transitions[("w0", "half_open", "open")] == 1
     clock.now += 5
     br.tick()
-    assert br.state_of(0) == OPEN      # timer restarted at the half-open failure
+    assert br.state_of(0) == OPEN  # timer restarted at the half-open failure
     clock.now += 5
     br.tick()
     assert br.state_of(0) == HALF_OPEN
-    br.success(0)                      # the earlier probe's success does not carry over
+    br.success(0)  # the earlier probe's success does not carry over
     assert br.state_of(0) == HALF_OPEN
 
 
@@ -190,7 +203,7 @@ def test_reset_forgets_history_of_a_reused_row(tables) -> None:
     br.failure(5)
     br.failure(5)
     assert br.state_of(5) == CLOSED
-    br.reset(tab.capacity + 3)         # out of range: ignored
+    br.reset(tab.capacity + 3)  # out of range: ignored
 
 
 def test_without_a_table_state_is_private(tables) -> None:
@@ -202,6 +215,7 @@ def test_without_a_table_state_is_private(tables) -> None:
 
 
 # -- two processes' breakers over one table -----------------------------------------------------
+
 
 def test_two_breakers_over_one_table_run_one_state_machine(tables) -> None:
     tab = tables()
@@ -242,10 +256,12 @@ def test_two_breakers_over_one_table_run_one_state_machine(tables) -> None:
     for s in (sa, sb):
         for k, v in s.cb_transitions.items():
             both[k] = both.get(k, 0) + v
-    assert both == {("w2", "closed", "open"): 1, ("w2", "open", "half_open"): 1,
-                    ("w2", "half_open", "closed"): 1}
-    assert sb.cb_transitions == {("w2", "closed", "open"): 1, ("w2", "open", "half_open"): 1,
-                                 ("w2", "half_open", "closed"): 1}
+    assert both == {("w2", "closed", "open"): 1, ("w2", "open", "half_open"): 1, ("w2", "half_open", "closed"): 1}
+    assert sb.cb_transitions == {
+        ("w2", "closed", "open"): 1,
+        ("w2", "open", "half_open"): 1,
+        ("w2", "half_open", "closed"): 1,
+    }
     # Outcome metrics stay per process.
     assert sa.cb_outcomes[("w2", "failure")] == 2 and sb.cb_outcomes[("w2", "failure")] == 2
 
@@ -256,12 +272,12 @@ def test_a_circuit_opened_elsewhere_is_skipped_and_ticked_here(tables) -> None:
     a, sa, _ = make(tab, clock, failure_threshold=1)
     b, sb, _ = make(tab, clock, failure_threshold=1)
     a.failure(7)
-    b.failure(7)           # sees OPEN: no transition of its own
+    b.failure(7)  # sees OPEN: no transition of its own
     assert sb.cb_transitions == {}
     clock.now += 10
-    b.tick()               # b never saw the row open, it still moves it
+    b.tick()  # b never saw the row open, it still moves it
     assert circuit(tab, 7) == HALF_OPEN and sb.cb_transitions == {("w7", "open", "half_open"): 1}
-    a.failure(7)           # a failed probe in either process reopens it
+    a.failure(7)  # a failed probe in either process reopens it
     assert circuit(tab, 7) == OPEN and sa.cb_transitions[("w7", "half_open", "open")] == 1
     b.reset(7)
     assert a.state_of(7) == CLOSED
@@ -282,8 +298,9 @@ def _race(name_a: str, name_b: str, row_a: int, row_b: int, barrier, q) -> None:
     # Row a: the threshold is the grand total, so every failure must be counted.
     a = Breakers(tab_a, tab_a.capacity, failure_threshold=PROCS * FAILS_EACH, stats=sa)
     # Row b: every process crosses the threshold on its own; timeout 0 so ticks move it.
-    b = Breakers(tab_b, tab_b.capacity, failure_threshold=FAILS_EACH // 2, success_threshold=2,
-                 timeout_secs=0.0, stats=sb)
+    b = Breakers(
+        tab_b, tab_b.capacity, failure_threshold=FAILS_EACH // 2, success_threshold=2, timeout_secs=0.0, stats=sb
+    )
     barrier.wait(60)
     for _ in range(FAILS_EACH):
         a.failure(row_a)
@@ -304,10 +321,9 @@ def test_processes_share_counts_and_each_transition_happens_once(tables) -> None
     tab_a, tab_b = tables(4), tables(4)
     row_a = tab_a.alloc()
     tab_b.alloc()
-    row_b = tab_b.alloc()          # a different row number, so the metric keys differ
+    row_b = tab_b.alloc()  # a different row number, so the metric keys differ
     barrier, q = ctx.Barrier(PROCS), ctx.Queue()
-    procs = [ctx.Process(target=_race, args=(tab_a.name, tab_b.name, row_a, row_b, barrier, q))
-             for _ in range(PROCS)]
+    procs = [ctx.Process(target=_race, args=(tab_a.name, tab_b.name, row_a, row_b, barrier, q)) for _ in range(PROCS)]
     for p in procs:
         p.start()
     try:
@@ -330,6 +346,10 @@ def test_processes_share_counts_and_each_transition_happens_once(tables) -> None
     assert tab_a.get(row_a, T.COL_CB_FAILS) == PROCS * FAILS_EACH
     assert circuit(tab_a, row_a) == OPEN
     # Row b crossed its threshold in every process, yet each transition happened once.
-    assert total == {(ra, "closed", "open"): 1, (rb, "closed", "open"): 1,
-                     (rb, "open", "half_open"): 1, (rb, "half_open", "closed"): 1}
+    assert total == {
+        (ra, "closed", "open"): 1,
+        (rb, "closed", "open"): 1,
+        (rb, "open", "half_open"): 1,
+        (rb, "half_open", "closed"): 1,
+    }
     assert circuit(tab_b, row_b) == CLOSED and tab_b.get(row_b, T.COL_CB_FAILS) == 0

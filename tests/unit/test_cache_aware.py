@@ -1,6 +1,7 @@
 """cache_aware: prefix affinity, the abs/rel balance rule, cache_threshold, smallest-tree spread,
 eligibility, bounded eviction, target removal, the Group path, and the compiled tree against a
 pure-Python oracle (longest common prefix over each target's inserted texts)."""
+
 from __future__ import annotations
 
 import gc
@@ -16,12 +17,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastroute.core import _tree, reference as R
-from fastroute.core.cache_aware import CacheAwarePolicy
 from fastroute.config import Config
+from fastroute.core import _tree
+from fastroute.core import reference as R
+from fastroute.core.cache_aware import CacheAwarePolicy
 from fastroute.core.routing import Router
 from fastroute.core.table import (
-    CIRCUIT_HALF_OPEN, CIRCUIT_OPEN, COL_IN_FLIGHT, TargetTable,
+    CIRCUIT_HALF_OPEN,
+    CIRCUIT_OPEN,
+    COL_IN_FLIGHT,
+    TargetTable,
 )
 from tests.stubs import StubMeta
 
@@ -41,8 +46,13 @@ def make(tab, n=4, seed=7, **cfg):
     return pol, ids
 
 
-_DEFAULTS = dict(cache_threshold=0.3, balance_abs_threshold=64, balance_rel_threshold=1.5,
-                 eviction_interval_secs=60, max_tree_size=67108864)
+_DEFAULTS = dict(
+    cache_threshold=0.3,
+    balance_abs_threshold=64,
+    balance_rel_threshold=1.5,
+    eviction_interval_secs=60,
+    max_tree_size=67108864,
+)
 
 
 def set_load(tab, t, n):
@@ -54,6 +64,7 @@ def prompt(rng: random.Random, n: int) -> str:
 
 
 # ---- the three rules -----------------------------------------------------------------------------
+
 
 def test_same_prefix_sticks_to_one_target_while_balanced(tab):
     pol, ids = make(tab, 8)
@@ -86,13 +97,16 @@ def test_imbalance_switches_to_least_loaded(tab):
     assert pol.tree.match(text, ids) == (len(text), sorted([owner, others[0]]))
 
 
-@pytest.mark.parametrize("loads,imbalanced", [
-    ((100, 36), False),     # max - min == 64: not above the absolute threshold
-    ((101, 36), True),      # 65 > 64 and 101 > 54
-    ((200, 134), False),    # 66 > 64 but 200 <= 134 * 1.5 = 201
-    ((202, 134), True),     # 68 > 64 and 202 > 201
-    ((65, 0), True),        # 65 > 0 * 1.5
-])
+@pytest.mark.parametrize(
+    "loads,imbalanced",
+    [
+        ((100, 36), False),  # max - min == 64: not above the absolute threshold
+        ((101, 36), True),  # 65 > 64 and 101 > 54
+        ((200, 134), False),  # 66 > 64 but 200 <= 134 * 1.5 = 201
+        ((202, 134), True),  # 68 > 64 and 202 > 201
+        ((65, 0), True),  # 65 > 0 * 1.5
+    ],
+)
 def test_balance_rule_needs_both_thresholds(tab, loads, imbalanced):
     pol, ids = make(tab, 2)
     text = "x" * 100
@@ -110,23 +124,23 @@ def test_cache_threshold_is_strict(tab):
     pol, ids = make(tab, 2, cache_threshold=0.5)
     pol.tree.insert("0123456789", ids[0])
     # the other target's tree is smaller (empty), so a miss goes there
-    assert pol.pick("0123456789" + "abcdefghij", ids) == ids[1]       # 10/20 == 0.5
+    assert pol.pick("0123456789" + "abcdefghij", ids) == ids[1]  # 10/20 == 0.5
     assert pol.last_reason == "smallest_tree"
     assert pol.tree.last_match == 10
     pol.tree.clear()
     pol.tree.insert("0123456789", ids[0])
-    assert pol.pick("0123456789" + "ABCDEFGHI", ids) == ids[0]        # 10/19 > 0.5
+    assert pol.pick("0123456789" + "ABCDEFGHI", ids) == ids[0]  # 10/19 > 0.5
     assert pol.last_reason == "cache_hit"
 
 
 def test_threshold_zero_follows_any_match_and_one_never(tab):
     pol, ids = make(tab, 2, cache_threshold=0.0)
     pol.tree.insert("q" + "z" * 50, ids[0])
-    assert pol.pick("q" + "y" * 99, ids) == ids[0]        # 1 byte of 100 matched: > 0
+    assert pol.pick("q" + "y" * 99, ids) == ids[0]  # 1 byte of 100 matched: > 0
     pol1, ids1 = make(tab, 2, cache_threshold=1.0)
     pol1.tree.insert("same", ids1[0])
-    pol1.tree.insert("same-other-longer-text", ids1[1])     # ids1[1] is now the bigger tree
-    assert pol1.pick("same", ids1) == ids1[0]              # 4/4 is not > 1.0: smallest tree
+    pol1.tree.insert("same-other-longer-text", ids1[1])  # ids1[1] is now the bigger tree
+    assert pol1.pick("same", ids1) == ids1[0]  # 4/4 is not > 1.0: smallest tree
     assert pol1.last_reason == "smallest_tree"
 
 
@@ -172,7 +186,7 @@ def test_ties_are_seeded_and_not_first_index(tab):
         pol = CacheAwarePolicy(tab, None, seed=seed)
         pol.set_targets(ids, [str(t) for t in ids])
         firsts.append(tuple(pol.pick(f"prompt {k}", ids) for k in range(6)))
-    assert len({f[0] for f in firsts}) == 4             # an empty tree: any target may go first
+    assert len({f[0] for f in firsts}) == 4  # an empty tree: any target may go first
     again = CacheAwarePolicy(tab, None, seed=5)
     again.set_targets(ids, [str(t) for t in ids])
     assert tuple(again.pick(f"prompt {k}", ids) for k in range(6)) == firsts[5]
@@ -193,6 +207,7 @@ def test_no_text_is_least_loaded_and_inserts_nothing(tab):
 
 # ---- eligibility -------------------------------------------------------------------------------
 
+
 def test_unhealthy_and_open_circuit_are_never_chosen(tab):
     pol, ids = make(tab, 3)
     text = "prefix " * 50
@@ -203,7 +218,7 @@ def test_unhealthy_and_open_circuit_are_never_chosen(tab):
     tab.set_healthy(owner, True)
     tab.set_circuit(owner, CIRCUIT_OPEN)
     assert owner not in {pol.pick(text + str(i), ids) for i in range(50)}
-    tab.set_circuit(owner, CIRCUIT_HALF_OPEN)          # half-open may take traffic
+    tab.set_circuit(owner, CIRCUIT_HALF_OPEN)  # half-open may take traffic
     assert pol.tree.match(text, ids)[1].count(owner) == 1
     for t in ids:
         tab.set_healthy(t, False)
@@ -218,7 +233,7 @@ def test_unhealthy_holder_does_not_count_as_a_match(tab):
     pol.tree.insert("abcdefghij", ids[1])
     tab.set_healthy(ids[0], False)
     assert pol.tree.match("abcdefghij" * 10, ids) == (10, [ids[1]])
-    assert pol.pick("abcdefghij" * 10, ids) == ids[1]      # 10/100: below threshold anyway
+    assert pol.pick("abcdefghij" * 10, ids) == ids[1]  # 10/100: below threshold anyway
     assert pol.last_reason == "smallest_tree"
 
 
@@ -232,6 +247,7 @@ def test_imbalance_ignores_ineligible_loads(tab):
 
 
 # ---- removal, renames, Group -------------------------------------------------------------------
+
 
 def test_removed_target_entries_are_dropped(tab):
     pol, ids = make(tab, 3)
@@ -275,7 +291,7 @@ def test_group_books_the_picked_target(tab):
     assert tab.in_flight(lease.target) == 1
     assert tab.in_flight_tokens(lease.target) == 123
     leases = [g.acquire(10, None, StubMeta(text + f" {i}")) for i in range(10)]
-    assert {x.target for x in leases} == {lease.target}     # 11 in flight: still balanced
+    assert {x.target for x in leases} == {lease.target}  # 11 in flight: still balanced
     for x in [lease, *leases]:
         assert x.release()
     assert sum(tab.in_flight(t) for t in ids) == 0
@@ -308,12 +324,15 @@ def test_text_types(tab):
 
 def test_defaults_and_config_validation(tab):
     pol = CacheAwarePolicy(tab, None)
-    assert (pol.tree.cache_threshold, pol.tree.balance_abs_threshold,
-            pol.tree.balance_rel_threshold, pol.tree.max_tree_size) == (0.3, 64, 1.5, 67108864)
+    assert (
+        pol.tree.cache_threshold,
+        pol.tree.balance_abs_threshold,
+        pol.tree.balance_rel_threshold,
+        pol.tree.max_tree_size,
+    ) == (0.3, 64, 1.5, 67108864)
     cfg = Config(cache_threshold=0.7, balance_abs_threshold=8, max_tree_size=1000)
     pol = CacheAwarePolicy(tab, cfg)
-    assert (pol.tree.cache_threshold, pol.tree.balance_abs_threshold,
-            pol.tree.max_tree_size) == (0.7, 8, 1000)
+    assert (pol.tree.cache_threshold, pol.tree.balance_abs_threshold, pol.tree.max_tree_size) == (0.7, 8, 1000)
     with pytest.raises(ValueError):
         CacheAwarePolicy(tab, SimpleNamespace(**{**_DEFAULTS, "max_tree_size": 0}))
     with pytest.raises(ValueError):
@@ -327,6 +346,7 @@ def test_unknown_target_rows_are_rejected(tab):
 
 
 # ---- eviction and memory -----------------------------------------------------------------------
+
 
 def test_eviction_keeps_every_target_under_the_bound(tab):
     limit = 4096
@@ -346,8 +366,8 @@ def test_eviction_drops_least_recently_used_first(tab):
     pol, ids = make(tab, 1, max_tree_size=100)
     pol.tree.insert("A" * 40, ids[0])
     pol.tree.insert("B" * 40, ids[0])
-    pol.tree.insert("A" * 40, ids[0])        # A is now the newer of the two
-    pol.tree.insert("C" * 40, ids[0])        # 120 > 100: the oldest (B) goes
+    pol.tree.insert("A" * 40, ids[0])  # A is now the newer of the two
+    pol.tree.insert("C" * 40, ids[0])  # 120 > 100: the oldest (B) goes
     assert pol.tree.match("B" * 40, ids) == (0, [])
     assert pol.tree.match("A" * 40, ids) == (40, [ids[0]])
     assert pol.tree.match("C" * 40, ids) == (40, [ids[0]])
@@ -403,9 +423,11 @@ texts_st = st.binary(min_size=1, max_size=12).map(lambda b: bytes(97 + (x % 3) f
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=st.lists(st.tuples(texts_st, st.integers(0, 3)), min_size=1, max_size=40),
-       queries=st.lists(texts_st, min_size=1, max_size=8),
-       unhealthy=st.sets(st.integers(0, 3), max_size=3))
+@given(
+    ops=st.lists(st.tuples(texts_st, st.integers(0, 3)), min_size=1, max_size=40),
+    queries=st.lists(texts_st, min_size=1, max_size=8),
+    unhealthy=st.sets(st.integers(0, 3), max_size=3),
+)
 def test_tree_matches_oracle(tab, ops, queries, unhealthy):
     ids = list(range(4))
     if tab.generation == 0:
@@ -420,7 +442,7 @@ def test_tree_matches_oracle(tab, ops, queries, unhealthy):
         tree.insert(text, t)
         held[t].append(text)
     sizes = tree.check()
-    for t in ids:   # bytes held = distinct non-empty prefixes of the target's texts
+    for t in ids:  # bytes held = distinct non-empty prefixes of the target's texts
         assert sizes.get(t, 0) == R.held_bytes(held[t])
     for t in unhealthy:
         tab.set_healthy(t, False)
@@ -432,8 +454,11 @@ def test_tree_matches_oracle(tab, ops, queries, unhealthy):
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=st.lists(st.tuples(texts_st, st.integers(0, 2)), min_size=1, max_size=60),
-       limit=st.integers(1, 20), drop=st.integers(-1, 2))
+@given(
+    ops=st.lists(st.tuples(texts_st, st.integers(0, 2)), min_size=1, max_size=60),
+    limit=st.integers(1, 20),
+    drop=st.integers(-1, 2),
+)
 def test_eviction_and_removal_keep_invariants(tab, ops, limit, drop):
     ids = list(range(3))
     if tab.generation == 0:
@@ -460,18 +485,24 @@ def test_eviction_and_removal_keep_invariants(tab, ops, limit, drop):
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(reqs=st.lists(st.tuples(st.one_of(st.none(), texts_st),
-                               st.lists(st.integers(0, 80), min_size=4, max_size=4),
-                               st.sets(st.integers(0, 3), max_size=4)),
-                     min_size=1, max_size=40),
-       threshold=st.sampled_from([0.0, 0.3, 0.5, 0.9]))
+@given(
+    reqs=st.lists(
+        st.tuples(
+            st.one_of(st.none(), texts_st),
+            st.lists(st.integers(0, 80), min_size=4, max_size=4),
+            st.sets(st.integers(0, 3), max_size=4),
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    threshold=st.sampled_from([0.0, 0.3, 0.5, 0.9]),
+)
 def test_pick_matches_oracle(tab, reqs, threshold):
     ids = list(range(4))
     if tab.generation == 0:
         for _ in ids:
             tab.alloc()
-    cfg = SimpleNamespace(**{**_DEFAULTS, "cache_threshold": threshold,
-                             "balance_abs_threshold": 20})
+    cfg = SimpleNamespace(**{**_DEFAULTS, "cache_threshold": threshold, "balance_abs_threshold": 20})
     pol = CacheAwarePolicy(tab, cfg, seed=3)
     pol.set_targets(ids, [str(t) for t in ids])
     held: dict[int, list[bytes]] = {t: [] for t in ids}
@@ -507,7 +538,7 @@ def test_check_raises_explicitly_not_by_assert():
 
 def test_reference_tree_oracle_basics():
     assert R.common_prefix(b"abcd", b"abx") == 2 and R.common_prefix(b"", b"a") == 0
-    assert R.held_bytes([b"ab", b"ac"]) == 3            # a, ab, ac
+    assert R.held_bytes([b"ab", b"ac"]) == 3  # a, ab, ac
     held = {0: [b"abc"], 1: [b"abd"], 2: [b"x"]}
     assert R.tree_match(held, b"abz", {0, 1, 2}) == (2, [0, 1])
     assert R.tree_match(held, b"abz", {1, 2}) == (2, [1])

@@ -1,5 +1,6 @@
 """cache_aware under --dp-aware: the rank slack (bounded-load affinity), which leg gets it by
 default, and the compiled pick against the oracle with a slack."""
+
 from __future__ import annotations
 
 import random
@@ -17,8 +18,13 @@ from fastroute.core.table import COL_IN_FLIGHT, TargetTable
 from tests.stubs import StubMeta
 
 PD = ["--pd-disaggregation", "--prefill", "http://p:30000", "8998", "--decode", "http://d:30000"]
-DEFAULTS = dict(cache_threshold=0.3, balance_abs_threshold=64, balance_rel_threshold=1.5,
-                eviction_interval_secs=60, max_tree_size=67108864)
+DEFAULTS = dict(
+    cache_threshold=0.3,
+    balance_abs_threshold=64,
+    balance_rel_threshold=1.5,
+    eviction_interval_secs=60,
+    max_tree_size=67108864,
+)
 
 
 @pytest.fixture
@@ -42,10 +48,8 @@ def test_default_policy_balances_pd_decode_ranks_only():
     # without --dp-aware the decode targets are whole servers: unchanged
     assert legs(PD) == (-1, -1, -1)
     # the flag sets every leg that decodes, never the prefill leg
-    assert legs(PD + ["--dp-aware", "--decode-policy", "cache_aware",
-                      "--cache-aware-rank-slack", "2"]) == (-1, 2, 2)
-    assert legs(["--worker-urls", "http://w:1", "--dp-aware", "--cache-aware-rank-slack", "1"]) \
-        == (-1, 1, 1)
+    assert legs(PD + ["--dp-aware", "--decode-policy", "cache_aware", "--cache-aware-rank-slack", "2"]) == (-1, 2, 2)
+    assert legs(["--worker-urls", "http://w:1", "--dp-aware", "--cache-aware-rank-slack", "1"]) == (-1, 1, 1)
 
 
 def test_negative_slack_is_refused():
@@ -76,8 +80,11 @@ def test_slack_zero_sends_a_cached_prompt_to_the_least_loaded_rank(tab):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(loads=st.lists(st.lists(st.integers(0, 30), min_size=8, max_size=8), min_size=1, max_size=30),
-       slack=st.integers(0, 3), seed=st.integers(0, 2**32))
+@given(
+    loads=st.lists(st.lists(st.integers(0, 30), min_size=8, max_size=8), min_size=1, max_size=30),
+    slack=st.integers(0, 3),
+    seed=st.integers(0, 2**32),
+)
 def test_default_decode_pick_never_exceeds_min_plus_slack(tab, loads, slack, seed):
     """The pick through the Group (what the decode leg runs) never lands on a rank holding more
     in-flight requests than the least-loaded rank + the slack, whatever the prompts share."""
@@ -85,8 +92,7 @@ def test_default_decode_pick_never_exceeds_min_plus_slack(tab, loads, slack, see
         for _ in range(8):
             tab.alloc()
     ids = list(range(8))
-    g = Router(tab, seed=seed).group(ids, "cache_aware", rank_slack=slack,
-                                     names=[f"http://d:1@{i}" for i in ids])
+    g = Router(tab, seed=seed).group(ids, "cache_aware", rank_slack=slack, names=[f"http://d:1@{i}" for i in ids])
     rng = random.Random(seed)
     shared = ["conversation %d " % k * 40 for k in range(3)]
     try:
@@ -104,10 +110,17 @@ def test_default_decode_pick_never_exceeds_min_plus_slack(tab, loads, slack, see
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(reqs=st.lists(st.tuples(st.sampled_from([None, b"abc", b"abcdef", b"abxyz", b"q" * 9]),
-                               st.lists(st.integers(0, 6), min_size=4, max_size=4)),
-                     min_size=1, max_size=30),
-       slack=st.integers(0, 2))
+@given(
+    reqs=st.lists(
+        st.tuples(
+            st.sampled_from([None, b"abc", b"abcdef", b"abxyz", b"q" * 9]),
+            st.lists(st.integers(0, 6), min_size=4, max_size=4),
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+    slack=st.integers(0, 2),
+)
 def test_pick_with_slack_matches_oracle(tab, reqs, slack):
     ids = list(range(4))
     if tab.generation == 0:

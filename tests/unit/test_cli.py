@@ -1,4 +1,5 @@
 """Command line and Config: peer defaults, aliases, env fallbacks, validation, dispatch."""
+
 from __future__ import annotations
 
 import logging
@@ -96,8 +97,26 @@ PEER_DEFAULTS = {
     "prometheus_host": "0.0.0.0",
     "prometheus_port": 29000,
     "prometheus_duration_buckets": [
-        0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 30, 45, 60, 90,
-        120, 180, 240,
+        0.001,
+        0.005,
+        0.01,
+        0.025,
+        0.05,
+        0.1,
+        0.25,
+        0.5,
+        1,
+        2.5,
+        5,
+        10,
+        15,
+        30,
+        45,
+        60,
+        90,
+        120,
+        180,
+        240,
     ],
     "request_id_headers": ["x-request-id", "x-correlation-id", "x-trace-id", "request-id"],
     "log_level": "info",
@@ -136,9 +155,26 @@ def test_empty_command_line_equals_default_config() -> None:
 
 def test_explicit_values_override_defaults() -> None:
     c = parse_args(
-        ["--host", "::1", "--port", "0", "--retry-max-retries", "2", "--cache-threshold",
-         "0.5", "--disable-retries", "--api-key", "k", "--request-id-headers", "X-Req",
-         "--prometheus-duration-buckets", "2", "0.5", "--log-level", "WARN"]
+        [
+            "--host",
+            "::1",
+            "--port",
+            "0",
+            "--retry-max-retries",
+            "2",
+            "--cache-threshold",
+            "0.5",
+            "--disable-retries",
+            "--api-key",
+            "k",
+            "--request-id-headers",
+            "X-Req",
+            "--prometheus-duration-buckets",
+            "2",
+            "0.5",
+            "--log-level",
+            "WARN",
+        ]
     )
     assert (c.host, c.port, c.retry_max_retries, c.cache_threshold) == ("::1", 0, 2, 0.5)
     assert c.disable_retries and c.max_attempts == 1 and c.api_key == "k"
@@ -150,25 +186,50 @@ def test_explicit_values_override_defaults() -> None:
 # ---------------------------------------------------------------- aliases
 
 
-@pytest.mark.parametrize("flag", ["--power-of-two-load-metric", "--p2c-load-metric",
-                                  "--router-power-of-two-load-metric", "--router-p2c-load-metric"])
-@pytest.mark.parametrize("value,expected", [("tokens", "tokens"), ("requests", "requests"),
-                                            ("least_requests", "least_requests")])
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "--power-of-two-load-metric",
+        "--p2c-load-metric",
+        "--router-power-of-two-load-metric",
+        "--router-p2c-load-metric",
+    ],
+)
+@pytest.mark.parametrize(
+    "value,expected", [("tokens", "tokens"), ("requests", "requests"), ("least_requests", "least_requests")]
+)
 def test_p2c_metric_spellings(flag: str, value: str, expected: str) -> None:
     assert parse_args([flag, value]).p2c_load_metric == expected
 
 
 def test_router_prefixed_routing_flags() -> None:
     c = parse_args(
-        ["--router-pd-disaggregation", "--router-policy", "round_robin",
-         "--router-decode-policy", "power_of_two", "--router-prefill", "http://p1:1", "8998",
-         "--prefill", "http://p2:2", "--router-decode", "http://d1:3", "--decode", "http://d2:4",
-         "--router-dp-aware", "--router-balance-abs-threshold", "7",
-         "--router-decode-input-demand", "on", "--router-decode-request-weight", "3"]
+        [
+            "--router-pd-disaggregation",
+            "--router-policy",
+            "round_robin",
+            "--router-decode-policy",
+            "power_of_two",
+            "--router-prefill",
+            "http://p1:1",
+            "8998",
+            "--prefill",
+            "http://p2:2",
+            "--router-decode",
+            "http://d1:3",
+            "--decode",
+            "http://d2:4",
+            "--router-dp-aware",
+            "--router-balance-abs-threshold",
+            "7",
+            "--router-decode-input-demand",
+            "on",
+            "--router-decode-request-weight",
+            "3",
+        ]
     )
     assert c.pd_disaggregation and c.dp_aware
-    assert (c.policy, c.prefill_policy, c.decode_policy) == (
-        "round_robin", "round_robin", "power_of_two")
+    assert (c.policy, c.prefill_policy, c.decode_policy) == ("round_robin", "round_robin", "power_of_two")
     assert c.prefill == [("http://p1:1", 8998), ("http://p2:2", None)]
     assert c.decode == ["http://d1:3", "http://d2:4"]
     assert c.balance_abs_threshold == 7
@@ -179,17 +240,20 @@ def test_every_prefixable_flag_has_router_alias() -> None:
     parser = build_parser()
     known = {s for a in parser._actions for s in a.option_strings}
     visible = [
-        s for a in parser._actions if a.help != "==SUPPRESS==" for s in a.option_strings
-        if s.startswith("--") and s not in ("--help", "--version", "--host", "--port",
-                                            "--worker-urls")
+        s
+        for a in parser._actions
+        if a.help != "==SUPPRESS=="
+        for s in a.option_strings
+        if s.startswith("--") and s not in ("--help", "--version", "--host", "--port", "--worker-urls")
     ]
     assert len(visible) > 60
     missing = [s for s in visible if "--router-" + s[2:] not in known]
     assert missing == []
 
 
-@pytest.mark.parametrize("flag,value", [("--router-host", "h"), ("--router-port", "1"),
-                                        ("--router-worker-urls", "http://a")])
+@pytest.mark.parametrize(
+    "flag,value", [("--router-host", "h"), ("--router-port", "1"), ("--router-worker-urls", "http://a")]
+)
 def test_host_port_worker_urls_are_never_prefixed(flag, value, capsys) -> None:
     assert "unrecognized arguments" in fails([flag, value], capsys)
 
@@ -219,8 +283,7 @@ def test_p2c_env_unknown_value_warns_and_uses_tokens(monkeypatch, caplog) -> Non
 def test_weight_env_and_flag_precedence(monkeypatch, capsys) -> None:
     monkeypatch.setenv(ENV_DECODE_REQUEST_WEIGHT, "4096")
     assert parse_args(["--decode-input-demand", "on"]).decode_request_weight == 4096
-    assert parse_args(["--decode-input-demand", "shadow", "--decode-request-weight", "7"]
-                      ).decode_request_weight == 7
+    assert parse_args(["--decode-input-demand", "shadow", "--decode-request-weight", "7"]).decode_request_weight == 7
     # The env weight obeys the same rule as the flag: demand off rejects it.
     assert "--decode-input-demand" in fails([], capsys)
     monkeypatch.setenv(ENV_DECODE_REQUEST_WEIGHT, "many")
@@ -236,19 +299,23 @@ def test_config_from_args_takes_an_explicit_environment() -> None:
 # ---------------------------------------------------------------- --prefill parsing
 
 
-@pytest.mark.parametrize("tokens,expected", [
-    (["http://p:1", "8998"], ("http://p:1", 8998)),
-    (["http://p:1", "none"], ("http://p:1", None)),
-    (["http://p:1", "NoNe"], ("http://p:1", None)),
-    (["http://p:1"], ("http://p:1", None)),
-    (["http://p:1/"], ("http://p:1", None)),
-])
+@pytest.mark.parametrize(
+    "tokens,expected",
+    [
+        (["http://p:1", "8998"], ("http://p:1", 8998)),
+        (["http://p:1", "none"], ("http://p:1", None)),
+        (["http://p:1", "NoNe"], ("http://p:1", None)),
+        (["http://p:1"], ("http://p:1", None)),
+        (["http://p:1/"], ("http://p:1", None)),
+    ],
+)
 def test_prefill_port_forms(tokens, expected) -> None:
     assert parse_args(pd("--prefill", *tokens)).prefill == [expected]
 
 
-@pytest.mark.parametrize("tokens", [["http://p:1", "abc"], ["http://p:1", "1.5"],
-                                    ["http://p:1", "70000"], ["http://p:1", "1", "2"]])
+@pytest.mark.parametrize(
+    "tokens", [["http://p:1", "abc"], ["http://p:1", "1.5"], ["http://p:1", "70000"], ["http://p:1", "1", "2"]]
+)
 def test_prefill_bad_port_names_the_flag(tokens, capsys) -> None:
     err = fails(pd("--prefill", *tokens), capsys)
     assert "argument --prefill" in err
@@ -264,25 +331,30 @@ def test_pd_mode_may_start_without_workers() -> None:
     assert c.pd_disaggregation and c.prefill == [] and c.decode == []
 
 
-@pytest.mark.parametrize("argv,flag", [
-    (pd("--worker-urls", "http://w:1"), "--worker-urls"),
-    (["--worker-urls", "w:1"], "--worker-urls"),
-    (["--worker-urls", "ftp://w:1"], "--worker-urls"),
-    (pd("--prefill", "grpc://p:1"), "--prefill"),
-    (pd("--decode", "localhost:8000"), "--decode"),
-    (pd("--decode", "http://d:1", "--decode", "http://d:1"), "--decode"),
-    (pd("--prefill", "http://x:1", "--decode", "http://x:1"), "--decode"),
-    (["--prefill", "http://p:1"], "--prefill"),
-    (["--decode", "http://d:1"], "--decode"),
-    (["--worker-urls", "http://w:notaport"], "--worker-urls"),
-    (["--worker-urls", "https://w:notaport"], "--worker-urls"),
-])
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (pd("--worker-urls", "http://w:1"), "--worker-urls"),
+        (["--worker-urls", "w:1"], "--worker-urls"),
+        (["--worker-urls", "ftp://w:1"], "--worker-urls"),
+        (pd("--prefill", "grpc://p:1"), "--prefill"),
+        (pd("--decode", "localhost:8000"), "--decode"),
+        (pd("--decode", "http://d:1", "--decode", "http://d:1"), "--decode"),
+        (pd("--prefill", "http://x:1", "--decode", "http://x:1"), "--decode"),
+        (["--prefill", "http://p:1"], "--prefill"),
+        (["--decode", "http://d:1"], "--decode"),
+        (["--worker-urls", "http://w:notaport"], "--worker-urls"),
+        (["--worker-urls", "https://w:notaport"], "--worker-urls"),
+    ],
+)
 def test_worker_url_validation(argv, flag, capsys) -> None:
     assert f"argument {flag}" in fails(argv, capsys)
 
 
-@pytest.mark.parametrize("url", ["http://169.254.169.254", "http://[fe80::1]:8000",
-                                 "http://w:1/\nforged", "http://w:0", "http://" + "a" * 254])
+@pytest.mark.parametrize(
+    "url",
+    ["http://169.254.169.254", "http://[fe80::1]:8000", "http://w:1/\nforged", "http://w:0", "http://" + "a" * 254],
+)
 def test_worker_url_strict_rules_on_the_command_line(url: str, capsys) -> None:
     assert "argument --worker-urls" in fails(["--worker-urls", url], capsys)
 
@@ -313,11 +385,21 @@ def test_model_alias_needs_igw_and_the_form(capsys) -> None:
 
 
 def test_https_workers_and_tls_flags() -> None:
-    c = parse_args(["--worker-urls", "https://w:443", "--ca-cert-paths", "/ca1.pem", "/ca2.pem",
-                    "--client-cert-path", "/c.pem", "--client-key-path", "/k.pem"])
+    c = parse_args(
+        [
+            "--worker-urls",
+            "https://w:443",
+            "--ca-cert-paths",
+            "/ca1.pem",
+            "/ca2.pem",
+            "--client-cert-path",
+            "/c.pem",
+            "--client-key-path",
+            "/k.pem",
+        ]
+    )
     assert c.worker_urls == ["https://w:443"]
-    assert (c.ca_cert_paths, c.client_cert_path, c.client_key_path) == (
-        ["/ca1.pem", "/ca2.pem"], "/c.pem", "/k.pem")
+    assert (c.ca_cert_paths, c.client_cert_path, c.client_key_path) == (["/ca1.pem", "/ca2.pem"], "/c.pem", "/k.pem")
 
 
 # ---------------------------------------------------------------- policies
@@ -329,11 +411,17 @@ def test_supported_policies_start(policy: str) -> None:
     assert c.policy == c.prefill_policy == c.decode_policy == policy
 
 
-@pytest.mark.parametrize("flag,policy", [
-    ("--policy", "prefix_hash"), ("--policy", "least_load"),
-    ("--policy", "passthrough"), ("--decode-policy", "prefix_hash"),
-    ("--prefill-policy", "bucket"), ("--router-prefill-policy", "least_load"),
-])
+@pytest.mark.parametrize(
+    "flag,policy",
+    [
+        ("--policy", "prefix_hash"),
+        ("--policy", "least_load"),
+        ("--policy", "passthrough"),
+        ("--decode-policy", "prefix_hash"),
+        ("--prefill-policy", "bucket"),
+        ("--router-prefill-policy", "least_load"),
+    ],
+)
 def test_unsupported_policy_is_a_clear_startup_error(flag, policy, capsys) -> None:
     err = fails(pd(flag, policy), capsys)
     canonical = flag.replace("--router-", "--")
@@ -353,8 +441,18 @@ def test_bucket_refusal_explains_why(capsys) -> None:
 
 
 def test_manual_policy_flags() -> None:
-    c = parse_args(pd("--policy", "manual", "--assignment-mode", "min_group", "--max-idle-secs", "60",
-                      "--routing-key-headers", "X-Session"))
+    c = parse_args(
+        pd(
+            "--policy",
+            "manual",
+            "--assignment-mode",
+            "min_group",
+            "--max-idle-secs",
+            "60",
+            "--routing-key-headers",
+            "X-Session",
+        )
+    )
     assert (c.policy, c.assignment_mode, c.max_idle_secs) == ("manual", "min_group", 60)
     assert c.routing_key_headers == ["x-session"]
     assert parse_args(pd("--policy", "manual")).assignment_mode == "random"
@@ -395,33 +493,46 @@ def test_rank_field_by_mode_and_override() -> None:
 
 
 def test_misc_extension_values(capsys) -> None:
-    c = parse_args(["--seed", "42", "--decode-kv-fit", "shadow",
-                    "--decode-kv-reserve-tokens", "512", "--load-monitor-interval", "0.1",
-                    "--disable-load-monitoring", "--routing-key-headers", "X-Session-Id"])
+    c = parse_args(
+        [
+            "--seed",
+            "42",
+            "--decode-kv-fit",
+            "shadow",
+            "--decode-kv-reserve-tokens",
+            "512",
+            "--load-monitor-interval",
+            "0.1",
+            "--disable-load-monitoring",
+            "--routing-key-headers",
+            "X-Session-Id",
+        ]
+    )
     assert (c.seed, c.decode_kv_fit, c.decode_kv_reserve_tokens) == (42, "shadow", 512)
     assert c.load_monitor_interval == 0.1 and c.disable_load_monitoring
     assert c.routing_key_headers == ["x-session-id"]
-    assert "argument --load-monitor-interval" in fails(["--load-monitor-interval", "0.05"],
-                                                       capsys)
+    assert "argument --load-monitor-interval" in fails(["--load-monitor-interval", "0.05"], capsys)
     assert "argument --seed" in fails(["--seed", "-3"], capsys)
-    assert "argument --decode-kv-reserve-tokens" in fails(
-        ["--decode-kv-reserve-tokens", "-1"], capsys)
+    assert "argument --decode-kv-reserve-tokens" in fails(["--decode-kv-reserve-tokens", "-1"], capsys)
 
 
-@pytest.mark.parametrize("argv,flag", [
-    (["--port", "70000"], "--port"),
-    (["--port", "x"], "--port"),
-    (["--prometheus-port", "-1"], "--prometheus-port"),
-    (["--retry-jitter-factor", "1.5"], "--retry-jitter-factor"),
-    (["--retry-backoff-multiplier", "0.5"], "--retry-backoff-multiplier"),
-    (["--cache-threshold", "2"], "--cache-threshold"),
-    (["--health-check-endpoint", "health"], "--health-check-endpoint"),
-    (["--cb-failure-threshold", "0"], "--cb-failure-threshold"),
-    (["--queue-size", "-1"], "--queue-size"),
-    (["--max-concurrent-requests", "-2"], "--max-concurrent-requests"),
-    (["--log-level", "verbose"], "--log-level"),
-    (["--request-id-headers", "bad header"], "--request-id-headers"),
-])
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--port", "70000"], "--port"),
+        (["--port", "x"], "--port"),
+        (["--prometheus-port", "-1"], "--prometheus-port"),
+        (["--retry-jitter-factor", "1.5"], "--retry-jitter-factor"),
+        (["--retry-backoff-multiplier", "0.5"], "--retry-backoff-multiplier"),
+        (["--cache-threshold", "2"], "--cache-threshold"),
+        (["--health-check-endpoint", "health"], "--health-check-endpoint"),
+        (["--cb-failure-threshold", "0"], "--cb-failure-threshold"),
+        (["--queue-size", "-1"], "--queue-size"),
+        (["--max-concurrent-requests", "-2"], "--max-concurrent-requests"),
+        (["--log-level", "verbose"], "--log-level"),
+        (["--request-id-headers", "bad header"], "--request-id-headers"),
+    ],
+)
 def test_bad_values_name_the_flag(argv, flag, capsys) -> None:
     assert f"argument {flag}" in fails(argv, capsys)
 
@@ -442,18 +553,37 @@ def _ignored_lines(caplog) -> list[str]:
 
 
 def test_ignored_flags_warn_once_each_and_swallow_values(caplog) -> None:
-    # --enable-igw and --jwt-issuer left this list: issue 13's rule refuses them (tests below).
-    argv = ["--mini-lb", "--model-path", "/models/x", "--router-model-path", "/models/y",
-            "--selector", "app=sglang", "tier=gpu", "--redis-url",
-            "redis://r:6379", "--oracle-pool-min", "-1",
-            "--policy", "random", "--tokenizer-cache-enable-l0"]
+    # --enable-igw and --jwt-issuer left this list: they could change who gets in, so they are refused (tests below).
+    argv = [
+        "--mini-lb",
+        "--model-path",
+        "/models/x",
+        "--router-model-path",
+        "/models/y",
+        "--selector",
+        "app=sglang",
+        "tier=gpu",
+        "--redis-url",
+        "redis://r:6379",
+        "--oracle-pool-min",
+        "-1",
+        "--policy",
+        "random",
+        "--tokenizer-cache-enable-l0",
+    ]
     with caplog.at_level(logging.WARNING, logger="fastroute.config"):
         c = parse_args(argv)
     assert c.policy == "random"
     lines = _ignored_lines(caplog)
     flags = [line.split()[0] for line in lines]
-    assert flags == ["--mini-lb", "--model-path", "--selector", "--redis-url",
-                     "--oracle-pool-min", "--tokenizer-cache-enable-l0"]
+    assert flags == [
+        "--mini-lb",
+        "--model-path",
+        "--selector",
+        "--redis-url",
+        "--oracle-pool-min",
+        "--tokenizer-cache-enable-l0",
+    ]
 
 
 @pytest.mark.parametrize("flag", IGNORED_FLAGS)
@@ -462,7 +592,8 @@ def test_each_ignored_flag_is_accepted_with_one_warning(flag: str, caplog) -> No
         parse_args([flag, "v", "--router-" + flag[2:]])
     # One line naming the flag; the reason follows in parentheses (fastroute.flags.TABLE).
     assert [line.split(" (", 1)[0] for line in _ignored_lines(caplog)] == [
-        f"{flag} is accepted for compatibility and ignored by fastroute"]
+        f"{flag} is accepted for compatibility and ignored by fastroute"
+    ]
 
 
 def test_no_warning_without_ignored_flags(caplog) -> None:
@@ -482,8 +613,7 @@ def test_main_runs_server_with_config(monkeypatch, restore_root_logging, tmp_pat
     seen: list[Config] = []
     monkeypatch.setattr(cli, "run", lambda config, factory: seen.append(config) or 0)
     log_dir = tmp_path / "logs"
-    rc = main(["--port", "0", "--log-level", "warn", "--log-dir", str(log_dir),
-               "--enable-trace"])
+    rc = main(["--port", "0", "--log-level", "warn", "--log-dir", str(log_dir), "--enable-trace"])
     assert rc == 0 and len(seen) == 1 and seen[0].port == 0
     assert logging.getLogger().level == logging.WARNING
     # The ignored-flag warning went through the configured handlers into the log file.
@@ -531,14 +661,27 @@ def test_configure_logging_keeps_foreign_handlers(restore_root_logging) -> None:
 
 def test_help_lists_groups_and_defaults() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "fastroute", "--help"], cwd=REPO, capture_output=True,
-        text=True, timeout=60,
+        [sys.executable, "-m", "fastroute", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    for group in ("Worker configuration", "Routing policy", "PD disaggregation", "Retries",
-                  "Circuit breaker", "Health checks", "Admission/Rate limiting", "Prometheus",
-                  "Logging", "fastroute extensions", "Ignored for compatibility"):
+    for group in (
+        "Worker configuration",
+        "Routing policy",
+        "PD disaggregation",
+        "Retries",
+        "Circuit breaker",
+        "Health checks",
+        "Admission/Rate limiting",
+        "Prometheus",
+        "Logging",
+        "fastroute extensions",
+        "Ignored for compatibility",
+    ):
         assert f"{group}:" in out
     assert "--p2c-load-metric" in out and "default: 30000" in out
     # The --router- aliases work but stay out of the help listing.
@@ -554,13 +697,11 @@ def test_config_survives_pickling_for_proxy_processes() -> None:
 
 def test_cli_parse_args_builds_the_config() -> None:
     # config.parse_args is gone (it only made a cli -> config -> cli cycle); the CLI's is the one.
-    assert parse_args(["--port", "1", "--router-policy", "random"]) == Config(
-        port=1, policy="random")
+    assert parse_args(["--port", "1", "--router-policy", "random"]) == Config(port=1, policy="random")
 
 
 @pytest.mark.parametrize("workers, expected", [("1", "Server"), ("2", "Supervisor")])
-def test_main_picks_one_process_or_a_supervisor(monkeypatch, restore_root_logging, workers,
-                                                expected) -> None:
+def test_main_picks_one_process_or_a_supervisor(monkeypatch, restore_root_logging, workers, expected) -> None:
     seen: list[str] = []
     monkeypatch.setattr(cli, "run", lambda config, factory: seen.append(factory.__name__) or 0)
     assert main(["--workers", workers]) == 0

@@ -1,6 +1,7 @@
 """The compiled build of the data plane (and of the core's breakers, compiled the same way): which
 classes become extension types, and the guard that keeps tests from running a compiled module
 older than its source (tests/conftest.py)."""
+
 from __future__ import annotations
 
 import ast
@@ -20,8 +21,14 @@ _ALL = py_modules()
 
 def test_the_list_holds_the_hot_modules() -> None:
     names = {f"{p}.{m}" for p, m in _ALL}
-    assert {"dataplane.protocol", "dataplane.front", "dataplane.exchange", "dataplane.pd",
-            "dataplane.upstream", "core.breaker"} <= names
+    assert {
+        "dataplane.protocol",
+        "dataplane.front",
+        "dataplane.exchange",
+        "dataplane.pd",
+        "dataplane.upstream",
+        "core.breaker",
+    } <= names
     assert not {"dataplane.app", "core._atomic", "core._policy"} & names
 
 
@@ -52,10 +59,12 @@ def _pxd_attributes(package: str, module: str) -> dict[str, set[str]]:
     here = os.path.dirname(importlib.import_module(f"fastroute.{package}").__file__)
     out: dict[str, set[str]] = {}
     cls = None
-    for line in open(os.path.join(here, f"{module}.pxd")):
+    with open(os.path.join(here, f"{module}.pxd")) as f:
+        lines = f.read().splitlines()
+    for line in lines:
         line = line.strip()
         if line.startswith("cdef class "):
-            cls = line[len("cdef class "):].split("(")[0].rstrip(":")
+            cls = line[len("cdef class ") :].split("(")[0].rstrip(":")
             out[cls] = set()
         elif cls is not None and line.startswith("cdef ") and not line.startswith("cdef class"):
             words = line.split(None, 3)  # cdef [public] <type> names...
@@ -70,18 +79,19 @@ def test_pxd_attributes_match_the_slots_of_the_interpreted_classes(package: str,
     same attributes: a name missing from either fails only in that build."""
     declared = _pxd_attributes(package, module)
     here = os.path.dirname(importlib.import_module(f"fastroute.{package}").__file__)
-    source = open(os.path.join(here, f"{module}.py")).read()
+    with open(os.path.join(here, f"{module}.py")) as f:
+        source = f.read()
     tree = ast.parse(source)
     classes = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
     assert set(declared) <= classes, (module, set(declared) - classes)
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name in declared:
-            slots = [st for st in node.body if isinstance(st, ast.Assign)
-                     and getattr(st.targets[0], "id", "") == "__slots__"]
+            slots = [
+                st for st in node.body if isinstance(st, ast.Assign) and getattr(st.targets[0], "id", "") == "__slots__"
+            ]
             assert slots, f"{module}.{node.name} has no __slots__"
             names = set(ast.literal_eval(slots[0].value))
-            assert names == declared[node.name], (module, node.name,
-                                                  names ^ declared[node.name])
+            assert names == declared[node.name], (module, node.name, names ^ declared[node.name])
 
 
 def test_a_compiled_module_older_than_its_source_is_reported(tmp_path) -> None:

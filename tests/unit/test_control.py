@@ -1,5 +1,6 @@
 """Control plane pieces without sockets: the auth rule, the supervisor's control listener, the
 reconcile-mismatch counter."""
+
 from __future__ import annotations
 
 import asyncio
@@ -46,8 +47,9 @@ class _Registry:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, str, bytes]] = []
 
-    async def handle_admin(self, method: str, path: str, query: str, body: bytes,
-                           headers: Any) -> tuple[int, bytes, bytes]:
+    async def handle_admin(
+        self, method: str, path: str, query: str, body: bytes, headers: Any
+    ) -> tuple[int, bytes, bytes]:
         self.calls.append((method, path, query, body))
         return 202, b"{}", b"application/json"
 
@@ -65,6 +67,7 @@ def _control(head: bytes, body: bytes = b"", eof: bool = True) -> tuple[bytes, _
         await asyncio.wait_for(sup._control_conn(reader, w), 5)  # type: ignore[arg-type]
         assert w.closed
         return w.data, sup.registry  # type: ignore[return-value]
+
     return asyncio.run(go())
 
 
@@ -114,5 +117,5 @@ def test_reconcile_mismatches_are_their_own_counter_not_a_reclaim() -> None:
         text = generate_latest(reg).decode()
     assert "fastroute_reconcile_mismatches_total 2.0" in text
     assert 'fastroute_leases_reclaimed_total{reason="client_gone"} 1.0' in text
-    assert "reconcile_mismatch\"}" not in text
-    assert stats.reclaimed == {RECONCILE_MISMATCH: 2, "client_gone": 1}   # scrape did not mutate
+    assert 'reconcile_mismatch"}' not in text
+    assert stats.reclaimed == {RECONCILE_MISMATCH: 2, "client_gone": 1}  # scrape did not mutate

@@ -1,16 +1,28 @@
 """Synced replicas' coordinated pick (``_policy.pick_coordinated`` and the Picker around it):
 the compiled kernel against its twin, the placements of a burst spread over replicas that see
 the same view, and the estimates the Picker books for the others."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from fastroute.core import _ledger, _policy, reference as R
+from fastroute.core import _ledger, _policy
+from fastroute.core import reference as R
 from fastroute.core.routing import Router
-from fastroute.core.table import (COL_HEALTHY, COL_IN_FLIGHT, COL_ORDER_KEY, COL_OTHERS_EST,
-                                  COL_OTHERS_EST_TOKENS, COL_OTHERS_IN_FLIGHT, COL_POLLED_AT,
-                                  COL_POLLED_MAX_TOKENS, COL_POLLED_TOKENS, NCOLS, TargetTable)
+from fastroute.core.table import (
+    COL_HEALTHY,
+    COL_IN_FLIGHT,
+    COL_ORDER_KEY,
+    COL_OTHERS_EST,
+    COL_OTHERS_EST_TOKENS,
+    COL_OTHERS_IN_FLIGHT,
+    COL_POLLED_AT,
+    COL_POLLED_MAX_TOKENS,
+    COL_POLLED_TOKENS,
+    NCOLS,
+    TargetTable,
+)
 
 
 def table(n: int) -> np.ndarray:
@@ -30,7 +42,7 @@ def test_kernel_matches_twin(seed):
     tab[:, COL_OTHERS_IN_FLIGHT] = rng.integers(0, 3, n_t)
     tab[:, COL_OTHERS_EST] = rng.integers(0, 2, n_t)
     tab[:, COL_HEALTHY] = rng.random(n_t) > 0.15
-    tab[:, COL_ORDER_KEY] = rng.integers(0, 4, n_t)           # ties in the order key too
+    tab[:, COL_ORDER_KEY] = rng.integers(0, 4, n_t)  # ties in the order key too
     kv = bool(rng.integers(0, 2))
     if kv:
         tab[:, COL_POLLED_AT] = np.where(rng.random(n_t) > 0.2, 1, -1)
@@ -39,8 +51,16 @@ def test_kernel_matches_twin(seed):
     cands = np.arange(n_t, dtype=np.int64)
     n = int(rng.integers(1, 6))
     slot = int(rng.integers(0, n))
-    args = (int(rng.integers(0, 3000)), int(rng.integers(0, 6000)), bool(rng.integers(0, 2)),
-            int(rng.integers(0, 5000)), kv, n, slot, bool(rng.integers(0, 2)))
+    args = (
+        int(rng.integers(0, 3000)),
+        int(rng.integers(0, 6000)),
+        bool(rng.integers(0, 2)),
+        int(rng.integers(0, 5000)),
+        kv,
+        n,
+        slot,
+        bool(rng.integers(0, 2)),
+    )
     assert _policy.coordinated(tab, cands, *args) == R.coordinated(tab, cands, *args)
 
 
@@ -54,18 +74,18 @@ def test_a_burst_over_three_replicas_fills_distinct_ranks():
     base[[1, 3, 4, 6, 7]] = 1
     placed = np.zeros(n_ranks, dtype=np.int64)
     views = []
-    for slot in range(n_rep):
+    for _slot in range(n_rep):
         tab = table(n_ranks)
-        tab[:, COL_OTHERS_IN_FLIGHT] = base       # the synced view (own counts are zero here)
+        tab[:, COL_OTHERS_IN_FLIGHT] = base  # the synced view (own counts are zero here)
         views.append(tab)
     cands = np.arange(n_ranks, dtype=np.int64)
-    for k in range(3):
+    for _k in range(3):
         for slot, tab in enumerate(views):
             mine, seq = _policy.coordinated(tab, cands, 100, 0, False, 0, False, n_rep, slot)
-            tab[mine, COL_IN_FLIGHT] += 1                        # booked, live here
+            tab[mine, COL_IN_FLIGHT] += 1  # booked, live here
             for s, t in enumerate(seq):
                 if s != slot:
-                    tab[t, COL_OTHERS_EST] += 1                  # the others' expected share
+                    tab[t, COL_OTHERS_EST] += 1  # the others' expected share
             placed[mine] += 1
     total = base + placed
     assert total.max() == 2 and total.min() == 1, total
@@ -90,7 +110,7 @@ def test_without_coordination_the_same_burst_piles_up():
             t = _policy.power_of_two(tab, np.arange(n_ranks, dtype=np.int64), 2, st)
             tab[t, COL_IN_FLIGHT] += 1
             placed[t] += 1
-    assert list(placed) == [3, 0, 3, 0, 0, 3, 0, 0]    # ranks 0, 2, 5 get all nine
+    assert list(placed) == [3, 0, 3, 0, 0, 3, 0, 0]  # ranks 0, 2, 5 get all nine
     assert (base + placed).max() == 3
 
 
@@ -98,11 +118,10 @@ def test_kv_fit_is_respected_in_the_plan():
     tab = table(4)
     tab[:, COL_POLLED_AT] = 1
     tab[:, COL_POLLED_MAX_TOKENS] = 10_000
-    tab[:, COL_POLLED_TOKENS] = [9_500, 0, 0, 0]     # rank 0 cannot take 1,000 more tokens
-    mine, seq = _policy.coordinated(tab, np.arange(4, dtype=np.int64), 1000, 1000, False, 0,
-                                    True, 4, 0)
+    tab[:, COL_POLLED_TOKENS] = [9_500, 0, 0, 0]  # rank 0 cannot take 1,000 more tokens
+    mine, seq = _policy.coordinated(tab, np.arange(4, dtype=np.int64), 1000, 1000, False, 0, True, 4, 0)
     assert 0 not in seq[:3] and sorted(seq[:3]) == [1, 2, 3]
-    assert seq[3] in (1, 2, 3)                   # the plan's 4th also avoids the full rank
+    assert seq[3] in (1, 2, 3)  # the plan's 4th also avoids the full rank
 
 
 def test_picker_books_the_others_estimate_only_when_it_books():
@@ -117,13 +136,13 @@ def test_picker_books_the_others_estimate_only_when_it_books():
         assert tt.array[:4, COL_OTHERS_EST].sum() == 0
         lease.release()
         tt.set_replicas(3, 1)
-        g.pick(50)                                   # a look without booking writes nothing
+        g.pick(50)  # a look without booking writes nothing
         assert tt.array[:4, COL_OTHERS_EST].sum() == 0
         lease = g.acquire(50)
         assert tt.array[:4, COL_OTHERS_EST].sum() == 2
         assert tt.array[:4, COL_OTHERS_EST_TOKENS].sum() == 100
-        assert tt.array[lease.target, COL_OTHERS_EST] == 0    # its own place is its booking
-        lease.release()                              # a release undoes the booking only
+        assert tt.array[lease.target, COL_OTHERS_EST] == 0  # its own place is its booking
+        lease.release()  # a release undoes the booking only
         assert tt.array[:4, COL_IN_FLIGHT].sum() == 0 and tt.array[:4, COL_OTHERS_EST].sum() == 2
         assert g._picker.coordinated_picks == 1
     finally:
@@ -152,11 +171,11 @@ def test_later_picks_between_two_syncs_keep_their_exact_place(synced):
     next sync tick makes the next pick a first one again."""
     tt, g = synced
     arr = tt.array
-    arr[1:4, COL_OTHERS_IN_FLIGHT] = 1           # rank 0 alone is empty
+    arr[1:4, COL_OTHERS_IN_FLIGHT] = 1  # rank 0 alone is empty
     cands = np.arange(4, dtype=np.int64)
     tt.count_sync_tick()
     first = g.acquire(10)
-    assert first.target == 0                     # 2 % 1 tie: the one empty rank
+    assert first.target == 0  # 2 % 1 tie: the one empty rank
     loose = R.coordinated(arr, cands, 10, 0, False, 0, False, 3, 2)[0]
     exact = R.coordinated(arr, cands, 10, 0, False, 0, False, 3, 2, True)[0]
     assert loose != exact
@@ -181,7 +200,7 @@ def test_a_replica_whose_picks_come_in_bursts_keeps_its_place_from_the_first(syn
             lease.release()
     arr[:4, COL_OTHERS_EST] = 0
     arr[:4, COL_OTHERS_EST_TOKENS] = 0
-    arr[1:4, COL_OTHERS_IN_FLIGHT] = 1           # rank 0 alone is empty
+    arr[1:4, COL_OTHERS_IN_FLIGHT] = 1  # rank 0 alone is empty
     cands = np.arange(4, dtype=np.int64)
     exact = R.coordinated(arr, cands, 10, 0, False, 0, False, 3, 2, True)[0]
     assert exact != 0
@@ -234,12 +253,14 @@ def test_default_decode_leg_plans_with_the_replicas_and_still_learns_the_text():
     tree picks among the least-loaded ranks; with synced replicas the compiled picker plans the
     burst with them, and the tree learns the prompt under the rank that got it."""
     from tests.stubs import StubMeta
+
     tt = TargetTable(8)
     try:
         for _ in range(4):
             tt.set_healthy(tt.alloc(), True)
-        g = Router(tt, seed=2).group([0, 1, 2, 3], "cache_aware", rank_slack=0,
-                                     names=[f"http://d:1@{i}" for i in range(4)])
+        g = Router(tt, seed=2).group(
+            [0, 1, 2, 3], "cache_aware", rank_slack=0, names=[f"http://d:1@{i}" for i in range(4)]
+        )
         text = "a shared system prompt " * 10
         lease = g.acquire(20, None, StubMeta(text))
         assert tt.array[:4, COL_OTHERS_EST].sum() == 0 and g._picker.coordinated_picks == 0
@@ -248,8 +269,7 @@ def test_default_decode_leg_plans_with_the_replicas_and_still_learns_the_text():
         lease = g.acquire(20, None, StubMeta(text + "turn 2"))
         assert g._picker.coordinated_picks == 1 and tt.array[:4, COL_OTHERS_EST].sum() == 1
         lease.release()
-        assert g._text_policy.tree.match(text + "turn 2", [0, 1, 2, 3]) == (len(text) + 6,
-                                                                            [lease.target])
+        assert g._text_policy.tree.match(text + "turn 2", [0, 1, 2, 3]) == (len(text) + 6, [lease.target])
     finally:
         tt.close()
         tt.unlink()

@@ -1,15 +1,17 @@
-"""Demand and KV fit under every decode policy, cache_aware (the default) included (issue 14 item 1).
+"""Demand and KV fit under every decode policy, cache_aware (the default) included.
 
 KV fit is a feasibility filter applied before the policy; demand ``on`` narrows to the
 demand-argmin ties and the prefix tree chooses among them; shadow modes count one decision per
 pick without changing it.
 """
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from fastroute.core import _policy, reference as R
+from fastroute.core import _policy
+from fastroute.core import reference as R
 from fastroute.core.routing import POLICIES, Router
 from fastroute.core.table import TargetTable
 
@@ -77,16 +79,16 @@ def test_shadow_modes_count_one_decision_per_pick_under_cache_aware(tt):
 def test_kv_fit_filters_before_the_tree(tt):
     tab, ids = tt
     full, *rest = ids
-    tab.set_polled(full, 0, 0, 99_000, 100_000)   # 1k free
+    tab.set_polled(full, 0, 0, 99_000, 100_000)  # 1k free
     for t in rest:
         tab.set_polled(t, 0, 0, 0, 100_000)
     g = Router(tab, seed=7).group(ids, "cache_aware", kv_fit="on")
     text = "shared prefix " * 30
-    off = Router(tab, seed=7).group([full], "cache_aware")   # teaches nothing to g's tree
+    off = Router(tab, seed=7).group([full], "cache_aware")  # teaches nothing to g's tree
     assert off.acquire(10, None, _Meta(text)).target == full
     for _ in range(20):
         lease = g.acquire(5_000, None, _Meta(text))
-        assert lease.target != full                  # 5k does not fit in its 1k
+        assert lease.target != full  # 5k does not fit in its 1k
         lease.release()
     # unknown capacities everywhere: the tree decides and the fallback is counted
     for t in ids:
@@ -116,9 +118,13 @@ def test_helpers_match_their_reference_twins(tt):
     for _ in range(200):
         for t in ids:
             tab.set_polled(t, 0, 0, int(rng.integers(0, 90_000)), 100_000)
-        leases = [tab_lease for t in ids for tab_lease in
-                  [Router(tab, seed=1).group([t], "random")._picker.book_target(
-                      t, int(rng.integers(0, 3)) * 1000)]]
+        leases = [
+            tab_lease
+            for t in ids
+            for tab_lease in [
+                Router(tab, seed=1).group([t], "random")._picker.book_target(t, int(rng.integers(0, 3)) * 1000)
+            ]
+        ]
         cands = np.asarray(ids, dtype=np.int64)
         need, w = int(rng.integers(0, 60_000)), int(rng.integers(0, 3)) * 500
         assert _policy.demand_ties(tab.array, cands, 7, w) == R.demand_ties(tab.array, cands, 7, w)
@@ -127,10 +133,12 @@ def test_helpers_match_their_reference_twins(tt):
             lease.release()
 
 
-@pytest.mark.parametrize("flag,field", [("--decode-input-demand", "decode_input_demand"),
-                                        ("--decode-kv-fit", "decode_kv_fit")])
+@pytest.mark.parametrize(
+    "flag,field", [("--decode-input-demand", "decode_input_demand"), ("--decode-kv-fit", "decode_kv_fit")]
+)
 def test_manual_policy_refuses_demand_and_kv_fit_by_name(flag, field):
     from fastroute.config import Config, ConfigError
+
     with pytest.raises(ConfigError) as exc:
         Config(pd_disaggregation=True, decode_policy="manual", **{field: "shadow"})
     assert exc.value.flag == flag and "power_of_two" in str(exc.value)

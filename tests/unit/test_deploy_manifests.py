@@ -1,6 +1,7 @@
 """deploy/inferencepool.yaml against the InferencePool CRD the Gateway API Inference Extension
 publishes (vendored in tests/data with its source and commit), and its parts against each
 other: the pool, the picker's Service and Deployment, its RBAC and the HTTPRoute."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,8 +35,7 @@ def _docs() -> list[dict[str, Any]]:
 
 
 def _one(kind: str, name: str | None = None) -> dict[str, Any]:
-    found = [d for d in _docs() if d["kind"] == kind
-             and (name is None or d["metadata"]["name"] == name)]
+    found = [d for d in _docs() if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
     assert len(found) == 1, (kind, name, len(found))
     return found[0]
 
@@ -53,8 +53,12 @@ def test_the_pool_is_valid_under_the_published_crd_schema() -> None:
     ref = pool["spec"]["endpointPickerRef"]
     assert ref.get("kind", "Service") != "Service" or "port" in ref
     # and the validator is live: what the schema forbids is refused
-    for broken in ({"targetPorts": []}, {"targetPorts": [{"number": 70000}]},
-                   {"selector": {"matchLabels": {}}}, {"appProtocol": "grpc"}):
+    for broken in (
+        {"targetPorts": []},
+        {"targetPorts": [{"number": 70000}]},
+        {"selector": {"matchLabels": {}}},
+        {"appProtocol": "grpc"},
+    ):
         bad = {**pool, "spec": {**pool["spec"], **broken}}
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
@@ -70,13 +74,12 @@ def test_the_route_the_picker_and_the_model_servers_fit_the_pool() -> None:
     route = _one("HTTPRoute")
     assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
     refs = [b for rule in route["spec"]["rules"] for b in rule["backendRefs"]]
-    assert refs == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
-                     "name": name}]
+    assert refs == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": name}]
     # endpointPickerRef names the picker's Service and its gRPC port
     ref = pool["spec"]["endpointPickerRef"]
     svc = _one("Service", ref["name"])
     (grpc_port,) = [p for p in svc["spec"]["ports"] if p["port"] == ref["port"]["number"]]
-    assert grpc_port["appProtocol"] == "kubernetes.io/h2c"     # the listener is plaintext h2
+    assert grpc_port["appProtocol"] == "kubernetes.io/h2c"  # the listener is plaintext h2
     epp = _one("Deployment", ref["name"])
     pod_labels = epp["spec"]["template"]["metadata"]["labels"]
     assert _labels_match(svc["spec"]["selector"], pod_labels)
@@ -94,8 +97,11 @@ def test_the_route_the_picker_and_the_model_servers_fit_the_pool() -> None:
     # the pool selects the model servers, on their port, and not the picker itself
     selector = pool["spec"]["selector"]["matchLabels"]
     assert not _labels_match(selector, pod_labels)
-    servers = [d for d in _docs() if d["kind"] == "Deployment" and _labels_match(
-        selector, d["spec"]["template"]["metadata"]["labels"])]
+    servers = [
+        d
+        for d in _docs()
+        if d["kind"] == "Deployment" and _labels_match(selector, d["spec"]["template"]["metadata"]["labels"])
+    ]
     assert servers
     ports = {p["number"] for p in pool["spec"]["targetPorts"]}
     for s in servers:
@@ -106,8 +112,9 @@ def test_the_route_the_picker_and_the_model_servers_fit_the_pool() -> None:
     binding = _one("RoleBinding")
     assert {"kind": "ServiceAccount", "name": sa, "namespace": ns} in binding["subjects"]
     role = _one("Role", binding["roleRef"]["name"])
-    grants = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"]
-              for r in rule["resources"] for v in rule["verbs"]}
+    grants = {
+        (g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
+    }
     for group, resource in (("", "pods"), ("inference.networking.k8s.io", "inferencepools")):
         for verb in ("get", "list", "watch"):
             assert (group, resource, verb) in grants

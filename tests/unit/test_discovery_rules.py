@@ -1,4 +1,5 @@
 """Discovery rules without sockets: selectors, which pod is a worker, the manifest, the flags."""
+
 from __future__ import annotations
 
 import logging
@@ -7,24 +8,27 @@ import pytest
 
 from fastroute.cli import parse_args
 from fastroute.config import Config, ConfigError, config_from_args
-from fastroute.kube import kube_config_source, parse_selector
 from fastroute.control.discovery import pod_worker, read_manifest, selector_matches
+from fastroute.kube import kube_config_source, parse_selector
 
 
-@pytest.mark.parametrize("tokens,labels,ok", [
-    (["app=sglang"], {"app": "sglang"}, True),
-    (["app=sglang", "tier=gpu"], {"app": "sglang"}, False),
-    (["app=sglang,tier=gpu"], {"app": "sglang", "tier": "gpu", "x": "y"}, True),
-    (["app==sglang"], {"app": "sglang"}, True),
-    (["app!=sglang"], {}, True),
-    (["app!=sglang"], {"app": "sglang"}, False),
-    (["app in (sglang, vllm)"], {"app": "vllm"}, True),
-    (["app notin (sglang,vllm)"], {"app": "vllm"}, False),
-    (["app notin (sglang,vllm)"], {}, True),
-    (["gpu", "!spot"], {"gpu": ""}, True),
-    (["gpu", "!spot"], {"gpu": "", "spot": "1"}, False),
-    (["sglang.ai/role=prefill"], {"sglang.ai/role": "prefill"}, True),
-])
+@pytest.mark.parametrize(
+    "tokens,labels,ok",
+    [
+        (["app=sglang"], {"app": "sglang"}, True),
+        (["app=sglang", "tier=gpu"], {"app": "sglang"}, False),
+        (["app=sglang,tier=gpu"], {"app": "sglang", "tier": "gpu", "x": "y"}, True),
+        (["app==sglang"], {"app": "sglang"}, True),
+        (["app!=sglang"], {}, True),
+        (["app!=sglang"], {"app": "sglang"}, False),
+        (["app in (sglang, vllm)"], {"app": "vllm"}, True),
+        (["app notin (sglang,vllm)"], {"app": "vllm"}, False),
+        (["app notin (sglang,vllm)"], {}, True),
+        (["gpu", "!spot"], {"gpu": ""}, True),
+        (["gpu", "!spot"], {"gpu": "", "spot": "1"}, False),
+        (["sglang.ai/role=prefill"], {"sglang.ai/role": "prefill"}, True),
+    ],
+)
 def test_label_selector_semantics(tokens, labels, ok) -> None:
     assert selector_matches(parse_selector(tokens), labels) is ok
 
@@ -37,11 +41,9 @@ def test_bad_selectors_name_the_flag(bad) -> None:
 
 
 def _pod(**status) -> dict:
-    st = {"phase": "Running", "podIP": "10.0.0.5",
-          "conditions": [{"type": "Ready", "status": "True"}]}
+    st = {"phase": "Running", "podIP": "10.0.0.5", "conditions": [{"type": "Ready", "status": "True"}]}
     st.update(status)
-    return {"metadata": {"name": "p", "annotations": {"sglang.ai/bootstrap-port": "8998"}},
-            "status": st}
+    return {"metadata": {"name": "p", "annotations": {"sglang.ai/bootstrap-port": "8998"}}, "status": st}
 
 
 def test_pod_worker_needs_running_ready_and_an_ip() -> None:
@@ -63,17 +65,21 @@ def test_pod_worker_needs_running_ready_and_an_ip() -> None:
 
 def test_manifest_format() -> None:
     got = read_manifest('{"workers": [{"url": "http://a:1/"}, {"url": "http://b:2"}]}', pd=False)
-    assert got == {"http://a:1": ("regular", None, "workers[0]"),
-                   "http://b:2": ("regular", None, "workers[1]")}
-    got = read_manifest('[{"url": "http://p:1", "worker_type": "prefill", "bootstrap_port": 8998},'
-                        ' {"url": "http://d:1", "worker_type": "decode", "bootstrap_port": 1}]',
-                        pd=True)
-    assert got == {"http://p:1": ("prefill", 8998, "workers[0]"),
-                   "http://d:1": ("decode", None, "workers[1]")}
-    for bad in ('{"workers": 3}', '[{"url": 1}]', '[{"url": "http://a:1"}]',
-                '[{"url": "http://a:1", "worker_type": "prefill", "bootstrap_port": "x"}]',
-                '[{"url": "http://a:1", "worker_type": "decode"}, '
-                '{"url": "http://a:1", "worker_type": "decode"}]', '{'):
+    assert got == {"http://a:1": ("regular", None, "workers[0]"), "http://b:2": ("regular", None, "workers[1]")}
+    got = read_manifest(
+        '[{"url": "http://p:1", "worker_type": "prefill", "bootstrap_port": 8998},'
+        ' {"url": "http://d:1", "worker_type": "decode", "bootstrap_port": 1}]',
+        pd=True,
+    )
+    assert got == {"http://p:1": ("prefill", 8998, "workers[0]"), "http://d:1": ("decode", None, "workers[1]")}
+    for bad in (
+        '{"workers": 3}',
+        '[{"url": 1}]',
+        '[{"url": "http://a:1"}]',
+        '[{"url": "http://a:1", "worker_type": "prefill", "bootstrap_port": "x"}]',
+        '[{"url": "http://a:1", "worker_type": "decode"}, {"url": "http://a:1", "worker_type": "decode"}]',
+        "{",
+    ):
         with pytest.raises(ValueError):
             read_manifest(bad, pd=True)
 
@@ -82,29 +88,56 @@ def test_discovery_flags(tmp_path, monkeypatch) -> None:
     kc = tmp_path / "kubeconfig"
     kc.write_text("{}")
     monkeypatch.setenv("KUBECONFIG", str(kc))
-    c = parse_args(["--service-discovery", "--selector", "app=sglang", "tier=gpu",
-                    "--service-discovery-port", "8000", "--service-discovery-namespace", "ns",
-                    "--router-bootstrap-port-annotation", "x/y"])
-    assert (c.discovery, c.selector, c.service_discovery_port, c.service_discovery_namespace,
-            c.bootstrap_port_annotation) == ("kubernetes", ["app=sglang", "tier=gpu"], 8000, "ns",
-                                             "x/y")
-    c = parse_args(["--pd-disaggregation", "--service-discovery", "--prefill-selector",
-                    "app=sglang", "component=prefill", "--decode-selector", "component=decode"])
+    c = parse_args(
+        [
+            "--service-discovery",
+            "--selector",
+            "app=sglang",
+            "tier=gpu",
+            "--service-discovery-port",
+            "8000",
+            "--service-discovery-namespace",
+            "ns",
+            "--router-bootstrap-port-annotation",
+            "x/y",
+        ]
+    )
+    assert (
+        c.discovery,
+        c.selector,
+        c.service_discovery_port,
+        c.service_discovery_namespace,
+        c.bootstrap_port_annotation,
+    ) == ("kubernetes", ["app=sglang", "tier=gpu"], 8000, "ns", "x/y")
+    c = parse_args(
+        [
+            "--pd-disaggregation",
+            "--service-discovery",
+            "--prefill-selector",
+            "app=sglang",
+            "component=prefill",
+            "--decode-selector",
+            "component=decode",
+        ]
+    )
     assert c.discovery == "kubernetes" and c.prefill_selector == ["app=sglang", "component=prefill"]
-    c = parse_args(["--discovery-provider", "file", "--discovery-file", "/x.json",
-                    "--discovery-check-interval-secs", "5"])
+    c = parse_args(
+        ["--discovery-provider", "file", "--discovery-file", "/x.json", "--discovery-check-interval-secs", "5"]
+    )
     assert (c.discovery, c.discovery_file, c.discovery_check_interval_secs) == ("file", "/x.json", 5)
     assert parse_args([]).discovery is None
 
 
-@pytest.mark.parametrize("argv,flag", [
-    (["--service-discovery"], "--selector"),
-    (["--pd-disaggregation", "--service-discovery"], "--service-discovery"),
-    (["--service-discovery", "--selector", "a=b", "--prefill-selector", "a=b"], "--prefill-selector"),
-    (["--discovery-provider", "file"], "--discovery-file"),
-    (["--service-discovery", "--selector", "a=b", "--service-discovery-port", "0"],
-     "--service-discovery-port"),
-])
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--service-discovery"], "--selector"),
+        (["--pd-disaggregation", "--service-discovery"], "--service-discovery"),
+        (["--service-discovery", "--selector", "a=b", "--prefill-selector", "a=b"], "--prefill-selector"),
+        (["--discovery-provider", "file"], "--discovery-file"),
+        (["--service-discovery", "--selector", "a=b", "--service-discovery-port", "0"], "--service-discovery-port"),
+    ],
+)
 def test_incomplete_discovery_flags_are_refused(argv, flag, tmp_path, monkeypatch, capsys) -> None:
     kc = tmp_path / "kubeconfig"
     kc.write_text("{}")
@@ -119,8 +152,7 @@ def test_sub_flags_without_discovery_are_ignored_with_a_warning(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="fastroute.config"):
         c = parse_args(["--selector", "app=x", "--service-discovery-port", "8000"])
     assert c.discovery is None
-    assert [r.getMessage().split()[0] for r in caplog.records] == [
-        "--selector", "--service-discovery-port"]
+    assert [r.getMessage().split()[0] for r in caplog.records] == ["--selector", "--service-discovery-port"]
 
 
 def test_sub_flags_with_discovery_are_not_reported_ignored(tmp_path, monkeypatch, caplog) -> None:
@@ -131,8 +163,7 @@ def test_sub_flags_with_discovery_are_not_reported_ignored(tmp_path, monkeypatch
         parse_args(["--service-discovery", "--selector", "app=x"])
         assert caplog.records == []
         # as the peers: --selector means nothing in PD mode
-        parse_args(["--pd-disaggregation", "--service-discovery", "--selector", "app=x",
-                    "--decode-selector", "app=y"])
+        parse_args(["--pd-disaggregation", "--service-discovery", "--selector", "app=x", "--decode-selector", "app=y"])
     assert [r.getMessage().split()[0] for r in caplog.records] == ["--selector"]
 
 
@@ -142,8 +173,10 @@ def test_kube_config_source(tmp_path) -> None:
     kc.write_text("{}")
     assert kube_config_source({"KUBECONFIG": str(kc)}) == ("kubeconfig", str(kc))
     with pytest.raises(ConfigError, match="no Kubernetes configuration"):
+
         class NS:
             pass
+
         ns = NS()
         ns.service_discovery = True
         ns.selector = ["a=b"]

@@ -1,6 +1,7 @@
 """fastroute epp without Envoy: its command line, the bootstrap it prints, and the ext_proc
 servicer driven message by message over the real routing core (table, router, group, leases),
 so a lease's one release is checked at every ending a stream can have."""
+
 from __future__ import annotations
 
 import asyncio
@@ -30,37 +31,54 @@ from fastroute.epp.service import ExternalProcessor  # noqa: E402
 
 # -- the command line -------------------------------------------------------------------
 def test_split_takes_the_picker_flags_and_leaves_the_router_flags() -> None:
-    opts, rest = split(["--grpc-port", "9002", "--policy", "round_robin", "--worker-urls",
-                        "http://a:1", "--print-envoy-config", "--envoy-listen-port=8080"])
-    assert (opts.grpc_port, opts.print_config, opts.listen_port, opts.admin_port) == (
-        9002, True, 8080, None)
+    opts, rest = split(
+        [
+            "--grpc-port",
+            "9002",
+            "--policy",
+            "round_robin",
+            "--worker-urls",
+            "http://a:1",
+            "--print-envoy-config",
+            "--envoy-listen-port=8080",
+        ]
+    )
+    assert (opts.grpc_port, opts.print_config, opts.listen_port, opts.admin_port) == (9002, True, 8080, None)
     assert rest == ["--policy", "round_robin", "--worker-urls", "http://a:1"]
 
 
-@pytest.mark.parametrize("argv, flag", [
-    ([], "--grpc-port"),
-    (["--grpc-port", "x"], "--grpc-port"),
-    (["--grpc-port", "70000"], "--grpc-port"),
-    (["--grpc-port", "1", "--print-envoy-config"], "--envoy-listen-port"),
-    (["--grpc-port", "1", "--envoy-admin-port", "2"], "--envoy-admin-port"),
-    (["--grpc-port", "1", "--inference-pool-namespace", "ns"], "--inference-pool-namespace"),
-    (["--grpc-port", "1", "--inference-pool", "Pool_1"], "--inference-pool"),
-    (["--grpc-port", "1", "--failure-mode=FailOpen"], "--failure-mode"),
-    (["--grpc-port", "1", "--sidecar"], "--sidecar"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        ([], "--grpc-port"),
+        (["--grpc-port", "x"], "--grpc-port"),
+        (["--grpc-port", "70000"], "--grpc-port"),
+        (["--grpc-port", "1", "--print-envoy-config"], "--envoy-listen-port"),
+        (["--grpc-port", "1", "--envoy-admin-port", "2"], "--envoy-admin-port"),
+        (["--grpc-port", "1", "--inference-pool-namespace", "ns"], "--inference-pool-namespace"),
+        (["--grpc-port", "1", "--inference-pool", "Pool_1"], "--inference-pool"),
+        (["--grpc-port", "1", "--failure-mode=FailOpen"], "--failure-mode"),
+        (["--grpc-port", "1", "--sidecar"], "--sidecar"),
+    ],
+)
 def test_split_refuses_naming_the_flag(argv: list[str], flag: str) -> None:
     with pytest.raises(EppError, match=f"argument {flag}"):
         split(argv)
 
 
-@pytest.mark.parametrize("kw, flag", [
-    ({"pd_disaggregation": True, "prefill": [("http://p:1", None)], "decode": ["http://d:2"]},
-     "--pd-disaggregation"),
-    ({"replica_sync": "redis://127.0.0.1:6379"}, "--replica-sync"),
-    ({"worker_urls": ["https://w:1"]}, "--worker-urls"),
-    ({"retry_max_retries": 2}, "--retry-max-retries"),
-    ({"cb_failure_threshold": 3}, "--cb-failure-threshold"),
-])
+@pytest.mark.parametrize(
+    "kw, flag",
+    [
+        (
+            {"pd_disaggregation": True, "prefill": [("http://p:1", None)], "decode": ["http://d:2"]},
+            "--pd-disaggregation",
+        ),
+        ({"replica_sync": "redis://127.0.0.1:6379"}, "--replica-sync"),
+        ({"worker_urls": ["https://w:1"]}, "--worker-urls"),
+        ({"retry_max_retries": 2}, "--retry-max-retries"),
+        ({"cb_failure_threshold": 3}, "--cb-failure-threshold"),
+    ],
+)
 def test_refusal_names_what_the_picker_does_not_do(kw: dict, flag: str) -> None:
     why = refusal(Config(**kw), 1)
     assert why is not None and why.startswith(f"argument {flag}:")
@@ -77,14 +95,34 @@ def test_cli_refuses_in_one_line_and_exits_2(capsys: Any) -> None:
 
 
 def test_cli_prints_the_bootstrap_and_exits(capsys: Any) -> None:
-    assert main(["epp", "--grpc-port", "9002", "--print-envoy-config",
-                 "--envoy-listen-port", "8080", "--envoy-admin-port", "9901"]) == 0
+    assert (
+        main(
+            [
+                "epp",
+                "--grpc-port",
+                "9002",
+                "--print-envoy-config",
+                "--envoy-listen-port",
+                "8080",
+                "--envoy-admin-port",
+                "9901",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out == envoy_bootstrap(9002, 8080, 9901, idle_timeout=1800)
-    for needle in ("port_value: 9002", "port_value: 8080", "port_value: 9901",
-                   "http_header_name: x-gateway-destination-endpoint", "type: ORIGINAL_DST",
-                   "http2_protocol_options", "request_body_mode: BUFFERED",
-                   'untyped: ["envoy.lb"]', "failure_mode_allow: false"):
+    for needle in (
+        "port_value: 9002",
+        "port_value: 8080",
+        "port_value: 9901",
+        "http_header_name: x-gateway-destination-endpoint",
+        "type: ORIGINAL_DST",
+        "http2_protocol_options",
+        "request_body_mode: BUFFERED",
+        'untyped: ["envoy.lb"]',
+        "failure_mode_allow: false",
+    ):
         assert needle in out
 
 
@@ -135,8 +173,7 @@ class _Context:
         return await asyncio.wait_for(self.out.get(), 2.0)
 
 
-def _headers(path: str = "/generate", method: str = "POST", eos: bool = False,
-             **extra: str) -> Any:
+def _headers(path: str = "/generate", method: str = "POST", eos: bool = False, **extra: str) -> Any:
     hm = pb.HttpHeaders(end_of_stream=eos)
     for k, v in {":method": method, ":path": path, ":authority": "gw", **extra}.items():
         hm.headers.headers.append(base_pb2.HeaderValue(key=k, raw_value=v.encode()))
@@ -157,8 +194,7 @@ class _Rig:
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         c = self.config
-        self.admission = Admission(c.max_concurrent_requests, c.queue_size,
-                                   c.queue_timeout_secs, loop)
+        self.admission = Admission(c.max_concurrent_requests, c.queue_size, c.queue_timeout_secs, loop)
         self.decider = Decider(c, self.registry, self.admission, None, loop)
         self.servicer = ExternalProcessor(self.decider)
 
@@ -210,6 +246,7 @@ def test_a_pick_names_the_endpoint_splices_the_rank_and_releases_at_eof() -> Non
         await task
         assert rig.in_flight() == [0, 0, 0, 0]
         assert rig.decider.in_flight == 0
+
     try:
         _run(body())
     finally:
@@ -222,7 +259,7 @@ def test_response_trailers_release_once_and_eof_after_does_nothing_more() -> Non
     async def body() -> None:
         rig.start()
         held = []
-        for _ in range(4):                       # least_requests: one per rank
+        for _ in range(4):  # least_requests: one per rank
             held.append(await _route(rig))
         assert rig.in_flight() == [1, 1, 1, 1]
         ctx, task, _ = held[0]
@@ -232,11 +269,12 @@ def test_response_trailers_release_once_and_eof_after_does_nothing_more() -> Non
         await ctx.inbox.put(grpc.aio.EOF)
         await task
         assert sum(rig.in_flight()) == 3 and rig.table.underflows == 0
-        for ctx, task, _ in held[1:]:
-            task.cancel()                        # Envoy reset / connection gone
+        for _ctx, task, _ in held[1:]:
+            task.cancel()  # Envoy reset / connection gone
             with pytest.raises(asyncio.CancelledError):
                 await task
         assert rig.in_flight() == [0, 0, 0, 0] and rig.table.underflows == 0
+
     try:
         _run(body())
     finally:
@@ -253,6 +291,7 @@ def test_bad_body_answers_400_and_books_nothing() -> None:
         assert json.loads(ans.immediate_response.body)["error"]["code"]
         await task
         assert rig.in_flight() == [0, 0, 0, 0] and rig.admission.active == 0
+
     try:
         _run(body())
     finally:
@@ -273,6 +312,7 @@ def test_not_ready_is_503_at_the_headers() -> None:
         assert hdrs["content-type"] == b"application/json"
         await task
         assert rig.in_flight() == [0, 0, 0, 0]
+
     try:
         _run(body())
     finally:
@@ -292,6 +332,7 @@ def test_a_request_without_body_is_picked_at_its_headers() -> None:
         await ctx.inbox.put(grpc.aio.EOF)
         await task
         assert rig.in_flight() == [0]
+
     try:
         _run(body())
     finally:
@@ -313,10 +354,10 @@ def test_shed_is_429_and_a_cancelled_wait_leaves_the_queue() -> None:
                 break
             await asyncio.sleep(0.005)
         assert len(rig.admission.queue) == 1
-        _, shed_task, shed = await _route(rig)          # queue full: shed
+        _, shed_task, shed = await _route(rig)  # queue full: shed
         assert shed.immediate_response.status.code == 429
         await shed_task
-        waiting.cancel()                                # Envoy gave up on the queued one
+        waiting.cancel()  # Envoy gave up on the queued one
         with pytest.raises(asyncio.CancelledError):
             await waiting
         assert not rig.admission.queue and rig.admission.active == 1
@@ -324,6 +365,7 @@ def test_shed_is_429_and_a_cancelled_wait_leaves_the_queue() -> None:
         await ctx.inbox.put(grpc.aio.EOF)
         await task
         assert rig.admission.active == 0 and sum(rig.in_flight()) == 0
+
     try:
         _run(body())
     finally:
@@ -341,9 +383,10 @@ def test_the_safety_net_releases_a_booking_whose_stream_never_ended() -> None:
         assert rig.decider.check_leaks(loop.time()) == 0
         assert rig.decider.check_leaks(loop.time() + 7.0) == 1
         assert sum(rig.in_flight()) == 0
-        await ctx.inbox.put(grpc.aio.EOF)               # the late end releases nothing twice
+        await ctx.inbox.put(grpc.aio.EOF)  # the late end releases nothing twice
         await task
         assert rig.table.underflows == 0
+
     try:
         _run(body())
     finally:
@@ -367,12 +410,13 @@ def test_a_pick_without_body_needs_overrides_the_mode_to_skip_the_body() -> None
         ans = await ctx.answer()
         assert _set(ans, "request_headers")["x-gateway-destination-endpoint"] == "10.1.2.3:31000"
         assert ans.HasField("mode_override")
-        assert ans.mode_override.request_body_mode == 0          # NONE
-        assert ans.mode_override.response_trailer_mode == 1      # SEND: open to the end
+        assert ans.mode_override.request_body_mode == 0  # NONE
+        assert ans.mode_override.response_trailer_mode == 1  # SEND: open to the end
         assert rig.in_flight() == [1]
         await ctx.inbox.put(grpc.aio.EOF)
         await task
         assert rig.in_flight() == [0]
+
     try:
         _run(body())
     finally:
@@ -380,8 +424,9 @@ def test_a_pick_without_body_needs_overrides_the_mode_to_skip_the_body() -> None
 
 
 # -- every router flag under fastroute epp: works, warned once, or refused ------------------
-from fastroute.cli import _IgnoredFlag, build_parser  # noqa: E402
+from fastroute.cli import build_parser  # noqa: E402
 from fastroute.epp.options import AUDIT, INERT, REFUSED  # noqa: E402
+from fastroute.flagparse import IgnoredFlag  # noqa: E402
 
 _PRINT = ["epp", "--grpc-port", "9002", "--print-envoy-config", "--envoy-listen-port", "8080"]
 
@@ -400,8 +445,17 @@ _INERT_SAMPLES = {
     "--prefill-policy": ["--prefill-policy", "round_robin"],
     "--decode-policy": ["--decode-policy", "round_robin"],
     "--pd-max-batch-size": ["--pd-max-batch-size", "3"],
-    "--dp-rank-field": ["--pd-disaggregation", "--prefill", "http://p:1", "--decode",
-                        "http://d:2", "--sidecar-port", "9", "--dp-rank-field", "routed_dp_rank"],
+    "--dp-rank-field": [
+        "--pd-disaggregation",
+        "--prefill",
+        "http://p:1",
+        "--decode",
+        "http://d:2",
+        "--sidecar-port",
+        "9",
+        "--dp-rank-field",
+        "routed_dp_rank",
+    ],
     "--cb-window-duration-secs": ["--cb-window-duration-secs", "5"],
     "--replica-id": ["--replica-id", "r1"],
     "--replica-sync-interval-ms": ["--replica-sync-interval-ms", "20"],
@@ -434,7 +488,7 @@ _NAMED = {"--tls-key-path": "--tls-cert-path"}
 def _status(argv: list[str]) -> int | None:
     try:
         return main(argv)
-    except SystemExit as exc:         # the router's own refusals exit through argparse
+    except SystemExit as exc:  # the router's own refusals exit through argparse
         return exc.code  # type: ignore[return-value]
 
 
@@ -442,8 +496,8 @@ def test_every_router_flag_has_its_place_under_epp() -> None:
     parser = build_parser()
     named = set()
     for action in parser._actions:
-        if isinstance(action, _IgnoredFlag) or action.help == "==SUPPRESS==":
-            continue          # the peers' inventory: judged as in the proxy (fastroute.flags)
+        if isinstance(action, IgnoredFlag) or action.help == "==SUPPRESS==":
+            continue  # the peers' inventory: judged as in the proxy (fastroute.flags)
         opts = [o for o in action.option_strings if o not in ("-h", "--help", "--version")]
         if opts:
             named.add("--p2c-load-metric" if "--p2c-load-metric" in opts else opts[0])
@@ -476,27 +530,46 @@ def test_pd_needs_the_sidecar_port_and_the_pd_flags_then_act(capsys: Any) -> Non
     assert "argument --sidecar-port" in capsys.readouterr().err
     assert _status([*_PRINT, *pd, "--sidecar-port", "9", "--prefill-input-demand", "on"]) == 2
     assert "argument --prefill-input-demand" in capsys.readouterr().err
-    assert main([*_PRINT, *pd, "--sidecar-port", "9", "--prefill-policy", "random",
-                 "--decode-policy", "round_robin"]) == 0
+    assert (
+        main([*_PRINT, *pd, "--sidecar-port", "9", "--prefill-policy", "random", "--decode-policy", "round_robin"]) == 0
+    )
     assert "WARNING" not in capsys.readouterr().err
     assert _status(["sidecar", "--worker-urls", "http://w:1"]) == 2
-    assert "argument --pd-disaggregation: required by fastroute sidecar" in \
-        capsys.readouterr().err
+    assert "argument --pd-disaggregation: required by fastroute sidecar" in capsys.readouterr().err
 
 
 def test_connection_flags_go_into_the_printed_bootstrap(capsys: Any) -> None:
-    assert main([*_PRINT, "--header-read-timeout-secs", "2.5", "--body-read-timeout-secs", "40",
-                 "--idle-connection-timeout-secs", "7", "--upstream-pool-idle-timeout-secs", "1.5",
-                 "--max-payload-size", "4096"]) == 0
+    assert (
+        main(
+            [
+                *_PRINT,
+                "--header-read-timeout-secs",
+                "2.5",
+                "--body-read-timeout-secs",
+                "40",
+                "--idle-connection-timeout-secs",
+                "7",
+                "--upstream-pool-idle-timeout-secs",
+                "1.5",
+                "--max-payload-size",
+                "4096",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    for needle in ("request_headers_timeout: 2.5s", "request_timeout: 50s",
-                   "idle_timeout: 7s", "idle_timeout: 1.5s",
-                   "per_connection_buffer_limit_bytes: 4096"):
+    for needle in (
+        "request_headers_timeout: 2.5s",
+        "request_timeout: 50s",
+        "idle_timeout: 7s",
+        "idle_timeout: 1.5s",
+        "per_connection_buffer_limit_bytes: 4096",
+    ):
         assert needle in out
     assert main([*_PRINT, "--upstream-pool-idle-timeout-secs", "0"]) == 0
     out = capsys.readouterr().out
     assert "max_requests_per_connection: 1" in out
-    assert f"per_connection_buffer_limit_bytes: {32 * 1024 * 1024}" in out   # Envoy's default
+    assert f"per_connection_buffer_limit_bytes: {32 * 1024 * 1024}" in out  # Envoy's default
 
 
 # -- the subset hint -------------------------------------------------------------------------
@@ -515,8 +588,7 @@ class _Pool(_Registry):
             self.target_info[t] = (w, None)
         self.rows = rows
         self.router = Router(table, seed=7)
-        self._group = self.router.group(rows, policy, load_metric="least_requests",
-                                        names=[f"w{t}" for t in rows])
+        self._group = self.router.group(rows, policy, load_metric="least_requests", names=[f"w{t}" for t in rows])
         self.is_ready = True
 
 
@@ -534,8 +606,11 @@ def _hinted(value: Any) -> Any:
 
 def test_the_subset_hint_limits_the_pick_and_none_left_is_a_503() -> None:
     table = TargetTable(16)
-    ws = [_Worker("a", 1, addr=("10.0.0.1", 8000)), _Worker("b", 1, addr=("10.0.0.2", 8000)),
-          _Worker("c", 1, addr=("10.0.0.3", 8000))]
+    ws = [
+        _Worker("a", 1, addr=("10.0.0.1", 8000)),
+        _Worker("b", 1, addr=("10.0.0.2", 8000)),
+        _Worker("c", 1, addr=("10.0.0.3", 8000)),
+    ]
     reg = _Pool(table, ws, "round_robin")
 
     async def one(value: Any, hinted: bool = True) -> Any:
@@ -557,16 +632,16 @@ def test_the_subset_hint_limits_the_pick_and_none_left_is_a_503() -> None:
             ans = await one(["10.0.0.2:8000", "10.0.0.3:8000", "10.9.9.9:1"])
             got.add(_set(ans, "request_headers")["x-gateway-destination-endpoint"])
         assert got == {"10.0.0.2:8000", "10.0.0.3:8000"}
-        ans = await one("10.0.0.1:8000, 10.9.9.9:1")          # comma-separated form
+        ans = await one("10.0.0.1:8000, 10.9.9.9:1")  # comma-separated form
         assert _set(ans, "request_headers")["x-gateway-destination-endpoint"] == "10.0.0.1:8000"
-        for bad in (["10.9.9.9:1"], [], 7.0):                   # nothing allowed is available
+        for bad in (["10.9.9.9:1"], [], 7.0):  # nothing allowed is available
             ans = await one(bad)
             imm = ans.immediate_response
             assert imm.status.code == 503
             err = json.loads(imm.body)["error"]
             assert err["code"] == CODE_NO_SUBSET_ENDPOINT and "subset" in err["message"]
         got = set()
-        for _ in range(3):                                      # no hint: the whole pool
+        for _ in range(3):  # no hint: the whole pool
             ans = await one(None, hinted=False)
             got.add(_set(ans, "request_headers")["x-gateway-destination-endpoint"])
         assert len(got) == 3
@@ -596,6 +671,7 @@ def test_a_body_over_the_limit_without_content_length_is_413() -> None:
         assert ans.immediate_response.status.code == 413
         await task
         assert rig.in_flight() == [0, 0, 0, 0] and rig.admission.active == 0
+
     try:
         _run(body())
     finally:

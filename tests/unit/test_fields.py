@@ -3,6 +3,7 @@
 ``parse_request`` reads the three inference endpoints through ``FieldPicker``; with the pickers
 switched off it takes the full parse it always had. Every body here must give the same meta (or
 the same 400 error) both ways."""
+
 from __future__ import annotations
 
 import json
@@ -23,9 +24,17 @@ def _outcome(path: str, raw: bytes) -> tuple:
         m = _body.parse_request(path, raw)
     except RouterError as e:
         return ("error", e.status, e.code, e.message)
-    return ("ok", m.stream, m.batch, m.input_tokens, m.return_logprob, m.max_new_tokens,
-            m.model, m.routing_text(),
-            {k: m.fields[k] for k in ("routed_dp_rank", "data_parallel_rank") if k in m.fields})
+    return (
+        "ok",
+        m.stream,
+        m.batch,
+        m.input_tokens,
+        m.return_logprob,
+        m.max_new_tokens,
+        m.model,
+        m.routing_text(),
+        {k: m.fields[k] for k in ("routed_dp_rank", "data_parallel_rank") if k in m.fields},
+    )
 
 
 def _both(path: str, raw: bytes, monkeypatch: pytest.MonkeyPatch) -> tuple[tuple, tuple]:
@@ -57,38 +66,73 @@ TRICKY = [
     b'{"sampling_params":{"max_new_tokens":1,"max_new_tokens":99}}',
     b'{"max_tokens":1,"max_tokens":"x"}',
     # invalid JSON and other refusals: the same 400 message
-    b"", b"{", b"[]", b"[1]", b'"text"', b"null", b'{"a":1} x', b"\xff\xfe{}",
-    b"\xef\xbb\xbf{}", b'{"a":"\xc3"}', b'{"skip":"\xff","text":"a"}', b'{"a":"\xed\xa0\x80"}',
-    b'{"a":"x\x01y"}', b'{"a":"\\q"}', b'{"text":"a",}', b"[" * 10_000,
+    b"",
+    b"{",
+    b"[]",
+    b"[1]",
+    b'"text"',
+    b"null",
+    b'{"a":1} x',
+    b"\xff\xfe{}",
+    b"\xef\xbb\xbf{}",
+    b'{"a":"\xc3"}',
+    b'{"skip":"\xff","text":"a"}',
+    b'{"a":"\xed\xa0\x80"}',
+    b'{"a":"x\x01y"}',
+    b'{"a":"\\q"}',
+    b'{"text":"a",}',
+    b"[" * 10_000,
     '{"text":"a"}'.encode("utf-16"),
     # numbers json takes and msgspec does not, or the reverse
-    b'{"skip":NaN,"text":"abcd"}', b'{"skip":[Infinity,-Infinity],"stream":true}',
-    b'{"skip":1e400,"text":"abcd"}', b'{"max_tokens":1e400}', b'{"max_tokens":5.0}',
-    b'{"max_tokens":true}', b'{"max_tokens":-1}', b'{"max_tokens":4611686018427387904}',
+    b'{"skip":NaN,"text":"abcd"}',
+    b'{"skip":[Infinity,-Infinity],"stream":true}',
+    b'{"skip":1e400,"text":"abcd"}',
+    b'{"max_tokens":1e400}',
+    b'{"max_tokens":5.0}',
+    b'{"max_tokens":true}',
+    b'{"max_tokens":-1}',
+    b'{"max_tokens":4611686018427387904}',
     b'{"max_tokens":123456789012345678901234567890}',
-    b'{"skip":' + b"9" * 5000 + b',"text":"a"}', b'{"max_tokens":' + b"9" * 5000 + b"}",
+    b'{"skip":' + b"9" * 5000 + b',"text":"a"}',
+    b'{"max_tokens":' + b"9" * 5000 + b"}",
     b'{"skip":"' + b"9" * 9000 + b'","text":"a"}',
-    b'{"input_ids":[' + b"9" * 4400 + b',2]}',
+    b'{"input_ids":[' + b"9" * 4400 + b",2]}",
     # shapes, batches, missing fields
-    b"{}", b" {} ", b'\n{"text":"abcdefgh"}\t', b'{"input_ids":[1,2,3,4,5]}',
-    b'{"input_ids":[[1,2],[3]],"text":["a","b"]}', b'{"input_ids":[1.5]}',
-    b'{"input_ids":[[1],2]}', b'{"input_ids":"x"}', b'{"text":["a",1]}', b'{"text":5}',
-    b'{"prompt":["abcd","ef"],"n":2}', b'{"prompt":[1,2,3]}', b'{"prompt":[[1,2],[3]]}',
-    b'{"prompt":[]}', b'{"prompt":[null]}', b'{"prompt":{"a":1}}',
+    b"{}",
+    b" {} ",
+    b'\n{"text":"abcdefgh"}\t',
+    b'{"input_ids":[1,2,3,4,5]}',
+    b'{"input_ids":[[1,2],[3]],"text":["a","b"]}',
+    b'{"input_ids":[1.5]}',
+    b'{"input_ids":[[1],2]}',
+    b'{"input_ids":"x"}',
+    b'{"text":["a",1]}',
+    b'{"text":5}',
+    b'{"prompt":["abcd","ef"],"n":2}',
+    b'{"prompt":[1,2,3]}',
+    b'{"prompt":[[1,2],[3]]}',
+    b'{"prompt":[]}',
+    b'{"prompt":[null]}',
+    b'{"prompt":{"a":1}}',
     b'{"sampling_params":[{"max_new_tokens":3},{"max_new_tokens":8}],"text":["a","b"]}',
-    b'{"sampling_params":[1]}', b'{"sampling_params":"x"}',
-    b'{"return_logprob":[false,true]}', b'{"return_logprob":[1]}', b'{"return_logprob":"y"}',
-    b'{"stream":"yes"}', b'{"stream":null,"model":null}', b'{"model":5}',
+    b'{"sampling_params":[1]}',
+    b'{"sampling_params":"x"}',
+    b'{"return_logprob":[false,true]}',
+    b'{"return_logprob":[1]}',
+    b'{"return_logprob":"y"}',
+    b'{"stream":"yes"}',
+    b'{"stream":null,"model":null}',
+    b'{"model":5}',
     # PD rank keys: presence, even as null, is what PD refuses
-    b'{"routed_dp_rank":null,"text":"a"}', b'{"data_parallel_rank":3,"messages":[]}',
+    b'{"routed_dp_rank":null,"text":"a"}',
+    b'{"data_parallel_rank":3,"messages":[]}',
     b'{"rid":"abc","return_text_in_logprobs":true,"extra":{"deep":[[[{"x":[1,{"y":null}]}]]]}}',
 ]
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("raw", TRICKY)
-def test_tricky_bodies_match_the_full_parse(path: str, raw: bytes,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tricky_bodies_match_the_full_parse(path: str, raw: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
     fast, full = _both(path, raw, monkeypatch)
     assert fast == full
 
@@ -127,22 +171,29 @@ def test_refused_bodies_take_the_full_parse() -> None:
 
 
 _json = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner,
-                                                                 max_size=4),
-    max_leaves=12)
-_keys = st.sampled_from(sorted({k for ks in _fields.READ_FIELDS.values() for k in ks}
-                               | {"rid", "temperature", "content", "role"}))
-_msgs = st.lists(st.dictionaries(st.sampled_from(["role", "content", "text", "type"]),
-                                 _json | st.lists(st.dictionaries(
-                                     st.sampled_from(["type", "text"]), _json, max_size=2),
-                                     max_size=3), max_size=3), max_size=3)
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+    max_leaves=12,
+)
+_keys = st.sampled_from(
+    sorted({k for ks in _fields.READ_FIELDS.values() for k in ks} | {"rid", "temperature", "content", "role"})
+)
+_msgs = st.lists(
+    st.dictionaries(
+        st.sampled_from(["role", "content", "text", "type"]),
+        _json | st.lists(st.dictionaries(st.sampled_from(["type", "text"]), _json, max_size=2), max_size=3),
+        max_size=3,
+    ),
+    max_size=3,
+)
 
 
 @settings(max_examples=300, deadline=None)
-@given(obj=st.dictionaries(_keys, _json | _msgs, max_size=6), path=st.sampled_from(PATHS),
-       ascii_only=st.booleans())
+@given(obj=st.dictionaries(_keys, _json | _msgs, max_size=6), path=st.sampled_from(PATHS), ascii_only=st.booleans())
 def test_random_bodies_match_the_full_parse(obj: dict, path: str, ascii_only: bool) -> None:
     raw = json.dumps(obj, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
     fast = _outcome(path, raw)

@@ -8,6 +8,7 @@ And the router as a whole (``fastroute.cli``, which imports every ring) loads no
 dependency of a flag that is off by default: redis (``--replica-sync``), kubernetes_asyncio and
 aiohttp (``--service-discovery``) are imported where those flags start their parts, and grpc
 and Envoy's protos only by ``fastroute epp``."""
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,7 @@ import fastroute
 import fastroute.dataplane
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(fastroute.__file__)))
-_MODULES = sorted(m.name for m in pkgutil.iter_modules(fastroute.dataplane.__path__,
-                                                       "fastroute.dataplane."))
+_MODULES = sorted(m.name for m in pkgutil.iter_modules(fastroute.dataplane.__path__, "fastroute.dataplane."))
 
 # Run in the child: import one module, print every forbidden module it pulled in.
 _PROBE = """
@@ -42,17 +42,23 @@ print(" ".join(bad))
 
 
 def test_every_data_plane_module_is_checked() -> None:
-    assert {"fastroute.dataplane.app", "fastroute.dataplane.protocol",
-            "fastroute.dataplane.exchange", "fastroute.dataplane.pd",
-            "fastroute.dataplane.flow", "fastroute.dataplane.route"} <= set(_MODULES)
+    assert {
+        "fastroute.dataplane.app",
+        "fastroute.dataplane.protocol",
+        "fastroute.dataplane.exchange",
+        "fastroute.dataplane.pd",
+        "fastroute.dataplane.flow",
+        "fastroute.dataplane.route",
+    } <= set(_MODULES)
 
 
 @pytest.mark.parametrize("module", _MODULES)
 def test_data_plane_module_imports_no_numpy_and_no_core(module: str) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
-    out = subprocess.run([sys.executable, "-c", _PROBE, module], env=env, cwd=_ROOT,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, module], env=env, cwd=_ROOT, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [], f"{module} loads {out.stdout.strip()}"
 
@@ -68,7 +74,13 @@ print(" ".join(sorted({n.partition(".")[0] for n in sys.modules} & set(sys.argv[
 def test_router_imports_no_optional_dependency_of_a_flag_left_off() -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
-    out = subprocess.run([sys.executable, "-c", _PROBE_OPTIONAL, *_OPTIONAL], env=env, cwd=_ROOT,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE_OPTIONAL, *_OPTIONAL],
+        env=env,
+        cwd=_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [], f"importing fastroute.cli loads {out.stdout.strip()}"

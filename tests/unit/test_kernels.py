@@ -1,16 +1,25 @@
 """Policy kernels: edge cases, the seeds' cases, differential tests against the NumPy twins,
 and 10^5-pick simulations whose shares must match the expected ones."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from fastroute.core import _policy, reference as R
-from fastroute.names import LOAD_METRIC_CODE
-from fastroute.core.routing import build_ring
+from fastroute.core import _policy
+from fastroute.core import reference as R
 from fastroute.core import table as T
-from fastroute.core.table import (COL_CIRCUIT, COL_HEALTHY, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS,
-                             COL_POLLED_AT, COL_POLLED_TOKENS, NCOLS)
+from fastroute.core.routing import build_ring
+from fastroute.core.table import (
+    COL_CIRCUIT,
+    COL_HEALTHY,
+    COL_IN_FLIGHT,
+    COL_IN_FLIGHT_TOKENS,
+    COL_POLLED_AT,
+    COL_POLLED_TOKENS,
+    NCOLS,
+)
+from fastroute.names import LOAD_METRIC_CODE
 
 METRIC = LOAD_METRIC_CODE
 
@@ -39,6 +48,7 @@ def all_kernels(tab, cands, seed=1):
 
 
 # ---- edge cases -------------------------------------------------------------------------------
+
 
 def test_no_healthy_target_gives_minus_one():
     tab = table(4)
@@ -72,16 +82,18 @@ def test_wrappers_check_every_index_they_are_given():
     tab = table(4)
     s = state(1)
     bad = np.array([0, 4])
-    for call in (lambda c: _policy.round_robin(tab, c, np.zeros(1, dtype=np.int64)),
-                 lambda c: _policy.random_pick(tab, c, s),
-                 lambda c: _policy.power_of_two(tab, c, METRIC["least_requests"], s),
-                 lambda c: _policy.demand(tab, c, 1, 0, s),
-                 lambda c: _policy.kv_fit(tab, c, 1, 1, False, 0, s)):
+    for call in (
+        lambda c: _policy.round_robin(tab, c, np.zeros(1, dtype=np.int64)),
+        lambda c: _policy.random_pick(tab, c, s),
+        lambda c: _policy.power_of_two(tab, c, METRIC["least_requests"], s),
+        lambda c: _policy.demand(tab, c, 1, 0, s),
+        lambda c: _policy.kv_fit(tab, c, 1, 1, False, 0, s),
+    ):
         with pytest.raises(IndexError):
             call(bad)
         with pytest.raises(IndexError):
             call(np.array([-1]))
-        assert call(np.arange(4)) in (-2, 0, 1, 2, 3)      # -2: kv_fit without known capacity
+        assert call(np.arange(4)) in (-2, 0, 1, 2, 3)  # -2: kv_fit without known capacity
     with pytest.raises(IndexError):
         _policy.free_kv(tab, 4)
     with pytest.raises(IndexError):
@@ -117,20 +129,23 @@ def test_all_tied_least_requests_and_demand_spread_evenly():
     # Ties broken at random, never first-index: rank 0 must not win every tie.
     tab = table(8)
     s = state(7)
-    for kernel in (lambda: _policy.power_of_two(tab, np.arange(8), METRIC["least_requests"], s),
-                   lambda: _policy.demand(tab, np.arange(8), 10, 0, s)):
+    for kernel in (
+        lambda: _policy.power_of_two(tab, np.arange(8), METRIC["least_requests"], s),
+        lambda: _policy.demand(tab, np.arange(8), 10, 0, s),
+    ):
         counts = np.bincount([kernel() for _ in range(80_000)], minlength=8)
         assert np.all(np.abs(counts / 80_000 - 1 / 8) < 0.01), counts
 
 
 # ---- the seeds' own cases ---------------------------------------------------------------------
 
+
 def test_requests_prefers_fewer_in_flight_over_lower_token_load():
     # seed 001: requests compares in-flight requests first, polled tokens only on ties.
     tab = table(2)
     tab[:, COL_POLLED_AT] = 1
-    tab[0, COL_POLLED_TOKENS], tab[0, COL_IN_FLIGHT] = 100, 5       # few tokens, many requests
-    tab[1, COL_POLLED_TOKENS], tab[1, COL_IN_FLIGHT] = 50_000, 1    # many tokens, few requests
+    tab[0, COL_POLLED_TOKENS], tab[0, COL_IN_FLIGHT] = 100, 5  # few tokens, many requests
+    tab[1, COL_POLLED_TOKENS], tab[1, COL_IN_FLIGHT] = 50_000, 1  # many tokens, few requests
     s = state(3)
     assert {_policy.power_of_two(tab, np.arange(2), METRIC["requests"], s) for _ in range(200)} == {1}
     assert {_policy.power_of_two(tab, np.arange(2), METRIC["tokens"], s) for _ in range(200)} == {0}
@@ -160,11 +175,11 @@ def test_least_requests_picks_global_minimum_skipping_never_polled():
     tab[:, COL_POLLED_AT] = 1
     tab[:, COL_IN_FLIGHT] = [5, 4, 6, 3, 7, 5, 4, 6]
     tab[2, COL_IN_FLIGHT] = 0
-    tab[2, COL_POLLED_AT] = -1          # the emptiest target was never polled: skipped
+    tab[2, COL_POLLED_AT] = -1  # the emptiest target was never polled: skipped
     s = state(6)
     picks = {_policy.power_of_two(tab, np.arange(8), METRIC["least_requests"], s) for _ in range(200)}
     assert picks == {3}
-    tab[:, COL_POLLED_AT] = -1          # none polled: every healthy target competes
+    tab[:, COL_POLLED_AT] = -1  # none polled: every healthy target competes
     picks = {_policy.power_of_two(tab, np.arange(8), METRIC["least_requests"], s) for _ in range(200)}
     assert picks == {2}
 
@@ -175,8 +190,9 @@ def test_least_requests_ties_by_polled_tokens_then_random():
     tab[:, COL_IN_FLIGHT] = 2
     tab[:, COL_POLLED_TOKENS] = [500, 100, 100, 900]
     s = state(8)
-    counts = np.bincount([_policy.power_of_two(tab, np.arange(4), METRIC["least_requests"], s)
-                          for _ in range(20_000)], minlength=4)
+    counts = np.bincount(
+        [_policy.power_of_two(tab, np.arange(4), METRIC["least_requests"], s) for _ in range(20_000)], minlength=4
+    )
     assert counts[0] == counts[3] == 0
     assert abs(counts[1] / 20_000 - 0.5) < 0.02
 
@@ -194,6 +210,7 @@ def test_request_weight_balances_requests_held():
 
 # ---- differential: compiled == reference, pick for pick --------------------------------------
 
+
 @pytest.mark.parametrize("seed", range(40))
 def test_compiled_matches_reference(seed):
     rs = np.random.default_rng(seed)
@@ -202,7 +219,7 @@ def test_compiled_matches_reference(seed):
     tab[:, COL_HEALTHY] = rs.random(n) < 0.85
     tab[:, COL_CIRCUIT] = rs.choice([0, 0, 0, 1, 2], n)
     tab[:, COL_POLLED_AT] = np.where(rs.random(n) < 0.7, 1, -1)
-    small = rs.random() < 0.5          # small values make ties frequent
+    small = rs.random() < 0.5  # small values make ties frequent
     hi = 4 if small else 10_000
     tab[:, COL_IN_FLIGHT] = rs.integers(0, hi, n)
     tab[:, COL_IN_FLIGHT_TOKENS] = rs.integers(0, hi * 10, n)
@@ -220,14 +237,20 @@ def test_compiled_matches_reference(seed):
         if op == 0:
             got, want = _policy.random_pick(tab, cands, s), R.random_pick(tab, cands, ref)
         elif op == 1:
-            got, want = (_policy.power_of_two(tab, cands, METRIC["tokens"], s),
-                         R.power_of_two(tab, cands, "tokens", ref))
+            got, want = (
+                _policy.power_of_two(tab, cands, METRIC["tokens"], s),
+                R.power_of_two(tab, cands, "tokens", ref),
+            )
         elif op == 2:
-            got, want = (_policy.power_of_two(tab, cands, METRIC["requests"], s),
-                         R.power_of_two(tab, cands, "requests", ref))
+            got, want = (
+                _policy.power_of_two(tab, cands, METRIC["requests"], s),
+                R.power_of_two(tab, cands, "requests", ref),
+            )
         elif op == 3:
-            got, want = (_policy.power_of_two(tab, cands, METRIC["least_requests"], s),
-                         R.power_of_two(tab, cands, "least_requests", ref))
+            got, want = (
+                _policy.power_of_two(tab, cands, METRIC["least_requests"], s),
+                R.power_of_two(tab, cands, "least_requests", ref),
+            )
         elif op == 4:
             w = int(rs.choice([0, 1000, 1_000_000]))
             got, want = _policy.demand(tab, cands, 50, w, s), R.demand(tab, cands, 50, w, ref)
@@ -236,7 +259,7 @@ def test_compiled_matches_reference(seed):
         assert got == want, (step, op)
         key = int(rs.integers(0, 2**63))
         assert _policy.ring_lookup(tab, ring_h, ring_t, key) == R.ring_lookup(tab, ring_h, ring_t, key)
-        if got >= 0:                    # the table evolves like a live one
+        if got >= 0:  # the table evolves like a live one
             tab[got, COL_IN_FLIGHT] += 1
             tab[got, COL_IN_FLIGHT_TOKENS] += 50
 
@@ -270,8 +293,9 @@ def test_simulation_p2c_tokens_shares():
     tab[:, COL_POLLED_AT] = 1
     tab[:, COL_POLLED_TOKENS] = [10, 20, 30, 40]
     s = state(12)
-    counts = np.bincount([_policy.power_of_two(tab, np.arange(4), METRIC["tokens"], s)
-                          for _ in range(N)], minlength=4) / N
+    counts = (
+        np.bincount([_policy.power_of_two(tab, np.arange(4), METRIC["tokens"], s) for _ in range(N)], minlength=4) / N
+    )
     assert np.allclose(counts, [1 / 2, 1 / 3, 1 / 6, 0], atol=0.01), counts
 
 
@@ -295,5 +319,5 @@ def test_simulation_consistent_hashing_spread_and_minimal_movement():
     h2, o2 = build_ring([t for t in range(8) if t != 5], [n for i, n in enumerate(names) if i != 5])
     after = np.array([_policy.ring_lookup(tab, h2, o2, k) for k in keys])
     moved = before != after
-    assert np.all(before[moved] == 5)          # only keys that lived on the removed target move
+    assert np.all(before[moved] == 5)  # only keys that lived on the removed target move
     assert not np.any(after == 5)

@@ -1,15 +1,26 @@
 """KV-fit decode placement: free-KV accounting between polls, filtering, fallback, shadow."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from fastroute.core import _policy, reference as R
+from fastroute.core import _policy
+from fastroute.core import reference as R
 from fastroute.core.routing import Router
-from fastroute.core.table import (COL_HEALTHY, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_POLLED_AT,
-                             COL_POLLED_MAX_TOKENS, COL_POLLED_TOKENS, COL_TOKENS_AT_POLL, NCOLS,
-                             COL_POLLED_KV_QUEUE, COL_POLLED_UNCACHED,
-                             TargetTable)
+from fastroute.core.table import (
+    COL_HEALTHY,
+    COL_IN_FLIGHT,
+    COL_IN_FLIGHT_TOKENS,
+    COL_POLLED_AT,
+    COL_POLLED_KV_QUEUE,
+    COL_POLLED_MAX_TOKENS,
+    COL_POLLED_TOKENS,
+    COL_POLLED_UNCACHED,
+    COL_TOKENS_AT_POLL,
+    NCOLS,
+    TargetTable,
+)
 
 
 @pytest.fixture
@@ -23,15 +34,15 @@ def tt():
 def test_free_kv_follows_bookings_between_polls(tt):
     tab, ids = tt
     t = ids[0]
-    assert _policy.free_kv(tab.array, t) is None            # never polled: unknown, not empty
-    tab.set_polled(t, 2, 0, 30_000, 100_000)                 # engine: 30k used of 100k
+    assert _policy.free_kv(tab.array, t) is None  # never polled: unknown, not empty
+    tab.set_polled(t, 2, 0, 30_000, 100_000)  # engine: 30k used of 100k
     assert _policy.free_kv(tab.array, t) == 70_000
     g = Router(tab, seed=1).group([t], "round_robin")
-    lease = g.acquire(20_000)                                # booked after the poll
+    lease = g.acquire(20_000)  # booked after the poll
     assert _policy.free_kv(tab.array, t) == 50_000
-    tab.set_polled(t, 3, 0, 50_000, 100_000)                 # the next poll sees it allocated
-    assert _policy.free_kv(tab.array, t) == 50_000           # ...and it is not counted twice
-    lease.release()                                          # finished: its KV is freed
+    tab.set_polled(t, 3, 0, 50_000, 100_000)  # the next poll sees it allocated
+    assert _policy.free_kv(tab.array, t) == 50_000  # ...and it is not counted twice
+    lease.release()  # finished: its KV is freed
     assert _policy.free_kv(tab.array, t) == 70_000
     tab.set_polled(t, 2, 0, 30_000, 100_000)
     assert _policy.free_kv(tab.array, t) == 70_000
@@ -55,8 +66,7 @@ def test_full_rank_is_skipped_and_least_requests_applies_among_the_rest(tt):
     tab, ids = tt
     for t, used in zip(ids, [95_000, 10_000, 20_000, 30_000]):
         tab.set_polled(t, 1, 0, used, 100_000)
-    g = Router(tab, seed=2).group(ids, "power_of_two", load_metric="least_requests",
-                                  kv_fit="on")
+    g = Router(tab, seed=2).group(ids, "power_of_two", load_metric="least_requests", kv_fit="on")
     # rank 0 has the fewest requests but no room for 10k tokens
     hold = [g._picker.book_target(t, 0) for t in ids[1:] for _ in range(2)]
     assert g.pick(10_000) in ids[1:]
@@ -64,7 +74,7 @@ def test_full_rank_is_skipped_and_least_requests_applies_among_the_rest(tt):
     # requests and the tie goes to more free KV (ids[2]: 80k free, ids[3]: 70k)
     hold.append(g._picker.book_target(ids[1], 0))
     assert {g.pick(10_000) for _ in range(40)} == {ids[2]}
-    tab.set_polled(ids[3], 1, 0, 20_000, 100_000)           # now an exact tie: random
+    tab.set_polled(ids[3], 1, 0, 20_000, 100_000)  # now an exact tie: random
     assert {g.pick(10_000) for _ in range(60)} == {ids[2], ids[3]}
     for lease in hold:
         lease.release()
@@ -80,13 +90,13 @@ def test_no_rank_fits_falls_back_to_most_headroom(tt):
 
 def test_output_reserve_counts_toward_the_fit(tt):
     tab, ids = tt
-    tab.set_polled(ids[0], 0, 0, 0, 100_000)         # 100k free, 0 requests
-    tab.set_polled(ids[1], 0, 0, 0, 20_000)          # 20k free
+    tab.set_polled(ids[0], 0, 0, 0, 100_000)  # 100k free, 0 requests
+    tab.set_polled(ids[1], 0, 0, 0, 20_000)  # 20k free
     r = Router(tab, seed=4)
     g = r.group(ids[:2], "power_of_two", load_metric="least_requests", kv_fit="on", kv_reserve=5_000)
-    lease = g._picker.book_target(ids[0], 0)          # ids[0] now holds a request
-    assert g.pick(10_000, None, 0) == ids[1]          # 10k + 5k reserve fits in 20k
-    assert g.pick(10_000, None, 8_000) == ids[0]      # + 8k output no longer fits ids[1]
+    lease = g._picker.book_target(ids[0], 0)  # ids[0] now holds a request
+    assert g.pick(10_000, None, 0) == ids[1]  # 10k + 5k reserve fits in 20k
+    assert g.pick(10_000, None, 8_000) == ids[0]  # + 8k output no longer fits ids[1]
     lease.release()
 
 

@@ -1,4 +1,5 @@
 """fastroute.launch_router: sglang-router 0.3.2's RouterArgs/launch_router API over fastroute's CLI."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,9 +17,17 @@ def test_default_router_args_mean_the_default_config() -> None:
 
 
 def test_fields_become_flags_with_the_same_meaning() -> None:
-    args = RouterArgs(pd_disaggregation=True, prefill_urls=[("http://p:1", 8998), ("http://p:2", None)],
-                      decode_urls=["http://d:1"], policy="power_of_two", dp_aware=True,
-                      host="127.0.0.1", port=31000, request_timeout_secs=30, cors_allowed_origins=["*"])
+    args = RouterArgs(
+        pd_disaggregation=True,
+        prefill_urls=[("http://p:1", 8998), ("http://p:2", None)],
+        decode_urls=["http://d:1"],
+        policy="power_of_two",
+        dp_aware=True,
+        host="127.0.0.1",
+        port=31000,
+        request_timeout_secs=30,
+        cors_allowed_origins=["*"],
+    )
     cfg = cli.parse_args(args.to_argv())
     assert cfg.pd_disaggregation and cfg.dp_aware and cfg.policy == "power_of_two"
     assert [tuple(p) for p in cfg.prefill] == [("http://p:1", 8998), ("http://p:2", None)]
@@ -27,8 +36,16 @@ def test_fields_become_flags_with_the_same_meaning() -> None:
 
 
 def test_round_trip_through_a_command_line() -> None:
-    argv = ["--worker-urls", "http://a:1", "http://b:2", "--policy", "round_robin", "--dp-aware",
-            "--max-concurrent-requests", "8"]
+    argv = [
+        "--worker-urls",
+        "http://a:1",
+        "http://b:2",
+        "--policy",
+        "round_robin",
+        "--dp-aware",
+        "--max-concurrent-requests",
+        "8",
+    ]
     args = parse_router_args(argv)
     assert args.worker_urls == ["http://a:1", "http://b:2"] and args.policy == "round_robin"
     assert args.dp_aware and args.max_concurrent_requests == 8
@@ -36,8 +53,14 @@ def test_round_trip_through_a_command_line() -> None:
 
 
 def test_namespace_from_sglang_shaped_parser() -> None:
-    ns = argparse.Namespace(worker_urls=["http://w:1"], policy="random", prefill=[["http://p:1", "9000"]],
-                            decode=[["http://d:1"]], pd_disaggregation=True, worker_startup_timeout_secs=5)
+    ns = argparse.Namespace(
+        worker_urls=["http://w:1"],
+        policy="random",
+        prefill=[["http://p:1", "9000"]],
+        decode=[["http://d:1"]],
+        pd_disaggregation=True,
+        worker_startup_timeout_secs=5,
+    )
     args = RouterArgs.from_cli_args(ns)
     assert args.prefill_urls == [("http://p:1", 9000)] and args.decode_urls == ["http://d:1"]
     assert args.worker_startup_timeout_secs == 5
@@ -45,9 +68,21 @@ def test_namespace_from_sglang_shaped_parser() -> None:
 
 def test_every_0_3_2_field_is_present() -> None:
     names = {f.name for f in dataclasses.fields(RouterArgs)}
-    for name in ("worker_urls", "prefill_urls", "decode_urls", "policy", "max_idle_secs", "assignment_mode",
-                 "service_discovery", "bootstrap_port_annotation", "control_plane_api_keys", "jwt_role_mapping",
-                 "server_cert_path", "ca_cert_paths", "rate_limit_tokens_per_second"):
+    for name in (
+        "worker_urls",
+        "prefill_urls",
+        "decode_urls",
+        "policy",
+        "max_idle_secs",
+        "assignment_mode",
+        "service_discovery",
+        "bootstrap_port_annotation",
+        "control_plane_api_keys",
+        "jwt_role_mapping",
+        "server_cert_path",
+        "ca_cert_paths",
+        "rate_limit_tokens_per_second",
+    ):
         assert name in names
 
 
@@ -59,8 +94,10 @@ def test_refused_fields_fail_like_their_flags(capsys: pytest.CaptureFixture) -> 
 
 # sglang-router 0.3.2's add_cli_args, as read from its wheel: option -> (dest, default).
 _SGR_PREFIXED = {
-    "--worker-urls": ("worker_urls", []), "--router-policy": ("router_policy", "cache_aware"),
-    "--router-prefill": ("router_prefill", None), "--router-decode": ("router_decode", None),
+    "--worker-urls": ("worker_urls", []),
+    "--router-policy": ("router_policy", "cache_aware"),
+    "--router-prefill": ("router_prefill", None),
+    "--router-decode": ("router_decode", None),
     "--router-prometheus-port": ("router_prometheus_port", 29000),
     "--router-prometheus-host": ("router_prometheus_host", "0.0.0.0"),
     "--router-log-level": ("router_log_level", "info"),
@@ -68,7 +105,7 @@ _SGR_PREFIXED = {
     "--router-tls-cert-path": ("router_tls_cert_path", None),
     "--router-control-plane-api-keys": ("router_control_plane_api_keys", []),
     "--router-dp-aware": ("router_dp_aware", False),
-    "--router-max-tree-size": ("router_max_tree_size", 2 ** 26),
+    "--router-max-tree-size": ("router_max_tree_size", 2**26),
 }
 
 
@@ -93,16 +130,31 @@ def test_add_cli_args_with_and_without_the_router_prefix() -> None:
 
 def test_from_cli_args_reads_the_prefixed_namespace() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--port", type=int, default=1234)      # the launcher's own
+    parser.add_argument("--port", type=int, default=1234)  # the launcher's own
     RouterArgs.add_cli_args(parser, use_router_prefix=True, exclude_host_port=True)
-    ns = parser.parse_args(["--router-pd-disaggregation", "--router-prefill", "http://p:1", "8998",
-                            "--router-prefill", "http://p:2", "--router-decode", "http://d:1",
-                            "--router-policy", "round_robin", "--router-selector", "app=x",
-                            "tier!=cpu", "--router-control-plane-api-keys", "k1:ops:ADMIN:se:cret"])
+    ns = parser.parse_args(
+        [
+            "--router-pd-disaggregation",
+            "--router-prefill",
+            "http://p:1",
+            "8998",
+            "--router-prefill",
+            "http://p:2",
+            "--router-decode",
+            "http://d:1",
+            "--router-policy",
+            "round_robin",
+            "--router-selector",
+            "app=x",
+            "tier!=cpu",
+            "--router-control-plane-api-keys",
+            "k1:ops:ADMIN:se:cret",
+        ]
+    )
     args = RouterArgs.from_cli_args(ns, use_router_prefix=True)
     assert args.prefill_urls == [("http://p:1", 8998), ("http://p:2", None)]
     assert args.decode_urls == ["http://d:1"] and args.policy == "round_robin" and args.port == 1234
-    assert args.selector == ["app=x", "tier!=cpu"]       # set-based form kept for fastroute
+    assert args.selector == ["app=x", "tier!=cpu"]  # set-based form kept for fastroute
     assert args.control_plane_api_keys == [("k1", "ops", "se:cret", "admin")]
     cfg = cli.parse_args(args.to_argv())
     assert cfg.policy == "round_robin" and cfg.port == 1234
@@ -113,11 +165,11 @@ def test_an_attribute_that_is_not_a_field_raises_type_error() -> None:
     from fastroute.launch_router import launch_router
 
     args = RouterArgs(worker_urls=["http://w:1"])
-    args.router_policy = "round_robin"      # type: ignore[attr-defined]
+    args.router_policy = "round_robin"  # type: ignore[attr-defined]
     with pytest.raises(TypeError, match="'router_policy' \\(the field is 'policy'"):
-        launch_router(args)                 # refused before anything starts
+        launch_router(args)  # refused before anything starts
     with pytest.raises(TypeError):
-        RouterArgs(router_policy="x")       # type: ignore[call-arg]
+        RouterArgs(router_policy="x")  # type: ignore[call-arg]
 
 
 def test_key_tuples_in_sglang_order_and_no_secret_in_errors(capsys: pytest.CaptureFixture) -> None:
@@ -146,14 +198,15 @@ def test_compat_install_answers_sglang_router_imports() -> None:
 
     saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k.startswith("sglang_router")}
     try:
-        sys.modules["sglang_router"] = types.ModuleType("sglang_router")   # the real one
+        sys.modules["sglang_router"] = types.ModuleType("sglang_router")  # the real one
         with pytest.raises(RuntimeError, match="imported before"):
             compat.install()
         del sys.modules["sglang_router"]
         compat.install()
-        compat.install()                    # idempotent
+        compat.install()  # idempotent
         from sglang_router.launch_router import RouterArgs as Theirs  # noqa: N813
         from sglang_router.router_args import RouterArgs as Args2
+
         assert Theirs is Args2 is launch_router.RouterArgs
     finally:
         for k in [k for k in sys.modules if k.startswith("sglang_router")]:

@@ -9,7 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from fastroute.core import _manual, reference as R
+from fastroute.core import _manual
+from fastroute.core import reference as R
 from fastroute.core.table import COL_CIRCUIT, COL_HEALTHY, COL_IN_FLIGHT, NCOLS
 from fastroute.names import ASSIGNMENT_MODE_CODE, ASSIGNMENT_MODES, CIRCUIT_OPEN
 
@@ -35,11 +36,11 @@ def test_differential_against_the_twin(mode: str) -> None:
     for step in range(20000):
         now += rnd.random() * 0.05
         r = rnd.random()
-        if r < 0.02:     # health and circuits flip
+        if r < 0.02:  # health and circuits flip
             t = rnd.randrange(16)
             tab[t, COL_HEALTHY] = rnd.random() < 0.8
             tab[t, COL_CIRCUIT] = CIRCUIT_OPEN if rnd.random() < 0.1 else 0
-        elif r < 0.05:   # load moves
+        elif r < 0.05:  # load moves
             tab[rnd.randrange(16), COL_IN_FLIGHT] = rnd.randrange(5)
         elif r < 0.055:  # targets join and leave
             cands = np.array(sorted(rnd.sample(range(16), rnd.randrange(1, 10))), dtype=np.int64)
@@ -61,7 +62,7 @@ def test_a_key_sticks_and_new_keys_spread_by_min_load() -> None:
     owners = {}
     for i in range(4):
         t = kt.pick(tab, cands, b"k%d" % i, 1.0)
-        tab[t, COL_IN_FLIGHT] += 1         # the lease the group books
+        tab[t, COL_IN_FLIGHT] += 1  # the lease the group books
         owners[i] = t
     assert sorted(owners.values()) == [0, 1, 2, 3]
     for _ in range(10):
@@ -84,7 +85,7 @@ def test_idle_keys_expire_and_left_targets_reassign() -> None:
     cands = np.arange(4, dtype=np.int64)
     t = kt.pick(tab, cands, b"a", 0.0)
     assert kt.owner_of(b"a") == t and kt.count == 1
-    kt.pick(tab, cands, b"b", 20.0)              # the sweep at 20 s drops "a" (idle 20 > 10)
+    kt.pick(tab, cands, b"b", 20.0)  # the sweep at 20 s drops "a" (idle 20 > 10)
     assert kt.owner_of(b"a") == -1 and kt.count == 1
     # the worker of "b" leaves: the key is dropped and re-assigned among the rest
     tb = kt.owner_of(b"b")
@@ -144,7 +145,7 @@ def test_differential_with_the_key_bound(mode: str) -> None:
     twin = R.ManualKeys(mode, 1000.0, 5.0, 3, 40)
     now = 0.0
     for step in range(20000):
-        now += rnd.random() * 0.05 if rnd.random() < 0.7 else 0.0   # ties in last use too
+        now += rnd.random() * 0.05 if rnd.random() < 0.7 else 0.0  # ties in last use too
         if rnd.random() < 0.01:
             tab[rnd.randrange(16), COL_HEALTHY] = rnd.random() < 0.8
         key = b"key-%d" % rnd.randrange(400)
@@ -166,7 +167,7 @@ def test_bound_keeps_memory_flat_and_recent_keys_sticky() -> None:
     for i in range(100_000):
         kt.pick(tab, cands, b"k%d" % i, float(i))
         if i % 100 == 0:
-            assert kt.pick(tab, cands, b"hot", float(i)) == hot   # used often: never evicted
+            assert kt.pick(tab, cands, b"hot", float(i)) == hot  # used often: never evicted
         assert kt.count <= 1000
     assert kt.capacity <= 2048 and kt.evicted >= 100_000 - 1000
     assert sum(kt.keys_of(t) for t in range(4)) == kt.count

@@ -1,5 +1,6 @@
 """Pure parts of bench/memory.py: the client's stream check, the slow backend's answers and the
 table. No sockets, no processes, no real runs."""
+
 from __future__ import annotations
 
 import asyncio
@@ -47,7 +48,7 @@ def test_stream_counts_events_split_across_reads() -> None:
         assert s.transport.out.startswith(b"POST")
         s.data_received(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1a\r\nda")
         assert s.status == 200 and s.events == 0 and not s.first.done()
-        s.data_received(b"ta: {\"x\":1}\n\n\r\n")          # "data: " straddles the two reads
+        s.data_received(b'ta: {"x":1}\n\n\r\n')  # "data: " straddles the two reads
         assert s.events == 1 and s.first.done()
         s.data_received(b"10\r\ndata: {}\n\n\r\n10\r\ndata: {}\n\n\r\n")
         assert s.events == 3
@@ -79,8 +80,7 @@ def _feed(proto: Any, data: bytes) -> bytes:
 
 def test_backend_answers_registration_and_streams_slowly() -> None:
     streams: set[Any] = set()
-    info = _feed(mem._Backend(mem._answers(), streams),
-                 b"GET /server_info HTTP/1.1\r\nHost: x\r\n\r\n")
+    info = _feed(mem._Backend(mem._answers(), streams), b"GET /server_info HTTP/1.1\r\nHost: x\r\n\r\n")
     head, _, body = info.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200") and json.loads(body)["dp_size"] == 1
     missing = _feed(mem._Backend(mem._answers(), streams), b"GET /nope HTTP/1.1\r\n\r\n")
@@ -88,14 +88,20 @@ def test_backend_answers_registration_and_streams_slowly() -> None:
     proto = mem._Backend(mem._answers(), streams)
     out = _feed(proto, b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 2\r\n\r\n{}")
     assert out.startswith(b"HTTP/1.1 200") and b"text/event-stream" in out
-    assert out.count(b"data: ") == 1 and streams == {proto}   # the rest comes from the timer
+    assert out.count(b"data: ") == 1 and streams == {proto}  # the rest comes from the timer
     proto.connection_lost(None)
     assert not streams
 
 
 def test_table_rows() -> None:
-    row = {"n": 5000, "idle": 47_000, "held": 80_000, "peak": 81_000, "after": 81_500,
-           "per_stream": (81_000 - 47_000) * 1024 / 5000}
+    row = {
+        "n": 5000,
+        "idle": 47_000,
+        "held": 80_000,
+        "peak": 81_000,
+        "after": 81_500,
+        "per_stream": (81_000 - 47_000) * 1024 / 5000,
+    }
     lines = mem.table([row]).splitlines()
     assert lines[0].startswith("| streams |") and len(lines) == 3
     assert lines[2] == "| 5,000 | 45.9 | 78.1 | 79.1 | 6.8 | 79.6 |"

@@ -7,11 +7,13 @@ about a tenth of the PD CPU per request before the PD exchange let go of its leg
 worker side is played by calling the leg callbacks (no sockets), as in
 tests/bench/test_bench_proxy.py.
 """
+
 from __future__ import annotations
 
 import asyncio
 import gc
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -21,8 +23,12 @@ from fastroute.dataplane.app import App
 from fastroute.dataplane.protocol import ClientProtocol
 from tests.stubs import StubPool, StubRegistry, StubTransport
 
-PD = {"pd_disaggregation": True, "prefill": [("http://127.0.0.1:9", 8998)],
-      "decode": ["http://127.0.0.1:10"], "dp_aware": True}
+PD = {
+    "pd_disaggregation": True,
+    "prefill": [("http://127.0.0.1:9", 8998)],
+    "decode": ["http://127.0.0.1:10"],
+    "dp_aware": True,
+}
 BODY = b'{"text": "hi", "stream": true, "sampling_params": {"max_new_tokens": 4}}'
 REQ = b"POST /generate HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n%b" % (len(BODY), BODY)
 HEAD = [(b"content-type", b"text/event-stream"), (b"transfer-encoding", b"chunked")]
@@ -59,13 +65,18 @@ def _regular_ok(proto: ClientProtocol, legs: list) -> None:
     leg.up_done()
 
 
-@pytest.mark.parametrize("cfg, one, status", [
-    (PD, _pd_ok, b" 200 "),
-    (PD, _pd_decode_fails, b" 400 "),
-    ({"worker_urls": ["http://127.0.0.1:9"]}, _regular_ok, b" 200 "),
-], ids=["pd", "pd-decode-error", "regular"])
+@pytest.mark.parametrize(
+    "cfg, one, status",
+    [
+        (PD, _pd_ok, b" 200 "),
+        (PD, _pd_decode_fails, b" 400 "),
+        ({"worker_urls": ["http://127.0.0.1:9"]}, _regular_ok, b" 200 "),
+    ],
+    ids=["pd", "pd-decode-error", "regular"],
+)
 def test_finished_requests_leave_no_cyclic_garbage(
-        cfg: dict, one: Callable[[ClientProtocol, list], None], status: bytes) -> None:
+    cfg: dict, one: Callable[[ClientProtocol, list], None], status: bytes
+) -> None:
     loop = asyncio.new_event_loop()
     registry = StubRegistry()
     app = App(Config(**cfg), registry, loop)
@@ -106,12 +117,12 @@ def _pd_client_leaves(proto: ClientProtocol, legs: list) -> None:
 
 
 def _leg_state(leg: Any) -> tuple:
-    return (leg.ex, leg.conn, leg.role, leg.target, leg.status, leg.headers, leg.chunks,
-            leg.size, leg.done)
+    return (leg.ex, leg.conn, leg.role, leg.target, leg.status, leg.headers, leg.chunks, leg.size, leg.done)
 
 
-@pytest.mark.parametrize("one", [_pd_ok, _pd_decode_fails, _pd_client_leaves],
-                         ids=["ok", "decode-error", "client-left"])
+@pytest.mark.parametrize(
+    "one", [_pd_ok, _pd_decode_fails, _pd_client_leaves], ids=["ok", "decode-error", "client-left"]
+)
 def test_the_shared_inert_pd_leg_is_never_written(one: Callable[[ClientProtocol, list], None]) -> None:
     """A PD exchange points its legs at one shared inert leg before its first attempt and
     after its books close: whatever a request does, that leg stays as it was made."""

@@ -1,5 +1,6 @@
 """Pure helpers of bench/overhead.py: wrk report parsing, /proc stat parsing, percentiles, the
 markdown table and bars, nginx template rendering. No sockets, no processes, no real runs."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -94,8 +95,7 @@ def test_percentile_nearest_rank() -> None:
 
 
 def test_summarize_medians_and_summed_errors() -> None:
-    med = ov.summarize({"fastroute": {"json_c256_rps": [3.0, 1.0, 2.0, None],
-                                      "errors": [1.0, 0.0, 2.0]}})
+    med = ov.summarize({"fastroute": {"json_c256_rps": [3.0, 1.0, 2.0, None], "errors": [1.0, 0.0, 2.0]}})
     assert med["fastroute"] == {"json_c256_rps": 2.0, "errors": 3.0}
 
 
@@ -103,10 +103,20 @@ def _med() -> dict[str, dict[str, float | None]]:
     return {
         "direct": {"json_c256_rps": 100000.0, "json_c1_add_p50": 0.0, "json_c256_cpu": 5.0},
         "bare": {"json_c256_rps": 20000.0, "json_c1_add_p50": 40.0, "sse_c256_rps": 10000.0},
-        "fastroute": {"json_c256_rps": 16000.0, "json_c1_add_p50": 30.0, "sse_c256_rps": 9000.0,
-                      "sse_c1_add_p50": -3.0, "errors": 0.0},
-        "smg": {"json_c256_rps": 4000.0, "json_c1_add_p50": 300.0, "sse_c256_rps": 5000.0,
-                "sse_c1_add_p50": 200.0, "errors": 5.0},
+        "fastroute": {
+            "json_c256_rps": 16000.0,
+            "json_c1_add_p50": 30.0,
+            "sse_c256_rps": 9000.0,
+            "sse_c1_add_p50": -3.0,
+            "errors": 0.0,
+        },
+        "smg": {
+            "json_c256_rps": 4000.0,
+            "json_c1_add_p50": 300.0,
+            "sse_c256_rps": 5000.0,
+            "sse_c1_add_p50": 200.0,
+            "errors": 5.0,
+        },
     }
 
 
@@ -122,10 +132,26 @@ def test_build_table_values_and_ratios() -> None:
     table = ov.build_table("regular", _med(), ov.ROUTERS)
     head = _row(table, "metric")
     # sglang-router has no results: no column, and its ratio cells stay empty.
-    assert head == ["metric", "direct", "bare", "fastroute", "smg", "fastroute/smg",
-                    "fastroute/sglang-router", "fastroute/bare"]
-    assert _row(table, "JSON c=256 req/s") == ["JSON c=256 req/s", "100,000", "20,000",
-                                                "16,000", "4,000", "4.00x", "", "0.80x"]
+    assert head == [
+        "metric",
+        "direct",
+        "bare",
+        "fastroute",
+        "smg",
+        "fastroute/smg",
+        "fastroute/sglang-router",
+        "fastroute/bare",
+    ]
+    assert _row(table, "JSON c=256 req/s") == [
+        "JSON c=256 req/s",
+        "100,000",
+        "20,000",
+        "16,000",
+        "4,000",
+        "4.00x",
+        "",
+        "0.80x",
+    ]
     added = _row(table, "JSON c=1 **added** p50 (us)")
     assert added[1] == "-"  # direct has no added latency of its own
     assert added[3] == "30.0" and added[5] == "0.10x" and added[7] == "0.75x"

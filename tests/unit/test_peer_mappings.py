@@ -1,5 +1,6 @@
-"""Issue 25 item 3: peer flags that used to map silently onto something else now refuse by name
+"""Peer flags that used to map silently onto something else now refuse by name
 (or, where they cannot change routing, start with one warning saying why)."""
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,7 @@ def _refused(capsys, argv: list[str]) -> str:
 
 
 def test_router_selector_is_not_the_worker_selector(capsys) -> None:
-    err = _refused(capsys, ["--service-discovery", "--selector", "app=sglang",
-                            "--router-selector", "app=router"])
+    err = _refused(capsys, ["--service-discovery", "--selector", "app=sglang", "--router-selector", "app=router"])
     assert "argument --router-selector: not supported by fastroute" in err
     assert "HA mesh" in err and "--selector" in err
     # It never lands in the worker selector (it used to, as a --router- spelling).
@@ -44,18 +44,25 @@ def test_only_the_sglang_backend_starts(capsys) -> None:
 
 
 def test_backend_openai_refused_by_the_real_command() -> None:
-    out = subprocess.run([sys.executable, "-m", "fastroute", "--backend", "openai",
-                          "--worker-urls", "https://api.openai.com"], cwd=REPO,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "fastroute", "--backend", "openai", "--worker-urls", "https://api.openai.com"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert "argument --backend: not supported by fastroute" in out.stderr
 
 
-@pytest.mark.parametrize("argv", [
-    ["--policy", "power_of_two"],
-    ["--router-policy", "power_of_two"],
-    ["--pd-disaggregation", "--policy", "random", "--decode-policy", "power_of_two"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--policy", "power_of_two"],
+        ["--router-policy", "power_of_two"],
+        ["--pd-disaggregation", "--policy", "random", "--decode-policy", "power_of_two"],
+    ],
+)
 def test_expected_wait_with_power_of_two_is_refused_with_the_reason(capsys, argv) -> None:
     err = _refused(capsys, argv + ["--power-of-two-load-metric", "expected_wait"])
     assert "argument --power-of-two-load-metric:" in err
@@ -71,16 +78,22 @@ def test_expected_wait_unread_by_any_leg_warns_and_changes_nothing(caplog) -> No
 
 def test_expected_wait_is_no_longer_a_tokens_alias() -> None:
     from fastroute.config import Config
+
     with pytest.raises(ValueError, match="expected_wait"):
         Config(policy="power_of_two", p2c_load_metric="expected_wait")
 
 
-@pytest.mark.parametrize("argv,flag", [
-    (["--policy", "manual", "--workers", "2"], "--policy"),
-    (["--router-policy", "manual", "--workers", "3"], "--policy"),
-    (["--pd-disaggregation", "--policy", "random", "--decode-policy", "manual", "--workers", "2"],
-     "--decode-policy"),
-])
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--policy", "manual", "--workers", "2"], "--policy"),
+        (["--router-policy", "manual", "--workers", "3"], "--policy"),
+        (
+            ["--pd-disaggregation", "--policy", "random", "--decode-policy", "manual", "--workers", "2"],
+            "--decode-policy",
+        ),
+    ],
+)
 def test_manual_with_several_processes_is_refused(capsys, argv, flag) -> None:
     err = _refused(capsys, argv)
     assert f"argument {flag}: the manual policy's routing-key table is kept per proxy process" in err
@@ -107,7 +120,7 @@ def test_cb_window_warns_once_and_is_still_validated(caplog, capsys) -> None:
 
 def test_readme_first_example_is_a_real_smg_line_and_the_same_fastroute_line() -> None:
     """The README's "before" command uses only flags smg 1.13 has, and the "after" line is the
-    same arguments, which fastroute parses (issue 25 item 7: it used --p2c-load-metric)."""
+    same arguments, which fastroute parses (an earlier README used --p2c-load-metric, which smg lacks)."""
     from tests.unit.test_flags import SMG_1_13_FLAGS
 
     block = (REPO / "README.md").read_text().split("```", 2)[1]

@@ -1,5 +1,6 @@
 """Every ``protocol.md N.M`` a comment cites must be a section of docs/protocol.md, so a renumbered
 or deleted section fails here instead of leaving comments that point nowhere."""
+
 from __future__ import annotations
 
 import re

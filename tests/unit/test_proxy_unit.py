@@ -80,8 +80,9 @@ class FakePool:
 
 class Registry:
     def __init__(self) -> None:
-        self.worker = SimpleNamespace(url="http://127.0.0.1:9", host="127.0.0.1", port=9, api_key=None,
-                                      bootstrap_port=None, dp_size=1)
+        self.worker = SimpleNamespace(
+            url="http://127.0.0.1:9", host="127.0.0.1", port=9, api_key=None, bootstrap_port=None, dp_size=1
+        )
         self.target_info = [(self.worker, None)]
         self.groups = {"regular": Group()}
         self.is_ready = True
@@ -137,8 +138,7 @@ def responses(out: bytes) -> list[dict]:
 
 
 def post(body: bytes = b'{"text": "hi"}', extra: bytes = b"") -> bytes:
-    return (b"POST /generate HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n%b\r\n%b"
-            % (len(body), extra, body))
+    return b"POST /generate HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n%b\r\n%b" % (len(body), extra, body)
 
 
 def test_health_is_answered_inline_with_keep_alive(env) -> None:
@@ -149,24 +149,37 @@ def test_health_is_answered_inline_with_keep_alive(env) -> None:
 
 
 def test_upstream_request_is_framed_with_whitelisted_headers(env) -> None:
-    env.proto.data_received(post(extra=b"X-Request-Id: r1\r\nUser-Agent: ua\r\nAuthorization: Bearer c\r\n"
-                                       b"tracestate: ts\r\n"))
+    env.proto.data_received(
+        post(extra=b"X-Request-Id: r1\r\nUser-Agent: ua\r\nAuthorization: Bearer c\r\ntracestate: ts\r\n")
+    )
     ((req, _leg),) = env.pool.sent
     head, _, body = req.partition(b"\r\n\r\n")
     lines = head.split(b"\r\n")
     assert lines[0] == b"POST /generate HTTP/1.1"
-    assert set(lines[1:]) == {b"Host: 127.0.0.1:9", b"Content-Type: application/json",
-                              b"Content-Length: 14", b"X-Request-Id: r1", b"tracestate: ts",
-                              b"Authorization: Bearer c"}
+    assert set(lines[1:]) == {
+        b"Host: 127.0.0.1:9",
+        b"Content-Type: application/json",
+        b"Content-Length: 14",
+        b"X-Request-Id: r1",
+        b"tracestate: ts",
+        b"Authorization: Bearer c",
+    }
     assert body == b'{"text": "hi"}'
 
 
 def test_pipelined_health_waits_for_proxied_response_then_order_kept(env) -> None:
     env.proto.data_received(post() + b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
     assert env.tr.out == b""  # /health must not overtake the pending proxied response
-    (_, leg), = env.pool.sent
-    leg.up_head(200, [(b"Content-Type", b"application/json"), (b"Content-Length", b"2"),
-                      (b"Connection", b"keep-alive"), (b"Keep-Alive", b"timeout=5")])
+    ((_, leg),) = env.pool.sent
+    leg.up_head(
+        200,
+        [
+            (b"Content-Type", b"application/json"),
+            (b"Content-Length", b"2"),
+            (b"Connection", b"keep-alive"),
+            (b"Keep-Alive", b"timeout=5"),
+        ],
+    )
     leg.up_body(b"{}")
     leg.up_done()
     res = responses(env.tr.out)
@@ -181,7 +194,7 @@ def test_pipelined_health_waits_for_proxied_response_then_order_kept(env) -> Non
 
 def test_chunked_upstream_is_relayed_chunk_by_chunk(env) -> None:
     env.proto.data_received(post(b'{"text": "hi", "stream": true}'))
-    (_, leg), = env.pool.sent
+    ((_, leg),) = env.pool.sent
     leg.up_head(200, [(b"Content-Type", b"text/event-stream"), (b"Transfer-Encoding", b"chunked")])
     assert env.tr.out == b""  # head goes out with the first body bytes (one write)
     leg.up_body(b"data: 1\n\n")
@@ -199,7 +212,7 @@ def test_chunked_upstream_is_relayed_chunk_by_chunk(env) -> None:
 
 def test_client_write_backpressure_pauses_upstream_reading(env) -> None:
     env.proto.data_received(post(b'{"text": "hi", "stream": true}'))
-    (_, leg), = env.pool.sent
+    ((_, leg),) = env.pool.sent
     leg.up_head(200, [(b"Transfer-Encoding", b"chunked")])
     env.proto.pause_writing()
     assert leg.conn.paused
@@ -209,7 +222,7 @@ def test_client_write_backpressure_pauses_upstream_reading(env) -> None:
 
 def test_client_disconnect_aborts_upstream_and_releases_exactly_once(env) -> None:
     env.proto.data_received(post(b'{"text": "hi", "stream": true}'))
-    (_, leg), = env.pool.sent
+    ((_, leg),) = env.pool.sent
     conn = leg.conn
     leg.up_head(200, [(b"Transfer-Encoding", b"chunked")])
     leg.up_body(b"data: 1\n\n")
@@ -222,10 +235,10 @@ def test_client_disconnect_aborts_upstream_and_releases_exactly_once(env) -> Non
 
 
 def test_held_stream_keeps_neither_the_request_body_nor_its_parse(env) -> None:
-    """Memory per stream (issue 17): what no later attempt can read is let go at the head."""
+    """Memory per stream: what no later attempt can read is let go at the head."""
     assert not hasattr(env.proto, "__dict__")  # slots: no per-connection instance dict
     env.proto.data_received(post(b'{"text": "hi", "stream": true}'))
-    (_, leg), = env.pool.sent
+    ((_, leg),) = env.pool.sent
     assert leg.req.body and leg.meta.obj is not None  # a retry may still need them
     leg.up_head(200, [(b"Transfer-Encoding", b"chunked")])
     assert leg.req.body == b"" and leg.meta.obj is None
@@ -237,7 +250,7 @@ def test_held_stream_keeps_neither_the_request_body_nor_its_parse(env) -> None:
 
 def test_upstream_error_before_head_is_502_after_head_cuts_stream(env) -> None:
     env.proto.data_received(post())
-    (_, leg), = env.pool.sent
+    ((_, leg),) = env.pool.sent
     leg.up_error(ConnectionResetError("reset"))
     (res,) = responses(env.tr.out)
     assert res["status"] == 502 and b"bad_gateway" in res["body"]
@@ -255,7 +268,7 @@ def test_upstream_error_before_head_is_502_after_head_cuts_stream(env) -> None:
 
 def test_request_timeout_gives_504_and_releases(env) -> None:
     env.proto.data_received(post())
-    (_, leg), = env.pool.sent
+    ((_, leg),) = env.pool.sent
     for ex in list(env.app.exchanges):
         ex.deadline = 0.0
     env.app._sweep()
@@ -279,8 +292,7 @@ def test_payload_limit_413_without_reading_upstream(env) -> None:
 
 
 def test_expect_100_continue(env) -> None:
-    env.proto.data_received(b"POST /generate HTTP/1.1\r\nHost: r\r\nContent-Length: 14\r\n"
-                            b"Expect: 100-continue\r\n\r\n")
+    env.proto.data_received(b"POST /generate HTTP/1.1\r\nHost: r\r\nContent-Length: 14\r\nExpect: 100-continue\r\n\r\n")
     assert env.tr.out == b"HTTP/1.1 100 Continue\r\n\r\n"
     env.proto.data_received(b'{"text": "hi"}')
     assert len(env.pool.sent) == 1
@@ -311,7 +323,7 @@ def test_not_ready_is_503(env) -> None:
 def test_http10_client_gets_close_delimited_stream(env) -> None:
     body = b'{"text": "hi", "stream": true}'
     env.proto.data_received(b"POST /generate HTTP/1.0\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
-    (_, leg), = env.pool.sent
+    ((_, leg),) = env.pool.sent
     leg.up_head(200, [(b"Transfer-Encoding", b"chunked")])
     leg.up_body(b"data: 1\n\n")
     leg.up_done()
@@ -320,8 +332,9 @@ def test_http10_client_gets_close_delimited_stream(env) -> None:
 
 
 def test_payload_limit_by_content_length_answers_before_the_body(env) -> None:
-    env.proto.data_received(b"POST /generate HTTP/1.1\r\nHost: r\r\nContent-Length: 5000\r\n"
-                            b"Expect: 100-continue\r\n\r\n")
+    env.proto.data_received(
+        b"POST /generate HTTP/1.1\r\nHost: r\r\nContent-Length: 5000\r\nExpect: 100-continue\r\n\r\n"
+    )
     (res,) = responses(env.tr.out)
     assert res["status"] == 413 and b"payload_too_large" in res["body"]
     assert env.tr.closed and env.pool.sent == []
@@ -420,7 +433,8 @@ class _ListeningRegistry(Registry):
 
 
 def test_worker_re_added_under_the_same_url_gets_its_new_key(monkeypatch) -> None:
-    """Review H2: pools (and the framing key) follow the worker, not its URL."""
+    """Pools (and the framing key) follow the worker, not its URL: a worker re-added under the
+    same URL with a new api_key must not reuse connections made for the old one."""
     from fastroute.control.worker import Worker
     from fastroute.dataplane import app as app_module
 
@@ -465,13 +479,12 @@ def test_worker_re_added_under_the_same_url_gets_its_new_key(monkeypatch) -> Non
 
 
 def test_pool_idle_timeout_zero_turns_connection_reuse_off() -> None:
-    """Review M1: --upstream-pool-idle-timeout-secs 0 stays 0 (no reuse), not the 3 s default."""
+    """--upstream-pool-idle-timeout-secs 0 stays 0 (no reuse), not the 3 s default."""
     from fastroute.dataplane.upstream import Pool, UpstreamConnection
 
     loop = asyncio.new_event_loop()
     try:
-        app = App(Config(worker_urls=["http://127.0.0.1:9"], upstream_pool_idle_timeout_secs=0),
-                  Registry(), loop)
+        app = App(Config(worker_urls=["http://127.0.0.1:9"], upstream_pool_idle_timeout_secs=0), Registry(), loop)
         assert app.pool_idle == 0.0
         pool = Pool("127.0.0.1", 9, app.pool_idle, loop)
         conn = UpstreamConnection(pool)
@@ -497,7 +510,7 @@ def test_backpressure_at_the_end_of_a_response_leaves_the_pooled_connection_alon
     tr = FillingTransport()
     proto.transport = proto.flow.transport = tr
     proto.data_received(post(b'{"text": "hi", "stream": true}'))
-    (_, leg), = env.pool.sent
+    ((_, leg),) = env.pool.sent
     conn = leg.conn
     leg.up_head(200, [(b"Transfer-Encoding", b"chunked")])
     leg.up_body(b"data: 1\n\n")

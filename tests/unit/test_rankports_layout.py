@@ -1,5 +1,6 @@
 """The per-rank-port layout read from /server_info (fastroute.control.rankports): what counts as
 a per-rank-port server, the numbers that cannot be a layout, and finding the other ports."""
+
 from __future__ import annotations
 
 import asyncio
@@ -35,16 +36,19 @@ def test_layout_on_the_second_node_of_two() -> None:
     assert (lay.count, lay.first, lay.local) == (8, 8, 2)
 
 
-@pytest.mark.parametrize("di", [
-    {"dp_size": 4, "dp_rank": 4},
-    {"dp_size": 4, "dp_rank": -1},
-    {"dp_size": 0, "dp_rank": 0},
-    {"dp_size": "8", "dp_rank": 1},
-    {"dp_size": 8, "dp_rank": True},
-    {"dp_rank": 1},
-    {"dp_size": 6, "dp_rank": 1, "nnodes": 4},
-    {"dp_size": 8, "dp_rank": 1, "nnodes": 2, "node_rank": 1},
-])
+@pytest.mark.parametrize(
+    "di",
+    [
+        {"dp_size": 4, "dp_rank": 4},
+        {"dp_size": 4, "dp_rank": -1},
+        {"dp_size": 0, "dp_rank": 0},
+        {"dp_size": "8", "dp_rank": 1},
+        {"dp_size": 8, "dp_rank": True},
+        {"dp_rank": 1},
+        {"dp_size": 6, "dp_rank": 1, "nnodes": 4},
+        {"dp_size": 8, "dp_rank": 1, "nnodes": 2, "node_rank": 1},
+    ],
+)
 def test_numbers_that_cannot_be_a_layout_are_refused(di: dict) -> None:
     with pytest.raises(RankLayoutError):
         layout_of({"deployment_info": di})
@@ -59,6 +63,7 @@ def test_with_port_keeps_scheme_host_and_path() -> None:
 def _ports(answers: dict[str, dict | None]):
     async def get_info(url: str):
         return answers.get(url)
+
     return get_info
 
 

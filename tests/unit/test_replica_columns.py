@@ -1,6 +1,7 @@
 """The other replicas' columns (--replica-sync): every kernel that reads in-flight counts adds
 them, a circuit open at another replica makes a target ineligible, KV fit counts their tokens,
 and the compiled kernels still match their NumPy twins pick for pick with nonzero "others"."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -8,12 +9,25 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from fastroute.core import _ledger, _policy, reference as R
+from fastroute.core import _ledger, _policy
+from fastroute.core import reference as R
 from fastroute.core.cache_aware import CacheAwarePolicy
-from fastroute.core.table import (COL_CIRCUIT, COL_HEALTHY, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS,
-                                  COL_OTHERS_IN_FLIGHT, COL_OTHERS_OPEN, COL_OTHERS_TOKENS,
-                                  COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_POLLED_TOKENS,
-                                  COL_TOKENS_AT_POLL, NCOLS, NHDR, TargetTable)
+from fastroute.core.table import (
+    COL_CIRCUIT,
+    COL_HEALTHY,
+    COL_IN_FLIGHT,
+    COL_IN_FLIGHT_TOKENS,
+    COL_OTHERS_IN_FLIGHT,
+    COL_OTHERS_OPEN,
+    COL_OTHERS_TOKENS,
+    COL_POLLED_AT,
+    COL_POLLED_MAX_TOKENS,
+    COL_POLLED_TOKENS,
+    COL_TOKENS_AT_POLL,
+    NCOLS,
+    NHDR,
+    TargetTable,
+)
 from fastroute.names import LOAD_METRIC_CODE as METRIC
 
 
@@ -30,7 +44,7 @@ def state(seed: int) -> np.ndarray:
 
 def test_least_requests_and_p2c_add_the_others_requests():
     tab = table(2)
-    tab[0, COL_IN_FLIGHT], tab[0, COL_OTHERS_IN_FLIGHT] = 0, 3    # idle here, busy elsewhere
+    tab[0, COL_IN_FLIGHT], tab[0, COL_OTHERS_IN_FLIGHT] = 0, 3  # idle here, busy elsewhere
     tab[1, COL_IN_FLIGHT] = 1
     cands = np.arange(2, dtype=np.int64)
     for metric in ("least_requests", "requests", "tokens"):
@@ -42,7 +56,7 @@ def test_demand_adds_the_others_tokens_and_requests():
     tab[0, COL_OTHERS_TOKENS], tab[0, COL_OTHERS_IN_FLIGHT] = 5_000, 1
     tab[1, COL_IN_FLIGHT_TOKENS], tab[1, COL_IN_FLIGHT] = 1_000, 1
     assert _policy.demand(tab, np.arange(2, dtype=np.int64), 10, 0, state(1)) == 1
-    tab[1, COL_IN_FLIGHT] = 3      # with a request weight, the others' one request counts too
+    tab[1, COL_IN_FLIGHT] = 3  # with a request weight, the others' one request counts too
     assert _policy.demand(tab, np.arange(2, dtype=np.int64), 10, 10_000, state(1)) == 0
 
 
@@ -67,7 +81,7 @@ def test_kv_free_counts_the_others_tokens_and_the_poll_stamps_them():
     _ledger.store_polled(tab, 0, 2, 0, 50_000, 100_000, 1)
     assert tab[0, COL_TOKENS_AT_POLL] == 40_000
     assert _policy.free_kv(tab, 0) == R.free_kv(tab, 0) == 50_000
-    tab[0, COL_OTHERS_TOKENS] = 50_000          # another replica booked 20k since the poll
+    tab[0, COL_OTHERS_TOKENS] = 50_000  # another replica booked 20k since the poll
     assert _policy.free_kv(tab, 0) == R.free_kv(tab, 0) == 30_000
     # Never credited with less than every replica's in-flight tokens:
     _ledger.store_polled(tab, 0, 0, 0, 0, 100_000, 2)
@@ -87,13 +101,18 @@ def test_cache_aware_balance_sees_the_others_requests():
     tab = TargetTable(8)
     try:
         ids = [tab.alloc() for _ in range(2)]
-        cfg = SimpleNamespace(cache_threshold=0.3, balance_abs_threshold=4, balance_rel_threshold=1.5,
-                              eviction_interval_secs=60, max_tree_size=1 << 20)
+        cfg = SimpleNamespace(
+            cache_threshold=0.3,
+            balance_abs_threshold=4,
+            balance_rel_threshold=1.5,
+            eviction_interval_secs=60,
+            max_tree_size=1 << 20,
+        )
         pol = CacheAwarePolicy(tab, cfg, seed=1)
         pol.set_targets(ids, [f"http://w{i}:8000" for i in ids])
         text = "shared system prompt " * 20
         owner = pol.pick(text, ids)
-        tab.cells.store(owner, COL_OTHERS_IN_FLIGHT, 50)      # busy at the other replicas
+        tab.cells.store(owner, COL_OTHERS_IN_FLIGHT, 50)  # busy at the other replicas
         assert pol.pick(text, ids) != owner and pol.last_reason == "balance"
         tab.cells.store(owner, COL_OTHERS_OPEN, 1)
         assert {pol.pick(text + str(i), ids) for i in range(10)} == {ids[1 - ids.index(owner)]}
@@ -112,9 +131,14 @@ def test_compiled_matches_reference_with_others(seed):
     tab[:, COL_POLLED_AT] = np.where(rs.random(n) < 0.7, 1, -1)
     tab[:, COL_POLLED_MAX_TOKENS] = np.where(rs.random(n) < 0.9, 100_000, -1)
     hi = 4 if rs.random() < 0.5 else 10_000
-    for col, top in ((COL_IN_FLIGHT, hi), (COL_OTHERS_IN_FLIGHT, hi), (COL_POLLED_TOKENS, hi * 10),
-                     (COL_IN_FLIGHT_TOKENS, hi * 10), (COL_OTHERS_TOKENS, hi * 10),
-                     (COL_TOKENS_AT_POLL, hi * 10)):
+    for col, top in (
+        (COL_IN_FLIGHT, hi),
+        (COL_OTHERS_IN_FLIGHT, hi),
+        (COL_POLLED_TOKENS, hi * 10),
+        (COL_IN_FLIGHT_TOKENS, hi * 10),
+        (COL_OTHERS_TOKENS, hi * 10),
+        (COL_TOKENS_AT_POLL, hi * 10),
+    ):
         tab[:, col] = rs.integers(0, top, n)
     cands = np.sort(rs.choice(n, int(rs.integers(1, n + 1)), replace=False)).astype(np.int64)
     s, ref = state(seed * 31 + 7), R.Rng(seed * 31 + 7)
@@ -122,8 +146,7 @@ def test_compiled_matches_reference_with_others(seed):
         op = step % 6
         if op < 3:
             m = ("tokens", "requests", "least_requests")[op]
-            got, want = (_policy.power_of_two(tab, cands, METRIC[m], s),
-                         R.power_of_two(tab, cands, m, ref))
+            got, want = (_policy.power_of_two(tab, cands, METRIC[m], s), R.power_of_two(tab, cands, m, ref))
         elif op == 3:
             w = int(rs.choice([0, 1000]))
             got, want = _policy.demand(tab, cands, 50, w, s), R.demand(tab, cands, 50, w, ref)
@@ -137,7 +160,7 @@ def test_compiled_matches_reference_with_others(seed):
         if got >= 0:
             tab[got, COL_IN_FLIGHT] += 1
             tab[got, COL_IN_FLIGHT_TOKENS] += 50
-        if step % 17 == 0:              # a sync tick rewrites the others' view
+        if step % 17 == 0:  # a sync tick rewrites the others' view
             t = int(rs.integers(0, n))
             tab[t, COL_OTHERS_IN_FLIGHT] = rs.integers(0, hi)
             tab[t, COL_OTHERS_TOKENS] = rs.integers(0, hi * 10)

@@ -1,16 +1,26 @@
 """control.replica without a network: the payload format, the sums per target name, and what
 the sync stores into the table's others columns (the Redis side is tested against a real
 server in tests/integration/test_replicas.py)."""
+
 from __future__ import annotations
 
 import pytest
 
 from fastroute.config import Config, ConfigError
 from fastroute.control.replica import ReplicaSync, decode, default_replica_id, encode
-from fastroute.core.table import (CIRCUIT_OPEN, COL_CIRCUIT, COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS,
-                                  COL_ORDER_KEY, COL_OTHERS_EST, COL_OTHERS_EST_TOKENS,
-                                  COL_OTHERS_IN_FLIGHT, COL_OTHERS_OPEN, COL_OTHERS_TOKENS,
-                                  TargetTable)
+from fastroute.core.table import (
+    CIRCUIT_OPEN,
+    COL_CIRCUIT,
+    COL_IN_FLIGHT,
+    COL_IN_FLIGHT_TOKENS,
+    COL_ORDER_KEY,
+    COL_OTHERS_EST,
+    COL_OTHERS_EST_TOKENS,
+    COL_OTHERS_IN_FLIGHT,
+    COL_OTHERS_OPEN,
+    COL_OTHERS_TOKENS,
+    TargetTable,
+)
 from fastroute.names import target_name
 
 
@@ -46,15 +56,13 @@ def test_local_counts_by_name_and_apply_writes_only_known_names(tab):
     tab.cells.store(rows[0], COL_IN_FLIGHT, 2)
     tab.cells.store(rows[0], COL_IN_FLIGHT_TOKENS, 40)
     tab.cells.store(rows[2], COL_CIRCUIT, CIRCUIT_OPEN)
-    tab.cells.store(rows[1], COL_OTHERS_IN_FLIGHT, 9)      # others' view is never republished
+    tab.cells.store(rows[1], COL_OTHERS_IN_FLIGHT, 9)  # others' view is never republished
     assert sync.local_counts() == {names[0]: (2, 40, False), names[2]: (0, 0, True)}
     sync.apply({names[1]: [4, 80, 1], "http://elsewhere:1": [7, 7, 1]})
-    got = [[tab.get(t, c) for c in (COL_OTHERS_IN_FLIGHT, COL_OTHERS_TOKENS, COL_OTHERS_OPEN)]
-           for t in rows]
+    got = [[tab.get(t, c) for c in (COL_OTHERS_IN_FLIGHT, COL_OTHERS_TOKENS, COL_OTHERS_OPEN)] for t in rows]
     assert got == [[0, 0, 0], [4, 80, 1], [0, 0, 0]]
     sync._clear()
-    assert all(tab.get(t, COL_OTHERS_IN_FLIGHT) == 0 and tab.get(t, COL_OTHERS_OPEN) == 0
-               for t in rows)
+    assert all(tab.get(t, COL_OTHERS_IN_FLIGHT) == 0 and tab.get(t, COL_OTHERS_OPEN) == 0 for t in rows)
 
 
 def test_default_id_names_host_port_and_pid():
@@ -62,13 +70,16 @@ def test_default_id_names_host_port_and_pid():
     assert host and port == "8000" and int(pid) > 0
 
 
-@pytest.mark.parametrize("kw, flag", [
-    (dict(replica_sync="http://r:6379"), "--replica-sync"),
-    (dict(replica_sync="redis://r:6379/x"), "--replica-sync"),
-    (dict(replica_sync="redis://r:6379", replica_sync_interval_ms=0), "--replica-sync-interval-ms"),
-    (dict(replica_sync="redis://r:6379", replica_ttl_ms=15), "--replica-ttl-ms"),
-    (dict(replica_sync="redis://r:6379", replica_id=" "), "--replica-id"),
-])
+@pytest.mark.parametrize(
+    "kw, flag",
+    [
+        (dict(replica_sync="http://r:6379"), "--replica-sync"),
+        (dict(replica_sync="redis://r:6379/x"), "--replica-sync"),
+        (dict(replica_sync="redis://r:6379", replica_sync_interval_ms=0), "--replica-sync-interval-ms"),
+        (dict(replica_sync="redis://r:6379", replica_ttl_ms=15), "--replica-ttl-ms"),
+        (dict(replica_sync="redis://r:6379", replica_id=" "), "--replica-id"),
+    ],
+)
 def test_bad_replica_flags_name_the_flag(kw, flag):
     with pytest.raises(ConfigError) as exc:
         Config(worker_urls=["http://w:1"], **kw)
@@ -84,7 +95,7 @@ def test_estimates_live_at_most_two_ticks_and_publications_replace_them(tab):
     names = [target_name("http://w:1", r) for r in range(2)]
     rows = [tab.alloc() for _ in names]
     sync = ReplicaSync("redis://127.0.0.1:1/0", "me", tab, _Reg(names), 0.02, 1.0)
-    est = lambda: [tab.get(t, COL_OTHERS_EST) for t in rows]        # noqa: E731
+    est = lambda: [tab.get(t, COL_OTHERS_EST) for t in rows]  # noqa: E731
     tab.set_replicas(3, 0)
     # the pickers expect the others to place 2 on rank 0 and 1 on rank 1 (100 tokens each)
     for t, n in zip(rows, (2, 1)):
@@ -93,8 +104,7 @@ def test_estimates_live_at_most_two_ticks_and_publications_replace_them(tab):
     # a tick in the middle of the burst: one of rank 0's placements is published already
     sync.apply({names[0]: [1, 100, 0]})
     assert est() == [1, 1] and tab.get(rows[0], COL_OTHERS_EST_TOKENS) == 100
-    assert tab.get(rows[0], COL_ORDER_KEY) > 0 and tab.get(rows[0], COL_ORDER_KEY) != \
-        tab.get(rows[1], COL_ORDER_KEY)
+    assert tab.get(rows[0], COL_ORDER_KEY) > 0 and tab.get(rows[0], COL_ORDER_KEY) != tab.get(rows[1], COL_ORDER_KEY)
     # the next tick: nothing new published; what was kept last time goes now (two ticks at most)
     sync.apply({names[0]: [1, 100, 0]})
     assert est() == [0, 0] and tab.get(rows[1], COL_OTHERS_EST_TOKENS) == 0

@@ -5,6 +5,7 @@ into reads), the protocol must never raise, must only ever write well-formed HTT
 must answer every complete well-formed request in order, and must release every lease exactly
 once by the time the connection is gone.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -53,13 +54,18 @@ class Transport(asyncio.Transport):
 
 def make() -> tuple[ClientProtocol, Transport, Pool, Group, asyncio.AbstractEventLoop]:
     loop = asyncio.new_event_loop()
-    worker = SimpleNamespace(url="http://127.0.0.1:9", host="127.0.0.1", port=9, api_key=None,
-                             bootstrap_port=None, dp_size=1)
+    worker = SimpleNamespace(
+        url="http://127.0.0.1:9", host="127.0.0.1", port=9, api_key=None, bootstrap_port=None, dp_size=1
+    )
     group = Group()
-    registry = SimpleNamespace(target_info=[(worker, None)], ready=lambda: True,
-                               group=lambda role: group)
-    cfg = Config(worker_urls=["http://127.0.0.1:9"], max_payload_size=4096, request_timeout_secs=60,
-                 max_concurrent_requests=2, queue_size=4)
+    registry = SimpleNamespace(target_info=[(worker, None)], ready=lambda: True, group=lambda role: group)
+    cfg = Config(
+        worker_urls=["http://127.0.0.1:9"],
+        max_payload_size=4096,
+        request_timeout_secs=60,
+        max_concurrent_requests=2,
+        queue_size=4,
+    )
     app = App(cfg, registry, loop)
     pool = Pool()
     app.pool_for = lambda w: pool  # type: ignore[method-assign]
@@ -122,10 +128,29 @@ def check_released(proto: ClientProtocol, tr: Transport, group: Group) -> None:
 
 json_value = st.recursive(
     st.none() | st.booleans() | st.integers(-10, 10**6) | st.text(max_size=8),
-    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.sampled_from(
-        ["text", "stream", "input_ids", "sampling_params", "max_new_tokens", "messages", "prompt",
-         "model", "return_logprob", "rid"]), kids, max_size=4),
-    max_leaves=8)
+    lambda kids: (
+        st.lists(kids, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "text",
+                    "stream",
+                    "input_ids",
+                    "sampling_params",
+                    "max_new_tokens",
+                    "messages",
+                    "prompt",
+                    "model",
+                    "return_logprob",
+                    "rid",
+                ]
+            ),
+            kids,
+            max_size=4,
+        )
+    ),
+    max_leaves=8,
+)
 
 
 @st.composite
@@ -146,21 +171,23 @@ def good_request(draw: Any) -> bytes:
     else:
         body, path = json.dumps(draw(json_value)).encode(), b"/generate"
     if draw(st.booleans()):
-        return (b"POST %b HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n%b" % (path, len(body), body))
+        return b"POST %b HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n%b" % (path, len(body), body)
     chunks = b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in (body[:5], body[5:]) if p)
     return b"POST %b HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n%b0\r\n\r\n" % (path, chunks)
 
 
-hostile = st.sampled_from([
-    b"GARBAGE\r\n\r\n",
-    b"POST /generate HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
-    b"POST /generate HTTP/1.1\r\nContent-Length: 99999\r\n\r\n",
-    b"GET / HTTP/1.1\r\nX: " + b"a" * 70_000 + b"\r\n\r\n",
-    b"GET /health HTTP/1.1\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n",
-    b"\x00\xff\r\n",
-    b"POST /generate HTTP/1.1\r\nContent-Length: 10\r\n\r\n{\"te",   # truncated: waits
-    b"GET /health HTTP/1.0\r\n\r\n",
-])
+hostile = st.sampled_from(
+    [
+        b"GARBAGE\r\n\r\n",
+        b"POST /generate HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"POST /generate HTTP/1.1\r\nContent-Length: 99999\r\n\r\n",
+        b"GET / HTTP/1.1\r\nX: " + b"a" * 70_000 + b"\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n",
+        b"\x00\xff\r\n",
+        b'POST /generate HTTP/1.1\r\nContent-Length: 10\r\n\r\n{"te',  # truncated: waits
+        b"GET /health HTTP/1.0\r\n\r\n",
+    ]
+)
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -179,10 +206,14 @@ def test_arbitrary_bytes_never_crash_and_never_leak(data: bytes, cuts: list[int]
 
 
 @SETTINGS
-@given(reqs=st.lists(st.one_of(good_request(), hostile), min_size=1, max_size=6),
-       cuts=st.lists(st.integers(0, 2000), max_size=8), early_close=st.booleans())
+@given(
+    reqs=st.lists(st.one_of(good_request(), hostile), min_size=1, max_size=6),
+    cuts=st.lists(st.integers(0, 2000), max_size=8),
+    early_close=st.booleans(),
+)
 def test_pipelined_mix_is_answered_in_order_or_refused_and_never_leaks(
-        reqs: list[bytes], cuts: list[int], early_close: bool) -> None:
+    reqs: list[bytes], cuts: list[int], early_close: bool
+) -> None:
     proto, tr, pool, group, loop = make()
     try:
         feed(proto, b"".join(reqs), cuts)
@@ -194,9 +225,16 @@ def test_pipelined_mix_is_answered_in_order_or_refused_and_never_leaks(
         # Well-formed requests before the first hostile (or closing) one are all answered.
         n_good = 0
         for r in reqs:
-            if r.startswith(b"GARBAGE") or b"Transfer-Encoding: chunked\r\n\r\n" in r and b"Content-Length" in r \
-                    or r.startswith(b"\x00") or b"a" * 1000 in r or b"Upgrade" in r or b"99999" in r \
-                    or r.endswith(b'{"te'):
+            if (
+                r.startswith(b"GARBAGE")
+                or b"Transfer-Encoding: chunked\r\n\r\n" in r
+                and b"Content-Length" in r
+                or r.startswith(b"\x00")
+                or b"a" * 1000 in r
+                or b"Upgrade" in r
+                or b"99999" in r
+                or r.endswith(b'{"te')
+            ):
                 break
             n_good += 1
             if b"HTTP/1.0" in r:

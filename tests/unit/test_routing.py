@@ -1,7 +1,7 @@
 """Groups and the compiled picker: acquire books, leases release once, demand modes."""
+
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from fastroute.core.routing import Router
@@ -69,11 +69,11 @@ def test_decode_request_weight_in_shadow_keeps_the_legacy_pick(setup):
     tab, router, ids = setup
     shadow = router.group(ids, "round_robin", demand="shadow", request_weight=1_000_000)
     legacy = router.group(ids, "round_robin")
-    hold = router.group([ids[0]], "round_robin").acquire(10)   # rank 0 busy: demand avoids it
+    hold = router.group([ids[0]], "round_robin").acquire(10)  # rank 0 busy: demand avoids it
     picks_shadow = [shadow.pick(5) for _ in range(16)]
     picks_legacy = [legacy.pick(5) for _ in range(16)]
-    assert picks_shadow == picks_legacy                      # dispatch follows the legacy policy
-    assert shadow.shadow_disagree > 0                        # and the disagreement is counted
+    assert picks_shadow == picks_legacy  # dispatch follows the legacy policy
+    assert shadow.shadow_disagree > 0  # and the disagreement is counted
     assert shadow.shadow_agree + shadow.shadow_disagree == 16
     hold.release()
 
@@ -99,6 +99,7 @@ def test_seeded_routers_repeat_their_choices():
             ids = [tab.alloc() for _ in range(8)]
             g = Router(tab, seed=seed).group(ids, "power_of_two", load_metric="tokens")
             return [g.pick() for _ in range(50)]
+
     assert run(5) == run(5)
     assert run(5) != run(6)
 

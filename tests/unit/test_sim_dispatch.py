@@ -1,6 +1,7 @@
 """The simulated engine's DP controller (fastroute.sim.dispatch) against a fake clock: each
 --load-balance-method's choice, dispatch-time booking, the 20 ms refresh and its stale-snapshot
 rule, the routed rank override, and the worker CLI flag."""
+
 from __future__ import annotations
 
 import pytest

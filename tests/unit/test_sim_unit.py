@@ -1,6 +1,7 @@
 """Simulator pieces without sockets: request parsing, the decode engine's step model, KV
 prealloc and abort, retraction, the KV transfer stage, the slow rank, /v1/loads queue shapes,
 room rendezvous, trace/encoding, SSE counting and balance statistics."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,11 +12,16 @@ import math
 import pytest
 
 from fastroute.sim.api import estimate_text_tokens, parse_inference
-from fastroute.sim.balance import (balance_stats, fastroute_cells, kv_markdown_table, kv_tight_cells,
-                                   markdown_table, parse_kv_fit_metrics)
+from fastroute.sim.balance import (
+    balance_stats,
+    fastroute_cells,
+    kv_markdown_table,
+    kv_tight_cells,
+    markdown_table,
+    parse_kv_fit_metrics,
+)
 from fastroute.sim.engine import BadRequest, DecodeEngine, DecodeReq, Rendezvous, SimParams
-from fastroute.sim.loadgen import (ReqRecord, TraceItem, _SSECounter, encode_request, load_trace,
-                                   synthetic_trace)
+from fastroute.sim.loadgen import ReqRecord, TraceItem, _SSECounter, encode_request, load_trace, synthetic_trace
 from fastroute.sim.server import LOAD_SECTIONS, SimWorker
 from fastroute.sim.worker import add_param_flags, params_from_args
 
@@ -23,6 +29,7 @@ from fastroute.sim.worker import add_param_flags, params_from_args
 def run(coro, timeout: float = 20.0):
     async def bounded():
         return await asyncio.wait_for(coro, timeout)
+
     return asyncio.run(bounded())
 
 
@@ -31,11 +38,24 @@ P = SimParams()
 
 # -- parsing ----------------------------------------------------------------------------------
 
+
 def test_parse_generate_ids_text_and_rank_fields() -> None:
-    g = parse_inference("/generate", json.dumps({"input_ids": [1] * 37, "sampling_params": {"max_new_tokens": 9},
-                                                 "routed_dp_rank": 5, "data_parallel_rank": 2,
-                                                 "bootstrap_room": 7, "bootstrap_port": 8998,
-                                                 "bootstrap_host": "h", "stream": True}).encode(), P)
+    g = parse_inference(
+        "/generate",
+        json.dumps(
+            {
+                "input_ids": [1] * 37,
+                "sampling_params": {"max_new_tokens": 9},
+                "routed_dp_rank": 5,
+                "data_parallel_rank": 2,
+                "bootstrap_room": 7,
+                "bootstrap_port": 8998,
+                "bootstrap_host": "h",
+                "stream": True,
+            }
+        ).encode(),
+        P,
+    )
     assert (g.input_tokens, g.max_new, g.rank, g.room, g.bootstrap_port, g.stream) == (37, 9, 5, 7, 8998, True)
     g = parse_inference("/generate", b'{"text": "abcdefghi", "data_parallel_rank": 3}', P)
     assert g.input_tokens == 3 and g.rank == 3 and g.max_new == P.max_new_tokens and g.room is None
@@ -44,16 +64,28 @@ def test_parse_generate_ids_text_and_rank_fields() -> None:
 def test_parse_openai_paths() -> None:
     g = parse_inference("/v1/completions", b'{"prompt": [1,2,3,4], "max_tokens": 4}', P)
     assert (g.kind, g.input_tokens, g.max_new) == ("completions", 4, 4)
-    g = parse_inference("/v1/chat/completions",
-                        b'{"messages": [{"role": "user", "content": "abcdefgh"}], "max_completion_tokens": 2,'
-                        b' "stream": true, "stream_options": {"include_usage": true}}', P)
+    g = parse_inference(
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "abcdefgh"}], "max_completion_tokens": 2,'
+        b' "stream": true, "stream_options": {"include_usage": true}}',
+        P,
+    )
     assert (g.kind, g.input_tokens, g.max_new, g.include_usage) == ("chat", 4 + 2, 2, True)
 
 
-@pytest.mark.parametrize("body", [b"[1]", b"{bad", b'{"input_ids": [1], "routed_dp_rank": "1"}',
-                                  b'{"text": "x", "sampling_params": {"max_new_tokens": 0}}', b'{}',
-                                  b'{"input_ids": [[1], 2]}', b'{"text": "x", "bootstrap_room": 1.5}',
-                                  b'{"text": ["a", "b"], "bootstrap_room": [1]}'])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[1]",
+        b"{bad",
+        b'{"input_ids": [1], "routed_dp_rank": "1"}',
+        b'{"text": "x", "sampling_params": {"max_new_tokens": 0}}',
+        b"{}",
+        b'{"input_ids": [[1], 2]}',
+        b'{"text": "x", "bootstrap_room": 1.5}',
+        b'{"text": ["a", "b"], "bootstrap_room": [1]}',
+    ],
+)
 def test_parse_rejects_malformed(body: bytes) -> None:
     with pytest.raises(BadRequest):
         parse_inference("/generate", body, P)
@@ -67,8 +99,13 @@ def test_text_estimate_agrees_with_router_estimator() -> None:
 
 def test_encoded_requests_weigh_the_same_for_router_and_sim() -> None:
     body = pytest.importorskip("fastroute.dataplane.body")
-    for item in [TraceItem(1, 5), TraceItem(31_000, 200), TraceItem(300_000, 100), TraceItem(3, 7, text="héllo"),
-                 TraceItem(3, 7, input_ids=[4, 5, 6])]:
+    for item in [
+        TraceItem(1, 5),
+        TraceItem(31_000, 200),
+        TraceItem(300_000, 100),
+        TraceItem(3, 7, text="héllo"),
+        TraceItem(3, 7, input_ids=[4, 5, 6]),
+    ]:
         for fmt in ("text", "ids"):
             raw = encode_request(item, fmt)
             meta = body.parse_request("/generate", raw)
@@ -80,6 +117,7 @@ def test_encoded_requests_weigh_the_same_for_router_and_sim() -> None:
 
 
 # -- decode engine ----------------------------------------------------------------------------
+
 
 def _req(eng: DecodeEngine, rank: int, n_in: int, n_out: int, tokens: list | None = None) -> DecodeReq:
     loop = asyncio.get_running_loop()
@@ -105,8 +143,7 @@ def test_step_time_is_set_by_the_busiest_rank() -> None:
     spread = run(scenario([1] * 8, 30_000))
     hot = run(scenario([8] + [0] * 7, 30_000))
     assert spread == pytest.approx(p.step_base_ms + p.step_request_ms * 1 + p.step_mtoken_ms * 30_001 / 1e6, abs=0.01)
-    assert hot == pytest.approx(p.step_base_ms + p.step_request_ms * 8 + p.step_mtoken_ms * 8 * 30_000 / 1e6,
-                                abs=0.05)
+    assert hot == pytest.approx(p.step_base_ms + p.step_request_ms * 8 + p.step_mtoken_ms * 8 * 30_000 / 1e6, abs=0.05)
     # The seed-000 calibration: 6 -> ~40 ms, 8 -> ~44 ms, 9 -> ~46-48 ms at ~30k context each.
     six, eight, nine = (p.step_base_ms + p.step_seconds(n, n * 30_000) for n in (6, 8, 9))
     assert 39 <= six <= 42 and 43 <= eight <= 46 and 45 <= nine <= 49
@@ -139,6 +176,7 @@ def test_kv_prealloc_queues_until_the_rank_has_room_and_abort_frees() -> None:
         assert all(r.used == 0 and r.held == 0 and r.ctx == 0 for r in eng.ranks)
         assert eng.completed == 2 and eng.aborted == 1
         await eng.stop()
+
     run(scenario())
 
 
@@ -155,6 +193,7 @@ def test_one_token_per_step_and_rank_round_robin() -> None:
         await r.done
         assert [n for _, n in toks] == [1, 2, 3, 4] and eng.tokens_out == 4
         await eng.stop()
+
     run(scenario())
 
 
@@ -163,10 +202,12 @@ def test_request_larger_than_a_rank_is_rejected() -> None:
         eng = DecodeEngine(SimParams(dp_size=1, max_total_num_tokens=100))
         with pytest.raises(BadRequest):
             _req(eng, 0, 95, 10)
+
     run(scenario())
 
 
 # -- rendezvous -------------------------------------------------------------------------------
+
 
 def test_rendezvous_orders_and_timeout() -> None:
     async def scenario() -> None:
@@ -181,6 +222,7 @@ def test_rendezvous_orders_and_timeout() -> None:
         assert await w is True
         assert await b.wait(3, 0.01) is False  # never ready
         assert b.pending() == 0
+
     run(scenario())
 
 
@@ -193,21 +235,24 @@ def test_rendezvous_forgets_unclaimed_rooms_after_ttl() -> None:
 
 # -- loadgen pieces ---------------------------------------------------------------------------
 
+
 def test_synthetic_trace_is_seeded_and_input_heavy() -> None:
     a, b, c = synthetic_trace(2000, seed=1), synthetic_trace(2000, seed=1), synthetic_trace(2000, seed=2)
     assert a == b and a != c
     mean_in = sum(t.input_tokens for t in a) / len(a)
     mean_out = sum(t.output_tokens for t in a) / len(a)
     assert 20_000 <= mean_in <= 40_000
-    assert 100 <= min(t.output_tokens for t in a) and max(t.output_tokens for t in a) <= 500
+    assert min(t.output_tokens for t in a) >= 100 and max(t.output_tokens for t in a) <= 500
     assert 180 <= mean_out <= 320
     assert max(t.input_tokens for t in a) > 4 * mean_in  # heavy tail
 
 
 def test_load_trace_jsonl(tmp_path) -> None:
     path = tmp_path / "t.jsonl"
-    path.write_text('{"input_tokens": 100, "output_tokens": 7}\n\n{"text": "abcdefgh", "output_tokens": 3}\n'
-                    '{"input_ids": [1,2,3]}\n')
+    path.write_text(
+        '{"input_tokens": 100, "output_tokens": 7}\n\n{"text": "abcdefgh", "output_tokens": 3}\n'
+        '{"input_ids": [1,2,3]}\n'
+    )
     items = load_trace(str(path))
     assert [(i.input_tokens, i.output_tokens) for i in items] == [(100, 7), (2, 3), (3, 256)]
     path.write_text('{"output_tokens": 3}\n')
@@ -221,7 +266,7 @@ def test_sse_counter_handles_split_events() -> None:
     c = _SSECounter(rec, lambda: float(next(clock)))
     stream = b'data: {"a":1}\n\ndata: {"a":2}\n\n: keep-alive\n\ndata: {"a":3}\n\ndata: [DONE]\n\n'
     for i in range(0, len(stream), 7):
-        c.feed(stream[i:i + 7])
+        c.feed(stream[i : i + 7])
     assert rec.n_tokens == 3 and c.done and not c.error
     rec2 = ReqRecord(0.0, 1)
     c2 = _SSECounter(rec2, lambda: 1.0)
@@ -230,6 +275,7 @@ def test_sse_counter_handles_split_events() -> None:
 
 
 # -- balance statistics -----------------------------------------------------------------------
+
 
 def test_balance_stats_of_known_samples() -> None:
     even = (0.0, 40.0, (4, 4, 4, 4), (5, 5, 5, 5), (100, 100, 100, 100))
@@ -247,16 +293,36 @@ def test_balance_stats_of_known_samples() -> None:
 
 def test_matrix_and_table_shape() -> None:
     labels = [c.label for c in fastroute_cells()]
-    assert labels == ["round_robin", "p2c tokens", "p2c requests", "p2c least_requests",
-                      "demand W=0", "demand W=1e+06"]
+    assert labels == ["round_robin", "p2c tokens", "p2c requests", "p2c least_requests", "demand W=0", "demand W=1e+06"]
     assert len(fastroute_cells(sweep=True)) == 4 + 5
-    load = {k: 1.0 for k in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "interactivity_p50",
-                             "interactivity_p90", "output_tok_s")}
+    load = {
+        k: 1.0
+        for k in (
+            "ttft_p50_ms",
+            "ttft_p90_ms",
+            "tpot_p50_ms",
+            "tpot_p90_ms",
+            "interactivity_p50",
+            "interactivity_p90",
+            "output_tok_s",
+        )
+    }
     load.update(completed=3, errors=0)
-    res = [{"label": "round_robin", "concurrency": 64, "load": load,
-            "balance": {"outstanding_cv": 0.2, "running_cv": 0.1, "busiest_batch": 9.0,
-                        "kv_busiest_over_mean": 1.4, "step_ms": 44.0}},
-           {"label": "p2c requests", "concurrency": 192, "load": load, "balance": {"samples": 0}}]
+    res = [
+        {
+            "label": "round_robin",
+            "concurrency": 64,
+            "load": load,
+            "balance": {
+                "outstanding_cv": 0.2,
+                "running_cv": 0.1,
+                "busiest_batch": 9.0,
+                "kv_busiest_over_mean": 1.4,
+                "step_ms": 44.0,
+            },
+        },
+        {"label": "p2c requests", "concurrency": 192, "load": load, "balance": {"samples": 0}},
+    ]
     md = markdown_table(res, 0.25)
     assert "### concurrency 64" in md and "### concurrency 192" in md
     row = [ln for ln in md.splitlines() if ln.startswith("| round_robin")][0]
@@ -264,13 +330,25 @@ def test_matrix_and_table_shape() -> None:
 
 
 def test_parse_batches_per_protocol_3_3() -> None:
-    g = parse_inference("/generate", json.dumps({
-        "input_ids": [[1, 2], [3, 4, 5]], "bootstrap_host": ["h", "h"], "bootstrap_port": [7, 7],
-        "bootstrap_room": [10, 20], "routed_dp_rank": [1, 0],
-        "sampling_params": [{"max_new_tokens": 3}, {"max_new_tokens": 4}]}).encode(), P)
+    g = parse_inference(
+        "/generate",
+        json.dumps(
+            {
+                "input_ids": [[1, 2], [3, 4, 5]],
+                "bootstrap_host": ["h", "h"],
+                "bootstrap_port": [7, 7],
+                "bootstrap_room": [10, 20],
+                "routed_dp_rank": [1, 0],
+                "sampling_params": [{"max_new_tokens": 3}, {"max_new_tokens": 4}],
+            }
+        ).encode(),
+        P,
+    )
     assert g.batch == 2 and g.input_tokens == 5
-    assert [(i.index, i.input_tokens, i.room, i.rank, i.max_new, i.bootstrap_port) for i in g.items] == \
-        [(0, 2, 10, 1, 3, 7), (1, 3, 20, 0, 4, 7)]
+    assert [(i.index, i.input_tokens, i.room, i.rank, i.max_new, i.bootstrap_port) for i in g.items] == [
+        (0, 2, 10, 1, 3, 7),
+        (1, 3, 20, 0, 4, 7),
+    ]
     g = parse_inference("/generate", b'{"text": ["abcd", "abcdefgh", "x"], "bootstrap_room": 5}', P)
     assert [(i.input_tokens, i.room) for i in g.items] == [(1, 5), (2, 6), (1, 7)]  # scalar room expands
     g = parse_inference("/v1/completions", b'{"prompt": ["abcd", "abcd"], "bootstrap_room": [1, 2]}', P)
@@ -283,15 +361,27 @@ def test_parse_batches_per_protocol_3_3() -> None:
 
 def test_scale_summary_converts_to_simulated_time() -> None:
     from fastroute.sim.loadgen import scale_summary
-    s = {"ttft_p50_ms": 10.0, "ttft_p90_ms": 20.0, "tpot_p50_ms": 5.0, "tpot_p90_ms": 6.0, "itl_p50_ms": 5.0,
-         "itl_p90_ms": 7.0, "output_tok_s": 400.0, "requests_per_s": 2.0, "interactivity_p50": 200.0,
-         "interactivity_p90": 160.0, "completed": 3}
+
+    s = {
+        "ttft_p50_ms": 10.0,
+        "ttft_p90_ms": 20.0,
+        "tpot_p50_ms": 5.0,
+        "tpot_p90_ms": 6.0,
+        "itl_p50_ms": 5.0,
+        "itl_p90_ms": 7.0,
+        "output_tok_s": 400.0,
+        "requests_per_s": 2.0,
+        "interactivity_p50": 200.0,
+        "interactivity_p90": 160.0,
+        "completed": 3,
+    }
     out = scale_summary(s, 0.25)
     assert out["tpot_p50_ms"] == 20.0 and out["ttft_p90_ms"] == 80.0 and out["output_tok_s"] == 100.0
     assert out["interactivity_p50"] == 50.0 and out["completed"] == 3 and s["tpot_p50_ms"] == 5.0
 
 
 # -- KV model: retraction, transfer stage, slow rank, /v1/loads shapes -------------------------
+
 
 async def _until(pred, timeout: float = 5.0, what: str = "condition") -> None:
     loop = asyncio.get_running_loop()
@@ -313,13 +403,13 @@ def test_without_retract_the_whole_output_is_reserved_and_nothing_is_retracted()
         await asyncio.gather(a.done, b.done)
         assert eng.retractions == 0 and eng.completed == 2
         await eng.stop()
+
     run(scenario())
 
 
 def test_retract_overcommits_then_retracts_the_newest_and_resumes_it() -> None:
     async def scenario() -> None:
-        p = SimParams(dp_size=1, max_total_num_tokens=1_000, time_scale=0.0005, retract=True,
-                      reserved_decode_tokens=10)
+        p = SimParams(dp_size=1, max_total_num_tokens=1_000, time_scale=0.0005, retract=True, reserved_decode_tokens=10)
         eng = DecodeEngine(p)
         eng.start()
         toks: list = []
@@ -337,13 +427,13 @@ def test_retract_overcommits_then_retracts_the_newest_and_resumes_it() -> None:
         assert [n for rid, n in toks if rid == b.rid] == list(range(1, 101))
         assert rk.used == rk.held == rk.ctx == 0
         await eng.stop()
+
     run(scenario())
 
 
 def test_abort_of_a_retracted_request_frees_the_queue() -> None:
     async def scenario() -> None:
-        p = SimParams(dp_size=1, max_total_num_tokens=1_000, time_scale=0.0005, retract=True,
-                      reserved_decode_tokens=0)
+        p = SimParams(dp_size=1, max_total_num_tokens=1_000, time_scale=0.0005, retract=True, reserved_decode_tokens=0)
         eng = DecodeEngine(p)
         eng.start()
         a = _req(eng, 0, 480, 200)
@@ -354,6 +444,7 @@ def test_abort_of_a_retracted_request_frees_the_queue() -> None:
         await a.done
         assert eng.ranks[0].used == 0 and eng.aborted == 1
         await eng.stop()
+
     run(scenario())
 
 
@@ -387,6 +478,7 @@ def test_transfer_then_batch_end_to_end() -> None:
         await asyncio.gather(*(r.done for r in reqs))
         assert eng.completed == 4 and all(r.xfer is None for r in reqs)
         await eng.stop()
+
     run(scenario())
 
 
@@ -442,8 +534,21 @@ def test_v1_loads_reports_the_queues_in_sglang_shapes() -> None:
 def test_worker_cli_flags_for_the_kv_model() -> None:
     ap = argparse.ArgumentParser()
     add_param_flags(ap)
-    p = params_from_args(ap.parse_args(["--retract", "--slow-rank", "3", "--slow-factor", "1.5",
-                                        "--kv-transfer-tokens-per-s", "2e6", "--kv-transfer-scope", "rank"]))
+    p = params_from_args(
+        ap.parse_args(
+            [
+                "--retract",
+                "--slow-rank",
+                "3",
+                "--slow-factor",
+                "1.5",
+                "--kv-transfer-tokens-per-s",
+                "2e6",
+                "--kv-transfer-scope",
+                "rank",
+            ]
+        )
+    )
     assert p.retract is True and p.slow_rank == 3 and p.slow_factor == 1.5
     assert p.kv_transfer_tokens_per_s == 2e6 and p.kv_transfer_scope == "rank"
     assert params_from_args(ap.parse_args([])).retract is False
@@ -453,6 +558,7 @@ def test_worker_cli_flags_for_the_kv_model() -> None:
 
 # -- KV-tight benchmark pieces ----------------------------------------------------------------
 
+
 def test_balance_stats_prealloc_per_rank() -> None:
     a = (0.0, 40.0, (4, 4), (5, 5), (100, 100), (0, 3))
     b = (0.1, 40.0, (4, 4), (5, 5), (100, 100), (2, 1))
@@ -461,13 +567,15 @@ def test_balance_stats_prealloc_per_rank() -> None:
 
 
 def test_kv_fit_counters_are_parsed_from_router_metrics() -> None:
-    text = ('# HELP fastroute_decode_kv_fit_decisions_total KV-fit placement\n'
-            '# TYPE fastroute_decode_kv_fit_decisions_total counter\n'
-            'fastroute_decode_kv_fit_decisions_total{role="decode",result="agree"} 120.0\n'
-            'fastroute_decode_kv_fit_decisions_total{role="decode",result="disagree"} 30.0\n'
-            'fastroute_decode_kv_fit_decisions_total{role="prefill",result="agree"} 999.0\n'
-            'fastroute_decode_kv_fit_decisions_created{role="decode",result="agree"} 1.7e9\n'
-            'fastroute_target_kv_free_tokens{target="x@0"} 5.0\n')
+    text = (
+        "# HELP fastroute_decode_kv_fit_decisions_total KV-fit placement\n"
+        "# TYPE fastroute_decode_kv_fit_decisions_total counter\n"
+        'fastroute_decode_kv_fit_decisions_total{role="decode",result="agree"} 120.0\n'
+        'fastroute_decode_kv_fit_decisions_total{role="decode",result="disagree"} 30.0\n'
+        'fastroute_decode_kv_fit_decisions_total{role="prefill",result="agree"} 999.0\n'
+        'fastroute_decode_kv_fit_decisions_created{role="decode",result="agree"} 1.7e9\n'
+        'fastroute_target_kv_free_tokens{target="x@0"} 5.0\n'
+    )
     got = parse_kv_fit_metrics(text)
     assert got["agree"] == 120.0 and got["disagree"] == 30.0
     assert parse_kv_fit_metrics("") == {}
@@ -475,8 +583,12 @@ def test_kv_fit_counters_are_parsed_from_router_metrics() -> None:
 
 def test_kv_tight_cells_and_table() -> None:
     cells = kv_tight_cells(reserve=500)
-    assert [c.label for c in cells] == ["least_requests", "demand W=1e6", "least_requests + kv-fit",
-                                        "demand W=1e6 + kv-fit"]
+    assert [c.label for c in cells] == [
+        "least_requests",
+        "demand W=1e6",
+        "least_requests + kv-fit",
+        "demand W=1e6 + kv-fit",
+    ]
     for c in cells:
         mode = c.args[c.args.index("--decode-kv-fit") + 1]
         assert mode == ("on" if "kv-fit" in c.label else "shadow")
@@ -486,9 +598,16 @@ def test_kv_tight_cells_and_table() -> None:
     def res(label: str, rep: int, ttft90: float, args: list) -> dict:
         load = {k: 10.0 for k in ("ttft_p50_ms", "tpot_p50_ms", "tpot_p90_ms", "output_tok_s")}
         load.update(ttft_p90_ms=ttft90, completed=5, errors=0)
-        return {"label": label, "concurrency": 192, "repeat": rep, "load": load, "args": args,
-                "balance": {"prealloc_per_rank": [float(rep), 0.0], "busiest_batch": 24.0, "step_ms": 80.0},
-                "kv_fit": {"agree": 3.0, "disagree": 1.0}, "retractions": 0}
+        return {
+            "label": label,
+            "concurrency": 192,
+            "repeat": rep,
+            "load": load,
+            "args": args,
+            "balance": {"prealloc_per_rank": [float(rep), 0.0], "busiest_batch": 24.0, "step_ms": 80.0},
+            "kv_fit": {"agree": 3.0, "disagree": 1.0},
+            "retractions": 0,
+        }
 
     rows = [res("least_requests", k, t, cells[0].args) for k, t in enumerate((300.0, 100.0, 200.0))]
     rows.append(res("least_requests + kv-fit", 0, 50.0, cells[2].args))

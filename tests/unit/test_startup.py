@@ -1,5 +1,6 @@
 """The start-up banner, the security posture warning, the port-in-use line and --log-json's
 formatter (fastroute.runtime.startup, fastroute.log)."""
+
 from __future__ import annotations
 
 import errno
@@ -12,10 +13,21 @@ from fastroute.runtime.startup import banner, bind_error, posture_warnings
 
 
 def test_banner_names_mode_policies_sources_and_scheme() -> None:
-    c = Config(pd_disaggregation=True, prefill=[("http://p:1", None)], decode=["http://d:1"],
-               decode_policy="power_of_two", p2c_load_metric="requests", load_metric_source="flag",
-               decode_input_demand="shadow", decode_request_weight=4, decode_kv_fit="on",
-               decode_kv_reserve_tokens=64, tls_cert_path="c", tls_key_path="k", host="10.0.0.1")
+    c = Config(
+        pd_disaggregation=True,
+        prefill=[("http://p:1", None)],
+        decode=["http://d:1"],
+        decode_policy="power_of_two",
+        p2c_load_metric="requests",
+        load_metric_source="flag",
+        decode_input_demand="shadow",
+        decode_request_weight=4,
+        decode_kv_fit="on",
+        decode_kv_reserve_tokens=64,
+        tls_cert_path="c",
+        tls_key_path="k",
+        host="10.0.0.1",
+    )
     text = banner(c, 8443, 4)
     assert text.startswith("fastroute ") and "https://10.0.0.1:8443 (4 proxy processes)" in text
     assert "mode: PD disaggregation" in text and "prefill policy: cache_aware" in text

@@ -1,5 +1,6 @@
 """The .pyi stubs beside the compiled modules list exactly their Python-visible API, so the
 ``py.typed`` marker the package ships is honest.  Also: every .pyx has its .pyi."""
+
 from __future__ import annotations
 
 import ast
@@ -25,17 +26,21 @@ def stub_api(module) -> tuple[set[str], dict[str, set[str]]]:
             top.add(node.target.id)
         if isinstance(node, ast.ClassDef):
             members[node.name] = {
-                n.name if isinstance(n, ast.FunctionDef) else n.target.id for n in node.body
-                if isinstance(n, ast.FunctionDef)
-                or (isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name))}
+                n.name if isinstance(n, ast.FunctionDef) else n.target.id
+                for n in node.body
+                if isinstance(n, ast.FunctionDef) or (isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name))
+            }
     return {n for n in top if not n.startswith("_")}, members
 
 
 def runtime_api(module) -> set[str]:
     # Names a module imports from fastroute.names are not its API (ints are interned: skip them).
     shared = {id(v) for v in vars(fastroute.names).values() if not isinstance(v, int)}
-    return {n for n, v in vars(module).items()
-            if not n.startswith("_") and not isinstance(v, types.ModuleType) and id(v) not in shared}
+    return {
+        n
+        for n, v in vars(module).items()
+        if not n.startswith("_") and not isinstance(v, types.ModuleType) and id(v) not in shared
+    }
 
 
 def public(cls) -> set[str]:

@@ -1,4 +1,5 @@
 """Target table layout, lifetime and ledger semantics (single process)."""
+
 from __future__ import annotations
 
 import re
@@ -8,7 +9,8 @@ import numpy as np
 import pytest
 
 from fastroute import names
-from fastroute.core import _ledger, _policy, table as T
+from fastroute.core import _ledger, _policy
+from fastroute.core import table as T
 from fastroute.core.table import TargetTable
 
 
@@ -50,19 +52,22 @@ def test_every_layout_constant_is_mirrored_both_ways():
     assert set(source) | set(pxd_enums("_policy.pxd")) == set(compiled)
     assert {k: v for k, v in compiled.items() if not LAYOUT_NAME.match(k)} == {
         **{k: v for k, v in pxd_enums("_layout.pxd").items() if k.startswith("CIRCUIT_")},
-        **pxd_enums("_policy.pxd")}
+        **pxd_enums("_policy.pxd"),
+    }
 
 
 def test_compiled_codes_match_the_shared_names():
     compiled = _policy.layout()
     assert {k: v for k, v in compiled.items() if k.startswith("CIRCUIT_")} == {
-        "CIRCUIT_CLOSED": names.CIRCUIT_CLOSED, "CIRCUIT_OPEN": names.CIRCUIT_OPEN,
-        "CIRCUIT_HALF_OPEN": names.CIRCUIT_HALF_OPEN}
+        "CIRCUIT_CLOSED": names.CIRCUIT_CLOSED,
+        "CIRCUIT_OPEN": names.CIRCUIT_OPEN,
+        "CIRCUIT_HALF_OPEN": names.CIRCUIT_HALF_OPEN,
+    }
     assert (T.CIRCUIT_CLOSED, T.CIRCUIT_OPEN, T.CIRCUIT_HALF_OPEN) == (0, 1, 2)
-    assert {k[len("METRIC_"):].lower(): v for k, v in compiled.items()
-            if k.startswith("METRIC_")} == names.LOAD_METRIC_CODE
-    assert {k[len("MODE_"):].lower(): v for k, v in compiled.items()
-            if k.startswith("MODE_")} == names.MODE_CODE
+    assert {
+        k[len("METRIC_") :].lower(): v for k, v in compiled.items() if k.startswith("METRIC_")
+    } == names.LOAD_METRIC_CODE
+    assert {k[len("MODE_") :].lower(): v for k, v in compiled.items() if k.startswith("MODE_")} == names.MODE_CODE
 
 
 def test_rows_are_cache_line_padded(tab):
@@ -118,8 +123,8 @@ def test_release_below_zero_is_counted_not_applied(tab):
     # Someone else (a buggy path) zeroes the counter behind the lease's back.
     tab.cells.store(t, T.COL_IN_FLIGHT, 0)
     assert lease.release() is True
-    assert tab.in_flight(t) == 0          # never negative
-    assert tab.underflows == 1            # and the bug is visible
+    assert tab.in_flight(t) == 0  # never negative
+    assert tab.underflows == 1  # and the bug is visible
 
 
 def test_attach_by_name_sees_the_same_cells(tab):
@@ -135,6 +140,7 @@ def test_attach_by_name_sees_the_same_cells(tab):
 
 def test_attach_rejects_foreign_segment():
     from multiprocessing import shared_memory
+
     shm = shared_memory.SharedMemory(create=True, size=4096)
     try:
         with pytest.raises(ValueError, match="not a fastroute"):
@@ -153,6 +159,7 @@ def test_snapshot_is_a_copy(tab):
 
 
 # ---- index checks at the Python boundary (the compiled loops run without bounds checks) ---------
+
 
 def test_cells_reject_rows_and_columns_outside_the_view():
     big = np.zeros((4, T.NCOLS), dtype=np.int64)
@@ -181,7 +188,7 @@ def test_cells_reject_rows_and_columns_outside_the_view():
             cells.cas(0, col, 0, 1)
         with pytest.raises(IndexError):
             cells.rows_where(col, 0)
-    assert big[3, 0] == 42 and not big[:2].any()      # nothing was written anywhere
+    assert big[3, 0] == 42 and not big[:2].any()  # nothing was written anywhere
     cells.store(1, T.NCOLS - 1, 7)
     assert cells.load(1, T.NCOLS - 1) == 7 and cells.add(1, T.NCOLS - 1, 1) == 8
     assert cells.cas(1, T.NCOLS - 1, 8, 9) and cells.rows_where(T.NCOLS - 1, 9) == [1]
@@ -193,7 +200,7 @@ def test_header_cells_check_the_header_width(tab):
     with pytest.raises(IndexError):
         hcells.load(0, T.NHDR)
     with pytest.raises(IndexError):
-        hcells.ok_closed(0)                 # not a table row: no circuit cell
+        hcells.ok_closed(0)  # not a table row: no circuit cell
 
 
 def test_store_polled_and_snapshot_check_their_ranges(tab):

@@ -1,5 +1,6 @@
-"""The pool hands out and takes back a connection exactly once (issue 19): unit tests over a
-fake transport, no sockets."""
+"""The pool hands out and takes back a connection exactly once (twice would let two requests share
+one socket): unit tests over a fake transport, no sockets."""
+
 from __future__ import annotations
 
 import asyncio

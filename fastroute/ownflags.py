@@ -1,0 +1,221 @@
+"""fastroute's own flags, not in sglang-router: the extensions (decode input demand, KV fit,
+rank fields, ``--workers``...), service discovery and router replicas. Defaults come from
+:class:`fastroute.config.Config`; :func:`fastroute.cli.build_parser` calls these on its parser.
+"""
+
+from __future__ import annotations
+
+from fastroute.config import DEMAND_MODES, DISCOVERY_PROVIDERS, DP_RANK_FIELDS, ENV_DECODE_REQUEST_WEIGHT, default
+from fastroute.flagparse import Adder, DiscoveryOption, workers_value
+
+
+def add_own_groups(add: Adder) -> None:
+    """The fastroute extensions, Service discovery and Router replicas groups."""
+    d = default
+
+    add.section("fastroute extensions", "Not in sglang-router; defaults keep peer behaviour.")
+    add(
+        "--decode-input-demand",
+        choices=DEMAND_MODES,
+        default=d("decode_input_demand"),
+        help="Pick decode targets by in-flight input tokens + request tokens (+ W x held "
+        "requests): off, shadow (count agreement, dispatch legacy pick) or on "
+        "(default: %(default)s).",
+    )
+    add(
+        "--decode-request-weight",
+        type=int,
+        default=None,
+        metavar="W",
+        help="Token charge per request a decode target already holds in the demand cost; "
+        "nonzero needs --decode-input-demand shadow or on (default: $"
+        + ENV_DECODE_REQUEST_WEIGHT
+        + " if set, else 0).",
+    )
+    add(
+        "--prefill-input-demand",
+        choices=DEMAND_MODES,
+        default=d("prefill_input_demand"),
+        help="PD: pick prefill targets (ranks under --dp-aware) by the input tokens waiting "
+        "there + this request's: booked at the pick, given back when the prefill answers, "
+        "corrected by /v1/loads num_waiting_uncached_tokens where reported; off, shadow "
+        "(count agreement, dispatch the prefill policy's pick) or on (default: %(default)s).",
+    )
+    add(
+        "--dp-rank-field",
+        choices=DP_RANK_FIELDS,
+        default=None,
+        help="Body key carrying the chosen DP rank (default: routed_dp_rank on the PD decode "
+        "leg, data_parallel_rank in regular mode).",
+    )
+    add("--seed", type=int, default=None, help="Seed of the tie-break RNG, for reproducible runs (default: random).")
+    add(
+        "--body-read-timeout-secs",
+        type=float,
+        default=d("body_read_timeout_secs"),
+        help="Answer 408 and close when a request body has not fully arrived within this time; "
+        "a body stalled for --header-read-timeout-secs is cut sooner (default: %(default)s s).",
+    )
+    add(
+        "--pd-max-batch-size",
+        type=int,
+        default=d("pd_max_batch_size"),
+        help="Largest PD batch (items, one bootstrap room each); larger ones get 413 (default: %(default)s).",
+    )
+    add(
+        "--workers",
+        type=workers_value,
+        default=d("workers"),
+        metavar="N|auto",
+        help="Proxy processes sharing the port and one in-flight ledger; auto = one per CPU (default: %(default)s).",
+    )
+    add(
+        "--decode-kv-fit",
+        choices=DEMAND_MODES,
+        default=d("decode_kv_fit"),
+        help="KV-fit decode placement: narrow the decode candidates to the ranks whose "
+        "estimated free KV (last /v1/loads poll + the router's bookings since) holds this "
+        "request's input + max_new_tokens + the reserve, then apply the decode policy (or the "
+        "demand cost); no rank fits: the one with the most free KV. 'shadow' dispatches the "
+        "usual pick and counts agreement (default: %(default)s).",
+    )
+    add(
+        "--cache-aware-rank-slack",
+        type=int,
+        default=d("cache_aware_rank_slack"),
+        metavar="N",
+        help="cache_aware on a leg that decodes (PD decode, regular): pick only among targets "
+        "holding at most the least-loaded one's in-flight requests + N; a prefix hit goes to "
+        "the least-loaded holder, a miss to the least-loaded target. Default: 0 on the PD "
+        "decode leg under --dp-aware when it inherits --policy cache_aware (every decode "
+        "step waits for the busiest rank), unbounded elsewhere and with an explicit "
+        "--decode-policy cache_aware.",
+    )
+    add(
+        "--decode-kv-reserve-tokens",
+        type=int,
+        default=d("decode_kv_reserve_tokens"),
+        metavar="TOKENS",
+        help="Extra KV tokens a request must leave free on its rank under --decode-kv-fit, "
+        "on top of its input and max_new_tokens (default: %(default)s).",
+    )
+
+    add.section(
+        "Service discovery",
+        "Workers from Kubernetes pods or a JSON manifest file, beside "
+        "--worker-urls / --prefill / --decode and POST /workers (fastroute.control.discovery).",
+    )
+    opt = DiscoveryOption
+    add(
+        "--service-discovery",
+        action="store_true",
+        help="Watch Kubernetes pods (in-cluster service account or kubeconfig; refuses to start "
+        "without either): a Running and Ready pod matching the selector becomes worker "
+        "http://<podIP>:<--service-discovery-port> (default: off).",
+    )
+    add(
+        "--selector",
+        action=opt,
+        nargs="*",
+        default=d("selector"),
+        metavar="KEY=VALUE",
+        help="Label selector of regular-mode worker pods, space- or comma-separated, "
+        "set-based forms allowed (default: none).",
+    )
+    add(
+        "--prefill-selector",
+        action=opt,
+        nargs="*",
+        default=d("prefill_selector"),
+        metavar="KEY=VALUE",
+        help="PD mode: label selector of prefill pods (default: none).",
+    )
+    add(
+        "--decode-selector",
+        action=opt,
+        nargs="*",
+        default=d("decode_selector"),
+        metavar="KEY=VALUE",
+        help="PD mode: label selector of decode pods (default: none).",
+    )
+    add(
+        "--service-discovery-port",
+        action=opt,
+        type=int,
+        default=d("service_discovery_port"),
+        metavar="PORT",
+        help="Worker HTTP port on each pod (default: %(default)s).",
+    )
+    add(
+        "--service-discovery-namespace",
+        action=opt,
+        default=None,
+        metavar="NAMESPACE",
+        help="Namespace to watch (default: all namespaces).",
+    )
+    add(
+        "--bootstrap-port-annotation",
+        action=opt,
+        default=d("bootstrap_port_annotation"),
+        metavar="KEY",
+        help="Pod annotation holding a prefill pod's KV bootstrap port; absent = null (default: %(default)s).",
+    )
+    add(
+        "--discovery-provider",
+        choices=DISCOVERY_PROVIDERS,
+        default=None,
+        help="Where workers come from: kubernetes pods or a JSON manifest file; giving it turns "
+        "discovery on (default: kubernetes with --service-discovery).",
+    )
+    add(
+        "--discovery-file",
+        action=opt,
+        default=None,
+        metavar="PATH",
+        help='--discovery-provider file: the manifest {"workers": [{"url": ..., '
+        '"worker_type": ..., "bootstrap_port": ...}]}; may appear after start-up, '
+        "re-read on change; a malformed file keeps the last good set (default: none).",
+    )
+    add(
+        "--discovery-check-interval-secs",
+        action=opt,
+        type=int,
+        metavar="SECS",
+        default=d("discovery_check_interval_secs"),
+        help="Full re-read of the manifest, and the length of one Kubernetes watch before it is "
+        "resumed (default: %(default)s s).",
+    )
+
+    add.section(
+        "Router replicas",
+        "Several routers balancing as one: each publishes its per-target "
+        "in-flight counts to Redis and adds the other live replicas' to its own, off the "
+        "request path (fastroute.control.replica).",
+    )
+    add(
+        "--replica-sync",
+        default=None,
+        metavar="redis://HOST:PORT[/DB]",
+        help="Share in-flight load and circuit opens with the other replicas through this Redis; "
+        "Redis gone: routing goes on with local counts (default: off).",
+    )
+    add(
+        "--replica-id",
+        default=None,
+        metavar="ID",
+        help="This replica's name in Redis (default: host:port:pid, so a restart starts clean).",
+    )
+    add(
+        "--replica-sync-interval-ms",
+        type=int,
+        default=d("replica_sync_interval_ms"),
+        metavar="MS",
+        help="Publish and refresh the other replicas' counts every MS (default: %(default)s).",
+    )
+    add(
+        "--replica-ttl-ms",
+        type=int,
+        default=d("replica_ttl_ms"),
+        metavar="MS",
+        help="A replica that has not published for MS drops out of the others' view (default: %(default)s).",
+    )
