@@ -39,33 +39,14 @@ import msgspec  # noqa: E402
 
 from fastroute.dataplane import body as _body  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from floor import WORDS  # noqa: E402  (the words the floor benchmark's bodies are made of)
+
 try:
     import orjson
 except ImportError:  # optional: only measured when present
     orjson = None
 
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "a",
-    "lazy",
-    "dog",
-    "while",
-    "routers",
-    "count",
-    "tokens",
-    "and",
-    "caches",
-    "remember",
-    "prefixes",
-    "of",
-    "long",
-    "prompts",
-]
 # Real prompts: mostly ASCII, lines (JSON \n escapes), now and then a non-ASCII word.
 ASCII = False  # --ascii: no non-ASCII words (escapes only)
 RARE = ("caf\u00e9", "na\u00efve", "\u4f60\u597d", "\n", "\n\n")
