@@ -554,6 +554,12 @@ class DecodeEngine:
         p = self.p
         cap = p.max_total_num_tokens
         assert self._wake is not None
+        # Steps run back to back on a deadline: a step that starts late (the host
+        # was busy) is shortened by the lateness, so the modelled step time, not
+        # the event loop's scheduling delay, sets the pace. If the loop falls more
+        # than one step behind, the schedule restarts from now rather than
+        # bursting to catch up; after an idle spell it restarts too.
+        step_end = 0.0
         while True:
             # Requests whose KV arrived join now, up to max_running_requests per rank.
             busy = False
@@ -580,9 +586,15 @@ class DecodeEngine:
                     await asyncio.wait_for(self._wake.wait(), p.sample_interval_s)
                 except asyncio.TimeoutError:
                     pass
+                step_end = 0.0
                 continue
             step_ms = p.step_base_ms + cost
-            await asyncio.sleep(step_ms * p.time_scale / 1000.0)
+            step_s = step_ms * p.time_scale / 1000.0
+            now = loop.time()
+            if now - step_end > step_s:
+                step_end = now  # idle, or behind by more than a step: restart
+            step_end += step_s
+            await asyncio.sleep(max(0.0, step_end - loop.time()))
             self.steps += 1
             self.last_step_ms = step_ms
             for rk in self.ranks:
