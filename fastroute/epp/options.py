@@ -154,11 +154,6 @@ def refusal(config: Any, processes: int, pool: str | None = None, sidecar_port: 
             "argument --inference-pool: an InferencePool has one role of pods; PD through "
             "the gateway takes --prefill/--decode or --service-discovery selectors"
         )
-    if config.replica_sync is not None:
-        return (
-            "argument --replica-sync: not supported by fastroute epp (EPP replicas sharing "
-            "in-flight state is not built); run one picker"
-        )
     if processes > 1:
         return "argument --workers: fastroute epp runs as one process (give --workers 1)"
     for url in config.worker_urls:
@@ -318,6 +313,10 @@ AUDIT: dict[str, str] = {
             "--health-check-port",
             "--policy",
             "--p2c-load-metric",
+            "--replica-sync",
+            "--replica-id",
+            "--replica-sync-interval-ms",
+            "--replica-ttl-ms",
             "--load-monitor-interval",
             "--disable-load-monitoring",
             "--routing-key-headers",
@@ -381,9 +380,6 @@ AUDIT: dict[str, str] = {
         for f in (
             *(flag for _, flag, _ in _INERT),
             "--cb-window-duration-secs",
-            "--replica-id",
-            "--replica-sync-interval-ms",
-            "--replica-ttl-ms",
             "--prefill-selector",
             "--decode-selector",
         )
@@ -406,7 +402,6 @@ AUDIT: dict[str, str] = {
             "--cb-failure-threshold",
             "--cb-success-threshold",
             "--cb-timeout-duration-secs",
-            "--replica-sync",
         )
     },
 }

@@ -9,7 +9,10 @@ drain starts, for the whole server ``""``, the ext_proc service name and ``readi
 ``liveness`` is SERVING while the process answers; the same readiness on
 ``--health-check-port``'s /readiness, as in the proxy). In-flight counts
 are the proxy's: ``fastroute_target_in_flight_requests`` (and the smg families) on
-``--prometheus-port``, read from the one target table the leases book into.
+``--prometheus-port``, read from the one target table the leases book into. Under
+``--replica-sync`` several pickers (or pickers and proxies) share that table's in-flight counts
+through Redis exactly as proxy replicas do (:mod:`fastroute.control.replica`): the sync owns
+the table's "others" columns, the picks read them, no pick waits for Redis.
 
 A sweep, once a second, expires admission waiters, runs the lease safety net and the
 reconciler, and keeps the health status in step with the registry.
@@ -28,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastroute.config import Config
 from fastroute.control.discovery import start_discovery
+from fastroute.control.replica import ReplicaSync, start_replica_sync
 from fastroute.core.table import TargetTable
 from fastroute.dataplane.admission import Admission
 from fastroute.epp.decide import Decider
@@ -73,6 +77,7 @@ class EppServer:
         self.grpc: Any = None
         self.discovery: Any = None
         self.probe: Any = None  # --health-check-port: /health, /liveness, /readiness
+        self.replica: ReplicaSync | None = None  # --replica-sync
         self._sweeper: asyncio.Task | None = None
         self._serving: bool | None = None
         self._stopping = False
@@ -141,6 +146,7 @@ class EppServer:
         await parts.registry.start()
         if parts.monitor is not None:
             parts.monitor.start()
+        self.replica = await start_replica_sync(cfg, self.table, parts.registry, parts.metrics, self.grpc_port)
         self._sweeper = loop.create_task(self._sweep())
 
     async def _close_half_started(self) -> None:
@@ -207,7 +213,7 @@ class EppServer:
                     b.close("shutdown")
             p = self.parts
             if p is not None:
-                await stop_in_order(self.pool, self.discovery, p.monitor, p.registry, p.metrics)
+                await stop_in_order(self.pool, self.discovery, self.replica, p.monitor, p.registry, p.metrics)
         finally:
             if self.table is not None:
                 self.table.close()

@@ -73,7 +73,6 @@ def test_split_refuses_naming_the_flag(argv: list[str], flag: str) -> None:
             {"pd_disaggregation": True, "prefill": [("http://p:1", None)], "decode": ["http://d:2"]},
             "--pd-disaggregation",
         ),
-        ({"replica_sync": "redis://127.0.0.1:6379"}, "--replica-sync"),
         ({"worker_urls": ["https://w:1"]}, "--worker-urls"),
         ({"retry_max_retries": 2}, "--retry-max-retries"),
         ({"cb_failure_threshold": 3}, "--cb-failure-threshold"),
@@ -457,9 +456,6 @@ _INERT_SAMPLES = {
         "routed_dp_rank",
     ],
     "--cb-window-duration-secs": ["--cb-window-duration-secs", "5"],
-    "--replica-id": ["--replica-id", "r1"],
-    "--replica-sync-interval-ms": ["--replica-sync-interval-ms", "20"],
-    "--replica-ttl-ms": ["--replica-ttl-ms", "5000"],
     "--prefill-selector": ["--prefill-selector", "app=p"],
     "--decode-selector": ["--decode-selector", "app=d"],
 }
@@ -478,7 +474,6 @@ _REFUSED_SAMPLES = {
     "--cb-failure-threshold": ["--cb-failure-threshold", "3"],
     "--cb-success-threshold": ["--cb-success-threshold", "1"],
     "--cb-timeout-duration-secs": ["--cb-timeout-duration-secs", "5"],
-    "--replica-sync": ["--replica-sync", "redis://127.0.0.1:6379"],
     "--prefill-input-demand": ["--prefill-input-demand", "on"],
 }
 # The flag a refusal names when the router's own check speaks first.
