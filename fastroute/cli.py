@@ -160,7 +160,7 @@ def _epp(args: list[str]) -> int:
         parser.error(f"argument --log-dir: {exc}")
     except ConfigError as exc:
         parser.error(str(exc))
-    why = refusal(config, resolve_processes(config), opts.pool, opts.sidecar_port)
+    why = refusal(config, resolve_processes(config), opts.pool, opts.sidecar_port, opts.failure_mode)
     if why is None and opts.pool is not None and not opts.print_config:
         from fastroute.kube import NO_KUBE_CONFIG, kube_config_source
 
@@ -174,7 +174,7 @@ def _epp(args: list[str]) -> int:
     if opts.print_config:
         from fastroute.epp.bootstrap import bootstrap_for
 
-        sys.stdout.write(bootstrap_for(config, opts.grpc_port, opts.listen_port, opts.admin_port))
+        sys.stdout.write(bootstrap_for(config, opts.grpc_port, opts.listen_port, opts.admin_port, opts.failure_mode))
         return 0
     try:
         from fastroute.epp.server import serve as serve_epp

@@ -27,6 +27,7 @@ body gets 413 from Envoy).
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastroute.config import default
 
@@ -38,6 +39,9 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 EPP_CLUSTER = "fastroute_epp"
 ENDPOINTS_CLUSTER = "fastroute_endpoints"
+FALLBACK_CLUSTER = "fastroute_fallback"
+# The InferencePool's endpointPickerRef.failureMode values (--failure-mode).
+FAIL_CLOSE, FAIL_OPEN = "FailClose", "FailOpen"
 # The largest request body Envoy buffers for the picker (larger ones get 413 from Envoy), unless
 # --max-payload-size says otherwise; Envoy's limit is a 32-bit count of bytes.
 BODY_LIMIT = 32 * 1024 * 1024
@@ -72,19 +76,16 @@ _TEMPLATE = """# Envoy bootstrap for fastroute's endpoint picker (fastroute epp 
             - name: all
               domains: ["*"]
               routes:
-              - match: {{prefix: "/"}}
-                route:
-                  cluster: {endpoints}
-                  timeout: 0s
+{routes}
           http_filters:
-          - name: envoy.filters.http.ext_proc
+{strip}          - name: envoy.filters.http.ext_proc
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
               grpc_service:
                 envoy_grpc: {{cluster_name: {epp}}}
                 timeout: {message_timeout}s
-              failure_mode_allow: false
-              allow_mode_override: true
+              failure_mode_allow: {fail_open}
+{route_cache}              allow_mode_override: true
               message_timeout: {message_timeout}s
               processing_mode:
                 request_header_mode: SEND
@@ -131,7 +132,46 @@ _TEMPLATE = """# Envoy bootstrap for fastroute's endpoint picker (fastroute epp 
     original_dst_lb_config:
       use_http_header: true
       http_header_name: {header}
+{fallback}"""
+
+_PICKED_ROUTE = """              - match: {{prefix: "/"{only_picked}}}
+                route:
+                  cluster: {endpoints}
+                  timeout: 0s"""
+
+# FailOpen: the picked route matches the picker's envoy.lb metadata, which no client can set; a
+# request the picker did not answer (down, timed out) has none and takes this route to the
+# fallback cluster: the --worker-urls, round robin.
+_FALLBACK_ROUTE = """
+              - match: {{prefix: "/"}}
+                route:
+                  cluster: {fallback}
+                  timeout: 0s"""
+
+# FailOpen: a client's own endpoint header is removed before the picker runs, so that with the
+# picker down no client can steer a request to an address of its choosing.
+_STRIP = """          - name: envoy.filters.http.header_mutation
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation
+              mutations:
+                request_mutations:
+                - remove: {header}
 """
+
+_FALLBACK_CLUSTER = """  - name: {fallback}
+    type: STRICT_DNS
+    lb_policy: ROUND_ROBIN
+    connect_timeout: 5s
+    load_assignment:
+      cluster_name: {fallback}
+      endpoints:
+      - lb_endpoints:
+{endpoints}
+"""
+
+_FALLBACK_ENDPOINT = """        - endpoint:
+            address:
+              socket_address: {{address: {host}, port_value: {port}}}"""
 
 
 def envoy_bootstrap(
@@ -147,17 +187,37 @@ def envoy_bootstrap(
     conn_idle_timeout: float = 60.0,
     upstream_idle_timeout: float = 3.0,
     body_limit: int = BODY_LIMIT,
+    fallback: list[tuple[str, int]] | None = None,
 ) -> str:
     """The bootstrap YAML (see module docstring). ``message_timeout``: how long Envoy waits for
     one answer of the picker (a request queued by --max-concurrent-requests waits in it);
     ``idle_timeout``: Envoy's stream idle timeout (the router's request timeout); the others
-    are the proxy's connection flags of the same meaning (the defaults are theirs)."""
+    are the proxy's connection flags of the same meaning (the defaults are theirs).
+    ``fallback``: FailOpen's (host, port) list; None: FailClose."""
     admin = _ADMIN.format(admin=int(admin_port)) if admin_port is not None else ""
     if upstream_idle_timeout > 0:
         pool = "          idle_timeout: %ss" % _secs(upstream_idle_timeout)
     else:  # the proxy's 0: no idle worker connection is kept, one request per connection
         pool = "          max_requests_per_connection: 1"
+    if fallback:
+        routes = _PICKED_ROUTE.format(
+            only_picked=", dynamic_metadata: [{filter: %s, path: [{key: %s}], value: {present_match: true}}]"
+            % (METADATA_NAMESPACE, HEADER),
+            endpoints=ENDPOINTS_CLUSTER,
+        ) + _FALLBACK_ROUTE.format(fallback=FALLBACK_CLUSTER)
+        strip = _STRIP.format(header=HEADER)
+        route_cache = "              route_cache_action: CLEAR\n"
+        hosts = "\n".join(_FALLBACK_ENDPOINT.format(host=h, port=int(p)) for h, p in fallback)
+        tail = _FALLBACK_CLUSTER.format(fallback=FALLBACK_CLUSTER, endpoints=hosts)
+    else:
+        routes = _PICKED_ROUTE.format(only_picked="", endpoints=ENDPOINTS_CLUSTER)
+        strip = route_cache = tail = ""
     return _TEMPLATE.format(
+        routes=routes,
+        strip=strip,
+        route_cache=route_cache,
+        fail_open="true" if fallback else "false",
+        fallback=tail,
         admin=admin,
         listen_host=listen_host,
         listen=int(listen_port),
@@ -177,8 +237,11 @@ def envoy_bootstrap(
     )
 
 
-def bootstrap_for(config: Any, grpc_port: int, listen_port: int, admin_port: int | None = None) -> str:
-    """The bootstrap for a router configuration: its admission and connection flags."""
+def bootstrap_for(
+    config: Any, grpc_port: int, listen_port: int, admin_port: int | None = None, failure_mode: str = FAIL_CLOSE
+) -> str:
+    """The bootstrap for a router configuration: its admission and connection flags, and
+    ``failure_mode`` (FailOpen falls back to the --worker-urls, round robin)."""
     queued = config.max_concurrent_requests > 0 or bool(config.rate_limit_tokens_per_second)
     limit = int(config.max_payload_size)
     return envoy_bootstrap(
@@ -192,7 +255,18 @@ def bootstrap_for(config: Any, grpc_port: int, listen_port: int, admin_port: int
         conn_idle_timeout=float(config.idle_connection_timeout_secs),
         upstream_idle_timeout=float(config.upstream_pool_idle_timeout_secs),
         body_limit=BODY_LIMIT if limit == default("max_payload_size") else limit,
+        fallback=fallback_endpoints(config.worker_urls) if failure_mode == FAIL_OPEN else None,
     )
+
+
+def fallback_endpoints(worker_urls: list[str]) -> list[tuple[str, int]]:
+    """(host, port) of each ``http://`` worker URL, for FailOpen's fallback cluster."""
+    out = []
+    for url in worker_urls:
+        parts = urlsplit(url.strip())
+        host = parts.hostname or ""
+        out.append((host, parts.port or 80))
+    return out
 
 
 def _secs(value: float) -> str:

@@ -31,10 +31,9 @@ __all__ = ["EppOptions", "EppError", "split", "refusal", "inert_flags", "flags_n
 # Flags of the gateway design that this picker does not implement: refused by name.
 NOT_BUILT = {
     "--sidecar": "the PD sidecar of a decode pod is a command of its own: fastroute sidecar",
-    "--failure-mode": "failure-mode options are not built: Envoy's ext_proc filter fails closed "
-    "(failure_mode_allow: false in the printed bootstrap)",
-    "--failure-mode-allow": "failure-mode options are not built: Envoy's ext_proc filter fails closed",
+    "--failure-mode-allow": "give --failure-mode FailOpen or FailClose (the InferencePool's values)",
 }
+FAILURE_MODES = ("FailClose", "FailOpen")
 
 
 class EppError(Exception):
@@ -50,6 +49,7 @@ class EppOptions:
     pool: str | None = None  # --inference-pool NAME
     pool_namespace: str | None = None  # --inference-pool-namespace NS
     sidecar_port: int | None = None  # --sidecar-port P: PD through the decode pods' sidecar
+    failure_mode: str = "FailClose"  # --failure-mode: what the printed Envoy does when the picker fails
 
 
 # A Kubernetes object name or namespace (DNS subdomain / label).
@@ -100,6 +100,17 @@ def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
             if not _NAME.match(value):
                 raise EppError(f"argument {name}: {value!r} is not a Kubernetes object name")
             found[name] = value
+        elif name == "--failure-mode":
+            if eq:
+                value = inline
+            elif i + 1 < len(args):
+                i += 1
+                value = args[i]
+            else:
+                raise EppError("argument --failure-mode: expected FailClose or FailOpen")
+            if value not in FAILURE_MODES:
+                raise EppError(f"argument --failure-mode: {value!r} is not FailClose or FailOpen")
+            found[name] = value
         elif name == "--print-envoy-config":
             if eq:
                 raise EppError("argument --print-envoy-config: takes no value")
@@ -126,12 +137,31 @@ def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
         found.get("--inference-pool"),
         found.get("--inference-pool-namespace"),
         found.get("--sidecar-port"),
+        found.get("--failure-mode", "FailClose"),
     ), rest
 
 
-def refusal(config: Any, processes: int, pool: str | None = None, sidecar_port: int | None = None) -> str | None:
+def refusal(
+    config: Any,
+    processes: int,
+    pool: str | None = None,
+    sidecar_port: int | None = None,
+    failure_mode: str = "FailClose",
+) -> str | None:
     """Why this router configuration cannot run as an endpoint picker, or None (``pool``: the
-    --inference-pool given; ``sidecar_port``: the --sidecar-port given)."""
+    --inference-pool given; ``sidecar_port``: the --sidecar-port given; ``failure_mode``: the
+    --failure-mode given)."""
+    if failure_mode == "FailOpen":
+        if config.pd_disaggregation:
+            return (
+                "argument --failure-mode: FailOpen is not built for PD (a request that bypassed "
+                "the picker would reach a decode worker with no prefill); use FailClose"
+            )
+        if pool is not None or config.discovery is not None or not config.worker_urls:
+            return (
+                "argument --failure-mode: FailOpen needs --worker-urls (the printed Envoy's "
+                "fallback cluster lists them; discovered endpoints are not known at print time)"
+            )
     if pool is not None and config.discovery is not None:
         return (
             "argument --inference-pool: the pool's selector picks the worker pods; give it "

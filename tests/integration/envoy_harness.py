@@ -127,6 +127,8 @@ class Gateway:
                     str(self.port),
                     "--envoy-admin-port",
                     str(self.admin_port),
+                    "--worker-urls",
+                    *self.worker_urls,
                     *self.flags,
                 ],
                 env=self.env,

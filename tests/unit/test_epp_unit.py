@@ -57,7 +57,9 @@ def test_split_takes_the_picker_flags_and_leaves_the_router_flags() -> None:
         (["--grpc-port", "1", "--envoy-admin-port", "2"], "--envoy-admin-port"),
         (["--grpc-port", "1", "--inference-pool-namespace", "ns"], "--inference-pool-namespace"),
         (["--grpc-port", "1", "--inference-pool", "Pool_1"], "--inference-pool"),
-        (["--grpc-port", "1", "--failure-mode=FailOpen"], "--failure-mode"),
+        (["--grpc-port", "1", "--failure-mode=Open"], "--failure-mode"),
+        (["--grpc-port", "1", "--failure-mode"], "--failure-mode"),
+        (["--grpc-port", "1", "--failure-mode-allow"], "--failure-mode-allow"),
         (["--grpc-port", "1", "--sidecar"], "--sidecar"),
     ],
 )
@@ -85,10 +87,20 @@ def test_refusal_names_what_the_picker_does_not_do(kw: dict, flag: str) -> None:
     assert refusal(Config(), 2).startswith("argument --workers:")
 
 
+def test_fail_open_needs_a_static_worker_list_and_no_pd() -> None:
+    pd = {"pd_disaggregation": True, "prefill": [("http://p:1", None)], "decode": ["http://d:2"]}
+    for kw, pool in (({}, None), ({"worker_urls": ["http://w:1"]}, "llama"), (pd, None)):
+        why = refusal(Config(**kw), 1, pool, 30100 if kw is pd else None, "FailOpen")
+        assert why is not None and why.startswith("argument --failure-mode:"), why
+    assert refusal(Config(worker_urls=["http://w:1"]), 1, None, None, "FailOpen") is None
+    assert split(["--grpc-port", "1", "--failure-mode", "FailOpen"])[0].failure_mode == "FailOpen"
+    assert split(["--grpc-port", "1"])[0].failure_mode == "FailClose"
+
+
 def test_cli_refuses_in_one_line_and_exits_2(capsys: Any) -> None:
     assert main(["epp", "--grpc-port", "1", "--failure-mode", "FailOpen"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--failure-mode" in err[0] and "not built" in err[0]
+    assert len(err) == 1 and "--failure-mode" in err[0] and "--worker-urls" in err[0]
     assert _status(["sidecar"]) == 2
     assert "argument --pd-disaggregation" in capsys.readouterr().err
 
