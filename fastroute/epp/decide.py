@@ -133,6 +133,15 @@ def endpoint_of(worker: Any) -> str:
     return ("[%s]:%d" if ":" in host else "%s:%d") % (host, int(port))
 
 
+def target_endpoint(worker: Any, rank: int | None) -> str:
+    """``ip:port`` of one target: a per-rank-port server's rank listens on its own port (base
+    port + rank, fastroute.control.rankports), every other target on its worker's address."""
+    if rank is not None and getattr(worker, "rank_urls", None):
+        host = endpoint_of(worker).rpartition(":")[0]
+        return "%s:%d" % (host, int(worker.port) + rank)
+    return endpoint_of(worker)
+
+
 def no_subset_endpoint(subset: frozenset[str]) -> RouterError:
     """503 when no available target has an address in the gateway's subset hint."""
     shown = ", ".join(sorted(subset)[:8]) + (", ..." if len(subset) > 8 else "")
@@ -147,11 +156,12 @@ def no_subset_endpoint(subset: frozenset[str]) -> RouterError:
 class Subsets:
     """The subset hint of the endpoint picker protocol: the gateway names the ``ip:port``
     endpoints a request may go to, and the pick is made among the available targets of the
-    ``regular`` group whose address is one of them (every rank of a DP server shares its
-    address). Each distinct subset gets a group configured like the regular one (same policy,
-    metric, demand, KV fit) over the same target table, so loads and leases are the shared
-    ledger's; policy state of its own (the prefix tree, round robin's turn, manual keys) is the
-    subset group's. The last SUBSET_GROUPS subsets are kept."""
+    ``regular`` group whose address is one of them (every rank of a single-port DP server
+    shares its address; each rank of a per-rank-port server has its own). Each distinct subset
+    gets a group configured like the regular one (same policy, metric, demand, KV fit) over the
+    same target table, so loads and leases are the shared ledger's; policy state of its own (the
+    prefix tree, round robin's turn, manual keys) is the subset group's. The last SUBSET_GROUPS
+    subsets are kept."""
 
     def __init__(self, registry: Any) -> None:
         self.registry = registry
@@ -166,7 +176,7 @@ class Subsets:
         names: list[str] = []
         for t, name in zip(base.targets, base.names):
             entry = info[t] if t < len(info) else None
-            if entry is not None and endpoint_of(entry[0]) in subset:
+            if entry is not None and target_endpoint(*entry) in subset:
                 cands.append(t)
                 names.append(name)
         if not cands:
@@ -333,7 +343,7 @@ class Decider:
             auth = "Bearer " + key_
         elif worker.basic_auth:
             auth = worker.basic_auth
-        return Pick(endpoint_of(worker), new_body, auth, lease.target, rank)
+        return Pick(target_endpoint(worker, rank), new_body, auth, lease.target, rank)
 
     def _decide_pd(
         self,

@@ -1,0 +1,36 @@
+"""``fastroute epp`` with a per-rank-port server (SGLang's Rust HTTP server layout) behind a
+real Envoy: the picker names the picked rank's own port, so each request runs on the rank it
+was placed on (a simulated server runs a request on the rank of the port it arrived at)."""
+
+from __future__ import annotations
+
+import json
+
+from fastroute.sim.engine import SimParams
+from fastroute.sim.http import fetch
+from fastroute.sim.server import SimWorker
+from tests.integration.conftest import run
+from tests.integration.envoy_harness import Gateway
+
+H = "127.0.0.1"
+
+
+def test_each_request_goes_to_the_port_of_the_picked_rank() -> None:
+    async def body() -> None:
+        w = SimWorker("regular", SimParams(dp_size=4, time_scale=0.01), H, rank_ports=True)
+        await w.start()
+        try:
+            # Rank 1's URL is enough: the picker finds the other rank ports, as the proxy does.
+            async with Gateway([w.rank_url(1)], "--policy", "round_robin") as g:
+                gen = json.dumps({"text": "hello", "sampling_params": {"max_new_tokens": 2}}).encode()
+                for _ in range(8):
+                    status, doc = await fetch(H, g.port, "POST", "/generate", gen)
+                    assert status == 200, doc
+                assert w.port_requests == [2, 2, 2, 2]
+                assert w.decode is not None and w.decode.placed == [2, 2, 2, 2]
+                flights = await g.in_flight()
+                assert len(flights) == 4 and set(flights.values()) == {0.0}
+        finally:
+            await w.stop()
+
+    run(body(), 90)
