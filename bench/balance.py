@@ -2,6 +2,7 @@
 ``python bench/balance.py --conversations [--kv-tight]`` for the prefix-sharing trace,
 ``python bench/balance.py --engine-balance`` for SGLang's own rank balancing against fastroute's
 (1P1D / 1P2D, DP-8 prefill, C = 192 and 512).
+``python bench/balance.py --gateway`` for the same placement through Envoy + ``fastroute epp``.
 
 Everything lives in fastroute.sim.balance; this file only makes the benchmark runnable from a
 checkout without installing the package.

