@@ -143,8 +143,16 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 
 def _epp(args: list[str]) -> int:
     """``fastroute epp``: the router's flags plus the picker's (fastroute.epp.options)."""
-    from fastroute.epp.options import EppError, inert_flags, refusal, split
+    from fastroute.epp.options import HELP, EppError, inert_flags, refusal, split
 
+    head = args[: args.index("--")] if "--" in args else args
+    if "-h" in head or "--help" in head:
+        sys.stdout.write(HELP)
+        router = build_parser("fastroute epp")
+        router.usage = "fastroute epp --grpc-port G [OPTIONS]"
+        router.epilog = None
+        router.print_help()
+        return 0
     json_errors = wants_json(args)
     try:
         opts, rest = split(args)

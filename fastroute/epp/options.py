@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EppOptions", "EppError", "split", "refusal", "inert_flags", "flags_named"]
+__all__ = ["EppOptions", "EppError", "HELP", "split", "refusal", "inert_flags", "flags_named"]
 
 # Flags of the gateway design that this picker does not implement: refused by name.
 NOT_BUILT = {
@@ -34,6 +34,29 @@ NOT_BUILT = {
     "--failure-mode-allow": "give --failure-mode FailOpen or FailClose (the InferencePool's values)",
 }
 FAILURE_MODES = ("FailClose", "FailOpen")
+
+
+# `fastroute epp --help`: the picker's own options, printed before the router flags it takes.
+HELP = """usage: fastroute epp --grpc-port G [picker options] [router flags]
+
+fastroute as the endpoint picker (EPP) of an Envoy-based gateway (Gateway API Inference
+Extension): Envoy asks over ext_proc which endpoint each request goes to; the picker answers
+with the router's placement (policies, DP ranks, KV fit, in-flight leases). docs/epp.md.
+
+picker options:
+  --grpc-port G                 the ext_proc gRPC listener (required)
+  --print-envoy-config          print an Envoy bootstrap for this picker and exit
+  --envoy-listen-port L         with --print-envoy-config: the listener clients call (required)
+  --envoy-admin-port A          with --print-envoy-config: Envoy's admin listener
+  --failure-mode M              FailClose (default: a request fails when the picker cannot
+                                answer) or FailOpen (round robin over --worker-urls instead);
+                                shapes the printed bootstrap
+  --inference-pool NAME         take the endpoints from this InferencePool (Kubernetes)
+  --inference-pool-namespace NS the pool's namespace (default: $POD_NAMESPACE, the pod's own)
+  --sidecar-port P              PD through the decode pods' `fastroute sidecar` on port P
+
+router flags (as for the proxy; docs/epp.md says what each does under epp):
+"""
 
 
 class EppError(Exception):

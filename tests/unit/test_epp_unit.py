@@ -105,6 +105,16 @@ def test_cli_refuses_in_one_line_and_exits_2(capsys: Any) -> None:
     assert "argument --pd-disaggregation" in capsys.readouterr().err
 
 
+def test_help_lists_the_picker_options_then_the_router_flags(capsys: Any) -> None:
+    assert main(["epp", "--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--grpc-port", "--print-envoy-config", "--failure-mode", "--inference-pool", "--sidecar-port"):
+        assert f"  {flag} " in out, flag
+    router = out.index("usage: fastroute epp --grpc-port G [OPTIONS]")  # then the router's flags
+    assert out.index("  --sidecar-port ") < router < out.index("  --worker-urls ")
+    assert main(["epp", "--grpc-port", "1", "-h"]) == 0 and "picker options:" in capsys.readouterr().out
+
+
 def test_cli_prints_the_bootstrap_and_exits(capsys: Any) -> None:
     assert (
         main(
