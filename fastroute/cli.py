@@ -143,7 +143,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 
 def _epp(args: list[str]) -> int:
     """``fastroute epp``: the router's flags plus the picker's (fastroute.epp.options)."""
-    from fastroute.epp.options import HELP, EppError, inert_flags, refusal, split
+    from fastroute.epp.options import HELP, EppError, inert_flags, option_warnings, refusal, split
 
     head = args[: args.index("--")] if "--" in args else args
     if "-h" in head or "--help" in head:
@@ -177,7 +177,7 @@ def _epp(args: list[str]) -> int:
     if why is not None:
         startup_error(why, json_errors)
         return 2
-    for line in inert_flags(config, rest):
+    for line in [*inert_flags(config, rest), *option_warnings(opts, args)]:
         logging.getLogger("fastroute.epp").warning("%s", line)
     if opts.print_config:
         from fastroute.epp.bootstrap import bootstrap_for

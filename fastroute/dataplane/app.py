@@ -37,7 +37,7 @@ from fastroute.dataplane.front import Front
 from fastroute.dataplane.headerflags import header_flags
 from fastroute.dataplane.pd import PDRelay
 from fastroute.dataplane.protocol import INFERENCE, ClientProtocol, Request
-from fastroute.dataplane.route import Route
+from fastroute.dataplane.route import Route, rank_port
 from fastroute.dataplane.upstream import Pool
 from fastroute.errors import RouterError
 from fastroute.tls import client_context
@@ -377,9 +377,8 @@ class App(Front):
         return route
 
     def _build_route(self, worker: Any, rank: int | None) -> Route:
-        urls = getattr(worker, "rank_urls", None)
-        if urls and rank is not None:  # a per-rank-port server: the rank's own port
-            port = int(worker.port) + rank
+        port = rank_port(worker, rank)
+        if port is not None:  # a per-rank-port server: the rank's own port
             return Route(
                 worker, rank, self.pool_for(worker, port), worker.api_key or self.config.api_key, self.rank_field, port
             )

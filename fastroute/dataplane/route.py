@@ -21,6 +21,14 @@ from fastroute.dataplane.protocol import Request  # noqa: F401 (the compiled bui
 from fastroute.dataplane.upstream import Pool
 
 
+def rank_port(w: Any, rank: int | None) -> int | None:
+    """The port of target ``rank`` of a per-rank-port server (base port + rank,
+    fastroute.control.rankports); None for any other target (it is served on the worker's port)."""
+    if rank is not None and getattr(w, "rank_urls", None):
+        return int(w.port) + rank
+    return None
+
+
 class Route:
     """How to reach one target (see module docstring); immutable once built."""
 

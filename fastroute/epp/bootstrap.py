@@ -30,6 +30,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from fastroute.config import default
+from fastroute.epp.options import FAIL_CLOSE, FAIL_OPEN
 
 HEADER = "x-gateway-destination-endpoint"
 METADATA_NAMESPACE = "envoy.lb"
@@ -40,8 +41,6 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 EPP_CLUSTER = "fastroute_epp"
 ENDPOINTS_CLUSTER = "fastroute_endpoints"
 FALLBACK_CLUSTER = "fastroute_fallback"
-# The InferencePool's endpointPickerRef.failureMode values (--failure-mode).
-FAIL_CLOSE, FAIL_OPEN = "FailClose", "FailOpen"
 # The largest request body Envoy buffers for the picker (larger ones get 413 from Envoy), unless
 # --max-payload-size says otherwise; Envoy's limit is a 32-bit count of bytes.
 BODY_LIMIT = 32 * 1024 * 1024

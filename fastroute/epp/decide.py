@@ -29,6 +29,7 @@ from typing import Any
 from fastroute import errors as _errors
 from fastroute.auth import authorized, bearer
 from fastroute.dataplane import body as _body
+from fastroute.dataplane.route import rank_port
 from fastroute.dataplane.routes import ROUTES
 from fastroute.errors import RouterError
 
@@ -135,11 +136,12 @@ def endpoint_of(worker: Any) -> str:
 
 def target_endpoint(worker: Any, rank: int | None) -> str:
     """``ip:port`` of one target: a per-rank-port server's rank listens on its own port (base
-    port + rank, fastroute.control.rankports), every other target on its worker's address."""
-    if rank is not None and getattr(worker, "rank_urls", None):
-        host = endpoint_of(worker).rpartition(":")[0]
-        return "%s:%d" % (host, int(worker.port) + rank)
-    return endpoint_of(worker)
+    port + rank: the proxy's route takes the same ``rank_port``), every other target on its
+    worker's address."""
+    port = rank_port(worker, rank)
+    if port is None:
+        return endpoint_of(worker)
+    return "%s:%d" % (endpoint_of(worker).rpartition(":")[0], port)
 
 
 def no_subset_endpoint(subset: frozenset[str]) -> RouterError:

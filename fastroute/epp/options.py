@@ -26,14 +26,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EppOptions", "EppError", "HELP", "split", "refusal", "inert_flags", "flags_named"]
+__all__ = ["EppOptions", "EppError", "HELP", "split", "refusal", "option_warnings", "inert_flags", "flags_named"]
 
 # Flags of the gateway design that this picker does not implement: refused by name.
 NOT_BUILT = {
     "--sidecar": "the PD sidecar of a decode pod is a command of its own: fastroute sidecar",
     "--failure-mode-allow": "give --failure-mode FailOpen or FailClose (the InferencePool's values)",
 }
-FAILURE_MODES = ("FailClose", "FailOpen")
+# The InferencePool's endpointPickerRef.failureMode values (--failure-mode).
+FAIL_CLOSE, FAIL_OPEN = "FailClose", "FailOpen"
+FAILURE_MODES = (FAIL_CLOSE, FAIL_OPEN)
 
 
 # `fastroute epp --help`: the picker's own options, printed before the router flags it takes.
@@ -72,7 +74,7 @@ class EppOptions:
     pool: str | None = None  # --inference-pool NAME
     pool_namespace: str | None = None  # --inference-pool-namespace NS
     sidecar_port: int | None = None  # --sidecar-port P: PD through the decode pods' sidecar
-    failure_mode: str = "FailClose"  # --failure-mode: what the printed Envoy does when the picker fails
+    failure_mode: str = FAIL_CLOSE  # --failure-mode: what the printed Envoy does when the picker fails
 
 
 # A Kubernetes object name or namespace (DNS subdomain / label).
@@ -87,6 +89,18 @@ def _port(flag: str, text: str) -> int:
     if not 0 < value < 65536:
         raise EppError(f"argument {flag}: {value} is not a port number (1-65535)")
     return value
+
+
+def _value(
+    args: list[str], i: int, name: str, eq: str, inline: str, what: str, dash_ends: bool = False
+) -> tuple[str, int]:
+    """The value of option ``args[i]`` (``--x=v`` or ``--x v``) and the index of its last token;
+    ``dash_ends``: a following ``--flag`` is not taken as the value."""
+    if eq:
+        return inline, i
+    if i + 1 < len(args) and not (dash_ends and args[i + 1].startswith("--")):
+        return args[i + 1], i + 1
+    raise EppError(f"argument {name}: expected {what}")
 
 
 def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
@@ -104,33 +118,15 @@ def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
         if name in NOT_BUILT:
             raise EppError(f"argument {name}: not supported by fastroute epp ({NOT_BUILT[name]})")
         if name in ("--grpc-port", "--envoy-listen-port", "--envoy-admin-port", "--sidecar-port"):
-            if eq:
-                value = inline
-            elif i + 1 < len(args):
-                i += 1
-                value = args[i]
-            else:
-                raise EppError(f"argument {name}: expected one port number")
+            value, i = _value(args, i, name, eq, inline, "one port number")
             found[name] = _port(name, value)
         elif name in ("--inference-pool", "--inference-pool-namespace"):
-            if eq:
-                value = inline
-            elif i + 1 < len(args) and not args[i + 1].startswith("--"):
-                i += 1
-                value = args[i]
-            else:
-                raise EppError(f"argument {name}: expected one name")
+            value, i = _value(args, i, name, eq, inline, "one name", dash_ends=True)
             if not _NAME.match(value):
                 raise EppError(f"argument {name}: {value!r} is not a Kubernetes object name")
             found[name] = value
         elif name == "--failure-mode":
-            if eq:
-                value = inline
-            elif i + 1 < len(args):
-                i += 1
-                value = args[i]
-            else:
-                raise EppError("argument --failure-mode: expected FailClose or FailOpen")
+            value, i = _value(args, i, name, eq, inline, "FailClose or FailOpen")
             if value not in FAILURE_MODES:
                 raise EppError(f"argument --failure-mode: {value!r} is not FailClose or FailOpen")
             found[name] = value
@@ -160,8 +156,19 @@ def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
         found.get("--inference-pool"),
         found.get("--inference-pool-namespace"),
         found.get("--sidecar-port"),
-        found.get("--failure-mode", "FailClose"),
+        found.get("--failure-mode", FAIL_CLOSE),
     ), rest
+
+
+def option_warnings(opts: EppOptions, argv: Sequence[str]) -> list[str]:
+    """One line per picker option given that does nothing in this run: --failure-mode shapes the
+    printed bootstrap only, so a running picker accepts it with one warning."""
+    if not opts.print_config and "--failure-mode" in flags_named(argv):
+        return [
+            "--failure-mode is accepted and ignored by the running picker (it shapes the Envoy "
+            "bootstrap: give it to --print-envoy-config)"
+        ]
+    return []
 
 
 def refusal(
@@ -169,12 +176,12 @@ def refusal(
     processes: int,
     pool: str | None = None,
     sidecar_port: int | None = None,
-    failure_mode: str = "FailClose",
+    failure_mode: str = FAIL_CLOSE,
 ) -> str | None:
     """Why this router configuration cannot run as an endpoint picker, or None (``pool``: the
     --inference-pool given; ``sidecar_port``: the --sidecar-port given; ``failure_mode``: the
     --failure-mode given)."""
-    if failure_mode == "FailOpen":
+    if failure_mode == FAIL_OPEN:
         if config.pd_disaggregation:
             return (
                 "argument --failure-mode: FailOpen is not built for PD (a request that bypassed "

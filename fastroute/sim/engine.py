@@ -586,7 +586,6 @@ class DecodeEngine:
                     await asyncio.wait_for(self._wake.wait(), p.sample_interval_s)
                 except asyncio.TimeoutError:
                     pass
-                step_end = 0.0
                 continue
             step_ms = p.step_base_ms + cost
             step_s = step_ms * p.time_scale / 1000.0

