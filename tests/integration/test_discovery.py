@@ -247,7 +247,13 @@ def test_stale_watch_relists_without_losing_a_pod(kube_env, as_event):
     run(body(), 60)
 
 
-def test_api_errors_keep_workers_back_off_and_are_counted(kube_env, caplog):
+def test_api_errors_keep_workers_back_off_and_are_counted(kube_env, caplog, monkeypatch):
+    import fastroute.control.discovery as discovery_mod
+
+    bases: list[float] = []  # the backoff each retry waits on (before its +-20 % jitter)
+    real_delay = discovery_mod.backoff_delay
+    monkeypatch.setattr(discovery_mod, "backoff_delay", lambda base, *a: (bases.append(base), real_delay(base, *a))[1])
+
     async def body():
         api = await KubeApi().start()
         a, b = ws = await pod_workers(2)
@@ -258,9 +264,11 @@ def test_api_errors_keep_workers_back_off_and_are_counted(kube_env, caplog):
             api.status = 403
             await api.kick()
             t0 = asyncio.get_running_loop().time()
+            del bases[:]
             await until(lambda: sum(1 for t, _, _ in api.requests if t > t0) >= 3, 10.0, "three retries")
-            times = [t for t, _, _ in api.requests if t > t0]
-            assert times[2] - times[1] > (times[1] - times[0]) * 1.5  # the wait grows
+            # the wait grows: each failed retry doubles the backoff (jitter aside, which wall-clock
+            # gaps on a loaded machine cannot tell apart)
+            assert len(bases) >= 2 and all(b2 == 2 * b1 for b1, b2 in zip(bases[:2], bases[1:3])), bases
             assert urls(server) == {a.url}  # workers kept
             m = server.metrics.render().decode()
             assert 'fastroute_discovery_errors_total{provider="kubernetes",reason="403"}' in m
