@@ -79,9 +79,9 @@ class Stats:
     def __init__(self, duration_buckets: Iterable[float] = DEFAULT_BUCKETS) -> None:
         self.http_requests: dict[tuple[str, str], int] = {}
         self.http_responses: dict[tuple[str, str, str], int] = {}  # (status, code, path)
-        self.router_requests: dict[tuple[str, str, str], int] = {}
-        self.router_errors: dict[tuple[str, str, str], int] = {}
-        self.router_duration: dict[tuple[str, str], Hist] = {}
+        self.router_requests: dict[tuple[str, str, str, str], int] = {}  # + streaming
+        self.router_errors: dict[tuple[str, str, str, str], int] = {}  # + error code
+        self.router_duration: dict[tuple[str, ...], Hist] = {}
         self.retries: dict[tuple[str, str], int] = {}
         self.reclaimed: dict[str, int] = {}
         # (role, family, result) -> count of policy decisions made in another process (the

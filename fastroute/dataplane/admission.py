@@ -35,6 +35,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from fastroute.dataplane.telemetry import NULL_TELEMETRY, Telemetry
+
 
 class Waiter:
     """One queued request: ``start()`` when admitted, ``expired()`` past the queue timeout."""
@@ -62,7 +64,7 @@ class Admission:
         "queue_timeout",
         "_wake",
         "loop",
-        "stats",
+        "tel",
         "queue",
     )
 
@@ -72,7 +74,7 @@ class Admission:
         queue_size: int = 100,
         queue_timeout: float = 60.0,
         loop: Any = None,
-        stats: Any = None,
+        tel: Telemetry = NULL_TELEMETRY,
         rate: float | None = None,
     ) -> None:
         self.enabled = limit > 0 or bool(rate)
@@ -88,15 +90,12 @@ class Admission:
         self.queue_size = max(0, int(queue_size))
         self.queue_timeout = float(queue_timeout)
         self.loop = loop
-        self.stats = stats
+        self.tel = tel  # counts the rate limit's verdicts
         self.active = 0
         self.queue: OrderedDict[Waiter, None] = OrderedDict()
 
     def _count(self, result: str) -> None:
-        st = self.stats
-        if st is not None:
-            d = st.rate_limit
-            d[result] = d.get(result, 0) + 1
+        self.tel.rate_limit(result)
 
     def try_enter(self) -> bool:
         """Take a slot now if one is free and nobody waits (the per-request fast path); under a

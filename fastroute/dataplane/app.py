@@ -38,6 +38,7 @@ from fastroute.dataplane.headerflags import header_flags
 from fastroute.dataplane.pd import PDRelay
 from fastroute.dataplane.protocol import INFERENCE, ClientProtocol, Request
 from fastroute.dataplane.route import Route, rank_port
+from fastroute.dataplane.telemetry import NULL_TELEMETRY, RequestTelemetry
 from fastroute.dataplane.upstream import Pool
 from fastroute.errors import RouterError
 from fastroute.tls import client_context
@@ -132,6 +133,7 @@ class App(Front):
         # served (runtime.assemble.drain), so a load balancer stops sending new ones.
         self.draining = False
         self._stats: Any = None
+        self.tel = NULL_TELEMETRY
         self.backend = "pd" if self.pd else "regular"
         self.igw = bool(config.enable_igw)
         self.model_role = "decode" if self.pd else "regular"  # whose groups know the models
@@ -146,8 +148,6 @@ class App(Front):
         self.breakers = breakers
         self.reconciler = reconciler
         self._row_owner: dict[int, Any] = {}
-        # model -> {path: (requests key non-stream, stream, duration key, model label)}
-        self._model_keys: dict[Any, dict[bytes, tuple]] = {}
         add_listener = getattr(registry, "add_listener", None)
         if add_listener is not None:
             add_listener(self._targets_changed)
@@ -192,7 +192,8 @@ class App(Front):
     @stats.setter
     def stats(self, stats: Any) -> None:
         self._stats = stats
-        self.admission.stats = stats
+        self.tel = RequestTelemetry(stats, self.loop, self.backend) if stats is not None else NULL_TELEMETRY
+        self.admission.tel = self.tel
         if self.breakers is not None:
             self.breakers.stats = stats
 
@@ -208,8 +209,7 @@ class App(Front):
             # connection_made comes only after the TLS handshake; a client that never sends
             # its ClientHello still holds a socket, so it is counted (and timed) from here.
             self.handshaking[proto] = self.loop.time() + self.header_timeout
-            if self._stats is not None:
-                self._stats.connections_active += 1
+            self.tel.connections(1)
         return proto
 
     @property
@@ -275,8 +275,7 @@ class App(Front):
         hs = self.handshaking
         for proto in [p for p, due in hs.items() if due <= now]:
             del hs[proto]
-            if self._stats is not None:
-                self._stats.connections_active -= 1
+            self.tel.connections(-1)
 
     # -- lease safety net -----------------------------------------------------
     def check_leaks(self, now: float | None = None) -> int:
@@ -319,8 +318,7 @@ class App(Front):
                     ex.rid.decode("latin-1"),
                     now - ex.started_at,
                 )
-                if self._stats is not None:
-                    self._stats.reclaim(reason)
+                self.tel.reclaim(reason)
         ex.leases = ()
         try:
             if reason == "expired" and not ex.finished:
@@ -409,13 +407,11 @@ class App(Front):
     def handle_other(self, proto: ClientProtocol, req: Request, path: bytes, query: bytes) -> None:
         """Everything but a POST to an inference path (Front.handle): CORS preflight, a wrong
         method on an inference path, health, admin calls, unknown paths."""
-        st = self._stats
         if req.origin is not None and req.method == b"OPTIONS":
             # A CORS preflight (req.origin is only ever set with --cors-allowed-origins);
             # browsers send no credentials with it, so it is answered before any auth rule.
             ka = req.keep_alive and self.accepting
-            if st is not None:
-                self.count_response(204, "", path)
+            self.tel.response(204, "", path)
             proto.reply(self.cors.preflight(req.origin, req.acrh, ka), ka)
         elif path in INFERENCE:  # any method but POST (Front.handle proxies those)
             proto.send_error(
@@ -428,8 +424,7 @@ class App(Front):
             )
         elif path == b"/health" or path == b"/liveness":
             ka = req.keep_alive and self.accepting
-            if st is not None:
-                self.count_response(200, "", path)
+            self.tel.response(200, "", path)
             data = _HEALTH_KA if ka else _HEALTH_CLOSE
             if req.origin is not None:
                 cors = self.cors.headers_for(req.origin)

@@ -22,12 +22,11 @@ import asyncio
 import logging
 import time
 from email.utils import parsedate_to_datetime
-from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
-from fastroute.dataplane.protocol import INFERENCE, new_request_id, status_line
-from fastroute.dataplane.upstream import ConnectError, Leg
+from fastroute.dataplane.protocol import new_request_id, status_line
+from fastroute.dataplane.upstream import TIMEOUT, ConnectError, Leg
 from fastroute.errors import RouterError
 
 if TYPE_CHECKING:
@@ -99,13 +98,6 @@ def retry_after(status: int, headers: list) -> float:
 
 # Upstream statuses worth another attempt on another target (protocol.md 7.2).
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-
-
-class _Timeout(Exception):
-    """The request timeout ran out while this leg's worker still owed bytes."""
-
-
-TIMEOUT = _Timeout("request timeout")
 
 
 class _Exchange(Leg):
@@ -184,25 +176,8 @@ class _Exchange(Leg):
                 br.status(target, result)
             else:
                 br.failure(target)
-        if app._stats is not None and (type(result) is not int or result >= 500):
-            self._count_worker_error(target, result)
-
-    def _count_worker_error(self, target: int, result: int | BaseException) -> None:
-        """smg_worker_errors_total (failures only, so nothing of this runs per success)."""
-        info = self.app.registry.target_info
-        entry = info[target] if 0 <= target < len(info) else None
-        role = entry[0].role if entry is not None else "unknown"
-        if type(result) is int:
-            kind = "status_%d" % result
-        elif result is TIMEOUT:
-            kind = "timeout"
-        elif isinstance(result, ConnectError):
-            kind = "connect_error"
-        else:
-            kind = "connection_error"
-        d = self.app._stats.worker_errors
-        key = (role, kind)
-        d[key] = d.get(key, 0) + 1
+        if type(result) is not int or result >= 500:
+            app.tel.worker_error(app.registry, target, result)
 
     # -- client writing -----------------------------------------------------
     def _start_response(
@@ -342,14 +317,10 @@ class _Exchange(Leg):
         if self.chunked:
             self.out.append(_LAST_CHUNK)
         self.flush()
-        st = self.app._stats
-        if st is not None:
-            app = self.app
-            app.count_response(self.status, "", self.path)
-            if 200 <= self.status < 300:
-                app.observe_keyed(
-                    st.router_duration, app.model_keys(self.meta.model)[self.path][2], app.loop.time() - self.started_at
-                )
+        tel = self.app.tel
+        tel.response(self.status, "", self.path)
+        if 200 <= self.status < 300:
+            tel.duration(self.path, self.meta.model, self.started_at)
         self._finish(self.keep_alive)
 
     def _release_leases(self) -> None:
@@ -403,8 +374,7 @@ class _Exchange(Leg):
             # response rather than a clean end; Content-Length: short body.
             if self.head is None:
                 self.flush()  # bytes already committed to the client go out before the cut
-                if self.app._stats is not None:
-                    self.app.count_response(self.status, exc.code, self.path, self.meta.model)
+                self.app.tel.response(self.status, exc.code, self.path, self.meta.model)
                 self._finish(False)
                 if not self.proto.closed:
                     self.proto.closed = True
@@ -418,8 +388,7 @@ class _Exchange(Leg):
             body = exc.sse()
             self.out.append(b"%x\r\n%b\r\n%b" % (len(body), body, _LAST_CHUNK))
             self.flush()
-            if self.app._stats is not None:
-                self.app.count_response(exc.status, exc.code, self.path, self.meta.model)
+            self.app.tel.response(exc.status, exc.code, self.path, self.meta.model)
             self._finish(self.keep_alive)
             return
         self._finish(False, exc, sse)
@@ -434,8 +403,7 @@ class _Exchange(Leg):
         if self.finished:
             return
         self._abort_legs()
-        if self.app._stats is not None:
-            self.app.count_response(status, code, self.path, self.meta.model)
+        self.app.tel.response(status, code, self.path, self.meta.model)
         self._finish(False)
 
     def on_timeout(self) -> None:
@@ -464,10 +432,7 @@ class _Exchange(Leg):
         self._abort_legs()
         self._release_leases()
         app = self.app
-        st = app._stats
-        if st is not None:
-            key = (role, INFERENCE[self.path])
-            st.retries[key] = st.retries.get(key, 0) + 1
+        app.tel.retry(role, self.path)
         delay = app.backoff(self.tries - 1)
         if wait > delay:
             delay = wait
@@ -488,10 +453,8 @@ class _Exchange(Leg):
             return
         self.gave_up = True
         app = self.app
-        st = app._stats
-        if st is not None and app.max_attempts > 1:
-            key = (role, INFERENCE[self.path])
-            st.retries_exhausted[key] = st.retries_exhausted.get(key, 0) + 1
+        if app.max_attempts > 1:
+            app.tel.exhausted(role, self.path)
 
     def attempt(self) -> None:
         raise NotImplementedError
@@ -525,19 +488,14 @@ class Relay(_Exchange):
         meta = self.meta
         # The acquire too runs inside the error handling: whatever it raises, the client is
         # answered and the admission slot given back (fail_internal -> _close_books).
-        st = app._stats
+        tel = app.tel
         try:
             # out_tokens only matters to KV-fit placement (the decode group); 0 when not given.
-            if st is None:
-                lease = app.registry.group("regular").acquire(
-                    meta.input_tokens, self.req.key, meta, meta.max_new_tokens or 0
-                )
-            else:
-                t0 = perf_counter()
-                lease = app.registry.group("regular").acquire(
-                    meta.input_tokens, self.req.key, meta, meta.max_new_tokens or 0
-                )
-                app.observe(st.pick_seconds, perf_counter() - t0)
+            t0 = tel.clock()
+            lease = app.registry.group("regular").acquire(
+                meta.input_tokens, self.req.key, meta, meta.max_new_tokens or 0
+            )
+            tel.pick(t0)
             if lease is None:
                 self._fail_client(_errors.no_available_workers())
                 return

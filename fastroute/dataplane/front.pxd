@@ -3,13 +3,15 @@
 # C-callable from the protocol and the exchanges (which type their ``app`` as Front). The .py
 # stays the source and runs as it is when not compiled; keep both in step.
 from fastroute.dataplane.admission cimport Admission
+from fastroute.dataplane.telemetry cimport Telemetry
 
 cdef class Front:
     cdef public Admission admission
-    cdef public object loop, _stats, registry, breakers, cors, api_key, config
+    cdef public Telemetry tel
+    cdef public object loop, registry, breakers, cors, api_key, config
     cdef public object room_rng, backend, model_role, exchange_cls, max_attempts
     cdef public object header_flags, rid_headers, key_headers
-    cdef public dict routes, _model_keys
+    cdef public dict routes
     cdef public set exchanges, connections
     cdef public dict handshaking
     cdef public Py_ssize_t max_payload
@@ -19,9 +21,3 @@ cdef class Front:
     cpdef handle(self, proto, req)
     cpdef proxy(self, proto, req, path)
     cpdef begin(self, proto, req, path, meta)
-    cpdef model_keys(self, model)
-    cpdef _count_routed(self, path, meta)
-    cpdef observe(self, h, double v)
-    cpdef observe_keyed(self, dict d, key, double v)
-    cpdef observe_http(self, key, double t0)
-    cpdef count_response(self, status, code, path=*, model=*, label=*)

@@ -20,7 +20,6 @@ other leg is aborted by us and says nothing about its worker.
 from __future__ import annotations
 
 import logging
-from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
@@ -66,7 +65,7 @@ class _PDLeg(Leg):
         self.status = status
         self.headers = headers
         ex = self.ex
-        if self is ex.d and ex.app._stats is not None:
+        if self is ex.d:
             ex.observe_ttft()
         ex.pd_progress()
 
@@ -195,8 +194,8 @@ class PDRelay(_Exchange):
         tokens, key, out_tokens = meta.input_tokens, req.key, meta.max_new_tokens or 0
         # Both acquires run inside the error handling too: whatever they raise, the client
         # is answered and the leases and admission slot given back (fail_internal).
-        st = app._stats
-        t0 = perf_counter() if st is not None else 0.0
+        tel = app.tel
+        t0 = tel.clock()
         try:
             p_lease = registry.group("prefill").acquire(tokens, key, meta, out_tokens)
             if p_lease is None:
@@ -204,8 +203,7 @@ class PDRelay(_Exchange):
                 return
             self.leases = (p_lease,)
             d_lease = registry.group("decode").acquire(tokens, key, meta, out_tokens)
-            if st is not None:
-                app.observe(st.pick_seconds, perf_counter() - t0)  # the pair's pick
+            tel.pick(t0)  # the pair's pick
             if d_lease is None:
                 self._fail_client(_errors.no_available_workers("decode"))  # releases p_lease
                 return
@@ -308,9 +306,7 @@ class PDRelay(_Exchange):
 
     def observe_ttft(self) -> None:
         """smg_pd_ttft_seconds: from the request's start to the decode's response head."""
-        app = self.app
-        st = app._stats
-        app.observe_keyed(st.pd_ttft, app.model_keys(self.meta.model)[self.path][3], app.loop.time() - self.started_at)
+        self.app.tel.ttft(self.path, self.meta.model, self.started_at)
 
     def relay_body(self, data: bytes) -> None:
         m = self.merger

@@ -257,8 +257,8 @@ class ClientProtocol:
         hs = app.handshaking
         if hs and self in hs:
             del hs[self]  # TLS: counted since the accept (App.protocol_factory)
-        elif app._stats is not None:
-            app._stats.connections_active += 1
+        else:
+            app.tel.connections(1)
         self.head_deadline = self.loop.time() + self.app.header_timeout
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -274,8 +274,7 @@ class ClientProtocol:
         self.head_deadline = 0.0
         if self in self.app.connections:
             self.app.connections.discard(self)
-            if self.app._stats is not None:
-                self.app._stats.connections_active -= 1
+            self.app.tel.connections(-1)
         self.queue.clear()
         ex = self.exchange
         if ex is not None:
@@ -283,9 +282,9 @@ class ClientProtocol:
         w = self.waiter
         if w is not None:
             self.waiter = None
-            if self.app.admission.cancel(w) and self.app._stats is not None:
+            if self.app.admission.cancel(w):
                 key = self.http_key
-                self.app.count_response(499, "client_closed", None, None, key[1] if key is not None else "other")
+                self.app.tel.response(499, "client_closed", None, None, key[1] if key is not None else "other")
 
     def data_received(self, data: bytes) -> None:
         if self.bad_request:
@@ -522,7 +521,7 @@ class ClientProtocol:
         key = self.http_key
         if key is not None:
             self.http_key = None
-            self.app.observe_http(key, self.http_t0)
+            self.app.tel.http_done(key, self.http_t0)
         if self.closed:
             return
         if not keep_alive or not self.app.accepting:
@@ -572,8 +571,7 @@ class ClientProtocol:
         status = self._bad_status
         code = _READ_ERROR_CODE[status]
         body = _errors.error_response(status, code, self._bad_message)
-        if self.app._stats is not None:
-            self.app.count_response(status, code)
+        self.app.tel.response(status, code)
         self.transport.write(  # type: ignore[union-attr]
             b"%bcontent-type: application/json\r\nx-smg-error-code: %b\r\n"
             b"content-length: %d\r\nconnection: close\r\n\r\n%b" % (status_line(status), code.encode(), len(body), body)
@@ -643,8 +641,7 @@ class ClientProtocol:
         model: str | None = None,
     ) -> None:
         ka = req.keep_alive and self.app.accepting
-        if self.app._stats is not None:
-            self.app.count_response(status, code, req.url.partition(b"?")[0], model)
+        self.app.tel.response(status, code, req.url.partition(b"?")[0], model)
         if req.origin is not None:
             extra += self.app.cors.headers_for(req.origin)
         head = b"%bcontent-type: %b\r\ncontent-length: %d\r\n%b%b\r\n" % (

@@ -87,6 +87,13 @@ class ConnectError(UpstreamError):
     """TCP connect to the worker failed: the request never reached it (safe to retry)."""
 
 
+class _Timeout(Exception):
+    """The request timeout ran out while this leg's worker still owed bytes."""
+
+
+TIMEOUT = _Timeout("request timeout")  # an attempt's outcome when the exchange's timer fired
+
+
 class Leg:
     """What a connection reports its response to (see the module docstring); the regular
     exchange and each leg of a PD exchange derive from it. A base class rather than a duck type

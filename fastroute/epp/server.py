@@ -34,6 +34,7 @@ from fastroute.control.discovery import start_discovery
 from fastroute.control.replica import ReplicaSync, start_replica_sync
 from fastroute.core.table import TargetTable
 from fastroute.dataplane.admission import Admission
+from fastroute.dataplane.telemetry import RequestTelemetry
 from fastroute.epp.decide import Decider
 from fastroute.epp.service import ExternalProcessor
 from fastroute.runtime.assemble import Assembly, assemble, stop_in_order
@@ -102,7 +103,7 @@ class EppServer:
                 loop,
                 rate=cfg.rate_limit_tokens_per_second,
             )
-            admission.stats = parts.stats
+            admission.tel = RequestTelemetry(parts.stats, loop, "regular")  # rate-limit verdicts
             self.decider = Decider(cfg, parts.registry, admission, parts.stats, loop)
             self.decider.sidecar_port = self.sidecar_port
             self.processor = ExternalProcessor(self.decider)

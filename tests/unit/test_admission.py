@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from fastroute.control.metrics import Stats
 from fastroute.dataplane.admission import Admission
+from fastroute.dataplane.telemetry import RequestTelemetry
 
 
 def make(limit: int = 2, queue: int = 2, timeout: float = 5.0) -> Admission:
     a = Admission(limit, queue, timeout, loop=None)  # no loop: waiters start inline
-    a.stats = Stats()
+    a.tel = RequestTelemetry(Stats(), None, "regular")
     return a
 
 
@@ -17,7 +18,7 @@ def test_unlimited_never_queues_and_counts_nothing() -> None:
         a = make(limit=limit)
         for _ in range(10_000):
             assert a.try_enter()
-        assert a.active == 10_000 and not a.queue and a.stats.rate_limit == {}
+        assert a.active == 10_000 and not a.queue and a.tel.stats.rate_limit == {}
 
 
 def test_over_limit_waits_fifo_and_a_freed_slot_goes_to_the_oldest() -> None:
@@ -37,7 +38,7 @@ def test_over_limit_waits_fifo_and_a_freed_slot_goes_to_the_oldest() -> None:
     a.leave()
     assert a.active == 0
     assert a.try_enter()
-    assert a.stats.rate_limit == {"allowed": 3, "queued": 2, "dequeued": 2}
+    assert a.tel.stats.rate_limit == {"allowed": 3, "queued": 2, "dequeued": 2}
 
 
 def test_full_queue_rejects() -> None:
@@ -45,7 +46,7 @@ def test_full_queue_rejects() -> None:
     assert a.try_enter()
     assert a.wait(lambda: None, lambda: None, 0.0) is not None
     assert a.wait(lambda: None, lambda: None, 0.0) is None
-    assert a.stats.rate_limit["rejected"] == 1
+    assert a.tel.stats.rate_limit["rejected"] == 1
     z = make(limit=1, queue=0)
     assert z.try_enter()
     assert z.wait(lambda: None, lambda: None, 0.0) is None
@@ -61,7 +62,7 @@ def test_expiry_times_out_only_due_waiters_in_order() -> None:
     assert a.expire(5.0) == 1 and out == ["x"]
     assert a.expire(100.0) == 1 and out == ["x", "y"]
     assert not a.queue and a.active == 1
-    assert a.stats.rate_limit["timeout"] == 2
+    assert a.tel.stats.rate_limit["timeout"] == 2
 
 
 def test_cancelled_waiter_never_starts_and_frees_its_queue_place() -> None:
@@ -106,7 +107,7 @@ class _Clock:
 def test_rate_bucket_admits_a_burst_then_the_refill_rate_through_the_queue() -> None:
     clock = _Clock()
     a = Admission(4, 10, 5.0, loop=clock, rate=2.0)  # burst 4, then 2 requests per second
-    a.stats = Stats()
+    a.tel = RequestTelemetry(Stats(), None, "regular")
     assert all(a.try_enter() for _ in range(4))
     for _ in range(4):
         a.leave()  # slots free, but the tokens are spent
@@ -121,7 +122,7 @@ def test_rate_bucket_admits_a_burst_then_the_refill_rate_through_the_queue() -> 
     assert started == [0, 1]
     clock.advance(0.5)
     assert started == [0, 1, 2] and not a.queue
-    assert a.stats.rate_limit == {"allowed": 4, "queued": 3, "dequeued": 3}
+    assert a.tel.stats.rate_limit == {"allowed": 4, "queued": 3, "dequeued": 3}
 
 
 def test_rate_limited_queue_full_is_429_and_waiting_too_long_is_408() -> None:

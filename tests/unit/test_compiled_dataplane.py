@@ -66,7 +66,8 @@ def _pxd_attributes(package: str, module: str) -> dict[str, set[str]]:
         if line.startswith("cdef class "):
             cls = line[len("cdef class ") :].split("(")[0].rstrip(":")
             out[cls] = set()
-        elif cls is not None and line.startswith("cdef ") and not line.startswith("cdef class"):
+        elif cls is not None and line.startswith("cdef ") and not line.startswith("cdef class") and "(" not in line:
+            # (a line with a parenthesis is a C method, not attributes)
             words = line.split(None, 3)  # cdef [public] <type> names...
             names = words[3] if words[1] == "public" else line.split(None, 2)[2]
             out[cls] |= {n.strip() for n in names.split(",")}

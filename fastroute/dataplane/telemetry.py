@@ -1,0 +1,285 @@
+"""What a request tells the metrics: one object with a named method per event.
+
+The data plane holds one :class:`Telemetry` per App (``app.tel``) and calls it at each event of a
+request: ``request`` (a head arrived), ``routed`` (an inference request was parsed), ``pick``,
+``overhead``, ``response``, ``duration``, ``ttft``, ``worker_error``, ``retry``, ``exhausted``,
+``http_done``. With metrics off the App holds the base class, whose methods do nothing, so the
+request path never asks whether metrics run; with metrics on it holds :class:`RequestTelemetry`,
+which bumps the plain dicts and histograms of a :class:`~fastroute.control.metrics.Stats` (turned
+into series at scrape time). Label values come from tables built once (paths, methods, status
+codes) and per model (:class:`PathLabels`): a request builds no label tuple.
+
+Compiled (``telemetry.pxd``), each call is a C method call through the object's vtable.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from http import HTTPStatus
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+from fastroute.dataplane.routes import ENDPOINT_LABEL, INFERENCE, ROUTES
+from fastroute.dataplane.upstream import TIMEOUT, ConnectError
+from fastroute.names import label_value
+
+if TYPE_CHECKING:
+    from asyncio import AbstractEventLoop
+
+    from fastroute.control.metrics import Hist, Stats
+
+# Bounded label values (unknown paths and methods collapse to one value).
+_PATH_LABEL = {
+    p: p.decode()
+    for p in (
+        *ROUTES,
+        b"/health",
+        b"/liveness",
+        b"/readiness",
+        b"/workers",
+        b"/add_worker",
+        b"/remove_worker",
+        b"/list_workers",
+        b"/get_loads",
+        b"/flush_cache",
+        b"/get_server_info",
+        b"/server_info",
+        b"/get_model_info",
+        b"/model_info",
+        b"/v1/models",
+        b"/health_generate",
+        b"/engine_metrics",
+    )
+}
+_METHOD_LABEL = {m: m.decode() for m in (b"GET", b"POST", b"PUT", b"DELETE", b"HEAD", b"PATCH", b"OPTIONS")}
+_STATUS_LABEL = {s.value: str(s.value) for s in HTTPStatus}
+# (method, path) label pairs, built once.
+_HTTP_KEY = {p: {m: (ml, pl) for m, ml in _METHOD_LABEL.items()} for p, pl in _PATH_LABEL.items()}
+_HTTP_KEY_OTHER = {m: (ml, "other") for m, ml in _METHOD_LABEL.items()}
+# /workers/<id>: one label, smg's route template (a raw id would make labels unbounded).
+WORKER_PATH_LABEL = "/workers/{worker_id}"
+_HTTP_KEY_WORKER = {m: (ml, WORKER_PATH_LABEL) for m, ml in _METHOD_LABEL.items()}
+
+# Distinct request models that get a label of their own; later ones count as "other" (the
+# model comes from clients, and labels must stay bounded).
+MAX_MODEL_LABELS = 64
+_OTHER_MODEL = "\0other"  # the label row's key for models past the limit (no client sends NUL)
+
+
+def path_label(path: bytes | None) -> str:
+    """The bounded ``path`` label of a request path (None: unknown, "other")."""
+    if path is None:
+        return "other"
+    label = _PATH_LABEL.get(path)
+    if label is None:
+        label = WORKER_PATH_LABEL if path.startswith(b"/workers/") else "other"
+    return label
+
+
+def http_key(method: bytes, path: bytes) -> tuple[str, str]:
+    """The (method, path) labels of smg_http_requests_total and its duration histogram."""
+    keys = _HTTP_KEY.get(path)
+    if keys is None:
+        keys = _HTTP_KEY_WORKER if path.startswith(b"/workers/") else _HTTP_KEY_OTHER
+    key = keys.get(method)
+    return key if key is not None else ("OTHER", path_label(path))
+
+
+class PathLabels:
+    """The label tuples of one model's requests on one inference path."""
+
+    __slots__ = ("routed", "routed_stream", "endpoint", "model")
+    routed: tuple[str, str, str, str]  # smg_router_requests_total (backend, endpoint, model, "false")
+    routed_stream: tuple[str, str, str, str]  # ... the same with stream "true"
+    endpoint: tuple[str, str, str]  # (backend, endpoint, model): duration and request errors
+    model: str  # the model label alone (smg_pd_ttft_seconds)
+
+    def __init__(self, backend: str, endpoint: str, model: str) -> None:
+        self.routed = (backend, endpoint, model, "false")
+        self.routed_stream = (backend, endpoint, model, "true")
+        self.endpoint = (backend, endpoint, model)
+        self.model = model
+
+
+class Telemetry:
+    """Metrics off: every event is dropped. :class:`RequestTelemetry` counts them."""
+
+    __slots__ = ()
+
+    def clock(self) -> float:
+        """A start time for ``pick`` (0.0 here: nothing is timed)."""
+        return 0.0
+
+    def request(self, proto: Any, method: bytes, path: bytes) -> None:
+        """A request head arrived: count it and start its smg_http duration (on ``proto``)."""
+
+    def http_done(self, key: Any, t0: float) -> None:
+        """A response is done: its smg_http duration since ``t0``."""
+
+    def routed(self, path: bytes, meta: Any) -> None:
+        """An inference request was parsed (every one counts once, whatever answers it)."""
+
+    def overhead(self, t0: float) -> None:
+        """The router's own time from the complete request (``t0``) to the first attempt."""
+
+    def pick(self, t0: float) -> None:
+        """A policy decision that started at ``t0`` (a ``clock()`` value) is made."""
+
+    def response(
+        self, status: int, code: str, path: bytes | None = None, model: str | None = None, label: str | None = None
+    ) -> None:
+        """A response by status and error code, on ``path`` (or the path label ``label``)."""
+
+    def duration(self, path: bytes, model: str | None, started_at: float) -> None:
+        """A successful inference request is complete (``started_at``: loop time)."""
+
+    def ttft(self, path: bytes, model: str | None, started_at: float) -> None:
+        """A PD request's decode answered its head (``started_at``: loop time)."""
+
+    def worker_error(self, registry: Any, target: int, result: Any) -> None:
+        """``target``'s worker failed an attempt: a 5xx status, ``TIMEOUT`` or an exception."""
+
+    def retry(self, role: str, path: bytes) -> None:
+        """An attempt is dropped for another one."""
+
+    def exhausted(self, role: str, path: bytes) -> None:
+        """The last allowed attempt failed retryably."""
+
+    def connections(self, delta: int) -> None:
+        """Client connections opened (+1) or closed (-1)."""
+
+    def rate_limit(self, result: str) -> None:
+        """The token bucket's verdict on a request."""
+
+    def reclaim(self, reason: str) -> None:
+        """The leak net took back a lease its owner should have released."""
+
+
+class RequestTelemetry(Telemetry):
+    """Metrics on: each event bumps this process's :class:`~fastroute.control.metrics.Stats`."""
+
+    __slots__ = ("stats", "loop", "backend", "_models")
+    stats: Stats
+    loop: AbstractEventLoop
+    backend: str
+    _models: dict[Any, dict[bytes, PathLabels]]
+
+    def __init__(self, stats: Stats, loop: AbstractEventLoop, backend: str) -> None:
+        self.stats = stats
+        self.loop = loop
+        self.backend = backend  # "regular" or "pd": the backend label
+        self._models = {}
+
+    def labels(self, model: str | None, path: bytes) -> PathLabels | None:
+        """The label tuples of ``model``'s requests on inference path ``path``."""
+        row = self._models.get(model)
+        if row is None:
+            row = self._models.get(_OTHER_MODEL) if len(self._models) >= MAX_MODEL_LABELS else None
+            if row is None:
+                if len(self._models) >= MAX_MODEL_LABELS:
+                    model, label = _OTHER_MODEL, "other"
+                else:
+                    label = label_value(model) if model is not None else "unknown"
+                b = self.backend
+                row = self._models[model] = {p: PathLabels(b, e, label) for p, e in ENDPOINT_LABEL.items()}
+        return row.get(path)
+
+    def _observe(self, h: Hist, v: float) -> None:
+        h.counts[bisect_left(h.bounds, v)] += 1
+        h.sum += v
+
+    def _observe_in(self, d: dict, key: Any, v: float) -> None:
+        h = d.get(key)
+        if h is None:
+            self.stats.observe(d, key, v)  # makes the histogram with the configured buckets
+        else:
+            self._observe(h, v)
+
+    def clock(self) -> float:
+        return perf_counter()
+
+    def request(self, proto: Any, method: bytes, path: bytes) -> None:
+        key = http_key(method, path)
+        d = self.stats.http_requests
+        d[key] = d.get(key, 0) + 1
+        proto.http_key = key  # the response's labels (ClientProtocol.response_done)
+        proto.http_t0 = perf_counter()
+
+    def http_done(self, key: Any, t0: float) -> None:
+        self._observe_in(self.stats.http_duration, key, perf_counter() - t0)
+
+    def routed(self, path: bytes, meta: Any) -> None:
+        pl = self.labels(meta.model, path)
+        if pl is not None:
+            d = self.stats.router_requests
+            key = pl.routed_stream if meta.stream else pl.routed
+            d[key] = d.get(key, 0) + 1
+
+    def overhead(self, t0: float) -> None:
+        self._observe(self.stats.overhead_seconds, perf_counter() - t0)
+
+    def pick(self, t0: float) -> None:
+        self._observe(self.stats.pick_seconds, perf_counter() - t0)
+
+    def response(
+        self, status: int, code: str, path: bytes | None = None, model: str | None = None, label: str | None = None
+    ) -> None:
+        st = self.stats
+        d = st.http_responses
+        key = (_STATUS_LABEL.get(status) or str(status), code, label if label is not None else path_label(path))
+        d[key] = d.get(key, 0) + 1
+        if code and path is not None:
+            pl = self.labels(model, path)
+            if pl is not None:  # an inference request failed: smg_router_request_errors
+                e = st.router_errors
+                key2 = pl.endpoint + (code,)
+                e[key2] = e.get(key2, 0) + 1
+
+    def duration(self, path: bytes, model: str | None, started_at: float) -> None:
+        pl = self.labels(model, path)
+        if pl is not None:
+            self._observe_in(self.stats.router_duration, pl.endpoint, self.loop.time() - started_at)
+
+    def ttft(self, path: bytes, model: str | None, started_at: float) -> None:
+        pl = self.labels(model, path)
+        if pl is not None:
+            self._observe_in(self.stats.pd_ttft, pl.model, self.loop.time() - started_at)
+
+    def worker_error(self, registry: Any, target: int, result: Any) -> None:
+        info = registry.target_info
+        entry = info[target] if 0 <= target < len(info) else None
+        role = entry[0].role if entry is not None else "unknown"
+        if type(result) is int:
+            kind = "status_%d" % result
+        elif result is TIMEOUT:
+            kind = "timeout"
+        elif isinstance(result, ConnectError):
+            kind = "connect_error"
+        else:
+            kind = "connection_error"
+        d = self.stats.worker_errors
+        key = (role, kind)
+        d[key] = d.get(key, 0) + 1
+
+    def retry(self, role: str, path: bytes) -> None:
+        d = self.stats.retries
+        key = (role, INFERENCE[path])
+        d[key] = d.get(key, 0) + 1
+
+    def exhausted(self, role: str, path: bytes) -> None:
+        d = self.stats.retries_exhausted
+        key = (role, INFERENCE[path])
+        d[key] = d.get(key, 0) + 1
+
+    def connections(self, delta: int) -> None:
+        self.stats.connections_active += delta
+
+    def rate_limit(self, result: str) -> None:
+        d = self.stats.rate_limit
+        d[result] = d.get(result, 0) + 1
+
+    def reclaim(self, reason: str) -> None:
+        self.stats.reclaim(reason)
+
+
+NULL_TELEMETRY = Telemetry()  # the App's until metrics start
