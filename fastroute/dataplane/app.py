@@ -1,4 +1,4 @@
-"""The per-process data-path state: dispatch, admission gate, routes, sweep, lease safety net.
+"""The per-process data-path state: dispatch, admission gate, routes.
 
 One :class:`App` per proxy process, shared by every client connection
 (:mod:`fastroute.dataplane.protocol`). Its base :class:`~fastroute.dataplane.front.Front`
@@ -15,10 +15,9 @@ It never imports NumPy or the core's compiled modules: the circuit breakers and 
 reconciler are built by the runtime and handed in (``breakers=``,
 ``reconciler=``); the routing groups come from the registry.
 
-``App.exchanges`` is the registry of live exchanges that the lease safety net
-(``App.check_leaks``) scans every few seconds for bookings their owner failed to
-release; one sweep timer serves every deadline (request and header timeouts,
-admission queue expiry, breaker half-open moves, the safety net).
+``App.exchanges`` is the registry of live exchanges; ``App.sweeper``
+(:mod:`fastroute.dataplane.sweep`) runs every deadline from one timer and the lease
+safety net over them.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from fastroute.dataplane.headerflags import header_flags
 from fastroute.dataplane.pd import PDRelay
 from fastroute.dataplane.protocol import INFERENCE, ClientProtocol, Request
 from fastroute.dataplane.route import Route, rank_port
+from fastroute.dataplane.sweep import Sweeper
 from fastroute.dataplane.telemetry import NULL_TELEMETRY, RequestTelemetry
 from fastroute.dataplane.upstream import Pool
 from fastroute.errors import RouterError
@@ -76,9 +76,6 @@ _ADMIN = frozenset(
         b"/engine_metrics",
     }
 )
-
-_LEAK_EVERY = 5.0  # seconds between passes of the lease safety net
-_LEAK_SLACK = 5.0  # grace past request_timeout_secs before a booking counts as leaked
 
 
 class App(Front):
@@ -158,9 +155,6 @@ class App(Front):
             self.loop,
             rate=config.rate_limit_tokens_per_second,
         )
-        self.leak_every = _LEAK_EVERY
-        self.leak_slack = _LEAK_SLACK
-        self._next_leak = 0.0
 
         self.api_key = bearer(config.api_key)
         # The one rule for admin paths (--api-key, or the control-plane keys with roles),
@@ -173,15 +167,8 @@ class App(Front):
         )
         # SSE keep-alive comments while a stream waits for its first upstream byte (0: off).
         self.sse_keepalive = float(config.sse_keepalive_secs)
-        self._sweep_handle: asyncio.TimerHandle | None = None
-        every = [1.0, self.timeout / 4, self.header_timeout / 4]
-        if self.admission.enabled:
-            every.append(self.admission.queue_timeout / 4)
-        if breakers is not None:
-            every.append(breakers.timeout / 4)
-        if self.sse_keepalive > 0:
-            every.append(self.sse_keepalive / 4)
-        self._sweep_every = max(0.05, min(every))
+        # Every deadline and the lease safety net (sweep.py): one timer per process.
+        self.sweeper = Sweeper(self)
 
     # fastroute.control.metrics.Stats of this process (set by the server when metrics
     # run): plain dict increments per request, turned into series at scrape time.
@@ -199,9 +186,8 @@ class App(Front):
 
     # -- lifecycle ----------------------------------------------------------
     def start(self) -> None:
-        """Start the periodic sweep (request timeouts, header read timeouts)."""
-        if self._sweep_handle is None:
-            self._sweep_handle = self.loop.call_later(self._sweep_every, self._sweep)
+        """Start the periodic sweep (timeouts and the lease safety net, sweep.py)."""
+        self.sweeper.start()
 
     def protocol_factory(self) -> ClientProtocol:
         proto = ClientProtocol(self)
@@ -229,9 +215,7 @@ class App(Front):
     def close(self) -> None:
         """Abort everything still open (end of the shutdown grace period)."""
         self.accepting = False
-        if self._sweep_handle is not None:
-            self._sweep_handle.cancel()
-            self._sweep_handle = None
+        self.sweeper.stop()
         for ex in list(self.exchanges):
             ex.cancel(503, "shutdown")
         for conn in list(self.connections):
@@ -243,93 +227,6 @@ class App(Front):
             pool.close()
         self.pools.clear()
         self.routes.clear()
-
-    def _sweep(self) -> None:
-        # One timer for all deadlines instead of a TimerHandle per request:
-        # per-request cost is a float store, the sweep is O(open requests).
-        now = self.loop.time()
-        try:
-            for ex in [e for e in self.exchanges if e.deadline <= now]:
-                ex.on_timeout()
-            if self.sse_keepalive > 0:
-                for ex in [e for e in self.exchanges if 0.0 < e.ka_due <= now]:
-                    ex.keepalive(now)
-            for conn in [c for c in self.connections if 0.0 < c.head_deadline <= now]:
-                conn.on_header_timeout()
-            if self.handshaking:
-                self._expire_handshakes(now)
-            if self.admission.queue:
-                self.admission.expire(now)
-            if self.breakers is not None:
-                self.breakers.tick(now)
-            if now >= self._next_leak:
-                self._next_leak = now + self.leak_every
-                self.check_leaks(now)
-        except Exception:  # a bug here must not stop the sweeper forever
-            log.exception("sweep failed")
-        self._sweep_handle = self.loop.call_later(self._sweep_every, self._sweep)
-
-    def _expire_handshakes(self, now: float) -> None:
-        """Uncount TLS connections whose handshake deadline passed: the listener aborted them
-        (or they failed earlier: asyncio tells the protocol nothing of a failed handshake)."""
-        hs = self.handshaking
-        for proto in [p for p, due in hs.items() if due <= now]:
-            del hs[proto]
-            self.tel.connections(-1)
-
-    # -- lease safety net -----------------------------------------------------
-    def check_leaks(self, now: float | None = None) -> int:
-        """Reclaim bookings their owner should have released; returns how many leases.
-
-        Owners release in ``_Exchange._close_books``; this pass only catches bugs.
-        Suspicious: an exchange still registered after it finished, one whose
-        client connection is gone (connection_lost should have cancelled it), or
-        one older than request_timeout_secs + slack (the timeout sweep should
-        have ended it). Each reclaimed lease is logged and counted in
-        ``fastroute_leases_reclaimed_total{reason}``.
-        """
-        if now is None:
-            now = self.loop.time()
-        limit = self.timeout + self.leak_slack
-        n = 0
-        for ex in list(self.exchanges):
-            if ex.finished:
-                reason = "finished"
-            elif ex.proto.closed:
-                reason = "client_gone"
-            elif now - ex.started_at > limit:
-                reason = "expired"
-            else:
-                continue
-            n += self._reclaim(ex, reason, now)
-        if self.reconciler is not None:
-            self.reconciler.check(getattr(self.registry, "target_info", None) or (), now)
-        return n
-
-    def _reclaim(self, ex: _Exchange, reason: str, now: float) -> int:
-        n = 0
-        for lease in ex.leases:
-            if lease.release():
-                n += 1
-                log.warning(
-                    "reclaimed a leaked lease on target %s (%s, request %s, age %.1f s)",
-                    lease.target,
-                    reason,
-                    ex.rid.decode("latin-1"),
-                    now - ex.started_at,
-                )
-                self.tel.reclaim(reason)
-        ex.leases = ()
-        try:
-            if reason == "expired" and not ex.finished:
-                ex.on_timeout()  # answers 504 (or cuts the stream) like the timeout sweep
-            elif not ex.finished:
-                ex.cancel()
-        except Exception:
-            log.exception("cleanup of a leaked exchange failed")
-        ex._close_books()
-        self.exchanges.discard(ex)
-        return n
 
     # -- targets and routes -------------------------------------------------------
     def _targets_changed(self, role: str) -> None:

@@ -351,8 +351,8 @@ def test_leaked_lease_of_a_vanished_client_is_reclaimed_and_counted() -> None:
             c.close()
             await until(lambda: ex.proto.closed, what="client gone")
             assert r.in_flight(w) == 1  # nobody released it
-            app.leak_every = 0.05
-            app._next_leak = 0.0
+            app.sweeper.leak_every = 0.05
+            app.sweeper.next_leak = 0.0
             await until(lambda: r.in_flight(w) == 0, 5.0, "reclaimed")
             assert stats(r).reclaimed == {"client_gone": 1}
             assert not app.exchanges and app.admission.active == 0
@@ -373,8 +373,8 @@ def test_reconcile_flags_a_booking_the_engine_never_reports_without_releasing_it
             # worker keeps reporting 0 running + 0 waiting.
             lease = r.server.registry.group("regular").acquire(0)
             app.reconciler.timeout = 0.3
-            app.leak_every = 0.05
-            app._next_leak = 0.0
+            app.sweeper.leak_every = 0.05
+            app.sweeper.next_leak = 0.0
             await until(lambda: stats(r).reclaimed.get("reconcile_mismatch") == 1, 5.0, "mismatch")
             assert r.in_flight(w) == 1  # counted and logged, never released from here
             await asyncio.sleep(0.4)
@@ -587,7 +587,7 @@ def test_load_with_faults_leaves_no_lease_behind() -> None:
                 for r in (rr, pr):
                     await until(lambda: all(n == 0 for n in all_in_flight(r)), 10.0, "all released")
                     app = r.server.app
-                    assert app.check_leaks() == 0 and not app.exchanges
+                    assert app.sweeper.check_leaks() == 0 and not app.exchanges
                     st = stats(r)
                     assert st.reclaimed == {}
                     # Every request the router parsed got exactly one response record.

@@ -271,7 +271,7 @@ def test_request_timeout_gives_504_and_releases(env) -> None:
     ((_, leg),) = env.pool.sent
     for ex in list(env.app.exchanges):
         ex.deadline = 0.0
-    env.app._sweep()
+    env.app.sweeper.tick()
     (res,) = responses(env.tr.out)
     assert res["status"] == 504
     assert leg.conn is None or leg.conn.aborted
@@ -301,14 +301,14 @@ def test_expect_100_continue(env) -> None:
 def test_header_read_timeout_closes_idle_but_not_busy_connections(env) -> None:
     env.proto.data_received(b"GET /health HTTP/1.1\r\nHo")  # head never completes
     env.proto.head_deadline = 0.001
-    env.app._sweep()
+    env.app.sweeper.tick()
     assert env.tr.closed
     busy = ClientProtocol(env.app)
     tr = FakeTransport()
     busy.connection_made(tr)
     busy.data_received(post())
     assert busy.head_deadline == 0.0  # no header timeout while a response is pending
-    env.app._sweep()
+    env.app.sweeper.tick()
     assert not tr.closed
 
 
