@@ -2,8 +2,8 @@
 
 :class:`AdminAPI` is the half of :class:`~fastroute.control.registry.Registry` that answers HTTP:
 ``handle_admin`` routes one request to its handler, which reads the registry's workers and the
-shared table and answers ``(status, body, content-type)``. It holds no state of its own; the
-registry inherits it so the data plane keeps one object to call (``registry.handle_admin``).
+shared table and answers ``(status, body, content-type)``. The registry holds one as
+``registry.admin``, the object the data plane and the supervisor's control listener call.
 Authentication is :mod:`fastroute.auth`'s one rule; error bodies come from :mod:`fastroute.errors`.
 """
 
@@ -16,12 +16,11 @@ import random
 import uuid
 from collections.abc import Iterable
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import parse_qs
 
 from fastroute import __version__
-from fastroute.auth import FORBIDDEN, OK, AdminAuth, ControlPlaneKey, audit, is_management
-from fastroute.config import Config
+from fastroute.auth import FORBIDDEN, OK, ControlPlaneKey, audit, is_management
 from fastroute.control import httpclient
 from fastroute.control.httpclient import HttpClientError
 from fastroute.control.selfaddr import SelfWorker
@@ -32,7 +31,6 @@ from fastroute.core.table import (
     COL_POLLED_RUNNING,
     COL_POLLED_TOKENS,
     COL_POLLED_WAITING,
-    TargetTable,
 )
 from fastroute.errors import (
     CODE_BAD_REQUEST,
@@ -43,6 +41,9 @@ from fastroute.errors import (
     invalid_api_key,
     unknown_url,
 )
+
+if TYPE_CHECKING:
+    from fastroute.control.registry import Registry
 
 # Logger name kept from before the split: operators filter on it.
 log = logging.getLogger("fastroute.workers")
@@ -117,22 +118,35 @@ def _method_not_allowed(method: str, path: str) -> RouterError:
     return RouterError(405, "method_not_allowed", f"Method {method} not allowed on {path}")
 
 
+class Forwarder(Protocol):
+    """Who answers some admin calls in another process (AdminAPI.forwarder)."""
+
+    def forwards(self, method: str, path: str) -> bool: ...
+
+    async def forward(
+        self, method: str, path: str, query: str, body: bytes, headers: Any
+    ) -> tuple[int, bytes, bytes]: ...
+
+
 class AdminAPI:
-    """The admin endpoints of a :class:`~fastroute.control.registry.Registry` (a mixin).
+    """The admin endpoints over one :class:`~fastroute.control.registry.Registry`, which holds
+    it as ``registry.admin``.
 
-    Reads only what the registry defines (its workers, table, config and queries); the
-    attributes below are the registry's, declared here for readers and type checkers."""
+    Reads the registry's workers, table and config and calls its public operations (add,
+    remove, find, wait for registration); keeps no state but the random source that picks
+    the worker ``/health_generate`` probes. ``forwarder``, when set, answers the calls it
+    ``forwards`` itself (a proxy child hands worker changes to its supervisor,
+    :class:`~fastroute.control.follower.FollowerRegistry`)."""
 
-    config: Config
-    table: TargetTable
-    workers: list[Worker]
-    admin_auth: AdminAuth
-    _rng: random.Random
+    def __init__(self, registry: Registry, forwarder: Forwarder | None = None) -> None:
+        self.registry = registry
+        self.forwarder = forwarder
+        self._rng = random.Random(registry.config.seed)
 
     # ---- worker JSON --------------------------------------------------------------------------
     def _polled(self, t: int) -> dict[str, Any]:
         """Polled engine values of a target; all None when never polled / unknown."""
-        tab = self.table
+        tab = self.registry.table
         if tab.get(t, COL_POLLED_AT) < 0:
             return {
                 "num_running_reqs": None,
@@ -156,7 +170,7 @@ class AdminAPI:
 
     def worker_json(self, w: Worker) -> dict[str, Any]:
         """One entry of GET /workers (smg field names, plus per-rank detail when split)."""
-        tab = self.table
+        tab = self.registry.table
         live = w.status == "ready"
         d: dict[str, Any] = {
             "id": w.id,
@@ -211,11 +225,13 @@ class AdminAPI:
             verdict, key = OK, principal
         else:
             got = request_header(headers, "authorization")
-            verdict, key = self.admin_auth.check(
+            verdict, key = self.registry.admin_auth.check(
                 method.encode("latin-1"), path.encode("latin-1"), None if got is None else got.encode("latin-1")
             )
         audited = (
-            self.config.control_plane_audit_enabled and method not in _READS and is_management(path.encode("latin-1"))
+            self.registry.config.control_plane_audit_enabled
+            and method not in _READS
+            and is_management(path.encode("latin-1"))
         )
         if verdict != OK:
             if audited:
@@ -223,14 +239,14 @@ class AdminAPI:
             return _error(
                 insufficient_role(key.role) if verdict == FORBIDDEN and key is not None else invalid_api_key()
             )
+        fwd = self.forwarder
+        if fwd is not None and fwd.forwards(method, path):
+            # Applied (and audited) by the process the forwarder hands the call to.
+            return await fwd.forward(method, path, query, body, headers)
         result = await self._dispatch(method, path, query, body, headers)
-        if audited and not self.forwards(method, path):
+        if audited:
             self._audit(key, method, path, query, body, "success" if result[0] < 400 else "error", result[0])
         return result
-
-    def forwards(self, method: str, path: str) -> bool:
-        """Whether this process hands the request to another that applies it (supervisor)."""
-        return False
 
     def _audit(
         self, key: ControlPlaneKey | None, method: str, path: str, query: str, body: bytes, outcome: str, status: int
@@ -266,8 +282,10 @@ class AdminAPI:
             return _error(RouterError(500, "internal_error", str(exc)))
 
     def _list_workers(self) -> tuple[int, bytes, bytes]:
-        ws = [self.worker_json(w) for w in self.workers]
-        stats = {f"{r}_count": sum(1 for w in self.workers if w.role == r) for r in ("prefill", "decode", "regular")}
+        ws = [self.worker_json(w) for w in self.registry.workers]
+        stats = {
+            f"{r}_count": sum(1 for w in self.registry.workers if w.role == r) for r in ("prefill", "decode", "regular")
+        }
         return 200, _json({"workers": ws, "total": len(ws), "stats": stats}), _JSON
 
     def _post_worker(self, body: bytes) -> tuple[int, bytes, bytes]:
@@ -285,7 +303,7 @@ class AdminAPI:
         if labels is not None and not isinstance(labels, dict):
             raise _invalid("labels must be an object")
         try:
-            w = self.add_worker(
+            w = self.registry.add_worker(
                 req["url"],
                 role,
                 bootstrap_port=bport,
@@ -316,7 +334,7 @@ class AdminAPI:
             uuid.UUID(wid)
         except ValueError:
             raise _bad_request(f"Invalid worker id {wid!r} (expected a UUID)") from None
-        w = self.get(wid)
+        w = self.registry.get(wid)
         if w is None:
             raise RouterError(404, "worker_not_found", f"Worker {wid} not found")
         if method == "GET":
@@ -353,7 +371,7 @@ class AdminAPI:
                 _JSON,
             )
         if method == "DELETE":
-            self.remove_worker(w)
+            self.registry.remove_worker(w)
             return (
                 202,
                 _json(
@@ -384,7 +402,7 @@ class AdminAPI:
                 except ValueError:
                     return 400, f"Invalid bootstrap_port: {raw}".encode(), _TEXT
         try:
-            w = self.add_worker(url, role, bootstrap_port=bport)
+            w = self.registry.add_worker(url, role, bootstrap_port=bport)
         except (SelfWorker, BadWorkerURL) as exc:
             return _error(_refused(exc))  # JSON, like POST /workers
         except ValueError as exc:
@@ -393,7 +411,7 @@ class AdminAPI:
         # whole --worker-startup-timeout-secs (clients gave up first). A worker that answers
         # registers within the bound; past it the answer is 202 and registration goes on in
         # the background, as with POST /workers.
-        if await self.wait_registered(w, LEGACY_ADD_WAIT_SECS):
+        if await self.registry.wait_registered(w, LEGACY_ADD_WAIT_SECS):
             return 200, f"Successfully added worker: {w.url}".encode(), _TEXT
         if w.status == "pending":
             return (
@@ -409,17 +427,17 @@ class AdminAPI:
         url = (parse_qs(query).get("url") or [""])[0]
         if not url:
             return 400, b"Missing url query parameter", _TEXT
-        w = self.find(url)
+        w = self.registry.find(url)
         if w is None:
             return 404, f"Worker {normalize_url(url)} not found".encode(), _TEXT
-        self.remove_worker(w)
+        self.registry.remove_worker(w)
         return 200, f"Successfully removed worker: {w.url}".encode(), _TEXT
 
     async def _list_workers_legacy(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
-        return 200, _json({"urls": [w.url for w in self.workers if w.status == "ready"]}), _JSON
+        return 200, _json({"urls": [w.url for w in self.registry.workers if w.status == "ready"]}), _JSON
 
     async def _get_loads(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
-        tab = self.table
+        tab = self.registry.table
         loads = []
         legacy = []
         agg = {
@@ -429,7 +447,7 @@ class AdminAPI:
             "total_waiting_reqs": 0,
             "total_used_tokens": 0,
         }
-        for w in self.ready_workers():
+        for w in self.registry.ready_workers():
             tokens_sum = 0
             complete = True
             for i, (t, name) in enumerate(zip(w.targets, w.names)):
@@ -477,7 +495,7 @@ class AdminAPI:
         async def one(w: Worker) -> tuple[Worker, int | None, bytes | str]:
             try:
                 status, _, body = await httpclient.request(
-                    method, w.url + path, headers=self.auth_headers(w), timeout=timeout
+                    method, w.url + path, headers=self.registry.auth_headers(w), timeout=timeout
                 )
                 return w, status, body
             except HttpClientError as exc:
@@ -486,10 +504,10 @@ class AdminAPI:
         return list(await asyncio.gather(*(one(w) for w in workers)))
 
     def _admin_timeout(self) -> float:
-        return max(float(self.config.health_check_timeout_secs), 5.0)
+        return max(float(self.registry.config.health_check_timeout_secs), 5.0)
 
     async def _flush_cache(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
-        ws = self.ready_workers()
+        ws = self.registry.ready_workers()
         results = await self._fan_out(ws, "POST", "/flush_cache", self._admin_timeout())
         failed = []
         for w, status, rbody in results:
@@ -513,7 +531,7 @@ class AdminAPI:
         return (206 if ok else 502), _json(doc), _JSON
 
     async def _engine_metrics(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
-        ws = self.ready_workers()
+        ws = self.registry.ready_workers()
         if not ws:
             raise _no_workers()
         results = await self._fan_out(ws, "GET", "/metrics", self._admin_timeout())
@@ -546,7 +564,10 @@ class AdminAPI:
         async def fresh(w: Worker) -> dict[str, Any]:
             try:
                 status, _, rbody = await httpclient.request(
-                    "GET", w.url + w.server_info_path, headers=self.auth_headers(w), timeout=self._admin_timeout()
+                    "GET",
+                    w.url + w.server_info_path,
+                    headers=self.registry.auth_headers(w),
+                    timeout=self._admin_timeout(),
                 )
                 if status == 200:
                     doc = json.loads(rbody)
@@ -557,8 +578,8 @@ class AdminAPI:
                 pass  # fall back to the registration-time copy
             return w.server_info
 
-        if self.config.pd_disaggregation:
-            pre, dec = self.ready_workers("prefill"), self.ready_workers("decode")
+        if self.registry.config.pd_disaggregation:
+            pre, dec = self.registry.ready_workers("prefill"), self.registry.ready_workers("decode")
             if not pre and not dec:
                 raise _no_workers()
             infos = await asyncio.gather(*(fresh(w) for w in pre + dec))
@@ -566,7 +587,7 @@ class AdminAPI:
             states = [s for i in d_infos for s in (i.get("internal_states") or [])]
             # mini_lb shape (what sglang.bench_one_batch_server reads).
             return 200, _json({"internal_states": states, "prefill": p_infos, "decode": d_infos}), _JSON
-        ws = self.ready_workers("regular")
+        ws = self.registry.ready_workers("regular")
         if not ws:
             raise _no_workers()
         infos = await asyncio.gather(*(fresh(w) for w in ws))
@@ -575,14 +596,14 @@ class AdminAPI:
         return 200, _json(doc), _JSON
 
     async def _model_info(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
-        ws = self.ready_workers("prefill" if self.config.pd_disaggregation else "regular")
+        ws = self.registry.ready_workers("prefill" if self.registry.config.pd_disaggregation else "regular")
         healthy = [w for w in ws if w.healthy] or ws
         if not healthy:
             raise _no_workers()
         w = healthy[0]
         try:
             status, hdrs, rbody = await httpclient.request(
-                "GET", w.url + w.model_info_path, headers=self.auth_headers(w), timeout=self._admin_timeout()
+                "GET", w.url + w.model_info_path, headers=self.registry.auth_headers(w), timeout=self._admin_timeout()
             )
         except HttpClientError as exc:
             raise RouterError(503, "worker_unreachable", str(exc)) from None
@@ -593,39 +614,38 @@ class AdminAPI:
 
     async def _models(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
         ids: list[str] = []
-        for w in self.ready_workers():
+        for w in self.registry.ready_workers():
             if w.model_id not in ids:
                 ids.append(w.model_id)
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "local"} for m in ids]
         return 200, _json({"object": "list", "data": data}), _JSON
 
     async def _readiness(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
-        total = len(self.workers)
-        healthy = sum(1 for w in self.workers if w.status == "ready" and w.healthy)
+        total = len(self.registry.workers)
+        healthy = sum(1 for w in self.registry.workers if w.status == "ready" and w.healthy)
         doc: dict[str, Any] = {"healthy_workers": healthy, "total_workers": total}
         # Background views (discovery, replica sync, health, loads) whose last iteration
         # failed: the router still routes on what it has, so the status stays the workers' call.
-        bg = getattr(self, "background", None)
-        stale = bg.stale() if bg is not None else []
+        stale = self.registry.background.stale()
         if stale:
             doc["stale"] = stale
-        if self.ready():
+        if self.registry.ready():
             return 200, _json({"status": "ready", **doc}), _JSON
         return 503, _json({"status": "not ready", "reason": "insufficient healthy workers", **doc}), _JSON
 
     async def _health_generate(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
         """smg style: a real /health_generate on one healthy pair (PD) or one healthy worker."""
-        if self.config.pd_disaggregation:
-            pre, dec = self._healthy("prefill"), self._healthy("decode")
+        if self.registry.config.pd_disaggregation:
+            pre, dec = self.registry.healthy_workers("prefill"), self.registry.healthy_workers("decode")
             if not pre or not dec:
                 raise RouterError(503, "no_healthy_worker_pair", "No healthy prefill/decode worker pair available")
             chosen = [self._rng.choice(pre), self._rng.choice(dec)]
         else:
-            reg = self._healthy("regular")
+            reg = self.registry.healthy_workers("regular")
             if not reg:
                 raise RouterError(503, "no_healthy_worker", "No healthy worker available")
             chosen = [self._rng.choice(reg)]
-        timeout = min(float(self.config.request_timeout_secs), 60.0)
+        timeout = min(float(self.registry.config.request_timeout_secs), 60.0)
         results = await self._fan_out(chosen, "GET", "/health_generate", timeout)
         bad = [
             f"{w.url}: {status if status is not None else rbody}"

@@ -93,6 +93,7 @@ class FollowerRegistry(Registry):
         self._secret = secret
         self.version = -1
         self._seen_generation = -1
+        self.admin.forwarder = self  # worker changes go to the supervisor (forwards, forward)
         for g in self._groups.values():
             g.track_in(ledger)
 
@@ -165,19 +166,14 @@ class FollowerRegistry(Registry):
         self.invalidate_ready()  # Registry.ready() recomputes once, on the next request
 
     def forwards(self, method: str, path: str) -> bool:
+        """Whether the supervisor applies this admin call (it changes the worker set)."""
         return path in FORWARD_PATHS or (
             method in ("POST", "PUT", "DELETE") and (path == "/workers" or path.startswith("/workers/"))
         )
 
-    async def _dispatch(
-        self, method: str, path: str, query: str, body: bytes, headers: Any
-    ) -> tuple[int, bytes, bytes]:
-        # Authenticated here already (handle_admin); the supervisor checks again and audits.
-        if self.forwards(method, path):
-            return await self._forward(method, path, query, body, headers)
-        return await super()._dispatch(method, path, query, body, headers)
-
-    async def _forward(self, method: str, path: str, query: str, body: bytes, headers: Any) -> tuple[int, bytes, bytes]:
+    async def forward(self, method: str, path: str, query: str, body: bytes, headers: Any) -> tuple[int, bytes, bytes]:
+        """Hand an admin call (authenticated here already) to the supervisor, which checks it
+        again, applies it and audits it."""
         fwd = {CONTROL_HEADER: self._secret}
         auth = request_header(headers, "authorization")
         if auth is not None:

@@ -20,8 +20,8 @@ shared :class:`~fastroute.core.table.TargetTable`:
   reporting another rank count) and every ``DP_RECHECK_SECS``; :meth:`Registry.resize` keeps
   the rows of ranks that stay, retires the others like a removal (freed once their leases
   are released) and allocates rows for new ranks.
-* the admin / info endpoints of protocol.md 6.2-6.6 (:meth:`Registry.handle_admin`), inherited
-  from :class:`~fastroute.control.admin.AdminAPI`; the worker model is in
+* the admin / info endpoints of protocol.md 6.2-6.6 are a :class:`~fastroute.control.admin.AdminAPI`
+  the registry holds (``registry.admin.handle_admin``); the worker model is in
   :mod:`fastroute.control.worker`.
 
 Load polling and periodic health checks live in :mod:`fastroute.control.monitor`; they write the table
@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import random
 from collections.abc import Callable, Mapping
 
 from fastroute.auth import AdminAuth, parse_control_plane_keys
@@ -71,9 +70,9 @@ log = logging.getLogger("fastroute.workers")
 DP_RECHECK_MIN_SECS = 5.0
 
 
-class Registry(Handshake, RankPorts, AdminAPI):
-    """All workers, their target rows, the per-role routing groups (and, inherited, the admin
-    endpoints)."""
+class Registry(Handshake, RankPorts):
+    """All workers, their target rows, the per-role routing groups; ``admin`` answers the admin
+    endpoints over them."""
 
     def __init__(self, config: Config, table: TargetTable, router: Router) -> None:
         self.config = config
@@ -92,7 +91,6 @@ class Registry(Handshake, RankPorts, AdminAPI):
         # Indexed by table row; None for rows not owned by a worker. Entries of removed workers
         # stay until the row is freed, so in-flight requests can still resolve their target.
         self.target_info: list[tuple[Worker, int | None] | None] = []
-        self._rng = random.Random(config.seed)
         self._deferred: list[int] = []  # rows of removed targets waiting for in_flight == 0
         self._reaper: asyncio.Task | None = None
         self._listeners: list[Callable[[str], None]] = []
@@ -101,6 +99,7 @@ class Registry(Handshake, RankPorts, AdminAPI):
         self.own = OwnAddresses()
         # The one admin auth rule, built once (control-plane keys kept as digests only).
         self.admin_auth = AdminAuth(config.api_key, parse_control_plane_keys(config.control_plane_api_keys))
+        self.admin = AdminAPI(self)  # the admin / info endpoints over this registry
         demand = config.decode_input_demand
         weight = config.decode_request_weight
         metric = config.p2c_load_metric
@@ -237,7 +236,7 @@ class Registry(Handshake, RankPorts, AdminAPI):
     def ready_workers(self, role: str | None = None) -> list[Worker]:
         return [w for w in self.workers if w.status == "ready" and (role is None or w.role == role)]
 
-    def _healthy(self, role: str) -> list[Worker]:
+    def healthy_workers(self, role: str) -> list[Worker]:
         return [w for w in self.workers if w.status == "ready" and w.healthy and w.role == role]
 
     def ready(self) -> bool:
@@ -248,9 +247,9 @@ class Registry(Handshake, RankPorts, AdminAPI):
         r = self._ready_cache
         if r is None:
             if self.config.pd_disaggregation:
-                r = bool(self._healthy("prefill")) and bool(self._healthy("decode"))
+                r = bool(self.healthy_workers("prefill")) and bool(self.healthy_workers("decode"))
             else:
-                r = bool(self._healthy("regular"))
+                r = bool(self.healthy_workers("regular"))
             self._ready_cache = r
         return r
 

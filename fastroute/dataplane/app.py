@@ -57,7 +57,7 @@ _HEALTH_CLOSE = (
 
 _DRAINING = b'{"status": "not ready", "reason": "draining: the router is shutting down"}'
 
-# Paths answered by registry.handle_admin (who may call them: fastroute.auth).
+# Paths answered by registry.admin.handle_admin (who may call them: fastroute.auth).
 _ADMIN = frozenset(
     {
         b"/workers",
@@ -382,7 +382,9 @@ class App(Front):
             )
             # The control-plane key that passed the check goes on to the handler's audit log.
             status, body, ctype = await (
-                self.registry.handle_admin(*args) if who is None else self.registry.handle_admin(*args, principal=who)
+                self.registry.admin.handle_admin(*args)
+                if who is None
+                else self.registry.admin.handle_admin(*args, principal=who)
             )
         except asyncio.CancelledError:
             raise

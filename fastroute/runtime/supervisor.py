@@ -366,7 +366,7 @@ class Supervisor:
                 body = await asyncio.wait_for(reader.readexactly(n), HEAD_LIMIT_SECS) if n else b""
                 path, _, query = target.partition("?")
                 assert self.registry is not None
-                status, rbody, ctype = await self.registry.handle_admin(method, path, query, body, headers)
+                status, rbody, ctype = await self.registry.admin.handle_admin(method, path, query, body, headers)
                 self.publish()
             if isinstance(ctype, str):
                 ctype = ctype.encode("latin-1")

@@ -250,7 +250,7 @@ class Plane:
         path, _, query = path.partition("?")
         if not isinstance(body, bytes):
             body = json.dumps(body).encode()
-        status, out, ctype = await self.registry.handle_admin(method, path, query, body, headers or [])
+        status, out, ctype = await self.registry.admin.handle_admin(method, path, query, body, headers or [])
         if ctype.startswith(b"application/json"):
             return status, json.loads(out), ctype
         return status, out, ctype

@@ -44,8 +44,11 @@ class _Writer:
 
 
 class _Registry:
+    """Records the admin calls the control listener hands on (registry.admin.handle_admin)."""
+
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, str, bytes]] = []
+        self.admin = self
 
     async def handle_admin(
         self, method: str, path: str, query: str, body: bytes, headers: Any
