@@ -26,6 +26,33 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+# Every path the admin API answers, with the methods it takes (another method: 405); the proxy
+# hands these and every /workers/<id> path to it. The one table: the admin handlers
+# (control/admin.py), the proxy's dispatch and the metrics' path labels all read it.
+ADMIN_METHODS: dict[bytes, tuple[str, ...]] = {
+    b"/workers": ("GET", "POST"),
+    b"/add_worker": ("POST",),
+    b"/remove_worker": ("POST", "DELETE"),
+    b"/list_workers": ("GET",),
+    b"/get_loads": ("GET",),
+    b"/flush_cache": ("POST",),
+    b"/engine_metrics": ("GET",),
+    b"/get_server_info": ("GET",),
+    b"/server_info": ("GET",),
+    b"/get_model_info": ("GET",),
+    b"/model_info": ("GET",),
+    b"/v1/models": ("GET",),
+    b"/readiness": ("GET",),
+    b"/health_generate": ("GET",),
+}
+WORKER_ITEM_PREFIX = b"/workers/"  # /workers/<id>: GET, PUT, DELETE on one worker
+
+
+def is_admin_path(path: bytes) -> bool:
+    """Whether the admin API answers ``path`` (any method)."""
+    return path in ADMIN_METHODS or path.startswith(WORKER_ITEM_PREFIX)
+
+
 # Paths that stay open when an API key is configured.
 OPEN_PATHS: frozenset[bytes] = frozenset({b"/health", b"/liveness", b"/readiness", b"/v1/models"})
 

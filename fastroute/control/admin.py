@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import parse_qs
 
 from fastroute import __version__
-from fastroute.auth import FORBIDDEN, OK, ControlPlaneKey, audit, is_management
+from fastroute.auth import ADMIN_METHODS, FORBIDDEN, OK, ControlPlaneKey, audit, is_management
 from fastroute.control import httpclient
 from fastroute.control.httpclient import HttpClientError
 from fastroute.control.selfaddr import SelfWorker
@@ -260,7 +260,7 @@ class AdminAPI:
     ) -> tuple[int, bytes, bytes]:
         """Route an authenticated admin request to its handler."""
         try:
-            if path == "/workers":
+            if path == "/workers":  # ADMIN_METHODS: GET lists, POST adds
                 if method == "GET":
                     return self._list_workers()
                 if method == "POST":
@@ -660,20 +660,25 @@ class AdminAPI:
             msg = f"Health generate passed on selected worker: {chosen[0].url}"
         return 200, msg.encode(), _TEXT
 
+    # The handler of each path of auth.ADMIN_METHODS but /workers (answered above with
+    # /workers/<id>); the table says which methods each takes.
+    _HANDLERS: dict[str, Any] = {
+        "/add_worker": _add_worker_legacy,
+        "/remove_worker": _remove_worker_legacy,
+        "/list_workers": _list_workers_legacy,
+        "/get_loads": _get_loads,
+        "/flush_cache": _flush_cache,
+        "/engine_metrics": _engine_metrics,
+        "/get_server_info": _server_info,
+        "/server_info": _server_info,
+        "/get_model_info": _model_info,
+        "/model_info": _model_info,
+        "/v1/models": _models,
+        "/readiness": _readiness,
+        "/health_generate": _health_generate,
+    }
     _ROUTES: dict[str, tuple[tuple[str, ...], Any]] = {
-        "/add_worker": (("POST",), _add_worker_legacy),
-        "/remove_worker": (("POST", "DELETE"), _remove_worker_legacy),
-        "/list_workers": (("GET",), _list_workers_legacy),
-        "/get_loads": (("GET",), _get_loads),
-        "/flush_cache": (("POST",), _flush_cache),
-        "/engine_metrics": (("GET",), _engine_metrics),
-        "/get_server_info": (("GET",), _server_info),
-        "/server_info": (("GET",), _server_info),
-        "/get_model_info": (("GET",), _model_info),
-        "/model_info": (("GET",), _model_info),
-        "/v1/models": (("GET",), _models),
-        "/readiness": (("GET",), _readiness),
-        "/health_generate": (("GET",), _health_generate),
+        p: (ADMIN_METHODS[p.encode()], fn) for p, fn in _HANDLERS.items()
     }
 
 

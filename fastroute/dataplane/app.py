@@ -28,7 +28,16 @@ import random
 from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
-from fastroute.auth import FORBIDDEN, OK, AdminAuth, audit, bearer, is_management, parse_control_plane_keys
+from fastroute.auth import (
+    FORBIDDEN,
+    OK,
+    AdminAuth,
+    audit,
+    bearer,
+    is_admin_path,
+    is_management,
+    parse_control_plane_keys,
+)
 from fastroute.dataplane.admission import Admission
 from fastroute.dataplane.cors import Cors
 from fastroute.dataplane.exchange import Relay, _Exchange
@@ -56,26 +65,6 @@ _HEALTH_CLOSE = (
 )
 
 _DRAINING = b'{"status": "not ready", "reason": "draining: the router is shutting down"}'
-
-# Paths answered by registry.admin.handle_admin (who may call them: fastroute.auth).
-_ADMIN = frozenset(
-    {
-        b"/workers",
-        b"/add_worker",
-        b"/remove_worker",
-        b"/list_workers",
-        b"/get_loads",
-        b"/flush_cache",
-        b"/get_server_info",
-        b"/server_info",
-        b"/get_model_info",
-        b"/model_info",
-        b"/v1/models",
-        b"/readiness",
-        b"/health_generate",
-        b"/engine_metrics",
-    }
-)
 
 
 class App(Front):
@@ -331,7 +320,7 @@ class App(Front):
             proto.reply(data, ka)
         elif path == b"/readiness" and self.draining and req.method == b"GET":
             proto.reply_simple(503, b"application/json", _DRAINING, req)
-        elif path in _ADMIN or path.startswith(b"/workers/"):
+        elif is_admin_path(path):
             who = None
             if self.guarded:
                 verdict, who = self.admin_auth.check(req.method, path, req.auth)
@@ -352,7 +341,7 @@ class App(Front):
         (the protocol asks before it reads the body); None when it may proceed, or when the
         path is not an admin path (answered as usual once the request is complete)."""
         path = url.partition(b"?")[0]
-        if path not in _ADMIN and not path.startswith(b"/workers/"):
+        if not is_admin_path(path):
             return None
         verdict, who = self.admin_auth.check(method, path, auth)
         if verdict == OK:

@@ -19,6 +19,7 @@ from http import HTTPStatus
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
+from fastroute.auth import ADMIN_METHODS
 from fastroute.dataplane.routes import ENDPOINT_LABEL, INFERENCE, ROUTES
 from fastroute.dataplane.upstream import TIMEOUT, ConnectError
 from fastroute.names import label_value
@@ -29,28 +30,7 @@ if TYPE_CHECKING:
     from fastroute.control.metrics import Hist, Stats
 
 # Bounded label values (unknown paths and methods collapse to one value).
-_PATH_LABEL = {
-    p: p.decode()
-    for p in (
-        *ROUTES,
-        b"/health",
-        b"/liveness",
-        b"/readiness",
-        b"/workers",
-        b"/add_worker",
-        b"/remove_worker",
-        b"/list_workers",
-        b"/get_loads",
-        b"/flush_cache",
-        b"/get_server_info",
-        b"/server_info",
-        b"/get_model_info",
-        b"/model_info",
-        b"/v1/models",
-        b"/health_generate",
-        b"/engine_metrics",
-    )
-}
+_PATH_LABEL = {p: p.decode() for p in (*ROUTES, b"/health", b"/liveness", *ADMIN_METHODS)}
 _METHOD_LABEL = {m: m.decode() for m in (b"GET", b"POST", b"PUT", b"DELETE", b"HEAD", b"PATCH", b"OPTIONS")}
 _STATUS_LABEL = {s.value: str(s.value) for s in HTTPStatus}
 # (method, path) label pairs, built once.
