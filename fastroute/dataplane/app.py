@@ -33,16 +33,12 @@ from fastroute.auth import (
     OK,
     AdminAuth,
     audit,
-    bearer,
     is_admin_path,
     is_management,
     parse_control_plane_keys,
 )
-from fastroute.dataplane.admission import Admission
-from fastroute.dataplane.cors import Cors
-from fastroute.dataplane.exchange import Relay, _Exchange
+from fastroute.dataplane.exchange import Relay
 from fastroute.dataplane.front import Front
-from fastroute.dataplane.headerflags import header_flags
 from fastroute.dataplane.pd import PDRelay
 from fastroute.dataplane.protocol import INFERENCE, ClientProtocol, Request
 from fastroute.dataplane.route import Route, rank_port
@@ -84,78 +80,42 @@ class App(Front):
         breakers: Breakers | None = None,
         reconciler: Reconciler | None = None,
     ) -> None:
-        self.config = config
-        self.registry = registry
-        self.loop = loop or asyncio.get_event_loop()
+        loop = loop or asyncio.get_event_loop()
+        pd = bool(config.pd_disaggregation)
+        # The one rule for admin paths (--api-key, or the control-plane keys with roles),
+        # applied at head time when the call carries a body (protocol.on_headers_complete).
+        self.admin_auth = AdminAuth(config.api_key, parse_control_plane_keys(config.control_plane_api_keys))
+        guarded = self.admin_auth.api_key is not None or bool(self.admin_auth.keys)
+        super().__init__(config, registry, loop, PDRelay if pd else Relay, guarded, room_rng, breakers)
         self.pools: dict[Any, Pool] = {}  # by (worker identity, port): a re-added URL is a new worker
-        self.routes: dict[int, Route] = {}  # by target row
-        self.connections: set[ClientProtocol] = set()
-        # TLS connections accepted whose handshake has not finished -> when it must have
-        # (accept + --header-read-timeout-secs, the listener's handshake timeout). Counted in
-        # smg_http_connections_active from the accept, like any other open connection.
-        self.handshaking: dict[ClientProtocol, float] = {}
         self.tls_listener = False
-        self.exchanges: set[_Exchange] = set()
         self.admin_tasks: set[asyncio.Task] = set()
-        self.pd = bool(config.pd_disaggregation)
-        self.exchange_cls = PDRelay if self.pd else Relay
         self.dp_aware = bool(config.dp_aware)
-        self.max_payload = int(config.max_payload_size)
-        self.timeout = float(config.request_timeout_secs)
-        self.header_timeout = float(config.header_read_timeout_secs)
-        self.idle_timeout = float(config.idle_connection_timeout_secs)
         self.pool_idle = float(config.upstream_pool_idle_timeout_secs)
         # TLS client context for https:// workers (set by the runtime from --ca-cert-paths and
         # the client certificate; made with the system CAs on first need when left None).
         self.worker_tls: Any = None
-        self.room_rng = room_rng if room_rng is not None else random.Random(config.seed)
         # The body key carrying the DP rank of a target split per rank: the regular request
         # under --dp-aware, the decode leg under PD (the prefill's rank travels in the room).
         self.rank_field: str | None = (
-            config.rank_field("decode") if self.pd else config.rank_field("regular") if self.dp_aware else None
+            config.rank_field("decode") if pd else config.rank_field("regular") if self.dp_aware else None
         )
-        self.accepting = True
         # Set when the shutdown drain starts: /readiness answers 503 while requests are still
         # served (runtime.assemble.drain), so a load balancer stops sending new ones.
         self.draining = False
         self._stats: Any = None
-        self.tel = NULL_TELEMETRY
-        self.backend = "pd" if self.pd else "regular"
-        self.igw = bool(config.enable_igw)
-        self.model_role = "decode" if self.pd else "regular"  # whose groups know the models
 
         # -- resilience (protocol.md 7.2-7.4) --
-        self.max_attempts = config.max_attempts
         self.backoff_initial = float(config.retry_initial_backoff_ms) / 1000.0
         self.backoff_max = float(config.retry_max_backoff_ms) / 1000.0
         self.backoff_mult = float(config.retry_backoff_multiplier)
         self.backoff_jitter = float(config.retry_jitter_factor)
         self.retry_rng = random.Random(config.seed)
-        self.breakers = breakers
         self.reconciler = reconciler
         self._row_owner: dict[int, Any] = {}
         add_listener = getattr(registry, "add_listener", None)
         if add_listener is not None:
             add_listener(self._targets_changed)
-        self.admission = Admission(
-            int(config.max_concurrent_requests),
-            int(config.queue_size),
-            float(config.queue_timeout_secs),
-            self.loop,
-            rate=config.rate_limit_tokens_per_second,
-        )
-
-        self.api_key = bearer(config.api_key)
-        # The one rule for admin paths (--api-key, or the control-plane keys with roles),
-        # applied at head time when the call carries a body (protocol.on_headers_complete).
-        self.admin_auth = AdminAuth(config.api_key, parse_control_plane_keys(config.control_plane_api_keys))
-        self.guarded = self.admin_auth.api_key is not None or bool(self.admin_auth.keys)
-        self.cors = Cors(config.cors_allowed_origins)
-        self.header_flags, self.rid_headers, self.key_headers = header_flags(
-            config.request_id_headers, config.routing_key_headers, self.cors.enabled
-        )
-        # SSE keep-alive comments while a stream waits for its first upstream byte (0: off).
-        self.sse_keepalive = float(config.sse_keepalive_secs)
         # Every deadline and the lease safety net (sweep.py): one timer per process.
         self.sweeper = Sweeper(self)
 

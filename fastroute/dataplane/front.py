@@ -25,10 +25,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
-from fastroute.auth import authorized
+from fastroute.auth import authorized, bearer
 from fastroute.dataplane import body as _body
+from fastroute.dataplane.admission import Admission
+from fastroute.dataplane.cors import Cors
+from fastroute.dataplane.headerflags import header_flags
 from fastroute.dataplane.routes import INFERENCE, ROUTES, pd_unsupported
-from fastroute.dataplane.telemetry import Telemetry
+from fastroute.dataplane.telemetry import NULL_TELEMETRY, Telemetry
 from fastroute.errors import RouterError
 
 if TYPE_CHECKING:
@@ -36,14 +39,14 @@ if TYPE_CHECKING:
     from fastroute.control.models import ModelGroups
     from fastroute.control.registry import Registry
     from fastroute.core.breaker import Breakers
-    from fastroute.dataplane.admission import Admission
-    from fastroute.dataplane.cors import Cors
 
 
 class Front:
     """What every request reads from its App, and the inference path (see module docstring).
 
-    The fields are set by ``App.__init__``; ``handle_other`` and ``wait`` are App's.
+    ``__init__`` sets every field from the config and the parts the runtime hands in; the
+    exchange class (``Relay`` or ``PDRelay``) comes from App, since the exchanges import this
+    module. ``handle_other``, ``wait`` and ``refuse_at_head`` are App's.
     """
 
     __slots__ = (
@@ -108,6 +111,56 @@ class Front:
     igw: bool
     guarded: bool
     handshaking: dict[Any, float]
+
+    def __init__(
+        self,
+        config: Config,
+        registry: Registry,
+        loop: asyncio.AbstractEventLoop,
+        exchange_cls: Callable[..., Any],
+        guarded: bool,
+        room_rng: random.Random | None = None,
+        breakers: Breakers | None = None,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.loop = loop
+        self.exchange_cls = exchange_cls
+        self.pd = bool(config.pd_disaggregation)
+        self.backend = "pd" if self.pd else "regular"
+        self.model_role = "decode" if self.pd else "regular"  # whose groups know the models
+        self.igw = bool(config.enable_igw)
+        self.tel = NULL_TELEMETRY  # App.stats swaps in the counting one when metrics run
+        self.routes = {}  # target row -> Route (App._targets_changed)
+        self.exchanges = set()
+        self.connections = set()
+        # TLS connections accepted whose handshake has not finished -> when it must have
+        # (accept + --header-read-timeout-secs, the listener's handshake timeout). Counted in
+        # smg_http_connections_active from the accept, like any other open connection.
+        self.handshaking = {}
+        self.accepting = True
+        self.max_payload = int(config.max_payload_size)
+        self.timeout = float(config.request_timeout_secs)
+        self.header_timeout = float(config.header_read_timeout_secs)
+        self.idle_timeout = float(config.idle_connection_timeout_secs)
+        # SSE keep-alive comments while a stream waits for its first upstream byte (0: off).
+        self.sse_keepalive = float(config.sse_keepalive_secs)
+        self.max_attempts = config.max_attempts
+        self.breakers = breakers
+        self.room_rng = room_rng if room_rng is not None else random.Random(config.seed)
+        self.admission = Admission(
+            int(config.max_concurrent_requests),
+            int(config.queue_size),
+            float(config.queue_timeout_secs),
+            loop,
+            rate=config.rate_limit_tokens_per_second,
+        )
+        self.api_key = bearer(config.api_key)
+        self.guarded = guarded  # an admin rule is configured: admin calls are checked at the head
+        self.cors = Cors(config.cors_allowed_origins)
+        self.header_flags, self.rid_headers, self.key_headers = header_flags(
+            config.request_id_headers, config.routing_key_headers, self.cors.enabled
+        )
 
     def handle(self, proto: Any, req: Any) -> None:
         """Answer one parsed request; ends with proto.response_done() (maybe later)."""
