@@ -518,3 +518,26 @@ def test_backpressure_at_the_end_of_a_response_leaves_the_pooled_connection_alon
     assert proto.flow.writing_paused and not conn.paused
     proto.resume_writing()
     assert [r["status"] for r in responses(tr.out)] == [200]
+
+
+def test_metrics_off_is_the_null_telemetry_and_metrics_on_count_each_event(env) -> None:
+    from fastroute.control.metrics import Stats
+    from fastroute.dataplane.telemetry import NULL_TELEMETRY, RequestTelemetry, Telemetry
+
+    health = b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n"
+    assert env.app.tel is NULL_TELEMETRY and env.app.admission.tel is NULL_TELEMETRY
+    env.proto.data_received(health)  # answered; there is nothing to count into
+    st = Stats()
+    env.app.stats = st
+    assert type(env.app.tel) is RequestTelemetry and env.app.admission.tel is env.app.tel
+    env.proto.data_received(health)
+    env.proto.data_received(post())
+    assert st.http_requests == {("GET", "/health"): 1, ("POST", "/generate"): 1}
+    assert st.http_responses == {("200", "", "/health"): 1}
+    assert st.router_requests == {("regular", "generate", "unknown", "false"): 1}
+    assert st.pick_seconds.counts and sum(st.pick_seconds.counts) == 1
+    env.app.stats = None
+    assert env.app.tel is NULL_TELEMETRY and env.app.admission.tel is NULL_TELEMETRY
+    # Every event the request path sends has a counting implementation.
+    events = {n for n in dir(Telemetry) if not n.startswith("_")}
+    assert events <= set(vars(RequestTelemetry)), events - set(vars(RequestTelemetry))
