@@ -134,7 +134,7 @@ def group_decisions(groups: dict) -> dict[tuple[str, str, str], int]:
         if getattr(g, "kv_fit", "off") != "off":
             for result, n in g.kv_counts.items():
                 out[(role, "kv_fit", result)] = n
-        keys = getattr(g, "_keys", None)
+        keys = getattr(g, "key_table", None)
         if keys is not None:
             out[(role, "manual", "evicted")] = int(keys.evicted)
     return out
@@ -326,7 +326,7 @@ class Collector:
                     if f is not None:
                         free.add_metric([name], float(f))
         keys = GaugeMetricFamily("smg_manual_policy_cache_entries", "Routing keys held by the manual policy")
-        tables = [g._keys for g in groups.values() if getattr(g, "_keys", None) is not None]
+        tables = [k for k in (getattr(g, "key_table", None) for g in groups.values()) if k is not None]
         if tables:
             keys.add_metric([], float(sum(int(k.count) for k in tables)))
         yield from (sel, pool, dreq, dtok, shadow, kv, evicted, free, keys)

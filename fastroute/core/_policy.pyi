@@ -45,8 +45,12 @@ def coordinated(
 ) -> tuple[int, list[int]]:
     """Synced replicas: (this replica's pick, the plan of the next ``n`` placements)."""
 
-def demand_ties(tab: npt.NDArray[np.int64], cands: npt.NDArray[np.int64], tokens: int, weight: int) -> list[int]: ...
-def kv_feasible(tab: npt.NDArray[np.int64], cands: npt.NDArray[np.int64], need: int) -> tuple[list[int], list[int]]: ...
+def narrow(
+    tab: _Table, cands: _Rows, tokens: int, need: int, kv_mode: int, demand_mode: int, weight: int
+) -> tuple[list[int] | None, list[int] | None, list[int] | None, bool]:
+    """cache_aware's candidate filter, KV fit then demand: (the candidates the tree chooses
+    among or None for all, the KV-fit set or None, the demand ties or None, no capacity known)."""
+
 def free_kv(tab: _Table, t: int) -> int | None:
     """Estimated free KV tokens of target t, or None when its capacity is unknown."""
 

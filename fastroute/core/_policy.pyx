@@ -141,17 +141,21 @@ cdef int64_t pick_p2c(const int64_t[:, ::1] tab, const int64_t[::1] cands, int m
     return a
 
 
+cdef inline int64_t demand_cost(const int64_t *row, int64_t tokens, int64_t weight) noexcept nogil:
+    # Decode input demand: in-flight input tokens + this request's tokens + weight x requests
+    # held (all replicas: this host's exact counts plus the others' last published ones).
+    return row_pending(row) + tokens + weight * row_requests(row)
+
+
 cdef int64_t pick_demand(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens,
                          int64_t weight, uint64_t *rng) noexcept nogil:
-    # cost = in-flight input tokens + this request's tokens + weight x requests held (all
-    # replicas: this host's exact counts plus the others' last published ones).
     cdef int64_t best = -1, best_cost = 0, cost, t, ties = 0
     cdef Py_ssize_t k
     for k in range(cands.shape[0]):
         t = cands[k]
         if not row_eligible(&tab[t, 0]):
             continue
-        cost = row_pending(&tab[t, 0]) + tokens + weight * row_requests(&tab[t, 0])
+        cost = demand_cost(&tab[t, 0], tokens, weight)
         if best < 0 or cost < best_cost:
             best, best_cost, ties = t, cost, 1
         elif cost == best_cost:
@@ -232,7 +236,7 @@ cdef int64_t pick_kv_fit(const int64_t[:, ::1] tab, const int64_t[::1] cands, in
         if free < need:
             continue
         if use_demand:
-            a = row_pending(&tab[t, 0]) + tokens + weight * row_requests(&tab[t, 0])
+            a = demand_cost(&tab[t, 0], tokens, weight)
             b = 0
         else:
             a = row_requests(&tab[t, 0])
@@ -393,49 +397,71 @@ def coordinated(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tok
     return mine, [int(x) for x in scratch[2 * cands.shape[0]:2 * cands.shape[0] + n]]
 
 
-def demand_ties(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens, int64_t weight):
-    """Every eligible candidate of minimal demand cost (``pick_demand``'s cost), in candidate
-    order: cache_aware lets its prefix tree choose among them when demand is on."""
-    _check_rows(tab, cands, "candidate")
-    cdef list out = []
-    cdef int64_t best = 0, cost, t
-    cdef Py_ssize_t k
-    for k in range(cands.shape[0]):
-        t = cands[k]
-        if not row_eligible(&tab[t, 0]):
-            continue
-        cost = row_pending(&tab[t, 0]) + tokens + weight * row_requests(&tab[t, 0])
-        if not out or cost < best:
-            out = [t]
-            best = cost
-        elif cost == best:
-            out.append(t)
-    return out
+def narrow(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens, int64_t need,
+           int kv_mode, int demand_mode, int64_t weight):
+    """cache_aware's candidate filter, KV fit then decode input demand, in one call.
 
+    Returns ``(choose, fits, ties, no_capacity)``: the candidates the prefix tree chooses among
+    (None: all of ``cands``), the KV-fit set (None when KV fit is off or no candidate's capacity
+    is known, which ``no_capacity`` tells), and the demand ties (None when demand is off).
+    Modes are fastroute.names.MODE_CODE (0 off, 1 shadow, 2 on).
 
-def kv_feasible(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t need):
-    """KV fit as a filter (cache_aware's form of ``pick_kv_fit``): (eligible candidates where
-    ``need`` tokens fit, eligible candidates with the most free KV).  Both empty when no
-    candidate has a known capacity; the first empty when none fits."""
+    KV fit: the eligible candidates where ``need`` tokens fit in estimated free KV (``kv_free``),
+    or, when none fits, those with the most free KV; on, they replace the candidates. Demand: the
+    eligible candidates of least demand cost (``pick_demand``'s cost) among those; on, the tree
+    chooses among them. Shadow modes compute the set and leave the candidates as they are."""
     _check_rows(tab, cands, "candidate")
-    cdef list fits = [], roomiest = []
+    cdef list fits = None, roomiest = [], ties = None
+    cdef object choose = None
+    cdef bint no_capacity = False
     cdef int64_t t, free, room_free = 0
     cdef Py_ssize_t k
+    if kv_mode != 0:
+        fits = []
+        for k in range(cands.shape[0]):
+            t = cands[k]
+            if not row_eligible(&tab[t, 0]):
+                continue
+            free = kv_free(tab, t)
+            if free == INT64_MIN:
+                continue
+            if not roomiest or free > room_free:
+                roomiest = [t]
+                room_free = free
+            elif free == room_free:
+                roomiest.append(t)
+            if free >= need:
+                fits.append(t)
+        if not roomiest:
+            no_capacity = True
+            fits = None
+        elif not fits:
+            fits = roomiest
+        if kv_mode == 2 and fits is not None:
+            choose = fits
+    if demand_mode != 0:
+        ties = _demand_ties(tab, cands if choose is None else np.asarray(choose, dtype=np.int64), tokens, weight)
+        if demand_mode == 2:
+            choose = ties
+    return choose, fits, ties, no_capacity
+
+
+cdef list _demand_ties(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens, int64_t weight):
+    """Every eligible candidate of minimal demand cost, in candidate order."""
+    cdef list ties = []
+    cdef int64_t t, cost, best = 0
+    cdef Py_ssize_t k
     for k in range(cands.shape[0]):
         t = cands[k]
         if not row_eligible(&tab[t, 0]):
             continue
-        free = kv_free(tab, t)
-        if free == INT64_MIN:
-            continue
-        if not roomiest or free > room_free:
-            roomiest = [t]
-            room_free = free
-        elif free == room_free:
-            roomiest.append(t)
-        if free >= need:
-            fits.append(t)
-    return fits, roomiest
+        cost = demand_cost(&tab[t, 0], tokens, weight)
+        if not ties or cost < best:
+            ties = [t]
+            best = cost
+        elif cost == best:
+            ties.append(t)
+    return ties
 
 
 def free_kv(const int64_t[:, ::1] tab, int64_t t):

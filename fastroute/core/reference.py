@@ -458,3 +458,26 @@ def kv_feasible(tab: np.ndarray, cands, need: int) -> tuple[list[int], list[int]
         if free >= need:
             fits.append(t)
     return fits, roomiest
+
+
+def narrow(
+    tab: np.ndarray, cands, tokens: int, need: int, kv_mode: int, demand_mode: int, weight: int
+) -> tuple[list[int] | None, list[int] | None, list[int] | None, bool]:
+    """``_policy.narrow``: KV fit as a filter, then the demand ties among what it leaves."""
+    choose: list[int] | None = None
+    fits: list[int] | None = None
+    ties: list[int] | None = None
+    no_capacity = False
+    if kv_mode:
+        fits, roomiest = kv_feasible(tab, cands, need)
+        if not roomiest:
+            fits, no_capacity = None, True
+        elif not fits:
+            fits = roomiest
+        if kv_mode == 2 and fits is not None:
+            choose = fits
+    if demand_mode:
+        ties = demand_ties(tab, choose if choose is not None else cands, tokens, weight)
+        if demand_mode == 2:
+            choose = ties
+    return choose, fits, ties, no_capacity

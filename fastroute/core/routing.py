@@ -1,26 +1,26 @@
 """Bridge between the proxy and the compiled kernels: groups of targets with a policy.
 
-The proxy never touches arrays: it asks a ``Group`` for a lease with ``acquire(tokens, key, meta)``
-and gets back a ``Lease`` (plain ints and an idempotent ``release()``) or None when no target is
-eligible.  For the compiled policies ``Group.acquire`` *is* the compiled ``Picker.acquire``, so a
-pick costs one Python call, and ``meta`` (the request, anything with ``routing_text()``) is not
-looked at; only cache_aware asks it for its text, so the proxy never branches on a policy.
+The proxy never touches arrays: it asks a ``Group`` for a lease with
+``acquire(tokens, key, meta, out_tokens)`` and gets back a ``Lease`` (plain ints and an
+idempotent ``release()``) or None when no target is eligible. ``Group.acquire`` is the bound
+``acquire`` of the group's policy object (core/policies.py, built by ``make_policy``); for the
+compiled policies that object is the compiled kernel (``_ledger.Picker``) itself, so a pick costs
+one call. Only cache_aware reads ``meta`` (its ``routing_text()``), so the proxy never branches
+on a policy. A group also owns its candidate list (kept in the kernel and handed to policies
+with per-target state) and the ring of consistent_hashing.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Sequence
 
 import numpy as np
 
 from fastroute.core import _ledger, _manual, _policy
-from fastroute.core.cache_aware import CacheAwarePolicy
-from fastroute.core.table import HDR_REPLICAS, TargetTable
-from fastroute.names import ASSIGNMENT_MODE_CODE, LOAD_METRICS, MODE_CODE, POLICIES
-
-log = logging.getLogger("fastroute.routing")
+from fastroute.core.policies import ManualKeys, Policy, PrefixTree, make_policy
+from fastroute.core.table import TargetTable
+from fastroute.names import LOAD_METRICS, MODE_CODE, POLICIES
 
 RING_POINTS_PER_TARGET = 160
 
@@ -48,17 +48,6 @@ def build_ring(
             k += 1
     order = np.argsort(hashes, kind="stable")
     return hashes[order], owners[order]
-
-
-def _manual_keys(router: Router, seed: int) -> _manual.KeyTable:
-    """The manual policy's key table, configured from --assignment-mode / --max-idle-secs /
-    --max-manual-keys."""
-    cfg = router.config
-    mode = getattr(cfg, "assignment_mode", "random")
-    max_idle = float(getattr(cfg, "max_idle_secs", 4 * 3600))
-    every = float(getattr(cfg, "eviction_interval_secs", 60))
-    bound = int(getattr(cfg, "max_manual_keys", 1_000_000))
-    return _manual.KeyTable(router.table.array.shape[0], ASSIGNMENT_MODE_CODE[mode], max_idle, every, seed, bound)
 
 
 class Group:
@@ -96,130 +85,53 @@ class Group:
         self.names: list[str] = []
         compiled = "random" if policy in ("cache_aware", "manual") else policy
         # cache_aware bounded to the least-loaded ranks is least_requests with the tree breaking
-        # ties; with synced replicas the compiled picker plans bursts with the others
+        # ties; with synced replicas the compiled kernel plans bursts with the others
         # (_policy.pick_coordinated) and the tree only learns the text.
-        self._coordinate = policy == "cache_aware" and self.rank_slack == 0
-        if self._coordinate:
-            compiled, picker_metric = "power_of_two", "least_requests"
+        coordinate = policy == "cache_aware" and self.rank_slack == 0
+        if coordinate:
+            compiled, kernel_metric = "power_of_two", "least_requests"
         else:
-            picker_metric = load_metric
-        self._header = router.table.header
-        self._picker = _ledger.Picker(
+            kernel_metric = load_metric
+        # The compiled kernel: candidates, booking, and the pick of the compiled policies.
+        self.kernel = _ledger.Picker(
             router.table.array,
             router.table.header,
             compiled,
-            picker_metric,
+            kernel_metric,
             MODE_CODE[demand],
             self.request_weight,
             seed,
             MODE_CODE[kv_fit],
             int(kv_reserve),
         )
-        # Set for the flavours that read them (cache_aware, manual), which are bound only then.
-        self._text_policy: CacheAwarePolicy = None  # type: ignore[assignment]
         self._tab = router.table.array
         self._cands = np.zeros(0, dtype=np.int64)
         self.kv_reserve = int(kv_reserve)
-        # cache_aware's own decision counters (the compiled picker's stay 0 under it).
-        self._ca_demand = [0, 0]  # agree, disagree
-        self._ca_kv = [0, 0, 0]  # agree, disagree, fallback
-        self._keys: _manual.KeyTable = None  # type: ignore[assignment]
-        if policy == "manual":
-            self._keys = _manual_keys(router, seed)
-            self.acquire = self._acquire_manual  # type: ignore[method-assign]  # bound per instance to its flavour
-        elif policy == "cache_aware":
-            self._text_policy = CacheAwarePolicy(router.table, router.config, seed=seed, rank_slack=self.rank_slack)
-            if demand != "off" or kv_fit != "off":
-                self.acquire = self._acquire_text_narrowed  # type: ignore[method-assign]  # bound per instance to its flavour
-            else:
-                self.acquire = self._acquire_text  # type: ignore[method-assign]  # bound per instance to its flavour
-        elif demand == "shadow":
-            self.acquire = self._acquire_shadow  # type: ignore[method-assign]  # bound per instance to its flavour
-        else:
-            self.acquire = self._picker.acquire  # type: ignore[method-assign, assignment]  # bound per instance; the kernel names meta 'text'
-
-    # The acquire flavours share one signature:
-    # (tokens=0, key=None, meta=None, out_tokens=0) -> Lease | None.
-    def acquire(self, tokens: int = 0, key: bytes | None = None, meta=None, out_tokens: int = 0):
-        raise NotImplementedError  # replaced per instance in __init__
-
-    def _acquire_shadow(self, tokens: int = 0, key: bytes | None = None, meta=None, out_tokens: int = 0):
-        lease = self._picker.acquire(tokens, key, None, out_tokens)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "decode_demand legacy=%s demand=%s weight=%s tokens=%s",
-                self._picker.last_legacy,
-                self._picker.last_demand,
-                self.request_weight,
-                tokens,
-            )
-        return lease
-
-    def _acquire_coordinated(self, tokens: int, key: bytes | None, meta, out_tokens: int):
-        lease = self._picker.acquire(tokens, key, None, out_tokens)
-        text = meta.routing_text() if meta is not None and lease is not None else None
-        if text and lease is not None:
-            self._text_policy.tree.insert(text, lease.target)
-        return lease
-
-    def _acquire_text(self, tokens: int = 0, key: bytes | None = None, meta=None, out_tokens: int = 0):
-        if self._coordinate and self._header[HDR_REPLICAS] > 1:
-            return self._acquire_coordinated(tokens, key, meta, out_tokens)
-        # The request's text is computed here, only for this policy (it costs a join for chat).
-        t = self._text_policy.pick(meta.routing_text() if meta is not None else None, self.targets)
-        if t < 0:
-            return None
-        return self._picker.book_target(t, tokens)
-
-    def _acquire_manual(self, tokens: int = 0, key: bytes | None = None, meta=None, out_tokens: int = 0):
-        t = self._keys.pick_bound(key)
-        if t < 0:
-            return None
-        return self._picker.book_target(t, tokens)
-
-    def _acquire_text_narrowed(self, tokens: int = 0, key: bytes | None = None, meta=None, out_tokens: int = 0):
-        """cache_aware with KV fit and/or demand (see docs/balancing.md): KV fit is a
-        feasibility filter applied first; demand ``on`` narrows to the demand-argmin ties, among
-        which the prefix tree chooses (so demand decides, the tree breaks ties and still learns
-        the text); shadow modes let the tree pick from the unnarrowed set and count whether the
-        pick is one the filter would also have allowed (one decision per pick)."""
-        if self._coordinate and self._header[HDR_REPLICAS] > 1:
-            return self._acquire_coordinated(tokens, key, meta, out_tokens)
-        cands = self.targets
-        fits: list[int] | None
-        ties: list[int] | None = None
-        arr = self._cands
-        tab = self._tab
-        kv = self.kv_fit
-        if kv != "off":
-            fits, roomiest = _policy.kv_feasible(tab, arr, tokens + out_tokens + self.kv_reserve)
-            if not roomiest:
-                self._ca_kv[2] += 1  # no capacity known: the usual policy decides
-                fits = None
-            elif not fits:
-                fits = roomiest  # nothing fits: the most free KV (as the kernel)
-            if kv == "on" and fits is not None:
-                cands = fits
-                arr = np.asarray(fits, dtype=np.int64)
-        else:
-            fits = None
-        if self.demand != "off":
-            ties = _policy.demand_ties(tab, arr, tokens, self.request_weight)
-            if self.demand == "on":
-                cands = ties
-        t = self._text_policy.pick(meta.routing_text() if meta is not None else None, cands)
-        if t < 0:
-            return None
-        if kv == "shadow" and fits is not None:
-            self._ca_kv[0 if t in fits else 1] += 1
-        if self.demand == "shadow":
-            self._ca_demand[0 if ties is not None and t in ties else 1] += 1
-        return self._picker.book_target(t, tokens)
+        # The group's policy (core/policies.py): the kernel itself for the compiled policies,
+        # else an object that holds the kernel. ``acquire`` is its bound method: one call.
+        self.policy_impl: Policy = make_policy(
+            router,
+            policy,
+            self.kernel,
+            demand,
+            self.request_weight,
+            seed,
+            kv_fit,
+            kv_reserve,
+            self.rank_slack,
+            coordinate,
+        )
+        self.acquire = self.policy_impl.acquire
+        self._on_targets = getattr(self.policy_impl, "set_targets", None)
 
     def pick(self, tokens: int = 0, key: bytes | None = None, out_tokens: int = 0) -> int:
-        """The target the compiled policy would choose now, without booking (tests).  For
+        """The target the compiled kernel would choose now, without booking (tests).  For
         cache_aware that is the random fallback, not the prefix-tree pick."""
-        return self._picker.pick(tokens, key, out_tokens)
+        return self.kernel.pick(tokens, key, out_tokens)
+
+    def book_target(self, t: int, tokens: int = 0) -> _ledger.Lease:
+        """Book target ``t`` chosen elsewhere (a gateway's sidecar, tests): its Lease."""
+        return self.kernel.book_target(t, tokens)
 
     def set_targets(self, targets: Sequence[int], names: Sequence[str] | None = None) -> None:
         targets = [int(t) for t in targets]
@@ -227,40 +139,45 @@ class Group:
         if len(names) != len(targets):
             raise ValueError("targets and names differ in length")
         self._cands = np.asarray(targets, dtype=np.int64)
-        self._picker.set_candidates(self._cands)
+        self.kernel.set_candidates(self._cands)
         if self.policy == "consistent_hashing":
-            self._picker.set_ring(*build_ring(targets, names))
-        if self._text_policy is not None:
-            self._text_policy.set_targets(targets, names)
-        if self._keys is not None:
-            # Keys of a target that left are dropped now, so they are re-assigned on their next
-            # request and a row handed to another worker does not inherit them.
-            self._keys.bind(self._tab, np.asarray(targets, dtype=np.int64))
+            self.kernel.set_ring(*build_ring(targets, names))
+        if self._on_targets is not None:
+            self._on_targets(targets, names, self._cands)
         self.targets = targets
         self.names = names
 
     def track_in(self, ledger: TargetTable) -> None:
         """Also book every lease of this group in ``ledger``: a proxy process's private ledger,
         from which the supervisor reclaims exactly what the process held if it dies."""
-        self._picker.set_own_ledger(ledger.array)
+        self.kernel.set_own_ledger(ledger.array)
 
     @property
     def kv_counts(self) -> dict[str, int]:
         """KV-fit decisions: agree/disagree (shadow) and fallback (no rank had known capacity)."""
-        p, c = self._picker, self._ca_kv
-        return {"agree": p.kv_agree + c[0], "disagree": p.kv_disagree + c[1], "fallback": p.kv_fallback + c[2]}
+        k = self.kernel
+        c = self.policy_impl.kv_counts if isinstance(self.policy_impl, PrefixTree) else (0, 0, 0)
+        return {"agree": k.kv_agree + c[0], "disagree": k.kv_disagree + c[1], "fallback": k.kv_fallback + c[2]}
+
+    @property
+    def key_table(self) -> _manual.KeyTable | None:
+        """The manual policy's key table (None under any other policy)."""
+        return self.policy_impl.keys if isinstance(self.policy_impl, ManualKeys) else None
 
     @property
     def tokens_until_answer(self) -> bool:
-        return bool(self._picker.tokens_until_answer)
+        return bool(self.kernel.tokens_until_answer)
+
+    def _tree_demand(self, i: int) -> int:
+        return self.policy_impl.demand_counts[i] if isinstance(self.policy_impl, PrefixTree) else 0
 
     @property
     def shadow_agree(self) -> int:
-        return self._picker.shadow_agree + self._ca_demand[0]
+        return self.kernel.shadow_agree + self._tree_demand(0)
 
     @property
     def shadow_disagree(self) -> int:
-        return self._picker.shadow_disagree + self._ca_demand[1]
+        return self.kernel.shadow_disagree + self._tree_demand(1)
 
 
 class Router:
@@ -291,6 +208,6 @@ class Router:
         self._groups += 1
         g = Group(self, policy, load_metric, demand, request_weight, seed, kv_fit, kv_reserve, rank_slack)
         # A PD prefill's input tokens are its work until it answers (Lease.answered).
-        g._picker.tokens_until_answer = bool(tokens_until_answer)
+        g.kernel.tokens_until_answer = bool(tokens_until_answer)
         g.set_targets(targets, names)
         return g

@@ -53,7 +53,7 @@ class PinnedGroup:
             t = g.targets[g.names.index(name)]
         except ValueError:
             return None
-        return g._picker.book_target(t, tokens)
+        return g.book_target(t, tokens)
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self.group, attr)

@@ -144,7 +144,7 @@ def test_picker_books_the_others_estimate_only_when_it_books():
         assert tt.array[lease.target, COL_OTHERS_EST] == 0  # its own place is its booking
         lease.release()  # a release undoes the booking only
         assert tt.array[:4, COL_IN_FLIGHT].sum() == 0 and tt.array[:4, COL_OTHERS_EST].sum() == 2
-        assert g._picker.coordinated_picks == 1
+        assert g.kernel.coordinated_picks == 1
     finally:
         tt.close()
         tt.unlink()
@@ -233,7 +233,7 @@ def test_p2c_on_tokens_is_not_coordinated():
         tt.set_replicas(3, 0)
         g = Router(tt, seed=1).group([0, 1, 2, 3], "power_of_two", load_metric="tokens")
         g.acquire(10).release()
-        assert tt.array[:4, COL_OTHERS_EST].sum() == 0 and g._picker.coordinated_picks == 0
+        assert tt.array[:4, COL_OTHERS_EST].sum() == 0 and g.kernel.coordinated_picks == 0
     finally:
         tt.close()
         tt.unlink()
@@ -263,13 +263,13 @@ def test_default_decode_leg_plans_with_the_replicas_and_still_learns_the_text():
         )
         text = "a shared system prompt " * 10
         lease = g.acquire(20, None, StubMeta(text))
-        assert tt.array[:4, COL_OTHERS_EST].sum() == 0 and g._picker.coordinated_picks == 0
+        assert tt.array[:4, COL_OTHERS_EST].sum() == 0 and g.kernel.coordinated_picks == 0
         lease.release()
         tt.set_replicas(2, 0)
         lease = g.acquire(20, None, StubMeta(text + "turn 2"))
-        assert g._picker.coordinated_picks == 1 and tt.array[:4, COL_OTHERS_EST].sum() == 1
+        assert g.kernel.coordinated_picks == 1 and tt.array[:4, COL_OTHERS_EST].sum() == 1
         lease.release()
-        assert g._text_policy.tree.match(text + "turn 2", [0, 1, 2, 3]) == (len(text) + 6, [lease.target])
+        assert g.policy_impl.tree_policy.tree.match(text + "turn 2", [0, 1, 2, 3]) == (len(text) + 6, [lease.target])
     finally:
         tt.close()
         tt.unlink()

@@ -37,7 +37,7 @@ def _prime_tree(g, text: str, target: int) -> None:
     for _ in range(50):
         lease = g.acquire(10, None, _Meta(text))
         lease.release()
-        if g._text_policy.tree.sizes().get(target):
+        if g.policy_impl.tree_policy.tree.sizes().get(target):
             return
     raise AssertionError("could not prime the tree")
 
@@ -55,7 +55,7 @@ def test_demand_on_changes_the_cache_aware_pick(tt):
     assert off.acquire(10, None, _Meta(text)).target == hot
     # `hot` holds far more in-flight tokens than the others (the off group's lease stays booked
     # too): demand on moves the request away although the tree has its prefix there.
-    big = g._picker.book_target(hot, 1_000_000)
+    big = g.book_target(hot, 1_000_000)
     for _ in range(20):
         lease = g.acquire(10, None, _Meta(text))
         assert lease.target != hot
@@ -104,7 +104,7 @@ def test_demand_on_and_kv_fit_on_compose_with_every_policy(tt, policy):
     for t in ids:
         tab.set_polled(t, 0, 0, 0, 100_000)
     g = Router(tab, seed=11).group(ids, policy, demand="on", kv_fit="on")
-    heavy = g._picker.book_target(ids[0], 50_000)
+    heavy = g.book_target(ids[0], 50_000)
     for i in range(10):
         lease = g.acquire(100, b"k%d" % i, _Meta("p%d" % i))
         assert lease.target != ids[0]
@@ -121,14 +121,14 @@ def test_helpers_match_their_reference_twins(tt):
         leases = [
             tab_lease
             for t in ids
-            for tab_lease in [
-                Router(tab, seed=1).group([t], "random")._picker.book_target(t, int(rng.integers(0, 3)) * 1000)
-            ]
+            for tab_lease in [Router(tab, seed=1).group([t], "random").book_target(t, int(rng.integers(0, 3)) * 1000)]
         ]
         cands = np.asarray(ids, dtype=np.int64)
         need, w = int(rng.integers(0, 60_000)), int(rng.integers(0, 3)) * 500
-        assert _policy.demand_ties(tab.array, cands, 7, w) == R.demand_ties(tab.array, cands, 7, w)
-        assert _policy.kv_feasible(tab.array, cands, need) == tuple(R.kv_feasible(tab.array, cands, need))
+        for kv_mode in (0, 1, 2):
+            for demand_mode in (0, 1, 2):
+                args = (cands, 7, need, kv_mode, demand_mode, w)
+                assert _policy.narrow(tab.array, *args) == R.narrow(tab.array, *args), (kv_mode, demand_mode)
         for lease in leases:
             lease.release()
 

@@ -68,11 +68,11 @@ def test_full_rank_is_skipped_and_least_requests_applies_among_the_rest(tt):
         tab.set_polled(t, 1, 0, used, 100_000)
     g = Router(tab, seed=2).group(ids, "power_of_two", load_metric="least_requests", kv_fit="on")
     # rank 0 has the fewest requests but no room for 10k tokens
-    hold = [g._picker.book_target(t, 0) for t in ids[1:] for _ in range(2)]
+    hold = [g.book_target(t, 0) for t in ids[1:] for _ in range(2)]
     assert g.pick(10_000) in ids[1:]
     # among ranks that fit, least requests: book one more on ids[1]; ids[2] and ids[3] tie on
     # requests and the tie goes to more free KV (ids[2]: 80k free, ids[3]: 70k)
-    hold.append(g._picker.book_target(ids[1], 0))
+    hold.append(g.book_target(ids[1], 0))
     assert {g.pick(10_000) for _ in range(40)} == {ids[2]}
     tab.set_polled(ids[3], 1, 0, 20_000, 100_000)  # now an exact tie: random
     assert {g.pick(10_000) for _ in range(60)} == {ids[2], ids[3]}
@@ -94,7 +94,7 @@ def test_output_reserve_counts_toward_the_fit(tt):
     tab.set_polled(ids[1], 0, 0, 0, 20_000)  # 20k free
     r = Router(tab, seed=4)
     g = r.group(ids[:2], "power_of_two", load_metric="least_requests", kv_fit="on", kv_reserve=5_000)
-    lease = g._picker.book_target(ids[0], 0)  # ids[0] now holds a request
+    lease = g.book_target(ids[0], 0)  # ids[0] now holds a request
     assert g.pick(10_000, None, 0) == ids[1]  # 10k + 5k reserve fits in 20k
     assert g.pick(10_000, None, 8_000) == ids[0]  # + 8k output no longer fits ids[1]
     lease.release()
