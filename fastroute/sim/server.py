@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from collections import deque
 from typing import Any
@@ -53,19 +54,37 @@ async def _rendezvous_http(host: str, port: int, room: int, timeout: float) -> t
             return True, rank if isinstance(rank, int) else None
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux; a default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 async def _bind_consecutive(servers: list[HttpServer], port: int) -> None:
     """Start ``servers`` on ports port, port+1, ...; with ``port`` 0 on the first run of free
-    consecutive ports found above an ephemeral pick (a few tries)."""
+    consecutive ports found from a random base below the ephemeral range (a few tries).
+
+    Below the range because the ephemeral ports hold the client sides of closed connections in
+    TIME_WAIT (after a benchmark, thousands), and a listener cannot bind a port such a socket
+    holds; ``port`` 0 alone picks from inside that range."""
     fixed = port != 0
+    lo, _ = _ephemeral_range()
+    rng = random.Random()
+    n = len(servers)
     for _ in range(1 if fixed else 50):
         started: list[HttpServer] = []
         try:
-            servers[0].port = port
+            base = port if fixed else (rng.randrange(10000, lo - n) if lo - n > 10000 else 0)
+            servers[0].port = base
             await servers[0].start()
             started.append(servers[0])
             base = servers[0].port
-            if base + len(servers) - 1 > 65535:
-                raise OSError(f"no room for {len(servers)} rank ports from {base}")
+            if base + n - 1 > 65535:
+                raise OSError(f"no room for {n} rank ports from {base}")
             for i, srv in enumerate(servers[1:], 1):
                 srv.port = base + i
                 await srv.start()
