@@ -1,6 +1,6 @@
 # Augmenting declarations for the compiled build of admission.py (Cython pure-Python mode; see
 # setup.py): the classes below become extension types, their attributes a C struct, and the
-# per-request gate (try_enter, leave) C calls from Front. The .py stays the source and runs as
+# per-request gate (try_enter, leave) C calls from the Dispatcher. The .py stays the source and runs as
 # it is when not compiled; keep both in step.
 from fastroute.dataplane.telemetry cimport Telemetry
 

@@ -1,21 +1,22 @@
-"""The per-process data-path state: dispatch, admission gate, routes.
+"""The proxy process's data-path object: it holds the dispatcher and answers the rest.
 
-One :class:`App` per proxy process, shared by every client connection
-(:mod:`fastroute.dataplane.protocol`). Its base :class:`~fastroute.dataplane.front.Front`
-(compiled) takes an inference request from the parsed head to its exchange: body
-parse, admission (``--max-concurrent-requests``, :mod:`fastroute.dataplane.admission`),
+One :class:`App` per proxy process. It builds the :class:`~fastroute.dataplane.dispatch.Dispatcher`
+(compiled; ``app.dispatch``), which every client connection (:mod:`fastroute.dataplane.protocol`)
+and exchange holds and which takes an inference request from the parsed head to its exchange:
+body parse, admission (``--max-concurrent-requests``, :mod:`fastroute.dataplane.admission`),
 the exchange (:mod:`~fastroute.dataplane.exchange`, :mod:`~fastroute.dataplane.pd`).
-App answers the rest (``handle_other``: CORS preflight, health, admin calls delegated
-to the registry, unknown paths) and queues what admission holds back (``wait``).
-It keeps one :class:`~fastroute.dataplane.route.Route` per target, rebuilt when
+As the dispatcher's owner App answers the rest (``handle_other``: CORS preflight, health, admin
+calls handed to the registry's admin API, unknown paths), queues what admission holds back
+(``wait``) and applies the admin rule at a call's head (``refuse_at_head``). It keeps one
+:class:`~fastroute.dataplane.route.Route` per target in ``dispatch.routes``, rebuilt when
 the registry's target set changes, so an attempt never looks at the registry
-beyond ``group(role).acquire``.
+beyond ``group(role).acquire``; and the keep-alive pools they use.
 
 It never imports NumPy or the core's compiled modules: the circuit breakers and the
 reconciler are built by the runtime and handed in (``breakers=``,
 ``reconciler=``); the routing groups come from the registry.
 
-``App.exchanges`` is the registry of live exchanges; ``App.sweeper``
+``dispatch.exchanges`` is the set of live exchanges; ``App.sweeper``
 (:mod:`fastroute.dataplane.sweep`) runs every deadline from one timer and the lease
 safety net over them.
 """
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
@@ -37,8 +37,8 @@ from fastroute.auth import (
     is_management,
     parse_control_plane_keys,
 )
+from fastroute.dataplane.dispatch import Dispatcher
 from fastroute.dataplane.exchange import Relay
-from fastroute.dataplane.front import Front
 from fastroute.dataplane.pd import PDRelay
 from fastroute.dataplane.protocol import INFERENCE, ClientProtocol, Request
 from fastroute.dataplane.route import Route, rank_port
@@ -63,7 +63,7 @@ _HEALTH_CLOSE = (
 _DRAINING = b'{"status": "not ready", "reason": "draining: the router is shutting down"}'
 
 
-class App(Front):
+class App:
     """Per-process data-path state shared by every client connection.
 
     ``breakers`` (a ``fastroute.core.breaker.Breakers``) and ``reconciler`` (a
@@ -86,7 +86,11 @@ class App(Front):
         # applied at head time when the call carries a body (protocol.on_headers_complete).
         self.admin_auth = AdminAuth(config.api_key, parse_control_plane_keys(config.control_plane_api_keys))
         guarded = self.admin_auth.api_key is not None or bool(self.admin_auth.keys)
-        super().__init__(config, registry, loop, PDRelay if pd else Relay, guarded, room_rng, breakers)
+        self.config = config
+        self.registry = registry
+        self.loop = loop
+        self.breakers = breakers
+        self.dispatch = Dispatcher(self, config, registry, loop, PDRelay if pd else Relay, guarded, room_rng, breakers)
         self.pools: dict[Any, Pool] = {}  # by (worker identity, port): a re-added URL is a new worker
         self.tls_listener = False
         self.admin_tasks: set[asyncio.Task] = set()
@@ -104,13 +108,6 @@ class App(Front):
         # served (runtime.assemble.drain), so a load balancer stops sending new ones.
         self.draining = False
         self._stats: Any = None
-
-        # -- resilience (protocol.md 7.2-7.4) --
-        self.backoff_initial = float(config.retry_initial_backoff_ms) / 1000.0
-        self.backoff_max = float(config.retry_max_backoff_ms) / 1000.0
-        self.backoff_mult = float(config.retry_backoff_multiplier)
-        self.backoff_jitter = float(config.retry_jitter_factor)
-        self.retry_rng = random.Random(config.seed)
         self.reconciler = reconciler
         self._row_owner: dict[int, Any] = {}
         add_listener = getattr(registry, "add_listener", None)
@@ -128,8 +125,9 @@ class App(Front):
     @stats.setter
     def stats(self, stats: Any) -> None:
         self._stats = stats
-        self.tel = RequestTelemetry(stats, self.loop, self.backend) if stats is not None else NULL_TELEMETRY
-        self.admission.tel = self.tel
+        d = self.dispatch
+        d.tel = RequestTelemetry(stats, self.loop, d.backend) if stats is not None else NULL_TELEMETRY
+        d.admission.tel = d.tel
         if self.breakers is not None:
             self.breakers.stats = stats
 
@@ -139,35 +137,35 @@ class App(Front):
         self.sweeper.start()
 
     def protocol_factory(self) -> ClientProtocol:
-        proto = ClientProtocol(self)
+        proto = ClientProtocol(self.dispatch)
         if self.tls_listener:
             # connection_made comes only after the TLS handshake; a client that never sends
             # its ClientHello still holds a socket, so it is counted (and timed) from here.
-            self.handshaking[proto] = self.loop.time() + self.header_timeout
-            self.tel.connections(1)
+            self.dispatch.handshaking[proto] = self.loop.time() + self.dispatch.header_timeout
+            self.dispatch.tel.connections(1)
         return proto
 
     @property
     def active(self) -> int:
         """Requests being answered (proxied exchanges + admin calls + admission queue)."""
-        return len(self.exchanges) + len(self.admin_tasks) + len(self.admission.queue)
+        return len(self.dispatch.exchanges) + len(self.admin_tasks) + len(self.dispatch.admission.queue)
 
     def stop_accepting(self) -> None:
         """Shutdown phase 1: from now on every response closes its connection. Idle connections
         stay open (one just accepted may carry a request in transit); they close at the end."""
-        self.accepting = False
+        self.dispatch.accepting = False
 
     def busy_connections(self) -> int:
         """Client connections with a request being read, queued or answered."""
-        return sum(1 for c in self.connections if c.busy or c._req is not None or c.queue)
+        return sum(1 for c in self.dispatch.connections if c.busy or c._req is not None or c.queue)
 
     def close(self) -> None:
         """Abort everything still open (end of the shutdown grace period)."""
-        self.accepting = False
+        self.dispatch.accepting = False
         self.sweeper.stop()
-        for ex in list(self.exchanges):
+        for ex in list(self.dispatch.exchanges):
             ex.cancel(503, "shutdown")
-        for conn in list(self.connections):
+        for conn in list(self.dispatch.connections):
             if conn.transport is not None:
                 conn.transport.close()
         for t in list(self.admin_tasks):
@@ -175,7 +173,7 @@ class App(Front):
         for pool in self.pools.values():
             pool.close()
         self.pools.clear()
-        self.routes.clear()
+        self.dispatch.routes.clear()
 
     # -- targets and routes -------------------------------------------------------
     def _targets_changed(self, role: str) -> None:
@@ -198,8 +196,8 @@ class App(Front):
         # A route whose worker, rank and framing inputs are unchanged is kept: one worker
         # joining must not rebuild the other 999 (discovery adds them in bursts).
         routes: dict[int, Route] = {}
-        old = self.routes
-        for r in ("prefill", "decode") if self.pd else ("regular",):
+        old = self.dispatch.routes
+        for r in ("prefill", "decode") if self.dispatch.pd else ("regular",):
             for t in self.registry.group(r).targets:
                 entry = info[t] if t < len(info) else None
                 if entry is not None:
@@ -207,7 +205,7 @@ class App(Front):
                     if route is None or not _same_route(route, *entry):
                         route = self._build_route(*entry)
                     routes[t] = route
-        self.routes = routes
+        self.dispatch.routes = routes
         live = {(id(route.worker), route.port) for route in routes.values()}
         for key in [k for k in self.pools if (id(k[0]), k[1]) not in live]:
             self.pools.pop(key).retire()
@@ -217,7 +215,7 @@ class App(Front):
         without listeners, e.g. in tests); built once, then found in ``routes``."""
         info = self.registry.target_info[t]
         assert info is not None, f"target {t} is not registered"
-        route = self.routes[t] = self._build_route(*info)
+        route = self.dispatch.routes[t] = self._build_route(*info)
         return route
 
     def _build_route(self, worker: Any, rank: int | None) -> Route:
@@ -243,23 +241,17 @@ class App(Front):
             self.pools[(worker, port)] = pool
         return pool
 
-    def backoff(self, retry: int) -> float:
-        """Delay in seconds before retry number ``retry`` (0-based), with jitter (7.2)."""
-        d = min(self.backoff_initial * self.backoff_mult**retry, self.backoff_max)
-        j = self.backoff_jitter
-        return d * self.retry_rng.uniform(1.0 - j, 1.0 + j) if j else d
-
     # -- dispatch -----------------------------------------------------------
     def handle_other(self, proto: ClientProtocol, req: Request, path: bytes, query: bytes) -> None:
-        """Everything but a POST to an inference path (Front.handle): CORS preflight, a wrong
+        """Everything but a POST to an inference path (Dispatcher.handle): CORS preflight, a wrong
         method on an inference path, health, admin calls, unknown paths."""
         if req.origin is not None and req.method == b"OPTIONS":
             # A CORS preflight (req.origin is only ever set with --cors-allowed-origins);
             # browsers send no credentials with it, so it is answered before any auth rule.
-            ka = req.keep_alive and self.accepting
-            self.tel.response(204, "", path)
-            proto.reply(self.cors.preflight(req.origin, req.acrh, ka), ka)
-        elif path in INFERENCE:  # any method but POST (Front.handle proxies those)
+            ka = req.keep_alive and self.dispatch.accepting
+            self.dispatch.tel.response(204, "", path)
+            proto.reply(self.dispatch.cors.preflight(req.origin, req.acrh, ka), ka)
+        elif path in INFERENCE:  # any method but POST (Dispatcher.handle proxies those)
             proto.send_error(
                 RouterError(
                     405,
@@ -269,11 +261,11 @@ class App(Front):
                 req,
             )
         elif path == b"/health" or path == b"/liveness":
-            ka = req.keep_alive and self.accepting
-            self.tel.response(200, "", path)
+            ka = req.keep_alive and self.dispatch.accepting
+            self.dispatch.tel.response(200, "", path)
             data = _HEALTH_KA if ka else _HEALTH_CLOSE
             if req.origin is not None:
-                cors = self.cors.headers_for(req.origin)
+                cors = self.dispatch.cors.headers_for(req.origin)
                 if cors:
                     head, sep, rest = data.partition(b"\r\n")
                     data = head + sep + cors + rest
@@ -282,13 +274,13 @@ class App(Front):
             proto.reply_simple(503, b"application/json", _DRAINING, req)
         elif is_admin_path(path):
             who = None
-            if self.guarded:
+            if self.dispatch.guarded:
                 verdict, who = self.admin_auth.check(req.method, path, req.auth)
                 if verdict != OK:
                     proto.send_error(self._refusal(req.method, path, verdict, who), req)
                     return
             if req.too_large:  # a chunked body past --max-payload-size (no length at the head)
-                proto.send_error(_errors.payload_too_large(req.body_len, self.max_payload), req)
+                proto.send_error(_errors.payload_too_large(req.body_len, self.dispatch.max_payload), req)
                 return
             task = self.loop.create_task(self._admin(proto, req, path, query, who))
             self.admin_tasks.add(task)
@@ -354,10 +346,10 @@ class App(Front):
         def start() -> None:
             proto.waiter = None
             if proto.closed:  # client left between the dequeue and this callback
-                self.admission.leave()
+                self.dispatch.admission.leave()
                 return
             try:
-                self.begin(proto, req, path, meta)
+                self.dispatch.begin(proto, req, path, meta)
             except Exception:
                 log.exception("request handling failed")
 
@@ -366,7 +358,7 @@ class App(Front):
             if not proto.closed:
                 proto.send_error(_errors.queue_timeout(), req)
 
-        waiter = self.admission.wait(start, expired, self.loop.time())
+        waiter = self.dispatch.admission.wait(start, expired, self.loop.time())
         if waiter is None:
             proto.send_error(_errors.queue_full(), req)
             return

@@ -1,11 +1,11 @@
-# Augmenting declarations for the compiled build of front.py (Cython pure-Python mode; see
-# setup.py): Front becomes an extension type, its fields a C struct, and its per-request methods
-# C-callable from the protocol and the exchanges (which type their ``app`` as Front). The .py
+# Augmenting declarations for the compiled build of dispatch.py (Cython pure-Python mode; see
+# setup.py): Dispatcher becomes an extension type, its fields a C struct, and its per-request
+# methods C-callable from the protocol and the exchanges (which type their ``dispatch`` as one). The .py
 # stays the source and runs as it is when not compiled; keep both in step.
 from fastroute.dataplane.admission cimport Admission
 from fastroute.dataplane.telemetry cimport Telemetry
 
-cdef class Front:
+cdef class Dispatcher:
     cdef public Admission admission
     cdef public Telemetry tel
     cdef public object loop, registry, breakers, cors, api_key, config
@@ -17,6 +17,8 @@ cdef class Front:
     cdef public Py_ssize_t max_payload
     cdef public double timeout, header_timeout, idle_timeout, sse_keepalive
     cdef public bint accepting, pd, igw, guarded
+    cdef public object owner, retry_rng
+    cdef public double backoff_initial, backoff_max, backoff_mult, backoff_jitter
 
     cpdef handle(self, proto, req)
     cpdef proxy(self, proto, req, path)

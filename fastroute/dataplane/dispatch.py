@@ -1,20 +1,24 @@
-"""The per-request half of the App: the fields every request reads, and inference dispatch.
+"""The dispatcher: the fields every request reads, and the path of an inference request.
 
-:class:`Front` is the base of :class:`~fastroute.dataplane.app.App`. It holds what the
-data path reads on every request (the loop, the telemetry, the registry, admission, the routes,
-the live exchanges, timeouts and switches) and the path an inference request takes from the
-parsed head to its exchange: ``handle`` (labels, then inference or ``App.handle_other``),
-``proxy`` (size, readiness, body parse, admission) and ``begin``; the metrics' events go to
-``tel`` (telemetry.py). Everything else an App does (admin calls, health and CORS answers,
-routes, the sweep, the lease safety net) stays in app.py.
+:class:`Dispatcher` holds what the data path reads on every request (the loop, the telemetry, the
+registry, admission, the routes, the live exchanges, timeouts and switches, the retry backoff) and
+takes an inference request from the parsed head to its exchange: ``handle`` (labels, then
+inference or the owner's ``handle_other``), ``proxy`` (size, readiness, body parse, admission) and
+``begin``; the metrics' events go to ``tel`` (telemetry.py). The client protocol and the exchanges
+hold it as ``dispatch``.
 
-Why a base class of its own: in the compiled build (``front.pxd``, Cython pure-Python mode)
-Front is an extension type with typed fields, and the protocol and the exchanges declare their
-``app`` as a Front, so reading ``app.timeout`` or calling ``app.tel.response`` is a C field
-read or a C call instead of a dictionary lookup and a Python frame. This module imports no other
-data-plane module that imports it back (the protocol and the exchanges import it), so that the
-compiled modules can name its type without an import cycle at start-up; the exchange class it
-starts is handed in (``exchange_cls``).
+Its ``owner`` (:class:`~fastroute.dataplane.app.App`, which builds it and holds it as
+``app.dispatch``) answers what is not an inference request (admin calls, health, CORS
+preflights, unknown paths), queues what admission holds back, applies the admin rule at a call's
+head and builds a route the targets listener has not built.
+
+Why a class of its own: in the compiled build (``dispatch.pxd``, Cython pure-Python mode) it is
+an extension type with typed fields, and the protocol and the exchanges declare their
+``dispatch`` as a Dispatcher, so reading ``dispatch.timeout`` or calling ``dispatch.tel.response``
+is a C field read or a C call instead of a dictionary lookup and a Python frame. This module
+imports no other data-plane module that imports it back (the protocol and the exchanges import
+it), so that the compiled modules can name its type without an import cycle at start-up; the
+exchange class it starts is handed in (``exchange_cls``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastroute import errors as _errors
 from fastroute.auth import authorized, bearer
@@ -41,12 +45,28 @@ if TYPE_CHECKING:
     from fastroute.core.breaker import Breakers
 
 
-class Front:
-    """What every request reads from its App, and the inference path (see module docstring).
+class Owner(Protocol):
+    """What the dispatcher hands to the object that holds it (App)."""
+
+    def handle_other(self, proto: Any, req: Any, path: bytes, query: bytes) -> None:
+        """Answer everything but a POST to an inference path."""
+
+    def wait(self, proto: Any, req: Any, path: bytes, meta: Any) -> None:
+        """Queue an inference request behind --max-concurrent-requests, or refuse it."""
+
+    def refuse_at_head(self, method: bytes, url: bytes, auth: bytes | None) -> RouterError | None:
+        """The admin rule applied to a call's head (None: it may go on)."""
+
+    def route(self, t: int) -> Any:
+        """The route of target ``t`` when the targets listener has not built it."""
+
+
+class Dispatcher:
+    """What every request reads, and the inference path (see module docstring).
 
     ``__init__`` sets every field from the config and the parts the runtime hands in; the
-    exchange class (``Relay`` or ``PDRelay``) comes from App, since the exchanges import this
-    module. ``handle_other``, ``wait`` and ``refuse_at_head`` are App's.
+    exchange class (``Relay`` or ``PDRelay``) comes from the owner, since the exchanges import
+    this module.
     """
 
     __slots__ = (
@@ -79,8 +99,14 @@ class Front:
         "igw",
         "guarded",
         "handshaking",
+        "owner",
+        "backoff_initial",
+        "backoff_max",
+        "backoff_mult",
+        "backoff_jitter",
+        "retry_rng",
     )
-    # The fields' types (front.pxd gives the compiled build's C types). The protocol, routes and
+    # The fields' types (dispatch.pxd gives the compiled build's C types). The protocol, routes and
     # exchanges import this module, so their objects are Any here: naming them would be a cycle.
     loop: asyncio.AbstractEventLoop
     tel: Telemetry  # the metrics' events (telemetry.py; a null object while metrics are off)
@@ -111,9 +137,16 @@ class Front:
     igw: bool
     guarded: bool
     handshaking: dict[Any, float]
+    owner: Owner
+    backoff_initial: float
+    backoff_max: float
+    backoff_mult: float
+    backoff_jitter: float
+    retry_rng: random.Random
 
     def __init__(
         self,
+        owner: Owner,
         config: Config,
         registry: Registry,
         loop: asyncio.AbstractEventLoop,
@@ -122,6 +155,7 @@ class Front:
         room_rng: random.Random | None = None,
         breakers: Breakers | None = None,
     ) -> None:
+        self.owner = owner
         self.config = config
         self.registry = registry
         self.loop = loop
@@ -161,6 +195,12 @@ class Front:
         self.header_flags, self.rid_headers, self.key_headers = header_flags(
             config.request_id_headers, config.routing_key_headers, self.cors.enabled
         )
+        # Retries (protocol.md 7.2): exponential backoff with jitter between attempts.
+        self.backoff_initial = float(config.retry_initial_backoff_ms) / 1000.0
+        self.backoff_max = float(config.retry_max_backoff_ms) / 1000.0
+        self.backoff_mult = float(config.retry_backoff_multiplier)
+        self.backoff_jitter = float(config.retry_jitter_factor)
+        self.retry_rng = random.Random(config.seed)
 
     def handle(self, proto: Any, req: Any) -> None:
         """Answer one parsed request; ends with proto.response_done() (maybe later)."""
@@ -172,13 +212,7 @@ class Front:
             else:
                 self.proxy(proto, req, path)
         else:
-            self.handle_other(proto, req, path, query)
-
-    def handle_other(self, proto: Any, req: Any, path: bytes, query: bytes) -> None:
-        raise NotImplementedError  # App's: everything but a POST to an inference path
-
-    def refuse_at_head(self, method: bytes, url: bytes, auth: bytes | None) -> RouterError | None:
-        raise NotImplementedError  # App's: the admin auth rule, applied to a call's head
+            self.owner.handle_other(proto, req, path, query)
 
     def proxy(self, proto: Any, req: Any, path: bytes) -> None:
         """An inference request: refuse it, or parse its body and start (or queue) its exchange."""
@@ -222,11 +256,14 @@ class Front:
             # framing); a queued request's wait is admission, not overhead, so not here.
             tel.overhead(proto.http_t0)
         else:
-            self.wait(proto, req, path, meta)
-
-    def wait(self, proto: Any, req: Any, path: bytes, meta: Any) -> None:
-        raise NotImplementedError  # App's: queue behind --max-concurrent-requests, or refuse
+            self.owner.wait(proto, req, path, meta)
 
     def begin(self, proto: Any, req: Any, path: bytes, meta: Any) -> None:
         """Start the exchange of an admitted request (it owns the admission slot from here)."""
         self.exchange_cls(self, proto, req, path, meta).attempt()
+
+    def backoff(self, retry: int) -> float:
+        """Delay in seconds before retry number ``retry`` (0-based), with jitter (7.2)."""
+        d = min(self.backoff_initial * self.backoff_mult**retry, self.backoff_max)
+        j = self.backoff_jitter
+        return d * self.retry_rng.uniform(1.0 - j, 1.0 + j) if j else d

@@ -2,7 +2,7 @@
 # setup.py): the classes below become extension types, their attributes a C struct. The .py
 # stays the source and runs as it is when not compiled; keep both in step.
 from fastroute.dataplane.body cimport RequestMeta
-from fastroute.dataplane.front cimport Front
+from fastroute.dataplane.dispatch cimport Dispatcher
 from fastroute.dataplane.protocol cimport ClientProtocol, Request
 from fastroute.dataplane.upstream cimport Leg
 
@@ -10,7 +10,7 @@ cdef class _Exchange(Leg):
     cdef public ClientProtocol proto
     cdef public Request req
     cdef public RequestMeta meta
-    cdef public Front app
+    cdef public Dispatcher dispatch
     cdef public object leases, head, rid, out, path, retry_handle
     cdef public double deadline, started_at, ka_due
     cdef public bint chunked, started, finished, keep_alive, slot, gave_up, ka_sent

@@ -103,11 +103,12 @@ RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 class _Exchange(Leg):
     """Client-facing half of one proxied request: framing, the lease release, breaker outcomes.
 
-    ``app`` is the App (app.py), typed Any because app.py imports this module (one-way imports).
+    ``dispatch`` is the Dispatcher (dispatch.py), typed Any because dispatch.py's owner imports this
+    module (one-way imports).
     """
 
     __slots__ = (
-        "app",
+        "dispatch",
         "proto",
         "req",
         "leases",
@@ -131,8 +132,8 @@ class _Exchange(Leg):
         "ka_sent",
     )
 
-    def __init__(self, app: Any, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
-        self.app = app
+    def __init__(self, dispatch: Any, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
+        self.dispatch = dispatch
         self.proto = proto
         self.req = req
         self.meta = meta
@@ -141,8 +142,8 @@ class _Exchange(Leg):
         self.retry_handle: asyncio.TimerHandle | None = None
         self.slot = True  # holds an admission slot until _close_books
         self.gave_up = False  # retries_exhausted counted
-        self.started_at = app.loop.time()
-        self.deadline = self.started_at + app.timeout
+        self.started_at = dispatch.loop.time()
+        self.deadline = self.started_at + dispatch.timeout
         self.chunked = False
         self.head: bytes | None = None  # client head not yet written (sent with the first body bytes)
         self.started = False  # client head built: errors now end the connection
@@ -157,11 +158,10 @@ class _Exchange(Leg):
         self.status = 0
         # SSE keep-alive (protocol.md 3.6): when the next ": keep-alive" comment is due (0: none
         # for this request), and whether the router already committed the 200 event-stream head.
-        self.ka_due = (
-            self.started_at + app.sse_keepalive if meta.stream and app.sse_keepalive > 0 and req.http11 else 0.0
-        )
+        ka = dispatch.sse_keepalive
+        self.ka_due = self.started_at + ka if meta.stream and ka > 0 and req.http11 else 0.0
         self.ka_sent = False
-        app.exchanges.add(self)
+        dispatch.exchanges.add(self)
         proto.exchange = self
 
     # -- breaker outcomes ---------------------------------------------------------
@@ -169,15 +169,15 @@ class _Exchange(Leg):
         """Record what ``target``'s worker did: a response status, or a failure (connect error,
         broken stream, ``TIMEOUT``). The one call site of the breakers: whether a status counts
         as success, failure or neither (backpressure) is ``Breakers.status``'s rule."""
-        app = self.app
-        br = app.breakers
+        dispatch = self.dispatch
+        br = dispatch.breakers
         if br is not None:
             if type(result) is int:
                 br.status(target, result)
             else:
                 br.failure(target)
         if type(result) is not int or result >= 500:
-            app.tel.worker_error(app.registry, target, result)
+            dispatch.tel.worker_error(dispatch.registry, target, result)
 
     # -- client writing -----------------------------------------------------
     def _start_response(
@@ -230,8 +230,8 @@ class _Exchange(Leg):
                 self.keep_alive = False  # HTTP/1.0: body delimited by close
         ap(b"x-request-id: " + self.rid + b"\r\n")
         if self.req.origin is not None:
-            ap(self.app.cors.headers_for(self.req.origin))
-        if not self.app.accepting:
+            ap(self.dispatch.cors.headers_for(self.req.origin))
+        if not self.dispatch.accepting:
             self.keep_alive = False  # draining: this connection closes after the response
         if not self.keep_alive:
             ap(b"connection: close\r\n")
@@ -251,7 +251,7 @@ class _Exchange(Leg):
         if self.finished or self.proto.closed:
             self.ka_due = 0.0
             return
-        app = self.app
+        dispatch = self.dispatch
         if self.started:
             if self.ka_sent or (self.head is not None and self.chunked and 200 <= self.status < 300):
                 data = _KEEPALIVE_CHUNK
@@ -260,18 +260,18 @@ class _Exchange(Leg):
                     self.head = None
                     data = head + data
                 self.ka_sent = True
-                self.ka_due = now + app.sse_keepalive
+                self.ka_due = now + dispatch.sse_keepalive
                 self.proto.transport.write(data)  # type: ignore[union-attr]
             else:
                 self.ka_due = 0.0
             return
-        self.ka_due = now + app.sse_keepalive
+        self.ka_due = now + dispatch.sse_keepalive
         if self.ka_sent:
             self.proto.transport.write(_KEEPALIVE_CHUNK)  # type: ignore[union-attr]
             return
         self.ka_sent = True
         self.chunked = True
-        if not app.accepting:
+        if not dispatch.accepting:
             self.keep_alive = False
         origin = self.req.origin
         self.proto.transport.write(  # type: ignore[union-attr]
@@ -280,7 +280,7 @@ class _Exchange(Leg):
                 status_line(200),
                 _KEEPALIVE_HEAD,
                 self.rid,
-                app.cors.headers_for(origin) if origin is not None else b"",
+                dispatch.cors.headers_for(origin) if origin is not None else b"",
                 b"" if self.keep_alive else b"connection: close\r\n",
                 _KEEPALIVE_CHUNK,
             )
@@ -317,7 +317,7 @@ class _Exchange(Leg):
         if self.chunked:
             self.out.append(_LAST_CHUNK)
         self.flush()
-        tel = self.app.tel
+        tel = self.dispatch.tel
         tel.response(self.status, "", self.path)
         if 200 <= self.status < 300:
             tel.duration(self.path, self.meta.model, self.started_at)
@@ -344,7 +344,7 @@ class _Exchange(Leg):
         finally:
             if self.slot:
                 self.slot = False
-                self.app.admission.leave()
+                self.dispatch.admission.leave()
 
     def _finish(self, keep_alive: bool, error: RouterError | None = None, sse: bool = False) -> None:
         """The one ending: give the books back, then hand the connection on, either with the
@@ -352,7 +352,7 @@ class _Exchange(Leg):
         if self.finished:
             return
         self.finished = True
-        self.app.exchanges.discard(self)
+        self.dispatch.exchanges.discard(self)
         try:
             self._close_books()
         finally:
@@ -374,7 +374,7 @@ class _Exchange(Leg):
             # response rather than a clean end; Content-Length: short body.
             if self.head is None:
                 self.flush()  # bytes already committed to the client go out before the cut
-                self.app.tel.response(self.status, exc.code, self.path, self.meta.model)
+                self.dispatch.tel.response(self.status, exc.code, self.path, self.meta.model)
                 self._finish(False)
                 if not self.proto.closed:
                     self.proto.closed = True
@@ -388,7 +388,7 @@ class _Exchange(Leg):
             body = exc.sse()
             self.out.append(b"%x\r\n%b\r\n%b" % (len(body), body, _LAST_CHUNK))
             self.flush()
-            self.app.tel.response(exc.status, exc.code, self.path, self.meta.model)
+            self.dispatch.tel.response(exc.status, exc.code, self.path, self.meta.model)
             self._finish(self.keep_alive)
             return
         self._finish(False, exc, sse)
@@ -403,7 +403,7 @@ class _Exchange(Leg):
         if self.finished:
             return
         self._abort_legs()
-        self.app.tel.response(status, code, self.path, self.meta.model)
+        self.dispatch.tel.response(status, code, self.path, self.meta.model)
         self._finish(False)
 
     def on_timeout(self) -> None:
@@ -415,12 +415,12 @@ class _Exchange(Leg):
     # -- retries (protocol.md 7.2) -----------------------------------------------
     def can_retry(self) -> bool:
         """Another attempt is allowed: attempts left and no client byte committed."""
-        return self.tries < self.app.max_attempts and not self.started and not self.finished
+        return self.tries < self.dispatch.max_attempts and not self.started and not self.finished
 
     def fits(self, wait: float) -> bool:
         """A retry after ``wait`` seconds (a worker's Retry-After; < 0: none) still starts
         before the request's deadline. When it would not, the worker's answer is relayed."""
-        return wait < 0.0 or self.app.loop.time() + wait < self.deadline
+        return wait < 0.0 or self.dispatch.loop.time() + wait < self.deadline
 
     def retry_later(self, role: str, wait: float = -1.0) -> None:
         """Drop this attempt (legs aborted, leases released) and schedule a fresh pick.
@@ -431,12 +431,12 @@ class _Exchange(Leg):
         """
         self._abort_legs()
         self._release_leases()
-        app = self.app
-        app.tel.retry(role, self.path)
-        delay = app.backoff(self.tries - 1)
+        dispatch = self.dispatch
+        dispatch.tel.retry(role, self.path)
+        delay = dispatch.backoff(self.tries - 1)
         if wait > delay:
             delay = wait
-        self.retry_handle = app.loop.call_later(delay, self._retry)
+        self.retry_handle = dispatch.loop.call_later(delay, self._retry)
 
     def _retry(self) -> None:
         self.retry_handle = None
@@ -452,9 +452,9 @@ class _Exchange(Leg):
         if self.gave_up:
             return
         self.gave_up = True
-        app = self.app
-        if app.max_attempts > 1:
-            app.tel.exhausted(role, self.path)
+        dispatch = self.dispatch
+        if dispatch.max_attempts > 1:
+            dispatch.tel.exhausted(role, self.path)
 
     def attempt(self) -> None:
         raise NotImplementedError
@@ -476,23 +476,23 @@ class Relay(_Exchange):
 
     __slots__ = ("conn", "target")
 
-    def __init__(self, app: Any, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
-        super().__init__(app, proto, req, path, meta)
+    def __init__(self, dispatch: Any, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
+        super().__init__(dispatch, proto, req, path, meta)
         self.conn: Any = None
         self.target = -1
 
     def attempt(self) -> None:
         """Pick a target and send (first attempt and every retry)."""
         self.tries += 1
-        app = self.app
+        dispatch = self.dispatch
         meta = self.meta
         # The acquire too runs inside the error handling: whatever it raises, the client is
         # answered and the admission slot given back (fail_internal -> _close_books).
-        tel = app.tel
+        tel = dispatch.tel
         try:
             # out_tokens only matters to KV-fit placement (the decode group); 0 when not given.
             t0 = tel.clock()
-            lease = app.registry.group("regular").acquire(
+            lease = dispatch.registry.group("regular").acquire(
                 meta.input_tokens, self.req.key, meta, meta.max_new_tokens or 0
             )
             tel.pick(t0)
@@ -502,8 +502,8 @@ class Relay(_Exchange):
             self.leases = (lease,)
             t = self.target = lease.target
             self.status = 0
-            routes = app.routes
-            route = routes[t] if t in routes else app.route(t)
+            routes = dispatch.routes
+            route = routes[t] if t in routes else dispatch.owner.route(t)
             route.send(self.req, self)
         except BaseException:
             self.fail_internal()

@@ -138,8 +138,8 @@ class PDRelay(_Exchange):
 
     __slots__ = ("p", "d", "stream", "merge", "relaying", "merger")
 
-    def __init__(self, app: Any, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
-        super().__init__(app, proto, req, path, meta)
+    def __init__(self, dispatch: Any, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
+        super().__init__(dispatch, proto, req, path, meta)
         # attempt() makes the real legs; until then both point at an inert leg
         # (no connection, no status) so every path that reads them stays valid.
         self.p = self.d = _NO_LEG
@@ -166,11 +166,11 @@ class PDRelay(_Exchange):
         """Why this request must not be sent at all (checked once, before the first pick)."""
         meta = self.meta
         batch = meta.batch
-        if batch is not None and batch > self.app.config.pd_max_batch_size:
+        if batch is not None and batch > self.dispatch.config.pd_max_batch_size:
             return RouterError(
                 413,
                 "batch_too_large",
-                "PD batch of %d items exceeds --pd-max-batch-size %d" % (batch, self.app.config.pd_max_batch_size),
+                "PD batch of %d items exceeds --pd-max-batch-size %d" % (batch, self.dispatch.config.pd_max_batch_size),
             )
         obj = meta.fields  # (the rank keys are among the fields body.py always reads)
         for field in DP_RANK_FIELDS:
@@ -189,12 +189,12 @@ class PDRelay(_Exchange):
                 self._fail_client(refused)
                 return
         self.tries += 1
-        app = self.app
-        registry = app.registry
+        dispatch = self.dispatch
+        registry = dispatch.registry
         tokens, key, out_tokens = meta.input_tokens, req.key, meta.max_new_tokens or 0
         # Both acquires run inside the error handling too: whatever they raise, the client
         # is answered and the leases and admission slot given back (fail_internal).
-        tel = app.tel
+        tel = dispatch.tel
         t0 = tel.clock()
         try:
             p_lease = registry.group("prefill").acquire(tokens, key, meta, out_tokens)
@@ -212,15 +212,15 @@ class PDRelay(_Exchange):
             # reach the new one.
             p = self.p = _PDLeg(self, "prefill", p_lease.target)
             d = self.d = _PDLeg(self, "decode", d_lease.target)
-            routes = app.routes
+            routes = dispatch.routes
             t = p_lease.target
-            p_route = routes[t] if t in routes else app.route(t)
+            p_route = routes[t] if t in routes else dispatch.owner.route(t)
             t = d_lease.target
-            d_route = routes[t] if t in routes else app.route(t)
+            d_route = routes[t] if t in routes else dispatch.owner.route(t)
             # Prefill rank travels in the room (room % prefill_dp_size == rank, 4.3),
             # never as a body key on the prefill leg; one room for both legs.
             pfields = _body.bootstrap_fields(
-                meta.batch, p_route.bootstrap, app.room_rng, p_route.prefill_dp_size, p_route.prefill_rank
+                meta.batch, p_route.bootstrap, dispatch.room_rng, p_route.prefill_dp_size, p_route.prefill_rank
             )
             rank = d_route.rank_field
             dfields = pfields if rank is None else pfields + b"," + rank
@@ -306,7 +306,7 @@ class PDRelay(_Exchange):
 
     def observe_ttft(self) -> None:
         """smg_pd_ttft_seconds: from the request's start to the decode's response head."""
-        self.app.tel.ttft(self.path, self.meta.model, self.started_at)
+        self.dispatch.tel.ttft(self.path, self.meta.model, self.started_at)
 
     def relay_body(self, data: bytes) -> None:
         m = self.merger

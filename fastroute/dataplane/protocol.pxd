@@ -1,7 +1,7 @@
 # Augmenting declarations for the compiled build of protocol.py (Cython pure-Python mode; see
 # setup.py): the classes below become extension types, their attributes a C struct. The .py
 # stays the source and runs as it is when not compiled; keep both in step.
-from fastroute.dataplane.front cimport Front
+from fastroute.dataplane.dispatch cimport Dispatcher
 
 cdef class Request:
     cdef public object method, url, fwd, auth, rid, key, body, body_len
@@ -10,7 +10,7 @@ cdef class Request:
     cdef object __weakref__
 
 cdef class ClientProtocol:
-    cdef public Front app
+    cdef public Dispatcher dispatch
     cdef public object loop, transport, parser, _flags
     cdef public bint closed, busy, draining, bad_request, in_head, head_only, _expect
     cdef public object queue, flow, exchange

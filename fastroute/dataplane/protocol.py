@@ -55,7 +55,7 @@ from fastroute.dataplane.upstream import _nodelay
 from fastroute.errors import RouterError
 
 if TYPE_CHECKING:
-    from fastroute.dataplane.front import Front
+    from fastroute.dataplane.dispatch import Dispatcher
 
 log = logging.getLogger("fastroute.proxy")
 
@@ -171,7 +171,7 @@ class ClientProtocol:
     # connection, and slower attribute access); slots cost 8 bytes a name. Keep in step with
     # __init__ (a name missing here fails the first time it is set).
     __slots__ = (
-        "app",
+        "dispatch",
         "loop",
         "transport",
         "parser",
@@ -204,14 +204,14 @@ class ClientProtocol:
         "_bad_status",
     )
 
-    # ``app`` is the App (app.py) and ``exchange`` an exchange (exchange.py); both typed Any so
-    # that imports only go one way: app and exchange import this module, never the reverse.
-    def __init__(self, app: Front) -> None:
-        self.app = app
-        self.loop = app.loop
+    # ``dispatch`` is the Dispatcher (dispatch.py) and ``exchange`` an exchange (exchange.py); the
+    # exchange is typed Any so that imports only go one way: it imports this module.
+    def __init__(self, dispatch: Dispatcher) -> None:
+        self.dispatch = dispatch
+        self.loop = dispatch.loop
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
-        self._flags = app.header_flags  # header name -> _F_* bits (per App; see _classify)
+        self._flags = dispatch.header_flags  # header name -> _F_* bits (per App; see _classify)
         self.closed = False
         self.busy = False  # a response is in progress
         self.queue: list[Request] = []  # pipelined requests waiting for their turn
@@ -252,14 +252,14 @@ class ClientProtocol:
         self.transport = transport  # type: ignore[assignment]
         self.flow.transport = transport  # type: ignore[assignment]
         _nodelay(transport)
-        app = self.app
-        app.connections.add(self)
-        hs = app.handshaking
+        dispatch = self.dispatch
+        dispatch.connections.add(self)
+        hs = dispatch.handshaking
         if hs and self in hs:
             del hs[self]  # TLS: counted since the accept (App.protocol_factory)
         else:
-            app.tel.connections(1)
-        self.head_deadline = self.loop.time() + self.app.header_timeout
+            dispatch.tel.connections(1)
+        self.head_deadline = self.loop.time() + self.dispatch.header_timeout
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -272,9 +272,9 @@ class ClientProtocol:
         self._body_check = None
         self.in_head = False
         self.head_deadline = 0.0
-        if self in self.app.connections:
-            self.app.connections.discard(self)
-            self.app.tel.connections(-1)
+        if self in self.dispatch.connections:
+            self.dispatch.connections.discard(self)
+            self.dispatch.tel.connections(-1)
         self.queue.clear()
         ex = self.exchange
         if ex is not None:
@@ -282,9 +282,9 @@ class ClientProtocol:
         w = self.waiter
         if w is not None:
             self.waiter = None
-            if self.app.admission.cancel(w):
+            if self.dispatch.admission.cancel(w):
                 key = self.http_key
-                self.app.tel.response(499, "client_closed", None, None, key[1] if key is not None else "other")
+                self.dispatch.tel.response(499, "client_closed", None, None, key[1] if key is not None else "other")
 
     def data_received(self, data: bytes) -> None:
         if self.bad_request:
@@ -334,7 +334,7 @@ class ClientProtocol:
         self._head_size = 0
         self._head_bytes = 0
         self.in_head = True
-        self.head_deadline = self.loop.time() + self.app.header_timeout
+        self.head_deadline = self.loop.time() + self.dispatch.header_timeout
 
     def on_url(self, url: bytes) -> None:
         self._url = url if not self._url else self._url + url
@@ -404,13 +404,13 @@ class ClientProtocol:
         self.in_head = False
         # The body is read under the head's deadline, now its first inactivity check:
         # on_header_timeout extends it while body bytes keep arriving (no clock read here).
-        app = self.app
+        dispatch = self.dispatch
         req.method = self.parser.get_method()
         url = self._url
         if url[:1] != b"/" and (url[:7].lower() == b"http://" or url[:8].lower() == b"https://"):
             # Absolute form (RFC 9112 3.2.2, what proxies send): routed by its path.
             self._url = url = _origin_form(url)
-        if self._cl > app.max_payload:
+        if self._cl > dispatch.max_payload:
             req.too_large = True
             req.body_len = self._cl
             if not self.busy and not self.queue:
@@ -422,9 +422,9 @@ class ClientProtocol:
                 req.keep_alive = False
                 self.busy = True
                 self.head_only = req.method == b"HEAD"  # (reply clears it)
-                self.send_error(_errors.payload_too_large(self._cl, app.max_payload), req)
+                self.send_error(_errors.payload_too_large(self._cl, dispatch.max_payload), req)
         elif (
-            app.guarded
+            dispatch.guarded
             and self._cl != 0
             and self._url not in INFERENCE
             and not self.busy
@@ -434,7 +434,7 @@ class ClientProtocol:
             # An admin call with a body: who may call it is decided before the body is read
             # (the App's one AdminAuth); a refusal is answered now and the connection closed,
             # since the unread body makes the stream unusable.
-            exc = app.refuse_at_head(req.method, self._url, req.auth)
+            exc = dispatch.owner.refuse_at_head(req.method, self._url, req.auth)
             if exc is not None:
                 self._req = None
                 self.bad_request = True
@@ -456,7 +456,7 @@ class ClientProtocol:
         req.body_len = n  # (also the body deadline's progress)
         if req.too_large:
             return
-        if n > self.app.max_payload:
+        if n > self.dispatch.max_payload:
             req.too_large = True
             self._chunks = []
             return
@@ -478,19 +478,19 @@ class ClientProtocol:
             # copy of it alive until the next request on this connection.
             self._chunks = []
             req.body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        app = self.app
+        dispatch = self.dispatch
         if self._fwd:
             req.fwd = b"".join(self._fwd)
         rv = self._rid_vals
         if rv:
-            for h in app.rid_headers:
+            for h in dispatch.rid_headers:
                 v = rv.get(h)
                 if v is not None:
                     req.rid = v
                     break
         kv = self._key_vals
         if kv:
-            for h in app.key_headers:
+            for h in dispatch.key_headers:
                 v = kv.get(h)
                 if v is not None:
                     req.key = v
@@ -508,7 +508,7 @@ class ClientProtocol:
         if req.method == b"HEAD":
             self.head_only = True
         try:
-            self.app.handle(self, req)
+            self.dispatch.handle(self, req)
         except Exception:
             log.exception("request handling failed")
             if self.busy and self.exchange is None:
@@ -521,10 +521,10 @@ class ClientProtocol:
         key = self.http_key
         if key is not None:
             self.http_key = None
-            self.app.tel.http_done(key, self.http_t0)
+            self.dispatch.tel.http_done(key, self.http_t0)
         if self.closed:
             return
-        if not keep_alive or not self.app.accepting:
+        if not keep_alive or not self.dispatch.accepting:
             self.closed = True
             self.transport.close()  # type: ignore[union-attr]
             return
@@ -542,7 +542,7 @@ class ClientProtocol:
                 if self.bad_request:
                     self._write_bad_request()
                 elif not self.in_head and self._req is None:  # (not while a body is read)
-                    self.head_deadline = self.loop.time() + self.app.idle_timeout
+                    self.head_deadline = self.loop.time() + self.dispatch.idle_timeout
                 break
         finally:
             self.draining = False
@@ -571,7 +571,7 @@ class ClientProtocol:
         status = self._bad_status
         code = _READ_ERROR_CODE[status]
         body = _errors.error_response(status, code, self._bad_message)
-        self.app.tel.response(status, code)
+        self.dispatch.tel.response(status, code)
         self.transport.write(  # type: ignore[union-attr]
             b"%bcontent-type: application/json\r\nx-smg-error-code: %b\r\n"
             b"content-length: %d\r\nconnection: close\r\n\r\n%b" % (status_line(status), code.encode(), len(body), body)
@@ -600,18 +600,19 @@ class ClientProtocol:
         Runs only when the deadline passes (the sweep), so reading body bytes costs nothing
         per read; a stall is detected between one and two ``header_read_timeout_secs``."""
         req = self._req
-        app = self.app
+        dispatch = self.dispatch
         now = self.loop.time()
         check = self._body_check
         if check is None or check[0]() is not req:
             # First check of this body: head_deadline is still the head's (its first byte +
             # header timeout), and no body byte has been checked yet.
-            check = (weakref.ref(req), 0, self.head_deadline - app.header_timeout + app.config.body_read_timeout_secs)
+            end = self.head_deadline - dispatch.header_timeout + dispatch.config.body_read_timeout_secs
+            check = (weakref.ref(req), 0, end)
         end = check[2]
         got = req.body_len  # type: ignore[union-attr]
         if got != check[1] and now < end:
             self._body_check = (check[0], got, end)
-            self.head_deadline = min(now + app.header_timeout, end)
+            self.head_deadline = min(now + dispatch.header_timeout, end)
             return
         self._body_check = None
         self.head_deadline = 0.0
@@ -640,10 +641,10 @@ class ClientProtocol:
         code: str = "",
         model: str | None = None,
     ) -> None:
-        ka = req.keep_alive and self.app.accepting
-        self.app.tel.response(status, code, req.url.partition(b"?")[0], model)
+        ka = req.keep_alive and self.dispatch.accepting
+        self.dispatch.tel.response(status, code, req.url.partition(b"?")[0], model)
         if req.origin is not None:
-            extra += self.app.cors.headers_for(req.origin)
+            extra += self.dispatch.cors.headers_for(req.origin)
         head = b"%bcontent-type: %b\r\ncontent-length: %d\r\n%b%b\r\n" % (
             status_line(status),
             ctype,

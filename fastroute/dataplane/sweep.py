@@ -40,13 +40,13 @@ class Sweeper:
         self.leak_slack = LEAK_SLACK
         self.next_leak = 0.0
         self._handle: asyncio.TimerHandle | None = None
-        every = [1.0, app.timeout / 4, app.header_timeout / 4]
-        if app.admission.enabled:
-            every.append(app.admission.queue_timeout / 4)
+        every = [1.0, app.dispatch.timeout / 4, app.dispatch.header_timeout / 4]
+        if app.dispatch.admission.enabled:
+            every.append(app.dispatch.admission.queue_timeout / 4)
         if app.breakers is not None:
             every.append(app.breakers.timeout / 4)
-        if app.sse_keepalive > 0:
-            every.append(app.sse_keepalive / 4)
+        if app.dispatch.sse_keepalive > 0:
+            every.append(app.dispatch.sse_keepalive / 4)
         self.every = max(0.05, min(every))
 
     def start(self) -> None:
@@ -63,17 +63,17 @@ class Sweeper:
         app = self.app
         now = app.loop.time()
         try:
-            for ex in [e for e in app.exchanges if e.deadline <= now]:
+            for ex in [e for e in app.dispatch.exchanges if e.deadline <= now]:
                 ex.on_timeout()
-            if app.sse_keepalive > 0:
-                for ex in [e for e in app.exchanges if 0.0 < e.ka_due <= now]:
+            if app.dispatch.sse_keepalive > 0:
+                for ex in [e for e in app.dispatch.exchanges if 0.0 < e.ka_due <= now]:
                     ex.keepalive(now)
-            for conn in [c for c in app.connections if 0.0 < c.head_deadline <= now]:
+            for conn in [c for c in app.dispatch.connections if 0.0 < c.head_deadline <= now]:
                 conn.on_header_timeout()
-            if app.handshaking:
+            if app.dispatch.handshaking:
                 self._expire_handshakes(now)
-            if app.admission.queue:
-                app.admission.expire(now)
+            if app.dispatch.admission.queue:
+                app.dispatch.admission.expire(now)
             if app.breakers is not None:
                 app.breakers.tick(now)
             if now >= self.next_leak:
@@ -87,10 +87,10 @@ class Sweeper:
         """Uncount TLS connections whose handshake deadline passed: the listener aborted them
         (or they failed earlier: asyncio tells the protocol nothing of a failed handshake)."""
         app = self.app
-        hs = app.handshaking
+        hs = app.dispatch.handshaking
         for proto in [p for p, due in hs.items() if due <= now]:
             del hs[proto]
-            app.tel.connections(-1)
+            app.dispatch.tel.connections(-1)
 
     def check_leaks(self, now: float | None = None) -> int:
         """Reclaim bookings their owner should have released (module docstring); returns how
@@ -98,9 +98,9 @@ class Sweeper:
         app = self.app
         if now is None:
             now = app.loop.time()
-        limit = app.timeout + self.leak_slack
+        limit = app.dispatch.timeout + self.leak_slack
         n = 0
-        for ex in list(app.exchanges):
+        for ex in list(app.dispatch.exchanges):
             if ex.finished:
                 reason = "finished"
             elif ex.proto.closed:
@@ -126,7 +126,7 @@ class Sweeper:
                     ex.rid.decode("latin-1"),
                     now - ex.started_at,
                 )
-                self.app.tel.reclaim(reason)
+                self.app.dispatch.tel.reclaim(reason)
         ex.leases = ()
         try:
             if reason == "expired" and not ex.finished:
@@ -136,5 +136,5 @@ class Sweeper:
         except Exception:
             log.exception("cleanup of a leaked exchange failed")
         ex._close_books()
-        self.app.exchanges.discard(ex)
+        self.app.dispatch.exchanges.discard(ex)
         return n

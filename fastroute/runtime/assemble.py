@@ -167,7 +167,7 @@ async def listen(
             reuse_port=reuse_port and hasattr(socket, "SO_REUSEPORT"),
             backlog=4096,
             ssl=tls,
-            ssl_handshake_timeout=app.header_timeout if tls else None,
+            ssl_handshake_timeout=app.dispatch.header_timeout if tls else None,
         )
     except OSError as exc:
         raise bind_error("--port", host, port, exc) from None
@@ -196,7 +196,7 @@ async def drain(
         linger = min(linger, grace)
         quiet_since = now
         while now < deadline:
-            if app.active or app.handshaking or app.busy_connections():
+            if app.active or app.dispatch.handshaking or app.busy_connections():
                 quiet_since = now
             elif now - quiet_since >= linger:
                 break

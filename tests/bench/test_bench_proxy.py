@@ -41,7 +41,7 @@ def _setup(**cfg: Any) -> tuple[ClientProtocol, _Pool, asyncio.AbstractEventLoop
     app = App(Config(**cfg), StubRegistry(record=False), loop)
     pool = _Pool()
     app.pool_for = lambda worker: pool  # type: ignore[method-assign]
-    proto = ClientProtocol(app)
+    proto = ClientProtocol(app.dispatch)
     proto.connection_made(StubTransport())
     return proto, pool, loop
 
@@ -86,7 +86,7 @@ def _json_round(proto: ClientProtocol, pool: _Pool) -> None:
 def test_bench_regular_json_request(benchmark) -> None:
     proto, pool, loop = _setup(worker_urls=["http://127.0.0.1:9"])
     benchmark(_json_round, proto, pool)
-    assert not proto.busy and not proto.app.exchanges
+    assert not proto.busy and not proto.app.dispatch.exchanges
     loop.close()
 
 
@@ -119,7 +119,7 @@ def test_bench_regular_json_request_metrics(benchmark, metrics: str) -> None:
             st.pick_seconds, st.overhead_seconds = _NoHist(), _NoHist()  # type: ignore[assignment]
         proto.app.stats = st
     benchmark(_json_round, proto, pool)
-    assert not proto.busy and not proto.app.exchanges
+    assert not proto.busy and not proto.app.dispatch.exchanges
     loop.close()
 
 

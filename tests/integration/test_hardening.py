@@ -230,9 +230,9 @@ def test_retry_waits_for_the_workers_retry_after() -> None:
         ) as r:
             c = await RawClient(r.port).connect()
             c.send(post("/generate", {"text": "x"}))
-            app = r.server.app
-            await until(lambda: any(ex.retry_handle is not None for ex in app.exchanges), 5.0, "retry scheduled")
-            (ex,) = app.exchanges
+            live = r.server.app.dispatch.exchanges
+            await until(lambda: any(ex.retry_handle is not None for ex in live), 5.0, "retry scheduled")
+            (ex,) = live
             # The retry timer is set for the worker's 2 s, not the 1 ms backoff.
             assert ex.retry_handle.when() - asyncio.get_running_loop().time() > 1.0
             assert len(w.inference()) == 1 and r.in_flight(w) == 0  # lease given back meanwhile
@@ -291,7 +291,7 @@ def test_manual_policy_keys_are_bounded_and_evictions_counted() -> None:
             for i in range(40):
                 res = await call(r.port, post("/generate", {"text": "x"}, {"X-SMG-Routing-Key": f"user-{i}"}))
                 assert res.status == 200
-            keys = r.server.registry.group("regular")._keys
+            keys = r.server.registry.group("regular").key_table
             assert keys.count <= 8 and keys.evicted >= 32
             text = r.server.metrics.render().decode()
             line = [x for x in text.splitlines() if x.startswith('fastroute_manual_keys_evicted_total{role="regular"}')]

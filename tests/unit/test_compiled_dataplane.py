@@ -23,7 +23,7 @@ def test_the_list_holds_the_hot_modules() -> None:
     names = {f"{p}.{m}" for p, m in _ALL}
     assert {
         "dataplane.protocol",
-        "dataplane.front",
+        "dataplane.dispatch",
         "dataplane.exchange",
         "dataplane.pd",
         "dataplane.upstream",

@@ -83,7 +83,7 @@ def test_finished_requests_leave_no_cyclic_garbage(
     app.stats = Stats()  # metrics on: their per-request bookkeeping is checked too
     pool = StubPool()
     app.pool_for = lambda worker: pool  # type: ignore[method-assign]
-    proto = ClientProtocol(app)
+    proto = ClientProtocol(app.dispatch)
     transport = StubTransport(record=True)
     proto.connection_made(transport)
     n = 200
@@ -99,7 +99,7 @@ def test_finished_requests_leave_no_cyclic_garbage(
         gc.enable()
         loop.close()
     assert garbage == 0
-    assert not proto.busy and not app.exchanges
+    assert not proto.busy and not app.dispatch.exchanges
     head = transport.out[0].split(b"\r\n", 1)[0]
     assert status in head, head
     if status == b" 200 ":
@@ -132,11 +132,11 @@ def test_the_shared_inert_pd_leg_is_never_written(one: Callable[[ClientProtocol,
     app = App(Config(**PD), StubRegistry(), loop)
     pool = StubPool()
     app.pool_for = lambda worker: pool  # type: ignore[method-assign]
-    proto = ClientProtocol(app)
+    proto = ClientProtocol(app.dispatch)
     proto.connection_made(StubTransport())
     try:
         one(proto, pool.legs)
     finally:
         loop.close()
-    assert not app.exchanges
+    assert not app.dispatch.exchanges
     assert _leg_state(_NO_LEG) == _leg_state(_PDLeg(None, "prefill"))

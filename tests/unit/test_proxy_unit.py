@@ -102,7 +102,7 @@ def env():
     app = App(cfg, reg, loop)
     pool = FakePool()
     app.pool_for = lambda worker: pool  # type: ignore[method-assign]
-    proto = ClientProtocol(app)
+    proto = ClientProtocol(app.dispatch)
     tr = FakeTransport()
     proto.connection_made(tr)
     yield SimpleNamespace(loop=loop, app=app, reg=reg, pool=pool, proto=proto, tr=tr)
@@ -231,7 +231,7 @@ def test_client_disconnect_aborts_upstream_and_releases_exactly_once(env) -> Non
     assert conn.aborted
     (lease,) = env.reg.groups["regular"].leases
     assert lease.releases == 1
-    assert env.app.exchanges == set()
+    assert env.app.dispatch.exchanges == set()
 
 
 def test_held_stream_keeps_neither_the_request_body_nor_its_parse(env) -> None:
@@ -269,7 +269,7 @@ def test_upstream_error_before_head_is_502_after_head_cuts_stream(env) -> None:
 def test_request_timeout_gives_504_and_releases(env) -> None:
     env.proto.data_received(post())
     ((_, leg),) = env.pool.sent
-    for ex in list(env.app.exchanges):
+    for ex in list(env.app.dispatch.exchanges):
         ex.deadline = 0.0
     env.app.sweeper.tick()
     (res,) = responses(env.tr.out)
@@ -303,7 +303,7 @@ def test_header_read_timeout_closes_idle_but_not_busy_connections(env) -> None:
     env.proto.head_deadline = 0.001
     env.app.sweeper.tick()
     assert env.tr.closed
-    busy = ClientProtocol(env.app)
+    busy = ClientProtocol(env.app.dispatch)
     tr = FakeTransport()
     busy.connection_made(tr)
     busy.data_received(post())
@@ -456,7 +456,7 @@ def test_worker_re_added_under_the_same_url_gets_its_new_key(monkeypatch) -> Non
         app = App(Config(worker_urls=["http://127.0.0.1:9"]), reg, loop)
         url = "http://127.0.0.1:9"
         reg.set_worker(Worker(url=url, role="regular", host="127.0.0.1", port=9, api_key="old"))
-        proto = ClientProtocol(app)
+        proto = ClientProtocol(app.dispatch)
         tr = FakeTransport()
         proto.connection_made(tr)
 
@@ -525,11 +525,11 @@ def test_metrics_off_is_the_null_telemetry_and_metrics_on_count_each_event(env) 
     from fastroute.dataplane.telemetry import NULL_TELEMETRY, RequestTelemetry, Telemetry
 
     health = b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n"
-    assert env.app.tel is NULL_TELEMETRY and env.app.admission.tel is NULL_TELEMETRY
+    assert env.app.dispatch.tel is NULL_TELEMETRY and env.app.dispatch.admission.tel is NULL_TELEMETRY
     env.proto.data_received(health)  # answered; there is nothing to count into
     st = Stats()
     env.app.stats = st
-    assert type(env.app.tel) is RequestTelemetry and env.app.admission.tel is env.app.tel
+    assert type(env.app.dispatch.tel) is RequestTelemetry and env.app.dispatch.admission.tel is env.app.dispatch.tel
     env.proto.data_received(health)
     env.proto.data_received(post())
     assert st.http_requests == {("GET", "/health"): 1, ("POST", "/generate"): 1}
@@ -537,7 +537,7 @@ def test_metrics_off_is_the_null_telemetry_and_metrics_on_count_each_event(env) 
     assert st.router_requests == {("regular", "generate", "unknown", "false"): 1}
     assert st.pick_seconds.counts and sum(st.pick_seconds.counts) == 1
     env.app.stats = None
-    assert env.app.tel is NULL_TELEMETRY and env.app.admission.tel is NULL_TELEMETRY
+    assert env.app.dispatch.tel is NULL_TELEMETRY and env.app.dispatch.admission.tel is NULL_TELEMETRY
     # Every event the request path sends has a counting implementation.
     events = {n for n in dir(Telemetry) if not n.startswith("_")}
     assert events <= set(vars(RequestTelemetry)), events - set(vars(RequestTelemetry))

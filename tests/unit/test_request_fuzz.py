@@ -69,7 +69,7 @@ def make() -> tuple[ClientProtocol, Transport, Pool, Group, asyncio.AbstractEven
     app = App(cfg, registry, loop)
     pool = Pool()
     app.pool_for = lambda w: pool  # type: ignore[method-assign]
-    proto = ClientProtocol(app)
+    proto = ClientProtocol(app.dispatch)
     tr = Transport()
     proto.connection_made(tr)
     return proto, tr, pool, group, loop
@@ -119,9 +119,9 @@ def feed(proto: ClientProtocol, data: bytes, cuts: list[int]) -> None:
 def check_released(proto: ClientProtocol, tr: Transport, group: Group) -> None:
     proto.connection_lost(None)
     assert all(lease.releases == 1 for lease in group.leases), [lease.releases for lease in group.leases]
-    app = proto.app
-    assert not app.exchanges
-    assert app.admission.active == 0 and not app.admission.queue
+    app = proto.dispatch.owner
+    assert not app.dispatch.exchanges
+    assert app.dispatch.admission.active == 0 and not app.dispatch.admission.queue
 
 
 # -- strategies ---------------------------------------------------------------------------------
