@@ -13,12 +13,18 @@ on chat and /generate bodies of ~0.1, 2 and 48 KB (distinct bodies, as real user
 * ``msgspec-typed``: ``msgspec.json.decode(type=Struct)`` of only the fields a pick needs (the
   decoder skips every other key in C; chat message contents are decoded, since their length is
   the input estimate);
-* ``msgspec-typed-raw``: the same, but prompt strings kept as ``msgspec.Raw`` (a view of their
-  JSON bytes): their UTF-8 length is counted from the raw bytes (minus one byte per two-character
-  escape), and only a string with ``\\u`` or ``\\\\`` escapes is decoded.
+* ``msgspec-typed-raw``: the same, but in a body without a backslash prompt strings kept as
+  ``msgspec.Raw`` (a view of their JSON bytes): the UTF-8 length of an ASCII one is its raw
+  length less the quotes (a body with a backslash takes ``msgspec-typed``);
+* ``parse_request+text``: ``parse_request`` then ``routing_text()``, what a request costs under
+  a policy that reads the text (cache_aware, the default).
 
 Each row is the median over rounds of the per-call time (us) from ``timeit``; the ratio column is
-against ``json-scanner``. Usage: ``python bench/field_extract.py [--rounds N] [--ascii]``.
+against ``json-scanner``. Bodies: prose with now and then a line break (a JSON escape) and a
+non-ASCII word; ``--ascii`` without the non-ASCII words; ``--plain`` neither (ASCII without an
+escape, as bench/floor.py sends). ``--checkout DIR`` measures the fastroute of another checkout
+(built there), e.g. the base of a change. Usage:
+``python bench/field_extract.py [--rounds N] [--ascii | --plain] [--checkout DIR]``.
 """
 
 from __future__ import annotations
@@ -33,7 +39,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+def _checkout() -> str:
+    # --checkout is read before fastroute is imported: the import picks the tree.
+    if "--checkout" in sys.argv[1:-1]:
+        return str(Path(sys.argv[sys.argv.index("--checkout") + 1]).resolve())
+    return str(Path(__file__).resolve().parent.parent)
+
+
+sys.path.insert(0, _checkout())
 
 import msgspec  # noqa: E402
 
@@ -49,13 +63,14 @@ except ImportError:  # optional: only measured when present
 
 # Real prompts: mostly ASCII, lines (JSON \n escapes), now and then a non-ASCII word.
 ASCII = False  # --ascii: no non-ASCII words (escapes only)
+PLAIN = False  # --plain: neither non-ASCII words nor escapes
 RARE = ("caf\u00e9", "na\u00efve", "\u4f60\u597d", "\n", "\n\n")
 
 
 def prose(rng: random.Random, size: int) -> str:
     out, n = [], 0
     while n < size:
-        w = rng.choice(WORDS) if rng.random() > 0.03 else rng.choice(RARE[3:] if ASCII else RARE)
+        w = rng.choice(WORDS) if PLAIN or rng.random() > 0.03 else rng.choice(RARE[3:] if ASCII else RARE)
         out.append(w)
         n += len(w) + 1
     return " ".join(out)
@@ -144,21 +159,18 @@ class RawGenerate(msgspec.Struct):
     return_logprob: bool | None = None
 
 
-_str_dec = msgspec.json.Decoder(str)
-
-
 def raw_tokens(raw: msgspec.Raw) -> int:
-    """Token estimate of a raw JSON string without decoding it unless it has escapes that
-    change its length in a way a count cannot tell (\\u, \\\\)."""
-    b = bytes(raw)
-    if b"\\" not in b:
-        return (len(b) - 2 + 3) >> 2
-    if b"\\u" not in b and b"\\\\" not in b:
-        return (len(b) - 2 - b.count(b"\\") + 3) >> 2
-    return _body.estimate_tokens(_str_dec.decode(b))
+    """Token estimate of a raw JSON string of an ASCII body without escapes: no decode.
+    (Counting escapes instead was measured too: bytes.count and find of a two-byte needle
+    cost more per 48 KB than msgspec's whole string decode.)"""
+    if memoryview(raw)[0] != 0x22:
+        raise ValueError("not a string")  # (the bench bodies' prompts are strings)
+    return (len(raw) + 1) >> 2
 
 
 def raw_chat(b: bytes) -> int:
+    if b"\\" in b or not b.isascii():
+        return typed_chat(b)
     f = _raw_chat_dec.decode(b)
     tokens = 0
     for m in f.messages or ():
@@ -168,6 +180,8 @@ def raw_chat(b: bytes) -> int:
 
 
 def raw_generate(b: bytes) -> int:
+    if b"\\" in b or not b.isascii():
+        return typed_generate(b)
     f = _raw_gen_dec.decode(b)
     return raw_tokens(f.text)
 
@@ -212,14 +226,22 @@ def with_reads(loads: Callable[[bytes], Any], path: str) -> Callable[[bytes], An
     return run
 
 
+def _text(meta: Any) -> int:
+    text = meta.routing_text()
+    return meta.input_tokens + len(text or "")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--variants", type=int, default=64)
-    ap.add_argument("--ascii", action="store_true", help="ASCII bodies (JSON escapes only)")
+    shape = ap.add_mutually_exclusive_group()
+    shape.add_argument("--ascii", action="store_true", help="ASCII bodies (JSON escapes only)")
+    shape.add_argument("--plain", action="store_true", help="ASCII bodies without escapes")
+    ap.add_argument("--checkout", default=None, help="measure the fastroute of this checkout")
     args = ap.parse_args(argv)
-    global ASCII
-    ASCII = args.ascii
+    global ASCII, PLAIN
+    ASCII, PLAIN = args.ascii, args.plain
     rng = random.Random(1)
     rows = []
     for kind, path, make in (("chat", _body.CHAT, chat_body), ("generate", _body.GENERATE, generate_body)):
@@ -228,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             methods: dict[str, Callable[[bytes], Any]] = {
                 "json-scanner": with_reads(_body._parse_full, path),
                 "parse_request": lambda b, p=path: _body.parse_request(p, b).input_tokens,
+                "parse_request+text": lambda b, p=path: _text(_body.parse_request(p, b)),
                 "msgspec-any": with_reads(_any_dec.decode, path),
                 "msgspec-typed": typed_chat if kind == "chat" else typed_generate,
                 "msgspec-typed-raw": raw_chat if kind == "chat" else raw_generate,
@@ -236,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                 methods["orjson"] = with_reads(orjson.loads, path)
             ref = [methods["json-scanner"](b) for b in bodies]
             for name, fn in methods.items():
-                assert [fn(b) for b in bodies] == ref, (name, kind, size)
+                if name != "parse_request+text":
+                    assert [fn(b) for b in bodies] == ref, (name, kind, size)
             number = max(20, 200_000 // (size * 2))
             samples: dict[str, list[float]] = {n: [] for n in methods}
             for _ in range(args.rounds):
@@ -253,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
             for name in methods:
                 med = statistics.median(samples[name])
                 rows.append((kind, f"{avg / 1024:.1f} KB", name, med, med / base))
+    shape = "plain" if PLAIN else "ascii" if ASCII else "mixed"
     print(
+        f"fastroute from {Path(_body.__file__).parent.parent.parent}, {shape} bodies; "
         f"Python {sys.version.split()[0]}, msgspec {msgspec.__version__}, "
         f"orjson {orjson.__version__ if orjson else 'absent'}; {args.rounds} rounds, "
         f"{args.variants} distinct bodies per size"
