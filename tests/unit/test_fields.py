@@ -204,3 +204,111 @@ def test_random_bodies_match_the_full_parse(obj: dict, path: str, ascii_only: bo
     finally:
         _body._PICKERS = saved
     assert fast == full
+
+
+# --- ASCII bodies without an escape (what bench/floor.py sends) ---------------------------
+# The fields-only decoder's own path (no whole-body decode): prompt strings of every shape, the
+# values that are not strings, and the refusals, against the full parse.
+
+PLAIN_BODIES = [
+    b'{"text":"abcd"}',
+    b'{"text":""}',
+    b'{"text":"a"}',
+    b'{"text" : "abcde" , "stream" : true }',
+    b'{"text":null}',
+    b'{"text":5}',
+    b'{"text":true}',
+    b'{"text":{"a":"b"}}',
+    b'{"text":["abc","defgh"]}',
+    b'{"text":["abc",5]}',
+    b'{"text":[]}',
+    b'{"text":"abcdefghi","input_ids":[1,2]}',
+    b'{"text":["a","b"],"input_ids":[[1],[2,3]]}',
+    b'{"text":"a","text":"abcdefghij"}',
+    b'{"text":"abcdefghij","text":null}',
+    b'{"text":"x\x01y"}',
+    b'{"text":"x\x7fy"}',
+    b'{"text":"abc}',
+    b'{"prompt":"abcdefgh","n":2}',
+    b'{"prompt":["abcd","ef"]}',
+    b'{"prompt":[1,2,3]}',
+    b'{"prompt":[[1,2],[3]]}',
+    b'{"prompt":null}',
+    b'{"prompt":1.5}',
+    b'{"prompt":""}',
+    b'{"messages":[{"role":"system","content":"abcdefg"},{"role":"user","content":"hi"}]}',
+    b'{"messages":[{"role":"user","content":""}]}',
+    b'{"messages":[{"role":"user","content":null},{"role":"user"}]}',
+    b'{"messages":[{"role":"user","content":5}]}',
+    b'{"messages":[{"role":"user","content":{"a":"b"}}]}',
+    b'{"messages":[{"role":"user","content":[{"type":"text","text":"abcdef"},"bare",{"text":5}]}]}',
+    b'{"messages":[{"content":"abc","content":[{"text":"defgh"}]}]}',
+    b'{"messages":[{"content":[{"text":"abc"}],"content":"defgh"}]}',
+    b'{"messages":[{"content":"abc"},"x"]}',
+    b'{"messages":[],"n":3}',
+    b'{"messages":null}',
+    b'{"messages":"abc"}',
+]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("raw", PLAIN_BODIES)
+def test_plain_bodies_match_the_full_parse(path: str, raw: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    fast, full = _both(path, raw, monkeypatch)
+    assert fast == full
+
+
+# ASCII without the two characters json escapes in every string (a quote, a backslash) and the
+# control characters it escapes: what a prompt without escapes is made of.
+_plain = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E, blacklist_characters='"\\'), max_size=40)
+_plain_json = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**40), max_value=2**40) | _plain,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_plain, inner, max_size=3),
+    max_leaves=8,
+)
+_plain_parts = st.lists(
+    st.dictionaries(st.sampled_from(["type", "text"]), _plain | _plain_json, max_size=2) | _plain_json, max_size=3
+)
+_plain_message = st.fixed_dictionaries(
+    {"content": st.one_of(_plain, _plain_parts, _plain_json)}, optional={"role": _plain, "name": _plain_json}
+)
+_plain_msgs = st.one_of(
+    st.lists(_plain_message, min_size=1, max_size=4),
+    st.lists(st.one_of(_plain_message, st.fixed_dictionaries({}, optional={"role": _plain}), _plain_json), max_size=4),
+    _plain_json,
+)
+_plain_prompt = st.one_of(_plain, st.lists(_plain, max_size=3), _plain_json)
+_plain_others = {
+    "text": _plain_prompt,
+    "prompt": _plain_prompt,
+    "messages": _plain_msgs,
+    "input_ids": st.lists(st.integers(0, 9), max_size=3) | _plain_json,
+    "model": _plain | _plain_json,
+    "stream": st.booleans() | _plain_json,
+    "n": st.integers(0, 3) | _plain_json,
+    "rid": _plain_json,
+}
+# Each endpoint's prompt key always there, every other key now and then.
+_PLAIN_BODY = {
+    path: st.fixed_dictionaries(
+        {key: _plain_others[key]}, optional={k: v for k, v in _plain_others.items() if k != key}
+    )
+    for path, key in (("/generate", "text"), ("/v1/completions", "prompt"), ("/v1/chat/completions", "messages"))
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), spaced=st.booleans())
+def test_random_plain_bodies_match_the_full_parse(path: str, data: st.DataObject, spaced: bool) -> None:
+    obj = data.draw(_PLAIN_BODY[path])
+    raw = json.dumps(obj, separators=(", ", ": ") if spaced else (",", ":")).encode()
+    assert b"\\" not in raw and raw.isascii()
+    fast = _outcome(path, raw)
+    saved = _body._PICKERS
+    _body._PICKERS = {}
+    try:
+        full = _outcome(path, raw)
+    finally:
+        _body._PICKERS = saved
+    assert fast == full
