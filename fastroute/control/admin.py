@@ -14,24 +14,21 @@ import json
 import logging
 import random
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 from urllib.parse import parse_qs
 
 from fastroute import __version__
-from fastroute.auth import ADMIN_METHODS, FORBIDDEN, OK, ControlPlaneKey, audit, is_management
+from fastroute.auth import ADMIN_METHODS, FORBIDDEN, OK, AdminAuth, ControlPlaneKey, audit, is_management
+from fastroute.config import Config
 from fastroute.control import httpclient
+from fastroute.control.background import Background
 from fastroute.control.httpclient import HttpClientError
 from fastroute.control.selfaddr import SelfWorker
 from fastroute.control.worker import BadWorkerURL, DuplicateWorker, Worker, check_fields, normalize_url
-from fastroute.core.table import (
-    COL_POLLED_AT,
-    COL_POLLED_MAX_TOKENS,
-    COL_POLLED_RUNNING,
-    COL_POLLED_TOKENS,
-    COL_POLLED_WAITING,
-)
+from fastroute.control.workerjson import polled, worker_json
+from fastroute.core.table import TargetTable
 from fastroute.errors import (
     CODE_BAD_REQUEST,
     CODE_NO_AVAILABLE_WORKERS,
@@ -41,9 +38,6 @@ from fastroute.errors import (
     invalid_api_key,
     unknown_url,
 )
-
-if TYPE_CHECKING:
-    from fastroute.control.registry import Registry
 
 # Logger name kept from before the split: operators filter on it.
 log = logging.getLogger("fastroute.workers")
@@ -57,22 +51,6 @@ LEGACY_ADD_WAIT_SECS = 2.0
 
 # Management-route changes are what --control-plane-audit-enabled records.
 _READS = frozenset({"GET", "HEAD"})
-
-# server_info keys copied (as strings) into the /workers "metadata" object.
-_META_KEYS = (
-    "model_path",
-    "served_model_name",
-    "tokenizer_path",
-    "tp_size",
-    "dp_size",
-    "load_balance_method",
-    "disaggregation_mode",
-    "disaggregation_bootstrap_port",
-    "enable_dp_attention",
-    "max_running_requests",
-    "max_total_num_tokens",
-    "version",
-)
 
 
 def request_header(headers: Any, name: str) -> str | None:
@@ -118,6 +96,37 @@ def _method_not_allowed(method: str, path: str) -> RouterError:
     return RouterError(405, "method_not_allowed", f"Method {method} not allowed on {path}")
 
 
+class Workers(Protocol):
+    """What the admin API reads and calls on its registry (control/registry.py's Registry)."""
+
+    config: Config
+    table: TargetTable
+    workers: list[Worker]
+    admin_auth: AdminAuth
+    background: Background
+
+    def ready(self) -> bool: ...
+    def ready_workers(self, role: str | None = None) -> list[Worker]: ...
+    def healthy_workers(self, role: str) -> list[Worker]: ...
+    def auth_headers(self, w: Worker) -> dict[str, str]: ...
+    def find(self, url: str) -> Worker | None: ...
+    def get(self, worker_id: str) -> Worker | None: ...
+    def add_worker(
+        self,
+        url: str,
+        role: str,
+        *,
+        bootstrap_port: int | None = None,
+        model_id: str | None = None,
+        priority: int | None = None,
+        cost: float | None = None,
+        labels: Mapping[str, str] | None = None,
+        api_key: str | None = None,
+    ) -> Worker: ...
+    async def wait_registered(self, w: Worker, timeout: float | None = None) -> bool: ...
+    def remove_worker(self, w: Worker) -> None: ...
+
+
 class Forwarder(Protocol):
     """Who answers some admin calls in another process (AdminAPI.forwarder)."""
 
@@ -138,77 +147,10 @@ class AdminAPI:
     ``forwards`` itself (a proxy child hands worker changes to its supervisor,
     :class:`~fastroute.control.follower.FollowerRegistry`)."""
 
-    def __init__(self, registry: Registry, forwarder: Forwarder | None = None) -> None:
+    def __init__(self, registry: Workers, forwarder: Forwarder | None = None) -> None:
         self.registry = registry
         self.forwarder = forwarder
         self._rng = random.Random(registry.config.seed)
-
-    # ---- worker JSON --------------------------------------------------------------------------
-    def _polled(self, t: int) -> dict[str, Any]:
-        """Polled engine values of a target; all None when never polled / unknown."""
-        tab = self.registry.table
-        if tab.get(t, COL_POLLED_AT) < 0:
-            return {
-                "num_running_reqs": None,
-                "num_waiting_reqs": None,
-                "num_total_reqs": None,
-                "num_used_tokens": None,
-                "max_total_num_tokens": None,
-                "polled_at_ms": None,
-            }
-        running = tab.get(t, COL_POLLED_RUNNING)
-        waiting = tab.get(t, COL_POLLED_WAITING)
-        mx = tab.get(t, COL_POLLED_MAX_TOKENS)
-        return {
-            "num_running_reqs": running,
-            "num_waiting_reqs": waiting,
-            "num_total_reqs": running + waiting,
-            "num_used_tokens": tab.get(t, COL_POLLED_TOKENS),
-            "max_total_num_tokens": mx if mx >= 0 else None,
-            "polled_at_ms": tab.get(t, COL_POLLED_AT),
-        }
-
-    def worker_json(self, w: Worker) -> dict[str, Any]:
-        """One entry of GET /workers (smg field names, plus per-rank detail when split)."""
-        tab = self.registry.table
-        live = w.status == "ready"
-        d: dict[str, Any] = {
-            "id": w.id,
-            "url": w.url,
-            "model_id": w.model_id,
-            "worker_type": w.role,
-            "is_healthy": w.healthy and live,
-            "status": w.status,
-            "load": sum(tab.in_flight(t) for t in w.targets) if live else 0,
-            "connection_mode": "http",
-            "priority": w.priority,
-            "cost": w.cost,
-            "labels": dict(w.labels),
-            "metadata": {k: str(w.server_info[k]) for k in _META_KEYS if k in w.server_info},
-            "dp_size": w.dp_size,
-        }
-        if w.role == "prefill":
-            d["bootstrap_port"] = w.bootstrap_port
-        if w.error and not live:
-            d["error"] = w.error
-        if live:
-            if w.split:
-                ids = w.rank_ids or range(len(w.targets))
-                d["dp_ranks"] = [
-                    {
-                        "url": name,
-                        "dp_rank": ids[r],
-                        "load": tab.in_flight(t),
-                        "is_healthy": w.target_healthy(r),
-                        **self._polled(t),
-                    }
-                    for r, (t, name) in enumerate(zip(w.targets, w.names))
-                ]
-                if w.rank_ports:  # each rank listens on a port of its own
-                    d["rank_ports"] = True
-            else:
-                d["engine_load"] = self._polled(w.targets[0])
-        return d
 
     # ---- admin endpoints ----------------------------------------------------------------------
     async def handle_admin(
@@ -282,7 +224,7 @@ class AdminAPI:
             return _error(RouterError(500, "internal_error", str(exc)))
 
     def _list_workers(self) -> tuple[int, bytes, bytes]:
-        ws = [self.worker_json(w) for w in self.registry.workers]
+        ws = [worker_json(w, self.registry.table) for w in self.registry.workers]
         stats = {
             f"{r}_count": sum(1 for w in self.registry.workers if w.role == r) for r in ("prefill", "decode", "regular")
         }
@@ -338,7 +280,7 @@ class AdminAPI:
         if w is None:
             raise RouterError(404, "worker_not_found", f"Worker {wid} not found")
         if method == "GET":
-            return 200, _json(self.worker_json(w)), _JSON
+            return 200, _json(worker_json(w, self.registry.table)), _JSON
         if method == "PUT":
             try:
                 upd = json.loads(body) if body else {}
@@ -451,7 +393,7 @@ class AdminAPI:
             tokens_sum = 0
             complete = True
             for i, (t, name) in enumerate(zip(w.targets, w.names)):
-                p = self._polled(t)
+                p = polled(self.registry.table, t)
                 inf, inf_tok = tab.in_flight(t), tab.in_flight_tokens(t)
                 loads.append(
                     {

@@ -28,17 +28,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from fastroute.core import _ledger, _manual, _policy
 from fastroute.core.cache_aware import CacheAwarePolicy
-from fastroute.core.table import HDR_REPLICAS
+from fastroute.core.table import HDR_REPLICAS, TargetTable
 from fastroute.names import ASSIGNMENT_MODE_CODE, MODE_CODE
-
-if TYPE_CHECKING:
-    from fastroute.core.routing import Router
 
 log = logging.getLogger("fastroute.routing")
 
@@ -181,19 +178,19 @@ class PrefixTree:
         return self.kernel.book_target(t, tokens)
 
 
-def manual_keys(router: Router, seed: int) -> _manual.KeyTable:
+def manual_keys(table: TargetTable, cfg: Any, seed: int) -> _manual.KeyTable:
     """The manual policy's key table, configured from --assignment-mode / --max-idle-secs /
-    --max-manual-keys."""
-    cfg = router.config
+    --max-manual-keys (``cfg``: the Config, or None for the defaults)."""
     mode = getattr(cfg, "assignment_mode", "random")
     max_idle = float(getattr(cfg, "max_idle_secs", 4 * 3600))
     every = float(getattr(cfg, "eviction_interval_secs", 60))
     bound = int(getattr(cfg, "max_manual_keys", 1_000_000))
-    return _manual.KeyTable(router.table.array.shape[0], ASSIGNMENT_MODE_CODE[mode], max_idle, every, seed, bound)
+    return _manual.KeyTable(table.array.shape[0], ASSIGNMENT_MODE_CODE[mode], max_idle, every, seed, bound)
 
 
 def make_policy(
-    router: Router,
+    table: TargetTable,
+    config: Any,
     policy: str,
     kernel: _ledger.Picker,
     demand: str,
@@ -204,16 +201,17 @@ def make_policy(
     rank_slack: int,
     coordinate: bool,
 ) -> Policy:
-    """The policy object of a group whose compiled kernel is ``kernel`` (module docstring)."""
+    """The policy object of a group over ``table`` whose compiled kernel is ``kernel`` (module
+    docstring); ``config`` (the Config, or None for defaults) configures cache_aware and manual."""
     if policy == "manual":
-        return ManualKeys(kernel, manual_keys(router, seed), router.table.array)
+        return ManualKeys(kernel, manual_keys(table, config, seed), table.array)
     if policy == "cache_aware":
-        tree = CacheAwarePolicy(router.table, router.config, seed=seed, rank_slack=rank_slack)
+        tree = CacheAwarePolicy(table, config, seed=seed, rank_slack=rank_slack)
         return PrefixTree(
             kernel,
             tree,
-            router.table.array,
-            router.table.header,
+            table.array,
+            table.header,
             coordinate,
             kv_fit,
             demand,

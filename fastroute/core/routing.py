@@ -110,7 +110,8 @@ class Group:
         # The group's policy (core/policies.py): the kernel itself for the compiled policies,
         # else an object that holds the kernel. ``acquire`` is its bound method: one call.
         self.policy_impl: Policy = make_policy(
-            router,
+            router.table,
+            router.config,
             policy,
             self.kernel,
             demand,

@@ -114,7 +114,7 @@ class App:
         if add_listener is not None:
             add_listener(self._targets_changed)
         # Every deadline and the lease safety net (sweep.py): one timer per process.
-        self.sweeper = Sweeper(self)
+        self.sweeper = Sweeper(self.dispatch, reconciler)
 
     # fastroute.control.metrics.Stats of this process (set by the server when metrics
     # run): plain dict increments per request, turned into series at scrape time.

@@ -22,7 +22,8 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fastroute.dataplane.app import App
+    from fastroute.control.leases import Reconciler
+    from fastroute.dataplane.dispatch import Dispatcher
     from fastroute.dataplane.exchange import _Exchange
 
 log = logging.getLogger("fastroute.proxy")
@@ -32,26 +33,29 @@ LEAK_SLACK = 5.0  # grace past request_timeout_secs before a booking counts as l
 
 
 class Sweeper:
-    """The periodic pass over one App's open requests and connections (module docstring)."""
+    """The periodic pass over one dispatcher's open requests and connections (module docstring);
+    ``reconciler`` audits the shared table where this process does (None elsewhere)."""
 
-    def __init__(self, app: App) -> None:
-        self.app = app
+    def __init__(self, dispatch: Dispatcher, reconciler: Reconciler | None = None) -> None:
+        self.dispatch = dispatch
+        self.reconciler = reconciler
         self.leak_every = LEAK_EVERY
         self.leak_slack = LEAK_SLACK
         self.next_leak = 0.0
         self._handle: asyncio.TimerHandle | None = None
-        every = [1.0, app.dispatch.timeout / 4, app.dispatch.header_timeout / 4]
-        if app.dispatch.admission.enabled:
-            every.append(app.dispatch.admission.queue_timeout / 4)
-        if app.breakers is not None:
-            every.append(app.breakers.timeout / 4)
-        if app.dispatch.sse_keepalive > 0:
-            every.append(app.dispatch.sse_keepalive / 4)
+        d = dispatch
+        every = [1.0, d.timeout / 4, d.header_timeout / 4]
+        if d.admission.enabled:
+            every.append(d.admission.queue_timeout / 4)
+        if d.breakers is not None:
+            every.append(d.breakers.timeout / 4)
+        if d.sse_keepalive > 0:
+            every.append(d.sse_keepalive / 4)
         self.every = max(0.05, min(every))
 
     def start(self) -> None:
         if self._handle is None:
-            self._handle = self.app.loop.call_later(self.every, self.tick)
+            self._handle = self.dispatch.loop.call_later(self.every, self.tick)
 
     def stop(self) -> None:
         if self._handle is not None:
@@ -60,47 +64,47 @@ class Sweeper:
 
     def tick(self) -> None:
         """One pass now (the timer calls it every ``every`` seconds)."""
-        app = self.app
-        now = app.loop.time()
+        d = self.dispatch
+        now = d.loop.time()
         try:
-            for ex in [e for e in app.dispatch.exchanges if e.deadline <= now]:
+            for ex in [e for e in d.exchanges if e.deadline <= now]:
                 ex.on_timeout()
-            if app.dispatch.sse_keepalive > 0:
-                for ex in [e for e in app.dispatch.exchanges if 0.0 < e.ka_due <= now]:
+            if d.sse_keepalive > 0:
+                for ex in [e for e in d.exchanges if 0.0 < e.ka_due <= now]:
                     ex.keepalive(now)
-            for conn in [c for c in app.dispatch.connections if 0.0 < c.head_deadline <= now]:
+            for conn in [c for c in d.connections if 0.0 < c.head_deadline <= now]:
                 conn.on_header_timeout()
-            if app.dispatch.handshaking:
+            if d.handshaking:
                 self._expire_handshakes(now)
-            if app.dispatch.admission.queue:
-                app.dispatch.admission.expire(now)
-            if app.breakers is not None:
-                app.breakers.tick(now)
+            if d.admission.queue:
+                d.admission.expire(now)
+            if d.breakers is not None:
+                d.breakers.tick(now)
             if now >= self.next_leak:
                 self.next_leak = now + self.leak_every
                 self.check_leaks(now)
         except Exception:  # a bug here must not stop the sweeper forever
             log.exception("sweep failed")
-        self._handle = app.loop.call_later(self.every, self.tick)
+        self._handle = d.loop.call_later(self.every, self.tick)
 
     def _expire_handshakes(self, now: float) -> None:
         """Uncount TLS connections whose handshake deadline passed: the listener aborted them
         (or they failed earlier: asyncio tells the protocol nothing of a failed handshake)."""
-        app = self.app
-        hs = app.dispatch.handshaking
+        d = self.dispatch
+        hs = d.handshaking
         for proto in [p for p, due in hs.items() if due <= now]:
             del hs[proto]
-            app.dispatch.tel.connections(-1)
+            d.tel.connections(-1)
 
     def check_leaks(self, now: float | None = None) -> int:
         """Reclaim bookings their owner should have released (module docstring); returns how
         many leases."""
-        app = self.app
+        d = self.dispatch
         if now is None:
-            now = app.loop.time()
-        limit = app.dispatch.timeout + self.leak_slack
+            now = d.loop.time()
+        limit = d.timeout + self.leak_slack
         n = 0
-        for ex in list(app.dispatch.exchanges):
+        for ex in list(d.exchanges):
             if ex.finished:
                 reason = "finished"
             elif ex.proto.closed:
@@ -110,8 +114,8 @@ class Sweeper:
             else:
                 continue
             n += self._reclaim(ex, reason, now)
-        if app.reconciler is not None:
-            app.reconciler.check(getattr(app.registry, "target_info", None) or (), now)
+        if self.reconciler is not None:
+            self.reconciler.check(getattr(d.registry, "target_info", None) or (), now)
         return n
 
     def _reclaim(self, ex: _Exchange, reason: str, now: float) -> int:
@@ -126,7 +130,7 @@ class Sweeper:
                     ex.rid.decode("latin-1"),
                     now - ex.started_at,
                 )
-                self.app.dispatch.tel.reclaim(reason)
+                self.dispatch.tel.reclaim(reason)
         ex.leases = ()
         try:
             if reason == "expired" and not ex.finished:
@@ -136,5 +140,5 @@ class Sweeper:
         except Exception:
             log.exception("cleanup of a leaked exchange failed")
         ex._close_books()
-        self.app.dispatch.exchanges.discard(ex)
+        self.dispatch.exchanges.discard(ex)
         return n
