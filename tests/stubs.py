@@ -103,7 +103,7 @@ class StubPool:
     def __init__(self) -> None:
         self.legs: list[Any] = []
 
-    def send(self, request: bytes, leg: Any) -> StubConn:
+    def send(self, request: bytes, leg: Any, fresh: bool = False, body: bytes | None = None) -> StubConn:
         leg.conn = StubConn()
         self.legs.append(leg)
         return leg.conn

@@ -9,7 +9,9 @@ attempt is: acquire a lease from the group, then send through ``routes[lease.tar
 without looking at the registry or at worker fields.
 
 Framing is the only copy of the client body per leg: a body with injected fields is framed
-from the splice parts (:func:`fastroute.dataplane.body.splice_parts`), never built first.
+from the splice parts (:func:`fastroute.dataplane.body.splice_parts`), never built first; a body
+sent as it came is not copied at all (the pool writes the framed head and the client's bytes
+together).
 """
 
 from __future__ import annotations
@@ -123,10 +125,14 @@ class Route:
             if not auth and req.auth is not None:
                 auth = b"Authorization: " + req.auth + b"\r\n"
             body = req.body
+            # The head alone is framed; the body goes out as it came, beside it (one writev),
+            # so a request waiting for its connection or its answer holds no second copy of it.
             self.pool.send(
-                b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b%b\r\n%b"
-                % (req.url, self.authority, len(body), req.fwd, auth, body),
+                b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b%b\r\n"
+                % (req.url, self.authority, len(body), req.fwd, auth),
                 leg,
+                False,
+                body if body else None,
             )
         else:
             head, sep, tail = _body.splice_parts(req.body)

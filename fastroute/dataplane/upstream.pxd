@@ -10,10 +10,12 @@ cdef class Leg:
 
 cdef class UpstreamConnection:
     cdef public Leg leg
-    cdef public object pool, transport, parser, request, headers, connect_task
+    cdef public object pool, transport, parser, request, body, headers, connect_task
     cdef public bint reused, got_bytes, head_done, keep_alive, closed, paused, interim, pooled
     cdef public Py_ssize_t status
     cdef public double idle_since
+
+    cpdef _write_request(self, transport)
 
 cdef class Pool:
     cdef public object host, port, idle, busy, loop, _sweep_handle, ssl

@@ -129,6 +129,7 @@ class UpstreamConnection:
         "parser",
         "leg",
         "request",
+        "body",
         "reused",
         "got_bytes",
         "headers",
@@ -149,6 +150,9 @@ class UpstreamConnection:
         self.parser = httptools.HttpResponseParser(self)
         self.leg: Any = None
         self.request: bytes | None = None  # kept until the first response byte (for the one re-send)
+        # The request's body when it is sent beside ``request`` (the framed head) rather than in
+        # it: the client's own bytes, not a copy. Kept and dropped with ``request``.
+        self.body: bytes | None = None
         self.reused = False
         self.got_bytes = False
         self.headers: list[tuple[bytes, bytes]] = []
@@ -171,9 +175,15 @@ class UpstreamConnection:
             return
         if self.paused:
             transport.pause_reading()
-        req = self.request
-        if req is not None:
-            transport.write(req)
+        if self.request is not None:
+            self._write_request(transport)
+
+    def _write_request(self, transport: asyncio.Transport) -> None:
+        body = self.body
+        if body is None:
+            transport.write(self.request)  # type: ignore[arg-type]
+        else:
+            transport.writelines((self.request, body))  # type: ignore[arg-type]  # one writev
 
     def data_received(self, data: bytes) -> None:
         if self.leg is None:
@@ -184,6 +194,7 @@ class UpstreamConnection:
         if not self.got_bytes:
             self.got_bytes = True
             self.request = None
+            self.body = None
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:  # (not an HttpParserError subclass)
@@ -223,9 +234,10 @@ class UpstreamConnection:
             return
         if self.reused and not self.got_bytes and self.request is not None:
             # Keep-alive race: the worker closed the idle socket as we wrote.
-            req = self.request
+            req, body = self.request, self.body
             self.request = None
-            self.pool.send(req, leg, fresh=True)
+            self.body = None
+            self.pool.send(req, leg, True, body)
             return
         leg.up_error(UpstreamError(str(exc) if exc else "upstream closed the connection"))
 
@@ -352,8 +364,9 @@ class Pool:
         self._sweep_handle: asyncio.TimerHandle | None = None
         self.closed = False
 
-    def send(self, request: bytes, leg: Any, fresh: bool = False) -> UpstreamConnection:
-        """Send framed ``request`` bytes; callbacks go to ``leg``. Sets ``leg.conn``."""
+    def send(self, request: bytes, leg: Any, fresh: bool = False, body: bytes | None = None) -> UpstreamConnection:
+        """Send framed ``request`` bytes, followed by ``body`` when it is given apart from them;
+        callbacks go to ``leg``. Sets ``leg.conn``."""
         conn = None
         if not fresh:
             idle = self.idle
@@ -370,13 +383,15 @@ class Pool:
             conn.reused = True
             conn.got_bytes = False
             conn.request = request
+            conn.body = body
             conn.leg = leg
             self.busy.add(conn)
             leg.conn = conn
-            conn.transport.write(request)  # type: ignore[union-attr]
+            conn._write_request(conn.transport)  # type: ignore[arg-type]
             return conn
         conn = UpstreamConnection(self)
         conn.request = request
+        conn.body = body
         conn.leg = leg
         self.busy.add(conn)
         leg.conn = conn

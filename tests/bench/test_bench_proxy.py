@@ -30,7 +30,7 @@ class _Pool:
         self.last: Any = None
         self.conn = StubConn()
 
-    def send(self, request: bytes, leg: Any) -> StubConn:
+    def send(self, request: bytes, leg: Any, fresh: bool = False, body: bytes | None = None) -> StubConn:
         leg.conn = self.conn
         self.last = leg
         return self.conn

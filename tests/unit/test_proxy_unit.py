@@ -68,13 +68,16 @@ class FakeConn:
 class FakePool:
     def __init__(self) -> None:
         self.sent: list[tuple[bytes, Any]] = []
+        self.bodies: list[bytes | None] = []  # bodies handed apart from their framed head
         self.authority = b"127.0.0.1:9"
         self.auth = b""
 
-    def send(self, request: bytes, leg: Any) -> FakeConn:
+    def send(self, request: bytes, leg: Any, fresh: bool = False, body: bytes | None = None) -> FakeConn:
         conn = FakeConn()
         leg.conn = conn
-        self.sent.append((request, leg))
+        # What goes on the wire: the framed head and, when the pool was handed it apart, the body.
+        self.sent.append((request if body is None else request + body, leg))
+        self.bodies.append(body)
         return conn
 
 
@@ -240,6 +243,8 @@ def test_held_stream_keeps_neither_the_request_body_nor_its_parse(env) -> None:
     env.proto.data_received(post(b'{"text": "hi", "stream": true}'))
     ((_, leg),) = env.pool.sent
     assert leg.req.body and leg.meta.obj is not None  # a retry may still need them
+    # the pool got the client's body itself beside the framed head: no second copy is held
+    assert env.pool.bodies == [leg.req.body] and env.pool.bodies[0] is leg.req.body
     leg.up_head(200, [(b"Transfer-Encoding", b"chunked")])
     assert leg.req.body == b"" and leg.meta.obj is None
     leg.up_body(b"data: 1\n\n")
@@ -344,10 +349,12 @@ def test_payload_limit_by_content_length_answers_before_the_body(env) -> None:
 class _StubPool:
     def __init__(self) -> None:
         self.resent: list[tuple[bytes, Any, bool]] = []
+        self.bodies: list[bytes | None] = []
         self.discarded = 0
 
-    def send(self, request: bytes, leg: Any, fresh: bool = False) -> None:
-        self.resent.append((request, leg, fresh))
+    def send(self, request: bytes, leg: Any, fresh: bool = False, body: bytes | None = None) -> None:
+        self.resent.append((request if body is None else request + body, leg, fresh))
+        self.bodies.append(body)
 
     def discard(self, conn: Any) -> None:
         self.discarded += 1
@@ -387,6 +394,13 @@ def test_reused_connection_closed_before_any_byte_is_resent_once_on_a_fresh_one(
     conn2.leg, conn2.request = leg, b"REQ"
     conn2.connection_lost(ConnectionResetError())
     assert leg.events == [("error", "UpstreamError")] and len(pool.resent) == 1
+    # a body sent beside its head is re-sent beside it: the same object, not a copy
+    body = b'{"text": "hi"}'
+    conn3 = UpstreamConnection(pool)  # type: ignore[arg-type]
+    conn3.leg, conn3.request, conn3.body, conn3.reused = leg, b"HEAD", body, True
+    conn3.connection_lost(None)
+    assert pool.resent[-1] == (b"HEAD" + body, leg, True) and pool.bodies[-1] is body
+    assert conn3.request is None and conn3.body is None
 
 
 def test_close_delimited_upstream_response_ends_at_eof() -> None:

@@ -125,3 +125,57 @@ def test_a_connection_without_a_leg_is_never_paused() -> None:
     finally:
         pool.close()
         loop.close()
+
+
+class _Writes(FakeTransport):
+    """A fake transport that records how each request was handed to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, Any]] = []
+
+    def write(self, data: Any) -> None:
+        self.calls.append(("write", data))
+        super().write(data)
+
+    def writelines(self, parts: Any) -> None:
+        parts = tuple(parts)
+        self.calls.append(("writelines", parts))
+        super().write(b"".join(parts))
+
+
+HEAD = b"POST /generate HTTP/1.1\r\nHost: w\r\nContent-Length: 4108\r\n\r\n"
+
+
+def test_a_body_sent_apart_is_written_beside_its_head_and_never_copied() -> None:
+    """The client's body goes out as the object it came in (one writev with the framed head), on
+    a fresh connection and on a reused one, and is let go with the head at the first answer byte."""
+    pool, loop = _pool()
+    body = b'{"text": "' + b"x" * 4096 + b'"}'
+    try:
+        # fresh: written when the connection is made
+        leg = _Leg()
+        conn = UpstreamConnection(pool)
+        conn.request, conn.body, conn.leg = HEAD, body, leg
+        leg.conn = conn
+        pool.busy.add(conn)
+        t = _Writes()
+        conn.connection_made(t)
+        assert t.calls == [("writelines", (HEAD, body))] and t.calls[0][1][1] is body
+        conn.data_received(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        assert conn.request is None and conn.body is None  # no re-send can need them now
+        conn.data_received(b"0\r\n\r\n")
+        assert pool.idle == [conn]
+        # reused: written at once by send
+        t.calls.clear()
+        leg2 = _Leg()
+        assert pool.send(HEAD, leg2, False, body) is conn
+        assert t.calls == [("writelines", (HEAD, body))] and t.calls[0][1][1] is body
+        # a request framed whole is one write, as before
+        conn.data_received(OK)
+        t.calls.clear()
+        pool.send(HEAD + b"{}", _Leg())
+        assert t.calls == [("write", HEAD + b"{}")]
+    finally:
+        pool.close()
+        loop.close()
