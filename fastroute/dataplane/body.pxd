@@ -3,3 +3,5 @@
 # stays the source and runs as it is when not compiled; keep both in step.
 cdef class RequestMeta:
     cdef public object _obj, body, fields, stream, batch, input_tokens, return_logprob, max_new_tokens, model, path
+
+    cpdef shed(self)

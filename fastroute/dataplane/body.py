@@ -176,6 +176,8 @@ class RequestMeta:
                 # digit limit, nesting at json's recursion limit (see _pick_fields).
                 self._obj = {}
             self.body = None
+            if self.fields is None:  # shed: the whole object stands for them (nothing to decode now)
+                self.fields = self._obj
         return self._obj
 
     @obj.setter
@@ -186,6 +188,15 @@ class RequestMeta:
         if value is None:
             self.fields = None
 
+    def shed(self) -> None:
+        """Let the decoded fields go once a pick has read them (the exchange calls this after
+        each pick): they hold the prompt, decoded, as large as the body itself, and nothing
+        reads them again while the request waits for its connection and its answer. Only fields
+        that can be decoded again from ``body`` are dropped; a later pick that reads them (a
+        retry under cache_aware) gets them back from it (``routing_text``)."""
+        if self.body is not None:
+            self.fields = None
+
     def routing_text(self) -> str | None:
         """Text for prefix-aware policies (cache_aware), computed on demand.
 
@@ -193,6 +204,9 @@ class RequestMeta:
         newlines, or None when the request only has token ids.
         """
         obj = self.fields
+        if obj is None:
+            # Shed after an earlier pick: the same decode of the same bytes (it took them once).
+            obj = self.fields = _PICKERS[self.path].pick(self.body)  # type: ignore[arg-type]
         if self.path == CHAT:
             parts = []
             for msg in obj.get("messages") or ():

@@ -496,6 +496,7 @@ class Relay(_Exchange):
                 meta.input_tokens, self.req.key, meta, meta.max_new_tokens or 0
             )
             tel.pick(t0)
+            meta.shed()  # the pick has read the decoded prompt: it is not held while we wait
             if lease is None:
                 self._fail_client(_errors.no_available_workers())
                 return

@@ -204,6 +204,7 @@ class PDRelay(_Exchange):
             self.leases = (p_lease,)
             d_lease = registry.group("decode").acquire(tokens, key, meta, out_tokens)
             tel.pick(t0)  # the pair's pick
+            meta.shed()  # both picks have read the decoded prompt: not held while we wait
             if d_lease is None:
                 self._fail_client(_errors.no_available_workers("decode"))  # releases p_lease
                 return

@@ -446,6 +446,36 @@ def test_routing_text() -> None:
     assert chat.routing_text() == "s\nu"
 
 
+@pytest.mark.parametrize(
+    "path, raw",
+    [
+        ("/generate", b'{"text":"abc","stream":true,"sampling_params":{"max_new_tokens":4}}'),
+        ("/generate", b'{"input_ids":[[7,8],[9]]}'),
+        ("/generate", '{"text":"\u4e16\u754c"}'.encode()),  # non-ASCII: the whole object decoded
+        ("/v1/completions", b'{"prompt":"zz"}'),
+        ("/v1/chat/completions", b'{"messages":[{"role":"system","content":"s"},{"role":"user","content":"u"}]}'),
+    ],
+)
+def test_shed_lets_the_decoded_prompt_go_and_a_later_pick_decodes_it_again(path: str, raw: bytes) -> None:
+    """A request waiting for its worker holds no decoded prompt; a retry's pick still reads it."""
+    text = parse_request(path, raw).routing_text()
+    meta = parse_request(path, raw)
+    meta.shed()
+    assert meta.fields is None and meta.body is raw
+    assert meta.routing_text() == text and meta.fields is not None  # (a pick reads them back)
+    meta.shed()
+    assert meta.obj == json.loads(raw) and meta.fields is not None  # the whole object stands in
+    assert meta.routing_text() == text
+
+
+def test_shed_keeps_fields_it_could_not_decode_again() -> None:
+    # Taken by the full parse (a body the field decoder refuses): no bytes to decode again from.
+    meta = parse_request("/generate", b'{"text":"abc","sampling_params":{"temperature":NaN}}')
+    assert meta.body is None
+    meta.shed()
+    assert meta.fields is not None and meta.routing_text() == "abc"
+
+
 # --- logprob merges (protocol.md 3.5) ----------------------------------------
 
 PREFILL_LP = [[-1.0, 11, None], [-2.0, 12, None]]

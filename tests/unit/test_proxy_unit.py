@@ -242,6 +242,9 @@ def test_held_stream_keeps_neither_the_request_body_nor_its_parse(env) -> None:
     assert not hasattr(env.proto, "__dict__")  # slots: no per-connection instance dict
     env.proto.data_received(post(b'{"text": "hi", "stream": true}'))
     ((_, leg),) = env.pool.sent
+    # the pick has read the decoded prompt: it is not held while the request waits ...
+    assert leg.meta.fields is None
+    # ... and the body bytes a retry decodes it from again are
     assert leg.req.body and leg.meta.obj is not None  # a retry may still need them
     # the pool got the client's body itself beside the framed head: no second copy is held
     assert env.pool.bodies == [leg.req.body] and env.pool.bodies[0] is leg.req.body
@@ -555,3 +558,29 @@ def test_metrics_off_is_the_null_telemetry_and_metrics_on_count_each_event(env) 
     # Every event the request path sends has a counting implementation.
     events = {n for n in dir(Telemetry) if not n.startswith("_")}
     assert events <= set(vars(RequestTelemetry)), events - set(vars(RequestTelemetry))
+
+
+class _TextGroup(Group):
+    """A group whose pick reads the routing text, as cache_aware's does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.texts: list[str | None] = []
+
+    def acquire(self, tokens: int = 0, key: bytes | None = None, meta: Any = None, out_tokens: int = 0) -> Any:
+        self.texts.append(meta.routing_text())
+        return super().acquire(tokens, key, meta, out_tokens)
+
+
+def test_a_retry_pick_reads_the_prompt_the_first_pick_let_go(env) -> None:
+    group = env.reg.groups["regular"] = _TextGroup()
+    env.proto.data_received(post(b'{"text": "the prompt", "stream": true}'))
+    ((_, leg),) = env.pool.sent
+    assert leg.meta.fields is None  # let go after the first pick
+    leg.up_head(503, [(b"Content-Length", b"0")])  # retryable: a fresh pick after the backoff
+    for _ in range(100):  # (the backoff is a loop timer)
+        if len(env.pool.sent) == 2:
+            break
+        env.loop.run_until_complete(asyncio.sleep(0.05))
+    assert group.texts == ["the prompt", "the prompt"] and len(env.pool.sent) == 2
+    assert leg.meta.fields is None  # and let go again after it
