@@ -332,6 +332,33 @@ class UpstreamConnection:
         elif self.connect_task is not None:
             self.connect_task.cancel()
 
+    def __call__(self) -> UpstreamConnection:
+        """The protocol factory of its own connect (see ``Pool.send``)."""
+        return self
+
+    def _connected(self, task: asyncio.Task) -> None:
+        """The connect task is done: connected (connection_made already ran), cancelled
+        (``abort``), or failed, which fails the leg with a ConnectError (safe to retry)."""
+        self.connect_task = None
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            return
+        if not isinstance(exc, OSError):
+            # What asyncio reports for a task whose exception nobody retrieved.
+            self.pool.loop.call_exception_handler(
+                {"message": "upstream connect failed", "exception": exc, "future": task}
+            )
+            return
+        pool = self.pool
+        self.closed = True
+        pool.discard(self)
+        leg = self.leg
+        self.leg = None
+        if leg is not None:
+            leg.up_error(ConnectError("connect to %s:%s failed: %s" % (pool.host, pool.port, exc)))
+
     def _fail(self, exc: Exception) -> None:
         leg = self.leg
         self.abort()
@@ -395,38 +422,24 @@ class Pool:
         conn.leg = leg
         self.busy.add(conn)
         leg.conn = conn
-        conn.connect_task = self.loop.create_task(self._connect(conn))
+        # The loop's connect coroutine runs as a task of its own, its outcome handed to
+        # _connected: no coroutine or closure of ours lives (and holds memory) while it waits,
+        # which for a burst of new requests is every one of them at once.
+        if self.ssl is None:
+            # (conn is an asyncio protocol by its methods, and its own factory: the compiled
+            # class cannot derive from asyncio.BaseProtocol, which the stubs ask for.)
+            coro = self.loop.create_connection(conn, self.host, self.port)  # type: ignore[type-var]
+        else:
+            coro = self.loop.create_connection(
+                conn,  # type: ignore[type-var]
+                self.host,
+                self.port,
+                ssl=self.ssl,
+                server_hostname=self.host,
+            )
+        task = conn.connect_task = self.loop.create_task(coro)
+        task.add_done_callback(conn._connected)
         return conn
-
-    async def _connect(self, conn: UpstreamConnection) -> None:
-        try:
-            if self.ssl is None:
-                # (conn is an asyncio protocol by its methods; the compiled class cannot
-                # derive from asyncio.BaseProtocol, which the stubs ask for.)
-                await self.loop.create_connection(
-                    lambda: conn,
-                    self.host,  # type: ignore[type-var]
-                    self.port,
-                )
-            else:
-                await self.loop.create_connection(
-                    lambda: conn,
-                    self.host,  # type: ignore[type-var]
-                    self.port,
-                    ssl=self.ssl,
-                    server_hostname=self.host,
-                )
-        except asyncio.CancelledError:
-            return
-        except OSError as exc:
-            conn.closed = True
-            self.discard(conn)
-            leg = conn.leg
-            conn.leg = None
-            if leg is not None:
-                leg.up_error(ConnectError("connect to %s:%s failed: %s" % (self.host, self.port, exc)))
-        finally:
-            conn.connect_task = None
 
     def release(self, conn: UpstreamConnection) -> None:
         """Return a connection whose leg's response was fully read to the idle list.

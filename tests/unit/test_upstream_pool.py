@@ -4,6 +4,7 @@ one socket): unit tests over a fake transport, no sockets."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
 
 from fastroute.dataplane.upstream import Leg, Pool, UpstreamConnection
@@ -176,6 +177,39 @@ def test_a_body_sent_apart_is_written_beside_its_head_and_never_copied() -> None
         t.calls.clear()
         pool.send(HEAD + b"{}", _Leg())
         assert t.calls == [("write", HEAD + b"{}")]
+    finally:
+        pool.close()
+        loop.close()
+
+
+def _closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    return port
+
+
+def test_a_connect_is_the_loops_own_task_and_a_refusal_fails_the_leg() -> None:
+    """While a new connection waits for its connect it holds only the loop's connect task (no
+    coroutine or closure of ours); a refused connect fails the leg with a ConnectError."""
+    loop = asyncio.new_event_loop()
+    pool = Pool("127.0.0.1", _closed_port(), 3.0, loop)
+    try:
+        leg = _Leg()
+        conn = pool.send(HEAD, leg, False, b"{}")
+        task = conn.connect_task
+        assert task is not None and task.get_coro().__name__ == "create_connection"
+        assert conn() is conn  # its own protocol factory
+        loop.run_until_complete(asyncio.sleep(0.2))
+        assert conn.connect_task is None and conn.closed and conn not in pool.busy
+        assert leg.events and leg.events[0][0] == "error" and "connect to 127.0.0.1" in leg.events[0][1]
+        # aborted while connecting: cancelled quietly, the leg hears nothing
+        leg2 = _Leg()
+        conn2 = pool.send(HEAD, leg2)
+        conn2.abort()
+        loop.run_until_complete(asyncio.sleep(0.05))
+        assert conn2.connect_task is None and leg2.events == []
     finally:
         pool.close()
         loop.close()
