@@ -147,7 +147,9 @@ class UpstreamConnection:
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
+        # Made at the first bytes of an answer (data_received): a connection that waits for
+        # its connect or its worker holds no parser (nearly 1 KB with its bound callbacks).
+        self.parser: Any = None
         self.leg: Any = None
         self.request: bytes | None = None  # kept until the first response byte (for the one re-send)
         # The request's body when it is sent beside ``request`` (the framed head) rather than in
@@ -195,6 +197,8 @@ class UpstreamConnection:
             self.got_bytes = True
             self.request = None
             self.body = None
+            if self.parser is None:  # the first answer on this connection
+                self.parser = httptools.HttpResponseParser(self)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:  # (not an HttpParserError subclass)

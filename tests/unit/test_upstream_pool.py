@@ -213,3 +213,27 @@ def test_a_connect_is_the_loops_own_task_and_a_refusal_fails_the_leg() -> None:
     finally:
         pool.close()
         loop.close()
+
+
+def test_a_connection_makes_its_parser_at_the_first_answer_byte() -> None:
+    """A connection waiting for its connect or its worker holds no response parser."""
+    pool, loop = _pool()
+    try:
+        leg = _Leg()
+        conn = UpstreamConnection(pool)
+        conn.request, conn.leg = HEAD, leg
+        leg.conn = conn
+        pool.busy.add(conn)
+        assert conn.parser is None
+        conn.connection_made(FakeTransport())
+        assert conn.parser is None  # request sent, no answer yet
+        conn.data_received(OK)
+        assert conn.parser is not None and leg.events == [("head", 200), ("body", b"ok"), "done"]
+        parser = conn.parser
+        leg2 = _Leg()
+        pool.send(HEAD, leg2)
+        conn.data_received(OK)
+        assert conn.parser is parser and leg2.events == [("head", 200), ("body", b"ok"), "done"]  # reused
+    finally:
+        pool.close()
+        loop.close()
