@@ -51,7 +51,6 @@ from fastroute.dataplane.headerflags import (  # header_flags re-exported (the A
     header_flags,  # noqa: F401
 )
 from fastroute.dataplane.routes import INFERENCE, RID_PREFIX  # noqa: F401 (INFERENCE re-exported)
-from fastroute.dataplane.upstream import _nodelay
 from fastroute.errors import RouterError
 
 if TYPE_CHECKING:
@@ -251,7 +250,10 @@ class ClientProtocol:
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.flow.transport = transport  # type: ignore[assignment]
-        _nodelay(transport)
+        # Small SSE events must leave at once (Nagle plus the peer's delayed ACK would add ~40 ms
+        # to each small write after the first): uvloop and asyncio both set TCP_NODELAY on every
+        # TCP socket they accept or connect, TLS ones too, so nothing is set here (asking the
+        # transport for its socket would keep a socket object per connection for nothing).
         dispatch = self.dispatch
         dispatch.connections.add(self)
         hs = dispatch.handshaking

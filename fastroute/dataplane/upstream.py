@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from typing import Any
 
 import httptools
@@ -55,17 +54,6 @@ import httptools
 log = logging.getLogger("fastroute.upstream")
 
 _IDLE_TIMEOUT = 3.0
-
-
-def _nodelay(transport: asyncio.BaseTransport) -> None:
-    # Small SSE events must leave immediately: without TCP_NODELAY, Nagle plus
-    # the peer's delayed ACK adds ~40 ms to every small write after the first.
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except (OSError, AttributeError):  # not TCP (e.g. a unix socket)
-            pass
 
 
 def _length_known(status: int, headers: list[tuple[bytes, bytes]]) -> bool:
@@ -170,8 +158,7 @@ class UpstreamConnection:
 
     # -- asyncio.Protocol -------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
-        _nodelay(transport)
+        self.transport = transport  # (TCP_NODELAY: set by the loop, see ClientProtocol's)
         if self.closed:  # aborted while connecting
             transport.abort()
             return

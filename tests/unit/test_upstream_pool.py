@@ -1,11 +1,14 @@
 """The pool hands out and takes back a connection exactly once (twice would let two requests share
-one socket): unit tests over a fake transport, no sockets."""
+one socket): unit tests over a fake transport (a few over local sockets: connects, socket options)."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 from typing import Any
+
+import pytest
+import uvloop
 
 from fastroute.dataplane.upstream import Leg, Pool, UpstreamConnection
 from tests.unit.test_proxy_unit import FakeTransport
@@ -236,4 +239,43 @@ def test_a_connection_makes_its_parser_at_the_first_answer_byte() -> None:
         assert conn.parser is parser and leg2.events == [("head", 200), ("body", b"ok"), "done"]  # reused
     finally:
         pool.close()
+        loop.close()
+
+
+@pytest.mark.parametrize("loop_kind", ["uvloop", "asyncio"])
+def test_the_loop_sets_tcp_nodelay_on_both_sockets_of_a_stream(loop_kind: str) -> None:
+    """The data plane sets no socket option itself: small SSE events leave at once because the
+    loop sets TCP_NODELAY on every TCP socket it accepts (client side) and connects (upstream)."""
+    from fastroute.config import Config
+    from fastroute.dataplane.app import App
+    from fastroute.dataplane.protocol import ClientProtocol
+    from tests.unit.test_proxy_unit import Registry
+
+    loop = uvloop.new_event_loop() if loop_kind == "uvloop" else asyncio.new_event_loop()
+    app = App(Config(worker_urls=["http://127.0.0.1:9"]), Registry(), loop)  # type: ignore[arg-type]
+    protos: list[ClientProtocol] = []
+
+    def accept() -> ClientProtocol:
+        protos.append(ClientProtocol(app))
+        return protos[-1]
+
+    async def run() -> tuple[int, int]:
+        server = await loop.create_server(accept, "127.0.0.1", 0)  # type: ignore[arg-type]
+        pool = Pool("127.0.0.1", server.sockets[0].getsockname()[1], 3.0, loop)
+        conn = pool.send(HEAD, _Leg())
+        for _ in range(100):
+            if protos and conn.transport is not None:
+                break
+            await asyncio.sleep(0.01)
+        opt = (socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        up = conn.transport.get_extra_info("socket").getsockopt(*opt)  # type: ignore[union-attr]
+        client = protos[0].transport.get_extra_info("socket").getsockopt(*opt)  # type: ignore[union-attr]
+        pool.close()
+        server.close()
+        await asyncio.sleep(0.01)
+        return up, client
+
+    try:
+        assert loop.run_until_complete(run()) == (1, 1)
+    finally:
         loop.close()
