@@ -12,7 +12,7 @@ import pytest
 
 from fastroute.core import reference as R
 from fastroute.core.routing import Router
-from fastroute.core.table import COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_POLLED_AT, TargetTable
+from fastroute.core.table import COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_POLLED_AT, NCOLS, TargetTable
 
 SIZES = [8, 64, 1024]
 CASES = [
@@ -51,7 +51,7 @@ def test_compiled(benchmark, tab, n, policy, metric, demand):
 @pytest.mark.parametrize("policy,metric,demand", CASES, ids=["p2c_tokens", "least_requests", "demand"])
 def test_reference(benchmark, n, policy, metric, demand):
     benchmark.group = f"{metric if demand == 'off' else 'demand'}-{n}"
-    arr = np.zeros((n, 16), dtype=np.int64)
+    arr = np.zeros((n, NCOLS), dtype=np.int64)
     arr[:, 6] = 1
     arr[:, COL_POLLED_AT] = 1
     cands = np.arange(n)

@@ -86,7 +86,7 @@ def _json_round(proto: ClientProtocol, pool: _Pool) -> None:
 def test_bench_regular_json_request(benchmark) -> None:
     proto, pool, loop = _setup(worker_urls=["http://127.0.0.1:9"])
     benchmark(_json_round, proto, pool)
-    assert not proto.busy and not proto.app.dispatch.exchanges
+    assert not proto.busy and not proto.dispatch.exchanges
     loop.close()
 
 
@@ -117,9 +117,9 @@ def test_bench_regular_json_request_metrics(benchmark, metrics: str) -> None:
         st = Stats()
         if metrics != "on":
             st.pick_seconds, st.overhead_seconds = _NoHist(), _NoHist()  # type: ignore[assignment]
-        proto.app.stats = st
+        proto.dispatch.owner.stats = st
     benchmark(_json_round, proto, pool)
-    assert not proto.busy and not proto.app.dispatch.exchanges
+    assert not proto.busy and not proto.dispatch.exchanges
     loop.close()
 
 
