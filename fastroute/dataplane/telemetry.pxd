@@ -31,3 +31,7 @@ cdef class RequestTelemetry(Telemetry):
     cpdef PathLabels labels(self, model, path)
     cdef _observe(self, h, double v)
     cdef _observe_in(self, dict d, key, double v)
+
+# Module functions the events call: C calls inside this module (still importable from Python).
+cpdef str path_label(path)
+cpdef tuple http_key(method, path)
