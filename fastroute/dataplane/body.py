@@ -189,11 +189,9 @@ class RequestMeta:
             self.fields = None
 
     def shed(self) -> None:
-        """Let the decoded fields go once a pick has read them (the exchange calls this after
-        each pick): they hold the prompt, decoded, as large as the body itself, and nothing
-        reads them again while the request waits for its connection and its answer. Only fields
-        that can be decoded again from ``body`` are dropped; a later pick that reads them (a
-        retry under cache_aware) gets them back from it (``routing_text``)."""
+        """Drop the decoded fields (the prompt, as large as the body) once a pick has read
+        them: nothing reads them while the request waits. Only fields ``body`` can give back
+        are dropped; a retry's pick under cache_aware decodes them again (``routing_text``)."""
         if self.body is not None:
             self.fields = None
 
