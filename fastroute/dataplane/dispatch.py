@@ -254,7 +254,7 @@ class Dispatcher:
             # fastroute_router_overhead_seconds: the router's own time from the complete
             # request to the first attempt written upstream (parse, admission, pick,
             # framing); a queued request's wait is admission, not overhead, so not here.
-            tel.overhead(proto.http_t0)
+            tel.overhead(proto)
         else:
             self.owner.wait(proto, req, path, meta)
 

@@ -644,7 +644,7 @@ class ClientProtocol:
         model: str | None = None,
     ) -> None:
         ka = req.keep_alive and self.dispatch.accepting
-        self.dispatch.tel.response(status, code, req.url.partition(b"?")[0], model)
+        self.dispatch.tel.reply(status, code, req.url, model)
         if req.origin is not None:
             extra += self.dispatch.cors.headers_for(req.origin)
         head = b"%bcontent-type: %b\r\ncontent-length: %d\r\n%b%b\r\n" % (

@@ -19,7 +19,7 @@ from http import HTTPStatus
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
-from fastroute.auth import ADMIN_METHODS
+from fastroute.auth import ADMIN_METHODS, WORKER_ITEM_PREFIX
 from fastroute.dataplane.routes import ENDPOINT_LABEL, INFERENCE, ROUTES
 from fastroute.dataplane.upstream import TIMEOUT, ConnectError
 from fastroute.names import label_value
@@ -52,7 +52,7 @@ def path_label(path: bytes | None) -> str:
         return "other"
     label = _PATH_LABEL.get(path)
     if label is None:
-        label = WORKER_PATH_LABEL if path.startswith(b"/workers/") else "other"
+        label = WORKER_PATH_LABEL if path.startswith(WORKER_ITEM_PREFIX) else "other"
     return label
 
 
@@ -60,7 +60,7 @@ def http_key(method: bytes, path: bytes) -> tuple[str, str]:
     """The (method, path) labels of smg_http_requests_total and its duration histogram."""
     keys = _HTTP_KEY.get(path)
     if keys is None:
-        keys = _HTTP_KEY_WORKER if path.startswith(b"/workers/") else _HTTP_KEY_OTHER
+        keys = _HTTP_KEY_WORKER if path.startswith(WORKER_ITEM_PREFIX) else _HTTP_KEY_OTHER
     key = keys.get(method)
     return key if key is not None else ("OTHER", path_label(path))
 
@@ -99,8 +99,9 @@ class Telemetry:
     def routed(self, path: bytes, meta: Any) -> None:
         """An inference request was parsed (every one counts once, whatever answers it)."""
 
-    def overhead(self, t0: float) -> None:
-        """The router's own time from the complete request (``t0``) to the first attempt."""
+    def overhead(self, proto: Any) -> None:
+        """The router's own time from ``proto``'s complete request (``request`` stamped it) to the
+        first attempt."""
 
     def pick(self, t0: float) -> None:
         """A policy decision that started at ``t0`` (a ``clock()`` value) is made."""
@@ -109,6 +110,9 @@ class Telemetry:
         self, status: int, code: str, path: bytes | None = None, model: str | None = None, label: str | None = None
     ) -> None:
         """A response by status and error code, on ``path`` (or the path label ``label``)."""
+
+    def reply(self, status: int, code: str, url: bytes, model: str | None = None) -> None:
+        """``response`` for a request target ``url`` (its query, if any, is not part of the path)."""
 
     def duration(self, path: bytes, model: str | None, started_at: float) -> None:
         """A successful inference request is complete (``started_at``: loop time)."""
@@ -152,16 +156,17 @@ class RequestTelemetry(Telemetry):
 
     def labels(self, model: str | None, path: bytes) -> PathLabels | None:
         """The label tuples of ``model``'s requests on inference path ``path``."""
-        row = self._models.get(model)
+        models = self._models
+        row = models.get(model)
         if row is None:
-            row = self._models.get(_OTHER_MODEL) if len(self._models) >= MAX_MODEL_LABELS else None
+            if len(models) >= MAX_MODEL_LABELS:  # past the bound: one shared "other" row
+                model, label = _OTHER_MODEL, "other"
+                row = models.get(model)
+            else:
+                label = label_value(model) if model is not None else "unknown"
             if row is None:
-                if len(self._models) >= MAX_MODEL_LABELS:
-                    model, label = _OTHER_MODEL, "other"
-                else:
-                    label = label_value(model) if model is not None else "unknown"
                 b = self.backend
-                row = self._models[model] = {p: PathLabels(b, e, label) for p, e in ENDPOINT_LABEL.items()}
+                row = models[model] = {p: PathLabels(b, e, label) for p, e in ENDPOINT_LABEL.items()}
         return row.get(path)
 
     def _observe(self, h: Hist, v: float) -> None:
@@ -195,8 +200,8 @@ class RequestTelemetry(Telemetry):
             key = pl.routed_stream if meta.stream else pl.routed
             d[key] = d.get(key, 0) + 1
 
-    def overhead(self, t0: float) -> None:
-        self._observe(self.stats.overhead_seconds, perf_counter() - t0)
+    def overhead(self, proto: Any) -> None:
+        self._observe(self.stats.overhead_seconds, perf_counter() - proto.http_t0)
 
     def pick(self, t0: float) -> None:
         self._observe(self.stats.pick_seconds, perf_counter() - t0)
@@ -214,6 +219,9 @@ class RequestTelemetry(Telemetry):
                 e = st.router_errors
                 key2 = pl.endpoint + (code,)
                 e[key2] = e.get(key2, 0) + 1
+
+    def reply(self, status: int, code: str, url: bytes, model: str | None = None) -> None:
+        self.response(status, code, url.partition(b"?")[0], model)
 
     def duration(self, path: bytes, model: str | None, started_at: float) -> None:
         pl = self.labels(model, path)

@@ -584,3 +584,17 @@ def test_a_retry_pick_reads_the_prompt_the_first_pick_let_go(env) -> None:
         env.loop.run_until_complete(asyncio.sleep(0.05))
     assert group.texts == ["the prompt", "the prompt"] and len(env.pool.sent) == 2
     assert leg.meta.fields is None  # and let go again after it
+
+
+def test_an_error_reply_is_labelled_by_its_path_without_the_query(env) -> None:
+    from fastroute.control.metrics import Stats
+
+    st = Stats()
+    env.app.stats = st
+    body = b"{not json"
+    env.proto.data_received(
+        b"POST /generate?trace=1 HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)
+    )
+    assert [r["status"] for r in responses(env.tr.out)] == [400]
+    assert [(status, path) for status, _code, path in st.http_responses] == [("400", "/generate")]
+    assert sum(st.overhead_seconds.counts) == 0  # refused before any attempt
