@@ -208,6 +208,14 @@ cdef int64_t kv_free(const int64_t[:, ::1] tab, int64_t t) noexcept nogil:
     return cap - used
 
 
+cdef inline int64_t eligible_free(const int64_t[:, ::1] tab, int64_t t) noexcept nogil:
+    # KV fit's view of a candidate: its estimated free KV tokens, or INT64_MIN when it is not
+    # eligible or its capacity is unknown (such a candidate neither fits nor is the roomiest).
+    if not row_eligible(&tab[t, 0]):
+        return INT64_MIN
+    return kv_free(tab, t)
+
+
 cdef int64_t pick_kv_fit(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens,
                          int64_t need, bint use_demand, int64_t weight,
                          uint64_t *rng) noexcept nogil:
@@ -221,9 +229,7 @@ cdef int64_t pick_kv_fit(const int64_t[:, ::1] tab, const int64_t[::1] cands, in
     cdef Py_ssize_t k
     for k in range(cands.shape[0]):
         t = cands[k]
-        if not row_eligible(&tab[t, 0]):
-            continue
-        free = kv_free(tab, t)
+        free = eligible_free(tab, t)
         if free == INT64_MIN:
             continue
         known = True
@@ -279,7 +285,7 @@ cdef int64_t pick_coordinated(const int64_t[:, ::1] tab, const int64_t[::1] cand
         extra[k] = 0
     if kv:
         for k in range(m):
-            if row_eligible(&tab[cands[k], 0]) and kv_free(tab, cands[k]) != INT64_MIN:
+            if eligible_free(tab, cands[k]) != INT64_MIN:
                 known = True
                 break
     for s in range(n):
@@ -420,9 +426,7 @@ def narrow(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens, 
         fits = []
         for k in range(cands.shape[0]):
             t = cands[k]
-            if not row_eligible(&tab[t, 0]):
-                continue
-            free = kv_free(tab, t)
+            free = eligible_free(tab, t)
             if free == INT64_MIN:
                 continue
             if not roomiest or free > room_free:

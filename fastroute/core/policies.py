@@ -39,6 +39,8 @@ from fastroute.names import ASSIGNMENT_MODE_CODE, MODE_CODE
 
 log = logging.getLogger("fastroute.routing")
 
+_SHADOW = MODE_CODE["shadow"]
+
 
 class Policy(Protocol):
     def acquire(
@@ -143,9 +145,9 @@ class PrefixTree:
         self.demand_counts = [0, 0]  # agree, disagree (demand shadow)
         self.kv_counts = [0, 0, 0]  # agree, disagree (KV fit shadow), fallback (no capacity known)
 
-    def set_targets(self, targets: Sequence[int], names: Sequence[str], rows: np.ndarray) -> None:
+    def set_targets(self, targets: list[int], names: Sequence[str], rows: np.ndarray) -> None:
         self.tree_policy.set_targets(targets, names)
-        self.targets = list(targets)
+        self.targets = targets  # the group's own list and rows (Group.set_targets), not copies
         self.rows = rows
 
     def acquire(
@@ -153,9 +155,10 @@ class PrefixTree:
     ) -> _ledger.Lease | None:
         if self.coordinate and self.header[HDR_REPLICAS] > 1:
             lease = self.kernel.acquire(tokens, key, None, out_tokens)
-            text = meta.routing_text() if meta is not None and lease is not None else None
-            if text and lease is not None:
-                self.tree_policy.tree.insert(text, lease.target)
+            if lease is not None and meta is not None:
+                text = meta.routing_text()
+                if text:
+                    self.tree_policy.tree.insert(text, lease.target)
             return lease
         # The request's text is computed here, only for this policy (it costs a join for chat).
         text = meta.routing_text() if meta is not None else None
@@ -171,9 +174,9 @@ class PrefixTree:
         t = self.tree_policy.pick(text, choose if choose is not None else self.targets)
         if t < 0:
             return None
-        if fits is not None and self.kv_fit == MODE_CODE["shadow"]:
+        if fits is not None and self.kv_fit == _SHADOW:
             self.kv_counts[0 if t in fits else 1] += 1
-        if ties is not None and self.demand == MODE_CODE["shadow"]:
+        if ties is not None and self.demand == _SHADOW:
             self.demand_counts[0 if t in ties else 1] += 1
         return self.kernel.book_target(t, tokens)
 

@@ -104,7 +104,6 @@ class Group:
             MODE_CODE[kv_fit],
             int(kv_reserve),
         )
-        self._tab = router.table.array
         self._cands = np.zeros(0, dtype=np.int64)
         self.kv_reserve = int(kv_reserve)
         # The group's policy (core/policies.py): the kernel itself for the compiled policies,
