@@ -54,14 +54,13 @@ async def _rendezvous_http(host: str, port: int, room: int, timeout: float) -> t
             return True, rank if isinstance(rank, int) else None
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    """The kernel's range for outgoing connections' local ports (Linux; a default elsewhere)."""
+def _ephemeral_low() -> int:
+    """The lowest local port the kernel gives outgoing connections (Linux; a default elsewhere)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo, hi = (int(x) for x in f.read().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 async def _bind_consecutive(servers: list[HttpServer], port: int) -> None:
@@ -72,7 +71,7 @@ async def _bind_consecutive(servers: list[HttpServer], port: int) -> None:
     TIME_WAIT (after a benchmark, thousands), and a listener cannot bind a port such a socket
     holds; ``port`` 0 alone picks from inside that range."""
     fixed = port != 0
-    lo, _ = _ephemeral_range()
+    lo = _ephemeral_low()
     rng = random.Random()
     n = len(servers)
     for _ in range(1 if fixed else 50):
