@@ -366,6 +366,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="also run fastroute from DIR (built in place) as fastroute-base",
     )
     ap.add_argument("--skip-peers", action="store_true")
+    ap.add_argument("--skip-sse", action="store_true", help="skip the paced SSE phase (quicker JSON-only runs)")
     ap.add_argument(
         "--sizes", nargs="+", type=int, default=list(SIZES), help="body sizes in bytes (default 100 2048 49152)"
     )
@@ -447,9 +448,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             sink: dict[str, Any] = {}
             print(f"mode {mode}: JSON against nginx workers", flush=True)
             run_phase(s, mode, be, pythons, procs, tmp, f"{mode}-json", nginx, json_loads, lat, sink, commands, notes)
-            print(f"mode {mode}: paced SSE", flush=True)
-            run_phase(s, mode, paced, pythons, procs, tmp, f"{mode}-sse", nginx, sse, None, sink, commands, notes)
-            results[mode] = (sink, [n for n, _ in json_loads] + [n for n, _ in sse])
+            if not args.skip_sse:
+                print(f"mode {mode}: paced SSE", flush=True)
+                run_phase(s, mode, paced, pythons, procs, tmp, f"{mode}-sse", nginx, sse, None, sink, commands, notes)
+            results[mode] = (sink, [n for n, _ in json_loads] + ([] if args.skip_sse else [n for n, _ in sse]))
     except KeyboardInterrupt:
         print("interrupted: stopping every process started by this run", file=sys.stderr)
         return 130

@@ -51,13 +51,19 @@ def main() -> int:
         choices=("fastroute", "bare", "lean"),
         default="fastroute",
         help="bare: sample bench/bare_relay.py instead (with --perf), for comparison; "
-        "lean: the floor, /work/shared/bench/lean_relay.py (regular mode)",
+        "lean: the floor, /work/shared/bench/lean_relay.py (bench/lean_pd_relay.py with --mode pd)",
     )
     ap.add_argument(
         "--chat-bytes",
         type=int,
         default=None,
         help="send distinct ~N byte chat bodies (bench/floor.py's) instead of the fixed small ones",
+    )
+    ap.add_argument(
+        "--gen-bytes",
+        type=int,
+        default=None,
+        help="send distinct ~N byte /generate bodies (bench/floor.py's) instead of the fixed small ones",
     )
     ap.add_argument(
         "--checkout", type=Path, default=ov.REPO, help="fastroute checkout to profile (extensions built in place)"
@@ -76,10 +82,7 @@ def main() -> int:
         import floor
 
         if a.router == "lean":
-            lp = ov.free_port()
-            fr = ov.Router(
-                "lean", lp, [sys.executable, str(floor.LEAN), str(lp), *(f"http://127.0.0.1:{q}" for q in be.regular)]
-            )
+            fr = next(r for r in floor.routers(a.mode, be, {}, tmp, "profile", "nginx") if r.name == "lean")
         else:
             fr = next(r for r in ov.router_commands(a.mode, be, {}) if r.name == a.router)
         out = tmp / "prof.out"
@@ -99,6 +102,11 @@ def main() -> int:
             path = ov.SSE_PATH
             lua = floor.write_lua(
                 tmp, "chat", path, floor.variants(floor.chat_obj, a.chat_bytes, a.kind == "sse", a.chat_bytes)
+            )
+        elif a.gen_bytes:
+            path = ov.JSON_PATH
+            lua = floor.write_lua(
+                tmp, "gen", path, floor.variants(floor.generate_obj, a.gen_bytes, a.kind == "sse", a.gen_bytes)
             )
         else:
             lua = ov.write_lua(tmp, a.kind, path, body)

@@ -22,6 +22,8 @@ from typing import Any
 
 import msgspec
 
+from fastroute.dataplane._jsonscan import scan_fields
+
 __all__ = ["READ_FIELDS", "PICKERS", "FieldPicker", "Message"]
 
 _COMMON = ("model", "stream", "routed_dp_rank", "data_parallel_rank")
@@ -86,11 +88,13 @@ def _long_digit_run(body: bytes) -> bool:
 class FieldPicker:
     """One endpoint's decoder of READ_FIELDS."""
 
-    __slots__ = ("decoder", "names")
+    __slots__ = ("decoder", "keys", "messages_at", "names")
 
     def __init__(self, names: tuple[str, ...]) -> None:
         self.decoder = _decoder(names)
         self.names = names
+        self.keys = tuple(n.encode("ascii") for n in names)
+        self.messages_at = names.index("messages") if "messages" in names else -1
 
     def pick(self, body: bytes) -> dict | None:
         """The ``names`` present in the body, as json would decode them; None: take the full parse.
@@ -103,7 +107,13 @@ class FieldPicker:
         the whole object. One limit of json is not mirrored:
         nesting within a few levels of json's recursion limit in a key the router does not read
         is forwarded (the worker judges it) where the full parse answered 400.
+
+        First the structural scan (``_jsonscan.scan_fields``: ASCII bodies, strings skipped 16
+        bytes per step); what it does not decide takes the msgspec decoders.
         """
+        out = scan_fields(body, self.keys, self.names, self.messages_at, Message)
+        if out is not None:
+            return out
         if _long_digit_run(body):
             return None
         if not body.isascii():

@@ -1,0 +1,419 @@
+"""The top-level keys of a request body that the router reads, found in one pass over the bytes.
+
+The fast path of ``fields.FieldPicker.pick``. A body is mostly its prompt; decoding it with a
+general JSON decoder costs a byte-at-a-time scan of every string (msgspec: ~11 us per 48 KB,
+whether it builds the string or skips it). This scanner walks the body's structure, validates
+every value it skips, and runs through string contents 16 bytes per step (csrc/fr_jsonscan.h).
+Only the values of the keys asked for become Python objects: strings are built here (one copy,
+escapes translated), other values (``sampling_params``, ``input_ids``, numbers, booleans) are
+decoded from their slice by msgspec, and a chat body's ``messages`` become message objects
+holding each message's ``content`` (``fields.Message``).
+
+It answers a dict only where json.loads would accept the body and give the same values for
+those keys; anything it does not decide answers None, and the caller takes its slower path,
+which decides (and answers 400 where json refuses). None for: a byte >= 0x80 anywhere (UTF-8 is
+left to the full decoders), a control character in a string, an invalid escape or an escaped
+surrogate, a key spelled with an escape, NaN/Infinity, a number over 600 characters (json
+refuses integers over ``sys.int_max_str_digits``, whose least setting is 640), nesting deeper
+than 128, a top level that is not one object, and any syntax error.
+"""
+
+from libc.string cimport memcmp, memcpy
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+
+import msgspec
+
+cdef extern from "fr_jsonscan.h" nogil:
+    const unsigned char *fr_plain_end(const unsigned char *p, const unsigned char *end)
+
+cdef extern from "Python.h":
+    object PyUnicode_New(Py_ssize_t size, Py_UCS4 maxchar)
+    void *PyUnicode_DATA(object o)
+
+cdef enum:
+    QUOTE = 34
+    BACKSLASH = 92
+    MAX_DEPTH = 128
+    MAX_NUMBER = 600
+    # _string_end's flags
+    ESCAPED = 1        # holds an escape (the str is built by translating them)
+    WIDE = 2           # holds a \\u escape above 0x7f (the str is left to msgspec)
+
+cdef object _decode = msgspec.json.Decoder().decode
+cdef tuple _DECODE_ERRORS = (msgspec.DecodeError, RecursionError, ValueError)
+cdef bytes _CONTENT = b"content"
+
+
+cdef inline bint _is_ws(unsigned char c) noexcept nogil:
+    return c == 32 or c == 10 or c == 13 or c == 9
+
+
+cdef inline const unsigned char *_skip_ws(const unsigned char *p, const unsigned char *end) noexcept nogil:
+    while p < end and _is_ws(p[0]):
+        p += 1
+    return p
+
+
+cdef inline int _hex(unsigned char c) noexcept nogil:
+    if 48 <= c <= 57:
+        return c - 48
+    if 97 <= c <= 102:
+        return c - 87
+    if 65 <= c <= 70:
+        return c - 55
+    return -1
+
+
+cdef inline int _hex4(const unsigned char *p) noexcept nogil:
+    """The value of four hex digits at p (the caller checked they are there), or -1."""
+    cdef int a = _hex(p[0]), b = _hex(p[1]), c = _hex(p[2]), d = _hex(p[3])
+    if a < 0 or b < 0 or c < 0 or d < 0:
+        return -1
+    return (a << 12) | (b << 8) | (c << 4) | d
+
+
+cdef const unsigned char *_string_end(
+    const unsigned char *p, const unsigned char *end, Py_ssize_t *chars, int *flags
+) noexcept nogil:
+    """p: just after a string's opening quote. The pointer after its closing quote, with the
+    decoded length in ``chars`` and ESCAPED/WIDE in ``flags``; NULL where the scan does not
+    decide (see the module docstring)."""
+    cdef const unsigned char *start = p
+    cdef Py_ssize_t removed = 0
+    cdef unsigned char c
+    cdef int f = 0, code
+    while True:
+        p = fr_plain_end(p, end)
+        if p >= end:
+            return NULL
+        c = p[0]
+        if c == QUOTE:
+            chars[0] = (p - start) - removed
+            flags[0] = f
+            return p + 1
+        if c != BACKSLASH or end - p < 2:
+            return NULL  # a control character or a byte >= 0x80, or a cut escape
+        c = p[1]
+        if c == 117:  # \uXXXX
+            if end - p < 6:
+                return NULL
+            code = _hex4(p + 2)
+            if code < 0 or 0xD800 <= code <= 0xDFFF:
+                return NULL
+            if code > 0x7F:
+                f |= WIDE
+            f |= ESCAPED
+            removed += 5
+            p += 6
+        elif c == QUOTE or c == BACKSLASH or c == 47 or c == 98 or c == 102 or c == 110 or c == 114 or c == 116:
+            f |= ESCAPED
+            removed += 1
+            p += 2
+        else:
+            return NULL
+
+
+cdef const unsigned char *_number_end(const unsigned char *p, const unsigned char *end) noexcept nogil:
+    cdef const unsigned char *start = p
+    if p < end and p[0] == 45:  # -
+        p += 1
+    if p >= end:
+        return NULL
+    if p[0] == 48:  # a leading 0 stands alone
+        p += 1
+    elif 49 <= p[0] <= 57:
+        while p < end and 48 <= p[0] <= 57:
+            p += 1
+    else:
+        return NULL
+    if p < end and p[0] == 46:  # .
+        p += 1
+        if p >= end or not (48 <= p[0] <= 57):
+            return NULL
+        while p < end and 48 <= p[0] <= 57:
+            p += 1
+    if p < end and (p[0] == 101 or p[0] == 69):  # e E
+        p += 1
+        if p < end and (p[0] == 43 or p[0] == 45):
+            p += 1
+        if p >= end or not (48 <= p[0] <= 57):
+            return NULL
+        while p < end and 48 <= p[0] <= 57:
+            p += 1
+    if p - start > MAX_NUMBER:
+        return NULL
+    return p
+
+
+cdef inline const unsigned char *_word_end(
+    const unsigned char *p, const unsigned char *end, const char *word, Py_ssize_t n
+) noexcept nogil:
+    if end - p < n or memcmp(p, word, n) != 0:
+        return NULL
+    return p + n
+
+
+cdef const unsigned char *_skip_value(const unsigned char *p, const unsigned char *end, int depth) noexcept nogil:
+    """p: a value's first byte. The pointer after the value, or NULL (invalid or undecided)."""
+    cdef Py_ssize_t chars
+    cdef int flags
+    cdef unsigned char c
+    if p >= end:
+        return NULL
+    c = p[0]
+    if c == QUOTE:
+        return _string_end(p + 1, end, &chars, &flags)
+    if c == 123 or c == 91:  # { [
+        if depth >= MAX_DEPTH:
+            return NULL
+        p = _skip_ws(p + 1, end)
+        if p < end and p[0] == c + 2:  # } ]: empty
+            return p + 1
+        while True:
+            if c == 123:
+                if p >= end or p[0] != QUOTE:
+                    return NULL
+                p = _string_end(p + 1, end, &chars, &flags)
+                if p == NULL:
+                    return NULL
+                p = _skip_ws(p, end)
+                if p >= end or p[0] != 58:  # :
+                    return NULL
+                p = _skip_ws(p + 1, end)
+            p = _skip_value(p, end, depth + 1)
+            if p == NULL:
+                return NULL
+            p = _skip_ws(p, end)
+            if p >= end:
+                return NULL
+            if p[0] == 44:  # ,
+                p = _skip_ws(p + 1, end)
+            elif p[0] == c + 2:
+                return p + 1
+            else:
+                return NULL
+    if c == 116:
+        return _word_end(p, end, b"true", 4)
+    if c == 102:
+        return _word_end(p, end, b"false", 5)
+    if c == 110:
+        return _word_end(p, end, b"null", 4)
+    return _number_end(p, end)
+
+
+cdef object _ascii_str(const unsigned char *p, Py_ssize_t raw, Py_ssize_t chars, int flags):
+    """The str of a scanned string without WIDE escapes: ``raw`` bytes at p, ``chars`` decoded."""
+    cdef object s = PyUnicode_New(chars, 127)
+    cdef unsigned char *w = <unsigned char *>PyUnicode_DATA(s)
+    cdef const unsigned char *end = p + raw
+    cdef const unsigned char *run
+    cdef unsigned char c
+    if not (flags & ESCAPED):
+        memcpy(w, p, raw)
+        return s
+    while p < end:
+        run = p
+        while p < end and p[0] != BACKSLASH:
+            p += 1
+        memcpy(w, run, p - run)
+        w += p - run
+        if p >= end:
+            break
+        c = p[1]
+        if c == 117:
+            w[0] = <unsigned char>_hex4(p + 2)
+            p += 6
+        else:
+            if c == 98:
+                c = 8
+            elif c == 102:
+                c = 12
+            elif c == 110:
+                c = 10
+            elif c == 114:
+                c = 13
+            elif c == 116:
+                c = 9
+            w[0] = c  # \\ \" \/ stand for themselves
+            p += 2
+        w += 1
+    return s
+
+
+cdef class _Scan:
+    """One body's scan: the read position and the body, for the value builders."""
+
+    cdef bytes body
+    cdef const unsigned char *base
+    cdef const unsigned char *end
+    cdef const unsigned char *p
+    cdef object view
+    cdef object message
+
+    cdef int value(self, list out) except -1:
+        """Decode the value at p into out[0] and move past it; False: undecided."""
+        cdef const unsigned char *start = self.p
+        cdef const unsigned char *after
+        cdef Py_ssize_t chars
+        cdef int flags
+        if start < self.end and start[0] == QUOTE:
+            after = _string_end(start + 1, self.end, &chars, &flags)
+            if after == NULL:
+                return False
+            self.p = after
+            if not (flags & WIDE):
+                out[0] = _ascii_str(start + 1, after - start - 2, chars, flags)
+                return True
+        else:
+            after = _skip_value(start, self.end, 1)
+            if after == NULL:
+                return False
+            self.p = after
+        if self.view is None:
+            self.view = memoryview(self.body)
+        try:
+            out[0] = _decode(self.view[start - self.base : after - self.base])
+        except _DECODE_ERRORS:
+            return False
+        return True
+
+    cdef int messages(self, list out) except -1:
+        """A chat body's ``messages``: a list of Message, or (not a list) the value as it is."""
+        cdef const unsigned char *p = self.p
+        cdef const unsigned char *end = self.end
+        cdef const unsigned char *key
+        cdef Py_ssize_t chars
+        cdef int flags
+        cdef list items, content = [None]
+        if p >= end or p[0] != 91:
+            return self.value(out)
+        items = []
+        p = _skip_ws(p + 1, end)
+        if p < end and p[0] == 93:
+            self.p = p + 1
+            out[0] = items
+            return True
+        while True:
+            if p >= end or p[0] != 123:
+                return False  # an item that is not an object: the slower path names the error
+            content[0] = None
+            p = _skip_ws(p + 1, end)
+            if p < end and p[0] == 125:
+                p += 1
+            else:
+                while True:
+                    if p >= end or p[0] != QUOTE:
+                        return False
+                    key = p + 1
+                    p = _string_end(key, end, &chars, &flags)
+                    if p == NULL or flags:
+                        return False
+                    chars = p - 1 - key
+                    p = _skip_ws(p, end)
+                    if p >= end or p[0] != 58:
+                        return False
+                    p = _skip_ws(p + 1, end)
+                    if chars == 7 and memcmp(key, PyBytes_AS_STRING(_CONTENT), 7) == 0:
+                        self.p = p
+                        if not self.value(content):
+                            return False
+                        p = self.p
+                    else:
+                        p = _skip_value(p, end, 3)
+                        if p == NULL:
+                            return False
+                    p = _skip_ws(p, end)
+                    if p >= end:
+                        return False
+                    if p[0] == 44:
+                        p = _skip_ws(p + 1, end)
+                    elif p[0] == 125:
+                        p += 1
+                        break
+                    else:
+                        return False
+            items.append(self.message(content[0]))
+            p = _skip_ws(p, end)
+            if p >= end:
+                return False
+            if p[0] == 44:
+                p = _skip_ws(p + 1, end)
+            elif p[0] == 93:
+                self.p = p + 1
+                out[0] = items
+                return True
+            else:
+                return False
+
+
+def scan_fields(bytes body, tuple keys, tuple names, Py_ssize_t messages_at=-1, object message=None):
+    """The ``names`` present in ``body`` as json would decode them, or None (undecided).
+
+    ``keys[i]`` is ``names[i]`` as ASCII bytes. ``messages_at``: the index in them of a key
+    whose value, when a list of objects, is read as a list of ``message(content)`` (each
+    object's ``content``, None when absent); -1: none.
+    """
+    cdef _Scan s = _Scan.__new__(_Scan)
+    cdef const unsigned char *p
+    cdef const unsigned char *end
+    cdef const unsigned char *key
+    cdef Py_ssize_t chars, i, n = len(keys)
+    cdef int flags
+    cdef bytes k
+    cdef dict out = {}
+    cdef list slot = [None]
+    s.body = body
+    s.message = message
+    s.base = <const unsigned char *>PyBytes_AS_STRING(body)
+    s.end = end = s.base + PyBytes_GET_SIZE(body)
+    p = _skip_ws(s.base, end)
+    if p >= end or p[0] != 123:
+        return None
+    p = _skip_ws(p + 1, end)
+    if p < end and p[0] == 125:
+        p += 1
+    else:
+        while True:
+            if p >= end or p[0] != QUOTE:
+                return None
+            key = p + 1
+            p = _string_end(key, end, &chars, &flags)
+            if p == NULL or flags:
+                return None
+            chars = p - 1 - key
+            p = _skip_ws(p, end)
+            if p >= end or p[0] != 58:
+                return None
+            p = _skip_ws(p + 1, end)
+            for i in range(n):
+                k = <bytes>keys[i]
+                if PyBytes_GET_SIZE(k) == chars and memcmp(key, PyBytes_AS_STRING(k), chars) == 0:
+                    break
+            else:
+                i = -1
+            if i >= 0:
+                s.p = p
+                if i == messages_at:
+                    if not s.messages(slot):
+                        return None
+                elif not s.value(slot):
+                    return None
+                out[names[i]] = slot[0]
+                p = s.p
+            else:
+                p = _skip_value(p, end, 1)
+                if p == NULL:
+                    return None
+            p = _skip_ws(p, end)
+            if p >= end:
+                return None
+            if p[0] == 44:
+                p = _skip_ws(p + 1, end)
+            elif p[0] == 125:
+                p += 1
+                break
+            else:
+                return None
+    if _skip_ws(p, end) != end:
+        return None
+    return out
