@@ -4,9 +4,10 @@ The fast path of ``fields.FieldPicker.pick``. A body is mostly its prompt; decod
 general JSON decoder costs a byte-at-a-time scan of every string (msgspec: ~11 us per 48 KB,
 whether it builds the string or skips it). This scanner walks the body's structure, validates
 every value it skips, and runs through string contents 16 bytes per step (csrc/fr_jsonscan.h).
-Only the values of the keys asked for become Python objects: strings are built here (one copy,
-escapes translated), other values (``sampling_params``, ``input_ids``, numbers, booleans) are
-decoded from their slice by msgspec, and a chat body's ``messages`` become message objects
+Only the values of the keys asked for become Python objects: strings, numbers, booleans and null
+are built here (a string in one copy, escapes translated; a float as json's ``float()`` parses
+it), objects and arrays (``sampling_params``, ``input_ids``) are decoded from their slice by
+msgspec, and a chat body's ``messages`` become message objects
 holding each message's ``content`` (``fields.Message``).
 
 It answers a dict only where json.loads would accept the body and give the same values for
@@ -19,7 +20,8 @@ than 128, a top level that is not one object, and any syntax error.
 """
 
 from libc.string cimport memcmp, memcpy
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.object cimport PyObject
 
 import msgspec
 
@@ -29,6 +31,7 @@ cdef extern from "fr_jsonscan.h" nogil:
 cdef extern from "Python.h":
     object PyUnicode_New(Py_ssize_t size, Py_UCS4 maxchar)
     void *PyUnicode_DATA(object o)
+    double PyOS_string_to_double(const char *s, char **endptr, PyObject *overflow_exception) except? -1.0
 
 cdef enum:
     QUOTE = 34
@@ -240,6 +243,29 @@ cdef object _ascii_str(const unsigned char *p, Py_ssize_t raw, Py_ssize_t chars,
     return s
 
 
+cdef object _number(const unsigned char *p, const unsigned char *end):
+    """The value json gives a number token [p, end) (checked by _number_end): an int, or a
+    float parsed as json's float() does (correctly rounded; 1e999 is inf)."""
+    cdef const unsigned char *q = p
+    cdef long long v = 0
+    cdef char *stop
+    cdef double d
+    while q < end:
+        if q[0] == 46 or q[0] == 101 or q[0] == 69:  # . e E
+            d = PyOS_string_to_double(<const char *>p, &stop, NULL)
+            if <const unsigned char *>stop != end:
+                raise ValueError("number token not parsed whole")
+            return d
+        q += 1
+    if end - p > 18:  # over int64: json's int() of the digits
+        return int(PyBytes_FromStringAndSize(<const char *>p, end - p))
+    q = p + 1 if p[0] == 45 else p
+    while q < end:
+        v = v * 10 + (q[0] - 48)
+        q += 1
+    return -v if p[0] == 45 else v
+
+
 cdef class _Scan:
     """One body's scan: the read position and the body, for the value builders."""
 
@@ -247,7 +273,6 @@ cdef class _Scan:
     cdef const unsigned char *base
     cdef const unsigned char *end
     cdef const unsigned char *p
-    cdef object view
     cdef object message
 
     cdef int value(self, list out) except -1:
@@ -256,6 +281,7 @@ cdef class _Scan:
         cdef const unsigned char *after
         cdef Py_ssize_t chars
         cdef int flags
+        cdef unsigned char c
         if start < self.end and start[0] == QUOTE:
             after = _string_end(start + 1, self.end, &chars, &flags)
             if after == NULL:
@@ -269,10 +295,15 @@ cdef class _Scan:
             if after == NULL:
                 return False
             self.p = after
-        if self.view is None:
-            self.view = memoryview(self.body)
-        try:
-            out[0] = _decode(self.view[start - self.base : after - self.base])
+            c = start[0]
+            if c == 116 or c == 102 or c == 110:  # true false null
+                out[0] = True if c == 116 else (False if c == 102 else None)
+                return True
+            if c != 123 and c != 91:  # a number
+                out[0] = _number(start, after)
+                return True
+        try:  # an object, an array, a string with escapes above 0x7f
+            out[0] = _decode(PyBytes_FromStringAndSize(<const char *>start, after - start))
         except _DECODE_ERRORS:
             return False
         return True
