@@ -208,7 +208,7 @@ class RequestMeta:
         if self.path == CHAT:
             parts = []
             for msg in obj.get("messages") or ():
-                content = msg.get("content")
+                content = msg.content if type(msg) is _Message else msg.get("content")
                 if type(content) is str:
                     parts.append(content)
                 elif type(content) is list:
@@ -393,7 +393,7 @@ def _parse_chat(obj: dict, meta: RequestMeta) -> None:
         if type(msg) is not dict and type(msg) is not _Message:  # (_Message: fields.py's)
             raise _bad("'messages' must be a list of objects")
         tokens += _CHAT_TOKENS_PER_MESSAGE
-        content = msg.get("content")
+        content = msg.content if type(msg) is _Message else msg.get("content")  # (no Python frame)
         if type(content) is str:
             tokens += estimate_tokens(content)
         elif type(content) is list:
