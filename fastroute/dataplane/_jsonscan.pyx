@@ -7,8 +7,9 @@ every value it skips, and runs through string contents 16 bytes per step (csrc/f
 Only the values of the keys asked for become Python objects: strings, numbers, booleans and null
 are built here (a string in one copy, escapes translated; a float as json's ``float()`` parses
 it), objects and arrays (``sampling_params``, ``input_ids``) are decoded from their slice by
-msgspec, and a chat body's ``messages`` become message objects
-holding each message's ``content`` (``fields.Message``).
+msgspec. A chat body's ``messages`` become one ``Chat`` (count, input estimate, routing text on
+demand) when every content is a plain string or null, else message objects holding each
+message's ``content`` (``fields.Message``).
 
 It answers a dict only where json.loads would accept the body and give the same values for
 those keys; anything it does not decide answers None, and the caller takes its slower path,
@@ -19,6 +20,7 @@ refuses integers over ``sys.int_max_str_digits``, whose least setting is 640), n
 than 128, a top level that is not one object, and any syntax error.
 """
 
+from libc.stdlib cimport free, realloc
 from libc.string cimport memcmp, memcpy
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.object cimport PyObject
@@ -204,16 +206,15 @@ cdef const unsigned char *_skip_value(const unsigned char *p, const unsigned cha
     return _number_end(p, end)
 
 
-cdef object _ascii_str(const unsigned char *p, Py_ssize_t raw, Py_ssize_t chars, int flags):
-    """The str of a scanned string without WIDE escapes: ``raw`` bytes at p, ``chars`` decoded."""
-    cdef object s = PyUnicode_New(chars, 127)
-    cdef unsigned char *w = <unsigned char *>PyUnicode_DATA(s)
+cdef unsigned char *_ascii_into(unsigned char *w, const unsigned char *p, Py_ssize_t raw, int flags) noexcept:
+    """Write the decoded ASCII text of a scanned string (``raw`` bytes at p, no WIDE escape) at
+    w; the position after it."""
     cdef const unsigned char *end = p + raw
     cdef const unsigned char *run
     cdef unsigned char c
     if not (flags & ESCAPED):
         memcpy(w, p, raw)
-        return s
+        return w + raw
     while p < end:
         run = p
         while p < end and p[0] != BACKSLASH:
@@ -240,7 +241,77 @@ cdef object _ascii_str(const unsigned char *p, Py_ssize_t raw, Py_ssize_t chars,
             w[0] = c  # \\ \" \/ stand for themselves
             p += 2
         w += 1
+    return w
+
+
+cdef object _ascii_str(const unsigned char *p, Py_ssize_t raw, Py_ssize_t chars, int flags):
+    """The str of a scanned string without WIDE escapes: ``raw`` bytes at p, ``chars`` decoded."""
+    cdef object s = PyUnicode_New(chars, 127)
+    _ascii_into(<unsigned char *>PyUnicode_DATA(s), p, raw, flags)
     return s
+
+
+cdef struct _Part:
+    Py_ssize_t start  # offset of the string's first byte in the body
+    Py_ssize_t raw
+    Py_ssize_t chars
+    int flags
+
+
+cdef class Chat:
+    """A chat body's ``messages`` when every message is an object whose ``content`` is absent,
+    null or a string without escapes above 0x7f (ASCII: one character per byte): how many
+    messages, the input estimate of their contents (the sum of ``ceil(len / 4)``, as
+    body.estimate_tokens gives for ASCII), and the routing text, built only when asked. No
+    per-message object or string is made."""
+
+    cdef readonly Py_ssize_t count
+    cdef readonly Py_ssize_t tokens
+    cdef bytes body
+    cdef _Part *parts
+    cdef Py_ssize_t nparts, cap
+
+    def __dealloc__(self):
+        free(self.parts)
+
+    cdef int add(self, Py_ssize_t start, Py_ssize_t raw, Py_ssize_t chars, int flags) except -1:
+        cdef _Part *grown
+        if self.nparts == self.cap:
+            grown = <_Part *>realloc(self.parts, (self.cap * 2 + 16) * sizeof(_Part))
+            if grown == NULL:
+                raise MemoryError()
+            self.parts = grown
+            self.cap = self.cap * 2 + 16
+        self.parts[self.nparts] = _Part(start, raw, chars, flags)
+        self.nparts += 1
+        self.tokens += (chars + 3) >> 2
+        return 0
+
+    def __len__(self):
+        return self.count
+
+    def routing_text(self):
+        """The string contents joined by newlines (body.RequestMeta.routing_text's chat
+        rule), or None when no message has one."""
+        cdef Py_ssize_t i, total
+        cdef unsigned char *w
+        cdef const unsigned char *base = <const unsigned char *>PyBytes_AS_STRING(self.body)
+        if self.nparts == 0:
+            return None
+        total = self.nparts - 1
+        for i in range(self.nparts):
+            total += self.parts[i].chars
+        s = PyUnicode_New(total, 127)
+        w = <unsigned char *>PyUnicode_DATA(s)
+        for i in range(self.nparts):
+            if i:
+                w[0] = 10
+                w += 1
+            w = _ascii_into(w, base + self.parts[i].start, self.parts[i].raw, self.parts[i].flags)
+        return s
+
+    def __repr__(self):
+        return f"Chat(count={self.count}, tokens={self.tokens})"
 
 
 cdef object _number(const unsigned char *p, const unsigned char *end):
@@ -308,16 +379,98 @@ cdef class _Scan:
             return False
         return True
 
+    cdef object chat(self):
+        """The ``messages`` array at p as a Chat, moving past it; None (p unchanged) when some
+        message is outside Chat's shape or the array is invalid."""
+        cdef const unsigned char *p = self.p
+        cdef const unsigned char *end = self.end
+        cdef const unsigned char *key
+        cdef const unsigned char *text = NULL
+        cdef Py_ssize_t chars, raw = 0, text_chars = 0
+        cdef int flags, text_flags = 0
+        cdef Chat chat = Chat.__new__(Chat)
+        chat.body = self.body
+        p = _skip_ws(p + 1, end)
+        if p < end and p[0] == 93:
+            self.p = p + 1
+            return chat
+        while True:
+            if p >= end or p[0] != 123:
+                return None
+            text = NULL
+            p = _skip_ws(p + 1, end)
+            if p < end and p[0] == 125:
+                p += 1
+            else:
+                while True:
+                    if p >= end or p[0] != QUOTE:
+                        return None
+                    key = p + 1
+                    p = _string_end(key, end, &chars, &flags)
+                    if p == NULL or flags:
+                        return None
+                    chars = p - 1 - key
+                    p = _skip_ws(p, end)
+                    if p >= end or p[0] != 58:
+                        return None
+                    p = _skip_ws(p + 1, end)
+                    if chars == 7 and memcmp(key, PyBytes_AS_STRING(_CONTENT), 7) == 0:
+                        if p < end and p[0] == QUOTE:
+                            key = p + 1
+                            p = _string_end(key, end, &text_chars, &text_flags)
+                            if p == NULL or (text_flags & WIDE):
+                                return None
+                            text = key
+                            raw = p - 1 - key
+                        else:
+                            p = _word_end(p, end, b"null", 4)
+                            if p == NULL:
+                                return None  # a list of parts, a number...: Message objects
+                            text = NULL
+                    else:
+                        p = _skip_value(p, end, 3)
+                        if p == NULL:
+                            return None
+                    p = _skip_ws(p, end)
+                    if p >= end:
+                        return None
+                    if p[0] == 44:
+                        p = _skip_ws(p + 1, end)
+                    elif p[0] == 125:
+                        p += 1
+                        break
+                    else:
+                        return None
+            if text != NULL:
+                chat.add(text - self.base, raw, text_chars, text_flags)
+            chat.count += 1
+            p = _skip_ws(p, end)
+            if p >= end:
+                return None
+            if p[0] == 44:
+                p = _skip_ws(p + 1, end)
+            elif p[0] == 93:
+                self.p = p + 1
+                return chat
+            else:
+                return None
+
     cdef int messages(self, list out) except -1:
-        """A chat body's ``messages``: a list of Message, or (not a list) the value as it is."""
+        """A chat body's ``messages``: a Chat, else a list of Message, or (not a list) the
+        value as it is."""
         cdef const unsigned char *p = self.p
         cdef const unsigned char *end = self.end
         cdef const unsigned char *key
         cdef Py_ssize_t chars
         cdef int flags
         cdef list items, content = [None]
+        cdef object chat
         if p >= end or p[0] != 91:
             return self.value(out)
+        chat = self.chat()
+        if chat is not None:
+            out[0] = chat
+            return True
         items = []
         p = _skip_ws(p + 1, end)
         if p < end and p[0] == 93:

@@ -1,26 +1,20 @@
 """Request bodies on the per-request path: parse once, inject without re-serialising.
 
 Owns:
-
 * ``parse_request(path, body) -> RequestMeta``: one decode of the client body
   (of only the keys the router reads, :mod:`fastroute.dataplane.fields`), type checks of
   the fields the router reads (wrong type -> RouterError 400 naming the field), and what
   routing needs: ``stream``, ``batch`` (protocol.md 3.3: None for a scalar request, B for a
   batch of B), ``input_tokens``, ``return_logprob``, ``max_new_tokens``, ``model``.
-* ``inject(body, fields)``: splice pre-encoded ``"k":v`` pairs before the final
-  ``}`` of the client's bytes.  The client JSON is forwarded unchanged apart from
-  the added keys (protocol.md 3.3 [REC]); it is never re-serialised.  If the
-  client already sent an injected key, the added copy comes last and wins with
-  every JSON parser that keeps the last duplicate (Python's json, pydantic).
-* ``pd_fields`` / ``pd_leg_fields`` / ``rank_field_bytes`` / ``draw_room``: the
-  PD keys ``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room`` (scalars, or
-  lists of length B for batches) and the DP rank key, pre-encoded.  The proxy
-  encodes a target's host, port and rank key once, in its route
-  (``bootstrap_values``, ``rank_field_bytes``), and per request only draws the
-  room (``bootstrap_fields``).
-
-The response side (prefill logprobs merged into the decode answer) is
-:mod:`fastroute.dataplane.logprobs`.
+* ``inject(body, fields)``: splice pre-encoded ``"k":v`` pairs before the final ``}`` of the
+  client's bytes, forwarded unchanged apart from them (protocol.md 3.3 [REC]), never
+  re-serialised. A key the client sent too comes last and wins with every JSON parser that
+  keeps the last duplicate (Python's json, pydantic).
+* ``pd_fields`` / ``pd_leg_fields`` / ``rank_field_bytes`` / ``draw_room``: the PD keys
+  ``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room`` (scalars, or lists of length B
+  for batches) and the DP rank key, pre-encoded: a target's once, in its route
+  (``bootstrap_values``, ``rank_field_bytes``); per request only the room is drawn.
+  (The response side, prefill logprobs merged into the decode answer: ``logprobs``.)
 
 Batch rules (protocol.md 3.3), per endpoint:
 
@@ -63,6 +57,7 @@ import json.scanner
 from functools import lru_cache
 from typing import Any, Protocol
 
+from fastroute.dataplane._jsonscan import Chat as _Chat
 from fastroute.dataplane.fields import PICKERS as _PICKERS
 from fastroute.dataplane.fields import Message as _Message
 from fastroute.errors import CODE_BAD_REQUEST, RouterError
@@ -206,8 +201,10 @@ class RequestMeta:
             # Shed after an earlier pick: the same decode of the same bytes (it took them once).
             obj = self.fields = _PICKERS[self.path].pick(self.body)  # type: ignore[arg-type]
         if self.path == CHAT:
-            parts = []
-            for msg in obj.get("messages") or ():
+            msgs, parts = obj.get("messages"), []
+            if type(msgs) is _Chat:  # fields.py's scan: joined in one copy
+                return msgs.routing_text()
+            for msg in msgs or ():
                 content = msg.content if type(msg) is _Message else msg.get("content")
                 if type(content) is str:
                     parts.append(content)
@@ -385,6 +382,9 @@ def _parse_chat(obj: dict, meta: RequestMeta) -> None:
         meta.batch = n
     messages = obj.get("messages")
     if messages is None:
+        return
+    if type(messages) is _Chat:  # fields.py's scan: counted as it went
+        meta.input_tokens = len(messages) * _CHAT_TOKENS_PER_MESSAGE + messages.tokens
         return
     if type(messages) is not list:
         raise _bad("'messages' must be a list")

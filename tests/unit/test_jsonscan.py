@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastroute.dataplane._jsonscan import scan_fields
+from fastroute.dataplane._jsonscan import Chat, scan_fields
 from fastroute.dataplane.fields import PICKERS, Message
 
 GEN = PICKERS["/generate"]
@@ -60,10 +60,24 @@ def _expected(picker: Any, body: bytes) -> dict | None:
     return out
 
 
-def _as_json(out: dict) -> dict:
-    return {
-        k: ([{"content": m.content} for m in v] if k == "messages" and type(v) is list else v) for k, v in out.items()
-    }
+def _chat_view(messages: list) -> tuple:
+    """What a Chat stands for, from json's message list: count, estimate, routing text."""
+    texts = [m["content"] for m in messages if type(m["content"]) is str]
+    assert all(type(m["content"]) in (str, type(None)) for m in messages), "a Chat for another shape"
+    return ("chat", len(messages), sum((len(t) + 3) >> 2 for t in texts), "\n".join(texts) if texts else None)
+
+
+def _as_json(out: dict, want: dict) -> dict:
+    got = {}
+    for k, v in out.items():
+        if k == "messages" and type(v) is Chat:
+            got[k] = ("chat", len(v), v.tokens, v.routing_text())
+            want[k] = _chat_view(want[k])
+        elif k == "messages" and type(v) is list:
+            got[k] = [{"content": m.content} for m in v]
+        else:
+            got[k] = v
+    return got
 
 
 def _check(picker: Any, body: bytes) -> dict | None:
@@ -71,7 +85,7 @@ def _check(picker: Any, body: bytes) -> dict | None:
     want = _expected(picker, body)
     if got is not None:
         assert want is not None, f"scan answered for a body json refuses: {body[:120]!r}"
-        assert _same(_as_json(got), want), (body[:200], got, want)
+        assert _same(_as_json(got, want), want), (body[:200], got, want)
     return got
 
 
@@ -81,7 +95,7 @@ DECIDED = [
     b'{"input_ids":[1,2,3],"return_logprob":[true,false],"sampling_params":[{"n":2},{"max_new_tokens":0}]}',
     b'{"text":["one","two"],"routed_dp_rank":3,"data_parallel_rank":null}',
     b'{"other":{"deep":[1,-2.5e-3,0,1E+9,true,false,null,"x",{"y":[]}]},"text":"\\u00e9"}',
-    b'{}',
+    b"{}",
     b'{"text":""}',
     b'{"stream":true,"stream":false}',
     b'{"model":"m","other":"\x7f"}',
@@ -137,6 +151,17 @@ def test_common_chat_bodies_are_decided_with_json_values(body: bytes) -> None:
         assert all(type(m) is Message for m in got["messages"])
 
 
+def test_plain_chat_contents_make_one_chat_and_others_message_objects() -> None:
+    plain = b'{"messages":[{"role":"system","content":"ab\\n"},{"content":null},{"content":"c","content":"xyz12"}]}'
+    got = _check(CHAT, plain)
+    assert got is not None and type(got["messages"]) is Chat
+    assert (len(got["messages"]), got["messages"].tokens) == (3, 1 + 2)
+    assert got["messages"].routing_text() == "ab\n\nxyz12"
+    for other in (b'[{"type":"text","text":"x"}]', b"5", b'"\\u00e9"'):
+        got = _check(CHAT, b'{"messages":[{"content":"a"},{"content":%s}]}' % other)
+        assert got is not None and type(got["messages"]) is list, other
+
+
 @pytest.mark.parametrize("body", UNDECIDED)
 def test_what_the_scan_does_not_decide_is_left_to_the_decoders(body: bytes) -> None:
     assert _scan(GEN, body) is None
@@ -153,13 +178,22 @@ def test_wide_escapes_and_numbers_in_read_keys_are_json_values() -> None:
     body = b'{"text":"\\u00e9\\u4f60 x","sampling_params":{"max_new_tokens":12345678901234567890}}'
     got = _check(GEN, body)
     assert got is not None and got["text"] == "\u00e9\u4f60 x"
-    for number in (b"1e999", b"-0.0", b"-0", b"0.1", b"2.5E-3", b"123456789012345678", b"-12345678901234567890", b"1" * 40):
+    for number in (
+        b"1e999",
+        b"-0.0",
+        b"-0",
+        b"0.1",
+        b"2.5E-3",
+        b"123456789012345678",
+        b"-12345678901234567890",
+        b"1" * 40,
+    ):
         got = _check(GEN, b'{"routed_dp_rank":%s}' % number)
         assert got is not None and _same(got["routed_dp_rank"], json.loads(number)), number
 
 
 def test_a_long_prompt_is_read_whole() -> None:
-    text = "".join(random.Random(7).choice("ab \\\"\n/") for _ in range(50_000))
+    text = "".join(random.Random(7).choice('ab \\"\n/') for _ in range(50_000))
     body = json.dumps({"text": text, "stream": True}).encode()
     got = _check(GEN, body)
     assert got is not None and got["text"] == text
