@@ -1,7 +1,7 @@
 """Prometheus metrics: the ``smg_*`` series dashboards use, and fastroute's per-target series.
 
 Nothing here runs per request.  The proxy bumps plain ints and fixed-bucket histograms in a
-``Stats`` object it owns (a dict increment or a bisect, no label lookups, no locks); the
+``Stats`` object it owns (a dict increment or a compiled histogram observe, no locks); the
 collector turns those, the shared target table and the registry into metric families at scrape
 time.  Per-target values (in-flight requests and tokens, polled load, picks, health, circuit)
 are read from the table with atomic loads, so they are exactly what the policies see.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from bisect import bisect_left
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,6 +24,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from fastroute.config import DEFAULT_DURATION_BUCKETS, Config
+from fastroute.dataplane._hist import Hist
 
 # The smg families and fastroute's status for each (docs/metrics.md's table is generated there).
 from fastroute.control.parity import PEER_SERIES, peer_table_markdown  # noqa: F401
@@ -38,34 +38,6 @@ log = logging.getLogger("fastroute.metrics")
 DEFAULT_BUCKETS = DEFAULT_DURATION_BUCKETS  # one definition, in the Config module
 # Router-side work is measured in microseconds: its own buckets.
 FAST_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
-
-
-class Hist:
-    """A fixed-bucket histogram with an O(log buckets) observe and no locking (one process,
-    one event loop).  Buckets are cumulated at scrape time."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: Iterable[float] = DEFAULT_BUCKETS) -> None:
-        self.bounds = tuple(sorted(float(b) for b in bounds))
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, v: float) -> None:
-        self.counts[bisect_left(self.bounds, v)] += 1
-        self.sum += v
-
-    def buckets(self) -> list[tuple[str, int]]:
-        out, acc = [], 0
-        for b, c in zip(self.bounds, self.counts):
-            acc += c
-            out.append((repr(b), acc))
-        out.append(("+Inf", acc + self.counts[-1]))
-        return out
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
 
 
 # Stats.reclaim reason under which the reconciler's callback counts a flagged target; exported

@@ -3,6 +3,8 @@
 # object's vtable, so the null object of metrics-off costs a call that returns. The .py stays the
 # source and runs as it is when not compiled; keep both in step.
 
+from fastroute.dataplane._hist cimport Hist
+
 cdef class PathLabels:
     cdef public tuple routed, routed_stream, endpoint
     cdef public str model
@@ -30,7 +32,7 @@ cdef class RequestTelemetry(Telemetry):
     cdef dict _models
 
     cpdef PathLabels labels(self, model, path)
-    cdef _observe(self, h, double v)
+    cdef _observe(self, Hist h, double v)
     cdef _observe_in(self, dict d, key, double v)
 
 # Module functions the events call: C calls inside this module (still importable from Python).

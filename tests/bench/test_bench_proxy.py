@@ -90,33 +90,19 @@ def test_bench_regular_json_request(benchmark) -> None:
     loop.close()
 
 
-class _NoHist:
-    """A histogram without buckets (one count, one sum): isolates what the bucket search of
-    the pick/overhead histograms costs; the proxy observes them inline (Hist's fields)."""
-
-    def __init__(self) -> None:
-        self.bounds: tuple = ()
-        self.counts = [0]
-        self.sum = 0.0
-
-    def observe(self, v: float) -> None:
-        self.counts[0] += 1
-        self.sum += v
-
-
 @pytest.mark.benchmark(group="proxy-metrics")
 @pytest.mark.parametrize("metrics", ["off", "on", "on-without-pick-overhead-histograms"])
 def test_bench_regular_json_request_metrics(benchmark, metrics: str) -> None:
     """Same request as test_bench_regular_json_request, with the process's Stats off, on, and on
     with fastroute_pick_seconds / fastroute_router_overhead_seconds replaced by bucket-less
     ones: the difference of the last two is what their bucket searches cost per request."""
-    from fastroute.control.metrics import Stats
+    from fastroute.control.metrics import Hist, Stats
 
     proto, pool, loop = _setup(worker_urls=["http://127.0.0.1:9"])
     if metrics != "off":
         st = Stats()
         if metrics != "on":
-            st.pick_seconds, st.overhead_seconds = _NoHist(), _NoHist()  # type: ignore[assignment]
+            st.pick_seconds, st.overhead_seconds = Hist(()), Hist(())  # no bounds: one bucket
         proto.dispatch.owner.stats = st
     benchmark(_json_round, proto, pool)
     assert not proto.busy and not proto.dispatch.exchanges
