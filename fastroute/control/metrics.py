@@ -24,13 +24,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from fastroute.config import DEFAULT_DURATION_BUCKETS, Config
-from fastroute.dataplane._hist import Hist
 
 # The smg families and fastroute's status for each (docs/metrics.md's table is generated there).
 from fastroute.control.parity import PEER_SERIES, peer_table_markdown  # noqa: F401
 from fastroute.control.worker import target_label
 from fastroute.core import _policy
 from fastroute.core import table as T
+from fastroute.dataplane._hist import Hist
 from fastroute.names import label_value
 
 log = logging.getLogger("fastroute.metrics")

@@ -26,8 +26,8 @@ from fastroute.names import label_value
 if TYPE_CHECKING:
     from asyncio import AbstractEventLoop
 
-    from fastroute.dataplane import _hist
     from fastroute.control.metrics import Stats
+    from fastroute.dataplane import _hist
 
 # Bounded label values (unknown paths and methods collapse to one value).
 _PATH_LABEL = {p: p.decode() for p in (*ROUTES, b"/health", b"/liveness", *ADMIN_METHODS)}
