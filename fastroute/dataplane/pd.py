@@ -230,8 +230,8 @@ class PDRelay(_Exchange):
             # One scan of the client body for both legs.
             head, sep, tail = _body.splice_parts(req.body)
             # Both legs leave in the same loop iteration (3.4: concurrent dispatch).
-            p_route.pool.send(p_route.frame_injected(req, head, sep, pfields, tail), p)
-            d_route.pool.send(d_route.frame_injected(req, head, sep, dfields, tail), d)
+            p_route.send_injected(req, head, sep, pfields, tail, p)
+            d_route.send_injected(req, head, sep, dfields, tail, d)
         except BaseException:
             self.fail_internal()
             raise

@@ -7,5 +7,5 @@ cdef class Route:
     cdef public object worker, pool, authority, auth, rank_field, bootstrap, prefill_dp_size, prefill_rank
     cdef public object index, port, prefill_rank_field
 
-    cpdef frame_injected(self, Request req, head, sep, fields, tail)
+    cpdef send_injected(self, Request req, head, sep, fields, tail, leg)
     cpdef send(self, Request req, leg)

@@ -96,24 +96,20 @@ class Route:
             _body.rank_field_bytes("disagg_prefill_dp_rank", dp_rank) if ids and dp_rank is not None else None
         )
 
-    def frame_injected(self, req: Request, head: Any, sep: bytes, fields: bytes, tail: Any) -> bytes:
-        """The upstream request with ``fields`` injected into the body (parts from splice_parts)."""
+    def send_injected(self, req: Request, head: Any, sep: bytes, fields: bytes, tail: Any, leg: Any) -> None:
+        """Send ``req`` with ``fields`` spliced into its body (``head``, ``sep``, ``tail`` from
+        splice_parts): the framed head, then the client's bytes around the fields as views (one
+        writev), so no leg copies the body and a request waiting for its connection holds none."""
         auth = self.auth
         if not auth and req.auth is not None:
             auth = b"Authorization: " + req.auth + b"\r\n"
-        return (
-            b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b%b\r\n%b%b%b%b"
-            % (
-                req.url,
-                self.authority,
-                len(head) + len(sep) + len(fields) + len(tail),
-                req.fwd,
-                auth,
-                head,
-                sep,
-                fields,
-                tail,
-            )
+        mid = sep + fields
+        self.pool.send(
+            b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b%b\r\n"
+            % (req.url, self.authority, len(head) + len(mid) + len(tail), req.fwd, auth),
+            leg,
+            False,
+            (head, mid, tail),
         )
 
     def send(self, req: Request, leg: Any) -> None:
@@ -136,4 +132,4 @@ class Route:
             )
         else:
             head, sep, tail = _body.splice_parts(req.body)
-            self.pool.send(self.frame_injected(req, head, sep, field, tail), leg)
+            self.send_injected(req, head, sep, field, tail, leg)

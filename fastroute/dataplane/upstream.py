@@ -142,7 +142,7 @@ class UpstreamConnection:
         self.request: bytes | None = None  # kept until the first response byte (for the one re-send)
         # The request's body when it is sent beside ``request`` (the framed head) rather than in
         # it: the client's own bytes, not a copy. Kept and dropped with ``request``.
-        self.body: bytes | None = None
+        self.body: Any = None  # bytes, or a tuple of buffers (Pool.send)
         self.reused = False
         self.got_bytes = False
         self.headers: list[tuple[bytes, bytes]] = []
@@ -171,8 +171,10 @@ class UpstreamConnection:
         body = self.body
         if body is None:
             transport.write(self.request)  # type: ignore[arg-type]
+        elif type(body) is tuple:  # the client's bytes around spliced fields (Route.send_injected)
+            transport.writelines((self.request, *body))  # type: ignore[arg-type]  # one writev
         else:
-            transport.writelines((self.request, body))  # type: ignore[arg-type]  # one writev
+            transport.writelines((self.request, body))  # type: ignore[arg-type]
 
     def data_received(self, data: bytes) -> None:
         if self.leg is None:
@@ -382,9 +384,10 @@ class Pool:
         self._sweep_handle: asyncio.TimerHandle | None = None
         self.closed = False
 
-    def send(self, request: bytes, leg: Any, fresh: bool = False, body: bytes | None = None) -> UpstreamConnection:
-        """Send framed ``request`` bytes, followed by ``body`` when it is given apart from them;
-        callbacks go to ``leg``. Sets ``leg.conn``."""
+    def send(self, request: bytes, leg: Any, fresh: bool = False, body: Any = None) -> UpstreamConnection:
+        """Send framed ``request`` bytes, followed by ``body`` when it is given apart from them
+        (bytes, or a tuple of buffers written in order); callbacks go to ``leg``. Sets
+        ``leg.conn``."""
         conn = None
         if not fresh:
             idle = self.idle

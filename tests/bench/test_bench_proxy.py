@@ -134,7 +134,7 @@ def test_bench_pd_sse_8_events_dp_aware(benchmark) -> None:
         pd_disaggregation=True, prefill=[("http://127.0.0.1:9", 8998)], decode=["http://127.0.0.1:10"], dp_aware=True
     )
     ex_legs: list = []
-    pool.send = lambda request, leg: (setattr(leg, "conn", StubConn()), ex_legs.append(leg))  # type: ignore[method-assign]
+    pool.send = lambda request, leg, *rest: (setattr(leg, "conn", StubConn()), ex_legs.append(leg))  # type: ignore[method-assign]
 
     def one() -> None:
         ex_legs.clear()

@@ -50,6 +50,11 @@ class FakeTransport(asyncio.Transport):
         return default
 
 
+def _joined(body: Any) -> bytes:
+    """A body handed to the pool apart from its head: bytes, or buffers written in order."""
+    return b"".join(body) if type(body) is tuple else body
+
+
 class FakeConn:
     def __init__(self) -> None:
         self.paused = False
@@ -76,8 +81,8 @@ class FakePool:
         conn = FakeConn()
         leg.conn = conn
         # What goes on the wire: the framed head and, when the pool was handed it apart, the body.
-        self.sent.append((request if body is None else request + body, leg))
-        self.bodies.append(body)
+        self.sent.append((request if body is None else request + _joined(body), leg))
+        self.bodies.append(None if body is None else _joined(body))
         return conn
 
 
@@ -356,8 +361,8 @@ class _StubPool:
         self.discarded = 0
 
     def send(self, request: bytes, leg: Any, fresh: bool = False, body: bytes | None = None) -> None:
-        self.resent.append((request if body is None else request + body, leg, fresh))
-        self.bodies.append(body)
+        self.resent.append((request if body is None else request + _joined(body), leg, fresh))
+        self.bodies.append(None if body is None else _joined(body))
 
     def discard(self, conn: Any) -> None:
         self.discarded += 1
