@@ -217,7 +217,10 @@ class _Exchange(Leg):
                     continue
                 if kind == _DROP or ctype is not None:
                     continue
-            ap(name + b": " + value + b"\r\n")
+            ap(name)  # (four appends, one copy at the join: no concatenated line per header)
+            ap(b": ")
+            ap(value)
+            ap(b"\r\n")
         if ctype is not None:
             ap(b"content-type: " + ctype + b"\r\n")
         if length is not None:

@@ -18,6 +18,8 @@ cdef class UpstreamConnection:
     cpdef _write_request(self, transport)
 
 cdef class Pool:
-    cdef public object host, port, idle, busy, loop, _sweep_handle, ssl
+    cdef public object host, port, loop, _sweep_handle, ssl
+    cdef public list idle
+    cdef public set busy
     cdef public double idle_timeout
     cdef public bint closed
