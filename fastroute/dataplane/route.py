@@ -22,6 +22,9 @@ from fastroute.dataplane import body as _body
 from fastroute.dataplane.protocol import Request  # noqa: F401 (the compiled build types with it)
 from fastroute.dataplane.upstream import Pool
 
+# Bodies from this size on are written around spliced fields as views, not framed whole.
+_VIEWS_FROM = 16384
+
 
 def rank_port(w: Any, rank: int | None) -> int | None:
     """The port of target ``rank`` of a per-rank-port server (base port + rank,
@@ -98,19 +101,26 @@ class Route:
 
     def send_injected(self, req: Request, head: Any, sep: bytes, fields: bytes, tail: Any, leg: Any) -> None:
         """Send ``req`` with ``fields`` spliced into its body (``head``, ``sep``, ``tail`` from
-        splice_parts): the framed head, then the client's bytes around the fields as views (one
-        writev), so no leg copies the body and a request waiting for its connection holds none."""
+        splice_parts). A large body goes out as the framed head and the client's bytes around
+        the fields as views (one writev): no leg copies it, and a request waiting for its
+        connection holds no copy. A small one is framed whole in one buffer, as before: its copy
+        is cheap, and the kernel gets one iovec instead of four."""
         auth = self.auth
         if not auth and req.auth is not None:
             auth = b"Authorization: " + req.auth + b"\r\n"
         mid = sep + fields
-        self.pool.send(
-            b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b%b\r\n"
-            % (req.url, self.authority, len(head) + len(mid) + len(tail), req.fwd, auth),
-            leg,
-            False,
-            (head, mid, tail),
+        n = len(head) + len(mid) + len(tail)
+        framed = b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b%b\r\n" % (
+            req.url,
+            self.authority,
+            n,
+            req.fwd,
+            auth,
         )
+        if n < _VIEWS_FROM:
+            self.pool.send(b"".join((framed, head, mid, tail)), leg)
+        else:
+            self.pool.send(framed, leg, False, (head, mid, tail))
 
     def send(self, req: Request, leg: Any) -> None:
         """Regular mode: send the client body as it came (framed inline: the common case), or
