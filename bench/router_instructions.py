@@ -1,0 +1,154 @@
+"""Instructions per request of a whole router process under load, counted by valgrind.
+
+bench/instructions.py counts fastroute's request path in-process (no sockets, no httptools, no
+event loop). This counts a real router process serving real HTTP from wrk: the process runs
+under ``valgrind --tool=callgrind``, the counters are zeroed after a warm-up, wrk sends N
+seconds of distinct bodies (bench/floor.py's) at 16 connections to nginx workers, and the dump
+gives every user-space instruction the process executed (Python, uvloop, httptools, libc;
+the kernel's socket work is not counted). Divided by the requests wrk completed, that is the
+router's own CPU cost per request, free of the machine's noise, comparable between fastroute,
+an older checkout and the lean relays. Runs are ~50x slower under valgrind: a few thousand
+requests each.
+
+Also prints the heaviest functions of each run (own instructions per request, by shared object
+and by symbol), which is where to look for the next saving.
+
+Usage: ``python bench/router_instructions.py [--router fastroute lean ...] [--mode regular|pd]
+[--kind gen|chat] [--size 2048] [--seconds 20] [--checkout DIR ...]``. Needs valgrind and nginx.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import floor  # noqa: E402
+import overhead as ov  # noqa: E402
+
+_NAME = re.compile(r"\((\d+)\)(?: (.*))?")
+
+
+def self_costs(path: Path) -> tuple[collections.Counter, collections.Counter]:
+    """Own instructions (calls excluded) by shared object and by (object, function), from a
+    callgrind output file (name compression resolved)."""
+    names: dict[tuple[str, str], str] = {}
+
+    def name(kind: str, v: str) -> str:
+        m = _NAME.match(v)
+        if not m:
+            return v
+        key = (kind, m.group(1))
+        if m.group(2) is not None:
+            names[key] = m.group(2)
+        return names.get(key, v)
+
+    ob = fn = ""
+    by_ob: collections.Counter = collections.Counter()
+    by_fn: collections.Counter = collections.Counter()
+    call_line = False
+    with open(path) as f:
+        for line in f:
+            if line.startswith("ob="):
+                ob = name("ob", line[3:].strip()).rsplit("/", 1)[-1]
+            elif line.startswith("fn="):
+                fn = name("fn", line[3:].strip())
+            elif line.startswith("cob="):
+                name("ob", line[4:].strip())
+            elif line.startswith("cfn="):
+                name("fn", line[4:].strip())
+            elif line.startswith("calls="):
+                call_line = True  # the next cost line is the callee's inclusive cost
+            elif line[:1].isdigit() or line[:1] in "+-*":
+                if call_line:
+                    call_line = False
+                    continue
+                parts = line.split()
+                if len(parts) >= 2:
+                    by_ob[ob] += int(parts[1])
+                    by_fn[(ob, fn)] += int(parts[1])
+    return by_ob, by_fn
+
+
+def run_one(a: argparse.Namespace, router: str, checkout: Path, tmp: Path) -> tuple[float, int, Path]:
+    be = ov.Backends(
+        regular=[ov.free_port(), ov.free_port()],
+        prefill=ov.free_port(),
+        decode=ov.free_port(),
+        bootstrap=ov.free_port(),
+    )
+    procs = ov.Procs(tmp)
+    try:
+        procs.start("nginx", ["nginx", "-c", str(ov.write_nginx(tmp, be)), "-p", str(tmp), "-e", str(tmp / "err.log")])
+        r = next(x for x in floor.routers(a.mode, be, {}, tmp, "cg", "nginx") if x.name == router)
+        out = tmp / f"{router}.%p.out"
+        argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, *r.argv[1:]]
+        env = dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=str(checkout))
+        p = procs.start("router", argv, env, cwd=checkout)
+        err = ov.wait_ready(r.port, p, timeout=300)
+        if err:
+            raise SystemExit(f"{router} did not start under valgrind: {err}\n{procs.log_tail('router')}")
+        make = floor.generate_obj if a.kind == "gen" else floor.chat_obj
+        path = ov.JSON_PATH if a.kind == "gen" else ov.SSE_PATH
+        lua = floor.write_lua(tmp, a.kind, path, floor.variants(make, a.size, False, a.size))
+        s = ov.Settings(duration=a.seconds, rounds=1, modes=[a.mode], lat_json=0, lat_sse=0)
+        ov.run_wrk(s, r.port, lua, 16, 3)  # warm-up: connections, first-use paths
+        subprocess.run(["callgrind_control", "-z", str(p.pid)], check=True, capture_output=True)
+        res = ov.run_wrk(s, r.port, lua, 16, a.seconds)
+        subprocess.run(["callgrind_control", "-d", str(p.pid)], check=True, capture_output=True)
+        if res["non2xx"] or res["socket_errors"]:
+            raise SystemExit(f"{router}: {res['non2xx']} non-2xx answers, {res['socket_errors']} socket errors")
+        dumps = sorted(tmp.glob(f"{router}.*.out.1"), key=lambda q: q.stat().st_size, reverse=True)
+        total = sum(self_costs(dumps[0])[0].values())
+        return total / res["requests"], res["requests"], dumps[0]
+    finally:
+        procs.stop_all()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--router", nargs="+", default=["fastroute", "lean"], choices=("fastroute", "lean", "bare"))
+    ap.add_argument("--mode", choices=("regular", "pd"), default="pd")
+    ap.add_argument("--kind", choices=("gen", "chat"), default="gen")
+    ap.add_argument("--size", type=int, default=2048, help="body bytes (bench/floor.py's bodies)")
+    ap.add_argument("--seconds", type=int, default=20)
+    ap.add_argument("--checkout", action="append", type=Path, help="fastroute checkout(s), built in place")
+    ap.add_argument("--top", type=int, default=15)
+    a = ap.parse_args(argv)
+    for tool in ("valgrind", "callgrind_control", "nginx", "wrk"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"{tool} not found (Debian: valgrind, nginx, wrk)")
+    runs = []
+    for router in a.router:
+        for c in a.checkout or [ov.REPO] if router == "fastroute" else [ov.REPO]:
+            tmp = Path(tempfile.mkdtemp(prefix="fastroute-cg-"))
+            per, n, dump = run_one(a, router, c.resolve(), tmp)
+            label = router if router != "fastroute" or not a.checkout else f"fastroute@{c}"
+            runs.append((label, per, n, dump))
+            print(f"{label}: {per:,.0f} instructions per request ({n:,} requests)", flush=True)
+    print(f"\n### {a.mode} {a.kind} {a.size} B, wrk -c16, {a.seconds} s under callgrind\n")
+    print("| router | instructions per request | requests |")
+    print("|---|---|---|")
+    for label, per, n, _ in runs:
+        print(f"| {label} | {per:,.0f} | {n:,} |")
+    for label, _, n, dump in runs:
+        by_ob, by_fn = self_costs(dump)
+        print(f"\n{label}: own instructions per request by shared object, then by function")
+        for k, v in by_ob.most_common(8):
+            print(f"  {v / n:9,.0f}  {k}")
+        for (o, f), v in by_fn.most_common(a.top):
+            print(f"  {v / n:9,.0f}  {o[:24]:24s} {f[:90]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
