@@ -158,10 +158,67 @@ cdef inline const unsigned char *_word_end(
     return p + n
 
 
-cdef const unsigned char *_skip_value(const unsigned char *p, const unsigned char *end, int depth) noexcept nogil:
-    """p: a value's first byte. The pointer after the value, or NULL (invalid or undecided)."""
+cdef inline const unsigned char *_open(
+    const unsigned char *p, const unsigned char *end, unsigned char opening, bint *closed
+) noexcept nogil:
+    """p: where an object (``{``) or array (``[``) must open. Past the opening byte and the
+    whitespace after it; when the container is empty, past its closing byte with ``closed``
+    True. NULL when it does not open at p."""
+    if p >= end or p[0] != opening:
+        return NULL
+    p = _skip_ws(p + 1, end)
+    closed[0] = p < end and p[0] == opening + 2  # } is { + 2, ] is [ + 2
+    return p + 1 if closed[0] else p
+
+
+cdef inline bint _is_content(const unsigned char *key, Py_ssize_t n) noexcept:
+    return n == 7 and memcmp(key, PyBytes_AS_STRING(_CONTENT), 7) == 0
+
+
+cdef inline const unsigned char *_member(
+    const unsigned char *p, const unsigned char *end, const unsigned char **key, Py_ssize_t *n, bint escaped_ok
+) noexcept nogil:
+    """p: an object member's opening quote. The pointer to its value (past the colon and the
+    whitespace after it), the key's raw bytes in ``key``/``n``; NULL on a syntax error, or for a
+    key spelled with an escape unless ``escaped_ok`` (a key the scan compares must be plain)."""
     cdef Py_ssize_t chars
     cdef int flags
+    if p >= end or p[0] != QUOTE:
+        return NULL
+    key[0] = p + 1
+    p = _string_end(p + 1, end, &chars, &flags)
+    if p == NULL or (flags and not escaped_ok):
+        return NULL
+    n[0] = p - 1 - key[0]
+    p = _skip_ws(p, end)
+    if p >= end or p[0] != 58:  # :
+        return NULL
+    return _skip_ws(p + 1, end)
+
+
+cdef inline const unsigned char *_after(
+    const unsigned char *p, const unsigned char *end, unsigned char close, bint *closed
+) noexcept nogil:
+    """p: just after a member or an item. Past the comma and the whitespace after it (``closed``
+    False) or past the ``close`` byte (``closed`` True); NULL on anything else."""
+    p = _skip_ws(p, end)
+    if p >= end:
+        return NULL
+    if p[0] == 44:  # ,
+        closed[0] = False
+        return _skip_ws(p + 1, end)
+    if p[0] == close:
+        closed[0] = True
+        return p + 1
+    return NULL
+
+
+cdef const unsigned char *_skip_value(const unsigned char *p, const unsigned char *end, int depth) noexcept nogil:
+    """p: a value's first byte. The pointer after the value, or NULL (invalid or undecided)."""
+    cdef const unsigned char *key
+    cdef Py_ssize_t chars
+    cdef int flags
+    cdef bint closed
     cdef unsigned char c
     if p >= end:
         return NULL
@@ -171,32 +228,20 @@ cdef const unsigned char *_skip_value(const unsigned char *p, const unsigned cha
     if c == 123 or c == 91:  # { [
         if depth >= MAX_DEPTH:
             return NULL
-        p = _skip_ws(p + 1, end)
-        if p < end and p[0] == c + 2:  # } ]: empty
-            return p + 1
+        p = _open(p, end, c, &closed)
+        if closed:
+            return p
         while True:
             if c == 123:
-                if p >= end or p[0] != QUOTE:
-                    return NULL
-                p = _string_end(p + 1, end, &chars, &flags)
+                p = _member(p, end, &key, &chars, True)
                 if p == NULL:
                     return NULL
-                p = _skip_ws(p, end)
-                if p >= end or p[0] != 58:  # :
-                    return NULL
-                p = _skip_ws(p + 1, end)
             p = _skip_value(p, end, depth + 1)
             if p == NULL:
                 return NULL
-            p = _skip_ws(p, end)
-            if p >= end:
-                return NULL
-            if p[0] == 44:  # ,
-                p = _skip_ws(p + 1, end)
-            elif p[0] == c + 2:
-                return p + 1
-            else:
-                return NULL
+            p = _after(p, end, c + 2, &closed)
+            if p == NULL or closed:
+                return p
     if c == 116:
         return _word_end(p, end, b"true", 4)
     if c == 102:
@@ -385,75 +430,47 @@ cdef class _Scan:
         cdef const unsigned char *p = self.p
         cdef const unsigned char *end = self.end
         cdef const unsigned char *key
-        cdef const unsigned char *text = NULL
-        cdef Py_ssize_t chars, raw = 0, text_chars = 0
-        cdef int flags, text_flags = 0
+        cdef const unsigned char *text
+        cdef Py_ssize_t n, raw = 0, text_chars = 0
+        cdef int text_flags = 0
+        cdef bint closed = False, done
         cdef Chat chat = Chat.__new__(Chat)
         chat.body = self.body
-        p = _skip_ws(p + 1, end)
-        if p < end and p[0] == 93:
-            self.p = p + 1
-            return chat
-        while True:
-            if p >= end or p[0] != 123:
-                return None
+        p = _open(p, end, 91, &closed)
+        while not closed:
             text = NULL
-            p = _skip_ws(p + 1, end)
-            if p < end and p[0] == 125:
-                p += 1
-            else:
-                while True:
-                    if p >= end or p[0] != QUOTE:
-                        return None
-                    key = p + 1
-                    p = _string_end(key, end, &chars, &flags)
-                    if p == NULL or flags:
-                        return None
-                    chars = p - 1 - key
-                    p = _skip_ws(p, end)
-                    if p >= end or p[0] != 58:
-                        return None
-                    p = _skip_ws(p + 1, end)
-                    if chars == 7 and memcmp(key, PyBytes_AS_STRING(_CONTENT), 7) == 0:
-                        if p < end and p[0] == QUOTE:
-                            key = p + 1
-                            p = _string_end(key, end, &text_chars, &text_flags)
-                            if p == NULL or (text_flags & WIDE):
-                                return None
-                            text = key
-                            raw = p - 1 - key
-                        else:
-                            p = _word_end(p, end, b"null", 4)
-                            if p == NULL:
-                                return None  # a list of parts, a number...: Message objects
-                            text = NULL
-                    else:
-                        p = _skip_value(p, end, 3)
-                        if p == NULL:
+            p = _open(p, end, 123, &done)
+            if p == NULL:
+                return None
+            while not done:
+                p = _member(p, end, &key, &n, False)
+                if p == NULL:
+                    return None
+                if _is_content(key, n):
+                    if p < end and p[0] == QUOTE:
+                        text = p + 1
+                        p = _string_end(text, end, &text_chars, &text_flags)
+                        if p == NULL or (text_flags & WIDE):
                             return None
-                    p = _skip_ws(p, end)
-                    if p >= end:
-                        return None
-                    if p[0] == 44:
-                        p = _skip_ws(p + 1, end)
-                    elif p[0] == 125:
-                        p += 1
-                        break
+                        raw = p - 1 - text
                     else:
-                        return None
+                        p = _word_end(p, end, b"null", 4)  # else a list of parts, a number...
+                        text = NULL
+                else:
+                    p = _skip_value(p, end, 3)
+                if p == NULL:
+                    return None
+                p = _after(p, end, 125, &done)
+                if p == NULL:
+                    return None
             if text != NULL:
                 chat.add(text - self.base, raw, text_chars, text_flags)
             chat.count += 1
-            p = _skip_ws(p, end)
-            if p >= end:
+            p = _after(p, end, 93, &closed)
+            if p == NULL:
                 return None
-            if p[0] == 44:
-                p = _skip_ws(p + 1, end)
-            elif p[0] == 93:
-                self.p = p + 1
-                return chat
-            else:
-                return None
+        self.p = p
+        return chat
 
     cdef int messages(self, list out) except -1:
         """A chat body's ``messages``: a Chat, else a list of Message, or (not a list) the
@@ -461,8 +478,8 @@ cdef class _Scan:
         cdef const unsigned char *p = self.p
         cdef const unsigned char *end = self.end
         cdef const unsigned char *key
-        cdef Py_ssize_t chars
-        cdef int flags
+        cdef Py_ssize_t n
+        cdef bint closed = False, done
         cdef list items, content = [None]
         cdef object chat
         if p >= end or p[0] != 91:
@@ -472,62 +489,35 @@ cdef class _Scan:
             out[0] = chat
             return True
         items = []
-        p = _skip_ws(p + 1, end)
-        if p < end and p[0] == 93:
-            self.p = p + 1
-            out[0] = items
-            return True
-        while True:
-            if p >= end or p[0] != 123:
-                return False  # an item that is not an object: the slower path names the error
+        p = _open(p, end, 91, &closed)
+        while not closed:
             content[0] = None
-            p = _skip_ws(p + 1, end)
-            if p < end and p[0] == 125:
-                p += 1
-            else:
-                while True:
-                    if p >= end or p[0] != QUOTE:
+            p = _open(p, end, 123, &done)
+            if p == NULL:
+                return False  # an item that is not an object: the slower path names the error
+            while not done:
+                p = _member(p, end, &key, &n, False)
+                if p == NULL:
+                    return False
+                if _is_content(key, n):
+                    self.p = p
+                    if not self.value(content):
                         return False
-                    key = p + 1
-                    p = _string_end(key, end, &chars, &flags)
-                    if p == NULL or flags:
+                    p = self.p
+                else:
+                    p = _skip_value(p, end, 3)
+                    if p == NULL:
                         return False
-                    chars = p - 1 - key
-                    p = _skip_ws(p, end)
-                    if p >= end or p[0] != 58:
-                        return False
-                    p = _skip_ws(p + 1, end)
-                    if chars == 7 and memcmp(key, PyBytes_AS_STRING(_CONTENT), 7) == 0:
-                        self.p = p
-                        if not self.value(content):
-                            return False
-                        p = self.p
-                    else:
-                        p = _skip_value(p, end, 3)
-                        if p == NULL:
-                            return False
-                    p = _skip_ws(p, end)
-                    if p >= end:
-                        return False
-                    if p[0] == 44:
-                        p = _skip_ws(p + 1, end)
-                    elif p[0] == 125:
-                        p += 1
-                        break
-                    else:
-                        return False
+                p = _after(p, end, 125, &done)
+                if p == NULL:
+                    return False
             items.append(self.message(content[0]))
-            p = _skip_ws(p, end)
-            if p >= end:
+            p = _after(p, end, 93, &closed)
+            if p == NULL:
                 return False
-            if p[0] == 44:
-                p = _skip_ws(p + 1, end)
-            elif p[0] == 93:
-                self.p = p + 1
-                out[0] = items
-                return True
-            else:
-                return False
+        self.p = p
+        out[0] = items
+        return True
 
 
 def scan_fields(bytes body, tuple keys, tuple names, Py_ssize_t messages_at=-1, object message=None):
@@ -542,7 +532,7 @@ def scan_fields(bytes body, tuple keys, tuple names, Py_ssize_t messages_at=-1, 
     cdef const unsigned char *end
     cdef const unsigned char *key
     cdef Py_ssize_t chars, i, n = len(keys)
-    cdef int flags
+    cdef bint closed
     cdef bytes k
     cdef dict out = {}
     cdef list slot = [None]
@@ -550,54 +540,35 @@ def scan_fields(bytes body, tuple keys, tuple names, Py_ssize_t messages_at=-1, 
     s.message = message
     s.base = <const unsigned char *>PyBytes_AS_STRING(body)
     s.end = end = s.base + PyBytes_GET_SIZE(body)
-    p = _skip_ws(s.base, end)
-    if p >= end or p[0] != 123:
+    p = _open(_skip_ws(s.base, end), end, 123, &closed)
+    if p == NULL:
         return None
-    p = _skip_ws(p + 1, end)
-    if p < end and p[0] == 125:
-        p += 1
-    else:
-        while True:
-            if p >= end or p[0] != QUOTE:
-                return None
-            key = p + 1
-            p = _string_end(key, end, &chars, &flags)
-            if p == NULL or flags:
-                return None
-            chars = p - 1 - key
-            p = _skip_ws(p, end)
-            if p >= end or p[0] != 58:
-                return None
-            p = _skip_ws(p + 1, end)
-            for i in range(n):
-                k = <bytes>keys[i]
-                if PyBytes_GET_SIZE(k) == chars and memcmp(key, PyBytes_AS_STRING(k), chars) == 0:
-                    break
-            else:
-                i = -1
-            if i >= 0:
-                s.p = p
-                if i == messages_at:
-                    if not s.messages(slot):
-                        return None
-                elif not s.value(slot):
-                    return None
-                out[names[i]] = slot[0]
-                p = s.p
-            else:
-                p = _skip_value(p, end, 1)
-                if p == NULL:
-                    return None
-            p = _skip_ws(p, end)
-            if p >= end:
-                return None
-            if p[0] == 44:
-                p = _skip_ws(p + 1, end)
-            elif p[0] == 125:
-                p += 1
+    while not closed:
+        p = _member(p, end, &key, &chars, False)
+        if p == NULL:
+            return None
+        for i in range(n):
+            k = <bytes>keys[i]
+            if PyBytes_GET_SIZE(k) == chars and memcmp(key, PyBytes_AS_STRING(k), chars) == 0:
                 break
-            else:
+        else:
+            i = -1
+        if i >= 0:
+            s.p = p
+            if i == messages_at:
+                if not s.messages(slot):
+                    return None
+            elif not s.value(slot):
                 return None
+            out[names[i]] = slot[0]
+            p = s.p
+        else:
+            p = _skip_value(p, end, 1)
+            if p == NULL:
+                return None
+        p = _after(p, end, 125, &closed)
+        if p == NULL:
+            return None
     if _skip_ws(p, end) != end:
         return None
     return out
