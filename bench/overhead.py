@@ -569,6 +569,11 @@ class Backends:
     decode: int
     bootstrap: int
 
+    @classmethod
+    def fresh(cls) -> Backends:
+        """Two regular workers, a prefill, a decode and a bootstrap port, each a free port."""
+        return cls([free_port(), free_port()], free_port(), free_port(), free_port())
+
 
 def write_nginx(tmp: Path, be: Backends) -> Path:
     """Render bench/nginx/*.in into tmp/nginx.conf: two regular workers, a prefill, a decode with

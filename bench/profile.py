@@ -70,12 +70,7 @@ def main() -> int:
     )
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="fastroute-profile-"))
-    be = ov.Backends(
-        regular=[ov.free_port(), ov.free_port()],
-        prefill=ov.free_port(),
-        decode=ov.free_port(),
-        bootstrap=ov.free_port(),
-    )
+    be = ov.Backends.fresh()
     procs = ov.Procs(tmp)
     try:
         procs.start("nginx", ["nginx", "-c", str(ov.write_nginx(tmp, be)), "-p", str(tmp)])

@@ -80,12 +80,7 @@ def self_costs(path: Path) -> tuple[collections.Counter, collections.Counter]:
 
 
 def run_one(a: argparse.Namespace, router: str, checkout: Path, tmp: Path) -> tuple[float, int, Path]:
-    be = ov.Backends(
-        regular=[ov.free_port(), ov.free_port()],
-        prefill=ov.free_port(),
-        decode=ov.free_port(),
-        bootstrap=ov.free_port(),
-    )
+    be = ov.Backends.fresh()
     procs = ov.Procs(tmp)
     try:
         procs.start("nginx", ["nginx", "-c", str(ov.write_nginx(tmp, be)), "-p", str(tmp), "-e", str(tmp / "err.log")])
