@@ -4,16 +4,16 @@ undecided)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-def scan_fields(
-    body: bytes,
-    keys: tuple[bytes, ...],
-    names: tuple[str, ...],
-    messages_at: int = -1,
-    message: Callable[[Any], Any] | None = None,
-) -> dict[str, Any] | None: ...
+class FieldScan:
+    """The scan of one endpoint's read keys (fields.READ_FIELDS)."""
+
+    names: tuple[str, ...]
+    keys: tuple[bytes, ...]
+    messages_at: int
+    def __init__(self, names: tuple[str, ...]) -> None: ...
+    def scan(self, body: bytes) -> dict[str, Any] | None: ...
 
 class Chat:
     """A chat body's messages when every content is absent, null or a plain ASCII string."""
@@ -22,5 +22,4 @@ class Chat:
     def count(self) -> int: ...
     @property
     def tokens(self) -> int: ...
-    def __len__(self) -> int: ...
     def routing_text(self) -> str | None: ...

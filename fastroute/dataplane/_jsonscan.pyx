@@ -8,8 +8,8 @@ Only the values of the keys asked for become Python objects: strings, numbers, b
 are built here (a string in one copy, escapes translated; a float as json's ``float()`` parses
 it), objects and arrays (``sampling_params``, ``input_ids``) are decoded from their slice by
 msgspec. A chat body's ``messages`` become one ``Chat`` (count, input estimate, routing text on
-demand) when every content is a plain string or null, else message objects holding each
-message's ``content`` (``fields.Message``).
+demand) when every content is absent, null or a plain string; other shapes (content parts) are
+left undecided, for msgspec's typed decode into ``fields.Message`` objects.
 
 It answers a dict only where json.loads would accept the body and give the same values for
 those keys; anything it does not decide answers None, and the caller takes its slower path,
@@ -47,6 +47,7 @@ cdef enum:
 cdef object _decode = msgspec.json.Decoder().decode
 cdef tuple _DECODE_ERRORS = (msgspec.DecodeError, RecursionError, ValueError)
 cdef bytes _CONTENT = b"content"
+cdef object _UNDECIDED = object()  # what a value builder answers for "leave it to msgspec"
 
 
 cdef inline bint _is_ws(unsigned char c) noexcept nogil:
@@ -332,9 +333,6 @@ cdef class Chat:
         self.tokens += (chars + 3) >> 2
         return 0
 
-    def __len__(self):
-        return self.count
-
     def routing_text(self):
         """The string contents joined by newlines (body.RequestMeta.routing_text's chat
         rule), or None when no message has one."""
@@ -361,7 +359,8 @@ cdef class Chat:
 
 cdef object _number(const unsigned char *p, const unsigned char *end):
     """The value json gives a number token [p, end) (checked by _number_end): an int, or a
-    float parsed as json's float() does (correctly rounded; 1e999 is inf)."""
+    float parsed as json's float() does (correctly rounded; 1e999 is inf); _UNDECIDED if the
+    parser stops short."""
     cdef const unsigned char *q = p
     cdef long long v = 0
     cdef char *stop
@@ -370,7 +369,7 @@ cdef object _number(const unsigned char *p, const unsigned char *end):
         if q[0] == 46 or q[0] == 101 or q[0] == 69:  # . e E
             d = PyOS_string_to_double(<const char *>p, &stop, NULL)
             if <const unsigned char *>stop != end:
-                raise ValueError("number token not parsed whole")
+                return _UNDECIDED  # (a checked token always parses whole)
             return d
         q += 1
     if end - p > 18:  # over int64: json's int() of the digits
@@ -382,193 +381,134 @@ cdef object _number(const unsigned char *p, const unsigned char *end):
     return -v if p[0] == 45 else v
 
 
-cdef class _Scan:
-    """One body's scan: the read position and the body, for the value builders."""
-
-    cdef bytes body
-    cdef const unsigned char *base
-    cdef const unsigned char *end
-    cdef const unsigned char *p
-    cdef object message
-
-    cdef int value(self, list out) except -1:
-        """Decode the value at p into out[0] and move past it; False: undecided."""
-        cdef const unsigned char *start = self.p
-        cdef const unsigned char *after
-        cdef Py_ssize_t chars
-        cdef int flags
-        cdef unsigned char c
-        if start < self.end and start[0] == QUOTE:
-            after = _string_end(start + 1, self.end, &chars, &flags)
-            if after == NULL:
-                return False
-            self.p = after
-            if not (flags & WIDE):
-                out[0] = _ascii_str(start + 1, after - start - 2, chars, flags)
-                return True
-        else:
-            after = _skip_value(start, self.end, 1)
-            if after == NULL:
-                return False
-            self.p = after
-            c = start[0]
-            if c == 116 or c == 102 or c == 110:  # true false null
-                out[0] = True if c == 116 else (False if c == 102 else None)
-                return True
-            if c != 123 and c != 91:  # a number
-                out[0] = _number(start, after)
-                return True
-        try:  # an object, an array, a string with escapes above 0x7f
-            out[0] = _decode(PyBytes_FromStringAndSize(<const char *>start, after - start))
-        except _DECODE_ERRORS:
-            return False
-        return True
-
-    cdef object chat(self):
-        """The ``messages`` array at p as a Chat, moving past it; None (p unchanged) when some
-        message is outside Chat's shape or the array is invalid."""
-        cdef const unsigned char *p = self.p
-        cdef const unsigned char *end = self.end
-        cdef const unsigned char *key
-        cdef const unsigned char *text
-        cdef Py_ssize_t n, raw = 0, text_chars = 0
-        cdef int text_flags = 0
-        cdef bint closed = False, done
-        cdef Chat chat = Chat.__new__(Chat)
-        chat.body = self.body
-        p = _open(p, end, 91, &closed)
-        while not closed:
-            text = NULL
-            p = _open(p, end, 123, &done)
-            if p == NULL:
-                return None
-            while not done:
-                p = _member(p, end, &key, &n, False)
-                if p == NULL:
-                    return None
-                if _is_content(key, n):
-                    if p < end and p[0] == QUOTE:
-                        text = p + 1
-                        p = _string_end(text, end, &text_chars, &text_flags)
-                        if p == NULL or (text_flags & WIDE):
-                            return None
-                        raw = p - 1 - text
-                    else:
-                        p = _word_end(p, end, b"null", 4)  # else a list of parts, a number...
-                        text = NULL
-                else:
-                    p = _skip_value(p, end, 3)
-                if p == NULL:
-                    return None
-                p = _after(p, end, 125, &done)
-                if p == NULL:
-                    return None
-            if text != NULL:
-                chat.add(text - self.base, raw, text_chars, text_flags)
-            chat.count += 1
-            p = _after(p, end, 93, &closed)
-            if p == NULL:
-                return None
-        self.p = p
-        return chat
-
-    cdef int messages(self, list out) except -1:
-        """A chat body's ``messages``: a Chat, else a list of Message, or (not a list) the
-        value as it is."""
-        cdef const unsigned char *p = self.p
-        cdef const unsigned char *end = self.end
-        cdef const unsigned char *key
-        cdef Py_ssize_t n
-        cdef bint closed = False, done
-        cdef list items, content = [None]
-        cdef object chat
-        if p >= end or p[0] != 91:
-            return self.value(out)
-        chat = self.chat()
-        if chat is not None:
-            out[0] = chat
-            return True
-        items = []
-        p = _open(p, end, 91, &closed)
-        while not closed:
-            content[0] = None
-            p = _open(p, end, 123, &done)
-            if p == NULL:
-                return False  # an item that is not an object: the slower path names the error
-            while not done:
-                p = _member(p, end, &key, &n, False)
-                if p == NULL:
-                    return False
-                if _is_content(key, n):
-                    self.p = p
-                    if not self.value(content):
-                        return False
-                    p = self.p
-                else:
-                    p = _skip_value(p, end, 3)
-                    if p == NULL:
-                        return False
-                p = _after(p, end, 125, &done)
-                if p == NULL:
-                    return False
-            items.append(self.message(content[0]))
-            p = _after(p, end, 93, &closed)
-            if p == NULL:
-                return False
-        self.p = p
-        out[0] = items
-        return True
+cdef object _value(const unsigned char **at, const unsigned char *end):
+    """The value at ``*at`` as json gives it, moving ``*at`` past it; _UNDECIDED when the scan
+    does not decide it (invalid, or a float or escape msgspec refuses)."""
+    cdef const unsigned char *start = at[0]
+    cdef const unsigned char *after
+    cdef Py_ssize_t chars
+    cdef int flags
+    cdef unsigned char c
+    if start < end and start[0] == QUOTE:
+        after = _string_end(start + 1, end, &chars, &flags)
+        if after == NULL:
+            return _UNDECIDED
+        at[0] = after
+        if not (flags & WIDE):
+            return _ascii_str(start + 1, after - start - 2, chars, flags)
+    else:
+        after = _skip_value(start, end, 1)
+        if after == NULL:
+            return _UNDECIDED
+        at[0] = after
+        c = start[0]
+        if c == 116 or c == 102 or c == 110:  # true false null
+            return True if c == 116 else (False if c == 102 else None)
+        if c != 123 and c != 91:  # a number
+            return _number(start, after)
+    try:  # an object, an array, a string with escapes above 0x7f
+        return _decode(PyBytes_FromStringAndSize(<const char *>start, after - start))
+    except _DECODE_ERRORS:
+        return _UNDECIDED
 
 
-def scan_fields(bytes body, tuple keys, tuple names, Py_ssize_t messages_at=-1, object message=None):
-    """The ``names`` present in ``body`` as json would decode them, or None (undecided).
-
-    ``keys[i]`` is ``names[i]`` as ASCII bytes. ``messages_at``: the index in them of a key
-    whose value, when a list of objects, is read as a list of ``message(content)`` (each
-    object's ``content``, None when absent); -1: none.
-    """
-    cdef _Scan s = _Scan.__new__(_Scan)
-    cdef const unsigned char *p
-    cdef const unsigned char *end
+cdef object _chat(const unsigned char **at, const unsigned char *end, bytes body):
+    """The ``messages`` value at ``*at`` as a Chat, moving ``*at`` past it. Not an array: the
+    value as json gives it. _UNDECIDED when a message is not an object, or its content is not
+    absent, null or a plain string (a list of parts, a number, an escape above 0x7f): msgspec's
+    typed decode reads those as ``fields.Message`` objects."""
+    cdef const unsigned char *p = at[0]
     cdef const unsigned char *key
-    cdef Py_ssize_t chars, i, n = len(keys)
-    cdef bint closed
-    cdef bytes k
-    cdef dict out = {}
-    cdef list slot = [None]
-    s.body = body
-    s.message = message
-    s.base = <const unsigned char *>PyBytes_AS_STRING(body)
-    s.end = end = s.base + PyBytes_GET_SIZE(body)
-    p = _open(_skip_ws(s.base, end), end, 123, &closed)
-    if p == NULL:
-        return None
+    cdef const unsigned char *text
+    cdef Py_ssize_t n, raw = 0, text_chars = 0
+    cdef int text_flags = 0
+    cdef bint closed, done
+    cdef Chat chat
+    if p >= end or p[0] != 91:
+        return _value(at, end)
+    chat = Chat.__new__(Chat)
+    chat.body = body
+    p = _open(p, end, 91, &closed)
     while not closed:
-        p = _member(p, end, &key, &chars, False)
+        text = NULL
+        p = _open(p, end, 123, &done)
+        if p == NULL:
+            return _UNDECIDED
+        while not done:
+            p = _member(p, end, &key, &n, False)
+            if p == NULL:
+                return _UNDECIDED
+            if _is_content(key, n):
+                if p < end and p[0] == QUOTE:
+                    text = p + 1
+                    p = _string_end(text, end, &text_chars, &text_flags)
+                    if p == NULL or (text_flags & WIDE):
+                        return _UNDECIDED
+                    raw = p - 1 - text
+                else:
+                    p = _word_end(p, end, b"null", 4)
+                    text = NULL
+            else:
+                p = _skip_value(p, end, 3)
+            if p == NULL:
+                return _UNDECIDED
+            p = _after(p, end, 125, &done)
+            if p == NULL:
+                return _UNDECIDED
+        if text != NULL:
+            chat.add(text - <const unsigned char *>PyBytes_AS_STRING(body), raw, text_chars, text_flags)
+        chat.count += 1
+        p = _after(p, end, 93, &closed)
+        if p == NULL:
+            return _UNDECIDED
+    at[0] = p
+    return chat
+
+
+cdef class FieldScan:
+    """The scan of one endpoint's read keys (``fields.READ_FIELDS``); a chat endpoint's
+    ``messages`` become a Chat."""
+
+    def __init__(self, tuple names):
+        self.names = names
+        self.keys = tuple(n.encode("ascii") for n in names)
+        self.messages_at = names.index("messages") if "messages" in names else -1
+
+    cpdef object scan(self, bytes body):
+        """The read keys present in ``body`` as json would decode them, or None (undecided)."""
+        cdef const unsigned char *p = <const unsigned char *>PyBytes_AS_STRING(body)
+        cdef const unsigned char *end = p + PyBytes_GET_SIZE(body)
+        cdef const unsigned char *key
+        cdef Py_ssize_t chars, i, n = len(self.keys)
+        cdef bint closed
+        cdef bytes k
+        cdef object value
+        cdef dict out = {}
+        p = _open(_skip_ws(p, end), end, 123, &closed)
         if p == NULL:
             return None
-        for i in range(n):
-            k = <bytes>keys[i]
-            if PyBytes_GET_SIZE(k) == chars and memcmp(key, PyBytes_AS_STRING(k), chars) == 0:
-                break
-        else:
-            i = -1
-        if i >= 0:
-            s.p = p
-            if i == messages_at:
-                if not s.messages(slot):
-                    return None
-            elif not s.value(slot):
-                return None
-            out[names[i]] = slot[0]
-            p = s.p
-        else:
-            p = _skip_value(p, end, 1)
+        while not closed:
+            p = _member(p, end, &key, &chars, False)
             if p == NULL:
                 return None
-        p = _after(p, end, 125, &closed)
-        if p == NULL:
+            for i in range(n):
+                k = <bytes>self.keys[i]
+                if PyBytes_GET_SIZE(k) == chars and memcmp(key, PyBytes_AS_STRING(k), chars) == 0:
+                    break
+            else:
+                i = -1
+            if i >= 0:
+                value = _chat(&p, end, body) if i == self.messages_at else _value(&p, end)
+                if value is _UNDECIDED:
+                    return None
+                out[self.names[i]] = value
+            else:
+                p = _skip_value(p, end, 1)
+                if p == NULL:
+                    return None
+            p = _after(p, end, 125, &closed)
+            if p == NULL:
+                return None
+        if _skip_ws(p, end) != end:
             return None
-    if _skip_ws(p, end) != end:
-        return None
-    return out
+        return out

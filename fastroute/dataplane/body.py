@@ -205,7 +205,7 @@ class RequestMeta:
             if type(msgs) is _Chat:  # fields.py's scan: joined in one copy
                 return msgs.routing_text()
             for msg in msgs or ():
-                content = msg.content if type(msg) is _Message else msg.get("content")
+                content = msg.content if isinstance(msg, _Message) else msg.get("content")
                 if type(content) is str:
                     parts.append(content)
                 elif type(content) is list:
@@ -384,7 +384,7 @@ def _parse_chat(obj: dict, meta: RequestMeta) -> None:
     if messages is None:
         return
     if type(messages) is _Chat:  # fields.py's scan: counted as it went
-        meta.input_tokens = len(messages) * _CHAT_TOKENS_PER_MESSAGE + messages.tokens
+        meta.input_tokens = messages.count * _CHAT_TOKENS_PER_MESSAGE + messages.tokens
         return
     if type(messages) is not list:
         raise _bad("'messages' must be a list")
@@ -393,7 +393,7 @@ def _parse_chat(obj: dict, meta: RequestMeta) -> None:
         if type(msg) is not dict and type(msg) is not _Message:  # (_Message: fields.py's)
             raise _bad("'messages' must be a list of objects")
         tokens += _CHAT_TOKENS_PER_MESSAGE
-        content = msg.content if type(msg) is _Message else msg.get("content")  # (no Python frame)
+        content = msg.content if isinstance(msg, _Message) else msg.get("content")  # (no Python frame)
         if type(content) is str:
             tokens += estimate_tokens(content)
         elif type(content) is list:

@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from fastroute.dataplane._jsonscan import scan_fields
+from fastroute.dataplane._jsonscan import FieldScan
 
 __all__ = ["READ_FIELDS", "PICKERS", "FieldPicker", "Message"]
 
@@ -41,14 +41,11 @@ READ_FIELDS: dict[str, tuple[str, ...]] = {
 
 class Message(msgspec.Struct, gc=False):
     """One chat message as the router reads it: its ``content`` only (the role and any other key
-    are skipped). ``get`` answers like the message's dict would for ``content``. Not tracked by
-    the garbage collector: decoded JSON holds no cycles, and a long conversation decoded as dicts
-    was a GC pass every few requests."""
+    are skipped); body.py reads ``content`` as an attribute. Not tracked by the garbage
+    collector: decoded JSON holds no cycles, and a long conversation decoded as dicts was a GC
+    pass every few requests."""
 
     content: Any = None
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.content if key == "content" else default
 
 
 # Fields decoded to a type narrower than Any; a body where one has another shape is refused by
@@ -91,13 +88,12 @@ def _long_digit_run(body: bytes) -> bool:
 class FieldPicker:
     """One endpoint's decoder of READ_FIELDS."""
 
-    __slots__ = ("decoder", "keys", "messages_at", "names")
+    __slots__ = ("decoder", "names", "scanner")
 
     def __init__(self, names: tuple[str, ...]) -> None:
         self.decoder = _decoder(names)
         self.names = names
-        self.keys = tuple(n.encode("ascii") for n in names)
-        self.messages_at = names.index("messages") if "messages" in names else -1
+        self.scanner = FieldScan(names)
 
     def pick(self, body: bytes) -> dict | None:
         """The ``names`` present in the body, as json would decode them; None: take the full parse.
@@ -111,10 +107,10 @@ class FieldPicker:
         nesting within a few levels of json's recursion limit in a key the router does not read
         is forwarded (the worker judges it) where the full parse answered 400.
 
-        First the structural scan (``_jsonscan.scan_fields``: ASCII bodies, strings skipped 16
+        First the structural scan (``_jsonscan.FieldScan``: ASCII bodies, strings skipped 16
         bytes per step); what it does not decide takes the msgspec decoders.
         """
-        out = scan_fields(body, self.keys, self.names, self.messages_at, Message)
+        out = self.scanner.scan(body)
         if out is not None:
             return out
         if _long_digit_run(body):
