@@ -7,5 +7,6 @@ cdef class Route:
     cdef public object worker, pool, authority, auth, rank_field, bootstrap, prefill_dp_size, prefill_rank
     cdef public object index, port, prefill_rank_field
 
+    cdef bytes frame(self, Request req, Py_ssize_t length)
     cpdef send_injected(self, Request req, head, sep, fields, tail, leg)
     cpdef send(self, Request req, leg)

@@ -99,47 +99,40 @@ class Route:
             _body.rank_field_bytes("disagg_prefill_dp_rank", dp_rank) if ids and dp_rank is not None else None
         )
 
+    def frame(self, req: Request, length: int) -> bytes:
+        """The upstream request head for ``req`` with a body of ``length`` bytes."""
+        auth = self.auth
+        if not auth and req.auth is not None:
+            auth = b"Authorization: " + req.auth + b"\r\n"
+        return b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b%b\r\n" % (
+            req.url,
+            self.authority,
+            length,
+            req.fwd,
+            auth,
+        )
+
     def send_injected(self, req: Request, head: Any, sep: bytes, fields: bytes, tail: Any, leg: Any) -> None:
         """Send ``req`` with ``fields`` spliced into its body (``head``, ``sep``, ``tail`` from
         splice_parts). A large body goes out as the framed head and the client's bytes around
         the fields as views (one writev): no leg copies it, and a request waiting for its
         connection holds no copy. A small one is framed whole in one buffer, as before: its copy
         is cheap, and the kernel gets one iovec instead of four."""
-        auth = self.auth
-        if not auth and req.auth is not None:
-            auth = b"Authorization: " + req.auth + b"\r\n"
         mid = sep + fields
         n = len(head) + len(mid) + len(tail)
-        framed = b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b%b\r\n" % (
-            req.url,
-            self.authority,
-            n,
-            req.fwd,
-            auth,
-        )
         if n < _VIEWS_FROM:
-            self.pool.send(b"".join((framed, head, mid, tail)), leg)
+            self.pool.send(b"".join((self.frame(req, n), head, mid, tail)), leg)
         else:
-            self.pool.send(framed, leg, False, (head, mid, tail))
+            self.pool.send(self.frame(req, n), leg, False, (head, mid, tail))
 
     def send(self, req: Request, leg: Any) -> None:
-        """Regular mode: send the client body as it came (framed inline: the common case), or
+        """Regular mode: send the client body as it came, beside its framed head (one writev),
+        so a request waiting for its connection or its answer holds no second copy of it; or
         with this target's rank key when the target is one DP rank."""
         field = self.rank_field
         if field is None:
-            auth = self.auth
-            if not auth and req.auth is not None:
-                auth = b"Authorization: " + req.auth + b"\r\n"
             body = req.body
-            # The head alone is framed; the body goes out as it came, beside it (one writev),
-            # so a request waiting for its connection or its answer holds no second copy of it.
-            self.pool.send(
-                b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b%b\r\n"
-                % (req.url, self.authority, len(body), req.fwd, auth),
-                leg,
-                False,
-                body if body else None,
-            )
+            self.pool.send(self.frame(req, len(body)), leg, False, body if body else None)
         else:
             head, sep, tail = _body.splice_parts(req.body)
             self.send_injected(req, head, sep, field, tail, leg)
