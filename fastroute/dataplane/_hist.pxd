@@ -2,7 +2,7 @@
 # the vtable).
 cdef class Hist:
     cdef readonly tuple bounds
-    cdef public list counts
+    cdef readonly list counts
     cdef public double sum
     cdef double *edges
     cdef Py_ssize_t n

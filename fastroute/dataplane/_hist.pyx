@@ -5,8 +5,9 @@ list item and the float sum re-boxed) the five histograms of a PD request cost ~
 instructions, 6% of the request.
 
 ``bounds`` (sorted floats), ``counts`` (a list, one more than the bounds: the last is +Inf) and
-``sum`` are the fields control/metrics.py reads and merges; a Hist pickles as those three
-(``--workers N`` sends each proxy's histograms to the supervisor).
+``sum`` are the fields control/metrics.py reads and merges (``counts`` item by item: the list
+itself cannot be replaced, since observe indexes it without a bounds check); a Hist pickles as
+those three (``--workers N`` sends each proxy's histograms to the supervisor).
 """
 
 from libc.stdlib cimport free, malloc
@@ -17,10 +18,6 @@ from fastroute.config import DEFAULT_DURATION_BUCKETS
 cdef class Hist:
     """A fixed-bucket histogram, no locking (one process, one event loop); buckets are
     cumulated at scrape time. An observation lands in the first bucket whose bound is >= it."""
-
-    def __cinit__(self, bounds=None):
-        self.edges = NULL
-        self.n = 0
 
     def __init__(self, bounds=None):
         cdef Py_ssize_t i
@@ -63,7 +60,9 @@ cdef class Hist:
 
 
 def _rebuild(bounds, counts, total):
-    h = Hist(bounds)
+    cdef Hist h = Hist(bounds)
+    if len(counts) != h.n + 1:  # observe indexes counts unchecked: never a list of another size
+        raise ValueError("histogram counts do not match its bounds")
     h.counts = list(counts)
     h.sum = total
     return h
