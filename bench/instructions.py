@@ -45,6 +45,13 @@ def owner(proto):
     d = getattr(proto, "dispatch", None)
     return d.owner if d is not None else proto.app
 
+def stream(leg):  # the worker's 8 SSE events, one read each, then [DONE] and the end
+    for _ in range(8):
+        leg.up_body(B.EVENT)
+        leg.up_flush()
+    leg.up_body(b"data: [DONE]\n\n")
+    leg.up_done()
+
 if scenario == "pd-sse":
     proto, pool, loop = B._setup(pd_disaggregation=True, prefill=[("http://127.0.0.1:9", 8998)],
                                  decode=["http://127.0.0.1:10"], dp_aware=True)
@@ -61,11 +68,7 @@ if scenario == "pd-sse":
         d.up_head(200, B.SSE_HEAD)
         p.up_body(B.EVENT)
         p.up_done()
-        for _ in range(8):
-            d.up_body(B.EVENT)
-            d.up_flush()
-        d.up_body(b"data: [DONE]\n\n")
-        d.up_done()
+        stream(d)
 else:
     proto, pool, loop = B._setup(worker_urls=["http://127.0.0.1:9"])
     if scenario == "json-metrics":
@@ -76,11 +79,7 @@ else:
             proto.data_received(B.SSE_REQ)
             leg = pool.last
             leg.up_head(200, B.SSE_HEAD)
-            for _ in range(8):
-                leg.up_body(B.EVENT)
-                leg.up_flush()
-            leg.up_body(b"data: [DONE]\n\n")
-            leg.up_done()
+            stream(leg)
     else:
         def one():
             B._json_round(proto, pool)

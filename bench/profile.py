@@ -53,13 +53,14 @@ def main() -> int:
         help="bare: sample bench/bare_relay.py instead (with --perf), for comparison; "
         "lean: the floor, /work/shared/bench/lean_relay.py (bench/lean_pd_relay.py with --mode pd)",
     )
-    ap.add_argument(
+    bodies = ap.add_mutually_exclusive_group()
+    bodies.add_argument(
         "--chat-bytes",
         type=int,
         default=None,
         help="send distinct ~N byte chat bodies (bench/floor.py's) instead of the fixed small ones",
     )
-    ap.add_argument(
+    bodies.add_argument(
         "--gen-bytes",
         type=int,
         default=None,

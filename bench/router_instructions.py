@@ -79,7 +79,10 @@ def self_costs(path: Path) -> tuple[collections.Counter, collections.Counter]:
     return by_ob, by_fn
 
 
-def run_one(a: argparse.Namespace, router: str, checkout: Path, tmp: Path) -> tuple[float, int, Path]:
+def run_one(
+    a: argparse.Namespace, router: str, checkout: Path, tmp: Path
+) -> tuple[int, collections.Counter, collections.Counter]:
+    """Requests served, and own instructions by shared object and by function, of one run."""
     be = ov.Backends.fresh()
     procs = ov.Procs(tmp)
     try:
@@ -103,8 +106,7 @@ def run_one(a: argparse.Namespace, router: str, checkout: Path, tmp: Path) -> tu
         if res["non2xx"] or res["socket_errors"]:
             raise SystemExit(f"{router}: {res['non2xx']} non-2xx answers, {res['socket_errors']} socket errors")
         dumps = sorted(tmp.glob(f"{router}.*.out.1"), key=lambda q: q.stat().st_size, reverse=True)
-        total = sum(self_costs(dumps[0])[0].values())
-        return total / res["requests"], res["requests"], dumps[0]
+        return (res["requests"], *self_costs(dumps[0]))
     finally:
         procs.stop_all()
 
@@ -119,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkout", action="append", type=Path, help="fastroute checkout(s), built in place")
     ap.add_argument("--top", type=int, default=15)
     a = ap.parse_args(argv)
+    if a.checkout and "fastroute" not in a.router:
+        ap.error("--checkout selects fastroute builds: give --router fastroute too")
     for tool in ("valgrind", "callgrind_control", "nginx", "wrk"):
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} not found (Debian: valgrind, nginx, wrk)")
@@ -126,17 +130,17 @@ def main(argv: list[str] | None = None) -> int:
     for router in a.router:
         for c in a.checkout or [ov.REPO] if router == "fastroute" else [ov.REPO]:
             tmp = Path(tempfile.mkdtemp(prefix="fastroute-cg-"))
-            per, n, dump = run_one(a, router, c.resolve(), tmp)
+            n, by_ob, by_fn = run_one(a, router, c.resolve(), tmp)
+            per = sum(by_ob.values()) / n
             label = router if router != "fastroute" or not a.checkout else f"fastroute@{c}"
-            runs.append((label, per, n, dump))
+            runs.append((label, per, n, by_ob, by_fn))
             print(f"{label}: {per:,.0f} instructions per request ({n:,} requests)", flush=True)
     print(f"\n### {a.mode} {a.kind} {a.size} B, wrk -c16, {a.seconds} s under callgrind\n")
     print("| router | instructions per request | requests |")
     print("|---|---|---|")
-    for label, per, n, _ in runs:
+    for label, per, n, _, _ in runs:
         print(f"| {label} | {per:,.0f} | {n:,} |")
-    for label, _, n, dump in runs:
-        by_ob, by_fn = self_costs(dump)
+    for label, _, n, by_ob, by_fn in runs:
         print(f"\n{label}: own instructions per request by shared object, then by function")
         for k, v in by_ob.most_common(8):
             print(f"  {v / n:9,.0f}  {k}")
