@@ -166,6 +166,7 @@ cdef inline const unsigned char *_open(
     whitespace after it; when the container is empty, past its closing byte with ``closed``
     True. NULL when it does not open at p."""
     if p >= end or p[0] != opening:
+        closed[0] = False
         return NULL
     p = _skip_ws(p + 1, end)
     closed[0] = p < end and p[0] == opening + 2  # } is { + 2, ] is [ + 2
