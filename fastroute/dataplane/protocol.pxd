@@ -1,6 +1,7 @@
 # Augmenting declarations for the compiled build of protocol.py (Cython pure-Python mode; see
 # setup.py): the classes below become extension types, their attributes a C struct. The .py
 # stays the source and runs as it is when not compiled; keep both in step.
+from fastroute.dataplane._ids cimport request_id
 from fastroute.dataplane.dispatch cimport Dispatcher
 
 cdef class Request:
@@ -11,7 +12,8 @@ cdef class Request:
 
 cdef class ClientProtocol:
     cdef public Dispatcher dispatch
-    cdef public object loop, transport, parser, _flags
+    cdef public object loop, transport, parser
+    cdef public dict _flags
     cdef public bint closed, busy, draining, bad_request, in_head, head_only, _expect
     cdef public object queue, flow, exchange
     cdef public double head_deadline, http_t0
@@ -19,3 +21,7 @@ cdef class ClientProtocol:
     cdef public object _url, _fwd, _chunks, _rid_vals, _key_vals, _body_check, waiter, http_key
     cdef public object _bad_message, _cl
     cdef public Py_ssize_t _head_size, _head_bytes, _bad_status
+
+cdef dict _RID_PREFIX  # path -> request id prefix (a C global: one dict call per id)
+
+cpdef bytes new_request_id(path)

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import random
 import weakref
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
@@ -37,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import httptools
 
 from fastroute import errors as _errors
+from fastroute.dataplane._ids import request_id
 from fastroute.dataplane.flow import FlowControl
 from fastroute.dataplane.headerflags import (  # header_flags re-exported (the App builds the table)
     _F_ACRH,
@@ -94,19 +93,12 @@ _READ_ERROR_CODE = {400: _errors.CODE_BAD_REQUEST, 408: "request_timeout", 431: 
 
 _RID_PREFIX = RID_PREFIX
 
-# Request ids are correlation tags, not secrets: a Mersenne Twister seeded from
-# the OS is random enough (6.1) and costs no getrandom() syscall per request,
-# unlike secrets.token_hex. Re-seeded in a forked child so that processes
-# started by fork never hand out the same sequence.
-_rid_rng = random.Random(os.urandom(32))
-_rid_bits = _rid_rng.getrandbits
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=lambda: _rid_rng.seed(os.urandom(32)))
-
 
 def new_request_id(path: bytes) -> bytes:
-    # 24 lowercase hex characters (96 random bits): alphanumeric as 6.1 asks.
-    return _RID_PREFIX.get(path, b"req-") + b"%024x" % _rid_bits(96)
+    """A fresh id for a request that brought none: the path's prefix and 24 lowercase hex
+    characters (96 random bits, alphanumeric as 6.1 asks; ``_ids.request_id``)."""
+    prefix = _RID_PREFIX.get(path)
+    return request_id(prefix if prefix is not None else b"req-")
 
 
 # --------------------------------------------------------------------------- client protocol

@@ -1,0 +1,6 @@
+"""Typed API of fastroute.dataplane._ids: compiled request ids."""
+
+from __future__ import annotations
+
+def seed(key: bytes | None = None) -> None: ...
+def request_id(prefix: bytes) -> bytes: ...
