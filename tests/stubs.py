@@ -7,6 +7,17 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+from fastroute.dataplane.upstream import Pool
+
+
+class PoolStandIn(Pool):
+    """Base of the tests' pools that record what is sent instead of connecting: a Pool by type,
+    since routes and connections hold a typed one in the compiled build. Subclasses override
+    ``send`` (and whatever else they watch); the pool's own loop is never called."""
+
+    def __init__(self) -> None:
+        super().__init__("127.0.0.1", 9, 3.0, SimpleNamespace())
+
 
 class StubLease:
     """Counts its releases; ``release()`` is True only the first time, like the real Lease."""
@@ -93,7 +104,7 @@ class StubConn:
         pass
 
 
-class StubPool:
+class StubPool(PoolStandIn):
     """A worker's pool that keeps every leg the App sends through it (``legs``), each given a
     StubConn, for the test to play the worker's answers to."""
 
@@ -101,6 +112,7 @@ class StubPool:
     auth = b""
 
     def __init__(self) -> None:
+        super().__init__()
         self.legs: list[Any] = []
 
     def send(self, request: bytes, leg: Any, fresh: bool = False, body: bytes | None = None) -> StubConn:

@@ -1,9 +1,12 @@
 # Augmenting declarations for the compiled build of exchange.py (Cython pure-Python mode; see
 # setup.py): the classes below become extension types, their attributes a C struct. The .py
 # stays the source and runs as it is when not compiled; keep both in step.
+cimport cython
+
 from fastroute.dataplane.body cimport RequestMeta
 from fastroute.dataplane.dispatch cimport Dispatcher
-from fastroute.dataplane.protocol cimport ClientProtocol, Request
+from fastroute.dataplane.protocol cimport ClientProtocol, Request, new_request_id
+from fastroute.dataplane.route cimport Route
 from fastroute.dataplane.upstream cimport Leg
 
 cdef class _Exchange(Leg):
@@ -36,12 +39,15 @@ cdef class _Exchange(Leg):
     cpdef _abort_legs(self)
 
 cdef class Relay(_Exchange):
-    cdef public object conn
     cdef public Py_ssize_t target
 
+    @cython.locals(route=Route)
     cpdef attempt(self)
     cpdef _abort_legs(self)
     cpdef up_head(self, status, headers)
     cpdef up_body(self, data)
     cpdef up_done(self)
     cpdef up_error(self, exc)
+
+# What the client head does with a worker header, by name (a C global: one dict call per header).
+cdef dict _NAME_KIND

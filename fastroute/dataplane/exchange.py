@@ -142,14 +142,17 @@ class _Exchange(Leg):
         self.retry_handle: asyncio.TimerHandle | None = None
         self.slot = True  # holds an admission slot until _close_books
         self.gave_up = False  # retries_exhausted counted
-        self.started_at = dispatch.loop.time()
-        self.deadline = self.started_at + dispatch.timeout
+        # Read back through self below: the fields are typed in the compiled build (C field
+        # reads), the parameters are not.
+        self.started_at = self.dispatch.loop.time()
+        self.deadline = self.started_at + self.dispatch.timeout
         self.chunked = False
         self.head: bytes | None = None  # client head not yet written (sent with the first body bytes)
         self.started = False  # client head built: errors now end the connection
         self.finished = False
-        self.keep_alive = req.keep_alive
-        self.rid = req.rid if req.rid is not None else new_request_id(path)
+        self.keep_alive = self.req.keep_alive
+        rid = self.req.rid
+        self.rid = rid if rid is not None else new_request_id(path)
         # Client bytes produced while one upstream read is parsed; written with a
         # single transport.write when the read is done (up_flush), so a burst of
         # SSE events costs one syscall, not one per event.
@@ -158,11 +161,11 @@ class _Exchange(Leg):
         self.status = 0
         # SSE keep-alive (protocol.md 3.6): when the next ": keep-alive" comment is due (0: none
         # for this request), and whether the router already committed the 200 event-stream head.
-        ka = dispatch.sse_keepalive
-        self.ka_due = self.started_at + ka if meta.stream and ka > 0 and req.http11 else 0.0
+        ka = self.dispatch.sse_keepalive
+        self.ka_due = self.started_at + ka if self.meta.stream and ka > 0 and self.req.http11 else 0.0
         self.ka_sent = False
-        dispatch.exchanges.add(self)
-        proto.exchange = self
+        self.dispatch.exchanges.add(self)
+        self.proto.exchange = self
 
     # -- breaker outcomes ---------------------------------------------------------
     def _outcome(self, target: int, result: int | BaseException) -> None:
@@ -477,7 +480,7 @@ class _Exchange(Leg):
 class Relay(_Exchange):
     """Regular mode: one worker, response relayed as it arrives. Is its own leg."""
 
-    __slots__ = ("conn", "target")
+    __slots__ = ("target",)
 
     def __init__(self, dispatch: Any, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
         super().__init__(dispatch, proto, req, path, meta)

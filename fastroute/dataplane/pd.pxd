@@ -1,7 +1,10 @@
 # Augmenting declarations for the compiled build of pd.py (Cython pure-Python mode; see
 # setup.py): the classes below become extension types, their attributes a C struct. The .py
 # stays the source and runs as it is when not compiled; keep both in step.
+cimport cython
+
 from fastroute.dataplane.exchange cimport _Exchange
+from fastroute.dataplane.route cimport Route
 from fastroute.dataplane.upstream cimport Leg
 
 cdef class _PDLeg
@@ -11,6 +14,7 @@ cdef class PDRelay(_Exchange):
     cdef public object merger
     cdef public bint stream, merge, relaying
 
+    @cython.locals(p_route=Route, d_route=Route, p=_PDLeg, d=_PDLeg)
     cpdef attempt(self)
     cpdef _abort_legs(self)
     cpdef _close_books(self)
@@ -23,7 +27,7 @@ cdef class PDRelay(_Exchange):
 
 cdef class _PDLeg(Leg):
     cdef public PDRelay ex
-    cdef public object conn, role, headers, chunks
+    cdef public object role, headers, chunks
     cdef public Py_ssize_t status, size, target
     cdef public bint done
 

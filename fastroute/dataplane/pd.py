@@ -48,7 +48,7 @@ _RANK_A, _RANK_B = DP_RANK_FIELDS  # the client body keys refused in PD mode
 class _PDLeg(Leg):
     """One leg of a PD exchange; forwards upstream callbacks to the PDRelay."""
 
-    __slots__ = ("ex", "conn", "role", "status", "headers", "chunks", "size", "done", "target")
+    __slots__ = ("ex", "role", "status", "headers", "chunks", "size", "done", "target")
 
     def __init__(self, ex: PDRelay, role: str, target: int = -1) -> None:
         self.ex = ex

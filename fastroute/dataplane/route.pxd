@@ -2,9 +2,11 @@
 # setup.py): Route becomes an extension type, its fields a C struct. The .py stays the source
 # and runs as it is when not compiled; keep both in step.
 from fastroute.dataplane.protocol cimport Request
+from fastroute.dataplane.upstream cimport Pool
 
 cdef class Route:
-    cdef public object worker, pool, authority, auth, rank_field, bootstrap, prefill_dp_size, prefill_rank
+    cdef public Pool pool
+    cdef public object worker, authority, auth, rank_field, bootstrap, prefill_dp_size, prefill_rank
     cdef public object index, port, prefill_rank_field
 
     cdef bytes frame(self, Request req, Py_ssize_t length)

@@ -85,9 +85,11 @@ TIMEOUT = _Timeout("request timeout")  # an attempt's outcome when the exchange'
 class Leg:
     """What a connection reports its response to (see the module docstring); the regular
     exchange and each leg of a PD exchange derive from it. A base class rather than a duck type
-    so that the compiled build (upstream.pxd) makes these callbacks C calls."""
+    so that the compiled build (upstream.pxd) makes these callbacks C calls, and ``conn`` (the
+    connection serving it, set by the pool) a C field."""
 
-    __slots__ = ()
+    __slots__ = ("conn",)
+    conn: Any  # the UpstreamConnection serving this leg (None when there is none)
 
     def up_head(self, status: int, headers: list) -> None:
         raise NotImplementedError
@@ -372,7 +374,7 @@ class Pool:
         loop: asyncio.AbstractEventLoop | None = None,
         ssl: Any = None,
     ) -> None:
-        self.host = host[1:-1] if host.startswith("[") else host  # bracketed IPv6 -> connect form
+        self.host = host[1 : len(host) - 1] if host.startswith("[") else host  # bracketed IPv6 -> connect form
         self.port = port
         # An ssl.SSLContext for an https:// worker (fastroute.tls.client_context), else None.
         # TLS costs only at connect: the handshake is paid once per pooled connection.
@@ -384,7 +386,7 @@ class Pool:
         self._sweep_handle: asyncio.TimerHandle | None = None
         self.closed = False
 
-    def send(self, request: bytes, leg: Any, fresh: bool = False, body: Any = None) -> UpstreamConnection:
+    def send(self, request: bytes, leg: Leg, fresh: bool = False, body: Any = None) -> UpstreamConnection:
         """Send framed ``request`` bytes, followed by ``body`` when it is given apart from them
         (bytes, or a tuple of buffers written in order); callbacks go to ``leg``. Sets
         ``leg.conn``."""

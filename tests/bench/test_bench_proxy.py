@@ -19,14 +19,15 @@ import pytest
 from fastroute.config import Config
 from fastroute.dataplane.app import App
 from fastroute.dataplane.protocol import ClientProtocol
-from tests.stubs import StubConn, StubRegistry, StubTransport
+from tests.stubs import PoolStandIn, StubConn, StubRegistry, StubTransport
 
 
-class _Pool:
+class _Pool(PoolStandIn):
     authority = b"127.0.0.1:9"
     auth = b""
 
     def __init__(self) -> None:
+        super().__init__()
         self.last: Any = None
         self.conn = StubConn()
 

@@ -14,7 +14,7 @@ from fastroute.config import Config
 from fastroute.dataplane import route as _route
 from fastroute.dataplane.app import App
 from fastroute.dataplane.protocol import ClientProtocol
-from tests.stubs import StubConn, StubRegistry, StubTransport
+from tests.stubs import PoolStandIn, StubConn, StubRegistry, StubTransport
 
 PD = {
     "pd_disaggregation": True,
@@ -24,11 +24,12 @@ PD = {
 }
 
 
-class _Pool:
+class _Pool(PoolStandIn):
     authority = b"127.0.0.1:9"
     auth = b""
 
     def __init__(self) -> None:
+        super().__init__()
         self.sent: list[tuple[bytes, Any]] = []
 
     def send(self, request: bytes, leg: Any, fresh: bool = False, body: Any = None) -> StubConn:

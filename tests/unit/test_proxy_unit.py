@@ -17,6 +17,7 @@ from fastroute.config import Config
 from fastroute.dataplane.app import App
 from fastroute.dataplane.protocol import ClientProtocol
 from fastroute.dataplane.upstream import Leg
+from tests.stubs import PoolStandIn
 from tests.stubs import StubGroup as Group
 
 
@@ -70,8 +71,9 @@ class FakeConn:
         self.aborted = True
 
 
-class FakePool:
+class FakePool(PoolStandIn):
     def __init__(self) -> None:
+        super().__init__()
         self.sent: list[tuple[bytes, Any]] = []
         self.bodies: list[bytes | None] = []  # bodies handed apart from their framed head
         self.authority = b"127.0.0.1:9"
@@ -354,8 +356,9 @@ def test_payload_limit_by_content_length_answers_before_the_body(env) -> None:
     env.proto.data_received(b"x" * 100)  # late body bytes are ignored
 
 
-class _StubPool:
+class _StubPool(PoolStandIn):
     def __init__(self) -> None:
+        super().__init__()
         self.resent: list[tuple[bytes, Any, bool]] = []
         self.bodies: list[bytes | None] = []
         self.discarded = 0
