@@ -3,6 +3,8 @@
 # object's vtable, so the null object of metrics-off costs a call that returns. The .py stays the
 # source and runs as it is when not compiled; keep both in step.
 
+cimport cython
+
 from fastroute.dataplane._hist cimport Hist
 
 cdef class PathLabels:
@@ -30,11 +32,21 @@ cdef class Telemetry:
 cdef class RequestTelemetry(Telemetry):
     cdef public object stats, loop, backend
     cdef dict _models
+    # The Stats dicts and histograms the events bump (Stats never replaces them): C dict calls
+    # and vtable calls, not an attribute lookup and a method call on the Stats object.
+    cdef dict _http_requests, _http_responses, _router_requests, _router_errors, _router_duration
+    cdef dict _http_duration, _pd_ttft, _worker_errors, _retries, _retries_exhausted, _rate_limit
+    cdef Hist _pick_seconds, _overhead_seconds
 
+    @cython.locals(row=dict)
     cpdef PathLabels labels(self, model, path)
     cdef _observe(self, Hist h, double v)
     cdef _observe_in(self, dict d, key, double v)
 
+# Label tables built at import, read per event (C globals: dict calls, no module lookup).
+cdef dict _PATH_LABEL, _METHOD_LABEL, _STATUS_LABEL, _HTTP_KEY, _HTTP_KEY_OTHER, _HTTP_KEY_WORKER
+
 # Module functions the events call: C calls inside this module (still importable from Python).
 cpdef str path_label(path)
+@cython.locals(keys=dict)
 cpdef tuple http_key(method, path)

@@ -142,7 +142,25 @@ class Telemetry:
 class RequestTelemetry(Telemetry):
     """Metrics on: each event bumps this process's :class:`~fastroute.control.metrics.Stats`."""
 
-    __slots__ = ("stats", "loop", "backend", "_models")
+    __slots__ = (
+        "stats",
+        "loop",
+        "backend",
+        "_models",
+        "_http_requests",
+        "_http_responses",
+        "_router_requests",
+        "_router_errors",
+        "_router_duration",
+        "_http_duration",
+        "_pd_ttft",
+        "_worker_errors",
+        "_retries",
+        "_retries_exhausted",
+        "_rate_limit",
+        "_pick_seconds",
+        "_overhead_seconds",
+    )
     stats: Stats
     loop: AbstractEventLoop
     backend: str
@@ -153,6 +171,21 @@ class RequestTelemetry(Telemetry):
         self.loop = loop
         self.backend = backend  # "regular" or "pd": the backend label
         self._models = {}
+        # Stats makes its dicts and histograms once and only ever updates them in place: the
+        # events hold them directly (in the compiled build, typed: see telemetry.pxd).
+        self._http_requests = stats.http_requests
+        self._http_responses = stats.http_responses
+        self._router_requests = stats.router_requests
+        self._router_errors = stats.router_errors
+        self._router_duration = stats.router_duration
+        self._http_duration = stats.http_duration
+        self._pd_ttft = stats.pd_ttft
+        self._worker_errors = stats.worker_errors
+        self._retries = stats.retries
+        self._retries_exhausted = stats.retries_exhausted
+        self._rate_limit = stats.rate_limit
+        self._pick_seconds = stats.pick_seconds
+        self._overhead_seconds = stats.overhead_seconds
 
     def labels(self, model: str | None, path: bytes) -> PathLabels | None:
         """The label tuples of ``model``'s requests on inference path ``path``."""
@@ -184,38 +217,37 @@ class RequestTelemetry(Telemetry):
 
     def request(self, proto: Any, method: bytes, path: bytes) -> None:
         key = http_key(method, path)
-        d = self.stats.http_requests
+        d = self._http_requests
         d[key] = d.get(key, 0) + 1
         proto.http_key = key  # the response's labels (ClientProtocol.response_done)
         proto.http_t0 = perf_counter()
 
     def http_done(self, key: Any, t0: float) -> None:
-        self._observe_in(self.stats.http_duration, key, perf_counter() - t0)
+        self._observe_in(self._http_duration, key, perf_counter() - t0)
 
     def routed(self, path: bytes, meta: Any) -> None:
         pl = self.labels(meta.model, path)
         if pl is not None:
-            d = self.stats.router_requests
+            d = self._router_requests
             key = pl.routed_stream if meta.stream else pl.routed
             d[key] = d.get(key, 0) + 1
 
     def overhead(self, proto: Any) -> None:
-        self._observe(self.stats.overhead_seconds, perf_counter() - proto.http_t0)
+        self._observe(self._overhead_seconds, perf_counter() - proto.http_t0)
 
     def pick(self, t0: float) -> None:
-        self._observe(self.stats.pick_seconds, perf_counter() - t0)
+        self._observe(self._pick_seconds, perf_counter() - t0)
 
     def response(
         self, status: int, code: str, path: bytes | None = None, model: str | None = None, label: str | None = None
     ) -> None:
-        st = self.stats
-        d = st.http_responses
+        d = self._http_responses
         key = (_STATUS_LABEL.get(status) or str(status), code, label if label is not None else path_label(path))
         d[key] = d.get(key, 0) + 1
         if code and path is not None:
             pl = self.labels(model, path)
             if pl is not None:  # an inference request failed: smg_router_request_errors
-                e = st.router_errors
+                e = self._router_errors
                 key2 = pl.endpoint + (code,)
                 e[key2] = e.get(key2, 0) + 1
 
@@ -225,12 +257,12 @@ class RequestTelemetry(Telemetry):
     def duration(self, path: bytes, model: str | None, started_at: float) -> None:
         pl = self.labels(model, path)
         if pl is not None:
-            self._observe_in(self.stats.router_duration, pl.endpoint, self.loop.time() - started_at)
+            self._observe_in(self._router_duration, pl.endpoint, self.loop.time() - started_at)
 
     def ttft(self, path: bytes, model: str | None, started_at: float) -> None:
         pl = self.labels(model, path)
         if pl is not None:
-            self._observe_in(self.stats.pd_ttft, pl.model, self.loop.time() - started_at)
+            self._observe_in(self._pd_ttft, pl.model, self.loop.time() - started_at)
 
     def worker_error(self, registry: Any, target: int, result: Any) -> None:
         info = registry.target_info
@@ -244,17 +276,17 @@ class RequestTelemetry(Telemetry):
             kind = "connect_error"
         else:
             kind = "connection_error"
-        d = self.stats.worker_errors
+        d = self._worker_errors
         key = (role, kind)
         d[key] = d.get(key, 0) + 1
 
     def retry(self, role: str, path: bytes) -> None:
-        d = self.stats.retries
+        d = self._retries
         key = (role, INFERENCE[path])
         d[key] = d.get(key, 0) + 1
 
     def exhausted(self, role: str, path: bytes) -> None:
-        d = self.stats.retries_exhausted
+        d = self._retries_exhausted
         key = (role, INFERENCE[path])
         d[key] = d.get(key, 0) + 1
 
@@ -262,7 +294,7 @@ class RequestTelemetry(Telemetry):
         self.stats.connections_active += delta
 
     def rate_limit(self, result: str) -> None:
-        d = self.stats.rate_limit
+        d = self._rate_limit
         d[result] = d.get(result, 0) + 1
 
     def reclaim(self, reason: str) -> None:

@@ -61,8 +61,10 @@ def _pxd_attributes(package: str, module: str) -> dict[str, set[str]]:
     cls = None
     with open(os.path.join(here, f"{module}.pxd")) as f:
         lines = f.read().splitlines()
-    for line in lines:
-        line = line.strip()
+    for raw in lines:
+        line = raw.strip()
+        if line and not raw[0].isspace() and not line.startswith(("cdef class ", "#", "@")):
+            cls = None  # a module-level declaration ends the class body
         if line.startswith("cdef class "):
             cls = line[len("cdef class ") :].split("(")[0].rstrip(":")
             out[cls] = set()
