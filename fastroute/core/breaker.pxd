@@ -2,6 +2,8 @@
 # setup.py): Breakers becomes an extension type, its fields a C struct, and the per-response
 # outcome path (status -> success / failure) C calls inside it. The .py stays the source and
 # runs as it is when not compiled; keep both in step.
+cimport cython
+
 cdef class Breakers:
     cdef public object table, clock, stats, name_of, cells
     cdef public list _ok_key, _fail_key
@@ -10,6 +12,8 @@ cdef class Breakers:
     cdef public Py_ssize_t capacity
     cdef public double timeout
 
+    @cython.locals(d=dict)
     cpdef success(self, t)
+    @cython.locals(d=dict)
     cpdef failure(self, t)
     cpdef status(self, t, status)

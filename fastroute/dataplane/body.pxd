@@ -1,7 +1,19 @@
 # Augmenting declarations for the compiled build of body.py (Cython pure-Python mode; see
 # setup.py): the classes below become extension types, their attributes a C struct. The .py
 # stays the source and runs as it is when not compiled; keep both in step.
+cimport cython
+
+from fastroute.dataplane.fields cimport FieldPicker
+
 cdef class RequestMeta:
     cdef public object _obj, body, fields, stream, batch, input_tokens, return_logprob, max_new_tokens, model, path
 
     cpdef shed(self)
+
+# The parse of every inference request: C calls inside this module, typed dicts (a dict call,
+# not a method lookup, per key read). Still importable from Python.
+cpdef estimate_tokens(text)
+cpdef _opt_int(dict obj, key, where=*)
+cpdef _parse_generate(dict obj, RequestMeta meta)
+@cython.locals(picker=FieldPicker, obj=dict, meta=RequestMeta)
+cpdef RequestMeta parse_request(path, body)

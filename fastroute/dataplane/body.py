@@ -420,7 +420,7 @@ _scan_object = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg
 
 
 def _loads(text: str) -> object:
-    if text[:1] == "{" and text[-1:] == "}":
+    if text.startswith("{") and text.endswith("}"):
         try:
             obj, end = _scan_object(text, 0)
         except (ValueError, StopIteration):

@@ -3,6 +3,7 @@
 # methods C-callable from the protocol and the exchanges (which type their ``dispatch`` as one). The .py
 # stays the source and runs as it is when not compiled; keep both in step.
 from fastroute.dataplane.admission cimport Admission
+from fastroute.dataplane.body cimport parse_request
 from fastroute.dataplane.telemetry cimport Telemetry
 
 cdef class Dispatcher:
@@ -10,7 +11,8 @@ cdef class Dispatcher:
     cdef public Telemetry tel
     cdef public object loop, registry, breakers, cors, api_key, config
     cdef public object room_rng, backend, model_role, exchange_cls, max_attempts
-    cdef public object header_flags, rid_headers, key_headers
+    cdef public dict header_flags
+    cdef public object rid_headers, key_headers
     cdef public dict routes
     cdef public set exchanges, connections
     cdef public dict handshaking

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from fastroute import errors as _errors
 from fastroute.auth import authorized, bearer
-from fastroute.dataplane import body as _body
 from fastroute.dataplane.admission import Admission
+from fastroute.dataplane.body import parse_request
 from fastroute.dataplane.cors import Cors
 from fastroute.dataplane.headerflags import header_flags
 from fastroute.dataplane.routes import INFERENCE, ROUTES, pd_unsupported
@@ -232,7 +232,7 @@ class Dispatcher:
             proto.send_error(pd_unsupported(spec.path), req)
             return
         try:
-            meta = _body.parse_request(spec.endpoint, req.body)
+            meta = parse_request(spec.endpoint, req.body)
         except RouterError as exc:
             proto.send_error(exc, req)
             return

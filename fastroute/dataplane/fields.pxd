@@ -5,3 +5,5 @@ from fastroute.dataplane._jsonscan cimport FieldScan
 cdef class FieldPicker:
     cdef public object decoder, names
     cdef public FieldScan scanner
+
+    cpdef pick(self, bytes body)
