@@ -3,6 +3,7 @@
 # stays the source and runs as it is when not compiled; keep both in step.
 cimport cython
 
+from fastroute.dataplane._splice cimport with_int
 from fastroute.dataplane.fields cimport FieldPicker
 
 cdef class RequestMeta:
@@ -17,3 +18,8 @@ cpdef _opt_int(dict obj, key, where=*)
 cpdef _parse_generate(dict obj, RequestMeta meta)
 @cython.locals(picker=FieldPicker, obj=dict, meta=RequestMeta)
 cpdef RequestMeta parse_request(path, body)
+
+# A PD attempt's fields (pd.py calls these in C).
+cpdef draw_room(rng, prefill_dp_size=*, prefill_rank=*)
+cpdef bytes bootstrap_fields(batch, tuple values, rng, prefill_dp_size, prefill_rank)
+cpdef tuple splice_point(body)

@@ -57,7 +57,9 @@ import json.scanner
 from functools import lru_cache
 from typing import Any, Protocol
 
+from fastroute.dataplane import _splice
 from fastroute.dataplane._jsonscan import Chat as _Chat
+from fastroute.dataplane._splice import with_int
 from fastroute.dataplane.fields import PICKERS as _PICKERS
 from fastroute.dataplane.fields import Message as _Message
 from fastroute.errors import CODE_BAD_REQUEST, RouterError
@@ -71,7 +73,7 @@ __all__ = [
     "estimate_tokens",
     "inject",
     "inject_parts",
-    "splice_parts",
+    "splice_point",
     "draw_room",
     "pd_fields",
     "pd_leg_fields",
@@ -96,10 +98,6 @@ _CHAT_TOKENS_PER_MESSAGE = 4
 # A chat batch is n rooms drawn and encoded by the router; n comes straight
 # from the client, so it is bounded (list batches are bounded by the body size).
 MAX_N = 1024
-
-_JSON_WS = frozenset(b" \t\n\r")
-_OPEN = 0x7B  # "{"
-_CLOSE = 0x7D  # "}"
 
 
 class _RandomBits(Protocol):
@@ -499,22 +497,10 @@ def _object_bounds(body: bytes | bytearray | memoryview) -> tuple[int, bool]:
     Raises RouterError(400) unless the bytes (modulo JSON whitespace) start with
     ``{`` and end with ``}``.  Assumes the body already parsed as JSON (parse_request).
     """
-    ws = _JSON_WS
-    end = len(body) - 1
-    while end >= 0 and body[end] in ws:
-        end -= 1
-    start = 0
-    while start < end and body[start] in ws:
-        start += 1
-    if end <= start or body[end] != _CLOSE or body[start] != _OPEN:
-        raise _bad("Request body must be a JSON object")
-    # In a valid object the token before the closing brace is either the
-    # object's own opening brace (empty object) or the end of a value, which is
-    # never "{"; so one backwards scan over whitespace decides the separator.
-    j = end - 1
-    while j > start and body[j] in ws:
-        j -= 1
-    return end, j == start
+    try:
+        return _splice.object_bounds(body)
+    except ValueError:
+        raise _bad("Request body must be a JSON object") from None
 
 
 def inject_parts(body: bytes, fields: bytes) -> tuple[memoryview, bytes, memoryview]:
@@ -530,16 +516,13 @@ def inject_parts(body: bytes, fields: bytes) -> tuple[memoryview, bytes, memoryv
     return view[:end], (fields if empty else b"," + fields), view[end:]
 
 
-def splice_parts(body: bytes) -> tuple[memoryview, bytes, memoryview]:
-    """(head, separator, tail): ``head + separator + fields + tail`` is ``inject(body, fields)``.
-
-    For a caller that frames several legs from one body (PD: same scan, one
-    copy per leg, made by the framing itself). ``head`` and ``tail`` are views
-    of ``body``; ``separator`` is ``b","``, or ``b""`` for an empty object.
-    """
+def splice_point(body: bytes) -> tuple[int, bytes]:
+    """(end, separator): ``body[:end] + separator + fields + body[end:]`` is ``inject(body,
+    fields)``. For a caller that frames several legs from one body (PD: one scan for both legs,
+    the copy made by each leg's framing); ``separator`` is ``b","``, or ``b""`` for an empty
+    object."""
     end, empty = _object_bounds(body)
-    view = memoryview(body)
-    return view[:end], (b"" if empty else b","), view[end:]
+    return end, (b"" if empty else b",")
 
 
 def inject(body: bytes, fields: bytes) -> bytes:
@@ -585,14 +568,16 @@ def draw_room(rng: _RandomBits, prefill_dp_size: int = 1, prefill_rank: int | No
 
 
 @lru_cache(maxsize=1024)
-def bootstrap_values(host: str, port: int | None) -> tuple[bytes, bytes]:
-    """Encoded ``bootstrap_host`` and ``bootstrap_port`` values of a prefill worker (cached)."""
+def bootstrap_values(host: str, port: int | None) -> tuple[bytes, bytes, bytes]:
+    """Encoded ``bootstrap_host`` and ``bootstrap_port`` values of a prefill worker, and the
+    three keys of one request up to its room's digits (cached: built once per target)."""
     # A bare IPv6 literal must be bracketed: SGLang builds http://host:port
     # from it (mini_lb does the same; the Rust routers keep the URL's brackets).
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     port_b = b"null" if port is None else str(int(port)).encode()
-    return json.dumps(host).encode(), port_b
+    host_b = json.dumps(host).encode()
+    return host_b, port_b, b'"bootstrap_host":%b,"bootstrap_port":%b,"bootstrap_room":' % (host_b, port_b)
 
 
 @lru_cache(maxsize=64)
@@ -622,7 +607,7 @@ def _bootstrap_fields(
 
 def bootstrap_fields(
     batch: int | None,
-    values: tuple[bytes, bytes],
+    values: tuple[bytes, bytes, bytes],
     rng: _RandomBits,
     prefill_dp_size: int,
     prefill_rank: int | None,
@@ -631,10 +616,9 @@ def bootstrap_fields(
 
     ``values`` is ``bootstrap_values(host, port)`` of the prefill, encoded once per target.
     """
-    host_b, port_b = values
+    host_b, port_b, scalar = values
     if batch is None:
-        room = draw_room(rng, prefill_dp_size, prefill_rank)
-        return b'"bootstrap_host":%b,"bootstrap_port":%b,"bootstrap_room":%d' % (host_b, port_b, room)
+        return with_int(scalar, draw_room(rng, prefill_dp_size, prefill_rank))
     # Rooms of one batch must be distinct (each item is its own KV transfer);
     # a collision among 63-bit draws is astronomically rare but cheap to rule out.
     rooms: set[int] = set()

@@ -3,6 +3,7 @@
 # stays the source and runs as it is when not compiled; keep both in step.
 cimport cython
 
+from fastroute.dataplane.body cimport bootstrap_fields, splice_point
 from fastroute.dataplane.exchange cimport _Exchange
 from fastroute.dataplane.route cimport Route
 from fastroute.dataplane.upstream cimport Leg

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
 from fastroute.config import DP_RANK_FIELDS
-from fastroute.dataplane import body as _body
+from fastroute.dataplane.body import bootstrap_fields, splice_point
 from fastroute.dataplane.exchange import KEEP_LENGTH, RETRY_STATUS, TIMEOUT, _Exchange, retry_after
 from fastroute.dataplane.logprobs import SSELogprobMerger, merge_logprobs_json
 from fastroute.dataplane.protocol import CT_JSON
@@ -220,7 +220,7 @@ class PDRelay(_Exchange):
             d_route = routes[t] if t in routes else dispatch.owner.route(t)
             # Prefill rank travels in the room (room % prefill_dp_size == rank, 4.3),
             # never as a body key on the prefill leg; one room for both legs.
-            pfields = _body.bootstrap_fields(
+            pfields = bootstrap_fields(
                 meta.batch, p_route.bootstrap, dispatch.room_rng, p_route.prefill_dp_size, p_route.prefill_rank
             )
             rank = d_route.rank_field
@@ -228,10 +228,10 @@ class PDRelay(_Exchange):
             if p_route.prefill_rank_field is not None:  # a per-rank-port prefill rank
                 dfields = dfields + b"," + p_route.prefill_rank_field
             # One scan of the client body for both legs.
-            head, sep, tail = _body.splice_parts(req.body)
+            end, sep = splice_point(req.body)
             # Both legs leave in the same loop iteration (3.4: concurrent dispatch).
-            p_route.send_injected(req, head, sep, pfields, tail, p)
-            d_route.send_injected(req, head, sep, dfields, tail, d)
+            p_route.send_injected(req, end, sep, pfields, p)
+            d_route.send_injected(req, end, sep, dfields, d)
         except BaseException:
             self.fail_internal()
             raise

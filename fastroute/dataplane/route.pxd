@@ -1,6 +1,7 @@
 # Augmenting declarations for the compiled build of route.py (Cython pure-Python mode; see
 # setup.py): Route becomes an extension type, its fields a C struct. The .py stays the source
 # and runs as it is when not compiled; keep both in step.
+from fastroute.dataplane._splice cimport framed
 from fastroute.dataplane.protocol cimport Request
 from fastroute.dataplane.upstream cimport Pool
 
@@ -10,5 +11,5 @@ cdef class Route:
     cdef public object index, port, prefill_rank_field
 
     cdef bytes frame(self, Request req, Py_ssize_t length)
-    cpdef send_injected(self, Request req, head, sep, fields, tail, leg)
+    cpdef send_injected(self, Request req, Py_ssize_t end, bytes sep, bytes fields, leg)
     cpdef send(self, Request req, leg)

@@ -9,7 +9,7 @@ attempt is: acquire a lease from the group, then send through ``routes[lease.tar
 without looking at the registry or at worker fields.
 
 Framing is the only copy of the client body per leg: a body with injected fields is framed
-from the splice parts (:func:`fastroute.dataplane.body.splice_parts`), never built first; a body
+around its splice point (:func:`fastroute.dataplane.body.splice_point`), never built first; a body
 sent as it came is not copied at all (the pool writes the framed head and the client's bytes
 together).
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastroute.dataplane import body as _body
+from fastroute.dataplane._splice import framed
 from fastroute.dataplane.protocol import Request  # noqa: F401 (the compiled build types with it)
 from fastroute.dataplane.upstream import Pool
 
@@ -112,18 +113,20 @@ class Route:
             auth,
         )
 
-    def send_injected(self, req: Request, head: Any, sep: bytes, fields: bytes, tail: Any, leg: Any) -> None:
-        """Send ``req`` with ``fields`` spliced into its body (``head``, ``sep``, ``tail`` from
-        splice_parts). A large body goes out as the framed head and the client's bytes around
-        the fields as views (one writev): no leg copies it, and a request waiting for its
-        connection holds no copy. A small one is framed whole in one buffer, as before: its copy
-        is cheap, and the kernel gets one iovec instead of four."""
+    def send_injected(self, req: Request, end: int, sep: bytes, fields: bytes, leg: Any) -> None:
+        """Send ``req`` with ``fields`` spliced into its body at ``end`` after ``sep`` (from
+        ``body.splice_point``). A small body is framed whole, head and all, in one allocation
+        (its copy is cheap, and the kernel gets one iovec). A large one goes out as the framed
+        head and views of the client's bytes around the fields (one writev): no leg copies it,
+        and a request waiting for its connection holds no copy."""
+        body = req.body
         mid = sep + fields
-        n = len(head) + len(mid) + len(tail)
+        n = len(body) + len(mid)
         if n < _VIEWS_FROM:
-            self.pool.send(b"".join((self.frame(req, n), head, mid, tail)), leg)
+            self.pool.send(framed(self.frame(req, n), body, end, mid), leg)
         else:
-            self.pool.send(self.frame(req, n), leg, False, (head, mid, tail))
+            view = memoryview(body)
+            self.pool.send(self.frame(req, n), leg, False, (view[:end], mid, view[end:]))
 
     def send(self, req: Request, leg: Any) -> None:
         """Regular mode: send the client body as it came, beside its framed head (one writev),
@@ -134,5 +137,5 @@ class Route:
             body = req.body
             self.pool.send(self.frame(req, len(body)), leg, False, body if body else None)
         else:
-            head, sep, tail = _body.splice_parts(req.body)
-            self.send_injected(req, head, sep, field, tail, leg)
+            end, sep = _body.splice_point(req.body)
+            self.send_injected(req, end, sep, field, leg)

@@ -1,0 +1,4 @@
+# Declarations of fastroute.dataplane._splice for cimport (route.py frames a leg with framed, body.py
+# writes a room with with_int: C calls).
+cpdef bytes framed(bytes head, bytes body, Py_ssize_t end, bytes mid)
+cpdef bytes with_int(bytes prefix, long long value)

@@ -1,0 +1,78 @@
+"""Splicing fields into a client body, compiled: the bounds of the top-level object, and a leg's
+whole request (framed head, body with the fields spliced in) built in one allocation.
+
+A PD request splices its bootstrap fields into the client's body once per leg. As Python the
+bounds were a byte loop with a set test per byte, the pieces two memoryview slices and a join,
+and the room a ``%d`` format of the whole field list: ~10k instructions of a 2 KB PD request under
+callgrind. Here they are a scan of the few whitespace bytes at each end, a size sum and four
+``memcpy`` calls, and the room's digits written behind a prefix built once per prefill target.
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from libc.string cimport memcpy
+
+
+cdef inline bint _ws(unsigned char c) noexcept:
+    return c == 32 or c == 9 or c == 10 or c == 13  # JSON whitespace
+
+
+def object_bounds(const unsigned char[::1] body):
+    """(index of the top-level closing brace, whether the object is empty) of a body that is,
+    modulo JSON whitespace, ``{...}``; ValueError for anything else. The body is assumed to be
+    valid JSON (parse_request read it): in a valid object the token before the closing brace is
+    the object's own opening brace (empty) or the end of a value, never ``{``."""
+    cdef Py_ssize_t n = body.shape[0]
+    cdef Py_ssize_t end = n - 1
+    cdef Py_ssize_t start = 0
+    cdef Py_ssize_t j
+    while end >= 0 and _ws(body[end]):
+        end -= 1
+    while start < end and _ws(body[start]):
+        start += 1
+    if end <= start or body[end] != 0x7D or body[start] != 0x7B:
+        raise ValueError("not a JSON object")
+    j = end - 1
+    while j > start and _ws(body[j]):
+        j -= 1
+    return end, j == start
+
+
+cpdef bytes framed(bytes head, bytes body, Py_ssize_t end, bytes mid):
+    """``head + body[:end] + mid + body[end:]`` in one allocation (a leg's whole request)."""
+    cdef Py_ssize_t nh = PyBytes_GET_SIZE(head)
+    cdef Py_ssize_t nb = PyBytes_GET_SIZE(body)
+    cdef Py_ssize_t nm = PyBytes_GET_SIZE(mid)
+    if not 0 <= end <= nb:
+        raise ValueError("splice point outside the body")
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, nh + nb + nm)
+    cdef char *p = PyBytes_AS_STRING(out)
+    cdef const char *b = PyBytes_AS_STRING(body)
+    memcpy(p, PyBytes_AS_STRING(head), nh)
+    p += nh
+    memcpy(p, b, end)
+    p += end
+    memcpy(p, PyBytes_AS_STRING(mid), nm)
+    memcpy(p + nm, b + end, nb - end)
+    return out
+
+
+cpdef bytes with_int(bytes prefix, long long value):
+    """``prefix`` followed by the decimal digits of ``value`` (a bootstrap room behind its keys)."""
+    cdef char digits[24]
+    cdef Py_ssize_t k = 24
+    cdef unsigned long long v = <unsigned long long>(-value) if value < 0 else <unsigned long long>value
+    while True:
+        k -= 1
+        digits[k] = <char>(48 + v % 10)
+        v //= 10
+        if v == 0:
+            break
+    if value < 0:
+        k -= 1
+        digits[k] = b"-"
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(prefix)
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, n + 24 - k)
+    cdef char *p = PyBytes_AS_STRING(out)
+    memcpy(p, PyBytes_AS_STRING(prefix), n)
+    memcpy(p + n, &digits[k], 24 - k)
+    return out
