@@ -2,7 +2,7 @@
 
 ``ClientProtocol.on_header`` looks each header name up in a per-App table of ``_F_*`` bits
 (forward to the worker, Authorization, request-id or routing-key candidate, Content-Length,
-Expect, the CORS request headers). The table is built once per App by :func:`header_flags`
+Expect, Connection, the CORS request headers). The table is built once per App by :func:`header_flags`
 from the configured header names and grows by :func:`_classify` with each new spelling a client
 uses, so the hot path is one dict lookup per header. Nothing here runs per request once a
 spelling is known: the module is not compiled.
@@ -19,6 +19,7 @@ _F_CL = 16  # Content-Length
 _F_EXPECT = 32  # Expect: 100-continue
 _F_ORIGIN = 64  # Origin (flagged only with --cors-allowed-origins)
 _F_ACRH = 128  # Access-Control-Request-Headers (ditto: preflights)
+_F_CONN = 256  # Connection: only then can a kept-alive request be other than HTTP/1.1
 
 
 def header_flags(
@@ -40,6 +41,7 @@ def header_flags(
         b"authorization": _F_AUTH,
         b"content-length": _F_CL,
         b"expect": _F_EXPECT,
+        b"connection": _F_CONN,
     }
     if cors:
         flags[b"origin"] = _F_ORIGIN

@@ -14,7 +14,7 @@ cdef class ClientProtocol:
     cdef public Dispatcher dispatch
     cdef public object loop, transport, parser
     cdef public dict _flags
-    cdef public bint closed, busy, draining, bad_request, in_head, head_only, _expect
+    cdef public bint closed, busy, draining, bad_request, in_head, head_only, _expect, _conn
     cdef public object queue, flow, exchange
     cdef public double head_deadline, http_t0
     cdef public Request _req

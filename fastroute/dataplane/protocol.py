@@ -41,6 +41,7 @@ from fastroute.dataplane.headerflags import (  # header_flags re-exported (the A
     _F_ACRH,
     _F_AUTH,
     _F_CL,
+    _F_CONN,
     _F_EXPECT,
     _F_FWD,
     _F_KEY,
@@ -184,6 +185,7 @@ class ClientProtocol:
         "_rid_vals",
         "_key_vals",
         "_expect",
+        "_conn",
         "_cl",
         "_head_size",
         "_head_bytes",
@@ -224,6 +226,7 @@ class ClientProtocol:
         self._rid_vals: dict[bytes, bytes] | None = None
         self._key_vals: dict[bytes, bytes] | None = None
         self._expect = False
+        self._conn = False  # the head being read has a Connection header
         self._cl = -1
         self._head_size = 0
         self._head_bytes = 0  # bytes of reads wholly inside an unfinished head
@@ -324,6 +327,7 @@ class ClientProtocol:
         self._rid_vals = None
         self._key_vals = None
         self._expect = False
+        self._conn = False
         self._cl = -1
         self._head_size = 0
         self._head_bytes = 0
@@ -390,6 +394,8 @@ class ClientProtocol:
             req.origin = value
         if f & _F_ACRH:
             req.acrh = value
+        if f & _F_CONN:
+            self._conn = True
 
     def on_headers_complete(self) -> None:
         req = self._req
@@ -464,8 +470,11 @@ class ClientProtocol:
         self._req = None
         p = self.parser
         req.url = self._url
-        req.keep_alive = p.should_keep_alive()
-        req.http11 = p.get_http_version() == "1.1"
+        ka = req.keep_alive = p.should_keep_alive()
+        # llhttp parses HTTP/0.9, 1.0, 1.1 and 2.0 and keeps a request alive without a
+        # Connection header only for 1.1: the version string (formatted per call) is asked
+        # for only when it could be another.
+        req.http11 = True if ka and not self._conn else p.get_http_version() == "1.1"
         chunks = self._chunks
         if chunks:
             # The request owns its body from here; the chunk list must not keep a second

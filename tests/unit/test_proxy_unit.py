@@ -346,6 +346,30 @@ def test_http10_client_gets_close_delimited_stream(env) -> None:
     assert env.tr.out.endswith(b"\r\n\r\ndata: 1\n\n") and env.tr.closed
 
 
+@pytest.mark.parametrize(
+    "version, connection, chunked",
+    [
+        (b"1.0", b"Connection: keep-alive\r\n", False),  # kept alive, still 1.0: no chunked
+        (b"1.0", b"connection: Keep-Alive\r\n", False),
+        (b"1.1", b"", True),
+        (b"1.1", b"Connection: keep-alive\r\n", True),
+    ],
+)
+def test_only_an_http11_client_gets_a_chunked_stream(env, version: bytes, connection: bytes, chunked: bool) -> None:
+    body = b'{"text": "hi", "stream": true}'
+    env.proto.data_received(
+        b"POST /generate HTTP/%b\r\n%bContent-Length: %d\r\n\r\n%b" % (version, connection, len(body), body)
+    )
+    ((_, leg),) = env.pool.sent
+    leg.up_head(200, [(b"Transfer-Encoding", b"chunked")])
+    leg.up_body(b"data: 1\n\n")
+    leg.up_done()
+    out = bytes(env.tr.out)
+    assert (b"transfer-encoding: chunked" in out.lower()) is chunked
+    assert out.endswith(b"0\r\n\r\n" if chunked else b"\r\n\r\ndata: 1\n\n")
+    assert env.tr.closed is not chunked  # 1.0: the body ends at the close
+
+
 def test_payload_limit_by_content_length_answers_before_the_body(env) -> None:
     env.proto.data_received(
         b"POST /generate HTTP/1.1\r\nHost: r\r\nContent-Length: 5000\r\nExpect: 100-continue\r\n\r\n"
