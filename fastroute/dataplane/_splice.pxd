@@ -2,3 +2,4 @@
 # writes a room with with_int: C calls).
 cpdef bytes framed(bytes head, bytes body, Py_ssize_t end, bytes mid)
 cpdef bytes with_int(bytes prefix, long long value)
+cpdef bytes post_head(bytes url, bytes host_part, Py_ssize_t length, bytes fwd, bytes auth)

@@ -76,3 +76,40 @@ cpdef bytes with_int(bytes prefix, long long value):
     memcpy(p, PyBytes_AS_STRING(prefix), n)
     memcpy(p + n, &digits[k], 24 - k)
     return out
+
+
+cpdef bytes post_head(bytes url, bytes host_part, Py_ssize_t length, bytes fwd, bytes auth):
+    """``POST <url>`` + ``host_part`` (`` HTTP/1.1`` up to ``Content-Length: ``, fixed per
+    route) + the length's digits + CRLF + the forwarded headers + the Authorization line + the
+    blank line: an upstream request head, without parsing a format string."""
+    cdef char digits[24]
+    cdef Py_ssize_t k = 24
+    cdef size_t v = <size_t>length if length > 0 else 0
+    while True:
+        k -= 1
+        digits[k] = <char>(48 + v % 10)
+        v //= 10
+        if v == 0:
+            break
+    cdef Py_ssize_t nu = PyBytes_GET_SIZE(url)
+    cdef Py_ssize_t nh = PyBytes_GET_SIZE(host_part)
+    cdef Py_ssize_t nf = PyBytes_GET_SIZE(fwd)
+    cdef Py_ssize_t na = PyBytes_GET_SIZE(auth)
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, 5 + nu + nh + (24 - k) + 2 + nf + na + 2)
+    cdef char *p = PyBytes_AS_STRING(out)
+    memcpy(p, b"POST ", 5)
+    p += 5
+    memcpy(p, PyBytes_AS_STRING(url), nu)
+    p += nu
+    memcpy(p, PyBytes_AS_STRING(host_part), nh)
+    p += nh
+    memcpy(p, &digits[k], 24 - k)
+    p += 24 - k
+    memcpy(p, b"\r\n", 2)
+    p += 2
+    memcpy(p, PyBytes_AS_STRING(fwd), nf)
+    p += nf
+    memcpy(p, PyBytes_AS_STRING(auth), na)
+    p += na
+    memcpy(p, b"\r\n", 2)
+    return out

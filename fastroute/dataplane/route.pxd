@@ -1,12 +1,13 @@
 # Augmenting declarations for the compiled build of route.py (Cython pure-Python mode; see
 # setup.py): Route becomes an extension type, its fields a C struct. The .py stays the source
 # and runs as it is when not compiled; keep both in step.
-from fastroute.dataplane._splice cimport framed
+from fastroute.dataplane._splice cimport framed, post_head
 from fastroute.dataplane.protocol cimport Request
 from fastroute.dataplane.upstream cimport Pool
 
 cdef class Route:
     cdef public Pool pool
+    cdef public bytes host_part
     cdef public object worker, authority, auth, rank_field, bootstrap, prefill_dp_size, prefill_rank
     cdef public object index, port, prefill_rank_field
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastroute.dataplane import body as _body
-from fastroute.dataplane._splice import framed
+from fastroute.dataplane._splice import framed, post_head
 from fastroute.dataplane.protocol import Request  # noqa: F401 (the compiled build types with it)
 from fastroute.dataplane.upstream import Pool
 
@@ -42,6 +42,7 @@ class Route:
         "worker",
         "pool",
         "authority",
+        "host_part",
         "auth",
         "rank_field",
         "bootstrap",
@@ -68,6 +69,10 @@ class Route:
         self.index = rank
         self.port = int(worker.port) if port is None else int(port)
         self.authority = ("%s:%d" % (worker.host, self.port)).encode("idna")
+        # The fixed middle of every request head to this target (frame writes the rest).
+        self.host_part = b" HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nContent-Length: " % (
+            self.authority
+        )
         # With --api-key (or a per-worker key from POST /workers) the worker always gets that
         # key; the client's own header was checked equal. Else the Basic credentials of the
         # worker's URL (user:password@, stripped from the URL itself), if any. Without
@@ -105,13 +110,7 @@ class Route:
         auth = self.auth
         if not auth and req.auth is not None:
             auth = b"Authorization: " + req.auth + b"\r\n"
-        return b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b%b\r\n" % (
-            req.url,
-            self.authority,
-            length,
-            req.fwd,
-            auth,
-        )
+        return post_head(req.url, self.host_part, length, req.fwd, auth)
 
     def send_injected(self, req: Request, end: int, sep: bytes, fields: bytes, leg: Any) -> None:
         """Send ``req`` with ``fields`` spliced into its body at ``end`` after ``sep`` (from

@@ -74,3 +74,22 @@ def test_a_splice_point_gives_what_inject_gives(lead: str, obj: dict, trail: str
     fields = b'"bootstrap_room":7'
     assert body[:end] + sep + fields + body[end:] == inject(body, fields)
     assert json.loads(inject(body, fields)) == {**obj, "bootstrap_room": 7}
+
+
+@given(
+    st.binary(min_size=1, max_size=80),
+    st.binary(max_size=40),
+    st.integers(0, 2**40),
+    st.binary(max_size=80),
+    st.binary(max_size=60),
+)
+def test_post_head_is_the_formatted_head(url: bytes, host: bytes, length: int, fwd: bytes, auth: bytes) -> None:
+    host_part = b" HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nContent-Length: " % host
+    want = b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b%b\r\n" % (
+        url,
+        host,
+        length,
+        fwd,
+        auth,
+    )
+    assert _splice.post_head(url, host_part, length, fwd, auth) == want
