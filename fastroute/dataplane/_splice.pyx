@@ -56,17 +56,21 @@ cpdef bytes framed(bytes head, bytes body, Py_ssize_t end, bytes mid):
     return out
 
 
-cpdef bytes with_int(bytes prefix, long long value):
-    """``prefix`` followed by the decimal digits of ``value`` (a bootstrap room behind its keys)."""
-    cdef char digits[24]
+cdef inline Py_ssize_t _digits(char *digits, unsigned long long v) noexcept:
+    """Writes ``v`` in decimal at the end of the 24-byte ``digits``; returns where it starts."""
     cdef Py_ssize_t k = 24
-    cdef unsigned long long v = <unsigned long long>(-value) if value < 0 else <unsigned long long>value
     while True:
         k -= 1
         digits[k] = <char>(48 + v % 10)
         v //= 10
         if v == 0:
-            break
+            return k
+
+
+cpdef bytes with_int(bytes prefix, long long value):
+    """``prefix`` followed by the decimal digits of ``value`` (a bootstrap room behind its keys)."""
+    cdef char digits[24]
+    cdef Py_ssize_t k = _digits(digits, <unsigned long long>(-value) if value < 0 else <unsigned long long>value)
     if value < 0:
         k -= 1
         digits[k] = b"-"
@@ -83,14 +87,7 @@ cpdef bytes post_head(bytes url, bytes host_part, Py_ssize_t length, bytes fwd, 
     route) + the length's digits + CRLF + the forwarded headers + the Authorization line + the
     blank line: an upstream request head, without parsing a format string."""
     cdef char digits[24]
-    cdef Py_ssize_t k = 24
-    cdef size_t v = <size_t>length if length > 0 else 0
-    while True:
-        k -= 1
-        digits[k] = <char>(48 + v % 10)
-        v //= 10
-        if v == 0:
-            break
+    cdef Py_ssize_t k = _digits(digits, <unsigned long long>length if length > 0 else 0)
     cdef Py_ssize_t nu = PyBytes_GET_SIZE(url)
     cdef Py_ssize_t nh = PyBytes_GET_SIZE(host_part)
     cdef Py_ssize_t nf = PyBytes_GET_SIZE(fwd)
