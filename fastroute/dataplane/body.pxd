@@ -16,6 +16,9 @@ cdef class RequestMeta:
 cpdef estimate_tokens(text)
 cpdef _opt_int(dict obj, key, where=*)
 cpdef _parse_generate(dict obj, RequestMeta meta)
+cpdef _openai_common(dict obj, RequestMeta meta)
+cpdef _parse_completions(dict obj, RequestMeta meta)
+cpdef _parse_chat(dict obj, RequestMeta meta)
 @cython.locals(picker=FieldPicker, obj=dict, meta=RequestMeta)
 cpdef RequestMeta parse_request(path, body)
 

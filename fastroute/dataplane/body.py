@@ -405,9 +405,6 @@ def _parse_chat(obj: dict, meta: RequestMeta) -> None:
     meta.input_tokens = tokens
 
 
-_PARSERS = {GENERATE: _parse_generate, COMPLETIONS: _parse_completions, CHAT: _parse_chat}
-
-
 # json's own C scanner (what json.loads ends in), called directly: a body that is one object
 # from its first to its last byte (what clients send) is parsed in one C call, without
 # json.loads' three Python-level frames and two whitespace regex matches. Anything else
@@ -481,9 +478,12 @@ def parse_request(path: str, body: bytes) -> RequestMeta:
     meta = RequestMeta(obj, stream, None, 0, False, None, model, path, raw)
     if raw is not None:
         meta._obj = None  # the whole object: built from ``body`` if someone reads it
-    parser = _PARSERS.get(path)
-    if parser is not None:
-        parser(obj, meta)
+    if path == GENERATE:  # (branches, not a table: C calls in the compiled build)
+        _parse_generate(obj, meta)
+    elif path == CHAT:
+        _parse_chat(obj, meta)
+    elif path == COMPLETIONS:
+        _parse_completions(obj, meta)
     return meta
 
 

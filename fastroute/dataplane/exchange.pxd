@@ -5,7 +5,7 @@ cimport cython
 
 from fastroute.dataplane.body cimport RequestMeta
 from fastroute.dataplane.dispatch cimport Dispatcher
-from fastroute.dataplane.protocol cimport ClientProtocol, Request, new_request_id
+from fastroute.dataplane.protocol cimport ClientProtocol, Request, new_request_id, status_line
 from fastroute.dataplane.route cimport Route
 from fastroute.dataplane.upstream cimport Leg
 

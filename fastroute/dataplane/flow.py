@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from fastroute.dataplane.upstream import Leg
+
 
 class FlowControl:
     """Pause/resume state of one client connection and of the upstream relayed to it."""
@@ -64,7 +66,7 @@ class FlowControl:
                 conn.resume()
 
     # -- the upstream relayed to the client ----------------------------------------
-    def relay(self, leg: Any, held: bool = False) -> None:
+    def relay(self, leg: Leg, held: bool = False) -> None:
         """``leg``'s upstream body now flows to this client: it is read only while the client
         accepts writes. ``held``: the leg may be under a ``hold``, lifted here unless the client
         is full. The binding lasts until the next ``relay``; once the exchange is over its legs

@@ -3,6 +3,7 @@
 # stays the source and runs as it is when not compiled; keep both in step.
 from fastroute.dataplane._ids cimport request_id
 from fastroute.dataplane.dispatch cimport Dispatcher
+from fastroute.dataplane.flow cimport FlowControl
 
 cdef class Request:
     cdef public object method, url, fwd, auth, rid, key, body, body_len
@@ -15,13 +16,19 @@ cdef class ClientProtocol:
     cdef public object loop, transport, parser
     cdef public dict _flags
     cdef public bint closed, busy, draining, bad_request, in_head, head_only, _expect, _conn
-    cdef public object queue, flow, exchange
+    cdef public object queue, exchange
+    cdef public FlowControl flow
     cdef public double head_deadline, http_t0
     cdef public Request _req
     cdef public object _url, _fwd, _chunks, _rid_vals, _key_vals, _body_check, waiter, http_key
     cdef public object _bad_message, _cl
     cdef public Py_ssize_t _head_size, _head_bytes, _bad_status
 
+    # Per request, from this class and from the typed exchanges: C calls.
+    cpdef _start(self, req)
+    cpdef response_done(self, keep_alive)
+
 cdef dict _RID_PREFIX  # path -> request id prefix (a C global: one dict call per id)
 
 cpdef bytes new_request_id(path)
+cpdef bytes status_line(code)
