@@ -21,7 +21,9 @@ cdef class Dispatcher:
     cdef public bint accepting, pd, igw, guarded
     cdef public object owner, retry_rng
     cdef public double backoff_initial, backoff_max, backoff_mult, backoff_jitter
+    cdef dict _groups
 
     cpdef handle(self, proto, req)
     cpdef proxy(self, proto, req, path)
     cpdef begin(self, proto, req, path, meta)
+    cpdef group(self, role)

@@ -105,6 +105,7 @@ class Dispatcher:
         "backoff_mult",
         "backoff_jitter",
         "retry_rng",
+        "_groups",
     )
     # The fields' types (dispatch.pxd gives the compiled build's C types). The protocol, routes and
     # exchanges import this module, so their objects are Any here: naming them would be a cycle.
@@ -201,6 +202,9 @@ class Dispatcher:
         self.backoff_mult = float(config.retry_backoff_multiplier)
         self.backoff_jitter = float(config.retry_jitter_factor)
         self.retry_rng = random.Random(config.seed)
+        # role -> the registry's group, asked once: a Registry makes its groups when it is built
+        # and never replaces them, so a pick costs a dict lookup, not a Python call.
+        self._groups: dict[str, Any] = {}
 
     def handle(self, proto: Any, req: Any) -> None:
         """Answer one parsed request; ends with proto.response_done() (maybe later)."""
@@ -257,6 +261,13 @@ class Dispatcher:
             tel.overhead(proto)
         else:
             self.owner.wait(proto, req, path, meta)
+
+    def group(self, role: str) -> Any:
+        """The registry's group of ``role`` (``registry.group``, remembered)."""
+        g = self._groups.get(role)
+        if g is None:
+            g = self._groups[role] = self.registry.group(role)
+        return g
 
     def begin(self, proto: Any, req: Any, path: bytes, meta: Any) -> None:
         """Start the exchange of an admitted request (it owns the admission slot from here)."""

@@ -498,9 +498,7 @@ class Relay(_Exchange):
         try:
             # out_tokens only matters to KV-fit placement (the decode group); 0 when not given.
             t0 = tel.clock()
-            lease = dispatch.registry.group("regular").acquire(
-                meta.input_tokens, self.req.key, meta, meta.max_new_tokens or 0
-            )
+            lease = dispatch.group("regular").acquire(meta.input_tokens, self.req.key, meta, meta.max_new_tokens or 0)
             tel.pick(t0)
             meta.shed()  # the pick has read the decoded prompt: it is not held while we wait
             if lease is None:

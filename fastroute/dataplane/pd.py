@@ -190,19 +190,18 @@ class PDRelay(_Exchange):
                 return
         self.tries += 1
         dispatch = self.dispatch
-        registry = dispatch.registry
         tokens, key, out_tokens = meta.input_tokens, req.key, meta.max_new_tokens or 0
         # Both acquires run inside the error handling too: whatever they raise, the client
         # is answered and the leases and admission slot given back (fail_internal).
         tel = dispatch.tel
         t0 = tel.clock()
         try:
-            p_lease = registry.group("prefill").acquire(tokens, key, meta, out_tokens)
+            p_lease = dispatch.group("prefill").acquire(tokens, key, meta, out_tokens)
             if p_lease is None:
                 self._fail_client(_errors.no_available_workers("prefill"))
                 return
             self.leases = (p_lease,)
-            d_lease = registry.group("decode").acquire(tokens, key, meta, out_tokens)
+            d_lease = dispatch.group("decode").acquire(tokens, key, meta, out_tokens)
             tel.pick(t0)  # the pair's pick
             meta.shed()  # both picks have read the decoded prompt: not held while we wait
             if d_lease is None:
