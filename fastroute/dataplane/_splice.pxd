@@ -3,3 +3,4 @@
 cpdef bytes framed(bytes head, bytes body, Py_ssize_t end, bytes mid)
 cpdef bytes with_int(bytes prefix, long long value)
 cpdef bytes post_head(bytes url, bytes host_part, Py_ssize_t length, bytes fwd, bytes auth)
+cpdef tuple copied_headers(list headers, bint drop_ctype)

@@ -1,6 +1,10 @@
 """Splicing fields into a client body, compiled: the bounds of the top-level object, and a leg's
 whole request (framed head, body with the fields spliced in) built in one allocation.
 
+The client's response head copies the worker's header lines but the hop-by-hop ones
+(``copied_headers``): classified by length and a case-insensitive compare, no lower-cased copy
+and no dict lookup per name, written into one buffer.
+
 A PD request splices its bootstrap fields into the client's body once per leg. As Python the
 bounds were a byte loop with a set test per byte, the pieces two memoryview slices and a join,
 and the room a ``%d`` format of the whole field list: ~10k instructions of a 2 KB PD request under
@@ -9,6 +13,9 @@ callgrind. Here they are a scan of the few whitespace bytes at each end, a size 
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
+from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
 
@@ -110,3 +117,113 @@ cpdef bytes post_head(bytes url, bytes host_part, Py_ssize_t length, bytes fwd, 
     p += na
     memcpy(p, b"\r\n", 2)
     return out
+
+
+# What the client head does with a worker header (copied_headers).
+cdef enum:
+    COPY = 0
+    DROP = 1
+    LENGTH = 2
+    CTYPE = 3
+
+
+cdef inline bint _named(const unsigned char *p, const char *lower, Py_ssize_t n) noexcept:
+    """Whether the n bytes at p are ``lower`` (lower-case letters and '-') as bytes.lower()
+    sees them: a letter in either case, '-' itself."""
+    cdef Py_ssize_t i
+    cdef unsigned char t
+    for i in range(n):
+        t = <unsigned char>lower[i]
+        if p[i] != t and (t == 45 or (p[i] | 0x20) != t):
+            return False
+    return True
+
+
+cdef int _kind(const unsigned char *p, Py_ssize_t n) noexcept:
+    """COPY, DROP (hop-by-hop, or set by the router), LENGTH or CTYPE for a header name."""
+    if n == 2:
+        return DROP if _named(p, b"te", 2) else COPY
+    if n == 4:
+        return DROP if _named(p, b"host", 4) else COPY
+    if n == 7:
+        return DROP if _named(p, b"trailer", 7) or _named(p, b"upgrade", 7) else COPY
+    if n == 8:
+        return DROP if _named(p, b"trailers", 8) else COPY
+    if n == 10:
+        return DROP if _named(p, b"connection", 10) or _named(p, b"keep-alive", 10) else COPY
+    if n == 12:
+        if _named(p, b"content-type", 12):
+            return CTYPE
+        return DROP if _named(p, b"x-request-id", 12) else COPY
+    if n == 14:
+        return LENGTH if _named(p, b"content-length", 14) else COPY
+    if n == 16:
+        return DROP if _named(p, b"proxy-connection", 16) or _named(p, b"content-encoding", 16) else COPY
+    if n == 17:
+        return DROP if _named(p, b"transfer-encoding", 17) else COPY
+    if n == 18:
+        return DROP if _named(p, b"proxy-authenticate", 18) else COPY
+    if n == 19:
+        return DROP if _named(p, b"proxy-authorization", 19) else COPY
+    return COPY
+
+
+def header_kind(bytes name):
+    """The kind of one header name: 0 copy, 1 drop, 2 Content-Length, 3 Content-Type."""
+    return _kind(<const unsigned char *>PyBytes_AS_STRING(name), PyBytes_GET_SIZE(name))
+
+
+cpdef tuple copied_headers(list headers, bint drop_ctype):
+    """(the ``name: value`` CRLF lines of the worker headers the client gets, the value of the
+    first Content-Length or None) for ``headers``, a list of (name, value) bytes pairs. Not
+    copied: hop-by-hop headers, Host, Content-Encoding, Content-Length and X-Request-Id (the
+    router sets its own), and Content-Type when ``drop_ctype`` (the router sets it)."""
+    cdef Py_ssize_t count = PyList_GET_SIZE(headers)
+    cdef Py_ssize_t i, size = 0, nn, nv
+    cdef int k
+    cdef object pair, name, value
+    cdef object length = None
+    cdef unsigned char small[32]
+    cdef unsigned char *keep = &small[0]
+    cdef char *w
+    if count > 32:
+        keep = <unsigned char *>malloc(count)
+        if keep == NULL:
+            raise MemoryError()
+    try:
+        for i in range(count):  # which lines go, and their size
+            pair = <object>PyList_GET_ITEM(headers, i)
+            if type(pair) is not tuple or PyTuple_GET_SIZE(pair) != 2:
+                raise TypeError("headers must be (name, value) pairs of bytes")
+            name = <object>PyTuple_GET_ITEM(pair, 0)
+            value = <object>PyTuple_GET_ITEM(pair, 1)
+            if type(name) is not bytes or type(value) is not bytes:
+                raise TypeError("headers must be (name, value) pairs of bytes")
+            nn = PyBytes_GET_SIZE(<bytes>name)
+            k = _kind(<const unsigned char *>PyBytes_AS_STRING(<bytes>name), nn)
+            keep[i] = k == COPY or (k == CTYPE and not drop_ctype)
+            if k == LENGTH and length is None:
+                length = value
+            if keep[i]:
+                size += nn + PyBytes_GET_SIZE(<bytes>value) + 4
+        out = PyBytes_FromStringAndSize(NULL, size)
+        w = PyBytes_AS_STRING(out)
+        for i in range(count):
+            if not keep[i]:
+                continue
+            pair = <object>PyList_GET_ITEM(headers, i)
+            name = <object>PyTuple_GET_ITEM(pair, 0)
+            value = <object>PyTuple_GET_ITEM(pair, 1)
+            nn = PyBytes_GET_SIZE(<bytes>name)
+            nv = PyBytes_GET_SIZE(<bytes>value)
+            memcpy(w, PyBytes_AS_STRING(<bytes>name), nn)
+            w[nn] = 58  # :
+            w[nn + 1] = 32
+            memcpy(w + nn + 2, PyBytes_AS_STRING(<bytes>value), nv)
+            w[nn + 2 + nv] = 13
+            w[nn + 3 + nv] = 10
+            w += nn + nv + 4
+        return out, length
+    finally:
+        if keep != &small[0]:
+            free(keep)

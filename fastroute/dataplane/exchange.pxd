@@ -3,6 +3,7 @@
 # stays the source and runs as it is when not compiled; keep both in step.
 cimport cython
 
+from fastroute.dataplane._splice cimport copied_headers
 from fastroute.dataplane.body cimport RequestMeta
 from fastroute.dataplane.dispatch cimport Dispatcher
 from fastroute.dataplane.protocol cimport ClientProtocol, Request, new_request_id, status_line
@@ -48,6 +49,3 @@ cdef class Relay(_Exchange):
     cpdef up_body(self, data)
     cpdef up_done(self)
     cpdef up_error(self, exc)
-
-# What the client head does with a worker header, by name (a C global: one dict call per header).
-cdef dict _NAME_KIND

@@ -25,6 +25,7 @@ from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
+from fastroute.dataplane._splice import copied_headers
 from fastroute.dataplane.protocol import new_request_id, status_line
 from fastroute.dataplane.upstream import TIMEOUT, ConnectError, Leg
 from fastroute.errors import RouterError
@@ -33,41 +34,6 @@ if TYPE_CHECKING:
     from fastroute.dataplane.protocol import ClientProtocol, Request
 
 log = logging.getLogger("fastroute.proxy")
-
-# Response headers never copied from the worker (hop-by-hop, or set by us).
-_HOP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-connection",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"te",
-        b"trailer",
-        b"trailers",
-        b"transfer-encoding",
-        b"upgrade",
-        b"content-encoding",
-        b"host",
-        b"content-length",
-        b"x-request-id",
-    }
-)
-# What the client head does with a worker header, by its name as the worker spelled it
-# (workers send the same few names, so the lower() and set test run once per name, not per
-# response): copy it, drop it (_HOP), it is the Content-Length, or the Content-Type.
-_COPY, _DROP, _LENGTH, _CTYPE = 0, 1, 2, 3
-_NAME_KIND: dict[bytes, int] = {}
-_NAME_KIND_MAX = 512  # names beyond this many distinct spellings are classified each time
-
-
-def _name_kind(name: bytes) -> int:
-    n = name.lower()
-    kind = _LENGTH if n == b"content-length" else _DROP if n in _HOP else _CTYPE if n == b"content-type" else _COPY
-    if len(_NAME_KIND) < _NAME_KIND_MAX:
-        _NAME_KIND[name] = kind
-    return kind
-
 
 # _start_response's ``length``: keep the worker's own Content-Length, if it sent one.
 KEEP_LENGTH: Any = object()
@@ -202,28 +168,14 @@ class _Exchange(Leg):
             self.status = status
             self.started = True
             return
-        parts = [status_line(status)]
-        ap = parts.append
         self.status = status
-        kinds = _NAME_KIND
-        keep = length is KEEP_LENGTH
-        if keep:
-            length = None
-        for name, value in headers:
-            kind = kinds.get(name)
-            if kind is None:
-                kind = _name_kind(name)
-            if kind:
-                if kind == _LENGTH:
-                    if keep and length is None:
-                        length = value
-                    continue
-                if kind == _DROP or ctype is not None:
-                    continue
-            ap(name)  # (four appends, one copy at the join: no concatenated line per header)
-            ap(b": ")
-            ap(value)
-            ap(b"\r\n")
+        # The worker's lines but the hop-by-hop ones (and those the router sets), in one C
+        # pass (_splice.copied_headers), and its Content-Length for a byte-exact relay.
+        copied, upstream_length = copied_headers(headers, ctype is not None)
+        if length is KEEP_LENGTH:
+            length = upstream_length
+        parts = [status_line(status), copied]
+        ap = parts.append
         if ctype is not None:
             ap(b"content-type: " + ctype + b"\r\n")
         if length is not None:

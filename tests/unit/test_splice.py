@@ -93,3 +93,61 @@ def test_post_head_is_the_formatted_head(url: bytes, host: bytes, length: int, f
         auth,
     )
     assert _splice.post_head(url, host_part, length, fwd, auth) == want
+
+
+# The old rule of the client head, by lower-cased name: these never go to the client.
+_HOP = {
+    b"connection",
+    b"keep-alive",
+    b"proxy-connection",
+    b"proxy-authenticate",
+    b"proxy-authorization",
+    b"te",
+    b"trailer",
+    b"trailers",
+    b"transfer-encoding",
+    b"upgrade",
+    b"content-encoding",
+    b"host",
+    b"content-length",
+    b"x-request-id",
+}
+_NAMES = st.sampled_from(sorted(_HOP) + [b"content-type", b"date", b"server", b"x-trace", b"tex", b"hosts", b"t"])
+
+
+def _reference_copy(headers: list[tuple[bytes, bytes]], drop_ctype: bool) -> tuple[bytes, bytes | None]:
+    out, length = [], None
+    for name, value in headers:
+        n = name.lower()
+        if n == b"content-length" and length is None:
+            length = value
+        if n in _HOP or (drop_ctype and n == b"content-type"):
+            continue
+        out.append(name + b": " + value + b"\r\n")
+    return b"".join(out), length
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.one_of(
+                _NAMES.map(lambda n: n.upper()),
+                _NAMES,
+                _NAMES.map(lambda n: n.title()),
+                _NAMES.map(lambda n: n.replace(b"-", b"\r")),  # '-' | 0x20 is '-' too: no match
+                st.binary(max_size=20),
+            ),
+            st.binary(max_size=30),
+        ),
+        max_size=40,
+    ),
+    st.booleans(),
+)
+def test_copied_headers_follow_the_hop_by_hop_rule(headers: list[tuple[bytes, bytes]], drop_ctype: bool) -> None:
+    assert _splice.copied_headers(headers, drop_ctype) == _reference_copy(headers, drop_ctype)
+
+
+def test_copied_headers_refuse_what_is_not_pairs_of_bytes() -> None:
+    for bad in ([(b"a",)], [(b"a", "b")], [("a", b"b")], [[b"a", b"b"]]):
+        with pytest.raises(TypeError):
+            _splice.copied_headers(bad, False)  # type: ignore[arg-type]
