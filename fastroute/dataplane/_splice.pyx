@@ -23,12 +23,7 @@ cdef inline bint _ws(unsigned char c) noexcept:
     return c == 32 or c == 9 or c == 10 or c == 13  # JSON whitespace
 
 
-def object_bounds(const unsigned char[::1] body):
-    """(index of the top-level closing brace, whether the object is empty) of a body that is,
-    modulo JSON whitespace, ``{...}``; ValueError for anything else. The body is assumed to be
-    valid JSON (parse_request read it): in a valid object the token before the closing brace is
-    the object's own opening brace (empty) or the end of a value, never ``{``."""
-    cdef Py_ssize_t n = body.shape[0]
+cdef tuple _bounds(const unsigned char *body, Py_ssize_t n):
     cdef Py_ssize_t end = n - 1
     cdef Py_ssize_t start = 0
     cdef Py_ssize_t j
@@ -42,6 +37,21 @@ def object_bounds(const unsigned char[::1] body):
     while j > start and _ws(body[j]):
         j -= 1
     return end, j == start
+
+
+cpdef tuple object_bounds(body):
+    """(index of the top-level closing brace, whether the object is empty) of a body that is,
+    modulo JSON whitespace, ``{...}``; ValueError for anything else. The body is assumed to be
+    valid JSON (parse_request read it): in a valid object the token before the closing brace is
+    the object's own opening brace (empty) or the end of a value, never ``{``. Bytes are read
+    in place; any other buffer through a memoryview."""
+    cdef const unsigned char[::1] view
+    if type(body) is bytes:
+        return _bounds(<const unsigned char *>PyBytes_AS_STRING(body), PyBytes_GET_SIZE(body))
+    view = body
+    if view.shape[0] == 0:
+        raise ValueError("not a JSON object")
+    return _bounds(&view[0], view.shape[0])
 
 
 cpdef bytes framed(bytes head, bytes body, Py_ssize_t end, bytes mid):

@@ -3,7 +3,7 @@
 # stays the source and runs as it is when not compiled; keep both in step.
 cimport cython
 
-from fastroute.dataplane._splice cimport with_int
+from fastroute.dataplane._splice cimport object_bounds, with_int
 from fastroute.dataplane.fields cimport FieldPicker
 
 cdef class RequestMeta:
@@ -23,6 +23,8 @@ cpdef _parse_chat(dict obj, RequestMeta meta)
 cpdef RequestMeta parse_request(path, body)
 
 # A PD attempt's fields (pd.py calls these in C).
+@cython.locals(_try=int)
 cpdef draw_room(rng, prefill_dp_size=*, prefill_rank=*)
 cpdef bytes bootstrap_fields(batch, tuple values, rng, prefill_dp_size, prefill_rank)
 cpdef tuple splice_point(body)
+cpdef tuple _object_bounds(body)

@@ -57,9 +57,8 @@ import json.scanner
 from functools import lru_cache
 from typing import Any, Protocol
 
-from fastroute.dataplane import _splice
 from fastroute.dataplane._jsonscan import Chat as _Chat
-from fastroute.dataplane._splice import with_int
+from fastroute.dataplane._splice import object_bounds, with_int
 from fastroute.dataplane.fields import PICKERS as _PICKERS
 from fastroute.dataplane.fields import Message as _Message
 from fastroute.errors import CODE_BAD_REQUEST, RouterError
@@ -498,7 +497,7 @@ def _object_bounds(body: bytes | bytearray | memoryview) -> tuple[int, bool]:
     ``{`` and end with ``}``.  Assumes the body already parsed as JSON (parse_request).
     """
     try:
-        return _splice.object_bounds(body)
+        return object_bounds(body)
     except ValueError:
         raise _bad("Request body must be a JSON object") from None
 
@@ -552,7 +551,7 @@ def draw_room(rng: _RandomBits, prefill_dp_size: int = 1, prefill_rank: int | No
     block of N), it steps back by N, which keeps ``room % N == p``.
     """
     getbits = rng.getrandbits
-    for _ in range(_MAX_ROOM_TRIES):
+    for _try in range(_MAX_ROOM_TRIES):
         room = getbits(63)
         if 0 <= room < ROOM_LIMIT:
             break
