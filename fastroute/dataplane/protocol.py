@@ -237,7 +237,7 @@ class ClientProtocol:
         self._body_check: tuple[Any, int, float] | None = None
         self.waiter: Any = None  # admission queue entry while the request waits for a slot
         self.http_key: Any = None  # metrics on: the current request's (method, path) labels
-        self.http_t0 = 0.0  # ... and when it was complete (perf_counter)
+        self.http_t0 = 0.0  # ... and when it was complete (the telemetry's monotonic clock)
         self._bad_message = ""
         self._bad_status = 400
 

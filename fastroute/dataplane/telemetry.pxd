@@ -5,6 +5,7 @@
 
 cimport cython
 
+from fastroute.dataplane._clock cimport monotonic
 from fastroute.dataplane._hist cimport Hist
 
 cdef class PathLabels:

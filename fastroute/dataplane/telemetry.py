@@ -15,10 +15,10 @@ Compiled (``telemetry.pxd``), each call is a C method call through the object's 
 from __future__ import annotations
 
 from http import HTTPStatus
-from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from fastroute.auth import ADMIN_METHODS, WORKER_ITEM_PREFIX
+from fastroute.dataplane._clock import monotonic
 from fastroute.dataplane.routes import ENDPOINT_LABEL, INFERENCE, ROUTES
 from fastroute.dataplane.upstream import TIMEOUT, ConnectError
 from fastroute.names import label_value
@@ -213,17 +213,17 @@ class RequestTelemetry(Telemetry):
             self._observe(h, v)
 
     def clock(self) -> float:
-        return perf_counter()
+        return monotonic()
 
     def request(self, proto: Any, method: bytes, path: bytes) -> None:
         key = http_key(method, path)
         d = self._http_requests
         d[key] = d.get(key, 0) + 1
         proto.http_key = key  # the response's labels (ClientProtocol.response_done)
-        proto.http_t0 = perf_counter()
+        proto.http_t0 = monotonic()
 
     def http_done(self, key: Any, t0: float) -> None:
-        self._observe_in(self._http_duration, key, perf_counter() - t0)
+        self._observe_in(self._http_duration, key, monotonic() - t0)
 
     def routed(self, path: bytes, meta: Any) -> None:
         pl = self.labels(meta.model, path)
@@ -233,10 +233,10 @@ class RequestTelemetry(Telemetry):
             d[key] = d.get(key, 0) + 1
 
     def overhead(self, proto: Any) -> None:
-        self._observe(self._overhead_seconds, perf_counter() - proto.http_t0)
+        self._observe(self._overhead_seconds, monotonic() - proto.http_t0)
 
     def pick(self, t0: float) -> None:
-        self._observe(self._pick_seconds, perf_counter() - t0)
+        self._observe(self._pick_seconds, monotonic() - t0)
 
     def response(
         self, status: int, code: str, path: bytes | None = None, model: str | None = None, label: str | None = None

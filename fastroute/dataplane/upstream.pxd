@@ -3,6 +3,8 @@
 # stays the source and runs as it is when not compiled; keep both in step.
 cimport cython
 
+from fastroute.dataplane._clock cimport monotonic
+
 cdef class Leg:
     cdef public object conn
 

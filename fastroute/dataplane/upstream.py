@@ -51,6 +51,8 @@ from typing import Any
 
 import httptools
 
+from fastroute.dataplane._clock import monotonic
+
 log = logging.getLogger("fastroute.upstream")
 
 _IDLE_TIMEOUT = 3.0
@@ -393,7 +395,7 @@ class Pool:
         conn = None
         if not fresh:
             idle = self.idle
-            deadline = self.loop.time() - self.idle_timeout
+            deadline = monotonic() - self.idle_timeout
             while idle:
                 c = idle.pop()
                 c.pooled = False
@@ -452,7 +454,7 @@ class Pool:
         if conn.paused:
             conn.resume()  # a finished response may have been paused by a slow client
         conn.reused = False
-        conn.idle_since = self.loop.time()
+        conn.idle_since = monotonic()
         conn.pooled = True
         self.idle.append(conn)
         if self._sweep_handle is None:
@@ -469,14 +471,14 @@ class Pool:
 
     def _sweep(self) -> None:
         self._sweep_handle = None
-        deadline = self.loop.time() - self.idle_timeout
+        deadline = monotonic() - self.idle_timeout
         idle = self.idle
         while idle and idle[0].idle_since <= deadline:
             c = idle.pop(0)
             c.pooled = False
             c.abort()
         if idle:
-            delay = idle[0].idle_since + self.idle_timeout - self.loop.time()
+            delay = idle[0].idle_since + self.idle_timeout - monotonic()
             self._sweep_handle = self.loop.call_later(max(delay, 0.05), self._sweep)
 
     def retire(self) -> None:
