@@ -37,6 +37,7 @@ from fastroute.auth import (
     is_management,
     parse_control_plane_keys,
 )
+from fastroute.dataplane._clock import monotonic
 from fastroute.dataplane.dispatch import Dispatcher
 from fastroute.dataplane.exchange import Relay
 from fastroute.dataplane.pd import PDRelay
@@ -141,7 +142,7 @@ class App:
         if self.tls_listener:
             # connection_made comes only after the TLS handshake; a client that never sends
             # its ClientHello still holds a socket, so it is counted (and timed) from here.
-            self.dispatch.handshaking[proto] = self.loop.time() + self.dispatch.header_timeout
+            self.dispatch.handshaking[proto] = monotonic() + self.dispatch.header_timeout
             self.dispatch.tel.connections(1)
         return proto
 

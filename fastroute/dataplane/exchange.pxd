@@ -3,6 +3,7 @@
 # stays the source and runs as it is when not compiled; keep both in step.
 cimport cython
 
+from fastroute.dataplane._clock cimport monotonic
 from fastroute.dataplane._splice cimport copied_headers
 from fastroute.dataplane.body cimport RequestMeta
 from fastroute.dataplane.dispatch cimport Dispatcher

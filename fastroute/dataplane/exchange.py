@@ -25,6 +25,7 @@ from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
+from fastroute.dataplane._clock import monotonic
 from fastroute.dataplane._splice import copied_headers
 from fastroute.dataplane.protocol import new_request_id, status_line
 from fastroute.dataplane.upstream import TIMEOUT, ConnectError, Leg
@@ -110,7 +111,7 @@ class _Exchange(Leg):
         self.gave_up = False  # retries_exhausted counted
         # Read back through self below: the fields are typed in the compiled build (C field
         # reads), the parameters are not.
-        self.started_at = self.dispatch.loop.time()
+        self.started_at = monotonic()
         self.deadline = self.started_at + self.dispatch.timeout
         self.chunked = False
         self.head: bytes | None = None  # client head not yet written (sent with the first body bytes)
@@ -378,7 +379,7 @@ class _Exchange(Leg):
     def fits(self, wait: float) -> bool:
         """A retry after ``wait`` seconds (a worker's Retry-After; < 0: none) still starts
         before the request's deadline. When it would not, the worker's answer is relayed."""
-        return wait < 0.0 or self.dispatch.loop.time() + wait < self.deadline
+        return wait < 0.0 or monotonic() + wait < self.deadline
 
     def retry_later(self, role: str, wait: float = -1.0) -> None:
         """Drop this attempt (legs aborted, leases released) and schedule a fresh pick.

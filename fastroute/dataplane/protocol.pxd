@@ -1,6 +1,7 @@
 # Augmenting declarations for the compiled build of protocol.py (Cython pure-Python mode; see
 # setup.py): the classes below become extension types, their attributes a C struct. The .py
 # stays the source and runs as it is when not compiled; keep both in step.
+from fastroute.dataplane._clock cimport monotonic
 from fastroute.dataplane._ids cimport request_id
 from fastroute.dataplane.dispatch cimport Dispatcher
 from fastroute.dataplane.flow cimport FlowControl

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import httptools
 
 from fastroute import errors as _errors
+from fastroute.dataplane._clock import monotonic
 from fastroute.dataplane._ids import request_id
 from fastroute.dataplane.flow import FlowControl
 from fastroute.dataplane.headerflags import (  # header_flags re-exported (the App builds the table)
@@ -256,7 +257,7 @@ class ClientProtocol:
             del hs[self]  # TLS: counted since the accept (App.protocol_factory)
         else:
             dispatch.tel.connections(1)
-        self.head_deadline = self.loop.time() + self.dispatch.header_timeout
+        self.head_deadline = monotonic() + self.dispatch.header_timeout
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -332,7 +333,7 @@ class ClientProtocol:
         self._head_size = 0
         self._head_bytes = 0
         self.in_head = True
-        self.head_deadline = self.loop.time() + self.dispatch.header_timeout
+        self.head_deadline = monotonic() + self.dispatch.header_timeout
 
     def on_url(self, url: bytes) -> None:
         self._url = url if not self._url else self._url + url
@@ -545,7 +546,7 @@ class ClientProtocol:
                 if self.bad_request:
                     self._write_bad_request()
                 elif not self.in_head and self._req is None:  # (not while a body is read)
-                    self.head_deadline = self.loop.time() + self.dispatch.idle_timeout
+                    self.head_deadline = monotonic() + self.dispatch.idle_timeout
                 break
         finally:
             self.draining = False
@@ -604,7 +605,7 @@ class ClientProtocol:
         per read; a stall is detected between one and two ``header_read_timeout_secs``."""
         req = self._req
         dispatch = self.dispatch
-        now = self.loop.time()
+        now = monotonic()
         check = self._body_check
         if check is None or check[0]() is not req:
             # First check of this body: head_deadline is still the head's (its first byte +

@@ -21,6 +21,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from fastroute.dataplane._clock import monotonic
+
 if TYPE_CHECKING:
     from fastroute.control.leases import Reconciler
     from fastroute.dataplane.dispatch import Dispatcher
@@ -65,7 +67,9 @@ class Sweeper:
     def tick(self) -> None:
         """One pass now (the timer calls it every ``every`` seconds)."""
         d = self.dispatch
-        now = d.loop.time()
+        # The data plane's deadlines and start times are _clock.monotonic readings; admission
+        # keeps the loop's clock (its own timer wakes it).
+        now = monotonic()
         try:
             for ex in [e for e in d.exchanges if e.deadline <= now]:
                 ex.on_timeout()
@@ -77,7 +81,7 @@ class Sweeper:
             if d.handshaking:
                 self._expire_handshakes(now)
             if d.admission.queue:
-                d.admission.expire(now)
+                d.admission.expire(d.loop.time())
             if d.breakers is not None:
                 d.breakers.tick(now)
             if now >= self.next_leak:
@@ -101,7 +105,7 @@ class Sweeper:
         many leases."""
         d = self.dispatch
         if now is None:
-            now = d.loop.time()
+            now = monotonic()
         limit = d.timeout + self.leak_slack
         n = 0
         for ex in list(d.exchanges):

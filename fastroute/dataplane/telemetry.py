@@ -115,10 +115,10 @@ class Telemetry:
         """``response`` for a request target ``url`` (its query, if any, is not part of the path)."""
 
     def duration(self, path: bytes, model: str | None, started_at: float) -> None:
-        """A successful inference request is complete (``started_at``: loop time)."""
+        """A successful inference request is complete (``started_at``: a _clock.monotonic time)."""
 
     def ttft(self, path: bytes, model: str | None, started_at: float) -> None:
-        """A PD request's decode answered its head (``started_at``: loop time)."""
+        """A PD request's decode answered its head (``started_at``: a _clock.monotonic time)."""
 
     def worker_error(self, registry: Any, target: int, result: Any) -> None:
         """``target``'s worker failed an attempt: a 5xx status, ``TIMEOUT`` or an exception."""
@@ -257,12 +257,12 @@ class RequestTelemetry(Telemetry):
     def duration(self, path: bytes, model: str | None, started_at: float) -> None:
         pl = self.labels(model, path)
         if pl is not None:
-            self._observe_in(self._router_duration, pl.endpoint, self.loop.time() - started_at)
+            self._observe_in(self._router_duration, pl.endpoint, monotonic() - started_at)
 
     def ttft(self, path: bytes, model: str | None, started_at: float) -> None:
         pl = self.labels(model, path)
         if pl is not None:
-            self._observe_in(self._pd_ttft, pl.model, self.loop.time() - started_at)
+            self._observe_in(self._pd_ttft, pl.model, monotonic() - started_at)
 
     def worker_error(self, registry: Any, target: int, result: Any) -> None:
         info = registry.target_info
