@@ -178,11 +178,6 @@ cdef int _kind(const unsigned char *p, Py_ssize_t n) noexcept:
     return COPY
 
 
-def header_kind(bytes name):
-    """The kind of one header name: 0 copy, 1 drop, 2 Content-Length, 3 Content-Type."""
-    return _kind(<const unsigned char *>PyBytes_AS_STRING(name), PyBytes_GET_SIZE(name))
-
-
 cpdef tuple copied_headers(list headers, bint drop_ctype):
     """(the ``name: value`` CRLF lines of the worker headers the client gets, the value of the
     first Content-Length or None) for ``headers``, a list of (name, value) bytes pairs. Not

@@ -127,7 +127,7 @@ class App:
     def stats(self, stats: Any) -> None:
         self._stats = stats
         d = self.dispatch
-        d.tel = RequestTelemetry(stats, self.loop, d.backend) if stats is not None else NULL_TELEMETRY
+        d.tel = RequestTelemetry(stats, d.backend) if stats is not None else NULL_TELEMETRY
         d.admission.tel = d.tel
         if self.breakers is not None:
             self.breakers.stats = stats

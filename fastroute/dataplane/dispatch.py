@@ -243,7 +243,7 @@ class Dispatcher:
         if spec.tokens is not None:  # routes body.py has no batch rules for
             meta.input_tokens = spec.tokens(meta.obj)
         if self.igw:  # --enable-igw: the request's model must be one the router serves
-            groups: ModelGroups = self.registry.group(self.model_role)  # type: ignore[assignment]  # --enable-igw groups by model
+            groups: ModelGroups = self.group(self.model_role)  # --enable-igw groups by model
             refusal = groups.refusal(meta.model)
             if refusal is not None:
                 proto.send_error(refusal, req)

@@ -14,7 +14,7 @@ cdef class Request:
 
 cdef class ClientProtocol:
     cdef public Dispatcher dispatch
-    cdef public object loop, transport, parser
+    cdef public object transport, parser
     cdef public dict _flags
     cdef public bint closed, busy, draining, bad_request, in_head, head_only, _expect, _conn
     cdef public object queue, exchange

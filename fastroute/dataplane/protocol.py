@@ -165,7 +165,6 @@ class ClientProtocol:
     # __init__ (a name missing here fails the first time it is set).
     __slots__ = (
         "dispatch",
-        "loop",
         "transport",
         "parser",
         "_flags",
@@ -202,7 +201,6 @@ class ClientProtocol:
     # exchange is typed Any so that imports only go one way: it imports this module.
     def __init__(self, dispatch: Dispatcher) -> None:
         self.dispatch = dispatch
-        self.loop = dispatch.loop
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self._flags = dispatch.header_flags  # header name -> _F_* bits (per App; see _classify)
@@ -371,7 +369,7 @@ class ClientProtocol:
             except ValueError:
                 self._cl = -1
             return
-        n = name.lower()
+        n = name.lower() if f & (_F_RID | _F_KEY) else name  # (read only by those two)
         if f & _F_FWD:
             self._fwd.append(name + b": " + value + b"\r\n")
         if f & _F_AUTH:

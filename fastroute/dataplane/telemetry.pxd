@@ -31,7 +31,7 @@ cdef class Telemetry:
     cpdef reclaim(self, reason)
 
 cdef class RequestTelemetry(Telemetry):
-    cdef public object stats, loop, backend
+    cdef public object stats, backend
     cdef dict _models
     # The Stats dicts and histograms the events bump (Stats never replaces them): C dict calls
     # and vtable calls, not an attribute lookup and a method call on the Stats object.

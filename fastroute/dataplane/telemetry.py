@@ -24,8 +24,6 @@ from fastroute.dataplane.upstream import TIMEOUT, ConnectError
 from fastroute.names import label_value
 
 if TYPE_CHECKING:
-    from asyncio import AbstractEventLoop
-
     from fastroute.control.metrics import Stats
     from fastroute.dataplane import _hist
 
@@ -144,7 +142,6 @@ class RequestTelemetry(Telemetry):
 
     __slots__ = (
         "stats",
-        "loop",
         "backend",
         "_models",
         "_http_requests",
@@ -162,13 +159,11 @@ class RequestTelemetry(Telemetry):
         "_overhead_seconds",
     )
     stats: Stats
-    loop: AbstractEventLoop
     backend: str
     _models: dict[Any, dict[bytes, PathLabels]]
 
-    def __init__(self, stats: Stats, loop: AbstractEventLoop, backend: str) -> None:
+    def __init__(self, stats: Stats, backend: str) -> None:
         self.stats = stats
-        self.loop = loop
         self.backend = backend  # "regular" or "pd": the backend label
         self._models = {}
         # Stats makes its dicts and histograms once and only ever updates them in place: the

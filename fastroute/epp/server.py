@@ -103,7 +103,7 @@ class EppServer:
                 loop,
                 rate=cfg.rate_limit_tokens_per_second,
             )
-            admission.tel = RequestTelemetry(parts.stats, loop, "regular")  # rate-limit verdicts
+            admission.tel = RequestTelemetry(parts.stats, "regular")  # rate-limit verdicts
             self.decider = Decider(cfg, parts.registry, admission, parts.stats, loop)
             self.decider.sidecar_port = self.sidecar_port
             self.processor = ExternalProcessor(self.decider)

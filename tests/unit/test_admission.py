@@ -9,7 +9,7 @@ from fastroute.dataplane.telemetry import RequestTelemetry
 
 def make(limit: int = 2, queue: int = 2, timeout: float = 5.0) -> Admission:
     a = Admission(limit, queue, timeout, loop=None)  # no loop: waiters start inline
-    a.tel = RequestTelemetry(Stats(), None, "regular")
+    a.tel = RequestTelemetry(Stats(), "regular")
     return a
 
 
@@ -107,7 +107,7 @@ class _Clock:
 def test_rate_bucket_admits_a_burst_then_the_refill_rate_through_the_queue() -> None:
     clock = _Clock()
     a = Admission(4, 10, 5.0, loop=clock, rate=2.0)  # burst 4, then 2 requests per second
-    a.tel = RequestTelemetry(Stats(), None, "regular")
+    a.tel = RequestTelemetry(Stats(), "regular")
     assert all(a.try_enter() for _ in range(4))
     for _ in range(4):
         a.leave()  # slots free, but the tokens are spent
