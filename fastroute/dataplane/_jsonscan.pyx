@@ -2,14 +2,14 @@
 
 The fast path of ``fields.FieldPicker.pick``. A body is mostly its prompt; decoding it with a
 general JSON decoder costs a byte-at-a-time scan of every string (msgspec: ~11 us per 48 KB,
-whether it builds the string or skips it). This scanner walks the body's structure, validates
-every value it skips, and runs through string contents 16 bytes per step (csrc/fr_jsonscan.h).
-Only the values of the keys asked for become Python objects: strings, numbers, booleans and null
-are built here (a string in one copy, escapes translated; a float as json's ``float()`` parses
-it), objects and arrays (``sampling_params``, ``input_ids``) are decoded from their slice by
-msgspec. A chat body's ``messages`` become one ``Chat`` (count, input estimate, routing text on
-demand) when every content is absent, null or a plain string; other shapes (content parts) are
-left undecided, for msgspec's typed decode into ``fields.Message`` objects.
+whether it builds the string or skips it). This scanner walks the body's structure, validates every
+value it skips, and runs through string contents 32 bytes per step (64 with AVX2,
+csrc/fr_jsonscan.h). Only the values of the keys asked for become Python objects: strings, numbers,
+booleans and null are built here (a string in one copy, escapes translated; a float as json's
+``float()`` parses it), objects and arrays (``sampling_params``, ``input_ids``) are decoded from
+their slice by msgspec. A chat body's ``messages`` become one ``Chat`` (count, input estimate,
+routing text on demand) when every content is absent, null or a plain string; other shapes (content
+parts) are left undecided, for msgspec's typed decode into ``fields.Message`` objects.
 
 It answers a dict only where json.loads would accept the body and give the same values for
 those keys; anything it does not decide answers None, and the caller takes its slower path,
@@ -29,6 +29,7 @@ import msgspec
 
 cdef extern from "fr_jsonscan.h" nogil:
     const unsigned char *fr_plain_end(const unsigned char *p, const unsigned char *end)
+    int fr_use_avx2(int on)
 
 cdef extern from "Python.h":
     object PyUnicode_New(Py_ssize_t size, Py_UCS4 maxchar)
@@ -513,3 +514,9 @@ cdef class FieldScan:
         if _skip_ws(p, end) != end:
             return None
         return out
+
+
+def use_avx2(bint on):
+    """Tests: whether long string runs may take the AVX2 loop (where the CPU has it; the default)
+    or stay on the SSE2 one. Answers whether the AVX2 loop is now in use."""
+    return bool(fr_use_avx2(on))

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastroute.dataplane._jsonscan import Chat
+from fastroute.dataplane._jsonscan import Chat, use_avx2
 from fastroute.dataplane.fields import PICKERS, Message
 
 GEN = PICKERS["/generate"]
@@ -203,6 +203,35 @@ def test_a_long_prompt_is_read_whole() -> None:
     body = json.dumps({"text": text, "stream": True}).encode()
     got = _check(GEN, body)
     assert got is not None and got["text"] == text
+
+
+@pytest.fixture(params=["avx2", "sse2"])
+def vector_loop(request: pytest.FixtureRequest) -> Any:
+    """Long string runs scanned by the AVX2 loop (where the CPU has it), then by the SSE2 one."""
+    on = use_avx2(request.param == "avx2")
+    if request.param == "avx2" and not on:
+        pytest.skip("this CPU has no AVX2")
+    yield request.param
+    use_avx2(True)
+
+
+@pytest.mark.parametrize("run", [63, 64, 255, 256, 257, 319, 320, 400])
+def test_every_stop_byte_is_found_at_every_offset_of_a_long_run(vector_loop: str, run: int) -> None:
+    """A run long enough for the vector loops, with the byte that ends it at each offset: a
+    closing quote (decided, the text up to it), an escape (decided, translated), a control
+    character or a non-ASCII byte (undecided: json or msgspec decide those)."""
+    for k in range(run + 1):
+        body = b'{"text":"' + b"a" * k + b'","stream":true}'
+        got = _check(GEN, body)
+        assert got is not None and got["text"] == "a" * k, (vector_loop, run, k)
+        if k == run:
+            continue
+        tail = b"b" * (run - k)
+        escaped = _check(GEN, b'{"text":"' + b"a" * k + b'\\"' + tail + b'","n":1}')
+        assert escaped is not None and escaped["text"] == "a" * k + '"' + "b" * (run - k), (vector_loop, run, k)
+        for stop in (b"\x01", b"\x1f", b"\xc3\xa9", b"\x7f\xff"):
+            body = b'{"text":"' + b"a" * k + stop + tail + b'"}'
+            assert _check(GEN, body) is None, (vector_loop, run, k, stop)
 
 
 def _mutations(body: bytes, rng: random.Random) -> list[bytes]:
