@@ -11,7 +11,8 @@ once, the decode's answer relayed): the leanest uvloop+httptools relays, no body
   ms apart, SGLang's framing ``data: {...}\\n\\n`` ... ``data: [DONE]\\n\\n`` (2 KB chat bodies,
   ``"stream":true``). Throughput there is bounded by the pacing, so the router CPU per request
   is the row that tells routers apart;
-* added p50 at concurrency 1 (router minus direct, same round) on the 2 KB chat JSON body;
+* added p50 at concurrency 1 (router minus direct) on the 2 KB chat JSON body, the routers taking
+  turns in blocks of 25 requests within each round (``c1_interleaved``);
 * router CPU microseconds per request (process tree, /proc) for every wrk row.
 
 Columns: direct (latency only), lean (the floor), fastroute, fastroute-base (the same command
@@ -226,20 +227,32 @@ def routers(
 # ----------------------------------------------------------------------------- measurement
 
 
-def c1_added(port: int, raws: list[bytes], n: int) -> float:
-    """p50 (s) of n sequential requests on one keep-alive connection, cycling raws."""
-    conn = ov.HttpConn(port)
-    times = []
+C1_BLOCK = 25  # requests in a row to one router before the next takes its turn
+
+
+def c1_interleaved(ports: dict[str, int], raws: list[bytes], n: int) -> dict[str, float]:
+    """p50 (s) of n sequential requests per router, each on one keep-alive connection, cycling
+    raws. The routers take turns in blocks of C1_BLOCK requests (the order rotating every
+    cycle), so a drift of the machine's speed during the measurement reaches every router
+    alike instead of whichever one was measured at the time."""
+    conns = {name: ov.HttpConn(port) for name, port in ports.items()}
+    times: dict[str, list[float]] = {name: [] for name in ports}
+    names = list(ports)
     try:
-        for i in range(n):
-            t0 = time.perf_counter()
-            status, _ = conn.request(raws[i % len(raws)])
-            times.append(time.perf_counter() - t0)
-            if status != 200:
-                raise ValueError(f"status {status}")
+        for cycle, start in enumerate(range(0, n, C1_BLOCK)):
+            k = cycle % len(names)
+            for name in names[k:] + names[:k]:
+                conn = conns[name]
+                for i in range(start, min(n, start + C1_BLOCK)):
+                    t0 = time.perf_counter()
+                    status, _ = conn.request(raws[i % len(raws)])
+                    times[name].append(time.perf_counter() - t0)
+                    if status != 200:
+                        raise ValueError(f"{name}: status {status}")
     finally:
-        conn.close()
-    return statistics.median(times)
+        for conn in conns.values():
+            conn.close()
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def raws_of(path: str, parts: list[tuple[str, str]]) -> list[bytes]:
@@ -283,17 +296,17 @@ def run_phase(
         k = rnd % max(1, len(rest))
         order = [r for r in live if r.name == "direct"] + rest[k:] + rest[:k]
         print(f"  [{tag}] round {rnd + 1}/{s.rounds}: " + ", ".join(r.name for r in order), flush=True)
-        direct_p50 = None
+        if lat is not None:
+            ports = {r.name: r.port for r in order}
+            c1_interleaved(ports, lat, 4 * C1_BLOCK)  # warm-up
+            p50s = c1_interleaved(ports, lat, s.lat_json)
+            for name, p50 in p50s.items():
+                cell = sink.setdefault(name, {})
+                cell.setdefault("c1_p50", []).append(p50 * 1e6)
+                if "direct" in p50s and name != "direct":
+                    cell.setdefault("c1_add_p50", []).append((p50 - p50s["direct"]) * 1e6)
         for r in order:
             cell = sink.setdefault(r.name, {})
-            if lat is not None:
-                c1_added(r.port, lat, 100)
-                p50 = c1_added(r.port, lat, s.lat_json)
-                if r.name == "direct":
-                    direct_p50 = p50
-                cell.setdefault("c1_p50", []).append(p50 * 1e6)
-                if direct_p50 is not None and r.name != "direct":
-                    cell.setdefault("c1_add_p50", []).append((p50 - direct_p50) * 1e6)
             if r.name == "direct":
                 continue
             for name, lua in loads:

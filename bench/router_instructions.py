@@ -99,9 +99,9 @@ def run_one(
         path = ov.JSON_PATH if a.kind == "gen" else ov.SSE_PATH
         lua = floor.write_lua(tmp, a.kind, path, floor.variants(make, a.size, False, a.size))
         s = ov.Settings(duration=a.seconds, rounds=1, modes=[a.mode], lat_json=0, lat_sse=0)
-        ov.run_wrk(s, r.port, lua, 16, 3)  # warm-up: connections, first-use paths
+        ov.run_wrk(s, r.port, lua, a.connections, 3)  # warm-up: connections, first-use paths
         subprocess.run(["callgrind_control", "-z", str(p.pid)], check=True, capture_output=True)
-        res = ov.run_wrk(s, r.port, lua, 16, a.seconds)
+        res = ov.run_wrk(s, r.port, lua, a.connections, a.seconds)
         subprocess.run(["callgrind_control", "-d", str(p.pid)], check=True, capture_output=True)
         if res["non2xx"] or res["socket_errors"]:
             raise SystemExit(f"{router}: {res['non2xx']} non-2xx answers, {res['socket_errors']} socket errors")
@@ -120,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=int, default=20)
     ap.add_argument("--checkout", action="append", type=Path, help="fastroute checkout(s), built in place")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument(
+        "--connections",
+        type=int,
+        default=16,
+        help="wrk connections (1: every request alone, the event loop's turn per request included)",
+    )
     a = ap.parse_args(argv)
     if a.checkout and "fastroute" not in a.router:
         ap.error("--checkout selects fastroute builds: give --router fastroute too")
@@ -135,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             label = router if router != "fastroute" or not a.checkout else f"fastroute@{c}"
             runs.append((label, per, n, by_ob, by_fn))
             print(f"{label}: {per:,.0f} instructions per request ({n:,} requests)", flush=True)
-    print(f"\n### {a.mode} {a.kind} {a.size} B, wrk -c16, {a.seconds} s under callgrind\n")
+    print(f"\n### {a.mode} {a.kind} {a.size} B, wrk -c{a.connections}, {a.seconds} s under callgrind\n")
     print("| router | instructions per request | requests |")
     print("|---|---|---|")
     for label, per, n, _, _ in runs:

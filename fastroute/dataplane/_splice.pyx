@@ -3,7 +3,9 @@ whole request (framed head, body with the fields spliced in) built in one alloca
 
 The client's response head copies the worker's header lines but the hop-by-hop ones
 (``copied_headers``): classified by length and a case-insensitive compare, no lower-cased copy
-and no dict lookup per name, written into one buffer.
+and no dict lookup per name, written into one buffer. A chunked response's body piece is framed
+behind the pending head in one allocation (``chunk``), and the pieces of one upstream read are
+joined without the buffer protocol per piece (``joined``).
 
 A PD request splices its bootstrap fields into the client's body once per leg. As Python the
 bounds were a byte loop with a set test per byte, the pieces two memoryview slices and a join,
@@ -126,6 +128,55 @@ cpdef bytes post_head(bytes url, bytes host_part, Py_ssize_t length, bytes fwd, 
     memcpy(p, PyBytes_AS_STRING(auth), na)
     p += na
     memcpy(p, b"\r\n", 2)
+    return out
+
+
+cpdef bytes chunk(bytes head, bytes data):
+    """``head`` (None: nothing) then ``data`` framed as one HTTP/1.1 chunk (hex size, CRLF, the
+    bytes, CRLF), in one allocation: a response body piece, behind the head while that is
+    still unsent. ``data`` must not be empty (an empty chunk ends the body)."""
+    cdef Py_ssize_t nh = 0 if head is None else PyBytes_GET_SIZE(head)
+    cdef Py_ssize_t nd = PyBytes_GET_SIZE(data)
+    cdef char digits[24]
+    cdef Py_ssize_t k = 24
+    cdef size_t v = <size_t>nd
+    if nd == 0:
+        raise ValueError("an empty chunk ends the body")
+    while v:
+        k -= 1
+        digits[k] = b"0123456789abcdef"[v & 15]
+        v >>= 4
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, nh + (24 - k) + 2 + nd + 2)
+    cdef char *p = PyBytes_AS_STRING(out)
+    if nh:
+        memcpy(p, PyBytes_AS_STRING(head), nh)
+        p += nh
+    memcpy(p, &digits[k], 24 - k)
+    p += 24 - k
+    memcpy(p, b"\r\n", 2)
+    memcpy(p + 2, PyBytes_AS_STRING(data), nd)
+    memcpy(p + 2 + nd, b"\r\n", 2)
+    return out
+
+
+cpdef bytes joined(list parts):
+    """``b"".join(parts)`` for a list of bytes objects: one size sum and one copy each, without
+    the buffer protocol per item. TypeError for an item that is not bytes."""
+    cdef Py_ssize_t n = PyList_GET_SIZE(parts)
+    cdef Py_ssize_t i, total = 0, m
+    cdef object item
+    for i in range(n):
+        item = <object>PyList_GET_ITEM(parts, i)
+        if type(item) is not bytes:
+            raise TypeError("joined: item %d is %s, not bytes" % (i, type(item).__name__))
+        total += PyBytes_GET_SIZE(item)
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, total)
+    cdef char *p = PyBytes_AS_STRING(out)
+    for i in range(n):
+        item = <object>PyList_GET_ITEM(parts, i)
+        m = PyBytes_GET_SIZE(item)
+        memcpy(p, PyBytes_AS_STRING(item), m)
+        p += m
     return out
 
 

@@ -4,7 +4,7 @@
 cimport cython
 
 from fastroute.dataplane._clock cimport monotonic
-from fastroute.dataplane._splice cimport copied_headers
+from fastroute.dataplane._splice cimport chunk, copied_headers, joined
 from fastroute.dataplane.body cimport RequestMeta
 from fastroute.dataplane.dispatch cimport Dispatcher
 from fastroute.dataplane.protocol cimport ClientProtocol, Request, new_request_id, status_line
@@ -16,7 +16,8 @@ cdef class _Exchange(Leg):
     cdef public Request req
     cdef public RequestMeta meta
     cdef public Dispatcher dispatch
-    cdef public object leases, head, rid, out, path, retry_handle
+    cdef public object leases, head, rid, path, retry_handle
+    cdef public list out
     cdef public double deadline, started_at, ka_due
     cdef public bint chunked, started, finished, keep_alive, slot, gave_up, ka_sent
     cdef public Py_ssize_t status, tries

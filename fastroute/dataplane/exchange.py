@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastroute import errors as _errors
 from fastroute.dataplane._clock import monotonic
-from fastroute.dataplane._splice import copied_headers
+from fastroute.dataplane._splice import chunk, copied_headers, joined
 from fastroute.dataplane.protocol import new_request_id, status_line
 from fastroute.dataplane.upstream import TIMEOUT, ConnectError, Leg
 from fastroute.errors import RouterError
@@ -178,16 +178,22 @@ class _Exchange(Leg):
         parts = [status_line(status), copied]
         ap = parts.append
         if ctype is not None:
-            ap(b"content-type: " + ctype + b"\r\n")
+            ap(b"content-type: ")
+            ap(ctype)
+            ap(b"\r\n")
         if length is not None:
-            ap(b"content-length: " + length + b"\r\n")
+            ap(b"content-length: ")
+            ap(length)
+            ap(b"\r\n")
         elif status >= 200 and status not in (204, 304):
             if self.req.http11:
                 ap(b"transfer-encoding: chunked\r\n")
                 self.chunked = True
             else:
                 self.keep_alive = False  # HTTP/1.0: body delimited by close
-        ap(b"x-request-id: " + self.rid + b"\r\n")
+        ap(b"x-request-id: ")
+        ap(self.rid)
+        ap(b"\r\n")
         if self.req.origin is not None:
             ap(self.dispatch.cors.headers_for(self.req.origin))
         if not self.dispatch.accepting:
@@ -195,7 +201,7 @@ class _Exchange(Leg):
         if not self.keep_alive:
             ap(b"connection: close\r\n")
         ap(b"\r\n")
-        self.head = b"".join(parts)
+        self.head = joined(parts)
         self.started = True
 
     def keepalive(self, now: float) -> None:
@@ -247,9 +253,13 @@ class _Exchange(Leg):
 
     def _write(self, data: bytes) -> None:
         self.ka_due = 0.0  # the first body byte ends the keep-alives
-        if self.chunked:
-            data = b"%x\r\n%b\r\n" % (len(data), data)
         head = self.head
+        if self.chunked:
+            if not data:
+                return  # (an empty chunk would end the body)
+            self.head = None
+            self.out.append(chunk(head, data))  # head, size line, data, CRLF: one allocation
+            return
         if head is not None:
             self.head = None
             data = head + data
@@ -258,8 +268,8 @@ class _Exchange(Leg):
     def flush(self) -> None:
         out = self.out
         if out:
-            data = out[0] if len(out) == 1 else b"".join(out)
-            out.clear()
+            data = out[0] if len(out) == 1 else joined(out)
+            del out[:]
             if not self.proto.closed:
                 self.proto.transport.write(data)  # type: ignore[union-attr]
 

@@ -151,3 +151,24 @@ def test_copied_headers_refuse_what_is_not_pairs_of_bytes() -> None:
     for bad in ([(b"a",)], [(b"a", "b")], [("a", b"b")], [[b"a", b"b"]]):
         with pytest.raises(TypeError):
             _splice.copied_headers(bad, False)  # type: ignore[arg-type]
+
+
+@given(st.none() | st.binary(max_size=64), st.binary(min_size=1, max_size=70000))
+def test_chunk_is_the_formatted_chunk_behind_the_head(head: bytes | None, data: bytes) -> None:
+    want = (head or b"") + b"%x\r\n%b\r\n" % (len(data), data)
+    assert _splice.chunk(head, data) == want
+
+
+def test_chunk_refuses_an_empty_piece() -> None:
+    with pytest.raises(ValueError, match="empty chunk"):
+        _splice.chunk(b"HTTP/1.1 200 OK\r\n\r\n", b"")
+
+
+@given(st.lists(st.binary(max_size=300), max_size=8))
+def test_joined_is_bytes_join(parts: list[bytes]) -> None:
+    assert _splice.joined(parts) == b"".join(parts)
+
+
+def test_joined_refuses_what_is_not_bytes() -> None:
+    with pytest.raises(TypeError, match="item 1 is bytearray"):
+        _splice.joined([b"a", bytearray(b"b")])
