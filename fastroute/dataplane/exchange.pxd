@@ -23,6 +23,7 @@ cdef class _Exchange(Leg):
     cdef public Py_ssize_t status, tries
 
     # Called on self (and by the PD legs on their typed exchange): C calls, not Python ones.
+    cpdef _setup(self, dispatch, proto, req, path, meta)
     cpdef _outcome(self, target, result)
     cpdef _start_response(self, status, headers, length=*, ctype=*)
     cpdef _write(self, data)

@@ -100,6 +100,12 @@ class _Exchange(Leg):
     )
 
     def __init__(self, dispatch: Any, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
+        self._setup(dispatch, proto, req, path, meta)
+
+    def _setup(self, dispatch: Any, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
+        """The fields every exchange starts with. The subclasses' ``__init__`` call this as
+        ``_Exchange._setup(self, ...)``: a C call in the compiled build, where
+        ``super().__init__`` is a Python one (a super object, a lookup, the arguments packed)."""
         self.dispatch = dispatch
         self.proto = proto
         self.req = req
@@ -446,7 +452,7 @@ class Relay(_Exchange):
     __slots__ = ("target",)
 
     def __init__(self, dispatch: Any, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
-        super().__init__(dispatch, proto, req, path, meta)
+        _Exchange._setup(self, dispatch, proto, req, path, meta)
         self.conn: Any = None
         self.target = -1
 

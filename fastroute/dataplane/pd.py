@@ -139,7 +139,7 @@ class PDRelay(_Exchange):
     __slots__ = ("p", "d", "stream", "merge", "relaying", "merger")
 
     def __init__(self, dispatch: Any, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
-        super().__init__(dispatch, proto, req, path, meta)
+        _Exchange._setup(self, dispatch, proto, req, path, meta)
         # attempt() makes the real legs; until then both point at an inert leg
         # (no connection, no status) so every path that reads them stays valid.
         self.p = self.d = _NO_LEG
