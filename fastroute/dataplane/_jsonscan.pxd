@@ -1,5 +1,21 @@
 # Declarations of fastroute.dataplane._jsonscan for cimport (dataplane/fields.pxd scans through
-# the vtable).
+# the vtable; dataplane/body.pxd reads a Chat's count and tokens as C fields).
+
+cdef struct _Part:
+    Py_ssize_t start  # offset of the string's first byte in the body
+    Py_ssize_t raw
+    Py_ssize_t chars
+    int flags
+
+cdef class Chat:
+    cdef readonly Py_ssize_t count
+    cdef readonly Py_ssize_t tokens
+    cdef bytes body
+    cdef _Part *parts
+    cdef Py_ssize_t nparts, cap
+
+    cdef int add(self, Py_ssize_t start, Py_ssize_t raw, Py_ssize_t chars, int flags) except -1
+
 cdef class FieldScan:
     cdef readonly tuple names, keys
     cdef readonly Py_ssize_t messages_at

@@ -299,13 +299,6 @@ cdef object _ascii_str(const unsigned char *p, Py_ssize_t raw, Py_ssize_t chars,
     return s
 
 
-cdef struct _Part:
-    Py_ssize_t start  # offset of the string's first byte in the body
-    Py_ssize_t raw
-    Py_ssize_t chars
-    int flags
-
-
 cdef class Chat:
     """A chat body's ``messages`` when every message is an object whose ``content`` is absent,
     null or a string without escapes above 0x7f (ASCII: one character per byte): how many
@@ -313,11 +306,7 @@ cdef class Chat:
     body.estimate_tokens gives for ASCII), and the routing text, built only when asked. No
     per-message object or string is made."""
 
-    cdef readonly Py_ssize_t count
-    cdef readonly Py_ssize_t tokens
-    cdef bytes body
-    cdef _Part *parts
-    cdef Py_ssize_t nparts, cap
+    # (fields and add() declared in _jsonscan.pxd: body.py reads count and tokens in C)
 
     def __dealloc__(self):
         free(self.parts)

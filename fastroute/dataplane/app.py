@@ -41,7 +41,8 @@ from fastroute.dataplane._clock import monotonic
 from fastroute.dataplane.dispatch import Dispatcher
 from fastroute.dataplane.exchange import Relay
 from fastroute.dataplane.pd import PDRelay
-from fastroute.dataplane.protocol import INFERENCE, ClientProtocol, Request
+from fastroute.dataplane.protocol import INFERENCE, ClientProtocol
+from fastroute.dataplane.request import Request
 from fastroute.dataplane.route import Route, rank_port
 from fastroute.dataplane.sweep import Sweeper
 from fastroute.dataplane.telemetry import NULL_TELEMETRY, RequestTelemetry

@@ -3,11 +3,12 @@
 # stays the source and runs as it is when not compiled; keep both in step.
 cimport cython
 
+from fastroute.dataplane._jsonscan cimport Chat
 from fastroute.dataplane._splice cimport object_bounds, with_int
 from fastroute.dataplane.fields cimport FieldPicker
 
 cdef class RequestMeta:
-    cdef public object _obj, body, fields, stream, batch, input_tokens, return_logprob, max_new_tokens, model, path
+    cdef public object _obj, body, fields, stream, batch, input_tokens, return_logprob, max_new_tokens, model, path, labels
 
     cpdef shed(self)
 
@@ -18,6 +19,7 @@ cpdef _opt_int(dict obj, key, where=*)
 cpdef _parse_generate(dict obj, RequestMeta meta)
 cpdef _openai_common(dict obj, RequestMeta meta)
 cpdef _parse_completions(dict obj, RequestMeta meta)
+@cython.locals(chat=Chat)
 cpdef _parse_chat(dict obj, RequestMeta meta)
 @cython.locals(picker=FieldPicker, obj=dict, meta=RequestMeta)
 cpdef RequestMeta parse_request(path, body)

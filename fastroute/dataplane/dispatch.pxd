@@ -2,8 +2,11 @@
 # setup.py): Dispatcher becomes an extension type, its fields a C struct, and its per-request
 # methods C-callable from the protocol and the exchanges (which type their ``dispatch`` as one). The .py
 # stays the source and runs as it is when not compiled; keep both in step.
+cimport cython
+
 from fastroute.dataplane.admission cimport Admission
-from fastroute.dataplane.body cimport parse_request
+from fastroute.dataplane.body cimport RequestMeta, parse_request
+from fastroute.dataplane.request cimport Request
 from fastroute.dataplane.telemetry cimport Telemetry
 
 cdef class Dispatcher:
@@ -23,7 +26,8 @@ cdef class Dispatcher:
     cdef public double backoff_initial, backoff_max, backoff_mult, backoff_jitter
     cdef dict _groups
 
-    cpdef handle(self, proto, req)
-    cpdef proxy(self, proto, req, path)
+    cpdef handle(self, proto, Request req)
+    @cython.locals(meta=RequestMeta)
+    cpdef proxy(self, proto, Request req, path)
     cpdef begin(self, proto, req, path, meta)
     cpdef group(self, role)

@@ -252,7 +252,7 @@ class Dispatcher:
         # relay, 429/408 admission, 503 no target, retries); malformed ones
         # count only in smg_http_responses_total.
         tel = self.tel
-        tel.routed(path, meta)
+        meta.labels = tel.routed(path, meta)
         if self.admission.try_enter():
             self.begin(proto, req, path, meta)
             # fastroute_router_overhead_seconds: the router's own time from the complete

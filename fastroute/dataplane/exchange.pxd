@@ -7,7 +7,8 @@ from fastroute.dataplane._clock cimport monotonic
 from fastroute.dataplane._splice cimport chunk, copied_headers, joined
 from fastroute.dataplane.body cimport RequestMeta
 from fastroute.dataplane.dispatch cimport Dispatcher
-from fastroute.dataplane.protocol cimport ClientProtocol, Request, new_request_id, status_line
+from fastroute.dataplane.protocol cimport ClientProtocol, new_request_id, status_line
+from fastroute.dataplane.request cimport Request
 from fastroute.dataplane.route cimport Route
 from fastroute.dataplane.upstream cimport Leg
 

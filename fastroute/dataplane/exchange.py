@@ -32,7 +32,8 @@ from fastroute.dataplane.upstream import TIMEOUT, ConnectError, Leg
 from fastroute.errors import RouterError
 
 if TYPE_CHECKING:
-    from fastroute.dataplane.protocol import ClientProtocol, Request
+    from fastroute.dataplane.protocol import ClientProtocol
+    from fastroute.dataplane.request import Request
 
 log = logging.getLogger("fastroute.proxy")
 
@@ -292,10 +293,7 @@ class _Exchange(Leg):
         if self.chunked:
             self.out.append(_LAST_CHUNK)
         self.flush()
-        tel = self.dispatch.tel
-        tel.response(self.status, "", self.path)
-        if 200 <= self.status < 300:
-            tel.duration(self.path, self.meta.model, self.started_at)
+        self.dispatch.tel.done(self.status, self.path, self.meta, self.started_at)
         self._finish(self.keep_alive)
 
     def _release_leases(self) -> None:

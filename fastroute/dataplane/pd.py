@@ -32,7 +32,8 @@ from fastroute.dataplane.upstream import ConnectError, Leg
 from fastroute.errors import RouterError
 
 if TYPE_CHECKING:
-    from fastroute.dataplane.protocol import ClientProtocol, Request
+    from fastroute.dataplane.protocol import ClientProtocol
+    from fastroute.dataplane.request import Request
 
 log = logging.getLogger("fastroute.proxy")
 

@@ -5,12 +5,7 @@ from fastroute.dataplane._clock cimport monotonic
 from fastroute.dataplane._ids cimport request_id
 from fastroute.dataplane.dispatch cimport Dispatcher
 from fastroute.dataplane.flow cimport FlowControl
-
-cdef class Request:
-    cdef public object method, url, fwd, auth, rid, key, body, body_len
-    cdef public bint too_large, keep_alive, http11
-    cdef public object origin, acrh
-    cdef object __weakref__
+from fastroute.dataplane.request cimport Request
 
 cdef class ClientProtocol:
     cdef public Dispatcher dispatch
@@ -30,6 +25,7 @@ cdef class ClientProtocol:
     cpdef response_done(self, keep_alive)
 
 cdef dict _RID_PREFIX  # path -> request id prefix (a C global: one dict call per id)
+cdef dict _STATUS  # status -> prebuilt status line (status_line: one dict call)
 
 cpdef bytes new_request_id(path)
 cpdef bytes status_line(code)

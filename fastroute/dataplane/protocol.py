@@ -51,6 +51,7 @@ from fastroute.dataplane.headerflags import (  # header_flags re-exported (the A
     _classify,
     header_flags,  # noqa: F401
 )
+from fastroute.dataplane.request import Request
 from fastroute.dataplane.routes import INFERENCE, RID_PREFIX  # noqa: F401 (INFERENCE re-exported)
 from fastroute.errors import RouterError
 
@@ -116,42 +117,6 @@ def _origin_form(url: bytes) -> bytes:
         if c == 63:  # '?'
             return b"/" + rest[i:]
     return b"/"
-
-
-class Request:
-    """One parsed client request (kept only until it is answered)."""
-
-    __slots__ = (
-        "method",
-        "url",
-        "fwd",
-        "auth",
-        "rid",
-        "key",
-        "body",
-        "body_len",
-        "too_large",
-        "keep_alive",
-        "http11",
-        "origin",
-        "acrh",
-        "__weakref__",
-    )
-
-    def __init__(self) -> None:
-        self.method = b"GET"
-        self.url = b"/"
-        self.fwd = b""
-        self.auth: bytes | None = None
-        self.rid: bytes | None = None
-        self.key: bytes | None = None
-        self.body = b""
-        self.body_len = 0
-        self.too_large = False
-        self.keep_alive = True
-        self.http11 = True
-        self.origin: bytes | None = None  # set only when CORS is configured
-        self.acrh: bytes | None = None
 
 
 class ClientProtocol:

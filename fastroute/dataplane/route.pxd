@@ -2,7 +2,7 @@
 # setup.py): Route becomes an extension type, its fields a C struct. The .py stays the source
 # and runs as it is when not compiled; keep both in step.
 from fastroute.dataplane._splice cimport framed, post_head
-from fastroute.dataplane.protocol cimport Request
+from fastroute.dataplane.request cimport Request
 from fastroute.dataplane.upstream cimport Pool
 
 cdef class Route:

@@ -20,7 +20,7 @@ from typing import Any
 
 from fastroute.dataplane import body as _body
 from fastroute.dataplane._splice import framed, post_head
-from fastroute.dataplane.protocol import Request  # noqa: F401 (the compiled build types with it)
+from fastroute.dataplane.request import Request  # noqa: F401 (the compiled build types with it)
 from fastroute.dataplane.upstream import Pool
 
 # Bodies from this size on are written around spliced fields as views, not framed whole.

@@ -7,21 +7,23 @@ cimport cython
 
 from fastroute.dataplane._clock cimport monotonic
 from fastroute.dataplane._hist cimport Hist
+from fastroute.dataplane.body cimport RequestMeta
 
 cdef class PathLabels:
-    cdef public tuple routed, routed_stream, endpoint
+    cdef public tuple routed, routed_stream, endpoint, ok
     cdef public str model
 
 cdef class Telemetry:
     cpdef double clock(self)
     cpdef request(self, proto, method, path)
     cpdef http_done(self, key, double t0)
-    cpdef routed(self, path, meta)
+    cpdef routed(self, path, RequestMeta meta)
     cpdef overhead(self, proto)
     cpdef pick(self, double t0)
     cpdef response(self, status, code, path=*, model=*, label=*)
     cpdef reply(self, status, code, url, model=*)
     cpdef duration(self, path, model, double started_at)
+    cpdef done(self, Py_ssize_t status, path, RequestMeta meta, double started_at)
     cpdef ttft(self, path, model, double started_at)
     cpdef worker_error(self, registry, Py_ssize_t target, result)
     cpdef retry(self, role, path)

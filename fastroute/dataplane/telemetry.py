@@ -2,12 +2,13 @@
 
 The data plane holds one :class:`Telemetry` per App (``app.tel``) and calls it at each event of a
 request: ``request`` (a head arrived), ``routed`` (an inference request was parsed), ``pick``,
-``overhead``, ``response``, ``duration``, ``ttft``, ``worker_error``, ``retry``, ``exhausted``,
-``http_done``. With metrics off the App holds the base class, whose methods do nothing, so the
-request path never asks whether metrics run; with metrics on it holds :class:`RequestTelemetry`,
-which bumps the plain dicts and histograms of a :class:`~fastroute.control.metrics.Stats` (turned
-into series at scrape time). Label values come from tables built once (paths, methods, status
-codes) and per model (:class:`PathLabels`): a request builds no label tuple.
+``overhead``, ``response``, ``duration``, ``done`` (both at once, with the labels ``routed`` kept
+on the request), ``ttft``, ``worker_error``, ``retry``, ``exhausted``, ``http_done``. With metrics
+off the App holds the base class, whose methods do nothing, so the request path never asks whether
+metrics run; with metrics on it holds :class:`RequestTelemetry`, which bumps the plain dicts and
+histograms of a :class:`~fastroute.control.metrics.Stats` (turned into series at scrape time).
+Label values come from tables built once (paths, methods, status codes) and per model
+(:class:`PathLabels`): a request builds no label tuple.
 
 Compiled (``telemetry.pxd``), each call is a C method call through the object's vtable.
 """
@@ -26,6 +27,7 @@ from fastroute.names import label_value
 if TYPE_CHECKING:
     from fastroute.control.metrics import Stats
     from fastroute.dataplane import _hist
+    from fastroute.dataplane.body import RequestMeta
 
 # Bounded label values (unknown paths and methods collapse to one value).
 _PATH_LABEL = {p: p.decode() for p in (*ROUTES, b"/health", b"/liveness", *ADMIN_METHODS)}
@@ -66,17 +68,19 @@ def http_key(method: bytes, path: bytes) -> tuple[str, str]:
 class PathLabels:
     """The label tuples of one model's requests on one inference path."""
 
-    __slots__ = ("routed", "routed_stream", "endpoint", "model")
+    __slots__ = ("routed", "routed_stream", "endpoint", "model", "ok")
     routed: tuple[str, str, str, str]  # smg_router_requests_total (backend, endpoint, model, "false")
     routed_stream: tuple[str, str, str, str]  # ... the same with stream "true"
     endpoint: tuple[str, str, str]  # (backend, endpoint, model): duration and request errors
     model: str  # the model label alone (smg_pd_ttft_seconds)
+    ok: tuple[str, str, str]  # smg_http_responses_total of a 200 on the path ("200", "", path)
 
-    def __init__(self, backend: str, endpoint: str, model: str) -> None:
+    def __init__(self, backend: str, endpoint: str, model: str, path: str) -> None:
         self.routed = (backend, endpoint, model, "false")
         self.routed_stream = (backend, endpoint, model, "true")
         self.endpoint = (backend, endpoint, model)
         self.model = model
+        self.ok = (_STATUS_LABEL[200], "", path)
 
 
 class Telemetry:
@@ -94,8 +98,10 @@ class Telemetry:
     def http_done(self, key: Any, t0: float) -> None:
         """A response is done: its smg_http duration since ``t0``."""
 
-    def routed(self, path: bytes, meta: Any) -> None:
-        """An inference request was parsed (every one counts once, whatever answers it)."""
+    def routed(self, path: bytes, meta: RequestMeta) -> PathLabels | None:
+        """An inference request was parsed (every one counts once, whatever answers it). Answers
+        its labels (None: none kept), for ``meta.labels``."""
+        return None
 
     def overhead(self, proto: Any) -> None:
         """The router's own time from ``proto``'s complete request (``request`` stamped it) to the
@@ -114,6 +120,10 @@ class Telemetry:
 
     def duration(self, path: bytes, model: str | None, started_at: float) -> None:
         """A successful inference request is complete (``started_at``: a _clock.monotonic time)."""
+
+    def done(self, status: int, path: bytes, meta: RequestMeta, started_at: float) -> None:
+        """An inference response relayed to its end: ``response(status, "", path)``, and for a
+        2xx ``duration(path, meta.model, started_at)``, with the labels ``routed`` kept."""
 
     def ttft(self, path: bytes, model: str | None, started_at: float) -> None:
         """A PD request's decode answered its head (``started_at``: a _clock.monotonic time)."""
@@ -194,7 +204,7 @@ class RequestTelemetry(Telemetry):
                 label = label_value(model) if model is not None else "unknown"
             if row is None:
                 b = self.backend
-                row = models[model] = {p: PathLabels(b, e, label) for p, e in ENDPOINT_LABEL.items()}
+                row = models[model] = {p: PathLabels(b, e, label, path_label(p)) for p, e in ENDPOINT_LABEL.items()}
         return row.get(path)
 
     def _observe(self, h: _hist.Hist, v: float) -> None:
@@ -220,12 +230,13 @@ class RequestTelemetry(Telemetry):
     def http_done(self, key: Any, t0: float) -> None:
         self._observe_in(self._http_duration, key, monotonic() - t0)
 
-    def routed(self, path: bytes, meta: Any) -> None:
+    def routed(self, path: bytes, meta: RequestMeta) -> PathLabels | None:
         pl = self.labels(meta.model, path)
         if pl is not None:
             d = self._router_requests
             key = pl.routed_stream if meta.stream else pl.routed
             d[key] = d.get(key, 0) + 1
+        return pl
 
     def overhead(self, proto: Any) -> None:
         self._observe(self._overhead_seconds, monotonic() - proto.http_t0)
@@ -252,6 +263,19 @@ class RequestTelemetry(Telemetry):
     def duration(self, path: bytes, model: str | None, started_at: float) -> None:
         pl = self.labels(model, path)
         if pl is not None:
+            self._observe_in(self._router_duration, pl.endpoint, monotonic() - started_at)
+
+    def done(self, status: int, path: bytes, meta: RequestMeta, started_at: float) -> None:
+        pl = meta.labels
+        if pl is None:  # (an exchange that did not come through routed)
+            pl = self.labels(meta.model, path)
+        d = self._http_responses
+        if status == 200 and pl is not None:
+            key = pl.ok
+        else:
+            key = (_STATUS_LABEL.get(status) or str(status), "", path_label(path))
+        d[key] = d.get(key, 0) + 1
+        if pl is not None and 200 <= status < 300:
             self._observe_in(self._router_duration, pl.endpoint, monotonic() - started_at)
 
     def ttft(self, path: bytes, model: str | None, started_at: float) -> None:
