@@ -18,7 +18,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy
+from libc.string cimport memchr, memcpy
 
 
 cdef inline bint _ws(unsigned char c) noexcept:
@@ -129,6 +129,16 @@ cpdef bytes post_head(bytes url, bytes host_part, Py_ssize_t length, bytes fwd, 
     p += na
     memcpy(p, b"\r\n", 2)
     return out
+
+
+cpdef bytes target_path(bytes url):
+    """The path of a request target: ``url`` itself (no copy) when it has no query, else the
+    bytes before the first ``?`` (``url.partition(b"?")[0]`` without the tuple)."""
+    cdef const char *p = PyBytes_AS_STRING(url)
+    cdef const char *q = <const char *>memchr(p, 63, PyBytes_GET_SIZE(url))
+    if q == NULL:
+        return url
+    return PyBytes_FromStringAndSize(p, q - p)
 
 
 cpdef bytes chunk(bytes head, bytes data):

@@ -4,6 +4,7 @@
 # stays the source and runs as it is when not compiled; keep both in step.
 cimport cython
 
+from fastroute.dataplane._splice cimport target_path
 from fastroute.dataplane.admission cimport Admission
 from fastroute.dataplane.body cimport RequestMeta, parse_request
 from fastroute.dataplane.request cimport Request

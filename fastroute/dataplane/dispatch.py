@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from fastroute import errors as _errors
 from fastroute.auth import authorized, bearer
+from fastroute.dataplane._splice import target_path
 from fastroute.dataplane.admission import Admission
 from fastroute.dataplane.body import parse_request
 from fastroute.dataplane.cors import Cors
@@ -208,7 +209,7 @@ class Dispatcher:
 
     def handle(self, proto: Any, req: Any) -> None:
         """Answer one parsed request; ends with proto.response_done() (maybe later)."""
-        path, _, query = req.url.partition(b"?")
+        path = target_path(req.url)
         self.tel.request(proto, req.method, path)
         if req.method == b"POST" and path in INFERENCE:
             if self.api_key is not None and not authorized(self.api_key, path, req.auth):
@@ -216,7 +217,7 @@ class Dispatcher:
             else:
                 self.proxy(proto, req, path)
         else:
-            self.owner.handle_other(proto, req, path, query)
+            self.owner.handle_other(proto, req, path, req.url.partition(b"?")[2])
 
     def proxy(self, proto: Any, req: Any, path: bytes) -> None:
         """An inference request: refuse it, or parse its body and start (or queue) its exchange."""

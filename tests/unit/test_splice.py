@@ -172,3 +172,12 @@ def test_joined_is_bytes_join(parts: list[bytes]) -> None:
 def test_joined_refuses_what_is_not_bytes() -> None:
     with pytest.raises(TypeError, match="item 1 is bytearray"):
         _splice.joined([b"a", bytearray(b"b")])
+
+
+@given(st.binary(max_size=40), st.none() | st.binary(max_size=20))
+def test_target_path_is_the_part_before_the_query(path: bytes, query: bytes | None) -> None:
+    url = path if query is None else path + b"?" + query
+    got = _splice.target_path(url)
+    assert got == url.partition(b"?")[0]
+    if b"?" not in url:
+        assert got is url  # no copy
