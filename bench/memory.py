@@ -470,14 +470,32 @@ async def run(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _shape(argv: list[str]) -> str:
+    """The --shape value in argv ("chat" when absent)."""
+    for i, a in enumerate(argv):
+        if a == "--shape" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--shape="):
+            return a.split("=", 1)[1]
+    return "chat"
+
+
 def main() -> None:
-    if "--shape" in sys.argv[1:]:
-        # --shape generate: N /generate streams with ~2 KB texts from an aiohttp client through
-        # an aiohttp worker, P2C on request counts (bench/memory_generate.py).
+    if _shape(sys.argv[1:]) == "generate":
+        # N /generate streams with ~2 KB texts from an aiohttp client through an aiohttp
+        # worker, P2C on request counts: bench/memory_generate.py, with its own options.
         import memory_generate
 
         raise SystemExit(memory_generate.main(sys.argv[1:]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--shape",
+        choices=("chat", "generate"),
+        default="chat",
+        help="chat: this benchmark (SSE chat streams, short prompts); generate: N /generate streams "
+        "of ~2 KB texts held by an aiohttp client (bench/memory_generate.py; its options: --streams N "
+        "--events 10 --gap 0.5 --text-bytes 2048 --out FILE)",
+    )
     ap.add_argument("--streams", type=int, nargs="+", default=[1000, 2000, 5000])
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between a stream's events")
     ap.add_argument("--hold", type=float, default=5.0, help="seconds the N streams are held and sampled")
