@@ -3,12 +3,12 @@
 bench/instructions.py counts fastroute's request path in-process (no sockets, no httptools, no
 event loop). This counts a real router process serving real HTTP from wrk: the process runs
 under ``valgrind --tool=callgrind``, the counters are zeroed after a warm-up, wrk sends N
-seconds of distinct bodies (bench/floor.py's) at 16 connections to nginx workers, and the dump
-gives every user-space instruction the process executed (Python, uvloop, httptools, libc;
-the kernel's socket work is not counted). Divided by the requests wrk completed, that is the
-router's own CPU cost per request, free of the machine's noise, comparable between fastroute,
-an older checkout and the lean relays. Runs are ~50x slower under valgrind: a few thousand
-requests each.
+seconds of distinct bodies (bench/floor.py's) at 16 connections (`--connections`) to nginx
+workers, and the dump gives every user-space instruction the process executed (Python, uvloop,
+httptools, libc; the kernel's socket work is not counted). Divided by the requests wrk
+completed, that is the router's own CPU cost per request, free of the machine's noise,
+comparable between fastroute, an older checkout and the lean relays. Runs are ~50x slower under
+valgrind: a few thousand requests each.
 
 Also prints the heaviest functions of each run (own instructions per request, by shared object
 and by symbol), which is where to look for the next saving.

@@ -75,13 +75,14 @@ cpdef bytes framed(bytes head, bytes body, Py_ssize_t end, bytes mid):
     return out
 
 
-cdef inline Py_ssize_t _digits(char *digits, unsigned long long v) noexcept:
-    """Writes ``v`` in decimal at the end of the 24-byte ``digits``; returns where it starts."""
+cdef inline Py_ssize_t _digits(char *digits, unsigned long long v, unsigned int base) noexcept:
+    """Writes ``v`` in ``base`` (10, or 16 in lower case) at the end of the 24-byte ``digits``;
+    returns where it starts."""
     cdef Py_ssize_t k = 24
     while True:
         k -= 1
-        digits[k] = <char>(48 + v % 10)
-        v //= 10
+        digits[k] = b"0123456789abcdef"[v % base]
+        v //= base
         if v == 0:
             return k
 
@@ -89,7 +90,7 @@ cdef inline Py_ssize_t _digits(char *digits, unsigned long long v) noexcept:
 cpdef bytes with_int(bytes prefix, long long value):
     """``prefix`` followed by the decimal digits of ``value`` (a bootstrap room behind its keys)."""
     cdef char digits[24]
-    cdef Py_ssize_t k = _digits(digits, <unsigned long long>(-value) if value < 0 else <unsigned long long>value)
+    cdef Py_ssize_t k = _digits(digits, <unsigned long long>(-value) if value < 0 else <unsigned long long>value, 10)
     if value < 0:
         k -= 1
         digits[k] = b"-"
@@ -106,7 +107,7 @@ cpdef bytes post_head(bytes url, bytes host_part, Py_ssize_t length, bytes fwd, 
     route) + the length's digits + CRLF + the forwarded headers + the Authorization line + the
     blank line: an upstream request head, without parsing a format string."""
     cdef char digits[24]
-    cdef Py_ssize_t k = _digits(digits, <unsigned long long>length if length > 0 else 0)
+    cdef Py_ssize_t k = _digits(digits, <unsigned long long>length if length > 0 else 0, 10)
     cdef Py_ssize_t nu = PyBytes_GET_SIZE(url)
     cdef Py_ssize_t nh = PyBytes_GET_SIZE(host_part)
     cdef Py_ssize_t nf = PyBytes_GET_SIZE(fwd)
@@ -148,14 +149,9 @@ cpdef bytes chunk(bytes head, bytes data):
     cdef Py_ssize_t nh = 0 if head is None else PyBytes_GET_SIZE(head)
     cdef Py_ssize_t nd = PyBytes_GET_SIZE(data)
     cdef char digits[24]
-    cdef Py_ssize_t k = 24
-    cdef size_t v = <size_t>nd
     if nd == 0:
         raise ValueError("an empty chunk ends the body")
-    while v:
-        k -= 1
-        digits[k] = b"0123456789abcdef"[v & 15]
-        v >>= 4
+    cdef Py_ssize_t k = _digits(digits, <unsigned long long>nd, 16)
     cdef bytes out = PyBytes_FromStringAndSize(NULL, nh + (24 - k) + 2 + nd + 2)
     cdef char *p = PyBytes_AS_STRING(out)
     if nh:
@@ -210,32 +206,40 @@ cdef inline bint _named(const unsigned char *p, const char *lower, Py_ssize_t n)
     return True
 
 
+cdef struct _Name:
+    const char *lower  # the name in lower case
+    Py_ssize_t n
+    int kind
+
+# The worker headers the client head does not copy as they are: hop-by-hop ones, those the
+# router sets itself, and the two it reads (Content-Length kept for a byte-exact relay,
+# Content-Type dropped where the router sets its own).
+cdef _Name _NAMES[15]
+_NAMES[:] = [
+    _Name(b"te", 2, DROP),
+    _Name(b"host", 4, DROP),
+    _Name(b"trailer", 7, DROP),
+    _Name(b"upgrade", 7, DROP),
+    _Name(b"trailers", 8, DROP),
+    _Name(b"connection", 10, DROP),
+    _Name(b"keep-alive", 10, DROP),
+    _Name(b"content-type", 12, CTYPE),
+    _Name(b"x-request-id", 12, DROP),
+    _Name(b"content-length", 14, LENGTH),
+    _Name(b"proxy-connection", 16, DROP),
+    _Name(b"content-encoding", 16, DROP),
+    _Name(b"transfer-encoding", 17, DROP),
+    _Name(b"proxy-authenticate", 18, DROP),
+    _Name(b"proxy-authorization", 19, DROP),
+]
+
+
 cdef int _kind(const unsigned char *p, Py_ssize_t n) noexcept:
-    """COPY, DROP (hop-by-hop, or set by the router), LENGTH or CTYPE for a header name."""
-    if n == 2:
-        return DROP if _named(p, b"te", 2) else COPY
-    if n == 4:
-        return DROP if _named(p, b"host", 4) else COPY
-    if n == 7:
-        return DROP if _named(p, b"trailer", 7) or _named(p, b"upgrade", 7) else COPY
-    if n == 8:
-        return DROP if _named(p, b"trailers", 8) else COPY
-    if n == 10:
-        return DROP if _named(p, b"connection", 10) or _named(p, b"keep-alive", 10) else COPY
-    if n == 12:
-        if _named(p, b"content-type", 12):
-            return CTYPE
-        return DROP if _named(p, b"x-request-id", 12) else COPY
-    if n == 14:
-        return LENGTH if _named(p, b"content-length", 14) else COPY
-    if n == 16:
-        return DROP if _named(p, b"proxy-connection", 16) or _named(p, b"content-encoding", 16) else COPY
-    if n == 17:
-        return DROP if _named(p, b"transfer-encoding", 17) else COPY
-    if n == 18:
-        return DROP if _named(p, b"proxy-authenticate", 18) else COPY
-    if n == 19:
-        return DROP if _named(p, b"proxy-authorization", 19) else COPY
+    """COPY, DROP, LENGTH or CTYPE for a header name (_NAMES; a length compare first)."""
+    cdef int i
+    for i in range(15):
+        if _NAMES[i].n == n and _named(p, _NAMES[i].lower, n):
+            return _NAMES[i].kind
     return COPY
 
 

@@ -307,7 +307,7 @@ class PDRelay(_Exchange):
 
     def observe_ttft(self) -> None:
         """smg_pd_ttft_seconds: from the request's start to the decode's response head."""
-        self.dispatch.tel.ttft(self.path, self.meta.model, self.started_at)
+        self.dispatch.tel.ttft(self.path, self.meta, self.started_at)
 
     def relay_body(self, data: bytes) -> None:
         m = self.merger

@@ -22,9 +22,8 @@ cdef class Telemetry:
     cpdef pick(self, double t0)
     cpdef response(self, status, code, path=*, model=*, label=*)
     cpdef reply(self, status, code, url, model=*)
-    cpdef duration(self, path, model, double started_at)
     cpdef done(self, Py_ssize_t status, path, RequestMeta meta, double started_at)
-    cpdef ttft(self, path, model, double started_at)
+    cpdef ttft(self, path, RequestMeta meta, double started_at)
     cpdef worker_error(self, registry, Py_ssize_t target, result)
     cpdef retry(self, role, path)
     cpdef exhausted(self, role, path)
@@ -43,6 +42,7 @@ cdef class RequestTelemetry(Telemetry):
 
     @cython.locals(row=dict)
     cpdef PathLabels labels(self, model, path)
+    cdef PathLabels _labels_of(self, RequestMeta meta, path)
     cdef _observe(self, Hist h, double v)
     cdef _observe_in(self, dict d, key, double v)
 

@@ -1,9 +1,9 @@
 """What a request tells the metrics: one object with a named method per event.
 
 The data plane holds one :class:`Telemetry` per App (``app.tel``) and calls it at each event of a
-request: ``request`` (a head arrived), ``routed`` (an inference request was parsed), ``pick``,
-``overhead``, ``response``, ``duration``, ``done`` (both at once, with the labels ``routed`` kept
-on the request), ``ttft``, ``worker_error``, ``retry``, ``exhausted``, ``http_done``. With metrics
+request: ``request`` (a head arrived), ``routed`` (an inference request was parsed; its labels
+are kept on the request), ``pick``, ``overhead``, ``response``, ``done`` (a relayed response and
+its duration), ``ttft``, ``worker_error``, ``retry``, ``exhausted``, ``http_done``. With metrics
 off the App holds the base class, whose methods do nothing, so the request path never asks whether
 metrics run; with metrics on it holds :class:`RequestTelemetry`, which bumps the plain dicts and
 histograms of a :class:`~fastroute.control.metrics.Stats` (turned into series at scrape time).
@@ -118,14 +118,11 @@ class Telemetry:
     def reply(self, status: int, code: str, url: bytes, model: str | None = None) -> None:
         """``response`` for a request target ``url`` (its query, if any, is not part of the path)."""
 
-    def duration(self, path: bytes, model: str | None, started_at: float) -> None:
-        """A successful inference request is complete (``started_at``: a _clock.monotonic time)."""
-
     def done(self, status: int, path: bytes, meta: RequestMeta, started_at: float) -> None:
         """An inference response relayed to its end: ``response(status, "", path)``, and for a
-        2xx ``duration(path, meta.model, started_at)``, with the labels ``routed`` kept."""
+        2xx the request's duration (``started_at``: a _clock.monotonic time)."""
 
-    def ttft(self, path: bytes, model: str | None, started_at: float) -> None:
+    def ttft(self, path: bytes, meta: RequestMeta, started_at: float) -> None:
         """A PD request's decode answered its head (``started_at``: a _clock.monotonic time)."""
 
     def worker_error(self, registry: Any, target: int, result: Any) -> None:
@@ -207,6 +204,12 @@ class RequestTelemetry(Telemetry):
                 row = models[model] = {p: PathLabels(b, e, label, path_label(p)) for p, e in ENDPOINT_LABEL.items()}
         return row.get(path)
 
+    def _labels_of(self, meta: RequestMeta, path: bytes) -> PathLabels | None:
+        """The labels ``routed`` kept on ``meta``, or (an exchange that did not come through
+        ``routed``) the same looked up."""
+        pl = meta.labels
+        return pl if pl is not None else self.labels(meta.model, path)
+
     def _observe(self, h: _hist.Hist, v: float) -> None:
         h.observe(v)  # compiled: a C call through Hist's vtable (dataplane/_hist.pyx)
 
@@ -260,26 +263,18 @@ class RequestTelemetry(Telemetry):
     def reply(self, status: int, code: str, url: bytes, model: str | None = None) -> None:
         self.response(status, code, url.partition(b"?")[0], model)
 
-    def duration(self, path: bytes, model: str | None, started_at: float) -> None:
-        pl = self.labels(model, path)
-        if pl is not None:
-            self._observe_in(self._router_duration, pl.endpoint, monotonic() - started_at)
-
     def done(self, status: int, path: bytes, meta: RequestMeta, started_at: float) -> None:
-        pl = meta.labels
-        if pl is None:  # (an exchange that did not come through routed)
-            pl = self.labels(meta.model, path)
-        d = self._http_responses
+        pl = self._labels_of(meta, path)
         if status == 200 and pl is not None:
-            key = pl.ok
+            d = self._http_responses  # response(200, "", path), its key built once per path
+            d[pl.ok] = d.get(pl.ok, 0) + 1
         else:
-            key = (_STATUS_LABEL.get(status) or str(status), "", path_label(path))
-        d[key] = d.get(key, 0) + 1
+            self.response(status, "", path)
         if pl is not None and 200 <= status < 300:
             self._observe_in(self._router_duration, pl.endpoint, monotonic() - started_at)
 
-    def ttft(self, path: bytes, model: str | None, started_at: float) -> None:
-        pl = self.labels(model, path)
+    def ttft(self, path: bytes, meta: RequestMeta, started_at: float) -> None:
+        pl = self._labels_of(meta, path)
         if pl is not None:
             self._observe_in(self._pd_ttft, pl.model, monotonic() - started_at)
 

@@ -1,4 +1,5 @@
-"""RequestTelemetry's combined end-of-response event against the two events it stands for."""
+"""RequestTelemetry's end-of-response event against the response count and duration it stands for,
+and the labels ``routed`` keeps on the request."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 from fastroute.control.metrics import Stats
 from fastroute.dataplane._clock import monotonic
 from fastroute.dataplane.body import RequestMeta
+from fastroute.dataplane.routes import ENDPOINT_LABEL
 from fastroute.dataplane.telemetry import NULL_TELEMETRY, PathLabels, RequestTelemetry
 
 
@@ -28,8 +30,8 @@ def test_done_counts_what_response_and_duration_count(status: int, path: bytes, 
         assert isinstance(meta.labels, PathLabels)
         a.routed(path, RequestMeta({}, model="m1"))
     a.response(status, "", path)
-    if 200 <= status < 300:
-        a.duration(path, "m1", started)
+    if 200 <= status < 300:  # the duration histogram of (backend, endpoint, model)
+        separate.observe(separate.router_duration, ("pd", ENDPOINT_LABEL[path], "m1"), 0.0)
     b.done(status, path, meta, started)
     assert _counts(combined) == _counts(separate)
     responses, durations, _ = _counts(combined)
@@ -53,3 +55,14 @@ def test_metrics_off_keeps_no_labels() -> None:
     meta = RequestMeta({}, model="m1")
     assert NULL_TELEMETRY.routed(b"/generate", meta) is None
     NULL_TELEMETRY.done(200, b"/generate", meta, monotonic())  # nothing to count, nothing raised
+
+
+@pytest.mark.parametrize("through_routed", [True, False])
+def test_ttft_is_counted_under_the_request_model(through_routed: bool) -> None:
+    stats = Stats()
+    tel = RequestTelemetry(stats, "pd")
+    meta = RequestMeta({}, model="m2")
+    if through_routed:
+        meta.labels = tel.routed(b"/v1/chat/completions", meta)
+    tel.ttft(b"/v1/chat/completions", meta, monotonic())
+    assert {k: h.count for k, h in stats.pd_ttft.items()} == {"m2": 1}
