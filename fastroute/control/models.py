@@ -175,4 +175,5 @@ def group_like(router: Any, template: Any, kv_reserve: int = 0) -> Any:
         kv_reserve=kv_reserve,
         rank_slack=template.rank_slack,
         tokens_until_answer=template.tokens_until_answer,
+        kv_index=template.kv_index,
     )

@@ -93,6 +93,9 @@ class CacheAwarePolicy:
         )
         self.tree.rank_slack = int(rank_slack)
         self.rank_slack = int(rank_slack)
+        # The imbalance escape's thresholds, for the precise pick (core/policies.py) too.
+        self.balance_abs_threshold = int(params["balance_abs_threshold"])
+        self.balance_rel_threshold = float(params["balance_rel_threshold"])
         self._names: dict[int, str] = {}
         # The per-request entry point is the compiled method itself: one call per pick.
         self.pick = self.tree.pick  # type: ignore[method-assign]  # the compiled method itself

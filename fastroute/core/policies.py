@@ -32,14 +32,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from fastroute.core import _ledger, _manual, _policy
+from fastroute.core import _ledger, _manual, _policy, reference
 from fastroute.core.cache_aware import CacheAwarePolicy
+from fastroute.core.kvindex import KvIndex
 from fastroute.core.table import HDR_REPLICAS, TargetTable
 from fastroute.names import ASSIGNMENT_MODE_CODE, MODE_CODE
 
 log = logging.getLogger("fastroute.routing")
 
 _SHADOW = MODE_CODE["shadow"]
+FALL_BACK = -2  # the precise index does not decide this pick: the approximate tree does
 
 
 class Policy(Protocol):
@@ -116,6 +118,7 @@ class PrefixTree:
         "rows",
         "demand_counts",
         "kv_counts",
+        "kv_index",
     )
 
     def __init__(
@@ -129,9 +132,11 @@ class PrefixTree:
         demand: str,
         weight: int,
         kv_reserve: int,
+        kv_index: KvIndex | None = None,
     ) -> None:
         self.kernel = kernel
         self.tree_policy = tree_policy
+        self.kv_index = kv_index
         self.tab = tab
         self.header = header
         self.coordinate = coordinate
@@ -160,18 +165,21 @@ class PrefixTree:
                 if text:
                     self.tree_policy.tree.insert(text, lease.target)
             return lease
-        # The request's text is computed here, only for this policy (it costs a join for chat).
-        text = meta.routing_text() if meta is not None else None
-        if not self.narrowing:
-            t = self.tree_policy.pick(text, self.targets)
-            return self.kernel.book_target(t, tokens) if t >= 0 else None
-        need = tokens + out_tokens + self.kv_reserve
-        choose, fits, ties, no_capacity = _policy.narrow(
-            self.tab, self.rows, tokens, need, self.kv_fit, self.demand, self.weight
-        )
-        if no_capacity:
-            self.kv_counts[2] += 1  # no capacity known: the usual policy decides
-        t = self.tree_policy.pick(text, choose if choose is not None else self.targets)
+        cands: Any = self.targets
+        fits = ties = None
+        if self.narrowing:
+            need = tokens + out_tokens + self.kv_reserve
+            choose, fits, ties, no_capacity = _policy.narrow(
+                self.tab, self.rows, tokens, need, self.kv_fit, self.demand, self.weight
+            )
+            if no_capacity:
+                self.kv_counts[2] += 1  # no capacity known: the usual policy decides
+            if choose is not None:
+                cands = choose
+        t = self._precise(meta, cands, tokens) if self.kv_index is not None else FALL_BACK
+        if t == FALL_BACK:
+            # The request's text is computed here, only for this policy (a join for chat).
+            t = self.tree_policy.pick(meta.routing_text() if meta is not None else None, cands)
         if t < 0:
             return None
         if fits is not None and self.kv_fit == _SHADOW:
@@ -179,6 +187,36 @@ class PrefixTree:
         if ties is not None and self.demand == _SHADOW:
             self.demand_counts[0 if t in ties else 1] += 1
         return self.kernel.book_target(t, tokens)
+
+    def _precise(self, meta: Any, cands: Sequence[int], tokens: int) -> int:
+        """The engine-reported pick (core/kvindex.py) among ``cands``: a target, -1 when none
+        is eligible, FALL_BACK when the request has no token ids or a candidate's index is not
+        fresh (the approximate tree decides)."""
+        idx = self.kv_index
+        assert idx is not None
+        ids = meta.routing_ids() if meta is not None else None
+        if not ids:
+            idx.fallbacks["no_ids"] += 1
+            return FALL_BACK
+        if idx.covers(cands) is not None:
+            return FALL_BACK
+        return idx.pick(ids, self._balanced(cands), tokens, self.tab)[0]
+
+    def _balanced(self, cands: Sequence[int]) -> list[int]:
+        """The eligible candidates a prefix hit may choose among: cache_aware's rules on
+        in-flight requests (the abs/rel imbalance escape, then the rank slack)."""
+        tab = self.tab
+        live = [int(t) for t in cands if reference._row_eligible(tab, t)]
+        if len(live) < 2:
+            return live
+        load = [reference.requests(tab, t) for t in live]
+        lo, hi = min(load), max(load)
+        tp = self.tree_policy
+        if hi - lo > tp.balance_abs_threshold and hi > lo * tp.balance_rel_threshold:
+            return [t for t, n in zip(live, load) if n == lo]
+        if tp.rank_slack >= 0:
+            return [t for t, n in zip(live, load) if n <= lo + tp.rank_slack]
+        return live
 
 
 def manual_keys(table: TargetTable, cfg: Any, seed: int) -> _manual.KeyTable:
@@ -203,6 +241,7 @@ def make_policy(
     kv_reserve: int,
     rank_slack: int,
     coordinate: bool,
+    kv_index: KvIndex | None = None,
 ) -> Policy:
     """The policy object of a group over ``table`` whose compiled kernel is ``kernel`` (module
     docstring); ``config`` (the Config, or None for defaults) configures cache_aware and manual."""
@@ -220,6 +259,7 @@ def make_policy(
             demand,
             request_weight,
             kv_reserve,
+            kv_index,
         )
     if demand == "shadow":
         return ShadowDemand(kernel)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fastroute.core import _ledger, _manual, _policy
+from fastroute.core.kvindex import KvIndex
 from fastroute.core.policies import ManualKeys, Policy, PrefixTree, make_policy
 from fastroute.core.table import TargetTable
 from fastroute.names import LOAD_METRICS, MODE_CODE, POLICIES
@@ -64,6 +65,7 @@ class Group:
         kv_fit: str = "off",
         kv_reserve: int = 0,
         rank_slack: int = -1,
+        kv_index: KvIndex | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; fastroute implements {', '.join(POLICIES)}")
@@ -77,6 +79,8 @@ class Group:
             raise ValueError(f"decode KV fit must be off, shadow or on, not {kv_fit!r}")
         self.kv_fit = kv_fit
         self.rank_slack = int(rank_slack) if policy == "cache_aware" else -1
+        # The engine's KV events (core/kvindex.py): read by cache_aware only.
+        self.kv_index = kv_index if policy == "cache_aware" else None
         self.policy = policy
         self.load_metric = load_metric
         self.demand = demand
@@ -120,6 +124,7 @@ class Group:
             kv_reserve,
             self.rank_slack,
             coordinate,
+            self.kv_index,
         )
         self.acquire = self.policy_impl.acquire
         self._on_targets = getattr(self.policy_impl, "set_targets", None)
@@ -188,6 +193,15 @@ class Router:
         self.config = config
         self._seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed)
         self._groups = 0
+        # The precise prefix index of this process (--kv-events auto): fed by the engine's KV
+        # events (control/kvevents.py), read by the cache_aware groups that place prefills.
+        self.kv_index: KvIndex | None = None
+        if config is not None and getattr(config, "kv_events", "off") != "off":
+            self.kv_index = KvIndex(
+                max_blocks=int(config.kv_index_max_blocks),
+                warmup_secs=float(config.kv_events_stale_secs),
+                seed=self._seed ^ 0x6B76,
+            )
 
     def group(
         self,
@@ -202,11 +216,12 @@ class Router:
         kv_reserve: int = 0,
         rank_slack: int = -1,
         tokens_until_answer: bool = False,
+        kv_index: KvIndex | None = None,
     ) -> Group:
         # Each group gets its own RNG stream, derived from the router seed and its creation order.
         seed = (self._seed + 0x9E3779B97F4A7C15 * (self._groups + 1)) & 0xFFFFFFFFFFFFFFFF
         self._groups += 1
-        g = Group(self, policy, load_metric, demand, request_weight, seed, kv_fit, kv_reserve, rank_slack)
+        g = Group(self, policy, load_metric, demand, request_weight, seed, kv_fit, kv_reserve, rank_slack, kv_index)
         # A PD prefill's input tokens are its work until it answers (Lease.answered).
         g.kernel.tokens_until_answer = bool(tokens_until_answer)
         g.set_targets(targets, names)

@@ -163,6 +163,10 @@ class TargetTable:
             int(kv_queue),
         )
 
+    def set_kv_queue(self, t: int, kv_queue: int) -> None:
+        """Only the polled decode KV queue of ``t`` (its other loads are pushed by the engine)."""
+        self.cells.store(t, COL_POLLED_KV_QUEUE, int(kv_queue))
+
     def mark_unpolled(self, t: int) -> None:
         """The last poll failed or had no entry for this target: its load is unknown, not zero."""
         self.cells.store(t, COL_POLLED_AT, -1)

@@ -224,6 +224,20 @@ class RequestMeta:
             return " ".join(map(str, value[:ROUTING_IDS_MAX])) if value else None
         return value if type(value) is str else None
 
+    def routing_ids(self) -> list | None:
+        """The prompt's token ids for the engine-reported prefix index (a /generate request's
+        ``input_ids``, a batch's first list), or None: text and chat prompts are not tokenized
+        by the router."""
+        if self.path == CHAT or self.path == COMPLETIONS:
+            return None
+        obj = self.fields
+        if obj is None:
+            obj = self.fields = _PICKERS[self.path].pick(self.body)  # type: ignore[arg-type]
+        ids = obj.get("input_ids")
+        if type(ids) is list and ids and type(ids[0]) is list:
+            ids = ids[0]
+        return ids if type(ids) is list and ids and type(ids[0]) is int else None
+
     def __repr__(self) -> str:
         return (
             f"RequestMeta(path={self.path!r}, stream={self.stream}, batch={self.batch}, "
