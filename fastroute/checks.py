@@ -23,6 +23,7 @@ from fastroute.names import (
     DISCOVERY_PROVIDERS,
     DP_RANK_FIELDS,
     ENV_DECODE_REQUEST_WEIGHT,
+    KV_EVENTS_MODES,
     LOAD_METRICS,
     LOG_LEVELS,
     MODES,
@@ -457,6 +458,7 @@ def _validate_extensions(c: Any) -> None:
     _at_least("--decode-kv-reserve-tokens", c.decode_kv_reserve_tokens, 0)
     if c.cache_aware_rank_slack is not None:
         _at_least("--cache-aware-rank-slack", c.cache_aware_rank_slack, 0)
+    _validate_kv_events(c)
     decoding = c.decode_policy if c.pd_disaggregation else c.policy
     if decoding == "manual":
         # manual pins each routing key to a worker; a cost or a KV filter would move keys.
@@ -470,6 +472,23 @@ def _validate_extensions(c: Any) -> None:
                     "does not combine with the manual policy (it pins each "
                     "routing key to one worker); use --decode-policy power_of_two",
                 )
+
+
+def _validate_kv_events(c: Any) -> None:
+    if c.kv_events not in KV_EVENTS_MODES:
+        raise ConfigError("--kv-events", f"invalid value {c.kv_events!r}; choose from " + ", ".join(KV_EVENTS_MODES))
+    _at_least("--block-size", c.block_size, 1)
+    _at_least("--kv-index-max-blocks", c.kv_index_max_blocks, 1)
+    _finite_at_least("--kv-events-stale-secs", c.kv_events_stale_secs, 0.1)
+    if c.kv_events_endpoint is not None:
+        if c.kv_events == "off":
+            raise ConfigError("--kv-events-endpoint", "names publishers to subscribe to, but --kv-events is off")
+        from fastroute.control.kvevents import parse_endpoint
+
+        try:
+            parse_endpoint(c.kv_events_endpoint, c.block_size)
+        except ValueError as exc:
+            raise ConfigError("--kv-events-endpoint", str(exc).split(": ", 1)[-1]) from None
 
 
 def _validate_discovery(c: Any) -> None:

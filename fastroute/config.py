@@ -35,6 +35,7 @@ from fastroute.names import (
     ENV_CONTROL_PLANE_API_KEYS,
     ENV_DECODE_REQUEST_WEIGHT,
     ENV_P2C_LOAD_METRIC,
+    KV_EVENTS_MODES,
     LOAD_METRIC_ALIASES,
     LOAD_METRICS,
     LOG_LEVELS,
@@ -55,6 +56,7 @@ __all__ = [
     "P2C_LOAD_METRIC_ALIASES",
     "P2C_LOAD_METRICS",
     "DEMAND_MODES",
+    "KV_EVENTS_MODES",
     "DP_RANK_FIELDS",
     "LOG_LEVELS",
     "DEFAULT_REQUEST_ID_HEADERS",
@@ -239,6 +241,12 @@ class Config:
     decode_kv_reserve_tokens: int = 0
     # cache_aware's bound on DP ranks (None = by leg: core.cache_aware.leg_rank_slack)
     cache_aware_rank_slack: int | None = None
+    # The engine's KV events and pushed loads (fastroute.control.kvevents)
+    kv_events: str = "auto"
+    kv_events_endpoint: str | None = None
+    block_size: int = 16  # smg's default: the blocks of --kv-events-endpoint publishers
+    kv_events_stale_secs: float = 30.0
+    kv_index_max_blocks: int = 1 << 18
     # Where p2c_load_metric came from, for the start-up banner: "flag", the environment
     # variable's name, or "default" (set by config_from_args; not a flag).
     load_metric_source: str = "default"

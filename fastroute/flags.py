@@ -174,9 +174,9 @@ TABLE: tuple[Flag, ...] = (
     Flag(
         "--kv-index",
         INERT,
-        "the data structure of smg's event-driven KV index; fastroute's cache_aware uses its own prefix tree",
+        "the data structure of smg's event-driven KV index (positional or chain); fastroute has one "
+        "exact index of the engine's KV events (--kv-events)",
     ),
-    Flag("--block-size", INERT, "KV block size of smg's event-driven KV index, which fastroute does not use"),
     Flag(
         "--cb-window-duration-secs",
         INERT,

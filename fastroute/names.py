@@ -25,6 +25,8 @@ REFUSED_LOAD_METRICS: tuple[str, ...] = ("expected_wait",)
 
 # --decode-input-demand and --decode-kv-fit share these modes and codes.
 MODES: tuple[str, ...] = ("off", "shadow", "on")
+# --kv-events: subscribe where a worker advertises its publishers, or never.
+KV_EVENTS_MODES: tuple[str, ...] = ("auto", "off")
 MODE_CODE: dict[str, int] = {name: i for i, name in enumerate(MODES)}
 
 # Circuit states as stored in the table's COL_CIRCUIT cell (the kernels skip OPEN).

@@ -5,7 +5,14 @@ rank fields, ``--workers``...), service discovery and router replicas. Defaults 
 
 from __future__ import annotations
 
-from fastroute.config import DEMAND_MODES, DISCOVERY_PROVIDERS, DP_RANK_FIELDS, ENV_DECODE_REQUEST_WEIGHT, default
+from fastroute.config import (
+    DEMAND_MODES,
+    DISCOVERY_PROVIDERS,
+    DP_RANK_FIELDS,
+    ENV_DECODE_REQUEST_WEIGHT,
+    KV_EVENTS_MODES,
+    default,
+)
 from fastroute.flagparse import Adder, DiscoveryOption, workers_value
 
 
@@ -98,6 +105,52 @@ def add_own_groups(add: Adder) -> None:
         metavar="TOKENS",
         help="Extra KV tokens a request must leave free on its rank under --decode-kv-fit, "
         "on top of its input and max_new_tokens (default: %(default)s).",
+    )
+
+    add.section(
+        "Engine events",
+        "KV events and pushed loads per DP rank over ZMQ (SGLang 0.5.23+ with --kv-events-config; "
+        "fastroute.control.kvevents).",
+    )
+    add(
+        "--kv-events",
+        choices=KV_EVENTS_MODES,
+        default=d("kv_events"),
+        help="auto: subscribe to every worker whose /server_info advertises kv_events (or to "
+        "--kv-events-endpoint): cache_aware then places prefills (and regular requests) with "
+        "input_ids by the prefix each rank reports holding and its waiting tokens, and pushed "
+        "loads replace the /v1/loads poll for that rank; off: never (default: %(default)s).",
+    )
+    add(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="tcp://*:PORT[,replay=PORT][,load=PORT]",
+        help="For workers that publish KV events without advertising them: rank r's publisher "
+        "is at the worker's host, PORT + r (replay and load sockets likewise); blocks of "
+        "--block-size tokens (default: none).",
+    )
+    add(
+        "--block-size",
+        type=int,
+        default=d("block_size"),
+        help="Tokens per KV block of the workers under --kv-events-endpoint (advertised "
+        "publishers say their own) (default: %(default)s).",
+    )
+    add(
+        "--kv-events-stale-secs",
+        type=float,
+        default=d("kv_events_stale_secs"),
+        metavar="SECS",
+        help="A rank silent this long on both its KV and load sockets is marked stale and its "
+        "index cleared; a stale rank is used again after its stream has been whole this long "
+        "(default: %(default)s s).",
+    )
+    add(
+        "--kv-index-max-blocks",
+        type=int,
+        default=d("kv_index_max_blocks"),
+        metavar="N",
+        help="Blocks indexed per rank at most (about 200 bytes each); past it the oldest go (default: %(default)s).",
     )
 
     add.section(

@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 from fastroute.config import Config
@@ -145,6 +146,9 @@ class Monitor:
         self._unusable: set[str] = set()
         # Workers whose last load poll failed (a restart may follow: dp_size is re-read).
         self._poll_failed: set[str] = set()
+        # Rows whose engine pushes its loads (control/kvevents.py): the poll leaves them alone
+        # but for the decode KV queue, which a LoadStat does not carry.
+        self.pushed: Callable[[int], bool] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -227,16 +231,16 @@ class Monitor:
             return False
         merged: list[Any] = []
         all_entries: list[tuple[int | None, RankLoad | None]] = []
-        tab, any_ok = self.table, False
+        any_ok = False
         for i, (t, (entries, mode, doc)) in enumerate(zip(w.targets, got)):
             rank = w.rank_ids[i]
             # The port's own entry (an answer without dp_rank is the port's rank).
             load = next((ld for r, ld in entries or () if r in (rank, None)), None)
             if load is None:
-                tab.mark_unpolled(t)
+                self._unpolled(t)
                 continue
             all_entries.append((rank, load))
-            tab.set_polled(t, load[0], load[1], load[2], load[3], self._uncached(w, load[4]), load[5])
+            self._store(w, t, load)
             any_ok = True
             if mode == "v1_loads" and isinstance(doc, dict) and isinstance(doc.get("loads"), list):
                 merged += [e for e in doc["loads"] if isinstance(e, dict) and e.get("dp_rank", rank) == rank]
@@ -317,17 +321,16 @@ class Monitor:
             )
 
     def _apply(self, w: Worker, entries: list[tuple[int | None, RankLoad | None]] | None) -> bool:
-        tab = self.table
         if not entries:
             for t in w.targets:
-                tab.mark_unpolled(t)
+                self._unpolled(t)
             return False
         if not w.split:
             # One target for the whole server: sum over its ranks; one unusable rank makes the
             # sum unknown (a partial sum would look lighter than the server is).
             t = w.targets[0]
             if any(load is None for _, load in entries):
-                tab.mark_unpolled(t)
+                self._unpolled(t)
                 return False
             running = waiting = tokens = mx = uncached = queued = 0
             for _, (r, q, k, m, u, b) in entries:  # type: ignore[misc]
@@ -338,9 +341,9 @@ class Monitor:
                 uncached = -1 if (u < 0 or uncached < 0) else uncached + u
                 queued += b
             if max(running, waiting, tokens, mx, uncached, queued) >= _COUNT_LIMIT:
-                tab.mark_unpolled(t)  # (sums of in-range counts)
+                self._unpolled(t)  # (sums of in-range counts)
                 return False
-            tab.set_polled(t, running, waiting, tokens, mx, self._uncached(w, uncached), queued)
+            self._store(w, t, (running, waiting, tokens, mx, uncached, queued))
             return True
         by_rank: dict[int, RankLoad] = {}
         for rank, load in entries:
@@ -350,11 +353,21 @@ class Monitor:
         for rank, t in enumerate(w.targets):
             load = by_rank.get(rank)
             if load is None:
-                tab.mark_unpolled(t)
+                self._unpolled(t)
             else:
-                tab.set_polled(t, load[0], load[1], load[2], load[3], self._uncached(w, load[4]), load[5])
+                self._store(w, t, load)
                 any_ok = True
         return any_ok
+
+    def _unpolled(self, t: int) -> None:
+        if self.pushed is None or not self.pushed(t):
+            self.table.mark_unpolled(t)
+
+    def _store(self, w: Worker, t: int, load: RankLoad) -> None:
+        if self.pushed is not None and self.pushed(t):
+            self.table.set_kv_queue(t, load[5])
+            return
+        self.table.set_polled(t, load[0], load[1], load[2], load[3], self._uncached(w, load[4]), load[5])
 
     @staticmethod
     def _uncached(w: Worker, uncached: int) -> int:

@@ -116,6 +116,7 @@ class Registry(Handshake, RankPorts):
                 kv_fit=config.decode_kv_fit,
                 kv_reserve=config.decode_kv_reserve_tokens,
                 rank_slack=leg_rank_slack(config, "regular"),
+                kv_index=router.kv_index,
             ),
             # Prefill demand: the input tokens in flight there, held until the prefill answers.
             "prefill": router.group(
@@ -126,6 +127,7 @@ class Registry(Handshake, RankPorts):
                 demand=config.prefill_input_demand,
                 tokens_until_answer=config.prefill_input_demand != "off",
                 rank_slack=leg_rank_slack(config, "prefill"),
+                kv_index=router.kv_index,
             ),
             "decode": router.group(
                 [],

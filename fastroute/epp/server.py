@@ -95,7 +95,7 @@ class EppServer:
         loop = asyncio.get_running_loop()
         self.table = TargetTable()
         try:
-            self.parts = parts = await assemble(cfg, self.table, serve=False)
+            self.parts = parts = await assemble(cfg, self.table, serve=False, picks=True)
             admission = Admission(
                 int(cfg.max_concurrent_requests),
                 int(cfg.queue_size),

@@ -28,6 +28,7 @@ from typing import Any
 from fastroute.config import Config
 from fastroute.control import httpclient
 from fastroute.control.engine import EngineCollector
+from fastroute.control.kvevents import KvEvents, KvEventsCollector, parse_endpoint
 from fastroute.control.leases import Reconciler
 from fastroute.control.metrics import RECONCILE_MISMATCH, MetricsServer, Stats, new_stats, start_metrics
 from fastroute.control.monitor import Monitor
@@ -38,6 +39,8 @@ from fastroute.core.table import TargetTable
 from fastroute.dataplane.app import App
 from fastroute.runtime.startup import StartupError, bind_error
 from fastroute.tls import TLSConfigError, worker_context
+
+log = logging.getLogger("fastroute.assemble")
 
 DRAIN_POLL = 0.05  # seconds between in-flight checks while draining (control plane, not per request)
 # A signal's drain keeps the listener open until nothing has been in flight for this long (or the
@@ -55,6 +58,7 @@ class Assembly:
     registry: Registry
     stats: Stats
     monitor: Monitor | None = None
+    kv_events: KvEvents | None = None
     metrics: MetricsServer | None = None
     reconciler: Reconciler | None = None
     app: App | None = None
@@ -63,9 +67,42 @@ class Assembly:
         """Stop what runs in the background (monitor loops, registrations, metrics listener)."""
         if self.monitor is not None:
             await self.monitor.stop()
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         await self.registry.stop()
         if self.metrics is not None:
             await self.metrics.stop()
+
+
+def listen_to_engines(
+    config: Config, table: TargetTable, router: Router, registry: Registry, monitor: Monitor | None, picks: bool
+) -> KvEvents:
+    """The process's subscriptions to the workers' KV events and pushed loads
+    (fastroute.control.kvevents), following the registry's ready workers. A process that
+    places requests indexes the KV events for its cache_aware groups; the ``--workers N``
+    supervisor, which places none, takes only the loads (the shared table's writer)."""
+    configured = parse_endpoint(config.kv_events_endpoint, config.block_size) if config.kv_events_endpoint else None
+    index = router.kv_index if picks else None
+    kv = KvEvents(table, index, config.kv_events_stale_secs, configured)
+    registry.add_listener(lambda role: kv.sync(registry.ready_workers()))
+    if monitor is not None:
+        monitor.pushed = kv.pushed
+    if index is not None:
+        uses = [p for p in (config.policy, config.prefill_policy) if p == "cache_aware"]
+        log.info(
+            "--kv-events %s: %s; requests with input_ids are placed by the prefix each rank reports, "
+            "text and chat requests by the approximate prefix tree (the router does not tokenize)",
+            config.kv_events,
+            "cache_aware reads the engine's KV events" if uses else "no cache_aware leg: only pushed loads are used",
+        )
+    else:
+        log.info(
+            "--kv-events %s with --workers %s: pushed loads are used; the proxy processes place by "
+            "the approximate prefix tree (the precise index runs with --workers 1)",
+            config.kv_events,
+            config.workers,
+        )
+    return kv
 
 
 def reconciler_for(config: Config, table: TargetTable, stats: Stats) -> Reconciler:
@@ -84,12 +121,15 @@ async def assemble(
     monitor: bool = True,
     metrics: bool = True,
     stats: Stats | None = None,
+    picks: bool | None = None,
 ) -> Assembly:
     """Build one router process over ``table`` (created or attached by the caller, who owns it).
 
     ``seed`` defaults to ``config.seed``; ``registry_factory(router)`` builds the registry
     (default: a :class:`Registry` that registers workers itself). Nothing is started: the
     caller starts the App's listener, ``registry.start()`` and ``monitor.start()`` in its order.
+    ``picks`` (default: ``serve``) says whether this process places requests (the endpoint
+    picker does without serving them): only then does it index the engines' KV events.
     """
     loop = asyncio.get_running_loop()
     # One TLS client context per process for https:// workers: registration, health checks and
@@ -110,6 +150,10 @@ async def assemble(
     if monitor:
         parts.monitor = Monitor(config, registry, table)
         parts.monitor.health_checks = parts.stats.health_checks  # smg_worker_health_checks_total
+    if monitor and config.kv_events != "off":
+        parts.kv_events = listen_to_engines(
+            config, table, router, registry, parts.monitor, serve if picks is None else picks
+        )
     if metrics:
         try:
             parts.metrics = await start_metrics(config, table, registry, parts.stats)
@@ -117,6 +161,8 @@ async def assemble(
             raise bind_error("--prometheus-port", config.prometheus_host, int(config.prometheus_port), exc) from None
         if parts.monitor is not None:  # smg's engine gauges from the load polls
             parts.metrics.registry.register(EngineCollector(parts.monitor, registry))
+        if parts.kv_events is not None:
+            parts.metrics.registry.register(KvEventsCollector(parts.kv_events))
     # A proxy process's registry has a ledger of its own and follows the supervisor's, which
     # reconciles the shared table once for all processes.
     if getattr(registry, "ledger", None) is None:

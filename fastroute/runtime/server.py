@@ -26,6 +26,7 @@ import uvloop
 
 from fastroute.config import Config
 from fastroute.control.discovery import Discovery, start_discovery
+from fastroute.control.kvevents import KvEvents
 from fastroute.control.metrics import MetricsServer
 from fastroute.control.monitor import Monitor
 from fastroute.control.registry import Registry
@@ -57,6 +58,7 @@ class Server:
         self.router: Router | None = None
         self.registry: Registry | None = None
         self.monitor: Monitor | None = None
+        self.kv_events: KvEvents | None = None
         self.metrics: MetricsServer | None = None
         self.discovery: Discovery | None = None
         self.replica: ReplicaSync | None = None
@@ -80,6 +82,7 @@ class Server:
             parts = await assemble(cfg, self.table)
             self.router, self.registry, self.monitor = parts.router, parts.registry, parts.monitor
             self.metrics, self.app = parts.metrics, parts.app
+            self.kv_events = parts.kv_events
             assert self.app is not None and self.monitor is not None
             self.listener = await listen(self.app, cfg.host, cfg.port, tls=tls)
             self.probe = start_probe(cfg, self.probe_ready)
@@ -125,7 +128,7 @@ class Server:
                 self.listener.close()
             if self.probe is not None:
                 self.probe.stop()
-            await stop_in_order(self.discovery, self.replica, self.monitor, self.registry, self.metrics)
+            await stop_in_order(self.discovery, self.replica, self.monitor, self.kv_events, self.registry, self.metrics)
         finally:
             if self.table is not None:
                 self.table.close()

@@ -63,6 +63,7 @@ from fastroute.auth import matches
 from fastroute.config import Config
 from fastroute.control.discovery import Discovery, start_discovery
 from fastroute.control.follower import CONTROL_HEADER, VERSION_HEADER, snapshot_doc
+from fastroute.control.kvevents import KvEvents
 from fastroute.control.leases import Reconciler, reclaim
 from fastroute.control.metrics import MetricsServer, ProcessCollector, Stats, merge_stats, new_stats
 from fastroute.control.monitor import Monitor
@@ -133,6 +134,7 @@ class Supervisor:
         self.ledgers: list[TargetTable] = []
         self.registry: Registry | None = None
         self.monitor: Monitor | None = None
+        self.kv_events: KvEvents | None = None
         self.metrics: MetricsServer | None = None
         self.probe: ProbeServer | None = None
         self.reconciler: Reconciler | None = None
@@ -169,6 +171,7 @@ class Supervisor:
             # runs here, so a mismatch is counted once, not once per process.
             parts = await assemble(cfg, self.table, serve=False, stats=self.stats)
             self.registry, self.monitor, self.metrics = parts.registry, parts.monitor, parts.metrics
+            self.kv_events = parts.kv_events
             self.reconciler = parts.reconciler
             assert self.metrics is not None and self.monitor is not None
             self.metrics.collector.stats = self.stats_views  # merged at scrape time
@@ -439,7 +442,7 @@ class Supervisor:
                 except asyncio.TimeoutError:
                     pass
         try:
-            await stop_in_order(self.discovery, self.replica, self.monitor, self.registry, self.metrics)
+            await stop_in_order(self.discovery, self.replica, self.monitor, self.kv_events, self.registry, self.metrics)
             if self._control is not None:
                 self._control.close()
             if self.probe is not None:
