@@ -508,17 +508,36 @@ class KvEvents:
             ):
                 s.skipped += 1
                 continue
-            events.append(ev)
-            size += len(ev.block_hashes) if ev.kind != "cleared" else 1
-            if size >= SLICE_BLOCKS:
-                index.apply(s.target, events)
-                events, size = [], 0
-                await asyncio.sleep(0)
+            for piece in _slices(ev):
+                events.append(piece)
+                size += len(piece.block_hashes) if piece.kind != "cleared" else 1
+                if size >= SLICE_BLOCKS:
+                    index.apply(s.target, events)
+                    events, size = [], 0
+                    await asyncio.sleep(0)
         if events:
             index.apply(s.target, events)
         s.events += len(batch.events)
         s.batches += 1
         s.last_event = time.monotonic()
+
+
+def _slices(ev: Any) -> list[Any]:
+    """An event of more than SLICE_BLOCKS blocks as consecutive events of at most that many (a
+    stored piece under the previous piece's last block), so a burst is applied in slices."""
+    n = len(ev.block_hashes) if ev.kind != "cleared" else 0
+    if n <= SLICE_BLOCKS:
+        return [ev]
+    out: list[Any] = []
+    for a in range(0, n, SLICE_BLOCKS):
+        hashes = ev.block_hashes[a : a + SLICE_BLOCKS]
+        if ev.kind == "removed":
+            out.append(Removed(hashes, ev.medium))
+        else:
+            bs = ev.block_size
+            parent = ev.parent_block_hash if a == 0 else ev.block_hashes[a - 1]
+            out.append(Stored(hashes, ev.token_ids[a * bs : (a + SLICE_BLOCKS) * bs], bs, parent))
+    return out
 
 
 class KvEventsCollector:

@@ -194,6 +194,8 @@ class PrefixTree:
         fresh (the approximate tree decides)."""
         idx = self.kv_index
         assert idx is not None
+        if not idx.ranks:
+            return FALL_BACK  # no worker publishes: nothing to count
         ids = meta.routing_ids() if meta is not None else None
         if not ids:
             idx.fallbacks["no_ids"] += 1

@@ -520,3 +520,37 @@ def test_bad_flags_are_refused_by_name(flags: dict[str, Any], message: str) -> N
 
     with pytest.raises(ConfigError, match=message):
         Config(worker_urls=["http://127.0.0.1:1"], **flags)
+
+
+def test_a_burst_is_applied_in_slices_without_holding_the_loop() -> None:
+    async def go() -> None:
+        e = Engine(loads=False)
+        w = await KvWorker(e).start()
+        try:
+            async with router(w) as r:
+                await subscribed(r, w)
+                idx = index_of(r)
+                t7 = rows(r, w)[7]
+                n = 20_000
+                tb = [[i * 100 + k for k in range(BS)] for i in range(n)]
+                seen_partial = 0
+
+                async def ticker() -> None:
+                    nonlocal seen_partial
+                    while idx.blocks(t7) < n:
+                        if idx.blocks(t7) > 0:
+                            seen_partial += 1  # the loop ran while the burst was half applied
+                        await asyncio.sleep(0)
+
+                tick = asyncio.ensure_future(ticker())
+                await e.publish(7, [stored(list(range(1, n + 1)), None, tb)])
+                await until(lambda: idx.blocks(t7) == n, 20.0, "the burst applied")
+                await tick
+                assert seen_partial > 0
+                ids = [t for b in tb[:100] for t in b]
+                assert idx.hits(ids, [t7]) == [100]
+        finally:
+            await w.stop()
+            await e.close()
+
+    run(go(), timeout=60)
