@@ -1,0 +1,231 @@
+"""KV-event benchmark: the Mooncake conversation trace through the router with and without the
+engine's KV events (``python bench/kv_events.py``).
+
+The cluster is 1 prefill (DP 8, every rank with its own LRU prefix cache, sized to about a third
+of the replayed window's working set) and 1 or 2 decode servers (DP 8). The prefills publish
+their KV events and LoadStat per rank over ZMQ exactly as SGLang 0.5.23 does (``sim.kvevents``).
+The trace is Mooncake's FAST'25 conversation trace (``bench/data/``): each request's
+``hash_ids`` (512-token blocks, 36.6% of them reused) become ``input_ids``, every block id the
+same 512 token ids wherever it appears, so requests share prefixes exactly as the trace's did.
+Its timestamps are replayed open loop, compressed to the requested rate.
+
+Rows (one fresh cluster per row, so every row starts with cold caches and warms up alike):
+* ``least_requests``: both legs, no prefix affinity;
+* ``cache_aware, approximate tree``: the default policy with ``--kv-events off`` (the tree
+  keys on the ids the router sent);
+* ``cache_aware, KV events``: the default policy and flags (the prefill publishes);
+* ``SGLang total_tokens``: the router places no rank (no ``--dp-aware``); the engines' own
+  DP controllers balance by ``--load-balance-method total_tokens``;
+* ``oracle``: the prefill engine places each request itself, knowing every rank's cache and
+  queue exactly (the rank of least queued + uncached tokens); the router balances decode.
+
+Each row reports TTFT p50/p90/p99, the prefill's prefix hit rate (cached / input tokens of the
+prefills started in the measured window), the busiest decode batch and TPOT p50/p90.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+
+import uvloop
+
+from fastroute.sim.balance import (
+    Cell,
+    RouterProcess,
+    _drain,
+    _f,
+    _free_port,
+    balance_stats,
+    merge_samples,
+    router_command,
+)
+from fastroute.sim.conversations import Arrival, run_open_loop
+from fastroute.sim.engine import SimParams
+from fastroute.sim.loadgen import TraceItem, _percentile, scale_summary
+from fastroute.sim.worker import start_cluster
+
+TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "data", "mooncake_conversation_trace.jsonl.gz")
+BLOCK = 512
+LEAST = ["--policy", "power_of_two", "--p2c-load-metric", "least_requests"]
+
+
+def load_trace(path: str = TRACE) -> list[dict]:
+    """The trace's rows: timestamp (ms), input_length, output_length, hash_ids."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def arrivals(rows: list[dict], rate: float, span_s: float, start: int = 0) -> list[Arrival]:
+    """The rows from ``start`` replayed at ``rate`` requests per simulated second on average
+    (the trace's own gaps, scaled), as many as fall within ``span_s``."""
+    rows = rows[start:]
+    if len(rows) < 2:
+        return []
+    t0 = rows[0]["timestamp"]
+    native = (len(rows) - 1) / max((rows[-1]["timestamp"] - t0) / 1000.0, 1e-9)
+    scale = native / rate
+    out = []
+    for i, r in enumerate(rows):
+        t = (r["timestamp"] - t0) / 1000.0 * scale
+        if t >= span_s:
+            break
+        n_in = int(r["input_length"])
+        item = TraceItem(n_in, max(1, int(r["output_length"])), hash_ids=tuple(r["hash_ids"]))
+        out.append(Arrival(t, item, i))
+    return out
+
+
+def working_set_tokens(arr: list[Arrival]) -> int:
+    """Distinct blocks of the replayed window, in tokens."""
+    seen: set[int] = set()
+    for a in arr:
+        seen.update(a.item.hash_ids or ())
+    return len(seen) * BLOCK
+
+
+def cells() -> list[Cell]:
+    return [
+        Cell("least_requests", "fastroute", LEAST + ["--kv-events", "off"]),
+        Cell("cache_aware, approximate tree", "fastroute", ["--kv-events", "off"]),
+        Cell("cache_aware, KV events", "fastroute", []),
+        Cell(
+            "SGLang total_tokens",
+            "fastroute",
+            LEAST + ["--kv-events", "off"],
+            dp_aware=False,
+            sim={"load_balance_method": "total_tokens"},
+        ),
+        Cell(
+            "oracle (engine knows every cache)",
+            "fastroute",
+            LEAST + ["--kv-events", "off"],
+            dp_aware=False,
+            sim={"load_balance_method": "cache_oracle"},
+        ),
+    ]
+
+
+async def run_point(cell: Cell, ns: argparse.Namespace, arr: list[Arrival], cache_tokens: int, tag: str) -> dict:
+    decode_p = SimParams(dp_size=8, time_scale=ns.time_scale)
+    prefill_p = SimParams(
+        dp_size=8,
+        time_scale=ns.time_scale,
+        prefix_cache_tokens=cache_tokens,
+        prefix_block_tokens=BLOCK,
+        prefill_tokens_per_s=ns.prefill_tokens_per_s,
+        kv_events=True,
+    )
+    sim = dict(cell.sim)
+    if sim:
+        # the engines' own balancing: the decode's controller too (the router names no rank)
+        decode_p = replace(
+            decode_p, **{k: v for k, v in sim.items() if k != "load_balance_method" or v != "cache_oracle"}
+        )
+        prefill_p = replace(prefill_p, **sim)
+    cluster = await start_cluster(1, ns.decodes, decode_p, prefill_p)
+    prefill = cluster.prefills[0]
+    pe = prefill.prefill
+    assert pe is not None
+    port, prom = _free_port(), _free_port()
+    cmd = router_command(cell, prefill.url, prefill.bootstrap_port, [d.url for d in cluster.decodes], port, prom)
+    safe = "".join(ch if ch.isalnum() else "_" for ch in cell.label + "_" + tag)
+    rp = RouterProcess(cmd, port, os.path.join(ns.out, f"kv_{safe}.log"))
+    try:
+        await rp.start()
+        loop = asyncio.get_running_loop()
+        wall_offset = time.time() - loop.time()
+        mark: list[tuple[int, int]] = []
+
+        async def marker() -> None:
+            await asyncio.sleep(ns.warmup)
+            mark.append((pe.hit_tokens, pe.input_tokens))
+
+        task = loop.create_task(marker())
+        res = await run_open_loop("127.0.0.1", (port,), arr, ns.time_scale, ns.warmup, ns.duration)
+        task.cancel()
+        h0, i0 = mark[0] if mark else (0, 0)
+        hit_rate = (pe.hit_tokens - h0) / max(1, pe.input_tokens - i0)
+    finally:
+        await rp.stop()
+        await _drain(cluster)
+        await cluster.stop()
+    t0, t1 = res.window[0] + wall_offset, res.window[1] + wall_offset
+    samples = merge_samples([[s for s in d.decode.samples if t0 <= s[0] <= t1] for d in cluster.decodes])
+    load = scale_summary(res.summary(), ns.time_scale)
+    done = [r for r in res.records if r.ok and r.t_start >= res.window[0] and r.t_last <= res.window[1]]
+    ttft = [(r.t_first - r.t_start) * 1000 / ns.time_scale for r in done if r.n_tokens]
+    load["ttft_p99_ms"] = _percentile(ttft, 99)
+    return {"label": cell.label, "tag": tag, "load": load, "balance": balance_stats(samples), "hit_rate": hit_rate}
+
+
+def table(results: list[dict]) -> str:
+    head = (
+        "| point | router | TTFT p50 / p90 / p99 ms | prefill prefix hits | busiest batch | "
+        "TPOT p50 / p90 ms | completed | errors |\n|---|---|---|---|---|---|---|---|\n"
+    )
+    rows = []
+    for r in results:
+        ld, b = r["load"], r["balance"]
+        rows.append(
+            f"| {r['tag']} | {r['label']} | {_f(ld['ttft_p50_ms'], 0)} / {_f(ld['ttft_p90_ms'], 0)} / "
+            f"{_f(ld['ttft_p99_ms'], 0)} | {100 * r['hit_rate']:.1f}% | {_f(b.get('busiest_batch'), 1)} | "
+            f"{_f(ld['tpot_p50_ms'], 1)} / {_f(ld['tpot_p90_ms'], 1)} | {ld['completed']} | {ld['errors']} |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+async def run_all(ns: argparse.Namespace) -> list[dict]:
+    rows = load_trace(ns.trace)
+    results = []
+    span = (ns.warmup + ns.duration) / ns.time_scale + 5
+    for rep in range(ns.repeat):
+        for rate in ns.rates:
+            arr = arrivals(rows, rate, span, start=ns.start + rep * ns.stride)
+            cache = int(working_set_tokens(arr) * ns.cache_fraction / 8)
+            tag = f"{ns.decodes}D, {rate:g} req/s" + (f" #{rep + 1}" if ns.repeat > 1 else "")
+            if not ns.quiet:
+                print(f"== {tag}: {len(arr)} arrivals, prefix cache {cache} tokens per rank", file=sys.stderr)
+            for cell in cells():
+                if ns.only and not any(o in cell.label for o in ns.only):
+                    continue
+                if not ns.quiet:
+                    print(f"   {cell.label}", file=sys.stderr, flush=True)
+                r = await run_point(cell, ns, arr, cache, tag)
+                if not ns.quiet:
+                    print("   " + table([r]).splitlines()[-1], file=sys.stderr, flush=True)
+                results.append(r)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python bench/kv_events.py", description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", default=TRACE, help="the Mooncake conversation trace (JSONL, .gz allowed)")
+    ap.add_argument("--rates", type=float, nargs="+", default=[4.0, 6.0], help="arrivals per simulated second")
+    ap.add_argument("--decodes", type=int, default=1, help="decode servers (DP 8 each)")
+    ap.add_argument("--duration", type=float, default=40.0, help="measured wall seconds per row")
+    ap.add_argument("--warmup", type=float, default=20.0, help="unmeasured wall seconds per row")
+    ap.add_argument("--time-scale", type=float, default=0.25, help="wall seconds per simulated second")
+    ap.add_argument("--prefill-tokens-per-s", type=float, default=12_000.0, help="per prefill rank")
+    ap.add_argument("--cache-fraction", type=float, default=1 / 3, help="all ranks' caches / the working set")
+    ap.add_argument("--start", type=int, default=0, help="first trace row")
+    ap.add_argument("--stride", type=int, default=3000, help="rows between repeats' starts")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--only", nargs="*", help="rows whose label contains one of these")
+    ap.add_argument("--out", default="bench/out/kv_events")
+    ap.add_argument("--quiet", action="store_true")
+    ns = ap.parse_args(argv)
+    os.makedirs(ns.out, exist_ok=True)
+    results = uvloop.run(run_all(ns))
+    out = table(results)
+    with open(os.path.join(ns.out, f"kv_events_{ns.decodes}d.md"), "w") as fh:
+        fh.write(out)
+    print(out)
+    return 0 if results and all(r["load"]["completed"] for r in results) else 1
