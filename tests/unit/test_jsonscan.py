@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from typing import Any
 
 import pytest
@@ -265,10 +266,12 @@ def test_random_bodies_and_their_mutations_agree_with_json(obj: dict, ascii_only
     for picker in (GEN, CHAT):
         got = _check(picker, body)
         if ascii_only and got is None:
-            # Only escaped surrogates (non-BMP text), huge numbers, deep nesting and message
-            # lists holding a non-object or a content other than null or ASCII text are undecided.
+            # Only escaped surrogates (non-BMP text), huge numbers, deep nesting, message
+            # lists holding a non-object or a content other than null or ASCII text, and keys
+            # spelled with an escape (matched as written, so left to the decoders) are undecided.
             undecidable = _expected(picker, body) == {"<undecidable>": True}
-            assert undecidable or b"\\ud" in body or len(body) > 500 or b"[[[[" in body, body
+            escaped_key = any(b"\\" in k for k in re.findall(rb'[{,]\s*"((?:[^"\\]|\\.)*)"\s*:', body))
+            assert undecidable or escaped_key or b"\\ud" in body or len(body) > 500 or b"[[[[" in body, body
         rng = random.Random(seed)
         for bad in _mutations(body, rng):
             _check(picker, bad)
