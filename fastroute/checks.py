@@ -459,6 +459,10 @@ def _validate_extensions(c: Any) -> None:
     if c.cache_aware_rank_slack is not None:
         _at_least("--cache-aware-rank-slack", c.cache_aware_rank_slack, 0)
     _validate_kv_events(c)
+    _finite_at_least("--tokenize-timeout-ms", c.tokenize_timeout_ms, 0.0)
+    _at_least("--tokenizer-cache-l0-max-entries", c.tokenizer_cache_l0_max_entries, 1)
+    _at_least("--tokenizer-cache-l0-max-memory", c.tokenizer_cache_l0_max_memory, 1)
+    _at_least("--tokenizer-cache-l1-max-memory", c.tokenizer_cache_l1_max_memory, 1)
     decoding = c.decode_policy if c.pd_disaggregation else c.policy
     if decoding == "manual":
         # manual pins each routing key to a worker; a cost or a KV filter would move keys.

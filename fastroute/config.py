@@ -241,6 +241,16 @@ class Config:
     decode_kv_reserve_tokens: int = 0
     # cache_aware's bound on DP ranks (None = by leg: core.cache_aware.leg_rank_slack)
     cache_aware_rank_slack: int | None = None
+    # Exact tokens (fastroute.dataplane.tokenize): smg's tokenizer flags, local paths only
+    model_path: str | None = None
+    tokenizer_path: tuple[str, ...] = ()
+    chat_template: str | None = None
+    tokenizer_cache_enable_l0: bool = False
+    tokenizer_cache_l0_max_entries: int = 10_000
+    tokenizer_cache_l0_max_memory: int = 256 * 1024 * 1024
+    tokenizer_cache_enable_l1: bool = False
+    tokenizer_cache_l1_max_memory: int = 50 * 1024 * 1024
+    tokenize_timeout_ms: float = 50.0
     # The engine's KV events and pushed loads (fastroute.control.kvevents)
     kv_events: str = "auto"
     kv_events_endpoint: str | None = None
@@ -398,6 +408,7 @@ def config_from_args(ns: Any, environ: dict[str, str] | None = None) -> Config:
     kwargs["decode_policy"] = raw.get("decode_policy")
     kwargs["dp_rank_field"] = raw.get("dp_rank_field")
     kwargs["seed"] = raw.get("seed")
+    kwargs["tokenizer_path"] = tuple(raw.get("tokenizer_path") or ())
     if raw.get("p2c_load_metric") is None:
         kwargs["p2c_load_metric"] = _p2c_metric_from_env(env)
         if env.get(ENV_P2C_LOAD_METRIC, "").strip():

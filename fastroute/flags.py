@@ -85,7 +85,9 @@ _NO_MEDIA = "fastroute forwards multimodal requests as they are and never fetche
 _NO_HISTORY = (
     "storage of conversations/responses; fastroute serves no Responses or Conversations API, so nothing is stored"
 )
-_NO_TOKENIZER = "fastroute forwards text and never loads a tokenizer or parses model output"
+_NO_TOKENIZER = (
+    "fastroute forwards text and never parses model output (it tokenizes prompts only with --tokenizer-path)"
+)
 
 TABLE: tuple[Flag, ...] = (
     # ---- security and availability (never ignored: that would leave the router open) ---------
@@ -304,15 +306,15 @@ TABLE: tuple[Flag, ...] = (
     Flag("--redis-", INERT, _NO_HISTORY),
     Flag("--schema-config", INERT, _NO_HISTORY),
     Flag("--mcp-config-path", INERT, "MCP tools are not served by fastroute"),
-    Flag("--model-path", INERT, _NO_TOKENIZER),
     Flag("--model", INERT, _NO_TOKENIZER),
-    Flag("--tokenizer-path", INERT, _NO_TOKENIZER),
-    Flag("--tokenizer-cache-", INERT, _NO_TOKENIZER),
-    Flag("--chat-template", INERT, _NO_TOKENIZER),
     Flag("--parser", INERT, _NO_TOKENIZER),
     Flag("--reasoning-parser", INERT, _NO_TOKENIZER),
     Flag("--tool-call-parser", INERT, _NO_TOKENIZER),
-    Flag("--disable-tokenizer-autoload", IMPLEMENTED, "fastroute never loads a tokenizer"),
+    Flag(
+        "--disable-tokenizer-autoload",
+        IMPLEMENTED,
+        "fastroute loads a tokenizer only from --tokenizer-path or --model-path, never on its own",
+    ),
     Flag(
         "--backend",
         REFUSED,

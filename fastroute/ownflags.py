@@ -108,6 +108,69 @@ def add_own_groups(add: Adder) -> None:
     )
 
     add.section(
+        "Tokenizer",
+        "Exact token counts and token ids of text and chat prompts (smg's flags; local files only, "
+        "nothing is fetched; fastroute.dataplane.tokenize).",
+    )
+    add(
+        "--tokenizer-path",
+        action="append",
+        default=None,
+        metavar="[MODEL=]DIR",
+        help="A directory with tokenizer.json (and tokenizer_config.json for the chat template and "
+        "special tokens): prompts are tokenized before the pick, so demand, KV fit, prefill demand, "
+        "the token rate limit and the KV-event prefix index use exact tokens; the body sent is "
+        "unchanged. Repeat as MODEL=DIR per model under --enable-igw (default: none).",
+    )
+    add(
+        "--model-path",
+        default=None,
+        metavar="DIR",
+        help="The model's local directory, read as --tokenizer-path when that is not given (default: none).",
+    )
+    add(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="A jinja chat template file used instead of the tokenizer's own (default: none).",
+    )
+    add(
+        "--tokenize-timeout-ms",
+        type=float,
+        default=d("tokenize_timeout_ms"),
+        metavar="MS",
+        help="Longest a request waits for its prompt to be tokenized in the thread pool; past it "
+        "the estimate is used and counted (default: %(default)s).",
+    )
+    add("--tokenizer-cache-enable-l0", action="store_true", help="Cache whole prompts' token ids (default: off).")
+    add(
+        "--tokenizer-cache-l0-max-entries",
+        type=int,
+        default=d("tokenizer_cache_l0_max_entries"),
+        help="Prompts in the L0 cache at most (default: %(default)s).",
+    )
+    add(
+        "--tokenizer-cache-l0-max-memory",
+        type=int,
+        default=d("tokenizer_cache_l0_max_memory"),
+        metavar="BYTES",
+        help="Bytes of the L0 cache at most (default: %(default)s).",
+    )
+    add(
+        "--tokenizer-cache-enable-l1",
+        action="store_true",
+        help="Cache each chat prompt's ids up to its last special token, so the next turn of the "
+        "conversation tokenizes only what it adds (default: off).",
+    )
+    add(
+        "--tokenizer-cache-l1-max-memory",
+        type=int,
+        default=d("tokenizer_cache_l1_max_memory"),
+        metavar="BYTES",
+        help="Bytes of the L1 cache at most (default: %(default)s).",
+    )
+
+    add.section(
         "Engine events",
         "KV events and pushed loads per DP rank over ZMQ (SGLang 0.5.23+ with --kv-events-config; "
         "fastroute.control.kvevents).",

@@ -165,6 +165,8 @@ class App:
         """Abort everything still open (end of the shutdown grace period)."""
         self.dispatch.accepting = False
         self.sweeper.stop()
+        if self.dispatch.tokens is not None:
+            self.dispatch.tokens.close()
         for ex in list(self.dispatch.exchanges):
             ex.cancel(503, "shutdown")
         for conn in list(self.dispatch.connections):

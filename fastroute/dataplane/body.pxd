@@ -8,7 +8,7 @@ from fastroute.dataplane._splice cimport object_bounds, with_int
 from fastroute.dataplane.fields cimport FieldPicker
 
 cdef class RequestMeta:
-    cdef public object _obj, body, fields, stream, batch, input_tokens, return_logprob, max_new_tokens, model, path, labels
+    cdef public object _obj, body, fields, stream, batch, input_tokens, return_logprob, max_new_tokens, model, path, labels, token_ids
 
     cpdef shed(self)
 

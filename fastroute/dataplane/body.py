@@ -133,6 +133,7 @@ class RequestMeta:
         "model",
         "path",
         "labels",
+        "token_ids",
     )
 
     def __init__(
@@ -158,6 +159,7 @@ class RequestMeta:
         self.model = model
         self.path = path
         self.labels: Any = None  # the metrics' labels of the request (Telemetry.routed), or None
+        self.token_ids: Any = None  # the prompt's ids from --tokenizer-path (tokenize.py)
 
     @property
     def obj(self) -> Any:
@@ -225,17 +227,15 @@ class RequestMeta:
         return value if type(value) is str else None
 
     def routing_ids(self) -> list | None:
-        """The prompt's token ids for the engine-reported prefix index (a /generate request's
-        ``input_ids``, a batch's first list), or None: text and chat prompts are not tokenized
-        by the router."""
-        if self.path == CHAT or self.path == COMPLETIONS:
-            return None
+        """Token ids for the KV-event prefix index: the router's tokenizer's, else /generate's
+        ``input_ids`` (a batch's first), else None."""
+        if self.token_ids is not None or self.path == CHAT or self.path == COMPLETIONS:
+            return self.token_ids
         obj = self.fields
         if obj is None:
             obj = self.fields = _PICKERS[self.path].pick(self.body)  # type: ignore[arg-type]
         ids = obj.get("input_ids")
-        if type(ids) is list and ids and type(ids[0]) is list:
-            ids = ids[0]
+        ids = ids[0] if type(ids) is list and ids and type(ids[0]) is list else ids
         return ids if type(ids) is list and ids and type(ids[0]) is int else None
 
     def __repr__(self) -> str:

@@ -23,12 +23,13 @@ cdef class Dispatcher:
     cdef public Py_ssize_t max_payload
     cdef public double timeout, header_timeout, idle_timeout, sse_keepalive
     cdef public bint accepting, pd, igw, guarded
-    cdef public object owner, retry_rng
+    cdef public object owner, retry_rng, tokens
     cdef public double backoff_initial, backoff_max, backoff_mult, backoff_jitter
     cdef dict _groups
 
     cpdef handle(self, proto, Request req)
     @cython.locals(meta=RequestMeta)
     cpdef proxy(self, proto, Request req, path)
+    cpdef admit(self, proto, req, path, meta)
     cpdef begin(self, proto, req, path, meta)
     cpdef group(self, role)

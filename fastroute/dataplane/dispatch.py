@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fastroute import errors as _errors
@@ -106,6 +107,7 @@ class Dispatcher:
         "backoff_mult",
         "backoff_jitter",
         "retry_rng",
+        "tokens",
         "_groups",
     )
     # The fields' types (dispatch.pxd gives the compiled build's C types). The protocol, routes and
@@ -145,6 +147,7 @@ class Dispatcher:
     backoff_mult: float
     backoff_jitter: float
     retry_rng: random.Random
+    tokens: Any
 
     def __init__(
         self,
@@ -203,6 +206,8 @@ class Dispatcher:
         self.backoff_mult = float(config.retry_backoff_multiplier)
         self.backoff_jitter = float(config.retry_jitter_factor)
         self.retry_rng = random.Random(config.seed)
+        # Exact tokens (dataplane/tokenize.py), set by the App when --tokenizer-path is given.
+        self.tokens = None
         # role -> the registry's group, asked once: a Registry makes its groups when it is built
         # and never replaces them, so a pick costs a dict lookup, not a Python call.
         self._groups: dict[str, Any] = {}
@@ -249,6 +254,17 @@ class Dispatcher:
             if refusal is not None:
                 proto.send_error(refusal, req)
                 return
+        tokens = self.tokens
+        if tokens is not None and not tokens.start(
+            meta, spec.endpoint, self.loop, partial(self.admit, proto, req, path, meta)
+        ):
+            return  # tokenized in the pool: admit() follows on the loop
+        self.admit(proto, req, path, meta)
+
+    def admit(self, proto: Any, req: Any, path: bytes, meta: Any) -> None:
+        """Count a parsed inference request and start (or queue) its exchange."""
+        if proto.closed:  # the client left while its prompt was tokenized: nothing was booked
+            return
         # Every parsed inference request counts once here (whatever answers it:
         # relay, 429/408 admission, 503 no target, retries); malformed ones
         # count only in smg_http_responses_total.

@@ -171,6 +171,19 @@ def option_warnings(opts: EppOptions, argv: Sequence[str]) -> list[str]:
     return []
 
 
+_TOKENIZER_FLAGS = (
+    ("tokenizer_path", "--tokenizer-path"),
+    ("model_path", "--model-path"),
+    ("chat_template", "--chat-template"),
+    ("tokenize_timeout_ms", "--tokenize-timeout-ms"),
+    ("tokenizer_cache_enable_l0", "--tokenizer-cache-enable-l0"),
+    ("tokenizer_cache_l0_max_entries", "--tokenizer-cache-l0-max-entries"),
+    ("tokenizer_cache_l0_max_memory", "--tokenizer-cache-l0-max-memory"),
+    ("tokenizer_cache_enable_l1", "--tokenizer-cache-enable-l1"),
+    ("tokenizer_cache_l1_max_memory", "--tokenizer-cache-l1-max-memory"),
+)
+
+
 def refusal(
     config: Any,
     processes: int,
@@ -224,6 +237,10 @@ def refusal(
             )
     if config.enable_igw:
         return "argument --enable-igw: not supported by fastroute epp (model-keyed groups)"
+    defaults = type(config)()
+    for field, flag in _TOKENIZER_FLAGS:
+        if getattr(config, field) != getattr(defaults, field):
+            return f"argument {flag}: not supported by fastroute epp yet (the picker does not tokenize prompts)"
     # The client side belongs to Envoy: the picker cannot serve HTTPS or answer CORS, and
     # accepting them would leave clients on plain HTTP or browsers' origins unchecked.
     for field, flag in (("tls_cert_path", "--tls-cert-path"), ("tls_key_path", "--tls-key-path")):
@@ -459,6 +476,15 @@ AUDIT: dict[str, str] = {
             "--enable-igw",
             "--model-alias",
             "--prefill-input-demand",
+            "--tokenizer-path",
+            "--model-path",
+            "--chat-template",
+            "--tokenize-timeout-ms",
+            "--tokenizer-cache-enable-l0",
+            "--tokenizer-cache-l0-max-entries",
+            "--tokenizer-cache-l0-max-memory",
+            "--tokenizer-cache-enable-l1",
+            "--tokenizer-cache-l1-max-memory",
             "--retry-max-retries",
             "--retry-initial-backoff-ms",
             "--retry-max-backoff-ms",

@@ -37,6 +37,8 @@ from fastroute.core.breaker import Breakers
 from fastroute.core.routing import Router
 from fastroute.core.table import TargetTable
 from fastroute.dataplane.app import App
+from fastroute.dataplane.tokenize import TokenizerError, Tokens
+from fastroute.dataplane.tokenize import load as load_tokens
 from fastroute.runtime.startup import StartupError, bind_error
 from fastroute.tls import TLSConfigError, worker_context
 
@@ -105,6 +107,45 @@ def listen_to_engines(
     return kv
 
 
+def reads_tokens(config: Config) -> list[str]:
+    """What reads a request's token count or ids under ``config`` (empty: nothing would)."""
+    uses = []
+    if config.kv_events != "off" and "cache_aware" in (config.policy, config.prefill_policy):
+        uses.append("the KV-event prefix index")
+    for flag, mode in (
+        ("--decode-input-demand", config.decode_input_demand),
+        ("--prefill-input-demand", config.prefill_input_demand),
+        ("--decode-kv-fit", config.decode_kv_fit),
+    ):
+        if mode != "off":
+            uses.append(flag)
+    if config.rate_limit_tokens_per_second:
+        uses.append("--rate-limit-tokens-per-second")
+    return uses
+
+
+def tokens_for(config: Config) -> Tokens | None:
+    """The process's tokenizers (--tokenizer-path / --model-path), or None; a path that does
+    not hold a usable tokenizer stops the start, naming the file."""
+    try:
+        tokens = load_tokens(config)
+    except TokenizerError as exc:
+        raise StartupError(f"--tokenizer-path: {exc}") from None
+    if tokens is None:
+        return None
+    uses = reads_tokens(config)
+    if not uses:
+        tokens.close()
+        log.warning(
+            "--tokenizer-path is accepted and not used: no policy or limit reads token counts with "
+            "these flags (the KV-event index under cache_aware, input demand, KV fit, the token rate "
+            "limit); prompts are not tokenized"
+        )
+        return None
+    log.info("prompts are tokenized exactly for %s", ", ".join(uses))
+    return tokens
+
+
 def reconciler_for(config: Config, table: TargetTable, stats: Stats) -> Reconciler:
     """The reconciler of a table. A mismatch is a fact about the table, so exactly one process
     runs it per table: the single-process server, or the supervisor under ``--workers N``."""
@@ -167,6 +208,10 @@ async def assemble(
     # reconciles the shared table once for all processes.
     if getattr(registry, "ledger", None) is None:
         parts.reconciler = reconciler_for(config, table, parts.stats)
+    if not serve and (config.tokenizer_path or config.model_path):
+        checked = tokens_for(config)  # the same start-up check as the proxy processes'
+        if checked is not None:
+            checked.close()
     if serve:
         breakers = Breakers(
             table,
@@ -179,6 +224,7 @@ async def assemble(
             clock=loop.time,
         )
         parts.app = App(config, registry, loop, breakers=breakers, reconciler=parts.reconciler)
+        parts.app.dispatch.tokens = tokens_for(config)
         parts.app.stats = parts.stats
         parts.app.worker_tls = worker_tls
     return parts

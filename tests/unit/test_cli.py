@@ -556,10 +556,6 @@ def test_ignored_flags_warn_once_each_and_swallow_values(caplog) -> None:
     # --enable-igw and --jwt-issuer left this list: they could change who gets in, so they are refused (tests below).
     argv = [
         "--mini-lb",
-        "--model-path",
-        "/models/x",
-        "--router-model-path",
-        "/models/y",
         "--selector",
         "app=sglang",
         "tier=gpu",
@@ -569,7 +565,6 @@ def test_ignored_flags_warn_once_each_and_swallow_values(caplog) -> None:
         "-1",
         "--policy",
         "random",
-        "--tokenizer-cache-enable-l0",
     ]
     with caplog.at_level(logging.WARNING, logger="fastroute.config"):
         c = parse_args(argv)
@@ -578,11 +573,9 @@ def test_ignored_flags_warn_once_each_and_swallow_values(caplog) -> None:
     flags = [line.split()[0] for line in lines]
     assert flags == [
         "--mini-lb",
-        "--model-path",
         "--selector",
         "--redis-url",
         "--oracle-pool-min",
-        "--tokenizer-cache-enable-l0",
     ]
 
 

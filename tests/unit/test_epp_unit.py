@@ -506,6 +506,15 @@ _REFUSED_SAMPLES = {
     "--cb-success-threshold": ["--cb-success-threshold", "1"],
     "--cb-timeout-duration-secs": ["--cb-timeout-duration-secs", "5"],
     "--prefill-input-demand": ["--prefill-input-demand", "on"],
+    "--tokenizer-path": ["--tokenizer-path", "/tok"],
+    "--model-path": ["--model-path", "/m"],
+    "--chat-template": ["--chat-template", "/t.jinja"],
+    "--tokenize-timeout-ms": ["--tokenize-timeout-ms", "10"],
+    "--tokenizer-cache-enable-l0": ["--tokenizer-cache-enable-l0"],
+    "--tokenizer-cache-l0-max-entries": ["--tokenizer-cache-l0-max-entries", "5"],
+    "--tokenizer-cache-l0-max-memory": ["--tokenizer-cache-l0-max-memory", "1000"],
+    "--tokenizer-cache-enable-l1": ["--tokenizer-cache-enable-l1"],
+    "--tokenizer-cache-l1-max-memory": ["--tokenizer-cache-l1-max-memory", "1000"],
 }
 # The flag a refusal names when the router's own check speaks first.
 _NAMED = {"--tls-key-path": "--tls-cert-path"}
