@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 from collections import deque
 from typing import Any
 
 from fastroute.sim.api import _generate_body, _make_emitter, _openai_body, _usage_event, parse_inference
 from fastroute.sim.engine import BadRequest, DecodeEngine, DecodeReq, ParsedGen, PrefillEngine, Rendezvous, SimParams
-from fastroute.sim.http import CT_TEXT, HttpError, HttpServer, Request, Responder, fetch
+from fastroute.sim.http import CT_TEXT, HttpError, HttpServer, Request, Responder, bind_consecutive, fetch
+from fastroute.sim.kvevents import KvEventsHub
 
 INFERENCE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues")
@@ -52,49 +52,6 @@ async def _rendezvous_http(host: str, port: int, room: int, timeout: float) -> t
             except (ValueError, AttributeError):
                 rank = None
             return True, rank if isinstance(rank, int) else None
-
-
-def _ephemeral_low() -> int:
-    """The lowest local port the kernel gives outgoing connections (Linux; a default elsewhere)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-async def _bind_consecutive(servers: list[HttpServer], port: int) -> None:
-    """Start ``servers`` on ports port, port+1, ...; with ``port`` 0 on the first run of free
-    consecutive ports found from a random base below the ephemeral range (a few tries).
-
-    Below the range because the ephemeral ports hold the client sides of closed connections in
-    TIME_WAIT (after a benchmark, thousands), and a listener cannot bind a port such a socket
-    holds; ``port`` 0 alone picks from inside that range."""
-    fixed = port != 0
-    lo = _ephemeral_low()
-    rng = random.Random()
-    n = len(servers)
-    for _ in range(1 if fixed else 50):
-        started: list[HttpServer] = []
-        try:
-            base = port if fixed else (rng.randrange(10000, lo - n) if lo - n > 10000 else 0)
-            servers[0].port = base
-            await servers[0].start()
-            started.append(servers[0])
-            base = servers[0].port
-            if base + n - 1 > 65535:
-                raise OSError(f"no room for {n} rank ports from {base}")
-            for i, srv in enumerate(servers[1:], 1):
-                srv.port = base + i
-                await srv.start()
-                started.append(srv)
-            return
-        except OSError:
-            for srv in started:
-                await srv.stop()
-            if fixed:
-                raise
-    raise OSError(f"found no {len(servers)} consecutive free ports")
 
 
 def _now_ts() -> str:
@@ -152,6 +109,8 @@ class SimWorker:
         self.last_bodies: deque = deque(maxlen=16)  # recent inference bodies, for tests/debugging
         self.port_requests = [0] * len(self.rank_servers)  # inference requests per listener
         self.wrong_prefill_rank = 0  # decode items whose disagg_prefill_dp_rank was not the room's
+        # KV events and LoadStat per rank over ZMQ (kvevents), with --kv-events-port-base
+        self.kv_events: KvEventsHub | None = None
 
     def _rank_app(self, rank: int) -> Any:
         async def app(req: Request, resp: Responder) -> None:
@@ -172,7 +131,7 @@ class SimWorker:
 
     async def start(self) -> None:
         if self.rank_ports:
-            await _bind_consecutive(self.rank_servers, self.server.port)
+            await bind_consecutive(self.rank_servers, self.server.port)
             if self.role == "prefill":
                 # Like the Rust server: the rooms are served on the API port itself.
                 self.bootstrap_port = self.server.port
@@ -188,8 +147,42 @@ class SimWorker:
             self.decode.start()
         if self.prefill is not None:
             self.prefill.start()
+        if self.p.kv_events_port_base != 0:
+            await self._start_kv_events()
+
+    async def _start_kv_events(self) -> None:
+        """Bind the per-rank publishers; a (re)started server's caches start empty, and each rank's
+        first batch says so (AllBlocksCleared, seq 0)."""
+        eng = self.prefill
+        if eng is not None:
+            hub = KvEventsHub(self.p, self.host, eng.load_stat)
+        else:
+            dec, regular = self.decode, self.role == "regular"
+            assert dec is not None
+            hub = KvEventsHub(self.p, self.host, lambda i: dec.load_stat(i, regular))
+        if eng is not None:
+            for r in eng.ranks:
+                r.cache.sink = None
+                r.cache.clear()
+        try:
+            await hub.start()
+        except BaseException:
+            await self.stop()
+            raise
+        self.kv_events = hub
+        if eng is not None:
+            for i, r in enumerate(eng.ranks):
+                r.cache.sink = hub.sink(i)
+            eng.on_change = hub.poke
 
     async def stop(self) -> None:
+        if self.kv_events is not None:
+            await self.kv_events.stop()
+            self.kv_events = None
+        if self.prefill is not None:
+            self.prefill.on_change = None
+            for r in self.prefill.ranks:
+                r.cache.sink = None
         if self.decode is not None:
             await self.decode.stop()
         if self.prefill is not None:
@@ -412,7 +405,7 @@ class SimWorker:
         p = self.p
         mode = {"prefill": "prefill", "decode": "decode", "regular": "null"}[self.role]
         loads = self.rank_loads()
-        return {
+        info = {
             "model_path": f"sim/{p.model}",
             "served_model_name": p.model,
             "tokenizer_path": f"sim/{p.model}",
@@ -437,6 +430,10 @@ class SimWorker:
             "simulated": True,
             "time_scale": p.time_scale,
         }
+        kv = self.kv_events.describe() if self.kv_events is not None else None
+        if kv is not None:
+            info["kv_events"] = kv
+        return info
 
     def loads_json(self, sections: set[str], dp_rank: int | None) -> dict:
         p = self.p
@@ -600,6 +597,11 @@ class SimWorker:
         )
 
     async def _h_flush(self, req: Request, resp: Responder) -> None:
+        busy = any(run or wait for run, wait, _ in self.rank_loads())
+        if busy or (self.prefill is not None and not self.prefill.flush()):
+            # SGLang flushes only an idle server (each prefill rank's cache: AllBlocksCleared).
+            resp.send(400, b"Flush cache failed.\n", CT_TEXT)
+            return
         self.flushes += 1
         resp.send(
             200,
