@@ -164,15 +164,6 @@ class PrefillEngine:
         hit = r.cache.insert(g.blocks, g.token_ids)
         return min(g.input_tokens, hit * self.p.prefix_block_tokens)
 
-    def flush(self) -> bool:
-        """Clear every rank's cache (``AllBlocksCleared``) if no rank runs or queues anything,
-        as SGLang's /flush_cache; False (nothing done) otherwise."""
-        if any(r.running or r.waiting for r in self.ranks):
-            return False
-        for r in self.ranks:
-            r.cache.clear()
-        return True
-
     def load_stat(self, i: int) -> tuple:
         """Rank i's LoadStat fields (``kvevents.KvEventsHub``), without the rank."""
         r, p = self.ranks[i], self.p

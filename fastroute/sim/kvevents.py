@@ -186,10 +186,14 @@ class KvEventsHub:
         p = self._p
         self._ctx = zmq.Context()
         self._actx = zmq.asyncio.Context.shadow(self._ctx)
-        if p.kv_events_port_base == -1:
-            self._bind_free_run()
-        else:
-            self._bind(p.kv_events_port_base)
+        try:
+            if p.kv_events_port_base == -1:
+                self._bind_free_run()
+            else:
+                self._bind(p.kv_events_port_base)
+        except BaseException:
+            await self.stop()
+            raise
         loop = asyncio.get_running_loop()
         for i, rk in enumerate(self._ranks):
             if rk.replay is not None:

@@ -26,10 +26,11 @@ from fastroute.sim.api import _generate_body, _make_emitter, _openai_body, _usag
 from fastroute.sim.engine import BadRequest, DecodeEngine, DecodeReq, ParsedGen, PrefillEngine, Rendezvous, SimParams
 from fastroute.sim.http import CT_TEXT, HttpError, HttpServer, Request, Responder, bind_consecutive, fetch
 from fastroute.sim.kvevents import KvEventsHub
+from fastroute.sim.loads import SIM_VERSION, loads_doc
+from fastroute.sim.prefixcache import PrefixCache
 
 INFERENCE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues")
-SIM_VERSION = "0.5.0-sim"
 
 
 async def _rendezvous_http(host: str, port: int, room: int, timeout: float) -> tuple[bool, int | None]:
@@ -52,10 +53,6 @@ async def _rendezvous_http(host: str, port: int, room: int, timeout: float) -> t
             except (ValueError, AttributeError):
                 rank = None
             return True, rank if isinstance(rank, int) else None
-
-
-def _now_ts() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + "+00:00"
 
 
 class _Ids:
@@ -103,6 +100,13 @@ class SimWorker:
         self._boot: HttpServer | None = None
         self.prefill = PrefillEngine(self.p, self.board) if role == "prefill" else None
         self.decode = DecodeEngine(self.p) if role != "prefill" else None
+        if self.p.kv_events_port_base != 0 and role != "decode" and self.p.prefix_cache_tokens <= 0:
+            raise ValueError(f"--kv-events-port-base on a {role} server needs --prefix-cache-tokens > 0")
+        # A regular server's ranks cache prompts too (events only: its timing has no prefill).
+        cap = self.p.prefix_cache_tokens // self.p.prefix_block_tokens
+        self.caches = [PrefixCache(cap, self.p.prefix_block_tokens) for _ in range(self.p.dp_size)]
+        if self.prefill is not None:
+            self.caches = [r.cache for r in self.prefill.ranks]
         self._ids = _Ids({"prefill": "p", "decode": "d", "regular": "r"}[role] + "%x-" % (id(self) & 0xFFFF))
         self.requests = 0
         self.flushes = 0
@@ -160,19 +164,18 @@ class SimWorker:
             dec, regular = self.decode, self.role == "regular"
             assert dec is not None
             hub = KvEventsHub(self.p, self.host, lambda i: dec.load_stat(i, regular))
-        if eng is not None:
-            for r in eng.ranks:
-                r.cache.sink = None
-                r.cache.clear()
+        for c in self.caches:
+            c.sink = None
+            c.clear()
         try:
             await hub.start()
         except BaseException:
             await self.stop()
             raise
         self.kv_events = hub
+        for i, c in enumerate(self.caches):
+            c.sink = hub.sink(i)
         if eng is not None:
-            for i, r in enumerate(eng.ranks):
-                r.cache.sink = hub.sink(i)
             eng.on_change = hub.poke
 
     async def stop(self) -> None:
@@ -181,8 +184,8 @@ class SimWorker:
             self.kv_events = None
         if self.prefill is not None:
             self.prefill.on_change = None
-            for r in self.prefill.ranks:
-                r.cache.sink = None
+        for c in self.caches:
+            c.sink = None
         if self.decode is not None:
             await self.decode.stop()
         if self.prefill is not None:
@@ -330,6 +333,10 @@ class SimWorker:
         rid = self._ids.next()
         dreqs: list[DecodeReq] = []
         ranks = eng.place([(it.rank, it.room, it.input_tokens) for it in g.items])
+        if self.role == "regular" and self.p.prefix_cache_tokens > 0:
+            for it, rank in zip(g.items, ranks):
+                if it.blocks:
+                    self.caches[rank].insert(it.blocks, it.token_ids)
         try:
             for it, rank in zip(g.items, ranks):
                 irid = rid if g.batch is None else f"{rid}.{it.index}"
@@ -436,77 +443,8 @@ class SimWorker:
         return info
 
     def loads_json(self, sections: set[str], dp_rank: int | None) -> dict:
-        p = self.p
-        cap = p.max_total_num_tokens
-        ts = time.time()
-        out = []
-        tot_run = tot_wait = tot_used = 0
-        for i, (run, wait, used) in enumerate(self.rank_loads()):
-            if dp_rank is not None and i != dp_rank:
-                continue
-            tot_run += run
-            tot_wait += wait
-            tot_used += used
-            e: dict[str, Any] = {
-                "dp_rank": i,
-                "timestamp": ts,
-                "num_running_reqs": run,
-                "num_waiting_reqs": wait,
-                "num_total_reqs": run + wait,
-                "num_used_tokens": used,
-                "max_total_num_tokens": cap,
-                "token_usage": round(used / cap, 6) if cap else 0.0,
-                "gen_throughput": 0.0,
-                "cache_hit_rate": 0.0,
-                "utilization": round(min(1.0, run / max(1, p.max_running_requests)), 6),
-                "max_running_requests": p.max_running_requests,
-                "num_waiting_uncached_tokens": self.prefill.waiting_uncached(i) if self.prefill is not None else 0,
-            }
-            if "memory" in sections:
-                e["memory"] = {"weight_gb": 0.0, "kv_cache_gb": 0.0, "graph_gb": 0.0, "token_capacity": cap}
-            if "spec" in sections:
-                e["speculative"] = {"accept_length": 0.0, "accept_rate": 0.0}
-            if "lora" in sections:
-                e["lora"] = {"slots_used": 0, "slots_total": 0, "utilization": 0.0}
-            if "disagg" in sections:
-                d = {
-                    "mode": {"prefill": "prefill", "decode": "decode", "regular": "null"}[self.role],
-                    "prefill_prealloc_queue_reqs": 0,
-                    "prefill_inflight_queue_reqs": 0,
-                    "decode_prealloc_queue_reqs": 0,
-                    "decode_transfer_queue_reqs": 0,
-                    "decode_retracted_queue_reqs": 0,
-                    "kv_transfer_speed_gb_s": 0.0,
-                    "kv_transfer_latency_ms": 0.0,
-                }
-                if self.role == "prefill":
-                    d["prefill_prealloc_queue_reqs"] = wait
-                elif self.decode is not None:
-                    pre, trans, _, ret = self.decode.rank_queues(i)
-                    d["decode_prealloc_queue_reqs"] = pre
-                    d["decode_transfer_queue_reqs"] = trans
-                    d["decode_retracted_queue_reqs"] = ret
-                e["disaggregation"] = d
-            if "queues" in sections:
-                ret = self.decode.rank_queues(i)[3] if self.decode is not None else 0
-                e["queues"] = {"waiting": wait - ret, "grammar": 0, "paused": 0, "retracted": ret}
-            out.append(e)
-        n = max(1, len(out))
-        return {
-            "timestamp": _now_ts(),
-            "version": SIM_VERSION,
-            "dp_rank_count": len(out),
-            "loads": out,
-            "aggregate": {
-                "total_running_reqs": tot_run,
-                "total_waiting_reqs": tot_wait,
-                "total_reqs": tot_run + tot_wait,
-                "total_used_tokens": tot_used,
-                "avg_token_usage": round(tot_used / (cap * n), 6) if cap else 0.0,
-                "avg_throughput": 0.0,
-                "avg_utilization": 0.0,
-            },
-        }
+        """``/v1/loads`` (``sections``: the include list; ``dp_rank``: one rank, else all)."""
+        return loads_doc(self, sections, dp_rank)
 
     # route handlers
     async def _h_health(self, req: Request, resp: Responder) -> None:
@@ -597,11 +535,12 @@ class SimWorker:
         )
 
     async def _h_flush(self, req: Request, resp: Responder) -> None:
-        busy = any(run or wait for run, wait, _ in self.rank_loads())
-        if busy or (self.prefill is not None and not self.prefill.flush()):
-            # SGLang flushes only an idle server (each prefill rank's cache: AllBlocksCleared).
+        if any(run or wait for run, wait, _ in self.rank_loads()):
+            # SGLang flushes only an idle server (each rank's cache: AllBlocksCleared).
             resp.send(400, b"Flush cache failed.\n", CT_TEXT)
             return
+        for c in self.caches:
+            c.clear()
         self.flushes += 1
         resp.send(
             200,

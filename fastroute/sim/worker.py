@@ -122,8 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         ap.error(str(exc))
 
-    async def run() -> None:
+    try:
         w = SimWorker(ns.role, params, ns.host, ns.port, ns.bootstrap_port, rank_ports=ns.rank_ports)
+    except ValueError as exc:
+        ap.error(str(exc))
+
+    async def run() -> None:
         await w.start()
         extra = f" bootstrap_port={w.bootstrap_port}" if ns.role == "prefill" else ""
         if w.rank_ports:
