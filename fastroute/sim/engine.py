@@ -112,6 +112,10 @@ class PrefillEngine:
     With ``prefix_cache_tokens`` each rank keeps its own LRU cache of prompt blocks (each DP
     rank has its own radix cache in SGLang): the leading blocks of a prompt found there are not
     computed again, so a hit shortens the prefill; ``hit_tokens / input_tokens`` is the hit rate.
+    The cache (``prefixcache.PrefixCache``) is matched and filled when a compute starts; with KV
+    events its sink publishes what it stores and evicts, and ``on_change`` hears every change of
+    a rank's load (queued, started, finished, aborted) for the rank's LoadStat (``load_stat``:
+    the uncached tokens of a queued request are its miss against the cache when it was queued).
 
     ``start`` runs a sampler: every ``sample_interval_s`` it appends ``(t_wall, outstanding,
     tokens)`` to ``samples``, per rank the requests running or queued and their input tokens."""

@@ -12,6 +12,13 @@ reports), not on a listener of its own.
 
 A client that closes its connection aborts its request and frees its slot and KV. If any item
 of a batch never gets its room, the whole batch fails (500) and every item is freed.
+
+KV events (``--kv-events-port-base``, see ``kvevents``): every rank publishes its prefix cache's
+events (a prefill's, or a regular server's, which caches prompts without changing its timing)
+and its LoadStat on ZMQ, advertised as the ``kv_events`` block of ``/server_info``. A start (or
+restart) begins each rank's stream with ``AllBlocksCleared`` at seq 0; ``/flush_cache`` on an
+idle server clears every rank (``AllBlocksCleared``) and answers 400 while anything runs or
+waits, as SGLang does.
 """
 
 from __future__ import annotations

@@ -360,3 +360,43 @@ def test_bad_port_flags_refuse_to_start():
             await w.start()
 
     run(body())
+
+
+def test_worker_cli_flags_publish_and_refuse():
+    """``python -m fastroute.sim.worker`` with the KV event flags: it prints and advertises its
+    ports, a SUB on them gets the flagged topic; a prefill without a cache refuses to start."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind((H, 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "fastroute.sim.worker", "--role", "prefill", "--port", str(port)]
+    bad = subprocess.run(cmd + ["--kv-events-port-base", "-1"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--kv-events-port-base on a prefill server needs --prefix-cache-tokens" in bad.stderr
+    flags = ["--dp-size", "2", "--prefix-cache-tokens", "64", "--prefix-block-tokens", "4", "--time-scale", "0.01"]
+    flags += ["--kv-events-port-base", "-1", "--load-publish-port-base", "0", "--kv-events-topic", "kv"]
+    proc = subprocess.Popen(cmd + flags, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "kv_events_port_base=" in line and "load_port_base=0" in line, line
+
+        async def body():
+            kv = (await get_json(port, "/server_info"))["kv_events"]
+            assert kv["topic"] == "kv" and kv["dp_size"] == 2 and "load_endpoint_port_base" not in kv
+            assert f"kv_events_port_base={kv['endpoint_port_base']}" in line
+            ctx = zmq.asyncio.Context()
+            try:
+                s1 = await sub(ctx, kv["endpoint_port_base"] + 1, b"kv")
+                assert (await generate(port, list(range(4)), 1))[0] == 200
+                topic, seq, (_, events, rank) = await recv_batch(s1)
+                assert topic == b"kv" and seq == 1 and rank == 1 and events[0]["token_ids"] == [0, 1, 2, 3]
+            finally:
+                ctx.destroy(linger=0)
+
+        run(body())
+    finally:
+        proc.terminate()
+        proc.wait(10)
