@@ -142,7 +142,7 @@ def _tcp(host: str, port: int) -> str:
 class _Rank:
     """The sockets and the replay buffer of one DP rank."""
 
-    __slots__ = ("pub", "replay", "load", "seq", "buffer", "load_seq", "last_load", "last_load_t", "task")
+    __slots__ = ("pub", "replay", "load", "seq", "buffer", "load_seq", "last_load", "last_load_t", "task", "drop")
 
     def __init__(self, buffer_steps: int) -> None:
         self.pub: zmq.Socket | None = None
@@ -154,6 +154,7 @@ class _Rank:
         self.last_load: tuple | None = None
         self.last_load_t = 0.0
         self.task: asyncio.Task | None = None
+        self.drop = 0  # the next batches to keep for replay but not send (a fault for tests)
 
 
 class KvEventsHub:
@@ -282,9 +283,17 @@ class KvEventsHub:
         seq = next(rk.seq)
         payload = self._enc.encode(_Batch(time.time(), events, rank))
         rk.buffer.append((seq, payload))
+        if rk.drop > 0:
+            rk.drop -= 1
+            return
         assert rk.pub is not None
         with contextlib.suppress(zmq.Again):  # PUB drops at its high-water mark, never blocks
             rk.pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+
+    def drop(self, rank: int, n: int) -> None:
+        """A fault for tests: ``rank``'s next ``n`` batches are numbered and kept for replay but
+        not sent (a subscriber sees a gap in seq; a large ``n`` is a silent publisher)."""
+        self._ranks[rank].drop = n
 
     def sink(self, rank: int) -> Callable[[list], None]:
         return lambda events: self.publish(rank, events)

@@ -575,6 +575,21 @@ class SimWorker:
         rows = [s for s in eng.samples if s[0] >= since]  # type: ignore[union-attr]
         resp.send_json(200, {"dp_size": self.p.dp_size, "time_scale": self.p.time_scale, "samples": rows})
 
+    async def _h_kv_drop(self, req: Request, resp: Responder) -> None:
+        """Debug: ``POST /sim/kv_events/drop?rank=R&n=N``: rank R's next N KV event batches are
+        kept for replay but not sent (``KvEventsHub.drop``)."""
+        q = req.query_params()
+        try:
+            rank, n = int(q.get("rank", "")), int(q.get("n", "1"))
+        except ValueError:
+            resp.send_json(400, {"error": "rank and n must be integers"})
+            return
+        if self.kv_events is None or req.method != "POST" or not 0 <= rank < self.p.dp_size or n < 0:
+            resp.send_json(400, {"error": "needs POST, KV events on, 0 <= rank < dp_size and n >= 0"})
+            return
+        self.kv_events.drop(rank, n)
+        resp.send_json(200, {"rank": rank, "drop": n})
+
     async def _h_stats(self, req: Request, resp: Responder) -> None:
         eng = self.prefill if self.prefill is not None else self.decode
         d = {
@@ -615,6 +630,7 @@ _ROUTES = {
     "/metrics": SimWorker._h_metrics,
     "/sim/samples": SimWorker._h_samples,
     "/sim/stats": SimWorker._h_stats,
+    "/sim/kv_events/drop": SimWorker._h_kv_drop,
 }
 # Handlers that answer for one rank on a rank port.
 _RANKED = {SimWorker._h_server_info, SimWorker._h_loads, SimWorker._h_get_load}

@@ -400,3 +400,28 @@ def test_worker_cli_flags_publish_and_refuse():
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_dropped_batch_leaves_a_gap_that_replay_fills():
+    async def body():
+        w = SimWorker("prefill", params(dp_size=2))
+        await w.start()
+        ctx = zmq.asyncio.Context()
+        try:
+            assert w.kv_events is not None
+            base = w.kv_events.kv_base
+            s1 = await sub(ctx, base + 1)
+            status, doc = await fetch(H, w.port, "POST", "/sim/kv_events/drop?rank=1&n=1")
+            assert status == 200 and json.loads(doc) == {"rank": 1, "drop": 1}
+            assert (await fetch(H, w.port, "POST", "/sim/kv_events/drop?rank=9"))[0] == 400
+            assert (await generate(w.port, list(range(4)), 1))[0] == 200  # seq 1: not sent
+            assert (await generate(w.port, list(range(10, 14)), 1))[0] == 200  # seq 2: sent
+            _, seq, (_, events, _) = await recv_batch(s1)
+            assert seq == 2 and events[0]["token_ids"] == [10, 11, 12, 13]
+            got = await replay(ctx, base + 2 + 1, 1)
+            assert [q for q, _ in got] == [1, 2] and got[0][1][1][0]["token_ids"] == [0, 1, 2, 3]
+        finally:
+            ctx.destroy(linger=0)
+            await w.stop()
+
+    run(body())
