@@ -226,6 +226,11 @@ def block_reuse(rows: list[dict]) -> float:
     return reused / total if total else 0.0
 
 
+def working_set_tokens(rows: list[dict]) -> int:
+    """Tokens of the distinct blocks of ``rows`` (what a cache holding all of them would hold)."""
+    return BLOCK_TOKENS * len({h for row in rows for h in row["hash_ids"]})
+
+
 def mooncake_arrivals(rows: list[dict], rate: float | None = None, duration_s: float | None = None) -> list[Arrival]:
     """Trace rows as arrivals (from the first row's timestamp; with ``rate``, times stretched so
     the trace arrives at ``rate`` per second on average), those before ``duration_s``."""

@@ -21,6 +21,7 @@ from fastroute.sim.conversations import (
     mooncake_arrivals,
     mooncake_like_trace,
     read_mooncake_trace,
+    working_set_tokens,
 )
 from fastroute.sim.engine import SimParams
 from fastroute.sim.http import fetch
@@ -51,6 +52,8 @@ def test_token_ids_follow_the_hash_ids_and_files_read_back(tmp_path):
     assert len(b) == 2 * BLOCK_TOKENS - 5 and all(0 <= t < VOCAB for t in a)
     assert block_token_ids((8,), BLOCK_TOKENS) == a[BLOCK_TOKENS:]  # a block's ids depend on its id only
     rows = mooncake_like_trace(50, 2.0, seed=3)
+    distinct = {h for r in rows for h in r["hash_ids"]}
+    assert working_set_tokens(rows) == BLOCK_TOKENS * len(distinct)
     path = tmp_path / "conversation_trace.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert read_mooncake_trace(str(path)) == rows
