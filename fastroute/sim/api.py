@@ -17,8 +17,9 @@ import time
 from typing import Any
 
 from fastroute.dataplane import body as _router_body
-from fastroute.sim.engine import BadRequest, DecodeReq, ParsedGen, SimParams, block_hashes
+from fastroute.sim.engine import BadRequest, DecodeReq, ParsedGen, SimParams
 from fastroute.sim.http import Responder
+from fastroute.sim.prefixcache import block_hashes, token_block_hashes
 
 
 def estimate_text_tokens(text: str, chars_per_token: float = 4.0) -> int:
@@ -139,9 +140,13 @@ def parse_inference(path: str, body: bytes, params: SimParams) -> ParsedGen:
     include_usage = isinstance(so, dict) and bool(so.get("include_usage"))
     model = obj.get("model") if isinstance(obj.get("model"), str) else params.model
     if per_item is not None:
-        return _parse_batch(
+        bg = _parse_batch(
             obj, kind, per_item, item_max_new or [max_new] * len(per_item), stream, return_logprob, include_usage, model
         )
+        if params.prefix_cache_tokens > 0 and kind == "generate" and isinstance(ids, list):
+            for it, item_ids in zip(bg.items, ids):
+                _token_blocks(it, item_ids, params)
+        return bg
     room = _int_field(obj, "bootstrap_room")
     port = obj.get("bootstrap_port")
     if port is not None and (isinstance(port, bool) or not isinstance(port, int)):
@@ -164,10 +169,22 @@ def parse_inference(path: str, body: bytes, params: SimParams) -> ParsedGen:
         model,
     )
     g.prefill_rank = _int_field(obj, "disagg_prefill_dp_rank")
-    if params.prefix_cache_tokens > 0 and kind == "generate" and isinstance(text, str):
-        g.blocks = block_hashes(text.encode(), int(params.prefix_block_tokens * cpt))
+    if params.prefix_cache_tokens > 0 and kind == "generate":
+        if isinstance(ids, list):
+            _token_blocks(g, ids, params)
+        elif isinstance(text, str):
+            g.blocks = block_hashes(text.encode(), int(params.prefix_block_tokens * cpt))
     g.items = [g]
     return g
+
+
+def _token_blocks(g: ParsedGen, ids: list, params: SimParams) -> None:
+    """A token id prompt's cache blocks: hashed from the ids, which BlockStored carries."""
+    try:
+        g.blocks = token_block_hashes(ids, params.prefix_block_tokens)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    g.token_ids = ids
 
 
 def _bad_item(name: str) -> int:

@@ -21,7 +21,14 @@ import time
 import uvloop
 
 from fastroute.sim.balance import Cell, RouterProcess, _drain, _f, _free_port, balance_stats, router_command
-from fastroute.sim.conversations import burstify, conversation_trace, run_open_loop
+from fastroute.sim.conversations import (
+    burstify,
+    conversation_trace,
+    mooncake_arrivals,
+    mooncake_like_trace,
+    read_mooncake_trace,
+    run_open_loop,
+)
 from fastroute.sim.engine import SimParams
 from fastroute.sim.loadgen import _percentile, scale_summary
 from fastroute.sim.redisproc import RedisProcess
@@ -153,8 +160,25 @@ def sim_params(ns: argparse.Namespace) -> tuple[SimParams, SimParams]:
         max_total_num_tokens=ns.max_total_num_tokens,
         kv_transfer_tokens_per_s=ns.kv_transfer_tokens_per_s,
     )
-    prefill = SimParams(dp_size=ns.dp_size, time_scale=ns.time_scale, prefix_cache_tokens=ns.prefix_cache_tokens)
+    prefill = SimParams(
+        dp_size=ns.dp_size,
+        time_scale=ns.time_scale,
+        prefix_cache_tokens=ns.prefix_cache_tokens,
+        kv_events_port_base=-1 if ns.kv_events else 0,
+    )
     return decode, prefill
+
+
+def trace_arrivals(ns: argparse.Namespace, span: float, seed: int) -> list:
+    """The replayed arrivals: the session trace (text prompts), or trace mode (``input_ids``
+    from Mooncake hash ids: ``--trace-file`` or a generated trace), at ``--rate``."""
+    if ns.trace == "sessions":
+        return conversation_trace(span, ns.rate, seed=seed)
+    if ns.trace_file:
+        rows = read_mooncake_trace(ns.trace_file)
+    else:
+        rows = mooncake_like_trace(int(span * ns.rate * 1.2) + 10, ns.rate, seed=seed)
+    return mooncake_arrivals(rows, ns.rate, span)
 
 
 def add_flags(ap: argparse.ArgumentParser) -> None:
@@ -174,6 +198,24 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kv-transfer-tokens-per-s", type=float, default=0.0)
     ap.add_argument("--prefix-cache-tokens", type=int, default=500_000, help="prefix cache per prefill rank")
     ap.add_argument("--only", nargs="*", help="run only cells whose label contains one of these")
+    ap.add_argument(
+        "--trace",
+        choices=("sessions", "mooncake"),
+        default="sessions",
+        help="sessions: text prompts of multi-turn sessions; mooncake: input_ids from Mooncake "
+        "conversation-trace hash ids (512-token blocks, ~36.6%% block reuse)",
+    )
+    ap.add_argument(
+        "--trace-file",
+        metavar="JSONL",
+        help="--trace mooncake: replay this copy of FAST25-release/traces/conversation_trace.jsonl "
+        "(times stretched to --rate) instead of a generated trace",
+    )
+    ap.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="the prefill publishes KV events and LoadStat per rank (advertised in /server_info)",
+    )
     ap.add_argument("--router-args", default="", help="extra flags for every fastroute (one string)")
     ap.add_argument("--out", default="bench/out/conversations")
     ap.add_argument(
@@ -202,7 +244,7 @@ async def run_all(cells: list[Cell], ns: argparse.Namespace) -> list[dict]:
     try:
         for rep in range(ns.repeat):
             span = (ns.warmup + ns.duration) / ns.time_scale + 5
-            base = conversation_trace(span, ns.rate, seed=ns.seed + rep)
+            base = trace_arrivals(ns, span, ns.seed + rep)
             for kind in ns.arrivals:
                 arrivals = burstify(base, ns.rate, ns.burst) if kind == "bursty" else base
                 for cell in cells:
@@ -246,6 +288,8 @@ def main(argv: list[str] | None = None, mode: str = "policies") -> int:
     else:
         ap.add_argument("--kv-fit", action="store_true", help="every row with --decode-kv-fit on")
     ns = ap.parse_args(argv)
+    if ns.trace_file and ns.trace != "mooncake":
+        ap.error("--trace-file needs --trace mooncake")
     if ns.router_checkout:
         # Only the router subprocesses see it; the simulators here are already imported.
         os.environ["PYTHONPATH"] = os.path.abspath(ns.router_checkout)

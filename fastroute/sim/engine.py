@@ -42,11 +42,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict, deque
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 # The knobs and the parsed request live in params; importers of the engine find them here too.
 from fastroute.sim.params import BadRequest, ParsedGen, SimParams
+from fastroute.sim.prefixcache import PrefixCache, block_hashes
+from fastroute.sim.rendezvous import Rendezvous
 
 __all__ = [
     "BadRequest",
@@ -61,7 +64,7 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------
-# Rendezvous
+# Helpers
 
 
 async def _cancelled(task: asyncio.Task | None) -> None:
@@ -74,93 +77,33 @@ async def _cancelled(task: asyncio.Task | None) -> None:
             pass
 
 
-ORIGIN_KEEP = 65536
-
-
-class Rendezvous:
-    """Bootstrap rooms a prefill has finished, and decodes waiting for them.
-
-    A room marked ready before its decode arrives is kept for ``ttl_s`` (then forgotten, so an
-    aborted decode never leaks it); a waiter is removed when it is satisfied or cancelled."""
-
-    def __init__(self, ttl_s: float = 300.0) -> None:
-        self._ready: dict[int, float] = {}
-        self._waiters: dict[int, list[asyncio.Future]] = {}
-        self._ttl = ttl_s
-        self._last_prune = time.monotonic()
-        # room -> the prefill DP rank that computed it (newest ORIGIN_KEEP rooms), so a decode
-        # told the prefill rank (disagg_prefill_dp_rank) can check it was told the truth.
-        self.origin: dict[int, int] = {}
-
-    def mark_ready(self, room: int, rank: int | None = None) -> None:
-        if rank is not None:
-            self.origin[room] = rank
-            if len(self.origin) > ORIGIN_KEEP:
-                del self.origin[next(iter(self.origin))]
-        waiters = self._waiters.pop(room, None)
-        if waiters:
-            for fut in waiters:
-                if not fut.done():
-                    fut.set_result(True)
-            return
-        now = time.monotonic()
-        self._ready[room] = now
-        if now - self._last_prune > self._ttl:
-            self._last_prune = now
-            cutoff = now - self._ttl
-            for r in [r for r, t in self._ready.items() if t < cutoff]:
-                del self._ready[r]
-
-    def is_ready(self, room: int) -> bool:
-        return room in self._ready
-
-    async def wait(self, room: int, timeout: float) -> bool:
-        """True once the room is ready (consuming it), False on timeout."""
-        if self._ready.pop(room, None) is not None:
-            return True
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(room, []).append(fut)
-        try:
-            return await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            return False
-        finally:
-            lst = self._waiters.get(room)
-            if lst is not None and fut in lst:
-                lst.remove(fut)
-                if not lst:
-                    del self._waiters[room]
-
-    def pending(self) -> int:
-        return len(self._ready) + len(self._waiters)
-
-
 # ---------------------------------------------------------------------------------------------
 # Engines
 
 
 class _PrefillRank:
-    __slots__ = ("lock", "running", "waiting", "tokens", "wait_tokens", "cache")
+    __slots__ = (
+        "lock",
+        "running",
+        "waiting",
+        "tokens",
+        "wait_tokens",
+        "wait_uncached",
+        "cache",
+        "uncached_total",
+        "busy_us",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, cache: PrefixCache) -> None:
         self.lock = asyncio.Lock()  # FIFO: asyncio.Lock wakes waiters in arrival order
         self.running = 0
         self.waiting = 0
         self.tokens = 0
         self.wait_tokens = 0  # input tokens of the requests queued behind the running one
-        self.cache: OrderedDict = OrderedDict()  # block hash -> None, least recently used first
-
-
-def block_hashes(data: bytes, block_bytes: int) -> tuple:
-    """Chained hashes of the full ``block_bytes`` blocks of a prompt: block i's hash names the
-    whole prefix up to it, so two prompts share a cached block only if they share everything
-    before it too (a radix cache over pages)."""
-    out = []
-    h = 0
-    for i in range(0, len(data) - block_bytes + 1, block_bytes):
-        h = hash((h, data[i : i + block_bytes]))
-        out.append(h)
-    return tuple(out)
+        self.wait_uncached = 0  # of those, not in the cache when each was queued
+        self.cache = cache
+        self.uncached_total = 0  # prompt tokens computed (not found in the cache), cumulative
+        self.busy_us = 0  # wall microseconds spent computing, cumulative
 
 
 class PrefillEngine:
@@ -169,6 +112,10 @@ class PrefillEngine:
     With ``prefix_cache_tokens`` each rank keeps its own LRU cache of prompt blocks (each DP
     rank has its own radix cache in SGLang): the leading blocks of a prompt found there are not
     computed again, so a hit shortens the prefill; ``hit_tokens / input_tokens`` is the hit rate.
+    The cache (``prefixcache.PrefixCache``) is matched and filled when a compute starts; with KV
+    events its sink publishes what it stores and evicts, and ``on_change`` hears every change of
+    a rank's load (queued, started, finished, aborted) for the rank's LoadStat (``load_stat``:
+    the uncached tokens of a queued request are its miss against the cache when it was queued).
 
     ``start`` runs a sampler: every ``sample_interval_s`` it appends ``(t_wall, outstanding,
     tokens)`` to ``samples``, per rank the requests running or queued and their input tokens."""
@@ -176,7 +123,9 @@ class PrefillEngine:
     def __init__(self, params: SimParams, board: Rendezvous) -> None:
         self.p = params
         self.board = board
-        self.ranks = [_PrefillRank() for _ in range(params.dp_size)]
+        cap = params.prefix_cache_tokens // params.prefix_block_tokens
+        self.ranks = [_PrefillRank(PrefixCache(cap, params.prefix_block_tokens)) for _ in range(params.dp_size)]
+        self.on_change: Callable[[int], None] | None = None  # a rank's load changed (KV events' LoadStat)
         self.ctl = params.controller("prefill")
         self.completed = 0
         self.aborted = 0
@@ -203,24 +152,36 @@ class PrefillEngine:
     def _publish(self, i: int) -> None:
         r = self.ranks[i]
         self.ctl.publish(i, r.running + r.waiting, r.tokens + r.wait_tokens)
+        if self.on_change is not None:
+            self.on_change(i)
+
+    def _uncached(self, r: _PrefillRank, g: ParsedGen) -> int:
+        """Tokens of g's prompt not in rank r's cache now (a lookup only)."""
+        if not g.blocks or self.p.prefix_cache_tokens <= 0:
+            return g.input_tokens
+        return max(0, g.input_tokens - r.cache.match(g.blocks) * self.p.prefix_block_tokens)
 
     def _cached_tokens(self, r: _PrefillRank, g: ParsedGen) -> int:
         """Tokens of g's prompt already in rank r's cache; caches g's blocks (LRU)."""
         if not g.blocks or self.p.prefix_cache_tokens <= 0:
             return 0
-        cache = r.cache
-        hit = 0
-        for h in g.blocks:
-            if h not in cache:
-                break
-            hit += 1
-        for h in g.blocks:
-            cache[h] = None
-            cache.move_to_end(h)
-        cap = max(1, self.p.prefix_cache_tokens // self.p.prefix_block_tokens)
-        while len(cache) > cap:
-            cache.popitem(last=False)
+        hit = r.cache.insert(g.blocks, g.token_ids)
         return min(g.input_tokens, hit * self.p.prefix_block_tokens)
+
+    def load_stat(self, i: int) -> tuple:
+        """Rank i's LoadStat fields (``kvevents.KvEventsHub``), without the rank."""
+        r, p = self.ranks[i], self.p
+        return (
+            r.running,
+            r.waiting,
+            r.tokens,
+            p.max_total_num_tokens,
+            r.wait_uncached,
+            r.tokens + r.wait_tokens,
+            p.max_running_requests,
+            r.uncached_total,
+            r.busy_us,
+        )
 
     def rank_for(self, g: ParsedGen) -> int:
         return self.place([g])[0]
@@ -235,13 +196,20 @@ class PrefillEngine:
     async def run(self, g: ParsedGen, rank: int) -> None:
         r = self.ranks[rank]
         queued = True
+        # What it adds to the rank's queued uncached tokens: its miss as of now (SGLang matches
+        # a waiting request against the tree once and reports that).
+        unc = self._uncached(r, g)
         r.waiting += 1
         r.wait_tokens += g.input_tokens
+        r.wait_uncached += unc
+        if r.lock.locked():
+            self._publish(rank)  # queued behind the running one
         try:
             async with r.lock:
                 queued = False
                 r.waiting -= 1
                 r.wait_tokens -= g.input_tokens
+                r.wait_uncached -= unc
                 # The cache is looked up when the compute starts, as a scheduler matches the
                 # radix tree when it schedules the request.
                 cached = self._cached_tokens(r, g)
@@ -253,17 +221,22 @@ class PrefillEngine:
                 r.running += 1
                 r.tokens += g.input_tokens
                 self._publish(rank)  # the scheduler formed its batch
+                t0 = time.monotonic()
                 try:
                     await asyncio.sleep(dur)
                 finally:
                     r.running -= 1
                     r.tokens -= g.input_tokens
+                    r.uncached_total += g.input_tokens - cached
+                    r.busy_us += int((time.monotonic() - t0) * 1e6)
                     self._publish(rank)  # the batch's result
         except asyncio.CancelledError:
             # Client gone: leave the queue (or the compute) without publishing the room.
             if queued:
                 r.waiting -= 1
                 r.wait_tokens -= g.input_tokens
+                r.wait_uncached -= unc
+                self._publish(rank)
             self.aborted += 1
             raise
         if g.room is not None:
@@ -433,6 +406,16 @@ class DecodeEngine:
         self.placed[req.rank] += 1
         self.ranks[req.rank].prealloc.append(req)
         self._admit(self.ranks[req.rank])
+
+    def load_stat(self, i: int, regular: bool = False) -> tuple:
+        """Rank i's LoadStat fields (``kvevents.KvEventsHub``), without the rank. Nothing waits
+        for prefill compute on a decode; on a ``regular`` server the prompts not yet running do."""
+        rk, p = self.ranks[i], self.p
+        pending = sum(q.input_tokens + q.generated for q in rk.prealloc)
+        pending += sum(q.input_tokens + q.generated for q in rk.retracted)
+        unc = sum(q.input_tokens for q in rk.prealloc) + sum(q.input_tokens for q in rk.ready) if regular else 0
+        cap = p.max_total_num_tokens
+        return (len(rk.running), rk.waiting(), rk.used, cap, unc, rk.used + pending, p.max_running_requests, 0, 0)
 
     def free_kv(self, rank: int) -> int:
         """The rank's true free KV (capacity - allocated), what a router estimates from polls."""

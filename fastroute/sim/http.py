@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -415,3 +416,46 @@ async def fetch(
     finally:
         conn.close()
     return status, data
+
+
+def ephemeral_low() -> int:
+    """The lowest local port the kernel gives outgoing connections (Linux; a default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+async def bind_consecutive(servers: list[HttpServer], port: int) -> None:
+    """Start ``servers`` on ports port, port+1, ...; with ``port`` 0 on the first run of free
+    consecutive ports found from a random base below the ephemeral range (a few tries).
+
+    Below the range because the ephemeral ports hold the client sides of closed connections in
+    TIME_WAIT (after a benchmark, thousands), and a listener cannot bind a port such a socket
+    holds; ``port`` 0 alone picks from inside that range."""
+    fixed = port != 0
+    lo = ephemeral_low()
+    rng = random.Random()
+    n = len(servers)
+    for _ in range(1 if fixed else 50):
+        started: list[HttpServer] = []
+        try:
+            base = port if fixed else (rng.randrange(10000, lo - n) if lo - n > 10000 else 0)
+            servers[0].port = base
+            await servers[0].start()
+            started.append(servers[0])
+            base = servers[0].port
+            if base + n - 1 > 65535:
+                raise OSError(f"no room for {n} rank ports from {base}")
+            for i, srv in enumerate(servers[1:], 1):
+                srv.port = base + i
+                await srv.start()
+                started.append(srv)
+            return
+        except OSError:
+            for srv in started:
+                await srv.stop()
+            if fixed:
+                raise
+    raise OSError(f"found no {len(servers)} consecutive free ports")

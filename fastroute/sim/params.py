@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastroute.sim.dispatch import LB_METHODS, DpController
 
@@ -44,12 +45,27 @@ class SimParams:
     load_balance_method: str = "auto"  # auto | round_robin | follow_bootstrap_room | total_requests | total_tokens
     lb_refresh_ms: float = 20.0  # the controller re-reads the ranks' snapshots at most this often
     load_snapshot_interval: int = 15  # a decode rank publishes its snapshot every N steps (and when idle)
+    # KV events and pushed loads over ZMQ, as SGLang 0.5.23 publishes them (see kvevents)
+    kv_events_port_base: int = 0  # rank r publishes on base + r; 0 = off, -1 = a free range
+    kv_events_replay_port_base: int = -1  # replay ROUTER of rank r on base + r; -1 = auto, 0 = off
+    load_publish_port_base: int = -1  # LoadStat PUB of rank r on base + r; -1 = auto, 0 = off
+    kv_events_advertise: bool = True  # the kv_events block in /server_info
+    kv_events_topic: str = ""
+    kv_events_buffer_steps: int = 10_000  # batches kept for replay
 
     def __post_init__(self) -> None:
         if self.kv_transfer_scope not in ("server", "rank"):
             raise ValueError(f"kv_transfer_scope must be server or rank, not {self.kv_transfer_scope!r}")
         if self.slow_factor <= 0:
             raise ValueError("slow_factor must be positive")
+        if self.kv_events_port_base < -1 or self.kv_events_port_base > 65535:
+            raise ValueError("kv_events_port_base must be -1 (a free range), 0 (off) or a port")
+        for name in ("kv_events_replay_port_base", "load_publish_port_base"):
+            v = getattr(self, name)
+            if v < -1 or v > 65535:
+                raise ValueError(f"{name} must be -1 (auto), 0 (off) or a port")
+        if self.kv_events_buffer_steps < 1:
+            raise ValueError("kv_events_buffer_steps must be at least 1")
         if self.load_balance_method not in LB_METHODS:
             raise ValueError(
                 f"load_balance_method must be one of {', '.join(LB_METHODS)}, not {self.load_balance_method!r}"
@@ -89,4 +105,5 @@ class ParsedGen:
     batch: int | None = None  # None = scalar request, B = batch of B (protocol.md 3.3)
     items: list = field(default_factory=list)  # one scalar ParsedGen per batch item ([self] if scalar)
     blocks: tuple = ()  # chained hashes of the prompt's full blocks (prefix cache on), else ()
+    token_ids: Any = None  # the prompt's token ids when ``blocks`` hash them (BlockStored carries them)
     prefill_rank: int | None = None  # disagg_prefill_dp_rank: the prefill rank holding the KV

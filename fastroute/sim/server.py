@@ -12,24 +12,32 @@ reports), not on a listener of its own.
 
 A client that closes its connection aborts its request and frees its slot and KV. If any item
 of a batch never gets its room, the whole batch fails (500) and every item is freed.
+
+KV events (``--kv-events-port-base``, see ``kvevents``): every rank publishes its prefix cache's
+events (a prefill's, or a regular server's, which caches prompts without changing its timing)
+and its LoadStat on ZMQ, advertised as the ``kv_events`` block of ``/server_info``. A start (or
+restart) begins each rank's stream with ``AllBlocksCleared`` at seq 0; ``/flush_cache`` on an
+idle server clears every rank (``AllBlocksCleared``) and answers 400 while anything runs or
+waits, as SGLang does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 from collections import deque
 from typing import Any
 
 from fastroute.sim.api import _generate_body, _make_emitter, _openai_body, _usage_event, parse_inference
 from fastroute.sim.engine import BadRequest, DecodeEngine, DecodeReq, ParsedGen, PrefillEngine, Rendezvous, SimParams
-from fastroute.sim.http import CT_TEXT, HttpError, HttpServer, Request, Responder, fetch
+from fastroute.sim.http import CT_TEXT, HttpError, HttpServer, Request, Responder, bind_consecutive, fetch
+from fastroute.sim.kvevents import KvEventsHub
+from fastroute.sim.loads import SIM_VERSION, loads_doc
+from fastroute.sim.prefixcache import PrefixCache
 
 INFERENCE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues")
-SIM_VERSION = "0.5.0-sim"
 
 
 async def _rendezvous_http(host: str, port: int, room: int, timeout: float) -> tuple[bool, int | None]:
@@ -52,53 +60,6 @@ async def _rendezvous_http(host: str, port: int, room: int, timeout: float) -> t
             except (ValueError, AttributeError):
                 rank = None
             return True, rank if isinstance(rank, int) else None
-
-
-def _ephemeral_low() -> int:
-    """The lowest local port the kernel gives outgoing connections (Linux; a default elsewhere)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-async def _bind_consecutive(servers: list[HttpServer], port: int) -> None:
-    """Start ``servers`` on ports port, port+1, ...; with ``port`` 0 on the first run of free
-    consecutive ports found from a random base below the ephemeral range (a few tries).
-
-    Below the range because the ephemeral ports hold the client sides of closed connections in
-    TIME_WAIT (after a benchmark, thousands), and a listener cannot bind a port such a socket
-    holds; ``port`` 0 alone picks from inside that range."""
-    fixed = port != 0
-    lo = _ephemeral_low()
-    rng = random.Random()
-    n = len(servers)
-    for _ in range(1 if fixed else 50):
-        started: list[HttpServer] = []
-        try:
-            base = port if fixed else (rng.randrange(10000, lo - n) if lo - n > 10000 else 0)
-            servers[0].port = base
-            await servers[0].start()
-            started.append(servers[0])
-            base = servers[0].port
-            if base + n - 1 > 65535:
-                raise OSError(f"no room for {n} rank ports from {base}")
-            for i, srv in enumerate(servers[1:], 1):
-                srv.port = base + i
-                await srv.start()
-                started.append(srv)
-            return
-        except OSError:
-            for srv in started:
-                await srv.stop()
-            if fixed:
-                raise
-    raise OSError(f"found no {len(servers)} consecutive free ports")
-
-
-def _now_ts() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + "+00:00"
 
 
 class _Ids:
@@ -146,12 +107,21 @@ class SimWorker:
         self._boot: HttpServer | None = None
         self.prefill = PrefillEngine(self.p, self.board) if role == "prefill" else None
         self.decode = DecodeEngine(self.p) if role != "prefill" else None
+        if self.p.kv_events_port_base != 0 and role != "decode" and self.p.prefix_cache_tokens <= 0:
+            raise ValueError(f"--kv-events-port-base on a {role} server needs --prefix-cache-tokens > 0")
+        # A regular server's ranks cache prompts too (events only: its timing has no prefill).
+        cap = self.p.prefix_cache_tokens // self.p.prefix_block_tokens
+        self.caches = [PrefixCache(cap, self.p.prefix_block_tokens) for _ in range(self.p.dp_size)]
+        if self.prefill is not None:
+            self.caches = [r.cache for r in self.prefill.ranks]
         self._ids = _Ids({"prefill": "p", "decode": "d", "regular": "r"}[role] + "%x-" % (id(self) & 0xFFFF))
         self.requests = 0
         self.flushes = 0
         self.last_bodies: deque = deque(maxlen=16)  # recent inference bodies, for tests/debugging
         self.port_requests = [0] * len(self.rank_servers)  # inference requests per listener
         self.wrong_prefill_rank = 0  # decode items whose disagg_prefill_dp_rank was not the room's
+        # KV events and LoadStat per rank over ZMQ (kvevents), with --kv-events-port-base
+        self.kv_events: KvEventsHub | None = None
 
     def _rank_app(self, rank: int) -> Any:
         async def app(req: Request, resp: Responder) -> None:
@@ -172,7 +142,7 @@ class SimWorker:
 
     async def start(self) -> None:
         if self.rank_ports:
-            await _bind_consecutive(self.rank_servers, self.server.port)
+            await bind_consecutive(self.rank_servers, self.server.port)
             if self.role == "prefill":
                 # Like the Rust server: the rooms are served on the API port itself.
                 self.bootstrap_port = self.server.port
@@ -188,8 +158,41 @@ class SimWorker:
             self.decode.start()
         if self.prefill is not None:
             self.prefill.start()
+        if self.p.kv_events_port_base != 0:
+            await self._start_kv_events()
+
+    async def _start_kv_events(self) -> None:
+        """Bind the per-rank publishers; a (re)started server's caches start empty, and each rank's
+        first batch says so (AllBlocksCleared, seq 0)."""
+        eng = self.prefill
+        if eng is not None:
+            hub = KvEventsHub(self.p, self.host, eng.load_stat)
+        else:
+            dec, regular = self.decode, self.role == "regular"
+            assert dec is not None
+            hub = KvEventsHub(self.p, self.host, lambda i: dec.load_stat(i, regular))
+        for c in self.caches:
+            c.sink = None
+            c.clear()
+        try:
+            await hub.start()
+        except BaseException:
+            await self.stop()
+            raise
+        self.kv_events = hub
+        for i, c in enumerate(self.caches):
+            c.sink = hub.sink(i)
+        if eng is not None:
+            eng.on_change = hub.poke
 
     async def stop(self) -> None:
+        if self.kv_events is not None:
+            await self.kv_events.stop()
+            self.kv_events = None
+        if self.prefill is not None:
+            self.prefill.on_change = None
+        for c in self.caches:
+            c.sink = None
         if self.decode is not None:
             await self.decode.stop()
         if self.prefill is not None:
@@ -337,6 +340,10 @@ class SimWorker:
         rid = self._ids.next()
         dreqs: list[DecodeReq] = []
         ranks = eng.place([(it.rank, it.room, it.input_tokens) for it in g.items])
+        if self.role == "regular" and self.p.prefix_cache_tokens > 0:
+            for it, rank in zip(g.items, ranks):
+                if it.blocks:
+                    self.caches[rank].insert(it.blocks, it.token_ids)
         try:
             for it, rank in zip(g.items, ranks):
                 irid = rid if g.batch is None else f"{rid}.{it.index}"
@@ -412,7 +419,7 @@ class SimWorker:
         p = self.p
         mode = {"prefill": "prefill", "decode": "decode", "regular": "null"}[self.role]
         loads = self.rank_loads()
-        return {
+        info = {
             "model_path": f"sim/{p.model}",
             "served_model_name": p.model,
             "tokenizer_path": f"sim/{p.model}",
@@ -437,79 +444,14 @@ class SimWorker:
             "simulated": True,
             "time_scale": p.time_scale,
         }
+        kv = self.kv_events.describe() if self.kv_events is not None else None
+        if kv is not None:
+            info["kv_events"] = kv
+        return info
 
     def loads_json(self, sections: set[str], dp_rank: int | None) -> dict:
-        p = self.p
-        cap = p.max_total_num_tokens
-        ts = time.time()
-        out = []
-        tot_run = tot_wait = tot_used = 0
-        for i, (run, wait, used) in enumerate(self.rank_loads()):
-            if dp_rank is not None and i != dp_rank:
-                continue
-            tot_run += run
-            tot_wait += wait
-            tot_used += used
-            e: dict[str, Any] = {
-                "dp_rank": i,
-                "timestamp": ts,
-                "num_running_reqs": run,
-                "num_waiting_reqs": wait,
-                "num_total_reqs": run + wait,
-                "num_used_tokens": used,
-                "max_total_num_tokens": cap,
-                "token_usage": round(used / cap, 6) if cap else 0.0,
-                "gen_throughput": 0.0,
-                "cache_hit_rate": 0.0,
-                "utilization": round(min(1.0, run / max(1, p.max_running_requests)), 6),
-                "max_running_requests": p.max_running_requests,
-                "num_waiting_uncached_tokens": self.prefill.waiting_uncached(i) if self.prefill is not None else 0,
-            }
-            if "memory" in sections:
-                e["memory"] = {"weight_gb": 0.0, "kv_cache_gb": 0.0, "graph_gb": 0.0, "token_capacity": cap}
-            if "spec" in sections:
-                e["speculative"] = {"accept_length": 0.0, "accept_rate": 0.0}
-            if "lora" in sections:
-                e["lora"] = {"slots_used": 0, "slots_total": 0, "utilization": 0.0}
-            if "disagg" in sections:
-                d = {
-                    "mode": {"prefill": "prefill", "decode": "decode", "regular": "null"}[self.role],
-                    "prefill_prealloc_queue_reqs": 0,
-                    "prefill_inflight_queue_reqs": 0,
-                    "decode_prealloc_queue_reqs": 0,
-                    "decode_transfer_queue_reqs": 0,
-                    "decode_retracted_queue_reqs": 0,
-                    "kv_transfer_speed_gb_s": 0.0,
-                    "kv_transfer_latency_ms": 0.0,
-                }
-                if self.role == "prefill":
-                    d["prefill_prealloc_queue_reqs"] = wait
-                elif self.decode is not None:
-                    pre, trans, _, ret = self.decode.rank_queues(i)
-                    d["decode_prealloc_queue_reqs"] = pre
-                    d["decode_transfer_queue_reqs"] = trans
-                    d["decode_retracted_queue_reqs"] = ret
-                e["disaggregation"] = d
-            if "queues" in sections:
-                ret = self.decode.rank_queues(i)[3] if self.decode is not None else 0
-                e["queues"] = {"waiting": wait - ret, "grammar": 0, "paused": 0, "retracted": ret}
-            out.append(e)
-        n = max(1, len(out))
-        return {
-            "timestamp": _now_ts(),
-            "version": SIM_VERSION,
-            "dp_rank_count": len(out),
-            "loads": out,
-            "aggregate": {
-                "total_running_reqs": tot_run,
-                "total_waiting_reqs": tot_wait,
-                "total_reqs": tot_run + tot_wait,
-                "total_used_tokens": tot_used,
-                "avg_token_usage": round(tot_used / (cap * n), 6) if cap else 0.0,
-                "avg_throughput": 0.0,
-                "avg_utilization": 0.0,
-            },
-        }
+        """``/v1/loads`` (``sections``: the include list; ``dp_rank``: one rank, else all)."""
+        return loads_doc(self, sections, dp_rank)
 
     # route handlers
     async def _h_health(self, req: Request, resp: Responder) -> None:
@@ -600,6 +542,12 @@ class SimWorker:
         )
 
     async def _h_flush(self, req: Request, resp: Responder) -> None:
+        if any(run or wait for run, wait, _ in self.rank_loads()):
+            # SGLang flushes only an idle server (each rank's cache: AllBlocksCleared).
+            resp.send(400, b"Flush cache failed.\n", CT_TEXT)
+            return
+        for c in self.caches:
+            c.clear()
         self.flushes += 1
         resp.send(
             200,
@@ -626,6 +574,21 @@ class SimWorker:
         eng = self.decode if self.decode is not None else self.prefill
         rows = [s for s in eng.samples if s[0] >= since]  # type: ignore[union-attr]
         resp.send_json(200, {"dp_size": self.p.dp_size, "time_scale": self.p.time_scale, "samples": rows})
+
+    async def _h_kv_drop(self, req: Request, resp: Responder) -> None:
+        """Debug: ``POST /sim/kv_events/drop?rank=R&n=N``: rank R's next N KV event batches are
+        kept for replay but not sent (``KvEventsHub.drop``)."""
+        q = req.query_params()
+        try:
+            rank, n = int(q.get("rank", "")), int(q.get("n", "1"))
+        except ValueError:
+            resp.send_json(400, {"error": "rank and n must be integers"})
+            return
+        if self.kv_events is None or req.method != "POST" or not 0 <= rank < self.p.dp_size or n < 0:
+            resp.send_json(400, {"error": "needs POST, KV events on, 0 <= rank < dp_size and n >= 0"})
+            return
+        self.kv_events.drop(rank, n)
+        resp.send_json(200, {"rank": rank, "drop": n})
 
     async def _h_stats(self, req: Request, resp: Responder) -> None:
         eng = self.prefill if self.prefill is not None else self.decode
@@ -667,6 +630,7 @@ _ROUTES = {
     "/metrics": SimWorker._h_metrics,
     "/sim/samples": SimWorker._h_samples,
     "/sim/stats": SimWorker._h_stats,
+    "/sim/kv_events/drop": SimWorker._h_kv_drop,
 }
 # Handlers that answer for one rank on a rank port.
 _RANKED = {SimWorker._h_server_info, SimWorker._h_loads, SimWorker._h_get_load}

@@ -59,20 +59,37 @@ async def start_cluster(
 # CLI
 
 
+# --help of the KV events flags (fastroute.sim.kvevents describes the wire).
+PARAM_HELP = {
+    "kv_events_port_base": "publish KV events as SGLang 0.5.23 does: DP rank r's ZMQ PUB on this port + r, "
+    "bound on --host (0 = off, -1 = a free run of ports); the cache is the prefill ranks' "
+    "--prefix-cache-tokens, blocks of --prefix-block-tokens",
+    "kv_events_replay_port_base": "rank r's replay ROUTER on this port + r (-1 = auto: KV base + dp_size; "
+    "0 = no replay)",
+    "load_publish_port_base": "rank r's LoadStat PUB (topic load) on this port + r (-1 = auto: after the KV and "
+    "replay ranges; 0 = no loads)",
+    "kv_events_advertise": "put the kv_events block in /server_info (--no-kv-events-advertise: publish "
+    "without telling, for a router's --kv-events-endpoint)",
+    "kv_events_topic": "ZMQ topic of the KV event batches",
+    "kv_events_buffer_steps": "KV event batches each rank keeps for replay",
+}
+
+
 def add_param_flags(ap: argparse.ArgumentParser) -> None:
     """One ``--flag`` per SimParams field (dashes for underscores), defaults from the dataclass."""
     defaults = SimParams()
     for f in fields(SimParams):
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
+        hlp = PARAM_HELP.get(f.name)
         if isinstance(default, bool):  # --retract / --no-retract (bool("False") would be True)
-            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, dest=f.name)
+            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, dest=f.name, help=hlp)
         elif f.name == "kv_transfer_scope":
             ap.add_argument(flag, choices=("server", "rank"), default=default, dest=f.name)
         elif f.name == "load_balance_method":  # SGLang's flag: the rank of a request naming none
             ap.add_argument(flag, choices=LB_METHODS, default=default, dest=f.name)
         else:
-            ap.add_argument(flag, type=type(default), default=default, dest=f.name)
+            ap.add_argument(flag, type=type(default), default=default, dest=f.name, help=hlp)
 
 
 def params_from_args(ns: argparse.Namespace) -> SimParams:
@@ -100,14 +117,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_param_flags(ap)
     ns = ap.parse_args(argv)
-    params = params_from_args(ns)
+    try:
+        params = params_from_args(ns)
+    except ValueError as exc:
+        ap.error(str(exc))
+
+    try:
+        w = SimWorker(ns.role, params, ns.host, ns.port, ns.bootstrap_port, rank_ports=ns.rank_ports)
+    except ValueError as exc:
+        ap.error(str(exc))
 
     async def run() -> None:
-        w = SimWorker(ns.role, params, ns.host, ns.port, ns.bootstrap_port, rank_ports=ns.rank_ports)
         await w.start()
         extra = f" bootstrap_port={w.bootstrap_port}" if ns.role == "prefill" else ""
         if w.rank_ports:
             extra += f" rank_ports={w.port}..{w.port + params.dp_size - 1}"
+        kv = w.kv_events
+        if kv is not None:
+            extra += f" kv_events_port_base={kv.kv_base}"
+            extra += f" replay_port_base={kv.replay_base or 0} load_port_base={kv.load_base or 0}"
         print(f"sim {ns.role} listening on {w.url} dp_size={params.dp_size}{extra}", flush=True)
         try:
             await asyncio.Event().wait()
