@@ -30,6 +30,7 @@ when the request is sent, so a long replay holds hash ids, not token lists.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import math
 import random
@@ -143,9 +144,10 @@ def block_token_ids(hash_ids: tuple | list, input_length: int) -> list[int]:
 
 
 def read_mooncake_trace(path: str) -> list[dict]:
-    """The rows of a Mooncake trace file (JSON lines); a row without the four keys is an error."""
+    """The rows of a Mooncake trace file (JSON lines, gzipped if it ends in .gz); a row without
+    the four keys is an error."""
     rows = []
-    with open(path) as fh:
+    with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as fh:
         for n, line in enumerate(fh, 1):
             if not line.strip():
                 continue

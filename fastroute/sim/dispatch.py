@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-LB_METHODS = ("auto", "round_robin", "follow_bootstrap_room", "total_requests", "total_tokens")
+LB_METHODS = ("auto", "round_robin", "follow_bootstrap_room", "total_requests", "total_tokens", "cache_oracle")
 _LOAD_AWARE = ("total_requests", "total_tokens")
 
 
@@ -37,6 +37,10 @@ def resolve_method(method: str, role: str) -> str:
         raise ValueError(f"load_balance_method must be one of {', '.join(LB_METHODS)}, not {method!r}")
     if method == "auto":
         return "follow_bootstrap_room" if role == "prefill" else "round_robin"
+    if method == "cache_oracle" and role != "prefill":
+        # A benchmark's upper bound, not an SGLang method: the prefill engine places each
+        # request knowing every rank's cache and queue (engine.PrefillEngine.place).
+        raise ValueError("load_balance_method cache_oracle is for prefill servers only")
     return method
 
 

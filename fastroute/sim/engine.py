@@ -187,7 +187,15 @@ class PrefillEngine:
         return self.place([g])[0]
 
     def place(self, items: list[ParsedGen]) -> list[int]:
-        """Ranks of a request's items: the body's rank, else the DP controller's choice."""
+        """Ranks of a request's items: the body's rank, else the DP controller's choice; under
+        ``cache_oracle`` (a benchmark's bound) always the rank of least queued + running +
+        uncached tokens for it, knowing every rank's cache (fewest requests on a tie)."""
+        if self.ctl.method == "cache_oracle":
+            out = []
+            for it in items:
+                cost = [(r.wait_uncached + r.tokens + self._uncached(r, it), r.running + r.waiting) for r in self.ranks]
+                out.append(cost.index(min(cost)))
+            return out
         for it in items:
             if it.rank is not None and not 0 <= it.rank < self.p.dp_size:
                 raise BadRequest(f"dp rank {it.rank} out of range [0, {self.p.dp_size})")

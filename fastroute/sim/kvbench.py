@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gzip
-import json
 import os
 import sys
 import time
@@ -43,52 +41,25 @@ from fastroute.sim.balance import (
     _f,
     _free_port,
     balance_stats,
+    fetch,
     merge_samples,
     router_command,
 )
-from fastroute.sim.conversations import Arrival, run_open_loop
+from fastroute.sim.conversations import (
+    Arrival,
+    mooncake_arrivals,
+    read_mooncake_trace,
+    run_open_loop,
+    working_set_tokens,
+)
 from fastroute.sim.engine import SimParams
-from fastroute.sim.loadgen import TraceItem, _percentile, scale_summary
+from fastroute.sim.http import HttpError
+from fastroute.sim.loadgen import _percentile, scale_summary
 from fastroute.sim.worker import start_cluster
 
 TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "data", "mooncake_conversation_trace.jsonl.gz")
 BLOCK = 512
 LEAST = ["--policy", "power_of_two", "--p2c-load-metric", "least_requests"]
-
-
-def load_trace(path: str = TRACE) -> list[dict]:
-    """The trace's rows: timestamp (ms), input_length, output_length, hash_ids."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
-def arrivals(rows: list[dict], rate: float, span_s: float, start: int = 0) -> list[Arrival]:
-    """The rows from ``start`` replayed at ``rate`` requests per simulated second on average
-    (the trace's own gaps, scaled), as many as fall within ``span_s``."""
-    rows = rows[start:]
-    if len(rows) < 2:
-        return []
-    t0 = rows[0]["timestamp"]
-    native = (len(rows) - 1) / max((rows[-1]["timestamp"] - t0) / 1000.0, 1e-9)
-    scale = native / rate
-    out = []
-    for i, r in enumerate(rows):
-        t = (r["timestamp"] - t0) / 1000.0 * scale
-        if t >= span_s:
-            break
-        n_in = int(r["input_length"])
-        item = TraceItem(n_in, max(1, int(r["output_length"])), hash_ids=tuple(r["hash_ids"]))
-        out.append(Arrival(t, item, i))
-    return out
-
-
-def working_set_tokens(arr: list[Arrival]) -> int:
-    """Distinct blocks of the replayed window, in tokens."""
-    seen: set[int] = set()
-    for a in arr:
-        seen.update(a.item.hash_ids or ())
-    return len(seen) * BLOCK
 
 
 def cells() -> list[Cell]:
@@ -107,7 +78,6 @@ def cells() -> list[Cell]:
             "oracle (engine knows every cache)",
             "fastroute",
             LEAST + ["--kv-events", "off"],
-            dp_aware=False,
             sim={"load_balance_method": "cache_oracle"},
         ),
     ]
@@ -121,7 +91,7 @@ async def run_point(cell: Cell, ns: argparse.Namespace, arr: list[Arrival], cach
         prefix_cache_tokens=cache_tokens,
         prefix_block_tokens=BLOCK,
         prefill_tokens_per_s=ns.prefill_tokens_per_s,
-        kv_events=True,
+        kv_events_port_base=-1,
     )
     sim = dict(cell.sim)
     if sim:
@@ -151,6 +121,7 @@ async def run_point(cell: Cell, ns: argparse.Namespace, arr: list[Arrival], cach
         task = loop.create_task(marker())
         res = await run_open_loop("127.0.0.1", (port,), arr, ns.time_scale, ns.warmup, ns.duration)
         task.cancel()
+        picks = await _precise_picks(prom)
         h0, i0 = mark[0] if mark else (0, 0)
         hit_rate = (pe.hit_tokens - h0) / max(1, pe.input_tokens - i0)
     finally:
@@ -163,13 +134,37 @@ async def run_point(cell: Cell, ns: argparse.Namespace, arr: list[Arrival], cach
     done = [r for r in res.records if r.ok and r.t_start >= res.window[0] and r.t_last <= res.window[1]]
     ttft = [(r.t_first - r.t_start) * 1000 / ns.time_scale for r in done if r.n_tokens]
     load["ttft_p99_ms"] = _percentile(ttft, 99)
-    return {"label": cell.label, "tag": tag, "load": load, "balance": balance_stats(samples), "hit_rate": hit_rate}
+    return {
+        "label": cell.label,
+        "tag": tag,
+        "load": load,
+        "balance": balance_stats(samples),
+        "hit_rate": hit_rate,
+        "picks": picks,
+    }
+
+
+async def _precise_picks(prom_port: int) -> str:
+    """The router's precise picks and fallbacks from its /metrics ("-" where it has none)."""
+    try:
+        status, body = await fetch("127.0.0.1", prom_port, "GET", "/metrics", timeout=5.0)
+    except (OSError, asyncio.TimeoutError, HttpError):
+        return "-"
+    if status != 200:
+        return "-"
+    got: dict[str, float] = {}
+    for line in body.decode().splitlines():
+        if line.startswith("fastroute_kv_pick_hit_blocks_count "):
+            got["precise"] = float(line.split()[-1])
+        elif line.startswith("fastroute_kv_pick_fallbacks_total{"):
+            got[line.split('"')[1]] = float(line.split()[-1])
+    return ", ".join(f"{k} {v:.0f}" for k, v in got.items() if v) or "-"
 
 
 def table(results: list[dict]) -> str:
     head = (
         "| point | router | TTFT p50 / p90 / p99 ms | prefill prefix hits | busiest batch | "
-        "TPOT p50 / p90 ms | completed | errors |\n|---|---|---|---|---|---|---|---|\n"
+        "TPOT p50 / p90 ms | completed | errors | picks by the index |\n|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for r in results:
@@ -177,19 +172,21 @@ def table(results: list[dict]) -> str:
         rows.append(
             f"| {r['tag']} | {r['label']} | {_f(ld['ttft_p50_ms'], 0)} / {_f(ld['ttft_p90_ms'], 0)} / "
             f"{_f(ld['ttft_p99_ms'], 0)} | {100 * r['hit_rate']:.1f}% | {_f(b.get('busiest_batch'), 1)} | "
-            f"{_f(ld['tpot_p50_ms'], 1)} / {_f(ld['tpot_p90_ms'], 1)} | {ld['completed']} | {ld['errors']} |"
+            f"{_f(ld['tpot_p50_ms'], 1)} / {_f(ld['tpot_p90_ms'], 1)} | {ld['completed']} | {ld['errors']} | "
+            f"{r.get('picks', '-')} |"
         )
     return head + "\n".join(rows) + "\n"
 
 
 async def run_all(ns: argparse.Namespace) -> list[dict]:
-    rows = load_trace(ns.trace)
+    rows = read_mooncake_trace(ns.trace)
     results = []
     span = (ns.warmup + ns.duration) / ns.time_scale + 5
     for rep in range(ns.repeat):
         for rate in ns.rates:
-            arr = arrivals(rows, rate, span, start=ns.start + rep * ns.stride)
-            cache = int(working_set_tokens(arr) * ns.cache_fraction / 8)
+            window = rows[ns.start + rep * ns.stride :]
+            arr = mooncake_arrivals(window, rate, span)
+            cache = int(working_set_tokens(window[: len(arr)]) * ns.cache_fraction / 8)
             tag = f"{ns.decodes}D, {rate:g} req/s" + (f" #{rep + 1}" if ns.repeat > 1 else "")
             if not ns.quiet:
                 print(f"== {tag}: {len(arr)} arrivals, prefix cache {cache} tokens per rank", file=sys.stderr)

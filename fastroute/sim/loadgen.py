@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import math
 import random
@@ -52,26 +51,6 @@ class TraceItem:
     output_tokens: int
     text: str | None = None
     input_ids: list | None = None
-    # A trace's 512-token block ids (Mooncake's hash_ids): sent as input_ids built from them.
-    hash_ids: tuple | None = None
-
-
-HASH_BLOCK = 512
-
-
-@functools.lru_cache(maxsize=8192)
-def block_token_ids(block_id: int) -> tuple[int, ...]:
-    """The 512 token ids of a trace block: a function of its id, so a block is the same tokens
-    wherever it appears (ids in [1, 32000), like a small vocabulary)."""
-    return tuple((((block_id * 2654435761) ^ (k * 40503)) >> 3) % 31999 + 1 for k in range(HASH_BLOCK))
-
-
-def hash_ids_tokens(hash_ids: tuple, n_tokens: int) -> list[int]:
-    """A request's input_ids from its block ids: the blocks' tokens, cut to ``n_tokens``."""
-    out: list[int] = []
-    for h in hash_ids:
-        out.extend(block_token_ids(int(h)))
-    return out[:n_tokens]
 
 
 def synthetic_trace(
@@ -126,9 +105,6 @@ def encode_request(item: TraceItem, input_format: str = "text", stream: bool = T
         item.output_tokens,
         b"true" if stream else b"false",
     )
-    if item.hash_ids is not None:
-        ids = hash_ids_tokens(item.hash_ids, item.input_tokens)
-        return b'{"input_ids":' + json.dumps(ids).encode() + b"," + tail
     if item.input_ids is not None:
         return b'{"input_ids":' + json.dumps(item.input_ids).encode() + b"," + tail
     if item.text is not None:
