@@ -20,8 +20,10 @@ connections: ``--header-read-timeout-secs`` is the connection manager's request 
 ``--body-read-timeout-secs`` its request timeout (plus the picker's answer time, since Envoy
 counts the wait for the pick in it), ``--idle-connection-timeout-secs`` its connection idle
 timeout, ``--upstream-pool-idle-timeout-secs`` the worker cluster's (0: one request per worker
-connection, none kept idle), and ``--max-payload-size``, when given, the buffer limit (a larger
-body gets 413 from Envoy).
+connection, none kept idle), and ``--max-payload-size`` (default here 32 MiB, :func:`body_limit`)
+the buffer limit, the same limit the picker's gRPC listener and its 413 use: a body over it with
+a Content-Length is refused by the picker at the headers, or by Envoy when its buffer overflows
+first; every such 413 has the picker's JSON error body (the local reply mapper below).
 """
 
 from __future__ import annotations
@@ -41,10 +43,9 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 EPP_CLUSTER = "fastroute_epp"
 ENDPOINTS_CLUSTER = "fastroute_endpoints"
 FALLBACK_CLUSTER = "fastroute_fallback"
-# The largest request body Envoy buffers for the picker (larger ones get 413 from Envoy), unless
-# --max-payload-size says otherwise; Envoy's limit is a 32-bit count of bytes.
+# The largest request body Envoy buffers for the picker and the picker accepts (larger ones get
+# 413), unless --max-payload-size says otherwise (body_limit()).
 BODY_LIMIT = 32 * 1024 * 1024
-ENVOY_BUFFER_MAX = 2**32 - 1
 
 _ADMIN = """admin:
   address:
@@ -69,6 +70,24 @@ _TEMPLATE = """# Envoy bootstrap for fastroute's endpoint picker (fastroute epp 
           request_timeout: {request_timeout}s
           common_http_protocol_options:
             idle_timeout: {conn_idle}s
+          local_reply_config:
+            mappers:
+            # A 413 of Envoy's own (its buffer overflowed before the picker answered) in the
+            # picker's JSON shape; the picker's own 413 says the same.
+            - filter:
+                status_code_filter:
+                  comparison: {{op: EQ, value: {{default_value: 413, runtime_key: fastroute.epp.payload_status}}}}
+              headers_to_add:
+              - header: {{key: x-smg-error-code, value: payload_too_large}}
+                append_action: OVERWRITE_IF_EXISTS_OR_ADD
+              body_format_override:
+                content_type: application/json
+                json_format:
+                  error:
+                    type: invalid_request_error
+                    code: payload_too_large
+                    message: "Request body exceeds the limit of {body_limit} bytes"
+                    param: null
           route_config:
             name: fastroute_routes
             virtual_hosts:
@@ -236,13 +255,20 @@ def envoy_bootstrap(
     )
 
 
+def body_limit(config: Any) -> int:
+    """The request body limit of the gateway: ``--max-payload-size`` when given, else
+    :data:`BODY_LIMIT`. Envoy's buffers in the printed bootstrap, the picker's gRPC receive limit
+    and its 413 all use it."""
+    limit = int(config.max_payload_size)
+    return BODY_LIMIT if limit == default("max_payload_size") else limit
+
+
 def bootstrap_for(
     config: Any, grpc_port: int, listen_port: int, admin_port: int | None = None, failure_mode: str = FAIL_CLOSE
 ) -> str:
     """The bootstrap for a router configuration: its admission and connection flags, and
     ``failure_mode`` (FailOpen falls back to the --worker-urls, round robin)."""
     queued = config.max_concurrent_requests > 0 or bool(config.rate_limit_tokens_per_second)
-    limit = int(config.max_payload_size)
     return envoy_bootstrap(
         grpc_port,
         listen_port,
@@ -253,7 +279,7 @@ def bootstrap_for(
         body_timeout=float(config.body_read_timeout_secs),
         conn_idle_timeout=float(config.idle_connection_timeout_secs),
         upstream_idle_timeout=float(config.upstream_pool_idle_timeout_secs),
-        body_limit=BODY_LIMIT if limit == default("max_payload_size") else limit,
+        body_limit=body_limit(config),
         fallback=fallback_endpoints(config.worker_urls) if failure_mode == FAIL_OPEN else None,
     )
 

@@ -31,6 +31,7 @@ from fastroute.auth import authorized, bearer
 from fastroute.dataplane import body as _body
 from fastroute.dataplane.route import rank_port
 from fastroute.dataplane.routes import ROUTES
+from fastroute.epp.bootstrap import body_limit
 from fastroute.errors import RouterError
 
 log = logging.getLogger("fastroute.epp")
@@ -225,7 +226,7 @@ class Decider:
         self.loop = loop or asyncio.get_event_loop()
         self.bookings: set[Booking] = set()
         self.rank_field = config.rank_field("regular") if config.dp_aware else None
-        self.max_payload = int(config.max_payload_size)
+        self.max_payload = body_limit(config)  # the printed Envoy's buffer limit too
         self.timeout = float(config.request_timeout_secs)
         self.api_key = bearer(config.api_key)
         self.key_headers = ("x-smg-routing-key",) + tuple(h.lower() for h in config.routing_key_headers)

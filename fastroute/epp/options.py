@@ -36,6 +36,12 @@ NOT_BUILT = {
 # The InferencePool's endpointPickerRef.failureMode values (--failure-mode).
 FAIL_CLOSE, FAIL_OPEN = "FailClose", "FailOpen"
 FAILURE_MODES = (FAIL_CLOSE, FAIL_OPEN)
+# One ext_proc message carries the whole buffered body plus the request's headers and metadata:
+# the picker's gRPC receive limit is the body limit plus this much (Envoy's headers are at most
+# 96 KiB; the rest is for the subset hint and the protobuf framing). A protobuf message (and
+# grpc's receive limit) is at most 2 GiB - 1 bytes, which bounds --max-payload-size.
+MESSAGE_HEADROOM = 1024 * 1024
+BODY_LIMIT_MAX = 2**31 - 1 - MESSAGE_HEADROOM
 
 
 # `fastroute epp --help`: the picker's own options, printed before the router flags it takes.
@@ -216,6 +222,11 @@ def refusal(
         )
     if processes > 1:
         return "argument --workers: fastroute epp runs as one process (give --workers 1)"
+    if int(config.max_payload_size) > BODY_LIMIT_MAX:
+        return (
+            f"argument --max-payload-size: at most {BODY_LIMIT_MAX} bytes under fastroute epp "
+            "(Envoy sends the buffered body to the picker in one gRPC message)"
+        )
     for url in config.worker_urls:
         if url.strip().lower().startswith("https://"):
             return (

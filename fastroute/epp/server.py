@@ -36,6 +36,7 @@ from fastroute.core.table import TargetTable
 from fastroute.dataplane.admission import Admission
 from fastroute.dataplane.telemetry import RequestTelemetry
 from fastroute.epp.decide import Decider
+from fastroute.epp.options import MESSAGE_HEADROOM
 from fastroute.epp.service import ExternalProcessor
 from fastroute.runtime.assemble import Assembly, assemble, stop_in_order
 from fastroute.runtime.startup import StartupError, own_listeners, start_probe, stop_on_signals
@@ -108,7 +109,13 @@ class EppServer:
             self.decider.sidecar_port = self.sidecar_port
             self.processor = ExternalProcessor(self.decider)
             self.health = grpc_health.aio.HealthServicer()
-            self.grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            self.grpc = grpc.aio.server(
+                options=[
+                    ("grpc.so_reuseport", 0),
+                    # the whole buffered body comes in one message: the limit the bootstrap prints
+                    ("grpc.max_receive_message_length", self.decider.max_payload + MESSAGE_HEADROOM),
+                ]
+            )
             pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self.grpc)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
             await self._set_health(False)

@@ -165,6 +165,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         method = path = ""
         headers: dict[str, str] = {}
         chunks: list[bytes] = []
+        size = 0  # request body bytes received so far
         subset: frozenset[str] | None = None
         while True:
             msg = await context.read()
@@ -206,15 +207,16 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     return
             elif kind == "request_body":
                 b = msg.request_body
+                size += len(b.body)
+                if size > d.max_payload:  # no Content-Length to judge early: refused once over
+                    await context.write(immediate(payload_too_large(size, d.max_payload)))
+                    return
                 chunks.append(b.body)
                 if not b.end_of_stream:
                     await context.write(_CONTINUE_BODY)
                     continue
                 body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 chunks = []
-                if len(body) > d.max_payload:  # chunked: no Content-Length to judge early
-                    await context.write(immediate(payload_too_large(len(body), d.max_payload)))
-                    return
                 booking = Booking(d)
                 held.append(booking)
                 answer = await self._route(booking, method, path, headers, body, "request_body", subset)

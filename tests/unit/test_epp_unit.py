@@ -78,6 +78,7 @@ def test_split_refuses_naming_the_flag(argv: list[str], flag: str) -> None:
         ({"worker_urls": ["https://w:1"]}, "--worker-urls"),
         ({"retry_max_retries": 2}, "--retry-max-retries"),
         ({"cb_failure_threshold": 3}, "--cb-failure-threshold"),
+        ({"max_payload_size": 2**31}, "--max-payload-size"),
     ],
 )
 def test_refusal_names_what_the_picker_does_not_do(kw: dict, flag: str) -> None:
