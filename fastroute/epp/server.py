@@ -28,6 +28,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from fastroute.config import Config
 from fastroute.control.discovery import start_discovery
@@ -50,6 +51,27 @@ READINESS_SERVICE = "readiness"
 LIVENESS_SERVICE = "liveness"
 SWEEP_EVERY = 1.0
 LEAK_EVERY = 5.0
+
+
+class StreamCollector:
+    """The picker's ext_proc streams on ``/metrics``: open now, and ended by the picker by
+    reason (a malformed message, too many streams)."""
+
+    def __init__(self, processor: ExternalProcessor) -> None:
+        self.processor = processor
+
+    def collect(self) -> Any:
+        g = GaugeMetricFamily("fastroute_epp_streams_open", "ext_proc streams open on the picker")
+        g.add_metric([], float(self.processor.streams))
+        yield g
+        c = CounterMetricFamily(
+            "fastroute_epp_streams_refused",
+            "ext_proc streams the picker ended without serving them, by reason",
+            labels=["reason"],
+        )
+        for reason, n in sorted(self.processor.refused.items()):
+            c.add_metric([reason], float(n))
+        yield c
 
 
 class EppServer:
@@ -82,6 +104,9 @@ class EppServer:
         self.replica: ReplicaSync | None = None  # --replica-sync
         self._sweeper: asyncio.Task | None = None
         self._serving: bool | None = None
+        self._health_lock = asyncio.Lock()
+        self._health_due = asyncio.Event()
+        self._health: asyncio.Task | None = None  # follows readiness (_follow_readiness)
         self._stopping = False
 
     @property
@@ -108,6 +133,8 @@ class EppServer:
             self.decider = Decider(cfg, parts.registry, admission, parts.stats, loop)
             self.decider.sidecar_port = self.sidecar_port
             self.processor = ExternalProcessor(self.decider)
+            if parts.metrics is not None:
+                parts.metrics.registry.register(StreamCollector(self.processor))
             self.health = grpc_health.aio.HealthServicer()
             self.grpc = grpc.aio.server(
                 options=[
@@ -151,6 +178,8 @@ class EppServer:
         log.info(
             "fastroute epp: ext_proc on %s, policy %s%s", address, cfg.policy, " (dp-aware)" if cfg.dp_aware else ""
         )
+        self._follow_readiness(parts.registry)
+        self._health = loop.create_task(self._health_loop())
         await parts.registry.start()
         if parts.monitor is not None:
             parts.monitor.start()
@@ -172,12 +201,34 @@ class EppServer:
             self.table.unlink()
 
     async def _set_health(self, serving: bool) -> None:
-        if serving is self._serving:
-            return
-        self._serving = serving
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in ("", EXT_PROC_SERVICE, READINESS_SERVICE):
-            await self.health.set(service, status)
+        async with self._health_lock:  # one writer at a time: the three services agree
+            if serving is self._serving:
+                return
+            self._serving = serving
+            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            for service in ("", EXT_PROC_SERVICE, READINESS_SERVICE):
+                await self.health.set(service, status)
+
+    def _follow_readiness(self, registry: Any) -> None:
+        """Wake the health task whenever the registry's readiness may have changed (its
+        ``invalidate_ready``: a worker's status or health changed), so that gRPC health turns
+        SERVING or NOT_SERVING as /readiness does, not at the next sweep."""
+        invalidate = registry.invalidate_ready
+
+        def invalidated() -> None:
+            invalidate()
+            self._health_due.set()
+
+        registry.invalidate_ready = invalidated
+
+    async def _health_loop(self) -> None:
+        while True:
+            await self._health_due.wait()
+            self._health_due.clear()
+            try:
+                await self._set_health(self.ready())
+            except Exception:  # the sweep keeps it in step meanwhile
+                log.exception("epp health update failed")
 
     async def _sweep(self) -> None:
         loop = asyncio.get_running_loop()
@@ -212,6 +263,8 @@ class EppServer:
                 await self._set_health(False)
             if self._sweeper is not None:
                 self._sweeper.cancel()
+            if self._health is not None:
+                self._health.cancel()
             if self.grpc is not None:
                 await self.grpc.stop(grace)
             if self.probe is not None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from typing import Any
 
 import grpc
@@ -37,12 +38,16 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
+from google.protobuf.message import DecodeError
 
 from fastroute.epp.bootstrap import HEADER, METADATA_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE
 from fastroute.epp.decide import Booking, Decider, Pick
 from fastroute.errors import RouterError, payload_too_large
 
 log = logging.getLogger("fastroute.epp")
+
+MALFORMED = "malformed_message"  # a message that is not a ProcessingRequest
+LOGGED_MAX = 1024  # (peer, reason) pairs remembered as logged; the oldest are forgotten
 
 _CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
@@ -60,6 +65,16 @@ _NO_BODY = ProcessingMode(
     response_body_mode=ProcessingMode.NONE,
     response_trailer_mode=ProcessingMode.SEND,
 )
+
+
+def peer_host(context: Any) -> str:
+    """The client's address without its port (``ipv4:127.0.0.1``), or ``unknown``."""
+    try:
+        peer = str(context.peer() or "")
+    except Exception:  # a context without a transport
+        peer = ""
+    host, sep, port = peer.rpartition(":")
+    return host if sep and port.isdigit() else (peer or "unknown")
 
 
 def _header(key: str, value: str) -> Any:
@@ -139,6 +154,27 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def __init__(self, decider: Decider) -> None:
         self.decider = decider
         self.streams = 0  # Process streams open now
+        self.refused: dict[str, int] = {}  # streams ended by the picker, by reason (metrics)
+        self._logged: OrderedDict[tuple[str, str], None] = OrderedDict()  # (peer, reason) said
+
+    def refuse(self, context: Any, reason: str, detail: str) -> None:
+        """Count a stream the picker ends for ``reason`` (fastroute_epp_streams_refused_total);
+        the first one of each peer host and reason is logged, one line, the rest only counted."""
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+        peer = peer_host(context)
+        key = (peer, reason)
+        if key in self._logged:
+            return
+        self._logged[key] = None
+        if len(self._logged) > LOGGED_MAX:
+            self._logged.popitem(last=False)
+        log.warning(
+            "ext_proc: stream from %s refused (%s): %s; further ones from that peer are only "
+            "counted in fastroute_epp_streams_refused_total",
+            peer,
+            reason,
+            detail[:200],
+        )
 
     async def Process(self, request_iterator: Any, context: Any) -> None:  # noqa: N802
         # read()/write() rather than an async generator: a cancelled stream raises inside this
@@ -151,6 +187,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         except asyncio.CancelledError:
             reason = "cancelled"
             raise
+        except DecodeError as exc:  # not a ProcessingRequest: the client's fault, not ours
+            reason = "error"
+            self.refuse(context, MALFORMED, str(exc))
+            context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+            context.set_details("malformed ProcessingRequest")
         except Exception:
             reason = "error"
             log.exception("ext_proc stream failed")
