@@ -70,7 +70,7 @@ class Pick:
 class Booking:
     """The admission slot and lease of one request (see module docstring)."""
 
-    __slots__ = ("decider", "lease", "lease2", "slot", "waiter", "started_at", "closed", "reason")
+    __slots__ = ("decider", "lease", "lease2", "slot", "waiter", "started_at", "seen", "answered", "closed", "reason")
 
     def __init__(self, decider: Decider) -> None:
         self.decider = decider
@@ -79,6 +79,8 @@ class Booking:
         self.slot = False
         self.waiter: Any = None
         self.started_at = decider.loop.time()
+        self.seen = self.started_at  # the pick or the stream's last message, whichever is later
+        self.answered = False  # the response began (Envoy relayed the worker's headers)
         self.closed = False
         self.reason = ""
         decider.bookings.add(self)
@@ -234,6 +236,7 @@ class Decider:
         self.needs_body = needs_body(config)
         self.subsets = Subsets(registry)
         self.sidecar_port: int | None = None  # PD: the fastroute sidecar on each decode pod
+        self.silent_timeout = 0.0  # --silent-stream-timeout-secs (0: off), see check_silent
 
     @property
     def in_flight(self) -> int:
@@ -379,6 +382,32 @@ class Decider:
         return Pick(f"{host}:{self.sidecar_port}", None, None, d.target, rank, headers=((PIN_HEADER, pin),))
 
     # -- the safety net ----------------------------------------------------------------
+    def check_silent(self, now: float | None = None) -> int:
+        """Release the bookings of picked streams that sent nothing for
+        ``--silent-stream-timeout-secs`` before their response began. Envoy relays the worker's
+        response headers as soon as the worker answers (from then on the response's end
+        releases, or the request timeout's safety net); a client of the gRPC port that sends
+        headers and then nothing held a lease until that safety net. Counted in
+        ``fastroute_leases_reclaimed_total{reason="silent"}``; returns how many."""
+        bound = self.silent_timeout
+        if bound <= 0:
+            return 0
+        if now is None:
+            now = self.loop.time()
+        n = 0
+        for b in [b for b in self.bookings if b.lease is not None and not b.answered and now - b.seen > bound]:
+            if b.close("silent"):
+                n += 1
+                if self.stats is not None:
+                    self.stats.reclaim("silent")
+        if n:
+            log.warning(
+                "released the leases of %d picked stream(s) silent for over %g s (--silent-stream-timeout-secs)",
+                n,
+                bound,
+            )
+        return n
+
     def check_leaks(self, now: float | None = None) -> int:
         """Release bookings older than the request timeout plus a slack (their stream should
         have ended); returns how many. Only catches bugs and lost streams."""

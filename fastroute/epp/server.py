@@ -14,14 +14,21 @@ are the proxy's: ``fastroute_target_in_flight_requests`` (and the smg families) 
 through Redis exactly as proxy replicas do (:mod:`fastroute.control.replica`): the sync owns
 the table's "others" columns, the picks read them, no pick waits for Redis.
 
-A sweep, once a second, expires admission waiters, runs the lease safety net and the
-reconciler, and keeps the health status in step with the registry.
+The gRPC listener binds ``--host`` like the proxy, plaintext or, with ``--grpc-tls-*``, TLS
+(mutual with a client CA: :func:`grpc_credentials`); its receive limit is the body limit of the
+printed bootstrap (:func:`fastroute.epp.bootstrap.body_limit`) plus headroom. Health follows the
+registry's readiness as it changes (``_follow_readiness``).
+
+A sweep, once a second, expires admission waiters, releases the leases of picked streams silent
+past ``--silent-stream-timeout-secs``, runs the lease safety net and the reconciler, and keeps
+the health status in step with the registry.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from typing import Any
 
 import grpc
@@ -37,7 +44,7 @@ from fastroute.core.table import TargetTable
 from fastroute.dataplane.admission import Admission
 from fastroute.dataplane.telemetry import RequestTelemetry
 from fastroute.epp.decide import Decider
-from fastroute.epp.options import MESSAGE_HEADROOM
+from fastroute.epp.options import MESSAGE_HEADROOM, SILENT_TIMEOUT, GrpcTls
 from fastroute.epp.service import ExternalProcessor
 from fastroute.runtime.assemble import Assembly, assemble, stop_in_order
 from fastroute.runtime.startup import StartupError, own_listeners, start_probe, stop_on_signals
@@ -51,6 +58,35 @@ READINESS_SERVICE = "readiness"
 LIVENESS_SERVICE = "liveness"
 SWEEP_EVERY = 1.0
 LEAK_EVERY = 5.0
+
+
+def grpc_credentials(tls: GrpcTls) -> Any:
+    """The gRPC listener's TLS credentials from the ``--grpc-tls-*`` files: a client CA makes it
+    mutual (a client without a certificate signed by it is refused). Files that cannot be read
+    or do not go together stop the start with a message naming the flag."""
+    cert, key, ca = tls.cert, tls.key, tls.ca
+    assert cert is not None and key is not None
+    check = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        check.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise StartupError(f"--grpc-tls-cert-path {cert} / --grpc-tls-key-path {key}: cannot be used ({exc})") from None
+    if ca is not None:
+        try:
+            check.load_verify_locations(cafile=ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise StartupError(f"--grpc-tls-client-ca-path {ca}: cannot be used ({exc})") from None
+    with open(cert, "rb") as f:
+        chain = f.read()
+    with open(key, "rb") as f:
+        private = f.read()
+    roots = None
+    if ca is not None:
+        with open(ca, "rb") as f:
+            roots = f.read()
+    return grpc.ssl_server_credentials(
+        [(private, chain)], root_certificates=roots, require_client_auth=roots is not None
+    )
 
 
 class StreamCollector:
@@ -85,9 +121,13 @@ class EppServer:
         pool: str | None = None,
         pool_namespace: str | None = None,
         sidecar_port: int | None = None,
+        tls: GrpcTls | None = None,
+        silent_timeout: float = SILENT_TIMEOUT,
     ) -> None:
         self.config = config
         self.sidecar_port = sidecar_port
+        self.tls = tls  # --grpc-tls-*: None serves plaintext
+        self.silent_timeout = float(silent_timeout)
         self.pool_name = pool
         self.pool_namespace = pool_namespace
         self.pool: Any = None  # --inference-pool: fastroute.epp.pool.PoolDiscovery
@@ -132,6 +172,8 @@ class EppServer:
             admission.tel = RequestTelemetry(parts.stats, "regular")  # rate-limit verdicts
             self.decider = Decider(cfg, parts.registry, admission, parts.stats, loop)
             self.decider.sidecar_port = self.sidecar_port
+            self.decider.silent_timeout = self.silent_timeout
+            creds = grpc_credentials(self.tls) if self.tls is not None else None
             self.processor = ExternalProcessor(self.decider)
             if parts.metrics is not None:
                 parts.metrics.registry.register(StreamCollector(self.processor))
@@ -153,7 +195,10 @@ class EppServer:
                 else f"{self.grpc_host}:{self.grpc_port}"
             )
             try:
-                bound = self.grpc.add_insecure_port(address)
+                if creds is None:
+                    bound = self.grpc.add_insecure_port(address)
+                else:
+                    bound = self.grpc.add_secure_port(address, creds)
             except RuntimeError as exc:
                 bound = 0
                 why = str(exc)
@@ -176,7 +221,11 @@ class EppServer:
             await self._close_half_started()
             raise
         log.info(
-            "fastroute epp: ext_proc on %s, policy %s%s", address, cfg.policy, " (dp-aware)" if cfg.dp_aware else ""
+            "fastroute epp: ext_proc on %s (%s), policy %s%s",
+            address,
+            "plaintext" if self.tls is None else "TLS" if self.tls.ca is None else "mutual TLS",
+            cfg.policy,
+            " (dp-aware)" if cfg.dp_aware else "",
         )
         self._follow_readiness(parts.registry)
         self._health = loop.create_task(self._health_loop())
@@ -240,6 +289,7 @@ class EppServer:
                 d = self.decider
                 if d.admission.queue:
                     d.admission.expire(now)
+                d.check_silent(now)
                 await self._set_health(self.ready())
                 if now >= next_leak:
                     next_leak = now + LEAK_EVERY
@@ -287,12 +337,22 @@ async def serve(
     pool: str | None = None,
     pool_namespace: str | None = None,
     sidecar_port: int | None = None,
+    tls: GrpcTls | None = None,
+    silent_timeout: float = SILENT_TIMEOUT,
 ) -> int:
     """Run the picker until SIGTERM/SIGINT/SIGHUP/SIGQUIT, then drain; the exit status."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     stop_on_signals(loop, stop.set)
-    server = EppServer(config, grpc_port, pool=pool, pool_namespace=pool_namespace, sidecar_port=sidecar_port)
+    server = EppServer(
+        config,
+        grpc_port,
+        pool=pool,
+        pool_namespace=pool_namespace,
+        sidecar_port=sidecar_port,
+        tls=tls,
+        silent_timeout=silent_timeout,
+    )
     await server.start()
     await stop.wait()
     log.info("shutdown: draining the ext_proc streams (grace %ss)", config.shutdown_grace_period_secs)

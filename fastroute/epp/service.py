@@ -55,13 +55,14 @@ _CONTINUE_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
 _CONTINUE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 _CONTINUE_REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
 _CONTINUE_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+_RESPONSE_KINDS = frozenset({"response_headers", "response_body", "response_trailers"})
 # Picked on the headers: the rest of the stream without the request body (the bootstrap's mode
 # otherwise; the trailers keep the stream open until the response ends).
 _NO_BODY = ProcessingMode(
     request_header_mode=ProcessingMode.SEND,
     request_body_mode=ProcessingMode.NONE,
     request_trailer_mode=ProcessingMode.SKIP,
-    response_header_mode=ProcessingMode.SKIP,
+    response_header_mode=ProcessingMode.SEND,
     response_body_mode=ProcessingMode.NONE,
     response_trailer_mode=ProcessingMode.SEND,
 )
@@ -213,6 +214,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             if msg is grpc.aio.EOF:
                 return
             kind = msg.WhichOneof("request")
+            if booking is not None:
+                booking.seen = d.loop.time()  # the picked stream is alive
+                if kind in _RESPONSE_KINDS:
+                    booking.answered = True  # the worker answered: no silence bound from here
             if booking is None:
                 hint = subset_of(msg)
                 if hint is not None:
@@ -296,7 +301,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         d = self.decider
         try:
             await d.admit(booking)
-            return routed(d.decide(booking, method, path, headers, body, subset), phase)
+            pick = d.decide(booking, method, path, headers, body, subset)
+            booking.seen = d.loop.time()  # silence counts from the pick
+            return routed(pick, phase)
         except RouterError as exc:
             booking.close("refused")
             return immediate(exc)

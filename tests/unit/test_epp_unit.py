@@ -47,6 +47,10 @@ def test_split_takes_the_picker_flags_and_leaves_the_router_flags() -> None:
     assert rest == ["--policy", "round_robin", "--worker-urls", "http://a:1"]
 
 
+_PRINTING = ["--grpc-port", "1", "--print-envoy-config", "--envoy-listen-port", "2"]
+_TLS = ["--grpc-tls-cert-path", "c", "--grpc-tls-key-path", "k"]
+
+
 @pytest.mark.parametrize(
     "argv, flag",
     [
@@ -61,6 +65,22 @@ def test_split_takes_the_picker_flags_and_leaves_the_router_flags() -> None:
         (["--grpc-port", "1", "--failure-mode"], "--failure-mode"),
         (["--grpc-port", "1", "--failure-mode-allow"], "--failure-mode-allow"),
         (["--grpc-port", "1", "--sidecar"], "--sidecar"),
+        (["--grpc-port", "1", "--grpc-tls-cert-path", "c.pem"], "--grpc-tls-cert-path"),
+        (["--grpc-port", "1", "--grpc-tls-key-path", "k.pem"], "--grpc-tls-key-path"),
+        (["--grpc-port", "1", "--grpc-tls-client-ca-path", "ca.pem"], "--grpc-tls-client-ca-path"),
+        (["--grpc-port", "1", "--grpc-tls-cert-path", "--grpc-tls-key-path", "k"], "--grpc-tls-cert-path"),
+        (["--grpc-port", "1", "--envoy-grpc-ca-path", "ca.pem"], "--envoy-grpc-ca-path"),
+        (
+            [*_PRINTING, "--grpc-tls-cert-path", "c", "--grpc-tls-key-path", "k"],
+            "--grpc-tls-cert-path",
+        ),
+        (
+            [*_PRINTING, *_TLS, "--grpc-tls-client-ca-path", "ca", "--envoy-grpc-ca-path", "ca"],
+            "--grpc-tls-client-ca-path",
+        ),
+        ([*_PRINTING, "--envoy-grpc-cert-path", "c", "--envoy-grpc-key-path", "k"], "--envoy-grpc-cert-path"),
+        (["--grpc-port", "1", "--silent-stream-timeout-secs", "-1"], "--silent-stream-timeout-secs"),
+        (["--grpc-port", "1", "--silent-stream-timeout-secs", "soon"], "--silent-stream-timeout-secs"),
     ],
 )
 def test_split_refuses_naming_the_flag(argv: list[str], flag: str) -> None:
