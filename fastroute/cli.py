@@ -206,6 +206,7 @@ def _epp(args: list[str]) -> int:
                 opts.sidecar_port,
                 tls=opts.tls,
                 silent_timeout=opts.silent_timeout,
+                max_streams=opts.max_streams,
             )
         )
     except (StartupError, ConfigError) as exc:

@@ -12,6 +12,7 @@ and the refusals of what the endpoint picker does not do (yet).
 * ``--sidecar-port P`` (with ``--pd-disaggregation``): PD picks, relayed by the ``fastroute
   sidecar`` listening on P on each decode pod (:mod:`fastroute.epp.sidecar`);
 * ``--silent-stream-timeout-secs S``: a picked stream silent for S seconds loses its lease;
+* ``--max-grpc-streams N``: ext_proc streams served at once (more are refused, counted);
 * ``--grpc-tls-cert-path``/``--grpc-tls-key-path`` [``--grpc-tls-client-ca-path``]: TLS
   (mutual with the CA) on the gRPC listener; ``--envoy-grpc-ca-path`` [``--envoy-grpc-cert-path``
   ``--envoy-grpc-key-path``]: Envoy's side of it in the printed bootstrap.
@@ -53,6 +54,9 @@ FAILURE_MODES = (FAIL_CLOSE, FAIL_OPEN)
 # --silent-stream-timeout-secs default: a picked stream that says nothing for this long (no
 # response headers, no end) loses its lease.
 SILENT_TIMEOUT = 30.0
+# --max-grpc-streams default: ext_proc streams (one per request in flight through Envoy) served
+# at once.
+MAX_STREAMS = 10000
 _PATH_FLAGS = {
     "--grpc-tls-cert-path",
     "--grpc-tls-key-path",
@@ -90,6 +94,8 @@ picker options:
   --silent-stream-timeout-secs S
                                 release the lease of a picked stream that sends nothing for S
                                 seconds (default 30; 0: only --request-timeout-secs bounds it)
+  --max-grpc-streams N          ext_proc streams served at once; more are refused with
+                                RESOURCE_EXHAUSTED, logged and counted (default 10000)
   --grpc-tls-cert-path PATH     serve the gRPC listener over TLS with this certificate (PEM)
   --grpc-tls-key-path PATH      and this private key (PEM); both or neither
   --grpc-tls-client-ca-path PATH
@@ -118,6 +124,7 @@ class EppOptions:
     sidecar_port: int | None = None  # --sidecar-port P: PD through the decode pods' sidecar
     failure_mode: str = FAIL_CLOSE  # --failure-mode: what the printed Envoy does when the picker fails
     silent_timeout: float = SILENT_TIMEOUT  # --silent-stream-timeout-secs (0: off)
+    max_streams: int = MAX_STREAMS  # --max-grpc-streams
     tls: GrpcTls | None = None  # --grpc-tls-*: the gRPC listener's TLS
     envoy_tls: GrpcTls | None = None  # --envoy-grpc-*: Envoy's side of it, in the printed bootstrap
 
@@ -192,6 +199,15 @@ def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
             if not value:
                 raise EppError(f"argument {name}: expected one file path")
             found[name] = value
+        elif name == "--max-grpc-streams":
+            value, i = _value(args, i, name, eq, inline, "a number of streams")
+            try:
+                n = int(value)
+            except ValueError:
+                raise EppError(f"argument {name}: {value!r} is not a whole number") from None
+            if n < 1:
+                raise EppError(f"argument {name}: {n} must be at least 1")
+            found[name] = n
         elif name == "--silent-stream-timeout-secs":
             value, i = _value(args, i, name, eq, inline, "a number of seconds")
             try:
@@ -250,6 +266,7 @@ def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
         found.get("--sidecar-port"),
         found.get("--failure-mode", FAIL_CLOSE),
         found.get("--silent-stream-timeout-secs", SILENT_TIMEOUT),
+        found.get("--max-grpc-streams", MAX_STREAMS),
         tls,
         envoy_tls,
     ), rest

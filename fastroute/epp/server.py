@@ -44,7 +44,7 @@ from fastroute.core.table import TargetTable
 from fastroute.dataplane.admission import Admission
 from fastroute.dataplane.telemetry import RequestTelemetry
 from fastroute.epp.decide import Decider
-from fastroute.epp.options import MESSAGE_HEADROOM, SILENT_TIMEOUT, GrpcTls
+from fastroute.epp.options import MAX_STREAMS, MESSAGE_HEADROOM, SILENT_TIMEOUT, GrpcTls
 from fastroute.epp.service import ExternalProcessor
 from fastroute.runtime.assemble import Assembly, assemble, stop_in_order
 from fastroute.runtime.startup import StartupError, own_listeners, start_probe, stop_on_signals
@@ -123,8 +123,10 @@ class EppServer:
         sidecar_port: int | None = None,
         tls: GrpcTls | None = None,
         silent_timeout: float = SILENT_TIMEOUT,
+        max_streams: int = MAX_STREAMS,
     ) -> None:
         self.config = config
+        self.max_streams = int(max_streams)  # --max-grpc-streams
         self.sidecar_port = sidecar_port
         self.tls = tls  # --grpc-tls-*: None serves plaintext
         self.silent_timeout = float(silent_timeout)
@@ -174,7 +176,7 @@ class EppServer:
             self.decider.sidecar_port = self.sidecar_port
             self.decider.silent_timeout = self.silent_timeout
             creds = grpc_credentials(self.tls) if self.tls is not None else None
-            self.processor = ExternalProcessor(self.decider)
+            self.processor = ExternalProcessor(self.decider, self.max_streams)
             if parts.metrics is not None:
                 parts.metrics.registry.register(StreamCollector(self.processor))
             self.health = grpc_health.aio.HealthServicer()
@@ -183,6 +185,14 @@ class EppServer:
                     ("grpc.so_reuseport", 0),
                     # the whole buffered body comes in one message: the limit the bootstrap prints
                     ("grpc.max_receive_message_length", self.decider.max_payload + MESSAGE_HEADROOM),
+                    # grpc core holds new streams the server has not taken yet in a queue
+                    # and fails them silently past 1000 (soft) / 3000 (hard) by default: a
+                    # burst of streams failed with no log (the client even sees INTERNAL).
+                    # One connection may open --max-grpc-streams (HTTP/2 SETTINGS), the
+                    # queue holds twice that; Process refuses the streams over the bound.
+                    ("grpc.max_concurrent_streams", self.max_streams),
+                    ("grpc.server.max_pending_requests", 2 * self.max_streams),
+                    ("grpc.server.max_pending_requests_hard_limit", 2 * self.max_streams),
                 ]
             )
             pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self.grpc)
@@ -339,6 +349,7 @@ async def serve(
     sidecar_port: int | None = None,
     tls: GrpcTls | None = None,
     silent_timeout: float = SILENT_TIMEOUT,
+    max_streams: int = MAX_STREAMS,
 ) -> int:
     """Run the picker until SIGTERM/SIGINT/SIGHUP/SIGQUIT, then drain; the exit status."""
     loop = asyncio.get_running_loop()
@@ -352,6 +363,7 @@ async def serve(
         sidecar_port=sidecar_port,
         tls=tls,
         silent_timeout=silent_timeout,
+        max_streams=max_streams,
     )
     await server.start()
     await stop.wait()

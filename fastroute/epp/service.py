@@ -47,6 +47,8 @@ from fastroute.errors import RouterError, payload_too_large
 log = logging.getLogger("fastroute.epp")
 
 MALFORMED = "malformed_message"  # a message that is not a ProcessingRequest
+TOO_MANY_STREAMS = "too_many_streams"  # --max-grpc-streams streams were open already
+REFUSE_READ_WAIT = 1.0  # seconds a refused stream's first message is waited for
 LOGGED_MAX = 1024  # (peer, reason) pairs remembered as logged; the oldest are forgotten
 
 _CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
@@ -152,8 +154,9 @@ def routed(pick: Pick, phase: str) -> Any:
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """``envoy.service.ext_proc.v3.ExternalProcessor`` over a :class:`Decider`."""
 
-    def __init__(self, decider: Decider) -> None:
+    def __init__(self, decider: Decider, max_streams: int = 0) -> None:
         self.decider = decider
+        self.max_streams = max_streams  # --max-grpc-streams (0: no bound)
         self.streams = 0  # Process streams open now
         self.refused: dict[str, int] = {}  # streams ended by the picker, by reason (metrics)
         self._logged: OrderedDict[tuple[str, str], None] = OrderedDict()  # (peer, reason) said
@@ -180,6 +183,18 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     async def Process(self, request_iterator: Any, context: Any) -> None:  # noqa: N802
         # read()/write() rather than an async generator: a cancelled stream raises inside this
         # frame at once, so the finally below releases without waiting for a collection.
+        if self.max_streams and self.streams >= self.max_streams:
+            self.refuse(context, TOO_MANY_STREAMS, f"{self.streams} streams open (--max-grpc-streams)")
+            # The first message (Envoy sends the request headers at once) is read before the
+            # status goes out: a grpc.aio client whose write races an early status reports
+            # INTERNAL instead of the status (grpc/grpc#36066).
+            try:
+                await asyncio.wait_for(context.read(), REFUSE_READ_WAIT)
+            except (asyncio.TimeoutError, DecodeError):
+                pass
+            context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            context.set_details(f"the picker serves at most {self.max_streams} streams at once")
+            return
         self.streams += 1
         held: list[Booking] = []  # the stream's booking, once made (even mid-admission)
         reason = "stream_end"

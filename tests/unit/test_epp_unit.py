@@ -81,6 +81,8 @@ _TLS = ["--grpc-tls-cert-path", "c", "--grpc-tls-key-path", "k"]
         ([*_PRINTING, "--envoy-grpc-cert-path", "c", "--envoy-grpc-key-path", "k"], "--envoy-grpc-cert-path"),
         (["--grpc-port", "1", "--silent-stream-timeout-secs", "-1"], "--silent-stream-timeout-secs"),
         (["--grpc-port", "1", "--silent-stream-timeout-secs", "soon"], "--silent-stream-timeout-secs"),
+        (["--grpc-port", "1", "--max-grpc-streams", "0"], "--max-grpc-streams"),
+        (["--grpc-port", "1", "--max-grpc-streams=many"], "--max-grpc-streams"),
     ],
 )
 def test_split_refuses_naming_the_flag(argv: list[str], flag: str) -> None:
