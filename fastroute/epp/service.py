@@ -190,7 +190,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             # INTERNAL instead of the status (grpc/grpc#36066).
             try:
                 await asyncio.wait_for(context.read(), REFUSE_READ_WAIT)
-            except (asyncio.TimeoutError, DecodeError):
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # no message, a malformed one, a client gone: refused all the same
                 pass
             context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
             context.set_details(f"the picker serves at most {self.max_streams} streams at once")

@@ -91,3 +91,20 @@ def test_a_given_max_payload_size_is_the_limit_of_envoy_and_the_picker() -> None
             assert len(w.inference()) == 1
 
     run(body(), 120)
+
+
+def test_a_20_mb_body_with_the_rank_spliced_in_comes_back_through_envoy() -> None:
+    async def body() -> None:
+        (w,) = await workers(1, dp_size=2)
+        flags = ("--dp-aware", "--policy", "round_robin", "--dp-rank-field", "routed_dp_rank")
+        async with Gateway([w.url], *flags) as g:
+            size = 20_000_000
+            for _ in range(2):
+                r = await _send(g.port, post("/generate", _doc(size)))
+                assert r.status == 200, (r.status, r.body[:300], g.log("epp.log"))
+            got = w.inference()
+            # the picker's answer carries the whole body back with the rank in it
+            assert sorted(json.loads(rec.body)["routed_dp_rank"] for rec in got) == [0, 1]
+            assert all(len(json.loads(rec.body)["text"]) == size - 12 for rec in got)
+
+    run(body(), 120)
