@@ -286,13 +286,22 @@ def _tls_pair(found: dict[str, Any], cert: str, key: str, ca: str) -> GrpcTls | 
 
 def option_warnings(opts: EppOptions, argv: Sequence[str]) -> list[str]:
     """One line per picker option given that does nothing in this run: --failure-mode shapes the
-    printed bootstrap only, so a running picker accepts it with one warning."""
-    if not opts.print_config and "--failure-mode" in flags_named(argv):
-        return [
-            "--failure-mode is accepted and ignored by the running picker (it shapes the Envoy "
-            "bootstrap: give it to --print-envoy-config)"
-        ]
-    return []
+    printed bootstrap only, so a running picker accepts it with one warning; the running
+    picker's own bounds mean nothing to the printed bootstrap, which says so."""
+    named = flags_named(argv)
+    if not opts.print_config:
+        if "--failure-mode" in named:
+            return [
+                "--failure-mode is accepted and ignored by the running picker (it shapes the Envoy "
+                "bootstrap: give it to --print-envoy-config)"
+            ]
+        return []
+    return [
+        f"{flag} is accepted and ignored by --print-envoy-config (it bounds the running picker; "
+        "the bootstrap does not depend on it)"
+        for flag in ("--silent-stream-timeout-secs", "--max-grpc-streams")
+        if flag in named
+    ]
 
 
 def refusal(

@@ -135,6 +135,10 @@ def test_failure_mode_on_the_running_picker_is_warned_about_once() -> None:
     printing = [*argv, "--print-envoy-config", "--envoy-listen-port", "8080"]
     assert option_warnings(split(printing)[0], printing) == []  # there it acts
     assert option_warnings(split(argv[:2])[0], argv[:2]) == []
+    bounds = [*printing, "--max-grpc-streams", "5", "--silent-stream-timeout-secs=0"]
+    said = option_warnings(split(bounds)[0], bounds)
+    assert [line.split()[0] for line in said] == ["--silent-stream-timeout-secs", "--max-grpc-streams"]
+    assert option_warnings(split([*argv[:2], *bounds[-3:]])[0], [*argv[:2], *bounds[-3:]]) == []
 
 
 def test_help_lists_the_picker_options_then_the_router_flags(capsys: Any) -> None:
