@@ -5,8 +5,8 @@ the request headers) as a subprocess on loopback, then opens ``--streams`` Proce
 once over ``--channels`` gRPC channels. Each stream sends its request headers and waits for the
 pick; every stream stays open until all have an answer or failed, then all are cancelled. Prints
 the streams served (picked), the ones that failed by gRPC status, the picker's own counters
-(``fastroute_epp_streams_refused_total``, ``fastroute_epp_streams_open``), the in-flight count
-after the streams end, and the picker's log lines.
+(``fastroute_epp_streams_refused_total``, ``fastroute_epp_streams_open``) and resident memory
+while they are open, the in-flight count after the streams end, and the picker's log lines.
 
 Usage: ``python bench/epp_streams.py [--streams 5000] [--channels 1] [--timeout 60]``.
 Every wait is bounded by ``--timeout``.
@@ -41,6 +41,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _rss_mb(pid: int) -> float:
+    """Resident memory of a process in MB (Linux /proc), 0 when unknown."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
 
 
 def _headers() -> Any:
@@ -112,6 +124,7 @@ async def run(ns: argparse.Namespace) -> int:
         )
     try:
         await _wait_serving(grpc_port, loop.time() + ns.timeout)
+        rss_idle = _rss_mb(proc.pid)
         # a local subchannel pool each: one TCP connection per channel
         opts = [("grpc.use_local_subchannel_pool", 1)]
         channels = [grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}", options=opts) for _ in range(ns.channels)]
@@ -168,6 +181,7 @@ async def run(ns: argparse.Namespace) -> int:
             pass
         took = time.perf_counter() - t0
         during = await _metrics(mport)
+        rss_open = _rss_mb(proc.pid)
         for t in tasks:
             t.cancel()
         for c in calls:
@@ -187,7 +201,11 @@ async def run(ns: argparse.Namespace) -> int:
             print(f"  {k}: {v}")
         for code, text in sorted(details.items()):
             print(f"  e.g. {code}: {text}")
-        print("picker while open:", {k: v for k, v in during.items() if "refused" in k or "open" in k})
+        print(
+            "picker while open:",
+            {k: v for k, v in during.items() if "refused" in k or "open" in k},
+            f"RSS {rss_open:.0f} MB (idle {rss_idle:.0f} MB)",
+        )
         in_flight = sum(v for k, v in after.items() if k.startswith("fastroute_target_in_flight"))
         print(
             "picker after:", {k: v for k, v in after.items() if "refused" in k or "open" in k}, "in flight", in_flight
