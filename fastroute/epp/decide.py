@@ -7,8 +7,9 @@ A :class:`Booking` is the books of one request routed through the gateway: its a
 parsed body's tokens, the routing key and the request meta), so every policy, the load ledger,
 KV fit and the circuit breakers' view of eligibility are the proxy's. ``Booking.close()``
 gives both back exactly once, whichever ending comes first: the response's end, the stream
-cancelled or reset, the ext_proc stream dying, or the safety net (a booking older than
-``--request-timeout-secs`` plus a slack).
+cancelled or reset, the ext_proc stream dying, silence (a picked stream that says nothing for
+``--silent-stream-timeout-secs`` before its response begins: :meth:`Decider.check_silent`), or
+the safety net (a booking older than ``--request-timeout-secs`` plus a slack).
 
 :meth:`Decider.decide` turns the request (method, path, headers, buffered body) into a
 :class:`Pick` (the destination ``ip:port``, the body with the DP rank spliced in when the

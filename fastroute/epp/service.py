@@ -21,7 +21,11 @@ The gateway's subset hint (the endpoint picker protocol's ``envoy.lb.subset_hint
 forwarded by the printed bootstrap) limits the pick to the endpoints it lists; none of them
 available is a 503 (:class:`~fastroute.epp.decide.Subsets`).
 
-Errors are ImmediateResponses with the proxy's JSON error body and ``x-smg-error-code``.
+Errors are ImmediateResponses with the proxy's JSON error body and ``x-smg-error-code``; a
+body streamed without Content-Length is refused (413) on the message that passes the limit.
+Streams the picker ends without serving them (a message that is not a ProcessingRequest:
+INVALID_ARGUMENT; more than ``--max-grpc-streams`` open: RESOURCE_EXHAUSTED) are counted by
+reason and logged once per client address and reason (:meth:`ExternalProcessor.refuse`).
 """
 
 from __future__ import annotations
