@@ -92,8 +92,8 @@ picker options:
   --inference-pool-namespace NS the pool's namespace (default: $POD_NAMESPACE, the pod's own)
   --sidecar-port P              PD through the decode pods' `fastroute sidecar` on port P
   --silent-stream-timeout-secs S
-                                release the lease of a picked stream that sends nothing for S
-                                seconds (default 30; 0: only --request-timeout-secs bounds it)
+                                release the lease of a picked stream silent for S seconds
+                                before its response begins (default 30; 0: off)
   --max-grpc-streams N          ext_proc streams served at once; more are refused with
                                 RESOURCE_EXHAUSTED, logged and counted (default 10000)
   --grpc-tls-cert-path PATH     serve the gRPC listener over TLS with this certificate (PEM)
