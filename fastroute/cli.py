@@ -182,7 +182,9 @@ def _epp(args: list[str]) -> int:
     if opts.print_config:
         from fastroute.epp.bootstrap import bootstrap_for
 
-        sys.stdout.write(bootstrap_for(config, opts.grpc_port, opts.listen_port, opts.admin_port, opts.failure_mode))
+        sys.stdout.write(
+            bootstrap_for(config, opts.grpc_port, opts.listen_port, opts.admin_port, opts.failure_mode, opts.envoy_tls)
+        )
         return 0
     try:
         from fastroute.epp.server import serve as serve_epp
@@ -195,7 +197,18 @@ def _epp(args: list[str]) -> int:
     import uvloop
 
     try:
-        return uvloop.run(serve_epp(config, opts.grpc_port, opts.pool, opts.pool_namespace, opts.sidecar_port))
+        return uvloop.run(
+            serve_epp(
+                config,
+                opts.grpc_port,
+                opts.pool,
+                opts.pool_namespace,
+                opts.sidecar_port,
+                tls=opts.tls,
+                silent_timeout=opts.silent_timeout,
+                max_streams=opts.max_streams,
+            )
+        )
     except (StartupError, ConfigError) as exc:
         startup_error(str(exc), json_errors)
         return 1

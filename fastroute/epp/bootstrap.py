@@ -5,7 +5,8 @@ ext_proc (to the picker at 127.0.0.1:``--grpc-port`` over HTTP/2) then the route
 ORIGINAL_DST cluster that sends each request to the address in the
 ``x-gateway-destination-endpoint`` header the picker set. The ext_proc processing mode asks
 for what the picker needs and no more: the request headers, the request body buffered (model,
-tokens, the DP rank spliced into it), and the response trailers. Trailers come only when the
+tokens, the DP rank spliced into it), the response headers (they show the picker that a picked
+stream is alive: ``--silent-stream-timeout-secs``), and the response trailers. Trailers come only when the
 response has some (Envoy 1.40 synthesises none for an HTTP/1.1 worker), but asking for them keeps
 the ext_proc stream open until the response ends; Envoy closes the stream when the HTTP stream is
 done (complete, reset, client gone), which is where the picker releases the lease, with no
@@ -20,17 +21,21 @@ connections: ``--header-read-timeout-secs`` is the connection manager's request 
 ``--body-read-timeout-secs`` its request timeout (plus the picker's answer time, since Envoy
 counts the wait for the pick in it), ``--idle-connection-timeout-secs`` its connection idle
 timeout, ``--upstream-pool-idle-timeout-secs`` the worker cluster's (0: one request per worker
-connection, none kept idle), and ``--max-payload-size``, when given, the buffer limit (a larger
-body gets 413 from Envoy).
+connection, none kept idle), and ``--max-payload-size`` (default here 32 MiB, :func:`body_limit`)
+the buffer limit, the same limit the picker's gRPC listener and its 413 use: a body over it with
+a Content-Length is refused by the picker at the headers, or by Envoy when its buffer overflows
+first; every such 413 has the picker's JSON error body (the local reply mapper below).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 from urllib.parse import urlsplit
 
 from fastroute.config import default
-from fastroute.epp.options import FAIL_CLOSE, FAIL_OPEN
+from fastroute.epp.options import FAIL_CLOSE, FAIL_OPEN, GrpcTls
 
 HEADER = "x-gateway-destination-endpoint"
 METADATA_NAMESPACE = "envoy.lb"
@@ -41,10 +46,9 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 EPP_CLUSTER = "fastroute_epp"
 ENDPOINTS_CLUSTER = "fastroute_endpoints"
 FALLBACK_CLUSTER = "fastroute_fallback"
-# The largest request body Envoy buffers for the picker (larger ones get 413 from Envoy), unless
-# --max-payload-size says otherwise; Envoy's limit is a 32-bit count of bytes.
+# The largest request body Envoy buffers for the picker and the picker accepts (larger ones get
+# 413), unless --max-payload-size says otherwise (body_limit()).
 BODY_LIMIT = 32 * 1024 * 1024
-ENVOY_BUFFER_MAX = 2**32 - 1
 
 _ADMIN = """admin:
   address:
@@ -69,6 +73,24 @@ _TEMPLATE = """# Envoy bootstrap for fastroute's endpoint picker (fastroute epp 
           request_timeout: {request_timeout}s
           common_http_protocol_options:
             idle_timeout: {conn_idle}s
+          local_reply_config:
+            mappers:
+            # A 413 of Envoy's own (its buffer overflowed before the picker answered) in the
+            # picker's JSON shape; the picker's own 413 says the same.
+            - filter:
+                status_code_filter:
+                  comparison: {{op: EQ, value: {{default_value: 413, runtime_key: fastroute.epp.payload_status}}}}
+              headers_to_add:
+              - header: {{key: x-smg-error-code, value: payload_too_large}}
+                append_action: OVERWRITE_IF_EXISTS_OR_ADD
+              body_format_override:
+                content_type: application/json
+                json_format:
+                  error:
+                    type: invalid_request_error
+                    code: payload_too_large
+                    message: "Request body exceeds the limit of {body_limit} bytes"
+                    param: null
           route_config:
             name: fastroute_routes
             virtual_hosts:
@@ -90,7 +112,7 @@ _TEMPLATE = """# Envoy bootstrap for fastroute's endpoint picker (fastroute epp 
                 request_header_mode: SEND
                 request_body_mode: BUFFERED
                 request_trailer_mode: SKIP
-                response_header_mode: SKIP
+                response_header_mode: SEND
                 response_body_mode: NONE
                 response_trailer_mode: SEND
               metadata_options:
@@ -110,7 +132,7 @@ _TEMPLATE = """# Envoy bootstrap for fastroute's endpoint picker (fastroute epp 
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
         explicit_http_config:
           http2_protocol_options: {{}}
-    load_assignment:
+{epp_tls}    load_assignment:
       cluster_name: {epp}
       endpoints:
       - lb_endpoints:
@@ -157,6 +179,23 @@ _STRIP = """          - name: envoy.filters.http.header_mutation
                 - remove: {header}
 """
 
+# --envoy-grpc-ca-path: Envoy speaks TLS to the picker, checks its certificate against the CA
+# and, with --envoy-grpc-cert-path/--envoy-grpc-key-path, presents a client certificate.
+_EPP_TLS = """    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        common_tls_context:
+          alpn_protocols: [h2]
+          validation_context:
+            trusted_ca: {{filename: {ca}}}
+{client_cert}"""
+
+_CLIENT_CERT = """          tls_certificates:
+          - certificate_chain: {{filename: {cert}}}
+            private_key: {{filename: {key}}}
+"""
+
 _FALLBACK_CLUSTER = """  - name: {fallback}
     type: STRICT_DNS
     lb_policy: ROUND_ROBIN
@@ -187,12 +226,14 @@ def envoy_bootstrap(
     upstream_idle_timeout: float = 3.0,
     body_limit: int = BODY_LIMIT,
     fallback: list[tuple[str, int]] | None = None,
+    grpc_tls: GrpcTls | None = None,
 ) -> str:
     """The bootstrap YAML (see module docstring). ``message_timeout``: how long Envoy waits for
     one answer of the picker (a request queued by --max-concurrent-requests waits in it);
     ``idle_timeout``: Envoy's stream idle timeout (the router's request timeout); the others
     are the proxy's connection flags of the same meaning (the defaults are theirs).
-    ``fallback``: FailOpen's (host, port) list; None: FailClose."""
+    ``fallback``: FailOpen's (host, port) list; None: FailClose. ``grpc_tls``: Envoy's side of
+    TLS to the picker (None: plain HTTP/2 on loopback)."""
     admin = _ADMIN.format(admin=int(admin_port)) if admin_port is not None else ""
     if upstream_idle_timeout > 0:
         pool = "          idle_timeout: %ss" % _secs(upstream_idle_timeout)
@@ -211,7 +252,14 @@ def envoy_bootstrap(
     else:
         routes = _PICKED_ROUTE.format(only_picked="", endpoints=ENDPOINTS_CLUSTER)
         strip = route_cache = tail = ""
+    epp_tls = ""
+    if grpc_tls is not None and grpc_tls.ca is not None:
+        client = ""
+        if grpc_tls.cert is not None and grpc_tls.key is not None:
+            client = _CLIENT_CERT.format(cert=_quoted(grpc_tls.cert), key=_quoted(grpc_tls.key))
+        epp_tls = _EPP_TLS.format(ca=_quoted(grpc_tls.ca), client_cert=client)
     return _TEMPLATE.format(
+        epp_tls=epp_tls,
         routes=routes,
         strip=strip,
         route_cache=route_cache,
@@ -236,13 +284,26 @@ def envoy_bootstrap(
     )
 
 
-def bootstrap_for(
-    config: Any, grpc_port: int, listen_port: int, admin_port: int | None = None, failure_mode: str = FAIL_CLOSE
-) -> str:
-    """The bootstrap for a router configuration: its admission and connection flags, and
-    ``failure_mode`` (FailOpen falls back to the --worker-urls, round robin)."""
-    queued = config.max_concurrent_requests > 0 or bool(config.rate_limit_tokens_per_second)
+def body_limit(config: Any) -> int:
+    """The request body limit of the gateway: ``--max-payload-size`` when given, else
+    :data:`BODY_LIMIT`. Envoy's buffers in the printed bootstrap, the picker's gRPC receive limit
+    and its 413 all use it."""
     limit = int(config.max_payload_size)
+    return BODY_LIMIT if limit == default("max_payload_size") else limit
+
+
+def bootstrap_for(
+    config: Any,
+    grpc_port: int,
+    listen_port: int,
+    admin_port: int | None = None,
+    failure_mode: str = FAIL_CLOSE,
+    grpc_tls: GrpcTls | None = None,
+) -> str:
+    """The bootstrap for a router configuration: its admission and connection flags,
+    ``failure_mode`` (FailOpen falls back to the --worker-urls, round robin) and Envoy's side of
+    TLS to the picker (``--envoy-grpc-*``)."""
+    queued = config.max_concurrent_requests > 0 or bool(config.rate_limit_tokens_per_second)
     return envoy_bootstrap(
         grpc_port,
         listen_port,
@@ -253,8 +314,9 @@ def bootstrap_for(
         body_timeout=float(config.body_read_timeout_secs),
         conn_idle_timeout=float(config.idle_connection_timeout_secs),
         upstream_idle_timeout=float(config.upstream_pool_idle_timeout_secs),
-        body_limit=BODY_LIMIT if limit == default("max_payload_size") else limit,
+        body_limit=body_limit(config),
         fallback=fallback_endpoints(config.worker_urls) if failure_mode == FAIL_OPEN else None,
+        grpc_tls=grpc_tls,
     )
 
 
@@ -266,6 +328,11 @@ def fallback_endpoints(worker_urls: list[str]) -> list[tuple[str, int]]:
         host = parts.hostname or ""
         out.append((host, parts.port or 80))
     return out
+
+
+def _quoted(path: str) -> str:
+    """A file path as a YAML double-quoted scalar (JSON's escaping is valid YAML)."""
+    return json.dumps(os.path.abspath(path))
 
 
 def _secs(value: float) -> str:

@@ -7,8 +7,9 @@ A :class:`Booking` is the books of one request routed through the gateway: its a
 parsed body's tokens, the routing key and the request meta), so every policy, the load ledger,
 KV fit and the circuit breakers' view of eligibility are the proxy's. ``Booking.close()``
 gives both back exactly once, whichever ending comes first: the response's end, the stream
-cancelled or reset, the ext_proc stream dying, or the safety net (a booking older than
-``--request-timeout-secs`` plus a slack).
+cancelled or reset, the ext_proc stream dying, silence (a picked stream that says nothing for
+``--silent-stream-timeout-secs`` before its response begins: :meth:`Decider.check_silent`), or
+the safety net (a booking older than ``--request-timeout-secs`` plus a slack).
 
 :meth:`Decider.decide` turns the request (method, path, headers, buffered body) into a
 :class:`Pick` (the destination ``ip:port``, the body with the DP rank spliced in when the
@@ -31,6 +32,7 @@ from fastroute.auth import authorized, bearer
 from fastroute.dataplane import body as _body
 from fastroute.dataplane.route import rank_port
 from fastroute.dataplane.routes import ROUTES
+from fastroute.epp.bootstrap import body_limit
 from fastroute.errors import RouterError
 
 log = logging.getLogger("fastroute.epp")
@@ -69,7 +71,7 @@ class Pick:
 class Booking:
     """The admission slot and lease of one request (see module docstring)."""
 
-    __slots__ = ("decider", "lease", "lease2", "slot", "waiter", "started_at", "closed", "reason")
+    __slots__ = ("decider", "lease", "lease2", "slot", "waiter", "started_at", "seen", "answered", "closed", "reason")
 
     def __init__(self, decider: Decider) -> None:
         self.decider = decider
@@ -78,6 +80,8 @@ class Booking:
         self.slot = False
         self.waiter: Any = None
         self.started_at = decider.loop.time()
+        self.seen = self.started_at  # the pick or the stream's last message, whichever is later
+        self.answered = False  # the response began (Envoy relayed the worker's headers)
         self.closed = False
         self.reason = ""
         decider.bookings.add(self)
@@ -225,7 +229,7 @@ class Decider:
         self.loop = loop or asyncio.get_event_loop()
         self.bookings: set[Booking] = set()
         self.rank_field = config.rank_field("regular") if config.dp_aware else None
-        self.max_payload = int(config.max_payload_size)
+        self.max_payload = body_limit(config)  # the printed Envoy's buffer limit too
         self.timeout = float(config.request_timeout_secs)
         self.api_key = bearer(config.api_key)
         self.key_headers = ("x-smg-routing-key",) + tuple(h.lower() for h in config.routing_key_headers)
@@ -233,6 +237,7 @@ class Decider:
         self.needs_body = needs_body(config)
         self.subsets = Subsets(registry)
         self.sidecar_port: int | None = None  # PD: the fastroute sidecar on each decode pod
+        self.silent_timeout = 0.0  # --silent-stream-timeout-secs (0: off), see check_silent
 
     @property
     def in_flight(self) -> int:
@@ -378,6 +383,32 @@ class Decider:
         return Pick(f"{host}:{self.sidecar_port}", None, None, d.target, rank, headers=((PIN_HEADER, pin),))
 
     # -- the safety net ----------------------------------------------------------------
+    def check_silent(self, now: float | None = None) -> int:
+        """Release the bookings of picked streams that sent nothing for
+        ``--silent-stream-timeout-secs`` before their response began. Envoy relays the worker's
+        response headers as soon as the worker answers (from then on the response's end
+        releases, or the request timeout's safety net); a client of the gRPC port that sends
+        headers and then nothing held a lease until that safety net. Counted in
+        ``fastroute_leases_reclaimed_total{reason="silent"}``; returns how many."""
+        bound = self.silent_timeout
+        if bound <= 0:
+            return 0
+        if now is None:
+            now = self.loop.time()
+        n = 0
+        for b in [b for b in self.bookings if b.lease is not None and not b.answered and now - b.seen > bound]:
+            if b.close("silent"):
+                n += 1
+                if self.stats is not None:
+                    self.stats.reclaim("silent")
+        if n:
+            log.warning(
+                "released the leases of %d picked stream(s) silent for over %g s (--silent-stream-timeout-secs)",
+                n,
+                bound,
+            )
+        return n
+
     def check_leaks(self, now: float | None = None) -> int:
         """Release bookings older than the request timeout plus a slack (their stream should
         have ended); returns how many. Only catches bugs and lost streams."""

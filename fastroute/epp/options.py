@@ -10,7 +10,12 @@ and the refusals of what the endpoint picker does not do (yet).
 * ``--inference-pool NAME`` [``--inference-pool-namespace NS``]: the workers are the endpoints
   of that InferencePool (:mod:`fastroute.epp.pool`; namespace default: the picker's own);
 * ``--sidecar-port P`` (with ``--pd-disaggregation``): PD picks, relayed by the ``fastroute
-  sidecar`` listening on P on each decode pod (:mod:`fastroute.epp.sidecar`).
+  sidecar`` listening on P on each decode pod (:mod:`fastroute.epp.sidecar`);
+* ``--silent-stream-timeout-secs S``: a picked stream silent for S seconds loses its lease;
+* ``--max-grpc-streams N``: ext_proc streams served at once (more are refused, counted);
+* ``--grpc-tls-cert-path``/``--grpc-tls-key-path`` [``--grpc-tls-client-ca-path``]: TLS
+  (mutual with the CA) on the gRPC listener; ``--envoy-grpc-ca-path`` [``--envoy-grpc-cert-path``
+  ``--envoy-grpc-key-path``]: Envoy's side of it in the printed bootstrap.
 
 Refused with one line naming the flag (never silently ignored): the gateway features of the
 design that are not built here (Envoy failure-mode options), and router features that mean
@@ -26,7 +31,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EppOptions", "EppError", "HELP", "split", "refusal", "option_warnings", "inert_flags", "flags_named"]
+__all__ = [
+    "EppOptions",
+    "GrpcTls",
+    "EppError",
+    "HELP",
+    "split",
+    "refusal",
+    "option_warnings",
+    "inert_flags",
+    "flags_named",
+]
 
 # Flags of the gateway design that this picker does not implement: refused by name.
 NOT_BUILT = {
@@ -36,6 +51,26 @@ NOT_BUILT = {
 # The InferencePool's endpointPickerRef.failureMode values (--failure-mode).
 FAIL_CLOSE, FAIL_OPEN = "FailClose", "FailOpen"
 FAILURE_MODES = (FAIL_CLOSE, FAIL_OPEN)
+# --silent-stream-timeout-secs default: a picked stream that says nothing for this long (no
+# response headers, no end) loses its lease.
+SILENT_TIMEOUT = 30.0
+# --max-grpc-streams default: ext_proc streams (one per request in flight through Envoy) served
+# at once.
+MAX_STREAMS = 10000
+_PATH_FLAGS = {
+    "--grpc-tls-cert-path",
+    "--grpc-tls-key-path",
+    "--grpc-tls-client-ca-path",
+    "--envoy-grpc-ca-path",
+    "--envoy-grpc-cert-path",
+    "--envoy-grpc-key-path",
+}
+# One ext_proc message carries the whole buffered body plus the request's headers and metadata:
+# the picker's gRPC receive limit is the body limit plus this much (Envoy's headers are at most
+# 96 KiB; the rest is for the subset hint and the protobuf framing). A protobuf message (and
+# grpc's receive limit) is at most 2 GiB - 1 bytes, which bounds --max-payload-size.
+MESSAGE_HEADROOM = 1024 * 1024
+BODY_LIMIT_MAX = 2**31 - 1 - MESSAGE_HEADROOM
 
 
 # `fastroute epp --help`: the picker's own options, printed before the router flags it takes.
@@ -56,6 +91,19 @@ picker options:
   --inference-pool NAME         take the endpoints from this InferencePool (Kubernetes)
   --inference-pool-namespace NS the pool's namespace (default: $POD_NAMESPACE, the pod's own)
   --sidecar-port P              PD through the decode pods' `fastroute sidecar` on port P
+  --silent-stream-timeout-secs S
+                                release the lease of a picked stream silent for S seconds
+                                before its response begins (default 30; 0: off)
+  --max-grpc-streams N          ext_proc streams served at once; more are refused with
+                                RESOURCE_EXHAUSTED, logged and counted (default 10000)
+  --grpc-tls-cert-path PATH     serve the gRPC listener over TLS with this certificate (PEM)
+  --grpc-tls-key-path PATH      and this private key (PEM); both or neither
+  --grpc-tls-client-ca-path PATH
+                                mutual TLS: only clients with a certificate signed by this CA
+  --envoy-grpc-ca-path PATH     with --print-envoy-config: Envoy reaches the picker over TLS and
+                                trusts this CA for the picker's certificate
+  --envoy-grpc-cert-path PATH   with --print-envoy-config: the client certificate Envoy
+  --envoy-grpc-key-path PATH    presents to the picker (and its key), for mutual TLS
 
 router flags (as for the proxy; docs/epp.md says what each does under epp):
 """
@@ -75,6 +123,22 @@ class EppOptions:
     pool_namespace: str | None = None  # --inference-pool-namespace NS
     sidecar_port: int | None = None  # --sidecar-port P: PD through the decode pods' sidecar
     failure_mode: str = FAIL_CLOSE  # --failure-mode: what the printed Envoy does when the picker fails
+    silent_timeout: float = SILENT_TIMEOUT  # --silent-stream-timeout-secs (0: off)
+    max_streams: int = MAX_STREAMS  # --max-grpc-streams
+    tls: GrpcTls | None = None  # --grpc-tls-*: the gRPC listener's TLS
+    envoy_tls: GrpcTls | None = None  # --envoy-grpc-*: Envoy's side of it, in the printed bootstrap
+
+
+@dataclass(frozen=True)
+class GrpcTls:
+    """TLS of the picker's gRPC listener, one side of it: the picker's (``cert``/``key`` its
+    certificate, ``ca`` the CA of the client certificates it requires) or, in the printed
+    bootstrap, Envoy's (``ca`` the CA it trusts for the picker, ``cert``/``key`` the client
+    certificate it presents). Paths of PEM files."""
+
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
 
 
 # A Kubernetes object name or namespace (DNS subdomain / label).
@@ -130,6 +194,29 @@ def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
             if value not in FAILURE_MODES:
                 raise EppError(f"argument --failure-mode: {value!r} is not FailClose or FailOpen")
             found[name] = value
+        elif name in _PATH_FLAGS:
+            value, i = _value(args, i, name, eq, inline, "one file path", dash_ends=True)
+            if not value:
+                raise EppError(f"argument {name}: expected one file path")
+            found[name] = value
+        elif name == "--max-grpc-streams":
+            value, i = _value(args, i, name, eq, inline, "a number of streams")
+            try:
+                n = int(value)
+            except ValueError:
+                raise EppError(f"argument {name}: {value!r} is not a whole number") from None
+            if n < 1:
+                raise EppError(f"argument {name}: {n} must be at least 1")
+            found[name] = n
+        elif name == "--silent-stream-timeout-secs":
+            value, i = _value(args, i, name, eq, inline, "a number of seconds")
+            try:
+                secs = float(value)
+            except ValueError:
+                raise EppError(f"argument {name}: {value!r} is not a number of seconds") from None
+            if not 0 <= secs < float("inf"):
+                raise EppError(f"argument {name}: {value} must be 0 (off) or a positive number of seconds")
+            found[name] = secs
         elif name == "--print-envoy-config":
             if eq:
                 raise EppError("argument --print-envoy-config: takes no value")
@@ -143,9 +230,30 @@ def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
     if printing and "--envoy-listen-port" not in found:
         raise EppError("argument --envoy-listen-port: required with --print-envoy-config")
     if not printing:
-        for flag in ("--envoy-listen-port", "--envoy-admin-port"):
+        for flag in ("--envoy-listen-port", "--envoy-admin-port", *sorted(f for f in _PATH_FLAGS if "envoy" in f)):
             if flag in found:
                 raise EppError(f"argument {flag}: only means something with --print-envoy-config")
+    tls = _tls_pair(found, "--grpc-tls-cert-path", "--grpc-tls-key-path", "--grpc-tls-client-ca-path")
+    envoy_tls = _tls_pair(found, "--envoy-grpc-cert-path", "--envoy-grpc-key-path", "--envoy-grpc-ca-path")
+    if tls is not None and tls.cert is None:
+        raise EppError("argument --grpc-tls-client-ca-path: needs --grpc-tls-cert-path and --grpc-tls-key-path")
+    if envoy_tls is not None and envoy_tls.ca is None:
+        raise EppError(
+            "argument --envoy-grpc-cert-path: needs --envoy-grpc-ca-path (Envoy speaks TLS to the "
+            "picker only when it can check the picker's certificate)"
+        )
+    if printing and tls is not None:
+        # The same command line prints the bootstrap: Envoy must be able to reach this listener.
+        if envoy_tls is None:
+            raise EppError(
+                "argument --grpc-tls-cert-path: the picker serves TLS; give --envoy-grpc-ca-path "
+                "(the CA of its certificate) so that the printed Envoy speaks TLS to it"
+            )
+        if tls.ca is not None and envoy_tls.cert is None:
+            raise EppError(
+                "argument --grpc-tls-client-ca-path: the picker asks for a client certificate; "
+                "give --envoy-grpc-cert-path and --envoy-grpc-key-path for Envoy to present"
+            )
     if "--inference-pool-namespace" in found and "--inference-pool" not in found:
         raise EppError("argument --inference-pool-namespace: only means something with --inference-pool")
     return EppOptions(
@@ -157,18 +265,43 @@ def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
         found.get("--inference-pool-namespace"),
         found.get("--sidecar-port"),
         found.get("--failure-mode", FAIL_CLOSE),
+        found.get("--silent-stream-timeout-secs", SILENT_TIMEOUT),
+        found.get("--max-grpc-streams", MAX_STREAMS),
+        tls,
+        envoy_tls,
     ), rest
+
+
+def _tls_pair(found: dict[str, Any], cert: str, key: str, ca: str) -> GrpcTls | None:
+    """The certificate, key and CA given under these three flags (None: none of them); a
+    certificate needs its key and a key its certificate."""
+    if cert in found and key not in found:
+        raise EppError(f"argument {cert}: needs {key}")
+    if key in found and cert not in found:
+        raise EppError(f"argument {key}: needs {cert}")
+    if not any(f in found for f in (cert, key, ca)):
+        return None
+    return GrpcTls(found.get(cert), found.get(key), found.get(ca))
 
 
 def option_warnings(opts: EppOptions, argv: Sequence[str]) -> list[str]:
     """One line per picker option given that does nothing in this run: --failure-mode shapes the
-    printed bootstrap only, so a running picker accepts it with one warning."""
-    if not opts.print_config and "--failure-mode" in flags_named(argv):
-        return [
-            "--failure-mode is accepted and ignored by the running picker (it shapes the Envoy "
-            "bootstrap: give it to --print-envoy-config)"
-        ]
-    return []
+    printed bootstrap only, so a running picker accepts it with one warning; the running
+    picker's own bounds mean nothing to the printed bootstrap, which says so."""
+    named = flags_named(argv)
+    if not opts.print_config:
+        if "--failure-mode" in named:
+            return [
+                "--failure-mode is accepted and ignored by the running picker (it shapes the Envoy "
+                "bootstrap: give it to --print-envoy-config)"
+            ]
+        return []
+    return [
+        f"{flag} is accepted and ignored by --print-envoy-config (it bounds the running picker; "
+        "the bootstrap does not depend on it)"
+        for flag in ("--silent-stream-timeout-secs", "--max-grpc-streams")
+        if flag in named
+    ]
 
 
 _TOKENIZER_FLAGS = (
@@ -229,6 +362,11 @@ def refusal(
         )
     if processes > 1:
         return "argument --workers: fastroute epp runs as one process (give --workers 1)"
+    if int(config.max_payload_size) > BODY_LIMIT_MAX:
+        return (
+            f"argument --max-payload-size: at most {BODY_LIMIT_MAX} bytes under fastroute epp "
+            "(Envoy sends the buffered body to the picker in one gRPC message)"
+        )
     for url in config.worker_urls:
         if url.strip().lower().startswith("https://"):
             return (

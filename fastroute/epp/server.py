@@ -14,20 +14,28 @@ are the proxy's: ``fastroute_target_in_flight_requests`` (and the smg families) 
 through Redis exactly as proxy replicas do (:mod:`fastroute.control.replica`): the sync owns
 the table's "others" columns, the picks read them, no pick waits for Redis.
 
-A sweep, once a second, expires admission waiters, runs the lease safety net and the
-reconciler, and keeps the health status in step with the registry.
+The gRPC listener binds ``--host`` like the proxy, plaintext or, with ``--grpc-tls-*``, TLS
+(mutual with a client CA: :func:`grpc_credentials`); its receive limit is the body limit of the
+printed bootstrap (:func:`fastroute.epp.bootstrap.body_limit`) plus headroom. Health follows the
+registry's readiness as it changes (``_follow_readiness``).
+
+A sweep, once a second, expires admission waiters, releases the leases of picked streams silent
+past ``--silent-stream-timeout-secs``, runs the lease safety net and the reconciler, and keeps
+the health status in step with the registry.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from fastroute.config import Config
 from fastroute.control.discovery import start_discovery
@@ -36,6 +44,7 @@ from fastroute.core.table import TargetTable
 from fastroute.dataplane.admission import Admission
 from fastroute.dataplane.telemetry import RequestTelemetry
 from fastroute.epp.decide import Decider
+from fastroute.epp.options import MAX_STREAMS, MESSAGE_HEADROOM, SILENT_TIMEOUT, GrpcTls
 from fastroute.epp.service import ExternalProcessor
 from fastroute.runtime.assemble import Assembly, assemble, stop_in_order
 from fastroute.runtime.startup import StartupError, own_listeners, start_probe, stop_on_signals
@@ -51,6 +60,56 @@ SWEEP_EVERY = 1.0
 LEAK_EVERY = 5.0
 
 
+def grpc_credentials(tls: GrpcTls) -> Any:
+    """The gRPC listener's TLS credentials from the ``--grpc-tls-*`` files: a client CA makes it
+    mutual (a client without a certificate signed by it is refused). Files that cannot be read
+    or do not go together stop the start with a message naming the flag."""
+    cert, key, ca = tls.cert, tls.key, tls.ca
+    assert cert is not None and key is not None
+    check = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        check.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise StartupError(f"--grpc-tls-cert-path {cert} / --grpc-tls-key-path {key}: cannot be used ({exc})") from None
+    if ca is not None:
+        try:
+            check.load_verify_locations(cafile=ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise StartupError(f"--grpc-tls-client-ca-path {ca}: cannot be used ({exc})") from None
+    with open(cert, "rb") as f:
+        chain = f.read()
+    with open(key, "rb") as f:
+        private = f.read()
+    roots = None
+    if ca is not None:
+        with open(ca, "rb") as f:
+            roots = f.read()
+    return grpc.ssl_server_credentials(
+        [(private, chain)], root_certificates=roots, require_client_auth=roots is not None
+    )
+
+
+class StreamCollector:
+    """The picker's ext_proc streams on ``/metrics``: open now, and ended by the picker by
+    reason (a malformed message, too many streams)."""
+
+    def __init__(self, processor: ExternalProcessor) -> None:
+        self.processor = processor
+
+    def collect(self) -> Any:
+        g = GaugeMetricFamily("fastroute_epp_streams_open", "ext_proc streams open on the picker")
+        g.add_metric([], float(self.processor.streams))
+        yield g
+        c = CounterMetricFamily(
+            "fastroute_epp_streams_refused",
+            "ext_proc streams the picker ended without serving them, by reason",
+            labels=["reason"],
+        )
+        for reason, n in sorted(self.processor.refused.items()):
+            c.add_metric([reason], float(n))
+        yield c
+
+
 class EppServer:
     """One endpoint-picker process (see module docstring)."""
 
@@ -62,9 +121,15 @@ class EppServer:
         pool: str | None = None,
         pool_namespace: str | None = None,
         sidecar_port: int | None = None,
+        tls: GrpcTls | None = None,
+        silent_timeout: float = SILENT_TIMEOUT,
+        max_streams: int = MAX_STREAMS,
     ) -> None:
         self.config = config
+        self.max_streams = int(max_streams)  # --max-grpc-streams
         self.sidecar_port = sidecar_port
+        self.tls = tls  # --grpc-tls-*: None serves plaintext
+        self.silent_timeout = float(silent_timeout)
         self.pool_name = pool
         self.pool_namespace = pool_namespace
         self.pool: Any = None  # --inference-pool: fastroute.epp.pool.PoolDiscovery
@@ -81,6 +146,9 @@ class EppServer:
         self.replica: ReplicaSync | None = None  # --replica-sync
         self._sweeper: asyncio.Task | None = None
         self._serving: bool | None = None
+        self._health_lock = asyncio.Lock()
+        self._health_due = asyncio.Event()
+        self._health: asyncio.Task | None = None  # follows readiness (_follow_readiness)
         self._stopping = False
 
     @property
@@ -106,9 +174,27 @@ class EppServer:
             admission.tel = RequestTelemetry(parts.stats, "regular")  # rate-limit verdicts
             self.decider = Decider(cfg, parts.registry, admission, parts.stats, loop)
             self.decider.sidecar_port = self.sidecar_port
-            self.processor = ExternalProcessor(self.decider)
+            self.decider.silent_timeout = self.silent_timeout
+            creds = grpc_credentials(self.tls) if self.tls is not None else None
+            self.processor = ExternalProcessor(self.decider, self.max_streams)
+            if parts.metrics is not None:
+                parts.metrics.registry.register(StreamCollector(self.processor))
             self.health = grpc_health.aio.HealthServicer()
-            self.grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            self.grpc = grpc.aio.server(
+                options=[
+                    ("grpc.so_reuseport", 0),
+                    # the whole buffered body comes in one message: the limit the bootstrap prints
+                    ("grpc.max_receive_message_length", self.decider.max_payload + MESSAGE_HEADROOM),
+                    # grpc core holds new streams the server has not taken yet in a queue
+                    # and fails them silently past 1000 (soft) / 3000 (hard) by default: a
+                    # burst of streams failed with no log (the client even sees INTERNAL).
+                    # One connection may open --max-grpc-streams (HTTP/2 SETTINGS), the
+                    # queue holds twice that; Process refuses the streams over the bound.
+                    ("grpc.max_concurrent_streams", self.max_streams),
+                    ("grpc.server.max_pending_requests", 2 * self.max_streams),
+                    ("grpc.server.max_pending_requests_hard_limit", 2 * self.max_streams),
+                ]
+            )
             pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self.grpc)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
             await self._set_health(False)
@@ -119,7 +205,10 @@ class EppServer:
                 else f"{self.grpc_host}:{self.grpc_port}"
             )
             try:
-                bound = self.grpc.add_insecure_port(address)
+                if creds is None:
+                    bound = self.grpc.add_insecure_port(address)
+                else:
+                    bound = self.grpc.add_secure_port(address, creds)
             except RuntimeError as exc:
                 bound = 0
                 why = str(exc)
@@ -142,8 +231,14 @@ class EppServer:
             await self._close_half_started()
             raise
         log.info(
-            "fastroute epp: ext_proc on %s, policy %s%s", address, cfg.policy, " (dp-aware)" if cfg.dp_aware else ""
+            "fastroute epp: ext_proc on %s (%s), policy %s%s",
+            address,
+            "plaintext" if self.tls is None else "TLS" if self.tls.ca is None else "mutual TLS",
+            cfg.policy,
+            " (dp-aware)" if cfg.dp_aware else "",
         )
+        self._follow_readiness(parts.registry)
+        self._health = loop.create_task(self._health_loop())
         await parts.registry.start()
         if parts.monitor is not None:
             parts.monitor.start()
@@ -165,12 +260,34 @@ class EppServer:
             self.table.unlink()
 
     async def _set_health(self, serving: bool) -> None:
-        if serving is self._serving:
-            return
-        self._serving = serving
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in ("", EXT_PROC_SERVICE, READINESS_SERVICE):
-            await self.health.set(service, status)
+        async with self._health_lock:  # one writer at a time: the three services agree
+            if serving is self._serving:
+                return
+            self._serving = serving
+            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            for service in ("", EXT_PROC_SERVICE, READINESS_SERVICE):
+                await self.health.set(service, status)
+
+    def _follow_readiness(self, registry: Any) -> None:
+        """Wake the health task whenever the registry's readiness may have changed (its
+        ``invalidate_ready``: a worker's status or health changed), so that gRPC health turns
+        SERVING or NOT_SERVING as /readiness does, not at the next sweep."""
+        invalidate = registry.invalidate_ready
+
+        def invalidated() -> None:
+            invalidate()
+            self._health_due.set()
+
+        registry.invalidate_ready = invalidated
+
+    async def _health_loop(self) -> None:
+        while True:
+            await self._health_due.wait()
+            self._health_due.clear()
+            try:
+                await self._set_health(self.ready())
+            except Exception:  # the sweep keeps it in step meanwhile
+                log.exception("epp health update failed")
 
     async def _sweep(self) -> None:
         loop = asyncio.get_running_loop()
@@ -182,6 +299,7 @@ class EppServer:
                 d = self.decider
                 if d.admission.queue:
                     d.admission.expire(now)
+                d.check_silent(now)
                 await self._set_health(self.ready())
                 if now >= next_leak:
                     next_leak = now + LEAK_EVERY
@@ -205,6 +323,8 @@ class EppServer:
                 await self._set_health(False)
             if self._sweeper is not None:
                 self._sweeper.cancel()
+            if self._health is not None:
+                self._health.cancel()
             if self.grpc is not None:
                 await self.grpc.stop(grace)
             if self.probe is not None:
@@ -227,12 +347,24 @@ async def serve(
     pool: str | None = None,
     pool_namespace: str | None = None,
     sidecar_port: int | None = None,
+    tls: GrpcTls | None = None,
+    silent_timeout: float = SILENT_TIMEOUT,
+    max_streams: int = MAX_STREAMS,
 ) -> int:
     """Run the picker until SIGTERM/SIGINT/SIGHUP/SIGQUIT, then drain; the exit status."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     stop_on_signals(loop, stop.set)
-    server = EppServer(config, grpc_port, pool=pool, pool_namespace=pool_namespace, sidecar_port=sidecar_port)
+    server = EppServer(
+        config,
+        grpc_port,
+        pool=pool,
+        pool_namespace=pool_namespace,
+        sidecar_port=sidecar_port,
+        tls=tls,
+        silent_timeout=silent_timeout,
+        max_streams=max_streams,
+    )
     await server.start()
     await stop.wait()
     log.info("shutdown: draining the ext_proc streams (grace %ss)", config.shutdown_grace_period_secs)

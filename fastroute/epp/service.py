@@ -21,13 +21,18 @@ The gateway's subset hint (the endpoint picker protocol's ``envoy.lb.subset_hint
 forwarded by the printed bootstrap) limits the pick to the endpoints it lists; none of them
 available is a 503 (:class:`~fastroute.epp.decide.Subsets`).
 
-Errors are ImmediateResponses with the proxy's JSON error body and ``x-smg-error-code``.
+Errors are ImmediateResponses with the proxy's JSON error body and ``x-smg-error-code``; a
+body streamed without Content-Length is refused (413) on the message that passes the limit.
+Streams the picker ends without serving them (a message that is not a ProcessingRequest:
+INVALID_ARGUMENT; more than ``--max-grpc-streams`` open: RESOURCE_EXHAUSTED) are counted by
+reason and logged once per client address and reason (:meth:`ExternalProcessor.refuse`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from typing import Any
 
 import grpc
@@ -37,6 +42,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
+from google.protobuf.message import DecodeError
 
 from fastroute.epp.bootstrap import HEADER, METADATA_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE
 from fastroute.epp.decide import Booking, Decider, Pick
@@ -44,22 +50,38 @@ from fastroute.errors import RouterError, payload_too_large
 
 log = logging.getLogger("fastroute.epp")
 
+MALFORMED = "malformed_message"  # a message that is not a ProcessingRequest
+TOO_MANY_STREAMS = "too_many_streams"  # --max-grpc-streams streams were open already
+REFUSE_READ_WAIT = 1.0  # seconds a refused stream's first message is waited for
+LOGGED_MAX = 1024  # (peer, reason) pairs remembered as logged; the oldest are forgotten
+
 _CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 _CONTINUE_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
 _CONTINUE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 _CONTINUE_REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
 _CONTINUE_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+_RESPONSE_KINDS = frozenset({"response_headers", "response_body", "response_trailers"})
 # Picked on the headers: the rest of the stream without the request body (the bootstrap's mode
 # otherwise; the trailers keep the stream open until the response ends).
 _NO_BODY = ProcessingMode(
     request_header_mode=ProcessingMode.SEND,
     request_body_mode=ProcessingMode.NONE,
     request_trailer_mode=ProcessingMode.SKIP,
-    response_header_mode=ProcessingMode.SKIP,
+    response_header_mode=ProcessingMode.SEND,
     response_body_mode=ProcessingMode.NONE,
     response_trailer_mode=ProcessingMode.SEND,
 )
+
+
+def peer_host(context: Any) -> str:
+    """The client's address without its port (``ipv4:127.0.0.1``), or ``unknown``."""
+    try:
+        peer = str(context.peer() or "")
+    except Exception:  # a context without a transport
+        peer = ""
+    host, sep, port = peer.rpartition(":")
+    return host if sep and port.isdigit() else (peer or "unknown")
 
 
 def _header(key: str, value: str) -> Any:
@@ -136,13 +158,49 @@ def routed(pick: Pick, phase: str) -> Any:
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """``envoy.service.ext_proc.v3.ExternalProcessor`` over a :class:`Decider`."""
 
-    def __init__(self, decider: Decider) -> None:
+    def __init__(self, decider: Decider, max_streams: int = 0) -> None:
         self.decider = decider
+        self.max_streams = max_streams  # --max-grpc-streams (0: no bound)
         self.streams = 0  # Process streams open now
+        self.refused: dict[str, int] = {}  # streams ended by the picker, by reason (metrics)
+        self._logged: OrderedDict[tuple[str, str], None] = OrderedDict()  # (peer, reason) said
+
+    def refuse(self, context: Any, reason: str, detail: str) -> None:
+        """Count a stream the picker ends for ``reason`` (fastroute_epp_streams_refused_total);
+        the first one of each peer host and reason is logged, one line, the rest only counted."""
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+        peer = peer_host(context)
+        key = (peer, reason)
+        if key in self._logged:
+            return
+        self._logged[key] = None
+        if len(self._logged) > LOGGED_MAX:
+            self._logged.popitem(last=False)
+        log.warning(
+            "ext_proc: stream from %s refused (%s): %s; further ones from that peer are only "
+            "counted in fastroute_epp_streams_refused_total",
+            peer,
+            reason,
+            detail[:200],
+        )
 
     async def Process(self, request_iterator: Any, context: Any) -> None:  # noqa: N802
         # read()/write() rather than an async generator: a cancelled stream raises inside this
         # frame at once, so the finally below releases without waiting for a collection.
+        if self.max_streams and self.streams >= self.max_streams:
+            self.refuse(context, TOO_MANY_STREAMS, f"{self.streams} streams open (--max-grpc-streams)")
+            # The first message (Envoy sends the request headers at once) is read before the
+            # status goes out: a grpc.aio client whose write races an early status reports
+            # INTERNAL instead of the status (grpc/grpc#36066).
+            try:
+                await asyncio.wait_for(context.read(), REFUSE_READ_WAIT)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # no message, a malformed one, a client gone: refused all the same
+                pass
+            context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            context.set_details(f"the picker serves at most {self.max_streams} streams at once")
+            return
         self.streams += 1
         held: list[Booking] = []  # the stream's booking, once made (even mid-admission)
         reason = "stream_end"
@@ -151,6 +209,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         except asyncio.CancelledError:
             reason = "cancelled"
             raise
+        except DecodeError as exc:  # not a ProcessingRequest: the client's fault, not ours
+            reason = "error"
+            self.refuse(context, MALFORMED, str(exc))
+            context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+            context.set_details("malformed ProcessingRequest")
         except Exception:
             reason = "error"
             log.exception("ext_proc stream failed")
@@ -165,12 +228,17 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         method = path = ""
         headers: dict[str, str] = {}
         chunks: list[bytes] = []
+        size = 0  # request body bytes received so far
         subset: frozenset[str] | None = None
         while True:
             msg = await context.read()
             if msg is grpc.aio.EOF:
                 return
             kind = msg.WhichOneof("request")
+            if booking is not None:
+                booking.seen = d.loop.time()  # the picked stream is alive
+                if kind in _RESPONSE_KINDS:
+                    booking.answered = True  # the worker answered: no silence bound from here
             if booking is None:
                 hint = subset_of(msg)
                 if hint is not None:
@@ -206,15 +274,16 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     return
             elif kind == "request_body":
                 b = msg.request_body
+                size += len(b.body)
+                if size > d.max_payload:  # no Content-Length to judge early: refused once over
+                    await context.write(immediate(payload_too_large(size, d.max_payload)))
+                    return
                 chunks.append(b.body)
                 if not b.end_of_stream:
                     await context.write(_CONTINUE_BODY)
                     continue
                 body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 chunks = []
-                if len(body) > d.max_payload:  # chunked: no Content-Length to judge early
-                    await context.write(immediate(payload_too_large(len(body), d.max_payload)))
-                    return
                 booking = Booking(d)
                 held.append(booking)
                 answer = await self._route(booking, method, path, headers, body, "request_body", subset)
@@ -253,7 +322,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         d = self.decider
         try:
             await d.admit(booking)
-            return routed(d.decide(booking, method, path, headers, body, subset), phase)
+            pick = d.decide(booking, method, path, headers, body, subset)
+            booking.seen = d.loop.time()  # silence counts from the pick
+            return routed(pick, phase)
         except RouterError as exc:
             booking.close("refused")
             return immediate(exc)

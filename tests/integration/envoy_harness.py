@@ -51,7 +51,15 @@ def scrape(text: str) -> dict[str, float]:
 class Gateway:
     """Envoy + ``fastroute epp`` (see module docstring)."""
 
-    def __init__(self, worker_urls: list[str], *flags: str, wait_serving: bool = True, edit: Any = None) -> None:
+    def __init__(
+        self,
+        worker_urls: list[str],
+        *flags: str,
+        wait_serving: bool = True,
+        edit: Any = None,
+        print_flags: tuple[str, ...] = (),
+        grpc_creds: Any = None,
+    ) -> None:
         self.envoy_bin = need_envoy()
         self.grpc_port = free_port()
         self.mport = free_port()
@@ -61,6 +69,8 @@ class Gateway:
         self.flags = flags
         self.wait_serving = wait_serving
         self.edit = edit  # bootstrap text -> the text Envoy runs (a test's own filters)
+        self.print_flags = print_flags  # given to --print-envoy-config only (--envoy-grpc-*)
+        self.grpc_creds = grpc_creds  # channel credentials of the health checks (None: plaintext)
         self.epp: asyncio.subprocess.Process | None = None
         self.envoy: asyncio.subprocess.Process | None = None
         self.tmp = tempfile.mkdtemp(prefix="fastroute-epp-test-")
@@ -118,6 +128,7 @@ class Gateway:
                     "--worker-urls",
                     *self.worker_urls,
                     *self.flags,
+                    *self.print_flags,
                 ],
                 env=self.env,
                 check=True,
@@ -173,7 +184,12 @@ class Gateway:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{self.grpc_port}") as ch:
+        target = f"127.0.0.1:{self.grpc_port}"
+        if self.grpc_creds is None:
+            ch = grpc.aio.insecure_channel(target)
+        else:
+            ch = grpc.aio.secure_channel(target, self.grpc_creds)
+        async with ch:
             stub = health_pb2_grpc.HealthStub(ch)
             r = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
             return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)

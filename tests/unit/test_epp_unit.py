@@ -47,6 +47,10 @@ def test_split_takes_the_picker_flags_and_leaves_the_router_flags() -> None:
     assert rest == ["--policy", "round_robin", "--worker-urls", "http://a:1"]
 
 
+_PRINTING = ["--grpc-port", "1", "--print-envoy-config", "--envoy-listen-port", "2"]
+_TLS = ["--grpc-tls-cert-path", "c", "--grpc-tls-key-path", "k"]
+
+
 @pytest.mark.parametrize(
     "argv, flag",
     [
@@ -61,6 +65,24 @@ def test_split_takes_the_picker_flags_and_leaves_the_router_flags() -> None:
         (["--grpc-port", "1", "--failure-mode"], "--failure-mode"),
         (["--grpc-port", "1", "--failure-mode-allow"], "--failure-mode-allow"),
         (["--grpc-port", "1", "--sidecar"], "--sidecar"),
+        (["--grpc-port", "1", "--grpc-tls-cert-path", "c.pem"], "--grpc-tls-cert-path"),
+        (["--grpc-port", "1", "--grpc-tls-key-path", "k.pem"], "--grpc-tls-key-path"),
+        (["--grpc-port", "1", "--grpc-tls-client-ca-path", "ca.pem"], "--grpc-tls-client-ca-path"),
+        (["--grpc-port", "1", "--grpc-tls-cert-path", "--grpc-tls-key-path", "k"], "--grpc-tls-cert-path"),
+        (["--grpc-port", "1", "--envoy-grpc-ca-path", "ca.pem"], "--envoy-grpc-ca-path"),
+        (
+            [*_PRINTING, "--grpc-tls-cert-path", "c", "--grpc-tls-key-path", "k"],
+            "--grpc-tls-cert-path",
+        ),
+        (
+            [*_PRINTING, *_TLS, "--grpc-tls-client-ca-path", "ca", "--envoy-grpc-ca-path", "ca"],
+            "--grpc-tls-client-ca-path",
+        ),
+        ([*_PRINTING, "--envoy-grpc-cert-path", "c", "--envoy-grpc-key-path", "k"], "--envoy-grpc-cert-path"),
+        (["--grpc-port", "1", "--silent-stream-timeout-secs", "-1"], "--silent-stream-timeout-secs"),
+        (["--grpc-port", "1", "--silent-stream-timeout-secs", "soon"], "--silent-stream-timeout-secs"),
+        (["--grpc-port", "1", "--max-grpc-streams", "0"], "--max-grpc-streams"),
+        (["--grpc-port", "1", "--max-grpc-streams=many"], "--max-grpc-streams"),
     ],
 )
 def test_split_refuses_naming_the_flag(argv: list[str], flag: str) -> None:
@@ -78,6 +100,7 @@ def test_split_refuses_naming_the_flag(argv: list[str], flag: str) -> None:
         ({"worker_urls": ["https://w:1"]}, "--worker-urls"),
         ({"retry_max_retries": 2}, "--retry-max-retries"),
         ({"cb_failure_threshold": 3}, "--cb-failure-threshold"),
+        ({"max_payload_size": 2**31}, "--max-payload-size"),
     ],
 )
 def test_refusal_names_what_the_picker_does_not_do(kw: dict, flag: str) -> None:
@@ -112,6 +135,10 @@ def test_failure_mode_on_the_running_picker_is_warned_about_once() -> None:
     printing = [*argv, "--print-envoy-config", "--envoy-listen-port", "8080"]
     assert option_warnings(split(printing)[0], printing) == []  # there it acts
     assert option_warnings(split(argv[:2])[0], argv[:2]) == []
+    bounds = [*printing, "--max-grpc-streams", "5", "--silent-stream-timeout-secs=0"]
+    said = option_warnings(split(bounds)[0], bounds)
+    assert [line.split()[0] for line in said] == ["--silent-stream-timeout-secs", "--max-grpc-streams"]
+    assert option_warnings(split([*argv[:2], *bounds[-3:]])[0], [*argv[:2], *bounds[-3:]]) == []
 
 
 def test_help_lists_the_picker_options_then_the_router_flags(capsys: Any) -> None:
