@@ -119,7 +119,10 @@ async def run_point(cell: Cell, ns: argparse.Namespace, arr: list[Arrival], cach
             mark.append((pe.hit_tokens, pe.input_tokens))
 
         task = loop.create_task(marker())
+        assert rp.proc is not None
+        cpu0 = _cpu_seconds(rp.proc.pid)
         res = await run_open_loop("127.0.0.1", (port,), arr, ns.time_scale, ns.warmup, ns.duration)
+        cpu = _cpu_seconds(rp.proc.pid) - cpu0
         task.cancel()
         picks = await _precise_picks(prom)
         h0, i0 = mark[0] if mark else (0, 0)
@@ -141,7 +144,16 @@ async def run_point(cell: Cell, ns: argparse.Namespace, arr: list[Arrival], cach
         "balance": balance_stats(samples),
         "hit_rate": hit_rate,
         "picks": picks,
+        # the router process's CPU over the whole replay (warm-up included), per request sent
+        "cpu_ms_per_request": 1000.0 * cpu / max(1, len(res.records)),
     }
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _precise_picks(prom_port: int) -> str:
@@ -158,13 +170,16 @@ async def _precise_picks(prom_port: int) -> str:
             got["precise"] = float(line.split()[-1])
         elif line.startswith("fastroute_kv_pick_fallbacks_total{"):
             got[line.split('"')[1]] = float(line.split()[-1])
+        elif line.startswith("fastroute_kv_events_total{"):
+            got["events applied"] = got.get("events applied", 0.0) + float(line.split()[-1])
     return ", ".join(f"{k} {v:.0f}" for k, v in got.items() if v) or "-"
 
 
 def table(results: list[dict]) -> str:
     head = (
         "| point | router | TTFT p50 / p90 / p99 ms | prefill prefix hits | busiest batch | "
-        "TPOT p50 / p90 ms | completed | errors | picks by the index |\n|---|---|---|---|---|---|---|---|---|\n"
+        "TPOT p50 / p90 ms | completed | errors | router CPU ms / request | picks by the index |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for r in results:
@@ -173,7 +188,7 @@ def table(results: list[dict]) -> str:
             f"| {r['tag']} | {r['label']} | {_f(ld['ttft_p50_ms'], 0)} / {_f(ld['ttft_p90_ms'], 0)} / "
             f"{_f(ld['ttft_p99_ms'], 0)} | {100 * r['hit_rate']:.1f}% | {_f(b.get('busiest_batch'), 1)} | "
             f"{_f(ld['tpot_p50_ms'], 1)} / {_f(ld['tpot_p90_ms'], 1)} | {ld['completed']} | {ld['errors']} | "
-            f"{r.get('picks', '-')} |"
+            f"{_f(r.get('cpu_ms_per_request'), 2)} | {r.get('picks', '-')} |"
         )
     return head + "\n".join(rows) + "\n"
 
