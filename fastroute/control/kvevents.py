@@ -379,7 +379,9 @@ class KvEvents:
         kv_queue = int(self.table.array[t, COL_POLLED_KV_QUEUE])  # the poll's, which LoadStat lacks
         self.table.set_polled(t, running, waiting, tokens, cap, uncached if s.prefill else -1, kv_queue)
         if self.index is not None:
-            self.index.set_queue(t, uncached, self.table.array)
+            # Prefill work ahead of a new request: the uncached tokens waiting, and on a PD
+            # prefill the KV of the batch being computed (it holds nothing else for long).
+            self.index.set_queue(t, uncached + (tokens if s.prefill else 0), self.table.array, max(cap, 0))
         self._pushed[t] = time.monotonic()
         s.loads += 1
 

@@ -10,16 +10,18 @@ serve only to find a stored block's parent and a removed block's key.
 
 Per target row (one DP rank), a :class:`RankIndex` keeps ``engine hash -> key`` and ``key ->
 count`` (a key may arrive under two engine hashes). A rank's index is bounded by
-``max_blocks``: past it the oldest entries go (counted), so the index can only under-report
-what the rank holds. Freshness: a rank is used for placement only while its stream is whole;
-the subscriber marks it stale (and clears it) after a gap that replay could not fill, a
-publisher restart or silence, and the rank is used again once it has been whole for
-``warmup_secs``.
+``max_blocks`` and by the rank's KV capacity where its LoadStat gives it: past that the oldest
+entries go (counted), so the index can only under-report what the rank holds.
+
+Freshness: a rank is used for placement only while its stream is whole; the subscriber marks
+it stale (and clears it) after a gap that replay could not fill, a publisher restart or
+silence, and the rank is used again once it has been whole for ``warmup_secs``.
 
 Placement (:meth:`KvIndex.pick`): among the candidates, the cost of a rank is the prefill work
 ahead of this request's first token there, in tokens: what is waiting on the rank (the
-engine's pushed ``num_waiting_uncached_tokens`` plus the input tokens the router booked there
-since that stat, else the router's own estimate from the table) plus this request's tokens the
+engine's pushed ``num_waiting_uncached_tokens``, on a PD prefill plus the KV of the batch it is
+computing, and the input tokens the router booked there since that stat; else the router's own
+estimate from the table) plus this request's tokens the
 rank does not hold (input minus the cached prefix). The cheapest rank wins; ties go to the
 longest hit, then the fewest requests in flight, then at random. A hit therefore wins exactly
 while the tokens it saves exceed the extra queue it sits behind.
@@ -75,6 +77,7 @@ class RankIndex:
         "stat_at",
         "evicted",
         "orphans",
+        "cap_blocks",
     )
 
     def __init__(self, block_size: int) -> None:
@@ -88,6 +91,7 @@ class RankIndex:
         self.stat_at = 0.0
         self.evicted = 0  # entries dropped to stay within max_blocks
         self.orphans = 0  # stored blocks whose parent this index never saw
+        self.cap_blocks = 0  # the engine's KV capacity in blocks (pushed; 0: unknown)
 
     def clear(self) -> None:
         self.by_hash.clear()
@@ -227,13 +231,16 @@ class KvIndex:
             else:
                 n += len(r.by_hash)
                 r.clear()
-        r.bound(self.max_blocks)
+        r.bound(min(self.max_blocks, r.cap_blocks) if r.cap_blocks else self.max_blocks)
         return n
 
-    def set_queue(self, t: int, uncached_tokens: int, tab: np.ndarray) -> None:
-        """A pushed stat: ``uncached_tokens`` wait on row ``t`` now."""
+    def set_queue(self, t: int, uncached_tokens: int, tab: np.ndarray, capacity: int = 0) -> None:
+        """A pushed stat: ``uncached_tokens`` wait on row ``t`` now; ``capacity`` is its KV in
+        tokens (0: unknown), which bounds what its index can hold (the engine cannot cache more)."""
         r = self.ranks.get(t)
         if r is not None:
+            if capacity > 0:
+                r.cap_blocks = capacity // r.block_size + 1
             r.queue_tokens = int(uncached_tokens)
             r.tokens_at_stat = reference.tokens_in_flight(tab, t)
             r.stat_at = self._clock()

@@ -109,3 +109,12 @@ def test_a_hit_wins_while_it_saves_more_than_the_queue_it_waits_behind() -> None
     assert idx.queue(2, tab.array) == 40
     assert idx.pick(p, [0, 1, 2, 3], len(p), tab.array)[0] != 2
     assert idx.picks == 4 and sum(idx.hit_counts) == 4
+
+
+def test_the_pushed_capacity_bounds_the_index() -> None:
+    tab = table()
+    idx = KvIndex(max_blocks=1000)
+    idx.attach(0, BS)
+    idx.set_queue(0, 0, tab.array, capacity=3 * BS)  # 3 blocks of KV (+1 of slack)
+    idx.apply(0, [Ev("stored", list(range(1, 11)), ids(10))])
+    assert idx.blocks(0) == 4 and idx.ranks[0].evicted == 6
