@@ -20,8 +20,8 @@ silence, and the rank is used again once it has been whole for ``warmup_secs``.
 Placement (:meth:`KvIndex.pick`): among the candidates, the cost of a rank is the prefill work
 ahead of this request's first token there, in tokens: what is waiting on the rank (the
 engine's pushed ``num_waiting_uncached_tokens``, on a PD prefill plus the KV of the batch it is
-computing, and the input tokens the router booked there since that stat; else the router's own
-estimate from the table) plus this request's tokens the
+computing, and the uncached tokens of the requests this index sent there since that stat; else
+the router's own estimate from the table) plus this request's tokens the
 rank does not hold (input minus the cached prefix). The cheapest rank wins; ties go to the
 longest hit, then the fewest requests in flight, then at random. A hit therefore wins exactly
 while the tokens it saves exceed the extra queue it sits behind.
@@ -73,7 +73,7 @@ class RankIndex:
         "state",
         "whole_since",
         "queue_tokens",
-        "tokens_at_stat",
+        "booked",
         "stat_at",
         "evicted",
         "orphans",
@@ -87,7 +87,7 @@ class RankIndex:
         self.state = WARMING
         self.whole_since = time.monotonic()
         self.queue_tokens = -1  # the engine's waiting uncached tokens (-1: never pushed)
-        self.tokens_at_stat = 0  # the router's in-flight input tokens on the row at that stat
+        self.booked = 0  # uncached tokens of the requests this index sent there since that stat
         self.stat_at = 0.0
         self.evicted = 0  # entries dropped to stay within max_blocks
         self.orphans = 0  # stored blocks whose parent this index never saw
@@ -242,7 +242,7 @@ class KvIndex:
             if capacity > 0:
                 r.cap_blocks = capacity // r.block_size + 1
             r.queue_tokens = int(uncached_tokens)
-            r.tokens_at_stat = reference.tokens_in_flight(tab, t)
+            r.booked = 0
             r.stat_at = self._clock()
 
     def blocks(self, t: int) -> int:
@@ -254,7 +254,7 @@ class KvIndex:
         """Input tokens waiting ahead of a new request on row ``t`` (module docstring)."""
         r = self.ranks.get(t)
         if r is not None and r.queue_tokens >= 0:
-            return max(0, r.queue_tokens + reference.tokens_in_flight(tab, t) - r.tokens_at_stat)
+            return r.queue_tokens + r.booked
         return reference.pending(tab, t)
 
     def covers(self, targets: Sequence[int]) -> str | None:
@@ -308,6 +308,9 @@ class KvIndex:
                 best.append(i)
         i = best[0] if len(best) == 1 else self._rng.choice(best)
         h = hit[i]
+        r = ranks.get(targets[i])
+        if r is not None:  # what it adds to the rank's queue until the next stat says
+            r.booked += max(tokens - h * r.block_size, 0)
         self.picks += 1
         self.hit_sum += h
         b = 0

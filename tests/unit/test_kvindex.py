@@ -103,11 +103,17 @@ def test_a_hit_wins_while_it_saves_more_than_the_queue_it_waits_behind() -> None
     assert idx.pick(p, [0, 1, 2, 3], len(p), tab.array)[0] == 2
     idx.set_queue(2, 33, tab.array)  # 33 queued > 32 saved: an idle miss wins
     assert idx.pick(p, [0, 1, 2, 3], len(p), tab.array)[0] != 2
-    # Tokens the router booked on the rank since the stat count as queued too.
+    # What a pick sends to a rank counts as queued there until the rank's next stat.
     idx.set_queue(2, 0, tab.array)
-    tab.cells.add(2, COL_IN_FLIGHT_TOKENS, 40)
-    assert idx.queue(2, tab.array) == 40
-    assert idx.pick(p, [0, 1, 2, 3], len(p), tab.array)[0] != 2
+    assert idx.pick(p, [2], len(p), tab.array) == (2, 8)
+    assert idx.queue(2, tab.array) == len(p) - 8 * BS  # its uncached 8 tokens
+    idx.set_queue(2, 0, tab.array)
+    assert idx.queue(2, tab.array) == 0
+    # A rank that never pushed a stat: the router's own count from the table.
+    tab.cells.add(3, COL_IN_FLIGHT_TOKENS, 40)
+    assert idx.queue(3, tab.array) == 0  # rank 3 pushed a stat in the setup
+    idx.ranks[3].queue_tokens = -1
+    assert idx.queue(3, tab.array) == 40
     assert idx.picks == 4 and sum(idx.hit_counts) == 4
 
 
