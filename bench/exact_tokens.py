@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import glob
 import json
 import os
 import random
@@ -37,32 +36,8 @@ import uvloop  # noqa: E402
 from fastroute.sim.balance import RouterProcess, _free_port  # noqa: E402
 from fastroute.sim.engine import SimParams  # noqa: E402
 from fastroute.sim.http import HttpConnection  # noqa: E402
+from fastroute.sim.tokenizer import train as train_tokenizer  # noqa: E402
 from fastroute.sim.worker import SimWorker  # noqa: E402
-
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def train_tokenizer(directory: str) -> str:
-    """A 32k byte-level BPE trained on the standard library's .py files, saved in ``directory``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
-        return directory
-    files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=32_000, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    tok.train(files, trainer)
-    os.makedirs(directory, exist_ok=True)
-    tok.save(os.path.join(directory, "tokenizer.json"))
-    with open(os.path.join(directory, "tokenizer_config.json"), "w") as fh:
-        json.dump({"eos_token": "<|im_end|>", "chat_template": CHATML}, fh)
-    return directory
-
 
 WORDS = [
     "the",

@@ -223,6 +223,7 @@ class RankStream:
     last_event: float = 0.0  # monotonic time of the last batch (0: none yet)
     heard: float = field(default_factory=time.monotonic)  # last message on either socket
     stale: bool = False
+    failures: dict[str, int] = field(default_factory=dict)  # reason -> subscription failures
     tasks: list[asyncio.Task] = field(default_factory=list)
 
 
@@ -345,6 +346,8 @@ class KvEvents:
                 raise
             except Exception as exc:  # a socket or replay failure: retried, said once
                 cause = f"{type(exc).__name__}: {exc}"
+                reason = "replay_timeout" if isinstance(exc, TimeoutError) else "socket_error"
+                s.failures[reason] = s.failures.get(reason, 0) + 1
                 log.debug("KV subscription %s failed", s.kv_endpoint, exc_info=True)
             if not failing:
                 log.warning("KV subscription of %s rank %d failed (%s); retrying", s.worker, s.rank, cause)
@@ -592,8 +595,19 @@ class KvEventsCollector:
                 blocks.add_metric(lv, float(index.blocks(s.target)))
             if s.last_event:
                 age.add_metric(lv, now - s.last_event)
+        fails = CounterMetricFamily(
+            "smg_kv_event_subscription_failures",
+            "KV event or load subscriptions that failed and were retried",
+            labels=["worker", "reason"],
+        )
+        per_worker: dict[tuple[str, str], int] = {}
+        for s in list(self.kv.streams.values()):
+            for reason, n in s.failures.items():
+                per_worker[(s.worker, reason)] = per_worker.get((s.worker, reason), 0) + n
+        for (worker, reason), n in sorted(per_worker.items()):
+            fails.add_metric([worker, reason], float(n))
         yield from counters.values()
-        yield from (stale, blocks, age)
+        yield from (stale, blocks, age, fails)
         if index is not None:
             from fastroute.core.kvindex import HIT_BUCKETS
 

@@ -191,8 +191,8 @@ FAMILIES: tuple[Family, ...] = (
         "smg_kv_event_subscription_failures_total",
         "counter",
         ("worker", "reason"),
-        NOT_EXPORTED,
-        "fastroute subscribes to no KV events (its cache_aware tree is its own)",
+        EXPORTED,
+        "reason: replay_timeout or socket_error (--kv-events; fastroute_kv_* have the rest)",
     ),
     # ---- engine re-export from the load polls -----------------------------------------------
     Family("smg_engine_running_requests", "gauge", _E, EXPORTED),

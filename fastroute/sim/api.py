@@ -11,6 +11,7 @@ long stream stays O(tokens) bytes.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -169,13 +170,38 @@ def parse_inference(path: str, body: bytes, params: SimParams) -> ParsedGen:
         model,
     )
     g.prefill_rank = _int_field(obj, "disagg_prefill_dp_rank")
-    if params.prefix_cache_tokens > 0 and kind == "generate":
+    tokenized = _tokenize(obj, kind, params) if params.tokenizer_path else None
+    if tokenized is not None:
+        g.input_tokens = len(tokenized)
+        if params.prefix_cache_tokens > 0:
+            _token_blocks(g, tokenized, params)
+    elif params.prefix_cache_tokens > 0 and kind == "generate":
         if isinstance(ids, list):
             _token_blocks(g, ids, params)
         elif isinstance(text, str):
             g.blocks = block_hashes(text.encode(), int(params.prefix_block_tokens * cpt))
     g.items = [g]
     return g
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path: str) -> Any:
+    from fastroute.dataplane.tokenize import ModelTokenizer
+
+    return ModelTokenizer(path)
+
+
+def _tokenize(obj: dict, kind: str, params: SimParams) -> list[int] | None:
+    """A scalar text or chat prompt's token ids with the server's tokenizer (SGLang renders a
+    chat with the model's template first); None for input_ids, which are taken as they are."""
+    tok = _tokenizer(params.tokenizer_path)
+    try:
+        if kind == "chat":
+            return tok.encode(tok.render(obj["messages"], obj.get("tools")), False)
+        value = obj.get("prompt") if kind == "completions" else obj.get("text")
+        return tok.encode(value, True) if isinstance(value, str) else None
+    except Exception as exc:  # the template or the tokenizer refused it: SGLang answers 400
+        raise BadRequest(f"tokenizing the prompt failed: {exc}") from None
 
 
 def _token_blocks(g: ParsedGen, ids: list, params: SimParams) -> None:

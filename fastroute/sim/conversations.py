@@ -251,6 +251,12 @@ def mooncake_arrivals(rows: list[dict], rate: float | None = None, duration_s: f
     return out
 
 
+def chat_body(item: TraceItem) -> bytes:
+    """A streamed chat completion whose one user message is the item's text."""
+    msgs = [{"role": "user", "content": item.text or ""}]
+    return json.dumps({"messages": msgs, "max_tokens": item.output_tokens, "stream": True}).encode()
+
+
 def burstify(arrivals: list[Arrival], rate: float, burst: float) -> list[Arrival]:
     """Round every arrival time down to a grid of ``burst / rate`` s (``burst`` <= 1: unchanged)."""
     if burst <= 1:
@@ -268,10 +274,12 @@ async def run_open_loop(
     duration_s: float,
     seed: int = 0,
     request_timeout_s: float = 600.0,
+    chat: bool = False,
 ) -> LoadResult:
     """Send each arrival at ``t * time_scale`` wall seconds (request i to ``ports[i % n]``) until
     ``warmup_s + duration_s`` wall seconds; measure requests that start and end in the last
-    ``duration_s``. Requests still open at the end are aborted, as a client that leaves."""
+    ``duration_s``. Requests still open at the end are aborted, as a client that leaves.
+    ``chat``: each prompt is sent as the user message of a streamed chat completion."""
     loop = asyncio.get_running_loop()
     t_begin = loop.time()
     t_measure = t_begin + warmup_s
@@ -289,7 +297,12 @@ async def run_open_loop(
         conn = conns.pop() if conns else HttpConnection(host, port)
         rec = ReqRecord(loop.time(), a.item.input_tokens)
         records.append(rec)
-        await _one(conn, None, Target(host, port), encode_request(a.request()), rec, rng, request_timeout_s)
+        item = a.request()
+        if chat:
+            target, body = Target(host, port, path="/v1/chat/completions"), chat_body(item)
+        else:
+            target, body = Target(host, port), encode_request(item)
+        await _one(conn, None, target, body, rec, rng, request_timeout_s)
         if rec.ok:
             conns.append(conn)
         else:

@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import os
 import sys
+import tempfile
 import time
 from dataclasses import replace
 
@@ -46,7 +47,9 @@ from fastroute.sim.balance import (
     router_command,
 )
 from fastroute.sim.conversations import (
+    BLOCK_BYTES,
     Arrival,
+    conversation_trace,
     mooncake_arrivals,
     read_mooncake_trace,
     run_open_loop,
@@ -55,6 +58,7 @@ from fastroute.sim.conversations import (
 from fastroute.sim.engine import SimParams
 from fastroute.sim.http import HttpError
 from fastroute.sim.loadgen import _percentile, scale_summary
+from fastroute.sim.tokenizer import train as train_tokenizer
 from fastroute.sim.worker import start_cluster
 
 TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "data", "mooncake_conversation_trace.jsonl.gz")
@@ -83,8 +87,23 @@ def cells() -> list[Cell]:
     ]
 
 
+def chat_cells(tokenizer: str) -> list[Cell]:
+    """Chat traffic: the router's token estimates against its tokenizer (--tokenizer-path)."""
+    exact = ["--tokenizer-path", tokenizer, "--tokenizer-cache-enable-l1"]
+    fit = ["--decode-input-demand", "on", "--decode-kv-fit", "on"]
+    return [
+        Cell("KV events, estimated tokens", "fastroute", []),
+        Cell("KV events, exact tokens", "fastroute", exact),
+        Cell("demand + KV fit, estimated tokens", "fastroute", fit),
+        Cell("demand + KV fit, exact tokens", "fastroute", fit + exact),
+    ]
+
+
 async def run_point(cell: Cell, ns: argparse.Namespace, arr: list[Arrival], cache_tokens: int, tag: str) -> dict:
-    decode_p = SimParams(dp_size=8, time_scale=ns.time_scale)
+    tok = ns.tokenizer if ns.chat else ""  # the engines tokenize chat as SGLang does
+    decode_p = SimParams(
+        dp_size=8, time_scale=ns.time_scale, max_total_num_tokens=ns.decode_kv_tokens, tokenizer_path=tok
+    )
     prefill_p = SimParams(
         dp_size=8,
         time_scale=ns.time_scale,
@@ -92,6 +111,7 @@ async def run_point(cell: Cell, ns: argparse.Namespace, arr: list[Arrival], cach
         prefix_block_tokens=BLOCK,
         prefill_tokens_per_s=ns.prefill_tokens_per_s,
         kv_events_port_base=-1,
+        tokenizer_path=tok,
     )
     sim = dict(cell.sim)
     if sim:
@@ -121,7 +141,7 @@ async def run_point(cell: Cell, ns: argparse.Namespace, arr: list[Arrival], cach
         task = loop.create_task(marker())
         assert rp.proc is not None
         cpu0 = _cpu_seconds(rp.proc.pid)
-        res = await run_open_loop("127.0.0.1", (port,), arr, ns.time_scale, ns.warmup, ns.duration)
+        res = await run_open_loop("127.0.0.1", (port,), arr, ns.time_scale, ns.warmup, ns.duration, chat=bool(ns.chat))
         cpu = _cpu_seconds(rp.proc.pid) - cpu0
         task.cancel()
         picks = await _precise_picks(prom)
@@ -193,19 +213,37 @@ def table(results: list[dict]) -> str:
     return head + "\n".join(rows) + "\n"
 
 
+def chat_working_set(arr: list[Arrival], tokenizer: str) -> int:
+    """Tokens of the distinct 2 KB blocks of the conversations' prompts, as the tokenizer counts."""
+    from fastroute.dataplane.tokenize import ModelTokenizer
+
+    tok = ModelTokenizer(tokenizer)
+    blocks = {
+        a.item.text[i : i + BLOCK_BYTES] for a in arr if a.item.text for i in range(0, len(a.item.text), BLOCK_BYTES)
+    }
+    sample = sorted(blocks)[:50]
+    per_block = sum(len(tok.encode(b, False)) for b in sample) / max(1, len(sample))
+    return int(len(blocks) * per_block)
+
+
 async def run_all(ns: argparse.Namespace) -> list[dict]:
-    rows = read_mooncake_trace(ns.trace)
+    rows = [] if ns.chat else read_mooncake_trace(ns.trace)
     results = []
     span = (ns.warmup + ns.duration) / ns.time_scale + 5
     for rep in range(ns.repeat):
         for rate in ns.rates:
-            window = rows[ns.start + rep * ns.stride :]
-            arr = mooncake_arrivals(window, rate, span)
-            cache = int(working_set_tokens(window[: len(arr)]) * ns.cache_fraction / 8)
-            tag = f"{ns.decodes}D, {rate:g} req/s" + (f" #{rep + 1}" if ns.repeat > 1 else "")
+            if ns.chat:
+                arr = conversation_trace(span, rate, seed=ns.seed + rep)
+                cache = int(chat_working_set(arr, ns.tokenizer) * ns.cache_fraction / 8)
+            else:
+                window = rows[ns.start + rep * ns.stride :]
+                arr = mooncake_arrivals(window, rate, span)
+                cache = int(working_set_tokens(window[: len(arr)]) * ns.cache_fraction / 8)
+            tag = ("chat, " if ns.chat else f"{ns.decodes}D, ") + f"{rate:g} req/s"
+            tag += f" #{rep + 1}" if ns.repeat > 1 else ""
             if not ns.quiet:
                 print(f"== {tag}: {len(arr)} arrivals, prefix cache {cache} tokens per rank", file=sys.stderr)
-            for cell in cells():
+            for cell in chat_cells(ns.tokenizer) if ns.chat else cells():
                 if ns.only and not any(o in cell.label for o in ns.only):
                     continue
                 if not ns.quiet:
@@ -232,12 +270,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--only", nargs="*", help="rows whose label contains one of these")
     ap.add_argument("--out", default="bench/out/kv_events")
+    ap.add_argument("--seed", type=int, default=0, help="the chat conversations' seed")
+    ap.add_argument(
+        "--chat",
+        action="store_true",
+        help="chat traffic instead of the trace: the conversation workload's prompts as chat messages, "
+        "the engines tokenizing them with a BPE trained here; rows with and without the router's tokenizer",
+    )
+    ap.add_argument("--tokenizer", default=os.path.join(tempfile.gettempdir(), "fastroute-bench-tokenizer"))
+    ap.add_argument("--decode-kv-tokens", type=int, default=1_500_000, help="KV tokens per decode rank")
     ap.add_argument("--quiet", action="store_true")
     ns = ap.parse_args(argv)
+    if ns.chat:
+        ns.tokenizer = train_tokenizer(ns.tokenizer)
     os.makedirs(ns.out, exist_ok=True)
     results = uvloop.run(run_all(ns))
     out = table(results)
-    with open(os.path.join(ns.out, f"kv_events_{ns.decodes}d.md"), "w") as fh:
+    with open(os.path.join(ns.out, "kv_events_chat.md" if ns.chat else f"kv_events_{ns.decodes}d.md"), "w") as fh:
         fh.write(out)
     print(out)
     return 0 if results and all(r["load"]["completed"] for r in results) else 1

@@ -52,6 +52,9 @@ class SimParams:
     kv_events_advertise: bool = True  # the kv_events block in /server_info
     kv_events_topic: str = ""
     kv_events_buffer_steps: int = 10_000  # batches kept for replay
+    # the model's tokenizer directory (as the router's --tokenizer-path): text and chat prompts are
+    # tokenized as SGLang does (chat rendered with the template first), "" = 4 bytes a token
+    tokenizer_path: str = ""
 
     def __post_init__(self) -> None:
         if self.kv_transfer_scope not in ("server", "rank"):

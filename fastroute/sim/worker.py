@@ -72,6 +72,9 @@ PARAM_HELP = {
     "without telling, for a router's --kv-events-endpoint)",
     "kv_events_topic": "ZMQ topic of the KV event batches",
     "kv_events_buffer_steps": "KV event batches each rank keeps for replay",
+    "tokenizer_path": "a tokenizer directory (tokenizer.json, tokenizer_config.json): text prompts are "
+    "tokenized and chat prompts rendered with its template and tokenized, as SGLang does, so their "
+    "counts are exact and their blocks (and KV events) carry real token ids (default: 4 bytes a token)",
 }
 
 
