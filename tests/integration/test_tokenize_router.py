@@ -105,3 +105,55 @@ def test_nothing_reads_tokens_then_nothing_is_tokenized(tmp_path, caplog) -> Non
 
     run(go())
     assert sum("--tokenizer-path is accepted and not used" in rec.getMessage() for rec in caplog.records) == 1
+
+
+def test_chat_through_the_simulator_tokenizing_as_sglang_does(tmp_path) -> None:
+    """Router and simulated PD servers share the tokenizer: a chat prompt's blocks stored by the
+    prefill (as events) are found for the next turn of the conversation."""
+    from fastroute.sim.engine import SimParams
+    from fastroute.sim.worker import start_cluster
+
+    path = build(str(tmp_path / "tok"))
+
+    async def go() -> None:
+        prefill = SimParams(
+            dp_size=8,
+            time_scale=0.01,
+            prefix_cache_tokens=64 * BS,
+            prefix_block_tokens=BS,
+            kv_events_port_base=-1,
+            tokenizer_path=path,
+        )
+        cluster = await start_cluster(1, 1, SimParams(dp_size=8, time_scale=0.01, tokenizer_path=path), prefill)
+        pe = cluster.prefills[0].prefill
+        p, d = cluster.prefills[0], cluster.decodes[0]
+        try:
+            async with Router(
+                pd_disaggregation=True,
+                prefill=[(p.url, p.bootstrap_port)],
+                decode=[d.url],
+                dp_aware=True,
+                policy="cache_aware",
+                load_monitor_interval=3600.0,
+                tokenizer_path=(path,),
+                seed=9,
+            ) as r:
+                idx = r.server.router.kv_index
+                w = r.server.registry.find(p.url)
+                await until(lambda: all(idx.state(t) == "fresh" for t in w.targets), 10.0, "subscribed")
+                msgs = [{"role": "system", "content": "you are a bot"}]
+                msgs.append({"role": "user", "content": " ".join(f"w{i}" for i in range(100))})
+                resp = await call(r.port, post("/v1/chat/completions", {"messages": msgs, "max_tokens": 2}))
+                assert resp.status == 200, resp.body
+                await until(lambda: sum(idx.blocks(t) for t in w.targets) > 0, 5.0, "stored blocks")
+                held = [i for i, t in enumerate(w.targets) if idx.blocks(t)]
+                hits0 = pe.hit_tokens
+                msgs += [{"role": "assistant", "content": "fine"}, {"role": "user", "content": "how are you ?"}]
+                resp = await call(r.port, post("/v1/chat/completions", {"messages": msgs, "max_tokens": 2}))
+                assert resp.status == 200, resp.body
+                assert held and pe.hit_tokens - hits0 >= 6 * BS  # the first turn's blocks were found
+                assert idx.picks == 2 and idx.fallbacks["no_ids"] == 0
+        finally:
+            await cluster.stop()
+
+    run(go(), timeout=60)
