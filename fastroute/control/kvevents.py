@@ -183,6 +183,32 @@ def publisher_of(w: Worker, configured: Publisher | None = None) -> tuple[Publis
     return Publisher(host, kv, topic, bs, dp, replay_port, load_port, load_topic), None
 
 
+def address_problem(pub: Publisher, w: Worker, own: Any) -> str | None:
+    """Why ``pub``'s ports may not be dialed, or None: the ranges overlap each other or the
+    worker's own HTTP port, or one of them is this router's own listener (``own``: the
+    registry's OwnAddresses), the checks every address a target can get passes."""
+    ranges = [
+        (name, base)
+        for name, base in (("kv", pub.kv_base), ("replay", pub.replay_base), ("load", pub.load_base))
+        if base is not None
+    ]
+    ports = [(name, base + r) for name, base in ranges for r in range(pub.dp_size)]
+    seen: dict[int, str] = {}
+    for name, port in ports:
+        if port in seen:
+            return f"its {seen[port]} and {name} port ranges overlap at {port}"
+        if port == w.port:
+            return f"its {name} port range includes its own HTTP port {port}"
+        seen[port] = name
+    ip = w.addr[0] if w.addr else None
+    if ip is not None and own is not None:
+        for name, port in ports:
+            what = own.owner(ip, port)
+            if what is not None:
+                return f"its {name} port {port} is this router's own listener ({what})"
+    return None
+
+
 def parse_endpoint(spec: str, block_size: int) -> Publisher:
     """``--kv-events-endpoint``: ``tcp://*:BASE`` (host ignored: each worker's own), optionally
     ``,replay=PORT`` and ``,load=PORT`` bases. Raises ValueError naming what is wrong."""
@@ -190,12 +216,13 @@ def parse_endpoint(spec: str, block_size: int) -> Publisher:
     if not head.startswith("tcp://") or ":" not in head[6:]:
         raise ValueError(f"--kv-events-endpoint {spec!r}: expected tcp://*:PORT[,replay=PORT][,load=PORT]")
     bases: dict[str, int] = {}
-    for name, value in [("kv", head.rsplit(":", 1)[1])] + [tuple(o.split("=", 1)) for o in opts if "=" in o]:  # type: ignore[misc]
-        if name not in ("kv", "replay", "load") or not value.isdigit() or not 1 <= int(value) <= 65535:
+    pairs = [("kv", head.rsplit(":", 1)[1])] + [(o.partition("=")[0], o.partition("=")[2]) for o in opts]
+    for name, value in pairs:
+        if name not in ("kv", "replay", "load"):
+            raise ValueError(f"--kv-events-endpoint {spec!r}: options are replay=PORT and load=PORT")
+        if not value.isdigit() or not 1 <= int(value) <= 65535:
             raise ValueError(f"--kv-events-endpoint {spec!r}: {name}={value!r} is not a port")
         bases[name] = int(value)
-    if any("=" not in o for o in opts):
-        raise ValueError(f"--kv-events-endpoint {spec!r}: options are replay=PORT and load=PORT")
     return Publisher("", bases["kv"], "", block_size, 1, bases.get("replay"), bases.get("load"))
 
 
@@ -236,6 +263,7 @@ class KvEvents:
         index: KvIndex | None,
         stale_secs: float,
         configured: Publisher | None = None,
+        own: Any = None,
     ) -> None:
         import zmq.asyncio
 
@@ -245,6 +273,7 @@ class KvEvents:
         self.index = index
         self.stale_secs = float(stale_secs)
         self._configured = configured
+        self._own = own  # the router's listeners (control/selfaddr.py): never dialed
         self.streams: dict[tuple[str, int], RankStream] = {}
         self._said: set[tuple[str, str]] = set()  # (worker url, reason) logged once
         self._pushed: dict[int, float] = {}  # target row -> monotonic time of its last LoadStat
@@ -255,6 +284,10 @@ class KvEvents:
         want: dict[tuple[str, int], tuple[Worker, Publisher]] = {}
         for w in workers:
             pub, why = publisher_of(w, self._configured)
+            if pub is not None:
+                bad = address_problem(pub, w, self._own)
+                if bad is not None:
+                    pub, why = None, bad
             if pub is None:
                 if w.server_info.get("kv_events") is not None or self._configured is not None:
                     self._say(w.url, f"not subscribing to its KV events: {why}")

@@ -554,3 +554,48 @@ def test_a_burst_is_applied_in_slices_without_holding_the_loop() -> None:
             await e.close()
 
     run(go(), timeout=60)
+
+
+class _Lying(DataWorker):
+    """A worker whose kv_events block names ports it must not send the router to."""
+
+    def __init__(self, block: dict[str, Any]) -> None:
+        super().__init__(dp_size=2)
+        self.block = block
+
+    def control(self, path: str) -> tuple[int, bytes] | None:
+        got = super().control(path)
+        if got is not None and path in ("/server_info", "/get_server_info"):
+            info = json.loads(got[1])
+            info["kv_events"] = dict(self.block, dp_size=2, block_size=BS, publisher="zmq", endpoint_host="*")
+            return 200, json.dumps(info).encode()
+        return got
+
+
+def test_ports_that_are_the_router_or_overlap_are_never_dialed(caplog) -> None:
+    async def go() -> None:
+        lying = await _Lying({}).start()
+        overlap = await _Lying({}).start()
+        own = await _Lying({}).start()
+        try:
+            async with router(lying, prometheus_port=0) as r:
+                kv = r.server.kv_events
+                lying.block = {"endpoint_port_base": lying.port - 1}  # rank 1 = its HTTP port
+                overlap.block = {"endpoint_port_base": 20000, "replay_endpoint_port_base": 20001}
+                own.block = {"endpoint_port_base": r.port}  # the router's own listener
+                reg = r.server.registry
+                reg.remove_worker(reg.find(lying.url))
+                for w in (lying, overlap, own):
+                    reg.add_worker(w.url, "regular")
+                await until(lambda: len(reg.ready_workers()) == 3, 10.0, "registered")
+                kv.sync(reg.ready_workers())
+                assert kv.streams == {}
+        finally:
+            for w in (lying, overlap, own):
+                await w.stop()
+
+    run(go())
+    said = " ".join(rec.getMessage() for rec in caplog.records)
+    assert "includes its own HTTP port" in said
+    assert "port ranges overlap at 20001" in said
+    assert "is this router's own listener" in said
