@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -181,9 +182,11 @@ def _raise(message: str) -> None:
 
 
 class _Cache:
-    """An LRU of text -> ids bounded by entries and by approximate bytes."""
+    """An LRU of text -> ids bounded by entries and by approximate bytes; the loop and the pool's
+    threads share it, so every operation holds its lock."""
 
     def __init__(self, max_entries: int, max_bytes: int) -> None:
+        self._lock = threading.Lock()
         self._d: OrderedDict[str, list[int]] = OrderedDict()
         self.max_entries = max_entries
         self.max_bytes = max_bytes
@@ -196,29 +199,42 @@ class _Cache:
         return len(text) + 8 * len(ids) + 120
 
     def peek(self, text: str) -> list[int] | None:
-        ids = self._d.get(text)
-        if ids is not None:
-            self._d.move_to_end(text)
-        return ids
+        with self._lock:
+            ids = self._d.get(text)
+            if ids is not None:
+                self._d.move_to_end(text)
+            return ids
 
     def get(self, text: str) -> list[int] | None:
-        ids = self._d.get(text)
-        if ids is None:
-            self.misses += 1
-            return None
-        self._d.move_to_end(text)
-        self.hits += 1
-        return ids
+        with self._lock:
+            ids = self._d.get(text)
+            if ids is None:
+                self.misses += 1
+                return None
+            self._d.move_to_end(text)
+            self.hits += 1
+            return ids
+
+    def count_hit(self, hit: bool) -> None:
+        with self._lock:
+            if hit:
+                self.hits += 1
+            else:
+                self.misses += 1
 
     def put(self, text: str, ids: list[int]) -> None:
         size = self._size(text, ids)
-        if size > self.max_bytes or text in self._d:
-            return
-        self._d[text] = ids
-        self.bytes += size
-        while len(self._d) > self.max_entries or self.bytes > self.max_bytes:
-            old, old_ids = self._d.popitem(last=False)
-            self.bytes -= self._size(old, old_ids)
+        with self._lock:
+            if size > self.max_bytes or text in self._d:
+                return
+            self._d[text] = ids
+            self.bytes += size
+            while len(self._d) > self.max_entries or self.bytes > self.max_bytes:
+                old, old_ids = self._d.popitem(last=False)
+                self.bytes -= self._size(old, old_ids)
+
+    def __len__(self) -> int:
+        return len(self._d)
 
 
 class Tokens:
@@ -293,13 +309,13 @@ class Tokens:
         for cut in cuts:
             head = l1.peek(text[:cut])
             if head is not None:
-                l1.hits += 1
+                l1.count_hit(True)
                 if cut < last:  # extend the cached head to this prompt's last special token
                     head = head + tok.encode(text[cut:last], False)
                     l1.put(text[:last], head)
                 break
         else:
-            l1.misses += 1
+            l1.count_hit(False)
             head = tok.encode(text[:last], False)
             l1.put(text[:last], head)
         return head + tok.encode(text[last:], False) if last < len(text) else head

@@ -98,7 +98,7 @@ def test_l0_hits_and_its_bounds(tmp_path) -> None:
     toks = Tokens({None: tok}, 50.0, l0=(True, 2, 1 << 20))
     for text in ("hello", "world", "hello", "you", "hello", "world"):
         toks.start(_meta("/generate", {"text": text}), "/generate", None, lambda: None)
-    assert toks.l0 is not None and toks.l0.hits == 2 and list(toks.l0._d) == ["hello", "world"]
+    assert toks.l0 is not None and toks.l0.hits == 2 and list(toks.l0._d) == ["hello", "world"] and len(toks.l0) == 2
 
 
 class _Slow(ModelTokenizer):
@@ -161,3 +161,31 @@ def test_load_reads_the_config(tmp_path) -> None:
     assert toks is not None and toks.for_model(None).has_template
     with pytest.raises(TokenizerError, match="given twice"):
         tokenize.load(SimpleNamespace(**{**base, "tokenizer_path": (a, a)}))
+
+
+def test_the_pool_and_the_loop_share_the_caches_safely(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(tokenize, "INLINE_BYTES", 64)
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        tok = ModelTokenizer(build(str(tmp_path)))
+        toks = Tokens({None: tok}, 5000.0, l0=(True, 50, 1 << 20), l1=(True, 1 << 20))
+        metas, events = [], []
+        for k in range(200):
+            turns = [{"role": "user", "content": f"w{i % 200} hello world " * 8} for i in range(k % 7 + 1)]
+            m = _meta("/v1/chat/completions", {"messages": turns})
+            done = asyncio.Event()
+            if toks.start(m, "/v1/chat/completions", loop, done.set):
+                done.set()
+            metas.append((m, turns))
+            events.append(done)
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 10)
+        plain = Tokens({None: tok}, 0.0)
+        for m, turns in metas:
+            ref = _meta("/v1/chat/completions", {"messages": turns})
+            plain.start(ref, "/v1/chat/completions", None, lambda: None)
+            assert m.token_ids == ref.token_ids
+        assert toks.exact["pool"] > 0 and toks.fallbacks["timeout"] == 0
+        toks.close()
+
+    asyncio.run(go())
