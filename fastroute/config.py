@@ -137,6 +137,14 @@ class Config:
     # Workers at link-local addresses (169.254.0.0/16, fe80::/10: cloud metadata) are refused
     # unless this is set (fastroute only).
     allow_link_local_workers: bool = False
+    # An admin API without keys (--api-key, --control-plane-api-keys) on a --host others can
+    # reach refuses to start unless this is set (fastroute only).
+    allow_open_admin: bool = False
+    # Set by ``fastroute sidecar`` (no flag): its worker-management routes answer 403 while no
+    # key guards them and --allow-open-admin is not given.
+    admin_closed: bool = False
+    # Most table rows (DP ranks, rank ports) one worker may take (fastroute only).
+    max_targets_per_worker: int = 256
 
     # --- PD disaggregation ----------------------------------------------------------------
     pd_disaggregation: bool = False

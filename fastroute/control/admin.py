@@ -33,6 +33,7 @@ from fastroute.errors import (
     CODE_BAD_REQUEST,
     CODE_NO_AVAILABLE_WORKERS,
     RouterError,
+    admin_closed,
     bad_gateway,
     insufficient_role,
     invalid_api_key,
@@ -178,9 +179,9 @@ class AdminAPI:
         if verdict != OK:
             if audited:
                 self._audit(key, method, path, query, body, "denied", verdict)
-            return _error(
-                insufficient_role(key.role) if verdict == FORBIDDEN and key is not None else invalid_api_key()
-            )
+            if verdict == FORBIDDEN:
+                return _error(insufficient_role(key.role) if key is not None else admin_closed())
+            return _error(invalid_api_key())
         fwd = self.forwarder
         if fwd is not None and fwd.forwards(method, path):
             # Applied (and audited) by the process the forwarder hands the call to.

@@ -194,6 +194,12 @@ class RankPorts:
             )
             return doc
 
+        bound = self.config.max_targets_per_worker  # type: ignore[attr-defined]
+        if layout.count > bound:
+            raise RankLayoutError(
+                f"the server reports {layout.count} rank ports on this host: one worker may take "
+                f"at most {bound} targets (--max-targets-per-worker)"
+            )
         urls, ids = await find_rank_ports(w.url, w.port, layout, info, lambda urls: self._vet_rank_urls(w, urls))
         given, indexed = w.url, self._by_id.get(w.id) is w  # type: ignore[attr-defined]
         self._unindex(w)  # type: ignore[attr-defined]
@@ -248,6 +254,9 @@ class RankPorts:
             return
         urls = [with_port(w.url, w.port + i) for i in range(layout.count)]
         try:
+            bound = self.config.max_targets_per_worker  # type: ignore[attr-defined]
+            if layout.count > bound:
+                raise RankLayoutError(f"one worker may take at most {bound} targets (--max-targets-per-worker)")
             if w.port + layout.count - 1 > 65535:
                 raise RankLayoutError(f"the {layout.count} rank ports from {w.port} do not fit in 1..65535")
             self._vet_rank_urls(w, urls[len(w.rank_urls) :])

@@ -98,7 +98,9 @@ class Registry(Handshake, RankPorts):
         # The router's own listeners (filled in once bound): a worker there is refused.
         self.own = OwnAddresses()
         # The one admin auth rule, built once (control-plane keys kept as digests only).
-        self.admin_auth = AdminAuth(config.api_key, parse_control_plane_keys(config.control_plane_api_keys))
+        self.admin_auth = AdminAuth(
+            config.api_key, parse_control_plane_keys(config.control_plane_api_keys), config.admin_closed
+        )
         self.admin = AdminAPI(self)  # the admin / info endpoints over this registry
         demand = config.decode_input_demand
         weight = config.decode_request_weight
@@ -465,6 +467,17 @@ class Registry(Handshake, RankPorts):
         leave the group and are freed once their last lease is released, new ranks get new
         rows. A full table keeps the old layout (logged)."""
         n_old, n = len(w.targets), (len(w.rank_urls) if w.rank_ports else dp if dp > 1 else 1)
+        bound = self.config.max_targets_per_worker
+        if n > bound:
+            log.error(
+                "worker %s now has dp_size %d; keeping its %d ranks: one worker may take at most %d "
+                "targets (--max-targets-per-worker)",
+                w.url,
+                dp,
+                n_old,
+                bound,
+            )
+            return
         added: list[int] = []
         try:
             for _ in range(n - n_old):

@@ -86,8 +86,10 @@ class App:
         pd = bool(config.pd_disaggregation)
         # The one rule for admin paths (--api-key, or the control-plane keys with roles),
         # applied at head time when the call carries a body (protocol.on_headers_complete).
-        self.admin_auth = AdminAuth(config.api_key, parse_control_plane_keys(config.control_plane_api_keys))
-        guarded = self.admin_auth.api_key is not None or bool(self.admin_auth.keys)
+        self.admin_auth = AdminAuth(
+            config.api_key, parse_control_plane_keys(config.control_plane_api_keys), config.admin_closed
+        )
+        guarded = self.admin_auth.api_key is not None or bool(self.admin_auth.keys) or self.admin_auth.closed
         self.config = config
         self.registry = registry
         self.loop = loop
@@ -305,11 +307,10 @@ class App:
     def _refusal(self, method: bytes, path: bytes, verdict: int, who: Any) -> RouterError:
         """The answer to an admin call the auth rule refused; a refused management change is
         audited like an applied one (its body was never read, so its target is unknown)."""
-        exc = (
-            _errors.insufficient_role(who.role)
-            if verdict == FORBIDDEN and who is not None
-            else _errors.invalid_api_key()
-        )
+        if verdict == FORBIDDEN:
+            exc = _errors.insufficient_role(who.role) if who is not None else _errors.admin_closed()
+        else:
+            exc = _errors.invalid_api_key()
         if self.config.control_plane_audit_enabled and method not in (b"GET", b"HEAD") and is_management(path):
             audit(who, method.decode("latin-1"), path.decode("latin-1"), "-", "denied", exc.status)
         return exc

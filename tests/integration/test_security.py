@@ -123,7 +123,7 @@ def test_bad_tls_files_refuse_to_start(tmp_path: Path, which: str) -> None:
         "mismatched": ["--tls-cert-path", str(cert), "--tls-key-path", str(key2)],
         "only-cert": ["--tls-cert-path", str(cert)],
     }[which]
-    res = _fastroute(argv + ["--port", str(_free_port())], timeout=20)
+    res = _fastroute(argv + ["--host", "127.0.0.1", "--port", str(_free_port())], timeout=20)
     assert res.returncode != 0
     assert "--tls-" in res.stderr, res.stderr
 
