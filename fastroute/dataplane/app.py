@@ -188,11 +188,16 @@ class App:
             # metric labels for the row are dropped.  Resetting the shared cells would
             # let a restarted proxy process close circuits the others opened.
             owners = self._row_owner
+            moved = False
             for t, entry in enumerate(info):
                 w = entry[0] if entry is not None else None
                 if owners.get(t) is not w:
                     owners[t] = w
+                    moved = True
                     self.breakers.forget_names(t)
+            if moved and self._stats is not None:
+                names = (self.registry.target_name(t) for t, e in enumerate(info) if e is not None)
+                self._stats.forget_workers({n for n in names if n is not None})
         # Routes for exactly the targets the groups can pick now. Targets of a removed worker
         # drop out (their in-flight requests already hold their connections), and so does the
         # worker's pool: a worker re-added under the same URL is a new worker with a new pool,
