@@ -77,12 +77,17 @@ def layout_of(server_info: Mapping[str, Any]) -> RankLayout | None:
             f"deployment_info has dp_rank {di.get('dp_rank')!r} and dp_size "
             f"{di.get('dp_size')!r}: not a rank of a deployment"
         )
-    nnodes = _int(di.get("nnodes", 1)) or 1
-    node = _int(di.get("node_rank", 0)) or 0
-    if nnodes < 1 or size % nnodes or not 0 <= node < nnodes:
+    nnodes = 1 if di.get("nnodes") is None else _int(di["nnodes"])
+    node = 0 if di.get("node_rank") is None else _int(di["node_rank"])
+    if nnodes is None or nnodes < 1:
+        raise RankLayoutError(f"deployment_info has nnodes {di.get('nnodes')!r}: not a number of nodes (1 or more)")
+    if node is None or not 0 <= node < nnodes:
         raise RankLayoutError(
-            f"deployment_info has dp_size {size} over nnodes {nnodes} "
-            f"(node_rank {node}): the ranks do not split evenly over the nodes"
+            f"deployment_info has node_rank {di.get('node_rank')!r}: not a node of nnodes {nnodes} (0..{nnodes - 1})"
+        )
+    if size % nnodes:
+        raise RankLayoutError(
+            f"deployment_info has dp_size {size} over nnodes {nnodes}: the ranks do not split evenly over the nodes"
         )
     count = size // nnodes
     first = node * count

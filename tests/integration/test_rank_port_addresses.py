@@ -37,7 +37,8 @@ class _RankPort(DataWorker):
             info = {
                 "model_path": "/models/fake-model",
                 "dp_size": dp,
-                "deployment_info": {"dp_size": dp, "dp_rank": self.rank, "nnodes": 1, "node_rank": 0},
+                # layout may say nnodes / node_rank too (the defaults: one node)
+                "deployment_info": {"nnodes": 1, "node_rank": 0, **self.layout, "dp_rank": self.rank},
             }
             return 200, json.dumps(info).encode()
         return super().control(path)
@@ -138,3 +139,35 @@ def test_a_grown_layout_onto_another_workers_port_is_refused(caplog: pytest.LogC
 
     run(body(), 40.0)
     assert any("is already worker" in m and "keeping its 2 ranks" in m for m in caplog.messages), caplog.messages
+
+
+@pytest.mark.parametrize(
+    "layout, reason",
+    [
+        ({"dp_size": 4, "nnodes": 0}, "nnodes 0: not a number of nodes"),
+        ({"dp_size": 4, "nnodes": 2, "node_rank": 2}, "node_rank 2: not a node of nnodes 2"),
+        ({"dp_size": 4, "nnodes": 2, "node_rank": -1}, "node_rank -1: not a node of nnodes 2"),
+        ({"dp_size": 6, "nnodes": 4, "node_rank": 0}, "do not split evenly"),
+    ],
+    ids=["nnodes-0", "node-rank-past-the-nodes", "node-rank-negative", "uneven"],
+)
+def test_a_layout_that_cannot_be_is_refused_with_its_reason(layout: dict[str, int], reason: str) -> None:
+    """A per-rank-port server whose deployment_info cannot be a layout fails registration at
+    once, and the reason names what is wrong (nnodes 0 is not read as 1)."""
+
+    async def body() -> None:
+        good = await DataWorker().start()
+        bad = await _RankPort(0, layout).start()
+        try:
+            async with Router(worker_urls=[good.url], worker_startup_timeout_secs=20) as r:
+                res = await call(r.port, post("/workers", {"url": bad.url}))
+                assert res.status == 202, res.body
+                w = r.server.registry.get(res.json["worker_id"])
+                assert w is not None
+                await until(lambda: w.status == "failed", 5.0, "the registration refused")
+                assert reason in (w.error or ""), w.error
+        finally:
+            await bad.stop()
+            await good.stop()
+
+    run(body(), 30.0)
