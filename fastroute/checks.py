@@ -154,6 +154,9 @@ def _finite_at_least(flag: str, value: float, lo: float) -> None:
 # one plain token. RFC 1123 host labels (underscores tolerated, as resolvers do).
 _LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)\Z")
 HOST_MAX = 253
+# Longest worker URL accepted (it is a label of every per-worker metric series and is shown in
+# logs and /workers; browsers and proxies commonly stop near 2,000 characters too).
+URL_MAX = 2048
 
 
 def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -179,11 +182,14 @@ def link_local(address: str) -> bool:
 
 def worker_url_problem(url: str, allow_link_local: bool = False) -> str | None:
     """What makes ``url`` unusable as a worker URL, or None. ``http://`` is implied when no
-    scheme is given; only http and https, a valid host of at most 253 characters, a port in
-    1..65535, no whitespace, control or non-ASCII character anywhere, and no link-local
+    scheme is given; at most ``URL_MAX`` characters; only http and https, a valid host of at
+    most 253 characters, a port in 1..65535, no whitespace, control or non-ASCII character
+    anywhere, and no link-local
     address unless ``allow_link_local`` (--allow-link-local-workers)."""
     if not isinstance(url, str):
         return "must be a string"
+    if len(url) > URL_MAX:
+        return f"is {len(url)} characters long, longer than {URL_MAX}"
     if any(c.isspace() or ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in url):
         return "contains whitespace or control characters"
     if not url.isascii():

@@ -323,7 +323,8 @@ class Registry(Handshake, RankPorts):
         check_fields(priority, cost, labels, api_key)
         problem = worker_url_problem(url, self.config.allow_link_local_workers)
         if problem is not None:
-            raise BadWorkerURL(f"worker URL {url!r} {problem}")
+            shown = url if len(url) <= 200 else url[:200] + "..."
+            raise BadWorkerURL(f"worker URL {shown!r} {problem}")
         # The credentials of a user:password@ URL are kept apart (Basic auth to the worker);
         # from here on the URL has none, so no display can show them.
         basic = basic_auth(url)
