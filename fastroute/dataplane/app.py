@@ -58,6 +58,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("fastroute.proxy")
 
 _HEALTH_KA = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: 2\r\n\r\nOK"
+_HEALTH_KA10 = (  # an HTTP/1.0 request kept alive: the answer says so
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: 2\r\n"
+    b"connection: keep-alive\r\n\r\nOK"
+)
 _HEALTH_CLOSE = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: 2\r\nconnection: close\r\n\r\nOK"
 )
@@ -259,7 +263,7 @@ class App:
             # browsers send no credentials with it, so it is answered before any auth rule.
             ka = req.keep_alive and self.dispatch.accepting
             self.dispatch.tel.response(204, "", path)
-            proto.reply(self.dispatch.cors.preflight(req.origin, req.acrh, ka), ka)
+            proto.reply(self.dispatch.cors.preflight(req.origin, req.acrh, ka, req.http11), ka)
         elif path in INFERENCE:  # any method but POST (Dispatcher.handle proxies those)
             proto.send_error(
                 RouterError(
@@ -272,7 +276,7 @@ class App:
         elif path == b"/health" or path == b"/liveness":
             ka = req.keep_alive and self.dispatch.accepting
             self.dispatch.tel.response(200, "", path)
-            data = _HEALTH_KA if ka else _HEALTH_CLOSE
+            data = (_HEALTH_KA if req.http11 else _HEALTH_KA10) if ka else _HEALTH_CLOSE
             if req.origin is not None:
                 cors = self.dispatch.cors.headers_for(req.origin)
                 if cors:
