@@ -204,3 +204,30 @@ def test_breaker_series_of_a_removed_worker_go_with_it() -> None:
             await b.stop()
 
     run(body())
+
+
+def test_a_removed_workers_load_polls_are_forgotten() -> None:
+    """The monitor's per-worker poll counters and engine rows (smg_engine_*) of a removed
+    worker are dropped, not only hidden: 10,000 workers that came and went leave none."""
+
+    async def body() -> None:
+        a, b = await LoadedWorker(dp_size=2).start(), await LoadedWorker(dp_size=2).start()
+        try:
+            async with Router(worker_urls=[a.url, b.url], dp_aware=True, load_monitor_interval=0.1) as r:
+                mon = r.server.monitor
+                await until(lambda: a.url in mon.engine.rows and b.url in mon.engine.rows, 10, "both polled")
+                wb = r.server.registry.find(b.url)
+                res = await call(r.port, f"DELETE /workers/{wb.id} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+                assert res.status == 202, res.body
+                await until(
+                    lambda: b.url not in mon.engine.rows and all(k[0] != b.url for k in mon.polls),
+                    10,
+                    "b's polls forgotten",
+                )
+                assert a.url in mon.engine.rows
+                await until(lambda: mon.polls.get((a.url, "v1_loads"), 0) >= 3, 10, "a still polled")
+        finally:
+            await a.stop()
+            await b.stop()
+
+    run(body())
