@@ -157,11 +157,14 @@ def split_env_keys(value: str | None) -> list[str]:
 class AdminAuth:
     """The one rule for non-inference routes; built once per process from the config."""
 
-    __slots__ = ("api_key", "keys")
+    __slots__ = ("api_key", "keys", "closed")
 
-    def __init__(self, api_key: str | None, keys: tuple[ControlPlaneKey, ...] = ()) -> None:
+    def __init__(self, api_key: str | None, keys: tuple[ControlPlaneKey, ...] = (), closed: bool = False) -> None:
         self.api_key = bearer(api_key)
         self.keys = keys
+        # Worker management closed to everyone (fastroute sidecar without keys): FORBIDDEN with
+        # no key, whatever the request carries. Keys, when given, open it as usual.
+        self.closed = closed and self.api_key is None and not keys
 
     def principal(self, got: bytes | None) -> ControlPlaneKey | None:
         """The control-plane key whose secret ``got`` carries (every key is compared, so the
@@ -176,7 +179,10 @@ class AdminAuth:
         return found
 
     def check(self, method: bytes, path: bytes, got: bytes | None) -> tuple[int, ControlPlaneKey | None]:
-        """-> (OK | UNAUTHORIZED | FORBIDDEN, the control-plane key used, if any)."""
+        """-> (OK | UNAUTHORIZED | FORBIDDEN, the control-plane key used, if any). FORBIDDEN
+        without a key: the management routes are closed (``closed``)."""
+        if self.closed and is_management(path):
+            return FORBIDDEN, None
         if self.keys and (path == HEALTH_GENERATE or (path in SHARED_READ_PATHS and self.api_key is not None)):
             # /health_generate (a real generation on a worker) is never open while any key is
             # configured; the shared reads need a key once --api-key is set. The data-plane

@@ -155,6 +155,9 @@ def _finite_at_least(flag: str, value: float, lo: float) -> None:
 # one plain token. RFC 1123 host labels (underscores tolerated, as resolvers do).
 _LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)\Z")
 HOST_MAX = 253
+# Longest worker URL accepted (it is a label of every per-worker metric series and is shown in
+# logs and /workers; browsers and proxies commonly stop near 2,000 characters too).
+URL_MAX = 2048
 
 
 def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -180,11 +183,14 @@ def link_local(address: str) -> bool:
 
 def worker_url_problem(url: str, allow_link_local: bool = False) -> str | None:
     """What makes ``url`` unusable as a worker URL, or None. ``http://`` is implied when no
-    scheme is given; only http and https, a valid host of at most 253 characters, a port in
-    1..65535, no whitespace, control or non-ASCII character anywhere, and no link-local
+    scheme is given; at most ``URL_MAX`` characters; only http and https, a valid host of at
+    most 253 characters, a port in 1..65535, no whitespace, control or non-ASCII character
+    anywhere, and no link-local
     address unless ``allow_link_local`` (--allow-link-local-workers)."""
     if not isinstance(url, str):
         return "must be a string"
+    if len(url) > URL_MAX:
+        return f"is {len(url)} characters long, longer than {URL_MAX}"
     if any(c.isspace() or ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in url):
         return "contains whitespace or control characters"
     if not url.isascii():
@@ -405,6 +411,32 @@ def _validate_numbers(c: Any) -> None:
     _at_least("--pd-max-batch-size", c.pd_max_batch_size, 1)
 
 
+def reachable_host(host: str) -> bool:
+    """Whether a listener bound to ``host`` can be reached from other machines: anything but
+    a loopback address or ``localhost`` (a host name is assumed to resolve to a reachable one)."""
+    if host in ("localhost", "localhost.localdomain") or host.endswith(".localhost"):
+        return False
+    try:
+        return not ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return True
+
+
+def open_admin_problem(c: Any) -> str | None:
+    """Why the router must not start with this admin API posture, or None: worker management
+    without any key, on a --host others can reach, and no --allow-open-admin. Anyone reaching
+    the port could add a worker (and receive users' prompts) or remove them."""
+    if c.api_key or c.control_plane_api_keys or c.allow_open_admin or c.admin_closed:
+        return None
+    if not reachable_host(c.host):
+        return None
+    return (
+        f"the worker admin API on {c.host}:{c.port} would be open to anyone who reaches it "
+        "(no --api-key or --control-plane-api-keys): give a key, bind --host 127.0.0.1, or pass "
+        "--allow-open-admin to run it open as sglang-router does"
+    )
+
+
 def _validate_security(c: Any) -> None:
     if bool(c.tls_cert_path) != bool(c.tls_key_path):
         flag, other = (
@@ -423,6 +455,7 @@ def _validate_security(c: Any) -> None:
             raise ConfigError("--health-check-port", f"{c.health_check_port} is already --port or --prometheus-port")
     for origin in c.cors_allowed_origins:
         _check_origin(origin)
+    _at_least("--max-targets-per-worker", c.max_targets_per_worker, 1)
 
 
 def _validate_extensions(c: Any) -> None:

@@ -139,6 +139,14 @@ class Config:
     # Workers at link-local addresses (169.254.0.0/16, fe80::/10: cloud metadata) are refused
     # unless this is set (fastroute only).
     allow_link_local_workers: bool = False
+    # An admin API without keys (--api-key, --control-plane-api-keys) on a --host others can
+    # reach refuses to start unless this is set (fastroute only).
+    allow_open_admin: bool = False
+    # Set by ``fastroute sidecar`` (no flag): its worker-management routes answer 403 while no
+    # key guards them and --allow-open-admin is not given.
+    admin_closed: bool = False
+    # Most table rows (DP ranks, rank ports) one worker may take (fastroute only).
+    max_targets_per_worker: int = 256
 
     # --- PD disaggregation ----------------------------------------------------------------
     pd_disaggregation: bool = False
@@ -359,22 +367,42 @@ def default(name: str) -> Any:
     raise KeyError(name)
 
 
-def _p2c_metric_from_env(environ: dict[str, str] | os._Environ[str]) -> str:
+def _p2c_metric_from_env(environ: dict[str, str] | os._Environ[str]) -> str | None:
+    """The metric $SGLANG_ROUTER_P2C_LOAD_METRIC names, or None (unset, or not a metric: then
+    the default, said in one warning)."""
     raw = environ.get(ENV_P2C_LOAD_METRIC, "").strip().lower()
     if not raw:
-        return "tokens"
+        return None
     value = P2C_LOAD_METRIC_ALIASES.get(raw, raw)
     if value not in P2C_LOAD_METRICS + REFUSED_LOAD_METRICS:  # expected_wait: as the flag's
         # The patched power_of_two this mirrors treats any other value as `tokens`; keep that
         # so an existing environment still starts, but say so once.
         logger.warning(
-            "%s=%r is not one of %s; using tokens",
+            "%s=%r is not one of %s; ignored (power_of_two uses the default, tokens)",
             ENV_P2C_LOAD_METRIC,
             raw,
             ", ".join(P2C_LOAD_METRICS),
         )
-        return "tokens"
+        return None
     return value
+
+
+def _p2c_warnings(config: Config, environ: dict[str, str] | os._Environ[str], flag_given: bool) -> list[str]:
+    """What the start says about power_of_two's load metric: the default differs from smg's
+    (one warning), and $SGLANG_ROUTER_P2C_LOAD_METRIC does nothing when no leg uses it."""
+    p2c = "power_of_two" in (config.policy, config.prefill_policy, config.decode_policy)
+    if not config.pd_disaggregation:
+        p2c = config.policy == "power_of_two"
+    env = environ.get(ENV_P2C_LOAD_METRIC, "").strip()
+    out = []
+    if p2c and config.load_metric_source == "default":
+        out.append(
+            "power_of_two uses the load metric tokens (fastroute's default; smg's is "
+            "expected_wait, which fastroute refuses): give --p2c-load-metric to choose"
+        )
+    if env and not p2c and not flag_given and config.p2c_load_metric != "expected_wait":
+        out.append(f"{ENV_P2C_LOAD_METRIC} is set and ignored (only power_of_two reads it, and no leg uses it)")
+    return out
 
 
 def _weight_from_env(environ: dict[str, str] | os._Environ[str]) -> int:
@@ -410,8 +438,9 @@ def config_from_args(ns: Any, environ: dict[str, str] | None = None) -> Config:
     kwargs["seed"] = raw.get("seed")
     kwargs["tokenizer_path"] = tuple(raw.get("tokenizer_path") or ())
     if raw.get("p2c_load_metric") is None:
-        kwargs["p2c_load_metric"] = _p2c_metric_from_env(env)
-        if env.get(ENV_P2C_LOAD_METRIC, "").strip():
+        from_env = _p2c_metric_from_env(env)
+        kwargs["p2c_load_metric"] = from_env or "tokens"
+        if from_env is not None:
             kwargs["load_metric_source"] = ENV_P2C_LOAD_METRIC
     else:
         kwargs["load_metric_source"] = "flag"
@@ -446,6 +475,7 @@ def config_from_args(ns: Any, environ: dict[str, str] | None = None) -> Config:
     for field_name, flag, needs, used in _COMPANIONS:
         if getattr(config, field_name) != default(field_name) and not used(config):
             warnings.append(f"{flag} is accepted and ignored by fastroute (only used with {needs})")
+    warnings += _p2c_warnings(config, env, raw.get("p2c_load_metric") is not None)
     # One warning per flag, in the order the flags were given.
     first = {flag: i for i, flag in reversed(list(enumerate(given)))}
     for line in sorted(warnings, key=lambda w: first.get(w.split(" ", 1)[0], len(given))):

@@ -253,6 +253,17 @@ def insufficient_role(role: str) -> RouterError:
     return RouterError(403, "forbidden", f"Role {role!r} may not change workers; an admin key is required")
 
 
+def admin_closed() -> RouterError:
+    """403 for a worker-management route of a process that keeps them closed (fastroute sidecar
+    without keys)."""
+    return RouterError(
+        403,
+        "admin_api_closed",
+        "The worker-management routes are closed here: give --api-key or --control-plane-api-keys, "
+        "or pass --allow-open-admin to open them",
+    )
+
+
 def bad_gateway(message: str = "PD disaggregation request failed") -> RouterError:
     """502: an upstream failed at the transport level before the first byte."""
     return RouterError(502, CODE_BAD_GATEWAY, message)

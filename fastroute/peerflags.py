@@ -151,6 +151,23 @@ def add_peer_groups(add: Adder) -> None:
         "metadata services answer); refused by default (fastroute only; default: off).",
     )
     add(
+        "--allow-open-admin",
+        action="store_true",
+        help="Start with the worker admin API open (no --api-key or --control-plane-api-keys) "
+        "on a --host other machines can reach, as sglang-router does; without it such a start "
+        "is refused. fastroute sidecar keeps its admin routes closed unless this or a key is "
+        "given (fastroute only; default: off).",
+    )
+    add(
+        "--max-targets-per-worker",
+        type=int,
+        default=d("max_targets_per_worker"),
+        metavar="N",
+        help="Most DP-rank targets one worker may take (under --dp-aware, or its rank ports); "
+        "a worker reporting more is refused with the reason, a restart that grows past it "
+        "keeps its ranks (fastroute only; default: %(default)s).",
+    )
+    add(
         "--health-check-port",
         type=int,
         default=None,

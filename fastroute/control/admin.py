@@ -33,6 +33,7 @@ from fastroute.errors import (
     CODE_BAD_REQUEST,
     CODE_NO_AVAILABLE_WORKERS,
     RouterError,
+    admin_closed,
     bad_gateway,
     insufficient_role,
     invalid_api_key,
@@ -178,16 +179,18 @@ class AdminAPI:
         if verdict != OK:
             if audited:
                 self._audit(key, method, path, query, body, "denied", verdict)
-            return _error(
-                insufficient_role(key.role) if verdict == FORBIDDEN and key is not None else invalid_api_key()
-            )
+            if verdict == FORBIDDEN:
+                return _error(insufficient_role(key.role) if key is not None else admin_closed())
+            return _error(invalid_api_key())
         fwd = self.forwarder
         if fwd is not None and fwd.forwards(method, path):
             # Applied (and audited) by the process the forwarder hands the call to.
             return await fwd.forward(method, path, query, body, headers)
+        # The target is read before the change: a DELETE /workers/{id} removes what names it.
+        target = _audit_target(self.registry, method, path, query, body) if audited else "-"
         result = await self._dispatch(method, path, query, body, headers)
         if audited:
-            self._audit(key, method, path, query, body, "success" if result[0] < 400 else "error", result[0])
+            audit(key, method, path, target, "success" if result[0] < 400 else "error", result[0])
         return result
 
     def _audit(
@@ -195,7 +198,7 @@ class AdminAPI:
     ) -> None:
         """One control_plane_audit line: who, what, on which worker, how it ended (never the
         secret: only the key's id and role)."""
-        audit(key, method, path, _audit_target(self, method, path, query, body), outcome, status)
+        audit(key, method, path, _audit_target(self.registry, method, path, query, body), outcome, status)
 
     async def _dispatch(
         self, method: str, path: str, query: str, body: bytes, headers: Any
@@ -624,7 +627,7 @@ class AdminAPI:
     }
 
 
-def _audit_target(api: AdminAPI, method: str, path: str, query: str, body: bytes) -> str:
+def _audit_target(registry: Workers, method: str, path: str, query: str, body: bytes) -> str:
     """The worker a management change is about: its URL when known, else its id, else '-'."""
     url = (parse_qs(query).get("url") or [""])[0]
     if not url and path == "/workers" and body:
@@ -637,7 +640,7 @@ def _audit_target(api: AdminAPI, method: str, path: str, query: str, body: bytes
     if not url and path.startswith("/workers/"):
         wid = path[len("/workers/") :]
         try:
-            w = api.get(wid)  # type: ignore[attr-defined]
+            w = registry.get(wid)
         except (TypeError, ValueError):
             w = None
         url = w.url if w is not None else wid

@@ -202,4 +202,10 @@ class Handshake:
         valid = isinstance(dp, int) and not isinstance(dp, bool) and dp >= 1
         if self.config.dp_aware and not valid:
             raise _Fatal(f"No dp_size in response from {w.server_info_path} (got {dp!r}); --dp-aware needs it")
+        bound = self.config.max_targets_per_worker
+        if self.config.dp_aware and valid and dp > bound:
+            raise _Fatal(
+                f"{w.server_info_path} reports dp_size {dp}: one worker may take at most {bound} "
+                "targets (--max-targets-per-worker)"
+            )
         w.dp_size = dp if valid else 1

@@ -95,6 +95,15 @@ class Stats:
     def reclaim(self, reason: str) -> None:
         self.reclaimed[reason] = self.reclaimed.get(reason, 0) + 1
 
+    def forget_workers(self, live: set[str]) -> None:
+        """Drop the per-worker breaker series of every target name not in ``live`` (a removed
+        worker's series end with it, and a router that saw 10,000 workers come and go does
+        not keep 10,000 of them)."""
+        for d in (self.cb_outcomes, self.cb_transitions):
+            gone = [k for k in d if k[0] not in live]
+            for k in gone:
+                del d[k]
+
 
 def group_decisions(groups: dict) -> dict[tuple[str, str, str], int]:
     """Shadow-demand and KV-fit decision totals of a process's groups."""
@@ -384,17 +393,21 @@ class Collector:
         for (r, e), v in merged("retries_exhausted").items():
             c.add_metric([r, e], float(v))
         yield c
+        # Only the series of targets still registered (a process's Stats may lag a removal).
+        live = {name for _, name, _, _ in self._targets()}
         c = CounterMetricFamily(
             "smg_worker_cb_outcomes", "Circuit breaker outcomes per worker", labels=["worker", "outcome"]
         )
         for (w, o), v in merged("cb_outcomes").items():
-            c.add_metric([w, o], float(v))
+            if w in live:
+                c.add_metric([w, o], float(v))
         yield c
         c = CounterMetricFamily(
             "smg_worker_cb_transitions", "Circuit state transitions per worker", labels=["worker", "from", "to"]
         )
         for (w, f, t), v in merged("cb_transitions").items():
-            c.add_metric([w, f, t], float(v))
+            if w in live:
+                c.add_metric([w, f, t], float(v))
         yield c
         c = CounterMetricFamily("smg_http_rate_limit", "Admission decisions", labels=["result"])
         for r, v in merged("rate_limit").items():

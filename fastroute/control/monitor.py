@@ -198,9 +198,20 @@ class Monitor:
     async def poll_once(self) -> None:
         """Poll every ready worker once, concurrently, and write the results to the table."""
         workers = self.registry.ready_workers()
+        self._forget_removed()
         if workers:
             timeout = self._poll_timeout()
             await asyncio.gather(*(self.poll_worker(w, timeout) for w in workers))
+
+    def _forget_removed(self) -> None:
+        """Drop the poll counters and engine rows of workers no longer registered (a router
+        that saw 10,000 workers come and go keeps none of theirs)."""
+        known = {w.url for w in self.registry.workers}
+        if len(self.engine.rows) > len(known) or len(self.polls) > 2 * len(known):
+            for url in [u for u in self.engine.rows if u not in known]:
+                del self.engine.rows[url]
+            for key in [k for k in self.polls if k[0] not in known]:
+                del self.polls[key]
 
     async def poll_worker(self, w: Worker, timeout: float) -> bool:
         """One load poll of one physical worker (of each rank port of a per-rank-port

@@ -26,6 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from fastroute.checks import worker_url_problem
+from fastroute.control.selfaddr import SelfWorker
+from fastroute.control.worker import address_key
+
 log = logging.getLogger("fastroute.workers")
 
 
@@ -73,12 +77,17 @@ def layout_of(server_info: Mapping[str, Any]) -> RankLayout | None:
             f"deployment_info has dp_rank {di.get('dp_rank')!r} and dp_size "
             f"{di.get('dp_size')!r}: not a rank of a deployment"
         )
-    nnodes = _int(di.get("nnodes", 1)) or 1
-    node = _int(di.get("node_rank", 0)) or 0
-    if nnodes < 1 or size % nnodes or not 0 <= node < nnodes:
+    nnodes = 1 if di.get("nnodes") is None else _int(di["nnodes"])
+    node = 0 if di.get("node_rank") is None else _int(di["node_rank"])
+    if nnodes is None or nnodes < 1:
+        raise RankLayoutError(f"deployment_info has nnodes {di.get('nnodes')!r}: not a number of nodes (1 or more)")
+    if node is None or not 0 <= node < nnodes:
         raise RankLayoutError(
-            f"deployment_info has dp_size {size} over nnodes {nnodes} "
-            f"(node_rank {node}): the ranks do not split evenly over the nodes"
+            f"deployment_info has node_rank {di.get('node_rank')!r}: not a node of nnodes {nnodes} (0..{nnodes - 1})"
+        )
+    if size % nnodes:
+        raise RankLayoutError(
+            f"deployment_info has dp_size {size} over nnodes {nnodes}: the ranks do not split evenly over the nodes"
         )
     count = size // nnodes
     first = node * count
@@ -103,14 +112,20 @@ def with_port(url: str, port: int) -> str:
 
 
 async def find_rank_ports(
-    url: str, port: int, layout: RankLayout, get_info: Callable[[str], Awaitable[Mapping[str, Any] | None]]
+    url: str,
+    port: int,
+    layout: RankLayout,
+    get_info: Callable[[str], Awaitable[Mapping[str, Any] | None]],
+    check: Callable[[list[str]], None] | None = None,
 ) -> tuple[list[str], list[int]]:
     """-> (URL, DP rank) of every rank port on this host, by offset from the base port.
 
     ``url`` is the port that answered with ``layout``; ``get_info(rank_url)`` returns another
-    port's ``/server_info``. Raises RankLayoutError when the ports cannot be there (outside
-    1..65535) and LookupError naming the port when one reports another layout (the caller
-    retries until its start-up deadline: a server's ranks come up one by one)."""
+    port's ``/server_info``. ``check(rank_urls)`` vets the addresses before any is asked (it
+    raises RankLayoutError for one the router must not call). Raises RankLayoutError when the
+    ports cannot be there (outside 1..65535) and LookupError naming the port when one reports
+    another layout (the caller retries until its start-up deadline: a server's ranks come up
+    one by one)."""
     base = port - layout.local
     if base < 1 or base + layout.count - 1 > 65535:
         raise RankLayoutError(
@@ -119,6 +134,8 @@ async def find_rank_ports(
         )
     urls = [with_port(url, base + i) for i in range(layout.count)]
     ids = [layout.first + i for i in range(layout.count)]
+    if check is not None:
+        check(urls)
     for i, rank_url in enumerate(urls):
         if i == layout.local:
             continue
@@ -182,11 +199,13 @@ class RankPorts:
             )
             return doc
 
-        urls, ids = await find_rank_ports(w.url, w.port, layout, info)
-        for url in urls:
-            other = self.find(url)  # type: ignore[attr-defined]
-            if other is not None and other is not w:
-                raise RankLayoutError(f"rank port {url} is already worker {other.url}")
+        bound = self.config.max_targets_per_worker  # type: ignore[attr-defined]
+        if layout.count > bound:
+            raise RankLayoutError(
+                f"the server reports {layout.count} rank ports on this host: one worker may take "
+                f"at most {bound} targets (--max-targets-per-worker)"
+            )
+        urls, ids = await find_rank_ports(w.url, w.port, layout, info, lambda urls: self._vet_rank_urls(w, urls))
         given, indexed = w.url, self._by_id.get(w.id) is w  # type: ignore[attr-defined]
         self._unindex(w)  # type: ignore[attr-defined]
         w.url, w.port = urls[0], urlsplit(urls[0]).port
@@ -208,6 +227,25 @@ class RankPorts:
             log.info("worker %s is the port of DP rank %d; registering its server at %s", given, layout.dp_rank, w.url)
         log.info("%s", describe(w.url, urls, ids, layout.dp_size))
 
+    def _vet_rank_urls(self, w: Any, urls: list[str]) -> None:
+        """Raise RankLayoutError naming the first rank URL of ``w`` that ``POST /workers`` would
+        refuse: a bad URL, one of the router's own listeners, another worker's port."""
+        for url in urls:
+            problem = worker_url_problem(url, self.config.allow_link_local_workers)  # type: ignore[attr-defined]
+            if problem is not None:
+                raise RankLayoutError(f"rank port URL {url!r} {problem}")
+            port = urlsplit(url).port or 0
+            addr = (w.addr[0], port) if w.addr is not None else address_key(w.host, port)
+            try:
+                self.own.check(url, addr)  # type: ignore[attr-defined]
+            except SelfWorker as exc:
+                raise RankLayoutError(f"rank port: {exc}") from None
+            other = self.find(url)  # type: ignore[attr-defined]
+            if other is None and addr is not None:
+                other = self._by_addr.get(addr)  # type: ignore[attr-defined]
+            if other is not None and other is not w:
+                raise RankLayoutError(f"rank port {url} is already worker {other.url}")
+
     def _recheck_rank_ports(self, w: Any, doc: Mapping[str, Any], why: str) -> None:
         """A re-read of a per-rank-port server's base port: its rank ports follow a new
         dp_size (a restart with another one), kept rows and all (``resize``)."""
@@ -219,8 +257,26 @@ class RankPorts:
             return
         if layout.count < 2 or (layout.count == len(w.targets) and layout.dp_size == w.dp_size):
             return
+        urls = [with_port(w.url, w.port + i) for i in range(layout.count)]
+        try:
+            bound = self.config.max_targets_per_worker  # type: ignore[attr-defined]
+            if layout.count > bound:
+                raise RankLayoutError(f"one worker may take at most {bound} targets (--max-targets-per-worker)")
+            if w.port + layout.count - 1 > 65535:
+                raise RankLayoutError(f"the {layout.count} rank ports from {w.port} do not fit in 1..65535")
+            self._vet_rank_urls(w, urls[len(w.rank_urls) :])
+        except RankLayoutError as exc:
+            log.error(
+                "worker %s now reports dp_size %d (%s); keeping its %d ranks: %s",
+                w.url,
+                layout.dp_size,
+                why or "re-read",
+                len(w.targets),
+                exc,
+            )
+            return
         self._unindex(w)  # type: ignore[attr-defined]
-        w.rank_urls = [with_port(w.url, w.port + i) for i in range(layout.count)]
+        w.rank_urls = urls
         w.rank_ids = [layout.first + i for i in range(layout.count)]
         self._index(w)  # type: ignore[attr-defined]
         w.server_info = dict(doc)

@@ -98,7 +98,9 @@ class Registry(Handshake, RankPorts):
         # The router's own listeners (filled in once bound): a worker there is refused.
         self.own = OwnAddresses()
         # The one admin auth rule, built once (control-plane keys kept as digests only).
-        self.admin_auth = AdminAuth(config.api_key, parse_control_plane_keys(config.control_plane_api_keys))
+        self.admin_auth = AdminAuth(
+            config.api_key, parse_control_plane_keys(config.control_plane_api_keys), config.admin_closed
+        )
         self.admin = AdminAPI(self)  # the admin / info endpoints over this registry
         demand = config.decode_input_demand
         weight = config.decode_request_weight
@@ -323,7 +325,8 @@ class Registry(Handshake, RankPorts):
         check_fields(priority, cost, labels, api_key)
         problem = worker_url_problem(url, self.config.allow_link_local_workers)
         if problem is not None:
-            raise BadWorkerURL(f"worker URL {url!r} {problem}")
+            shown = url if len(url) <= 200 else url[:200] + "..."
+            raise BadWorkerURL(f"worker URL {shown!r} {problem}")
         # The credentials of a user:password@ URL are kept apart (Basic auth to the worker);
         # from here on the URL has none, so no display can show them.
         basic = basic_auth(url)
@@ -467,6 +470,17 @@ class Registry(Handshake, RankPorts):
         leave the group and are freed once their last lease is released, new ranks get new
         rows. A full table keeps the old layout (logged)."""
         n_old, n = len(w.targets), (len(w.rank_urls) if w.rank_ports else dp if dp > 1 else 1)
+        bound = self.config.max_targets_per_worker
+        if n > bound:
+            log.error(
+                "worker %s now has dp_size %d; keeping its %d ranks: one worker may take at most %d "
+                "targets (--max-targets-per-worker)",
+                w.url,
+                dp,
+                n_old,
+                bound,
+            )
+            return
         added: list[int] = []
         try:
             for _ in range(n - n_old):

@@ -16,7 +16,7 @@ from fastroute.core._layout cimport (
     COL_POLLED_TOKENS, COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_TOKENS_AT_POLL, HDR_UNDERFLOWS,
     NCOLS, NHDR, COL_CIRCUIT, COL_CB_FAILS, CIRCUIT_CLOSED, row_tokens, COL_OTHERS_EST,
     COL_OTHERS_EST_TOKENS, HDR_REPLICAS, HDR_REPLICA_SLOT, HDR_SYNC_TICKS, COL_POLLED_UNCACHED,
-    COL_POLLED_KV_QUEUE,
+    COL_POLLED_KV_QUEUE, COL_OTHERS_IN_FLIGHT,
 )
 from fastroute.core._policy cimport (
     pick_round_robin, pick_random, pick_p2c, pick_demand, pick_ring, pick_kv_fit, kv_free,
@@ -415,7 +415,7 @@ cdef class Picker:
         n = fr_load_i64(&self.header[HDR_REPLICAS])
         if n > 1 and self.cands.shape[0] > 0 and (
                 self.kv_fit == MODE_ON or self.demand == MODE_ON
-                or (self.kind == KIND_P2C and self.metric == METRIC_LEAST_REQUESTS)):
+                or (self.kind == KIND_P2C and self.metric == METRIC_LEAST_REQUESTS)) and not self._idle():
             return self._coordinated(tokens, need, n)
         if self.kv_fit != 0:
             f = pick_kv_fit(self.tab, self.cands, tokens, tokens + out_tokens + self.kv_reserve,
@@ -439,6 +439,21 @@ cdef class Picker:
             else:
                 self.shadow_disagree += 1
         return a
+
+    cdef bint _idle(self) noexcept:
+        # Nothing in flight on any candidate, here or at the others, and no placement of theirs
+        # estimated: there is no burst to share out.  The plan's shared tie order would then
+        # send every request of a replica whose peers are idle to the same rank (its slot's,
+        # whenever all loads are equal), so the pick is this replica's own, exact ties broken
+        # by its own random source.
+        cdef Py_ssize_t k
+        cdef int64_t *row
+        for k in range(self.cands.shape[0]):
+            row = &self.tab[self.cands[k], 0]
+            if (fr_load_i64(&row[COL_IN_FLIGHT]) or fr_load_i64(&row[COL_OTHERS_IN_FLIGHT])
+                    or fr_load_i64(&row[COL_OTHERS_EST])):
+                return False
+        return True
 
     cdef int64_t _coordinated(self, int64_t tokens, int64_t need, int64_t n) noexcept:
         # Synced replicas (see pick_coordinated): this replica's place in the sequence of the

@@ -58,6 +58,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("fastroute.proxy")
 
 _HEALTH_KA = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: 2\r\n\r\nOK"
+_HEALTH_KA10 = (  # an HTTP/1.0 request kept alive: the answer says so
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: 2\r\n"
+    b"connection: keep-alive\r\n\r\nOK"
+)
 _HEALTH_CLOSE = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: 2\r\nconnection: close\r\n\r\nOK"
 )
@@ -86,8 +90,10 @@ class App:
         pd = bool(config.pd_disaggregation)
         # The one rule for admin paths (--api-key, or the control-plane keys with roles),
         # applied at head time when the call carries a body (protocol.on_headers_complete).
-        self.admin_auth = AdminAuth(config.api_key, parse_control_plane_keys(config.control_plane_api_keys))
-        guarded = self.admin_auth.api_key is not None or bool(self.admin_auth.keys)
+        self.admin_auth = AdminAuth(
+            config.api_key, parse_control_plane_keys(config.control_plane_api_keys), config.admin_closed
+        )
+        guarded = self.admin_auth.api_key is not None or bool(self.admin_auth.keys) or self.admin_auth.closed
         self.config = config
         self.registry = registry
         self.loop = loop
@@ -188,11 +194,16 @@ class App:
             # metric labels for the row are dropped.  Resetting the shared cells would
             # let a restarted proxy process close circuits the others opened.
             owners = self._row_owner
+            moved = False
             for t, entry in enumerate(info):
                 w = entry[0] if entry is not None else None
                 if owners.get(t) is not w:
                     owners[t] = w
+                    moved = True
                     self.breakers.forget_names(t)
+            if moved and self._stats is not None:
+                names = (self.registry.target_name(t) for t, e in enumerate(info) if e is not None)
+                self._stats.forget_workers({n for n in names if n is not None})
         # Routes for exactly the targets the groups can pick now. Targets of a removed worker
         # drop out (their in-flight requests already hold their connections), and so does the
         # worker's pool: a worker re-added under the same URL is a new worker with a new pool,
@@ -254,7 +265,7 @@ class App:
             # browsers send no credentials with it, so it is answered before any auth rule.
             ka = req.keep_alive and self.dispatch.accepting
             self.dispatch.tel.response(204, "", path)
-            proto.reply(self.dispatch.cors.preflight(req.origin, req.acrh, ka), ka)
+            proto.reply(self.dispatch.cors.preflight(req.origin, req.acrh, ka, req.http11), ka)
         elif path in INFERENCE:  # any method but POST (Dispatcher.handle proxies those)
             proto.send_error(
                 RouterError(
@@ -267,7 +278,7 @@ class App:
         elif path == b"/health" or path == b"/liveness":
             ka = req.keep_alive and self.dispatch.accepting
             self.dispatch.tel.response(200, "", path)
-            data = _HEALTH_KA if ka else _HEALTH_CLOSE
+            data = (_HEALTH_KA if req.http11 else _HEALTH_KA10) if ka else _HEALTH_CLOSE
             if req.origin is not None:
                 cors = self.dispatch.cors.headers_for(req.origin)
                 if cors:
@@ -307,11 +318,10 @@ class App:
     def _refusal(self, method: bytes, path: bytes, verdict: int, who: Any) -> RouterError:
         """The answer to an admin call the auth rule refused; a refused management change is
         audited like an applied one (its body was never read, so its target is unknown)."""
-        exc = (
-            _errors.insufficient_role(who.role)
-            if verdict == FORBIDDEN and who is not None
-            else _errors.invalid_api_key()
-        )
+        if verdict == FORBIDDEN:
+            exc = _errors.insufficient_role(who.role) if who is not None else _errors.admin_closed()
+        else:
+            exc = _errors.invalid_api_key()
         if self.config.control_plane_audit_enabled and method not in (b"GET", b"HEAD") and is_management(path):
             audit(who, method.decode("latin-1"), path.decode("latin-1"), "-", "denied", exc.status)
         return exc

@@ -63,8 +63,11 @@ class Cors:
             )
         return b""
 
-    def preflight(self, origin: bytes | None, request_headers: bytes | None, keep_alive: bool) -> bytes:
-        """The whole response to an ``OPTIONS`` request."""
+    def preflight(
+        self, origin: bytes | None, request_headers: bytes | None, keep_alive: bool, http11: bool = True
+    ) -> bytes:
+        """The whole response to an ``OPTIONS`` request (``http11`` False: an HTTP/1.0 one,
+        which is kept alive only when the answer says so)."""
         allow = self.headers_for(origin)
         lines = b"allow: " + METHODS + b"\r\n"
         if allow:
@@ -72,5 +75,5 @@ class Cors:
             if request_headers and all(c in _TOKEN for c in request_headers):
                 lines += b"access-control-allow-headers: " + request_headers.strip() + b"\r\n"
             lines += b"access-control-max-age: " + _MAX_AGE + b"\r\n"
-        conn = b"" if keep_alive else b"connection: close\r\n"
+        conn = (b"" if http11 else b"connection: keep-alive\r\n") if keep_alive else b"connection: close\r\n"
         return b"HTTP/1.1 204 No Content\r\n" + lines + conn + b"\r\n"

@@ -207,6 +207,8 @@ class _Exchange(Leg):
             self.keep_alive = False  # draining: this connection closes after the response
         if not self.keep_alive:
             ap(b"connection: close\r\n")
+        elif not self.req.http11:
+            ap(b"connection: keep-alive\r\n")  # HTTP/1.0 closes unless told otherwise
         ap(b"\r\n")
         self.head = joined(parts)
         self.started = True

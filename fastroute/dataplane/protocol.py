@@ -617,7 +617,7 @@ class ClientProtocol:
             ctype,
             len(body),
             extra,
-            b"" if ka else b"connection: close\r\n",
+            (b"" if req.http11 else b"connection: keep-alive\r\n") if ka else b"connection: close\r\n",
         )
         self.reply(head + body, ka)
 

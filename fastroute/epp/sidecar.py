@@ -13,8 +13,10 @@ not available here), gets the relay's 503 for that leg: the sidecar never picks 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from fastroute.config import Config
 from fastroute.runtime.server import Server
 
 ROLES = ("prefill", "decode")
@@ -68,7 +70,15 @@ def pin_groups(registry: Any) -> None:
 
 
 class SidecarServer(Server):
-    """The router process of ``fastroute sidecar`` (see module docstring)."""
+    """The router process of ``fastroute sidecar`` (see module docstring). Its worker set comes
+    from its flags or discovery, so its worker-management routes stay closed (403) unless a key
+    guards them or ``--allow-open-admin`` opens them: anyone reaching the port could otherwise
+    make it call any host (fastroute.runtime.server.run does not refuse it to start)."""
+
+    closes_open_admin = True
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(dataclasses.replace(config, admin_closed=not config.allow_open_admin))
 
     async def start(self) -> None:
         await super().start()

@@ -278,7 +278,9 @@ async def drain(
     new requests while any is in flight or arriving. It closes once nothing has been in flight
     (no request being read, queued or answered) for ``linger`` seconds, so a client still sending
     between two requests is not refused, or when ``grace`` runs out; then what is left in flight
-    gets until the end of ``grace``, and is aborted with the idle connections."""
+    gets until the end of ``grace``, and is aborted with the idle connections. A router with no
+    client connection open at all when the drain starts closes at once: an idle router stops
+    without waiting (launchers give it one second before SIGKILL)."""
     app.draining = True
     app.stop_accepting()
     loop = asyncio.get_running_loop()
@@ -286,6 +288,8 @@ async def drain(
     deadline = now + grace
     if listener is not None:
         linger = min(linger, grace)
+        if not app.active and not app.dispatch.handshaking and not app.dispatch.connections:
+            linger = 0.0  # nobody connected: nobody between two requests either
         quiet_since = now
         while now < deadline:
             if app.active or app.dispatch.handshaking or app.busy_connections():

@@ -24,6 +24,7 @@ from typing import Protocol
 
 import uvloop
 
+from fastroute.checks import ConfigError, open_admin_problem
 from fastroute.config import Config
 from fastroute.control.discovery import Discovery, start_discovery
 from fastroute.control.kvevents import KvEvents
@@ -157,5 +158,11 @@ async def serve(config: Config, factory: Callable[[Config], Process] = Server) -
 
 
 def run(config: Config, factory: Callable[[Config], Process] = Server) -> int:
-    """Blocking entry point used by the CLI: uvloop event loop + ``serve``."""
+    """Blocking entry point used by the CLI: uvloop event loop + ``serve``. Raises ConfigError
+    (naming --allow-open-admin) before anything starts when the admin API would be open to
+    other machines (checks.open_admin_problem), unless ``factory`` closes it instead."""
+    if not getattr(factory, "closes_open_admin", False):
+        problem = open_admin_problem(config)
+        if problem is not None:
+            raise ConfigError("--allow-open-admin", problem)
     return uvloop.run(serve(config, factory))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import ipaddress
 import logging
 import signal
 import ssl
@@ -18,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastroute import __version__
+from fastroute.checks import reachable_host
 from fastroute.config import Config
 from fastroute.runtime.probe import ProbeServer
 from fastroute.tls import TLSConfigError, server_context
@@ -135,14 +135,7 @@ def banner(config: Config, port: int, processes: int) -> str:
     return "\n".join(lines)
 
 
-def _reachable(host: str) -> bool:
-    """Whether a listener on ``host`` can be reached from other machines."""
-    if host in ("localhost", "localhost.localdomain"):
-        return False
-    try:
-        return not ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return True  # a host name: assume it resolves to a reachable address
+_reachable = reachable_host
 
 
 def posture_warnings(config: Config) -> list[str]:

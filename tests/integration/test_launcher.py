@@ -167,3 +167,54 @@ def test_slime_style_launcher_runs_fastroute_through_the_sglang_router_import(tm
     assert result["exitcode"] == 0  # SIGTERM drained and ended the router cleanly
     assert SECRET not in out.stderr  # never in a log line
     assert "Traceback" not in out.stderr
+
+
+# sglang's own launchers stop the router they started like this: SIGTERM, one second, SIGKILL.
+ONE_SECOND_LAUNCHER = textwrap.dedent("""
+    import json, multiprocessing, socket, sys, time
+    from fastroute.launch_router import RouterArgs, launch_router
+
+    def main():
+        port, metrics = int(sys.argv[1]), int(sys.argv[2])
+        args = RouterArgs(host="127.0.0.1", port=port, prometheus_host="127.0.0.1", prometheus_port=metrics)
+        proc = multiprocessing.Process(target=launch_router, args=(args,))
+        proc.start()
+        deadline = time.time() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.5).close()
+                break
+            except OSError:
+                assert proc.is_alive() and time.time() < deadline, "router up"
+                time.sleep(0.05)
+        time.sleep(0.2)  # idle: nothing in flight, no connection open
+        proc.terminate()
+        proc.join(1)
+        killed = proc.is_alive()
+        if killed:
+            proc.kill()
+            proc.join()
+        print(json.dumps({"killed": killed, "exitcode": proc.exitcode}), flush=True)
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+def test_an_idle_router_stops_within_the_launchers_second(tmp_path) -> None:
+    """An idle router (no request, no connection) ends at once on SIGTERM: the launcher's
+    one-second join sees it gone, never SIGKILLs it, and its shared table is unlinked (no
+    ``leaked shared_memory`` warning from the resource tracker)."""
+    script = tmp_path / "one_second.py"
+    script.write_text(ONE_SECOND_LAUNCHER)
+    out = subprocess.run(
+        [sys.executable, str(script), str(_free_port()), str(_free_port())],
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result == {"killed": False, "exitcode": 0}, (result, out.stderr[-3000:])
+    assert "leaked shared_memory" not in out.stderr, out.stderr[-3000:]

@@ -171,3 +171,63 @@ def test_docs_parity_table_is_the_generators_output() -> None:
     for f in parity.FAMILIES:
         assert f.status in (parity.EXPORTED, parity.NOT_EXPORTED)
         assert f.status == parity.EXPORTED or f.why, f.name  # every gap says why
+
+
+def test_breaker_series_of_a_removed_worker_go_with_it() -> None:
+    """smg_worker_cb_outcomes_total has a series per worker that answered; once the worker is
+    removed its series are gone from the scrape (and from the process's counters)."""
+
+    async def body() -> None:
+        a, b = await DataWorker().start(), await DataWorker().start()
+        try:
+            async with Router(worker_urls=[a.url, b.url], policy="round_robin") as r:
+                for _ in range(4):
+                    assert (await call(r.port, post("/generate", {"text": "x"}))).status == 200
+                m = await _scrape(r)
+                workers = {lab["worker"] for lab, _ in m["smg_worker_cb_outcomes_total"]}
+                assert workers == {a.url, b.url}, workers
+                wb = r.server.registry.find(b.url)
+                res = await call(r.port, f"DELETE /workers/{wb.id} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+                assert res.status == 202, res.body
+                await until(lambda: r.server.registry.find(b.url) is None, 5, "b removed")
+                m = await _scrape(r)
+                workers = {lab["worker"] for lab, _ in m.get("smg_worker_cb_outcomes_total", [])}
+                assert workers == {a.url}, workers
+                # a later change of the worker set drops the removed worker's counters too
+                c = await DataWorker().start()
+                assert (await call(r.port, post("/workers", {"url": c.url}))).status == 202
+                await until(lambda: len(r.server.registry.ready_workers()) == 2, 5, "c ready")
+                assert all(k[0] != b.url for k in r.server.app.stats.cb_outcomes), r.server.app.stats.cb_outcomes
+                await c.stop()
+        finally:
+            await a.stop()
+            await b.stop()
+
+    run(body())
+
+
+def test_a_removed_workers_load_polls_are_forgotten() -> None:
+    """The monitor's per-worker poll counters and engine rows (smg_engine_*) of a removed
+    worker are dropped, not only hidden: 10,000 workers that came and went leave none."""
+
+    async def body() -> None:
+        a, b = await LoadedWorker(dp_size=2).start(), await LoadedWorker(dp_size=2).start()
+        try:
+            async with Router(worker_urls=[a.url, b.url], dp_aware=True, load_monitor_interval=0.1) as r:
+                mon = r.server.monitor
+                await until(lambda: a.url in mon.engine.rows and b.url in mon.engine.rows, 10, "both polled")
+                wb = r.server.registry.find(b.url)
+                res = await call(r.port, f"DELETE /workers/{wb.id} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+                assert res.status == 202, res.body
+                await until(
+                    lambda: b.url not in mon.engine.rows and all(k[0] != b.url for k in mon.polls),
+                    10,
+                    "b's polls forgotten",
+                )
+                assert a.url in mon.engine.rows
+                await until(lambda: mon.polls.get((a.url, "v1_loads"), 0) >= 3, 10, "a still polled")
+        finally:
+            await a.stop()
+            await b.stop()
+
+    run(body())

@@ -326,3 +326,31 @@ def test_a_burst_over_synced_replicas_is_placed_as_one_router_would(redis_server
             await w.stop()
 
     run(body(), timeout=90)
+
+
+def test_a_replica_whose_peers_are_idle_spreads_sequential_requests(redis_server):
+    """Two synced replicas, B idle; A gets 40 requests one after another (each answered before
+    the next). Every rank is equally empty at each pick: the shared tie order of the replicas'
+    plan would send all 40 to the same rank, a router alone breaks the tie at random."""
+
+    async def body() -> None:
+        (w,) = await workers(1, dp_size=4)
+        try:
+            async with (
+                replica(w, redis_server.url, replica_id="A", seed=3) as a,
+                replica(w, redis_server.url, replica_id="B", seed=4) as b,
+            ):
+                for r in (a, b):
+                    await until(lambda r=r: r.server.replica.peers == 1, 15, "two live replicas")
+                start = len(w.inference())
+                for i in range(40):
+                    res = await call(a.port, post("/generate", {"text": f"one at a time {i}"}))
+                    assert res.status == 200, res.body
+                got = ranks(w, start)
+                assert len(got) == 40
+                counts = [got.count(rk) for rk in range(4)]
+                assert min(counts) > 0 and max(counts) < 30, counts
+        finally:
+            await w.stop()
+
+    run(body(), timeout=60)

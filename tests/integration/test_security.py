@@ -123,7 +123,7 @@ def test_bad_tls_files_refuse_to_start(tmp_path: Path, which: str) -> None:
         "mismatched": ["--tls-cert-path", str(cert), "--tls-key-path", str(key2)],
         "only-cert": ["--tls-cert-path", str(cert)],
     }[which]
-    res = _fastroute(argv + ["--port", str(_free_port())], timeout=20)
+    res = _fastroute(argv + ["--host", "127.0.0.1", "--port", str(_free_port())], timeout=20)
     assert res.returncode != 0
     assert "--tls-" in res.stderr, res.stderr
 
@@ -179,6 +179,38 @@ def test_control_plane_roles_on_every_management_route(caplog: pytest.LogCapture
     assert any("key=a1" in m and "method=POST path=/workers " in m and "outcome=success" in m for m in audit), audit
     assert any("u1" in m and "denied" in m for m in audit), audit
     assert "sk-admin-1" not in caplog.text
+
+
+def test_audit_of_put_and_delete_by_worker_id(caplog: pytest.LogCaptureFixture) -> None:
+    """PUT and DELETE /workers/{id} under --control-plane-audit-enabled answer 202 and each
+    writes one audit line naming the worker's URL (the DELETE's read before it is removed)."""
+    caplog.set_level("INFO", logger="fastroute")
+
+    async def body() -> None:
+        (w,) = await workers(1)
+        (w2,) = await workers(1)
+        async with Router(worker_urls=[w.url], control_plane_audit_enabled=True) as r:
+            added = await call(r.port, post("/workers", {"url": w2.url}))
+            assert added.status == 202, added.body
+            wid = added.json["worker_id"]
+            put = (
+                f"PUT /workers/{wid} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f'Content-Length: 14\r\n\r\n{{"priority":7}}'
+            ).encode()
+            res = await call(r.port, put)
+            assert res.status == 202, res.body
+            assert r.server.registry.get(wid).priority == 7
+            res = await call(r.port, f"DELETE /workers/{wid} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            assert res.status == 202, res.body
+            assert r.server.registry.get(wid) is None
+
+    run(body())
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "fastroute.audit"]
+    for method in ("PUT", "DELETE"):
+        mine = [m for m in lines if f"method={method} path=/workers/" in m]
+        assert len(mine) == 1, lines
+        assert "target=http://127.0.0.1:" in mine[0] and "outcome=success status=202" in mine[0], mine
+    assert not [rec for rec in caplog.records if rec.levelname == "ERROR"], caplog.text
 
 
 def test_without_control_plane_keys_api_key_guards_admin() -> None:

@@ -31,6 +31,8 @@ CASES = {
     ),
     "refused_flag": (["--jwt-issuer", "https://idp"], "argument --jwt-issuer", 2),
     "config_error": (["--decode-request-weight", "3"], "--decode-request-weight", 2),
+    # No key on an address others reach: refused, naming the flag that opens it (issue 50).
+    "open_admin": (["--host", "0.0.0.0"], "argument --allow-open-admin: the worker admin API on 0.0.0.0", 2),
 }
 
 

@@ -167,6 +167,7 @@ BAD_URLS = [
     pytest.param("http://[fe80::1]:8000", id="link-local-v6"),
     pytest.param("http://0xa9fea9fe:80", id="metadata-hex"),
     pytest.param("http://[::ffff:169.254.169.254]:80", id="metadata-mapped"),
+    pytest.param("http://w:1/" + "a" * 10_000, id="long-path"),
 ]
 
 
@@ -277,3 +278,17 @@ def test_workers_n_supervisor_refuses_itself_too() -> None:
             await w.stop()
 
     run(body(), 60)
+
+
+def test_a_long_worker_url_is_refused_with_its_length_not_echoed() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(worker_urls=[w.url]) as r:
+            res = await add(r.port, "http://127.0.0.1:1/" + "p" * 10_000)
+            assert res.status == 400, res.body
+            msg = res.json["error"]["message"]
+            assert "longer than 2048" in msg and len(res.body) < 1000, msg
+            assert [x.url for x in r.server.registry.workers] == [w.url]
+        await w.stop()
+
+    run(body())

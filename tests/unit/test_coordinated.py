@@ -136,6 +136,7 @@ def test_picker_books_the_others_estimate_only_when_it_books():
         assert tt.array[:4, COL_OTHERS_EST].sum() == 0
         lease.release()
         tt.set_replicas(3, 1)
+        tt.array[3, COL_OTHERS_IN_FLIGHT] = 1  # a peer is busy: there is a burst to share out
         g.pick(50)  # a look without booking writes nothing
         assert tt.array[:4, COL_OTHERS_EST].sum() == 0
         lease = g.acquire(50)
@@ -145,6 +146,12 @@ def test_picker_books_the_others_estimate_only_when_it_books():
         lease.release()  # a release undoes the booking only
         assert tt.array[:4, COL_IN_FLIGHT].sum() == 0 and tt.array[:4, COL_OTHERS_EST].sum() == 2
         assert g.kernel.coordinated_picks == 1
+        # Peers idle, nothing in flight or estimated: this replica picks on its own.
+        tt.array[:4, COL_OTHERS_IN_FLIGHT] = 0
+        tt.array[:4, COL_OTHERS_EST] = 0
+        tt.array[:4, COL_OTHERS_EST_TOKENS] = 0
+        g.acquire(50).release()
+        assert tt.array[:4, COL_OTHERS_EST].sum() == 0 and g.kernel.coordinated_picks == 1
     finally:
         tt.close()
         tt.unlink()
@@ -216,6 +223,7 @@ def test_a_lone_pick_books_the_others_requests_but_not_their_tokens(synced):
     on the same view is a burst, and books their tokens as well."""
     tt, g = synced
     arr = tt.array
+    arr[3, COL_OTHERS_IN_FLIGHT] = 1  # a peer is busy (an idle view is not planned)
     tt.count_sync_tick()
     first = g.acquire(1000)
     assert arr[:4, COL_OTHERS_EST].sum() == 2 and arr[:4, COL_OTHERS_EST_TOKENS].sum() == 0
@@ -266,6 +274,7 @@ def test_default_decode_leg_plans_with_the_replicas_and_still_learns_the_text():
         assert tt.array[:4, COL_OTHERS_EST].sum() == 0 and g.kernel.coordinated_picks == 0
         lease.release()
         tt.set_replicas(2, 0)
+        tt.array[3, COL_OTHERS_IN_FLIGHT] = 1  # the peer is busy
         lease = g.acquire(20, None, StubMeta(text + "turn 2"))
         assert g.kernel.coordinated_picks == 1 and tt.array[:4, COL_OTHERS_EST].sum() == 1
         lease.release()

@@ -492,6 +492,7 @@ _INERT_SAMPLES = {
     "--port": ["--port", "31000"],
     "--control-plane-api-keys": ["--control-plane-api-keys", "k1:ops:admin:s3cret-key-0001"],
     "--control-plane-audit-enabled": ["--control-plane-audit-enabled"],
+    "--allow-open-admin": ["--allow-open-admin"],
     "--ca-cert-paths": ["--ca-cert-paths", "/etc/ssl/ca.pem"],
     "--client-cert-path": ["--client-cert-path", "/c.pem", "--client-key-path", "/k.pem"],
     "--client-key-path": ["--client-cert-path", "/c.pem", "--client-key-path", "/k.pem"],
