@@ -64,6 +64,9 @@ class Stats:
         self.cb_outcomes: dict[tuple[str, str], int] = {}  # (worker, outcome)
         self.cb_transitions: dict[tuple[str, str, str], int] = {}  # (worker, from, to)
         self.rate_limit: dict[str, int] = {}  # result
+        # --tokenizer-path (dataplane/tokenize.py): prompts tokenized (inline, pool) or left at
+        # the estimate, by reason (timeout, template, tokenizer)
+        self.tokenized: dict[str, int] = {}
         self.connections_active = 0
         # Worker discovery (fastroute.control.discovery), in the process that owns the registry.
         self.discovery_errors: dict[tuple[str, str], int] = {}  # (provider, reason)
@@ -413,6 +416,17 @@ class Collector:
         for r, v in merged("rate_limit").items():
             c.add_metric([r], float(v))
         yield c
+        tokenized = merged("tokenized")
+        if tokenized:
+            c = CounterMetricFamily(
+                "fastroute_tokenized_requests",
+                "Prompts the router tokenized (outcome inline or pool) or left at the estimate "
+                "(timeout, template, tokenizer)",
+                labels=["outcome"],
+            )
+            for r, v in sorted(tokenized.items()):
+                c.add_metric([r], float(v))
+            yield c
         if any(s.discovered or s.discovery_errors for s in self.stats):
             c = CounterMetricFamily(
                 "fastroute_discovery_errors",

@@ -252,9 +252,11 @@ class Tokens:
         self.l0 = _Cache(l0[1], l0[2]) if l0[0] else None
         self.l1 = _Cache(1 << 30, l1[1]) if l1[0] else None
         self._pool: ThreadPoolExecutor | None = None
-        # requests tokenized exactly (inline / in the pool), and estimates kept by reason
+        # requests tokenized exactly (inline / in the pool), and estimates kept by reason; with
+        # metrics on, the same counts go to the process's Stats (fastroute_tokenized_requests)
         self.exact = {"inline": 0, "pool": 0}
         self.fallbacks = dict.fromkeys(REASONS, 0)
+        self.counts: dict[str, int] | None = None
         self._said: set[str] = set()
 
     def for_model(self, model: Any) -> ModelTokenizer | None:
@@ -338,7 +340,7 @@ class Tokens:
         if size <= INLINE_BYTES or self.timeout <= 0:
             try:
                 self._set(meta, self.encode(tok, text, special))
-                self.exact["inline"] += 1
+                self._exact("inline")
             except _Fallback as fb:
                 self._fallback(fb)
             return True
@@ -354,7 +356,7 @@ class Tokens:
             timer.cancel()
             if ids is not None:
                 self._set(meta, ids)
-                self.exact["pool"] += 1
+                self._exact("pool")
             elif fb is not None:
                 self._fallback(fb)
             then()
@@ -378,8 +380,15 @@ class Tokens:
         if meta.batch is None:  # a batch's count is its items' sum: the estimate stays
             meta.input_tokens = len(ids)
 
+    def _exact(self, how: str) -> None:
+        self.exact[how] += 1
+        if self.counts is not None:
+            self.counts[how] = self.counts.get(how, 0) + 1
+
     def _fallback(self, fb: _Fallback) -> None:
         self.fallbacks[fb.reason] = self.fallbacks.get(fb.reason, 0) + 1
+        if self.counts is not None:
+            self.counts[fb.reason] = self.counts.get(fb.reason, 0) + 1
         if fb.reason not in self._said:
             self._said.add(fb.reason)
             log.warning(

@@ -224,7 +224,9 @@ async def assemble(
             clock=loop.time,
         )
         parts.app = App(config, registry, loop, breakers=breakers, reconciler=parts.reconciler)
-        parts.app.dispatch.tokens = tokens_for(config)
+        parts.app.dispatch.tokens = tokens = tokens_for(config)
+        if tokens is not None:
+            tokens.counts = parts.stats.tokenized  # fastroute_tokenized_requests
         parts.app.stats = parts.stats
         parts.app.worker_tls = worker_tls
     return parts

@@ -72,6 +72,10 @@ def test_a_broken_template_serves_the_request_with_the_estimate(tmp_path) -> Non
                 resp = await call(r.port, post("/v1/chat/completions", _chat("hello")))
                 assert resp.status == 200
                 assert r.server.app.dispatch.tokens.fallbacks["template"] == 1
+                from tests.integration.test_kv_events import metrics
+
+                body = await metrics(r)
+                assert 'fastroute_tokenized_requests_total{outcome="template"} 1.0' in body
         finally:
             await w.stop()
             await e.close()
