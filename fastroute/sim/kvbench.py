@@ -89,7 +89,8 @@ def cells() -> list[Cell]:
 
 def chat_cells(tokenizer: str) -> list[Cell]:
     """Chat traffic: the router's token estimates against its tokenizer (--tokenizer-path)."""
-    exact = ["--tokenizer-path", tokenizer, "--tokenizer-cache-enable-l1"]
+    # The pool's bound raised: this 2-core machine runs the simulator and the load generator too.
+    exact = ["--tokenizer-path", tokenizer, "--tokenizer-cache-enable-l1", "--tokenize-timeout-ms", "500"]
     fit = ["--decode-input-demand", "on", "--decode-kv-fit", "on"]
     return [
         Cell("KV events, estimated tokens", "fastroute", []),
