@@ -144,6 +144,7 @@ async def burst_stall(port: int, bodies: list[bytes]) -> float:
 
 async def run(ns: argparse.Namespace) -> None:
     tok_dir = train_tokenizer(ns.tokenizer_dir)
+    os.makedirs(ns.out, exist_ok=True)
     w = SimWorker("regular", SimParams(dp_size=8, time_scale=0.001))
     await w.start()
     base = ["--worker-urls", w.url, "--dp-aware", "--policy", "cache_aware", "--decode-input-demand", "on"]

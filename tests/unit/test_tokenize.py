@@ -106,9 +106,9 @@ class _Slow(ModelTokenizer):
 
     gate: threading.Event
 
-    def encode(self, text: str, special: bool) -> list[int]:
+    def encode(self, text: str, special: bool, release: bool = False) -> list[int]:
         self.gate.wait(5)
-        return super().encode(text, special)
+        return super().encode(text, special, release)
 
 
 def test_a_long_prompt_goes_to_the_pool_and_the_timeout_keeps_the_estimate(tmp_path, monkeypatch) -> None:
@@ -189,3 +189,44 @@ def test_the_pool_and_the_loop_share_the_caches_safely(tmp_path, monkeypatch) ->
         toks.close()
 
     asyncio.run(go())
+
+
+def test_the_pool_lets_go_of_the_gil_while_it_tokenizes(tmp_path) -> None:
+    """A 50 KB prompt tokenized in a thread leaves the interpreter to the event loop's thread:
+    its longest pause is a fraction of one tokenization (encode() holds the GIL throughout, a
+    pause as long as the whole call)."""
+    import json
+    import random
+    import time
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    rng = random.Random(1)
+    words = ["".join(rng.choice("abcdefghijklmnop") for _ in range(rng.randint(2, 9))) for _ in range(3000)]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    corpus = [" ".join(rng.choice(words) for _ in range(50)) for _ in range(2000)]
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=2000, special_tokens=["<|im_end|>"]))
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    tok = ModelTokenizer(str(tmp_path))
+    text = " ".join(rng.choice(words) for _ in range(8000))  # ~50 KB
+    done = threading.Event()
+    spans: list[float] = []
+
+    def work() -> None:
+        for _ in range(20):
+            t0 = time.perf_counter()
+            tok.encode(text, True, release=True)
+            spans.append(time.perf_counter() - t0)
+        done.set()
+
+    th = threading.Thread(target=work)
+    th.start()
+    longest, last = 0.0, time.perf_counter()
+    while not done.is_set():
+        now = time.perf_counter()
+        longest, last = max(longest, now - last), now
+    th.join()
+    mean = sum(spans) / len(spans)
+    assert longest < mean * 0.6, (longest, mean)
