@@ -49,6 +49,11 @@ RankLoad = tuple[int, int, int, int, int, int]
 # Polled counts are written to int64 table cells (and summed over ranks): a value a worker
 # cannot mean is garbage, like a negative one, not an OverflowError in every poll.
 _COUNT_LIMIT = 1 << 62
+# More ready workers than this are polled spread over SPREAD_SHARE of the interval, at most
+# POLL_CONCURRENCY at a time (a fleet's polls arriving together delayed the requests' loop).
+SPREAD_FROM = 16
+SPREAD_SHARE = 0.8
+POLL_CONCURRENCY = 64
 # Under --dp-aware a worker's dp_size is re-read this often even when nothing suggests a
 # restart (one /server_info per worker per interval).
 DP_RECHECK_SECS = 60.0
@@ -196,12 +201,27 @@ class Monitor:
         return max(float(self.config.load_monitor_interval), 1.0)
 
     async def poll_once(self) -> None:
-        """Poll every ready worker once, concurrently, and write the results to the table."""
+        """Poll every ready worker once and write the results to the table. Up to SPREAD_FROM
+        workers are polled at once; more are spread over SPREAD_SHARE of the interval, at most
+        POLL_CONCURRENCY in flight, so a fleet's polls never arrive on the loop together."""
         workers = self.registry.ready_workers()
         self._forget_removed()
-        if workers:
-            timeout = self._poll_timeout()
+        if not workers:
+            return
+        timeout = self._poll_timeout()
+        if len(workers) <= SPREAD_FROM:
             await asyncio.gather(*(self.poll_worker(w, timeout) for w in workers))
+            return
+        span = float(self.config.load_monitor_interval) * SPREAD_SHARE / len(workers)
+        gate = asyncio.Semaphore(POLL_CONCURRENCY)
+
+        async def one(i: int, w: Worker) -> None:
+            await asyncio.sleep(span * i)
+            async with gate:
+                if w.status == "ready":
+                    await self.poll_worker(w, timeout)
+
+        await asyncio.gather(*(one(i, w) for i, w in enumerate(workers)))
 
     def _forget_removed(self) -> None:
         """Drop the poll counters and engine rows of workers no longer registered (a router
