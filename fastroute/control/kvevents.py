@@ -190,7 +190,7 @@ def parse_endpoint(spec: str, block_size: int) -> Publisher:
     if not head.startswith("tcp://") or ":" not in head[6:]:
         raise ValueError(f"--kv-events-endpoint {spec!r}: expected tcp://*:PORT[,replay=PORT][,load=PORT]")
     bases: dict[str, int] = {}
-    for name, value in [("kv", head.rsplit(":", 1)[1])] + [tuple(o.split("=", 1)) for o in opts if "=" in o]:  # type: ignore[misc]
+    for name, value in [("kv", head.rsplit(":", 1)[1])] + [tuple(o.split("=", 1)) for o in opts if "=" in o]:
         if name not in ("kv", "replay", "load") or not value.isdigit() or not 1 <= int(value) <= 65535:
             raise ValueError(f"--kv-events-endpoint {spec!r}: {name}={value!r} is not a port")
         bases[name] = int(value)
@@ -359,6 +359,7 @@ class KvEvents:
 
     # ---- loads ------------------------------------------------------------------------------------
     async def _load_stream(self, s: RankStream, topic: str) -> None:
+        assert s.load_endpoint is not None  # started only for a rank that publishes loads
         zmq = self._zmq
         sock = self._ctx.socket(zmq.SUB)
         try:
@@ -460,6 +461,7 @@ class KvEvents:
     async def _replay(self, s: RankStream, start: int, upto: int | None) -> tuple[int | None, int | None]:
         """Ask rank ``s``'s replay socket for the batches from ``start`` (to ``upto``) and
         apply them in order: (first seq received, last seq applied), None where none."""
+        assert s.replay_endpoint is not None  # called only for a rank with a replay port
         zmq = self._zmq
         sock = self._ctx.socket(zmq.DEALER)
         first: int | None = None

@@ -424,7 +424,7 @@ class Collector:
             g.add_metric([source], float(sum(merged("discovered").values())))
         yield g
         h = _hist_family("smg_router_request_duration_seconds", "Routed request duration (success)", labels)
-        keys = set()
+        keys: set[tuple[str, ...]] = set()
         for s in self.stats:
             keys.update(s.router_duration)
         for key in sorted(keys):

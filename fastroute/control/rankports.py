@@ -23,7 +23,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 log = logging.getLogger("fastroute.workers")
@@ -153,6 +153,17 @@ class RankPorts:
     :class:`fastroute.control.registry.Registry`, which provides ``find``, ``_index``,
     ``_unindex``, ``_by_id``, ``_get_info`` and ``resize``)."""
 
+    if TYPE_CHECKING:  # what the Registry provides, declared for the type checker only
+        _by_id: dict[str, Any]
+
+        def find(self, url: str) -> Any: ...
+        def _index(self, w: Any) -> None: ...
+        def _unindex(self, w: Any) -> None: ...
+        def resize(self, w: Any, dp: int, why: str = "") -> None: ...
+        async def _get_info(
+            self, w: Any, primary: str, fallback: str, timeout: float, url: str | None = None
+        ) -> tuple[dict[str, Any] | None, str]: ...
+
     @staticmethod
     def _aliases(w: Any) -> list[tuple[str, tuple[str, int] | None]]:
         """(URL, address key) of every rank port of ``w``: each finds the server's worker."""
@@ -173,28 +184,22 @@ class RankPorts:
             return  # one port for the whole server (or a single rank): as before
 
         async def info(url: str) -> Mapping[str, Any] | None:
-            doc, _ = await self._get_info(
-                w,
-                w.server_info_path,
-                "/get_server_info",
-                timeout,  # type: ignore[attr-defined]
-                url=url,
-            )
+            doc, _ = await self._get_info(w, w.server_info_path, "/get_server_info", timeout, url=url)
             return doc
 
         urls, ids = await find_rank_ports(w.url, w.port, layout, info)
         for url in urls:
-            other = self.find(url)  # type: ignore[attr-defined]
+            other = self.find(url)
             if other is not None and other is not w:
                 raise RankLayoutError(f"rank port {url} is already worker {other.url}")
-        given, indexed = w.url, self._by_id.get(w.id) is w  # type: ignore[attr-defined]
-        self._unindex(w)  # type: ignore[attr-defined]
+        given, indexed = w.url, self._by_id.get(w.id) is w
+        self._unindex(w)
         w.url, w.port = urls[0], urlsplit(urls[0]).port
         if w.addr is not None:
             w.addr = (w.addr[0], w.port)
         w.rank_urls, w.rank_ids, w.dp_size = urls, ids, layout.dp_size
         if indexed:
-            self._index(w)  # type: ignore[attr-defined]
+            self._index(w)
         if w.role == "prefill" and layout.bootstrap_port is not None:
             if w.bootstrap_port not in (None, layout.bootstrap_port):
                 log.warning(
@@ -219,9 +224,9 @@ class RankPorts:
             return
         if layout.count < 2 or (layout.count == len(w.targets) and layout.dp_size == w.dp_size):
             return
-        self._unindex(w)  # type: ignore[attr-defined]
+        self._unindex(w)
         w.rank_urls = [with_port(w.url, w.port + i) for i in range(layout.count)]
         w.rank_ids = [layout.first + i for i in range(layout.count)]
-        self._index(w)  # type: ignore[attr-defined]
+        self._index(w)
         w.server_info = dict(doc)
-        self.resize(w, layout.dp_size, why)  # type: ignore[attr-defined]
+        self.resize(w, layout.dp_size, why)
