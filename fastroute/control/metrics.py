@@ -619,7 +619,6 @@ async def start_metrics(
     """Start the metrics listener (called by the runtime's assembly)."""
     stats = stats if stats is not None else new_stats(config)
     m = MetricsServer(Collector(table, registry, [stats], config))
-    m.stats = stats  # type: ignore[attr-defined]
     if getattr(registry, "background", None) is not None:
         from fastroute.control.background import BackgroundCollector
 
