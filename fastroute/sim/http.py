@@ -70,10 +70,12 @@ class Request:
 class Responder:
     """Writes one response on a connection; also tells the handler whether the client left."""
 
-    __slots__ = ("_conn", "_keep_alive", "streaming", "done")
+    __slots__ = ("_conn", "_transport", "_keep_alive", "streaming", "done")
 
     def __init__(self, conn: _ServerConn, keep_alive: bool) -> None:
+        assert conn.transport is not None  # a request arrived on it: connection_made ran
         self._conn = conn
+        self._transport = conn.transport
         self._keep_alive = keep_alive
         self.streaming = False
         self.done = False
@@ -88,7 +90,7 @@ class Responder:
             return
         self.done = True
         conn_hdr = b"keep-alive" if self._keep_alive else b"close"
-        self._conn.transport.write(
+        self._transport.write(
             b"".join(
                 (
                     _status_line(status),
@@ -104,7 +106,7 @@ class Responder:
             )
         )
         if not self._keep_alive:
-            self._conn.transport.close()
+            self._transport.close()
 
     def send_json(self, status: int, obj: Any) -> None:
         self.send(status, json.dumps(obj).encode(), CT_JSON)
@@ -113,7 +115,7 @@ class Responder:
         self.streaming = True
         if self._conn.closed:
             return
-        self._conn.transport.write(
+        self._transport.write(
             b"".join(
                 (
                     _status_line(status),
@@ -129,16 +131,16 @@ class Responder:
     def write_chunk(self, data: bytes) -> None:
         # Called from the decode step loop for every token: one write, no awaits.
         if not self._conn.closed:
-            self._conn.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
     def end_stream(self) -> None:
         if self.done:
             return
         self.done = True
         if not self._conn.closed:
-            self._conn.transport.write(b"0\r\n\r\n")
+            self._transport.write(b"0\r\n\r\n")
             if not self._keep_alive:
-                self._conn.transport.close()
+                self._transport.close()
 
 
 App = Callable[[Request, Responder], Awaitable[None]]
@@ -380,7 +382,7 @@ class HttpConnection:
             f"{method} {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
             f"content-type: application/json\r\ncontent-length: {len(body)}\r\n{extra}\r\n"
         ).encode()
-        assert proto.transport is not None
+        assert proto.transport is not None and proto.head_done is not None and proto.complete is not None
         try:
             proto.transport.write(head + body if len(body) < 65536 else head)
             if len(body) >= 65536:
