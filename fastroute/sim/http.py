@@ -375,21 +375,22 @@ class HttpConnection:
         proto.headers = {}
         proto.on_chunk = on_chunk
         # Only awaited when the caller wants the head early; an unawaited failed future would warn.
-        proto.head_done = loop.create_future() if on_head is not None else None
-        proto.complete = loop.create_future()
+        head_done = loop.create_future() if on_head is not None else None
+        complete = loop.create_future()
+        proto.head_done, proto.complete = head_done, complete
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()) if headers else ""
         head = (
             f"{method} {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
             f"content-type: application/json\r\ncontent-length: {len(body)}\r\n{extra}\r\n"
         ).encode()
-        assert proto.transport is not None and proto.head_done is not None and proto.complete is not None
+        assert proto.transport is not None
         try:
             proto.transport.write(head + body if len(body) < 65536 else head)
             if len(body) >= 65536:
                 proto.transport.write(body)
-            if on_head is not None:
-                on_head(await proto.head_done)
-            await proto.complete
+            if on_head is not None and head_done is not None:
+                on_head(await head_done)
+            await complete
         except BaseException:
             # Cancelled or failed mid-response: this connection's state is unknown, drop it.
             # A future may hold an error nobody will await: the head failed and ``complete``
