@@ -204,6 +204,7 @@ def worker_url_problem(url: str, allow_link_local: bool = False) -> str | None:
         return f"scheme {scheme!r} is not supported (only http:// and https://)"
     netloc = rest.split("/", 1)[0].split("?", 1)[0].split("#", 1)[0]
     hostport = netloc.rpartition("@")[2]
+    port: str | None
     if hostport.startswith("["):
         end = hostport.find("]")
         if end < 0:

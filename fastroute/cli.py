@@ -182,6 +182,7 @@ def _epp(args: list[str]) -> int:
     if opts.print_config:
         from fastroute.epp.bootstrap import bootstrap_for
 
+        assert opts.listen_port is not None  # parse_options requires it with --print-envoy-config
         sys.stdout.write(
             bootstrap_for(config, opts.grpc_port, opts.listen_port, opts.admin_port, opts.failure_mode, opts.envoy_tls)
         )

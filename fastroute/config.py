@@ -226,9 +226,6 @@ class Config:
     # Lower-cased once here (HTTP header names are case-insensitive).
     request_id_headers: list[str] = _list(DEFAULT_REQUEST_ID_HEADERS)
     cors_allowed_origins: list[str] = _list(())
-    # Control-plane keys ('id:name:role:key', fastroute.auth) and audit of admin mutations.
-    control_plane_api_keys: tuple[str, ...] = ()
-    control_plane_audit_enabled: bool = False
     shutdown_grace_period_secs: int = 180
     header_read_timeout_secs: float = 30.0
     idle_connection_timeout_secs: float = 60.0

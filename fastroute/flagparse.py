@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from fastroute import flags
 from fastroute.config import P2C_LOAD_METRICS
@@ -33,7 +33,7 @@ _OWN_PREFIXED = frozenset(f.name for f in flags.TABLE if f.name.startswith(ROUTE
 # Every peer flag fastroute accepts without a field of its own comes from the one inventory,
 # fastroute.flags.TABLE (implemented / inert / refused, with the reason).
 BY_STATUS: dict[str, tuple[str, ...]] = {
-    status: tuple(n for n in flags.COMPAT_NAMES if flags.lookup(n).status == status) for status in flags.STATUSES
+    status: tuple(n for n in flags.COMPAT_NAMES if flags.row_of(n).status == status) for status in flags.STATUSES
 }
 # Inert flags: accepted with one warning each.
 IGNORED_FLAGS: tuple[str, ...] = BY_STATUS[flags.INERT]
@@ -49,7 +49,7 @@ class Parser(argparse.ArgumentParser):
 
     json_errors = False
 
-    def error(self, message: str) -> Any:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         startup_error(message, self.json_errors)
         self.exit(2)
 

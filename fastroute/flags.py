@@ -337,6 +337,14 @@ COMPAT_NAMES: tuple[str, ...] = tuple(f.name for f in TABLE if not f.family and 
 PARSED_NAMES: frozenset[str] = frozenset(f.name for f in TABLE if f.parsed)
 
 
+def row_of(flag: str) -> Flag:
+    """The row of a flag the inventory lists (its COMPAT_NAMES); KeyError for any other."""
+    row = lookup(flag)
+    if row is None:
+        raise KeyError(flag)
+    return row
+
+
 def lookup(flag: str) -> Flag | None:
     """The row governing ``flag`` (canonical spelling, no ``--router-`` prefix)."""
     row = _BY_NAME.get(flag)

@@ -511,12 +511,12 @@ def add_inventory_groups(add: Adder) -> None:
         "saying why. The full inventory is docs/flags.md (python -m fastroute.flags).",
     )
     for flag in BY_STATUS[flags.INERT]:
-        add(flag, action=IgnoredFlag, metavar="VALUE", help="inert: " + flags.lookup(flag).reason)
+        add(flag, action=IgnoredFlag, metavar="VALUE", help="inert: " + flags.row_of(flag).reason)
     add.section(
         "Accepted: fastroute already does this", "Peer flags asking for what fastroute does anyway; accepted silently."
     )
     for flag in BY_STATUS[flags.IMPLEMENTED]:
-        add(flag, action=IgnoredFlag, metavar="VALUE", help=flags.lookup(flag).reason)
+        add(flag, action=IgnoredFlag, metavar="VALUE", help=flags.row_of(flag).reason)
     add.section(
         "Refused (not implemented)",
         "Peer flags that would change who gets in, where requests go or readiness: start-up "
@@ -524,4 +524,4 @@ def add_inventory_groups(add: Adder) -> None:
         "does). Families: " + ", ".join(families) + " (see docs/flags.md).",
     )
     for flag in BY_STATUS[flags.REFUSED]:
-        add(flag, action=IgnoredFlag, metavar="VALUE", help="refused: " + flags.lookup(flag).reason)
+        add(flag, action=IgnoredFlag, metavar="VALUE", help="refused: " + flags.row_of(flag).reason)

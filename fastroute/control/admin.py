@@ -67,6 +67,10 @@ def request_header(headers: Any, name: str) -> str | None:
     return None
 
 
+def _text(body: bytes | str) -> str:
+    return body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+
+
 def _json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
@@ -109,7 +113,7 @@ class Workers(Protocol):
     def ready(self) -> bool: ...
     def ready_workers(self, role: str | None = None) -> list[Worker]: ...
     def healthy_workers(self, role: str) -> list[Worker]: ...
-    def auth_headers(self, w: Worker) -> dict[str, str]: ...
+    def auth_headers(self, w: Worker) -> dict[str, str] | None: ...
     def find(self, url: str) -> Worker | None: ...
     def get(self, worker_id: str) -> Worker | None: ...
     def add_worker(
@@ -164,6 +168,7 @@ class AdminAPI:
         ``principal``, or here for callers that did not decide (the supervisor's control
         listener). A management change is audited here unless :meth:`forwards` hands it to
         the process that applies it (which audits it then)."""
+        key: ControlPlaneKey | None
         if principal is not None:
             verdict, key = OK, principal
         else:
@@ -593,7 +598,7 @@ class AdminAPI:
         timeout = min(float(self.registry.config.request_timeout_secs), 60.0)
         results = await self._fan_out(chosen, "GET", "/health_generate", timeout)
         bad = [
-            f"{w.url}: {status if status is not None else rbody}"
+            f"{w.url}: {status if status is not None else _text(rbody)}"
             for w, status, rbody in results
             if status is None or not 200 <= status < 300
         ]

@@ -589,6 +589,7 @@ async def _consume(
             if problem is not None:
                 sets.bad(role, f"{kind} event", problem)
                 continue
+            assert isinstance(obj, dict)  # pod_problem names any other shape
             rv = obj["metadata"].get("resourceVersion") or rv
             key = _key(obj)
             if kind == "DELETED" or not selector_matches(reqs, _labels(obj)):

@@ -16,7 +16,7 @@ import asyncio
 import json
 import logging
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastroute.checks import link_local
 from fastroute.config import Config
@@ -61,6 +61,16 @@ class Handshake:
     _by_id: dict[str, Worker]
     _by_addr: dict[tuple[str, int], Worker]
     _next_attempt: float
+
+    if TYPE_CHECKING:  # methods the Registry provides, declared for the type checker only
+
+        def _activate(self, w: Worker) -> None: ...
+        def invalidate_ready(self) -> None: ...
+        def _unindex(self, w: Worker) -> None: ...
+        def auth_headers(self, w: Worker) -> dict[str, str] | None: ...
+        @staticmethod
+        def health_headers(w: Worker) -> dict[str, str] | None: ...
+        async def _discover_rank_ports(self, w: Worker, timeout: float) -> None: ...
 
     async def _register(self, w: Worker) -> None:
         try:
@@ -203,9 +213,9 @@ class Handshake:
         if self.config.dp_aware and not valid:
             raise _Fatal(f"No dp_size in response from {w.server_info_path} (got {dp!r}); --dp-aware needs it")
         bound = self.config.max_targets_per_worker
-        if self.config.dp_aware and valid and dp > bound:
+        if self.config.dp_aware and valid and isinstance(dp, int) and dp > bound:
             raise _Fatal(
                 f"{w.server_info_path} reports dp_size {dp}: one worker may take at most {bound} "
                 "targets (--max-targets-per-worker)"
             )
-        w.dp_size = dp if valid else 1
+        w.dp_size = dp if valid and isinstance(dp, int) else 1

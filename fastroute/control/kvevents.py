@@ -392,6 +392,7 @@ class KvEvents:
 
     # ---- loads ------------------------------------------------------------------------------------
     async def _load_stream(self, s: RankStream, topic: str) -> None:
+        assert s.load_endpoint is not None  # started only for a rank that publishes loads
         zmq = self._zmq
         sock = self._ctx.socket(zmq.SUB)
         try:
@@ -493,6 +494,7 @@ class KvEvents:
     async def _replay(self, s: RankStream, start: int, upto: int | None) -> tuple[int | None, int | None]:
         """Ask rank ``s``'s replay socket for the batches from ``start`` (to ``upto``) and
         apply them in order: (first seq received, last seq applied), None where none."""
+        assert s.replay_endpoint is not None  # called only for a rank with a replay port
         zmq = self._zmq
         sock = self._ctx.socket(zmq.DEALER)
         first: int | None = None

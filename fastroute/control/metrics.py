@@ -103,9 +103,13 @@ class Stats:
         worker's series end with it, and a router that saw 10,000 workers come and go does
         not keep 10,000 of them)."""
         for d in (self.cb_outcomes, self.cb_transitions):
-            gone = [k for k in d if k[0] not in live]
-            for k in gone:
-                del d[k]
+            _forget(d, live)
+
+
+def _forget(d: dict[Any, int], live: set[str]) -> None:
+    """Delete the keys of ``d`` whose first item (a target name) is not in ``live``."""
+    for k in [k for k in d if k[0] not in live]:
+        del d[k]
 
 
 def group_decisions(groups: dict) -> dict[tuple[str, str, str], int]:
@@ -451,7 +455,7 @@ class Collector:
             g.add_metric([source], float(sum(merged("discovered").values())))
         yield g
         h = _hist_family("smg_router_request_duration_seconds", "Routed request duration (success)", labels)
-        keys = set()
+        keys: set[tuple[str, ...]] = set()
         for s in self.stats:
             keys.update(s.router_duration)
         for key in sorted(keys):
@@ -646,7 +650,6 @@ async def start_metrics(
     """Start the metrics listener (called by the runtime's assembly)."""
     stats = stats if stats is not None else new_stats(config)
     m = MetricsServer(Collector(table, registry, [stats], config))
-    m.stats = stats  # type: ignore[attr-defined]
     if getattr(registry, "background", None) is not None:
         from fastroute.control.background import BackgroundCollector
 

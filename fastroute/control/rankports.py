@@ -23,7 +23,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 from fastroute.checks import worker_url_problem
@@ -170,6 +170,20 @@ class RankPorts:
     :class:`fastroute.control.registry.Registry`, which provides ``find``, ``_index``,
     ``_unindex``, ``_by_id``, ``_get_info`` and ``resize``)."""
 
+    if TYPE_CHECKING:  # what the Registry provides, declared for the type checker only
+        _by_id: dict[str, Any]
+        config: Any
+        own: Any
+        _by_addr: dict[tuple[str, int], Any]
+
+        def find(self, url: str) -> Any: ...
+        def _index(self, w: Any) -> None: ...
+        def _unindex(self, w: Any) -> None: ...
+        def resize(self, w: Any, dp: int, why: str = "") -> None: ...
+        async def _get_info(
+            self, w: Any, primary: str, fallback: str, timeout: float, url: str | None = None
+        ) -> tuple[dict[str, Any] | None, str]: ...
+
     @staticmethod
     def _aliases(w: Any) -> list[tuple[str, tuple[str, int] | None]]:
         """(URL, address key) of every rank port of ``w``: each finds the server's worker."""
@@ -190,30 +204,24 @@ class RankPorts:
             return  # one port for the whole server (or a single rank): as before
 
         async def info(url: str) -> Mapping[str, Any] | None:
-            doc, _ = await self._get_info(
-                w,
-                w.server_info_path,
-                "/get_server_info",
-                timeout,  # type: ignore[attr-defined]
-                url=url,
-            )
+            doc, _ = await self._get_info(w, w.server_info_path, "/get_server_info", timeout, url=url)
             return doc
 
-        bound = self.config.max_targets_per_worker  # type: ignore[attr-defined]
+        bound = self.config.max_targets_per_worker
         if layout.count > bound:
             raise RankLayoutError(
                 f"the server reports {layout.count} rank ports on this host: one worker may take "
                 f"at most {bound} targets (--max-targets-per-worker)"
             )
         urls, ids = await find_rank_ports(w.url, w.port, layout, info, lambda urls: self._vet_rank_urls(w, urls))
-        given, indexed = w.url, self._by_id.get(w.id) is w  # type: ignore[attr-defined]
-        self._unindex(w)  # type: ignore[attr-defined]
+        given, indexed = w.url, self._by_id.get(w.id) is w
+        self._unindex(w)
         w.url, w.port = urls[0], urlsplit(urls[0]).port
         if w.addr is not None:
             w.addr = (w.addr[0], w.port)
         w.rank_urls, w.rank_ids, w.dp_size = urls, ids, layout.dp_size
         if indexed:
-            self._index(w)  # type: ignore[attr-defined]
+            self._index(w)
         if w.role == "prefill" and layout.bootstrap_port is not None:
             if w.bootstrap_port not in (None, layout.bootstrap_port):
                 log.warning(
@@ -231,18 +239,18 @@ class RankPorts:
         """Raise RankLayoutError naming the first rank URL of ``w`` that ``POST /workers`` would
         refuse: a bad URL, one of the router's own listeners, another worker's port."""
         for url in urls:
-            problem = worker_url_problem(url, self.config.allow_link_local_workers)  # type: ignore[attr-defined]
+            problem = worker_url_problem(url, self.config.allow_link_local_workers)
             if problem is not None:
                 raise RankLayoutError(f"rank port URL {url!r} {problem}")
             port = urlsplit(url).port or 0
             addr = (w.addr[0], port) if w.addr is not None else address_key(w.host, port)
             try:
-                self.own.check(url, addr)  # type: ignore[attr-defined]
+                self.own.check(url, addr)
             except SelfWorker as exc:
                 raise RankLayoutError(f"rank port: {exc}") from None
-            other = self.find(url)  # type: ignore[attr-defined]
+            other = self.find(url)
             if other is None and addr is not None:
-                other = self._by_addr.get(addr)  # type: ignore[attr-defined]
+                other = self._by_addr.get(addr)
             if other is not None and other is not w:
                 raise RankLayoutError(f"rank port {url} is already worker {other.url}")
 
@@ -259,7 +267,7 @@ class RankPorts:
             return
         urls = [with_port(w.url, w.port + i) for i in range(layout.count)]
         try:
-            bound = self.config.max_targets_per_worker  # type: ignore[attr-defined]
+            bound = self.config.max_targets_per_worker
             if layout.count > bound:
                 raise RankLayoutError(f"one worker may take at most {bound} targets (--max-targets-per-worker)")
             if w.port + layout.count - 1 > 65535:
@@ -275,9 +283,9 @@ class RankPorts:
                 exc,
             )
             return
-        self._unindex(w)  # type: ignore[attr-defined]
+        self._unindex(w)
         w.rank_urls = urls
         w.rank_ids = [layout.first + i for i in range(layout.count)]
-        self._index(w)  # type: ignore[attr-defined]
+        self._index(w)
         w.server_info = dict(doc)
-        self.resize(w, layout.dp_size, why)  # type: ignore[attr-defined]
+        self.resize(w, layout.dp_size, why)

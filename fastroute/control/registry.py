@@ -105,7 +105,7 @@ class Registry(Handshake, RankPorts):
         demand = config.decode_input_demand
         weight = config.decode_request_weight
         metric = config.p2c_load_metric
-        self._groups = {
+        groups = {
             # A regular worker decodes too: demand and KV fit apply to its group as to PD's
             # decode group.
             "regular": router.group(
@@ -123,7 +123,7 @@ class Registry(Handshake, RankPorts):
             # Prefill demand: the input tokens in flight there, held until the prefill answers.
             "prefill": router.group(
                 [],
-                config.prefill_policy,
+                config.prefill_policy or config.policy,
                 load_metric=metric,
                 names=[],
                 demand=config.prefill_input_demand,
@@ -133,7 +133,7 @@ class Registry(Handshake, RankPorts):
             ),
             "decode": router.group(
                 [],
-                config.decode_policy,
+                config.decode_policy or config.policy,
                 load_metric=metric,
                 demand=demand,
                 request_weight=weight,
@@ -143,6 +143,7 @@ class Registry(Handshake, RankPorts):
                 rank_slack=leg_rank_slack(config, "decode"),
             ),
         }
+        self._groups: dict[str, Group | ModelGroups] = dict(groups)
         if config.enable_igw:
             # One group per model inside each role (fastroute.control.models).
             aliases = parse_aliases(config.model_alias)
@@ -155,7 +156,7 @@ class Registry(Handshake, RankPorts):
                     aliases,
                     g.policy,
                 )
-                for role, g in self._groups.items()
+                for role, g in groups.items()
             }
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -224,12 +225,13 @@ class Registry(Handshake, RankPorts):
                 self._by_addr.setdefault(addr, w)
 
     def _unindex(self, w: Worker) -> None:
-        keys = [(self._by_url, w.url), (self._by_id, w.id), (self._by_addr, w.addr)]
-        for url, addr in self._aliases(w):
-            keys += [(self._by_url, url), (self._by_addr, addr)]
-        for d, k in keys:
-            if k is not None and d.get(k) is w:
-                del d[k]
+        if self._by_id.get(w.id) is w:
+            del self._by_id[w.id]
+        for url, addr in [(w.url, w.addr), *self._aliases(w)]:
+            if self._by_url.get(url) is w:
+                del self._by_url[url]
+            if addr is not None and self._by_addr.get(addr) is w:
+                del self._by_addr[addr]
 
     def reindex(self) -> None:
         """Rebuild the lookups after ``workers`` was replaced wholesale (the follower's view)."""
@@ -261,7 +263,7 @@ class Registry(Handshake, RankPorts):
         """A worker's status or health changed: recompute ``ready()`` on its next call."""
         self._ready_cache = None
 
-    def auth_headers(self, w: Worker) -> dict[str, str]:
+    def auth_headers(self, w: Worker) -> dict[str, str] | None:
         """Authorization for worker calls other than /health (protocol.md 2): the bearer key,
         else the Basic credentials of the worker's URL."""
         key = w.api_key or self.config.api_key
@@ -381,9 +383,9 @@ class Registry(Handshake, RankPorts):
         w.status = "removed"
         w.healthy = False
         self.invalidate_ready()
-        for t in (w.task, w.dp_task):
-            if t is not None and not t.done():
-                t.cancel()
+        for task in (w.task, w.dp_task):
+            if task is not None and not task.done():
+                task.cancel()
         if was_ready:
             self._sync_group(w.role)
             for t in w.targets:
@@ -495,9 +497,10 @@ class Registry(Handshake, RankPorts):
         w.targets = kept + added
         w.names = [target_label(w, None if n == 1 else r) for r in range(n)]
         if w.rank_ports:
-            for lst, v in ((w.rank_healthy, True), (w.rank_failures, 0), (w.rank_successes, 0)):
-                del lst[n:]
-                lst.extend([v] * (n - len(lst)))
+            del w.rank_healthy[n:], w.rank_failures[n:], w.rank_successes[n:]
+            w.rank_healthy.extend([True] * (n - len(w.rank_healthy)))
+            w.rank_failures.extend([0] * (n - len(w.rank_failures)))
+            w.rank_successes.extend([0] * (n - len(w.rank_successes)))
         for r, t in enumerate(w.targets):
             if t >= len(self.target_info):
                 self.target_info.extend([None] * (t + 1 - len(self.target_info)))

@@ -214,9 +214,9 @@ class ReplicaSync:
         timeout = max(0.05, min(1.0, ttl / 2))
         # Deferred: redis adds ~6 MB of RSS at import and only --replica-sync uses it.
         import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry  # the asyncio client's own (redis.retry's is converted)
         from redis.backoff import NoBackoff
         from redis.exceptions import RedisError
-        from redis.retry import Retry
 
         # What a failed tick or withdrawal raises (RedisError known only once redis is loaded).
         self._failures = (RedisError, OSError, asyncio.TimeoutError)

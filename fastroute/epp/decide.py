@@ -339,7 +339,7 @@ class Decider:
         entry = self.registry.target_info[lease.target]
         worker, rank = entry
         new_body = None
-        if rank is not None and self.rank_field is not None and spec is not None:
+        if rank is not None and self.rank_field is not None and spec is not None and body is not None:
             field = self._rank_bytes.get(rank)
             if field is None:
                 field = self._rank_bytes[rank] = _body.rank_field_bytes(self.rank_field, rank)

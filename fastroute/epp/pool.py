@@ -50,7 +50,9 @@ PROVIDER = "inferencepool"
 SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 _LABEL_KEY_MAX = 317  # prefix (253) + "/" + name (63)
 
-Spec = tuple  # (matchLabels as sorted ((key, value), ...), target ports (int, ...))
+Spec = tuple[
+    tuple[tuple[str, str], ...], tuple[int, ...]
+]  # (matchLabels as sorted ((key, value), ...), target ports (int, ...))
 
 
 def default_namespace() -> str:
@@ -200,7 +202,7 @@ class PoolDiscovery:
             await self.sets.replace("regular", {})
             return
         self.sets.ports = spec[1]
-        reqs = [(k, "=", (v,)) for k, v in spec[0]]
+        reqs: list[tuple[str, str, tuple[str, ...]]] = [(k, "=", (v,)) for k, v in spec[0]]
 
         async def pods(st: Any) -> None:
             await _watch_pods(self.d, self.sets, "regular", reqs, st, namespace=self.namespace)

@@ -297,6 +297,7 @@ class EppServer:
             try:
                 now = loop.time()
                 d = self.decider
+                assert d is not None  # the sweep starts after start() built the decider
                 if d.admission.queue:
                     d.admission.expire(now)
                 d.check_silent(now)

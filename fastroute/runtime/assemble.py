@@ -242,7 +242,7 @@ def freeze_heap() -> None:
 
 async def listen(
     app: App, host: str, port: int, reuse_port: bool = False, tls: ssl.SSLContext | None = None
-) -> asyncio.AbstractServer:
+) -> asyncio.Server:
     """The client listener of ``app``, HTTPS when ``tls`` is given.
 
     Only the proxy processes of ``--workers N`` share a port (``reuse_port``): a single process
@@ -254,7 +254,9 @@ async def listen(
     app.tls_listener = tls is not None
     try:
         return await loop.create_server(
-            app.protocol_factory,
+            # An extension type cannot subclass asyncio.BaseProtocol: ClientProtocol has its
+            # methods (connection_made, data_received, ...) without being one by name.
+            app.protocol_factory,  # type: ignore[arg-type]
             host,
             port,
             reuse_address=True,

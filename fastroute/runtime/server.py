@@ -88,7 +88,7 @@ class Server:
             self.listener = await listen(self.app, cfg.host, cfg.port, tls=tls)
             self.probe = start_probe(cfg, self.probe_ready)
             own_listeners(self.registry, cfg, self.listener.sockets[0].getsockname()[1], self.metrics, self.probe)
-            self.discovery = await start_discovery(cfg, self.registry, self.metrics.stats)
+            self.discovery = await start_discovery(cfg, self.registry, parts.stats)
         except BaseException:
             await self._close_listeners()
             self.table.close()

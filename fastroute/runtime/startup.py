@@ -90,7 +90,7 @@ def own_listeners(registry: Any, config: Config, port: int, metrics: Any, probe:
     """Tell the registry which addresses are the router's own (bound ports), so a worker URL
     naming one is refused (fastroute.control.selfaddr)."""
     registry.own.add(config.host, port, f"--port {port}")
-    if metrics is not None and getattr(metrics, "port", 0):
+    if metrics is not None and getattr(metrics, "port", None):
         registry.own.add(config.prometheus_host, metrics.port, f"--prometheus-port {metrics.port}")
     if probe is not None:
         registry.own.add(config.host, probe.port, f"--health-check-port {probe.port}")
@@ -107,6 +107,7 @@ def banner(config: Config, port: int, processes: int) -> str:
         f"fastroute {__version__} listening on {_url(scheme, config.host, port)}"
         + (f" ({processes} proxy processes)" if processes > 1 else "")
     ]
+    legs: tuple[tuple[str, str | None], ...]
     if config.pd_disaggregation:
         legs = (("prefill", config.prefill_policy), ("decode", config.decode_policy))
         lines.append("  mode: PD disaggregation")

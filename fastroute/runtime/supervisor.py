@@ -274,6 +274,7 @@ class Supervisor:
 
     def _retire(self, child: _Child, pid: int) -> None:
         """A process exited: keep its last statistics, give back what it had booked."""
+        assert self.table is not None and self.stats is not None and self.retired is not None  # after start()
         report = self._read_report(child.slot, pid)
         if report is not None:
             merge_stats(self.retired, report["stats"])
@@ -315,6 +316,7 @@ class Supervisor:
     # ---- snapshot -----------------------------------------------------------------------------
     def publish(self, force: bool = False) -> bool:
         """Write the worker snapshot if it changed, then bump the table generation."""
+        assert self.table is not None  # publishing starts once start() made the table
         doc = snapshot_doc(self.registry, 0) if self.registry is not None else {"workers": []}
         body = json.dumps(doc["workers"], sort_keys=True, default=str)
         if body == self._last_doc and not force:
@@ -340,6 +342,7 @@ class Supervisor:
                 if ticks % 2 == 0:
                     self._refresh_views()
                 if ticks % RECONCILE_TICKS == 0:
+                    assert self.reconciler is not None and self.registry is not None  # set by start()
                     self.reconciler.check(self.registry.target_info, asyncio.get_running_loop().time())
             except Exception:  # keep publishing whatever one tick did
                 log.exception("snapshot publisher")
@@ -407,7 +410,7 @@ class Supervisor:
         if grace is None:
             grace = float(self.config.shutdown_grace_period_secs)
         try:
-            procs = [c.proc for c in self.children if c.alive]
+            procs = [c.proc for c in self.children if c.proc is not None and c.proc.returncode is None]
             for p in procs:
                 try:
                     p.send_signal(signal.SIGTERM)

@@ -139,7 +139,8 @@ def parse_inference(path: str, body: bytes, params: SimParams) -> ParsedGen:
     stream = bool(obj.get("stream", False))
     return_logprob = bool(obj.get("return_logprob", False))
     include_usage = isinstance(so, dict) and bool(so.get("include_usage"))
-    model = obj.get("model") if isinstance(obj.get("model"), str) else params.model
+    named = obj.get("model")
+    model = named if isinstance(named, str) else params.model
     if per_item is not None:
         bg = _parse_batch(
             obj, kind, per_item, item_max_new or [max_new] * len(per_item), stream, return_logprob, include_usage, model
@@ -398,7 +399,7 @@ def _make_emitter(resp: Responder, rid: str, g: ParsedGen) -> Any:
 
 def _usage_event(rid: str, g: ParsedGen, n_out: int) -> bytes:
     n_in = g.items[0].input_tokens if g.kind == "chat" else g.input_tokens
-    obj = {
+    obj: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion.chunk" if g.kind == "chat" else "text_completion",
         "created": int(time.time()),

@@ -437,7 +437,7 @@ async def run_cell(
         target = Target("127.0.0.1", ports[0], ports=tuple(spread.choice(ports) for _ in range(concurrency)))
     loop = asyncio.get_running_loop()
     wall_offset = time.time() - loop.time()
-    retr0 = sum(d.decode.retractions for d in cluster.decodes)  # type: ignore[union-attr]
+    retr0 = sum(d.decode.retractions for d in cluster.decodes if d.decode is not None)
     kv_fit: dict[str, float] = {}
     try:
         res = await run_load(target, trace, concurrency, duration, warmup, seed=seed, progress=progress)
@@ -464,7 +464,7 @@ async def run_cell(
         ]
     )
     summary = scale_summary(res.summary(), decode.p.time_scale)
-    retr = sum(d.decode.retractions for d in cluster.decodes) - retr0  # type: ignore[union-attr]
+    retr = sum(d.decode.retractions for d in cluster.decodes if d.decode is not None) - retr0
     return {
         "label": cell.label,
         "router": cell.router,

@@ -79,7 +79,7 @@ async def run_point(
     sync_ms: int | None = None,
 ) -> dict:
     prefill, decode = cluster.prefills[0], cluster.decodes[0]
-    assert prefill.prefill is not None and decode.decode is not None
+    assert prefill.prefill is not None and decode.decode is not None and prefill.bootstrap_port is not None
     redis_proc = RedisProcess().start() if cell.sync else None
     replicas: list[RouterProcess] = []
     safe = "".join(ch if ch.isalnum() else "_" for ch in cell.label + "_" + tag)

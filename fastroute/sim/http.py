@@ -70,10 +70,12 @@ class Request:
 class Responder:
     """Writes one response on a connection; also tells the handler whether the client left."""
 
-    __slots__ = ("_conn", "_keep_alive", "streaming", "done")
+    __slots__ = ("_conn", "_transport", "_keep_alive", "streaming", "done")
 
     def __init__(self, conn: _ServerConn, keep_alive: bool) -> None:
+        assert conn.transport is not None  # a request arrived on it: connection_made ran
         self._conn = conn
+        self._transport = conn.transport
         self._keep_alive = keep_alive
         self.streaming = False
         self.done = False
@@ -88,7 +90,7 @@ class Responder:
             return
         self.done = True
         conn_hdr = b"keep-alive" if self._keep_alive else b"close"
-        self._conn.transport.write(
+        self._transport.write(
             b"".join(
                 (
                     _status_line(status),
@@ -104,7 +106,7 @@ class Responder:
             )
         )
         if not self._keep_alive:
-            self._conn.transport.close()
+            self._transport.close()
 
     def send_json(self, status: int, obj: Any) -> None:
         self.send(status, json.dumps(obj).encode(), CT_JSON)
@@ -113,7 +115,7 @@ class Responder:
         self.streaming = True
         if self._conn.closed:
             return
-        self._conn.transport.write(
+        self._transport.write(
             b"".join(
                 (
                     _status_line(status),
@@ -129,16 +131,16 @@ class Responder:
     def write_chunk(self, data: bytes) -> None:
         # Called from the decode step loop for every token: one write, no awaits.
         if not self._conn.closed:
-            self._conn.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
     def end_stream(self) -> None:
         if self.done:
             return
         self.done = True
         if not self._conn.closed:
-            self._conn.transport.write(b"0\r\n\r\n")
+            self._transport.write(b"0\r\n\r\n")
             if not self._keep_alive:
-                self._conn.transport.close()
+                self._transport.close()
 
 
 App = Callable[[Request, Responder], Awaitable[None]]
@@ -373,8 +375,9 @@ class HttpConnection:
         proto.headers = {}
         proto.on_chunk = on_chunk
         # Only awaited when the caller wants the head early; an unawaited failed future would warn.
-        proto.head_done = loop.create_future() if on_head is not None else None
-        proto.complete = loop.create_future()
+        head_done = loop.create_future() if on_head is not None else None
+        complete = loop.create_future()
+        proto.head_done, proto.complete = head_done, complete
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()) if headers else ""
         head = (
             f"{method} {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
@@ -385,9 +388,9 @@ class HttpConnection:
             proto.transport.write(head + body if len(body) < 65536 else head)
             if len(body) >= 65536:
                 proto.transport.write(body)
-            if on_head is not None:
-                on_head(await proto.head_done)
-            await proto.complete
+            if on_head is not None and head_done is not None:
+                on_head(await head_done)
+            await complete
         except BaseException:
             # Cancelled or failed mid-response: this connection's state is unknown, drop it.
             # A future may hold an error nobody will await: the head failed and ``complete``

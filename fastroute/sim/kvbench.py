@@ -124,7 +124,7 @@ async def run_point(cell: Cell, ns: argparse.Namespace, arr: list[Arrival], cach
     cluster = await start_cluster(1, ns.decodes, decode_p, prefill_p)
     prefill = cluster.prefills[0]
     pe = prefill.prefill
-    assert pe is not None
+    assert pe is not None and prefill.bootstrap_port is not None  # a started prefill has both
     port, prom = _free_port(), _free_port()
     cmd = router_command(cell, prefill.url, prefill.bootstrap_port, [d.url for d in cluster.decodes], port, prom)
     safe = "".join(ch if ch.isalnum() else "_" for ch in cell.label + "_" + tag)
@@ -153,7 +153,9 @@ async def run_point(cell: Cell, ns: argparse.Namespace, arr: list[Arrival], cach
         await _drain(cluster)
         await cluster.stop()
     t0, t1 = res.window[0] + wall_offset, res.window[1] + wall_offset
-    samples = merge_samples([[s for s in d.decode.samples if t0 <= s[0] <= t1] for d in cluster.decodes])
+    samples = merge_samples(
+        [[s for s in d.decode.samples if t0 <= s[0] <= t1] for d in cluster.decodes if d.decode is not None]
+    )
     load = scale_summary(res.summary(), ns.time_scale)
     done = [r for r in res.records if r.ok and r.t_start >= res.window[0] and r.t_last <= res.window[1]]
     ttft = [(r.t_first - r.t_start) * 1000 / ns.time_scale for r in done if r.n_tokens]

@@ -592,18 +592,19 @@ class SimWorker:
 
     async def _h_stats(self, req: Request, resp: Responder) -> None:
         eng = self.prefill if self.prefill is not None else self.decode
+        assert eng is not None  # a simulated worker runs a prefill or a decode engine
         d = {
             "role": self.role,
             "requests": self.requests,
-            "completed": eng.completed,  # type: ignore[union-attr]
+            "completed": eng.completed,
             "aborted": eng.aborted,
-            "loads": self.rank_loads(),  # type: ignore[union-attr]
+            "loads": self.rank_loads(),
             "dispatch": {
                 "method": eng.ctl.method,
-                "placed": eng.ctl.placed,  # type: ignore[union-attr]
+                "placed": eng.ctl.placed,
                 "refreshes": eng.ctl.refreshes,
             },
-        }  # type: ignore[union-attr]
+        }
         if self.decode is not None:
             d.update(
                 steps=self.decode.steps,

@@ -64,20 +64,27 @@ def test_tls_overhead(tmp_path) -> None:
         leaf = make_leaf(str(tmp_path), "worker", ca_cert, ca_key)
         plain = await DataWorker().start()
         tls = await TLSWorker(server_ctx(leaf)).start()
-        # Two routers in one process, one per worker, so each round measures one transport.
-        async with Router(worker_urls=[plain.url]) as rp, Router(worker_urls=[tls.url], ca_cert_paths=[ca.cert]) as rt:
-            await _round(rp.port, "/generate", CLIENTS * 4)  # warm pools
-            await _round(rt.port, "/generate", CLIENTS * 4)
-            res: dict[str, tuple[list[float], float]] = {"plain": ([], 0.0), "tls": ([], 0.0)}
-            for _ in range(ROUNDS):
-                for name, r in (("plain", rp), ("tls", rt)):
-                    t0 = time.perf_counter()
-                    lat = await _round(r.port, "/generate", PER_ROUND)
-                    acc, secs = res[name]
-                    res[name] = (acc + lat, secs + time.perf_counter() - t0)
-            print()
-            a = _report("plain", *res["plain"])
-            b = _report("tls", *res["tls"])
-            print(f"TLS overhead: {100 * (a - b) / a:+.1f}% throughput")
+        try:
+            # Two routers in one process, one per worker, so each round measures one transport.
+            async with (
+                Router(worker_urls=[plain.url]) as rp,
+                Router(worker_urls=[tls.url], ca_cert_paths=[ca.cert]) as rt,
+            ):
+                await _round(rp.port, "/generate", CLIENTS * 4)  # warm pools
+                await _round(rt.port, "/generate", CLIENTS * 4)
+                res: dict[str, tuple[list[float], float]] = {"plain": ([], 0.0), "tls": ([], 0.0)}
+                for _ in range(ROUNDS):
+                    for name, r in (("plain", rp), ("tls", rt)):
+                        t0 = time.perf_counter()
+                        lat = await _round(r.port, "/generate", PER_ROUND)
+                        acc, secs = res[name]
+                        res[name] = (acc + lat, secs + time.perf_counter() - t0)
+                print()
+                a = _report("plain", *res["plain"])
+                b = _report("tls", *res["tls"])
+                print(f"TLS overhead: {100 * (a - b) / a:+.1f}% throughput")
+        finally:
+            await plain.stop()
+            await tls.stop()
 
     run(body(), timeout=300)

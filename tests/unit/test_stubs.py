@@ -1,22 +1,33 @@
 """The .pyi stubs beside the compiled modules list exactly their Python-visible API, so the
-``py.typed`` marker the package ships is honest.  Also: every .pyx has its .pyi."""
+``py.typed`` marker the package ships is honest.  Also: every .pyx has its .pyi, each of the
+nine compiled modules is checked, and the wheel ships every package's stubs (package-data)."""
 
 from __future__ import annotations
 
 import ast
+import fnmatch
+import importlib
 import types
 from pathlib import Path
 
 import pytest
+from setuptools.config.pyprojecttoml import load_file
 
+import fastroute.config
 import fastroute.names
-from fastroute.core import _ledger, _policy, _tree
 
-CORE = Path(_ledger.__file__).parent
+ROOT = Path(fastroute.names.__file__).parent.parent
+PACKAGE = ROOT / "fastroute"
+# Every Cython source in the package, as a module name: fastroute.core._ledger, ...
+PYX = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts) for p in PACKAGE.rglob("*.pyx"))
+
+
+def stub_path(module) -> Path:
+    return Path(module.__file__).parent / f"{module.__name__.rsplit('.', 1)[1]}.pyi"
 
 
 def stub_api(module) -> tuple[set[str], dict[str, set[str]]]:
-    tree = ast.parse((CORE / f"{module.__name__.rsplit('.', 1)[1]}.pyi").read_text())
+    tree = ast.parse(stub_path(module).read_text())
     top: set[str] = set()
     members: dict[str, set[str]] = {}
     for node in tree.body:
@@ -34,8 +45,11 @@ def stub_api(module) -> tuple[set[str], dict[str, set[str]]]:
 
 
 def runtime_api(module) -> set[str]:
-    # Names a module imports from fastroute.names are not its API (ints are interned: skip them).
-    shared = {id(v) for v in vars(fastroute.names).values() if not isinstance(v, int)}
+    # Names a module imports from fastroute.names or fastroute.config are not its API (ints are
+    # interned: skip them).
+    shared = {
+        id(v) for source in (fastroute.names, fastroute.config) for v in vars(source).values() if not isinstance(v, int)
+    }
     return {
         n
         for n, v in vars(module).items()
@@ -47,8 +61,15 @@ def public(cls) -> set[str]:
     return {n for n in dir(cls) if not n.startswith("_")}
 
 
-@pytest.mark.parametrize("module", [_ledger, _policy, _tree], ids=lambda m: m.__name__)
-def test_stub_lists_the_runtime_api(module):
+def test_all_nine_compiled_modules_are_checked():
+    # Four kernels in core, five request-path helpers in the data plane (issue 49).
+    assert len(PYX) == 9, PYX
+
+
+@pytest.mark.parametrize("name", PYX)
+def test_stub_lists_the_runtime_api(name):
+    module = importlib.import_module(name)
+    assert not module.__file__.endswith(".py"), f"{name} is not compiled: build it (setup.py build_ext --inplace)"
     top, members = stub_api(module)
     assert top == runtime_api(module)
     for name, names in members.items():
@@ -59,4 +80,18 @@ def test_stub_lists_the_runtime_api(module):
 
 
 def test_every_pyx_has_a_pyi():
-    assert {p.stem for p in CORE.glob("*.pyx")} == {p.stem for p in CORE.glob("*.pyi")}
+    pyx = {p.with_suffix("") for p in PACKAGE.rglob("*.pyx")}
+    pyi = {p.with_suffix("") for p in PACKAGE.rglob("*.pyi")}
+    assert pyx == pyi
+
+
+def test_the_wheel_ships_every_stub():
+    # setuptools installs a package's non-.py files only when package-data names them: a stub
+    # left out would make the installed py.typed marker claim types the wheel does not have.
+    pyproject = load_file(ROOT / "pyproject.toml")  # setuptools' own reader (tomllib is 3.11+)
+    package_data = pyproject["tool"]["setuptools"]["package-data"]
+    for stub in PACKAGE.rglob("*.pyi"):
+        package = ".".join(stub.parent.relative_to(ROOT).parts)
+        patterns = package_data.get(package, [])
+        assert any(fnmatch.fnmatch(stub.name, pat) for pat in patterns), f"{package} package-data misses {stub.name}"
+    assert "py.typed" in package_data["fastroute"]
