@@ -10,6 +10,7 @@ tests read where ``data_parallel_rank`` sent each request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import Any
@@ -176,6 +177,19 @@ def router(worker: DataWorker, **kw: Any) -> Router:
     )
 
 
+@contextlib.asynccontextmanager
+async def engine_and_router(dp: int = DP, replay: bool = True, loads: bool = True, **kw: Any) -> Any:
+    """A publisher, a worker advertising it and a router subscribed to it; all stopped after."""
+    e = Engine(dp, replay=replay, loads=loads)
+    w = await KvWorker(e, dp_size=dp).start()
+    try:
+        async with router(w, **kw) as r:
+            yield e, w, r
+    finally:
+        await w.stop()
+        await e.close()
+
+
 async def generate(r: Router, ids: list[int]) -> None:
     resp = await call(r.port, post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 4}}))
     assert resp.status == 200, resp.body
@@ -211,115 +225,91 @@ async def store_chain(e: Engine, rank: int, tb: list[list[int]], base_hash: int)
 
 def test_hit_goes_to_the_rank_that_stored_it_and_leaves_after_removal() -> None:
     async def go() -> None:
-        e = Engine()
-        w = await KvWorker(e).start()
-        try:
-            async with router(w) as r:
-                await subscribed(r, w)
-                tb = blocks(1, 6)
-                hashes = await store_chain(e, 5, tb, 500)
-                prompt = [t for b in tb for t in b] + [7, 7, 7]
-                idx = index_of(r)
-                t5 = rows(r, w)[5]
-                await until(lambda: idx.blocks(t5) == 6, 5.0, "6 blocks indexed on rank 5")
-                for _ in range(3):
-                    await generate(r, prompt)
-                    assert last_rank(w) == 5
-                # Evicted on rank 5, stored on rank 2: the hit moves with the cache.
-                await e.publish(5, [{"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU"}])
-                await store_chain(e, 2, tb, 900)
-                t2 = rows(r, w)[2]
-                await until(lambda: idx.blocks(t5) == 0 and idx.blocks(t2) == 6, 5.0, "moved to rank 2")
-                for _ in range(3):
-                    await generate(r, prompt)
-                    assert last_rank(w) == 2
-                assert idx.picks >= 6
-        finally:
-            await w.stop()
-            await e.close()
+        async with engine_and_router() as (e, w, r):
+            await subscribed(r, w)
+            tb = blocks(1, 6)
+            hashes = await store_chain(e, 5, tb, 500)
+            prompt = [t for b in tb for t in b] + [7, 7, 7]
+            idx = index_of(r)
+            t5 = rows(r, w)[5]
+            await until(lambda: idx.blocks(t5) == 6, 5.0, "6 blocks indexed on rank 5")
+            for _ in range(3):
+                await generate(r, prompt)
+                assert last_rank(w) == 5
+            # Evicted on rank 5, stored on rank 2: the hit moves with the cache.
+            await e.publish(5, [{"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU"}])
+            await store_chain(e, 2, tb, 900)
+            t2 = rows(r, w)[2]
+            await until(lambda: idx.blocks(t5) == 0 and idx.blocks(t2) == 6, 5.0, "moved to rank 2")
+            for _ in range(3):
+                await generate(r, prompt)
+                assert last_rank(w) == 2
+            assert idx.picks >= 6
 
     run(go())
 
 
 def test_a_chained_store_extends_its_parent() -> None:
     async def go() -> None:
-        e = Engine(replay=False, loads=False)
-        w = await KvWorker(e).start()
-        try:
-            async with router(w) as r:
-                await until(lambda: len(r.server.kv_events.streams) == DP, 5.0, "subscribed")
-                await asyncio.sleep(0.3)  # the SUB sockets connect (no replay to catch up)
-                tb = blocks(2, 8)
-                await e.publish(3, [stored([10, 11, 12], None, tb[:3])])
-                await e.publish(3, [stored([13, 14, 15, 16, 17], 12, tb[3:])])
-                t3 = rows(r, w)[3]
-                idx = index_of(r)
-                await until(lambda: idx.blocks(t3) == 8, 5.0, "8 chained blocks")
-                ids = [t for b in tb for t in b]
-                assert idx.hits(ids, [t3]) == [8]
-                assert idx.hits(ids[: 5 * BS] + [0] * BS, [t3]) == [5]
-                # A child whose parent was never seen is not indexed (an orphan).
-                await e.publish(3, [stored([99], 12345, blocks(3, 1))])
-                await until(lambda: idx.ranks[t3].orphans == 1, 5.0, "orphan counted")
-                assert chain(ids, BS)[:8] == chain(ids, BS, 8)
-        finally:
-            await w.stop()
-            await e.close()
+        async with engine_and_router(replay=False, loads=False) as (e, w, r):
+            await until(lambda: len(r.server.kv_events.streams) == DP, 5.0, "subscribed")
+            await asyncio.sleep(0.3)  # the SUB sockets connect (no replay to catch up)
+            tb = blocks(2, 8)
+            await e.publish(3, [stored([10, 11, 12], None, tb[:3])])
+            await e.publish(3, [stored([13, 14, 15, 16, 17], 12, tb[3:])])
+            t3 = rows(r, w)[3]
+            idx = index_of(r)
+            await until(lambda: idx.blocks(t3) == 8, 5.0, "8 chained blocks")
+            ids = [t for b in tb for t in b]
+            assert idx.hits(ids, [t3]) == [8]
+            assert idx.hits(ids[: 5 * BS] + [0] * BS, [t3]) == [5]
+            # A child whose parent was never seen is not indexed (an orphan).
+            await e.publish(3, [stored([99], 12345, blocks(3, 1))])
+            await until(lambda: idx.ranks[t3].orphans == 1, 5.0, "orphan counted")
+            assert chain(ids, BS)[:8] == chain(ids, BS, 8)
 
     run(go())
 
 
 def test_a_skipped_seq_is_recovered_through_the_replay_socket() -> None:
     async def go() -> None:
-        e = Engine()
-        w = await KvWorker(e).start()
-        try:
-            async with router(w) as r:
-                await subscribed(r, w)
-                a, b, c = blocks(4, 1), blocks(5, 1), blocks(6, 1)
-                await e.publish(6, [stored([1], None, a)])
-                await e.publish(6, [stored([2], 1, b)], drop=True)  # never sent live
-                await e.publish(6, [stored([3], 2, c)])
-                t6 = rows(r, w)[6]
-                idx = index_of(r)
-                await until(lambda: idx.blocks(t6) == 3, 5.0, "the lost batch replayed")
-                s = stream(r, w, 6)
-                assert (s.gaps, s.replays, s.resyncs) == (1, 1, 0)
-                assert idx.state(t6) == "fresh"
-                await generate(r, a[0] + b[0] + c[0])
-                assert last_rank(w) == 6
-        finally:
-            await w.stop()
-            await e.close()
+        async with engine_and_router() as (e, w, r):
+            await subscribed(r, w)
+            a, b, c = blocks(4, 1), blocks(5, 1), blocks(6, 1)
+            await e.publish(6, [stored([1], None, a)])
+            await e.publish(6, [stored([2], 1, b)], drop=True)  # never sent live
+            await e.publish(6, [stored([3], 2, c)])
+            t6 = rows(r, w)[6]
+            idx = index_of(r)
+            await until(lambda: idx.blocks(t6) == 3, 5.0, "the lost batch replayed")
+            s = stream(r, w, 6)
+            assert (s.gaps, s.replays, s.resyncs) == (1, 1, 0)
+            assert idx.state(t6) == "fresh"
+            await generate(r, a[0] + b[0] + c[0])
+            assert last_rank(w) == 6
 
     run(go())
 
 
 def test_a_gap_the_replay_cannot_fill_marks_the_rank_stale_and_placement_falls_back() -> None:
     async def go() -> None:
-        e = Engine()
-        w = await KvWorker(e).start()
-        try:
-            async with router(w) as r:
-                await subscribed(r, w)
-                await e.publish(1, [stored([1], None, blocks(7, 1))])
-                await e.publish(1, [stored([2], 1, blocks(8, 1))], drop=True)
-                e.buffer[1] = [x for x in e.buffer[1] if x[0] != 1]  # gone from the replay buffer too
-                await e.publish(1, [stored([3], None, blocks(9, 1))])
-                s = stream(r, w, 1)
-                idx = index_of(r)
-                t1 = rows(r, w)[1]
-                await until(lambda: s.resyncs == 1, 5.0, "resync counted")
-                assert idx.state(t1) == "warming"
-                before = idx.fallbacks["stale"]
-                await generate(r, blocks(9, 1)[0])
-                assert idx.fallbacks["stale"] == before + 1
-                body = await metrics(r)
-                assert f'fastroute_kv_rank_stale{{dp_rank="1",worker="{w.url}"}} 1.0' in body
-                assert f'fastroute_kv_event_resyncs_total{{dp_rank="1",worker="{w.url}"}} 1.0' in body
-        finally:
-            await w.stop()
-            await e.close()
+        async with engine_and_router() as (e, w, r):
+            await subscribed(r, w)
+            await e.publish(1, [stored([1], None, blocks(7, 1))])
+            await e.publish(1, [stored([2], 1, blocks(8, 1))], drop=True)
+            e.buffer[1] = [x for x in e.buffer[1] if x[0] != 1]  # gone from the replay buffer too
+            await e.publish(1, [stored([3], None, blocks(9, 1))])
+            s = stream(r, w, 1)
+            idx = index_of(r)
+            t1 = rows(r, w)[1]
+            await until(lambda: s.resyncs == 1, 5.0, "resync counted")
+            assert idx.state(t1) == "warming"
+            before = idx.fallbacks["stale"]
+            await generate(r, blocks(9, 1)[0])
+            assert idx.fallbacks["stale"] == before + 1
+            body = await metrics(r)
+            assert f'fastroute_kv_rank_stale{{dp_rank="1",worker="{w.url}"}} 1.0' in body
+            assert f'fastroute_kv_event_resyncs_total{{dp_rank="1",worker="{w.url}"}} 1.0' in body
 
     run(go())
 
@@ -338,84 +328,66 @@ async def metrics(r: Router) -> str:
 
 def test_a_restarted_or_silent_publisher_marks_the_rank_stale() -> None:
     async def go() -> None:
-        e = Engine(loads=False)
-        w = await KvWorker(e).start()
-        try:
-            async with router(w, kv_events_stale_secs=0.6) as r:
-                await subscribed(r, w)
-                idx = index_of(r)
-                t4, t0 = rows(r, w)[4], rows(r, w)[0]
-                for i in range(3):
-                    await e.publish(4, [stored([i + 1], i or None, blocks(10 + i, 1))])
-                await until(lambda: idx.blocks(t4) == 3, 5.0, "3 blocks")
-                e.restart(4)
-                await e.publish(4, [stored([1], None, blocks(20, 1))])
-                await until(lambda: stream(r, w, 4).resyncs >= 1, 5.0, "restart seen")
-                assert idx.blocks(t4) == 1  # cleared, then the new publisher's first block
-                assert idx.state(t4) != "fresh"
-                # Rank 0 publishes nothing and there is no load socket: silence makes it stale.
-                await until(lambda: stream(r, w, 0).stale, 5.0, "silent rank stale")
-                assert idx.state(t0) == "stale"
-        finally:
-            await w.stop()
-            await e.close()
+        async with engine_and_router(loads=False, kv_events_stale_secs=0.6) as (e, w, r):
+            await subscribed(r, w)
+            idx = index_of(r)
+            t4, t0 = rows(r, w)[4], rows(r, w)[0]
+            for i in range(3):
+                await e.publish(4, [stored([i + 1], i or None, blocks(10 + i, 1))])
+            await until(lambda: idx.blocks(t4) == 3, 5.0, "3 blocks")
+            e.restart(4)
+            await e.publish(4, [stored([1], None, blocks(20, 1))])
+            await until(lambda: stream(r, w, 4).resyncs >= 1, 5.0, "restart seen")
+            assert idx.blocks(t4) == 1  # cleared, then the new publisher's first block
+            assert idx.state(t4) != "fresh"
+            # Rank 0 publishes nothing and there is no load socket: silence makes it stale.
+            await until(lambda: stream(r, w, 0).stale, 5.0, "silent rank stale")
+            assert idx.state(t0) == "stale"
 
     run(go())
 
 
 def test_a_malformed_batch_is_counted_and_skipped() -> None:
     async def go() -> None:
-        e = Engine()
-        w = await KvWorker(e).start()
-        try:
-            async with router(w) as r:
-                await subscribed(r, w)
-                await e.publish(2, [], raw=b"\xc1 not msgpack")
-                await e.publish(2, [{"type": "BlockStored", "block_hashes": "x"}, stored([5], None, blocks(30, 1))])
-                await e.publish(2, [{"type": "SomethingNew", "x": 1}])
-                await e.publish(2, [stored([6], 5, blocks(31, 1))])
-                s = stream(r, w, 2)
-                idx = index_of(r)
-                await until(lambda: idx.blocks(rows(r, w)[2]) == 2, 5.0, "good events applied")
-                assert s.malformed == 3 and s.gaps == 0 and s.resyncs == 0
-                assert idx.state(rows(r, w)[2]) == "fresh"
-        finally:
-            await w.stop()
-            await e.close()
+        async with engine_and_router() as (e, w, r):
+            await subscribed(r, w)
+            await e.publish(2, [], raw=b"\xc1 not msgpack")
+            await e.publish(2, [{"type": "BlockStored", "block_hashes": "x"}, stored([5], None, blocks(30, 1))])
+            await e.publish(2, [{"type": "SomethingNew", "x": 1}])
+            await e.publish(2, [stored([6], 5, blocks(31, 1))])
+            s = stream(r, w, 2)
+            idx = index_of(r)
+            await until(lambda: idx.blocks(rows(r, w)[2]) == 2, 5.0, "good events applied")
+            assert s.malformed == 3 and s.gaps == 0 and s.resyncs == 0
+            assert idx.state(rows(r, w)[2]) == "fresh"
 
     run(go())
 
 
 def test_pushed_loads_fill_the_table_and_a_long_queue_loses_to_an_idle_miss() -> None:
     async def go() -> None:
-        e = Engine()
-        w = await KvWorker(e).start()
-        try:
-            async with router(w) as r:
-                await subscribed(r, w)
-                tab = r.server.table.array
-                trs = rows(r, w)
-                tb = blocks(40, 4)  # 64 tokens cached on rank 3
-                await store_chain(e, 3, tb, 300)
-                for rank in range(DP):
-                    await e.load(rank, 0, 0, 0, 0)
-                await until(lambda: index_of(r).blocks(trs[3]) == 4, 5.0, "indexed")
-                await until(lambda: all(index_of(r).ranks[t].queue_tokens == 0 for t in trs), 5.0, "loads")
-                prompt = [t for b in tb for t in b] + list(range(64))
-                await generate(r, prompt)
-                assert last_rank(w) == 3
-                # Rank 3 now has 5,000 uncached tokens waiting: the 64-token hit saves less.
-                await e.load(3, 1, 4, 1000, 5000)
-                await until(lambda: tab[trs[3], COL_POLLED_RUNNING] == 1, 5.0, "pushed load")
-                await until(lambda: index_of(r).ranks[trs[3]].queue_tokens == 5000, 5.0, "queue")
-                await generate(r, prompt)
-                assert last_rank(w) != 3
-                # A regular worker's uncached tokens stay out of the table's prefill cell.
-                assert tab[trs[3], COL_POLLED_UNCACHED] == -1
-                assert r.server.monitor.pushed(trs[3])
-        finally:
-            await w.stop()
-            await e.close()
+        async with engine_and_router() as (e, w, r):
+            await subscribed(r, w)
+            tab = r.server.table.array
+            trs = rows(r, w)
+            tb = blocks(40, 4)  # 64 tokens cached on rank 3
+            await store_chain(e, 3, tb, 300)
+            for rank in range(DP):
+                await e.load(rank, 0, 0, 0, 0)
+            await until(lambda: index_of(r).blocks(trs[3]) == 4, 5.0, "indexed")
+            await until(lambda: all(index_of(r).ranks[t].queue_tokens == 0 for t in trs), 5.0, "loads")
+            prompt = [t for b in tb for t in b] + list(range(64))
+            await generate(r, prompt)
+            assert last_rank(w) == 3
+            # Rank 3 now has 5,000 uncached tokens waiting: the 64-token hit saves less.
+            await e.load(3, 1, 4, 1000, 5000)
+            await until(lambda: tab[trs[3], COL_POLLED_RUNNING] == 1, 5.0, "pushed load")
+            await until(lambda: index_of(r).ranks[trs[3]].queue_tokens == 5000, 5.0, "queue")
+            await generate(r, prompt)
+            assert last_rank(w) != 3
+            # A regular worker's uncached tokens stay out of the table's prefill cell.
+            assert tab[trs[3], COL_POLLED_UNCACHED] == -1
+            assert r.server.monitor.pushed(trs[3])
 
     run(go())
 
@@ -524,34 +496,28 @@ def test_bad_flags_are_refused_by_name(flags: dict[str, Any], message: str) -> N
 
 def test_a_burst_is_applied_in_slices_without_holding_the_loop() -> None:
     async def go() -> None:
-        e = Engine(loads=False)
-        w = await KvWorker(e).start()
-        try:
-            async with router(w) as r:
-                await subscribed(r, w)
-                idx = index_of(r)
-                t7 = rows(r, w)[7]
-                n = 20_000
-                tb = [[i * 100 + k for k in range(BS)] for i in range(n)]
-                seen_partial = 0
+        async with engine_and_router(loads=False) as (e, w, r):
+            await subscribed(r, w)
+            idx = index_of(r)
+            t7 = rows(r, w)[7]
+            n = 20_000
+            tb = [[i * 100 + k for k in range(BS)] for i in range(n)]
+            seen_partial = 0
 
-                async def ticker() -> None:
-                    nonlocal seen_partial
-                    while idx.blocks(t7) < n:
-                        if idx.blocks(t7) > 0:
-                            seen_partial += 1  # the loop ran while the burst was half applied
-                        await asyncio.sleep(0)
+            async def ticker() -> None:
+                nonlocal seen_partial
+                while idx.blocks(t7) < n:
+                    if idx.blocks(t7) > 0:
+                        seen_partial += 1  # the loop ran while the burst was half applied
+                    await asyncio.sleep(0)
 
-                tick = asyncio.ensure_future(ticker())
-                await e.publish(7, [stored(list(range(1, n + 1)), None, tb)])
-                await until(lambda: idx.blocks(t7) == n, 20.0, "the burst applied")
-                await tick
-                assert seen_partial > 0
-                ids = [t for b in tb[:100] for t in b]
-                assert idx.hits(ids, [t7]) == [100]
-        finally:
-            await w.stop()
-            await e.close()
+            tick = asyncio.ensure_future(ticker())
+            await e.publish(7, [stored(list(range(1, n + 1)), None, tb)])
+            await until(lambda: idx.blocks(t7) == n, 20.0, "the burst applied")
+            await tick
+            assert seen_partial > 0
+            ids = [t for b in tb[:100] for t in b]
+            assert idx.hits(ids, [t7]) == [100]
 
     run(go(), timeout=60)
 
