@@ -46,13 +46,17 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
     """The full flag surface, grouped like sglang-router's --help."""
     parser = Parser(
         prog=prog,
-        usage="%(prog)s [OPTIONS]  |  %(prog)s demo [DEMO-OPTIONS]",
+        usage="%(prog)s [OPTIONS]  |  %(prog)s {demo,epp,sidecar} [OPTIONS]",
         description=(
             "fastroute: drop-in replacement for the SGLang router (sglang-router / smg) that "
             "balances prefill/decode disaggregated serving down to decode DP ranks. Every "
             "routing flag also accepts the --router- prefixed spelling (e.g. --router-policy)."
         ),
-        epilog="Subcommand: 'fastroute demo ...' runs the built-in simulation demo.",
+        epilog=(
+            "Subcommands: 'fastroute demo' runs the built-in simulation demo; 'fastroute epp' is the "
+            "Envoy endpoint picker (docs/epp.md); 'fastroute sidecar' relays PD legs on a decode pod. "
+            "A simulated SGLang worker to route to: 'python -m fastroute.sim.worker --help'."
+        ),
     )
     parser.add_argument("--version", action="version", version=f"fastroute {__version__}")
     add = Adder(parser)

@@ -76,8 +76,9 @@ def add_peer_groups(add: Adder) -> None:
         nargs="*",
         default=d("cors_allowed_origins"),
         metavar="ORIGIN",
-        help="Origins allowed by CORS: '*' or https://host[:port] (default: none). Not "
-        "answered yet (see docs/flags.md): other origins stay refused.",
+        help="Origins allowed by CORS: '*' or https://host[:port]. Their preflights are answered "
+        "and their responses carry Access-Control-Allow-Origin; other origins get no CORS "
+        "headers, so browsers block them (default: none).",
     )
     add(
         "--shutdown-grace-period-secs",
