@@ -502,6 +502,36 @@ _COMPANIONS: tuple[tuple[str, str, str, Any], ...] = (
     ("replica_id", "--replica-id", "--replica-sync", lambda c: c.replica_sync is not None),
     ("replica_sync_interval_ms", "--replica-sync-interval-ms", "--replica-sync", lambda c: c.replica_sync is not None),
     ("replica_ttl_ms", "--replica-ttl-ms", "--replica-sync", lambda c: c.replica_sync is not None),
+    *(
+        (field_name, flag, "--tokenizer-path or --model-path", lambda c: bool(c.tokenizer_path or c.model_path))
+        for field_name, flag in (
+            ("chat_template", "--chat-template"),
+            ("tokenize_timeout_ms", "--tokenize-timeout-ms"),
+            ("tokenizer_cache_enable_l0", "--tokenizer-cache-enable-l0"),
+            ("tokenizer_cache_enable_l1", "--tokenizer-cache-enable-l1"),
+        )
+    ),
+    (
+        "tokenizer_cache_l0_max_entries",
+        "--tokenizer-cache-l0-max-entries",
+        "--tokenizer-cache-enable-l0",
+        lambda c: c.tokenizer_cache_enable_l0,
+    ),
+    (
+        "tokenizer_cache_l0_max_memory",
+        "--tokenizer-cache-l0-max-memory",
+        "--tokenizer-cache-enable-l0",
+        lambda c: c.tokenizer_cache_enable_l0,
+    ),
+    (
+        "tokenizer_cache_l1_max_memory",
+        "--tokenizer-cache-l1-max-memory",
+        "--tokenizer-cache-enable-l1",
+        lambda c: c.tokenizer_cache_enable_l1,
+    ),
+    ("block_size", "--block-size", "--kv-events-endpoint", lambda c: c.kv_events_endpoint is not None),
+    ("kv_events_stale_secs", "--kv-events-stale-secs", "--kv-events auto", lambda c: c.kv_events != "off"),
+    ("kv_index_max_blocks", "--kv-index-max-blocks", "--kv-events auto", lambda c: c.kv_events != "off"),
 )
 
 

@@ -418,7 +418,7 @@ class KvEvents:
         if self.index is not None:
             # Prefill work ahead of a new request: the uncached tokens waiting, and on a PD
             # prefill the KV of the batch being computed (it holds nothing else for long).
-            self.index.set_queue(t, uncached + (tokens if s.prefill else 0), self.table.array, max(cap, 0))
+            self.index.set_queue(t, uncached + (tokens if s.prefill else 0), max(cap, 0))
         self._pushed[t] = time.monotonic()
         s.loads += 1
 

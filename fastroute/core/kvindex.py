@@ -74,7 +74,6 @@ class RankIndex:
         "whole_since",
         "queue_tokens",
         "booked",
-        "stat_at",
         "evicted",
         "orphans",
         "cap_blocks",
@@ -88,7 +87,6 @@ class RankIndex:
         self.whole_since = time.monotonic()
         self.queue_tokens = -1  # the engine's waiting uncached tokens (-1: never pushed)
         self.booked = 0  # uncached tokens of the requests this index sent there since that stat
-        self.stat_at = 0.0
         self.evicted = 0  # entries dropped to stay within max_blocks
         self.orphans = 0  # stored blocks whose parent this index never saw
         self.cap_blocks = 0  # the engine's KV capacity in blocks (pushed; 0: unknown)
@@ -234,7 +232,7 @@ class KvIndex:
         r.bound(min(self.max_blocks, r.cap_blocks) if r.cap_blocks else self.max_blocks)
         return n
 
-    def set_queue(self, t: int, uncached_tokens: int, tab: np.ndarray, capacity: int = 0) -> None:
+    def set_queue(self, t: int, uncached_tokens: int, capacity: int = 0) -> None:
         """A pushed stat: ``uncached_tokens`` wait on row ``t`` now; ``capacity`` is its KV in
         tokens (0: unknown), which bounds what its index can hold (the engine cannot cache more)."""
         r = self.ranks.get(t)
@@ -243,7 +241,6 @@ class KvIndex:
                 r.cap_blocks = capacity // r.block_size + 1
             r.queue_tokens = int(uncached_tokens)
             r.booked = 0
-            r.stat_at = self._clock()
 
     def blocks(self, t: int) -> int:
         r = self.ranks.get(t)

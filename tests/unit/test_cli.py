@@ -699,3 +699,23 @@ def test_main_picks_one_process_or_a_supervisor(monkeypatch, restore_root_loggin
     monkeypatch.setattr(cli, "run", lambda config, factory: seen.append(factory.__name__) or 0)
     assert main(["--workers", workers]) == 0
     assert seen == [expected]
+
+
+@pytest.mark.parametrize(
+    "argv, needs",
+    [
+        (["--chat-template", "/t.jinja"], "--tokenizer-path or --model-path"),
+        (["--tokenize-timeout-ms", "10"], "--tokenizer-path or --model-path"),
+        (["--tokenizer-cache-enable-l1"], "--tokenizer-path or --model-path"),
+        (["--tokenizer-cache-l0-max-entries", "5"], "--tokenizer-cache-enable-l0"),
+        (["--tokenizer-cache-l1-max-memory", "1000"], "--tokenizer-cache-enable-l1"),
+        (["--block-size", "64"], "--kv-events-endpoint"),
+        (["--kv-events", "off", "--kv-index-max-blocks", "10"], "--kv-events auto"),
+    ],
+)
+def test_a_tokenizer_or_kv_event_setting_without_its_feature_warns_once(argv: list[str], needs: str, caplog) -> None:
+    flag = [a for a in argv if a.startswith("--")][-1]
+    with caplog.at_level(logging.WARNING, logger="fastroute.config"):
+        parse_args(["--worker-urls", "http://127.0.0.1:1", *argv])
+    said = [r.getMessage() for r in caplog.records if "is accepted and ignored" in r.getMessage()]
+    assert said == [f"{flag} is accepted and ignored by fastroute (only used with {needs})"]

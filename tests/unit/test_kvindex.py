@@ -95,19 +95,19 @@ def test_a_hit_wins_while_it_saves_more_than_the_queue_it_waits_behind() -> None
     for t in range(4):
         idx.attach(t, BS)
         idx.mark_whole(t, cold=True)
-        idx.set_queue(t, 0, tab.array)
+        idx.set_queue(t, 0)
     p = ids(10)  # 40 tokens
     idx.apply(2, [Ev("stored", list(range(1, 9)), p[: 8 * BS])])  # 32 of them on rank 2
     assert idx.pick(p, [0, 1, 2, 3], len(p), tab.array) == (2, 8)
-    idx.set_queue(2, 31, tab.array)  # 31 queued < 32 saved: the hit still wins
+    idx.set_queue(2, 31)  # 31 queued < 32 saved: the hit still wins
     assert idx.pick(p, [0, 1, 2, 3], len(p), tab.array)[0] == 2
-    idx.set_queue(2, 33, tab.array)  # 33 queued > 32 saved: an idle miss wins
+    idx.set_queue(2, 33)  # 33 queued > 32 saved: an idle miss wins
     assert idx.pick(p, [0, 1, 2, 3], len(p), tab.array)[0] != 2
     # What a pick sends to a rank counts as queued there until the rank's next stat.
-    idx.set_queue(2, 0, tab.array)
+    idx.set_queue(2, 0)
     assert idx.pick(p, [2], len(p), tab.array) == (2, 8)
     assert idx.queue(2, tab.array) == len(p) - 8 * BS  # its uncached 8 tokens
-    idx.set_queue(2, 0, tab.array)
+    idx.set_queue(2, 0)
     assert idx.queue(2, tab.array) == 0
     # A rank that never pushed a stat: the router's own count from the table.
     tab.cells.add(3, COL_IN_FLIGHT_TOKENS, 40)
@@ -118,9 +118,8 @@ def test_a_hit_wins_while_it_saves_more_than_the_queue_it_waits_behind() -> None
 
 
 def test_the_pushed_capacity_bounds_the_index() -> None:
-    tab = table()
     idx = KvIndex(max_blocks=1000)
     idx.attach(0, BS)
-    idx.set_queue(0, 0, tab.array, capacity=3 * BS)  # 3 blocks of KV (+1 of slack)
+    idx.set_queue(0, 0, capacity=3 * BS)  # 3 blocks of KV (+1 of slack)
     idx.apply(0, [Ev("stored", list(range(1, 11)), ids(10))])
     assert idx.blocks(0) == 4 and idx.ranks[0].evicted == 6
