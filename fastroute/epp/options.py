@@ -304,16 +304,16 @@ def option_warnings(opts: EppOptions, argv: Sequence[str]) -> list[str]:
     ]
 
 
-_TOKENIZER_FLAGS = (
-    ("tokenizer_path", "--tokenizer-path"),
-    ("model_path", "--model-path"),
+_TOKENIZER_FLAGS = (  # the settings before the flags they go with, so a refusal names the setting
     ("chat_template", "--chat-template"),
     ("tokenize_timeout_ms", "--tokenize-timeout-ms"),
-    ("tokenizer_cache_enable_l0", "--tokenizer-cache-enable-l0"),
     ("tokenizer_cache_l0_max_entries", "--tokenizer-cache-l0-max-entries"),
     ("tokenizer_cache_l0_max_memory", "--tokenizer-cache-l0-max-memory"),
-    ("tokenizer_cache_enable_l1", "--tokenizer-cache-enable-l1"),
     ("tokenizer_cache_l1_max_memory", "--tokenizer-cache-l1-max-memory"),
+    ("tokenizer_cache_enable_l0", "--tokenizer-cache-enable-l0"),
+    ("tokenizer_cache_enable_l1", "--tokenizer-cache-enable-l1"),
+    ("model_path", "--model-path"),
+    ("tokenizer_path", "--tokenizer-path"),
 )
 
 

@@ -518,6 +518,7 @@ _INERT_SAMPLES = {
     "--prefill-selector": ["--prefill-selector", "app=p"],
     "--decode-selector": ["--decode-selector", "app=d"],
 }
+_TOK = ["--tokenizer-path", "/tok"]
 _REFUSED_SAMPLES = {
     "--cors-allowed-origins": ["--cors-allowed-origins", "https://app.example"],
     "--tls-cert-path": ["--tls-cert-path", "/c.pem", "--tls-key-path", "/k.pem"],
@@ -536,13 +537,24 @@ _REFUSED_SAMPLES = {
     "--prefill-input-demand": ["--prefill-input-demand", "on"],
     "--tokenizer-path": ["--tokenizer-path", "/tok"],
     "--model-path": ["--model-path", "/m"],
-    "--chat-template": ["--chat-template", "/t.jinja"],
-    "--tokenize-timeout-ms": ["--tokenize-timeout-ms", "10"],
-    "--tokenizer-cache-enable-l0": ["--tokenizer-cache-enable-l0"],
-    "--tokenizer-cache-l0-max-entries": ["--tokenizer-cache-l0-max-entries", "5"],
-    "--tokenizer-cache-l0-max-memory": ["--tokenizer-cache-l0-max-memory", "1000"],
-    "--tokenizer-cache-enable-l1": ["--tokenizer-cache-enable-l1"],
-    "--tokenizer-cache-l1-max-memory": ["--tokenizer-cache-l1-max-memory", "1000"],
+    # (with what they go with: alone they only warn, as settings without their feature)
+    "--chat-template": [*_TOK, "--chat-template", "/t.jinja"],
+    "--tokenize-timeout-ms": [*_TOK, "--tokenize-timeout-ms", "10"],
+    "--tokenizer-cache-enable-l0": [*_TOK, "--tokenizer-cache-enable-l0"],
+    "--tokenizer-cache-l0-max-entries": [*_TOK, "--tokenizer-cache-enable-l0", "--tokenizer-cache-l0-max-entries", "5"],
+    "--tokenizer-cache-l0-max-memory": [
+        *_TOK,
+        "--tokenizer-cache-enable-l0",
+        "--tokenizer-cache-l0-max-memory",
+        "1000",
+    ],
+    "--tokenizer-cache-enable-l1": [*_TOK, "--tokenizer-cache-enable-l1"],
+    "--tokenizer-cache-l1-max-memory": [
+        *_TOK,
+        "--tokenizer-cache-enable-l1",
+        "--tokenizer-cache-l1-max-memory",
+        "1000",
+    ],
 }
 # The flag a refusal names when the router's own check speaks first.
 _NAMED = {"--tls-key-path": "--tls-cert-path"}
