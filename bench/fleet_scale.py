@@ -7,7 +7,8 @@ Sections (each runnable alone, ``--only NAME``):
   policy, at 8, 512, 4,096 and 8,192 targets of one table, every target polled and idle, a
   request of 100 input tokens; the fastest of ``--repeats`` timed loops of ``--picks`` calls.
 * ``sync``: one replica sync tick (``control.replica.ReplicaSync.tick`` against a real
-  ``redis-server``) with every target busy at every replica, at 512 and 4,096 targets and 2, 4
+  ``redis-server``) with every target busy at every replica and ``--churn`` of them (5%)
+  changing their in-flight count at every replica between two ticks, at 512 and 4,096 targets and 2, 4
   and 8 replicas: the CPU of one replica's tick (``time.process_time`` around it: encode,
   the script call, decoding the peers' entries, applying them to the table), median of
   ``--ticks`` ticks, and the Redis commands one tick costs (``INFO commandstats``).
@@ -120,7 +121,9 @@ class _Targets:
         return self._names[t]
 
 
-async def sync_costs(sizes: list[int], replicas: list[int], ticks: int) -> dict[tuple[int, int], dict[str, float]]:
+async def sync_costs(
+    sizes: list[int], replicas: list[int], ticks: int, churn: float
+) -> dict[tuple[int, int], dict[str, float]]:
     import redis as redis_sync
 
     from fastroute.control.replica import ReplicaSync
@@ -146,7 +149,12 @@ async def sync_costs(sizes: list[int], replicas: list[int], ticks: int) -> dict[
                         await s.tick()
                     cpu = []
                     calls0 = _redis_calls(admin)
+                    rs = np.random.default_rng(1)
+                    moved = max(1, int(churn * n))
                     for _ in range(ticks):
+                        for tab in tables:  # every replica's requests start and end on some targets
+                            for t in rs.choice(n, moved, replace=False).tolist():
+                                tab.cells.store(t, 0, int(rs.integers(0, 4)))
                         for s in syncs[1:]:
                             await s.tick()
                         c0 = time.process_time_ns()
@@ -296,6 +304,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", choices=("picks", "sync", "fleet"), default=None)
     ap.add_argument("--ticks", type=int, default=50)
+    ap.add_argument("--churn", type=float, default=0.05, help="share of targets whose load moves per replica per tick")
     ap.add_argument("--sizes", type=int, nargs="+", default=[8, 512, 4096, 8192])
     ap.add_argument("--picks", type=int, default=20_000)
     ap.add_argument("--repeats", type=int, default=5)
@@ -307,7 +316,7 @@ def main() -> None:
     if a.only in (None, "picks"):
         print_picks(pick_costs(a.sizes, a.picks, a.repeats), a.sizes)
     if a.only in (None, "sync"):
-        print_sync(asyncio.run(sync_costs([512, 4096], [2, 4, 8], a.ticks)))
+        print_sync(asyncio.run(sync_costs([512, 4096], [2, 4, 8], a.ticks, a.churn)))
     if a.only in (None, "fleet"):
         res = asyncio.run(fleet(a.servers, a.dp, a.seconds, a.interval))
         print(json.dumps(res, indent=1))
