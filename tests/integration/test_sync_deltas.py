@@ -34,9 +34,10 @@ class _Targets:
     def __init__(self, n: int) -> None:
         self.target_info = [("w", r) for r in range(n)]
         self.background = None
+        self.renamed: dict[int, str] = {}
 
     def target_name(self, t: int) -> str:
-        return f"http://10.1.0.{t // 8}:30000@{t % 8}"
+        return self.renamed.get(t) or f"http://10.1.0.{t // 8}:30000@{t % 8}"
 
 
 class _Replica:
@@ -168,3 +169,33 @@ def test_views_from_deltas_equal_full_snapshots(redis_server):  # noqa: F811
                 await r.close()
 
     run(body(), 60)
+
+
+def test_a_renamed_row_moves_its_load_to_the_new_name(redis_server):  # noqa: F811
+    """A worker resized to dp_size 1 keeps its row 0 under a new name (url@0 -> url); the
+    registry tells by the table's generation, and the replica publishes the row's load under
+    the new name, which a replica that only ever knew the new name reads."""
+
+    async def body():
+        a = _Replica(redis_server.url, "a")
+        b: _Replica | None = None
+        try:
+            a.table.cells.store(0, COL_IN_FLIGHT, 3)
+            await a.sync.tick()
+            a.sync.registry.renamed[0] = "http://10.1.0.0:30000"
+            a.table.bump_generation()
+            b = _Replica(redis_server.url, "b")
+            b.sync.registry.renamed[0] = "http://10.1.0.0:30000"
+            await a.sync.tick()
+            await b.sync.tick()
+            assert b.others(0) == (3, 0, 0)
+            a.table.cells.store(0, COL_IN_FLIGHT, 1)
+            await a.sync.tick()
+            await b.sync.tick()
+            assert b.others(0) == (1, 0, 0)
+        finally:
+            await a.close()
+            if b is not None:
+                await b.close()
+
+    run(body(), 30)
