@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tracemalloc
 
 from fastroute.core.table import NCOLS, NHDR
 from fastroute.sim.engine import SimParams
@@ -88,3 +89,34 @@ def test_a_table_larger_than_the_shared_memory_refuses_to_start_naming_the_flag(
     assert proc.returncode == 1, stderr
     last = stderr.strip().splitlines()[-1]
     assert "--max-targets 16777216" in last and "shared memory" in last and "/dev/shm" in last, stderr
+
+
+def test_a_scrape_reads_the_rows_in_use_not_the_whole_table():
+    """With the default --max-targets (8,192 rows, 1.5 MB per copy) and two workers, a
+    /metrics render allocates what the two workers need, not a copy of the whole table."""
+
+    async def body():
+        params = SimParams(dp_size=2, time_scale=0.001)
+        sims = [SimWorker("regular", params) for _ in range(2)]
+        for s in sims:
+            await s.start()
+        try:
+            urls = [f"http://127.0.0.1:{s.port}" for s in sims]
+            async with Router(worker_urls=urls, dp_aware=True, disable_load_monitoring=True) as r:
+                assert r.server.table.capacity == 8192
+                metrics = r.server.metrics
+                assert b'smg_worker_requests_active{worker="' in metrics.render()  # warm
+                tracemalloc.start()
+                try:
+                    tracemalloc.reset_peak()
+                    text = metrics.render()
+                    peak = tracemalloc.get_traced_memory()[1]
+                finally:
+                    tracemalloc.stop()
+                assert urls[0].encode() in text
+                assert peak < NHDR * 8 + 8192 * NCOLS * 8 // 2, peak  # under half a table copy
+        finally:
+            for s in sims:
+                await s.stop()
+
+    run(body(), 60)
