@@ -527,6 +527,7 @@ AUDIT: dict[str, str] = {
             "--shutdown-grace-period-secs",
             "--allow-link-local-workers",
             "--max-targets-per-worker",
+            "--max-targets",
             "--health-check-port",
             "--policy",
             "--p2c-load-metric",

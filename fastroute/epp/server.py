@@ -47,7 +47,7 @@ from fastroute.epp.decide import Decider
 from fastroute.epp.options import MAX_STREAMS, MESSAGE_HEADROOM, SILENT_TIMEOUT, GrpcTls
 from fastroute.epp.service import ExternalProcessor
 from fastroute.runtime.assemble import Assembly, assemble, stop_in_order
-from fastroute.runtime.startup import StartupError, own_listeners, start_probe, stop_on_signals
+from fastroute.runtime.startup import StartupError, new_table, own_listeners, start_probe, stop_on_signals
 
 log = logging.getLogger("fastroute.epp")
 
@@ -161,7 +161,7 @@ class EppServer:
     async def start(self) -> None:
         cfg = self.config
         loop = asyncio.get_running_loop()
-        self.table = TargetTable()
+        self.table = new_table(cfg)
         try:
             self.parts = parts = await assemble(cfg, self.table, serve=False, picks=True)
             admission = Admission(

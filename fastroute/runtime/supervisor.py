@@ -72,7 +72,7 @@ from fastroute.control.replica import ReplicaSync, start_replica_sync
 from fastroute.core.table import TargetTable
 from fastroute.runtime.assemble import assemble, stop_in_order
 from fastroute.runtime.probe import ProbeServer
-from fastroute.runtime.startup import announce, bind_error, own_listeners, start_probe, tls_context
+from fastroute.runtime.startup import announce, bind_error, new_table, own_listeners, start_probe, tls_context
 
 log = logging.getLogger("fastroute.supervisor")
 
@@ -161,7 +161,7 @@ class Supervisor:
         tls_context(cfg)  # checked once here: the proxy processes load the same files
         self.state_dir = tempfile.mkdtemp(prefix="fastroute-")  # 0700: holds worker API keys
         try:
-            self.table = TargetTable()
+            self.table = new_table(cfg, copies=1 + self.n)
             for _ in range(self.n):
                 self.ledgers.append(TargetTable(capacity=self.table.capacity))
             self.port = self._reserve_port()
