@@ -274,11 +274,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     return
             elif kind == "request_body":
                 b = msg.request_body
-                size += len(b.body)
+                data = b.body  # each read of the field is a copy of the bytes: read once
+                size += len(data)
                 if size > d.max_payload:  # no Content-Length to judge early: refused once over
                     await context.write(immediate(payload_too_large(size, d.max_payload)))
                     return
-                chunks.append(b.body)
+                chunks.append(data)
                 if not b.end_of_stream:
                     await context.write(_CONTINUE_BODY)
                     continue
