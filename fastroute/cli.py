@@ -172,7 +172,7 @@ def _epp(args: list[str]) -> int:
         parser.error(f"argument --log-dir: {exc}")
     except ConfigError as exc:
         parser.error(str(exc))
-    why = refusal(config, resolve_processes(config), opts.pool, opts.sidecar_port, opts.failure_mode)
+    why = refusal(config, resolve_processes(config), opts.pool, opts.sidecar_port, opts.failure_mode, opts.fallbacks)
     if why is None and opts.pool is not None and not opts.print_config:
         from fastroute.kube import NO_KUBE_CONFIG, kube_config_source
 
@@ -188,7 +188,15 @@ def _epp(args: list[str]) -> int:
 
         assert opts.listen_port is not None  # parse_options requires it with --print-envoy-config
         sys.stdout.write(
-            bootstrap_for(config, opts.grpc_port, opts.listen_port, opts.admin_port, opts.failure_mode, opts.envoy_tls)
+            bootstrap_for(
+                config,
+                opts.grpc_port,
+                opts.listen_port,
+                opts.admin_port,
+                opts.failure_mode,
+                opts.envoy_tls,
+                next_best=opts.fallbacks,
+            )
         )
         return 0
     try:
@@ -212,6 +220,7 @@ def _epp(args: list[str]) -> int:
                 tls=opts.tls,
                 silent_timeout=opts.silent_timeout,
                 max_streams=opts.max_streams,
+                fallbacks=opts.fallbacks,
             )
         )
     except (StartupError, ConfigError) as exc:

@@ -43,6 +43,11 @@ METADATA_NAMESPACE = "envoy.lb"
 # hint); the printed ext_proc filter forwards that namespace to the picker.
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+# --fallback-endpoints (fastroute.epp.fallback): where Envoy's override_host policy writes the
+# endpoint that served, forwarded to the picker with the response headers; the picked route
+# retries only when the worker did not take the request, so a POST never runs twice.
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+RETRY_ON = "connect-failure,refused-stream,reset-before-request"
 EPP_CLUSTER = "fastroute_epp"
 ENDPOINTS_CLUSTER = "fastroute_endpoints"
 FALLBACK_CLUSTER = "fastroute_fallback"
@@ -117,7 +122,7 @@ _TEMPLATE = """# Envoy bootstrap for fastroute's endpoint picker (fastroute epp 
                 response_trailer_mode: SEND
               metadata_options:
                 forwarding_namespaces:
-                  untyped: ["{subset_namespace}"]
+                  untyped: [{forwarded}]
                 receiving_namespaces:
                   untyped: ["{namespace}"]
           - name: envoy.filters.http.router
@@ -139,7 +144,10 @@ _TEMPLATE = """# Envoy bootstrap for fastroute's endpoint picker (fastroute epp 
         - endpoint:
             address:
               socket_address: {{address: 127.0.0.1, port_value: {grpc}}}
-  - name: {endpoints}
+{endpoints_cluster}{fallback}"""
+
+# The workers' cluster without fallback endpoints: the one address of the picker's header.
+_ORIGINAL_DST = """  - name: {endpoints}
     type: ORIGINAL_DST
     lb_policy: CLUSTER_PROVIDED
     connect_timeout: 5s
@@ -153,12 +161,12 @@ _TEMPLATE = """# Envoy bootstrap for fastroute's endpoint picker (fastroute epp 
     original_dst_lb_config:
       use_http_header: true
       http_header_name: {header}
-{fallback}"""
+"""
 
 _PICKED_ROUTE = """              - match: {{prefix: "/"{only_picked}}}
                 route:
                   cluster: {endpoints}
-                  timeout: 0s"""
+                  timeout: 0s{retry}"""
 
 # FailOpen: the picked route matches the picker's envoy.lb metadata, which no client can set; a
 # request the picker did not answer (down, timed out) has none and takes this route to the
@@ -227,30 +235,43 @@ def envoy_bootstrap(
     body_limit: int = BODY_LIMIT,
     fallback: list[tuple[str, int]] | None = None,
     grpc_tls: GrpcTls | None = None,
+    next_best: int = 0,
+    workers: list[tuple[str, int]] | None = None,
 ) -> str:
     """The bootstrap YAML (see module docstring). ``message_timeout``: how long Envoy waits for
     one answer of the picker (a request queued by --max-concurrent-requests waits in it);
     ``idle_timeout``: Envoy's stream idle timeout (the router's request timeout); the others
     are the proxy's connection flags of the same meaning (the defaults are theirs).
     ``fallback``: FailOpen's (host, port) list; None: FailClose. ``grpc_tls``: Envoy's side of
-    TLS to the picker (None: plain HTTP/2 on loopback)."""
+    TLS to the picker (None: plain HTTP/2 on loopback). ``next_best``: --fallback-endpoints
+    (0: the ORIGINAL_DST cluster; N: the ``workers`` (host, port) under override_host, N
+    retries on the picked route; :mod:`fastroute.epp.fallback`)."""
     admin = _ADMIN.format(admin=int(admin_port)) if admin_port is not None else ""
     if upstream_idle_timeout > 0:
         pool = "          idle_timeout: %ss" % _secs(upstream_idle_timeout)
     else:  # the proxy's 0: no idle worker connection is kept, one request per connection
         pool = "          max_requests_per_connection: 1"
+    forwarded = '"%s"' % SUBSET_NAMESPACE
+    if next_best > 0:
+        retry = retry_policy(next_best)
+        forwarded += ', "%s"' % METADATA_NAMESPACE  # the served report (SERVED_KEY)
+        cluster = overriding_cluster(ENDPOINTS_CLUSTER, workers or [], pool, METADATA_NAMESPACE, HEADER)
+    else:
+        retry = ""
+        cluster = _ORIGINAL_DST.format(endpoints=ENDPOINTS_CLUSTER, upstream_pool=pool, header=HEADER)
     if fallback:
         routes = _PICKED_ROUTE.format(
             only_picked=", dynamic_metadata: [{filter: %s, path: [{key: %s}], value: {present_match: true}}]"
             % (METADATA_NAMESPACE, HEADER),
             endpoints=ENDPOINTS_CLUSTER,
+            retry=retry,
         ) + _FALLBACK_ROUTE.format(fallback=FALLBACK_CLUSTER)
         strip = _STRIP.format(header=HEADER)
         route_cache = "              route_cache_action: CLEAR\n"
         hosts = "\n".join(_FALLBACK_ENDPOINT.format(host=h, port=int(p)) for h, p in fallback)
         tail = _FALLBACK_CLUSTER.format(fallback=FALLBACK_CLUSTER, endpoints=hosts)
     else:
-        routes = _PICKED_ROUTE.format(only_picked="", endpoints=ENDPOINTS_CLUSTER)
+        routes = _PICKED_ROUTE.format(only_picked="", endpoints=ENDPOINTS_CLUSTER, retry=retry)
         strip = route_cache = tail = ""
     epp_tls = ""
     if grpc_tls is not None and grpc_tls.ca is not None:
@@ -273,14 +294,14 @@ def envoy_bootstrap(
         endpoints=ENDPOINTS_CLUSTER,
         header=HEADER,
         namespace=METADATA_NAMESPACE,
-        subset_namespace=SUBSET_NAMESPACE,
+        forwarded=forwarded,
+        endpoints_cluster=cluster,
         body_limit=int(body_limit),
         message_timeout=_secs(message_timeout),
         idle=_secs(idle_timeout),
         header_timeout=_secs(header_timeout),
         request_timeout=_secs(body_timeout + message_timeout),
         conn_idle=_secs(conn_idle_timeout),
-        upstream_pool=pool,
     )
 
 
@@ -299,10 +320,11 @@ def bootstrap_for(
     admin_port: int | None = None,
     failure_mode: str = FAIL_CLOSE,
     grpc_tls: GrpcTls | None = None,
+    next_best: int = 0,
 ) -> str:
     """The bootstrap for a router configuration: its admission and connection flags,
-    ``failure_mode`` (FailOpen falls back to the --worker-urls, round robin) and Envoy's side of
-    TLS to the picker (``--envoy-grpc-*``)."""
+    ``failure_mode`` (FailOpen falls back to the --worker-urls, round robin), Envoy's side of
+    TLS to the picker (``--envoy-grpc-*``) and ``--fallback-endpoints`` (``next_best``)."""
     queued = config.max_concurrent_requests > 0 or bool(config.rate_limit_tokens_per_second)
     return envoy_bootstrap(
         grpc_port,
@@ -317,6 +339,8 @@ def bootstrap_for(
         body_limit=body_limit(config),
         fallback=fallback_endpoints(config.worker_urls) if failure_mode == FAIL_OPEN else None,
         grpc_tls=grpc_tls,
+        next_best=next_best,
+        workers=fallback_endpoints(config.worker_urls) if next_best > 0 else None,
     )
 
 
@@ -338,3 +362,62 @@ def _quoted(path: str) -> str:
 def _secs(value: float) -> str:
     text = ("%.3f" % float(value)).rstrip("0").rstrip(".")
     return text or "0"
+
+
+def retry_policy(n: int) -> str:
+    """The picked route's retry policy: one retry per fallback endpoint, only when the worker
+    did not take the request."""
+    return '\n                  retry_policy: {retry_on: "%s", num_retries: %d}' % (RETRY_ON, int(n))
+
+
+_CLUSTER = """  - name: {name}
+    type: STRICT_DNS
+    connect_timeout: 5s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config:
+          http_protocol_options: {{}}
+        common_http_protocol_options:
+{upstream_pool}
+    load_balancing_policy:
+      policies:
+      - typed_extension_config:
+          name: envoy.load_balancing_policies.override_host
+          typed_config:
+            "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
+            override_host_sources:
+            - metadata: {{key: {namespace}, path: [{{key: {header}}}]}}
+            selected_host_key: {{key: {namespace}, path: [{{key: {served}}}]}}
+            fallback_policy:
+              policies:
+              - typed_extension_config:
+                  name: envoy.load_balancing_policies.round_robin
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin
+    load_assignment:
+      cluster_name: {name}
+      endpoints:
+      - lb_endpoints:
+{endpoints}
+"""
+
+_ENDPOINT = """        - endpoint:
+            address:
+              socket_address: {{address: {host}, port_value: {port}}}"""
+
+
+def overriding_cluster(
+    name: str, endpoints: list[tuple[str, int]], upstream_pool: str, namespace: str, header: str
+) -> str:
+    """The workers' cluster under ``override_host``: the picker's list (its ``envoy.lb``
+    metadata) is tried in order; the endpoint that served goes back into ``envoy.lb``."""
+    hosts = "\n".join(_ENDPOINT.format(host=h, port=int(p)) for h, p in endpoints)
+    return _CLUSTER.format(
+        name=name,
+        upstream_pool=upstream_pool,
+        namespace=namespace,
+        header=header,
+        served=SERVED_KEY,
+        endpoints=hosts,
+    )

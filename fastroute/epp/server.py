@@ -44,6 +44,7 @@ from fastroute.core.table import TargetTable
 from fastroute.dataplane.admission import Admission
 from fastroute.dataplane.telemetry import RequestTelemetry
 from fastroute.epp.decide import Decider
+from fastroute.epp.fallback import Fallbacks
 from fastroute.epp.options import MAX_STREAMS, MESSAGE_HEADROOM, SILENT_TIMEOUT, GrpcTls
 from fastroute.epp.service import ExternalProcessor
 from fastroute.runtime.assemble import Assembly, assemble, stop_in_order
@@ -108,6 +109,13 @@ class StreamCollector:
         for reason, n in sorted(self.processor.refused.items()):
             c.add_metric([reason], float(n))
         yield c
+        fb = self.processor.decider.fallback
+        if fb is not None:
+            yield CounterMetricFamily(
+                "fastroute_epp_fallback_served",
+                "requests Envoy served at a fallback endpoint (the lease moved there)",
+                value=float(fb.moved),
+            )
 
 
 class EppServer:
@@ -124,9 +132,11 @@ class EppServer:
         tls: GrpcTls | None = None,
         silent_timeout: float = SILENT_TIMEOUT,
         max_streams: int = MAX_STREAMS,
+        fallbacks: int = 0,
     ) -> None:
         self.config = config
         self.max_streams = int(max_streams)  # --max-grpc-streams
+        self.fallbacks = int(fallbacks)  # --fallback-endpoints
         self.sidecar_port = sidecar_port
         self.tls = tls  # --grpc-tls-*: None serves plaintext
         self.silent_timeout = float(silent_timeout)
@@ -175,6 +185,8 @@ class EppServer:
             self.decider = Decider(cfg, parts.registry, admission, parts.stats, loop)
             self.decider.sidecar_port = self.sidecar_port
             self.decider.silent_timeout = self.silent_timeout
+            if self.fallbacks > 0:
+                self.decider.fallback = Fallbacks(self.fallbacks)
             creds = grpc_credentials(self.tls) if self.tls is not None else None
             self.processor = ExternalProcessor(self.decider, self.max_streams)
             if parts.metrics is not None:
@@ -351,6 +363,7 @@ async def serve(
     tls: GrpcTls | None = None,
     silent_timeout: float = SILENT_TIMEOUT,
     max_streams: int = MAX_STREAMS,
+    fallbacks: int = 0,
 ) -> int:
     """Run the picker until SIGTERM/SIGINT/SIGHUP/SIGQUIT, then drain; the exit status."""
     loop = asyncio.get_running_loop()
@@ -365,6 +378,7 @@ async def serve(
         tls=tls,
         silent_timeout=silent_timeout,
         max_streams=max_streams,
+        fallbacks=fallbacks,
     )
     await server.start()
     await stop.wait()

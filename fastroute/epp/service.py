@@ -295,6 +295,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             elif kind == "request_trailers":
                 await context.write(_CONTINUE_REQUEST_TRAILERS)
             elif kind == "response_headers":
+                if d.fallback is not None and booking is not None:
+                    d.fallback.served(d, booking, msg)  # Envoy may have retried elsewhere
                 if msg.response_headers.end_of_stream and booking is not None:
                     booking.close("response_end")
                 await context.write(_CONTINUE_RESPONSE_HEADERS)

@@ -36,3 +36,30 @@ def test_each_request_goes_to_the_port_of_the_picked_rank() -> None:
             await w.stop()
 
     run(body(), 90)
+
+
+def test_fallback_endpoints_refuse_a_rank_port_the_printed_cluster_lacks() -> None:
+    async def body() -> None:
+        w = SimWorker("regular", SimParams(dp_size=4, time_scale=0.01), H, rank_ports=True)
+        await w.start()
+        try:
+            # --fallback-endpoints prints a cluster of the URLs' ports (rank 1's here): Envoy's
+            # override_host would send a pick of another rank port anywhere in it, so such a
+            # pick is refused (503, nothing booked) and only rank 1's are served.
+            async with Gateway([w.rank_url(1)], "--policy", "round_robin", "--fallback-endpoints", "1") as g:
+                gen = json.dumps({"text": "hello", "sampling_params": {"max_new_tokens": 2}}).encode()
+                statuses = []
+                for _ in range(8):
+                    status, doc = await fetch(H, g.port, "POST", "/generate", gen)
+                    statuses.append(status)
+                    if status != 200:
+                        assert b"endpoint_not_in_cluster" in (
+                            doc if isinstance(doc, bytes) else json.dumps(doc).encode()
+                        ), doc
+                assert sorted(statuses) == [200, 200] + [503] * 6, statuses
+                assert w.port_requests == [0, 2, 0, 0]
+                await g.until_in_flight(lambda f: set(f.values()) == {0.0}, 10, "leases released")
+        finally:
+            await w.stop()
+
+    run(body(), 90)
