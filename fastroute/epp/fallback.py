@@ -19,10 +19,11 @@ worker did not get the request, so a POST is never sent twice to workers that bo
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any
 
 from fastroute.core.table import COL_HEALTHY
-from fastroute.epp.bootstrap import METADATA_NAMESPACE, SERVED_KEY
+from fastroute.epp.bootstrap import METADATA_NAMESPACE, SERVED_KEY, fallback_endpoints
 from fastroute.epp.decide import Booking, endpoint_of, target_endpoint
 from fastroute.errors import RouterError
 
@@ -36,23 +37,23 @@ class Fallbacks:
     (see module docstring). ``moved``: requests Envoy served elsewhere than the pick, whose
     lease followed them (``fastroute_epp_fallback_served_total``)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, printed: frozenset[str]) -> None:
         self.n = int(n)
+        self.printed = printed  # ip:port of the printed cluster's endpoints (cluster_endpoints)
         self.moved = 0
 
     def listed(self, registry: Any, group: Any, picked: int, endpoint: str) -> str:
-        """The header value: the picked ``endpoint``, then the next-best ones. A rank port of
-        a per-rank-port server is not in the printed cluster (only the URLs' ports are), where
-        Envoy's policy would silently round-robin instead: refused with 503."""
-        worker = registry.target_info[picked][0]
-        if endpoint != endpoint_of(worker):
+        """The header value: the picked ``endpoint``, then the next-best ones, all in the
+        printed cluster. A pick outside it (a rank port whose URL was not given), which Envoy's
+        policy would silently send round robin instead, is refused with 503."""
+        if endpoint not in self.printed:
             raise RouterError(
                 503,
                 CODE_UNLISTED,
-                f"--fallback-endpoints: the picked rank port {endpoint} is not in the printed Envoy "
-                f"cluster (it lists the worker URLs' ports only; {worker.url} has per-rank ports)",
+                f"--fallback-endpoints: the picked endpoint {endpoint} is not in the printed Envoy "
+                "cluster (it lists the --worker-urls only; give each rank port's URL)",
             )
-        more = next_best(registry, group, picked, self.n)
+        more = next_best(registry, group, picked, self.n, self.printed)
         return ",".join([endpoint, *more]) if more else endpoint
 
     def served(self, decider: Any, booking: Booking, msg: Any) -> None:
@@ -63,10 +64,10 @@ class Fallbacks:
             booking.endpoint = served
 
 
-def next_best(registry: Any, group: Any, picked: int, n: int) -> list[str]:
-    """Up to ``n`` endpoints of other targets of ``group`` than the picked one, least in
-    flight first (an endpoint several ranks share counts by its least loaded rank); endpoints
-    equal to the picked one's are left out, unhealthy targets too."""
+def next_best(registry: Any, group: Any, picked: int, n: int, printed: frozenset[str]) -> list[str]:
+    """Up to ``n`` endpoints of ``printed`` for other targets of ``group`` than the picked one,
+    least in flight first (an endpoint several ranks share counts by its least loaded rank);
+    the picked endpoint and unhealthy targets are left out."""
     table = registry.table
     info = registry.target_info
     entry = info[picked] if picked < len(info) else None
@@ -76,7 +77,7 @@ def next_best(registry: Any, group: Any, picked: int, n: int) -> list[str]:
         if t == picked or t >= len(info) or info[t] is None or not table.get(t, COL_HEALTHY):
             continue
         ep = target_endpoint(*info[t])
-        if ep == first or ep != endpoint_of(info[t][0]):  # rank ports are not in the cluster
+        if ep == first or ep not in printed:
             continue
         load = table.in_flight(t)
         seen = best.get(ep)
@@ -125,3 +126,18 @@ def move(decider: Any, booking: Booking, picked: str, served: str) -> bool:
     booking.lease = group.book_target(found, lease.tokens)
     lease.release()
     return True
+
+
+def cluster_endpoints(worker_urls: list[str]) -> frozenset[str]:
+    """``ip:port`` of the printed cluster's endpoints: each worker URL's address, its host
+    resolved as Envoy's STRICT_DNS cluster resolves it (every address of a name)."""
+    out: set[str] = set()
+    for host, port in fallback_endpoints(worker_urls):
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError:  # not resolvable now: the registry cannot reach it either
+            continue
+        for info in infos:
+            ip = str(info[4][0])
+            out.add(("[%s]:%d" if ":" in ip else "%s:%d") % (ip, port))
+    return frozenset(out)

@@ -44,7 +44,7 @@ from fastroute.core.table import TargetTable
 from fastroute.dataplane.admission import Admission
 from fastroute.dataplane.telemetry import RequestTelemetry
 from fastroute.epp.decide import Decider
-from fastroute.epp.fallback import Fallbacks
+from fastroute.epp.fallback import Fallbacks, cluster_endpoints
 from fastroute.epp.options import MAX_STREAMS, MESSAGE_HEADROOM, SILENT_TIMEOUT, GrpcTls
 from fastroute.epp.service import ExternalProcessor
 from fastroute.runtime.assemble import Assembly, assemble, stop_in_order
@@ -186,7 +186,7 @@ class EppServer:
             self.decider.sidecar_port = self.sidecar_port
             self.decider.silent_timeout = self.silent_timeout
             if self.fallbacks > 0:
-                self.decider.fallback = Fallbacks(self.fallbacks)
+                self.decider.fallback = Fallbacks(self.fallbacks, cluster_endpoints(cfg.worker_urls))
             creds = grpc_credentials(self.tls) if self.tls is not None else None
             self.processor = ExternalProcessor(self.decider, self.max_streams)
             if parts.metrics is not None:

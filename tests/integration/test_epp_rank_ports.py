@@ -11,6 +11,7 @@ from fastroute.sim.http import fetch
 from fastroute.sim.server import SimWorker
 from tests.integration.conftest import run
 from tests.integration.envoy_harness import Gateway
+from tests.integration.test_epp_envoy import _subset_hint
 
 H = "127.0.0.1"
 
@@ -58,6 +59,29 @@ def test_fallback_endpoints_refuse_a_rank_port_the_printed_cluster_lacks() -> No
                         ), doc
                 assert sorted(statuses) == [200, 200] + [503] * 6, statuses
                 assert w.port_requests == [0, 2, 0, 0]
+                await g.until_in_flight(lambda f: set(f.values()) == {0.0}, 10, "leases released")
+        finally:
+            await w.stop()
+
+    run(body(), 90)
+
+
+def test_a_subset_hint_confines_picks_to_the_listed_rank_ports() -> None:
+    """The conformance suite's data-parallel case: one pod, several rank ports; the gateway's
+    subset names some of them and traffic stays on those, spread over them, the others idle."""
+
+    async def body() -> None:
+        w = SimWorker("regular", SimParams(dp_size=4, time_scale=0.01), H, rank_ports=True)
+        await w.start()
+        try:
+            allowed = [w.rank_url(0).removeprefix("http://"), w.rank_url(2).removeprefix("http://")]
+            flags = ("--policy", "round_robin", "--fallback-endpoints", "1")
+            async with Gateway([w.rank_url(r) for r in range(4)], *flags, edit=_subset_hint(allowed)) as g:
+                gen = json.dumps({"text": "hello", "sampling_params": {"max_new_tokens": 2}}).encode()
+                for _ in range(8):
+                    status, doc = await fetch(H, g.port, "POST", "/generate", gen)
+                    assert status == 200, doc
+                assert w.port_requests == [4, 0, 4, 0]
                 await g.until_in_flight(lambda f: set(f.values()) == {0.0}, 10, "leases released")
         finally:
             await w.stop()
