@@ -200,6 +200,7 @@ def _epp(args: list[str]) -> int:
         )
         return 0
     try:
+        from fastroute.epp.child import child_options, serve_many
         from fastroute.epp.server import serve as serve_epp
     except ImportError as exc:
         startup_error(
@@ -210,6 +211,11 @@ def _epp(args: list[str]) -> int:
     import uvloop
 
     try:
+        if resolve_processes(config) > 1:  # --workers N: picker processes on one table
+            opts_json = child_options(
+                opts.sidecar_port, opts.tls, opts.silent_timeout, opts.max_streams, opts.fallbacks
+            )
+            return uvloop.run(serve_many(config, opts.grpc_port, opts_json))
         return uvloop.run(
             serve_epp(
                 config,

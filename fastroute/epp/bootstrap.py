@@ -54,6 +54,10 @@ FALLBACK_CLUSTER = "fastroute_fallback"
 # The largest request body Envoy buffers for the picker and the picker accepts (larger ones get
 # 413), unless --max-payload-size says otherwise (body_limit()).
 BODY_LIMIT = 32 * 1024 * 1024
+# --workers N (N > 1): ext_proc streams Envoy opens per connection to the picker, so that its
+# streams take several connections, which the kernel spreads over the picker processes
+# (SO_REUSEPORT balances connections, not streams).
+STREAMS_PER_CONNECTION = 8
 
 _ADMIN = """admin:
   address:
@@ -136,7 +140,7 @@ _TEMPLATE = """# Envoy bootstrap for fastroute's endpoint picker (fastroute epp 
       envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
         explicit_http_config:
-          http2_protocol_options: {{}}
+          http2_protocol_options: {{{epp_h2}}}
 {epp_tls}    load_assignment:
       cluster_name: {epp}
       endpoints:
@@ -237,6 +241,7 @@ def envoy_bootstrap(
     grpc_tls: GrpcTls | None = None,
     next_best: int = 0,
     workers: list[tuple[str, int]] | None = None,
+    processes: int = 1,
 ) -> str:
     """The bootstrap YAML (see module docstring). ``message_timeout``: how long Envoy waits for
     one answer of the picker (a request queued by --max-concurrent-requests waits in it);
@@ -245,7 +250,8 @@ def envoy_bootstrap(
     ``fallback``: FailOpen's (host, port) list; None: FailClose. ``grpc_tls``: Envoy's side of
     TLS to the picker (None: plain HTTP/2 on loopback). ``next_best``: --fallback-endpoints
     (0: the ORIGINAL_DST cluster; N: the ``workers`` (host, port) under override_host, N
-    retries on the picked route; :mod:`fastroute.epp.fallback`)."""
+    retries on the picked route; :mod:`fastroute.epp.fallback`). ``processes``: the picker's
+    --workers (more than one: STREAMS_PER_CONNECTION streams per connection to it)."""
     admin = _ADMIN.format(admin=int(admin_port)) if admin_port is not None else ""
     if upstream_idle_timeout > 0:
         pool = "          idle_timeout: %ss" % _secs(upstream_idle_timeout)
@@ -296,6 +302,7 @@ def envoy_bootstrap(
         namespace=METADATA_NAMESPACE,
         forwarded=forwarded,
         endpoints_cluster=cluster,
+        epp_h2="max_concurrent_streams: %d" % STREAMS_PER_CONNECTION if processes > 1 else "",
         body_limit=int(body_limit),
         message_timeout=_secs(message_timeout),
         idle=_secs(idle_timeout),
@@ -341,6 +348,7 @@ def bootstrap_for(
         grpc_tls=grpc_tls,
         next_best=next_best,
         workers=fallback_endpoints(config.worker_urls) if next_best > 0 else None,
+        processes=max(1, int(config.workers)),
     )
 
 

@@ -383,8 +383,12 @@ def refusal(
             "argument --inference-pool: an InferencePool has one role of pods; PD through "
             "the gateway takes --prefill/--decode or --service-discovery selectors"
         )
-    if processes > 1:
-        return "argument --workers: fastroute epp runs as one process (give --workers 1)"
+    if processes > 1 and (pool is not None or sidecar_port is not None):
+        return (
+            "argument --workers: several picker processes are not built with "
+            + ("--inference-pool" if pool is not None else "--sidecar-port")
+            + " (give --workers 1)"
+        )
     if int(config.max_payload_size) > BODY_LIMIT_MAX:
         return (
             f"argument --max-payload-size: at most {BODY_LIMIT_MAX} bytes under fastroute epp "

@@ -160,6 +160,7 @@ class EppServer:
         self._health_due = asyncio.Event()
         self._health: asyncio.Task | None = None  # follows readiness (_follow_readiness)
         self._stopping = False
+        self._owns_table = True  # False in a picker process of --workers N (the supervisor's)
 
     @property
     def registry(self) -> Any:
@@ -174,61 +175,7 @@ class EppServer:
         self.table = TargetTable()
         try:
             self.parts = parts = await assemble(cfg, self.table, serve=False, picks=True)
-            admission = Admission(
-                int(cfg.max_concurrent_requests),
-                int(cfg.queue_size),
-                float(cfg.queue_timeout_secs),
-                loop,
-                rate=cfg.rate_limit_tokens_per_second,
-            )
-            admission.tel = RequestTelemetry(parts.stats, "regular")  # rate-limit verdicts
-            self.decider = Decider(cfg, parts.registry, admission, parts.stats, loop)
-            self.decider.sidecar_port = self.sidecar_port
-            self.decider.silent_timeout = self.silent_timeout
-            if self.fallbacks > 0:
-                self.decider.fallback = Fallbacks(self.fallbacks, cluster_endpoints(cfg.worker_urls))
-            creds = grpc_credentials(self.tls) if self.tls is not None else None
-            self.processor = ExternalProcessor(self.decider, self.max_streams)
-            if parts.metrics is not None:
-                parts.metrics.registry.register(StreamCollector(self.processor))
-            self.health = grpc_health.aio.HealthServicer()
-            self.grpc = grpc.aio.server(
-                options=[
-                    ("grpc.so_reuseport", 0),
-                    # the whole buffered body comes in one message: the limit the bootstrap prints
-                    ("grpc.max_receive_message_length", self.decider.max_payload + MESSAGE_HEADROOM),
-                    # grpc core holds new streams the server has not taken yet in a queue
-                    # and fails them silently past 1000 (soft) / 3000 (hard) by default: a
-                    # burst of streams failed with no log (the client even sees INTERNAL).
-                    # One connection may open --max-grpc-streams (HTTP/2 SETTINGS), the
-                    # queue holds twice that; Process refuses the streams over the bound.
-                    ("grpc.max_concurrent_streams", self.max_streams),
-                    ("grpc.server.max_pending_requests", 2 * self.max_streams),
-                    ("grpc.server.max_pending_requests_hard_limit", 2 * self.max_streams),
-                ]
-            )
-            pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self.grpc)
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-            await self._set_health(False)
-            await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-            address = (
-                f"[{self.grpc_host}]:{self.grpc_port}"
-                if ":" in self.grpc_host
-                else f"{self.grpc_host}:{self.grpc_port}"
-            )
-            try:
-                if creds is None:
-                    bound = self.grpc.add_insecure_port(address)
-                else:
-                    bound = self.grpc.add_secure_port(address, creds)
-            except RuntimeError as exc:
-                bound = 0
-                why = str(exc)
-            else:
-                why = "address in use or not available"
-            if not bound:
-                raise StartupError(f"--grpc-port: cannot listen on {address} ({why})")
-            await self.grpc.start()
+            address = await self._serve_grpc(parts, reuse_port=False)
             self.probe = start_probe(cfg, self.ready)
             own_listeners(parts.registry, cfg, self.grpc_port, parts.metrics, self.probe)
             self.discovery = await start_discovery(cfg, parts.registry, parts.stats)
@@ -242,13 +189,7 @@ class EppServer:
         except BaseException:
             await self._close_half_started()
             raise
-        log.info(
-            "fastroute epp: ext_proc on %s (%s), policy %s%s",
-            address,
-            "plaintext" if self.tls is None else "TLS" if self.tls.ca is None else "mutual TLS",
-            cfg.policy,
-            " (dp-aware)" if cfg.dp_aware else "",
-        )
+        self._announce(address)
         self._follow_readiness(parts.registry)
         self._health = loop.create_task(self._health_loop())
         await parts.registry.start()
@@ -256,6 +197,77 @@ class EppServer:
             parts.monitor.start()
         self.replica = await start_replica_sync(cfg, self.table, parts.registry, parts.metrics, self.grpc_port)
         self._sweeper = loop.create_task(self._sweep())
+
+    def _announce(self, address: str) -> None:
+        cfg = self.config
+        log.info(
+            "fastroute epp: ext_proc on %s (%s), policy %s%s",
+            address,
+            "plaintext" if self.tls is None else "TLS" if self.tls.ca is None else "mutual TLS",
+            cfg.policy,
+            " (dp-aware)" if cfg.dp_aware else "",
+        )
+
+    async def _serve_grpc(self, parts: Assembly, reuse_port: bool) -> str:
+        """The decider, the ext_proc and health services, and the gRPC listener on
+        ``--grpc-port`` (``reuse_port``: beside the other picker processes of ``--workers N``,
+        the kernel spreading connections over them); returns the address bound."""
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        admission = Admission(
+            int(cfg.max_concurrent_requests),
+            int(cfg.queue_size),
+            float(cfg.queue_timeout_secs),
+            loop,
+            rate=cfg.rate_limit_tokens_per_second,
+        )
+        admission.tel = RequestTelemetry(parts.stats, "regular")  # rate-limit verdicts
+        self.decider = Decider(cfg, parts.registry, admission, parts.stats, loop)
+        self.decider.sidecar_port = self.sidecar_port
+        self.decider.silent_timeout = self.silent_timeout
+        if self.fallbacks > 0:
+            self.decider.fallback = Fallbacks(self.fallbacks, cluster_endpoints(cfg.worker_urls))
+        creds = grpc_credentials(self.tls) if self.tls is not None else None
+        self.processor = ExternalProcessor(self.decider, self.max_streams)
+        if parts.metrics is not None:
+            parts.metrics.registry.register(StreamCollector(self.processor))
+        self.health = grpc_health.aio.HealthServicer()
+        self.grpc = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 1 if reuse_port else 0),
+                # the whole buffered body comes in one message: the limit the bootstrap prints
+                ("grpc.max_receive_message_length", self.decider.max_payload + MESSAGE_HEADROOM),
+                # grpc core holds new streams the server has not taken yet in a queue
+                # and fails them silently past 1000 (soft) / 3000 (hard) by default: a
+                # burst of streams failed with no log (the client even sees INTERNAL).
+                # One connection may open --max-grpc-streams (HTTP/2 SETTINGS), the
+                # queue holds twice that; Process refuses the streams over the bound.
+                ("grpc.max_concurrent_streams", self.max_streams),
+                ("grpc.server.max_pending_requests", 2 * self.max_streams),
+                ("grpc.server.max_pending_requests_hard_limit", 2 * self.max_streams),
+            ]
+        )
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self.grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        await self._set_health(False)
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        address = (
+            f"[{self.grpc_host}]:{self.grpc_port}" if ":" in self.grpc_host else f"{self.grpc_host}:{self.grpc_port}"
+        )
+        try:
+            if creds is None:
+                bound = self.grpc.add_insecure_port(address)
+            else:
+                bound = self.grpc.add_secure_port(address, creds)
+        except RuntimeError as exc:
+            bound = 0
+            why = str(exc)
+        else:
+            why = "address in use or not available"
+        if not bound:
+            raise StartupError(f"--grpc-port: cannot listen on {address} ({why})")
+        await self.grpc.start()
+        return address
 
     async def _close_half_started(self) -> None:
         if self.pool is not None:
@@ -269,7 +281,8 @@ class EppServer:
             await self.parts.metrics.stop()
         if self.table is not None:
             self.table.close()
-            self.table.unlink()
+            if self._owns_table:
+                self.table.unlink()
 
     async def _set_health(self, serving: bool) -> None:
         async with self._health_lock:  # one writer at a time: the three services agree
@@ -317,7 +330,7 @@ class EppServer:
                 if now >= next_leak:
                     next_leak = now + LEAK_EVERY
                     d.check_leaks(now)
-                    rec = self.parts.reconciler if self.parts is not None else None
+                    rec = self.parts.reconciler if self.parts is not None and self._owns_table else None
                     if rec is not None:
                         rec.check(self.registry.target_info, now)
             except Exception:  # a bug here must not stop the sweep forever
@@ -351,7 +364,8 @@ class EppServer:
         finally:
             if self.table is not None:
                 self.table.close()
-                self.table.unlink()
+                if self._owns_table:
+                    self.table.unlink()
 
 
 async def serve(
