@@ -172,7 +172,16 @@ def _epp(args: list[str]) -> int:
         parser.error(f"argument --log-dir: {exc}")
     except ConfigError as exc:
         parser.error(str(exc))
-    why = refusal(config, resolve_processes(config), opts.pool, opts.sidecar_port, opts.failure_mode, opts.fallbacks)
+    http_why = None
+    if opts.mode == "http":  # why a pick would need the body ("" when none does)
+        from fastroute.epp.decide import needs_body
+
+        http_why = (
+            "this configuration's picks read the body (DP rank, PD, tokens or prompt)" if needs_body(config) else ""
+        )
+    why = refusal(
+        config, resolve_processes(config), opts.pool, opts.sidecar_port, opts.failure_mode, opts.fallbacks, http_why
+    )
     if why is None and opts.pool is not None and not opts.print_config:
         from fastroute.kube import NO_KUBE_CONFIG, kube_config_source
 
@@ -196,6 +205,7 @@ def _epp(args: list[str]) -> int:
                 opts.failure_mode,
                 opts.envoy_tls,
                 next_best=opts.fallbacks,
+                mode=opts.mode,
             )
         )
         return 0
@@ -227,6 +237,7 @@ def _epp(args: list[str]) -> int:
                 silent_timeout=opts.silent_timeout,
                 max_streams=opts.max_streams,
                 fallbacks=opts.fallbacks,
+                mode=opts.mode,
             )
         )
     except (StartupError, ConfigError) as exc:

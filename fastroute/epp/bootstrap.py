@@ -111,19 +111,16 @@ _TEMPLATE = """# Envoy bootstrap for fastroute's endpoint picker (fastroute epp 
 {strip}          - name: envoy.filters.http.ext_proc
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
-              grpc_service:
-                envoy_grpc: {{cluster_name: {epp}}}
-                timeout: {message_timeout}s
-              failure_mode_allow: {fail_open}
+{ext_proc_service}              failure_mode_allow: {fail_open}
 {route_cache}              allow_mode_override: true
               message_timeout: {message_timeout}s
               processing_mode:
                 request_header_mode: SEND
-                request_body_mode: BUFFERED
+                request_body_mode: {request_body_mode}
                 request_trailer_mode: SKIP
                 response_header_mode: SEND
                 response_body_mode: NONE
-                response_trailer_mode: SEND
+                response_trailer_mode: {response_trailer_mode}
               metadata_options:
                 forwarding_namespaces:
                   untyped: [{forwarded}]
@@ -140,7 +137,7 @@ _TEMPLATE = """# Envoy bootstrap for fastroute's endpoint picker (fastroute epp 
       envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
         explicit_http_config:
-          http2_protocol_options: {{{epp_h2}}}
+          {epp_protocol}
 {epp_tls}    load_assignment:
       cluster_name: {epp}
       endpoints:
@@ -165,6 +162,17 @@ _ORIGINAL_DST = """  - name: {endpoints}
     original_dst_lb_config:
       use_http_header: true
       http_header_name: {header}
+"""
+
+# The ext_proc filter's service: the picker's gRPC stream, or (--epp-mode http) its HTTP/1.1
+# listener, one POST per processing step (fastroute.epp.httpmode).
+_GRPC_SERVICE = """              grpc_service:
+                envoy_grpc: {{cluster_name: {epp}}}
+                timeout: {timeout}s
+"""
+_HTTP_SERVICE = """              http_service:
+                http_service:
+                  http_uri: {{uri: "http://127.0.0.1:{port}/process", cluster: {epp}, timeout: {timeout}s}}
 """
 
 _PICKED_ROUTE = """              - match: {{prefix: "/"{only_picked}}}
@@ -242,6 +250,7 @@ def envoy_bootstrap(
     next_best: int = 0,
     workers: list[tuple[str, int]] | None = None,
     processes: int = 1,
+    mode: str = "grpc",
 ) -> str:
     """The bootstrap YAML (see module docstring). ``message_timeout``: how long Envoy waits for
     one answer of the picker (a request queued by --max-concurrent-requests waits in it);
@@ -251,7 +260,8 @@ def envoy_bootstrap(
     TLS to the picker (None: plain HTTP/2 on loopback). ``next_best``: --fallback-endpoints
     (0: the ORIGINAL_DST cluster; N: the ``workers`` (host, port) under override_host, N
     retries on the picked route; :mod:`fastroute.epp.fallback`). ``processes``: the picker's
-    --workers (more than one: STREAMS_PER_CONNECTION streams per connection to it)."""
+    --workers (more than one: STREAMS_PER_CONNECTION streams per connection to it). ``mode``:
+    --epp-mode (http: the picker's HTTP/1.1 listener, headers only, no trailers asked)."""
     admin = _ADMIN.format(admin=int(admin_port)) if admin_port is not None else ""
     if upstream_idle_timeout > 0:
         pool = "          idle_timeout: %ss" % _secs(upstream_idle_timeout)
@@ -302,7 +312,15 @@ def envoy_bootstrap(
         namespace=METADATA_NAMESPACE,
         forwarded=forwarded,
         endpoints_cluster=cluster,
-        epp_h2="max_concurrent_streams: %d" % STREAMS_PER_CONNECTION if processes > 1 else "",
+        epp_protocol="http_protocol_options: {}"
+        if mode == "http"
+        else "http2_protocol_options: {%s}"
+        % ("max_concurrent_streams: %d" % STREAMS_PER_CONNECTION if processes > 1 else ""),
+        ext_proc_service=(_HTTP_SERVICE if mode == "http" else _GRPC_SERVICE).format(
+            epp=EPP_CLUSTER, port=int(grpc_port), timeout=_secs(message_timeout)
+        ),
+        request_body_mode="NONE" if mode == "http" else "BUFFERED",
+        response_trailer_mode="SKIP" if mode == "http" else "SEND",
         body_limit=int(body_limit),
         message_timeout=_secs(message_timeout),
         idle=_secs(idle_timeout),
@@ -328,6 +346,7 @@ def bootstrap_for(
     failure_mode: str = FAIL_CLOSE,
     grpc_tls: GrpcTls | None = None,
     next_best: int = 0,
+    mode: str = "grpc",
 ) -> str:
     """The bootstrap for a router configuration: its admission and connection flags,
     ``failure_mode`` (FailOpen falls back to the --worker-urls, round robin), Envoy's side of
@@ -349,6 +368,7 @@ def bootstrap_for(
         next_best=next_best,
         workers=fallback_endpoints(config.worker_urls) if next_best > 0 else None,
         processes=max(1, int(config.workers)),
+        mode=mode,
     )
 
 

@@ -13,6 +13,8 @@ and the refusals of what the endpoint picker does not do (yet).
   sidecar`` listening on P on each decode pod (:mod:`fastroute.epp.sidecar`);
 * ``--silent-stream-timeout-secs S``: a picked stream silent for S seconds loses its lease;
 * ``--max-grpc-streams N``: ext_proc streams served at once (more are refused, counted);
+* ``--epp-mode grpc|http``: ext_proc over gRPC streams (default) or, for picks made on the
+  headers, over Envoy's ``http_service`` (:mod:`fastroute.epp.httpmode`); picker and printer;
 * ``--fallback-endpoints N``: name up to N next-best endpoints after the pick, for Envoy to
   retry on (:mod:`fastroute.epp.fallback`); given to both the picker and the printer;
 * ``--grpc-tls-cert-path``/``--grpc-tls-key-path`` [``--grpc-tls-client-ca-path``]: TLS
@@ -99,6 +101,11 @@ picker options:
                                 before its response begins (default 30; 0: off)
   --max-grpc-streams N          ext_proc streams served at once; more are refused with
                                 RESOURCE_EXHAUSTED, logged and counted (default 10000)
+  --epp-mode M                  grpc (default: ext_proc gRPC streams) or http (the picker
+                                serves Envoy's ext_proc http_service on --grpc-port over
+                                HTTP/1.1: picks on the headers only, a lease ends at the
+                                response headers; give it to the picker and to
+                                --print-envoy-config)
   --fallback-endpoints N        name up to N next-best endpoints after the picked one (the
                                 protocol's fallback list); the printed Envoy retries a refused
                                 connection on them in order (default 0: the pick alone; give
@@ -136,6 +143,7 @@ class EppOptions:
     tls: GrpcTls | None = None  # --grpc-tls-*: the gRPC listener's TLS
     envoy_tls: GrpcTls | None = None  # --envoy-grpc-*: Envoy's side of it, in the printed bootstrap
     fallbacks: int = 0  # --fallback-endpoints N: next-best endpoints named after the pick
+    mode: str = "grpc"  # --epp-mode: grpc or http
 
 
 @dataclass(frozen=True)
@@ -203,6 +211,11 @@ def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
             if value not in FAILURE_MODES:
                 raise EppError(f"argument --failure-mode: {value!r} is not FailClose or FailOpen")
             found[name] = value
+        elif name == "--epp-mode":
+            value, i = _value(args, i, name, eq, inline, "grpc or http")
+            if value not in ("grpc", "http"):
+                raise EppError(f"argument --epp-mode: {value!r} is not grpc or http")
+            found[name] = value
         elif name in _PATH_FLAGS:
             value, i = _value(args, i, name, eq, inline, "one file path", dash_ends=True)
             if not value:
@@ -264,6 +277,8 @@ def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
                 "argument --grpc-tls-client-ca-path: the picker asks for a client certificate; "
                 "give --envoy-grpc-cert-path and --envoy-grpc-key-path for Envoy to present"
             )
+    if found.get("--epp-mode") == "http" and (tls is not None or envoy_tls is not None):
+        raise EppError("argument --epp-mode: http is not built with the --grpc-tls-*/--envoy-grpc-* flags")
     if "--inference-pool-namespace" in found and "--inference-pool" not in found:
         raise EppError("argument --inference-pool-namespace: only means something with --inference-pool")
     return EppOptions(
@@ -280,6 +295,7 @@ def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
         tls,
         envoy_tls,
         found.get("--fallback-endpoints", 0),
+        found.get("--epp-mode", "grpc"),
     ), rest
 
 
@@ -335,10 +351,18 @@ def refusal(
     sidecar_port: int | None = None,
     failure_mode: str = FAIL_CLOSE,
     fallbacks: int = 0,
+    http_mode: str | None = None,
 ) -> str | None:
     """Why this router configuration cannot run as an endpoint picker, or None (``pool``: the
     --inference-pool given; ``sidecar_port``: the --sidecar-port given; ``failure_mode``: the
-    --failure-mode given; ``fallbacks``: the --fallback-endpoints given)."""
+    --failure-mode given; ``fallbacks``: the --fallback-endpoints given; ``http_mode``: with
+    --epp-mode http, why a pick would need the body, or "" when it needs none)."""
+    if http_mode:
+        return f"argument --epp-mode: http serves picks made on the request headers; {http_mode} (use --epp-mode grpc)"
+    if http_mode is not None:
+        for given, flag in ((processes > 1, "--workers"), (fallbacks > 0, "--fallback-endpoints")):
+            if given:
+                return f"argument --epp-mode: http is not built with {flag} (use --epp-mode grpc)"
     if fallbacks > 0:
         if sidecar_port is not None or config.pd_disaggregation:
             return (

@@ -133,10 +133,13 @@ class EppServer:
         silent_timeout: float = SILENT_TIMEOUT,
         max_streams: int = MAX_STREAMS,
         fallbacks: int = 0,
+        mode: str = "grpc",
     ) -> None:
         self.config = config
         self.max_streams = int(max_streams)  # --max-grpc-streams
         self.fallbacks = int(fallbacks)  # --fallback-endpoints
+        self.mode = mode  # --epp-mode: grpc (ext_proc streams) or http (fastroute.epp.httpmode)
+        self.http: Any = None  # --epp-mode http: the HttpProcessor
         self.sidecar_port = sidecar_port
         self.tls = tls  # --grpc-tls-*: None serves plaintext
         self.silent_timeout = float(silent_timeout)
@@ -175,7 +178,10 @@ class EppServer:
         self.table = TargetTable()
         try:
             self.parts = parts = await assemble(cfg, self.table, serve=False, picks=True)
-            address = await self._serve_grpc(parts, reuse_port=False)
+            if self.mode == "http":
+                address = await self._serve_http(parts)
+            else:
+                address = await self._serve_grpc(parts, reuse_port=False)
             self.probe = start_probe(cfg, self.ready)
             own_listeners(parts.registry, cfg, self.grpc_port, parts.metrics, self.probe)
             self.discovery = await start_discovery(cfg, parts.registry, parts.stats)
@@ -208,10 +214,24 @@ class EppServer:
             " (dp-aware)" if cfg.dp_aware else "",
         )
 
-    async def _serve_grpc(self, parts: Assembly, reuse_port: bool) -> str:
-        """The decider, the ext_proc and health services, and the gRPC listener on
-        ``--grpc-port`` (``reuse_port``: beside the other picker processes of ``--workers N``,
-        the kernel spreading connections over them); returns the address bound."""
+    def _address(self) -> str:
+        host, port = self.grpc_host, self.grpc_port
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    async def _serve_http(self, parts: Assembly) -> str:
+        """--epp-mode http: the decider and the HTTP/1.1 listener on ``--grpc-port``."""
+        from fastroute.epp.httpmode import HttpProcessor
+
+        self._make_decider(parts)
+        assert self.decider is not None
+        self.http = HttpProcessor(self.decider)
+        try:
+            await self.http.start(self.grpc_host, self.grpc_port)
+        except OSError as exc:
+            raise StartupError(f"--grpc-port: cannot listen on {self._address()} ({exc})") from None
+        return self._address() + " (HTTP/1.1)"
+
+    def _make_decider(self, parts: Assembly) -> None:
         cfg = self.config
         loop = asyncio.get_running_loop()
         admission = Admission(
@@ -227,6 +247,13 @@ class EppServer:
         self.decider.silent_timeout = self.silent_timeout
         if self.fallbacks > 0:
             self.decider.fallback = Fallbacks(self.fallbacks, cluster_endpoints(cfg.worker_urls))
+
+    async def _serve_grpc(self, parts: Assembly, reuse_port: bool) -> str:
+        """The decider, the ext_proc and health services, and the gRPC listener on
+        ``--grpc-port`` (``reuse_port``: beside the other picker processes of ``--workers N``,
+        the kernel spreading connections over them); returns the address bound."""
+        self._make_decider(parts)
+        assert self.decider is not None
         creds = grpc_credentials(self.tls) if self.tls is not None else None
         self.processor = ExternalProcessor(self.decider, self.max_streams)
         if parts.metrics is not None:
@@ -251,9 +278,7 @@ class EppServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         await self._set_health(False)
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        address = (
-            f"[{self.grpc_host}]:{self.grpc_port}" if ":" in self.grpc_host else f"{self.grpc_host}:{self.grpc_port}"
-        )
+        address = self._address()
         try:
             if creds is None:
                 bound = self.grpc.add_insecure_port(address)
@@ -272,6 +297,8 @@ class EppServer:
     async def _close_half_started(self) -> None:
         if self.pool is not None:
             await self.pool.stop()
+        if self.http is not None:
+            await self.http.stop()
         if self.probe is not None:
             self.probe.stop()
             self.probe = None
@@ -289,6 +316,8 @@ class EppServer:
             if serving is self._serving:
                 return
             self._serving = serving
+            if self.health is None:  # --epp-mode http: readiness on --health-check-port only
+                return
             status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
             for service in ("", EXT_PROC_SERVICE, READINESS_SERVICE):
                 await self.health.set(service, status)
@@ -326,6 +355,8 @@ class EppServer:
                 if d.admission.queue:
                     d.admission.expire(now)
                 d.check_silent(now)
+                if self.http is not None:
+                    self.http.forget_closed()
                 await self._set_health(self.ready())
                 if now >= next_leak:
                     next_leak = now + LEAK_EVERY
@@ -353,6 +384,8 @@ class EppServer:
                 self._health.cancel()
             if self.grpc is not None:
                 await self.grpc.stop(grace)
+            if self.http is not None:
+                await self.http.stop()
             if self.probe is not None:
                 self.probe.stop()
             if self.decider is not None:
@@ -378,6 +411,7 @@ async def serve(
     silent_timeout: float = SILENT_TIMEOUT,
     max_streams: int = MAX_STREAMS,
     fallbacks: int = 0,
+    mode: str = "grpc",
 ) -> int:
     """Run the picker until SIGTERM/SIGINT/SIGHUP/SIGQUIT, then drain; the exit status."""
     loop = asyncio.get_running_loop()
@@ -393,6 +427,7 @@ async def serve(
         silent_timeout=silent_timeout,
         max_streams=max_streams,
         fallbacks=fallbacks,
+        mode=mode,
     )
     await server.start()
     await stop.wait()

@@ -1,0 +1,109 @@
+"""``fastroute epp --epp-mode http`` behind a real Envoy 1.40: ext_proc's ``http_service`` asks
+the picker over HTTP/1.1 (one POST per processing step) instead of a gRPC stream. Picks on the
+headers: 64 requests held by eight workers before their answer land 8 per worker and stay
+booked until the answers' headers pass Envoy, then go back to 0. Envoy sends nothing when a
+stream ends without response headers (client reset, Envoy killed): those leases come back at
+``--silent-stream-timeout-secs``, counted as ``silent``. A stream's lease ends at its first
+byte (its response headers)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+from tests.integration.conftest import RawClient, call, post, run, workers
+from tests.integration.envoy_harness import Gateway
+
+FLAGS = ("--epp-mode", "http", "--policy", "power_of_two", "--p2c-load-metric", "least_requests")
+HEADER = "x-gateway-destination-endpoint"
+
+
+async def _open_64(g: Gateway, ws: list) -> list[RawClient]:
+    for w in ws:
+        w.hold()  # held before the answer's head
+    clients = []
+    for i in range(64):
+        c = await RawClient(g.port).connect()
+        c.send(post("/generate", {"text": f"h{i}"}))
+        clients.append(c)
+    await g.until_in_flight(lambda f: len(f) == 8 and set(f.values()) == {8.0}, 15, "8 in flight per worker")
+    return clients
+
+
+def _reclaimed_silent(m: dict[str, float]) -> float:
+    return sum(v for k, v in m.items() if k.startswith("fastroute_leases_reclaimed_total") and 'reason="silent"' in k)
+
+
+def test_held_requests_book_8_each_and_release_at_the_answer() -> None:
+    async def body() -> None:
+        ws = await workers(8)
+        async with Gateway([w.url for w in ws], *FLAGS) as g:
+            clients = await _open_64(g, ws)
+            assert sorted(len(w.inference()) for w in ws) == [8] * 8
+            for w in ws:
+                rec = w.inference()[0]
+                assert rec.headers[HEADER] == f"127.0.0.1:{w.port}"  # the picker's header mutation
+                w.release()
+            for c in clients:
+                resp = await c.response(timeout=20)
+                assert resp.status == 200
+                c.close()
+            await g.until_in_flight(lambda f: sum(f.values()) == 0, 10, "released at the answers")
+            assert _reclaimed_silent(await g.metrics()) == 0  # by the response headers, not a bound
+
+    run(body(), 90)
+
+
+def test_client_reset_and_envoy_killed_release_at_the_silence_bound() -> None:
+    async def body() -> None:
+        ws = await workers(8)
+        async with Gateway([w.url for w in ws], *FLAGS, "--silent-stream-timeout-secs", "1") as g:
+            clients = await _open_64(g, ws)
+            for c in clients:
+                c.close()  # the clients are gone: Envoy tells the picker nothing
+            await g.until_in_flight(lambda f: sum(f.values()) == 0, 15, "released by the silence bound")
+            assert _reclaimed_silent(await g.metrics()) == 64
+            for w in ws:
+                w.release()
+            # the ledger is usable again, then Envoy dies with 64 more held
+            clients = await _open_64(g, ws)
+            g.kill_envoy()
+            assert g.envoy is not None
+            await g.envoy.wait()
+            await g.until_in_flight(lambda f: sum(f.values()) == 0, 15, "released after Envoy's death")
+            assert _reclaimed_silent(await g.metrics()) == 128
+            for c in clients:
+                c.close()
+            for w in ws:
+                w.release()
+
+    run(body(), 120)
+
+
+def test_a_stream_is_released_at_its_first_byte_and_refusals_book_nothing() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Gateway([w.url], *FLAGS, "--api-key", "k") as g:
+            r = await call(g.port, post("/generate", {"text": "no key"}), timeout=10)
+            assert r.status == 401 and r.json["error"]["code"] == "invalid_api_key", r.body
+            w.stream_gate = asyncio.Event()
+            c = await RawClient(g.port).connect()
+            c.send(post("/generate", {"text": "s", "stream": True}, headers={"authorization": "Bearer k"}))
+            await c.until_body(b"data: ", timeout=20)
+            # the stream runs on, held by the worker; its lease ended with the response headers
+            await g.until_in_flight(lambda f: sum(f.values()) == 0, 10, "released at the first byte")
+            w.stream_gate.set()
+            resp = await c.response(timeout=20)
+            assert resp.body.endswith(b"data: [DONE]\n\n")
+            c.close()
+            assert w.inference()[-1].headers.get("authorization") == "Bearer k"
+
+    run(body(), 90)
+
+
+def test_http_mode_refuses_picks_that_read_the_body() -> None:
+    argv = [sys.executable, "-m", "fastroute", "epp", "--grpc-port", "22998", "--epp-mode", "http"]
+    argv += ["--worker-urls", "http://127.0.0.1:22997", "--policy", "cache_aware"]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "--epp-mode" in p.stderr and "read the body" in p.stderr, p.stderr
