@@ -47,7 +47,6 @@ PATH = b"/process"
 ANSWERS_KEPT = 4096  # routed answers kept by (endpoint, auth, headers): a few per target
 MAX_MESSAGE = 1 << 20  # one JSON ProcessingRequest of headers (Envoy's are at most 96 KiB)
 _RESPONSE_HEADERS = b'{"response_headers":{}}'
-_CONTINUE = b'{"request_headers":{}}'
 
 
 def _reply(status: int, body: bytes, keep: bool) -> bytes:
@@ -133,56 +132,96 @@ class HttpProcessor:
         for rid in [rid for rid, b in self.held.items() if b.closed]:
             del self.held[rid]
 
-    async def handle(self, rid: str, body: bytes) -> bytes:
-        """One ProcessingRequest (JSON) -> the ProcessingResponse (JSON)."""
-        try:
-            doc = json.loads(body)
-            if not isinstance(doc, dict):
-                raise ValueError("not an object")
-        except ValueError as exc:
-            raise RouterError(400, "malformed_message", f"not a JSON ProcessingRequest: {exc}") from None
+    def handle_now(self, rid: str, body: bytes) -> bytes | None:
+        """One ProcessingRequest (JSON) -> the ProcessingResponse (JSON), answered at once; None
+        when the request must wait for an admission slot (then :meth:`handle`)."""
+        doc = _parse(body)
+        if "request_headers" not in doc:
+            return self._other(rid, doc)
+        refused, headers = self._checked(rid, doc)
+        if refused is not None:
+            return refused
         d = self.decider
-        if "request_headers" in doc:
-            if not rid:
-                raise RouterError(400, "malformed_message", "no x-request-id: the answer could not be released")
-            old = self.held.pop(rid, None)
-            if old is not None:  # a stream id seen again: the earlier request is over
-                old.close("replaced")
-            headers = _headers(doc["request_headers"])
-            method, path = headers.get(":method", ""), headers.get(":path", "/")
-            try:
-                length = int(headers.get("content-length", "0") or 0)
-            except ValueError:
-                length = 0
-            try:
-                d.check(method, path, headers, length)
-            except RouterError as exc:
-                return _json(immediate(exc))
-            booking = Booking(d)
-            try:
-                await d.admit(booking)
-                pick = d.decide(booking, method, path, headers, None, _subset(doc))
-            except RouterError as exc:
-                booking.close("refused")
-                return _json(immediate(exc))
-            except BaseException:
-                booking.close("error")
-                raise
-            booking.seen = d.loop.time()
-            self.held[rid] = booking
-            key = (pick.endpoint, pick.auth, pick.headers)
-            answer = self._answers.get(key)
-            if answer is None:
-                if len(self._answers) >= ANSWERS_KEPT:
-                    self._answers.clear()
-                answer = self._answers[key] = routed_json(pick)
-            return answer
+        if not d.admission.try_enter():
+            return None
+        booking = Booking(d)
+        booking.slot = True
+        return self._pick(rid, doc, headers, booking)
+
+    async def handle(self, rid: str, body: bytes) -> bytes:
+        """:meth:`handle_now` that waits in the admission queue when it is full."""
+        doc = _parse(body)
+        if "request_headers" not in doc:
+            return self._other(rid, doc)
+        refused, headers = self._checked(rid, doc)
+        if refused is not None:
+            return refused
+        booking = Booking(self.decider)
+        try:
+            await self.decider.admit(booking)
+        except RouterError as exc:
+            booking.close("refused")
+            return _json(immediate(exc))
+        except BaseException:
+            booking.close("error")
+            raise
+        return self._pick(rid, doc, headers, booking)
+
+    def _checked(self, rid: str, doc: dict[str, Any]) -> tuple[bytes | None, dict[str, str]]:
+        """The request headers, or the refusal that needs no slot (readiness, key, size)."""
+        if not rid:
+            raise RouterError(400, "malformed_message", "no x-request-id: the answer could not be released")
+        old = self.held.pop(rid, None)
+        if old is not None:  # a stream id seen again: the earlier request is over
+            old.close("replaced")
+        headers = _headers(doc["request_headers"])
+        try:
+            length = int(headers.get("content-length", "0") or 0)
+        except ValueError:
+            length = 0
+        try:
+            self.decider.check(headers.get(":method", ""), headers.get(":path", "/"), headers, length)
+        except RouterError as exc:
+            return _json(immediate(exc)), headers
+        return None, headers
+
+    def _pick(self, rid: str, doc: dict[str, Any], headers: dict[str, str], booking: Booking) -> bytes:
+        d = self.decider
+        try:
+            pick = d.decide(booking, headers.get(":method", ""), headers.get(":path", "/"), headers, None, _subset(doc))
+        except RouterError as exc:
+            booking.close("refused")
+            return _json(immediate(exc))
+        except BaseException:
+            booking.close("error")
+            raise
+        booking.seen = d.loop.time()
+        self.held[rid] = booking
+        key = (pick.endpoint, pick.auth, pick.headers)
+        answer = self._answers.get(key)
+        if answer is None:
+            if len(self._answers) >= ANSWERS_KEPT:
+                self._answers.clear()
+            answer = self._answers[key] = routed_json(pick)
+        return answer
+
+    def _other(self, rid: str, doc: dict[str, Any]) -> bytes:
         if "response_headers" in doc:
             done = self.held.pop(rid, None)
             if done is not None:
                 done.close("response_headers")
             return _RESPONSE_HEADERS
-        return _CONTINUE if "request_headers" in doc else b"{}"
+        return b"{}"
+
+
+def _parse(body: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(body)
+        if not isinstance(doc, dict):
+            raise ValueError("not an object")
+    except ValueError as exc:
+        raise RouterError(400, "malformed_message", f"not a JSON ProcessingRequest: {exc}") from None
+    return doc
 
 
 class _Conn(asyncio.Protocol):
@@ -198,6 +237,7 @@ class _Conn(asyncio.Protocol):
         self.size = 0
         self.queue: asyncio.Queue[tuple[bytes, str, bytes, bool]] = asyncio.Queue()
         self.task: asyncio.Task | None = None
+        self.busy = False  # the task is answering one (answers go out in order)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
@@ -230,17 +270,35 @@ class _Conn(asyncio.Protocol):
         body = b"".join(self.chunks) if self.size <= MAX_MESSAGE else b""
         method = self.parser.get_method()
         keep = self.parser.should_keep_alive()
-        if method != b"POST" or self.url.partition(b"?")[0] != PATH:
-            body = b""
-            self.url = b"!" + self.url
-        elif self.size > MAX_MESSAGE:
-            self.url = b"+" + self.url
-        self.queue.put_nowait((self.url, self.rid, body, keep))
+        url, rid, size = self.url, self.rid, self.size
         self.url, self.rid, self.chunks, self.size = b"", "", [], 0
+        if method != b"POST" or url.partition(b"?")[0] != PATH:
+            body, url = b"", b"!" + url
+        elif size > MAX_MESSAGE:
+            url = b"+" + url
+        elif self.queue.empty() and not self.busy:  # the usual case: answered in this callback
+            try:
+                out = self.owner.handle_now(rid, body)
+            except RouterError as exc:
+                out = _reply(exc.status, exc.body(), keep)
+            except Exception:
+                log.exception("epp http: processing failed")
+                out, keep = _reply(500, b'{"error":"internal"}', False), False
+            else:
+                if out is not None:
+                    out = _reply(200, out, keep)
+            if out is not None:
+                self.transport.write(out)
+                if not keep:
+                    self.transport.close()
+                return
+        self.queue.put_nowait((url, rid, body, keep))
 
     async def _serve(self) -> None:
         while True:
+            self.busy = False
             url, rid, body, keep = await self.queue.get()
+            self.busy = True
             if url.startswith(b"!"):
                 out = _reply(404, b'{"error":"POST /process only"}', keep)
             elif url.startswith(b"+"):

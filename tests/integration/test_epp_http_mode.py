@@ -107,3 +107,25 @@ def test_http_mode_refuses_picks_that_read_the_body() -> None:
     argv += ["--worker-urls", "http://127.0.0.1:22997", "--policy", "cache_aware"]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "--epp-mode" in p.stderr and "read the body" in p.stderr, p.stderr
+
+
+def test_admission_queues_and_sheds_over_http() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        flags = (*FLAGS, "--max-concurrent-requests", "1", "--queue-size", "1", "--queue-timeout-secs", "20")
+        async with Gateway([w.url], *flags) as g:
+            w.hold()
+            first = asyncio.create_task(call(g.port, post("/generate", {"text": "a"}), timeout=30))
+            await g.until_in_flight(lambda f: sum(f.values()) == 1, 10, "the first booked")
+            second = asyncio.create_task(call(g.port, post("/generate", {"text": "b"}), timeout=30))
+            await asyncio.sleep(0.3)  # the second waits in the queue (no lease yet)
+            third = await call(g.port, post("/generate", {"text": "c"}), timeout=10)
+            assert third.status == 429 and third.json["error"]["code"] == "queue_full", third.body
+            assert len(w.inference()) == 1
+            w.release()  # the first answers; its response headers free the slot for the second
+            assert (await first).status == 200
+            assert (await second).status == 200
+            assert len(w.inference()) == 2
+            await g.until_in_flight(lambda f: sum(f.values()) == 0, 10, "all released")
+
+    run(body(), 90)
