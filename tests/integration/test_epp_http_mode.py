@@ -12,7 +12,7 @@ import asyncio
 import subprocess
 import sys
 
-from tests.integration.conftest import RawClient, call, post, run, workers
+from tests.integration.conftest import RawClient, call, get, post, run, workers
 from tests.integration.envoy_harness import Gateway
 
 FLAGS = ("--epp-mode", "http", "--policy", "power_of_two", "--p2c-load-metric", "least_requests")
@@ -127,5 +127,45 @@ def test_admission_queues_and_sheds_over_http() -> None:
             assert (await second).status == 200
             assert len(w.inference()) == 2
             await g.until_in_flight(lambda f: sum(f.values()) == 0, 10, "all released")
+
+    run(body(), 90)
+
+
+def test_the_http_listener_answers_bad_calls_with_a_reason_and_books_nothing() -> None:
+    import base64
+
+    def headers_call(rid: str | None, **extra: str) -> bytes:
+        hs = {":method": "POST", ":path": "/generate", **extra}
+        doc = {
+            "request_headers": {
+                "headers": {
+                    "headers": [{"key": k, "raw_value": base64.b64encode(v.encode()).decode()} for k, v in hs.items()]
+                }
+            }
+        }
+        return post("/process", doc, headers={"x-request-id": rid} if rid else None)
+
+    async def body() -> None:
+        ws = await workers(2)
+        async with Gateway([w.url for w in ws], *FLAGS) as g:
+            port = g.grpc_port  # the picker's own HTTP/1.1 listener
+            r = await call(port, get("/process"))
+            assert r.status == 404, r.body
+            r = await call(port, post("/process", b"{not json", headers={"x-request-id": "1"}))
+            assert r.status == 400 and r.json["error"]["code"] == "malformed_message", r.body
+            r = await call(port, headers_call(None))
+            assert r.status == 400 and "x-request-id" in r.json["error"]["message"], r.body
+            assert sum((await g.in_flight()).values()) == 0
+            # a well-formed pair books, then releases, one lease
+            r = await call(port, headers_call("s1"))
+            assert r.status == 200, r.body
+            sets = r.json["request_headers"]["response"]["header_mutation"]["set_headers"]
+            endpoint = base64.b64decode(sets[0]["header"]["raw_value"]).decode()
+            assert endpoint in {f"127.0.0.1:{w.port}" for w in ws}
+            assert r.json["dynamic_metadata"]["envoy.lb"][HEADER] == endpoint
+            assert sum((await g.in_flight()).values()) == 1
+            r = await call(port, post("/process", {"response_headers": {}}, headers={"x-request-id": "s1"}))
+            assert r.status == 200 and r.json == {"response_headers": {}}, r.body
+            assert sum((await g.in_flight()).values()) == 0
 
     run(body(), 90)
