@@ -169,3 +169,60 @@ def test_the_http_listener_answers_bad_calls_with_a_reason_and_books_nothing() -
             assert sum((await g.in_flight()).values()) == 0
 
     run(body(), 90)
+
+
+def test_64_requests_land_8_per_rank_of_a_dp8_server_and_come_back() -> None:
+    """A DP-8 server with a port per rank (each rank its own endpoint, so the pick needs no
+    body): 64 long non-streaming requests are booked 8 per rank while they run and released at
+    their answers; 64 whose clients reset, and 64 more when Envoy is killed, come back at the
+    silence bound (which also ends the lease of a request running longer than it: docs)."""
+    from fastroute.sim.engine import SimParams
+    from fastroute.sim.server import SimWorker
+
+    async def body() -> None:
+        w = SimWorker("regular", SimParams(dp_size=8, time_scale=1.0), "127.0.0.1", rank_ports=True)
+        await w.start()
+        long = {"text": "hold", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+
+        async def open_64(g: Gateway) -> list[RawClient]:
+            clients = []
+            for _ in range(64):
+                c = await RawClient(g.port).connect()
+                c.send(post("/generate", long))
+                clients.append(c)
+            await g.until_in_flight(lambda f: len(f) == 8 and set(f.values()) == {8.0}, 20, "8 per rank")
+            return clients
+
+        try:
+            # the default silence bound (30 s) is longer than these requests (about 11 s)
+            async with Gateway([w.rank_url(0)], *FLAGS) as g:
+                clients = await open_64(g)
+                for _ in range(200):  # the picks are booked; the requests are on their way
+                    if sum(w.port_requests) == 64:
+                        break
+                    await asyncio.sleep(0.05)
+                assert w.port_requests == [8] * 8
+                for c in clients:
+                    resp = await c.response(timeout=60)
+                    assert resp.status == 200, resp.body
+                    c.close()
+                await g.until_in_flight(lambda f: sum(f.values()) == 0, 10, "released at the answers")
+                assert _reclaimed_silent(await g.metrics()) == 0
+            # a 1 s bound: the only end Envoy gives a reset or killed stream in this mode
+            async with Gateway([w.rank_url(0)], *FLAGS, "--silent-stream-timeout-secs", "1") as g:
+                for c in await open_64(g):
+                    c.close()  # client reset: Envoy tells the picker nothing
+                await g.until_in_flight(lambda f: sum(f.values()) == 0, 15, "released by the silence bound")
+                assert _reclaimed_silent(await g.metrics()) == 64
+                clients = await open_64(g)
+                g.kill_envoy()
+                assert g.envoy is not None
+                await g.envoy.wait()
+                await g.until_in_flight(lambda f: sum(f.values()) == 0, 15, "released after Envoy's death")
+                assert _reclaimed_silent(await g.metrics()) == 128
+                for c in clients:
+                    c.close()
+        finally:
+            await w.stop()
+
+    run(body(), 150)
