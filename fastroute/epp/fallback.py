@@ -24,7 +24,7 @@ from typing import Any
 
 from fastroute.core.table import COL_HEALTHY
 from fastroute.epp.bootstrap import METADATA_NAMESPACE, SERVED_KEY, fallback_endpoints
-from fastroute.epp.decide import Booking, endpoint_of, target_endpoint
+from fastroute.epp.decide import Booking, target_endpoint
 from fastroute.errors import RouterError
 
 log = logging.getLogger("fastroute.epp")
@@ -114,7 +114,7 @@ def move(decider: Any, booking: Booking, picked: str, served: str) -> bool:
     found = None
     for t in group.targets:
         entry = info[t] if t < len(info) else None
-        if entry is None or target_endpoint(*entry) != served and endpoint_of(entry[0]) != served:
+        if entry is None or target_endpoint(*entry) != served:  # a rank port is its own endpoint
             continue
         if found is None or entry[1] == rank:
             found = t
