@@ -98,7 +98,15 @@ class App:
         self.registry = registry
         self.loop = loop
         self.breakers = breakers
-        self.dispatch = Dispatcher(self, config, registry, loop, PDRelay if pd else Relay, guarded, room_rng, breakers)
+        exchange_cls: Any = PDRelay if pd else Relay
+        # --enable-trace: exchanges and routes that add spans (tracing.py); off, nothing changes.
+        self._route_cls: Any = Route
+        self.tracer: Any = None
+        if config.enable_trace:
+            from fastroute.dataplane.tracing import traced_parts
+
+            self.tracer, exchange_cls, self._route_cls = traced_parts(config, pd)
+        self.dispatch = Dispatcher(self, config, registry, loop, exchange_cls, guarded, room_rng, breakers)
         self.pools: dict[Any, Pool] = {}  # by (worker identity, port): a re-added URL is a new worker
         self.tls_listener = False
         self.admin_tasks: set[asyncio.Task] = set()
@@ -184,6 +192,8 @@ class App:
             pool.close()
         self.pools.clear()
         self.dispatch.routes.clear()
+        if self.tracer is not None:
+            self.tracer.shutdown()  # the last spans, bounded: a collector that is down cannot hold the exit
 
     # -- targets and routes -------------------------------------------------------
     def _targets_changed(self, role: str) -> None:
@@ -236,10 +246,12 @@ class App:
     def _build_route(self, worker: Any, rank: int | None) -> Route:
         port = rank_port(worker, rank)
         if port is not None:  # a per-rank-port server: the rank's own port
-            return Route(
+            return self._route_cls(
                 worker, rank, self.pool_for(worker, port), worker.api_key or self.config.api_key, self.rank_field, port
             )
-        return Route(worker, rank, self.pool_for(worker), worker.api_key or self.config.api_key, self.rank_field)
+        return self._route_cls(
+            worker, rank, self.pool_for(worker), worker.api_key or self.config.api_key, self.rank_field
+        )
 
     def pool_for(self, worker: Any, port: int | None = None) -> Pool:
         """The keep-alive pool of ``worker`` on ``port`` (default its own; one per worker
