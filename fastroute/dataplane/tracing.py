@@ -126,7 +126,7 @@ def pick_reason(group: Any, before: tuple) -> tuple[str, dict[str, Any]]:
 class RequestTrace:
     """The spans of one exchange (see the module docstring)."""
 
-    __slots__ = ("tracer", "span", "ctx", "fwd", "legs", "t0", "counts", "first", "ended")
+    __slots__ = ("tracer", "span", "ctx", "fwd", "legs", "heads", "t0", "counts", "first", "ended")
 
     def __init__(self, tracer: Any, ex: Any) -> None:
         self.tracer = tracer
@@ -148,6 +148,7 @@ class RequestTrace:
         # client's tracestate, which the injected context carries on).
         self.fwd = base
         self.legs: dict[Any, Any] = {}  # leg -> its open span
+        self.heads: set[Any] = set()  # legs whose response head was recorded
         self.t0 = 0  # the current attempt's start (ns), the picks' start
         self.counts: dict[str, tuple] = {}
         self.first = False  # first_token recorded
@@ -202,7 +203,7 @@ class RequestTrace:
         """After the pool took ``leg``: a ``connected`` event once a new connection is up."""
         span = self.legs.get(leg)
         conn = leg.conn
-        if span is None or conn is None:
+        if span is None or conn is None or not span.is_recording():
             return
         task = conn.connect_task
         if task is not None and not task.done():
@@ -213,7 +214,8 @@ class RequestTrace:
 
     def leg_head(self, leg: Any, status: int) -> None:
         span = self.legs.get(leg)
-        if span is not None and not span.attributes.get("http.response.status_code"):
+        if span is not None and leg not in self.heads:  # (a span not sampled has no attributes to read)
+            self.heads.add(leg)
             span.add_event("first_byte")
             span.set_attribute("http.response.status_code", status)
 
@@ -221,6 +223,7 @@ class RequestTrace:
         span = self.legs.pop(leg, None)
         if span is None:
             return
+        self.heads.discard(leg)
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, error))
         span.end()
@@ -377,7 +380,7 @@ class TracedRoute(Route):
     def send(self, req: Any, leg: Any) -> None:
         tr = self._traced(req, leg)
         Route.send(self, req, leg)
-        if tr is not None:
+        if tr is not None and self.rank_field is None:  # (else send_injected did)
             tr.leg_framed(leg)
 
 

@@ -231,6 +231,36 @@ def test_a_collector_that_is_down_fails_no_request() -> None:
     run(go(), 60.0)
 
 
+def test_spans_not_sampled_still_route_and_propagate(monkeypatch) -> None:
+    """OTEL_TRACES_SAMPLER=always_off: spans that record nothing (no attributes to read back),
+    requests answered as usual, and each worker still receives a (not sampled) traceparent of
+    the client's trace."""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    col = Collector()
+
+    async def go() -> None:
+        cluster = await start_cluster(1, 1, SIM)
+        p, d = cluster.prefills[0], cluster.decodes[0]
+        try:
+            async with _pd_router(cluster, col.port) as r:
+                hdr = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00"}
+                for stream in (False, True):
+                    body = {"text": "hi", "sampling_params": {"max_new_tokens": 3}, "stream": stream}
+                    resp = await call(r.port, post("/generate", body, hdr))
+                    assert resp.status == 200, resp.body
+        finally:
+            await cluster.stop()
+        for w in (p, d):
+            assert len(w.traceparents) == 2
+            assert all(tp.split("-")[1] == CLIENT_TRACE and tp.endswith("-00") for tp in w.traceparents)
+        assert col.spans == []
+
+    try:
+        run(go(), 40.0)
+    finally:
+        col.stop()
+
+
 @pytest.mark.parametrize("endpoint", ["nohost", "ftp://c:4317", "c:99999", "c:4317/v1/traces", ""])
 def test_a_bad_endpoint_is_refused_by_its_flag(endpoint: str) -> None:
     with pytest.raises(ConfigError) as e:
