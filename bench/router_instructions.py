@@ -115,7 +115,9 @@ def run_one(
         r = next(x for x in floor.routers(a.mode, be, {}, tmp, "cg", "nginx") if x.name == router)
         out = tmp / f"{router}.%p.out"
         extra = trace_args(a) if router == "fastroute" else []
-        argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, *r.argv[1:], *extra]
+        argv = [sys.executable, *r.argv[1:], *extra]
+        if not a.cpu:
+            argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *argv]
         env = dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=str(checkout))
         p = procs.start("router", argv, env, cwd=checkout)
         err = ov.wait_ready(r.port, p, timeout=300)
@@ -125,7 +127,12 @@ def run_one(
         path = ov.JSON_PATH if a.kind == "gen" else ov.SSE_PATH
         lua = floor.write_lua(tmp, a.kind, path, floor.variants(make, a.size, False, a.size))
         s = ov.Settings(duration=a.seconds, rounds=1, modes=[a.mode], lat_json=0, lat_sse=0)
-        ov.run_wrk(s, r.port, lua, a.connections, 3)  # warm-up: connections, first-use paths
+        ov.run_wrk(s, r.port, lua, a.connections, a.warmup)  # warm-up: connections, first-use paths
+        if a.cpu:  # full speed: the router's CPU time (user + system, its threads included)
+            t0 = ov.tree_cpu_ticks(p.pid)
+            res = ov.run_wrk(s, r.port, lua, a.connections, a.seconds)
+            ticks = ov.tree_cpu_ticks(p.pid) - t0
+            return res["requests"], collections.Counter({"cpu_us": ticks / ov.CLK_TCK * 1e6}), collections.Counter()
         subprocess.run(["callgrind_control", "-z", str(p.pid)], check=True, capture_output=True)
         res = ov.run_wrk(s, r.port, lua, a.connections, a.seconds)
         subprocess.run(["callgrind_control", "-d", str(p.pid)], check=True, capture_output=True)
@@ -158,6 +165,17 @@ def main(argv: list[str] | None = None) -> int:
         help="wrk connections (1: every request alone, the event loop's turn per request included)",
     )
     ap.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="seconds of load before the count starts (with --trace, past the span processor's 5 s first export)",
+    )
+    ap.add_argument(
+        "--cpu",
+        action="store_true",
+        help="no valgrind: the router's CPU microseconds per request at full speed (noisier; counts its threads)",
+    )
+    ap.add_argument(
         "--trace",
         action="store_true",
         help="run fastroute with --enable-trace, exporting to a collector in this process that drops the spans",
@@ -165,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.checkout and "fastroute" not in a.router:
         ap.error("--checkout selects fastroute builds: give --router fastroute too")
-    for tool in ("valgrind", "callgrind_control", "nginx", "wrk"):
+    for tool in ("nginx", "wrk") if a.cpu else ("valgrind", "callgrind_control", "nginx", "wrk"):
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} not found (Debian: valgrind, nginx, wrk)")
     runs = []
@@ -174,11 +192,20 @@ def main(argv: list[str] | None = None) -> int:
             tmp = Path(tempfile.mkdtemp(prefix="fastroute-cg-"))
             n, by_ob, by_fn = run_one(a, router, c.resolve(), tmp)
             per = sum(by_ob.values()) / n
+            if a.cpu:
+                print(
+                    f"{router}{' --enable-trace' if a.trace else ''}: {per:,.1f} us of router CPU per request "
+                    f"({n:,} requests in {a.seconds} s)",
+                    flush=True,
+                )
+                continue
             label = router if router != "fastroute" or not a.checkout else f"fastroute@{c}"
             runs.append((label, per, n, by_ob, by_fn))
             if router == "fastroute" and a.trace:
                 label += " --enable-trace"
             print(f"{label}: {per:,.0f} instructions per request ({n:,} requests)", flush=True)
+    if a.cpu:
+        return 0
     print(f"\n### {a.mode} {a.kind} {a.size} B, wrk -c{a.connections}, {a.seconds} s under callgrind\n")
     print("| router | instructions per request | requests |")
     print("|---|---|---|")
