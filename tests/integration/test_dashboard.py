@@ -22,6 +22,7 @@ from fastroute.sim.engine import SimParams
 from fastroute.sim.http import HttpConnection, fetch
 from fastroute.sim.worker import start_cluster
 from tests.integration.conftest import Router, run, until
+from tests.integration.test_multiproc import MultiRouter, per_process
 
 H = "127.0.0.1"
 SIM = SimParams(dp_size=3, time_scale=0.05)
@@ -107,6 +108,48 @@ def test_the_page_is_self_contained_and_the_stream_carries_every_rank() -> None:
             await cluster.stop()
 
     run(go(), 60.0)
+
+
+def test_workers_n_the_supervisor_shows_every_process_picks() -> None:
+    """--workers 2: the page's snapshot on the supervisor's metrics port holds the picks and the
+    pick reasons of both proxy processes (the shared table, the children's shipped decisions)."""
+
+    async def go() -> None:
+        cluster = await start_cluster(1, 1, SIM)
+        p, d = cluster.prefills[0], cluster.decodes[0]
+        try:
+            async with MultiRouter(
+                "--pd-disaggregation",
+                "--prefill",
+                p.url,
+                str(p.bootstrap_port),
+                "--decode",
+                d.url,
+                "--dp-aware",
+                "--policy",
+                "cache_aware",
+            ) as r:
+                async with traffic(r.port, 6):
+                    m = await r.until_metric(
+                        lambda m: (
+                            len(per_process(m, "fastroute_proxy_process_picks_total")) == 2
+                            and min(per_process(m, "fastroute_proxy_process_picks_total").values()) > 0
+                        ),
+                        30.0,
+                        "both proxy processes picking",
+                    )
+                    children = per_process(m, "fastroute_proxy_process_picks_total")
+                    a, b = await _events(r.mport, 2)
+                shown = {f"{w['url']}@{x['rank']}" for w in a["workers"] for x in w["ranks"]}
+                assert shown == {f"{u}@{k}" for u in (p.url, d.url) for k in range(3)}
+                picks = sum(x["picks"] for w in b["workers"] for x in w["ranks"])
+                assert picks >= sum(children.values())  # both processes' picks, not the supervisor's none
+                reasons = {k.split("/")[1] for k in b["decisions_per_s"]}
+                assert reasons and reasons <= {"prefix_hit", "prefix_miss", "load", "prefix_blocks"}, b
+        finally:
+            await cluster.stop()
+
+    run(go(), 90.0)
 
 
 class DevTools:
