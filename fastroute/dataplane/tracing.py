@@ -126,7 +126,20 @@ def pick_reason(group: Any, before: tuple) -> tuple[str, dict[str, Any]]:
 class RequestTrace:
     """The spans of one exchange (see the module docstring)."""
 
-    __slots__ = ("tracer", "span", "ctx", "fwd", "legs", "heads", "t0", "counts", "first", "ended")
+    __slots__ = (
+        "tracer",
+        "span",
+        "ctx",
+        "fwd",
+        "legs",
+        "heads",
+        "t0",
+        "counts",
+        "first",
+        "ended",
+        "recording",
+        "fwd_unsampled",
+    )
 
     def __init__(self, tracer: Any, ex: Any) -> None:
         self.tracer = tracer
@@ -144,6 +157,8 @@ class RequestTrace:
             attrs["fastroute.model"] = str(meta.model)
         self.span = tracer.start_span("request", context=parent, kind=SpanKind.SERVER, attributes=attrs)
         self.ctx = trace.set_span_in_context(self.span)
+        self.recording = self.span.is_recording()  # False: the sampler dropped this trace
+        self.fwd_unsampled: bytes | None = None
         # The client's other forwarded headers; each leg adds its own traceparent (and the
         # client's tracestate, which the injected context carries on).
         self.fwd = base
@@ -155,6 +170,8 @@ class RequestTrace:
         self.ended = False
 
     def attempt(self, dispatch: Any, roles: tuple[str, ...]) -> None:
+        if not self.recording:
+            return
         self.t0 = time.time_ns()
         self.counts = {r: _group_counts(dispatch.group(r)) for r in roles}
 
@@ -163,6 +180,15 @@ class RequestTrace:
         traceparent the worker receives."""
         if leg in self.legs:
             return  # (Route.send framing through send_injected: one leg, one span)
+        if not self.recording:
+            # Not sampled: no pick or leg span, and every worker gets the request span's own
+            # (not sampled) context, built once.
+            if self.fwd_unsampled is None:
+                carrier: dict[str, str] = {}
+                _PROPAGATOR.inject(carrier, context=self.ctx)
+                self.fwd_unsampled = self.fwd + "".join("%s: %s\r\n" % kv for kv in carrier.items()).encode("latin-1")
+            req.fwd = self.fwd_unsampled
+            return
         group = ex.dispatch.group(role)
         now = time.time_ns()
         target = int(getattr(leg, "target", -1))
@@ -194,7 +220,7 @@ class RequestTrace:
             attributes={"fastroute.role": role, **where},
         )
         self.legs[leg] = span
-        carrier: dict[str, str] = {}
+        carrier = {}
         _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span, self.ctx))
         tp = "".join("%s: %s\r\n" % kv for kv in carrier.items()).encode("latin-1")
         req.fwd = self.fwd + tp
@@ -229,7 +255,7 @@ class RequestTrace:
         span.end()
 
     def first_token(self) -> None:
-        if not self.first:
+        if not self.first and self.recording:
             self.first = True
             self.span.add_event("first_token")
 
@@ -237,6 +263,8 @@ class RequestTrace:
         if self.ended:
             return
         self.ended = True
+        if not self.recording:
+            return
         for leg in list(self.legs):
             self.leg_end(leg, "aborted")
         span = self.span
