@@ -5,8 +5,9 @@ script, style or font from anywhere else), fed about once a second over SSE
 Each snapshot is read from the shared target table, so every ``--workers N`` process and a
 synced replica's others (their in-flight counts are in the same rows) show the same numbers:
 per worker and DP rank, requests and input tokens in flight (this router and its synced
-replicas), KV use and prefill waiting tokens from the last load poll, picks, health, and the
-blocks the engines' KV events say the rank holds (``--kv-events``); per role and reason, the
+replicas), KV use, prefill waiting tokens and the engine's prefix-cache hit rate from the last
+load poll, picks, health, and the blocks the engines' KV events say the rank holds
+(``--kv-events``); per role and reason, the
 decisions per second (control/reasons.py). The page keeps the last minute and draws it.
 
 Nothing runs while nobody watches: a snapshot is computed when a connected page is due one,
@@ -30,6 +31,14 @@ _HISTORY = 60  # snapshots kept for a page that connects (the last minute)
 _MAX_CLIENTS = 16  # open event streams; more get 503
 
 
+def _engine_value(rows: Any, rank: int | None, key: str) -> float | None:
+    """``key`` of the engine's last load report for ``rank`` (None: not reported)."""
+    for label, values in rows or ():
+        if label == str(rank if rank is not None else 0):
+            return values.get(key)
+    return None
+
+
 class Dashboard:
     """Snapshots of one router's state for the page (``collector``: the metrics Collector,
     whose ``stats`` the supervisor replaces with its children's views)."""
@@ -38,6 +47,9 @@ class Dashboard:
         self.collector = collector
         self.history: collections.deque = collections.deque(maxlen=_HISTORY)
         self.clients: set[asyncio.StreamWriter] = set()
+        # The load monitor (set by the runtime where this process polls): the engines' own
+        # per-rank prefix-cache hit rate from /v1/loads.
+        self.monitor: Any = None
         self._last: dict | None = None
         self._totals: dict[tuple[str, str], int] | None = None
         self._at = 0.0
@@ -55,6 +67,7 @@ class Dashboard:
         index = next((g.kv_index for g in groups.values() if getattr(g, "kv_index", None) is not None), None)
         workers: dict[str, dict] = {}
         targets = []
+        engine = getattr(getattr(self.monitor, "engine", None), "rows", None) or {}
         for t, entry in enumerate(getattr(registry, "target_info", None) or []):
             if entry is None:
                 continue
@@ -74,6 +87,7 @@ class Dashboard:
                 "picks": int(row[T.COL_PICKS]),
                 "healthy": bool(row[T.COL_HEALTHY]),
                 "blocks": index.blocks(t) if index is not None and t in index.ranks else None,
+                "hit_rate": _engine_value(engine.get(w.url), rank, "cache_hit_rate"),
             }
             wd = workers.setdefault(w.url, {"url": w.url, "role": role, "ranks": []})
             wd["ranks"].append(r)

@@ -26,6 +26,9 @@ from tests.integration.test_multiproc import MultiRouter, per_process
 
 H = "127.0.0.1"
 SIM = SimParams(dp_size=3, time_scale=0.05)
+# The prefill keeps a prefix cache per rank and reports its hit rate in /v1/loads.
+PREFILL = SimParams(dp_size=3, time_scale=0.05, prefix_cache_tokens=200_000, prefix_block_tokens=16)
+SHARED = "You are a helpful assistant. Answer briefly. " * 30  # every prompt's common prefix
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
@@ -51,7 +54,7 @@ async def traffic(port: int, n: int = 4):
         while not stop.is_set():
             conn = HttpConnection(H, port)
             try:
-                body = {"text": "client %d request %d " % (k, i) * 20, "sampling_params": {"max_new_tokens": 8}}
+                body = {"text": SHARED + "client %d request %d" % (k, i), "sampling_params": {"max_new_tokens": 8}}
                 await conn.request("POST", "/generate", json.dumps(body).encode())
             finally:
                 conn.close()
@@ -88,7 +91,7 @@ async def _events(port: int, count: int) -> list[dict]:
 
 def test_the_page_is_self_contained_and_the_stream_carries_every_rank() -> None:
     async def go() -> None:
-        cluster = await start_cluster(1, 1, SIM)
+        cluster = await start_cluster(1, 1, SIM, PREFILL)
         try:
             async with _router(cluster) as r, traffic(r.port):
                 mport = r.server.metrics.port
@@ -98,12 +101,22 @@ def test_the_page_is_self_contained_and_the_stream_carries_every_rank() -> None:
                 for ref in (b"src=", b"<link", b"@import", b"url(", b"http://", b"https://"):
                     assert ref not in page, ref
                 await until(lambda: r.server.table.snapshot()[:, 7].sum() > 10, 20.0, "traffic picked")
+                pe = cluster.prefills[0].url
+                await until(
+                    lambda: any(v.get("cache_hit_rate", 0) > 0.5 for _, v in r.server.monitor.engine.rows.get(pe, [])),
+                    20.0,
+                    "a load poll reporting prefix hits",
+                )
                 a, b = await _events(mport, 2)
                 shown = {f"{w['url']}@{x['rank']}" for w in a["workers"] for x in w["ranks"]}
                 assert shown == _names(r) and len(shown) == 6
                 assert len(a["history"]) >= 1 and b["seq"] == a["seq"] + 1 and "history" not in b
                 assert all(k.startswith(("prefill/", "decode/")) for k in b["decisions_per_s"])
                 assert sum(b["decisions_per_s"].values()) > 0
+                # The engines' own per-rank prefix hit rate, from the load polls.
+                (pw,) = [w for w in b["workers"] if w["role"] == "prefill"]
+                assert all(x["hit_rate"] is not None for x in pw["ranks"])
+                assert max(x["hit_rate"] for x in pw["ranks"]) > 0.5, pw
         finally:
             await cluster.stop()
 
@@ -115,7 +128,7 @@ def test_workers_n_the_supervisor_shows_every_process_picks() -> None:
     pick reasons of both proxy processes (the shared table, the children's shipped decisions)."""
 
     async def go() -> None:
-        cluster = await start_cluster(1, 1, SIM)
+        cluster = await start_cluster(1, 1, SIM, PREFILL)
         p, d = cluster.prefills[0], cluster.decodes[0]
         try:
             async with MultiRouter(
@@ -222,7 +235,7 @@ _ROWS = (
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (Debian: apt-get install chromium; .ci/run does)")
 def test_chromium_shows_every_rank_and_the_view_updates(tmp_path: Path) -> None:
     async def go() -> None:
-        cluster = await start_cluster(1, 1, SIM)
+        cluster = await start_cluster(1, 1, SIM, PREFILL)
         browser = DevTools(tmp_path)
         try:
             async with _router(cluster) as r, traffic(r.port):
