@@ -22,7 +22,7 @@ from fastroute.config import Config, ConfigError  # noqa: E402
 from fastroute.sim.engine import SimParams  # noqa: E402
 from fastroute.sim.server import SimWorker  # noqa: E402
 from fastroute.sim.worker import start_cluster  # noqa: E402
-from tests.integration.conftest import Router, call, post, run, until  # noqa: E402
+from tests.integration.conftest import Router, call, post, run, until, workers  # noqa: E402
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -229,6 +229,55 @@ def test_a_collector_that_is_down_fails_no_request() -> None:
         assert len(w.traceparents) == 5 and all(tp.split("-")[1] == CLIENT_TRACE for tp in w.traceparents)
 
     run(go(), 60.0)
+
+
+def test_a_retried_attempt_has_its_own_pick_and_a_failed_leg() -> None:
+    """The first worker answers 503: its leg span ends in error ("retried"), a second pick
+    (attempt 2) sends to the other worker, and the request span counts two attempts."""
+    col = Collector()
+
+    async def go() -> None:
+        bad, good = await workers(2)
+        bad.status = 503
+        try:
+            async with Router(
+                worker_urls=[bad.url, good.url],
+                policy="round_robin",
+                retry_max_retries=2,
+                retry_initial_backoff_ms=1,
+                enable_trace=True,
+                otlp_traces_endpoint=f"127.0.0.1:{col.port}",
+            ) as r:
+                seen = 0
+                while seen < 2:  # round robin: until one request met the bad worker first
+                    resp = await call(r.port, post("/generate", {"text": "x"}))
+                    assert resp.status == 200, resp.body
+                    seen += 1
+        finally:
+            await bad.stop()
+            await good.stop()
+        reqs = [s for s in col.named("request") if attrs(s)["fastroute.attempts"] == 2]
+        assert reqs, [attrs(s) for s in col.named("request")]
+        for req in reqs:
+            legs = sorted(
+                (s for s in col.named("regular leg") if s.trace_id == req.trace_id),
+                key=lambda s: s.start_time_unix_nano,
+            )
+            picks = sorted(
+                (s for s in col.named("pick regular") if s.trace_id == req.trace_id),
+                key=lambda s: s.start_time_unix_nano,
+            )
+            assert [attrs(p)["fastroute.attempt"] for p in picks] == [1, 2]
+            assert [attrs(x)["fastroute.worker"] for x in legs] == [bad.url, good.url]
+            assert legs[0].status.code == 2 and legs[0].status.message == "retried"  # STATUS_CODE_ERROR
+            assert attrs(legs[0])["http.response.status_code"] == 503
+            assert legs[1].status.code != 2 and attrs(legs[1])["http.response.status_code"] == 200
+            assert attrs(req)["http.response.status_code"] == 200
+
+    try:
+        run(go(), 40.0)
+    finally:
+        col.stop()
 
 
 def test_spans_not_sampled_still_route_and_propagate(monkeypatch) -> None:
