@@ -139,6 +139,7 @@ class RequestTrace:
         "ended",
         "recording",
         "fwd_unsampled",
+        "error",
     )
 
     def __init__(self, tracer: Any, ex: Any) -> None:
@@ -159,6 +160,7 @@ class RequestTrace:
         self.ctx = trace.set_span_in_context(self.span)
         self.recording = self.span.is_recording()  # False: the sampler dropped this trace
         self.fwd_unsampled: bytes | None = None
+        self.error: str | None = None  # the code of a failure after the response started
         # The client's other forwarded headers; each leg adds its own traceparent (and the
         # client's tracestate, which the injected context carries on).
         self.fwd = base
@@ -265,6 +267,7 @@ class RequestTrace:
         self.ended = True
         if not self.recording:
             return
+        error = error or self.error
         for leg in list(self.legs):
             self.leg_end(leg, "aborted")
         span = self.span
@@ -317,6 +320,11 @@ class TracedRelay(Relay):
         if not self.finished:
             self._trace.end(status, code, self.tries)
         Relay.cancel(self, status, code)
+
+    def _fail_client(self, exc: Any, sse: bool = False) -> None:
+        if not self.finished:
+            self._trace.error = exc.code  # (a stream cut after its head keeps the worker's status)
+        Relay._fail_client(self, exc, sse)
 
     def _finish(self, keep_alive: bool, error: Any = None, sse: bool = False) -> None:
         if not self.finished:
@@ -377,6 +385,11 @@ class TracedPDRelay(PDRelay):
         if not self.finished:
             self._trace.end(status, code, self.tries)
         PDRelay.cancel(self, status, code)
+
+    def _fail_client(self, exc: Any, sse: bool = False) -> None:
+        if not self.finished:
+            self._trace.error = exc.code  # (a stream cut after its head keeps the worker's status)
+        PDRelay._fail_client(self, exc, sse)
 
     def _finish(self, keep_alive: bool, error: Any = None, sse: bool = False) -> None:
         if not self.finished:

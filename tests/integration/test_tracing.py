@@ -280,6 +280,37 @@ def test_a_retried_attempt_has_its_own_pick_and_a_failed_leg() -> None:
         col.stop()
 
 
+def test_a_stream_cut_after_its_head_is_an_error_span() -> None:
+    """The worker dies after its first SSE event: the client already has the 200 head, and the
+    request span says the request failed (error status, error.type) beside that 200."""
+    col = Collector()
+
+    async def go() -> None:
+        (w,) = await workers(1)
+        w.die_after = 1
+        try:
+            async with Router(
+                worker_urls=[w.url], enable_trace=True, otlp_traces_endpoint=f"127.0.0.1:{col.port}"
+            ) as r:
+                try:
+                    await call(r.port, post("/generate", {"text": "x", "stream": True}))
+                except Exception:
+                    pass  # a cut stream: the client sees a truncated body or a closed connection
+        finally:
+            await w.stop()
+        (req,) = col.named("request")
+        a = attrs(req)
+        assert a["http.response.status_code"] == 200 and a["error.type"]
+        assert req.status.code == 2  # STATUS_CODE_ERROR
+        (leg,) = col.named("regular leg")
+        assert leg.status.code == 2
+
+    try:
+        run(go(), 40.0)
+    finally:
+        col.stop()
+
+
 def test_spans_not_sampled_still_route_and_propagate(monkeypatch) -> None:
     """OTEL_TRACES_SAMPLER=always_off: spans that record nothing (no attributes to read back),
     requests answered as usual, and each worker still receives a (not sampled) traceparent of
