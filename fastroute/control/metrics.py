@@ -27,6 +27,7 @@ from fastroute.config import DEFAULT_DURATION_BUCKETS, Config
 
 # The smg families and fastroute's status for each (docs/metrics.md's table is generated there).
 from fastroute.control.parity import PEER_SERIES, peer_table_markdown  # noqa: F401
+from fastroute.control.speedmetrics import speed_families
 from fastroute.control.worker import target_label
 from fastroute.core import _policy
 from fastroute.core import table as T
@@ -163,6 +164,7 @@ class Collector:
         yield from self._per_target(targets, snap)
         yield from self._groups(targets, snap)
         yield from self._requests()
+        yield from speed_families(getattr(getattr(self.registry, "router", None), "speed", None))
 
     def _per_target(self, targets, snap):
         def gauge(name, doc, col, labels=("target",)):

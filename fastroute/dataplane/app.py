@@ -44,6 +44,7 @@ from fastroute.dataplane.pd import PDRelay
 from fastroute.dataplane.protocol import INFERENCE, ClientProtocol
 from fastroute.dataplane.request import Request
 from fastroute.dataplane.route import Route, rank_port
+from fastroute.dataplane.speedmeter import metered
 from fastroute.dataplane.sweep import Sweeper
 from fastroute.dataplane.telemetry import NULL_TELEMETRY, RequestTelemetry
 from fastroute.dataplane.upstream import Pool
@@ -98,7 +99,11 @@ class App:
         self.registry = registry
         self.loop = loop
         self.breakers = breakers
-        self.dispatch = Dispatcher(self, config, registry, loop, PDRelay if pd else Relay, guarded, room_rng, breakers)
+        exchange_cls: Any = PDRelay if pd else Relay
+        speed = getattr(getattr(registry, "router", None), "speed", None)
+        if speed is not None:  # --speed-aware: exchanges that time what they relay
+            exchange_cls = metered(speed, pd)
+        self.dispatch = Dispatcher(self, config, registry, loop, exchange_cls, guarded, room_rng, breakers)
         self.pools: dict[Any, Pool] = {}  # by (worker identity, port): a re-added URL is a new worker
         self.tls_listener = False
         self.admin_tasks: set[asyncio.Task] = set()
