@@ -515,6 +515,10 @@ def _validate_extensions(c: Any) -> None:
 
 
 def _validate_speed(c: Any) -> None:
+    if c.speed_slo_unmet not in ("best_effort", "refuse"):
+        raise ConfigError("--speed-slo-unmet", f"invalid value {c.speed_slo_unmet!r}; choose from best_effort, refuse")
+    if c.speed_slo_unmet == "refuse" and c.speed_aware != "on":
+        raise ConfigError("--speed-slo-unmet", "refuse needs --speed-aware on (the fits predict who meets a target)")
     if c.speed_aware == "off":
         return
     decoding = c.decode_policy if c.pd_disaggregation else c.policy

@@ -99,6 +99,15 @@ def add_own_groups(add: Adder) -> None:
         "round_robin and one router process (default: %(default)s).",
     )
     add(
+        "--speed-slo-unmet",
+        choices=("best_effort", "refuse"),
+        default=d("speed_slo_unmet"),
+        help="With --speed-aware on, requests may carry latency targets in llm-d's headers "
+        "x-slo-ttft-ms and x-slo-tpot-ms; they go to the rank predicted to meet them with the "
+        "least headroom to spare. When no rank is predicted to meet them: best_effort places them "
+        "as usual, refuse answers 503 slo_unattainable with Retry-After (default: %(default)s).",
+    )
+    add(
         "--cache-aware-rank-slack",
         type=int,
         default=d("cache_aware_rank_slack"),

@@ -9,7 +9,10 @@
   forgot its history;
 * ``fastroute_prefill_tokens_per_second{target}``: a prefill rank's measured rate;
 * ``fastroute_speed_aware_decisions{result}``: speed-aware picks that agreed or disagreed with
-  the policy's (shadow), or were left to it (fallback), decode and prefill.
+  the policy's (shadow), or were left to it (fallback), decode and prefill;
+* ``fastroute_slo_requests{class,result}``: requests carrying a TTFT or TPOT target (``class``)
+  placed on a rank predicted to meet it, placed best effort, refused, and, for streams, measured
+  to have met or missed it.
 """
 
 from __future__ import annotations
@@ -57,4 +60,12 @@ def speed_families(book: Any) -> Iterator[Any]:
     )
     for k, v in rep["placements"].items():
         dec.add_metric([k], float(v))
-    yield from (step, base, per, samples, shifts, rate, dec)
+    slo = CounterMetricFamily(
+        "fastroute_slo_requests",
+        "Requests with a latency target: placed, best_effort, refused, met, missed",
+        labels=["class", "result"],
+    )
+    for cls, results in rep["slo"].items():
+        for result, n in results.items():
+            slo.add_metric([cls, result], float(n))
+    yield from (step, base, per, samples, shifts, rate, dec, slo)

@@ -226,6 +226,7 @@ class Router:
         self.speed: SpeedBook | None = None
         if config is not None and getattr(config, "speed_aware", "off") != "off":
             self.speed = SpeedBook(table.array)
+            self.speed.refuse_unmet = getattr(config, "speed_slo_unmet", "best_effort") == "refuse"
 
     def group(
         self,

@@ -182,6 +182,16 @@ class SpeedBook:
         self._ranks: dict[str, list[int]] = {}  # server -> its targets
         self._groups: dict[int, tuple[Sequence[int], Sequence[str]]] = {}  # each decoding group's
         self._names: dict[int, str] = {}  # prefill target -> its name
+        # SLO targets (seconds; 0 = none) of the request being placed now, set by the relay just
+        # before its picks (one event loop: nothing runs between), and the policies that answer
+        # whether any rank is predicted to meet them
+        self.next_slo: tuple[float, float] = (0.0, 0.0)
+        self.refuse_unmet = False  # --speed-slo-unmet refuse
+        self.decoders: list[Any] = []
+        self.prefiller: Any = None
+        # per class (ttft, tpot): met, missed (measured), refused, best_effort (no rank predicted
+        # to meet it), placed (a rank predicted to meet it chosen)
+        self.slo_counts: dict[tuple[str, str], int] = {}
         # speed-aware picks: agree/disagree with the policy's (shadow), fallback (left to it)
         self.placements = dict.fromkeys(
             ("agree", "disagree", "fallback", "prefill_agree", "prefill_disagree", "prefill_fallback"), 0
@@ -253,9 +263,10 @@ class SpeedBook:
         if t in self._names:
             self.rates.setdefault(t, RateFit(self.half_life)).counters(uncached, busy_us, self.clock())
 
-    def meter(self, target: int) -> StreamMeter:
-        """The step meter of one stream relayed from decode target ``target``."""
-        return StreamMeter(self, target)
+    def meter(self, target: int, slo: tuple[float, float] = (0.0, 0.0), t0: float = 0.0) -> StreamMeter:
+        """The step meter of one stream relayed from decode target ``target`` (``slo``: its
+        targets, checked when it ends)."""
+        return StreamMeter(self, target, slo, t0)
 
     def observe_whole(self, target: int, output_tokens: int, secs: float) -> None:
         """A non-streaming answer: its decode time over its output tokens, at the load now."""
@@ -267,6 +278,19 @@ class SpeedBook:
         """Prefill target ``t`` holds only the request just booked and pushes no counters: the
         time to its answer is compute (a TTFB sample)."""
         return t >= 0 and reference.requests(self.tab, t) == 1 and not self.pushes(t)
+
+    def count_slo(self, cls: str, result: str) -> None:
+        key = (cls, result)
+        self.slo_counts[key] = self.slo_counts.get(key, 0) + 1
+
+    def slo_feasible(self, tokens: int, ttft: float, tpot: float) -> bool:
+        """False when the fits predict that no rank meets a target (unknown counts as met)."""
+        if tpot > 0:
+            for d in self.decoders:
+                if d.meets_tpot(tpot) is False:
+                    return False
+        prefill = self.prefiller
+        return not (ttft > 0 and prefill is not None and prefill.meets_ttft(tokens, ttft) is False)
 
     # -- answers -----------------------------------------------------------------
     def predict(self, server: str, n: float, ratio: float | None = None) -> float | None:
@@ -300,18 +324,30 @@ class SpeedBook:
         prefill = {}
         for t, name in sorted(self._names.items()):
             prefill[name] = {"tokens_per_second": self.rate(t)}
-        return {"decode_servers": servers, "prefill_ranks": prefill, "placements": dict(self.placements)}
+        slo: dict[str, dict[str, int]] = {}
+        for (cls, result), n in sorted(self.slo_counts.items()):
+            slo.setdefault(cls, {})[result] = n
+        return {
+            "decode_servers": servers,
+            "prefill_ranks": prefill,
+            "placements": dict(self.placements),
+            "slo": slo,
+        }
 
 
 class StreamMeter:
     """The step samples of one relayed stream (module docstring): ``read(data, now)`` per
     upstream read of the decode answer, ``end(now)`` when it ends."""
 
-    __slots__ = ("book", "target", "server", "last", "gaps", "loads")
+    __slots__ = ("book", "target", "server", "last", "gaps", "loads", "first", "events", "slo", "t0")
 
-    def __init__(self, book: SpeedBook, target: int) -> None:
+    def __init__(self, book: SpeedBook, target: int, slo: tuple[float, float] = (0.0, 0.0), t0: float = 0.0) -> None:
         self.book = book
         self.target = target
+        self.slo = slo  # (ttft, tpot) targets in seconds, 0 = none
+        self.t0 = t0  # when the request arrived (TTFT counts from here)
+        self.first = -1.0  # when the first token event arrived
+        self.events = 0
         self.server = book.server(target)
         self.last = -1.0
         self.gaps: list[float] = []
@@ -323,9 +359,11 @@ class StreamMeter:
         k = data.count(b"data:")
         if k <= 0:
             return
+        self.events += k
         last = self.last
         self.last = now
         if last < 0:
+            self.first = now
             return  # the first token's wait is the prefill's and the transfer's, not a step
         self.gaps.append((now - last) / k)
         self.loads.append(self.book.busiest(self.server))
@@ -342,3 +380,11 @@ class StreamMeter:
     def end(self) -> None:
         if self.server is not None:
             self._emit()
+        ttft, tpot = self.slo
+        book = self.book
+        if ttft > 0 and self.first >= 0:
+            book.count_slo("ttft", "met" if self.first - self.t0 <= ttft else "missed")
+        if tpot > 0 and self.events > 2:
+            # the last event is [DONE] on SGLang's streams: the tokens' gaps span events - 2
+            per = (self.last - self.first) / (self.events - 2)
+            book.count_slo("tpot", "met" if per <= tpot else "missed")

@@ -17,8 +17,13 @@ rate yet leave the pick to the group's policy.
 ``shadow`` dispatches the group's own pick and counts whether the speed-aware one agreed
 (``SpeedBook.placements``); ``on`` dispatches the speed-aware pick.
 
-SLO targets (``--speed-slo``, headers ``x-slo-ttft-ms`` / ``x-slo-tpot-ms``, llm-d's spelling) are
-read by ``SloPlacement`` below when set.
+SLO targets (headers ``x-slo-ttft-ms`` / ``x-slo-tpot-ms``, llm-d's spelling; read by the relay and
+handed over as ``SpeedBook.next_slo``): under ``on``, among the ranks predicted to meet a TPOT
+target the decode pick is the one of the highest predicted time per token (the tightest fit,
+leaving the faster ranks' headroom to stricter requests), and among the prefill ranks predicted
+to meet a TTFT target the one of the longest predicted queueing; when none is, the usual pick
+(best effort) or, with ``--speed-slo-unmet refuse``, the relay refuses the request before any
+pick (``SpeedBook.slo_feasible``).
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ class SpeedDecode:
         self.weight = int(weight)
         self.kv_reserve = int(kv_reserve)
         self.rng = reference.Rng(seed)
+        book.decoders.append(self)
 
     def set_targets(self, targets: Sequence[int], names: Sequence[str], rows: np.ndarray) -> None:
         self.rows = rows
@@ -100,9 +106,67 @@ class SpeedDecode:
                 cands = choose
         return [int(t) for t in cands if reference._row_eligible(self.tab, t)]
 
+    def _lines(self, live: list[int]) -> tuple[dict[str, tuple[float, float]], dict[str, int]] | None:
+        """Each candidate server's fitted line and busiest rank's count (None: one not measured)."""
+        book = self.book
+        ratio = book.slope_ratio()
+        lines: dict[str, tuple[float, float]] = {}
+        busiest: dict[str, int] = {}
+        for t in live:
+            s = book.server(t)
+            if s is None:
+                return None
+            if s not in lines:
+                f = book.steps.get(s)
+                ln = f.line(ratio) if f is not None else None
+                if ln is None:
+                    return None
+                lines[s] = ln
+                busiest[s] = book.busiest(s)
+        return lines, busiest
+
+    def _tpots(self, live: list[int]) -> list[tuple[float, int]] | None:
+        """(predicted seconds per output token once added, target) of each candidate."""
+        got = self._lines(live)
+        if got is None:
+            return None
+        lines, busiest = got
+        out = []
+        for t in live:
+            s = self.book.server(t)
+            assert s is not None
+            a, b = lines[s]
+            out.append((a + b * max(busiest[s], reference.requests(self.tab, t) + 1), t))
+        return out
+
+    def meets_tpot(self, target: float) -> bool | None:
+        """Whether some rank is predicted to meet a TPOT target (None: not known yet)."""
+        live = self.candidates(0, 0)
+        tp = self._tpots(live) if live else None
+        if tp is None:
+            return None
+        return any(p <= target for p, _ in tp)
+
+    def _slo_pick(self, tokens: int, out_tokens: int, target: float) -> int | None:
+        live = self.candidates(tokens, out_tokens)
+        tp = self._tpots(live) if live else None
+        if tp is None:
+            return None
+        fit = [(p, -reference.requests(self.tab, t), t) for p, t in tp if p <= target]
+        if not fit:
+            self.book.count_slo("tpot", "best_effort")
+            return None
+        self.book.count_slo("tpot", "placed")
+        return max(fit)[2]  # the tightest fit (then the fewest requests)
+
     def pick(self, tokens: int = 0, out_tokens: int = 0) -> int | None:
         """The speed-aware target, or None when the group's own policy decides."""
         book, tab = self.book, self.tab
+        tpot = book.next_slo[1]
+        if tpot > 0 and self.on:
+            t = self._slo_pick(tokens, out_tokens, tpot)
+            if t is not None:
+                return t
         live = self.candidates(tokens, out_tokens)
         if not live:
             return None
@@ -160,6 +224,7 @@ class SpeedPrefill:
         self.tab = tab
         self.on = mode == "on"
         self.rows = np.zeros(0, dtype=np.int64)
+        book.prefiller = self
 
     def set_targets(self, targets: Sequence[int], names: Sequence[str], rows: np.ndarray) -> None:
         self.rows = rows
@@ -168,8 +233,37 @@ class SpeedPrefill:
         if on_targets is not None:
             on_targets(targets, names, rows)
 
+    def _waits(self, tokens: int) -> list[tuple[float, int]] | None:
+        """(predicted queueing + compute seconds, target) of each eligible rank (None: one has
+        no rate yet)."""
+        tab, book = self.tab, self.book
+        out = []
+        for row in self.rows:
+            t = int(row)
+            if not reference._row_eligible(tab, t):
+                continue
+            r = book.rate(t)
+            if r is None:
+                return None
+            out.append(((reference.pending(tab, t) + tokens) / r, t))
+        return out
+
+    def meets_ttft(self, tokens: int, target: float) -> bool | None:
+        w = self._waits(tokens)
+        if not w:
+            return None
+        return any(p <= target for p, _ in w)
+
     def pick(self, tokens: int) -> int | None:
         tab, book = self.tab, self.book
+        ttft = book.next_slo[0]
+        if ttft > 0 and self.on:
+            w = self._waits(tokens)
+            if w:
+                fit = [(p, -reference.requests(tab, t), t) for p, t in w if p <= ttft]
+                book.count_slo("ttft", "placed" if fit else "best_effort")
+                if fit:
+                    return max(fit)[2]
         rates: list[tuple[int, float]] = []
         for row in self.rows:
             t = int(row)

@@ -40,11 +40,12 @@ from fastroute.auth import (
 from fastroute.dataplane._clock import monotonic
 from fastroute.dataplane.dispatch import Dispatcher
 from fastroute.dataplane.exchange import Relay
+from fastroute.dataplane.headerflags import _F_FWD as F_FWD
 from fastroute.dataplane.pd import PDRelay
 from fastroute.dataplane.protocol import INFERENCE, ClientProtocol
 from fastroute.dataplane.request import Request
 from fastroute.dataplane.route import Route, rank_port
-from fastroute.dataplane.speedmeter import metered
+from fastroute.dataplane.speedmeter import SLO_HEADERS, metered
 from fastroute.dataplane.sweep import Sweeper
 from fastroute.dataplane.telemetry import NULL_TELEMETRY, RequestTelemetry
 from fastroute.dataplane.upstream import Pool
@@ -104,6 +105,9 @@ class App:
         if speed is not None:  # --speed-aware: exchanges that time what they relay
             exchange_cls = metered(speed, pd)
         self.dispatch = Dispatcher(self, config, registry, loop, exchange_cls, guarded, room_rng, breakers)
+        if speed is not None:  # the SLO headers are kept (and forwarded) for the exchanges to read
+            for name in SLO_HEADERS:
+                self.dispatch.header_flags[name] = self.dispatch.header_flags.get(name, 0) | F_FWD
         self.pools: dict[Any, Pool] = {}  # by (worker identity, port): a re-added URL is a new worker
         self.tls_listener = False
         self.admin_tasks: set[asyncio.Task] = set()

@@ -176,3 +176,15 @@ def test_help_names_the_flag() -> None:
 
     text = build_parser().format_help()
     assert "--speed-aware" in text and "time per output token" in " ".join(text.split())
+
+
+def test_refusing_unmet_slos_needs_the_mode_on() -> None:
+    from fastroute.config import Config, ConfigError
+
+    for mode in ("off", "shadow"):
+        with pytest.raises(ConfigError) as exc:
+            Config(policy="power_of_two", speed_aware=mode, speed_slo_unmet="refuse")
+        assert exc.value.flag == "--speed-slo-unmet"
+    with pytest.raises(ConfigError):
+        Config(policy="power_of_two", speed_aware="on", speed_slo_unmet="maybe")
+    Config(policy="power_of_two", speed_aware="on", speed_slo_unmet="refuse")
