@@ -46,6 +46,7 @@ MIN_VARIANCE = 0.25  # batch variance (requests^2) below which the slope is borr
 SHIFT_RATIO = 1.15
 SHIFT_RUN = 4
 FORGET = 0.02  # what is left of the history after a change of regime
+HOLD_MARGIN = 0.9  # the share of a TPOT target a server's predicted step must stay within
 # The simulator's seed calibration (27.3 ms base, 2.0 ms per request): the slope a server with
 # too little batch variety borrows when no server has a slope of its own yet.
 DEFAULT_SLOPE_RATIO = 2.0 / 27.3
@@ -192,6 +193,9 @@ class SpeedBook:
         # per class (ttft, tpot): met, missed (measured), refused, best_effort (no rank predicted
         # to meet it), placed (a rank predicted to meet it chosen)
         self.slo_counts: dict[tuple[str, str], int] = {}
+        # TPOT targets of the requests in flight on each server that were placed where they were
+        # predicted to be met: a later pick does not push the server's step past the tightest
+        self._held: dict[str, list[float]] = {}
         # speed-aware picks: agree/disagree with the policy's (shadow), fallback (left to it)
         self.placements = dict.fromkeys(
             ("agree", "disagree", "fallback", "prefill_agree", "prefill_disagree", "prefill_fallback"), 0
@@ -282,6 +286,33 @@ class SpeedBook:
     def count_slo(self, cls: str, result: str) -> None:
         key = (cls, result)
         self.slo_counts[key] = self.slo_counts.get(key, 0) + 1
+
+    def hold_slo(self, target: int, tpot: float) -> str | None:
+        """Protect a TPOT target just placed on decode target ``target`` if the server is
+        predicted to meet it now; the server to hand back to ``drop_slo`` (None: not held)."""
+        s = self._server.get(target)
+        if s is None or tpot <= 0:
+            return None
+        p = self.predict(s, self.busiest(s))
+        if p is None or p > tpot * HOLD_MARGIN:
+            return None
+        self._held.setdefault(s, []).append(tpot)
+        return s
+
+    def drop_slo(self, server: str, tpot: float) -> None:
+        held = self._held.get(server)
+        if held:
+            try:
+                held.remove(tpot)
+            except ValueError:
+                pass
+            if not held:
+                del self._held[server]
+
+    def tightest(self, server: str) -> float:
+        """The tightest TPOT target held on ``server`` (inf: none)."""
+        held = self._held.get(server)
+        return min(held) * HOLD_MARGIN if held else float("inf")
 
     def slo_feasible(self, tokens: int, ttft: float, tpot: float) -> bool:
         """False when the fits predict that no rank meets a target (unknown counts as met)."""

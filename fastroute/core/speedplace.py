@@ -38,6 +38,8 @@ from fastroute.core.speed import SpeedBook
 from fastroute.core.table import COL_POLLED_AT, COL_POLLED_TOKENS
 from fastroute.names import MODE_CODE
 
+SLO_MARGIN = 0.9  # a rank meets a target when predicted within this share of it (fit error, jitter)
+RESERVE = 0.9  # requests without a target stop this much below a target held on the server
 EQUAL_WITHIN = 0.08  # servers whose steps differ less than this are the same hardware
 REF_BATCH = 8  # the batch at which servers' speeds are compared
 
@@ -145,14 +147,19 @@ class SpeedDecode:
         tp = self._tpots(live) if live else None
         if tp is None:
             return None
-        return any(p <= target for p, _ in tp)
+        return any(p <= target * SLO_MARGIN for p, _ in tp)
 
     def _slo_pick(self, tokens: int, out_tokens: int, target: float) -> int | None:
         live = self.candidates(tokens, out_tokens)
         tp = self._tpots(live) if live else None
         if tp is None:
             return None
-        fit = [(p, -reference.requests(self.tab, t), t) for p, t in tp if p <= target]
+        book = self.book
+        fit = [
+            (p, -reference.requests(self.tab, t), t)
+            for p, t in tp
+            if p <= target * SLO_MARGIN and p <= book.tightest(book.server(t) or "")
+        ]
         if not fit:
             self.book.count_slo("tpot", "best_effort")
             return None
@@ -187,14 +194,17 @@ class SpeedDecode:
         at_ref = [a + b * REF_BATCH for a, b in lines.values()]
         if max(at_ref) <= min(at_ref) * (1.0 + EQUAL_WITHIN):
             return None  # the same hardware: the group's policy, exactly
-        best, best_key, ties = -1, (0.0, 0, 0), 0
+        best, best_key, ties = -1, (0, 0.0, 0, 0), 0
         for t in live:
             s = book.server(t)
             assert s is not None
             a, b = lines[s]
             n = reference.requests(tab, t)
             step = a + b * max(busiest[s], n + 1)
-            key = (round(step, 9), n, int(tab[t, COL_POLLED_TOKENS]) if tab[t, COL_POLLED_AT] >= 0 else 0)
+            # a rank whose step would break a target held there comes after every other; a
+            # request without a target also leaves headroom for the next one with a target
+            breaks = 1 if step > book.tightest(s) * (1.0 if tpot > 0 else RESERVE) else 0
+            key = (breaks, round(step, 9), n, int(tab[t, COL_POLLED_TOKENS]) if tab[t, COL_POLLED_AT] >= 0 else 0)
             if best < 0 or key < best_key:
                 best, best_key, ties = t, key, 1
             elif key == best_key:

@@ -82,7 +82,7 @@ def metered(book: Any, pd: bool) -> Any:
     runtime: the data plane imports no core module)."""
 
     class MeteredRelay(Relay):
-        __slots__ = ("meter", "tail", "slo")
+        __slots__ = ("meter", "tail", "slo", "held")
 
         meter: Any
         tail: bytes
@@ -97,11 +97,26 @@ def metered(book: Any, pd: bool) -> Any:
                 if refused is not None:
                     self._fail_client(refused)
                     return
+            self._drop()
             book.next_slo = self.slo
             try:
                 Relay.attempt(self)
             finally:
                 book.next_slo = _NO_SLO
+            if self.slo[1] > 0 and self.leases:
+                self.held = book.hold_slo(self.target, self.slo[1])
+
+        def _drop(self) -> None:
+            held = getattr(self, "held", None)
+            self.held = None
+            if held is not None:
+                book.drop_slo(held, self.slo[1])
+
+        def _close_books(self) -> None:
+            try:
+                Relay._close_books(self)
+            finally:
+                self._drop()
 
         def up_body(self, data: bytes) -> None:
             if 200 <= self.status < 300:
@@ -123,7 +138,7 @@ def metered(book: Any, pd: bool) -> Any:
             Relay._end(self)
 
     class MeteredPDRelay(PDRelay):
-        __slots__ = ("meter", "tail", "replaying", "p_sent", "p_idle", "p_done_at", "slo")
+        __slots__ = ("meter", "tail", "replaying", "p_sent", "p_idle", "p_done_at", "slo", "held")
 
         meter: Any
         tail: bytes
@@ -142,11 +157,26 @@ def metered(book: Any, pd: bool) -> Any:
                 if refused is not None:
                     self._fail_client(refused)
                     return
+            self._drop()
             book.next_slo = self.slo
             try:
                 PDRelay.attempt(self)
             finally:
                 book.next_slo = _NO_SLO
+            if self.slo[1] > 0 and len(self.leases) == 2:
+                self.held = book.hold_slo(self.d.target, self.slo[1])
+
+        def _drop(self) -> None:
+            held = getattr(self, "held", None)
+            self.held = None
+            if held is not None:
+                book.drop_slo(held, self.slo[1])
+
+        def _close_books(self) -> None:
+            try:
+                PDRelay._close_books(self)
+            finally:
+                self._drop()
             t = self.p.target
             # A prefill that found its rank idle: its time to answer is compute, not queueing.
             self.p_idle = book.idle_prefill(t)
