@@ -140,3 +140,42 @@ def test_least_requests_splits_the_same_streams_evenly() -> None:
     split, _, loads = run(_scenario("off"), 45.0)
     assert loads is None
     assert split == [12, 12]
+
+
+async def _non_streaming() -> tuple[float | None, int]:
+    one = SimParams(dp_size=1)
+    cluster = await start_cluster(1, 1, one, SimParams(dp_size=1, time_scale=0.1))
+    p = cluster.prefills[0]
+    try:
+        async with Router(
+            pd_disaggregation=True,
+            prefill=[(p.url, p.bootstrap_port)],
+            decode=[cluster.decodes[0].url],
+            policy="power_of_two",
+            p2c_load_metric="least_requests",
+            prefill_policy="round_robin",
+            speed_aware="shadow",
+            load_monitor_interval=3600.0,
+        ) as r:
+            body = json.dumps({"text": "tok " * 8, "sampling_params": {"max_new_tokens": 40}}).encode()
+            conn = HttpConnection(H, r.port)
+            try:
+                for _ in range(4):
+                    status, _, answer = await conn.request("POST", "/generate", body)
+                    assert status == 200 and json.loads(answer)["meta_info"]["completion_tokens"] == 40
+            finally:
+                conn.close()
+            book = r.server.registry.router.speed
+            url = cluster.decodes[0].url
+            return book.predict(url, 1), book.steps[url].samples
+    finally:
+        await cluster.stop()
+
+
+def test_a_non_streaming_answer_is_one_sample_of_decode_time_over_output_tokens() -> None:
+    step, samples = run(_non_streaming(), 30.0)
+    p = SimParams()
+    assert samples == 4
+    # 40 steps of a one-request batch (29.3 ms each) over 40 tokens; the wait for the first
+    # step and the relay add a little.
+    assert step == pytest.approx((p.step_base_ms + p.step_request_ms) / 1000, rel=0.15)

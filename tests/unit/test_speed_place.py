@@ -188,3 +188,36 @@ def test_refusing_unmet_slos_needs_the_mode_on() -> None:
     with pytest.raises(ConfigError):
         Config(policy="power_of_two", speed_aware="on", speed_slo_unmet="maybe")
     Config(policy="power_of_two", speed_aware="on", speed_slo_unmet="refuse")
+
+
+def test_a_held_target_keeps_later_picks_off_its_server() -> None:
+    tab = TargetTable(32)
+    try:
+        router = Router(tab, seed=3, config=SimpleNamespace(speed_aware="on", kv_events="off"))
+        ids, names = _servers(tab)
+        g = router.group(ids, "power_of_two", load_metric="least_requests", names=names, speed_role="decode")
+        book = router.speed
+        assert book is not None
+        _teach(router, (1.0, 1.6), random.Random(4))
+        fast = "http://d0:8000"
+        lease = g.book_target(ids[0])
+        assert book.hold_slo(ids[0], 0.040) == fast  # ~29 ms predicted now: met, held
+        assert book.hold_slo(ids[DP], 0.040) is None  # the slow server (~47 ms) does not meet it
+        # Fill the fast server: without the hold it takes requests until its step passes the slow
+        # one's (~44 ms at 8 on a rank); with it, a request without a target stops below
+        # 0.9 x 0.9 x 40 ms = 32.4 ms, so at 2 on the busiest rank.
+        picks = []
+        leases = [lease]
+        for _ in range(10):
+            lease = g.acquire(0, None, None, 0)
+            assert lease is not None
+            leases.append(lease)
+            picks.append(lease.target)
+        assert max(tab.in_flight(t) for t in ids[:DP]) == 2  # 2 x 4 ranks, then the slow server
+        assert sum(1 for t in picks if t >= DP) == 3
+        book.drop_slo(fast, 0.040)
+        assert book.tightest(fast) == float("inf")
+        for lease in leases:
+            lease.release()
+    finally:
+        tab.unlink()
