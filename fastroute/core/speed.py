@@ -41,7 +41,7 @@ from fastroute.core import reference
 
 HALF_LIFE_S = 20.0
 WINDOW = 8  # reads per step sample of a stream
-MIN_WEIGHT = 3.0  # decayed samples before a fit predicts
+MIN_SAMPLES = 3  # samples before a fit predicts (a change of regime keeps it predicting)
 MIN_VARIANCE = 0.25  # batch variance (requests^2) below which the slope is borrowed
 SHIFT_RATIO = 1.15
 SHIFT_RUN = 4
@@ -98,7 +98,7 @@ class StepFit:
 
     def own_line(self) -> tuple[float, float] | None:
         """(a, b) from this server's samples alone, when the batch varied enough."""
-        if self.w < MIN_WEIGHT:
+        if self.samples < MIN_SAMPLES or self.w <= 0:
             return None
         mn, my = self.sn / self.w, self.sy / self.w
         var = self.snn / self.w - mn * mn
@@ -117,7 +117,7 @@ class StepFit:
         own = self.own_line()
         if own is not None:
             return own
-        if self.w < MIN_WEIGHT:
+        if self.samples < MIN_SAMPLES or self.w <= 0:
             return None
         mn, my = self.sn / self.w, self.sy / self.w
         a = my / (1.0 + ratio * mn)

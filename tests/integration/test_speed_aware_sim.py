@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
@@ -179,3 +180,45 @@ def test_a_non_streaming_answer_is_one_sample_of_decode_time_over_output_tokens(
     # 40 steps of a one-request batch (29.3 ms each) over 40 tokens; the wait for the first
     # step and the relay add a little.
     assert step == pytest.approx((p.step_base_ms + p.step_request_ms) / 1000, rel=0.15)
+
+
+async def _slowdown() -> tuple[float, float, float]:
+    d = SimParams(dp_size=DP, slowdown_at=2.0, slowdown_factor=2.0)
+    cluster = await start_cluster(1, 1, d, SimParams(dp_size=DP, time_scale=0.1))
+    p = cluster.prefills[0]
+    clients: list[Client] = []
+    try:
+        async with Router(
+            pd_disaggregation=True,
+            prefill=[(p.url, p.bootstrap_port)],
+            decode=[cluster.decodes[0].url],
+            dp_aware=True,
+            policy="power_of_two",
+            p2c_load_metric="least_requests",
+            prefill_policy="round_robin",
+            speed_aware="shadow",
+            load_monitor_interval=3600.0,
+        ) as r:
+            book = r.server.registry.router.speed
+            url = cluster.decodes[0].url
+            loop = asyncio.get_running_loop()
+            for _ in range(2 * DP):
+                clients.append(Client(r.port))
+            await until(lambda: book.predict(url, 2) is not None, 10.0, "measured")
+            before = book.predict(url, 2)
+            # The engine slows down 2 s after it started; wait for the fit to double.
+            t_slow = cluster.decodes[0].decode._t0 + 2.0
+            await until(lambda: (book.predict(url, 2) or 0.0) > 1.9 * before, 15.0, "the slowdown followed")
+            return before, book.predict(url, 2), time.monotonic() - t_slow + 0 * loop.time()
+    finally:
+        for c in clients:
+            await c.close()
+        await cluster.stop()
+
+
+def test_a_server_slowing_down_mid_run_is_followed_within_3_seconds() -> None:
+    before, after, lag = run(_slowdown(), 40.0)
+    p = SimParams()
+    assert before == pytest.approx((p.step_base_ms + 2 * p.step_request_ms) / 1000, rel=0.1)
+    assert after == pytest.approx(2 * before, rel=0.1)
+    assert lag <= 3.0
