@@ -30,6 +30,7 @@ from fastroute.control import reasons
 from fastroute.control.dashboard import PAGE as DASHBOARD_PAGE
 from fastroute.control.dashboard import Dashboard
 from fastroute.control.parity import PEER_SERIES, peer_table_markdown  # noqa: F401
+from fastroute.control.speedmetrics import speed_families
 from fastroute.control.worker import target_label
 from fastroute.core import _policy
 from fastroute.core import table as T
@@ -168,6 +169,7 @@ class Collector:
         yield from self._per_target(targets, snap)
         yield from self._groups(targets, snap)
         yield from self._requests()
+        yield from speed_families(getattr(getattr(self.registry, "router", None), "speed", None))
 
     def _per_target(self, targets, snap):
         def gauge(name, doc, col, labels=("target",)):
