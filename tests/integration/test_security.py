@@ -527,7 +527,8 @@ def test_log_json_and_smg_aliases_start(tmp_path: Path) -> None:
             "--cache-match-threshold",
             "0.4",
             "--log-json",
-            "--enable-trace",
+            "--bucket-adjust-interval-secs",
+            "5",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -540,6 +541,6 @@ def test_log_json_and_smg_aliases_start(tmp_path: Path) -> None:
         _, err = proc.communicate(timeout=15)
     docs = [json.loads(line) for line in err.splitlines() if line.strip()]
     assert docs and all({"time", "level", "logger", "message", "pid"} <= d.keys() for d in docs)
-    assert any(d["level"] == "WARNING" and d["message"].startswith("--enable-trace") for d in docs)
+    assert any(d["level"] == "WARNING" and d["message"].startswith("--bucket-adjust-interval-secs") for d in docs)
     banner = [d["message"] for d in docs if d["message"].startswith("fastroute ")]
     assert banner and f"http://127.0.0.1:{port}" in banner[0] and "cache_aware" in banner[0]
