@@ -159,7 +159,8 @@ class Collector:
 
     def collect(self):
         targets = self._targets()
-        snap = self.table.snapshot() if targets else None
+        # Rows in use only (up to the last registered one), not the whole --max-targets table.
+        snap = self.table.snapshot(min(len(info_rows(self.registry)), self.table.capacity)) if targets else None
         yield from self._per_target(targets, snap)
         yield from self._groups(targets, snap)
         yield from self._requests()
@@ -552,6 +553,8 @@ class ProcessCollector:
 
     def collect(self):
         sup = self.sup
+        # The ledgers' rows in use only (up to the last registered one), not --max-targets rows.
+        rows = min(len(info_rows(sup.registry)), sup.table.capacity) if sup.table is not None else 0
         up = GaugeMetricFamily(
             "fastroute_proxy_process_up",
             "1 when the proxy process runs and reported a ready worker view",
@@ -579,13 +582,18 @@ class ProcessCollector:
             label = [str(slot)]
             up.add_metric(label, 1.0 if child.alive and child.reported_ready else 0.0)
             restarts.add_metric(label, float(child.restarts))
-            snap = sup.ledgers[slot].snapshot()
+            snap = sup.ledgers[slot].snapshot(rows)
             inflight.add_metric(label, float(snap[:, T.COL_IN_FLIGHT].sum()))
             picks.add_metric(label, float(snap[:, T.COL_PICKS].sum()))
             if child.alive and child.proc is not None:
                 pid.add_metric(label, float(child.proc.pid))
                 version.add_metric(label, float(child.version))
         yield from (up, restarts, inflight, picks, version, pid)
+
+
+def info_rows(registry: Any) -> list:
+    """The registry's rows (``target_info``; empty without a registry)."""
+    return getattr(registry, "target_info", None) or []
 
 
 class MetricsServer:
