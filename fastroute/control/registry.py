@@ -177,7 +177,7 @@ class Registry:
 
     def _queue_configured(self, url: str, role: str, bootstrap_port: int | None = None) -> None:
         try:
-            self._queue(url, role, bootstrap_port=bootstrap_port)
+            self.add_worker(url, role, bootstrap_port=bootstrap_port)
         except SelfWorker as exc:  # known only once bound (--port 0): skipped, said once
             log.error("not registering %s: %s", url, exc)
 
@@ -308,29 +308,6 @@ class Registry:
     ) -> Worker:
         """Queue a worker for background registration. Raises DuplicateWorker (a ValueError) on a
         known URL and ValueError on a bad role; the handshake outcome is ``Worker.status``."""
-        return self._queue(
-            url,
-            role,
-            bootstrap_port=bootstrap_port,
-            model_id=model_id,
-            priority=priority,
-            cost=cost,
-            labels=labels,
-            api_key=api_key,
-        )
-
-    def _queue(
-        self,
-        url: str,
-        role: str,
-        *,
-        bootstrap_port: int | None = None,
-        model_id: str | None = None,
-        priority: int | None = None,
-        cost: float | None = None,
-        labels: Mapping[str, str] | None = None,
-        api_key: str | None = None,
-    ) -> Worker:
         if role not in ROLES:
             raise ValueError(f"unknown worker_type {role!r} (expected one of {', '.join(ROLES)})")
         check_fields(priority, cost, labels, api_key)
