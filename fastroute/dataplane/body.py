@@ -10,10 +10,11 @@ Owns:
   client's bytes, forwarded unchanged apart from them (protocol.md 3.3 [REC]), never
   re-serialised. A key the client sent too comes last and wins with every JSON parser that
   keeps the last duplicate (Python's json, pydantic).
-* ``pd_fields`` / ``pd_leg_fields`` / ``rank_field_bytes`` / ``draw_room``: the PD keys
-  ``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room`` (scalars, or lists of length B
-  for batches) and the DP rank key, pre-encoded: a target's once, in its route
-  (``bootstrap_values``, ``rank_field_bytes``); per request only the room is drawn.
+* ``bootstrap_values`` / ``bootstrap_fields`` / ``rank_field_bytes`` / ``draw_room``: the PD
+  keys ``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room`` (scalars, or lists of length
+  B for batches) and the DP rank key, pre-encoded: a target's once, in its route
+  (``bootstrap_values``, ``rank_field_bytes``); per request only the room is drawn
+  (``bootstrap_fields``, called by ``PDRelay.attempt``, which adds the decode's rank keys).
   (The response side, prefill logprobs merged into the decode answer: ``logprobs``.)
 
 Batch rules (protocol.md 3.3), per endpoint:
@@ -72,11 +73,8 @@ __all__ = [
     "parse_request",
     "estimate_tokens",
     "inject",
-    "inject_parts",
     "splice_point",
     "draw_room",
-    "pd_fields",
-    "pd_leg_fields",
     "rank_field_bytes",
     "bootstrap_values",
     "bootstrap_fields",
@@ -518,19 +516,6 @@ def _object_bounds(body: bytes | bytearray | memoryview) -> tuple[int, bool]:
         raise _bad("Request body must be a JSON object") from None
 
 
-def inject_parts(body: bytes, fields: bytes) -> tuple[memoryview, bytes, memoryview]:
-    """inject() without the copy: (head, middle, tail) for ``transport.writelines``.
-
-    ``head`` and ``tail`` are views of ``body``; the forwarded length is the sum
-    of the three lengths.
-    """
-    view = memoryview(body)
-    if not fields:
-        return view, b"", view[len(view) :]
-    end, empty = _object_bounds(body)
-    return view[:end], (fields if empty else b"," + fields), view[end:]
-
-
 def splice_point(body: bytes) -> tuple[int, bytes]:
     """(end, separator): ``body[:end] + separator + fields + body[end:]`` is ``inject(body,
     fields)``. For a caller that frames several legs from one body (PD: one scan for both legs,
@@ -609,17 +594,6 @@ def rank_field_bytes(field: str, rank: int) -> bytes:
     return _field_key(field) + str(int(rank)).encode()
 
 
-def _bootstrap_fields(
-    batch: int | None,
-    host: str,
-    port: int | None,
-    rng: _RandomBits,
-    prefill_dp_size: int,
-    prefill_rank: int | None,
-) -> bytes:
-    return bootstrap_fields(batch, bootstrap_values(host, port), rng, prefill_dp_size, prefill_rank)
-
-
 def bootstrap_fields(
     batch: int | None,
     values: tuple[bytes, bytes, bytes],
@@ -648,52 +622,3 @@ def bootstrap_fields(
         b",".join([port_b] * batch),
         b",".join([b"%d" % r for r in order]),
     )
-
-
-def pd_fields(
-    meta: RequestMeta,
-    host: str,
-    port: int | None,
-    room_rng: _RandomBits,
-    rank_field: str | None,
-    rank: int | None,
-    prefill_dp_size: int = 1,
-    prefill_rank: int | None = None,
-) -> bytes:
-    """Pre-encoded PD keys for one attempt (a fresh room each call).
-
-    ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room`` are scalars, or
-    lists of length ``meta.batch`` with distinct rooms.  When ``rank_field`` and
-    ``rank`` are given, ``"<rank_field>":rank`` (a scalar even for batches) is
-    appended: that is the decode leg's body.  The prefill leg must get the same
-    room without the rank key, so a caller building both legs uses
-    ``pd_leg_fields`` (one draw, two byte strings).
-    """
-    out = _bootstrap_fields(meta.batch, host, port, room_rng, prefill_dp_size, prefill_rank)
-    if rank_field is not None and rank is not None:
-        out += b"," + rank_field_bytes(rank_field, rank)
-    return out
-
-
-def pd_leg_fields(
-    meta: RequestMeta,
-    host: str,
-    port: int | None,
-    room_rng: _RandomBits,
-    rank_field: str | None,
-    rank: int | None,
-    prefill_dp_size: int = 1,
-    prefill_rank: int | None = None,
-) -> tuple[bytes, bytes]:
-    """(prefill fields, decode fields) sharing one room draw.
-
-    Without a rank key both elements are the same bytes object, so a caller may
-    test ``decode is prefill`` and reuse the prefill body for the decode leg.
-
-    The prefill never gets a rank key: its rank is carried by the room
-    arithmetic (``prefill_rank``), see draw_room.
-    """
-    common = _bootstrap_fields(meta.batch, host, port, room_rng, prefill_dp_size, prefill_rank)
-    if rank_field is not None and rank is not None:
-        return common, common + b"," + rank_field_bytes(rank_field, rank)
-    return common, common
