@@ -88,11 +88,31 @@ class App:
             loop,
             rate=config.rate_limit_tokens_per_second,
         )
+        # --enable-trace: exchanges and routes that add spans (tracing.py); off, nothing changes.
+        exchange: Any = None
+        route: Any = None
+        self.tracer: Any = None
+        if config.enable_trace:
+            from fastroute.dataplane.tracing import traced_parts
+
+            self.tracer, exchange, route = traced_parts(config, bool(config.pd_disaggregation))
         self.upstreams = (
-            upstreams if upstreams is not None else Upstreams(config, registry, loop, breakers, room_rng, worker_tls)
+            upstreams
+            if upstreams is not None
+            else Upstreams(config, registry, loop, breakers, room_rng, worker_tls, route)
         )
         self.endpoints = Endpoints(
-            config, self.limits, self.upstreams, self.live, self.admission, registry, admin_auth, self.tel, loop, tokens
+            config,
+            self.limits,
+            self.upstreams,
+            self.live,
+            self.admission,
+            registry,
+            admin_auth,
+            self.tel,
+            loop,
+            tokens,
+            exchange,
         )
         self.sweeper = Sweeper(self.live, self.limits, self.admission, loop, breakers, registry, reconciler)
         self.tls_listener = False
@@ -157,3 +177,5 @@ class App:
         for t in list(self.endpoints.admin_tasks):
             t.cancel()
         self.upstreams.close()
+        if self.tracer is not None:
+            self.tracer.shutdown()  # the last spans, bounded: a collector that is down cannot hold the exit
