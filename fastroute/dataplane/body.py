@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import json
 import json.scanner
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any, Protocol
 
@@ -267,22 +268,19 @@ def _opt_int(obj: dict, key: str, where: str = "") -> int | None:
     raise _bad(f"'{where}{key}' must be an integer in [0, 2^62)")
 
 
-def _texts_tokens(items: list, field: str) -> int:
+def _batch_tokens(items: list, field: str, kind: type, count: Callable[[Any], int], shape: str) -> int:
+    """The input tokens of a batch whose items are each a ``kind`` counted by ``count``; any
+    other item is a 400 saying ``field`` must be ``shape``."""
     total = 0
     for item in items:
-        if type(item) is not str:
-            raise _bad(f"'{field}' must be a string or a list of strings")
-        total += estimate_tokens(item)
+        if type(item) is not kind:
+            raise _bad(f"'{field}' must be {shape}")
+        total += count(item)
     return total
 
 
-def _id_lists_tokens(items: list, field: str) -> int:
-    total = 0
-    for item in items:
-        if type(item) is not list:
-            raise _bad(f"'{field}' must be a list of token ids or a list of lists of token ids")
-        total += len(item)
-    return total
+_TEXTS = "a string or a list of strings"
+_ID_LISTS = "a list of token ids or a list of lists of token ids"
 
 
 def _parse_generate(obj: dict, meta: RequestMeta) -> None:
@@ -293,7 +291,7 @@ def _parse_generate(obj: dict, meta: RequestMeta) -> None:
             raise _bad("'input_ids' must be a list of token ids or a list of lists of token ids")
         if ids and type(ids[0]) is list:
             meta.batch = len(ids)
-            meta.input_tokens = _id_lists_tokens(ids, "input_ids")
+            meta.input_tokens = _batch_tokens(ids, "input_ids", list, len, _ID_LISTS)
         else:
             if ids and type(ids[0]) is not int:
                 raise _bad("'input_ids' must be a list of token ids or a list of lists of token ids")
@@ -303,7 +301,7 @@ def _parse_generate(obj: dict, meta: RequestMeta) -> None:
             if ids is None:
                 meta.input_tokens = estimate_tokens(text)
         elif type(text) is list:
-            tokens = _texts_tokens(text, "text")
+            tokens = _batch_tokens(text, "text", str, estimate_tokens, _TEXTS)
             if ids is None:
                 # input_ids, when also given, decides the shape (SGLang itself
                 # rejects requests carrying both).
@@ -372,10 +370,10 @@ def _parse_completions(obj: dict, meta: RequestMeta) -> None:
         first = type(prompt[0])
         if first is str:
             meta.batch = len(prompt)
-            meta.input_tokens = _texts_tokens(prompt, "prompt")
+            meta.input_tokens = _batch_tokens(prompt, "prompt", str, estimate_tokens, _TEXTS)
         elif first is list:
             meta.batch = len(prompt)
-            meta.input_tokens = _id_lists_tokens(prompt, "prompt")
+            meta.input_tokens = _batch_tokens(prompt, "prompt", list, len, _ID_LISTS)
         elif first is int:
             meta.input_tokens = len(prompt)  # one tokenized prompt
         else:
