@@ -98,6 +98,14 @@ def _refused(exc: ValueError) -> RouterError:
     return RouterError(400, CODE_BAD_REQUEST, str(exc))
 
 
+def _accepted(w: Worker, change: str, **extra: str) -> tuple[int, bytes, bytes]:
+    """The 202 of a worker change that goes on in the background (``change``: addition,
+    update, removal); ``extra`` fields go before the message, where the bodies had them."""
+    doc = {"status": "accepted", "worker_id": w.id, "url": w.url, **extra}
+    doc["message"] = f"Worker {change} queued for background processing"
+    return 202, _json(doc), _JSON
+
+
 def _method_not_allowed(method: str, path: str) -> RouterError:
     return RouterError(405, "method_not_allowed", f"Method {method} not allowed on {path}")
 
@@ -266,19 +274,7 @@ class AdminAPI:
             )
         except ValueError as exc:
             raise _refused(exc) from None
-        return (
-            202,
-            _json(
-                {
-                    "status": "accepted",
-                    "worker_id": w.id,
-                    "url": w.url,
-                    "location": f"/workers/{w.id}",
-                    "message": "Worker addition queued for background processing",
-                }
-            ),
-            _JSON,
-        )
+        return _accepted(w, "addition", location=f"/workers/{w.id}")
 
     def _worker_item(self, method: str, wid: str, body: bytes) -> tuple[int, bytes, bytes]:
         try:
@@ -309,32 +305,10 @@ class AdminAPI:
                     w.labels = {str(k): str(v) for k, v in upd["labels"].items()}
             except (TypeError, ValueError) as exc:
                 raise _invalid(str(exc)) from None
-            return (
-                202,
-                _json(
-                    {
-                        "status": "accepted",
-                        "worker_id": w.id,
-                        "url": w.url,
-                        "message": "Worker update queued for background processing",
-                    }
-                ),
-                _JSON,
-            )
+            return _accepted(w, "update")
         if method == "DELETE":
             self.registry.remove_worker(w)
-            return (
-                202,
-                _json(
-                    {
-                        "status": "accepted",
-                        "worker_id": w.id,
-                        "url": w.url,
-                        "message": "Worker removal queued for background processing",
-                    }
-                ),
-                _JSON,
-            )
+            return _accepted(w, "removal")
         raise _method_not_allowed(method, f"/workers/{wid}")
 
     # Legacy API (sglang-router <= 0.2.x): plain-text answers, synchronous registration.

@@ -10,31 +10,22 @@ registered by them is left alone. Everything runs on the router's event loop, in
 that owns the registry (the single-process server, or the supervisor under ``--workers N``).
 
 Kubernetes (``--service-discovery``): one list + watch per selector (two in PD mode), in one
-namespace or all. The watch resumes from the list's resourceVersion, so no event between list
-and watch is lost; BOOKMARK events advance it; ``410 Gone`` (HTTP status or an ERROR event)
-re-lists after a backoff (0.5 s doubling to 30 s with jitter, reset by a watch that ends
-normally; logged once per episode), and the list result replaces that selector's pod set in
-one step, so a pod that stayed is never removed in between. The server is asked to end each
-watch after ``--discovery-check-interval-secs``; a watch silent for that plus 5 s (30 s at
-most) is given up and resumed (a hung server or proxy), counted as ``watch_idle``. An event
-or listed pod of the wrong shape (``null``, a list, metadata not an object, labels not a map
-of strings, a podIP that is no string...) is skipped and counted as ``bad_object``; the watch
-goes on. Each event costs O(1) (only its pod's worker is recomputed, registry lookups are
-dicts) and the reconciling hands the loop back every 10 ms, so a burst of 1,500 pods does not
-stall requests. Each watch runs supervised (control/background.py): whatever still escapes
-is logged once, counted and the watch restarted. A pod is a worker while it matches the selector, has
-phase Running, condition Ready=True and a pod IP, and carries no deletionTimestamp; its URL is
-``http://<podIP>:<--service-discovery-port>``; a prefill pod's bootstrap port comes from the
-``--bootstrap-port-annotation`` annotation (absent: null, as the peers). A pod matching both
-PD selectors is logged once as an error and not used. API errors (unreachable, 401, 403, 5xx)
-keep the current workers, back off (0.5 s doubling to 30 s) and are counted in
-``fastroute_discovery_errors_total``; each episode is logged once.
-
-Client library: ``kubernetes_asyncio``, the official client's generated API and config loaders
-(kubeconfig with exec/OIDC plugins, in-cluster token refresh) on aiohttp, so the watch stays a
-coroutine on the router's loop instead of a thread per stream as the official ``kubernetes``
-client (urllib3, blocking) would need. Responses are read raw (``_preload_content=False``) and
-parsed as JSON lines: no V1Pod model objects are built per event.
+namespace or all, by :func:`fastroute.control.kube_watch.watch` (the loop InferencePool
+discovery uses too: resume from the list's resourceVersion, BOOKMARKs, ``410 Gone`` lists again
+after a backoff, a watch silent past ``--discovery-check-interval-secs`` plus 5 s is resumed and
+counted as ``watch_idle``, API errors keep the current workers, back off 0.5 s doubling to 30 s
+and are counted in ``fastroute_discovery_errors_total``, each episode logged once). A list
+result replaces that selector's pod set in one step, so a pod that stayed is never removed in
+between. An event or listed pod of the wrong shape (``null``, a list, metadata not an object,
+labels not a map of strings, a podIP that is no string...) is skipped and counted as
+``bad_object``; the watch goes on. Each event costs O(1) (only its pod's worker is recomputed,
+registry lookups are dicts) and the reconciling hands the loop back every 10 ms, so a burst of
+1,500 pods does not stall requests. Each watch runs supervised (control/background.py):
+whatever still escapes is logged once, counted and the watch restarted. A pod is a worker while
+it matches the selector, has phase Running, condition Ready=True and a pod IP, and carries no
+deletionTimestamp; its URL is ``http://<podIP>:<--service-discovery-port>``; a prefill pod's
+bootstrap port comes from the ``--bootstrap-port-annotation`` annotation (absent: null, as the
+peers). A pod matching both PD selectors is logged once as an error and not used.
 
 File (``--discovery-provider file --discovery-file PATH``): smg's manifest format could not be
 found, so fastroute defines a small one, the ``POST /workers`` body per worker::
@@ -59,23 +50,17 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from fastroute.config import ConfigError
-from fastroute.control.background import backoff_delay, cancel_all
+from fastroute.control.background import cancel_all
+from fastroute.control.kube_watch import BACKOFF_MAX, kube_api, watch
 from fastroute.control.worker import ROLES, DuplicateWorker
-from fastroute.kube import NO_KUBE_CONFIG, kube_config_source, parse_selector
+from fastroute.kube import parse_selector
 
 log = logging.getLogger("fastroute.discovery")
 
 __all__ = ["Discovery", "start_discovery", "pod_worker", "selector_matches", "read_manifest"]
 
-BACKOFF_INITIAL = 0.5
-BACKOFF_MAX = 30.0
 FILE_POLL_SECS = 0.2
 SLICE_SECS = 0.01  # longest stretch of reconciling before the loop gets a turn
-# A watch silent for this long past the server's timeoutSeconds (or longer than this in all) is
-# given up and resumed from its resourceVersion: a hung API server or proxy is noticed.
-WATCH_IDLE_GRACE = 5.0
-WATCH_IDLE_MAX = 30.0
 _LIVE = ("pending", "ready")  # Worker.status of a worker still in the registry
 # Reasons the API gives for a status, turned into what the operator has to fix.
 _HINTS = {
@@ -101,7 +86,7 @@ class Discovery:
         self._counts: dict[str, int] = {}  # role -> len(owned) of that role
         self._slice_mark = 0.0  # time.monotonic() of the last pause()
         self._tasks: list[asyncio.Task] = []
-        self._api: Any = None
+        self.api: Any = None  # the Kubernetes CoreV1Api (kube_watch.kube_api), once started
         if stats is not None:
             stats.discovered = {r: 0 for r in self._roles()}
 
@@ -178,9 +163,9 @@ class Discovery:
         """Stop watching; the workers stay registered (the registry stops them itself)."""
         await cancel_all(self._tasks)
         self._tasks = []
-        if self._api is not None:
-            await self._api.api_client.close()
-            self._api = None
+        if self.api is not None:
+            await self.api.api_client.close()
+            self.api = None
 
 
 async def start_discovery(config: Any, registry: Any, stats: Any) -> Discovery | None:
@@ -194,17 +179,18 @@ async def start_discovery(config: Any, registry: Any, stats: Any) -> Discovery |
         d.spawn(lambda st: _follow_file(d, config, st), "discovery file")
         log.info("discovery: following manifest %s", config.discovery_file)
         return d
-    d._api = await _kube_api()
+    d.api = await kube_api("--service-discovery")
     roles = (
         [("prefill", config.prefill_selector), ("decode", config.decode_selector)]
         if config.pd_disaggregation
         else [("regular", config.selector)]
     )
-    sets = _PodSets(d, config, [r for r, sel in roles if sel])
+    sets = PodSets(d, config, [r for r, sel in roles if sel])
+    interval = int(config.discovery_check_interval_secs)
     for role, tokens in roles:
         if tokens:
-            reqs = parse_selector(tokens)
-            d.spawn(functools.partial(_watch_pods, d, sets, role, reqs), f"discovery {role} pods")
+            pods = PodWatch(sets, role, parse_selector(tokens), config.service_discovery_namespace)
+            d.spawn(functools.partial(watch, pods, interval=interval, log=log), f"discovery {role} pods")
     log.info(
         "discovery: watching pods in %s: %s",
         config.service_discovery_namespace or "all namespaces",
@@ -288,7 +274,7 @@ def pod_worker(pod: Mapping[str, Any], port: int, annotation: str) -> tuple[str,
     return f"http://{host}:{port}", bport
 
 
-class _PodSets:
+class PodSets:
     """Pods seen per role and the workers they make; an event updates only its pod's entry.
     Only what a pod makes is kept (its URL and bootstrap port, or None when unusable), not
     the pod object: thousands of pods stay a small heap for the garbage collector to walk."""
@@ -301,7 +287,7 @@ class _PodSets:
         self.desired: dict[str, Found] = {}  # url -> (role, bootstrap port, pod key)
         self._url_of: dict[str, str] = {}  # pod key -> its url in desired
         self._both: set[str] = set()
-        self._bad_logged = False
+        self.bad_logged = False
 
     def _update(self, key: str) -> list[str]:
         """Recompute the worker of pod ``key`` -> the URLs whose desired entry changed."""
@@ -345,8 +331,8 @@ class _PodSets:
     def bad(self, role: str, what: str, problem: str) -> None:
         """Skip and count an object of the wrong shape (logged once until a watch ends well)."""
         self.d.error("bad_object")
-        if not self._bad_logged:
-            self._bad_logged = True
+        if not self.bad_logged:
+            self.bad_logged = True
             log.warning(
                 "discovery: skipped a %s from the Kubernetes API for %s pods: %s "
                 '(counted in fastroute_discovery_errors_total{reason="bad_object"}; '
@@ -355,50 +341,6 @@ class _PodSets:
                 role,
                 problem,
             )
-
-
-class _ApiError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"{status} {message}")
-        self.status = status
-        self.message = message
-
-
-async def _kube_api(flag: str = "--service-discovery") -> Any:
-    # Deferred: kubernetes_asyncio + aiohttp take ~0.3 s to import and only discovery uses them.
-    from kubernetes_asyncio import client
-    from kubernetes_asyncio import config as kconfig
-    from kubernetes_asyncio.config.config_exception import ConfigException
-
-    source = kube_config_source()
-    if source is None:
-        raise ConfigError(flag, NO_KUBE_CONFIG)
-    conf = client.Configuration()
-    try:
-        if source[0] == "incluster":
-            kconfig.load_incluster_config(client_configuration=conf)
-        else:
-            await kconfig.load_kube_config(config_file=source[1], client_configuration=conf, persist_config=False)
-    except (ConfigException, OSError, ValueError) as exc:
-        raise ConfigError(flag, f"unusable Kubernetes configuration ({source[1] or 'in-cluster'}): {exc}") from None
-    return client.CoreV1Api(client.ApiClient(configuration=conf))
-
-
-async def _request(d: Discovery, ns: str | None, selector: str, **kw: Any) -> Any:
-    api = d._api
-    if ns:
-        resp = await api.list_namespaced_pod(ns, label_selector=selector, _preload_content=False, **kw)
-    else:
-        resp = await api.list_pod_for_all_namespaces(label_selector=selector, _preload_content=False, **kw)
-    if resp.status != 200:
-        body = await resp.read()
-        resp.release()
-        try:
-            message = json.loads(body).get("message") or ""
-        except (ValueError, AttributeError, RecursionError):
-            message = body[:200].decode("utf-8", "replace")
-        raise _ApiError(resp.status, message)
-    return resp
 
 
 def _key(pod: Mapping[str, Any]) -> str:
@@ -410,199 +352,70 @@ def _labels(pod: Mapping[str, Any]) -> Mapping[str, str]:
     return pod["metadata"].get("labels") or {}
 
 
-async def _list(
-    d: Discovery, sets: _PodSets, role: str, ns: str | None, selector: str, reqs: list[tuple[str, str, tuple[str, ...]]]
-) -> str:
-    resp = await _request(d, ns, selector, _request_timeout=30)
-    try:
-        doc = json.loads(await resp.read())
-    except RecursionError:
-        raise ValueError("the pod list is nested too deeply") from None
-    finally:
-        resp.release()
-    if not isinstance(doc, dict) or not isinstance(doc.get("items") or [], list):
-        raise _ApiError(502, "the pod list is not a PodList object")
-    meta = doc.get("metadata")
-    rv = meta.get("resourceVersion") if isinstance(meta, dict) else None
-    pods: dict[str, tuple[str, int | None] | None] = {}
-    for p in doc.get("items") or ():
-        await d.pause()
-        problem = pod_problem(p)
-        if problem is not None:
-            sets.bad(role, "listed pod", problem)
-        elif selector_matches(reqs, _labels(p)):
-            pods[_key(p)] = sets.worker_of(p)
-    await sets.replace(role, pods)
-    return rv if isinstance(rv, str) else ""
+class PodWatch:
+    """The pods of one role's selector in one namespace (None: all), as
+    :func:`~fastroute.control.kube_watch.watch` follows them into a :class:`PodSets`."""
 
+    hints = _HINTS
 
-_CONFIGURED: Any = object()
+    def __init__(
+        self, sets: PodSets, role: str, reqs: list[tuple[str, str, tuple[str, ...]]], namespace: str | None
+    ) -> None:
+        self._sets = sets
+        self._d = sets.d
+        self._role = role
+        self._reqs = reqs
+        self._ns = namespace
+        self._selector = ",".join(_requirement_text(r) for r in reqs)
+        self.what = f"{role} pods in {namespace or 'all namespaces'}"
 
+    async def request(self, **kw: Any) -> Any:
+        api = self._d.api
+        if self._ns:
+            return await api.list_namespaced_pod(self._ns, label_selector=self._selector, **kw)
+        return await api.list_pod_for_all_namespaces(label_selector=self._selector, **kw)
 
-async def _watch_pods(
-    d: Discovery,
-    sets: _PodSets,
-    role: str,
-    reqs: list[tuple[str, str, tuple[str, ...]]],
-    st: Any,
-    namespace: Any = _CONFIGURED,
-) -> None:
-    """List, then watch from the list's resourceVersion, forever (see module docstring), in
-    ``namespace`` (default: --service-discovery-namespace; None: all namespaces)."""
-    import aiohttp  # already loaded by _kube_api; named here only for its exception types
-
-    cfg = d.registry.config
-    ns = cfg.service_discovery_namespace if namespace is _CONFIGURED else namespace
-    selector = ",".join(_requirement_text(r) for r in reqs)
-    interval = int(cfg.discovery_check_interval_secs)
-    idle = min(interval + WATCH_IDLE_GRACE, WATCH_IDLE_MAX)
-    rv: str | None = None
-    backoff = BACKOFF_INITIAL
-    gone = BACKOFF_INITIAL  # the wait before re-listing after a 410, reset by a good watch
-    gone_logged = False
-    while True:
-        try:
-            if rv is None:
-                rv = await _list(d, sets, role, ns, selector, reqs)
-                st.ok()
-            resp = await _request(
-                d,
-                ns,
-                selector,
-                watch=True,
-                resource_version=rv,
-                allow_watch_bookmarks=True,
-                timeout_seconds=interval,
-                _request_timeout=aiohttp.ClientTimeout(sock_connect=10, sock_read=idle),
-            )
-            started = asyncio.get_running_loop().time()
-            try:
-                rv = await _consume(resp, sets, role, reqs, rv, st)
-            except asyncio.TimeoutError:
-                # Silent past the server's own timeout: a hung server or proxy. Resume from rv
-                # (nothing is lost); not an error of the API as long as the next one answers.
-                log.debug("discovery: watch of %s pods silent for %.0fs; watching again", role, idle)
-                d.error("watch_idle")
-            finally:
-                resp.release()
-            # Also re-adds a worker whose registration gave up meanwhile.
-            await d.apply(sets.desired)
-            st.ok()
-            sets._bad_logged = gone_logged = False
-            gone = BACKOFF_INITIAL
-            if asyncio.get_running_loop().time() - started < 1.0:
-                # A watch that ends at once (a proxy in between, a broken server) must not turn
-                # into a request loop; nothing is lost meanwhile, the next one resumes from rv.
-                await asyncio.sleep(backoff_delay(backoff))
-                backoff = min(backoff * 2, BACKOFF_MAX)
-            else:
-                backoff = BACKOFF_INITIAL
-        except asyncio.CancelledError:
-            raise
-        except _ApiError as exc:
-            if exc.status == 410:
-                rv = None
-                if not gone_logged:
-                    gone_logged = True
-                    log.info(
-                        "discovery: watch of %s pods expired (410 Gone); listing again "
-                        "(logged once until a watch works again)",
-                        role,
-                    )
-                # Backed off too: an API server (or proxy) that answers 410 to every watch
-                # must not be listed and watched hundreds of times a second.
-                await asyncio.sleep(backoff_delay(gone))
-                gone = min(gone * 2, BACKOFF_MAX)
-                continue
-            d.error(str(exc.status))
-            msg = f"Kubernetes API answered {exc.status} for {role} pods in {ns or 'all namespaces'}: {exc.message}" + (
-                f" ({_HINTS[exc.status]})" if exc.status in _HINTS else ""
-            )
-            if st.fail(msg, logged=True):
-                log.warning(
-                    "discovery: %s; keeping the current workers, retrying with backoff "
-                    "from %.1fs (logged once until it works again)",
-                    msg,
-                    backoff,
-                )
-            await asyncio.sleep(backoff_delay(backoff))
-            backoff = min(backoff * 2, BACKOFF_MAX)
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
-            d.error("unreachable")
-            msg = f"Kubernetes API unreachable for {role} pods ({type(exc).__name__}: {exc})"
-            if st.fail(msg, logged=True):
-                log.warning(
-                    "discovery: %s; keeping the current workers, retrying with backoff "
-                    "from %.1fs (logged once until it works again)",
-                    msg,
-                    backoff,
-                )
-            await asyncio.sleep(backoff_delay(backoff))
-            backoff = min(backoff * 2, BACKOFF_MAX)
-
-
-async def _consume(
-    resp: Any, sets: _PodSets, role: str, reqs: list[tuple[str, str, tuple[str, ...]]], rv: str, st: Any
-) -> str:
-    """Apply watch events (one JSON object per line) until the server ends the watch. An event
-    of the wrong shape is skipped and counted (sets.bad), never the end of the watch."""
-    pods = sets.pods[role]
-    buf = b""
-    async for chunk in resp.content.iter_any():
-        buf += chunk
-        lines = buf.split(b"\n")
-        buf = lines.pop()
-        for line in lines:
-            await sets.d.pause()
-            if not line.strip():
-                continue
-            try:
-                event = json.loads(line)
-            except (ValueError, RecursionError):
-                sets.bad(role, "watch line", "not JSON")
-                continue
-            obj = event.get("object") if isinstance(event, dict) else None
-            kind = event.get("type") if isinstance(event, dict) else None
-            if kind == "ERROR":
-                code = obj.get("code") if isinstance(obj, dict) else None
-                msg = obj.get("message") if isinstance(obj, dict) else None
-                raise _ApiError(
-                    code if isinstance(code, int) and not isinstance(code, bool) else 500,
-                    msg if isinstance(msg, str) else "watch error",
-                )
-            if kind == "BOOKMARK":
-                meta = obj.get("metadata") if isinstance(obj, dict) else None
-                got = meta.get("resourceVersion") if isinstance(meta, dict) else None
-                if isinstance(got, str) and got:
-                    rv = got
-                else:
-                    sets.bad(role, "bookmark", "no resourceVersion")
-                continue
-            if kind not in ("ADDED", "MODIFIED", "DELETED"):
-                sets.bad(
-                    role,
-                    "watch event",
-                    f"type {kind!r}" if isinstance(event, dict) else f"the event is a JSON {type(event).__name__}",
-                )
-                continue
-            problem = pod_problem(obj)
+    async def listed(self, items: list[Any]) -> None:
+        pods: dict[str, tuple[str, int | None] | None] = {}
+        for p in items:
+            await self._d.pause()
+            problem = pod_problem(p)
             if problem is not None:
-                sets.bad(role, f"{kind} event", problem)
-                continue
-            assert isinstance(obj, dict)  # pod_problem names any other shape
-            rv = obj["metadata"].get("resourceVersion") or rv
-            key = _key(obj)
-            if kind == "DELETED" or not selector_matches(reqs, _labels(obj)):
-                if pods.pop(key, None) is None:
-                    continue
-            else:
-                got = sets.worker_of(obj)
-                if key in pods and pods[key] == got:
-                    continue  # nothing discovery uses changed (status churn)
-                pods[key] = got
-            await sets.event((key,))
-            st.ok()
-    return rv
+                self._sets.bad(self._role, "listed pod", problem)
+            elif selector_matches(self._reqs, _labels(p)):
+                pods[_key(p)] = self._sets.worker_of(p)
+        await self._sets.replace(self._role, pods)
+
+    async def changed(self, kind: str, obj: Any) -> None:
+        problem = pod_problem(obj)
+        if problem is not None:
+            self._sets.bad(self._role, f"{kind} event", problem)
+            return
+        pods = self._sets.pods[self._role]
+        key = _key(obj)
+        if kind == "DELETED" or not selector_matches(self._reqs, _labels(obj)):
+            if pods.pop(key, None) is None:
+                return
+        else:
+            got = self._sets.worker_of(obj)
+            if key in pods and pods[key] == got:
+                return  # nothing discovery uses changed (status churn)
+            pods[key] = got
+        await self._sets.event((key,))
+
+    def bad(self, what: str, problem: str) -> None:
+        self._sets.bad(self._role, what, problem)
+
+    def error(self, reason: str) -> None:
+        self._d.error(reason)
+
+    async def pause(self) -> None:
+        await self._d.pause()
+
+    async def watched(self) -> None:
+        # Also re-adds a worker whose registration gave up meanwhile.
+        await self._d.apply(self._sets.desired)
+        self._sets.bad_logged = False
 
 
 def _requirement_text(req: tuple[str, str, tuple[str, ...]]) -> str:

@@ -23,12 +23,13 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 from fastroute.checks import worker_url_problem
-from fastroute.control.selfaddr import SelfWorker
-from fastroute.control.worker import address_key
+from fastroute.config import Config
+from fastroute.control.selfaddr import OwnAddresses, SelfWorker
+from fastroute.control.worker import Worker, address_key
 
 log = logging.getLogger("fastroute.workers")
 
@@ -165,63 +166,61 @@ def describe(url: str, rank_urls: list[str], rank_ids: list[int], dp_size: int) 
     return f"worker {url} serves {ranks} on ports {first}..{last}, one port per rank"
 
 
+class RankRoster(Protocol):
+    """What :class:`RankPorts` reads and calls on its registry (control/registry.py's Registry)."""
+
+    def find(self, url: str) -> Worker | None: ...
+    def get(self, worker_id: str) -> Worker | None: ...
+    def at_address(self, addr: tuple[str, int]) -> Worker | None: ...
+    def index(self, w: Worker) -> None: ...
+    def unindex(self, w: Worker) -> None: ...
+    def resize(self, w: Worker, dp: int, why: str = "") -> None: ...
+
+
+def aliases(w: Worker) -> list[tuple[str, tuple[str, int] | None]]:
+    """(URL, address key) of every rank port of ``w``: each finds the server's worker."""
+    out = []
+    for url in w.rank_urls:
+        port = urlsplit(url).port or 0
+        out.append((url, (w.addr[0], port) if w.addr is not None else None))
+    return out
+
+
 class RankPorts:
-    """The registry's side of per-rank-port servers (mixed into
-    :class:`fastroute.control.registry.Registry`, which provides ``find``, ``_index``,
-    ``_unindex``, ``_by_id``, ``_get_info`` and ``resize``)."""
+    """The registry's side of per-rank-port servers: held by the
+    :class:`~fastroute.control.registry.Registry` as ``registry.ranks``, which it sees through
+    :class:`RankRoster`."""
 
-    if TYPE_CHECKING:  # what the Registry provides, declared for the type checker only
-        _by_id: dict[str, Any]
-        config: Any
-        own: Any
-        _by_addr: dict[tuple[str, int], Any]
+    def __init__(self, workers: RankRoster, config: Config, own: OwnAddresses) -> None:
+        self._workers = workers
+        self._config = config
+        self._own = own
 
-        def find(self, url: str) -> Any: ...
-        def _index(self, w: Any) -> None: ...
-        def _unindex(self, w: Any) -> None: ...
-        def resize(self, w: Any, dp: int, why: str = "") -> None: ...
-        async def _get_info(
-            self, w: Any, primary: str, fallback: str, timeout: float, url: str | None = None
-        ) -> tuple[dict[str, Any] | None, str]: ...
-
-    @staticmethod
-    def _aliases(w: Any) -> list[tuple[str, tuple[str, int] | None]]:
-        """(URL, address key) of every rank port of ``w``: each finds the server's worker."""
-        out = []
-        for url in w.rank_urls:
-            port = urlsplit(url).port or 0
-            out.append((url, (w.addr[0], port) if w.addr is not None else None))
-        return out
-
-    async def _discover_rank_ports(self, w: Any, timeout: float) -> None:
+    async def discover(self, w: Worker, get_info: Callable[[str], Awaitable[Mapping[str, Any] | None]]) -> None:
         """After ``w``'s ``/server_info`` was read: when it is a rank port, find the server's
-        other rank ports, check each reports its rank, and make ``w`` the server at its base
-        port (its URL becomes the base port's, every rank URL finds it). Raises
-        RankLayoutError when that cannot work and LookupError while a port is not there yet."""
+        other rank ports (``get_info(url)`` reads one's ``/server_info``), check each reports
+        its rank, and make ``w`` the server at its base port (its URL becomes the base port's,
+        every rank URL finds it). Raises RankLayoutError when that cannot work and LookupError
+        while a port is not there yet."""
         layout = layout_of(w.server_info)
         w.rank_urls, w.rank_ids = [], []
         if layout is None or layout.count < 2:
             return  # one port for the whole server (or a single rank): as before
-
-        async def info(url: str) -> Mapping[str, Any] | None:
-            doc, _ = await self._get_info(w, w.server_info_path, "/get_server_info", timeout, url=url)
-            return doc
-
-        bound = self.config.max_targets_per_worker
+        bound = self._config.max_targets_per_worker
         if layout.count > bound:
             raise RankLayoutError(
                 f"the server reports {layout.count} rank ports on this host: one worker may take "
                 f"at most {bound} targets (--max-targets-per-worker)"
             )
-        urls, ids = await find_rank_ports(w.url, w.port, layout, info, lambda urls: self._vet_rank_urls(w, urls))
-        given, indexed = w.url, self._by_id.get(w.id) is w
-        self._unindex(w)
-        w.url, w.port = urls[0], urlsplit(urls[0]).port
+        urls, ids = await find_rank_ports(w.url, w.port, layout, get_info, lambda urls: self._vet(w, urls))
+        given, indexed = w.url, self._workers.get(w.id) is w
+        self._workers.unindex(w)
+        w.url, w.port = urls[0], urlsplit(urls[0]).port or 0
         if w.addr is not None:
             w.addr = (w.addr[0], w.port)
         w.rank_urls, w.rank_ids, w.dp_size = urls, ids, layout.dp_size
         if indexed:
-            self._index(w)
+            self._workers.index(w)
         if w.role == "prefill" and layout.bootstrap_port is not None:
             if w.bootstrap_port not in (None, layout.bootstrap_port):
                 log.warning(
@@ -235,26 +234,26 @@ class RankPorts:
             log.info("worker %s is the port of DP rank %d; registering its server at %s", given, layout.dp_rank, w.url)
         log.info("%s", describe(w.url, urls, ids, layout.dp_size))
 
-    def _vet_rank_urls(self, w: Any, urls: list[str]) -> None:
+    def _vet(self, w: Worker, urls: list[str]) -> None:
         """Raise RankLayoutError naming the first rank URL of ``w`` that ``POST /workers`` would
         refuse: a bad URL, one of the router's own listeners, another worker's port."""
         for url in urls:
-            problem = worker_url_problem(url, self.config.allow_link_local_workers)
+            problem = worker_url_problem(url, self._config.allow_link_local_workers)
             if problem is not None:
                 raise RankLayoutError(f"rank port URL {url!r} {problem}")
             port = urlsplit(url).port or 0
             addr = (w.addr[0], port) if w.addr is not None else address_key(w.host, port)
             try:
-                self.own.check(url, addr)
+                self._own.check(url, addr)
             except SelfWorker as exc:
                 raise RankLayoutError(f"rank port: {exc}") from None
-            other = self.find(url)
+            other = self._workers.find(url)
             if other is None and addr is not None:
-                other = self._by_addr.get(addr)
+                other = self._workers.at_address(addr)
             if other is not None and other is not w:
                 raise RankLayoutError(f"rank port {url} is already worker {other.url}")
 
-    def _recheck_rank_ports(self, w: Any, doc: Mapping[str, Any], why: str) -> None:
+    def recheck(self, w: Worker, doc: Mapping[str, Any], why: str) -> None:
         """A re-read of a per-rank-port server's base port: its rank ports follow a new
         dp_size (a restart with another one), kept rows and all (``resize``)."""
         try:
@@ -267,12 +266,12 @@ class RankPorts:
             return
         urls = [with_port(w.url, w.port + i) for i in range(layout.count)]
         try:
-            bound = self.config.max_targets_per_worker
+            bound = self._config.max_targets_per_worker
             if layout.count > bound:
                 raise RankLayoutError(f"one worker may take at most {bound} targets (--max-targets-per-worker)")
             if w.port + layout.count - 1 > 65535:
                 raise RankLayoutError(f"the {layout.count} rank ports from {w.port} do not fit in 1..65535")
-            self._vet_rank_urls(w, urls[len(w.rank_urls) :])
+            self._vet(w, urls[len(w.rank_urls) :])
         except RankLayoutError as exc:
             log.error(
                 "worker %s now reports dp_size %d (%s); keeping its %d ranks: %s",
@@ -283,9 +282,9 @@ class RankPorts:
                 exc,
             )
             return
-        self._unindex(w)
+        self._workers.unindex(w)
         w.rank_urls = urls
         w.rank_ids = [layout.first + i for i in range(layout.count)]
-        self._index(w)
+        self._workers.index(w)
         w.server_info = dict(doc)
-        self.resize(w, layout.dp_size, why)
+        self._workers.resize(w, layout.dp_size, why)

@@ -6,8 +6,10 @@ shared :class:`~fastroute.core.table.TargetTable`:
 * registration (protocol.md 2): poll ``GET /health`` every ``worker_startup_check_interval``
   until ``worker_startup_timeout_secs``, then ``/server_info`` (fallback ``/get_server_info`` on
   404) and ``/model_info`` (fallback ``/get_model_info``). Runs in background tasks, so the
-  listener keeps serving (and answering 503) meanwhile; the handshake itself is inherited from
-  :class:`~fastroute.control.handshake.Handshake`.
+  listener keeps serving (and answering 503) meanwhile; the handshake itself is a
+  :class:`~fastroute.control.handshake.Handshaker` the registry holds (``registry.handshake``),
+  and a per-rank-port server's ports are a :class:`~fastroute.control.rankports.RankPorts`
+  (``registry.ranks``); each sees the registry through a narrow protocol.
 * targets (4.1): one row per worker, or under ``--dp-aware`` one row per DP rank named
   ``url@rank`` (a ``dp_size`` of 1 is not split). ``target_info[row] -> (Worker, rank|None)``.
 * one routing :class:`Group` per role, kept equal to the targets of *ready* workers in
@@ -40,10 +42,10 @@ from fastroute.checks import worker_url_problem
 from fastroute.config import Config
 from fastroute.control.admin import AdminAPI
 from fastroute.control.background import Background
-from fastroute.control.handshake import Handshake, _Transient
+from fastroute.control.handshake import Handshaker, Transient
 from fastroute.control.httpclient import HttpClientError
 from fastroute.control.models import ModelGroups, group_like, parse_aliases, worker_model_names
-from fastroute.control.rankports import RankPorts
+from fastroute.control.rankports import RankPorts, aliases
 from fastroute.control.selfaddr import OwnAddresses, SelfWorker
 from fastroute.control.worker import (
     ROLES,
@@ -70,7 +72,7 @@ log = logging.getLogger("fastroute.workers")
 DP_RECHECK_MIN_SECS = 5.0
 
 
-class Registry(Handshake, RankPorts):
+class Registry:
     """All workers, their target rows, the per-role routing groups; ``admin`` answers the admin
     endpoints over them."""
 
@@ -80,12 +82,11 @@ class Registry(Handshake, RankPorts):
         self.router = router
         self.workers: list[Worker] = []
         # O(1) lookups over ``workers`` (discovery adds and removes thousands in a burst):
-        # url -> worker, address -> worker, id -> worker; kept by _index / _unindex.
+        # url -> worker, address -> worker, id -> worker; kept by index / unindex.
         self._by_url: dict[str, Worker] = {}
         self._by_addr: dict[tuple[str, int], Worker] = {}
         self._by_id: dict[str, Worker] = {}
         self._sync_soon: set[str] = set()  # roles whose group sync is scheduled
-        self._next_attempt = 0.0  # loop time of the next free handshake slot
         # The supervised background tasks of this process (fastroute.control.background).
         self.background = Background(config.seed)
         # Indexed by table row; None for rows not owned by a worker. Entries of removed workers
@@ -102,6 +103,8 @@ class Registry(Handshake, RankPorts):
             config.api_key, parse_control_plane_keys(config.control_plane_api_keys), config.admin_closed
         )
         self.admin = AdminAPI(self)  # the admin / info endpoints over this registry
+        self.ranks = RankPorts(self, config, self.own)  # per-rank-port servers
+        self.handshake = Handshaker(self, config, self.own, self.ranks)  # registering a worker
         demand = config.decode_input_demand
         weight = config.decode_request_weight
         metric = config.p2c_load_metric
@@ -177,7 +180,7 @@ class Registry(Handshake, RankPorts):
 
     def _queue_configured(self, url: str, role: str, bootstrap_port: int | None = None) -> None:
         try:
-            self._queue(url, role, bootstrap_port=bootstrap_port)
+            self.add_worker(url, role, bootstrap_port=bootstrap_port)
         except SelfWorker as exc:  # known only once bound (--port 0): skipped, said once
             log.error("not registering %s: %s", url, exc)
 
@@ -217,20 +220,26 @@ class Registry(Handshake, RankPorts):
     def get(self, worker_id: str) -> Worker | None:
         return self._by_id.get(worker_id)
 
-    def _index(self, w: Worker) -> None:
+    def at_address(self, addr: tuple[str, int]) -> Worker | None:
+        """The worker registered at a resolved (host, port) address."""
+        return self._by_addr.get(addr)
+
+    def index(self, w: Worker) -> None:
+        """Make ``w`` found by its id, URL, address and every rank port's URL and address."""
         self._by_url[w.url] = w
         self._by_id[w.id] = w
         if w.addr is not None:
             self._by_addr.setdefault(w.addr, w)
-        for url, addr in self._aliases(w):  # the other rank ports of a per-rank-port server
+        for url, addr in aliases(w):  # the other rank ports of a per-rank-port server
             self._by_url.setdefault(url, w)
             if addr is not None:
                 self._by_addr.setdefault(addr, w)
 
-    def _unindex(self, w: Worker) -> None:
+    def unindex(self, w: Worker) -> None:
+        """Undo :meth:`index` (what another worker holds stays)."""
         if self._by_id.get(w.id) is w:
             del self._by_id[w.id]
-        for url, addr in [(w.url, w.addr), *self._aliases(w)]:
+        for url, addr in [(w.url, w.addr), *aliases(w)]:
             if self._by_url.get(url) is w:
                 del self._by_url[url]
             if addr is not None and self._by_addr.get(addr) is w:
@@ -240,7 +249,7 @@ class Registry(Handshake, RankPorts):
         """Rebuild the lookups after ``workers`` was replaced wholesale (the follower's view)."""
         self._by_url, self._by_addr, self._by_id = {}, {}, {}
         for w in self.workers:
-            self._index(w)
+            self.index(w)
 
     def ready_workers(self, role: str | None = None) -> list[Worker]:
         return [w for w in self.workers if w.status == "ready" and (role is None or w.role == role)]
@@ -302,29 +311,6 @@ class Registry(Handshake, RankPorts):
     ) -> Worker:
         """Queue a worker for background registration. Raises DuplicateWorker (a ValueError) on a
         known URL and ValueError on a bad role; the handshake outcome is ``Worker.status``."""
-        return self._queue(
-            url,
-            role,
-            bootstrap_port=bootstrap_port,
-            model_id=model_id,
-            priority=priority,
-            cost=cost,
-            labels=labels,
-            api_key=api_key,
-        )
-
-    def _queue(
-        self,
-        url: str,
-        role: str,
-        *,
-        bootstrap_port: int | None = None,
-        model_id: str | None = None,
-        priority: int | None = None,
-        cost: float | None = None,
-        labels: Mapping[str, str] | None = None,
-        api_key: str | None = None,
-    ) -> Worker:
         if role not in ROLES:
             raise ValueError(f"unknown worker_type {role!r} (expected one of {', '.join(ROLES)})")
         check_fields(priority, cost, labels, api_key)
@@ -365,8 +351,8 @@ class Registry(Handshake, RankPorts):
         if labels:
             w.labels = {str(k): str(v) for k, v in labels.items()}
         self.workers.append(w)
-        self._index(w)
-        w.task = asyncio.get_running_loop().create_task(self._register(w), name=f"register {url}")
+        self.index(w)
+        w.task = asyncio.get_running_loop().create_task(self.handshake.register(w), name=f"register {url}")
         log.info("registering %s worker %s (id %s)", role, url, w.id)
         return w
 
@@ -379,9 +365,7 @@ class Registry(Handshake, RankPorts):
 
     def remove_worker(self, w: Worker) -> None:
         """Forget ``w``: out of its group now, rows freed once nothing is in flight on them."""
-        if self._by_id.get(w.id) is w:
-            self.workers.remove(w)
-            self._unindex(w)
+        self.drop(w)
         was_ready = w.status == "ready"
         w.status = "removed"
         w.healthy = False
@@ -397,7 +381,13 @@ class Registry(Handshake, RankPorts):
                 self._retire(t)
         log.info("removed %s worker %s", w.role, w.url)
 
-    def _activate(self, w: Worker) -> None:
+    def drop(self, w: Worker) -> None:
+        """Take ``w`` out of the worker list and the lookups, if it is still there."""
+        if self._by_id.get(w.id) is w:
+            self.workers.remove(w)
+            self.unindex(w)
+
+    def activate(self, w: Worker) -> None:
         """Give the worker its rows and publish them to its group (synchronous: no await)."""
         # A per-rank-port server is always split: its ports are its ranks.
         n = len(w.rank_urls) if w.rank_ports else (w.dp_size if (self.config.dp_aware and w.dp_size > 1) else 1)
@@ -455,12 +445,12 @@ class Registry(Handshake, RankPorts):
     async def _recheck_dp(self, w: Worker, why: str) -> None:
         timeout = max(float(self.config.health_check_timeout_secs), 0.001)
         try:
-            doc, _ = await self._get_info(w, w.server_info_path, "/get_server_info", timeout)
-        except (HttpClientError, _Transient) as exc:
+            doc, _ = await self.handshake.get_info(w, w.server_info_path, "/get_server_info", timeout)
+        except (HttpClientError, Transient) as exc:
             log.debug("dp_size check of %s failed: %s", w.url, exc)
             return
         if w.rank_ports:
-            self._recheck_rank_ports(w, doc or {}, why)
+            self.ranks.recheck(w, doc or {}, why)
             return
         dp = (doc or {}).get("dp_size")
         if not isinstance(dp, int) or isinstance(dp, bool) or not 1 <= dp <= 4096:

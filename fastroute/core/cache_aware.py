@@ -118,22 +118,7 @@ class CacheAwarePolicy:
         self.tree.set_targets(targets)
         self._names = dict(zip(targets, names))
 
-    # ---- introspection for tests and debugging (nothing exports these as metrics yet) ----------
-    def tree_sizes(self) -> dict[str, int]:
-        """Bytes of prompt text held per target name."""
-        return {self._names.get(t, str(t)): n for t, n in self.tree.sizes().items()}
-
     @property
     def last_reason(self) -> str:
+        """Why the last pick went where it did (a value of REASONS)."""
         return REASONS[self.tree.last_reason]
-
-    @property
-    def counters(self) -> dict[str, int]:
-        t = self.tree
-        return {
-            "cache_hits": t.hits,
-            "cache_misses": t.misses,
-            "balanced": t.balanced,
-            "evicted_bytes": t.evicted_bytes,
-            "nodes": t.node_count,
-        }

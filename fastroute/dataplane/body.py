@@ -10,10 +10,11 @@ Owns:
   client's bytes, forwarded unchanged apart from them (protocol.md 3.3 [REC]), never
   re-serialised. A key the client sent too comes last and wins with every JSON parser that
   keeps the last duplicate (Python's json, pydantic).
-* ``pd_fields`` / ``pd_leg_fields`` / ``rank_field_bytes`` / ``draw_room``: the PD keys
-  ``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room`` (scalars, or lists of length B
-  for batches) and the DP rank key, pre-encoded: a target's once, in its route
-  (``bootstrap_values``, ``rank_field_bytes``); per request only the room is drawn.
+* ``bootstrap_values`` / ``bootstrap_fields`` / ``rank_field_bytes`` / ``draw_room``: the PD
+  keys ``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room`` (scalars, or lists of length
+  B for batches) and the DP rank key, pre-encoded: a target's once, in its route
+  (``bootstrap_values``, ``rank_field_bytes``); per request only the room is drawn
+  (``bootstrap_fields``, called by ``PDRelay.attempt``, which adds the decode's rank keys).
   (The response side, prefill logprobs merged into the decode answer: ``logprobs``.)
 
 Batch rules (protocol.md 3.3), per endpoint:
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import json
 import json.scanner
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any, Protocol
 
@@ -72,11 +74,8 @@ __all__ = [
     "parse_request",
     "estimate_tokens",
     "inject",
-    "inject_parts",
     "splice_point",
     "draw_room",
-    "pd_fields",
-    "pd_leg_fields",
     "rank_field_bytes",
     "bootstrap_values",
     "bootstrap_fields",
@@ -269,22 +268,19 @@ def _opt_int(obj: dict, key: str, where: str = "") -> int | None:
     raise _bad(f"'{where}{key}' must be an integer in [0, 2^62)")
 
 
-def _texts_tokens(items: list, field: str) -> int:
+def _batch_tokens(items: list, field: str, kind: type, count: Callable[[Any], int], shape: str) -> int:
+    """The input tokens of a batch whose items are each a ``kind`` counted by ``count``; any
+    other item is a 400 saying ``field`` must be ``shape``."""
     total = 0
     for item in items:
-        if type(item) is not str:
-            raise _bad(f"'{field}' must be a string or a list of strings")
-        total += estimate_tokens(item)
+        if type(item) is not kind:
+            raise _bad(f"'{field}' must be {shape}")
+        total += count(item)
     return total
 
 
-def _id_lists_tokens(items: list, field: str) -> int:
-    total = 0
-    for item in items:
-        if type(item) is not list:
-            raise _bad(f"'{field}' must be a list of token ids or a list of lists of token ids")
-        total += len(item)
-    return total
+_TEXTS = "a string or a list of strings"
+_ID_LISTS = "a list of token ids or a list of lists of token ids"
 
 
 def _parse_generate(obj: dict, meta: RequestMeta) -> None:
@@ -295,7 +291,7 @@ def _parse_generate(obj: dict, meta: RequestMeta) -> None:
             raise _bad("'input_ids' must be a list of token ids or a list of lists of token ids")
         if ids and type(ids[0]) is list:
             meta.batch = len(ids)
-            meta.input_tokens = _id_lists_tokens(ids, "input_ids")
+            meta.input_tokens = _batch_tokens(ids, "input_ids", list, len, _ID_LISTS)
         else:
             if ids and type(ids[0]) is not int:
                 raise _bad("'input_ids' must be a list of token ids or a list of lists of token ids")
@@ -305,7 +301,7 @@ def _parse_generate(obj: dict, meta: RequestMeta) -> None:
             if ids is None:
                 meta.input_tokens = estimate_tokens(text)
         elif type(text) is list:
-            tokens = _texts_tokens(text, "text")
+            tokens = _batch_tokens(text, "text", str, estimate_tokens, _TEXTS)
             if ids is None:
                 # input_ids, when also given, decides the shape (SGLang itself
                 # rejects requests carrying both).
@@ -374,10 +370,10 @@ def _parse_completions(obj: dict, meta: RequestMeta) -> None:
         first = type(prompt[0])
         if first is str:
             meta.batch = len(prompt)
-            meta.input_tokens = _texts_tokens(prompt, "prompt")
+            meta.input_tokens = _batch_tokens(prompt, "prompt", str, estimate_tokens, _TEXTS)
         elif first is list:
             meta.batch = len(prompt)
-            meta.input_tokens = _id_lists_tokens(prompt, "prompt")
+            meta.input_tokens = _batch_tokens(prompt, "prompt", list, len, _ID_LISTS)
         elif first is int:
             meta.input_tokens = len(prompt)  # one tokenized prompt
         else:
@@ -518,19 +514,6 @@ def _object_bounds(body: bytes | bytearray | memoryview) -> tuple[int, bool]:
         raise _bad("Request body must be a JSON object") from None
 
 
-def inject_parts(body: bytes, fields: bytes) -> tuple[memoryview, bytes, memoryview]:
-    """inject() without the copy: (head, middle, tail) for ``transport.writelines``.
-
-    ``head`` and ``tail`` are views of ``body``; the forwarded length is the sum
-    of the three lengths.
-    """
-    view = memoryview(body)
-    if not fields:
-        return view, b"", view[len(view) :]
-    end, empty = _object_bounds(body)
-    return view[:end], (fields if empty else b"," + fields), view[end:]
-
-
 def splice_point(body: bytes) -> tuple[int, bytes]:
     """(end, separator): ``body[:end] + separator + fields + body[end:]`` is ``inject(body,
     fields)``. For a caller that frames several legs from one body (PD: one scan for both legs,
@@ -609,17 +592,6 @@ def rank_field_bytes(field: str, rank: int) -> bytes:
     return _field_key(field) + str(int(rank)).encode()
 
 
-def _bootstrap_fields(
-    batch: int | None,
-    host: str,
-    port: int | None,
-    rng: _RandomBits,
-    prefill_dp_size: int,
-    prefill_rank: int | None,
-) -> bytes:
-    return bootstrap_fields(batch, bootstrap_values(host, port), rng, prefill_dp_size, prefill_rank)
-
-
 def bootstrap_fields(
     batch: int | None,
     values: tuple[bytes, bytes, bytes],
@@ -648,52 +620,3 @@ def bootstrap_fields(
         b",".join([port_b] * batch),
         b",".join([b"%d" % r for r in order]),
     )
-
-
-def pd_fields(
-    meta: RequestMeta,
-    host: str,
-    port: int | None,
-    room_rng: _RandomBits,
-    rank_field: str | None,
-    rank: int | None,
-    prefill_dp_size: int = 1,
-    prefill_rank: int | None = None,
-) -> bytes:
-    """Pre-encoded PD keys for one attempt (a fresh room each call).
-
-    ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room`` are scalars, or
-    lists of length ``meta.batch`` with distinct rooms.  When ``rank_field`` and
-    ``rank`` are given, ``"<rank_field>":rank`` (a scalar even for batches) is
-    appended: that is the decode leg's body.  The prefill leg must get the same
-    room without the rank key, so a caller building both legs uses
-    ``pd_leg_fields`` (one draw, two byte strings).
-    """
-    out = _bootstrap_fields(meta.batch, host, port, room_rng, prefill_dp_size, prefill_rank)
-    if rank_field is not None and rank is not None:
-        out += b"," + rank_field_bytes(rank_field, rank)
-    return out
-
-
-def pd_leg_fields(
-    meta: RequestMeta,
-    host: str,
-    port: int | None,
-    room_rng: _RandomBits,
-    rank_field: str | None,
-    rank: int | None,
-    prefill_dp_size: int = 1,
-    prefill_rank: int | None = None,
-) -> tuple[bytes, bytes]:
-    """(prefill fields, decode fields) sharing one room draw.
-
-    Without a rank key both elements are the same bytes object, so a caller may
-    test ``decode is prefill`` and reuse the prefill body for the decode leg.
-
-    The prefill never gets a rank key: its rank is carried by the room
-    arithmetic (``prefill_rank``), see draw_room.
-    """
-    common = _bootstrap_fields(meta.batch, host, port, room_rng, prefill_dp_size, prefill_rank)
-    if rank_field is not None and rank is not None:
-        return common, common + b"," + rank_field_bytes(rank_field, rank)
-    return common, common

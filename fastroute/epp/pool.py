@@ -6,8 +6,9 @@ namespace with the Kubernetes client pod discovery uses (:mod:`fastroute.control
 ``kubernetes_asyncio``, kubeconfig or in-cluster credentials, raw JSON lines). Its
 ``spec.selector.matchLabels`` selects pods in the same namespace; every Running and Ready pod
 with an IP becomes one worker per ``spec.targetPorts[].number``: ``http://<podIP>:<port>``.
-The pods are listed and watched by that selector exactly as ``--service-discovery`` does
-(same list/watch, resume, 410 and backoff rules, same reconciling with the registry), so
+The pool and its pods are listed and watched by :func:`fastroute.control.kube_watch.watch`,
+the loop ``--service-discovery`` uses (same list/watch, resume, 410 and backoff rules), and the
+pods are reconciled with the registry as there (:class:`~fastroute.control.discovery.PodWatch`), so
 health checks, load polls, ``--dp-aware`` ranks and draining apply to them as to any worker.
 
 A change of the pool takes effect at once: new ports re-derive the workers of the pods already
@@ -21,25 +22,13 @@ endpoints: its workers are removed and the picker answers 503 until it is usable
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-from collections.abc import Iterable
 from typing import Any
 
-from fastroute.control.background import backoff_delay, cancel_all
-from fastroute.control.discovery import (
-    BACKOFF_INITIAL,
-    BACKOFF_MAX,
-    WATCH_IDLE_GRACE,
-    WATCH_IDLE_MAX,
-    Discovery,
-    _ApiError,
-    _kube_api,
-    _PodSets,
-    _watch_pods,
-    pod_worker,
-)
+from fastroute.control.background import TaskState, cancel_all
+from fastroute.control.discovery import Discovery, PodSets, PodWatch, pod_worker
+from fastroute.control.kube_watch import BACKOFF_MAX, kube_api, watch
 
 log = logging.getLogger("fastroute.epp.pool")
 
@@ -97,7 +86,7 @@ def pool_spec(obj: Any) -> Spec:
     return tuple(sorted(labels.items())), tuple(numbers)
 
 
-class _PoolPods(_PodSets):
+class _PoolPods(PodSets):
     """The pool's pods and the workers they make: one per target port (a pod key maps to
     several URLs, recomputed when the ports change)."""
 
@@ -147,9 +136,14 @@ class PoolDiscovery:
     async def start(self) -> None:
         from kubernetes_asyncio import client
 
-        self.d._api = await _kube_api("--inference-pool")
-        self._custom = client.CustomObjectsApi(self.d._api.api_client)
-        self.d.spawn(self._watch_pool, f"discovery inferencepool {self.namespace}/{self.name}")
+        self.d.api = await kube_api("--inference-pool")
+        self._custom = client.CustomObjectsApi(self.d.api.api_client)
+        interval = int(self.config.discovery_check_interval_secs)
+
+        async def follow(st: TaskState) -> None:
+            await watch(self, st, interval, log)
+
+        self.d.spawn(follow, f"discovery inferencepool {self.namespace}/{self.name}")
         log.info("discovery: following InferencePool %s/%s", self.namespace, self.name)
 
     async def stop(self) -> None:
@@ -203,155 +197,51 @@ class PoolDiscovery:
             return
         self.sets.ports = spec[1]
         reqs: list[tuple[str, str, tuple[str, ...]]] = [(k, "=", (v,)) for k, v in spec[0]]
+        watched = PodWatch(self.sets, "regular", reqs, self.namespace)
+        interval = int(self.config.discovery_check_interval_secs)
 
-        async def pods(st: Any) -> None:
-            await _watch_pods(self.d, self.sets, "regular", reqs, st, namespace=self.namespace)
+        async def pods(st: TaskState) -> None:
+            await watch(watched, st, interval, log)
 
         self._pods = self.d.registry.background.spawn(
             f"discovery inferencepool pods {self.namespace}/{self.name}", pods, cap=BACKOFF_MAX
         )
 
-    async def _request(self, **kw: Any) -> Any:
-        resp = await self._custom.list_namespaced_custom_object(
-            GROUP,
-            VERSION,
-            self.namespace,
-            PLURAL,
-            field_selector=f"metadata.name={self.name}",
-            _preload_content=False,
-            **kw,
+    # -- kube_watch.Resource: the pool, by name -------------------------------------------------
+    @property
+    def what(self) -> str:
+        return f"InferencePool {self.namespace}/{self.name}"
+
+    hints = {403: "RBAC: the service account needs get, list and watch on inferencepools.inference.networking.k8s.io"}
+
+    async def request(self, **kw: Any) -> Any:
+        return await self._custom.list_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, field_selector=f"metadata.name={self.name}", **kw
         )
-        if resp.status != 200:
-            body = await resp.read()
-            resp.release()
-            try:
-                message = json.loads(body).get("message") or ""
-            except (ValueError, AttributeError, RecursionError):
-                message = body[:200].decode("utf-8", "replace")
-            raise _ApiError(resp.status, message)
-        return resp
 
     def _mine(self, obj: Any) -> bool:
         meta = obj.get("metadata") if isinstance(obj, dict) else None
         return isinstance(meta, dict) and meta.get("name") == self.name
 
-    async def _list(self) -> str:
-        resp = await self._request(_request_timeout=30)
-        try:
-            doc = json.loads(await resp.read())
-        finally:
-            resp.release()
-        if not isinstance(doc, dict) or not isinstance(doc.get("items") or [], list):
-            raise _ApiError(502, "the InferencePool list is not a list object")
-        found = [o for o in doc.get("items") or () if self._mine(o)]
+    async def listed(self, items: list[Any]) -> None:
+        found = [o for o in items if self._mine(o)]
         await self.apply(found[0] if found else None)
-        meta = doc.get("metadata")
-        rv = meta.get("resourceVersion") if isinstance(meta, dict) else None
-        return rv if isinstance(rv, str) else ""
 
-    async def _watch_pool(self, st: Any) -> None:
-        """List, then watch from the list's resourceVersion, forever; 410 lists again, API
-        errors keep the current workers and back off (as the pod watch)."""
-        import aiohttp
+    async def changed(self, kind: str, obj: Any) -> None:
+        if self._mine(obj):
+            await self.apply(None if kind == "DELETED" else obj)
 
-        interval = int(self.config.discovery_check_interval_secs)
-        idle = min(interval + WATCH_IDLE_GRACE, WATCH_IDLE_MAX)
-        rv: str | None = None
-        backoff = BACKOFF_INITIAL
-        logged = False
-        while True:
-            try:
-                if rv is None:
-                    rv = await self._list()
-                    st.ok()
-                resp = await self._request(
-                    watch=True,
-                    resource_version=rv,
-                    allow_watch_bookmarks=True,
-                    timeout_seconds=interval,
-                    _request_timeout=aiohttp.ClientTimeout(sock_connect=10, sock_read=idle),
-                )
-                started = asyncio.get_running_loop().time()
-                try:
-                    rv = await self._consume(resp, rv)
-                except asyncio.TimeoutError:
-                    self.d.error("watch_idle")
-                finally:
-                    resp.release()
-                st.ok()
-                logged = False
-                if asyncio.get_running_loop().time() - started < 1.0:
-                    await asyncio.sleep(backoff_delay(backoff))
-                    backoff = min(backoff * 2, BACKOFF_MAX)
-                else:
-                    backoff = BACKOFF_INITIAL
-            except asyncio.CancelledError:
-                raise
-            except _ApiError as exc:
-                if exc.status == 410:
-                    rv = None
-                    await asyncio.sleep(backoff_delay(backoff))
-                    backoff = min(backoff * 2, BACKOFF_MAX)
-                    continue
-                self.d.error(str(exc.status))
-                msg = (
-                    f"Kubernetes API answered {exc.status} for InferencePool "
-                    f"{self.namespace}/{self.name}: {exc.message}"
-                    + (
-                        " (RBAC: the service account needs get, list and watch on "
-                        "inferencepools.inference.networking.k8s.io)"
-                        if exc.status == 403
-                        else ""
-                    )
-                )
-                if st.fail(msg, logged=True) or not logged:
-                    logged = True
-                    log.warning("discovery: %s; keeping the current workers, retrying", msg)
-                await asyncio.sleep(backoff_delay(backoff))
-                backoff = min(backoff * 2, BACKOFF_MAX)
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
-                self.d.error("unreachable")
-                msg = f"Kubernetes API unreachable for InferencePool ({type(exc).__name__}: {exc})"
-                if st.fail(msg, logged=True) or not logged:
-                    logged = True
-                    log.warning("discovery: %s; keeping the current workers, retrying", msg)
-                await asyncio.sleep(backoff_delay(backoff))
-                backoff = min(backoff * 2, BACKOFF_MAX)
+    def bad(self, what: str, problem: str) -> None:
+        self.d.error("bad_object")
 
-    async def _consume(self, resp: Any, rv: str) -> str:
-        buf = b""
-        async for chunk in resp.content.iter_any():
-            buf += chunk
-            lines = buf.split(b"\n")
-            buf = lines.pop()
-            for line in _nonblank(lines):
-                try:
-                    event = json.loads(line)
-                except (ValueError, RecursionError):
-                    self.d.error("bad_object")
-                    continue
-                if not isinstance(event, dict):
-                    self.d.error("bad_object")
-                    continue
-                obj, kind = event.get("object"), event.get("type")
-                if kind == "ERROR":
-                    code = obj.get("code") if isinstance(obj, dict) else None
-                    raise _ApiError(code if isinstance(code, int) else 500, "watch error")
-                meta = obj.get("metadata") if isinstance(obj, dict) else None
-                got = meta.get("resourceVersion") if isinstance(meta, dict) else None
-                if isinstance(got, str) and got:
-                    rv = got
-                if kind == "BOOKMARK" or not self._mine(obj):
-                    continue
-                if kind == "DELETED":
-                    await self.apply(None)
-                elif kind in ("ADDED", "MODIFIED"):
-                    await self.apply(obj)
-        return rv
+    def error(self, reason: str) -> None:
+        self.d.error(reason)
 
+    async def pause(self) -> None:
+        await self.d.pause()
 
-def _nonblank(lines: Iterable[bytes]) -> Iterable[bytes]:
-    return (ln for ln in lines if ln.strip())
+    async def watched(self) -> None:
+        pass
 
 
 def namespace_or_default(namespace: str | None) -> str:

@@ -65,16 +65,6 @@ class Assembly:
     reconciler: Reconciler | None = None
     app: App | None = None
 
-    async def stop_control(self) -> None:
-        """Stop what runs in the background (monitor loops, registrations, metrics listener)."""
-        if self.monitor is not None:
-            await self.monitor.stop()
-        if self.kv_events is not None:
-            await self.kv_events.stop()
-        await self.registry.stop()
-        if self.metrics is not None:
-            await self.metrics.stop()
-
 
 def listen_to_engines(
     config: Config, table: TargetTable, router: Router, registry: Registry, monitor: Monitor | None, picks: bool

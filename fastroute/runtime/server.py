@@ -136,9 +136,6 @@ class Server:
                 self.table.unlink()
             self._stopped.set()
 
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
-
 
 async def serve(config: Config, factory: Callable[[Config], Process] = Server) -> int:
     """Run ``factory(config)`` until SIGTERM/SIGINT/SIGHUP/SIGQUIT, then drain; returns the

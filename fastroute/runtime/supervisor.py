@@ -463,6 +463,3 @@ class Supervisor:
                     seg.unlink()
             if self.state_dir:
                 shutil.rmtree(self.state_dir, ignore_errors=True)
-
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()

@@ -192,9 +192,6 @@ class PrefillEngine:
             r.busy_us,
         )
 
-    def rank_for(self, g: ParsedGen) -> int:
-        return self.place([g])[0]
-
     def place(self, items: list[ParsedGen]) -> list[int]:
         """Ranks of a request's items: the body's rank, else the DP controller's choice; under
         ``cache_oracle`` (a benchmark's bound) always the rank of least queued + running +

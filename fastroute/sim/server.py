@@ -116,7 +116,6 @@ class SimWorker:
             self.caches = [r.cache for r in self.prefill.ranks]
         self._ids = _Ids({"prefill": "p", "decode": "d", "regular": "r"}[role] + "%x-" % (id(self) & 0xFFFF))
         self.requests = 0
-        self.flushes = 0
         self.last_bodies: deque = deque(maxlen=16)  # recent inference bodies, for tests/debugging
         # The W3C traceparent of each recent inference request (None: it had none), for tests.
         self.traceparents: deque = deque(maxlen=64)
@@ -552,7 +551,6 @@ class SimWorker:
             return
         for c in self.caches:
             c.clear()
-        self.flushes += 1
         resp.send(
             200,
             b"Cache flushed.\nPlease check backend logs for more details. (When there are running or "

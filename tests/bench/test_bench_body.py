@@ -1,4 +1,4 @@
-"""Benchmarks of the per-request body path: parse_request + pd_fields + inject.
+"""Benchmarks of the per-request body path: parse_request + bootstrap_fields + inject.
 
 Opt-in: ``python -m pytest tests/bench --benchmark-only``.
 
@@ -20,7 +20,14 @@ import sys
 
 import pytest
 
-from fastroute.dataplane.body import estimate_tokens, inject, parse_request, pd_leg_fields
+from fastroute.dataplane.body import (
+    bootstrap_fields,
+    bootstrap_values,
+    estimate_tokens,
+    inject,
+    parse_request,
+    rank_field_bytes,
+)
 
 WORDS = [
     "the",
@@ -89,7 +96,9 @@ def test_bench_parse_fields_inject(benchmark, case: str) -> None:
 
     def one_request() -> tuple[bytes, bytes]:
         meta = parse_request(path, body)
-        prefill, decode = pd_leg_fields(meta, "10.0.0.5", 8998, rng, "routed_dp_rank", 3)
+        # The fields PDRelay.attempt builds: one room for both legs, the decode's rank key.
+        prefill = bootstrap_fields(meta.batch, bootstrap_values("10.0.0.5", 8998), rng, 1, None)
+        decode = prefill + b"," + rank_field_bytes("routed_dp_rank", 3)
         return inject(body, prefill), inject(body, decode)
 
     p, d = benchmark(one_request)

@@ -248,11 +248,11 @@ def test_stale_watch_relists_without_losing_a_pod(kube_env, as_event):
 
 
 def test_api_errors_keep_workers_back_off_and_are_counted(kube_env, caplog, monkeypatch):
-    import fastroute.control.discovery as discovery_mod
+    import fastroute.control.kube_watch as kube_watch
 
     bases: list[float] = []  # the backoff each retry waits on (before its +-20 % jitter)
-    real_delay = discovery_mod.backoff_delay
-    monkeypatch.setattr(discovery_mod, "backoff_delay", lambda base, *a: (bases.append(base), real_delay(base, *a))[1])
+    real_delay = kube_watch.backoff_delay
+    monkeypatch.setattr(kube_watch, "backoff_delay", lambda base, *a: (bases.append(base), real_delay(base, *a))[1])
 
     async def body():
         api = await KubeApi().start()

@@ -200,6 +200,48 @@ def test_a_forbidden_pool_is_logged_with_the_rbac_hint_and_retried(kube_env: Any
         run(body(), 60)
 
 
+def test_a_pool_watch_that_410s_forever_backs_off_logs_once_and_keeps_its_workers(kube_env: Any, caplog: Any) -> None:
+    """The pool is followed by the same list/watch loop as pods (control/kube_watch.py): an
+    API that answers 410 to every watch is listed again with a growing wait, said once."""
+
+    async def body() -> None:
+        api = await KubeApi().start()
+        (a,) = await pod_workers(1)
+        await api.put(pod("a", a.ip))
+        await api.put(inference_pool("llama", {"app": "sglang"}, [a.port]))
+        server = await start(api, kube_env)
+        try:
+            await until(lambda: urls(server) == {a.url}, 10, "the pool's pod")
+            api.floor = 10**9  # every watch is too old: an API that 410s forever
+            await api.kick()
+            t0 = asyncio.get_running_loop().time()
+
+            def pool_lists() -> list[float]:
+                return [
+                    t
+                    for t, p, q in api.requests
+                    if t > t0 and p.endswith("inferencepools") and q.get("watch") != "true"
+                ]
+
+            await until(lambda: len(pool_lists()) >= 4, 20, "four lists of the pool")
+            lists = pool_lists()
+            gaps = [y - x for x, y in zip(lists, lists[1:])]
+            assert gaps[2] > gaps[0] * 1.5  # the wait grows (jitter is +-20 %)
+            gone = [r for r in caplog.records if "410 Gone" in r.getMessage() and "InferencePool" in r.getMessage()]
+            assert len(gone) == 1, [r.getMessage() for r in gone]
+            assert urls(server) == {a.url}  # the workers are kept meanwhile
+            api.floor = 0  # the API recovers: a deleted pool is followed again
+            await api.delete(NS, "llama", kind="InferencePool")
+            await until(lambda: not server.registry.workers, 20, "the pool deleted after the 410s")
+        finally:
+            await server.stop(grace=0.2)
+            await api.stop()
+            await a.stop()
+
+    with caplog.at_level("INFO", logger="fastroute.epp.pool"):
+        run(body(), 60)
+
+
 def test_the_pool_flags_are_checked(kube_env: Any, capsys: Any, monkeypatch: Any) -> None:
     base = ["epp", "--grpc-port", "9002"]
     assert main([*base, "--inference-pool-namespace", "ns"]) == 2

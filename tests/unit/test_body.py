@@ -1,4 +1,7 @@
-"""Request parsing, byte-splice injection, PD fields and logprob merges (protocol.md 3.3, 3.5, 4.3)."""
+"""Request parsing, byte-splice injection, PD fields and logprob merges (protocol.md 3.3, 3.5, 4.3).
+
+The PD bootstrap fields are read from what each leg of a PD request really gets
+(``tests/pdwire.py``: the App and ``PDRelay.attempt`` with a recording pool)."""
 
 from __future__ import annotations
 
@@ -13,14 +16,12 @@ from fastroute.dataplane.body import (
     draw_room,
     estimate_tokens,
     inject,
-    inject_parts,
     parse_request,
-    pd_fields,
-    pd_leg_fields,
     rank_field_bytes,
 )
 from fastroute.dataplane.logprobs import SSELogprobMerger, merge_logprobs_json
 from fastroute.errors import RouterError
+from tests.pdwire import pd_legs, send_pd, wire_body
 
 PD_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
@@ -31,14 +32,12 @@ def forwarded(
     *,
     host: str = "127.0.0.1",
     port: int | None = 8998,
-    seed: int = 0,
-    rank_field: str | None = None,
-    rank: int | None = None,
 ) -> tuple[RequestMeta, dict]:
+    """The parse of ``body`` and what the prefill leg of a PD request with it gets."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     meta = parse_request(path, raw)
-    fields = pd_fields(meta, host, port, random.Random(seed), rank_field, rank)
-    return meta, json.loads(inject(raw, fields))
+    prefill, _ = pd_legs(path, raw, host=host, bootstrap_port=port)
+    return meta, prefill
 
 
 def assert_scalar(out: dict, host: str = "127.0.0.1", port: int | None = 8998) -> None:
@@ -152,31 +151,28 @@ def test_batch_rooms_distinct_even_with_colliding_rng() -> None:
             v, self.last = self.last, None
             return v
 
-    meta = parse_request("/generate", b'{"input_ids": [[1],[2],[3],[4],[5]]}')
-    out = json.loads(inject(b'{"input_ids": [[1],[2],[3],[4],[5]]}', pd_fields(meta, "h", 1, Repeating(), None, None)))
-    assert len(set(out["bootstrap_room"])) == 5
+    p, d = pd_legs("/generate", b'{"input_ids": [[1],[2],[3],[4],[5]]}', room_rng=Repeating())
+    assert len(set(p["bootstrap_room"])) == 5
+    assert d["bootstrap_room"] == p["bootstrap_room"]
 
 
 def test_decode_rank_key_scalar_even_for_batch() -> None:
-    _, out = forwarded("/generate", {"input_ids": [[1], [2]]}, rank_field="routed_dp_rank", rank=5)
-    assert out["routed_dp_rank"] == 5
-    assert_lists(out, 2)
+    p, d = pd_legs("/generate", {"input_ids": [[1], [2]]}, decode_rank=5)
+    assert d["routed_dp_rank"] == 5 and "routed_dp_rank" not in p
+    assert_lists(d, 2)
+    assert_lists(p, 2)
 
 
-def test_pd_leg_fields_share_room_and_only_decode_has_rank() -> None:
-    meta = parse_request("/generate", b'{"text":"a"}')
-    prefill, decode = pd_leg_fields(meta, "10.0.0.5", 8998, random.Random(9), "routed_dp_rank", 2)
-    p = json.loads(inject(b'{"text":"a"}', prefill))
-    d = json.loads(inject(b'{"text":"a"}', decode))
+def test_legs_share_room_and_only_decode_has_rank() -> None:
+    p, d = pd_legs("/generate", b'{"text":"a"}', host="10.0.0.5", decode_rank=2)
     assert p["bootstrap_room"] == d["bootstrap_room"]
     assert "routed_dp_rank" not in p and d["routed_dp_rank"] == 2
-    assert p["bootstrap_host"] == "10.0.0.5"
+    assert p["bootstrap_host"] == d["bootstrap_host"] == "10.0.0.5"
 
 
-def test_new_room_per_call() -> None:
-    meta = parse_request("/generate", b'{"text":"a"}')
+def test_new_room_per_request() -> None:
     rng = random.Random(1)
-    rooms = {json.loads(inject(b"{}", pd_fields(meta, "h", 1, rng, None, None)))["bootstrap_room"] for _ in range(200)}
+    rooms = {pd_legs("/generate", b'{"text":"a"}', room_rng=rng)[0]["bootstrap_room"] for _ in range(200)}
     assert len(rooms) == 200
 
 
@@ -240,10 +236,9 @@ def test_prefill_rank_out_of_range() -> None:
 
 
 def test_prefill_rank_applies_to_every_batch_room() -> None:
-    meta = parse_request("/generate", b'{"input_ids": [[1],[2],[3]]}')
-    prefill, _ = pd_leg_fields(meta, "h", 1, random.Random(0), None, None, prefill_dp_size=8, prefill_rank=5)
-    rooms = json.loads(b"{" + prefill + b"}")["bootstrap_room"]
-    assert [r % 8 for r in rooms] == [5, 5, 5]
+    p, d = pd_legs("/generate", b'{"input_ids": [[1],[2],[3]]}', prefill_dp_size=8, prefill_rank=5)
+    assert [r % 8 for r in p["bootstrap_room"]] == [5, 5, 5]
+    assert d["bootstrap_room"] == p["bootstrap_room"]
 
 
 # --- inject edge cases -------------------------------------------------------
@@ -269,8 +264,18 @@ F = b'"k":1'
 def test_inject_bytes(raw: bytes, expected: bytes) -> None:
     assert inject(raw, F) == expected
     assert json.loads(inject(raw, F)) == {**json.loads(raw), "k": 1}
-    head, mid, tail = inject_parts(raw, F)
-    assert bytes(head) + mid + bytes(tail) == expected
+
+
+@pytest.mark.parametrize("raw", [b"{}", b"{ }", b" \r\n\t{ \n } \n", b'{"a":1 \n}', b'{"a":"}"}', b'{"a":[{}]}'])
+def test_each_pd_leg_gets_the_client_bytes_around_its_fields(raw: bytes) -> None:
+    sent, _ = send_pd("/generate", raw, decode_rank=None)
+    end = raw.rindex(b"}")
+    bodies = [wire_body(*leg)[1] for leg in sent]
+    assert len(bodies) == 2 and bodies[0] == bodies[1]  # no rank key: the same bytes for both
+    for body in bodies:
+        assert body.startswith(raw[:end])  # the client's bytes verbatim up to the splice
+        assert body.endswith(raw[end:])
+        assert json.loads(body).keys() == {*json.loads(raw), "bootstrap_host", "bootstrap_port", "bootstrap_room"}
 
 
 def test_inject_preserves_unicode_and_escapes_verbatim() -> None:
@@ -286,12 +291,6 @@ def test_bytearray_and_memoryview_bodies() -> None:
     for body in (bytearray(raw), memoryview(raw)):
         assert parse_request("/generate", body).input_tokens == 1
         assert inject(body, F) == b'{"text":"a","k":1}'
-
-
-def test_pd_leg_fields_without_rank_share_one_object() -> None:
-    meta = parse_request("/generate", b'{"text":"a"}')
-    prefill, decode = pd_leg_fields(meta, "h", 1, random.Random(0), None, None)
-    assert prefill is decode
 
 
 def test_inject_empty_fields_is_identity() -> None:
