@@ -37,6 +37,7 @@ from fastroute.auth import (
     is_management,
     parse_control_plane_keys,
 )
+from fastroute.dataplane import flowcontrol
 from fastroute.dataplane._clock import monotonic
 from fastroute.dataplane.dispatch import Dispatcher
 from fastroute.dataplane.exchange import Relay
@@ -99,6 +100,9 @@ class App:
         self.loop = loop
         self.breakers = breakers
         self.dispatch = Dispatcher(self, config, registry, loop, PDRelay if pd else Relay, guarded, room_rng, breakers)
+        # Flow control (priority classes, tenants, shedding): only with its flags; it replaces
+        # dispatch.admission, so install it before the sweeper reads the admission's timeout.
+        self.flow = flowcontrol.install(self.dispatch, config)
         self.pools: dict[Any, Pool] = {}  # by (worker identity, port): a re-added URL is a new worker
         self.tls_listener = False
         self.admin_tasks: set[asyncio.Task] = set()
@@ -354,8 +358,15 @@ class App:
             ctype = ctype.encode("latin-1")
         proto.reply_simple(status, ctype, body, req)
 
+    def tenant_key(self, auth: bytes | None) -> bool:
+        """Whether ``auth`` carries a --tenant-api-key (a data-plane key beside --api-key)."""
+        return self.flow is not None and self.flow.tenants.by_key(auth) is not None
+
     def wait(self, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
         """Over --max-concurrent-requests: queue (FIFO) or refuse with 429."""
+        if self.flow is not None:  # flow control admits every request (its try_enter declines)
+            self.flow.enqueue(proto, req, path, meta)
+            return
 
         def start() -> None:
             proto.waiter = None

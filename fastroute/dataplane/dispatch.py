@@ -56,6 +56,9 @@ class Owner(Protocol):
     def wait(self, proto: Any, req: Any, path: bytes, meta: Any) -> None:
         """Queue an inference request behind --max-concurrent-requests, or refuse it."""
 
+    def tenant_key(self, auth: bytes | None) -> bool:
+        """Whether ``auth`` is a --tenant-api-key (asked only when --api-key did not match)."""
+
     def refuse_at_head(self, method: bytes, url: bytes, auth: bytes | None) -> RouterError | None:
         """The admin rule applied to a call's head (None: it may go on)."""
 
@@ -217,7 +220,11 @@ class Dispatcher:
         path = target_path(req.url)
         self.tel.request(proto, req.method, path)
         if req.method == b"POST" and path in INFERENCE:
-            if self.api_key is not None and not authorized(self.api_key, path, req.auth):
+            if (
+                self.api_key is not None
+                and not authorized(self.api_key, path, req.auth)
+                and not self.owner.tenant_key(req.auth)
+            ):
                 proto.send_error(_errors.invalid_api_key(), req)
             else:
                 self.proxy(proto, req, path)

@@ -1,0 +1,85 @@
+"""Saturation from what the engines report: whether every rank a request could use is full.
+
+Read by :class:`~fastroute.dataplane.flowcontrol.FlowAdmission` (with
+``--priority-scheduler-enabled`` or ``--worker-overload-shed``) from the shared target table,
+which holds each rank's last load: pushed by the engine's KV-event stream where it publishes
+loads (control/kvevents.py), polled otherwise (control/monitor.py). A rank is saturated when
+
+* a regular or decode rank: its waiting requests are at or above
+  ``--worker-overload-waiting-requests`` (smg's default 8), or its KV usage (used / max tokens)
+  at or above ``--worker-overload-token-usage`` (0.8);
+* a prefill rank: its waiting requests are at or above the same count, or its waiting uncached
+  prompt tokens at or above ``--prefill-overload-uncached-tokens`` (0: not used).
+
+A rank without a load (never polled, poll failed) or unhealthy is not counted either way: an
+unknown load never holds traffic back, an unhealthy rank is not one a request could use. A
+stage is saturated when it has usable ranks and all of them are saturated; under
+PD the request needs both stages, so either being saturated holds it. The verdict is kept for
+``_FRESH`` seconds of loop time: loads change at most once per poll or push, and a burst of
+admissions then reads the table once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastroute.core.table import (
+    COL_HEALTHY,
+    COL_POLLED_AT,
+    COL_POLLED_MAX_TOKENS,
+    COL_POLLED_TOKENS,
+    COL_POLLED_UNCACHED,
+    COL_POLLED_WAITING,
+)
+
+_FRESH = 0.01  # seconds a verdict is reused
+
+
+class Saturation:
+    """Whether the ranks a request could use are all past a threshold (module docstring)."""
+
+    def __init__(self, dispatch: Any, config: Any) -> None:
+        self._dispatch = dispatch
+        self._roles = ("prefill", "decode") if config.pd_disaggregation else ("regular",)
+        waiting = config.worker_overload_waiting_requests
+        usage = config.worker_overload_token_usage
+        self.waiting = int(waiting) if waiting is not None else 8
+        self.usage = float(usage) if usage is not None else 0.8
+        self.uncached = int(config.prefill_overload_uncached_tokens)
+        self._at = -1.0
+        self._verdict = False
+
+    def saturated(self) -> bool:
+        loop = self._dispatch.loop
+        now = loop.time()
+        if now - self._at < _FRESH:
+            return self._verdict
+        self._at = now
+        self._verdict = any(self.stage_saturated(role) for role in self._roles)
+        return self._verdict
+
+    def forget(self) -> None:
+        """Read the table again at the next question (the sweep's pass)."""
+        self._at = -1.0
+
+    def stage_saturated(self, role: str) -> bool:
+        d = self._dispatch
+        table = d.registry.table
+        usable = 0
+        for t in d.group(role).targets:
+            if table.get(t, COL_HEALTHY) != 1:
+                continue
+            usable += 1
+            if not self.rank_saturated(table, t, role == "prefill"):
+                return False
+        return usable > 0
+
+    def rank_saturated(self, table: Any, t: int, prefill: bool) -> bool:
+        if table.get(t, COL_POLLED_AT) < 0:
+            return False  # unknown load: never held back for it
+        if self.waiting > 0 and table.get(t, COL_POLLED_WAITING) >= self.waiting:
+            return True
+        if prefill:
+            return self.uncached > 0 and table.get(t, COL_POLLED_UNCACHED) >= self.uncached
+        max_tokens = table.get(t, COL_POLLED_MAX_TOKENS)
+        return 0.0 < self.usage < 1.0 and max_tokens > 0 and table.get(t, COL_POLLED_TOKENS) >= self.usage * max_tokens
