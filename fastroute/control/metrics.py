@@ -67,6 +67,11 @@ class Stats:
         # --tokenizer-path (dataplane/tokenize.py): prompts tokenized (inline, pool) or left at
         # the estimate, by reason (timeout, template, tokenizer)
         self.tokenized: dict[str, int] = {}
+        # Flow control (dataplane/flowcontrol.py, only with its flags): refusals by (tenant,
+        # class, reason) and admissions by (tenant, class); the FlowAdmission's own dicts.
+        self.flow_refusals: dict[tuple[str, str, str], int] = {}
+        self.flow_admitted: dict[tuple[str, str], int] = {}
+        self.flow_top_n = 32  # tenants named in those series (--priority-scheduler-tenant-metric-top-n)
         self.connections_active = 0
         # Worker discovery (fastroute.control.discovery), in the process that owns the registry.
         self.discovery_errors: dict[tuple[str, str], int] = {}  # (provider, reason)
@@ -126,6 +131,38 @@ def group_decisions(groups: dict) -> dict[tuple[str, str, str], int]:
         if keys is not None:
             out[(role, "manual", "evicted")] = int(keys.evicted)
     return out
+
+
+def _flow_families(refusals: dict, admitted: dict, top_n: int) -> Any:
+    """The flow-control series; tenants past the ``top_n`` busiest are labelled ``other``."""
+    per_tenant: dict[str, int] = {}
+    for d in (refusals, admitted):
+        for k, v in d.items():
+            per_tenant[k[0]] = per_tenant.get(k[0], 0) + v
+    named = set(sorted(per_tenant, key=lambda t: (-per_tenant[t], t))[:top_n])
+
+    def folded(d: dict) -> dict:
+        out: dict = {}
+        for k, v in d.items():
+            key = (k[0] if k[0] in named else "other",) + tuple(k[1:])
+            out[key] = out.get(key, 0) + v
+        return out
+
+    c = CounterMetricFamily(
+        "fastroute_flow_refusals",
+        "Requests flow control refused before any byte reached a worker, by tenant, class and "
+        "reason (smg's error code; scheduler_client_cancelled: the client left while queued)",
+        labels=["tenant", "class", "reason"],
+    )
+    for k, v in sorted(folded(refusals).items()):
+        c.add_metric(list(k), float(v))
+    yield c
+    c = CounterMetricFamily(
+        "fastroute_flow_admitted", "Requests flow control admitted, by tenant and class", labels=["tenant", "class"]
+    )
+    for k, v in sorted(folded(admitted).items()):
+        c.add_metric(list(k), float(v))
+    yield c
 
 
 def _hist_family(name: str, doc: str, labels: list[str]) -> HistogramMetricFamily:
@@ -431,6 +468,9 @@ class Collector:
             for r, v in sorted(tokenized.items()):
                 c.add_metric([r], float(v))
             yield c
+        refusals, admitted = merged("flow_refusals"), merged("flow_admitted")
+        if refusals or admitted:
+            yield from _flow_families(refusals, admitted, self.stats[0].flow_top_n)
         if any(s.discovered or s.discovery_errors for s in self.stats):
             c = CounterMetricFamily(
                 "fastroute_discovery_errors",

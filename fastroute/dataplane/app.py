@@ -140,6 +140,10 @@ class App:
         d = self.dispatch
         d.tel = RequestTelemetry(stats, d.backend) if stats is not None else NULL_TELEMETRY
         d.admission.tel = d.tel
+        if stats is not None and self.flow is not None:  # its counters are the exported series
+            stats.flow_refusals = self.flow.refusals
+            stats.flow_admitted = self.flow.admitted
+            stats.flow_top_n = int(self.config.priority_scheduler_tenant_metric_top_n)
         if self.breakers is not None:
             self.breakers.stats = stats
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from fastroute.cli import parse_args
 from fastroute.dataplane.flowcontrol import CLIENT_GONE, FlowAdmission
-from tests.integration.conftest import RawClient, Router, call, post, run, until, workers
+from tests.integration.conftest import RawClient, Router, call, get, post, run, until, workers
 
 
 def _flow(r: Router) -> FlowAdmission:
@@ -101,7 +101,11 @@ def test_tenants_inside_a_class_take_turns() -> None:
     async def body() -> None:
         (w,) = await workers(1)
         async with Router(
-            worker_urls=[w.url], max_concurrent_requests=1, priority_scheduler_enabled=True, trust_tenant_header=True
+            worker_urls=[w.url],
+            max_concurrent_requests=1,
+            priority_scheduler_enabled=True,
+            trust_tenant_header=True,
+            priority_scheduler_tenant_metric_top_n=1,
         ) as r:
             flow = _flow(r)
             w.hold()
@@ -122,6 +126,11 @@ def test_tenants_inside_a_class_take_turns() -> None:
             # served, not the 11th and 12th as in one FIFO.
             assert order[:4] == ["big0", "small0", "big1", "small1"]
             assert order[4:] == [f"big{i}" for i in range(2, 10)]
+            # --priority-scheduler-tenant-metric-top-n 1: only the busiest tenant is named.
+            text = (await call(r.server.metrics.port, get("/metrics"))).body.decode()
+            assert 'fastroute_flow_admitted_total{class="default",tenant="header:big"} 10.0' in text
+            assert 'fastroute_flow_admitted_total{class="default",tenant="other"} 3.0' in text
+            assert "header:small" not in text
 
     run(body())
 
@@ -160,6 +169,11 @@ def test_full_class_queue_429_and_class_ttl_503(tmp_path: Path) -> None:
             assert flow.refusals[("ip:127.0.0.1", "bulk", "scheduler_queue_full")] == 1
             assert flow.refusals[("ip:127.0.0.1", "bulk", "scheduler_queue_timeout")] == 1
             assert flow.active == 0
+            text = (await call(r.server.metrics.port, get("/metrics"))).body.decode()
+            for reason in ("scheduler_queue_full", "scheduler_queue_timeout"):
+                line = f'fastroute_flow_refusals_total{{class="bulk",reason="{reason}",tenant="ip:127.0.0.1"}} 1.0'
+                assert line in text
+            assert 'fastroute_flow_admitted_total{class="default",tenant="ip:127.0.0.1"} 1.0' in text
 
     run(body())
 
