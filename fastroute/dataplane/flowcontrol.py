@@ -21,11 +21,12 @@ flow admission's ``try_enter`` always declines so every parsed request comes her
 5. admission: strict priority between classes (a class is served only when no higher class
    waits, except a waiter past its class's ``starvation_threshold_secs``), round robin between
    the tenants inside a class (one sub-queue per tenant: a tenant sending ten times more gets
-   no more turns), capacity ``--max-concurrent-requests`` less the higher classes'
-   ``reserved`` slots. A full class queue answers 429 ``scheduler_queue_full``, a waiter past
-   its class's ``queue_timeout_secs`` 503 ``scheduler_queue_timeout``; a client that leaves
-   while queued is dropped at once (``cancel``). Every step is O(1) in the number of waiters
-   (four classes, ordered dicts).
+   no more turns), capacity the sum of the ranks' reported ``max_running_requests`` (else
+   ``--max-concurrent-requests``) less the higher classes' ``reserved`` slots. A full class
+   queue answers 429 ``scheduler_queue_full``, a waiter past its class's
+   ``queue_timeout_secs`` 503 ``scheduler_queue_timeout``; a client that leaves while queued
+   is dropped at once (``cancel``). Every step is O(1) in the number of waiters (four classes,
+   ordered dicts); the capacity and saturation reads scan the ranks at most once per 10 ms.
 
 Every refusal carries its JSON reason, ``x-smg-error-code`` and ``Retry-After`` and is counted
 by (tenant, class, reason) in ``fastroute_flow_refusals_total``.
@@ -159,18 +160,18 @@ class FlowAdmission(Admission):
         else:
             self.policy = policy
         self.classes = [_ClassQueue(s) for s in self.policy.classes]
-        # Capacity: --max-concurrent-requests (-1: unlimited). A class may use it less the
-        # slots the classes above it reserve.
+        # Capacity (the scheduler's, as smg's): the ranks' reported max_running_requests, else
+        # --max-concurrent-requests (-1: unlimited). A class may use it less the slots the
+        # classes above it reserve.
         cap = int(config.max_concurrent_requests)
-        self.capacity_total = cap if cap > 0 else math.inf
+        self.capacity_fallback = cap if cap > 0 else math.inf
         # A class's reservation is held back whole from the classes below it (the start-up check
         # keeps their sum under the capacity; flowpolicy.BUILTIN_CLASSES reserve nothing).
-        reserved = [s.reserved for s in self.policy.classes]
         held = 0
-        self.cap_for: list[float] = []
-        for r in reserved:
-            self.cap_for.append(self.capacity_total - held)
-            held += r
+        self.held: list[int] = []  # slots held back from each class for the classes above it
+        for spec in self.policy.classes:
+            self.held.append(held)
+            held += spec.reserved
         self.tenants = tenants
         self.rate = 0.0  # the base class's token bucket: never used here
         self.limits = limits
@@ -302,23 +303,33 @@ class FlowAdmission(Admission):
         k = (tenant, self.class_name(cls))
         self.admitted[k] = self.admitted.get(k, 0) + 1
 
+    def slots(self) -> float:
+        """Requests that may run at once (module docstring, step 5)."""
+        sat = self.saturation
+        if self.scheduler and sat is not None:
+            c = sat.capacity()
+            if c is not None:
+                return c
+        return self.capacity_fallback
+
     def _may_start(self, cls: int, now: float) -> bool:
         """A class-``cls`` newcomer may start now: a slot is free for its class and no waiter of
         its class or a higher one is ahead of it."""
-        if self.active >= self.cap_for[cls]:
+        if self.active >= self.slots() - self.held[cls]:
             return False
         return all(not self.classes[c].order for c in range(cls + 1))
 
     def _pick(self, now: float) -> FlowWaiter | None:
         """The next waiter to start, or None (no slot it may use)."""
         active = self.active
+        cap = self.slots()
         # Starvation: a waiter past its class's threshold goes first, with the whole capacity.
         for cq in self.classes:
-            if cq.order and cq.oldest().promote_at <= now and active < self.capacity_total:
-                return cq.next_fair() if cq.tenants else None
+            if cq.order and cq.oldest().promote_at <= now and active < cap:
+                return cq.next_fair()
         for cls, cq in enumerate(self.classes):
             if cq.order:
-                return cq.next_fair() if active < self.cap_for[cls] else None
+                return cq.next_fair() if active < cap - self.held[cls] else None
         return None
 
     def _drain(self) -> None:

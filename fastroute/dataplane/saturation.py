@@ -11,6 +11,9 @@ loads (control/kvevents.py), polled otherwise (control/monitor.py). A rank is sa
 * a prefill rank: its waiting requests are at or above the same count, or its waiting uncached
   prompt tokens at or above ``--prefill-overload-uncached-tokens`` (0: not used).
 
+:meth:`capacity` is the scheduler's capacity as smg takes it: the sum of the ranks' reported
+``max_running_requests``.
+
 A rank without a load (never polled, poll failed) or unhealthy is not counted either way: an
 unknown load never holds traffic back, an unhealthy rank is not one a request could use. A
 stage is saturated when it has usable ranks and all of them are saturated; under
@@ -26,6 +29,7 @@ from typing import Any
 from fastroute.core.table import (
     COL_HEALTHY,
     COL_POLLED_AT,
+    COL_POLLED_MAX_RUNNING,
     COL_POLLED_MAX_TOKENS,
     COL_POLLED_TOKENS,
     COL_POLLED_UNCACHED,
@@ -48,6 +52,8 @@ class Saturation:
         self.uncached = int(config.prefill_overload_uncached_tokens)
         self._at = -1.0
         self._verdict = False
+        self._cap_at = -1.0
+        self._cap: int | None = None
 
     def saturated(self) -> bool:
         loop = self._dispatch.loop
@@ -58,9 +64,32 @@ class Saturation:
         self._verdict = any(self.stage_saturated(role) for role in self._roles)
         return self._verdict
 
+    def capacity(self) -> int | None:
+        """The running-batch limits (max_running_requests) of the usable ranks of the stage that
+        runs a request to its end (decode under PD), summed; None unless every one reports one
+        (the scheduler then falls back to --max-concurrent-requests)."""
+        now = self._dispatch.loop.time()
+        if now - self._cap_at < _FRESH:
+            return self._cap
+        self._cap_at = now
+        d = self._dispatch
+        table = d.registry.table
+        total = 0
+        for t in d.group(self._roles[-1]).targets:
+            if table.get(t, COL_HEALTHY) != 1:
+                continue
+            n = table.get(t, COL_POLLED_MAX_RUNNING)
+            if n <= 0 or table.get(t, COL_POLLED_AT) < 0:
+                total = 0
+                break
+            total += n
+        self._cap = total or None
+        return self._cap
+
     def forget(self) -> None:
         """Read the table again at the next question (the sweep's pass)."""
         self._at = -1.0
+        self._cap_at = -1.0
 
     def stage_saturated(self, role: str) -> bool:
         d = self._dispatch

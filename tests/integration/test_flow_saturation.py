@@ -147,3 +147,35 @@ def test_pd_checks_both_stages() -> None:
             assert [rec.json["text"] for rec in d.inference()] == ["both free"] + ["after"] * 4
 
     run(body())
+
+
+def test_capacity_is_the_ranks_max_running_requests() -> None:
+    class Limited(LoadedWorker):
+        def control(self, path: str) -> tuple[int, bytes] | None:
+            ans = super().control(path)
+            if path.startswith("/v1/loads") and ans is not None:
+                doc = json.loads(ans[1])
+                for e in doc["loads"]:
+                    e["max_running_requests"] = 2
+                return 200, json.dumps(doc).encode()
+            return ans
+
+    async def body() -> None:
+        w = await Limited().start()
+        async with Router(worker_urls=[w.url], priority_scheduler_enabled=True, load_monitor_interval=0.1) as r:
+            flow = r.server.app.dispatch.admission
+            assert isinstance(flow, FlowAdmission)
+            await _polled(w)
+            assert flow.slots() == 2  # no --max-concurrent-requests: the engine's limit
+            w.hold()
+            sent = [asyncio.ensure_future(call(r.port, _gen(f"r{i}"), timeout=15.0)) for i in range(2)]
+            await until(lambda: len(w.inference()) == 2, what="two requests at the worker")
+            third = asyncio.ensure_future(call(r.port, _gen("r2"), timeout=15.0))
+            await until(lambda: len(flow.queue) == 1, what="the third held by the capacity")
+            await _polled(w)
+            assert len(w.inference()) == 2
+            w.release()
+            assert [x.status for x in await asyncio.gather(*sent, third)] == [200, 200, 200]
+            assert [rec.json["text"] for rec in w.inference()] == ["r0", "r1", "r2"]
+
+    run(body())
