@@ -289,11 +289,11 @@ def _validate_flow(c: Any) -> None:
         except PolicyError as exc:
             raise PolicyFileError("--priority-scheduler-config", str(exc)) from None
         reserved = sum(s.reserved for s in policy.classes)
-        if reserved and not 0 < reserved < c.max_concurrent_requests:
+        if reserved and c.max_concurrent_requests > 0 and reserved >= c.max_concurrent_requests:
             raise PolicyFileError(
                 "--priority-scheduler-config",
                 f"{c.priority_scheduler_config}: the classes reserve {reserved} slots, which must stay under "
-                f"--max-concurrent-requests ({c.max_concurrent_requests}, the scheduler's capacity)",
+                f"--max-concurrent-requests ({c.max_concurrent_requests}, the scheduler's fallback capacity)",
             )
     if c.tenant_rate_limit_enabled:
         if not c.tenant_rate_limit_config:

@@ -63,7 +63,8 @@ class ClassSpec:
 # requests (a file that asks for it is refused by its line). reserved: fastroute holds a class's
 # reservation back whole from the classes below it, not only its unused part, so smg's 32 + 128
 # would shut default and bulk out under a small capacity; given in a file, the sum must stay
-# under --max-concurrent-requests.
+# under --max-concurrent-requests (when given; FlowAdmission.room shrinks them under a smaller
+# reported capacity).
 BUILTIN_CLASSES: dict[str, ClassSpec] = {
     "system": ClassSpec(0, 64, 30, 5),
     "interactive": ClassSpec(0, 256, 30, 5),

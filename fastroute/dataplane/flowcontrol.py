@@ -172,6 +172,7 @@ class FlowAdmission(Admission):
         for spec in self.policy.classes:
             self.held.append(held)
             held += spec.reserved
+        self.reserved_total = held
         self.tenants = tenants
         self.rate = 0.0  # the base class's token bucket: never used here
         self.limits = limits
@@ -312,10 +313,19 @@ class FlowAdmission(Admission):
                 return c
         return self.capacity_fallback
 
+    def room(self, cls: int, cap: float) -> float:
+        """Slots class ``cls`` may fill: the capacity less the reservations of the classes above
+        it; when the reservations do not fit under the capacity (an engine reports a smaller
+        batch than the file assumed), they shrink in proportion and leave the lowest class one."""
+        held = float(self.held[cls])
+        if held and self.reserved_total >= cap:
+            held = held * max(0.0, cap - 1.0) / self.reserved_total
+        return cap - held
+
     def _may_start(self, cls: int, now: float) -> bool:
         """A class-``cls`` newcomer may start now: a slot is free for its class and no waiter of
         its class or a higher one is ahead of it."""
-        if self.active >= self.slots() - self.held[cls]:
+        if self.active >= self.room(cls, self.slots()):
             return False
         return all(not self.classes[c].order for c in range(cls + 1))
 
@@ -329,7 +339,7 @@ class FlowAdmission(Admission):
                 return cq.next_fair()
         for cls, cq in enumerate(self.classes):
             if cq.order:
-                return cq.next_fair() if active < cap - self.held[cls] else None
+                return cq.next_fair() if active < self.room(cls, cap) else None
         return None
 
     def _drain(self) -> None:

@@ -352,3 +352,32 @@ def test_a_bad_policy_file_stops_start_up_naming_its_line(tmp_path: Path) -> Non
     assert f"{zero}:6:" in res.stderr and "tokens_per_minute" in res.stderr
     res = _start(tmp_path, "--tenant-rate-limit-enabled")
     assert res.returncode == 2 and "--tenant-rate-limit-config" in res.stderr
+
+
+def test_reserved_slots_are_kept_for_the_classes_above(tmp_path: Path) -> None:
+    cfg = _yaml(tmp_path, "classes:\n  interactive:\n    reserved: 1\n")
+
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(
+            worker_urls=[w.url],
+            max_concurrent_requests=2,
+            priority_scheduler_enabled=True,
+            priority_scheduler_config=cfg,
+            priority_scheduler_default_max_class="interactive",
+        ) as r:
+            flow = _flow(r)
+            w.hold()
+            bulk = [
+                asyncio.ensure_future(_send(r.port, _gen(f"bulk{i}", {"x-smg-priority": "bulk"}))) for i in range(2)
+            ]
+            await until(lambda: len(w.inference()) == 1 and len(flow.queue) == 1, what="one bulk running, one held")
+            # The second slot is interactive's reservation: an interactive request takes it at once.
+            inter = asyncio.ensure_future(_send(r.port, _gen("inter", {"x-smg-priority": "interactive"})))
+            await until(lambda: len(w.inference()) == 2, what="the interactive request at the worker")
+            assert len(flow.queue) == 1
+            w.release()
+            assert [x.status for x in await asyncio.gather(*bulk, inter)] == [200, 200, 200]
+            assert [rec.json["text"] for rec in w.inference()] == ["bulk0", "inter", "bulk1"]
+
+    run(body())
