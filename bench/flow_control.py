@@ -45,7 +45,7 @@ from fastroute.sim.worker import start_cluster  # noqa: E402
 
 SCHEDULER_YAML = """\
 classes:
-  interactive: {queue_size: 256, queue_timeout_secs: 30, reserved: 4}
+  interactive: {queue_size: 256, queue_timeout_secs: 30, reserved_floor: 4}
   bulk: {queue_size: 64, queue_timeout_secs: 120}
 tenant_policies:
   "header:a": {max_class: interactive}

@@ -288,8 +288,9 @@ def _validate_flow(c: Any) -> None:
             policy = load_scheduler(c.priority_scheduler_config, c.priority_scheduler_default_max_class)
         except PolicyError as exc:
             raise PolicyFileError("--priority-scheduler-config", str(exc)) from None
-        reserved = sum(s.reserved for s in policy.classes)
-        if reserved and c.max_concurrent_requests > 0 and reserved >= c.max_concurrent_requests:
+        cap = c.max_concurrent_requests
+        reserved = sum(s.reserved(cap) for s in policy.classes) if cap > 0 else 0
+        if reserved and reserved >= cap:
             raise PolicyFileError(
                 "--priority-scheduler-config",
                 f"{c.priority_scheduler_config}: the classes reserve {reserved} slots, which must stay under "

@@ -9,7 +9,7 @@ place. Nothing here runs per request except :meth:`Tenants.resolve` and
 
 The formats are smg's (its reference pages "Priority Scheduler" and "Tenant Rate Limiting"):
 
-* scheduler: ``classes: {<class>: {reserved, queue_size, queue_timeout_secs,
+* scheduler: ``classes: {<class>: {reserved_floor, reserved_per_slot, queue_size, queue_timeout_secs,
   starvation_threshold_secs, can_preempt}}`` and ``tenant_policies: {<tenant key>: {max_class}}``;
 * rate limits: ``default_policy`` and ``tenants[]`` with ``tenant_key``, ``tokens_per_minute``,
   ``requests_per_minute`` and ``model_rules[]`` (``rule_id``, ``matcher: {type: exact|prefix,
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,21 +51,27 @@ class PolicyError(ValueError):
 
 @dataclass(frozen=True)
 class ClassSpec:
-    """One class's knobs (smg's names)."""
+    """One class's knobs (smg 1.13's names)."""
 
-    reserved: int
+    reserved_floor: int
     queue_size: int
     queue_timeout_secs: float
     starvation_threshold_secs: float
     can_preempt: bool = False
+    reserved_per_slot: float = 0.0
+
+    def reserved(self, capacity: float) -> int:
+        """Slots this class reserves under ``capacity``: max(floor, ceil(share x capacity))."""
+        share = math.ceil(self.reserved_per_slot * capacity) if self.reserved_per_slot and capacity < math.inf else 0
+        return max(self.reserved_floor, share)
 
 
 # smg's built-in table, except two knobs. can_preempt: fastroute does not cancel admitted
-# requests (a file that asks for it is refused by its line). reserved: fastroute holds a class's
-# reservation back whole from the classes below it, not only its unused part, so smg's 32 + 128
-# would shut default and bulk out under a small capacity; given in a file, the sum must stay
-# under --max-concurrent-requests (when given; FlowAdmission.room shrinks them under a smaller
-# reported capacity).
+# requests (a file that asks for it is refused by its line). reserved_floor: fastroute holds a
+# class's reservation back whole from the classes below it, not only its unused part, so smg's
+# 32 + 128 would shut default and bulk out under a small capacity; given in a file, the floors
+# must stay under --max-concurrent-requests (when given; FlowAdmission.room shrinks them under a
+# smaller reported capacity).
 BUILTIN_CLASSES: dict[str, ClassSpec] = {
     "system": ClassSpec(0, 64, 30, 5),
     "interactive": ClassSpec(0, 256, 30, 5),
@@ -141,6 +148,12 @@ class _Doc:
             raise self.fail(node, f"{where} must be >= {lo}")
         return int(v)
 
+    def share(self, node: Any, where: str) -> float:
+        v = self.scalar(node)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise self.fail(node, f"{where} must be a finite number >= 0")
+        return float(v)
+
     def boolean(self, node: Any, where: str) -> bool:
         v = self.scalar(node)
         if not isinstance(v, bool):
@@ -164,7 +177,14 @@ def _class_name(doc: _Doc, node: Any, where: str) -> int:
     return _CLASS_INDEX[name]
 
 
-_CLASS_FIELDS = ("reserved", "queue_size", "queue_timeout_secs", "starvation_threshold_secs", "can_preempt")
+_CLASS_FIELDS = (
+    "reserved_floor",
+    "reserved_per_slot",
+    "queue_size",
+    "queue_timeout_secs",
+    "starvation_threshold_secs",
+    "can_preempt",
+)
 
 
 def load_scheduler(path: str | None, default_max_class: str = "default") -> SchedulerPolicy:
@@ -183,7 +203,8 @@ def load_scheduler(path: str | None, default_max_class: str = "default") -> Sche
                     given = doc.mapping(vn, where, _CLASS_FIELDS)
                     base = classes[name]
                     vals: dict[str, Any] = {
-                        "reserved": base.reserved,
+                        "reserved_floor": base.reserved_floor,
+                        "reserved_per_slot": base.reserved_per_slot,
                         "queue_size": base.queue_size,
                         "queue_timeout_secs": base.queue_timeout_secs,
                         "starvation_threshold_secs": base.starvation_threshold_secs,
@@ -197,8 +218,10 @@ def load_scheduler(path: str | None, default_max_class: str = "default") -> Sche
                                     f"{where}.can_preempt: cancelling an admitted request to make room is "
                                     "not implemented by fastroute; set it to false",
                                 )
-                        elif key in ("reserved", "queue_size"):
+                        elif key in ("reserved_floor", "queue_size"):
                             vals[key] = doc.integer(node, f"{where}.{key}", 0)
+                        elif key == "reserved_per_slot":
+                            vals[key] = doc.share(node, f"{where}.{key}")
                         else:
                             vals[key] = float(doc.integer(node, f"{where}.{key}", 1))
                     classes[name] = ClassSpec(**vals)

@@ -13,20 +13,21 @@ flow admission's ``try_enter`` always declines so every parsed request comes her
    (``--trust-tenant-header``), ``ip:<peer>``, else ``anonymous``;
 2. class: ``x-smg-priority`` (system, interactive, default, bulk; unknown = default) clamped
    down to the tenant's ``max_class``; without the scheduler every request is one class;
-3. tenant rate limits (tokens and requests per minute, model rules): 429
-   ``tenant_rate_limit_exceeded`` with ``Retry-After``;
-4. saturation (:mod:`fastroute.dataplane.saturation`): when every rank the request could use
+3. saturation (:mod:`fastroute.dataplane.saturation`): when every rank the request could use
    is past a threshold, ``--worker-overload-shed`` answers 503
    ``worker_overload_protection_shed``, else the request waits in its class;
-5. admission: strict priority between classes (a class is served only when no higher class
+4. admission: strict priority between classes (a class is served only when no higher class
    waits, except a waiter past its class's ``starvation_threshold_secs``), round robin between
    the tenants inside a class (one sub-queue per tenant: a tenant sending ten times more gets
    no more turns), capacity the sum of the ranks' reported ``max_running_requests`` (else
-   ``--max-concurrent-requests``) less the higher classes' ``reserved`` slots. A full class
+   ``--max-concurrent-requests``) less the slots the higher classes reserve. A full class
    queue answers 429 ``scheduler_queue_full``, a waiter past its class's
    ``queue_timeout_secs`` 503 ``scheduler_queue_timeout``; a client that leaves while queued
    is dropped at once (``cancel``). Every step is O(1) in the number of waiters (four classes,
-   ordered dicts); the capacity and saturation reads scan the ranks at most once per 10 ms.
+   ordered dicts); the capacity and saturation reads scan the ranks at most once per 10 ms;
+5. tenant rate limits (tokens and requests per minute, model rules), reserved only once the
+   request starts or waits: 429 ``tenant_rate_limit_exceeded`` with ``Retry-After``; a waiter
+   that times out or whose client leaves gives its reservation back.
 
 Every refusal carries its JSON reason, ``x-smg-error-code`` and ``Retry-After`` and is counted
 by (tenant, class, reason) in ``fastroute_flow_refusals_total``.
@@ -34,6 +35,7 @@ by (tenant, class, reason) in ``fastroute_flow_refusals_total``.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable
@@ -56,6 +58,8 @@ from fastroute.flowpolicy import (
     load_scheduler,
     parse_tenant_keys,
 )
+
+log = logging.getLogger("fastroute.flow")
 
 PRIORITY_HEADER = b"x-smg-priority"
 
@@ -80,7 +84,7 @@ def enabled(config: Any) -> bool:
 class FlowWaiter(Waiter):
     """One queued request: the plain waiter, its class and tenant, and when it is promoted."""
 
-    __slots__ = ("cls", "tenant", "at", "promote_at")
+    __slots__ = ("cls", "tenant", "at", "promote_at", "held")
 
     def __init__(
         self,
@@ -97,6 +101,7 @@ class FlowWaiter(Waiter):
         self.tenant = tenant
         self.at = at
         self.promote_at = promote_at
+        self.held: Any = None  # the tenant budget it reserved (given back if it never starts)
 
 
 class _ClassQueue:
@@ -167,12 +172,8 @@ class FlowAdmission(Admission):
         self.capacity_fallback = cap if cap > 0 else math.inf
         # A class's reservation is held back whole from the classes below it (the start-up check
         # keeps their sum under the capacity; flowpolicy.BUILTIN_CLASSES reserve nothing).
-        held = 0
-        self.held: list[int] = []  # slots held back from each class for the classes above it
-        for spec in self.policy.classes:
-            self.held.append(held)
-            held += spec.reserved
-        self.reserved_total = held
+        self._held_for = -1.0  # the capacity self._held was computed for
+        self._held: list[float] = []
         self.tenants = tenants
         self.rate = 0.0  # the base class's token bucket: never used here
         self.limits = limits
@@ -202,6 +203,7 @@ class FlowAdmission(Admission):
         if not isinstance(w, FlowWaiter) or not self.classes[w.cls].remove(w):
             return False
         del self.queue[w]
+        self._give_back(w.held)
         self._refused(w.tenant, w.cls, CLIENT_GONE)
         return True
 
@@ -214,6 +216,7 @@ class FlowAdmission(Admission):
                     break
                 cq.remove(w)
                 del self.queue[w]
+                self._give_back(w.held)
                 n += 1
                 self._refused(w.tenant, w.cls, QUEUE_TIMEOUT)
                 w.expired()
@@ -260,33 +263,40 @@ class FlowAdmission(Admission):
             cls = max(class_index(headers.get(PRIORITY_HEADER)), self.policy.ceiling(tenant))
         else:
             cls = 0
-        if self.limits is not None:
-            exc = self._rate_limit(tenant, meta)
-            if exc is not None:
-                self._refuse(proto, req, tenant, cls, exc)
-                return
         sat = self.saturation
         if sat is not None and self.shed and sat.saturated():
             self._refuse(proto, req, tenant, cls, self._shed_error())
             return
         now = self.loop.time()
-        if self._may_start(cls, now) and (sat is None or not sat.saturated()):
+        now_ok = self._may_start(cls, now) and (sat is None or not sat.saturated())
+        cq = self.classes[cls]
+        spec = cq.spec
+        if not now_ok and len(cq.order) >= spec.queue_size:
+            self._refuse(proto, req, tenant, cls, self._full_error())
+            return
+        # The tenant's budget last: a request refused by the checks above never spent any, and
+        # one that times out or whose client leaves while queued gets it back.
+        held: Any = None
+        if self.limits is not None:
+            exc, held = self._rate_limit(tenant, meta)
+            if exc is not None:
+                self._refuse(proto, req, tenant, cls, exc)
+                return
+        if now_ok:
             self.active += 1
             self._note_admitted(tenant, cls)
             self.dispatch.begin(proto, req, path, meta)
             return
-        cq = self.classes[cls]
-        spec = cq.spec
-        if len(cq.order) >= spec.queue_size:
-            self._refuse(proto, req, tenant, cls, self._full_error())
-            return
 
         def start() -> None:
             proto.waiter = None
-            if proto.closed:
+            if proto.closed:  # client left between the dequeue and this callback
                 self.leave()
                 return
-            self.dispatch.begin(proto, req, path, meta)
+            try:
+                self.dispatch.begin(proto, req, path, meta)
+            except Exception:
+                log.exception("request handling failed")
 
         def expired() -> None:
             proto.waiter = None
@@ -296,6 +306,7 @@ class FlowAdmission(Admission):
         w = FlowWaiter(
             start, expired, now + spec.queue_timeout_secs, cls, tenant, now, now + spec.starvation_threshold_secs
         )
+        w.held = held
         cq.push(w)
         self.queue[w] = None
         proto.waiter = w
@@ -317,10 +328,17 @@ class FlowAdmission(Admission):
         """Slots class ``cls`` may fill: the capacity less the reservations of the classes above
         it; when the reservations do not fit under the capacity (an engine reports a smaller
         batch than the file assumed), they shrink in proportion and leave the lowest class one."""
-        held = float(self.held[cls])
-        if held and self.reserved_total >= cap:
-            held = held * max(0.0, cap - 1.0) / self.reserved_total
-        return cap - held
+        if cap != self._held_for:
+            self._held_for = cap
+            res = [spec.reserved(cap) for spec in self.policy.classes]
+            total = sum(res)
+            scale = max(0.0, cap - 1.0) / total if total >= cap else 1.0
+            above = 0.0
+            self._held = []
+            for r in res:
+                self._held.append(above)
+                above += r * scale
+        return cap - self._held[cls]
 
     def _may_start(self, cls: int, now: float) -> bool:
         """A class-``cls`` newcomer may start now: a slot is free for its class and no waiter of
@@ -373,7 +391,7 @@ class FlowAdmission(Admission):
             503,
             QUEUE_TIMEOUT,
             "Request waited longer than its priority class's queue timeout",
-            ((b"Retry-After", b"1"),),
+            ((b"Retry-After", b"2"),),
         )
 
     def _shed_error(self) -> RouterError:
@@ -384,9 +402,9 @@ class FlowAdmission(Admission):
             ((b"Retry-After", self.retry_after_shed),),
         )
 
-    def _rate_limit(self, tenant: str, meta: Any) -> RouterError | None:
+    def _rate_limit(self, tenant: str, meta: Any) -> tuple[RouterError | None, Any]:
         """Reserve one request and the prompt's tokens in the tenant's scope (and its model
-        rule's); None when both afford it."""
+        rule's): (None, the reservation) when both afford it, else (the refusal, None)."""
         limits = self.limits
         assert limits is not None
         lim = limits.limits(tenant)
@@ -409,11 +427,21 @@ class FlowAdmission(Admission):
             headers: tuple[tuple[bytes, bytes], ...] = ()
             if not never:
                 headers = ((b"Retry-After", str(max(1, math.ceil(wait))).encode()),)
-            return RouterError(429, RATE_LIMITED, "Tenant rate limit exceeded for this request", headers)
+            return RouterError(429, RATE_LIMITED, "Tenant rate limit exceeded for this request", headers), None
         for tb, rb in scopes:
             tb.level -= tokens
             rb.level -= 1.0
-        return None
+        return None, (scopes, tokens)
+
+    @staticmethod
+    def _give_back(held: Any) -> None:
+        """Return a reservation of a request that never started (bounded by the buckets' size)."""
+        if held is None:
+            return
+        scopes, tokens = held
+        for tb, rb in scopes:
+            tb.level = min(tb.per_minute, tb.level + tokens)
+            rb.level = min(rb.per_minute, rb.level + 1.0)
 
     def _bucket(self, tenant: str, rule: Any) -> tuple[Any, Any]:
         key = (tenant, rule.rule_id)

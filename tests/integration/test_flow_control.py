@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from fastroute.cli import parse_args
 from fastroute.dataplane.flowcontrol import CLIENT_GONE, FlowAdmission
 from tests.integration.conftest import RawClient, Router, call, get, post, run, until, workers
@@ -161,7 +163,7 @@ def test_full_class_queue_429_and_class_ttl_503(tmp_path: Path) -> None:
             assert timed_out.status == 503
             assert timed_out.json["error"]["code"] == "scheduler_queue_timeout"
             assert timed_out.headers["x-smg-error-code"] == "scheduler_queue_timeout"
-            assert "retry-after" in timed_out.headers
+            assert timed_out.headers["retry-after"] == "2"
             assert not flow.queue
             w.release()
             assert (await first).status == 200
@@ -354,8 +356,10 @@ def test_a_bad_policy_file_stops_start_up_naming_its_line(tmp_path: Path) -> Non
     assert res.returncode == 2 and "--tenant-rate-limit-config" in res.stderr
 
 
-def test_reserved_slots_are_kept_for_the_classes_above(tmp_path: Path) -> None:
-    cfg = _yaml(tmp_path, "classes:\n  interactive:\n    reserved: 1\n")
+@pytest.mark.parametrize("knob", ["reserved_floor: 1", "reserved_per_slot: 0.5"])
+def test_reserved_slots_are_kept_for_the_classes_above(tmp_path: Path, knob: str) -> None:
+    # smg 1.13's two knobs: a floor of slots, or a share of the capacity (0.5 x 2 = 1 slot).
+    cfg = _yaml(tmp_path, f"classes:\n  interactive:\n    {knob}\n")
 
     async def body() -> None:
         (w,) = await workers(1)
@@ -379,5 +383,35 @@ def test_reserved_slots_are_kept_for_the_classes_above(tmp_path: Path) -> None:
             w.release()
             assert [x.status for x in await asyncio.gather(*bulk, inter)] == [200, 200, 200]
             assert [rec.json["text"] for rec in w.inference()] == ["bulk0", "inter", "bulk1"]
+
+    run(body())
+
+
+def test_a_request_refused_after_its_rate_reservation_gives_it_back(tmp_path: Path) -> None:
+    sched = _yaml(tmp_path, "classes:\n  default:\n    queue_size: 0\n", "sched.yaml")
+    rl = _yaml(tmp_path, "default_policy:\n  tokens_per_minute: 100000\n  requests_per_minute: 2\n", "rl.yaml")
+
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(
+            worker_urls=[w.url],
+            max_concurrent_requests=1,
+            priority_scheduler_enabled=True,
+            priority_scheduler_config=sched,
+            tenant_rate_limit_enabled=True,
+            tenant_rate_limit_config=rl,
+        ) as r:
+            w.hold()
+            first = asyncio.ensure_future(_send(r.port, _gen("first")))
+            await until(lambda: len(w.inference()) == 1, what="first request at the worker")
+            full = await _send(r.port, _gen("full"))
+            assert full.status == 429 and full.json["error"]["code"] == "scheduler_queue_full"
+            w.release()
+            assert (await first).status == 200
+            # The refused request's reservation came back: the tenant's second request of the
+            # minute is served, the third is over its budget.
+            assert (await _send(r.port, _gen("second"))).status == 200
+            over = await _send(r.port, _gen("third"))
+            assert over.status == 429 and over.json["error"]["code"] == "tenant_rate_limit_exceeded"
 
     run(body())
