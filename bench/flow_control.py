@@ -13,6 +13,9 @@ prompt, 128 output tokens, ``x-smg-priority: bulk``), each request from one of t
 * ``scheduler``: ``--priority-scheduler-enabled --trust-tenant-header`` with the YAML below
   (capacity from the ranks' ``max_running_requests``, 4 slots reserved for interactive,
   bulk queue bounded at 64);
+* ``scheduler, waiting gate off``: the same with ``--worker-overload-waiting-requests 0`` (the
+  simulated decode counts requests still in prefill as waiting, so the default gate of 8 holds
+  every class while a burst is in prefill);
 * ``smg 1.13 scheduler``: smg with the same flags and YAML, when ``--smg-python`` has smg.
 
 Each row: interactive TTFT p50/p90, bulk completions per second in the window (goodput), the
@@ -27,9 +30,11 @@ import argparse
 import asyncio
 import os
 import random
+import re
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 
@@ -44,9 +49,10 @@ from fastroute.sim.loadgen import ReqRecord, Target, TraceItem, _one, _percentil
 from fastroute.sim.worker import start_cluster  # noqa: E402
 
 SCHEDULER_YAML = """\
-classes:
-  interactive: {queue_size: 256, queue_timeout_secs: 30, reserved_floor: 4}
-  bulk: {queue_size: 64, queue_timeout_secs: 120}
+classes:  # smg 1.13 wants every field of a class it lists
+  interactive:
+    {reserved_floor: 4, queue_size: 256, queue_timeout_secs: 30, starvation_threshold_secs: 5, can_preempt: false}
+  bulk: {reserved_floor: 0, queue_size: 64, queue_timeout_secs: 120, starvation_threshold_secs: 120, can_preempt: false}
 tenant_policies:
   "header:a": {max_class: interactive}
   "header:b": {max_class: interactive}
@@ -83,6 +89,7 @@ async def run_point(cell: Cell, rate: float, ns: argparse.Namespace, cfg: str, o
     router = RouterProcess(cmd, port, os.path.join(out_dir, f"flow_{safe}.log"))
     loop = asyncio.get_running_loop()
     records: list[tuple[Req, ReqRecord]] = []
+    reasons: dict[str, int] = {}
     try:
         await router.start()
         wall0 = time.time() - loop.time()
@@ -111,6 +118,7 @@ async def run_point(cell: Cell, rate: float, ns: argparse.Namespace, cfg: str, o
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        reasons = await loop.run_in_executor(None, refusal_reasons, prom)
     finally:
         await router.stop()
         await _drain(cluster)
@@ -132,8 +140,29 @@ async def run_point(cell: Cell, rate: float, ns: argparse.Namespace, cfg: str, o
         "inter_done": len(inter_ttft),
         "bulk_per_s": bulk_done / (hi - lo),
         "refused": dict(refused),
+        "reasons": reasons,
         "busiest": stats.get("busiest_batch", float("nan")),
     }
+
+
+def refusal_reasons(prom: int) -> dict[str, int]:
+    """Refusals by reason from the router's /metrics: fastroute_flow_refusals_total, or smg's
+    scheduler outcomes (smg_scheduler_admit_total other than admitted)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{prom}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: Counter[str] = Counter()
+    for line in text.splitlines():
+        m = re.match(r"(fastroute_flow_refusals_total|smg_scheduler_admit_total)\{(.*)\} ([0-9.e+]+)$", line)
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+        reason = labels.get("reason") or labels.get("outcome", "")
+        if reason and reason != "admitted":
+            out[reason] += int(float(m.group(3)))
+    return dict(out)
 
 
 def cells(smg_python: str | None) -> list[Cell]:
@@ -141,6 +170,11 @@ def cells(smg_python: str | None) -> list[Cell]:
     out = [
         Cell("fastroute, flow control off", "fastroute", ["--policy", "round_robin"]),
         Cell("fastroute, scheduler", "fastroute", ["--policy", "round_robin"] + sched),
+        Cell(
+            "fastroute, scheduler, waiting gate off",
+            "fastroute",
+            ["--policy", "round_robin", "--worker-overload-waiting-requests", "0"] + sched,
+        ),
     ]
     if smg_python:
         out.append(Cell("smg 1.13, scheduler", "smg", ["--policy", "round_robin"] + sched, smg_python, dp_aware=False))
@@ -155,6 +189,8 @@ def table(rows: list[dict]) -> str:
     ]
     for r in rows:
         refused = ", ".join(f"{k.split()[-1]} x{v}" for k, v in sorted(r["refused"].items())) or "none"
+        if r["reasons"]:
+            refused += " (" + ", ".join(f"{k} {v}" for k, v in sorted(r["reasons"].items())) + ")"
         lines.append(
             f"| {r['label']} | {r['rate']:g}/s | {r['inter_ttft_p50']:.0f} / {r['inter_ttft_p90']:.0f} | "
             f"{r['inter_done']} | {r['bulk_per_s']:.2f} | {refused} | {r['busiest']:.1f} |"
@@ -168,7 +204,7 @@ async def main_async(ns: argparse.Namespace) -> list[dict]:
     with open(cfg, "w") as f:
         f.write(SCHEDULER_YAML)
     rows = []
-    for cell in cells(ns.smg_python):
+    for cell in [c for c in cells(ns.smg_python) if ns.only in c.label]:
         for mult in (1, 2):
             row = await run_point(cell, ns.rate * mult, ns, cfg, out_dir)
             print(row, flush=True)
@@ -184,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--smg-python", default=None, help="interpreter with smg 1.13 installed (a row when given)")
+    ap.add_argument("--only", default="", help="run only the cells whose label contains this")
     ns = ap.parse_args(argv)
     rows = uvloop.run(main_async(ns))
     print(table(rows))
