@@ -381,7 +381,7 @@ class FlowAdmission(Admission):
         if not self.scheduler:
             return _errors.queue_full()
         return RouterError(
-            429, QUEUE_FULL, "Too many requests: the priority class queue is full", ((b"Retry-After", b"1"),)
+            429, QUEUE_FULL, "Too many requests: the priority class queue is full", ((b"Retry-After", b"2"),)
         )
 
     def _timeout_error(self) -> RouterError:
