@@ -323,6 +323,9 @@ def _validate_flow(c: Any) -> None:
                 "--priority-scheduler-enabled or --worker-overload-shed (a value >= 1.0, off, is accepted)",
             )
     _at_least("--prefill-overload-uncached-tokens", c.prefill_overload_uncached_tokens, 0)
+    _at_least("--flow-max-queued", c.flow_max_queued, 0)
+    if c.flow_max_queued and not c.priority_scheduler_enabled:
+        raise ConfigError("--flow-max-queued", "only used with --priority-scheduler-enabled")
     if c.prefill_overload_uncached_tokens and not (gate and c.pd_disaggregation):
         raise ConfigError(
             "--prefill-overload-uncached-tokens",

@@ -228,6 +228,7 @@ class Config:
     worker_overload_waiting_requests: int | None = None  # flow control's saturation (smg: 8)
     worker_overload_token_usage: float | None = None  # (smg: 0.8)
     prefill_overload_uncached_tokens: int = 0
+    flow_max_queued: int = 0  # waiters of every class together; 0 = only the per-class bounds
 
     # --- Prometheus -----------------------------------------------------------------------
     prometheus_host: str = "0.0.0.0"

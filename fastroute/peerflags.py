@@ -538,6 +538,15 @@ def add_peer_groups(add: Adder) -> None:
         "(fastroute's; default: 0 = not used).",
     )
     add(
+        "--flow-max-queued",
+        type=int,
+        default=d("flow_max_queued"),
+        help="With --priority-scheduler-enabled, the most requests waiting in all classes "
+        "together: at the bound, a newcomer takes the place of the newest waiter of the lowest "
+        "class below its own (that one is answered 503 scheduler_shed), else it is refused 429 "
+        "scheduler_queue_full (fastroute's; default: 0 = only the per-class queue sizes).",
+    )
+    add(
         "--worker-overload-shed",
         action="store_true",
         help="Answer 503 worker_overload_protection_shed (Retry-After: the load poll interval) "

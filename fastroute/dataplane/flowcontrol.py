@@ -22,7 +22,9 @@ flow admission's ``try_enter`` always declines so every parsed request comes her
    no more turns), capacity the sum of the ranks' reported ``max_running_requests`` (else
    ``--max-concurrent-requests``) less the slots the higher classes reserve. A full class
    queue answers 429 ``scheduler_queue_full``, a waiter past its class's
-   ``queue_timeout_secs`` 503 ``scheduler_queue_timeout``; a client that leaves while queued
+   ``queue_timeout_secs`` 503 ``scheduler_queue_timeout``; at ``--flow-max-queued`` waiters in
+   all, a newcomer takes the place of the newest waiter of the lowest class below its own (503
+   ``scheduler_shed``), the lowest class going first; a client that leaves while queued
    is dropped at once (``cancel``). Every step is O(1) in the number of waiters (four classes,
    ordered dicts); the capacity and saturation reads scan the ranks at most once per 10 ms;
 5. tenant rate limits (tokens and requests per minute, model rules), reserved only once the
@@ -69,6 +71,7 @@ QUEUE_TIMEOUT = "scheduler_queue_timeout"
 RATE_LIMITED = "tenant_rate_limit_exceeded"
 OVERLOAD_SHED = "worker_overload_protection_shed"
 CLIENT_GONE = "scheduler_client_cancelled"
+SHED = "scheduler_shed"  # fastroute's: a waiter dropped for a higher class (--flow-max-queued)
 
 
 def enabled(config: Any) -> bool:
@@ -81,10 +84,14 @@ def enabled(config: Any) -> bool:
     )
 
 
+def _no_answer(exc: RouterError) -> None:
+    """A waiter's answer before enqueue sets it (never called)."""
+
+
 class FlowWaiter(Waiter):
     """One queued request: the plain waiter, its class and tenant, and when it is promoted."""
 
-    __slots__ = ("cls", "tenant", "at", "promote_at", "held")
+    __slots__ = ("cls", "tenant", "at", "promote_at", "held", "refuse")
 
     def __init__(
         self,
@@ -102,6 +109,7 @@ class FlowWaiter(Waiter):
         self.at = at
         self.promote_at = promote_at
         self.held: Any = None  # the tenant budget it reserved (given back if it never starts)
+        self.refuse: Callable[[RouterError], None] = _no_answer  # answer it with this error
 
 
 class _ClassQueue:
@@ -180,6 +188,7 @@ class FlowAdmission(Admission):
         self._buckets: dict[tuple[str, str], tuple[Any, Any]] = {}
         self.saturation = saturation
         self.shed = bool(config.worker_overload_shed)
+        self.max_queued = int(config.flow_max_queued)
         self.retry_after_shed = str(max(1, math.ceil(float(config.load_monitor_interval)))).encode()
         self.queue = OrderedDict()  # every waiter (App.active, the sweep)
         ttls = [s.queue_timeout_secs for s in self.policy.classes]
@@ -274,6 +283,9 @@ class FlowAdmission(Admission):
         if not now_ok and len(cq.order) >= spec.queue_size:
             self._refuse(proto, req, tenant, cls, self._full_error())
             return
+        if not now_ok and self.max_queued and len(self.queue) >= self.max_queued and not self._shed_below(cls):
+            self._refuse(proto, req, tenant, cls, self._full_error())
+            return
         # The tenant's budget last: a request refused by the checks above never spent any, and
         # one that times out or whose client leaves while queued gets it back.
         held: Any = None
@@ -298,18 +310,44 @@ class FlowAdmission(Admission):
             except Exception:
                 log.exception("request handling failed")
 
-        def expired() -> None:
+        def refuse(exc: RouterError) -> None:
             proto.waiter = None
             if not proto.closed:
-                proto.send_error(self._timeout_error(), req)
+                proto.send_error(exc, req)
+
+        def expired() -> None:
+            refuse(self._timeout_error())
 
         w = FlowWaiter(
             start, expired, now + spec.queue_timeout_secs, cls, tenant, now, now + spec.starvation_threshold_secs
         )
         w.held = held
+        w.refuse = refuse
         cq.push(w)
         self.queue[w] = None
         proto.waiter = w
+
+    def _shed_below(self, cls: int) -> bool:
+        """Make room under --flow-max-queued: drop the newest waiter of the lowest class below
+        ``cls`` (503 scheduler_shed); False when no class below it waits."""
+        for c in range(len(self.classes) - 1, cls, -1):
+            cq = self.classes[c]
+            if cq.order:
+                w = next(reversed(cq.order))
+                cq.remove(w)
+                del self.queue[w]
+                self._give_back(w.held)
+                self._refused(w.tenant, w.cls, SHED)
+                w.refuse(
+                    RouterError(
+                        503,
+                        SHED,
+                        "Shed from the queue to make room for a request of a higher priority class",
+                        ((b"Retry-After", b"2"),),
+                    )
+                )
+                return True
+        return False
 
     def _note_admitted(self, tenant: str, cls: int) -> None:
         k = (tenant, self.class_name(cls))

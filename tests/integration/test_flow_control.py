@@ -415,3 +415,43 @@ def test_a_request_refused_after_its_rate_reservation_gives_it_back(tmp_path: Pa
             assert over.status == 429 and over.json["error"]["code"] == "tenant_rate_limit_exceeded"
 
     run(body())
+
+
+def test_at_the_total_bound_the_lowest_class_is_shed_first() -> None:
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with Router(
+            worker_urls=[w.url],
+            max_concurrent_requests=1,
+            priority_scheduler_enabled=True,
+            priority_scheduler_default_max_class="system",
+            flow_max_queued=3,
+        ) as r:
+            flow = _flow(r)
+            w.hold()
+            first = asyncio.ensure_future(_send(r.port, _gen("first")))
+            await until(lambda: len(w.inference()) == 1, what="first request at the worker")
+            queued = {}
+            for n, (tag, cls) in enumerate((("bulk0", "bulk"), ("default0", "default"), ("bulk1", "bulk")), 1):
+                queued[tag] = asyncio.ensure_future(_send(r.port, _gen(tag, {"x-smg-priority": cls})))
+                await until(lambda n=n: len(flow.queue) == n, what="queued")
+            # At the bound: an interactive newcomer sheds the newest bulk waiter, then the older one.
+            for i in range(2):
+                queued[f"inter{i}"] = asyncio.ensure_future(
+                    _send(r.port, _gen(f"inter{i}", {"x-smg-priority": "interactive"}))
+                )
+                shed = await queued[f"bulk{1 - i}"]
+                assert shed.status == 503
+                assert shed.json["error"]["code"] == shed.headers["x-smg-error-code"] == "scheduler_shed"
+                assert shed.headers["retry-after"] == "2"
+            # Nothing lower than bulk waits for a bulk newcomer to shed: it is refused itself.
+            late = await _send(r.port, _gen("bulk2", {"x-smg-priority": "bulk"}))
+            assert late.status == 429 and late.json["error"]["code"] == "scheduler_queue_full"
+            assert len(flow.queue) == 3
+            w.release()
+            rest = await asyncio.gather(first, queued["default0"], queued["inter0"], queued["inter1"])
+            assert [x.status for x in rest] == [200] * 4
+            assert [rec.json["text"] for rec in w.inference()] == ["first", "inter0", "inter1", "default0"]
+            assert flow.refusals[("ip:127.0.0.1", "bulk", "scheduler_shed")] == 2
+
+    run(body())
