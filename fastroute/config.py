@@ -147,6 +147,9 @@ class Config:
     admin_closed: bool = False
     # Most table rows (DP ranks, rank ports) one worker may take (fastroute only).
     max_targets_per_worker: int = 256
+    # Rows of the shared target table: targets (workers, or DP ranks) of all workers together
+    # (fastroute only; the default holds 1,000 servers of 8 ranks).
+    max_targets: int = 8192
 
     # --- PD disaggregation ----------------------------------------------------------------
     pd_disaggregation: bool = False

@@ -228,6 +228,11 @@ def payload_too_large(size: int, limit: int) -> RouterError:
     return RouterError(413, CODE_PAYLOAD_TOO_LARGE, f"Request body of {size} bytes exceeds the limit of {limit} bytes")
 
 
+def internal_error(message: str = "internal error") -> RouterError:
+    """A bug or an unexpected failure inside the router (logged where it happened)."""
+    return RouterError(500, "internal_error", message)
+
+
 def queue_full() -> RouterError:
     # Retry-After: clients (and the openai library) back off instead of hammering a full queue.
     return RouterError(

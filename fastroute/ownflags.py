@@ -77,6 +77,16 @@ def add_own_groups(add: Adder) -> None:
         help="Proxy processes sharing the port and one in-flight ledger; auto = one per CPU (default: %(default)s).",
     )
     add(
+        "--max-targets",
+        type=int,
+        default=d("max_targets"),
+        metavar="N",
+        help="Rows of the shared target table: targets (workers, or DP ranks under --dp-aware) "
+        "of all workers together; a row is 192 bytes of shared memory, once more per proxy "
+        "process under --workers N, checked against /dev/shm at start-up (default: "
+        "%(default)s, 1,000 servers of 8 ranks).",
+    )
+    add(
         "--decode-kv-fit",
         choices=DEMAND_MODES,
         default=d("decode_kv_fit"),

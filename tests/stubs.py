@@ -7,7 +7,9 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+from fastroute.dataplane.app import App
 from fastroute.dataplane.upstream import Pool
+from fastroute.dataplane.upstreams import Upstreams
 
 
 class PoolStandIn(Pool):
@@ -44,6 +46,7 @@ class StubGroup:
 
     def __init__(self, target: int = 0, record: bool = True) -> None:
         self.target = target
+        self.targets = [target]  # what the routes are built for (Upstreams.targets_changed)
         self.record = record
         self.leases: list[StubLease] = []
 
@@ -137,3 +140,23 @@ class StubRegistry:
 
     def group(self, role: str) -> StubGroup:
         return self.groups[role]
+
+    def add_listener(self, callback: Any) -> None:
+        """Its targets never change: nothing to announce."""
+
+
+class StandInUpstreams(Upstreams):
+    """The real Upstreams (groups, routes, outcomes, retries) with every route sending through
+    one stand-in pool instead of connecting."""
+
+    def __init__(self, config: Any, registry: Any, loop: Any, pool: Pool, **kw: Any) -> None:
+        self.stand_in = pool
+        super().__init__(config, registry, loop, **kw)
+
+    def pool_for(self, worker: Any, port: int | None = None) -> Pool:
+        return self.stand_in
+
+
+def stand_in_app(config: Any, registry: Any, loop: Any, pool: Pool, **kw: Any) -> App:
+    """An App whose routes all send through ``pool`` (a PoolStandIn that records)."""
+    return App(config, registry, loop, upstreams=StandInUpstreams(config, registry, loop, pool), **kw)

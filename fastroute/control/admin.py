@@ -36,11 +36,12 @@ from fastroute.errors import (
     admin_closed,
     bad_gateway,
     insufficient_role,
+    internal_error,
     invalid_api_key,
     unknown_url,
 )
 
-# Logger name kept from before the split: operators filter on it.
+# "fastroute.workers": the name operators filter worker changes on.
 log = logging.getLogger("fastroute.workers")
 
 _JSON = b"application/json"
@@ -229,7 +230,7 @@ class AdminAPI:
             return _error(exc)
         except Exception as exc:  # an admin bug must answer 500, not drop the connection
             log.exception("admin %s %s failed", method, path)
-            return _error(RouterError(500, "internal_error", str(exc)))
+            return _error(internal_error(str(exc)))
 
     def _list_workers(self) -> tuple[int, bytes, bytes]:
         ws = [worker_json(w, self.registry.table) for w in self.registry.workers]

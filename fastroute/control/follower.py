@@ -25,7 +25,7 @@ from fastroute.core.routing import Router
 from fastroute.core.table import COL_ALLOCATED, TargetTable
 from fastroute.errors import error_response
 
-# Logger name kept from before the split: operators filter on it.
+# "fastroute.supervisor": the name operators filter process events on.
 log = logging.getLogger("fastroute.supervisor")
 
 SYNC_INTERVAL = 0.1  # seconds between a proxy process's generation checks

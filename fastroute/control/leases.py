@@ -24,7 +24,7 @@ from fastroute.core.table import (
     TargetTable,
 )
 
-# Logger name kept from before the move: operators filter on it.
+# "fastroute.monitor": the name operators filter health and load events on.
 log = logging.getLogger("fastroute.monitor")
 
 

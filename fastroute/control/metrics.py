@@ -26,6 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from fastroute.config import DEFAULT_DURATION_BUCKETS, Config
 
 # The smg families and fastroute's status for each (docs/metrics.md's table is generated there).
+from fastroute.control.flowmetrics import flow_families
 from fastroute.control.parity import PEER_SERIES, peer_table_markdown  # noqa: F401
 from fastroute.control.worker import target_label
 from fastroute.core import _policy
@@ -133,38 +134,6 @@ def group_decisions(groups: dict) -> dict[tuple[str, str, str], int]:
     return out
 
 
-def _flow_families(refusals: dict, admitted: dict, top_n: int) -> Any:
-    """The flow-control series; tenants past the ``top_n`` busiest are labelled ``other``."""
-    per_tenant: dict[str, int] = {}
-    for d in (refusals, admitted):
-        for k, v in d.items():
-            per_tenant[k[0]] = per_tenant.get(k[0], 0) + v
-    named = set(sorted(per_tenant, key=lambda t: (-per_tenant[t], t))[:top_n])
-
-    def folded(d: dict) -> dict:
-        out: dict = {}
-        for k, v in d.items():
-            key = (k[0] if k[0] in named else "other",) + tuple(k[1:])
-            out[key] = out.get(key, 0) + v
-        return out
-
-    c = CounterMetricFamily(
-        "fastroute_flow_refusals",
-        "Requests flow control refused before any byte reached a worker, by tenant, class and "
-        "reason (smg's error code; scheduler_client_cancelled: the client left while queued)",
-        labels=["tenant", "class", "reason"],
-    )
-    for k, v in sorted(folded(refusals).items()):
-        c.add_metric(list(k), float(v))
-    yield c
-    c = CounterMetricFamily(
-        "fastroute_flow_admitted", "Requests flow control admitted, by tenant and class", labels=["tenant", "class"]
-    )
-    for k, v in sorted(folded(admitted).items()):
-        c.add_metric(list(k), float(v))
-    yield c
-
-
 def _hist_family(name: str, doc: str, labels: list[str]) -> HistogramMetricFamily:
     return HistogramMetricFamily(name, doc, labels=labels)
 
@@ -196,7 +165,8 @@ class Collector:
 
     def collect(self):
         targets = self._targets()
-        snap = self.table.snapshot() if targets else None
+        # Rows in use only (up to the last registered one), not the whole --max-targets table.
+        snap = self.table.snapshot(min(len(info_rows(self.registry)), self.table.capacity)) if targets else None
         yield from self._per_target(targets, snap)
         yield from self._groups(targets, snap)
         yield from self._requests()
@@ -470,7 +440,7 @@ class Collector:
             yield c
         refusals, admitted = merged("flow_refusals"), merged("flow_admitted")
         if refusals or admitted:
-            yield from _flow_families(refusals, admitted, self.stats[0].flow_top_n)
+            yield from flow_families(refusals, admitted, self.stats[0].flow_top_n)
         if any(s.discovered or s.discovery_errors for s in self.stats):
             c = CounterMetricFamily(
                 "fastroute_discovery_errors",
@@ -592,6 +562,8 @@ class ProcessCollector:
 
     def collect(self):
         sup = self.sup
+        # The ledgers' rows in use only (up to the last registered one), not --max-targets rows.
+        rows = min(len(info_rows(sup.registry)), sup.table.capacity) if sup.table is not None else 0
         up = GaugeMetricFamily(
             "fastroute_proxy_process_up",
             "1 when the proxy process runs and reported a ready worker view",
@@ -619,13 +591,18 @@ class ProcessCollector:
             label = [str(slot)]
             up.add_metric(label, 1.0 if child.alive and child.reported_ready else 0.0)
             restarts.add_metric(label, float(child.restarts))
-            snap = sup.ledgers[slot].snapshot()
+            snap = sup.ledgers[slot].snapshot(rows)
             inflight.add_metric(label, float(snap[:, T.COL_IN_FLIGHT].sum()))
             picks.add_metric(label, float(snap[:, T.COL_PICKS].sum()))
             if child.alive and child.proc is not None:
                 pid.add_metric(label, float(child.proc.pid))
                 version.add_metric(label, float(child.version))
         yield from (up, restarts, inflight, picks, version, pid)
+
+
+def info_rows(registry: Any) -> list:
+    """The registry's rows (``target_info``; empty without a registry)."""
+    return getattr(registry, "target_info", None) or []
 
 
 class MetricsServer:

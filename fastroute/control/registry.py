@@ -507,6 +507,7 @@ class Registry(Handshake, RankPorts):
             self.target_info[t] = (w, r if n > 1 else None)
             if t in added:
                 self.table.set_healthy(t, w.healthy)
+        self.table.bump_generation()  # kept rows may have new names (url@0 <-> url): a new set
         self._sync_group(w.role)
         for t in gone:
             self.table.set_healthy(t, False)

@@ -12,13 +12,16 @@ I/O and nothing more than two extra loads; the view is at most one interval plus
 old. It runs once per host, where the table is owned: the single-process server, or the
 supervisor under ``--workers N`` (whose table holds every proxy process's bookings).
 
-Redis layout: two keys under one hash tag (one cluster slot), ``fastroute:{replicas}:beat`` (a
-sorted set: replica id -> Redis server time in ms of its last publish) and
+Redis layout: keys under one hash tag (one cluster slot), ``fastroute:{replicas}:beat`` (a
+sorted set: replica id -> Redis server time in ms of its last publish),
 ``fastroute:{replicas}:load`` (a hash: replica id -> its payload, one ``name\\trequests\\ttokens\\t
-open`` line per target that has anything to say). One Lua script per tick, atomic on the server
-and timed by the server's clock (hosts' clocks never compared), stores this replica's heartbeat
-and payload, drops every replica silent for ``--replica-ttl-ms`` (killed or partitioned) and
-returns the live payloads. Both keys expire after ten TTLs of silence. A restarted replica gets
+open`` line per target that has anything to say), ``fastroute:{replicas}:log`` (a stream: each
+tick's changed lines per replica, numbered in ``fastroute:{replicas}:seq``; see
+control/syncdelta.py). One Lua script per tick, atomic on the server and timed by the server's
+clock (hosts' clocks never compared), stores this replica's heartbeat, payload and changes, drops
+every replica silent for ``--replica-ttl-ms`` (killed or partitioned) and returns the live
+replicas with the payloads of those this replica does not follow yet and the changes of those it
+does. The keys expire after ten TTLs of silence. A restarted replica gets
 a new id (the default contains the pid) and starts from its own empty table; a stopping replica
 deletes its entry so the others drop it at once.
 
@@ -66,9 +69,11 @@ import os
 import socket
 from typing import Any
 
+import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from fastroute.control.background import cancel_all
+from fastroute.control.syncdelta import LOG_KEY, SEQ_KEY, TICK, Names, Published, View
 from fastroute.core.routing import hash64
 from fastroute.core.table import (
     CIRCUIT_OPEN,
@@ -100,43 +105,6 @@ MAX_ENTRY_BYTES = 256 * 1024
 # Counts are stored into int64 table cells: a number a replica cannot mean is skipped (a line),
 # a sum over replicas is capped, and a negative count is 0.
 COUNT_LIMIT = 1 << 62
-
-# KEYS: beat, load, owner. ARGV: replica id, payload, ttl ms, instance nonce, max entry bytes.
-# A key of the wrong type (hand-edited, another program) is deleted first: the keys are ours.
-# Returns {repaired keys, the id's previous nonce or false, id, payload | oversize length, ...}
-# for the replicas with a live heartbeat only (a load field without one is never read).
-_TICK = """
-local repaired = 0
-for i, want in ipairs({'zset', 'hash', 'hash'}) do
-  local got = redis.call('TYPE', KEYS[i]).ok
-  if got ~= want and got ~= 'none' then
-    redis.call('DEL', KEYS[i])
-    repaired = repaired + 1
-  end
-end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ttl = tonumber(ARGV[3])
-local cap = tonumber(ARGV[5])
-local prev = redis.call('HGET', KEYS[3], ARGV[1])
-redis.call('ZADD', KEYS[1], now, ARGV[1])
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('HSET', KEYS[3], ARGV[1], ARGV[4])
-local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
-if #dead > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
-  redis.call('HDEL', KEYS[2], unpack(dead))
-  redis.call('HDEL', KEYS[3], unpack(dead))
-end
-for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, ttl * 10) end
-local out = {repaired, prev}
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. (now - ttl), '+inf')) do
-  local n = redis.call('HSTRLEN', KEYS[2], id)
-  out[#out + 1] = id
-  if n > cap then out[#out + 1] = n else out[#out + 1] = redis.call('HGET', KEYS[2], id) or '' end
-end
-return out
-"""
 
 
 def default_replica_id(port: int) -> str:
@@ -230,7 +198,11 @@ class ReplicaSync:
             retry_on_timeout=False,
             health_check_interval=0,
         )
-        self._script = self.client.register_script(_TICK)
+        self._script = self.client.register_script(TICK)
+        # What changed since the last tick, both ways (control/syncdelta.py).
+        self._names = Names()
+        self._pub = Published()
+        self._view = View()
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -252,6 +224,7 @@ class ReplicaSync:
                 pipe.zrem(BEAT_KEY, self.id)
                 pipe.hdel(LOAD_KEY, self.id)
                 pipe.hdel(OWNER_KEY, self.id)
+                pipe.hdel(SEQ_KEY, self.id)
                 await asyncio.wait_for(pipe.execute(), self.ttl)
             except self._failures:
                 pass  # the entry ages out after the TTL instead
@@ -278,16 +251,46 @@ class ReplicaSync:
         return out
 
     async def tick(self) -> int:
-        """Publish, read the live replicas, store the others' sums; returns the live peers."""
-        payload = encode(self.local_counts())
-        reply = await asyncio.wait_for(
-            self._script(
-                keys=[BEAT_KEY, LOAD_KEY, OWNER_KEY],
-                args=[self.id, payload, int(self.ttl * 1000), self.nonce, MAX_ENTRY_BYTES],
-            ),
-            self.ttl,
-        )
-        repaired, prev, live = reply[0], reply[1], reply[2:]
+        """Publish what changed, read what the live replicas changed (whole where this view
+        does not follow them), store the others' sums; returns the live peers."""
+        try:
+            rebuilt = self._names.refresh(self.table, self.registry)
+            payload, delta = self._pub.update(self.table, self._names, rebuilt)
+            view = self._view
+            reply = await asyncio.wait_for(
+                self._script(
+                    keys=[BEAT_KEY, LOAD_KEY, OWNER_KEY, LOG_KEY, SEQ_KEY],
+                    args=[
+                        self.id,
+                        payload,
+                        int(self.ttl * 1000),
+                        self.nonce,
+                        MAX_ENTRY_BYTES,
+                        delta,
+                        view.cursor,
+                        view.known(),
+                        2 if self._pub.reset else 1 if delta else 0,
+                    ],
+                ),
+                self.ttl,
+            )
+            self._pub.reset = False
+            peers, ids = self._read(reply)
+            self._apply_view(rebuilt)
+        except BaseException:
+            # Unknown what reached Redis or this view: publish and read everything whole next tick.
+            self._pub, self._view = Published(), View()
+            raise
+        own = self.id.encode()
+        ids.sort()
+        self.table.set_replicas(len(ids), ids.index(own))
+        self.table.count_sync_tick()
+        return peers
+
+    def _read(self, reply: list) -> tuple[int, list[bytes]]:
+        """Take one tick's reply into the view: payloads of the peers read whole, then the
+        new entries of the peers it follows. Returns (live peers, sorted ids with this one)."""
+        repaired, prev, cursor, nlive = reply[0], reply[1], reply[2], int(reply[3])
         if repaired:
             self._skip(
                 "repaired",
@@ -295,28 +298,99 @@ class ReplicaSync:
                 repaired,
             )
         self._check_twin(prev)
-        others: dict[str, list[int]] = {}
-        peers = 0
+        view = self._view
         own = self.id.encode()
-        ids = [own]
-        for i in range(0, len(live) - 1, 2):
-            if live[i] == own:
+        ids, peers, live, whole, now_seq = [own], 0, set(), set(), {}
+        end = 4 + 4 * nlive
+        for i in range(4, end, 4):
+            pid, seq, kind, value = reply[i : i + 4]
+            if pid == own:
                 continue
-            entry = live[i + 1]
-            if isinstance(entry, int):  # Redis sent its length only: too big to use
-                self._skip("oversize", f"replica {live[i]!r} has a {entry}-byte entry (limit {MAX_ENTRY_BYTES})")
+            live.add(pid)
+            if kind == 0:  # followed: its entries come below
+                peers += 1
+                ids.append(pid)
+                now_seq[pid] = int(seq)
                 continue
-            good, bad = decode(entry, others)
+            if kind == 2:  # Redis sent its length only: too big to use
+                self._skip("oversize", f"replica {pid!r} has a {value}-byte entry (limit {MAX_ENTRY_BYTES})")
+                view.forget(pid)
+                continue
+            state: dict[str, list[int]] = {}
+            good, bad = decode(value, state)
             if bad:
-                self._skip("bad_line", f"replica {live[i]!r} sent {bad} malformed or out-of-range line(s)", bad)
-            if good or not bad:
-                peers += 1  # garbage only is not a router replica
-                ids.append(live[i])
-        self.apply(others)
-        ids.sort()
-        self.table.set_replicas(len(ids), ids.index(own))
-        self.table.count_sync_tick()
-        return peers
+                self._skip("bad_line", f"replica {pid!r} sent {bad} malformed or out-of-range line(s)", bad)
+            if not good and bad:  # garbage only is not a router replica
+                view.forget(pid)
+                continue
+            peers += 1
+            ids.append(pid)
+            view.set_all(pid, state)
+            whole.add(pid)
+            if seq:
+                view.seq[pid] = int(seq)
+            else:  # no entries to follow (written by hand): read whole every tick
+                view.seq.pop(pid, None)
+        for pid in [p for p in (*view.peers, *view.seq) if p not in live]:
+            view.forget(pid)  # gone: its counts leave the sums
+        for i in range(end, len(reply), 4):
+            pid, seq, kind, value = reply[i : i + 4]
+            last = view.seq.get(pid)
+            if pid in whole or last is None:
+                continue
+            n = int(seq)
+            if n <= last:
+                continue
+            if kind == 2 or n != last + 1:  # oversize, or an entry missing: read it whole next tick
+                if kind == 2:
+                    self._skip("oversize", f"replica {pid!r} has a {value}-byte entry (limit {MAX_ENTRY_BYTES})")
+                del view.seq[pid]
+                continue
+            lines: dict[str, list[int]] = {}
+            good, bad = decode(value, lines)
+            if bad:
+                self._skip("bad_line", f"replica {pid!r} sent {bad} malformed or out-of-range line(s)", bad)
+            view.set_lines(pid, lines)
+            view.seq[pid] = n
+        for pid, n in now_seq.items():
+            if view.seq.get(pid) != n:  # entries this view did not get (trimmed, Redis restarted)
+                view.seq.pop(pid, None)
+        view.cursor = cursor
+        return peers, ids
+
+    def _apply_view(self, rebuilt: bool) -> None:
+        """Store the sums of the names that changed (all of them when the target set changed)
+        and age the estimates of every row that holds one."""
+        view = self._view
+        if rebuilt or view.full:
+            self.apply({name: list(v) for name, v in view.sums.items()})
+            view.dirty.clear()
+            view.full = False
+            return
+        cells = self.table.cells
+        cap = COUNT_LIMIT - 1
+        aged = set()
+        for name in view.dirty:
+            v = view.sums.get(name, (0, 0, 0))
+            r, k, o = min(v[0], cap), min(v[1], cap), 1 if v[2] else 0
+            for t in self._names.rows.get(name, ()):
+                if cells.load(t, COL_ALLOCATED) == 0:
+                    continue
+                prev = cells.load(t, COL_OTHERS_IN_FLIGHT)
+                self._store(t, COL_OTHERS_IN_FLIGHT, r)
+                self._store(t, COL_OTHERS_TOKENS, k)
+                self._store(t, COL_OTHERS_OPEN, o)
+                self._age_estimate(t, max(0, r - prev))
+                aged.add(t)
+        view.dirty.clear()
+        snap = self._pub.snap
+        held = set(self._est_kept)
+        if snap is not None:
+            held.update(np.flatnonzero(snap[:, COL_OTHERS_EST]).tolist())
+        for t in held - aged:
+            if t < self.table.capacity:
+                self._age_estimate(t, 0)
+        self._cleared = not view.sums
 
     def _skip(self, what: str, why: str, n: int = 1) -> None:
         """Count skipped input; warned once per kind for the life of the sync."""
@@ -420,6 +494,7 @@ class ReplicaSync:
                 self._store(t, col, 0)
         self.table.set_replicas(0, 0)
         self._est_kept.clear()
+        self._view = View()  # the columns are empty: the next view starts whole
         self._cleared = True
 
     async def _loop(self, st: Any) -> None:

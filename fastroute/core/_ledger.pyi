@@ -56,6 +56,8 @@ class Cells:
     def ok_closed(self, t: int) -> int:
         """A success on target ``t``: returns its circuit state; when closed, also ends a
         failure streak (table rows only)."""
+    def first_where(self, col: int, value: int, start: int = 0) -> int:
+        """The first row at or after ``start`` whose cell ``col`` holds ``value``, or -1."""
     def rows_where(self, col: int, value: int) -> list[int]:
         """Rows whose cell ``col`` holds ``value``."""
 

@@ -231,6 +231,19 @@ cdef class Cells:
             fr_store_i64(&row[COL_CB_FAILS], 0)
         return c
 
+    def first_where(self, int col, int64_t value, int64_t start=0):
+        """The first row at or after ``start`` whose cell ``col`` holds ``value``, or -1
+        (one atomic load per row scanned, in compiled code: the table's free-row search)."""
+        cdef int64_t t
+        if <unsigned int>col >= <unsigned int>self.cols:
+            raise IndexError(f"column {col} out of range 0..{self.cols - 1}")
+        if start < 0:
+            start = 0
+        for t in range(start, self.rows):
+            if fr_load_i64(&self.tab[t, col]) == value:
+                return t
+        return -1
+
     def rows_where(self, int col, int64_t value):
         """Rows whose cell ``col`` holds ``value`` (one atomic load per row, no GIL release)."""
         cdef list out = []

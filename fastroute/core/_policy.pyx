@@ -20,6 +20,10 @@ from fastroute.core._layout cimport (
 from fastroute.core._random cimport mix64, rng_below, reservoir_step
 import numpy as np
 
+cdef enum:
+    # Draws a power-of-two pick makes for each of its two candidates before it scans.
+    P2C_TRIES = 8
+
 
 cdef uint64_t hash_bytes(const unsigned char *data, Py_ssize_t n) noexcept nogil:
     # FNV-1a for speed, then the splitmix finaliser so that similar keys land far apart on the ring.
@@ -75,9 +79,9 @@ cdef int64_t pick_random(const int64_t[:, ::1] tab, const int64_t[::1] cands,
 
 cdef int64_t pick_p2c(const int64_t[:, ::1] tab, const int64_t[::1] cands, int metric,
                       uint64_t *rng) noexcept nogil:
-    cdef int64_t m, i, j, a, b, ra, rb, ta, tb, t, best, best_req, best_tok, req, tok
+    cdef int64_t m, i, j, a, b, t, best, best_req, best_tok, req, tok
     cdef int64_t ties
-    cdef bint pa, pb, any_polled
+    cdef bint any_polled
     cdef Py_ssize_t k
     if metric == METRIC_LEAST_REQUESTS:
         # Every eligible candidate; only those the monitor has polled, unless none has been.
@@ -107,6 +111,17 @@ cdef int64_t pick_p2c(const int64_t[:, ::1] tab, const int64_t[::1] cands, int m
                     best = t
         return best
 
+    # Two distinct candidates drawn at random without scanning: each draw takes a random slot
+    # and keeps it if eligible (a few tries); a cost independent of the candidate count when
+    # most are eligible.  Should a draw miss every try, the pair is drawn again from a scan.
+    # Either way the pair is uniform over the eligible ones (a draw that succeeds is uniform
+    # over them, and the second's chance of success does not depend on the first's result).
+    if cands.shape[0] >= 2:
+        i = _sample_eligible(tab, cands, -1, rng)
+        if i >= 0:
+            j = _sample_eligible(tab, cands, i, rng)
+            if j >= 0:
+                return _p2c_pair(tab, cands[i], cands[j], metric)
     m = _count_eligible(tab, cands)
     if m == 0:
         return -1
@@ -121,12 +136,31 @@ cdef int64_t pick_p2c(const int64_t[:, ::1] tab, const int64_t[::1] cands, int m
     b = _nth_eligible(tab, cands, j)
     if a < 0 or b < 0:          # health changed between the two scans
         return a if a >= 0 else b
-    ra = row_requests(&tab[a, 0])
-    rb = row_requests(&tab[b, 0])
-    pa = fr_load_i64(&tab[a, COL_POLLED_AT]) >= 0
-    pb = fr_load_i64(&tab[b, COL_POLLED_AT]) >= 0
-    ta = fr_load_i64(&tab[a, COL_POLLED_TOKENS])
-    tb = fr_load_i64(&tab[b, COL_POLLED_TOKENS])
+    return _p2c_pair(tab, a, b, metric)
+
+
+cdef inline int64_t _sample_eligible(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t skip,
+                                     uint64_t *rng) noexcept nogil:
+    # The slot of a random eligible candidate other than slot ``skip`` (-1: none skipped), in at
+    # most P2C_TRIES draws, or -1.  Every draw is uniform over the slots left.
+    cdef int64_t k, i
+    cdef uint64_t span = <uint64_t>cands.shape[0] - (1 if skip >= 0 else 0)
+    for k in range(P2C_TRIES):
+        i = <int64_t>rng_below(rng, span)
+        if skip >= 0 and i >= skip:
+            i += 1
+        if row_eligible(&tab[cands[i], 0]):
+            return i
+    return -1
+
+
+cdef inline int64_t _p2c_pair(const int64_t[:, ::1] tab, int64_t a, int64_t b, int metric) noexcept nogil:
+    # The less loaded of a and b by the metric; a, drawn first, wins exact ties.
+    cdef int64_t ra = row_requests(&tab[a, 0]), rb = row_requests(&tab[b, 0])
+    cdef bint pa = fr_load_i64(&tab[a, COL_POLLED_AT]) >= 0
+    cdef bint pb = fr_load_i64(&tab[b, COL_POLLED_AT]) >= 0
+    cdef int64_t ta = fr_load_i64(&tab[a, COL_POLLED_TOKENS])
+    cdef int64_t tb = fr_load_i64(&tab[b, COL_POLLED_TOKENS])
     if metric == METRIC_REQUESTS:
         if ra != rb:
             return a if ra < rb else b

@@ -5,10 +5,12 @@
 cimport cython
 
 cdef class Breakers:
-    cdef public object table, clock, stats, name_of, cells
-    cdef public list _ok_key, _fail_key
-    cdef public bint enabled
-    cdef public Py_ssize_t failure_threshold, success_threshold, _timeout_us
+    cdef public object table, stats
+    cdef readonly object clock, cells
+    cdef object name_of
+    cdef list _ok_key, _fail_key
+    cdef readonly bint enabled
+    cdef Py_ssize_t failure_threshold, success_threshold, _timeout_us
     cdef public Py_ssize_t capacity
     cdef public double timeout
 

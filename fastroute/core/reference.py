@@ -131,6 +131,12 @@ def power_of_two(tab: np.ndarray, cands, metric: str, rng: Rng) -> int:
                 if rng.below(ties) == 0:
                     best = t
         return best
+    if len(cands) >= 2:
+        i = _sample_eligible(tab, cands, -1, rng)
+        if i >= 0:
+            j = _sample_eligible(tab, cands, i, rng)
+            if j >= 0:
+                return _p2c_pair(tab, int(cands[i]), int(cands[j]), metric)
     if not el:
         return -1
     if len(el) == 1:
@@ -139,7 +145,27 @@ def power_of_two(tab: np.ndarray, cands, metric: str, rng: Rng) -> int:
     j = rng.below(len(el) - 1)
     if j >= i:
         j += 1
-    a, b = el[i], el[j]
+    return _p2c_pair(tab, el[i], el[j], metric)
+
+
+P2C_TRIES = 8  # _policy's draws per candidate before the scan
+
+
+def _sample_eligible(tab: np.ndarray, cands, skip: int, rng: Rng) -> int:
+    """``_policy._sample_eligible``: the slot of a random eligible candidate other than ``skip``
+    in at most P2C_TRIES draws, or -1."""
+    span = len(cands) - (1 if skip >= 0 else 0)
+    for _ in range(P2C_TRIES):
+        i = rng.below(span)
+        if 0 <= skip <= i:
+            i += 1
+        if _row_eligible(tab, int(cands[i])):
+            return i
+    return -1
+
+
+def _p2c_pair(tab: np.ndarray, a: int, b: int, metric: str) -> int:
+    """``_policy._p2c_pair``: the less loaded of a and b; a wins exact ties."""
     ra, rb = requests(tab, a), requests(tab, b)
     pa, pb = tab[a, COL_POLLED_AT] >= 0, tab[b, COL_POLLED_AT] >= 0
     ta, tb = tab[a, COL_POLLED_TOKENS], tab[b, COL_POLLED_TOKENS]

@@ -59,6 +59,28 @@ NHDR = 8
 
 MAGIC = 0x66726F7574653031  # "frout01" in ASCII
 
+# Rows of a table by default (--max-targets): 1,000 servers of 8 DP ranks each, with room.
+DEFAULT_CAPACITY = 8192
+SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux
+
+
+def table_bytes(capacity: int) -> int:
+    """Bytes of one table segment of ``capacity`` rows (header included)."""
+    return (NHDR + capacity * NCOLS) * 8
+
+
+def shm_available() -> int | None:
+    """Bytes free for shared memory segments now, or None where that cannot be told."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+class TableMemoryError(MemoryError):
+    """The shared memory a table needs cannot be had (the message says how much)."""
+
 
 def _attach_untracked(name: str) -> shared_memory.SharedMemory:
     """Map an existing segment without registering it with this process's resource tracker.
@@ -82,14 +104,26 @@ def _attach_untracked(name: str) -> shared_memory.SharedMemory:
 class TargetTable:
     """Shared-memory table of targets (see module docstring)."""
 
-    def __init__(self, capacity: int = 1024, name: str | None = None, create: bool = True) -> None:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, name: str | None = None, create: bool = True) -> None:
         if create:
             if capacity < 1:
                 raise ValueError("capacity must be >= 1")
-            size = (NHDR + capacity * NCOLS) * 8
+            size = table_bytes(capacity)
+            # A tmpfs segment is sized without being backed: writing pages past what the
+            # mount has free would kill the process with SIGBUS, so ask first.
+            free = shm_available()
+            if free is not None and size > free:
+                raise TableMemoryError(
+                    f"a table of {capacity} targets needs {size} bytes of shared memory; {SHM_DIR} has {free} free"
+                )
             if name is None:
                 name = f"fastroute-{os.getpid()}-{os.urandom(4).hex()}"
-            self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+            try:
+                self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+            except OSError as exc:
+                raise TableMemoryError(
+                    f"a table of {capacity} targets ({size} bytes of shared memory) cannot be created: {exc}"
+                ) from None
         else:
             if name is None:
                 raise ValueError("attaching needs the table's name")
@@ -104,6 +138,7 @@ class TargetTable:
         self.name: str = self._shm.name
         self.capacity = capacity
         self.owner = create
+        self._free_from = 0  # no free row below this one (alloc's search starts here)
         self.header = np.ndarray((NHDR,), dtype=np.int64, buffer=self._shm.buf)
         # Atomic accessors holding the buffers once (no buffer setup per call).
         self._hcells = _ledger.Cells(self.header.reshape(1, NHDR))
@@ -123,22 +158,26 @@ class TargetTable:
 
     # ---- rows (control plane: the supervisor allocates, never the hot path) ----------------------
     def alloc(self) -> int:
-        """A free row, reset: healthy, nothing in flight, never polled."""
-        for t in range(self.capacity):
-            if self.cells.load(t, COL_ALLOCATED) == 0:
-                for c in range(NCOLS):
-                    self.cells.store(t, c, 0)
-                self.cells.store(t, COL_POLLED_AT, -1)
-                self.cells.store(t, COL_POLLED_MAX_TOKENS, -1)
-                self.cells.store(t, COL_HEALTHY, 1)
-                self.cells.store(t, COL_ALLOCATED, 1)
-                self.bump_generation()
-                return t
-        raise RuntimeError(f"target table full ({self.capacity} targets)")
+        """The lowest free row, reset: healthy, nothing in flight, never polled.  The search is
+        compiled and starts past the rows known taken, so filling a table of N rows costs O(N)
+        loads, not O(N^2) Python calls."""
+        t = self.cells.first_where(COL_ALLOCATED, 0, self._free_from)
+        if t < 0:
+            raise RuntimeError(f"target table full ({self.capacity} targets; raise --max-targets)")
+        for c in range(NCOLS):
+            self.cells.store(t, c, 0)
+        self.cells.store(t, COL_POLLED_AT, -1)
+        self.cells.store(t, COL_POLLED_MAX_TOKENS, -1)
+        self.cells.store(t, COL_HEALTHY, 1)
+        self.cells.store(t, COL_ALLOCATED, 1)
+        self._free_from = t + 1
+        self.bump_generation()
+        return t
 
     def free(self, t: int) -> None:
         self.cells.store(t, COL_HEALTHY, 0)
         self.cells.store(t, COL_ALLOCATED, 0)
+        self._free_from = min(self._free_from, t)
         self.bump_generation()
 
     # ---- writers ------------------------------------------------------------------------------
@@ -167,6 +206,21 @@ class TargetTable:
     def set_kv_queue(self, t: int, kv_queue: int) -> None:
         """Only the polled decode KV queue of ``t`` (its other loads are pushed by the engine)."""
         self.cells.store(t, COL_POLLED_KV_QUEUE, int(kv_queue))
+
+    def rank_load(self, t: int) -> tuple[int, int, int, int, int, int, int]:
+        """What flow control's saturation gate reads of ``t`` (the data plane imports no core
+        module): (healthy, polled at or -1, waiting, used tokens, max tokens, uncached tokens,
+        max_running_requests)."""
+        c = self.cells
+        return (
+            c.load(t, COL_HEALTHY),
+            c.load(t, COL_POLLED_AT),
+            c.load(t, COL_POLLED_WAITING),
+            c.load(t, COL_POLLED_TOKENS),
+            c.load(t, COL_POLLED_MAX_TOKENS),
+            c.load(t, COL_POLLED_UNCACHED),
+            c.load(t, COL_POLLED_MAX_RUNNING),
+        )
 
     def set_max_running(self, t: int, n: int) -> None:
         """The running-batch limit ``t`` reports (0: unknown); flow control's capacity."""

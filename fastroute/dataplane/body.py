@@ -61,6 +61,7 @@ from fastroute.dataplane._jsonscan import Chat as _Chat
 from fastroute.dataplane._splice import object_bounds, with_int
 from fastroute.dataplane.fields import PICKERS as _PICKERS
 from fastroute.dataplane.fields import Message as _Message
+from fastroute.dataplane.idtext import ids_text
 from fastroute.errors import CODE_BAD_REQUEST, RouterError
 
 __all__ = [
@@ -220,10 +221,8 @@ class RequestMeta:
         if type(value) is list and value and type(value[0]) in (list, str):
             value = value[0]  # a batch: route by its first prompt
         if type(value) is list:
-            # Token ids: rendered as text for the prefix tree.  Only the first
-            # ROUTING_IDS_MAX ids, so a 100k-token prompt costs a bounded join; a
-            # prefix that long already tells cached prompts apart.
-            return " ".join(map(str, value[:ROUTING_IDS_MAX])) if value else None
+            # Token ids: only the first ROUTING_IDS_MAX (a prefix that long tells cached prompts apart).
+            return ids_text(value, ROUTING_IDS_MAX)
         return value if type(value) is str else None
 
     def routing_ids(self) -> list | None:

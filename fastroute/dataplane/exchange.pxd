@@ -5,26 +5,40 @@ cimport cython
 
 from fastroute.dataplane._clock cimport monotonic
 from fastroute.dataplane._splice cimport chunk, copied_headers, joined
+from fastroute.dataplane.admission cimport Admission
 from fastroute.dataplane.body cimport RequestMeta
-from fastroute.dataplane.dispatch cimport Dispatcher
-from fastroute.dataplane.protocol cimport ClientProtocol, new_request_id, status_line
+from fastroute.dataplane.limits cimport Limits
+from fastroute.dataplane.live cimport Live
 from fastroute.dataplane.request cimport Request
 from fastroute.dataplane.route cimport Route
+from fastroute.dataplane.telemetry cimport Telemetry
 from fastroute.dataplane.upstream cimport Leg
+from fastroute.dataplane.upstreams cimport Upstreams
+from fastroute.dataplane.wire cimport ClientSide, new_request_id, status_line
 
 cdef class _Exchange(Leg):
-    cdef public ClientProtocol proto
-    cdef public Request req
+    cdef public ClientSide client
+    cdef readonly Request req
     cdef public RequestMeta meta
-    cdef public Dispatcher dispatch
-    cdef public object leases, head, rid, path, retry_handle
+    cdef readonly Upstreams upstreams
+    cdef public Limits limits
+    cdef public Live live
+    cdef public Telemetry tel
+    cdef public Admission admission
+    cdef public object leases, rid, path
+    cdef readonly object retry_handle
+    cdef object head
     cdef public list out
-    cdef public double deadline, started_at, ka_due
-    cdef public bint chunked, started, finished, keep_alive, slot, gave_up, ka_sent
-    cdef public Py_ssize_t status, tries
+    cdef public double deadline
+    cdef readonly double started_at, ka_due
+    cdef public bint chunked, keep_alive, slot
+    cdef readonly bint finished
+    cdef bint started, gave_up, ka_sent
+    cdef public Py_ssize_t status
+    cdef Py_ssize_t tries
 
     # Called on self (and by the PD legs on their typed exchange): C calls, not Python ones.
-    cpdef _setup(self, dispatch, proto, req, path, meta)
+    cpdef _init(self, client, req, path, meta, upstreams, limits, live, tel, admission)
     cpdef _outcome(self, target, result)
     cpdef _start_response(self, status, headers, length=*, ctype=*)
     cpdef _write(self, data)

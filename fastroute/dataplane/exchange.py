@@ -27,13 +27,19 @@ from typing import TYPE_CHECKING, Any
 from fastroute import errors as _errors
 from fastroute.dataplane._clock import monotonic
 from fastroute.dataplane._splice import chunk, copied_headers, joined
-from fastroute.dataplane.protocol import new_request_id, status_line
 from fastroute.dataplane.upstream import TIMEOUT, ConnectError, Leg
+from fastroute.dataplane.wire import new_request_id, status_line
 from fastroute.errors import RouterError
 
 if TYPE_CHECKING:
-    from fastroute.dataplane.protocol import ClientProtocol
+    from fastroute.dataplane.admission import Admission
+    from fastroute.dataplane.body import RequestMeta
+    from fastroute.dataplane.limits import Limits
+    from fastroute.dataplane.live import Live
     from fastroute.dataplane.request import Request
+    from fastroute.dataplane.telemetry import Telemetry
+    from fastroute.dataplane.upstreams import Upstreams
+    from fastroute.dataplane.wire import ClientSide
 
 log = logging.getLogger("fastroute.proxy")
 
@@ -71,13 +77,20 @@ RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 class _Exchange(Leg):
     """Client-facing half of one proxied request: framing, the lease release, breaker outcomes.
 
-    ``dispatch`` is the Dispatcher (dispatch.py), typed Any because dispatch.py's owner imports this
-    module (one-way imports).
+    What it may touch is what its constructor receives: its client connection (``client``, a
+    :class:`~fastroute.dataplane.wire.ClientSide`), the request and its parse, the targets
+    (``upstreams``: groups, routes, breakers, retry timers), the frozen settings (``limits``), the
+    process's live set it registers in (``live``), the metrics' events (``tel``) and the admission
+    gate whose slot it holds until ``_close_books``.
     """
 
     __slots__ = (
-        "dispatch",
-        "proto",
+        "client",
+        "upstreams",
+        "limits",
+        "live",
+        "tel",
+        "admission",
         "req",
         "leases",
         "deadline",
@@ -100,15 +113,42 @@ class _Exchange(Leg):
         "ka_sent",
     )
 
-    def __init__(self, dispatch: Any, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
-        self._setup(dispatch, proto, req, path, meta)
+    def __init__(
+        self,
+        client: ClientSide,
+        req: Request,
+        path: bytes,
+        meta: RequestMeta,
+        upstreams: Upstreams,
+        limits: Limits,
+        live: Live,
+        tel: Telemetry,
+        admission: Admission,
+    ) -> None:
+        self._init(client, req, path, meta, upstreams, limits, live, tel, admission)
 
-    def _setup(self, dispatch: Any, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
+    def _init(
+        self,
+        client: ClientSide,
+        req: Request,
+        path: bytes,
+        meta: RequestMeta,
+        upstreams: Upstreams,
+        limits: Limits,
+        live: Live,
+        tel: Telemetry,
+        admission: Admission,
+    ) -> None:
         """The fields every exchange starts with. The subclasses' ``__init__`` call this as
-        ``_Exchange._setup(self, ...)``: a C call in the compiled build, where
-        ``super().__init__`` is a Python one (a super object, a lookup, the arguments packed)."""
-        self.dispatch = dispatch
-        self.proto = proto
+        ``_Exchange._init(self, ...)`` (uvloop's ``_init`` pattern): a C call in the compiled
+        build, where ``super().__init__`` is a Python one (a super object, a lookup, the
+        arguments packed)."""
+        self.client = client
+        self.upstreams = upstreams
+        self.limits = limits
+        self.live = live
+        self.tel = tel
+        self.admission = admission
         self.req = req
         self.meta = meta
         self.leases: tuple = ()  # bookings of the current attempt
@@ -119,7 +159,7 @@ class _Exchange(Leg):
         # Read back through self below: the fields are typed in the compiled build (C field
         # reads), the parameters are not.
         self.started_at = monotonic()
-        self.deadline = self.started_at + self.dispatch.timeout
+        self.deadline = self.started_at + self.limits.timeout
         self.chunked = False
         self.head: bytes | None = None  # client head not yet written (sent with the first body bytes)
         self.started = False  # client head built: errors now end the connection
@@ -135,26 +175,17 @@ class _Exchange(Leg):
         self.status = 0
         # SSE keep-alive (protocol.md 3.6): when the next ": keep-alive" comment is due (0: none
         # for this request), and whether the router already committed the 200 event-stream head.
-        ka = self.dispatch.sse_keepalive
+        ka = self.limits.sse_keepalive
         self.ka_due = self.started_at + ka if self.meta.stream and ka > 0 and self.req.http11 else 0.0
         self.ka_sent = False
-        self.dispatch.exchanges.add(self)
-        self.proto.exchange = self
+        self.live.exchanges.add(self)
+        self.client.exchange = self
 
     # -- breaker outcomes ---------------------------------------------------------
     def _outcome(self, target: int, result: int | BaseException) -> None:
         """Record what ``target``'s worker did: a response status, or a failure (connect error,
-        broken stream, ``TIMEOUT``). The one call site of the breakers: whether a status counts
-        as success, failure or neither (backpressure) is ``Breakers.status``'s rule."""
-        dispatch = self.dispatch
-        br = dispatch.breakers
-        if br is not None:
-            if type(result) is int:
-                br.status(target, result)
-            else:
-                br.failure(target)
-        if type(result) is not int or result >= 500:
-            dispatch.tel.worker_error(dispatch.registry, target, result)
+        broken stream, ``TIMEOUT``); the breakers' rule is ``Upstreams.outcome``'s."""
+        self.upstreams.outcome(target, result)
 
     # -- client writing -----------------------------------------------------
     def _start_response(
@@ -202,8 +233,8 @@ class _Exchange(Leg):
         ap(self.rid)
         ap(b"\r\n")
         if self.req.origin is not None:
-            ap(self.dispatch.cors.headers_for(self.req.origin))
-        if not self.dispatch.accepting:
+            ap(self.limits.cors.headers_for(self.req.origin))
+        if not self.live.accepting:
             self.keep_alive = False  # draining: this connection closes after the response
         if not self.keep_alive:
             ap(b"connection: close\r\n")
@@ -222,10 +253,10 @@ class _Exchange(Leg):
         as after the first byte (``_fail_client``). A worker's 2xx chunked head that came in
         without an event (SGLang sends its head before the prefill ends) goes out at once with
         the comment, and comments follow until the first event."""
-        if self.finished or self.proto.closed:
+        if self.finished or self.client.closed:
             self.ka_due = 0.0
             return
-        dispatch = self.dispatch
+        limits = self.limits
         if self.started:
             if self.ka_sent or (self.head is not None and self.chunked and 200 <= self.status < 300):
                 data = _KEEPALIVE_CHUNK
@@ -234,27 +265,27 @@ class _Exchange(Leg):
                     self.head = None
                     data = head + data
                 self.ka_sent = True
-                self.ka_due = now + dispatch.sse_keepalive
-                self.proto.transport.write(data)  # type: ignore[union-attr]
+                self.ka_due = now + limits.sse_keepalive
+                self.client.write(data)
             else:
                 self.ka_due = 0.0
             return
-        self.ka_due = now + dispatch.sse_keepalive
+        self.ka_due = now + limits.sse_keepalive
         if self.ka_sent:
-            self.proto.transport.write(_KEEPALIVE_CHUNK)  # type: ignore[union-attr]
+            self.client.write(_KEEPALIVE_CHUNK)
             return
         self.ka_sent = True
         self.chunked = True
-        if not dispatch.accepting:
+        if not self.live.accepting:
             self.keep_alive = False
         origin = self.req.origin
-        self.proto.transport.write(  # type: ignore[union-attr]
+        self.client.write(
             b"%b%bx-request-id: %b\r\n%b%b\r\n%b"
             % (
                 status_line(200),
                 _KEEPALIVE_HEAD,
                 self.rid,
-                dispatch.cors.headers_for(origin) if origin is not None else b"",
+                limits.cors.headers_for(origin) if origin is not None else b"",
                 b"" if self.keep_alive else b"connection: close\r\n",
                 _KEEPALIVE_CHUNK,
             )
@@ -279,8 +310,7 @@ class _Exchange(Leg):
         if out:
             data = out[0] if len(out) == 1 else joined(out)
             del out[:]
-            if not self.proto.closed:
-                self.proto.transport.write(data)  # type: ignore[union-attr]
+            self.client.write(data)
 
     def up_flush(self) -> None:
         """End of one upstream read (the Leg callback): write what it produced."""
@@ -295,7 +325,7 @@ class _Exchange(Leg):
         if self.chunked:
             self.out.append(_LAST_CHUNK)
         self.flush()
-        self.dispatch.tel.done(self.status, self.path, self.meta, self.started_at)
+        self.tel.done(self.status, self.path, self.meta, self.started_at)
         self._finish(self.keep_alive)
 
     def _release_leases(self) -> None:
@@ -319,7 +349,7 @@ class _Exchange(Leg):
         finally:
             if self.slot:
                 self.slot = False
-                self.dispatch.admission.leave()
+                self.admission.leave()
 
     def _finish(self, keep_alive: bool, error: RouterError | None = None, sse: bool = False) -> None:
         """The one ending: give the books back, then hand the connection on, either with the
@@ -327,17 +357,16 @@ class _Exchange(Leg):
         if self.finished:
             return
         self.finished = True
-        self.dispatch.exchanges.discard(self)
+        self.live.exchanges.discard(self)
         try:
             self._close_books()
         finally:
-            proto = self.proto
-            if proto.exchange is self:
+            client = self.client
+            if client.exchange is self:
                 if error is None:
-                    proto.response_done(keep_alive)
+                    client.done(keep_alive)
                 else:
-                    proto.exchange = None
-                    proto.send_error(error, self.req, sse, self.meta.model)
+                    client.fail(error, self.req, sse, self.meta.model)
 
     def _fail_client(self, exc: RouterError, sse: bool = False) -> None:
         """Upstream failed. Before any client byte: a JSON (or SSE) error; after: cut the stream."""
@@ -349,11 +378,9 @@ class _Exchange(Leg):
             # response rather than a clean end; Content-Length: short body.
             if self.head is None:
                 self.flush()  # bytes already committed to the client go out before the cut
-                self.dispatch.tel.response(self.status, exc.code, self.path, self.meta.model)
+                self.tel.response(self.status, exc.code, self.path, self.meta.model)
                 self._finish(False)
-                if not self.proto.closed:
-                    self.proto.closed = True
-                    self.proto.transport.close()  # type: ignore[union-attr]
+                self.client.abort()
                 return
             self.head = None  # nothing sent yet: still free to answer with an error
             self.out.clear()
@@ -363,7 +390,7 @@ class _Exchange(Leg):
             body = exc.sse()
             self.out.append(b"%x\r\n%b\r\n%b" % (len(body), body, _LAST_CHUNK))
             self.flush()
-            self.dispatch.tel.response(exc.status, exc.code, self.path, self.meta.model)
+            self.tel.response(exc.status, exc.code, self.path, self.meta.model)
             self._finish(self.keep_alive)
             return
         self._finish(False, exc, sse)
@@ -378,7 +405,7 @@ class _Exchange(Leg):
         if self.finished:
             return
         self._abort_legs()
-        self.dispatch.tel.response(status, code, self.path, self.meta.model)
+        self.tel.response(status, code, self.path, self.meta.model)
         self._finish(False)
 
     def on_timeout(self) -> None:
@@ -390,7 +417,7 @@ class _Exchange(Leg):
     # -- retries (protocol.md 7.2) -----------------------------------------------
     def can_retry(self) -> bool:
         """Another attempt is allowed: attempts left and no client byte committed."""
-        return self.tries < self.dispatch.max_attempts and not self.started and not self.finished
+        return self.tries < self.limits.max_attempts and not self.started and not self.finished
 
     def fits(self, wait: float) -> bool:
         """A retry after ``wait`` seconds (a worker's Retry-After; < 0: none) still starts
@@ -406,12 +433,8 @@ class _Exchange(Leg):
         """
         self._abort_legs()
         self._release_leases()
-        dispatch = self.dispatch
-        dispatch.tel.retry(role, self.path)
-        delay = dispatch.backoff(self.tries - 1)
-        if wait > delay:
-            delay = wait
-        self.retry_handle = dispatch.loop.call_later(delay, self._retry)
+        self.tel.retry(role, self.path)
+        self.retry_handle = self.upstreams.retry_later(self.tries - 1, wait, self._retry)
 
     def _retry(self) -> None:
         self.retry_handle = None
@@ -427,9 +450,8 @@ class _Exchange(Leg):
         if self.gave_up:
             return
         self.gave_up = True
-        dispatch = self.dispatch
-        if dispatch.max_attempts > 1:
-            dispatch.tel.exhausted(role, self.path)
+        if self.limits.max_attempts > 1:
+            self.tel.exhausted(role, self.path)
 
     def attempt(self) -> None:
         raise NotImplementedError
@@ -440,7 +462,7 @@ class _Exchange(Leg):
     def fail_internal(self) -> None:
         """Exception while starting an attempt: make sure the leases come back."""
         self._abort_legs()
-        self._fail_client(RouterError(500, "internal_error", "internal error"))
+        self._fail_client(_errors.internal_error())
 
     def _abort_legs(self) -> None:
         raise NotImplementedError
@@ -451,23 +473,34 @@ class Relay(_Exchange):
 
     __slots__ = ("target",)
 
-    def __init__(self, dispatch: Any, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
-        _Exchange._setup(self, dispatch, proto, req, path, meta)
+    def __init__(
+        self,
+        client: ClientSide,
+        req: Request,
+        path: bytes,
+        meta: RequestMeta,
+        upstreams: Upstreams,
+        limits: Limits,
+        live: Live,
+        tel: Telemetry,
+        admission: Admission,
+    ) -> None:
+        _Exchange._init(self, client, req, path, meta, upstreams, limits, live, tel, admission)
         self.conn: Any = None
         self.target = -1
 
     def attempt(self) -> None:
         """Pick a target and send (first attempt and every retry)."""
         self.tries += 1
-        dispatch = self.dispatch
+        upstreams = self.upstreams
         meta = self.meta
         # The acquire too runs inside the error handling: whatever it raises, the client is
         # answered and the admission slot given back (fail_internal -> _close_books).
-        tel = dispatch.tel
+        tel = self.tel
         try:
             # out_tokens only matters to KV-fit placement (the decode group); 0 when not given.
             t0 = tel.clock()
-            lease = dispatch.group("regular").acquire(meta.input_tokens, self.req.key, meta, meta.max_new_tokens or 0)
+            lease = upstreams.group("regular").acquire(meta.input_tokens, self.req.key, meta, meta.max_new_tokens or 0)
             tel.pick(t0)
             meta.shed()  # the pick has read the decoded prompt: it is not held while we wait
             if lease is None:
@@ -476,8 +509,7 @@ class Relay(_Exchange):
             self.leases = (lease,)
             t = self.target = lease.target
             self.status = 0
-            routes = dispatch.routes
-            route = routes[t] if t in routes else dispatch.owner.route(t)
+            route = upstreams.routes[t]
             route.send(self.req, self)
         except BaseException:
             self.fail_internal()
@@ -501,7 +533,7 @@ class Relay(_Exchange):
             )
             return
         self._start_response(status, headers)  # (keeps the worker's Content-Length, if any)
-        self.proto.flow.relay(self)
+        self.client.flow.relay(self)
 
     def up_body(self, data: bytes) -> None:
         self._write(data)

@@ -4,6 +4,6 @@ from fastroute.dataplane._jsonscan cimport FieldScan
 
 cdef class FieldPicker:
     cdef public object decoder, names
-    cdef public FieldScan scanner
+    cdef readonly FieldScan scanner
 
     cpdef pick(self, bytes body)

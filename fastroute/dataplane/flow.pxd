@@ -4,8 +4,10 @@
 from fastroute.dataplane.upstream cimport Leg
 
 cdef class FlowControl:
-    cdef public object transport, _leg
-    cdef public bint reading_paused, writing_paused
+    cdef public object transport
+    cdef object _leg
+    cdef readonly bint writing_paused
+    cdef bint reading_paused
 
     # Called by the typed protocol and exchanges: C calls.
     cpdef pause_reading(self)

@@ -2,8 +2,8 @@
 
 Installed only when a flow-control flag is given (``--priority-scheduler-enabled``,
 ``--tenant-rate-limit-enabled``, ``--tenant-api-key``, ``--worker-overload-shed``):
-:func:`install` replaces the dispatcher's :class:`~fastroute.dataplane.admission.Admission`
-with a :class:`FlowAdmission`. Without those flags nothing here is imported by the request path
+:func:`install` makes the App's admission a :class:`FlowAdmission` instead of the plain
+:class:`~fastroute.dataplane.admission.Admission`. Without those flags nothing here is imported by the request path
 and the plain admission's fast path (one comparison) stays what it was.
 
 How a request goes through (:meth:`FlowAdmission.enqueue`, reached from ``App.wait``: the
@@ -44,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastroute import errors as _errors
+from fastroute.auth import bearer
 from fastroute.dataplane.admission import Admission, Waiter
 from fastroute.dataplane.headerflags import _F_FWD
 from fastroute.dataplane.saturation import Saturation
@@ -155,24 +156,28 @@ class FlowAdmission(Admission):
 
     def __init__(
         self,
-        dispatch: Any,
+        loop: Any,
         config: Any,
         policy: SchedulerPolicy | None,
         tenants: Tenants,
         limits: RateLimits | None,
         saturation: Any = None,
     ) -> None:
-        loop = dispatch.loop
-        super().__init__(-1, 0, 60.0, loop)
-        self.enabled = True
-        self.dispatch = dispatch
-        self.scheduler = policy is not None
         if policy is None:  # one class: the legacy queue's size and timeout, FIFO over tenants
             specs = [ClassSpec(0, int(config.queue_size), float(config.queue_timeout_secs), math.inf)]
-            self.policy = SchedulerPolicy(specs, {}, 0)
-        else:
-            self.policy = policy
-        self.classes = [_ClassQueue(s) for s in self.policy.classes]
+            policy = SchedulerPolicy(specs, {}, 0)
+        ttls = [s.queue_timeout_secs for s in policy.classes]
+        # The base's fields this class keeps (readonly in the compiled build, so given to its
+        # constructor): enabled (limit 1 > 0), the sweep's period (a quarter of queue_timeout:
+        # the sweep also re-checks saturation while requests wait) and ``queue``, every waiter
+        # in arrival order (App.active, the sweep). Its limit and token bucket are never used.
+        super().__init__(1, 0, max(0.2, min(ttls + [4.0 * float(config.load_monitor_interval)])), loop)
+        self.running = 0  # admitted requests not yet ended (the base's ``active`` is its own)
+        # Starts an admitted request's exchange (Endpoints.begin, set by the App once built).
+        self.begin: Callable[[Any, Any, bytes, Any], None] = _unwired
+        self.scheduler = len(policy.classes) > 1
+        self.policy = policy
+        self.classes = [_ClassQueue(s) for s in policy.classes]
         # Capacity (the scheduler's, as smg's): the ranks' reported max_running_requests, else
         # --max-concurrent-requests (-1: unlimited). A class may use it less the slots the
         # classes above it reserve.
@@ -183,28 +188,22 @@ class FlowAdmission(Admission):
         self._held_for = -1.0  # the capacity self._held was computed for
         self._held: list[float] = []
         self.tenants = tenants
-        self.rate = 0.0  # the base class's token bucket: never used here
         self.limits = limits
         self._buckets: dict[tuple[str, str], tuple[Any, Any]] = {}
         self.saturation = saturation
         self.shed = bool(config.worker_overload_shed)
         self.max_queued = int(config.flow_max_queued)
         self.retry_after_shed = str(max(1, math.ceil(float(config.load_monitor_interval)))).encode()
-        self.queue = OrderedDict()  # every waiter (App.active, the sweep)
-        ttls = [s.queue_timeout_secs for s in self.policy.classes]
-        poll = float(config.load_monitor_interval)
-        # The sweep's period is a quarter of this: it also re-checks saturation while requests wait.
-        self.queue_timeout = max(0.2, min(ttls + [4.0 * poll]))
         self.refusals: dict[tuple[str, str, str], int] = {}
         self.admitted: dict[tuple[str, str], int] = {}
-        self._api_key = dispatch.api_key
+        self._api_key = bearer(config.api_key)
 
     # ---- the Admission interface ------------------------------------------------------------
     def try_enter(self) -> bool:
         return False  # every request goes through enqueue (App.wait)
 
     def leave(self) -> None:
-        self.active -= 1
+        self.running -= 1
         if self.queue:
             self._drain()
 
@@ -247,7 +246,7 @@ class FlowAdmission(Admission):
         self._refused(tenant, cls, exc.code)
         proto.send_error(exc, req)
 
-    def enqueue(self, proto: Any, req: Any, path: bytes, meta: Any) -> None:
+    def enqueue(self, proto: Any, req: Any, path: bytes, meta: Any) -> bool:
         """Classify, limit, then admit now or queue (the flow path of every inference request)."""
         tenants = self.tenants
         tenant = None
@@ -257,9 +256,9 @@ class FlowAdmission(Admission):
                 tenant = "auth:" + tid
             elif self._api_key is None:
                 # Tenant keys without --api-key: a data-plane key is still required (with
-                # --api-key, Dispatcher.handle let through only it or a tenant key).
+                # --api-key, Endpoints.handle let through only it or a tenant key).
                 proto.send_error(_errors.invalid_api_key(), req)
-                return
+                return True
         headers = _flow_headers(req.fwd) if req.fwd else {}
         if tenant is None:
             peer = None
@@ -275,17 +274,17 @@ class FlowAdmission(Admission):
         sat = self.saturation
         if sat is not None and self.shed and sat.saturated():
             self._refuse(proto, req, tenant, cls, self._shed_error())
-            return
+            return True
         now = self.loop.time()
         now_ok = self._may_start(cls, now) and (sat is None or not sat.saturated())
         cq = self.classes[cls]
         spec = cq.spec
         if not now_ok and len(cq.order) >= spec.queue_size:
             self._refuse(proto, req, tenant, cls, self._full_error())
-            return
+            return True
         if not now_ok and self.max_queued and len(self.queue) >= self.max_queued and not self._shed_below(cls):
             self._refuse(proto, req, tenant, cls, self._full_error())
-            return
+            return True
         # The tenant's budget last: a request refused by the checks above never spent any, and
         # one that times out or whose client leaves while queued gets it back.
         held: Any = None
@@ -293,12 +292,12 @@ class FlowAdmission(Admission):
             exc, held = self._rate_limit(tenant, meta)
             if exc is not None:
                 self._refuse(proto, req, tenant, cls, exc)
-                return
+                return True
         if now_ok:
-            self.active += 1
+            self.running += 1
             self._note_admitted(tenant, cls)
-            self.dispatch.begin(proto, req, path, meta)
-            return
+            self.begin(proto, req, path, meta)
+            return True
 
         def start() -> None:
             proto.waiter = None
@@ -306,7 +305,7 @@ class FlowAdmission(Admission):
                 self.leave()
                 return
             try:
-                self.dispatch.begin(proto, req, path, meta)
+                self.begin(proto, req, path, meta)
             except Exception:
                 log.exception("request handling failed")
 
@@ -326,6 +325,10 @@ class FlowAdmission(Admission):
         cq.push(w)
         self.queue[w] = None
         proto.waiter = w
+        return True
+
+    def tenant_key(self, auth: bytes | None) -> bool:
+        return self.tenants.by_key(auth) is not None
 
     def _shed_below(self, cls: int) -> bool:
         """Make room under --flow-max-queued: drop the newest waiter of the lowest class below
@@ -381,13 +384,13 @@ class FlowAdmission(Admission):
     def _may_start(self, cls: int, now: float) -> bool:
         """A class-``cls`` newcomer may start now: a slot is free for its class and no waiter of
         its class or a higher one is ahead of it."""
-        if self.active >= self.room(cls, self.slots()):
+        if self.running >= self.room(cls, self.slots()):
             return False
         return all(not self.classes[c].order for c in range(cls + 1))
 
     def _pick(self, now: float) -> FlowWaiter | None:
         """The next waiter to start, or None (no slot it may use)."""
-        active = self.active
+        active = self.running
         cap = self.slots()
         # Starvation: a waiter past its class's threshold goes first, with the whole capacity.
         for cq in self.classes:
@@ -409,7 +412,7 @@ class FlowAdmission(Admission):
                 return
             self.classes[w.cls].remove(w)
             del self.queue[w]
-            self.active += 1
+            self.running += 1
             self._note_admitted(w.tenant, w.cls)
             # Not inline: leave() runs inside another request's ending.
             self.loop.call_soon(w.start)
@@ -499,8 +502,9 @@ def _flow_headers(fwd: bytes) -> dict[bytes, bytes]:
     return out
 
 
-def install(dispatch: Any, config: Any) -> FlowAdmission | None:
-    """Replace the dispatcher's admission with a FlowAdmission when a flow flag is given."""
+def install(config: Any, loop: Any, limits: Any, upstreams: Any, registry: Any) -> FlowAdmission | None:
+    """The App's admission when a flow flag is given (its ``begin`` is wired by the App), else
+    None (the plain Admission stays)."""
     if not enabled(config):
         return None
     policy = (
@@ -511,17 +515,22 @@ def install(dispatch: Any, config: Any) -> FlowAdmission | None:
     tenants = Tenants(
         parse_tenant_keys(list(config.tenant_api_key)), bool(config.trust_tenant_header), config.tenant_header_name
     )
-    limits = (
+    rates = (
         load_rate_limits(config.tenant_rate_limit_config, bool(config.trust_tenant_header))
         if config.tenant_rate_limit_enabled
         else None
     )
     gate = config.priority_scheduler_enabled or config.worker_overload_shed
-    flow = FlowAdmission(dispatch, config, policy, tenants, limits, Saturation(dispatch, config) if gate else None)
+    saturation = Saturation(loop, registry, upstreams, config) if gate else None
+    flow = FlowAdmission(loop, config, policy, tenants, rates, saturation)
     # The headers the flow reads arrive in req.fwd: the priority header, and the tenant header
     # when it is trusted (both are forwarded to the worker, which ignores them).
-    dispatch.header_flags[PRIORITY_HEADER] = dispatch.header_flags.get(PRIORITY_HEADER, 0) | _F_FWD
+    flags = limits.header_flags
+    flags[PRIORITY_HEADER] = flags.get(PRIORITY_HEADER, 0) | _F_FWD
     if tenants.header is not None:
-        dispatch.header_flags[tenants.header] = dispatch.header_flags.get(tenants.header, 0) | _F_FWD
-    dispatch.admission = flow
+        flags[tenants.header] = flags.get(tenants.header, 0) | _F_FWD
     return flow
+
+
+def _unwired(proto: Any, req: Any, path: bytes, meta: Any) -> None:
+    raise RuntimeError("FlowAdmission.begin was not wired to the endpoints")

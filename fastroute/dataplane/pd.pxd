@@ -12,8 +12,8 @@ cdef class _PDLeg
 
 cdef class PDRelay(_Exchange):
     cdef public _PDLeg p, d
-    cdef public object merger
-    cdef public bint stream, merge, relaying
+    cdef object merger
+    cdef readonly bint stream, merge, relaying
 
     @cython.locals(p_route=Route, d_route=Route, p=_PDLeg, d=_PDLeg)
     cpdef attempt(self)
@@ -27,7 +27,7 @@ cdef class PDRelay(_Exchange):
     cpdef drop_merge(self, leg)
 
 cdef class _PDLeg(Leg):
-    cdef public PDRelay ex
+    cdef readonly PDRelay ex
     cdef public object role, headers, chunks
     cdef public Py_ssize_t status, size, target
     cdef public bint done

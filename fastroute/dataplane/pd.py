@@ -27,13 +27,19 @@ from fastroute.config import DP_RANK_FIELDS
 from fastroute.dataplane.body import bootstrap_fields, splice_point
 from fastroute.dataplane.exchange import KEEP_LENGTH, RETRY_STATUS, TIMEOUT, _Exchange, retry_after
 from fastroute.dataplane.logprobs import SSELogprobMerger, merge_logprobs_json
-from fastroute.dataplane.protocol import CT_JSON
 from fastroute.dataplane.upstream import ConnectError, Leg
+from fastroute.dataplane.wire import CT_JSON
 from fastroute.errors import RouterError
 
 if TYPE_CHECKING:
-    from fastroute.dataplane.protocol import ClientProtocol
+    from fastroute.dataplane.admission import Admission
+    from fastroute.dataplane.body import RequestMeta
+    from fastroute.dataplane.limits import Limits
+    from fastroute.dataplane.live import Live
     from fastroute.dataplane.request import Request
+    from fastroute.dataplane.telemetry import Telemetry
+    from fastroute.dataplane.upstreams import Upstreams
+    from fastroute.dataplane.wire import ClientSide
 
 log = logging.getLogger("fastroute.proxy")
 
@@ -96,10 +102,10 @@ class _PDLeg(Leg):
             # merge bound (pausing here would wait for an end that never comes).
             if self.size > _MERGE_LIMIT:
                 ex.drop_merge(self)
-                ex.proto.flow.hold(self)
+                ex.client.flow.hold(self)
                 ex.pd_progress()  # a finished prefill lets the plain relay start now
         elif self.size > _PD_BUFFER_LIMIT:
-            ex.proto.flow.hold(self)
+            ex.client.flow.hold(self)
 
     def up_done(self) -> None:
         self.conn = None
@@ -139,8 +145,19 @@ class PDRelay(_Exchange):
 
     __slots__ = ("p", "d", "stream", "merge", "relaying", "merger")
 
-    def __init__(self, dispatch: Any, proto: ClientProtocol, req: Request, path: bytes, meta: Any) -> None:
-        _Exchange._setup(self, dispatch, proto, req, path, meta)
+    def __init__(
+        self,
+        client: ClientSide,
+        req: Request,
+        path: bytes,
+        meta: RequestMeta,
+        upstreams: Upstreams,
+        limits: Limits,
+        live: Live,
+        tel: Telemetry,
+        admission: Admission,
+    ) -> None:
+        _Exchange._init(self, client, req, path, meta, upstreams, limits, live, tel, admission)
         # attempt() makes the real legs; until then both point at an inert leg
         # (no connection, no status) so every path that reads them stays valid.
         self.p = self.d = _NO_LEG
@@ -167,11 +184,10 @@ class PDRelay(_Exchange):
         """Why this request must not be sent at all (checked once, before the first pick)."""
         meta = self.meta
         batch = meta.batch
-        if batch is not None and batch > self.dispatch.config.pd_max_batch_size:
+        limit = self.limits.pd_max_batch_size
+        if batch is not None and batch > limit:
             return RouterError(
-                413,
-                "batch_too_large",
-                "PD batch of %d items exceeds --pd-max-batch-size %d" % (batch, self.dispatch.config.pd_max_batch_size),
+                413, "batch_too_large", "PD batch of %d items exceeds --pd-max-batch-size %d" % (batch, limit)
             )
         obj = meta.fields  # (the rank keys are among the fields body.py always reads)
         for field in DP_RANK_FIELDS:
@@ -190,19 +206,19 @@ class PDRelay(_Exchange):
                 self._fail_client(refused)
                 return
         self.tries += 1
-        dispatch = self.dispatch
+        upstreams = self.upstreams
         tokens, key, out_tokens = meta.input_tokens, req.key, meta.max_new_tokens or 0
         # Both acquires run inside the error handling too: whatever they raise, the client
         # is answered and the leases and admission slot given back (fail_internal).
-        tel = dispatch.tel
+        tel = self.tel
         t0 = tel.clock()
         try:
-            p_lease = dispatch.group("prefill").acquire(tokens, key, meta, out_tokens)
+            p_lease = upstreams.group("prefill").acquire(tokens, key, meta, out_tokens)
             if p_lease is None:
                 self._fail_client(_errors.no_available_workers("prefill"))
                 return
             self.leases = (p_lease,)
-            d_lease = dispatch.group("decode").acquire(tokens, key, meta, out_tokens)
+            d_lease = upstreams.group("decode").acquire(tokens, key, meta, out_tokens)
             tel.pick(t0)  # the pair's pick
             meta.shed()  # both picks have read the decoded prompt: not held while we wait
             if d_lease is None:
@@ -213,15 +229,13 @@ class PDRelay(_Exchange):
             # reach the new one.
             p = self.p = _PDLeg(self, "prefill", p_lease.target)
             d = self.d = _PDLeg(self, "decode", d_lease.target)
-            routes = dispatch.routes
-            t = p_lease.target
-            p_route = routes[t] if t in routes else dispatch.owner.route(t)
-            t = d_lease.target
-            d_route = routes[t] if t in routes else dispatch.owner.route(t)
+            routes = upstreams.routes
+            p_route = routes[p_lease.target]
+            d_route = routes[d_lease.target]
             # Prefill rank travels in the room (room % prefill_dp_size == rank, 4.3),
             # never as a body key on the prefill leg; one room for both legs.
             pfields = bootstrap_fields(
-                meta.batch, p_route.bootstrap, dispatch.room_rng, p_route.prefill_dp_size, p_route.prefill_rank
+                meta.batch, p_route.bootstrap, upstreams.room_rng, p_route.prefill_dp_size, p_route.prefill_rank
             )
             rank = d_route.rank_field
             dfields = pfields if rank is None else pfields + b"," + rank
@@ -303,11 +317,11 @@ class PDRelay(_Exchange):
         self.flush()  # we may be inside the prefill's read: nothing else flushes these bytes
         # From here the decode is read only while the client accepts writes (this also
         # lifts the pre-relay buffer limit's hold).
-        self.proto.flow.relay(d, held=True)
+        self.client.flow.relay(d, held=True)
 
     def observe_ttft(self) -> None:
         """smg_pd_ttft_seconds: from the request's start to the decode's response head."""
-        self.dispatch.tel.ttft(self.path, self.meta, self.started_at)
+        self.tel.ttft(self.path, self.meta, self.started_at)
 
     def relay_body(self, data: bytes) -> None:
         m = self.merger

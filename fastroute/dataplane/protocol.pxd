@@ -2,30 +2,36 @@
 # setup.py): the classes below become extension types, their attributes a C struct. The .py
 # stays the source and runs as it is when not compiled; keep both in step.
 from fastroute.dataplane._clock cimport monotonic
-from fastroute.dataplane._ids cimport request_id
-from fastroute.dataplane.dispatch cimport Dispatcher
+from fastroute.dataplane.endpoints cimport Endpoints
 from fastroute.dataplane.flow cimport FlowControl
+from fastroute.dataplane.limits cimport Limits
+from fastroute.dataplane.live cimport Live
 from fastroute.dataplane.request cimport Request
+from fastroute.dataplane.telemetry cimport Telemetry
+from fastroute.dataplane.wire cimport ClientSide, status_line
 
-cdef class ClientProtocol:
-    cdef public Dispatcher dispatch
+cdef class ClientProtocol(ClientSide):
+    cdef readonly Endpoints endpoints
+    cdef public Limits limits
+    cdef public Live live
+    cdef public Telemetry tel
     cdef public object transport, parser
-    cdef public dict _flags
-    cdef public bint closed, busy, draining, bad_request, in_head, head_only, _expect, _conn
-    cdef public object queue, exchange
-    cdef public FlowControl flow
+    cdef dict _flags
+    cdef public bint busy, draining
+    cdef readonly bint _conn
+    cdef bint bad_request, in_head, head_only, _expect
+    cdef readonly object queue
     cdef public double head_deadline, http_t0
-    cdef public Request _req
-    cdef public object _url, _fwd, _chunks, _rid_vals, _key_vals, _body_check, waiter, http_key
-    cdef public object _bad_message, _cl
-    cdef public Py_ssize_t _head_size, _head_bytes, _bad_status
+    cdef readonly Request _req
+    cdef public object _url, waiter, http_key
+    cdef object _fwd, _chunks, _rid_vals, _key_vals, _body_check
+    cdef object _bad_message, _cl
+    cdef Py_ssize_t _head_size, _head_bytes, _bad_status
 
     # Per request, from this class and from the typed exchanges: C calls.
     cpdef _start(self, req)
     cpdef response_done(self, keep_alive)
-
-cdef dict _RID_PREFIX  # path -> request id prefix (a C global: one dict call per id)
-cdef dict _STATUS  # status -> prebuilt status line (status_line: one dict call)
-
-cpdef bytes new_request_id(path)
-cpdef bytes status_line(code)
+    cpdef write(self, data)
+    cpdef done(self, keep_alive)
+    cpdef fail(self, exc, req, sse=*, model=*)
+    cpdef abort(self)

@@ -17,8 +17,11 @@ Reading a request is bounded in time and bytes, as the bytes arrive:
 
 No reference cycle keeps a request body alive: the body chunks are dropped when the request is
 handed off, and the protocol<->parser cycle is broken when the connection is lost, so a finished
-body is freed at once, without a GC pass. What a request means is the App's business
-(:mod:`fastroute.dataplane.app`); backpressure is :class:`~fastroute.dataplane.flow.FlowControl`'s.
+body is freed at once, without a GC pass. What a request means is the endpoints' business
+(:mod:`fastroute.dataplane.endpoints`); backpressure is
+:class:`~fastroute.dataplane.flow.FlowControl`'s. To the exchange answering a request the
+connection is a :class:`~fastroute.dataplane.wire.ClientSide`: it writes, ends, fails or cuts the
+response through those four calls and never touches the transport.
 
 Per request: one header scan (lower-cased name -> flag bits), one join of the
 forwarded headers, no logging. Byte constants are built at import.
@@ -29,16 +32,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httptools
 
 from fastroute import errors as _errors
 from fastroute.dataplane._clock import monotonic
-from fastroute.dataplane._ids import request_id
 from fastroute.dataplane.flow import FlowControl
-from fastroute.dataplane.headerflags import (  # header_flags re-exported (the App builds the table)
+from fastroute.dataplane.headerflags import (
     _F_ACRH,
     _F_AUTH,
     _F_CL,
@@ -49,40 +50,23 @@ from fastroute.dataplane.headerflags import (  # header_flags re-exported (the A
     _F_ORIGIN,
     _F_RID,
     _classify,
-    header_flags,  # noqa: F401
 )
 from fastroute.dataplane.request import Request
-from fastroute.dataplane.routes import INFERENCE, RID_PREFIX  # noqa: F401 (INFERENCE re-exported)
-from fastroute.errors import RouterError
+from fastroute.dataplane.routes import INFERENCE
+from fastroute.dataplane.wire import CT_JSON, CT_SSE, ClientSide, status_line
 
 if TYPE_CHECKING:
-    from fastroute.dataplane.dispatch import Dispatcher
+    from fastroute.dataplane.admission import Waiter
+    from fastroute.dataplane.limits import Limits
+    from fastroute.dataplane.live import Live
+    from fastroute.dataplane.telemetry import Telemetry
+    from fastroute.errors import RouterError
 
 log = logging.getLogger("fastroute.proxy")
 
 # --------------------------------------------------------------------------- constants
 
-
-def _status_line(code: int) -> bytes:
-    try:
-        phrase = HTTPStatus(code).phrase
-    except ValueError:
-        phrase = "Unknown"
-    return b"HTTP/1.1 %d %s\r\n" % (code, phrase.encode("latin-1"))
-
-
-_STATUS: dict[int, bytes] = {s.value: _status_line(s.value) for s in HTTPStatus}
-
-
-def status_line(code: int) -> bytes:
-    """Prebuilt ``HTTP/1.1 <code> <phrase>\\r\\n`` (built on the fly for exotic codes)."""
-    line = _STATUS.get(code)
-    return line if line is not None else _status_line(code)
-
-
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-CT_JSON = b"application/json"
-CT_SSE = b"text/event-stream"
 
 # The inference paths (raw path -> endpoint label) come from the route table
 # (fastroute.dataplane.routes); everything else is answered, not proxied.
@@ -94,17 +78,19 @@ _HEAD_LIMIT = 1 << 16  # bytes of request line + headers before 431
 _READ_ERROR_CODE = {400: _errors.CODE_BAD_REQUEST, 408: "request_timeout", 431: "header_too_large"}
 
 
-_RID_PREFIX = RID_PREFIX
-
-
-def new_request_id(path: bytes) -> bytes:
-    """A fresh id for a request that brought none: the path's prefix and 24 lowercase hex
-    characters (96 random bits, alphanumeric as 6.1 asks; ``_ids.request_id``)."""
-    prefix = _RID_PREFIX.get(path)
-    return request_id(prefix if prefix is not None else b"req-")
-
-
 # --------------------------------------------------------------------------- client protocol
+
+
+class Handler(Protocol):
+    """What the connection asks of its handler: :class:`~fastroute.dataplane.endpoints.Endpoints`
+    (endpoints.py, which is above this module: the compiled build cimports it, this module's
+    Python never imports it)."""
+
+    def handle(self, proto: ClientProtocol, req: Request) -> None: ...
+
+    def refuse_at_head(self, method: bytes, url: bytes, auth: bytes | None) -> RouterError | None: ...
+
+    def unqueue(self, waiter: Waiter, key: Any) -> None: ...
 
 
 def _origin_form(url: bytes) -> bytes:
@@ -119,27 +105,31 @@ def _origin_form(url: bytes) -> bytes:
     return b"/"
 
 
-class ClientProtocol:
+class ClientProtocol(ClientSide):
     """One client connection: parse requests, answer them strictly in order.
 
     An asyncio protocol by its methods (not derived from ``asyncio.Protocol``, so that the
-    compiled build can make it an extension type: see protocol.pxd)."""
+    compiled build can make it an extension type: see protocol.pxd), and the
+    :class:`~fastroute.dataplane.wire.ClientSide` of the exchange answering its current request.
+    It hands each request to ``endpoints`` in order; ``limits`` are the frozen settings it reads
+    (header tables, payload and time limits), ``live`` the process's set of open connections it
+    joins, ``tel`` the metrics' events."""
 
     # Slots: past 30 attributes CPython gives each instance a full dict (~1.6 KB per held
     # connection, and slower attribute access); slots cost 8 bytes a name. Keep in step with
     # __init__ (a name missing here fails the first time it is set).
     __slots__ = (
-        "dispatch",
+        "endpoints",
+        "limits",
+        "live",
+        "tel",
         "transport",
         "parser",
         "_flags",
-        "closed",
         "busy",
         "queue",
         "draining",
         "bad_request",
-        "flow",
-        "exchange",
         "head_deadline",
         "in_head",
         "head_only",
@@ -162,20 +152,21 @@ class ClientProtocol:
         "_bad_status",
     )
 
-    # ``dispatch`` is the Dispatcher (dispatch.py) and ``exchange`` an exchange (exchange.py); the
-    # exchange is typed Any so that imports only go one way: it imports this module.
-    def __init__(self, dispatch: Dispatcher) -> None:
-        self.dispatch = dispatch
+    def __init__(self, endpoints: Handler, limits: Limits, live: Live, tel: Telemetry) -> None:
+        self.endpoints = endpoints
+        self.limits = limits
+        self.live = live
+        self.tel = tel
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
-        self._flags = dispatch.header_flags  # header name -> _F_* bits (per App; see _classify)
+        self._flags = limits.header_flags  # header name -> _F_* bits (per process; see _classify)
         self.closed = False
         self.busy = False  # a response is in progress
         self.queue: list[Request] = []  # pipelined requests waiting for their turn
         self.draining = False
         self.bad_request = False  # parse error seen: answer what is queued, then 400 + close
         self.flow = FlowControl()  # backpressure, both directions
-        self.exchange: Any = None  # the exchange answering the current request
+        self.exchange = None  # the exchange answering the current request (wire.ClientSide)
         # The one read deadline the App's sweep checks (on_header_timeout): the head's total
         # deadline, then the body's next inactivity check, then the keep-alive idle limit.
         self.head_deadline = 0.0
@@ -213,14 +204,14 @@ class ClientProtocol:
         # to each small write after the first): uvloop and asyncio both set TCP_NODELAY on every
         # TCP socket they accept or connect, TLS ones too, so nothing is set here (asking the
         # transport for its socket would keep a socket object per connection for nothing).
-        dispatch = self.dispatch
-        dispatch.connections.add(self)
-        hs = dispatch.handshaking
+        live = self.live
+        live.connections.add(self)
+        hs = live.handshaking
         if hs and self in hs:
             del hs[self]  # TLS: counted since the accept (App.protocol_factory)
         else:
-            dispatch.tel.connections(1)
-        self.head_deadline = monotonic() + self.dispatch.header_timeout
+            self.tel.connections(1)
+        self.head_deadline = monotonic() + self.limits.header_timeout
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -233,9 +224,9 @@ class ClientProtocol:
         self._body_check = None
         self.in_head = False
         self.head_deadline = 0.0
-        if self in self.dispatch.connections:
-            self.dispatch.connections.discard(self)
-            self.dispatch.tel.connections(-1)
+        if self in self.live.connections:
+            self.live.connections.discard(self)
+            self.tel.connections(-1)
         self.queue.clear()
         ex = self.exchange
         if ex is not None:
@@ -243,9 +234,7 @@ class ClientProtocol:
         w = self.waiter
         if w is not None:
             self.waiter = None
-            if self.dispatch.admission.cancel(w):
-                key = self.http_key
-                self.dispatch.tel.response(499, "client_closed", None, None, key[1] if key is not None else "other")
+            self.endpoints.unqueue(w, self.http_key)
 
     def data_received(self, data: bytes) -> None:
         if self.bad_request:
@@ -296,7 +285,7 @@ class ClientProtocol:
         self._head_size = 0
         self._head_bytes = 0
         self.in_head = True
-        self.head_deadline = monotonic() + self.dispatch.header_timeout
+        self.head_deadline = monotonic() + self.limits.header_timeout
 
     def on_url(self, url: bytes) -> None:
         self._url = url if not self._url else self._url + url
@@ -368,13 +357,13 @@ class ClientProtocol:
         self.in_head = False
         # The body is read under the head's deadline, now its first inactivity check:
         # on_header_timeout extends it while body bytes keep arriving (no clock read here).
-        dispatch = self.dispatch
+        limits = self.limits
         req.method = self.parser.get_method()
         url = self._url
         if url[:1] != b"/" and (url[:7].lower() == b"http://" or url[:8].lower() == b"https://"):
             # Absolute form (RFC 9112 3.2.2, what proxies send): routed by its path.
             self._url = url = _origin_form(url)
-        if self._cl > dispatch.max_payload:
+        if self._cl > limits.max_payload:
             req.too_large = True
             req.body_len = self._cl
             if not self.busy and not self.queue:
@@ -386,9 +375,9 @@ class ClientProtocol:
                 req.keep_alive = False
                 self.busy = True
                 self.head_only = req.method == b"HEAD"  # (reply clears it)
-                self.send_error(_errors.payload_too_large(self._cl, dispatch.max_payload), req)
+                self.send_error(_errors.payload_too_large(self._cl, limits.max_payload), req)
         elif (
-            dispatch.guarded
+            limits.guarded
             and self._cl != 0
             and self._url not in INFERENCE
             and not self.busy
@@ -396,9 +385,9 @@ class ClientProtocol:
             and req.method not in _NO_BODY_METHODS
         ):
             # An admin call with a body: who may call it is decided before the body is read
-            # (the App's one AdminAuth); a refusal is answered now and the connection closed,
-            # since the unread body makes the stream unusable.
-            exc = dispatch.owner.refuse_at_head(req.method, self._url, req.auth)
+            # (the endpoints' one AdminAuth); a refusal is answered now and the connection
+            # closed, since the unread body makes the stream unusable.
+            exc = self.endpoints.refuse_at_head(req.method, self._url, req.auth)
             if exc is not None:
                 self._req = None
                 self.bad_request = True
@@ -420,7 +409,7 @@ class ClientProtocol:
         req.body_len = n  # (also the body deadline's progress)
         if req.too_large:
             return
-        if n > self.dispatch.max_payload:
+        if n > self.limits.max_payload:
             req.too_large = True
             self._chunks = []
             return
@@ -445,19 +434,19 @@ class ClientProtocol:
             # copy of it alive until the next request on this connection.
             self._chunks = []
             req.body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        dispatch = self.dispatch
+        limits = self.limits
         if self._fwd:
             req.fwd = b"".join(self._fwd)
         rv = self._rid_vals
         if rv:
-            for h in dispatch.rid_headers:
+            for h in limits.rid_headers:
                 v = rv.get(h)
                 if v is not None:
                     req.rid = v
                     break
         kv = self._key_vals
         if kv:
-            for h in dispatch.key_headers:
+            for h in limits.key_headers:
                 v = kv.get(h)
                 if v is not None:
                     req.key = v
@@ -475,11 +464,11 @@ class ClientProtocol:
         if req.method == b"HEAD":
             self.head_only = True
         try:
-            self.dispatch.handle(self, req)
+            self.endpoints.handle(self, req)
         except Exception:
             log.exception("request handling failed")
             if self.busy and self.exchange is None:
-                self.send_error(RouterError(500, "internal_error", "internal error"), req)
+                self.send_error(_errors.internal_error(), req)
 
     def response_done(self, keep_alive: bool) -> None:
         """The current response is fully written (or abandoned)."""
@@ -488,10 +477,10 @@ class ClientProtocol:
         key = self.http_key
         if key is not None:
             self.http_key = None
-            self.dispatch.tel.http_done(key, self.http_t0)
+            self.tel.http_done(key, self.http_t0)
         if self.closed:
             return
-        if not keep_alive or not self.dispatch.accepting:
+        if not keep_alive or not self.live.accepting:
             self.closed = True
             self.transport.close()  # type: ignore[union-attr]
             return
@@ -509,7 +498,7 @@ class ClientProtocol:
                 if self.bad_request:
                     self._write_bad_request()
                 elif not self.in_head and self._req is None:  # (not while a body is read)
-                    self.head_deadline = monotonic() + self.dispatch.idle_timeout
+                    self.head_deadline = monotonic() + self.limits.idle_timeout
                 break
         finally:
             self.draining = False
@@ -538,7 +527,7 @@ class ClientProtocol:
         status = self._bad_status
         code = _READ_ERROR_CODE[status]
         body = _errors.error_response(status, code, self._bad_message)
-        self.dispatch.tel.response(status, code)
+        self.tel.response(status, code)
         self.transport.write(  # type: ignore[union-attr]
             b"%bcontent-type: application/json\r\nx-smg-error-code: %b\r\n"
             b"content-length: %d\r\nconnection: close\r\n\r\n%b" % (status_line(status), code.encode(), len(body), body)
@@ -567,19 +556,19 @@ class ClientProtocol:
         Runs only when the deadline passes (the sweep), so reading body bytes costs nothing
         per read; a stall is detected between one and two ``header_read_timeout_secs``."""
         req = self._req
-        dispatch = self.dispatch
+        limits = self.limits
         now = monotonic()
         check = self._body_check
         if check is None or check[0]() is not req:
             # First check of this body: head_deadline is still the head's (its first byte +
             # header timeout), and no body byte has been checked yet.
-            end = self.head_deadline - dispatch.header_timeout + dispatch.config.body_read_timeout_secs
+            end = self.head_deadline - limits.header_timeout + limits.body_timeout
             check = (weakref.ref(req), 0, end)
         end = check[2]
         got = req.body_len  # type: ignore[union-attr]
         if got != check[1] and now < end:
             self._body_check = (check[0], got, end)
-            self.head_deadline = min(now + dispatch.header_timeout, end)
+            self.head_deadline = min(now + limits.header_timeout, end)
             return
         self._body_check = None
         self.head_deadline = 0.0
@@ -608,10 +597,10 @@ class ClientProtocol:
         code: str = "",
         model: str | None = None,
     ) -> None:
-        ka = req.keep_alive and self.dispatch.accepting
-        self.dispatch.tel.reply(status, code, req.url, model)
+        ka = req.keep_alive and self.live.accepting
+        self.tel.reply(status, code, req.url, model)
         if req.origin is not None:
-            extra += self.dispatch.cors.headers_for(req.origin)
+            extra += self.limits.cors.headers_for(req.origin)
         head = b"%bcontent-type: %b\r\ncontent-length: %d\r\n%b%b\r\n" % (
             status_line(status),
             ctype,
@@ -629,3 +618,20 @@ class ClientProtocol:
             self.reply_simple(exc.status, CT_SSE, exc.sse(), req, extra, exc.code, model)
         else:
             self.reply_simple(exc.status, CT_JSON, exc.body(), req, extra, exc.code, model)
+
+    # -- the exchange's calls (wire.ClientSide) ----------------------------------------
+    def write(self, data: bytes) -> None:
+        if not self.closed:
+            self.transport.write(data)  # type: ignore[union-attr]
+
+    def done(self, keep_alive: bool) -> None:
+        self.response_done(keep_alive)
+
+    def fail(self, exc: RouterError, req: Request, sse: bool = False, model: str | None = None) -> None:
+        self.exchange = None
+        self.send_error(exc, req, sse, model)
+
+    def abort(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.transport.close()  # type: ignore[union-attr]

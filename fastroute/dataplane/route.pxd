@@ -6,10 +6,12 @@ from fastroute.dataplane.request cimport Request
 from fastroute.dataplane.upstream cimport Pool
 
 cdef class Route:
-    cdef public Pool pool
-    cdef public bytes host_part
-    cdef public object worker, authority, auth, rank_field, bootstrap, prefill_dp_size, prefill_rank
-    cdef public object index, port, prefill_rank_field
+    cdef readonly Pool pool
+    cdef bytes host_part
+    cdef public object worker, authority, auth, prefill_rank
+    cdef readonly object rank_field, bootstrap, prefill_dp_size
+    cdef public object port
+    cdef readonly object index, prefill_rank_field
 
     cdef bytes frame(self, Request req, Py_ssize_t length)
     cpdef send_injected(self, Request req, Py_ssize_t end, bytes sep, bytes fields, leg)

@@ -26,24 +26,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastroute.core.table import (
-    COL_HEALTHY,
-    COL_POLLED_AT,
-    COL_POLLED_MAX_RUNNING,
-    COL_POLLED_MAX_TOKENS,
-    COL_POLLED_TOKENS,
-    COL_POLLED_UNCACHED,
-    COL_POLLED_WAITING,
-)
-
 _FRESH = 0.01  # seconds a verdict is reused
 
 
 class Saturation:
     """Whether the ranks a request could use are all past a threshold (module docstring)."""
 
-    def __init__(self, dispatch: Any, config: Any) -> None:
-        self._dispatch = dispatch
+    def __init__(self, loop: Any, registry: Any, upstreams: Any, config: Any) -> None:
+        self._loop = loop
+        self._registry = registry  # its table: the ranks' loads
+        self._upstreams = upstreams  # its groups: the ranks a request could use
         self._roles = ("prefill", "decode") if config.pd_disaggregation else ("regular",)
         waiting = config.worker_overload_waiting_requests
         usage = config.worker_overload_token_usage
@@ -56,8 +48,7 @@ class Saturation:
         self._cap: int | None = None
 
     def saturated(self) -> bool:
-        loop = self._dispatch.loop
-        now = loop.time()
+        now = self._loop.time()
         if now - self._at < _FRESH:
             return self._verdict
         self._at = now
@@ -68,21 +59,20 @@ class Saturation:
         """The running-batch limits (max_running_requests) of the usable ranks of the stage that
         runs a request to its end (decode under PD), summed; None unless every one reports one
         (the scheduler then falls back to --max-concurrent-requests)."""
-        now = self._dispatch.loop.time()
+        now = self._loop.time()
         if now - self._cap_at < _FRESH:
             return self._cap
         self._cap_at = now
-        d = self._dispatch
-        table = d.registry.table
+        table = self._registry.table
         total = 0
-        for t in d.group(self._roles[-1]).targets:
-            if table.get(t, COL_HEALTHY) != 1:
+        for t in self._upstreams.group(self._roles[-1]).targets:
+            healthy, polled_at, _, _, _, _, max_running = table.rank_load(t)
+            if healthy != 1:
                 continue
-            n = table.get(t, COL_POLLED_MAX_RUNNING)
-            if n <= 0 or table.get(t, COL_POLLED_AT) < 0:
+            if max_running <= 0 or polled_at < 0:
                 total = 0
                 break
-            total += n
+            total += max_running
         self._cap = total or None
         return self._cap
 
@@ -92,23 +82,23 @@ class Saturation:
         self._cap_at = -1.0
 
     def stage_saturated(self, role: str) -> bool:
-        d = self._dispatch
-        table = d.registry.table
+        table = self._registry.table
         usable = 0
-        for t in d.group(role).targets:
-            if table.get(t, COL_HEALTHY) != 1:
+        for t in self._upstreams.group(role).targets:
+            load = table.rank_load(t)
+            if load[0] != 1:
                 continue
             usable += 1
-            if not self.rank_saturated(table, t, role == "prefill"):
+            if not self.rank_saturated(load, role == "prefill"):
                 return False
         return usable > 0
 
-    def rank_saturated(self, table: Any, t: int, prefill: bool) -> bool:
-        if table.get(t, COL_POLLED_AT) < 0:
+    def rank_saturated(self, load: tuple[int, ...], prefill: bool) -> bool:
+        _, polled_at, waiting, tokens, max_tokens, uncached, _ = load
+        if polled_at < 0:
             return False  # unknown load: never held back for it
-        if self.waiting > 0 and table.get(t, COL_POLLED_WAITING) >= self.waiting:
+        if self.waiting > 0 and waiting >= self.waiting:
             return True
         if prefill:
-            return self.uncached > 0 and table.get(t, COL_POLLED_UNCACHED) >= self.uncached
-        max_tokens = table.get(t, COL_POLLED_MAX_TOKENS)
-        return 0.0 < self.usage < 1.0 and max_tokens > 0 and table.get(t, COL_POLLED_TOKENS) >= self.usage * max_tokens
+            return self.uncached > 0 and uncached >= self.uncached
+        return 0.0 < self.usage < 1.0 and max_tokens > 0 and tokens >= self.usage * max_tokens

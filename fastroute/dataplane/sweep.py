@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastroute.dataplane._clock import monotonic
+from fastroute.dataplane.telemetry import NULL_TELEMETRY, Telemetry
 
 if TYPE_CHECKING:
     from fastroute.control.leases import Reconciler
-    from fastroute.dataplane.dispatch import Dispatcher
+    from fastroute.core.breaker import Breakers
+    from fastroute.dataplane.admission import Admission
     from fastroute.dataplane.exchange import _Exchange
+    from fastroute.dataplane.limits import Limits
+    from fastroute.dataplane.live import Live
 
 log = logging.getLogger("fastroute.proxy")
 
@@ -35,29 +39,44 @@ LEAK_SLACK = 5.0  # grace past request_timeout_secs before a booking counts as l
 
 
 class Sweeper:
-    """The periodic pass over one dispatcher's open requests and connections (module docstring);
-    ``reconciler`` audits the shared table where this process does (None elsewhere)."""
+    """The periodic pass over one process's open requests and connections (``live``; module
+    docstring); ``reconciler`` audits the shared table of ``registry`` where this process does
+    (None elsewhere). ``tel`` is the metrics' events (the App swaps in the counting one)."""
 
-    def __init__(self, dispatch: Dispatcher, reconciler: Reconciler | None = None) -> None:
-        self.dispatch = dispatch
+    def __init__(
+        self,
+        live: Live,
+        limits: Limits,
+        admission: Admission,
+        loop: asyncio.AbstractEventLoop,
+        breakers: Breakers | None = None,
+        registry: Any = None,
+        reconciler: Reconciler | None = None,
+    ) -> None:
+        self._live = live
+        self._limits = limits
+        self._admission = admission
+        self._loop = loop
+        self._breakers = breakers
+        self._registry = registry
         self.reconciler = reconciler
+        self.tel: Telemetry = NULL_TELEMETRY
         self.leak_every = LEAK_EVERY
         self.leak_slack = LEAK_SLACK
         self.next_leak = 0.0
         self._handle: asyncio.TimerHandle | None = None
-        d = dispatch
-        every = [1.0, d.timeout / 4, d.header_timeout / 4]
-        if d.admission.enabled:
-            every.append(d.admission.queue_timeout / 4)
-        if d.breakers is not None:
-            every.append(d.breakers.timeout / 4)
-        if d.sse_keepalive > 0:
-            every.append(d.sse_keepalive / 4)
+        every = [1.0, limits.timeout / 4, limits.header_timeout / 4]
+        if admission.enabled:
+            every.append(admission.queue_timeout / 4)
+        if breakers is not None:
+            every.append(breakers.timeout / 4)
+        if limits.sse_keepalive > 0:
+            every.append(limits.sse_keepalive / 4)
         self.every = max(0.05, min(every))
 
     def start(self) -> None:
         if self._handle is None:
-            self._handle = self.dispatch.loop.call_later(self.every, self.tick)
+            self._handle = self._loop.call_later(self.every, self.tick)
 
     def stop(self) -> None:
         if self._handle is not None:
@@ -66,52 +85,50 @@ class Sweeper:
 
     def tick(self) -> None:
         """One pass now (the timer calls it every ``every`` seconds)."""
-        d = self.dispatch
+        live = self._live
         # The data plane's deadlines and start times are _clock.monotonic readings; admission
         # keeps the loop's clock (its own timer wakes it).
         now = monotonic()
         try:
-            for ex in [e for e in d.exchanges if e.deadline <= now]:
+            for ex in [e for e in live.exchanges if e.deadline <= now]:
                 ex.on_timeout()
-            if d.sse_keepalive > 0:
-                for ex in [e for e in d.exchanges if 0.0 < e.ka_due <= now]:
+            if self._limits.sse_keepalive > 0:
+                for ex in [e for e in live.exchanges if 0.0 < e.ka_due <= now]:
                     ex.keepalive(now)
-            for conn in [c for c in d.connections if 0.0 < c.head_deadline <= now]:
+            for conn in [c for c in live.connections if 0.0 < c.head_deadline <= now]:
                 conn.on_header_timeout()
-            if d.handshaking:
+            if live.handshaking:
                 self._expire_handshakes(now)
-            if d.admission.queue:
-                d.admission.expire(d.loop.time())
-            if d.breakers is not None:
-                d.breakers.tick(now)
+            if self._admission.queue:
+                self._admission.expire(self._loop.time())
+            if self._breakers is not None:
+                self._breakers.tick(now)
             if now >= self.next_leak:
                 self.next_leak = now + self.leak_every
                 self.check_leaks(now)
         except Exception:  # a bug here must not stop the sweeper forever
             log.exception("sweep failed")
-        self._handle = d.loop.call_later(self.every, self.tick)
+        self._handle = self._loop.call_later(self.every, self.tick)
 
     def _expire_handshakes(self, now: float) -> None:
         """Uncount TLS connections whose handshake deadline passed: the listener aborted them
         (or they failed earlier: asyncio tells the protocol nothing of a failed handshake)."""
-        d = self.dispatch
-        hs = d.handshaking
+        hs = self._live.handshaking
         for proto in [p for p, due in hs.items() if due <= now]:
             del hs[proto]
-            d.tel.connections(-1)
+            self.tel.connections(-1)
 
     def check_leaks(self, now: float | None = None) -> int:
         """Reclaim bookings their owner should have released (module docstring); returns how
         many leases."""
-        d = self.dispatch
         if now is None:
             now = monotonic()
-        limit = d.timeout + self.leak_slack
+        limit = self._limits.timeout + self.leak_slack
         n = 0
-        for ex in list(d.exchanges):
+        for ex in list(self._live.exchanges):
             if ex.finished:
                 reason = "finished"
-            elif ex.proto.closed:
+            elif ex.client.closed:
                 reason = "client_gone"
             elif now - ex.started_at > limit:
                 reason = "expired"
@@ -119,7 +136,7 @@ class Sweeper:
                 continue
             n += self._reclaim(ex, reason, now)
         if self.reconciler is not None:
-            self.reconciler.check(getattr(d.registry, "target_info", None) or (), now)
+            self.reconciler.check(getattr(self._registry, "target_info", None) or (), now)
         return n
 
     def _reclaim(self, ex: _Exchange, reason: str, now: float) -> int:
@@ -134,7 +151,7 @@ class Sweeper:
                     ex.rid.decode("latin-1"),
                     now - ex.started_at,
                 )
-                self.dispatch.tel.reclaim(reason)
+                self.tel.reclaim(reason)
         ex.leases = ()
         try:
             if reason == "expired" and not ex.finished:
@@ -144,5 +161,5 @@ class Sweeper:
         except Exception:
             log.exception("cleanup of a leaked exchange failed")
         ex._close_books()
-        self.dispatch.exchanges.discard(ex)
+        self._live.exchanges.discard(ex)
         return n

@@ -10,7 +10,8 @@ from fastroute.dataplane._hist cimport Hist
 from fastroute.dataplane.body cimport RequestMeta
 
 cdef class PathLabels:
-    cdef public tuple routed, routed_stream, endpoint, ok
+    cdef public tuple ok
+    cdef readonly tuple routed, routed_stream, endpoint
     cdef public str model
 
 cdef class Telemetry:
@@ -32,7 +33,8 @@ cdef class Telemetry:
     cpdef reclaim(self, reason)
 
 cdef class RequestTelemetry(Telemetry):
-    cdef public object stats, backend
+    cdef public object stats
+    cdef readonly object backend
     cdef dict _models
     # The Stats dicts and histograms the events bump (Stats never replaces them): C dict calls
     # and vtable calls, not an attribute lookup and a method call on the Stats object.

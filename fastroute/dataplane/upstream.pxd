@@ -18,19 +18,22 @@ cdef class Pool
 
 cdef class UpstreamConnection:
     cdef public Leg leg
-    cdef public Pool pool
+    cdef readonly Pool pool
     cdef public object transport, parser, request, body, headers, connect_task
-    cdef public bint reused, got_bytes, head_done, keep_alive, closed, paused, interim, pooled
+    cdef public bint reused, got_bytes, head_done, keep_alive, closed, paused, pooled
+    cdef bint interim
     cdef public Py_ssize_t status
     cdef public double idle_since
 
     cpdef _write_request(self, transport)
 
 cdef class Pool:
-    cdef public object host, port, loop, _sweep_handle, ssl
-    cdef public list idle
+    cdef public object host, port
+    cdef readonly object loop
+    cdef object _sweep_handle, ssl
+    cdef readonly list idle
     cdef public set busy
-    cdef public double idle_timeout
+    cdef readonly double idle_timeout
     cdef public bint closed
 
     # Per leg: C calls from the routes and the connections, and the connections they hand out

@@ -43,12 +43,21 @@ METADATA_NAMESPACE = "envoy.lb"
 # hint); the printed ext_proc filter forwards that namespace to the picker.
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+# --fallback-endpoints (fastroute.epp.fallback): where Envoy's override_host policy writes the
+# endpoint that served, forwarded to the picker with the response headers; the picked route
+# retries only when the worker did not take the request, so a POST never runs twice.
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+RETRY_ON = "connect-failure,refused-stream,reset-before-request"
 EPP_CLUSTER = "fastroute_epp"
 ENDPOINTS_CLUSTER = "fastroute_endpoints"
 FALLBACK_CLUSTER = "fastroute_fallback"
 # The largest request body Envoy buffers for the picker and the picker accepts (larger ones get
 # 413), unless --max-payload-size says otherwise (body_limit()).
 BODY_LIMIT = 32 * 1024 * 1024
+# --workers N (N > 1): ext_proc streams Envoy opens per connection to the picker, so that its
+# streams take several connections, which the kernel spreads over the picker processes
+# (SO_REUSEPORT balances connections, not streams).
+STREAMS_PER_CONNECTION = 8
 
 _ADMIN = """admin:
   address:
@@ -102,22 +111,19 @@ _TEMPLATE = """# Envoy bootstrap for fastroute's endpoint picker (fastroute epp 
 {strip}          - name: envoy.filters.http.ext_proc
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
-              grpc_service:
-                envoy_grpc: {{cluster_name: {epp}}}
-                timeout: {message_timeout}s
-              failure_mode_allow: {fail_open}
+{ext_proc_service}              failure_mode_allow: {fail_open}
 {route_cache}              allow_mode_override: true
               message_timeout: {message_timeout}s
               processing_mode:
                 request_header_mode: SEND
-                request_body_mode: BUFFERED
+                request_body_mode: {request_body_mode}
                 request_trailer_mode: SKIP
                 response_header_mode: SEND
                 response_body_mode: NONE
-                response_trailer_mode: SEND
+                response_trailer_mode: {response_trailer_mode}
               metadata_options:
                 forwarding_namespaces:
-                  untyped: ["{subset_namespace}"]
+                  untyped: [{forwarded}]
                 receiving_namespaces:
                   untyped: ["{namespace}"]
           - name: envoy.filters.http.router
@@ -131,7 +137,7 @@ _TEMPLATE = """# Envoy bootstrap for fastroute's endpoint picker (fastroute epp 
       envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
         explicit_http_config:
-          http2_protocol_options: {{}}
+          {epp_protocol}
 {epp_tls}    load_assignment:
       cluster_name: {epp}
       endpoints:
@@ -139,7 +145,10 @@ _TEMPLATE = """# Envoy bootstrap for fastroute's endpoint picker (fastroute epp 
         - endpoint:
             address:
               socket_address: {{address: 127.0.0.1, port_value: {grpc}}}
-  - name: {endpoints}
+{endpoints_cluster}{fallback}"""
+
+# The workers' cluster without fallback endpoints: the one address of the picker's header.
+_ORIGINAL_DST = """  - name: {endpoints}
     type: ORIGINAL_DST
     lb_policy: CLUSTER_PROVIDED
     connect_timeout: 5s
@@ -153,12 +162,23 @@ _TEMPLATE = """# Envoy bootstrap for fastroute's endpoint picker (fastroute epp 
     original_dst_lb_config:
       use_http_header: true
       http_header_name: {header}
-{fallback}"""
+"""
+
+# The ext_proc filter's service: the picker's gRPC stream, or (--epp-mode http) its HTTP/1.1
+# listener, one POST per processing step (fastroute.epp.httpmode).
+_GRPC_SERVICE = """              grpc_service:
+                envoy_grpc: {{cluster_name: {epp}}}
+                timeout: {timeout}s
+"""
+_HTTP_SERVICE = """              http_service:
+                http_service:
+                  http_uri: {{uri: "http://127.0.0.1:{port}/process", cluster: {epp}, timeout: {timeout}s}}
+"""
 
 _PICKED_ROUTE = """              - match: {{prefix: "/"{only_picked}}}
                 route:
                   cluster: {endpoints}
-                  timeout: 0s"""
+                  timeout: 0s{retry}"""
 
 # FailOpen: the picked route matches the picker's envoy.lb metadata, which no client can set; a
 # request the picker did not answer (down, timed out) has none and takes this route to the
@@ -227,30 +247,47 @@ def envoy_bootstrap(
     body_limit: int = BODY_LIMIT,
     fallback: list[tuple[str, int]] | None = None,
     grpc_tls: GrpcTls | None = None,
+    next_best: int = 0,
+    workers: list[tuple[str, int]] | None = None,
+    processes: int = 1,
+    mode: str = "grpc",
 ) -> str:
     """The bootstrap YAML (see module docstring). ``message_timeout``: how long Envoy waits for
     one answer of the picker (a request queued by --max-concurrent-requests waits in it);
     ``idle_timeout``: Envoy's stream idle timeout (the router's request timeout); the others
     are the proxy's connection flags of the same meaning (the defaults are theirs).
     ``fallback``: FailOpen's (host, port) list; None: FailClose. ``grpc_tls``: Envoy's side of
-    TLS to the picker (None: plain HTTP/2 on loopback)."""
+    TLS to the picker (None: plain HTTP/2 on loopback). ``next_best``: --fallback-endpoints
+    (0: the ORIGINAL_DST cluster; N: the ``workers`` (host, port) under override_host, N
+    retries on the picked route; :mod:`fastroute.epp.fallback`). ``processes``: the picker's
+    --workers (more than one: STREAMS_PER_CONNECTION streams per connection to it). ``mode``:
+    --epp-mode (http: the picker's HTTP/1.1 listener, headers only, no trailers asked)."""
     admin = _ADMIN.format(admin=int(admin_port)) if admin_port is not None else ""
     if upstream_idle_timeout > 0:
         pool = "          idle_timeout: %ss" % _secs(upstream_idle_timeout)
     else:  # the proxy's 0: no idle worker connection is kept, one request per connection
         pool = "          max_requests_per_connection: 1"
+    forwarded = '"%s"' % SUBSET_NAMESPACE
+    if next_best > 0:
+        retry = retry_policy(next_best)
+        forwarded += ', "%s"' % METADATA_NAMESPACE  # the served report (SERVED_KEY)
+        cluster = overriding_cluster(ENDPOINTS_CLUSTER, workers or [], pool, METADATA_NAMESPACE, HEADER)
+    else:
+        retry = ""
+        cluster = _ORIGINAL_DST.format(endpoints=ENDPOINTS_CLUSTER, upstream_pool=pool, header=HEADER)
     if fallback:
         routes = _PICKED_ROUTE.format(
             only_picked=", dynamic_metadata: [{filter: %s, path: [{key: %s}], value: {present_match: true}}]"
             % (METADATA_NAMESPACE, HEADER),
             endpoints=ENDPOINTS_CLUSTER,
+            retry=retry,
         ) + _FALLBACK_ROUTE.format(fallback=FALLBACK_CLUSTER)
         strip = _STRIP.format(header=HEADER)
         route_cache = "              route_cache_action: CLEAR\n"
         hosts = "\n".join(_FALLBACK_ENDPOINT.format(host=h, port=int(p)) for h, p in fallback)
         tail = _FALLBACK_CLUSTER.format(fallback=FALLBACK_CLUSTER, endpoints=hosts)
     else:
-        routes = _PICKED_ROUTE.format(only_picked="", endpoints=ENDPOINTS_CLUSTER)
+        routes = _PICKED_ROUTE.format(only_picked="", endpoints=ENDPOINTS_CLUSTER, retry=retry)
         strip = route_cache = tail = ""
     epp_tls = ""
     if grpc_tls is not None and grpc_tls.ca is not None:
@@ -273,14 +310,23 @@ def envoy_bootstrap(
         endpoints=ENDPOINTS_CLUSTER,
         header=HEADER,
         namespace=METADATA_NAMESPACE,
-        subset_namespace=SUBSET_NAMESPACE,
+        forwarded=forwarded,
+        endpoints_cluster=cluster,
+        epp_protocol="http_protocol_options: {}"
+        if mode == "http"
+        else "http2_protocol_options: {%s}"
+        % ("max_concurrent_streams: %d" % STREAMS_PER_CONNECTION if processes > 1 else ""),
+        ext_proc_service=(_HTTP_SERVICE if mode == "http" else _GRPC_SERVICE).format(
+            epp=EPP_CLUSTER, port=int(grpc_port), timeout=_secs(message_timeout)
+        ),
+        request_body_mode="NONE" if mode == "http" else "BUFFERED",
+        response_trailer_mode="SKIP" if mode == "http" else "SEND",
         body_limit=int(body_limit),
         message_timeout=_secs(message_timeout),
         idle=_secs(idle_timeout),
         header_timeout=_secs(header_timeout),
         request_timeout=_secs(body_timeout + message_timeout),
         conn_idle=_secs(conn_idle_timeout),
-        upstream_pool=pool,
     )
 
 
@@ -299,10 +345,12 @@ def bootstrap_for(
     admin_port: int | None = None,
     failure_mode: str = FAIL_CLOSE,
     grpc_tls: GrpcTls | None = None,
+    next_best: int = 0,
+    mode: str = "grpc",
 ) -> str:
     """The bootstrap for a router configuration: its admission and connection flags,
-    ``failure_mode`` (FailOpen falls back to the --worker-urls, round robin) and Envoy's side of
-    TLS to the picker (``--envoy-grpc-*``)."""
+    ``failure_mode`` (FailOpen falls back to the --worker-urls, round robin), Envoy's side of
+    TLS to the picker (``--envoy-grpc-*``) and ``--fallback-endpoints`` (``next_best``)."""
     queued = config.max_concurrent_requests > 0 or bool(config.rate_limit_tokens_per_second)
     return envoy_bootstrap(
         grpc_port,
@@ -317,6 +365,10 @@ def bootstrap_for(
         body_limit=body_limit(config),
         fallback=fallback_endpoints(config.worker_urls) if failure_mode == FAIL_OPEN else None,
         grpc_tls=grpc_tls,
+        next_best=next_best,
+        workers=fallback_endpoints(config.worker_urls) if next_best > 0 else None,
+        processes=max(1, int(config.workers)),
+        mode=mode,
     )
 
 
@@ -338,3 +390,62 @@ def _quoted(path: str) -> str:
 def _secs(value: float) -> str:
     text = ("%.3f" % float(value)).rstrip("0").rstrip(".")
     return text or "0"
+
+
+def retry_policy(n: int) -> str:
+    """The picked route's retry policy: one retry per fallback endpoint, only when the worker
+    did not take the request."""
+    return '\n                  retry_policy: {retry_on: "%s", num_retries: %d}' % (RETRY_ON, int(n))
+
+
+_CLUSTER = """  - name: {name}
+    type: STRICT_DNS
+    connect_timeout: 5s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config:
+          http_protocol_options: {{}}
+        common_http_protocol_options:
+{upstream_pool}
+    load_balancing_policy:
+      policies:
+      - typed_extension_config:
+          name: envoy.load_balancing_policies.override_host
+          typed_config:
+            "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
+            override_host_sources:
+            - metadata: {{key: {namespace}, path: [{{key: {header}}}]}}
+            selected_host_key: {{key: {namespace}, path: [{{key: {served}}}]}}
+            fallback_policy:
+              policies:
+              - typed_extension_config:
+                  name: envoy.load_balancing_policies.round_robin
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin
+    load_assignment:
+      cluster_name: {name}
+      endpoints:
+      - lb_endpoints:
+{endpoints}
+"""
+
+_ENDPOINT = """        - endpoint:
+            address:
+              socket_address: {{address: {host}, port_value: {port}}}"""
+
+
+def overriding_cluster(
+    name: str, endpoints: list[tuple[str, int]], upstream_pool: str, namespace: str, header: str
+) -> str:
+    """The workers' cluster under ``override_host``: the picker's list (its ``envoy.lb``
+    metadata) is tried in order; the endpoint that served goes back into ``envoy.lb``."""
+    hosts = "\n".join(_ENDPOINT.format(host=h, port=int(p)) for h, p in endpoints)
+    return _CLUSTER.format(
+        name=name,
+        upstream_pool=upstream_pool,
+        namespace=namespace,
+        header=header,
+        served=SERVED_KEY,
+        endpoints=hosts,
+    )

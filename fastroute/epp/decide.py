@@ -71,7 +71,19 @@ class Pick:
 class Booking:
     """The admission slot and lease of one request (see module docstring)."""
 
-    __slots__ = ("decider", "lease", "lease2", "slot", "waiter", "started_at", "seen", "answered", "closed", "reason")
+    __slots__ = (
+        "decider",
+        "lease",
+        "lease2",
+        "slot",
+        "waiter",
+        "started_at",
+        "seen",
+        "answered",
+        "closed",
+        "reason",
+        "endpoint",
+    )
 
     def __init__(self, decider: Decider) -> None:
         self.decider = decider
@@ -84,6 +96,7 @@ class Booking:
         self.answered = False  # the response began (Envoy relayed the worker's headers)
         self.closed = False
         self.reason = ""
+        self.endpoint = ""  # the picked ip:port (the served report is compared with it)
         decider.bookings.add(self)
 
     def close(self, reason: str) -> bool:
@@ -238,6 +251,7 @@ class Decider:
         self.subsets = Subsets(registry)
         self.sidecar_port: int | None = None  # PD: the fastroute sidecar on each decode pod
         self.silent_timeout = 0.0  # --silent-stream-timeout-secs (0: off), see check_silent
+        self.fallback: Any = None  # --fallback-endpoints: fastroute.epp.fallback.Fallbacks
 
     @property
     def in_flight(self) -> int:
@@ -350,7 +364,10 @@ class Decider:
             auth = "Bearer " + key_
         elif worker.basic_auth:
             auth = worker.basic_auth
-        return Pick(target_endpoint(worker, rank), new_body, auth, lease.target, rank)
+        endpoint = booking.endpoint = target_endpoint(worker, rank)
+        if self.fallback is not None:
+            endpoint = self.fallback.listed(self.registry, group, lease.target, endpoint)
+        return Pick(endpoint, new_body, auth, lease.target, rank)
 
     def _decide_pd(
         self,

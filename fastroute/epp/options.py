@@ -13,6 +13,10 @@ and the refusals of what the endpoint picker does not do (yet).
   sidecar`` listening on P on each decode pod (:mod:`fastroute.epp.sidecar`);
 * ``--silent-stream-timeout-secs S``: a picked stream silent for S seconds loses its lease;
 * ``--max-grpc-streams N``: ext_proc streams served at once (more are refused, counted);
+* ``--epp-mode grpc|http``: ext_proc over gRPC streams (default) or, for picks made on the
+  headers, over Envoy's ``http_service`` (:mod:`fastroute.epp.httpmode`); picker and printer;
+* ``--fallback-endpoints N``: name up to N next-best endpoints after the pick, for Envoy to
+  retry on (:mod:`fastroute.epp.fallback`); given to both the picker and the printer;
 * ``--grpc-tls-cert-path``/``--grpc-tls-key-path`` [``--grpc-tls-client-ca-path``]: TLS
   (mutual with the CA) on the gRPC listener; ``--envoy-grpc-ca-path`` [``--envoy-grpc-cert-path``
   ``--envoy-grpc-key-path``]: Envoy's side of it in the printed bootstrap.
@@ -57,6 +61,7 @@ SILENT_TIMEOUT = 30.0
 # --max-grpc-streams default: ext_proc streams (one per request in flight through Envoy) served
 # at once.
 MAX_STREAMS = 10000
+MAX_FALLBACKS = 16  # --fallback-endpoints: at most this many (one Envoy retry each)
 _PATH_FLAGS = {
     "--grpc-tls-cert-path",
     "--grpc-tls-key-path",
@@ -96,6 +101,16 @@ picker options:
                                 before its response begins (default 30; 0: off)
   --max-grpc-streams N          ext_proc streams served at once; more are refused with
                                 RESOURCE_EXHAUSTED, logged and counted (default 10000)
+  --epp-mode M                  grpc (default: ext_proc gRPC streams) or http (the picker
+                                serves Envoy's ext_proc http_service on --grpc-port over
+                                HTTP/1.1: picks on the headers only, a lease ends at the
+                                response headers; give it to the picker and to
+                                --print-envoy-config)
+  --fallback-endpoints N        name up to N next-best endpoints after the picked one (the
+                                protocol's fallback list); the printed Envoy retries a refused
+                                connection on them in order (default 0: the pick alone; give
+                                it to the picker and to --print-envoy-config; needs
+                                --worker-urls, not with --sidecar-port)
   --grpc-tls-cert-path PATH     serve the gRPC listener over TLS with this certificate (PEM)
   --grpc-tls-key-path PATH      and this private key (PEM); both or neither
   --grpc-tls-client-ca-path PATH
@@ -127,6 +142,8 @@ class EppOptions:
     max_streams: int = MAX_STREAMS  # --max-grpc-streams
     tls: GrpcTls | None = None  # --grpc-tls-*: the gRPC listener's TLS
     envoy_tls: GrpcTls | None = None  # --envoy-grpc-*: Envoy's side of it, in the printed bootstrap
+    fallbacks: int = 0  # --fallback-endpoints N: next-best endpoints named after the pick
+    mode: str = "grpc"  # --epp-mode: grpc or http
 
 
 @dataclass(frozen=True)
@@ -194,19 +211,25 @@ def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
             if value not in FAILURE_MODES:
                 raise EppError(f"argument --failure-mode: {value!r} is not FailClose or FailOpen")
             found[name] = value
+        elif name == "--epp-mode":
+            value, i = _value(args, i, name, eq, inline, "grpc or http")
+            if value not in ("grpc", "http"):
+                raise EppError(f"argument --epp-mode: {value!r} is not grpc or http")
+            found[name] = value
         elif name in _PATH_FLAGS:
             value, i = _value(args, i, name, eq, inline, "one file path", dash_ends=True)
             if not value:
                 raise EppError(f"argument {name}: expected one file path")
             found[name] = value
-        elif name == "--max-grpc-streams":
-            value, i = _value(args, i, name, eq, inline, "a number of streams")
+        elif name in ("--max-grpc-streams", "--fallback-endpoints"):
+            value, i = _value(args, i, name, eq, inline, "a number")
             try:
                 n = int(value)
             except ValueError:
                 raise EppError(f"argument {name}: {value!r} is not a whole number") from None
-            if n < 1:
-                raise EppError(f"argument {name}: {n} must be at least 1")
+            low, high = (1, None) if name == "--max-grpc-streams" else (0, MAX_FALLBACKS)
+            if n < low or (high is not None and n > high):
+                raise EppError(f"argument {name}: {n} must be from {low}" + (f" to {high}" if high else " up"))
             found[name] = n
         elif name == "--silent-stream-timeout-secs":
             value, i = _value(args, i, name, eq, inline, "a number of seconds")
@@ -254,6 +277,8 @@ def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
                 "argument --grpc-tls-client-ca-path: the picker asks for a client certificate; "
                 "give --envoy-grpc-cert-path and --envoy-grpc-key-path for Envoy to present"
             )
+    if found.get("--epp-mode") == "http" and (tls is not None or envoy_tls is not None):
+        raise EppError("argument --epp-mode: http is not built with the --grpc-tls-*/--envoy-grpc-* flags")
     if "--inference-pool-namespace" in found and "--inference-pool" not in found:
         raise EppError("argument --inference-pool-namespace: only means something with --inference-pool")
     return EppOptions(
@@ -269,6 +294,8 @@ def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
         found.get("--max-grpc-streams", MAX_STREAMS),
         tls,
         envoy_tls,
+        found.get("--fallback-endpoints", 0),
+        found.get("--epp-mode", "grpc"),
     ), rest
 
 
@@ -323,10 +350,30 @@ def refusal(
     pool: str | None = None,
     sidecar_port: int | None = None,
     failure_mode: str = FAIL_CLOSE,
+    fallbacks: int = 0,
+    http_mode: str | None = None,
 ) -> str | None:
     """Why this router configuration cannot run as an endpoint picker, or None (``pool``: the
     --inference-pool given; ``sidecar_port``: the --sidecar-port given; ``failure_mode``: the
-    --failure-mode given)."""
+    --failure-mode given; ``fallbacks``: the --fallback-endpoints given; ``http_mode``: with
+    --epp-mode http, why a pick would need the body, or "" when it needs none)."""
+    if http_mode:
+        return f"argument --epp-mode: http serves picks made on the request headers; {http_mode} (use --epp-mode grpc)"
+    if http_mode is not None:
+        for given, flag in ((processes > 1, "--workers"), (fallbacks > 0, "--fallback-endpoints")):
+            if given:
+                return f"argument --epp-mode: http is not built with {flag} (use --epp-mode grpc)"
+    if fallbacks > 0:
+        if sidecar_port is not None or config.pd_disaggregation:
+            return (
+                "argument --fallback-endpoints: not built for PD (the pick names a decode pod's "
+                "sidecar and the pair it relays; another endpoint would not match it)"
+            )
+        if pool is not None or config.discovery is not None or not config.worker_urls:
+            return (
+                "argument --fallback-endpoints: needs --worker-urls (the printed Envoy's cluster "
+                "lists the endpoints it may retry on; discovered ones are not known at print time)"
+            )
     if failure_mode == FAIL_OPEN:
         if config.pd_disaggregation:
             return (
@@ -360,8 +407,12 @@ def refusal(
             "argument --inference-pool: an InferencePool has one role of pods; PD through "
             "the gateway takes --prefill/--decode or --service-discovery selectors"
         )
-    if processes > 1:
-        return "argument --workers: fastroute epp runs as one process (give --workers 1)"
+    if processes > 1 and (pool is not None or sidecar_port is not None):
+        return (
+            "argument --workers: several picker processes are not built with "
+            + ("--inference-pool" if pool is not None else "--sidecar-port")
+            + " (give --workers 1)"
+        )
     if int(config.max_payload_size) > BODY_LIMIT_MAX:
         return (
             f"argument --max-payload-size: at most {BODY_LIMIT_MAX} bytes under fastroute epp "
@@ -527,6 +578,7 @@ AUDIT: dict[str, str] = {
             "--shutdown-grace-period-secs",
             "--allow-link-local-workers",
             "--max-targets-per-worker",
+            "--max-targets",
             "--health-check-port",
             "--policy",
             "--p2c-load-metric",

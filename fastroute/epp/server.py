@@ -44,10 +44,11 @@ from fastroute.core.table import TargetTable
 from fastroute.dataplane.admission import Admission
 from fastroute.dataplane.telemetry import RequestTelemetry
 from fastroute.epp.decide import Decider
+from fastroute.epp.fallback import Fallbacks, cluster_endpoints
 from fastroute.epp.options import MAX_STREAMS, MESSAGE_HEADROOM, SILENT_TIMEOUT, GrpcTls
 from fastroute.epp.service import ExternalProcessor
 from fastroute.runtime.assemble import Assembly, assemble, stop_in_order
-from fastroute.runtime.startup import StartupError, own_listeners, start_probe, stop_on_signals
+from fastroute.runtime.startup import StartupError, new_table, own_listeners, start_probe, stop_on_signals
 
 log = logging.getLogger("fastroute.epp")
 
@@ -108,6 +109,13 @@ class StreamCollector:
         for reason, n in sorted(self.processor.refused.items()):
             c.add_metric([reason], float(n))
         yield c
+        fb = self.processor.decider.fallback
+        if fb is not None:
+            yield CounterMetricFamily(
+                "fastroute_epp_fallback_served",
+                "requests Envoy served at a fallback endpoint (the lease moved there)",
+                value=float(fb.moved),
+            )
 
 
 class EppServer:
@@ -124,9 +132,14 @@ class EppServer:
         tls: GrpcTls | None = None,
         silent_timeout: float = SILENT_TIMEOUT,
         max_streams: int = MAX_STREAMS,
+        fallbacks: int = 0,
+        mode: str = "grpc",
     ) -> None:
         self.config = config
         self.max_streams = int(max_streams)  # --max-grpc-streams
+        self.fallbacks = int(fallbacks)  # --fallback-endpoints
+        self.mode = mode  # --epp-mode: grpc (ext_proc streams) or http (fastroute.epp.httpmode)
+        self.http: Any = None  # --epp-mode http: the HttpProcessor
         self.sidecar_port = sidecar_port
         self.tls = tls  # --grpc-tls-*: None serves plaintext
         self.silent_timeout = float(silent_timeout)
@@ -150,6 +163,7 @@ class EppServer:
         self._health_due = asyncio.Event()
         self._health: asyncio.Task | None = None  # follows readiness (_follow_readiness)
         self._stopping = False
+        self._owns_table = True  # False in a picker process of --workers N (the supervisor's)
 
     @property
     def registry(self) -> Any:
@@ -161,62 +175,13 @@ class EppServer:
     async def start(self) -> None:
         cfg = self.config
         loop = asyncio.get_running_loop()
-        self.table = TargetTable()
+        self.table = new_table(cfg)
         try:
             self.parts = parts = await assemble(cfg, self.table, serve=False, picks=True)
-            admission = Admission(
-                int(cfg.max_concurrent_requests),
-                int(cfg.queue_size),
-                float(cfg.queue_timeout_secs),
-                loop,
-                rate=cfg.rate_limit_tokens_per_second,
-            )
-            admission.tel = RequestTelemetry(parts.stats, "regular")  # rate-limit verdicts
-            self.decider = Decider(cfg, parts.registry, admission, parts.stats, loop)
-            self.decider.sidecar_port = self.sidecar_port
-            self.decider.silent_timeout = self.silent_timeout
-            creds = grpc_credentials(self.tls) if self.tls is not None else None
-            self.processor = ExternalProcessor(self.decider, self.max_streams)
-            if parts.metrics is not None:
-                parts.metrics.registry.register(StreamCollector(self.processor))
-            self.health = grpc_health.aio.HealthServicer()
-            self.grpc = grpc.aio.server(
-                options=[
-                    ("grpc.so_reuseport", 0),
-                    # the whole buffered body comes in one message: the limit the bootstrap prints
-                    ("grpc.max_receive_message_length", self.decider.max_payload + MESSAGE_HEADROOM),
-                    # grpc core holds new streams the server has not taken yet in a queue
-                    # and fails them silently past 1000 (soft) / 3000 (hard) by default: a
-                    # burst of streams failed with no log (the client even sees INTERNAL).
-                    # One connection may open --max-grpc-streams (HTTP/2 SETTINGS), the
-                    # queue holds twice that; Process refuses the streams over the bound.
-                    ("grpc.max_concurrent_streams", self.max_streams),
-                    ("grpc.server.max_pending_requests", 2 * self.max_streams),
-                    ("grpc.server.max_pending_requests_hard_limit", 2 * self.max_streams),
-                ]
-            )
-            pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self.grpc)
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-            await self._set_health(False)
-            await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-            address = (
-                f"[{self.grpc_host}]:{self.grpc_port}"
-                if ":" in self.grpc_host
-                else f"{self.grpc_host}:{self.grpc_port}"
-            )
-            try:
-                if creds is None:
-                    bound = self.grpc.add_insecure_port(address)
-                else:
-                    bound = self.grpc.add_secure_port(address, creds)
-            except RuntimeError as exc:
-                bound = 0
-                why = str(exc)
+            if self.mode == "http":
+                address = await self._serve_http(parts)
             else:
-                why = "address in use or not available"
-            if not bound:
-                raise StartupError(f"--grpc-port: cannot listen on {address} ({why})")
-            await self.grpc.start()
+                address = await self._serve_grpc(parts, reuse_port=False)
             self.probe = start_probe(cfg, self.ready)
             own_listeners(parts.registry, cfg, self.grpc_port, parts.metrics, self.probe)
             self.discovery = await start_discovery(cfg, parts.registry, parts.stats)
@@ -230,13 +195,7 @@ class EppServer:
         except BaseException:
             await self._close_half_started()
             raise
-        log.info(
-            "fastroute epp: ext_proc on %s (%s), policy %s%s",
-            address,
-            "plaintext" if self.tls is None else "TLS" if self.tls.ca is None else "mutual TLS",
-            cfg.policy,
-            " (dp-aware)" if cfg.dp_aware else "",
-        )
+        self._announce(address)
         self._follow_readiness(parts.registry)
         self._health = loop.create_task(self._health_loop())
         await parts.registry.start()
@@ -245,9 +204,101 @@ class EppServer:
         self.replica = await start_replica_sync(cfg, self.table, parts.registry, parts.metrics, self.grpc_port)
         self._sweeper = loop.create_task(self._sweep())
 
+    def _announce(self, address: str) -> None:
+        cfg = self.config
+        log.info(
+            "fastroute epp: ext_proc on %s (%s), policy %s%s",
+            address,
+            "plaintext" if self.tls is None else "TLS" if self.tls.ca is None else "mutual TLS",
+            cfg.policy,
+            " (dp-aware)" if cfg.dp_aware else "",
+        )
+
+    def _address(self) -> str:
+        host, port = self.grpc_host, self.grpc_port
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    async def _serve_http(self, parts: Assembly) -> str:
+        """--epp-mode http: the decider and the HTTP/1.1 listener on ``--grpc-port``."""
+        from fastroute.epp.httpmode import HttpProcessor
+
+        self._make_decider(parts)
+        assert self.decider is not None
+        self.http = HttpProcessor(self.decider)
+        try:
+            await self.http.start(self.grpc_host, self.grpc_port)
+        except OSError as exc:
+            raise StartupError(f"--grpc-port: cannot listen on {self._address()} ({exc})") from None
+        return self._address() + " (HTTP/1.1)"
+
+    def _make_decider(self, parts: Assembly) -> None:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        admission = Admission(
+            int(cfg.max_concurrent_requests),
+            int(cfg.queue_size),
+            float(cfg.queue_timeout_secs),
+            loop,
+            rate=cfg.rate_limit_tokens_per_second,
+        )
+        admission.tel = RequestTelemetry(parts.stats, "regular")  # rate-limit verdicts
+        self.decider = Decider(cfg, parts.registry, admission, parts.stats, loop)
+        self.decider.sidecar_port = self.sidecar_port
+        self.decider.silent_timeout = self.silent_timeout
+        if self.fallbacks > 0:
+            self.decider.fallback = Fallbacks(self.fallbacks, cluster_endpoints(cfg.worker_urls))
+
+    async def _serve_grpc(self, parts: Assembly, reuse_port: bool) -> str:
+        """The decider, the ext_proc and health services, and the gRPC listener on
+        ``--grpc-port`` (``reuse_port``: beside the other picker processes of ``--workers N``,
+        the kernel spreading connections over them); returns the address bound."""
+        self._make_decider(parts)
+        assert self.decider is not None
+        creds = grpc_credentials(self.tls) if self.tls is not None else None
+        self.processor = ExternalProcessor(self.decider, self.max_streams)
+        if parts.metrics is not None:
+            parts.metrics.registry.register(StreamCollector(self.processor))
+        self.health = grpc_health.aio.HealthServicer()
+        self.grpc = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 1 if reuse_port else 0),
+                # the whole buffered body comes in one message: the limit the bootstrap prints
+                ("grpc.max_receive_message_length", self.decider.max_payload + MESSAGE_HEADROOM),
+                # grpc core holds new streams the server has not taken yet in a queue
+                # and fails them silently past 1000 (soft) / 3000 (hard) by default: a
+                # burst of streams failed with no log (the client even sees INTERNAL).
+                # One connection may open --max-grpc-streams (HTTP/2 SETTINGS), the
+                # queue holds twice that; Process refuses the streams over the bound.
+                ("grpc.max_concurrent_streams", self.max_streams),
+                ("grpc.server.max_pending_requests", 2 * self.max_streams),
+                ("grpc.server.max_pending_requests_hard_limit", 2 * self.max_streams),
+            ]
+        )
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self.grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        await self._set_health(False)
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        address = self._address()
+        try:
+            if creds is None:
+                bound = self.grpc.add_insecure_port(address)
+            else:
+                bound = self.grpc.add_secure_port(address, creds)
+        except RuntimeError as exc:
+            bound = 0
+            why = str(exc)
+        else:
+            why = "address in use or not available"
+        if not bound:
+            raise StartupError(f"--grpc-port: cannot listen on {address} ({why})")
+        await self.grpc.start()
+        return address
+
     async def _close_half_started(self) -> None:
         if self.pool is not None:
             await self.pool.stop()
+        if self.http is not None:
+            await self.http.stop()
         if self.probe is not None:
             self.probe.stop()
             self.probe = None
@@ -257,13 +308,16 @@ class EppServer:
             await self.parts.metrics.stop()
         if self.table is not None:
             self.table.close()
-            self.table.unlink()
+            if self._owns_table:
+                self.table.unlink()
 
     async def _set_health(self, serving: bool) -> None:
         async with self._health_lock:  # one writer at a time: the three services agree
             if serving is self._serving:
                 return
             self._serving = serving
+            if self.health is None:  # --epp-mode http: readiness on --health-check-port only
+                return
             status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
             for service in ("", EXT_PROC_SERVICE, READINESS_SERVICE):
                 await self.health.set(service, status)
@@ -301,11 +355,13 @@ class EppServer:
                 if d.admission.queue:
                     d.admission.expire(now)
                 d.check_silent(now)
+                if self.http is not None:
+                    self.http.forget_closed()
                 await self._set_health(self.ready())
                 if now >= next_leak:
                     next_leak = now + LEAK_EVERY
                     d.check_leaks(now)
-                    rec = self.parts.reconciler if self.parts is not None else None
+                    rec = self.parts.reconciler if self.parts is not None and self._owns_table else None
                     if rec is not None:
                         rec.check(self.registry.target_info, now)
             except Exception:  # a bug here must not stop the sweep forever
@@ -328,6 +384,8 @@ class EppServer:
                 self._health.cancel()
             if self.grpc is not None:
                 await self.grpc.stop(grace)
+            if self.http is not None:
+                await self.http.stop()
             if self.probe is not None:
                 self.probe.stop()
             if self.decider is not None:
@@ -339,7 +397,8 @@ class EppServer:
         finally:
             if self.table is not None:
                 self.table.close()
-                self.table.unlink()
+                if self._owns_table:
+                    self.table.unlink()
 
 
 async def serve(
@@ -351,6 +410,8 @@ async def serve(
     tls: GrpcTls | None = None,
     silent_timeout: float = SILENT_TIMEOUT,
     max_streams: int = MAX_STREAMS,
+    fallbacks: int = 0,
+    mode: str = "grpc",
 ) -> int:
     """Run the picker until SIGTERM/SIGINT/SIGHUP/SIGQUIT, then drain; the exit status."""
     loop = asyncio.get_running_loop()
@@ -365,6 +426,8 @@ async def serve(
         tls=tls,
         silent_timeout=silent_timeout,
         max_streams=max_streams,
+        fallbacks=fallbacks,
+        mode=mode,
     )
     await server.start()
     await stop.wait()

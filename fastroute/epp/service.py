@@ -72,6 +72,17 @@ _NO_BODY = ProcessingMode(
     response_body_mode=ProcessingMode.NONE,
     response_trailer_mode=ProcessingMode.SEND,
 )
+# The same without the response headers, when nothing reads them (no silence bound, no served
+# report): one message and answer fewer per request; the stream's end still releases.
+_NO_BODY_QUIET = ProcessingMode(
+    request_header_mode=ProcessingMode.SEND,
+    request_body_mode=ProcessingMode.NONE,
+    request_trailer_mode=ProcessingMode.SKIP,
+    response_header_mode=ProcessingMode.SKIP,
+    response_body_mode=ProcessingMode.NONE,
+    response_trailer_mode=ProcessingMode.SEND,
+)
+ANSWERS_KEPT = 4096  # routed answers kept for reuse (a few per target)
 
 
 def peer_host(context: Any) -> str:
@@ -164,6 +175,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self.streams = 0  # Process streams open now
         self.refused: dict[str, int] = {}  # streams ended by the picker, by reason (metrics)
         self._logged: OrderedDict[tuple[str, str], None] = OrderedDict()  # (peer, reason) said
+        self._answers: dict[tuple[Any, ...], Any] = {}  # routed answers without a body, reused
 
     def refuse(self, context: Any, reason: str, detail: str) -> None:
         """Count a stream the picker ends for ``reason`` (fastroute_epp_streams_refused_total);
@@ -265,20 +277,23 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     continue
                 booking = Booking(d)
                 held.append(booking)
-                answer = await self._route(booking, method, path, headers, None, "request_headers", subset)
-                if not h.end_of_stream and answer.HasField("request_headers"):
-                    answer.mode_override.CopyFrom(_NO_BODY)
+                if h.end_of_stream:
+                    mode = None
+                else:  # no body to send; response headers only when something reads them
+                    mode = _NO_BODY if d.silent_timeout > 0 or d.fallback is not None else _NO_BODY_QUIET
+                answer = await self._route(booking, method, path, headers, None, "request_headers", subset, mode)
                 await context.write(answer)
                 if answer.WhichOneof("response") == "immediate_response":
                     booking.close("refused")
                     return
             elif kind == "request_body":
                 b = msg.request_body
-                size += len(b.body)
+                data = b.body  # each read of the field is a copy of the bytes: read once
+                size += len(data)
                 if size > d.max_payload:  # no Content-Length to judge early: refused once over
                     await context.write(immediate(payload_too_large(size, d.max_payload)))
                     return
-                chunks.append(b.body)
+                chunks.append(data)
                 if not b.end_of_stream:
                     await context.write(_CONTINUE_BODY)
                     continue
@@ -294,6 +309,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             elif kind == "request_trailers":
                 await context.write(_CONTINUE_REQUEST_TRAILERS)
             elif kind == "response_headers":
+                if d.fallback is not None and booking is not None:
+                    d.fallback.served(d, booking, msg)  # Envoy may have retried elsewhere
                 if msg.response_headers.end_of_stream and booking is not None:
                     booking.close("response_end")
                 await context.write(_CONTINUE_RESPONSE_HEADERS)
@@ -318,13 +335,28 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         body: bytes | None,
         phase: str,
         subset: frozenset[str] | None,
+        mode: Any = None,
     ) -> Any:
+        """The answer to the message that completes the request (``mode``: a processing mode
+        override for the rest of the stream). Answers without a new body are built once per
+        endpoint and reused: grpc serializes a message at each write and nothing changes it."""
         d = self.decider
         try:
             await d.admit(booking)
             pick = d.decide(booking, method, path, headers, body, subset)
             booking.seen = d.loop.time()  # silence counts from the pick
-            return routed(pick, phase)
+            if pick.body is not None:
+                return routed(pick, phase)
+            key = (pick.endpoint, pick.auth, pick.headers, phase, id(mode))  # modes: module constants
+            answer = self._answers.get(key)
+            if answer is None:
+                if len(self._answers) >= ANSWERS_KEPT:
+                    self._answers.clear()
+                answer = routed(pick, phase)
+                if mode is not None:
+                    answer.mode_override.CopyFrom(mode)
+                self._answers[key] = answer
+            return answer
         except RouterError as exc:
             booking.close("refused")
             return immediate(exc)

@@ -223,12 +223,19 @@ async def assemble(
             name_of=registry.target_name,
             clock=loop.time,
         )
-        parts.app = App(config, registry, loop, breakers=breakers, reconciler=parts.reconciler)
-        parts.app.dispatch.tokens = tokens = tokens_for(config)
+        tokens = tokens_for(config)
         if tokens is not None:
             tokens.counts = parts.stats.tokenized  # fastroute_tokenized_requests
+        parts.app = App(
+            config,
+            registry,
+            loop,
+            breakers=breakers,
+            reconciler=parts.reconciler,
+            tokens=tokens,
+            worker_tls=worker_tls,
+        )
         parts.app.stats = parts.stats
-        parts.app.worker_tls = worker_tls
     return parts
 
 
@@ -263,7 +270,7 @@ async def listen(
             reuse_port=reuse_port and hasattr(socket, "SO_REUSEPORT"),
             backlog=4096,
             ssl=tls,
-            ssl_handshake_timeout=app.dispatch.header_timeout if tls else None,
+            ssl_handshake_timeout=app.limits.header_timeout if tls else None,
         )
     except OSError as exc:
         raise bind_error("--port", host, port, exc) from None
@@ -285,18 +292,18 @@ async def drain(
     gets until the end of ``grace``, and is aborted with the idle connections. A router with no
     client connection open at all when the drain starts closes at once: an idle router stops
     without waiting (launchers give it one second before SIGKILL)."""
-    app.draining = True
+    app.endpoints.draining = True
     app.stop_accepting()
     loop = asyncio.get_running_loop()
     now = loop.time()
     deadline = now + grace
     if listener is not None:
         linger = min(linger, grace)
-        if not app.active and not app.dispatch.handshaking and not app.dispatch.connections:
+        if not app.active and not app.live.handshaking and not app.live.connections:
             linger = 0.0  # nobody connected: nobody between two requests either
         quiet_since = now
         while now < deadline:
-            if app.active or app.dispatch.handshaking or app.busy_connections():
+            if app.active or app.live.handshaking or app.busy_connections():
                 quiet_since = now
             elif now - quiet_since >= linger:
                 break

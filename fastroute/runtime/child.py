@@ -32,7 +32,7 @@ from fastroute.log import configure_logging
 from fastroute.runtime.assemble import DRAIN_LINGER, assemble, drain, freeze_heap, listen
 from fastroute.runtime.startup import stop_on_signals, tls_context
 
-# Logger name kept from before the split: operators filter on it.
+# "fastroute.supervisor": the name operators filter process events on.
 log = logging.getLogger("fastroute.supervisor")
 
 STATS_INTERVAL = 0.25  # seconds between a proxy process's Stats reports

@@ -37,7 +37,7 @@ from fastroute.core.table import TargetTable
 from fastroute.dataplane.app import App
 from fastroute.runtime.assemble import DRAIN_LINGER, assemble, drain, freeze_heap, listen, stop_in_order
 from fastroute.runtime.probe import ProbeServer
-from fastroute.runtime.startup import announce, own_listeners, start_probe, stop_on_signals, tls_context
+from fastroute.runtime.startup import announce, new_table, own_listeners, start_probe, stop_on_signals, tls_context
 
 log = logging.getLogger("fastroute.server")
 
@@ -78,7 +78,7 @@ class Server:
         """Build everything and start listening; worker registration continues in the background."""
         cfg = self.config
         tls = tls_context(cfg)  # a TLS file that cannot be used stops the start here
-        self.table = TargetTable()
+        self.table = new_table(cfg)
         try:
             parts = await assemble(cfg, self.table)
             self.router, self.registry, self.monitor = parts.router, parts.registry, parts.monitor

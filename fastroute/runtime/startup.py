@@ -19,6 +19,7 @@ from typing import Any
 from fastroute import __version__
 from fastroute.checks import reachable_host
 from fastroute.config import Config
+from fastroute.core.table import SHM_DIR, TableMemoryError, TargetTable, shm_available, table_bytes
 from fastroute.runtime.probe import ProbeServer
 from fastroute.tls import TLSConfigError, server_context
 
@@ -39,6 +40,27 @@ def bind_error(flag: str, host: str, port: int, exc: OSError) -> StartupError:
     if exc.errno == errno.EADDRNOTAVAIL:
         return StartupError(f"cannot listen on {host}:{port} ({flag}): the address is not one of this machine's")
     return StartupError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror or exc}")
+
+
+def new_table(config: Config, copies: int = 1) -> TargetTable:
+    """The shared target table of --max-targets rows, after checking that ``copies`` tables of
+    that size (the table and, under --workers N, one ledger per proxy process) fit in the
+    shared memory free now: a tmpfs segment is not backed until written, so a table that does
+    not fit would otherwise kill the router with SIGBUS on first use, not refuse to start."""
+    n = int(config.max_targets)
+    need = copies * table_bytes(n)
+    free = shm_available()
+    mib = 1 << 20
+    if free is not None and need > free:
+        raise StartupError(
+            f"--max-targets {n} needs {need / mib:.1f} MiB of shared memory ({copies} table(s) of "
+            f"{table_bytes(n)} bytes) but {SHM_DIR} has {free / mib:.1f} MiB free: lower --max-targets "
+            f"or enlarge {SHM_DIR}"
+        )
+    try:
+        return TargetTable(capacity=n)
+    except TableMemoryError as exc:
+        raise StartupError(f"--max-targets {n}: {exc}") from None
 
 
 def tls_context(config: Config) -> ssl.SSLContext | None:

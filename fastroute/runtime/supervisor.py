@@ -72,7 +72,7 @@ from fastroute.control.replica import ReplicaSync, start_replica_sync
 from fastroute.core.table import TargetTable
 from fastroute.runtime.assemble import assemble, stop_in_order
 from fastroute.runtime.probe import ProbeServer
-from fastroute.runtime.startup import announce, bind_error, own_listeners, start_probe, tls_context
+from fastroute.runtime.startup import announce, bind_error, new_table, own_listeners, start_probe, tls_context
 
 log = logging.getLogger("fastroute.supervisor")
 
@@ -82,20 +82,18 @@ RESTART_BACKOFF = (0.05, 5.0)  # first and largest delay before restarting a cra
 HEAD_LIMIT_SECS = 10  # a control request's head and body must arrive within this
 
 
-def child_command(state_dir: str, slot: int) -> list[str]:
-    """How a proxy process starts, without the current directory on ``sys.path``: ``-m`` would
-    put it first, so a ``fastroute/`` directory there (the uncompiled source tree after
-    ``pip install .``, or a planted package) would be imported instead of the installed one."""
+def child_command(state_dir: str, slot: int, module: str = "fastroute.runtime.child") -> list[str]:
+    """How a proxy process starts (``module``: its entry, whose ``main(state_dir, slot)``
+    serves), without the current directory on ``sys.path``: ``-m`` would put it first, so a
+    ``fastroute/`` directory there (the uncompiled source tree after ``pip install .``, or a
+    planted package) would be imported instead of the installed one."""
     if sys.version_info >= (3, 11):
-        return [sys.executable, "-P", "-m", "fastroute.runtime.child", state_dir, str(slot)]
-    return [sys.executable, "-c", _CHILD_BOOT, state_dir, str(slot)]
+        return [sys.executable, "-P", "-m", module, state_dir, str(slot)]
+    return [sys.executable, "-c", _CHILD_BOOT % module, state_dir, str(slot)]
 
 
 # Python < 3.11 has no -P: `-c` puts '' (the current directory) first; drop it before importing.
-_CHILD_BOOT = (
-    "import sys; del sys.path[0]; from fastroute.runtime.child import main; "
-    "sys.exit(main(sys.argv[1], int(sys.argv[2])))"
-)
+_CHILD_BOOT = "import sys; del sys.path[0]; from %s import main; sys.exit(main(sys.argv[1], int(sys.argv[2])))"
 
 
 def resolve_processes(config: Config) -> int:
@@ -126,6 +124,9 @@ class _Child:
 
 class Supervisor:
     """The control-plane process of a multi-process router (see module docstring)."""
+
+    child_module = "fastroute.runtime.child"  # the serving processes' entry (epp: its own)
+    child_files: dict[str, Any] = {}  # more JSON files for them in the state directory
 
     def __init__(self, config: Config, processes: int | None = None) -> None:
         self.config = config
@@ -161,7 +162,7 @@ class Supervisor:
         tls_context(cfg)  # checked once here: the proxy processes load the same files
         self.state_dir = tempfile.mkdtemp(prefix="fastroute-")  # 0700: holds worker API keys
         try:
-            self.table = TargetTable()
+            self.table = new_table(cfg, copies=1 + self.n)
             for _ in range(self.n):
                 self.ledgers.append(TargetTable(capacity=self.table.capacity))
             self.port = self._reserve_port()
@@ -194,6 +195,9 @@ class Supervisor:
                     },
                     f,
                 )
+            for name, doc in self.child_files.items():
+                with open(os.path.join(self.state_dir, name), "w") as f:
+                    json.dump(doc, f)
             self.publish(force=True)
             for child in self.children:
                 await self._spawn(child)
@@ -242,7 +246,7 @@ class Supervisor:
         child.stats = None
         child.version = -1
         child.proc = await asyncio.create_subprocess_exec(
-            *child_command(self.state_dir, child.slot), stdin=asyncio.subprocess.DEVNULL, env=env
+            *child_command(self.state_dir, child.slot, self.child_module), stdin=asyncio.subprocess.DEVNULL, env=env
         )
         child.watch = asyncio.get_running_loop().create_task(self._watch(child), name=f"proxy {child.slot}")
         log.info("proxy process %d started (pid %d)", child.slot, child.proc.pid)

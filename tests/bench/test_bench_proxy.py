@@ -17,9 +17,8 @@ from typing import Any
 import pytest
 
 from fastroute.config import Config
-from fastroute.dataplane.app import App
 from fastroute.dataplane.protocol import ClientProtocol
-from tests.stubs import PoolStandIn, StubConn, StubRegistry, StubTransport
+from tests.stubs import PoolStandIn, StubConn, StubRegistry, StubTransport, stand_in_app
 
 
 class _Pool(PoolStandIn):
@@ -37,12 +36,17 @@ class _Pool(PoolStandIn):
         return self.conn
 
 
-def _setup(**cfg: Any) -> tuple[ClientProtocol, _Pool, asyncio.AbstractEventLoop]:
+def _setup(metrics: Any = None, **cfg: Any) -> tuple[ClientProtocol, _Pool, asyncio.AbstractEventLoop]:
+    """A connection of an App on stand-in routes; ``metrics``: the process's Stats (True: a new
+    one; None: metrics off), set before the connection is made, as the server does."""
     loop = asyncio.new_event_loop()
-    app = App(Config(**cfg), StubRegistry(record=False), loop)
     pool = _Pool()
-    app.pool_for = lambda worker: pool  # type: ignore[method-assign]
-    proto = ClientProtocol(app.dispatch)
+    app = stand_in_app(Config(**cfg), StubRegistry(record=False), loop, pool)
+    if metrics is not None:
+        from fastroute.control.metrics import Stats
+
+        app.stats = Stats() if metrics is True else metrics
+    proto = app.protocol_factory()
     proto.connection_made(StubTransport())
     return proto, pool, loop
 
@@ -87,7 +91,7 @@ def _json_round(proto: ClientProtocol, pool: _Pool) -> None:
 def test_bench_regular_json_request(benchmark) -> None:
     proto, pool, loop = _setup(worker_urls=["http://127.0.0.1:9"])
     benchmark(_json_round, proto, pool)
-    assert not proto.busy and not proto.dispatch.exchanges
+    assert not proto.busy and not proto.live.exchanges
     loop.close()
 
 
@@ -99,14 +103,14 @@ def test_bench_regular_json_request_metrics(benchmark, metrics: str) -> None:
     ones: the difference of the last two is what their bucket searches cost per request."""
     from fastroute.control.metrics import Hist, Stats
 
-    proto, pool, loop = _setup(worker_urls=["http://127.0.0.1:9"])
+    st = None
     if metrics != "off":
         st = Stats()
         if metrics != "on":
             st.pick_seconds, st.overhead_seconds = Hist(()), Hist(())  # no bounds: one bucket
-        proto.dispatch.owner.stats = st
+    proto, pool, loop = _setup(st, worker_urls=["http://127.0.0.1:9"])
     benchmark(_json_round, proto, pool)
-    assert not proto.busy and not proto.dispatch.exchanges
+    assert not proto.busy and not proto.live.exchanges
     loop.close()
 
 

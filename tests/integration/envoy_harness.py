@@ -75,6 +75,11 @@ class Gateway:
         self.envoy: asyncio.subprocess.Process | None = None
         self.tmp = tempfile.mkdtemp(prefix="fastroute-epp-test-")
         self.env = {**os.environ, "PYTHONPATH": os.getcwd()}
+        # --epp-mode http has no gRPC health service: readiness is polled on the probe port
+        self.http_mode = "http" in [
+            f.partition("=")[2] or nxt for f, nxt in zip(flags, flags[1:] + ("",)) if f.startswith("--epp-mode")
+        ]
+        self.probe_port = free_port() if self.http_mode else None
 
     def epp_args(self) -> list[str]:
         return [
@@ -96,6 +101,7 @@ class Gateway:
             "1",
             "--log-level",
             "warning",
+            *(["--health-check-port", str(self.probe_port)] if self.probe_port is not None else []),
             *self.flags,
         ]
 
@@ -181,6 +187,9 @@ class Gateway:
             return ""
 
     async def health(self, service: str = "") -> str:
+        if self.probe_port is not None:
+            r = await call(self.probe_port, get("/readiness"), timeout=2.0)
+            return "SERVING" if r.status == 200 else "NOT_SERVING"
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 

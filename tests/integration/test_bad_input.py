@@ -169,7 +169,7 @@ def test_slow_loris_head_is_cut_at_the_header_read_timeout() -> None:
             finally:
                 t.cancel()
             assert c.p.responses == []  # closed without an answer, nothing routed
-            await until(lambda: len(r.server.app.dispatch.connections) == 0, what="connection dropped")
+            await until(lambda: len(r.server.app.live.connections) == 0, what="connection dropped")
             await serving(r)
             assert w.inference()[-1].json["text"] == "still here"
 

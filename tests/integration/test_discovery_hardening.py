@@ -23,7 +23,7 @@ from test_discovery import (
 
 from fastroute.config import Config
 from fastroute.control import discovery
-from fastroute.dataplane.app import App
+from fastroute.dataplane import upstreams as upstreams_module
 from fastroute.runtime.server import Server
 
 TASK = "discovery regular pods"
@@ -262,8 +262,8 @@ def test_a_burst_of_pods_is_linear_and_never_stalls_the_loop(kube_env, monkeypat
         real = discovery.pod_worker
         monkeypatch.setattr(discovery, "pod_worker", lambda *a: (calls.append(1), real(*a))[1])
         builds = []
-        real_build = App._build_route
-        monkeypatch.setattr(App, "_build_route", lambda self, *a: (builds.append(1), real_build(self, *a))[1])
+        real_route = upstreams_module.Route
+        monkeypatch.setattr(upstreams_module, "Route", lambda *a: (builds.append(1), real_route(*a))[1])
         lag = [0.0]
         loop = asyncio.get_running_loop()
 

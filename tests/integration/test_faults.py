@@ -287,7 +287,7 @@ def test_admission_queue_429_with_retry_after_then_fifo_service_and_408() -> Non
             await until(lambda: w.held == 1, what="a held")
             b = await RawClient(r.port).connect()
             b.send(post("/generate", {"text": "b"}))
-            await until(lambda: len(r.server.app.dispatch.admission.queue) == 1, what="b queued")
+            await until(lambda: len(r.server.app.admission.queue) == 1, what="b queued")
             res = await call(r.port, post("/generate", {"text": "c"}))
             assert res.status == 429 and res.headers["retry-after"] == "1"
             assert res.json["error"]["code"] == "queue_full"
@@ -306,12 +306,12 @@ def test_admission_queue_429_with_retry_after_then_fifo_service_and_408() -> Non
             # A queued client that leaves frees its queue place.
             e = await RawClient(r.port).connect()
             e.send(post("/generate", {"text": "f"}))
-            await until(lambda: len(r.server.app.dispatch.admission.queue) == 1, what="f queued")
+            await until(lambda: len(r.server.app.admission.queue) == 1, what="f queued")
             e.close()
-            await until(lambda: not r.server.app.dispatch.admission.queue, what="f dropped")
+            await until(lambda: not r.server.app.admission.queue, what="f dropped")
             w.release()
             assert (await a.response()).status == 200
-            assert r.server.app.dispatch.admission.active == 0
+            assert r.server.app.admission.active == 0
             assert stats(r).rate_limit == {"allowed": 2, "queued": 3, "rejected": 1, "dequeued": 1, "timeout": 1}
             a.close()
             b.close()
@@ -329,7 +329,7 @@ def test_no_healthy_target_is_503_not_queued() -> None:
             assert (await call(r.port, post("/generate", {"text": "x"}))).status == 500
             res = await call(r.port, post("/generate", {"text": "x"}))
             assert res.status == 503 and res.json["error"]["code"] == "no_available_workers"
-            assert r.server.app.dispatch.admission.active == 0
+            assert r.server.app.admission.active == 0
 
     run(body())
 
@@ -346,16 +346,16 @@ def test_leaked_lease_of_a_vanished_client_is_reclaimed_and_counted() -> None:
             c = await RawClient(r.port).connect()
             c.send(post("/generate", {"text": "x"}))
             await until(lambda: w.held == 1, what="held")
-            (ex,) = app.dispatch.exchanges
-            ex.proto.exchange = None  # inject the bug: the connection forgets its exchange
+            (ex,) = app.live.exchanges
+            ex.client.exchange = None  # inject the bug: the connection forgets its exchange
             c.close()
-            await until(lambda: ex.proto.closed, what="client gone")
+            await until(lambda: ex.client.closed, what="client gone")
             assert r.in_flight(w) == 1  # nobody released it
             app.sweeper.leak_every = 0.05
             app.sweeper.next_leak = 0.0
             await until(lambda: r.in_flight(w) == 0, 5.0, "reclaimed")
             assert stats(r).reclaimed == {"client_gone": 1}
-            assert not app.dispatch.exchanges and app.dispatch.admission.active == 0
+            assert not app.live.exchanges and app.admission.active == 0
             text = (await call(r.server.metrics.port, get("/metrics"))).body.decode()
             assert 'fastroute_leases_reclaimed_total{reason="client_gone"} 1.0' in text
             w.release()
@@ -372,7 +372,7 @@ def test_reconcile_flags_a_booking_the_engine_never_reports_without_releasing_it
             # A booking no exchange owns (as if another process lost it); the fake
             # worker keeps reporting 0 running + 0 waiting.
             lease = r.server.registry.group("regular").acquire(0)
-            app.reconciler.timeout = 0.3
+            app.sweeper.reconciler.timeout = 0.3
             app.sweeper.leak_every = 0.05
             app.sweeper.next_leak = 0.0
             await until(lambda: stats(r).reclaimed.get("reconcile_mismatch") == 1, 5.0, "mismatch")
@@ -587,7 +587,7 @@ def test_load_with_faults_leaves_no_lease_behind() -> None:
                 for r in (rr, pr):
                     await until(lambda: all(n == 0 for n in all_in_flight(r)), 10.0, "all released")
                     app = r.server.app
-                    assert app.sweeper.check_leaks() == 0 and not app.dispatch.exchanges
+                    assert app.sweeper.check_leaks() == 0 and not app.live.exchanges
                     st = stats(r)
                     assert st.reclaimed == {}
                     # Every request the router parsed got exactly one response record.

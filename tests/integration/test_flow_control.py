@@ -17,7 +17,7 @@ from tests.integration.conftest import RawClient, Router, call, get, post, run, 
 
 
 def _flow(r: Router) -> FlowAdmission:
-    flow = r.server.app.dispatch.admission
+    flow = r.server.app.admission
     assert isinstance(flow, FlowAdmission)
     return flow
 
@@ -170,7 +170,7 @@ def test_full_class_queue_429_and_class_ttl_503(tmp_path: Path) -> None:
             assert [rec.json["text"] for rec in w.inference()] == ["first"]  # nothing refused reached it
             assert flow.refusals[("ip:127.0.0.1", "bulk", "scheduler_queue_full")] == 1
             assert flow.refusals[("ip:127.0.0.1", "bulk", "scheduler_queue_timeout")] == 1
-            assert flow.active == 0
+            assert flow.running == 0
             text = (await call(r.server.metrics.port, get("/metrics"))).body.decode()
             for reason in ("scheduler_queue_full", "scheduler_queue_timeout"):
                 line = f'fastroute_flow_refusals_total{{class="bulk",reason="{reason}",tenant="ip:127.0.0.1"}} 1.0'
@@ -199,7 +199,7 @@ def test_client_leaving_while_queued_is_dropped_at_once() -> None:
             after = await _send(r.port, _gen("after"))
             assert after.status == 200
             assert [rec.json["text"] for rec in w.inference()] == ["first", "after"]
-            assert flow.active == 0
+            assert flow.running == 0
 
     run(body())
 
@@ -287,7 +287,7 @@ def test_tenant_request_and_token_limits(tmp_path: Path) -> None:
             assert "r2" not in texts and "z" * 200 not in texts and "n" not in texts
             assert flow.refusals[("ip:127.0.0.1", "default", "tenant_rate_limit_exceeded")] == 1
             assert flow.refusals[("header:small", "default", "tenant_rate_limit_exceeded")] == 3
-            assert flow.active == 0
+            assert flow.running == 0
 
     run(body())
 

@@ -59,7 +59,7 @@ def test_nothing_is_sent_to_a_saturated_rank_until_it_drains() -> None:
         (w,) = await _workers("regular")
         w.waiting = 8  # smg's default threshold: at or above it the rank is saturated
         async with Router(worker_urls=[w.url], priority_scheduler_enabled=True, load_monitor_interval=0.1) as r:
-            flow = r.server.app.dispatch.admission
+            flow = r.server.app.admission
             assert isinstance(flow, FlowAdmission)
             await _polled(w)
             held = asyncio.ensure_future(call(r.port, _gen("held"), timeout=15.0))
@@ -102,7 +102,7 @@ def test_overload_shed_answers_503_with_the_poll_interval() -> None:
             assert res.headers["x-smg-error-code"] == "worker_overload_protection_shed"
             assert res.headers["retry-after"] == "2"
             assert [rec.json["text"] for rec in w.inference()] == ["ok"]
-            flow = r.server.app.dispatch.admission
+            flow = r.server.app.admission
             assert flow.refusals[("ip:127.0.0.1", "default", "worker_overload_protection_shed")] == 1
 
     run(body())
@@ -163,7 +163,7 @@ def test_capacity_is_the_ranks_max_running_requests() -> None:
     async def body() -> None:
         w = await Limited().start()
         async with Router(worker_urls=[w.url], priority_scheduler_enabled=True, load_monitor_interval=0.1) as r:
-            flow = r.server.app.dispatch.admission
+            flow = r.server.app.admission
             assert isinstance(flow, FlowAdmission)
             await _polled(w)
             assert flow.slots() == 2  # no --max-concurrent-requests: the engine's limit

@@ -230,7 +230,7 @@ def test_retry_waits_for_the_workers_retry_after() -> None:
         ) as r:
             c = await RawClient(r.port).connect()
             c.send(post("/generate", {"text": "x"}))
-            live = r.server.app.dispatch.exchanges
+            live = r.server.app.live.exchanges
             await until(lambda: any(ex.retry_handle is not None for ex in live), 5.0, "retry scheduled")
             (ex,) = live
             # The retry timer is set for the worker's 2 s, not the 1 ms backoff.

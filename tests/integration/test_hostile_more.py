@@ -105,7 +105,7 @@ def test_garbage_after_the_answer_never_reaches_the_next_request() -> None:
                 assert res.status == 200 and res.json["text"] == f"answer to g{i}"
             await until(lambda: r.in_flight(w) == 0, what="released")
             # every answer left junk behind: no connection was pooled with it
-            pool = next(iter(r.server.app.pools.values()))
+            pool = next(iter(r.server.app.upstreams.routes.values())).pool
             assert all(not c.closed for c in pool.idle)
 
     run(body())

@@ -371,7 +371,7 @@ def test_graceful_stop_serves_while_in_flight_then_refuses() -> None:
         c.send(post("/generate", {"text": "x"}))
         await until(lambda: w.held == 1, what="held")
         stopping = asyncio.get_running_loop().create_task(r.server.stop(grace=10))
-        await until(lambda: r.server.app.draining, what="draining")
+        await until(lambda: r.server.app.endpoints.draining, what="draining")
         ready = await call(port, get("/readiness"))  # the listener still answers
         assert ready.status == 503 and b"draining" in ready.body
         assert (await call(port, get("/health"))).status == 200

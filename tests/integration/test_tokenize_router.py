@@ -49,7 +49,7 @@ def test_a_chat_prompt_goes_to_the_rank_holding_its_rendered_tokens(tmp_path) ->
                     assert last_rank(w) == 4
                     sent = w.inference()[-1].json
                     assert sent["messages"] == _chat(words)["messages"]  # the prompt is not rewritten
-                tokens = r.server.app.dispatch.tokens
+                tokens = r.server.app.endpoints.tokens
                 assert tokens.exact["inline"] + tokens.exact["pool"] == 3
                 # Another conversation shares only the system turn: no block of rank 4 matches.
                 resp = await call(r.port, post("/v1/chat/completions", _chat("hello world")))
@@ -71,7 +71,7 @@ def test_a_broken_template_serves_the_request_with_the_estimate(tmp_path) -> Non
             async with Router(worker_urls=[w.url], dp_aware=True, policy="cache_aware", tokenizer_path=(path,)) as r:
                 resp = await call(r.port, post("/v1/chat/completions", _chat("hello")))
                 assert resp.status == 200
-                assert r.server.app.dispatch.tokens.fallbacks["template"] == 1
+                assert r.server.app.endpoints.tokens.fallbacks["template"] == 1
                 from tests.integration.test_kv_events import metrics
 
                 body = await metrics(r)
@@ -100,7 +100,7 @@ def test_nothing_reads_tokens_then_nothing_is_tokenized(tmp_path, caplog) -> Non
         w = await KvWorker(e).start()
         try:
             async with Router(worker_urls=[w.url], policy="round_robin", tokenizer_path=(path,)) as r:
-                assert r.server.app.dispatch.tokens is None
+                assert r.server.app.endpoints.tokens is None
                 resp = await call(r.port, post("/generate", {"text": "hello"}))
                 assert resp.status == 200
         finally:

@@ -23,8 +23,9 @@ def test_the_list_holds_the_hot_modules() -> None:
     names = {f"{p}.{m}" for p, m in _ALL}
     assert {
         "dataplane.protocol",
-        "dataplane.dispatch",
+        "dataplane.endpoints",
         "dataplane.exchange",
+        "dataplane.upstreams",
         "dataplane.pd",
         "dataplane.upstream",
         "core.breaker",
@@ -55,7 +56,7 @@ def test_declared_classes_are_extension_types_when_compiled(package: str, module
 
 
 def _pxd_attributes(package: str, module: str) -> dict[str, set[str]]:
-    """Attribute names each class of ``module``'s .pxd declares (``cdef public <type> a, b``)."""
+    """Attribute names each class of ``module``'s .pxd declares (``cdef [public|readonly] <type> a, b``)."""
     here = os.path.dirname(importlib.import_module(f"fastroute.{package}").__file__)
     out: dict[str, set[str]] = {}
     cls = None
@@ -70,8 +71,8 @@ def _pxd_attributes(package: str, module: str) -> dict[str, set[str]]:
             out[cls] = set()
         elif cls is not None and line.startswith("cdef ") and not line.startswith("cdef class") and "(" not in line:
             # (a line with a parenthesis is a C method, not attributes)
-            words = line.split(None, 3)  # cdef [public] <type> names...
-            names = words[3] if words[1] == "public" else line.split(None, 2)[2]
+            words = line.split(None, 3)  # cdef [public|readonly] <type> names...
+            names = words[3] if words[1] in ("public", "readonly") else line.split(None, 2)[2]
             out[cls] |= {n.strip() for n in names.split(",")}
     return out
 

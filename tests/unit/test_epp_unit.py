@@ -107,7 +107,9 @@ def test_refusal_names_what_the_picker_does_not_do(kw: dict, flag: str) -> None:
     why = refusal(Config(**kw), 1)
     assert why is not None and why.startswith(f"argument {flag}:")
     assert refusal(Config(worker_urls=["http://w:1"]), 1) is None
-    assert refusal(Config(), 2).startswith("argument --workers:")
+    # --workers N runs N picker processes (fastroute.epp.child), not with the pool or PD
+    assert refusal(Config(worker_urls=["http://w:1"]), 2) is None
+    assert refusal(Config(), 2, pool="llama").startswith("argument --workers:")
 
 
 def test_fail_open_needs_a_static_worker_list_and_no_pd() -> None:

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from fastroute.dataplane import _ids
-from fastroute.dataplane.protocol import new_request_id
+from fastroute.dataplane.wire import new_request_id
 
 _HEX24 = re.compile(rb"[0-9a-f]{24}")
 

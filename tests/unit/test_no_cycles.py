@@ -19,9 +19,8 @@ import pytest
 
 from fastroute.config import Config
 from fastroute.control.metrics import Stats
-from fastroute.dataplane.app import App
 from fastroute.dataplane.protocol import ClientProtocol
-from tests.stubs import StubPool, StubRegistry, StubTransport
+from tests.stubs import StubPool, StubRegistry, StubTransport, stand_in_app
 
 PD = {
     "pd_disaggregation": True,
@@ -79,11 +78,10 @@ def test_finished_requests_leave_no_cyclic_garbage(
 ) -> None:
     loop = asyncio.new_event_loop()
     registry = StubRegistry()
-    app = App(Config(**cfg), registry, loop)
-    app.stats = Stats()  # metrics on: their per-request bookkeeping is checked too
     pool = StubPool()
-    app.pool_for = lambda worker: pool  # type: ignore[method-assign]
-    proto = ClientProtocol(app.dispatch)
+    app = stand_in_app(Config(**cfg), registry, loop, pool)
+    app.stats = Stats()  # metrics on: their per-request bookkeeping is checked too
+    proto = app.protocol_factory()
     transport = StubTransport(record=True)
     proto.connection_made(transport)
     n = 200
@@ -99,7 +97,7 @@ def test_finished_requests_leave_no_cyclic_garbage(
         gc.enable()
         loop.close()
     assert garbage == 0
-    assert not proto.busy and not app.dispatch.exchanges
+    assert not proto.busy and not app.live.exchanges
     head = transport.out[0].split(b"\r\n", 1)[0]
     assert status in head, head
     if status == b" 200 ":
@@ -129,14 +127,13 @@ def test_the_shared_inert_pd_leg_is_never_written(one: Callable[[ClientProtocol,
     from fastroute.dataplane.pd import _NO_LEG, _PDLeg
 
     loop = asyncio.new_event_loop()
-    app = App(Config(**PD), StubRegistry(), loop)
     pool = StubPool()
-    app.pool_for = lambda worker: pool  # type: ignore[method-assign]
-    proto = ClientProtocol(app.dispatch)
+    app = stand_in_app(Config(**PD), StubRegistry(), loop, pool)
+    proto = app.protocol_factory()
     proto.connection_made(StubTransport())
     try:
         one(proto, pool.legs)
     finally:
         loop.close()
-    assert not app.dispatch.exchanges
+    assert not app.live.exchanges
     assert _leg_state(_NO_LEG) == _leg_state(_PDLeg(None, "prefill"))

@@ -12,9 +12,7 @@ import pytest
 
 from fastroute.config import Config
 from fastroute.dataplane import route as _route
-from fastroute.dataplane.app import App
-from fastroute.dataplane.protocol import ClientProtocol
-from tests.stubs import PoolStandIn, StubConn, StubRegistry, StubTransport
+from tests.stubs import PoolStandIn, StubConn, StubRegistry, StubTransport, stand_in_app
 
 PD = {
     "pd_disaggregation": True,
@@ -41,10 +39,9 @@ class _Pool(PoolStandIn):
 def _legs(body: bytes) -> list[tuple[bytes, Any]]:
     loop = asyncio.new_event_loop()
     try:
-        app = App(Config(**PD), StubRegistry(), loop)
         pool = _Pool()
-        app.pool_for = lambda worker: pool  # type: ignore[method-assign]
-        proto = ClientProtocol(app.dispatch)
+        app = stand_in_app(Config(**PD), StubRegistry(), loop, pool)
+        proto = app.protocol_factory()
         proto.connection_made(StubTransport())
         proto.data_received(
             b"POST /generate HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"

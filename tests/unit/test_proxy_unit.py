@@ -15,9 +15,8 @@ import pytest
 
 from fastroute.config import Config
 from fastroute.dataplane.app import App
-from fastroute.dataplane.protocol import ClientProtocol
 from fastroute.dataplane.upstream import Leg
-from tests.stubs import PoolStandIn
+from tests.stubs import PoolStandIn, stand_in_app
 from tests.stubs import StubGroup as Group
 
 
@@ -88,9 +87,15 @@ class FakePool(PoolStandIn):
         return conn
 
 
+class _Worker(SimpleNamespace):
+    """A worker stand-in that is one worker by identity (pools are kept per worker object)."""
+
+    __hash__ = object.__hash__
+
+
 class Registry:
     def __init__(self) -> None:
-        self.worker = SimpleNamespace(
+        self.worker = _Worker(
             url="http://127.0.0.1:9", host="127.0.0.1", port=9, api_key=None, bootstrap_port=None, dp_size=1
         )
         self.target_info = [(self.worker, None)]
@@ -103,16 +108,18 @@ class Registry:
     def group(self, role: str) -> Group:
         return self.groups[role]
 
+    def add_listener(self, callback: Any) -> None:
+        """Its targets never change: nothing to announce."""
+
 
 @pytest.fixture()
 def env():
     loop = asyncio.new_event_loop()
     cfg = Config(worker_urls=["http://127.0.0.1:9"], max_payload_size=100, request_timeout_secs=60)
     reg = Registry()
-    app = App(cfg, reg, loop)
     pool = FakePool()
-    app.pool_for = lambda worker: pool  # type: ignore[method-assign]
-    proto = ClientProtocol(app.dispatch)
+    app = stand_in_app(cfg, reg, loop, pool)
+    proto = app.protocol_factory()
     tr = FakeTransport()
     proto.connection_made(tr)
     yield SimpleNamespace(loop=loop, app=app, reg=reg, pool=pool, proto=proto, tr=tr)
@@ -241,7 +248,7 @@ def test_client_disconnect_aborts_upstream_and_releases_exactly_once(env) -> Non
     assert conn.aborted
     (lease,) = env.reg.groups["regular"].leases
     assert lease.releases == 1
-    assert env.app.dispatch.exchanges == set()
+    assert env.app.live.exchanges == set()
 
 
 def test_held_stream_keeps_neither_the_request_body_nor_its_parse(env) -> None:
@@ -284,7 +291,7 @@ def test_upstream_error_before_head_is_502_after_head_cuts_stream(env) -> None:
 def test_request_timeout_gives_504_and_releases(env) -> None:
     env.proto.data_received(post())
     ((_, leg),) = env.pool.sent
-    for ex in list(env.app.dispatch.exchanges):
+    for ex in list(env.app.live.exchanges):
         ex.deadline = 0.0
     env.app.sweeper.tick()
     (res,) = responses(env.tr.out)
@@ -318,7 +325,7 @@ def test_header_read_timeout_closes_idle_but_not_busy_connections(env) -> None:
     env.proto.head_deadline = 0.001
     env.app.sweeper.tick()
     assert env.tr.closed
-    busy = ClientProtocol(env.app.dispatch)
+    busy = env.app.protocol_factory()
     tr = FakeTransport()
     busy.connection_made(tr)
     busy.data_received(post())
@@ -470,13 +477,14 @@ class _ListeningRegistry(Registry):
     def __init__(self) -> None:
         super().__init__()
         self.listeners: list[Any] = []
-        self.groups["regular"].targets = [0]  # type: ignore[attr-defined]
+        self.groups["regular"].targets = []  # no worker until set_worker
 
     def add_listener(self, callback: Any) -> None:
         self.listeners.append(callback)
 
     def set_worker(self, worker: Any) -> None:
         self.target_info = [(worker, None)]
+        self.groups["regular"].targets = [0]
         for cb in self.listeners:
             cb("regular")
 
@@ -485,7 +493,7 @@ def test_worker_re_added_under_the_same_url_gets_its_new_key(monkeypatch) -> Non
     """Pools (and the framing key) follow the worker, not its URL: a worker re-added under the
     same URL with a new api_key must not reuse connections made for the old one."""
     from fastroute.control.worker import Worker
-    from fastroute.dataplane import app as app_module
+    from fastroute.dataplane import upstreams as upstreams_module
 
     made: list[Any] = []
 
@@ -498,14 +506,14 @@ def test_worker_re_added_under_the_same_url_gets_its_new_key(monkeypatch) -> Non
         def retire(self) -> None:
             self.retired = True
 
-    monkeypatch.setattr(app_module, "Pool", RecordingPool)
+    monkeypatch.setattr(upstreams_module, "Pool", RecordingPool)
     loop = asyncio.new_event_loop()
     try:
         reg = _ListeningRegistry()
         app = App(Config(worker_urls=["http://127.0.0.1:9"]), reg, loop)
         url = "http://127.0.0.1:9"
         reg.set_worker(Worker(url=url, role="regular", host="127.0.0.1", port=9, api_key="old"))
-        proto = ClientProtocol(app.dispatch)
+        proto = app.protocol_factory()
         tr = FakeTransport()
         proto.connection_made(tr)
 
@@ -529,13 +537,13 @@ def test_worker_re_added_under_the_same_url_gets_its_new_key(monkeypatch) -> Non
 
 def test_pool_idle_timeout_zero_turns_connection_reuse_off() -> None:
     """--upstream-pool-idle-timeout-secs 0 stays 0 (no reuse), not the 3 s default."""
-    from fastroute.dataplane.upstream import Pool, UpstreamConnection
+    from fastroute.dataplane.upstream import UpstreamConnection
 
     loop = asyncio.new_event_loop()
     try:
-        app = App(Config(worker_urls=["http://127.0.0.1:9"], upstream_pool_idle_timeout_secs=0), Registry(), loop)
-        assert app.pool_idle == 0.0
-        pool = Pool("127.0.0.1", 9, app.pool_idle, loop)
+        reg = Registry()
+        app = App(Config(worker_urls=["http://127.0.0.1:9"], upstream_pool_idle_timeout_secs=0), reg, loop)
+        pool = app.upstreams.pool_for(reg.worker)
         conn = UpstreamConnection(pool)
         pool.busy.add(conn)
         pool.release(conn)
@@ -574,11 +582,11 @@ def test_metrics_off_is_the_null_telemetry_and_metrics_on_count_each_event(env) 
     from fastroute.dataplane.telemetry import NULL_TELEMETRY, RequestTelemetry, Telemetry
 
     health = b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n"
-    assert env.app.dispatch.tel is NULL_TELEMETRY and env.app.dispatch.admission.tel is NULL_TELEMETRY
+    assert env.app.tel is NULL_TELEMETRY and env.app.admission.tel is NULL_TELEMETRY
     env.proto.data_received(health)  # answered; there is nothing to count into
     st = Stats()
     env.app.stats = st
-    assert type(env.app.dispatch.tel) is RequestTelemetry and env.app.dispatch.admission.tel is env.app.dispatch.tel
+    assert type(env.app.tel) is RequestTelemetry and env.app.admission.tel is env.app.tel
     env.proto.data_received(health)
     env.proto.data_received(post())
     assert st.http_requests == {("GET", "/health"): 1, ("POST", "/generate"): 1}
@@ -586,7 +594,7 @@ def test_metrics_off_is_the_null_telemetry_and_metrics_on_count_each_event(env) 
     assert st.router_requests == {("regular", "generate", "unknown", "false"): 1}
     assert st.pick_seconds.counts and sum(st.pick_seconds.counts) == 1
     env.app.stats = None
-    assert env.app.dispatch.tel is NULL_TELEMETRY and env.app.dispatch.admission.tel is NULL_TELEMETRY
+    assert env.app.tel is NULL_TELEMETRY and env.app.admission.tel is NULL_TELEMETRY
     # Every event the request path sends has a counting implementation.
     events = {n for n in dir(Telemetry) if not n.startswith("_")}
     assert events <= set(vars(RequestTelemetry)), events - set(vars(RequestTelemetry))
@@ -622,11 +630,13 @@ def test_an_error_reply_is_labelled_by_its_path_without_the_query(env) -> None:
     from fastroute.control.metrics import Stats
 
     st = Stats()
-    env.app.stats = st
+    env.app.stats = st  # (as the server does, before the connection is made)
+    proto, tr = env.app.protocol_factory(), FakeTransport()
+    proto.connection_made(tr)
     body = b"{not json"
-    env.proto.data_received(
+    proto.data_received(
         b"POST /generate?trace=1 HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)
     )
-    assert [r["status"] for r in responses(env.tr.out)] == [400]
+    assert [r["status"] for r in responses(tr.out)] == [400]
     assert [(status, path) for status, _code, path in st.http_responses] == [("400", "/generate")]
     assert sum(st.overhead_seconds.counts) == 0  # refused before any attempt

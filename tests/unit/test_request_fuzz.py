@@ -22,6 +22,7 @@ from fastroute.dataplane.app import App
 from fastroute.dataplane.protocol import ClientProtocol
 from tests.stubs import StubGroup as Group
 from tests.stubs import StubPool as Pool
+from tests.stubs import stand_in_app
 
 
 class Transport(asyncio.Transport):
@@ -52,13 +53,19 @@ class Transport(asyncio.Transport):
         return default
 
 
+# The App of each connection make() returned (check_released reads its books).
+_APPS: dict[int, App] = {}
+
+
 def make() -> tuple[ClientProtocol, Transport, Pool, Group, asyncio.AbstractEventLoop]:
     loop = asyncio.new_event_loop()
     worker = SimpleNamespace(
         url="http://127.0.0.1:9", host="127.0.0.1", port=9, api_key=None, bootstrap_port=None, dp_size=1
     )
     group = Group()
-    registry = SimpleNamespace(target_info=[(worker, None)], ready=lambda: True, group=lambda role: group)
+    registry = SimpleNamespace(
+        target_info=[(worker, None)], ready=lambda: True, group=lambda role: group, add_listener=lambda cb: None
+    )
     cfg = Config(
         worker_urls=["http://127.0.0.1:9"],
         max_payload_size=4096,
@@ -66,10 +73,10 @@ def make() -> tuple[ClientProtocol, Transport, Pool, Group, asyncio.AbstractEven
         max_concurrent_requests=2,
         queue_size=4,
     )
-    app = App(cfg, registry, loop)
     pool = Pool()
-    app.pool_for = lambda w: pool  # type: ignore[method-assign]
-    proto = ClientProtocol(app.dispatch)
+    app = stand_in_app(cfg, registry, loop, pool)
+    proto = app.protocol_factory()
+    _APPS[id(proto)] = app
     tr = Transport()
     proto.connection_made(tr)
     return proto, tr, pool, group, loop
@@ -119,9 +126,9 @@ def feed(proto: ClientProtocol, data: bytes, cuts: list[int]) -> None:
 def check_released(proto: ClientProtocol, tr: Transport, group: Group) -> None:
     proto.connection_lost(None)
     assert all(lease.releases == 1 for lease in group.leases), [lease.releases for lease in group.leases]
-    app = proto.dispatch.owner
-    assert not app.dispatch.exchanges
-    assert app.dispatch.admission.active == 0 and not app.dispatch.admission.queue
+    app = _APPS.pop(id(proto))
+    assert not app.live.exchanges
+    assert app.admission.active == 0 and not app.admission.queue
 
 
 # -- strategies ---------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from fastroute.dataplane.protocol import INFERENCE, new_request_id
-from fastroute.dataplane.routes import ROUTES
+from fastroute.dataplane.routes import INFERENCE, ROUTES
+from fastroute.dataplane.wire import new_request_id
 
 
 def tokens(path: str, obj: dict) -> int:

@@ -256,7 +256,7 @@ def test_the_loop_sets_tcp_nodelay_on_both_sockets_of_a_stream(loop_kind: str) -
     protos: list[ClientProtocol] = []
 
     def accept() -> ClientProtocol:
-        protos.append(ClientProtocol(app.dispatch))
+        protos.append(app.protocol_factory())
         return protos[-1]
 
     async def run() -> tuple[int, int]:
