@@ -12,7 +12,8 @@ loads (control/kvevents.py), polled otherwise (control/monitor.py). A rank is sa
   prompt tokens at or above ``--prefill-overload-uncached-tokens`` (0: not used).
 
 :meth:`capacity` is the scheduler's capacity as smg takes it: the sum of the ranks' reported
-``max_running_requests``.
+``max_running_requests``, divided among the ``--workers N`` proxy processes (each admits on
+its own).
 
 A rank without a load (never polled, poll failed) or unhealthy is not counted either way: an
 unknown load never holds traffic back, an unhealthy rank is not one a request could use. A
@@ -34,6 +35,7 @@ class Saturation:
 
     def __init__(self, loop: Any, registry: Any, upstreams: Any, config: Any) -> None:
         self._loop = loop
+        self._processes = max(1, int(config.workers))
         self._registry = registry  # its table: the ranks' loads
         self._upstreams = upstreams  # its groups: the ranks a request could use
         self._roles = ("prefill", "decode") if config.pd_disaggregation else ("regular",)
@@ -73,7 +75,8 @@ class Saturation:
                 total = 0
                 break
             total += max_running
-        self._cap = total or None
+        # Each of --workers N proxy processes admits on its own: its share of the engines' batch.
+        self._cap = max(1, total // self._processes) if total else None
         return self._cap
 
     def forget(self) -> None:

@@ -177,5 +177,13 @@ def test_capacity_is_the_ranks_max_running_requests() -> None:
             w.release()
             assert [x.status for x in await asyncio.gather(*sent, third)] == [200, 200, 200]
             assert [rec.json["text"] for rec in w.inference()] == ["r0", "r1", "r2"]
+        # Under --workers 2 each proxy process admits its half of the engines' batch.
+        async with Router(
+            worker_urls=[w.url], priority_scheduler_enabled=True, load_monitor_interval=0.1, workers=2
+        ) as r:
+            flow = r.server.app.admission
+            assert isinstance(flow, FlowAdmission)
+            await _polled(w)
+            assert flow.slots() == 1
 
     run(body())
