@@ -306,6 +306,11 @@ SMG_FLAGS = [
     "--trust-tenant-header",
     "--tenant-header-name",
     "x-team",
+    "--worker-overload-shed",
+    "--worker-overload-waiting-requests",
+    "4",
+    "--worker-overload-token-usage",
+    "0.9",
 ]
 
 
@@ -322,6 +327,23 @@ def test_smg_flags_are_accepted(tmp_path: Path) -> None:
     assert c.tenant_api_key == ["acme:k1", "beta:k2"]
     assert c.tenant_header_name == "x-team"
     assert c.priority_scheduler_tenant_metric_top_n == 8
+    assert c.worker_overload_shed and c.worker_overload_waiting_requests == 4
+    assert c.worker_overload_token_usage == 0.9
+
+
+def test_overload_thresholds_without_a_gate_are_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    # smg leaves overloaded workers out of routing with them; fastroute uses them only for its
+    # saturation gate, so without --priority-scheduler-enabled or --worker-overload-shed a
+    # threshold that is on would do nothing: refused, naming the flag. The off values start.
+    for flag, value in (("--worker-overload-waiting-requests", "8"), ("--worker-overload-token-usage", "0.8")):
+        with pytest.raises(SystemExit):
+            parse_args(["--worker-urls", "http://127.0.0.1:1", flag, value])
+        assert flag in capsys.readouterr().err
+    c = parse_args(
+        ["--worker-urls", "http://127.0.0.1:1", "--worker-overload-waiting-requests", "0"]
+        + ["--worker-overload-token-usage", "1.0"]
+    )
+    assert c.worker_overload_waiting_requests == 0
 
 
 def _start(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
