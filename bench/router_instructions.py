@@ -14,7 +14,7 @@ Also prints the heaviest functions of each run (own instructions per request, by
 and by symbol), which is where to look for the next saving.
 
 Usage: ``python bench/router_instructions.py [--router fastroute lean ...] [--mode regular|pd]
-[--kind gen|chat] [--size 2048] [--seconds 20] [--checkout DIR ...]``. Needs valgrind and nginx.
+[--kind gen|chat] [--size 2048] [--seconds 20] [--checkout DIR ...] [--trace]``. Needs valgrind and nginx.
 """
 
 from __future__ import annotations
@@ -79,6 +79,31 @@ def self_costs(path: Path) -> tuple[collections.Counter, collections.Counter]:
     return by_ob, by_fn
 
 
+def trace_args(a: argparse.Namespace) -> list[str]:
+    """With --trace: fastroute's flags to export its spans to an OTLP collector that accepts and
+    drops them (started here, outside the counted process)."""
+    if not a.trace:
+        return []
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    class Sink(trace_service_pb2_grpc.TraceServiceServicer):
+        spans = 0
+
+        def Export(self, request, context):  # noqa: N802 (the gRPC method's name)
+            Sink.spans += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Sink(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    a.sink = (server, Sink)
+    return ["--enable-trace", "--otlp-traces-endpoint", f"127.0.0.1:{port}"]
+
+
 def run_one(
     a: argparse.Namespace, router: str, checkout: Path, tmp: Path
 ) -> tuple[int, collections.Counter, collections.Counter]:
@@ -89,7 +114,10 @@ def run_one(
         procs.start("nginx", ["nginx", "-c", str(ov.write_nginx(tmp, be)), "-p", str(tmp), "-e", str(tmp / "err.log")])
         r = next(x for x in floor.routers(a.mode, be, {}, tmp, "cg", "nginx") if x.name == router)
         out = tmp / f"{router}.%p.out"
-        argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, *r.argv[1:]]
+        extra = trace_args(a) if router == "fastroute" else []
+        argv = [sys.executable, *r.argv[1:], *extra]
+        if not a.cpu:
+            argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *argv]
         env = dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=str(checkout))
         p = procs.start("router", argv, env, cwd=checkout)
         err = ov.wait_ready(r.port, p, timeout=300)
@@ -99,7 +127,12 @@ def run_one(
         path = ov.JSON_PATH if a.kind == "gen" else ov.SSE_PATH
         lua = floor.write_lua(tmp, a.kind, path, floor.variants(make, a.size, False, a.size))
         s = ov.Settings(duration=a.seconds, rounds=1, modes=[a.mode], lat_json=0, lat_sse=0)
-        ov.run_wrk(s, r.port, lua, a.connections, 3)  # warm-up: connections, first-use paths
+        ov.run_wrk(s, r.port, lua, a.connections, a.warmup)  # warm-up: connections, first-use paths
+        if a.cpu:  # full speed: the router's CPU time (user + system, its threads included)
+            t0 = ov.tree_cpu_ticks(p.pid)
+            res = ov.run_wrk(s, r.port, lua, a.connections, a.seconds)
+            ticks = ov.tree_cpu_ticks(p.pid) - t0
+            return res["requests"], collections.Counter({"cpu_us": ticks / ov.CLK_TCK * 1e6}), collections.Counter()
         subprocess.run(["callgrind_control", "-z", str(p.pid)], check=True, capture_output=True)
         res = ov.run_wrk(s, r.port, lua, a.connections, a.seconds)
         subprocess.run(["callgrind_control", "-d", str(p.pid)], check=True, capture_output=True)
@@ -109,6 +142,11 @@ def run_one(
         return (res["requests"], *self_costs(dumps[0]))
     finally:
         procs.stop_all()
+        sink = getattr(a, "sink", None)
+        if sink is not None:
+            a.sink = None
+            sink[0].stop(0)
+            print(f"(the collector received {sink[1].spans:,} spans)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,10 +164,26 @@ def main(argv: list[str] | None = None) -> int:
         default=16,
         help="wrk connections (1: every request alone, the event loop's turn per request included)",
     )
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="seconds of load before the count starts (with --trace, past the span processor's 5 s first export)",
+    )
+    ap.add_argument(
+        "--cpu",
+        action="store_true",
+        help="no valgrind: the router's CPU microseconds per request at full speed (noisier; counts its threads)",
+    )
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="run fastroute with --enable-trace, exporting to a collector in this process that drops the spans",
+    )
     a = ap.parse_args(argv)
     if a.checkout and "fastroute" not in a.router:
         ap.error("--checkout selects fastroute builds: give --router fastroute too")
-    for tool in ("valgrind", "callgrind_control", "nginx", "wrk"):
+    for tool in ("nginx", "wrk") if a.cpu else ("valgrind", "callgrind_control", "nginx", "wrk"):
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} not found (Debian: valgrind, nginx, wrk)")
     runs = []
@@ -138,9 +192,20 @@ def main(argv: list[str] | None = None) -> int:
             tmp = Path(tempfile.mkdtemp(prefix="fastroute-cg-"))
             n, by_ob, by_fn = run_one(a, router, c.resolve(), tmp)
             per = sum(by_ob.values()) / n
+            if a.cpu:
+                print(
+                    f"{router}{' --enable-trace' if a.trace else ''}: {per:,.1f} us of router CPU per request "
+                    f"({n:,} requests in {a.seconds} s)",
+                    flush=True,
+                )
+                continue
             label = router if router != "fastroute" or not a.checkout else f"fastroute@{c}"
             runs.append((label, per, n, by_ob, by_fn))
+            if router == "fastroute" and a.trace:
+                label += " --enable-trace"
             print(f"{label}: {per:,.0f} instructions per request ({n:,} requests)", flush=True)
+    if a.cpu:
+        return 0
     print(f"\n### {a.mode} {a.kind} {a.size} B, wrk -c{a.connections}, {a.seconds} s under callgrind\n")
     print("| router | instructions per request | requests |")
     print("|---|---|---|")

@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from fastroute.auth import ControlPlaneKeyError, parse_control_plane_keys
+from fastroute.control import otlp
 from fastroute.flowpolicy import CLASSES, PolicyError, load_rate_limits, load_scheduler, parse_tenant_keys
 from fastroute.kube import parse_selector
 from fastroute.names import (
@@ -272,6 +273,7 @@ def validate(c: Any) -> None:
     _validate_discovery(c)
     _validate_security(c)
     _validate_replica(c)
+    _validate_trace(c)
     _validate_flow(c)
 
 
@@ -542,6 +544,20 @@ def _validate_security(c: Any) -> None:
     for origin in c.cors_allowed_origins:
         _check_origin(origin)
     _at_least("--max-targets-per-worker", c.max_targets_per_worker, 1)
+
+
+def _validate_trace(c: Any) -> None:
+    """--enable-trace needs the OpenTelemetry packages (the 'trace' extra) and an endpoint in
+    one of smg's forms."""
+    if not getattr(c, "enable_trace", False):
+        return
+    if otlp.exporter_missing():
+        raise ConfigError(
+            "--enable-trace", "needs the OpenTelemetry SDK and OTLP/gRPC exporter: pip install 'fastroute[trace]'"
+        )
+    problem = otlp.endpoint_problem(c.otlp_traces_endpoint)
+    if problem is not None:
+        raise ConfigError(otlp.FLAG, problem)
 
 
 def _validate_extensions(c: Any) -> None:

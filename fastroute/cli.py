@@ -64,7 +64,46 @@ def build_parser(prog: str = "fastroute") -> argparse.ArgumentParser:
     add_peer_groups(add)
     add_own_groups(add)
     add_inventory_groups(add)
+    _common_first(parser)
     return parser
+
+
+# The flags most launches need, shown first in --help (each stays defined in its own group's
+# module; only the help listing moves). The peers' compatibility groups stay last.
+COMMON_FLAGS = (
+    "--host",
+    "--port",
+    "--worker-urls",
+    "--pd-disaggregation",
+    "--prefill",
+    "--decode",
+    "--policy",
+    "--dp-aware",
+    "--workers",
+    "--api-key",
+    "--prometheus-port",
+    "--log-level",
+)
+
+
+def _common_first(parser: argparse.ArgumentParser) -> None:
+    """Move COMMON_FLAGS into a first help group, "Common flags" (parsing is unchanged)."""
+    common = parser.add_argument_group(
+        "Common flags", "What most launches set; every group below has the rest (peer-compatible first)."
+    )
+    groups = parser._action_groups  # argparse keeps no public way to order help groups
+    groups.remove(common)
+    for name in COMMON_FLAGS:
+        for group in groups:
+            action = next((a for a in group._group_actions if name in a.option_strings), None)
+            if action is not None:
+                group._group_actions.remove(action)
+                common._group_actions.append(action)
+                break
+        else:
+            raise AssertionError(f"{name} is not a flag")  # a renamed flag must be renamed here
+    first = next(i for i, g in enumerate(groups) if g._group_actions and g.title not in ("positional arguments",))
+    groups.insert(first, common)
 
 
 def _values(argv: Sequence[str], i: int) -> tuple[list[str], int]:

@@ -252,6 +252,9 @@ class Config:
     # 0 means what it says: no connection is kept idle (each request opens its own).
     upstream_pool_idle_timeout_secs: float = 3.0
     sse_keepalive_secs: float = 15.0
+    # --enable-trace: OpenTelemetry spans exported over OTLP/gRPC (fastroute/dataplane/tracing.py).
+    enable_trace: bool = False
+    otlp_traces_endpoint: str = "localhost:4317"
 
     # --- fastroute extensions -------------------------------------------------------------
     decode_input_demand: str = "off"

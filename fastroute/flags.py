@@ -273,8 +273,6 @@ TABLE: tuple[Flag, ...] = (
     # ---- transport, observability and features fastroute does not have ----------------------
     Flag("--upstream-http2", INERT, "fastroute speaks HTTP/1.1 to workers; same workers, same requests"),
     Flag("--mini-lb", INERT, "fastroute replaces mini_lb (same PD request semantics)"),
-    Flag("--enable-trace", INERT, "OpenTelemetry export is not implemented; tracing headers are still forwarded"),
-    Flag("--otlp-traces-endpoint", INERT, "OpenTelemetry export is not implemented"),
     Flag("--jemalloc-prof-dir", INERT, "a heap-profiling route of smg's Rust build"),
     Flag("--enable-rl", INERT, "the /v1/rl control routes are not served (404)"),
     Flag("--rl-", INERT, "only used with --enable-rl"),

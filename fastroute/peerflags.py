@@ -574,6 +574,21 @@ def add_peer_groups(add: Adder) -> None:
         help="Request duration histogram buckets (default: the sglang-router legacy list, 0.001 ... 240 s).",
     )
 
+    add.section("Tracing", "OpenTelemetry spans of each request, exported over OTLP/gRPC (the 'trace' extra).")
+    add(
+        "--enable-trace",
+        action="store_true",
+        help="Export a trace of each request (request, pick, each upstream leg, first token) and "
+        "send each worker the W3C traceparent of its leg (default: off; the client's "
+        "traceparent and tracestate are forwarded as they came).",
+    )
+    add(
+        "--otlp-traces-endpoint",
+        default=d("otlp_traces_endpoint"),
+        metavar="HOST:PORT",
+        help="OTLP/gRPC collector of --enable-trace: host:port or http(s)://host:port (default: %(default)s).",
+    )
+
     add.section("Logging")
     add(
         "--log-level",

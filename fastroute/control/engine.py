@@ -30,6 +30,22 @@ GAUGES: tuple[tuple[str, str, str], ...] = (
     ("smg_engine_gen_throughput", "gen_throughput", "Engine-reported generation throughput"),
     ("smg_engine_cache_hit_rate", "cache_hit_rate", "Engine-reported prefix cache hit rate"),
 )
+# smg's PD gauges {worker, role, dp_rank} from the ``disaggregation`` section of /v1/loads
+# (include=disagg): (metric family, the section's fields summed, help).
+PD_GAUGES: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("smg_engine_pd_kv_transfer_latency_ms", ("kv_transfer_latency_ms",), "Engine-reported KV transfer latency (ms)"),
+    ("smg_engine_pd_kv_transfer_speed_gb_s", ("kv_transfer_speed_gb_s",), "Engine-reported KV transfer speed (GB/s)"),
+    (
+        "smg_engine_pd_prefill_queue_reqs",
+        ("prefill_prealloc_queue_reqs", "prefill_inflight_queue_reqs"),
+        "Engine-reported requests in the prefill's disaggregation queues (bootstrap + in flight)",
+    ),
+    (
+        "smg_engine_pd_decode_queue_reqs",
+        ("decode_prealloc_queue_reqs", "decode_transfer_queue_reqs"),
+        "Engine-reported requests in the decode's disaggregation queues (prealloc + transfer)",
+    ),
+)
 _LIMIT = float(1 << 62)
 
 
@@ -60,6 +76,13 @@ def engine_rows(doc: Any, mode: str) -> list[tuple[str, dict[str, float]]]:
                 v = _number(e.get(key))
                 if v is not None:
                     values[key] = v
+            section = e.get("disaggregation")
+            if isinstance(section, dict):
+                for name, fields, _ in PD_GAUGES:
+                    parts = [_number(section.get(f)) for f in fields]
+                    known = [x for x in parts if x is not None]
+                    if known:
+                        values[name] = sum(known)
         else:
             total, waiting = _number(e.get("num_reqs")), _number(e.get("num_waiting_reqs")) or 0.0
             if total is not None:
@@ -99,6 +122,11 @@ class EngineCollector:
                 out[w.url] = label_value(getattr(w, "model_id", "unknown") or "unknown")
         return out
 
+    def _roles(self) -> dict[str, str]:
+        return {
+            e[0].url: getattr(e[0], "role", "regular") for e in getattr(self.registry, "target_info", None) or [] if e
+        }
+
     def collect(self):
         models = self._models()
         rows = getattr(self.monitor, "engine", None)
@@ -112,6 +140,17 @@ class EngineCollector:
                 for rank, values in ranks:
                     if key in values:
                         g.add_metric([url, model, rank], values[key])
+            yield g
+        roles = self._roles()
+        for name, _, doc in PD_GAUGES:
+            g = GaugeMetricFamily(name, doc + " by worker, role, dp_rank", labels=["worker", "role", "dp_rank"])
+            for url, ranks in rows.items():
+                role = roles.get(url)
+                if role is None:
+                    continue
+                for rank, values in ranks:
+                    if name in values:
+                        g.add_metric([url, role, rank], values[name])
             yield g
         c = CounterMetricFamily(
             "smg_engine_load_polls",

@@ -26,6 +26,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from fastroute.config import DEFAULT_DURATION_BUCKETS, Config
 
 # The smg families and fastroute's status for each (docs/metrics.md's table is generated there).
+from fastroute.control import reasons
+from fastroute.control.dashboard import PAGE as DASHBOARD_PAGE
+from fastroute.control.dashboard import Dashboard
 from fastroute.control.flowmetrics import flow_families
 from fastroute.control.parity import PEER_SERIES, peer_table_markdown  # noqa: F401
 from fastroute.control.worker import target_label
@@ -68,8 +71,7 @@ class Stats:
         # --tokenizer-path (dataplane/tokenize.py): prompts tokenized (inline, pool) or left at
         # the estimate, by reason (timeout, template, tokenizer)
         self.tokenized: dict[str, int] = {}
-        # Flow control (dataplane/flowcontrol.py, only with its flags): refusals by (tenant,
-        # class, reason) and admissions by (tenant, class); the FlowAdmission's own dicts.
+        # Flow control's counters (control/flowmetrics.py); the FlowAdmission's own dicts.
         self.flow_refusals: dict[tuple[str, str, str], int] = {}
         self.flow_admitted: dict[tuple[str, str], int] = {}
         self.flow_top_n = 32  # tenants named in those series (--priority-scheduler-tenant-metric-top-n)
@@ -131,6 +133,7 @@ def group_decisions(groups: dict) -> dict[tuple[str, str, str], int]:
         keys = getattr(g, "key_table", None)
         if keys is not None:
             out[(role, "manual", "evicted")] = int(keys.evicted)
+    out.update(reasons.tree_decisions(groups))
     return out
 
 
@@ -295,7 +298,16 @@ class Collector:
             "manual: routing keys evicted by --max-manual-keys (least recently used first)",
             labels=["role"],
         )
+        why = CounterMetricFamily(
+            "fastroute_pick_reasons",
+            "Picks by the rule that decided them (control/reasons.py)",
+            labels=["role", "reason"],
+        )
+        for (role, reason), n in sorted(reasons.reason_totals(decisions, groups, targets, snap).items()):
+            why.add_metric([role, reason], float(n))
         for (role, family, result), n in sorted(decisions.items()):
+            if family == reasons.FAMILY:
+                continue
             if family == "manual":
                 evicted.add_metric([role], float(n))
             else:
@@ -324,7 +336,7 @@ class Collector:
         tables = [k for k in (getattr(g, "key_table", None) for g in groups.values()) if k is not None]
         if tables:
             keys.add_metric([], float(sum(int(k.count) for k in tables)))
-        yield from (sel, pool, dreq, dtok, shadow, kv, evicted, free, keys)
+        yield from (sel, pool, dreq, dtok, shadow, kv, evicted, free, keys, why)
 
     def _requests(self):
         def merged(attr):
@@ -614,11 +626,14 @@ class MetricsServer:
         self.collector = collector
         self.server: asyncio.AbstractServer | None = None
         self.port = 0
+        self.dashboard = Dashboard(collector)  # GET /dashboard (control/dashboard.py)
+        self._stopping: asyncio.Event | None = None
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     async def start(self, host: str, port: int) -> None:
+        self._stopping = asyncio.Event()
         self.server = await asyncio.start_server(self._handle, host, port, reuse_address=True)
         self.port = self.server.sockets[0].getsockname()[1]
         log.info("metrics on http://%s:%d/metrics", host, self.port)
@@ -627,10 +642,16 @@ class MetricsServer:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
             line = head.split(b"\r\n", 1)[0].split()
-            if len(line) >= 2 and line[0] == b"GET" and line[1].split(b"?")[0] == b"/metrics":
+            path = line[1].split(b"?")[0] if len(line) >= 2 and line[0] == b"GET" else b""
+            if path == b"/metrics":
                 body = self.render()
                 status = b"200 OK"
                 ctype = b"text/plain; version=0.0.4; charset=utf-8"
+            elif path == b"/dashboard/events" and self._stopping is not None:
+                await self.dashboard.stream(writer, self._stopping)
+                return
+            elif path == b"/dashboard":
+                body, status, ctype = DASHBOARD_PAGE, b"200 OK", b"text/html; charset=utf-8"
             else:
                 body, status, ctype = b"not found\n", b"404 Not Found", b"text/plain"
             writer.write(
@@ -650,6 +671,10 @@ class MetricsServer:
             writer.close()
 
     async def stop(self) -> None:
+        if self._stopping is not None:
+            self._stopping.set()  # the dashboard's event streams end
+        for w in list(self.dashboard.clients):
+            w.close()
         if self.server is not None:
             self.server.close()
             await self.server.wait_closed()

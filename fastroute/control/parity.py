@@ -39,7 +39,7 @@ _NO_PD_PHASES = (
 _NO_MCP = "fastroute serves no MCP tools"
 _NO_DB = "fastroute stores no conversations or responses"
 _NO_MM = "fastroute forwards multimodal requests as they are and never processes media"
-_POLL_CORE = "fastroute polls /v1/loads?include=core, which has no disaggregation section"
+_PD_NOTE = "from /v1/loads?include=disagg (control/engine.py sums the queue fields)"
 
 FAMILIES: tuple[Family, ...] = (
     # ---- HTTP layer -------------------------------------------------------------------------
@@ -203,10 +203,10 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "smg_engine_load_polls_total", "counter", ("worker", "mode"), EXPORTED, "mode: v1_loads, get_load or failed"
     ),
-    Family("smg_engine_pd_kv_transfer_latency_ms", "gauge", _PDG, NOT_EXPORTED, _POLL_CORE),
-    Family("smg_engine_pd_kv_transfer_speed_gb_s", "gauge", _PDG, NOT_EXPORTED, _POLL_CORE),
-    Family("smg_engine_pd_prefill_queue_reqs", "gauge", _PDG, NOT_EXPORTED, _POLL_CORE),
-    Family("smg_engine_pd_decode_queue_reqs", "gauge", _PDG, NOT_EXPORTED, _POLL_CORE),
+    Family("smg_engine_pd_kv_transfer_latency_ms", "gauge", _PDG, EXPORTED, _PD_NOTE),
+    Family("smg_engine_pd_kv_transfer_speed_gb_s", "gauge", _PDG, EXPORTED, _PD_NOTE),
+    Family("smg_engine_pd_prefill_queue_reqs", "gauge", _PDG, EXPORTED, _PD_NOTE),
+    Family("smg_engine_pd_decode_queue_reqs", "gauge", _PDG, EXPORTED, _PD_NOTE),
     # ---- policies ---------------------------------------------------------------------------
     Family("smg_manual_policy_cache_entries", "gauge", (), EXPORTED),
     Family(

@@ -5,13 +5,14 @@
 cimport cython
 
 cdef class Breakers:
-    cdef public object table, stats
+    cdef public object stats
+    cdef readonly object table
     cdef readonly object clock, cells
-    cdef object name_of
+    cdef readonly object name_of
     cdef list _ok_key, _fail_key
     cdef readonly bint enabled
     cdef Py_ssize_t failure_threshold, success_threshold, _timeout_us
-    cdef public Py_ssize_t capacity
+    cdef readonly Py_ssize_t capacity
     cdef public double timeout
 
     @cython.locals(d=dict)

@@ -12,10 +12,12 @@ cdef class Admission:
     cdef readonly bint enabled
     cdef readonly Py_ssize_t queue_size, active
     cdef Py_ssize_t limit
-    cdef public double capacity, tokens
+    cdef public double tokens
+    cdef readonly double capacity
     cdef readonly double rate, queue_timeout
     cdef double _at
-    cdef readonly object loop, queue
+    cdef readonly object loop
+    cdef readonly object queue
     cdef object _wake
     cdef public Telemetry tel
 

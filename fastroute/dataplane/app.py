@@ -82,8 +82,18 @@ class App:
         self.tel: Telemetry = NULL_TELEMETRY
         self.limits = Limits(config, guarded)
         self.live = Live()
+        # --enable-trace: exchanges and routes that add spans (tracing.py); off, nothing changes.
+        exchange: Any = None
+        route: Any = None
+        self.tracer: Any = None
+        if config.enable_trace:
+            from fastroute.dataplane.tracing import traced_parts
+
+            self.tracer, exchange, route = traced_parts(config, bool(config.pd_disaggregation))
         self.upstreams = (
-            upstreams if upstreams is not None else Upstreams(config, registry, loop, breakers, room_rng, worker_tls)
+            upstreams
+            if upstreams is not None
+            else Upstreams(config, registry, loop, breakers, room_rng, worker_tls, route)
         )
         # Flow control (priority classes, tenants, shedding; dataplane/flowcontrol.py) only with
         # its flags: then it is the admission, else the plain concurrency limit is.
@@ -100,7 +110,17 @@ class App:
             )
         )
         self.endpoints = Endpoints(
-            config, self.limits, self.upstreams, self.live, self.admission, registry, admin_auth, self.tel, loop, tokens
+            config,
+            self.limits,
+            self.upstreams,
+            self.live,
+            self.admission,
+            registry,
+            admin_auth,
+            self.tel,
+            loop,
+            tokens,
+            exchange,
         )
         if self.flow is not None:
             self.flow.begin = self.endpoints.begin
@@ -172,3 +192,5 @@ class App:
         for t in list(self.endpoints.admin_tasks):
             t.cancel()
         self.upstreams.close()
+        if self.tracer is not None:
+            self.tracer.shutdown()  # the last spans, bounded: a collector that is down cannot hold the exit

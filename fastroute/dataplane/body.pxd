@@ -8,7 +8,8 @@ from fastroute.dataplane._splice cimport object_bounds, with_int
 from fastroute.dataplane.fields cimport FieldPicker
 
 cdef class RequestMeta:
-    cdef public object _obj, body, fields, batch, input_tokens, return_logprob, max_new_tokens, model, path, labels, token_ids
+    cdef public object _obj, body, fields, batch, input_tokens, return_logprob, max_new_tokens, path, labels, token_ids
+    cdef readonly object model
     cdef readonly object stream
 
     cpdef shed(self)

@@ -23,8 +23,10 @@ cdef class Endpoints:
     cdef Upstreams _upstreams
     cdef Live _live
     cdef Admission _admission
-    cdef object _registry, _admin_auth, _loop, _api_key, _model_role
-    cdef bint _pd, _igw, _audit
+    cdef object _registry, _loop
+    cdef object _admin_auth, _api_key, _model_role, _exchange
+    cdef bint _audit
+    cdef bint _pd, _igw
 
     cpdef handle(self, proto, Request req)
     @cython.locals(meta=RequestMeta)

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from fastroute.control.models import ModelGroups
     from fastroute.dataplane.admission import Admission, Waiter
     from fastroute.dataplane.body import RequestMeta
+    from fastroute.dataplane.exchange import _Exchange
     from fastroute.dataplane.limits import Limits
     from fastroute.dataplane.live import Live
     from fastroute.dataplane.protocol import ClientProtocol
@@ -80,6 +81,7 @@ class Endpoints:
         "_igw",
         "_model_role",
         "_audit",
+        "_exchange",
     )
 
     def __init__(
@@ -94,6 +96,7 @@ class Endpoints:
         tel: Telemetry,
         loop: asyncio.AbstractEventLoop,
         tokens: Tokens | None = None,
+        exchange: type[_Exchange] | None = None,
     ) -> None:
         self._limits = limits
         self._upstreams = upstreams
@@ -111,6 +114,9 @@ class Endpoints:
         self._igw = bool(config.enable_igw)
         self._model_role = "decode" if self._pd else "regular"  # whose groups know the models
         self._audit = bool(config.control_plane_audit_enabled)
+        # The exchange class: Relay, or PDRelay under PD; a subclass that adds to it when one is
+        # handed in (--enable-trace, --speed-aware).
+        self._exchange: type[_Exchange] = exchange if exchange is not None else PDRelay if self._pd else Relay
 
     # -- the inference path -------------------------------------------------------
     def handle(self, proto: ClientProtocol, req: Request) -> None:
@@ -186,14 +192,9 @@ class Endpoints:
 
     def begin(self, proto: ClientProtocol, req: Request, path: bytes, meta: RequestMeta) -> None:
         """Start the exchange of an admitted request (it owns the admission slot from here)."""
-        if self._pd:
-            PDRelay(
-                proto, req, path, meta, self._upstreams, self._limits, self._live, self.tel, self._admission
-            ).attempt()
-        else:
-            Relay(
-                proto, req, path, meta, self._upstreams, self._limits, self._live, self.tel, self._admission
-            ).attempt()
+        self._exchange(
+            proto, req, path, meta, self._upstreams, self._limits, self._live, self.tel, self._admission
+        ).attempt()
 
     def wait(self, proto: ClientProtocol, req: Request, path: bytes, meta: RequestMeta) -> None:
         """Over --max-concurrent-requests: queue (FIFO) or refuse with 429 (with flow control,

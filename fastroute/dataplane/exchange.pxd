@@ -24,18 +24,19 @@ cdef class _Exchange(Leg):
     cdef public Limits limits
     cdef public Live live
     cdef public Telemetry tel
-    cdef public Admission admission
+    cdef readonly Admission admission
     cdef public object leases, rid, path
     cdef readonly object retry_handle
     cdef object head
     cdef public list out
     cdef public double deadline
-    cdef readonly double started_at, ka_due
+    cdef readonly double started_at
+    cdef readonly double ka_due
     cdef public bint chunked, keep_alive, slot
     cdef readonly bint finished
     cdef bint started, gave_up, ka_sent
     cdef public Py_ssize_t status
-    cdef Py_ssize_t tries
+    cdef readonly Py_ssize_t tries
 
     # Called on self (and by the PD legs on their typed exchange): C calls, not Python ones.
     cpdef _init(self, client, req, path, meta, upstreams, limits, live, tel, admission)

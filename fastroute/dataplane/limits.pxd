@@ -2,10 +2,12 @@
 # setup.py): Limits becomes an extension type whose settings the typed protocol, endpoints and
 # exchanges read as C fields. The .py stays the source; keep both in step.
 cdef class Limits:
-    cdef readonly Py_ssize_t max_payload, max_attempts, pd_max_batch_size
+    cdef readonly Py_ssize_t max_payload
+    cdef readonly Py_ssize_t max_attempts, pd_max_batch_size
     cdef public double timeout
     cdef readonly double header_timeout, body_timeout, idle_timeout, sse_keepalive
     cdef readonly bint guarded
     cdef readonly object cors
     cdef readonly dict header_flags
-    cdef readonly tuple rid_headers, key_headers
+    cdef readonly tuple key_headers
+    cdef readonly tuple rid_headers

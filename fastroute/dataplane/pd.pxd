@@ -28,7 +28,8 @@ cdef class PDRelay(_Exchange):
 
 cdef class _PDLeg(Leg):
     cdef readonly PDRelay ex
-    cdef public object role, headers, chunks
+    cdef public object headers, chunks
+    cdef readonly object role
     cdef public Py_ssize_t status, size, target
     cdef public bint done
 

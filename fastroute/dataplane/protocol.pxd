@@ -18,12 +18,13 @@ cdef class ClientProtocol(ClientSide):
     cdef public object transport, parser
     cdef dict _flags
     cdef public bint busy, draining
-    cdef readonly bint _conn
+    cdef bint _conn
     cdef bint bad_request, in_head, head_only, _expect
     cdef readonly object queue
     cdef public double head_deadline, http_t0
     cdef readonly Request _req
-    cdef public object _url, waiter, http_key
+    cdef public object waiter, http_key
+    cdef object _url
     cdef object _fwd, _chunks, _rid_vals, _key_vals, _body_check
     cdef object _bad_message, _cl
     cdef Py_ssize_t _head_size, _head_bytes, _bad_status

@@ -9,9 +9,11 @@ cdef class Route:
     cdef readonly Pool pool
     cdef bytes host_part
     cdef public object worker, authority, auth, prefill_rank
-    cdef readonly object rank_field, bootstrap, prefill_dp_size
+    cdef readonly object rank_field
+    cdef readonly object bootstrap, prefill_dp_size
     cdef public object port
-    cdef readonly object index, prefill_rank_field
+    cdef readonly object index
+    cdef readonly object prefill_rank_field
 
     cdef bytes frame(self, Request req, Py_ssize_t length)
     cpdef send_injected(self, Request req, Py_ssize_t end, bytes sep, bytes fields, leg)

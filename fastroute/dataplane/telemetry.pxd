@@ -11,8 +11,9 @@ from fastroute.dataplane.body cimport RequestMeta
 
 cdef class PathLabels:
     cdef public tuple ok
-    cdef readonly tuple routed, routed_stream, endpoint
-    cdef public str model
+    cdef public tuple endpoint
+    cdef readonly tuple routed, routed_stream
+    cdef readonly str model
 
 cdef class Telemetry:
     cpdef double clock(self)

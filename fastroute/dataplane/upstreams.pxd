@@ -9,7 +9,9 @@ cdef class Upstreams:
     cdef public Telemetry tel
     cdef public object stats
     cdef object worker_tls
-    cdef object _registry, _roles, _breakers, _loop, _api_key, _rank_field, _retry_rng
+    cdef object _registry, _breakers, _loop
+    cdef object _roles, _route
+    cdef object _api_key, _rank_field, _retry_rng
     cdef readonly dict _groups
     cdef dict _pools, _row_owner
     cdef double _pool_idle, _backoff_initial, _backoff_max, _backoff_mult, _backoff_jitter

@@ -36,7 +36,8 @@ class Upstreams:
     ``breakers`` (a ``fastroute.core.breaker.Breakers``) is built by the runtime; None runs
     without circuit breakers. ``worker_tls`` is the TLS client context for https:// workers
     (made by the runtime from ``--ca-cert-paths`` and the client certificate; made with the
-    system CAs on first need when None).
+    system CAs on first need when None). ``route`` is the class of the routes (default
+    :class:`~fastroute.dataplane.route.Route`; tracing hands in a subclass).
     """
 
     __slots__ = (
@@ -60,6 +61,7 @@ class Upstreams:
         "_backoff_mult",
         "_backoff_jitter",
         "_retry_rng",
+        "_route",
     )
 
     def __init__(
@@ -70,6 +72,7 @@ class Upstreams:
         breakers: Breakers | None = None,
         room_rng: random.Random | None = None,
         worker_tls: Any = None,
+        route: type[Route] | None = None,
     ) -> None:
         pd = bool(config.pd_disaggregation)
         self._registry = registry
@@ -79,6 +82,8 @@ class Upstreams:
         self.tel: Telemetry = NULL_TELEMETRY  # App.stats swaps in the counting one
         self.stats: Any = None  # fastroute.control.metrics.Stats, to forget a removed worker's series
         self.worker_tls = worker_tls
+        # The class of each target's route: Route, or a subclass that adds to it (--enable-trace).
+        self._route = route if route is not None else Route
         # The bootstrap room of a PD pair (pd.py) is drawn from here.
         self.room_rng = room_rng if room_rng is not None else random.Random(config.seed)
         self._pools: dict[Any, Pool] = {}  # by (worker identity, port): a re-added URL is a new worker
@@ -178,8 +183,8 @@ class Upstreams:
         port = rank_port(worker, rank)
         key = worker.api_key or self._api_key
         if port is not None:  # a per-rank-port server: the rank's own port
-            return Route(worker, rank, self.pool_for(worker, port), key, self._rank_field, port)
-        return Route(worker, rank, self.pool_for(worker), key, self._rank_field)
+            return self._route(worker, rank, self.pool_for(worker, port), key, self._rank_field, port)
+        return self._route(worker, rank, self.pool_for(worker), key, self._rank_field)
 
     def pool_for(self, worker: Any, port: int | None = None) -> Pool:
         """The keep-alive pool of ``worker`` on ``port`` (default its own; one per worker

@@ -500,6 +500,8 @@ _INERT = (
         "the picker does not rewrite x-request-id; Envoy forwards the client's headers and makes its own x-request-id",
     ),
     ("sse_keepalive_secs", "--sse-keepalive-secs", "the picker relays no stream, so it sends no keep-alive comments"),
+    ("enable_trace", "--enable-trace", "the picker relays no request; Envoy's own tracing covers the path"),
+    ("otlp_traces_endpoint", "--otlp-traces-endpoint", "only used with --enable-trace, which the picker does not do"),
     (
         "bootstrap_port_annotation",
         "--bootstrap-port-annotation",

@@ -202,6 +202,7 @@ async def assemble(
             raise bind_error("--prometheus-port", config.prometheus_host, int(config.prometheus_port), exc) from None
         if parts.monitor is not None:  # smg's engine gauges from the load polls
             parts.metrics.registry.register(EngineCollector(parts.monitor, registry))
+            parts.metrics.dashboard.monitor = parts.monitor  # the live view's per-rank hit rate
         if parts.kv_events is not None:
             parts.metrics.registry.register(KvEventsCollector(parts.kv_events))
     # A proxy process's registry has a ledger of its own and follows the supervisor's, which

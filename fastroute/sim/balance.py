@@ -294,6 +294,11 @@ class RouterProcess:
         if self._log is not None:
             self._log.close()
             self._log = None
+            try:  # a router that said nothing leaves no empty log behind
+                if os.path.getsize(self.log_path) == 0:
+                    os.remove(self.log_path)
+            except OSError:
+                pass
 
 
 def balance_stats(samples: list[tuple]) -> dict:
@@ -530,7 +535,7 @@ async def run_matrix(
                     print(
                         f"   done={ld['completed']} err={ld['errors']} outstanding CV="
                         f"{_f(r['balance'].get('outstanding_cv'))} TTFT p90={_f(ld['ttft_p90_ms'], 0)} ms "
-                        f"TPOT p90={_f(ld['tpot_p90_ms'], 1)} ms out tok/s={_f(ld['output_tok_s'], 0)}",
+                        f"TPOT p90={_f(ld['tpot_p90_ms'], 1)} ms out tok/s={_f(ld['output_tok_s'], 0)} simulated",
                         file=sys.stderr,
                         flush=True,
                     )

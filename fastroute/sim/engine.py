@@ -92,6 +92,8 @@ class _PrefillRank:
         "cache",
         "uncached_total",
         "busy_us",
+        "input_tokens",
+        "hit_tokens",
     )
 
     def __init__(self, cache: PrefixCache) -> None:
@@ -104,6 +106,8 @@ class _PrefillRank:
         self.cache = cache
         self.uncached_total = 0  # prompt tokens computed (not found in the cache), cumulative
         self.busy_us = 0  # wall microseconds spent computing, cumulative
+        self.input_tokens = 0  # prompt tokens of started prefills, and of those the cached ones
+        self.hit_tokens = 0  # (the rank's cache_hit_rate in /v1/loads)
 
 
 class PrefillEngine:
@@ -223,6 +227,8 @@ class PrefillEngine:
                 cached = self._cached_tokens(r, g)
                 self.input_tokens += g.input_tokens
                 self.hit_tokens += cached
+                r.input_tokens += g.input_tokens
+                r.hit_tokens += cached
                 dur = self.p.time_scale * (
                     self.p.prefill_base_ms / 1000.0 + (g.input_tokens - cached) / self.p.prefill_tokens_per_s
                 )

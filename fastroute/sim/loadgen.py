@@ -354,7 +354,7 @@ async def run_load(
             toks = sum(1 for r in records[-4 * concurrency :] for t in r.token_times if t >= now - 5.0)
             print(
                 f"  [load C={concurrency}] t={now - t_begin:5.1f}s done={ok} recent={len(recent)} "
-                f"err={errors} out_tok/s~{toks / 5.0:.0f}",
+                f"err={errors} out_tok/s~{toks / 5.0:.0f} wall-clock",
                 file=sys.stderr,
                 flush=True,
             )

@@ -12,6 +12,15 @@ def _now_ts() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + "+00:00"
 
 
+def _hit_rate(w: Any, i: int) -> float:
+    """Rank ``i``'s prefix-cache hit rate: cached over computed prompt tokens (a prefill's ranks;
+    0.0 elsewhere, as an engine without a cache reports)."""
+    ranks = w.prefill.ranks if w.prefill is not None else None
+    if not ranks or i >= len(ranks) or not ranks[i].input_tokens:
+        return 0.0
+    return round(ranks[i].hit_tokens / ranks[i].input_tokens, 6)
+
+
 def loads_doc(w: Any, sections: set[str], dp_rank: int | None) -> dict:
     """The ``/v1/loads`` document of ``w``, a ``server.SimWorker`` (its ``loads_json``)."""
     p = w.p
@@ -35,7 +44,7 @@ def loads_doc(w: Any, sections: set[str], dp_rank: int | None) -> dict:
             "max_total_num_tokens": cap,
             "token_usage": round(used / cap, 6) if cap else 0.0,
             "gen_throughput": 0.0,
-            "cache_hit_rate": 0.0,
+            "cache_hit_rate": _hit_rate(w, i),
             "utilization": round(min(1.0, run / max(1, p.max_running_requests)), 6),
             "max_running_requests": p.max_running_requests,
             "num_waiting_uncached_tokens": w.prefill.waiting_uncached(i) if w.prefill is not None else 0,

@@ -34,7 +34,7 @@ def markdown_table(results: list[dict], time_scale: float) -> str:
         )
         lines.append(
             "| policy | outstanding CV | running CV | busiest batch | KV busiest/mean | step ms "
-            "| TPOT p50 / p90 | TTFT p50 / p90 | interactivity p50 / p90 | out tok/s | done | err |"
+            "| TPOT p50 / p90 | TTFT p50 / p90 | interactivity p50 / p90 | out tok/s (simulated) | done | err |"
         )
         lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in results:
@@ -49,6 +49,10 @@ def markdown_table(results: list[dict], time_scale: float) -> str:
                 f"{_f(ld['interactivity_p50'], 1)} / {_f(ld['interactivity_p90'], 1)} | "
                 f"{_f(ld['output_tok_s'], 0)} | {ld['completed']} | {ld['errors']} |"
             )
+        lines.append(
+            f"\nThroughput per simulated second; the wall-clock throughput is that divided by the time "
+            f"scale ({time_scale:g}), as the progress lines (`out_tok/s~ ... wall-clock`) show it."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -125,26 +129,39 @@ def write_plots(results: list[dict], out_dir: str) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     for conc in sorted({r["concurrency"] for r in results}):
-        rows = [r for r in results if r["concurrency"] == conc and r["samples"]]
-        if not rows:
+        fig = outstanding_figure(results, conc)
+        if fig is None:
             continue
-        fig, axes = plt.subplots(len(rows), 1, figsize=(10, 2.2 * len(rows)), sharex=True, squeeze=False)
-        for ax, r in zip(axes[:, 0], rows):
-            t = [s[0] - r["t0"] for s in r["samples"]]
-            n_ranks = len(r["samples"][0][3])
-            for k in range(n_ranks):
-                ax.plot(t, [s[3][k] for s in r["samples"]], lw=0.8, label=f"rank {k}")
-            ax.set_title(f"{r['label']}: outstanding CV {_f(r['balance'].get('outstanding_cv'))}", fontsize=9)
-            ax.set_ylabel("outstanding")
-        axes[-1, 0].set_xlabel("seconds (wall) in the measured window")
-        fig.legend(*axes[0, 0].get_legend_handles_labels(), ncol=8, fontsize=7, loc="lower center")
-        fig.suptitle(f"Per-rank outstanding requests (running + waiting), concurrency {conc}")
-        fig.tight_layout(rect=(0, 0.03, 1, 0.97))  # leave room for the suptitle
         path = os.path.join(out_dir, f"outstanding_c{conc}.png")
         fig.savefig(path, dpi=90)
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def outstanding_figure(results: list[dict], conc: int) -> Any:
+    """The figure of one concurrency (None: no samples): a panel per policy, every panel on one
+    y scale (a balanced policy looks flat next to round robin) with whole-request ticks."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    rows = [r for r in results if r["concurrency"] == conc and r["samples"]]
+    if not rows:
+        return None
+    fig, axes = plt.subplots(len(rows), 1, figsize=(10, 2.2 * len(rows)), sharex=True, sharey=True, squeeze=False)
+    for ax, r in zip(axes[:, 0], rows):
+        t = [s[0] - r["t0"] for s in r["samples"]]
+        n_ranks = len(r["samples"][0][3])
+        for k in range(n_ranks):
+            ax.plot(t, [s[3][k] for s in r["samples"]], lw=0.8, label=f"rank {k}")
+        ax.set_title(f"{r['label']}: outstanding CV {_f(r['balance'].get('outstanding_cv'))}", fontsize=9)
+        ax.set_ylabel("outstanding")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[-1, 0].set_xlabel("seconds (wall) in the measured window")
+    fig.legend(*axes[0, 0].get_legend_handles_labels(), ncol=8, fontsize=7, loc="lower center")
+    fig.suptitle(f"Per-rank outstanding requests (running + waiting), concurrency {conc}")
+    fig.tight_layout(rect=(0, 0.03, 1, 0.97))  # leave room for the suptitle
+    return fig
 
 
 def write_outputs(results: list[dict], out_dir: str, time_scale: float, kv_params: SimParams | None = None) -> str:

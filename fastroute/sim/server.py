@@ -118,6 +118,8 @@ class SimWorker:
         self.requests = 0
         self.flushes = 0
         self.last_bodies: deque = deque(maxlen=16)  # recent inference bodies, for tests/debugging
+        # The W3C traceparent of each recent inference request (None: it had none), for tests.
+        self.traceparents: deque = deque(maxlen=64)
         self.port_requests = [0] * len(self.rank_servers)  # inference requests per listener
         self.wrong_prefill_rank = 0  # decode items whose disagg_prefill_dp_rank was not the room's
         # KV events and LoadStat per rank over ZMQ (kvevents), with --kv-events-port-base
@@ -261,6 +263,8 @@ class SimWorker:
             if len(self.last_bodies) == self.last_bodies.maxlen:
                 self.last_bodies.popleft()
             self.last_bodies.append((req.path, req.body if len(req.body) < 4096 else req.body[:4096]))
+            tp = req.headers.get(b"traceparent")
+            self.traceparents.append(tp.decode("latin-1") if tp is not None else None)
             if rank is not None:
                 # A rank's own port: the request runs there, whatever rank the body names.
                 for it in g.items:

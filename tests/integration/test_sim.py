@@ -410,6 +410,9 @@ def test_demo_runs_end_to_end(tmp_path) -> None:
         assert r["load"]["completed_total"] > 0 and r["load"]["errors"] == 0, r
         assert r["balance"]["samples"] > 0
     assert (out / "balance.md").exists()
+    assert "out tok/s (simulated)" in proc.stdout
+    empty = [p for p in out.rglob("*") if p.is_file() and p.stat().st_size == 0]
+    assert not empty, empty  # no empty router log left behind
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "outstanding_c8.png").stat().st_size > 1000
 

@@ -606,14 +606,14 @@ def test_main_runs_server_with_config(monkeypatch, restore_root_logging, tmp_pat
     seen: list[Config] = []
     monkeypatch.setattr(cli, "run", lambda config, factory: seen.append(config) or 0)
     log_dir = tmp_path / "logs"
-    rc = main(["--port", "0", "--log-level", "warn", "--log-dir", str(log_dir), "--enable-trace"])
+    rc = main(["--port", "0", "--log-level", "warn", "--log-dir", str(log_dir), "--upstream-http2"])
     assert rc == 0 and len(seen) == 1 and seen[0].port == 0
     assert logging.getLogger().level == logging.WARNING
     # The ignored-flag warning went through the configured handlers into the log file.
     for h in logging.getLogger().handlers:
         h.flush()
     text = (log_dir / "fastroute.log").read_text()
-    assert "WARNING" in text and "fastroute.config" in text and "--enable-trace" in text
+    assert "WARNING" in text and "fastroute.config" in text and "--upstream-http2" in text
 
 
 def test_main_accepts_launch_subcommand(monkeypatch, restore_root_logging) -> None:

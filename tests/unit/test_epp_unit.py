@@ -501,6 +501,8 @@ _INERT_SAMPLES = {
     "--prometheus-duration-buckets": ["--prometheus-duration-buckets", "0.1", "1"],
     "--request-id-headers": ["--router-request-id-headers", "x-my-id"],
     "--sse-keepalive-secs": ["--sse-keepalive-secs", "5"],
+    "--enable-trace": ["--enable-trace"],
+    "--otlp-traces-endpoint": ["--otlp-traces-endpoint", "127.0.0.1:4317"],
     "--bootstrap-port-annotation": ["--bootstrap-port-annotation", "x/port"],
     "--prefill-policy": ["--prefill-policy", "round_robin"],
     "--decode-policy": ["--decode-policy", "round_robin"],

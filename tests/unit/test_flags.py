@@ -371,18 +371,18 @@ def test_inert_flags_warn_once_with_the_reason(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="fastroute.config"):
         parse_args(
             [
-                "--enable-trace",
-                "--router-enable-trace",
-                "--otlp-traces-endpoint",
-                "x:1",
+                "--upstream-http2",
+                "--router-upstream-http2",
+                "--jemalloc-prof-dir",
+                "x",
                 "--remove-unhealthy-workers",
                 "--disable-worker-overload-protection",
             ]
         )
     lines = [r.getMessage() for r in caplog.records]
     assert [line.split()[0] for line in lines] == [
-        "--enable-trace",
-        "--otlp-traces-endpoint",
+        "--upstream-http2",
+        "--jemalloc-prof-dir",
         "--remove-unhealthy-workers",
     ]
     assert all("(" in line and line.endswith(")") for line in lines)
