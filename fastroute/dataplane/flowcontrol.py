@@ -6,7 +6,7 @@ Installed only when a flow-control flag is given (``--priority-scheduler-enabled
 :class:`~fastroute.dataplane.admission.Admission`. Without those flags nothing here is imported by the request path
 and the plain admission's fast path (one comparison) stays what it was.
 
-How a request goes through (:meth:`FlowAdmission.enqueue`, reached from ``App.wait``: the
+How a request goes through (:meth:`FlowAdmission.enqueue`, reached from ``Endpoints.wait``: the
 flow admission's ``try_enter`` always declines so every parsed request comes here):
 
 1. tenant: ``auth:<id>`` (a ``--tenant-api-key`` bearer key), ``header:<id>``
@@ -200,7 +200,7 @@ class FlowAdmission(Admission):
 
     # ---- the Admission interface ------------------------------------------------------------
     def try_enter(self) -> bool:
-        return False  # every request goes through enqueue (App.wait)
+        return False  # every request goes through enqueue (Endpoints.wait)
 
     def leave(self) -> None:
         self.running -= 1
