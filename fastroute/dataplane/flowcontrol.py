@@ -3,8 +3,8 @@
 Installed only when a flow-control flag is given (``--priority-scheduler-enabled``,
 ``--tenant-rate-limit-enabled``, ``--tenant-api-key``, ``--worker-overload-shed``):
 :func:`install` makes the App's admission a :class:`FlowAdmission` instead of the plain
-:class:`~fastroute.dataplane.admission.Admission`. Without those flags nothing here is imported by the request path
-and the plain admission's fast path (one comparison) stays what it was.
+:class:`~fastroute.dataplane.admission.Admission`. Without those flags nothing here runs on the
+request path, and the plain admission's fast path (one comparison) stays what it was.
 
 How a request goes through (:meth:`FlowAdmission.enqueue`, reached from ``Endpoints.wait``: the
 flow admission's ``try_enter`` always declines so every parsed request comes here):
