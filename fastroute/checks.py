@@ -565,6 +565,7 @@ def _validate_extensions(c: Any) -> None:
         ("--decode-input-demand", c.decode_input_demand),
         ("--prefill-input-demand", c.prefill_input_demand),
         ("--decode-kv-fit", c.decode_kv_fit),
+        ("--speed-aware", c.speed_aware),
     ):
         if mode not in MODES:
             raise ConfigError(flag, f"invalid value {mode!r}; choose from off, shadow, on")
@@ -597,6 +598,7 @@ def _validate_extensions(c: Any) -> None:
     if c.cache_aware_rank_slack is not None:
         _at_least("--cache-aware-rank-slack", c.cache_aware_rank_slack, 0)
     _validate_kv_events(c)
+    _validate_speed(c)
     _finite_at_least("--tokenize-timeout-ms", c.tokenize_timeout_ms, 0.0)
     _at_least("--tokenizer-cache-l0-max-entries", c.tokenizer_cache_l0_max_entries, 1)
     _at_least("--tokenizer-cache-l0-max-memory", c.tokenizer_cache_l0_max_memory, 1)
@@ -614,6 +616,30 @@ def _validate_extensions(c: Any) -> None:
                     "does not combine with the manual policy (it pins each "
                     "routing key to one worker); use --decode-policy power_of_two",
                 )
+
+
+def _validate_speed(c: Any) -> None:
+    if c.speed_slo_unmet not in ("best_effort", "refuse"):
+        raise ConfigError("--speed-slo-unmet", f"invalid value {c.speed_slo_unmet!r}; choose from best_effort, refuse")
+    if c.speed_slo_unmet == "refuse" and c.speed_aware != "on":
+        raise ConfigError("--speed-slo-unmet", "refuse needs --speed-aware on (the fits predict who meets a target)")
+    if c.speed_aware == "off":
+        return
+    decoding = c.decode_policy if c.pd_disaggregation else c.policy
+    if decoding not in ("power_of_two", "random", "round_robin"):
+        raise ConfigError(
+            "--speed-aware",
+            f"places decode targets itself; the {decoding} policy keeps state of its own picks "
+            "(use --decode-policy power_of_two, or --policy in regular mode)",
+        )
+    if c.workers != 1:
+        raise ConfigError("--speed-aware", "fits speeds in one router process; needs --workers 1")
+    if c.enable_igw:
+        raise ConfigError("--speed-aware", "does not combine with --enable-igw (per-model groups)")
+    if c.enable_trace:
+        raise ConfigError(
+            "--speed-aware", "does not combine with --enable-trace yet (each replaces the exchange with its own)"
+        )
 
 
 def _validate_kv_events(c: Any) -> None:

@@ -266,6 +266,9 @@ class Config:
     workers: int = 1
     decode_kv_fit: str = "off"
     decode_kv_reserve_tokens: int = 0
+    # placement by each server's measured speed (fastroute.core.speed, core.speedplace)
+    speed_aware: str = "off"
+    speed_slo_unmet: str = "best_effort"  # a request whose SLO no rank is predicted to meet
     # cache_aware's bound on DP ranks (None = by leg: core.cache_aware.leg_rank_slack)
     cache_aware_rank_slack: int | None = None
     # Exact tokens (fastroute.dataplane.tokenize): smg's tokenizer flags, local paths only

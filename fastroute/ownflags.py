@@ -97,6 +97,27 @@ def add_own_groups(add: Adder) -> None:
         "usual pick and counts agreement (default: %(default)s).",
     )
     add(
+        "--speed-aware",
+        choices=DEMAND_MODES,
+        default=d("speed_aware"),
+        help="Mixed hardware: fit each decode server's step time against its busiest rank's "
+        "requests from the gaps of the streams the router relays (and each prefill rank's "
+        "tokens/s), and place a decode (or regular) request on the rank of least predicted time "
+        "per output token once it is added, a prefill on the rank of least predicted queueing "
+        "time; servers of equal measured speed are left to the policy. 'shadow' dispatches the "
+        "usual pick and counts agreement; needs a decode policy of power_of_two, random or "
+        "round_robin and one router process (default: %(default)s).",
+    )
+    add(
+        "--speed-slo-unmet",
+        choices=("best_effort", "refuse"),
+        default=d("speed_slo_unmet"),
+        help="With --speed-aware on, requests may carry latency targets in llm-d's headers "
+        "x-slo-ttft-ms and x-slo-tpot-ms; they go to the rank predicted to meet them with the "
+        "least headroom to spare. When no rank is predicted to meet them: best_effort places them "
+        "as usual, refuse answers 503 slo_unattainable with Retry-After (default: %(default)s).",
+    )
+    add(
         "--cache-aware-rank-slack",
         type=int,
         default=d("cache_aware_rank_slack"),

@@ -436,6 +436,9 @@ class AdminAPI:
             "aggregate": agg,
             "workers": legacy,
         }
+        speed = getattr(getattr(self.registry, "router", None), "speed", None)
+        if speed is not None:  # --speed-aware: each server's fitted speed
+            doc["speed"] = speed.report()
         return 200, _json(doc), _JSON
 
     async def _fan_out(

@@ -12,7 +12,10 @@ from prometheus_client.core import CounterMetricFamily
 
 
 def flow_families(refusals: dict, admitted: dict, top_n: int) -> Any:
-    """The flow-control series; tenants past the ``top_n`` busiest are labelled ``other``."""
+    """The flow-control series (none before flow control counted anything); tenants past the
+    ``top_n`` busiest are labelled ``other``."""
+    if not refusals and not admitted:
+        return
     per_tenant: dict[str, int] = {}
     for d in (refusals, admitted):
         for k, v in d.items():

@@ -112,6 +112,21 @@ def decode_load(payload: bytes) -> tuple[int, int, int, int, int] | None:
     return running, waiting, tokens, cap if cap > 0 else -1, uncached
 
 
+def prefill_counters(payload: bytes) -> tuple[int, int] | None:
+    """(total_prefill_uncached_tokens, total_prefill_busy_us) of a LoadStat that carries them
+    (SGLang's fields 9 and 10), else None."""
+    try:
+        doc = _any_decoder.decode(payload)
+    except (msgspec.DecodeError, ValueError):
+        return None
+    if not isinstance(doc, list) or len(doc) < 11 or doc[0] != "LoadStat":
+        return None
+    unc, busy = doc[9], doc[10]
+    if type(unc) is not int or type(busy) is not int or unc < 0 or busy < 0:
+        return None
+    return unc, busy
+
+
 # ---- where a worker publishes -----------------------------------------------------------------
 @dataclass(frozen=True)
 class Publisher:
@@ -277,6 +292,7 @@ class KvEvents:
         self.streams: dict[tuple[str, int], RankStream] = {}
         self._said: set[tuple[str, str]] = set()  # (worker url, reason) logged once
         self._pushed: dict[int, float] = {}  # target row -> monotonic time of its last LoadStat
+        self.speed: Any = None  # --speed-aware's SpeedBook: a prefill's busy time per uncached token
 
     # ---- what the registry has ------------------------------------------------------------------
     def sync(self, workers: list[Worker]) -> None:
@@ -407,6 +423,10 @@ class KvEvents:
                     s.malformed += 1
                     continue
                 self._apply_load(s, load)
+                if self.speed is not None and s.prefill:
+                    counters = prefill_counters(frames[2])
+                    if counters is not None:
+                        self.speed.prefill_counters(s.target, *counters)
         finally:
             sock.close(linger=0)
 

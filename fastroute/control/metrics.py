@@ -31,6 +31,7 @@ from fastroute.control.dashboard import PAGE as DASHBOARD_PAGE
 from fastroute.control.dashboard import Dashboard
 from fastroute.control.flowmetrics import flow_families
 from fastroute.control.parity import PEER_SERIES, peer_table_markdown  # noqa: F401
+from fastroute.control.speedmetrics import speed_families
 from fastroute.control.worker import target_label
 from fastroute.core import _policy
 from fastroute.core import table as T
@@ -173,6 +174,7 @@ class Collector:
         yield from self._per_target(targets, snap)
         yield from self._groups(targets, snap)
         yield from self._requests()
+        yield from speed_families(getattr(getattr(self.registry, "router", None), "speed", None))
 
     def _per_target(self, targets, snap):
         def gauge(name, doc, col, labels=("target",)):
@@ -450,9 +452,7 @@ class Collector:
             for r, v in sorted(tokenized.items()):
                 c.add_metric([r], float(v))
             yield c
-        refusals, admitted = merged("flow_refusals"), merged("flow_admitted")
-        if refusals or admitted:
-            yield from flow_families(refusals, admitted, self.stats[0].flow_top_n)
+        yield from flow_families(merged("flow_refusals"), merged("flow_admitted"), self.stats[0].flow_top_n)
         if any(s.discovered or s.discovery_errors for s in self.stats):
             c = CounterMetricFamily(
                 "fastroute_discovery_errors",

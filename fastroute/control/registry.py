@@ -119,6 +119,7 @@ class Registry(Handshake, RankPorts):
                 kv_reserve=config.decode_kv_reserve_tokens,
                 rank_slack=leg_rank_slack(config, "regular"),
                 kv_index=router.kv_index,
+                speed_role="decode",
             ),
             # Prefill demand: the input tokens in flight there, held until the prefill answers.
             "prefill": router.group(
@@ -130,6 +131,7 @@ class Registry(Handshake, RankPorts):
                 tokens_until_answer=config.prefill_input_demand != "off",
                 rank_slack=leg_rank_slack(config, "prefill"),
                 kv_index=router.kv_index,
+                speed_role="prefill",
             ),
             "decode": router.group(
                 [],
@@ -141,6 +143,7 @@ class Registry(Handshake, RankPorts):
                 kv_fit=config.decode_kv_fit,
                 kv_reserve=config.decode_kv_reserve_tokens,
                 rank_slack=leg_rank_slack(config, "decode"),
+                speed_role="decode",
             ),
         }
         self._groups: dict[str, Group | ModelGroups] = dict(groups)

@@ -20,6 +20,8 @@ import numpy as np
 from fastroute.core import _ledger, _manual, _policy
 from fastroute.core.kvindex import KvIndex
 from fastroute.core.policies import ManualKeys, Policy, PrefixTree, make_policy
+from fastroute.core.speed import SpeedBook
+from fastroute.core.speedplace import SpeedDecode, SpeedPrefill
 from fastroute.core.table import TargetTable
 from fastroute.names import LOAD_METRICS, MODE_CODE, POLICIES
 
@@ -66,6 +68,7 @@ class Group:
         kv_reserve: int = 0,
         rank_slack: int = -1,
         kv_index: KvIndex | None = None,
+        speed_role: str | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; fastroute implements {', '.join(POLICIES)}")
@@ -126,6 +129,23 @@ class Group:
             coordinate,
             self.kv_index,
         )
+        # --speed-aware (core/speedplace.py): the group's policy decides what the fits do not.
+        book, mode = router.speed, getattr(router.config, "speed_aware", "off")
+        if book is not None and speed_role == "decode":
+            self.policy_impl = SpeedDecode(
+                self.kernel,
+                self.policy_impl,
+                book,
+                router.table.array,
+                mode,
+                kv_fit,
+                demand,
+                self.request_weight,
+                int(kv_reserve),
+                seed ^ 0x5EED,
+            )
+        elif book is not None and speed_role == "prefill" and policy in ("power_of_two", "random", "round_robin"):
+            self.policy_impl = SpeedPrefill(self.kernel, self.policy_impl, book, router.table.array, mode)
         self.acquire = self.policy_impl.acquire
         self._on_targets = getattr(self.policy_impl, "set_targets", None)
 
@@ -202,6 +222,11 @@ class Router:
                 warmup_secs=float(config.kv_events_stale_secs),
                 seed=self._seed ^ 0x6B76,
             )
+        # Each server's measured speed (--speed-aware): fed by the relay, read by the groups.
+        self.speed: SpeedBook | None = None
+        if config is not None and getattr(config, "speed_aware", "off") != "off":
+            self.speed = SpeedBook(table.array)
+            self.speed.refuse_unmet = getattr(config, "speed_slo_unmet", "best_effort") == "refuse"
 
     def group(
         self,
@@ -217,11 +242,24 @@ class Router:
         rank_slack: int = -1,
         tokens_until_answer: bool = False,
         kv_index: KvIndex | None = None,
+        speed_role: str | None = None,
     ) -> Group:
         # Each group gets its own RNG stream, derived from the router seed and its creation order.
         seed = (self._seed + 0x9E3779B97F4A7C15 * (self._groups + 1)) & 0xFFFFFFFFFFFFFFFF
         self._groups += 1
-        g = Group(self, policy, load_metric, demand, request_weight, seed, kv_fit, kv_reserve, rank_slack, kv_index)
+        g = Group(
+            self,
+            policy,
+            load_metric,
+            demand,
+            request_weight,
+            seed,
+            kv_fit,
+            kv_reserve,
+            rank_slack,
+            kv_index,
+            speed_role,
+        )
         # A PD prefill's input tokens are its work until it answers (Lease.answered).
         g.kernel.tokens_until_answer = bool(tokens_until_answer)
         g.set_targets(targets, names)

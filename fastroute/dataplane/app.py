@@ -33,9 +33,11 @@ from fastroute.dataplane import flowcontrol
 from fastroute.dataplane._clock import monotonic
 from fastroute.dataplane.admission import Admission
 from fastroute.dataplane.endpoints import Endpoints
+from fastroute.dataplane.headerflags import _F_FWD as F_FWD
 from fastroute.dataplane.limits import Limits
 from fastroute.dataplane.live import Live
 from fastroute.dataplane.protocol import ClientProtocol
+from fastroute.dataplane.speedmeter import SLO_HEADERS, metered
 from fastroute.dataplane.sweep import Sweeper
 from fastroute.dataplane.telemetry import NULL_TELEMETRY, RequestTelemetry, Telemetry
 from fastroute.dataplane.upstreams import Upstreams
@@ -90,6 +92,14 @@ class App:
             from fastroute.dataplane.tracing import traced_parts
 
             self.tracer, exchange, route = traced_parts(config, bool(config.pd_disaggregation))
+        # --speed-aware: exchanges that time what they relay (speedmeter.py), the SLO headers
+        # kept (and forwarded) for them to read. (checks.py refuses it with --enable-trace.)
+        speed = getattr(getattr(registry, "router", None), "speed", None)
+        if speed is not None:
+            exchange = metered(speed, bool(config.pd_disaggregation))
+            flags = self.limits.header_flags
+            for name in SLO_HEADERS:
+                flags[name] = flags.get(name, 0) | F_FWD
         self.upstreams = (
             upstreams
             if upstreams is not None

@@ -81,7 +81,7 @@ class Endpoints:
         "_igw",
         "_model_role",
         "_audit",
-        "_exchange",
+        "exchange",
     )
 
     def __init__(
@@ -114,9 +114,9 @@ class Endpoints:
         self._igw = bool(config.enable_igw)
         self._model_role = "decode" if self._pd else "regular"  # whose groups know the models
         self._audit = bool(config.control_plane_audit_enabled)
-        # The exchange class: Relay, or PDRelay under PD; a subclass that adds to it when one is
-        # handed in (--enable-trace, --speed-aware).
-        self._exchange: type[_Exchange] = exchange if exchange is not None else PDRelay if self._pd else Relay
+        # The exchange class it starts: Relay, or PDRelay under PD; a subclass that adds to it
+        # when one is handed in (--enable-trace, --speed-aware).
+        self.exchange: type[_Exchange] = exchange if exchange is not None else PDRelay if self._pd else Relay
 
     # -- the inference path -------------------------------------------------------
     def handle(self, proto: ClientProtocol, req: Request) -> None:
@@ -192,7 +192,7 @@ class Endpoints:
 
     def begin(self, proto: ClientProtocol, req: Request, path: bytes, meta: RequestMeta) -> None:
         """Start the exchange of an admitted request (it owns the admission slot from here)."""
-        self._exchange(
+        self.exchange(
             proto, req, path, meta, self._upstreams, self._limits, self._live, self.tel, self._admission
         ).attempt()
 

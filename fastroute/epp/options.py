@@ -402,6 +402,11 @@ def refusal(
             "argument --prefill-input-demand: not supported by fastroute epp (the picker "
             "never sees the prefill answer that gives the tokens back)"
         )
+    if config.speed_aware != "off":
+        return (
+            "argument --speed-aware: not supported by fastroute epp (the picker never sees "
+            "the streamed tokens whose gaps measure each server's speed)"
+        )
     if config.pd_disaggregation and pool is not None:
         return (
             "argument --inference-pool: an InferencePool has one role of pods; PD through "
@@ -670,6 +675,8 @@ AUDIT: dict[str, str] = {
             "--enable-igw",
             "--model-alias",
             "--prefill-input-demand",
+            "--speed-aware",
+            "--speed-slo-unmet",
             "--tokenizer-path",
             "--model-path",
             "--chat-template",

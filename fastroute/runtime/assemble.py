@@ -86,6 +86,7 @@ def listen_to_engines(
     configured = parse_endpoint(config.kv_events_endpoint, config.block_size) if config.kv_events_endpoint else None
     index = router.kv_index if picks else None
     kv = KvEvents(table, index, config.kv_events_stale_secs, configured, registry.own)
+    kv.speed = router.speed  # --speed-aware: prefill ranks' pushed busy time feeds their rates
     registry.add_listener(lambda role: kv.sync(registry.ready_workers()))
     if monitor is not None:
         monitor.pushed = kv.pushed

@@ -34,6 +34,7 @@ import gzip
 import json
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -275,11 +276,13 @@ async def run_open_loop(
     seed: int = 0,
     request_timeout_s: float = 600.0,
     chat: bool = False,
+    headers_of: Callable[[int], dict[str, str] | None] | None = None,
 ) -> LoadResult:
     """Send each arrival at ``t * time_scale`` wall seconds (request i to ``ports[i % n]``) until
     ``warmup_s + duration_s`` wall seconds; measure requests that start and end in the last
     ``duration_s``. Requests still open at the end are aborted, as a client that leaves.
-    ``chat``: each prompt is sent as the user message of a streamed chat completion."""
+    ``chat``: each prompt is sent as the user message of a streamed chat completion;
+    ``headers_of(i)``: extra headers of request i (e.g. latency targets), or None."""
     loop = asyncio.get_running_loop()
     t_begin = loop.time()
     t_measure = t_begin + warmup_s
@@ -298,10 +301,12 @@ async def run_open_loop(
         rec = ReqRecord(loop.time(), a.item.input_tokens)
         records.append(rec)
         item = a.request()
+        extra = headers_of(i) if headers_of is not None else None
+        rec.headers = extra
         if chat:
-            target, body = Target(host, port, path="/v1/chat/completions"), chat_body(item)
+            target, body = Target(host, port, path="/v1/chat/completions", headers=extra), chat_body(item)
         else:
-            target, body = Target(host, port), encode_request(item)
+            target, body = Target(host, port, headers=extra), encode_request(item)
         await _one(conn, None, target, body, rec, rng, request_timeout_s)
         if rec.ok:
             conns.append(conn)

@@ -21,7 +21,10 @@ running on the rank; the disaggregation section splits it into ``decode_prealloc
 ``decode_transfer_queue_reqs`` and ``decode_retracted_queue_reqs``. ``--retract`` reserves only
 part of the output and retracts the newest requests when a step would not fit; ``--slow-rank R
 --slow-factor F`` makes rank R's share of the step F times costlier (a straggler GPU, which under
-DP attention slows every rank).
+DP attention slows every rank). Mixed hardware: ``--speed-factor F`` makes every step and every
+prefill compute of the server F times longer, ``--slowdown-at S --slowdown-factor G`` G times
+longer again from S wall seconds after the engine started, and ``--prefill-rank-rates`` gives each
+prefill rank its own tokens/s.
 
 Rendezvous (bootstrap room): the prefill marks ``bootstrap_room`` ready on its ``Rendezvous``
 board when its compute ends. A decode looks the board up by bootstrap port in the in-process
@@ -137,8 +140,10 @@ class PrefillEngine:
         self.hit_tokens = 0  # of those, found in the rank's prefix cache
         self.samples: deque = deque(maxlen=200_000)
         self._task: asyncio.Task | None = None
+        self._t0 = time.monotonic()  # when it started (--slowdown-at counts from here)
 
     def start(self) -> None:
+        self._t0 = time.monotonic()
         self._task = asyncio.get_running_loop().create_task(self._sampler())
 
     async def stop(self) -> None:
@@ -229,8 +234,11 @@ class PrefillEngine:
                 self.hit_tokens += cached
                 r.input_tokens += g.input_tokens
                 r.hit_tokens += cached
-                dur = self.p.time_scale * (
-                    self.p.prefill_base_ms / 1000.0 + (g.input_tokens - cached) / self.p.prefill_tokens_per_s
+                slow = self.p.slowness(time.monotonic() - self._t0)
+                dur = (
+                    self.p.time_scale
+                    * slow
+                    * (self.p.prefill_base_ms / 1000.0 + (g.input_tokens - cached) / self.p.prefill_rate(rank))
                 )
                 r.running += 1
                 r.tokens += g.input_tokens
@@ -376,8 +384,10 @@ class DecodeEngine:
         self.last_step_ms = 0.0
         self.placed = [0] * params.dp_size
         self.xfer_free_at = 0.0  # the server's transfer channel (scope "server")
+        self._t0 = time.monotonic()  # when it started (--slowdown-at counts from here)
 
     def start(self) -> None:
+        self._t0 = time.monotonic()
         self._wake = asyncio.Event()
         self._loop_ref = asyncio.get_running_loop()
         self._task = self._loop_ref.create_task(self._loop())
@@ -584,7 +594,7 @@ class DecodeEngine:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            step_ms = p.step_base_ms + cost
+            step_ms = (p.step_base_ms + cost) * p.slowness(time.monotonic() - self._t0)
             step_s = step_ms * p.time_scale / 1000.0
             now = loop.time()
             if now - step_end > step_s:

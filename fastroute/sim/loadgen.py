@@ -126,6 +126,7 @@ class ReqRecord:
     ok: bool = False
     error: str = ""
     token_times: list = field(default_factory=list)
+    headers: dict | None = None  # extra headers it was sent with (latency targets)
 
 
 class _SSECounter:

@@ -38,6 +38,14 @@ class SimParams:
     kv_transfer_scope: str = "server"  # one transfer channel per "server" or per "rank"
     slow_rank: int = -1  # this decode rank steps slow_factor times slower (-1: none)
     slow_factor: float = 1.0
+    # mixed hardware (see engine): the whole server is this many times slower (decode steps and
+    # prefill compute), and from slowdown_at seconds after it starts (-1: never) slowdown_factor
+    # times slower again (thermal throttling, a noisy neighbour); prefill_rank_rates sets each
+    # prefill rank's own tokens/s ("120000,60000,..."; "" = prefill_tokens_per_s on every rank)
+    speed_factor: float = 1.0
+    slowdown_at: float = -1.0
+    slowdown_factor: float = 1.0
+    prefill_rank_rates: str = ""
     # prefix cache of each prefill DP rank (see PrefillEngine): tokens it holds, 0 = no cache
     prefix_cache_tokens: int = 0
     prefix_block_tokens: int = 512  # cached in blocks of this many tokens, as SGLang's pages
@@ -61,6 +69,11 @@ class SimParams:
             raise ValueError(f"kv_transfer_scope must be server or rank, not {self.kv_transfer_scope!r}")
         if self.slow_factor <= 0:
             raise ValueError("slow_factor must be positive")
+        if self.speed_factor <= 0 or self.slowdown_factor <= 0:
+            raise ValueError("speed_factor and slowdown_factor must be positive")
+        rates = self.rank_rates()
+        if rates and (len(rates) != self.dp_size or min(rates) <= 0):
+            raise ValueError(f"prefill_rank_rates needs {self.dp_size} positive rates, got {self.prefill_rank_rates!r}")
         if self.kv_events_port_base < -1 or self.kv_events_port_base > 65535:
             raise ValueError("kv_events_port_base must be -1 (a free range), 0 (off) or a port")
         for name in ("kv_events_replay_port_base", "load_publish_port_base"):
@@ -79,6 +92,26 @@ class SimParams:
         return DpController(
             self.load_balance_method, role, self.dp_size, time.monotonic, self.lb_refresh_ms / 1000.0 * self.time_scale
         )
+
+    def rank_rates(self) -> list[float]:
+        """Each prefill rank's tokens/s from ``prefill_rank_rates`` ([] when not set)."""
+        try:
+            return [float(x) for x in self.prefill_rank_rates.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(
+                f"prefill_rank_rates must be comma-separated numbers, not {self.prefill_rank_rates!r}"
+            ) from None
+
+    def prefill_rate(self, rank: int) -> float:
+        rates = self.rank_rates()
+        return rates[rank] if rates else self.prefill_tokens_per_s
+
+    def slowness(self, since_start: float) -> float:
+        """How many times slower than the nominal model the server runs ``since_start`` wall
+        seconds after it started: ``speed_factor``, times ``slowdown_factor`` from ``slowdown_at``."""
+        if 0 <= self.slowdown_at <= since_start:
+            return self.speed_factor * self.slowdown_factor
+        return self.speed_factor
 
     def step_seconds(self, running: int, ctx_tokens: int) -> float:
         """Step time of one rank alone; the engine takes the max over ranks plus the base."""

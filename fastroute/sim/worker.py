@@ -39,17 +39,20 @@ async def start_cluster(
     prefill_params: SimParams | None = None,
     host: str = "127.0.0.1",
     rank_ports: bool = False,
+    decode_params: list[SimParams] | None = None,
 ) -> SimCluster:
     """Start ``n_prefill`` prefill and ``n_decode`` decode simulators on ephemeral ports
-    (``rank_ports``: each with one port per DP rank, like SGLang's Rust server)."""
+    (``rank_ports``: each with one port per DP rank, like SGLang's Rust server);
+    ``decode_params`` gives each decode its own parameters (mixed hardware)."""
     params = params or SimParams()
     cluster = SimCluster()
     for _ in range(n_prefill):
         w = SimWorker("prefill", prefill_params or params, host, 0, 0, cluster.boards, rank_ports)
         await w.start()
         cluster.prefills.append(w)
-    for _ in range(n_decode):
-        w = SimWorker("decode", params, host, 0, None, cluster.boards, rank_ports)
+    for i in range(n_decode):
+        own = decode_params[i] if decode_params else params
+        w = SimWorker("decode", own, host, 0, None, cluster.boards, rank_ports)
         await w.start()
         cluster.decodes.append(w)
     return cluster
@@ -70,6 +73,13 @@ PARAM_HELP = {
     "replay ranges; 0 = no loads)",
     "kv_events_advertise": "put the kv_events block in /server_info (--no-kv-events-advertise: publish "
     "without telling, for a router's --kv-events-endpoint)",
+    "speed_factor": "mixed hardware: every decode step and prefill compute of this server lasts this many "
+    "times the nominal model's (1.6: a server 1.6x slower)",
+    "slowdown_at": "wall seconds after start from which the server runs --slowdown-factor times slower "
+    "again (thermal throttling, a noisy neighbour); -1 = never",
+    "slowdown_factor": "how many times slower the server runs from --slowdown-at on",
+    "prefill_rank_rates": "each prefill rank's own tokens/s, comma separated, one per DP rank "
+    "(default: --prefill-tokens-per-s on every rank)",
     "kv_events_topic": "ZMQ topic of the KV event batches",
     "kv_events_buffer_steps": "KV event batches each rank keeps for replay",
     "tokenizer_path": "a tokenizer directory (tokenizer.json, tokenizer_config.json): text prompts are "

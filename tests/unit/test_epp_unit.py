@@ -539,6 +539,8 @@ _REFUSED_SAMPLES = {
     "--cb-success-threshold": ["--cb-success-threshold", "1"],
     "--cb-timeout-duration-secs": ["--cb-timeout-duration-secs", "5"],
     "--prefill-input-demand": ["--prefill-input-demand", "on"],
+    "--speed-aware": ["--speed-aware", "on", "--policy", "round_robin"],
+    "--speed-slo-unmet": ["--speed-slo-unmet", "refuse"],
     "--tokenizer-path": ["--tokenizer-path", "/tok"],
     "--model-path": ["--model-path", "/m"],
     # (with what they go with: alone they only warn, as settings without their feature)
