@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from fastroute.auth import ControlPlaneKeyError, parse_control_plane_keys
 from fastroute.control import otlp
+from fastroute.flowpolicy import CLASSES, PolicyError, load_rate_limits, load_scheduler, parse_tenant_keys
 from fastroute.kube import parse_selector
 from fastroute.names import (
     ALL_POLICIES,
@@ -41,6 +42,11 @@ class ConfigError(ValueError):
         self.flag = flag
         self.message = message
         super().__init__(f"argument {flag}: {message}")
+
+
+class PolicyFileError(ConfigError):
+    """A policy file (the flow-control YAMLs) that cannot be read or used: the CLI exits 1 with
+    its path and line, as for a file the router cannot start with."""
 
 
 # Why smg's default power_of_two metric is refused rather than mapped (no fastroute metric
@@ -268,6 +274,81 @@ def validate(c: Any) -> None:
     _validate_security(c)
     _validate_replica(c)
     _validate_trace(c)
+    _validate_flow(c)
+
+
+def _validate_flow(c: Any) -> None:
+    """The flow-control flags: smg's file formats, read now so a bad file stops start-up
+    naming its line (fastroute.flowpolicy)."""
+    try:
+        parse_tenant_keys(list(c.tenant_api_key))
+    except ValueError as exc:
+        raise ConfigError("--tenant-api-key", str(exc)) from None
+    if c.priority_scheduler_default_max_class.strip().lower() not in CLASSES:
+        raise ConfigError("--priority-scheduler-default-max-class", f"must be one of {', '.join(CLASSES)}")
+    _at_least("--priority-scheduler-tenant-metric-top-n", c.priority_scheduler_tenant_metric_top_n, 0)
+    if not c.tenant_header_name.strip():
+        raise ConfigError("--tenant-header-name", "must not be empty")
+    if c.priority_scheduler_enabled:
+        try:
+            policy = load_scheduler(c.priority_scheduler_config, c.priority_scheduler_default_max_class)
+        except PolicyError as exc:
+            raise PolicyFileError("--priority-scheduler-config", str(exc)) from None
+        cap = c.max_concurrent_requests
+        reserved = sum(s.reserved(cap) for s in policy.classes) if cap > 0 else 0
+        if reserved and reserved >= cap:
+            raise PolicyFileError(
+                "--priority-scheduler-config",
+                f"{c.priority_scheduler_config}: the classes reserve {reserved} slots, which must stay under "
+                f"--max-concurrent-requests ({c.max_concurrent_requests}, the scheduler's fallback capacity)",
+            )
+    if c.tenant_rate_limit_enabled:
+        if not c.tenant_rate_limit_config:
+            raise ConfigError("--tenant-rate-limit-enabled", "needs --tenant-rate-limit-config")
+        try:
+            load_rate_limits(c.tenant_rate_limit_config, bool(c.trust_tenant_header))
+        except PolicyError as exc:
+            raise PolicyFileError("--tenant-rate-limit-config", str(exc)) from None
+    gate = c.priority_scheduler_enabled or c.worker_overload_shed  # the saturation gate runs
+    w, u = c.worker_overload_waiting_requests, c.worker_overload_token_usage
+    if w is not None:
+        _at_least("--worker-overload-waiting-requests", w, 0)
+        if w and not gate:
+            raise ConfigError(
+                "--worker-overload-waiting-requests",
+                "leaving overloaded workers out of routing is not implemented; the threshold is used by "
+                "--priority-scheduler-enabled or --worker-overload-shed (0 is accepted)",
+            )
+    if u is not None:
+        if not math.isfinite(u) or u <= 0.0:
+            raise ConfigError("--worker-overload-token-usage", "must be a finite number > 0")
+        if u < 1.0 and not gate:
+            raise ConfigError(
+                "--worker-overload-token-usage",
+                "leaving overloaded workers out of routing is not implemented; the threshold is used by "
+                "--priority-scheduler-enabled or --worker-overload-shed (a value >= 1.0, off, is accepted)",
+            )
+    _at_least("--prefill-overload-uncached-tokens", c.prefill_overload_uncached_tokens, 0)
+    _at_least("--flow-max-queued", c.flow_max_queued, 0)
+    if c.flow_max_queued and not c.priority_scheduler_enabled:
+        raise ConfigError("--flow-max-queued", "only used with --priority-scheduler-enabled")
+    if c.prefill_overload_uncached_tokens and not (gate and c.pd_disaggregation):
+        raise ConfigError(
+            "--prefill-overload-uncached-tokens",
+            "only used with --pd-disaggregation and --priority-scheduler-enabled or --worker-overload-shed",
+        )
+    if gate and c.enable_igw:
+        raise ConfigError(
+            "--priority-scheduler-enabled" if c.priority_scheduler_enabled else "--worker-overload-shed",
+            "the saturation gate does not read --enable-igw's per-model groups",
+        )
+    flow = c.priority_scheduler_enabled or c.tenant_rate_limit_enabled or c.tenant_api_key or c.worker_overload_shed
+    if flow and c.rate_limit_tokens_per_second is not None:
+        raise ConfigError(
+            "--rate-limit-tokens-per-second",
+            "the legacy token bucket does not combine with the flow-control flags "
+            "(--priority-scheduler-enabled, --tenant-rate-limit-enabled, --tenant-api-key, --worker-overload-shed)",
+        )
 
 
 def _validate_replica(c: Any) -> None:

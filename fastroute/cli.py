@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastroute import __version__, flags
+from fastroute.checks import PolicyFileError
 from fastroute.config import Config, ConfigError, config_from_args
 from fastroute.flagparse import (  # noqa: F401 (IGNORED_FLAGS re-exported)
     IGNORED_FAMILIES,
@@ -310,6 +311,9 @@ def main(argv: Sequence[str] | None = None) -> int | None:
         parser.error(f"argument --log-dir: {exc}")
     try:
         config = config_from_args(ns)
+    except PolicyFileError as exc:  # a flow-control YAML it cannot use: a start-up error
+        startup_error(str(exc), ns.log_json)
+        return 1
     except ConfigError as exc:
         parser.error(str(exc))
     # One process serves, or (--workers N, N > 1) a supervisor runs N proxy processes.

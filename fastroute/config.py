@@ -217,6 +217,22 @@ class Config:
     queue_timeout_secs: int = 60
     rate_limit_tokens_per_second: int | None = None
 
+    # --- Flow control (smg 1.13's scheduler, tenants, overload shed; dataplane/flowcontrol.py) -----
+    priority_scheduler_enabled: bool = False
+    priority_scheduler_default_max_class: str = "default"
+    priority_scheduler_config: str | None = None
+    priority_scheduler_tenant_metric_top_n: int = 32
+    tenant_rate_limit_enabled: bool = False
+    tenant_rate_limit_config: str | None = None
+    tenant_api_key: list[str] = _list(())
+    trust_tenant_header: bool = False
+    tenant_header_name: str = "x-smg-tenant-id"
+    worker_overload_shed: bool = False
+    worker_overload_waiting_requests: int | None = None  # flow control's saturation (smg: 8)
+    worker_overload_token_usage: float | None = None  # (smg: 0.8)
+    prefill_overload_uncached_tokens: int = 0
+    flow_max_queued: int = 0  # waiters of every class together; 0 = only the per-class bounds
+
     # --- Prometheus -----------------------------------------------------------------------
     prometheus_host: str = "0.0.0.0"
     prometheus_port: int = 29000

@@ -92,7 +92,6 @@ _NO_TOKENIZER = (
 TABLE: tuple[Flag, ...] = (
     # ---- security and availability (never ignored: that would leave the router open) ---------
     Flag("--jwt-", REFUSED, "JWT/OIDC authentication is not implemented; ignoring it would leave the admin API open"),
-    Flag("--tenant-api-key", REFUSED, "per-tenant keys are not implemented; those tenants would be refused"),
     Flag(
         "--encode-selector",
         REFUSED,
@@ -199,19 +198,6 @@ TABLE: tuple[Flag, ...] = (
         "not implemented; give --disable-worker-overload-protection to start without it",
     ),
     Flag(
-        "--worker-overload-waiting-requests",
-        REFUSED,
-        "worker overload protection is not implemented (0 is accepted)",
-        neutral=_zero,
-    ),
-    Flag(
-        "--worker-overload-token-usage",
-        REFUSED,
-        "worker overload protection is not implemented (a value >= 1.0, off, is accepted)",
-        neutral=_at_least_one,
-    ),
-    Flag("--worker-overload-shed", REFUSED, "shedding with 503 when every worker is overloaded is not implemented"),
-    Flag(
         "--worker-stall-secs",
         REFUSED,
         "contact-age exclusion is not implemented; fastroute "
@@ -271,12 +257,6 @@ TABLE: tuple[Flag, ...] = (
         "only used with --prefill-max-inflight-requests-per-worker > 0, which is refused",
     ),
     Flag("--pd-admission-wait-secs", REFUSED, "the PD decode running-window gate is not implemented"),
-    Flag("--priority-scheduler-enabled", REFUSED, "priority admission is not implemented"),
-    Flag("--priority-scheduler-", INERT, "only used with --priority-scheduler-enabled, which is refused"),
-    Flag("--tenant-rate-limit-enabled", REFUSED, "per-tenant rate limiting is not implemented"),
-    Flag("--tenant-rate-limit-", INERT, "only used with --tenant-rate-limit-enabled, which is refused"),
-    Flag("--trust-tenant-header", INERT, "tenant scoping of stored responses; " + _NO_HISTORY),
-    Flag("--tenant-header-name", INERT, "tenant scoping of stored responses; " + _NO_HISTORY),
     Flag("--max-background-responses", INERT, "the Responses API is not served by fastroute"),
     Flag(
         "--max-buffered-request-bytes",

@@ -456,6 +456,103 @@ def add_peer_groups(add: Adder) -> None:
         "in front of the admission queue (default: none, only the concurrency limit).",
     )
 
+    add.section("Flow control (priority classes, tenants, overload shedding)")
+    add(
+        "--priority-scheduler-enabled",
+        action="store_true",
+        help="Admit by priority class (x-smg-priority: system, interactive, default, bulk; unknown "
+        "= default), clamped to the tenant's max_class; strict priority between classes, round "
+        "robin between tenants inside one; replaces the --queue-size FIFO (default: off).",
+    )
+    add(
+        "--priority-scheduler-default-max-class",
+        default=d("priority_scheduler_default_max_class"),
+        help="Highest class of a tenant the scheduler YAML does not list (default: %(default)s).",
+    )
+    add(
+        "--priority-scheduler-config",
+        default=None,
+        help="smg's priority-scheduler YAML (classes: queue_size, queue_timeout_secs, reserved, "
+        "starvation_threshold_secs; tenant_policies: max_class); an invalid file stops start-up "
+        "naming its line (default: the built-in classes).",
+    )
+    add(
+        "--priority-scheduler-tenant-metric-top-n",
+        type=int,
+        default=d("priority_scheduler_tenant_metric_top_n"),
+        help="Tenants named in the flow metrics' tenant label; the rest count as 'other' (default: %(default)s).",
+    )
+    add(
+        "--tenant-rate-limit-enabled",
+        action="store_true",
+        help="Limit each tenant's prompt tokens and requests per minute (429 "
+        "tenant_rate_limit_exceeded with Retry-After); needs --tenant-rate-limit-config (default: off).",
+    )
+    add(
+        "--tenant-rate-limit-config",
+        default=None,
+        help="smg's tenant rate-limit YAML (default_policy, tenants[] with tenant_key, "
+        "tokens_per_minute, requests_per_minute, model_rules).",
+    )
+    add(
+        "--tenant-api-key",
+        action="append",
+        default=[],
+        metavar="TENANT_ID:KEY",
+        help="A data-plane key that names its tenant (auth:TENANT_ID), repeatable; accepted "
+        "beside --api-key (default: none).",
+    )
+    add(
+        "--trust-tenant-header",
+        action="store_true",
+        help="Take the tenant of a request without a tenant key from --tenant-header-name "
+        "(header:<id>) (default: off: ip:<address>).",
+    )
+    add(
+        "--tenant-header-name",
+        default=d("tenant_header_name"),
+        help="The tenant header trusted with --trust-tenant-header (default: %(default)s).",
+    )
+    add(
+        "--worker-overload-waiting-requests",
+        type=int,
+        default=None,
+        help="Waiting requests at or above which a rank is saturated: with "
+        "--priority-scheduler-enabled or --worker-overload-shed a request is held (or shed) while "
+        "every rank it could use is saturated (default: 8 there; 0 = not used; without those flags "
+        "only 0 is accepted, leaving overloaded workers out of routing is not implemented).",
+    )
+    add(
+        "--worker-overload-token-usage",
+        type=float,
+        default=None,
+        help="KV usage (used / max tokens) at or above which a rank is saturated, as "
+        "--worker-overload-waiting-requests (default: 0.8 there; >= 1.0 = not used, the only "
+        "values accepted without those flags).",
+    )
+    add(
+        "--prefill-overload-uncached-tokens",
+        type=int,
+        default=d("prefill_overload_uncached_tokens"),
+        help="Waiting uncached prompt tokens at or above which a PD prefill rank is saturated "
+        "(fastroute's; default: 0 = not used).",
+    )
+    add(
+        "--flow-max-queued",
+        type=int,
+        default=d("flow_max_queued"),
+        help="With --priority-scheduler-enabled, the most requests waiting in all classes "
+        "together: at the bound, a newcomer takes the place of the newest waiter of the lowest "
+        "class below its own (that one is answered 503 scheduler_shed), else it is refused 429 "
+        "scheduler_queue_full (fastroute's; default: 0 = only the per-class queue sizes).",
+    )
+    add(
+        "--worker-overload-shed",
+        action="store_true",
+        help="Answer 503 worker_overload_protection_shed (Retry-After: the load poll interval) "
+        "when every worker a request could use is saturated, instead of queueing it (default: off).",
+    )
+
     add.section("Prometheus")
     add(
         "--prometheus-host",

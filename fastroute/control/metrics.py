@@ -29,6 +29,7 @@ from fastroute.config import DEFAULT_DURATION_BUCKETS, Config
 from fastroute.control import reasons
 from fastroute.control.dashboard import PAGE as DASHBOARD_PAGE
 from fastroute.control.dashboard import Dashboard
+from fastroute.control.flowmetrics import flow_families
 from fastroute.control.parity import PEER_SERIES, peer_table_markdown  # noqa: F401
 from fastroute.control.speedmetrics import speed_families
 from fastroute.control.worker import target_label
@@ -71,6 +72,10 @@ class Stats:
         # --tokenizer-path (dataplane/tokenize.py): prompts tokenized (inline, pool) or left at
         # the estimate, by reason (timeout, template, tokenizer)
         self.tokenized: dict[str, int] = {}
+        # Flow control's counters (control/flowmetrics.py); the FlowAdmission's own dicts.
+        self.flow_refusals: dict[tuple[str, str, str], int] = {}
+        self.flow_admitted: dict[tuple[str, str], int] = {}
+        self.flow_top_n = 32  # tenants named in those series (--priority-scheduler-tenant-metric-top-n)
         self.connections_active = 0
         # Worker discovery (fastroute.control.discovery), in the process that owns the registry.
         self.discovery_errors: dict[tuple[str, str], int] = {}  # (provider, reason)
@@ -447,6 +452,7 @@ class Collector:
             for r, v in sorted(tokenized.items()):
                 c.add_metric([r], float(v))
             yield c
+        yield from flow_families(merged("flow_refusals"), merged("flow_admitted"), self.stats[0].flow_top_n)
         if any(s.discovered or s.discovery_errors for s in self.stats):
             c = CounterMetricFamily(
                 "fastroute_discovery_errors",

@@ -248,7 +248,24 @@ class Monitor:
         if entries:
             self._note_unusable(w, entries)
         self._dp_hint(w, entries)
-        return self._apply(w, entries)
+        ok = self._apply(w, entries)
+        if ok and mode == "v1_loads":
+            self._store_max_running(w, doc)
+        return ok
+
+    def _store_max_running(self, w: Worker, doc: Any) -> None:
+        """Each rank's max_running_requests (flow control's capacity; 0 when not reported, and
+        a server read as one target reports the sum only when every rank reports one)."""
+        per_rank: dict[int | None, int] = {}
+        for e in doc.get("loads") or () if isinstance(doc, dict) else ():
+            if isinstance(e, dict):
+                per_rank[_count(e.get("dp_rank"))] = _count(e.get("max_running_requests")) or 0
+        if not w.split:
+            vals = list(per_rank.values())
+            self.table.set_max_running(w.targets[0], sum(vals) if vals and all(vals) else 0)
+            return
+        for rank, t in enumerate(w.targets):
+            self.table.set_max_running(t, per_rank.get(rank, 0))
 
     async def _poll_rank_ports(self, w: Worker, timeout: float) -> bool:
         """Poll every rank port of a per-rank-port server; each answer is its own rank's."""

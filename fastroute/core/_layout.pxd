@@ -5,7 +5,8 @@
 # neighbouring targets never share a line.  Cells 15..17 are the other router replicas' view
 # (fastroute.control.replica writes them off the request path; zero without --replica-sync);
 # 18..20 the replicas' coordination (estimated placements of the others since the last sync,
-# the shared tie-break order); 21..22 what the last poll said of queued work; 23 is spare.
+# the shared tie-break order); 21..22 what the last poll said of queued work; 23 the rank's
+# max_running_requests (flow control's capacity).
 from libc.stdint cimport int64_t
 from fastroute.core._atomic cimport fr_load_i64
 
@@ -35,6 +36,7 @@ cdef enum:
     COL_ORDER_KEY = 20           # tie-break order every replica shares: hash of the target name
     COL_POLLED_UNCACHED = 21     # last /v1/loads num_waiting_uncached_tokens of a prefill; -1 unknown
     COL_POLLED_KV_QUEUE = 22     # last /v1/loads decode prealloc + retracted queue requests
+    COL_POLLED_MAX_RUNNING = 23  # last /v1/loads max_running_requests; 0 unknown (flow control)
     NCOLS = 24
 
 cdef enum:

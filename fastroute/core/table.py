@@ -45,6 +45,7 @@ COL_OTHERS_EST_TOKENS = 19  # placements since the last sync (requests, input to
 COL_ORDER_KEY = 20  # the tie-break order they share (hash of the target name)
 COL_POLLED_UNCACHED = 21  # a prefill's polled uncached tokens waiting (-1 unknown)
 COL_POLLED_KV_QUEUE = 22  # a decode's polled prealloc + retracted queue requests
+COL_POLLED_MAX_RUNNING = 23  # a rank's polled max_running_requests, 0 unknown (flow control)
 NCOLS = 24
 
 HDR_MAGIC = 0
@@ -205,6 +206,25 @@ class TargetTable:
     def set_kv_queue(self, t: int, kv_queue: int) -> None:
         """Only the polled decode KV queue of ``t`` (its other loads are pushed by the engine)."""
         self.cells.store(t, COL_POLLED_KV_QUEUE, int(kv_queue))
+
+    def rank_load(self, t: int) -> tuple[int, int, int, int, int, int, int]:
+        """What flow control's saturation gate reads of ``t`` (the data plane imports no core
+        module): (healthy, polled at or -1, waiting, used tokens, max tokens, uncached tokens,
+        max_running_requests)."""
+        c = self.cells
+        return (
+            c.load(t, COL_HEALTHY),
+            c.load(t, COL_POLLED_AT),
+            c.load(t, COL_POLLED_WAITING),
+            c.load(t, COL_POLLED_TOKENS),
+            c.load(t, COL_POLLED_MAX_TOKENS),
+            c.load(t, COL_POLLED_UNCACHED),
+            c.load(t, COL_POLLED_MAX_RUNNING),
+        )
+
+    def set_max_running(self, t: int, n: int) -> None:
+        """The running-batch limit ``t`` reports (0: unknown); flow control's capacity."""
+        self.cells.store(t, COL_POLLED_MAX_RUNNING, int(n))
 
     def mark_unpolled(self, t: int) -> None:
         """The last poll failed or had no entry for this target: its load is unknown, not zero."""

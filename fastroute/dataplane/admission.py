@@ -159,6 +159,16 @@ class Admission:
             self._admit()  # waiting for a token, not a slot: arm the wake-up timer
         return w
 
+    def enqueue(self, proto: Any, req: Any, path: bytes, meta: Any) -> bool:
+        """Flow control's entry for a request ``try_enter`` declined (dataplane/flowcontrol.py);
+        the plain queue takes none: False, and the caller queues it here with ``wait``."""
+        return False
+
+    def tenant_key(self, auth: bytes | None) -> bool:
+        """Whether ``auth`` is a --tenant-api-key (asked only when --api-key did not match;
+        flow control's, the plain admission knows none)."""
+        return False
+
     def leave(self) -> None:
         """An admitted request ended: its slot goes to the oldest waiter, if any."""
         self.active -= 1

@@ -29,6 +29,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from fastroute.auth import AdminAuth, parse_control_plane_keys
+from fastroute.dataplane import flowcontrol
 from fastroute.dataplane._clock import monotonic
 from fastroute.dataplane.admission import Admission
 from fastroute.dataplane.endpoints import Endpoints
@@ -83,13 +84,6 @@ class App:
         self.tel: Telemetry = NULL_TELEMETRY
         self.limits = Limits(config, guarded)
         self.live = Live()
-        self.admission = Admission(
-            int(config.max_concurrent_requests),
-            int(config.queue_size),
-            float(config.queue_timeout_secs),
-            loop,
-            rate=config.rate_limit_tokens_per_second,
-        )
         # --enable-trace: exchanges and routes that add spans (tracing.py); off, nothing changes.
         exchange: Any = None
         route: Any = None
@@ -111,6 +105,20 @@ class App:
             if upstreams is not None
             else Upstreams(config, registry, loop, breakers, room_rng, worker_tls, route)
         )
+        # Flow control (priority classes, tenants, shedding; dataplane/flowcontrol.py) only with
+        # its flags: then it is the admission, else the plain concurrency limit is.
+        self.flow = flowcontrol.install(config, loop, self.limits, self.upstreams, registry)
+        self.admission = (
+            self.flow
+            if self.flow is not None
+            else Admission(
+                int(config.max_concurrent_requests),
+                int(config.queue_size),
+                float(config.queue_timeout_secs),
+                loop,
+                rate=config.rate_limit_tokens_per_second,
+            )
+        )
         self.endpoints = Endpoints(
             config,
             self.limits,
@@ -124,6 +132,9 @@ class App:
             tokens,
             exchange,
         )
+        if self.flow is not None:
+            self.flow.begin = self.endpoints.begin
+        self._top_n = int(config.priority_scheduler_tenant_metric_top_n)
         self.sweeper = Sweeper(self.live, self.limits, self.admission, loop, breakers, registry, reconciler)
         self.tls_listener = False
         self._stats: Any = None
@@ -141,6 +152,10 @@ class App:
         # Every holder of the telemetry, once; connections made from here on get it too.
         self.tel = self.endpoints.tel = self.admission.tel = self.upstreams.tel = self.sweeper.tel = tel
         self.upstreams.stats = stats
+        if stats is not None and self.flow is not None:  # its counters are the exported series
+            stats.flow_refusals = self.flow.refusals
+            stats.flow_admitted = self.flow.admitted
+            stats.flow_top_n = self._top_n
         if self._breakers is not None:
             self._breakers.stats = stats
 

@@ -124,7 +124,11 @@ class Endpoints:
         path = target_path(req.url)
         self.tel.request(proto, req.method, path)
         if req.method == b"POST" and path in INFERENCE:
-            if self._api_key is not None and not authorized(self._api_key, path, req.auth):
+            if (
+                self._api_key is not None
+                and not authorized(self._api_key, path, req.auth)
+                and not self._admission.tenant_key(req.auth)
+            ):
                 proto.send_error(_errors.invalid_api_key(), req)
             else:
                 self.proxy(proto, req, path)
@@ -193,7 +197,10 @@ class Endpoints:
         ).attempt()
 
     def wait(self, proto: ClientProtocol, req: Request, path: bytes, meta: RequestMeta) -> None:
-        """Over --max-concurrent-requests: queue (FIFO) or refuse with 429."""
+        """Over --max-concurrent-requests: queue (FIFO) or refuse with 429 (with flow control,
+        its classes take every request: admission.enqueue)."""
+        if self._admission.enqueue(proto, req, path, meta):
+            return
 
         def start() -> None:
             proto.waiter = None
