@@ -19,13 +19,14 @@ cdef class Endpoints:
     cdef public object tokens
     cdef public bint draining
     cdef readonly set admin_tasks
-    cdef readonly object exchange
+    cdef public object exchange
     cdef Limits _limits
     cdef Upstreams _upstreams
     cdef Live _live
     cdef Admission _admission
     cdef object _registry, _loop
-    cdef object _admin_auth, _api_key, _model_role
+    cdef public object _api_key
+    cdef object _admin_auth, _model_role
     cdef bint _audit
     cdef bint _pd, _igw
 

@@ -40,7 +40,8 @@ cdef class RequestTelemetry(Telemetry):
     # The Stats dicts and histograms the events bump (Stats never replaces them): C dict calls
     # and vtable calls, not an attribute lookup and a method call on the Stats object.
     cdef dict _http_requests, _http_responses, _router_requests, _router_errors, _router_duration
-    cdef dict _http_duration, _pd_ttft, _worker_errors, _retries, _retries_exhausted, _rate_limit
+    cdef readonly dict _rate_limit
+    cdef dict _http_duration, _pd_ttft, _worker_errors, _retries, _retries_exhausted
     cdef Hist _pick_seconds, _overhead_seconds
 
     @cython.locals(row=dict)

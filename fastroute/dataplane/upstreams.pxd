@@ -11,7 +11,8 @@ cdef class Upstreams:
     cdef object worker_tls
     cdef object _registry, _breakers, _loop
     cdef object _roles, _route
-    cdef object _api_key, _rank_field, _retry_rng
+    cdef public object _api_key
+    cdef object _rank_field, _retry_rng
     cdef readonly dict _groups
     cdef dict _pools, _row_owner
     cdef double _pool_idle, _backoff_initial, _backoff_max, _backoff_mult, _backoff_jitter

@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fastroute.config import Config
+
 __all__ = [
     "EppOptions",
     "GrpcTls",
@@ -344,6 +346,26 @@ _TOKENIZER_FLAGS = (  # the settings before the flags they go with, so a refusal
 )
 
 
+# Flow control's settings (dataplane/flowcontrol.py): refused under the picker when set.
+FLOW_FLAGS = (
+    ("priority_scheduler_enabled", "--priority-scheduler-enabled"),
+    ("priority_scheduler_default_max_class", "--priority-scheduler-default-max-class"),
+    ("priority_scheduler_config", "--priority-scheduler-config"),
+    ("priority_scheduler_tenant_metric_top_n", "--priority-scheduler-tenant-metric-top-n"),
+    ("tenant_rate_limit_enabled", "--tenant-rate-limit-enabled"),
+    ("tenant_rate_limit_config", "--tenant-rate-limit-config"),
+    ("tenant_api_key", "--tenant-api-key"),
+    ("trust_tenant_header", "--trust-tenant-header"),
+    ("tenant_header_name", "--tenant-header-name"),
+    ("worker_overload_shed", "--worker-overload-shed"),
+    ("worker_overload_waiting_requests", "--worker-overload-waiting-requests"),
+    ("worker_overload_token_usage", "--worker-overload-token-usage"),
+    ("prefill_overload_uncached_tokens", "--prefill-overload-uncached-tokens"),
+    ("flow_max_queued", "--flow-max-queued"),
+)
+_DEFAULTS = Config()
+
+
 def refusal(
     config: Any,
     processes: int,
@@ -407,6 +429,12 @@ def refusal(
             "argument --speed-aware: not supported by fastroute epp (the picker never sees "
             "the streamed tokens whose gaps measure each server's speed)"
         )
+    for field, flag in FLOW_FLAGS:
+        if getattr(config, field) != getattr(_DEFAULTS, field):
+            return (
+                f"argument {flag}: not supported by fastroute epp (flow control runs in the proxy: "
+                "the picker places requests but does not queue, rate or shed them)"
+            )
     if config.pd_disaggregation and pool is not None:
         return (
             "argument --inference-pool: an InferencePool has one role of pods; PD through "
@@ -482,7 +510,7 @@ _UPSTREAM_OUTCOME_FLAGS = (
 # Router flags accepted under fastroute epp that act on nothing the picker does and cannot change
 # who gets in, where requests go or readiness: one warning each when given. (field, flag, why);
 # field None: judged by the flag's presence on the command line alone.
-_INERT = (
+INERT_FLAGS = (
     ("port", "--port", "the picker listens on --grpc-port; clients call Envoy's listener (--envoy-listen-port)"),
     (
         "control_plane_api_keys",
@@ -550,7 +578,7 @@ def inert_flags(config: Any, argv: Sequence[str]) -> list[str]:
     defaults = type(config)()
     named = flags_named(argv)
     out = []
-    for field, flag, why in _INERT:
+    for field, flag, why in INERT_FLAGS:
         given = flag in named or (field is not None and getattr(config, field) != getattr(defaults, field))
         if given and flag == "--bootstrap-port-annotation" and config.discovery is None:
             given = False  # the router's own warning says it (discovery sub-flag)
@@ -561,139 +589,3 @@ def inert_flags(config: Any, argv: Sequence[str]) -> list[str]:
         if given:
             out.append(f"{flag} is accepted and ignored by fastroute epp ({why})")
     return out
-
-
-# Every router flag under fastroute epp, and what it does there (docs/epp.md has the table; a
-# test holds it to the parser): "picker" works as in the proxy, in the picker; "envoy" works
-# through the printed bootstrap (pass it to --print-envoy-config too); "inert" is accepted with
-# one warning (it cannot change who gets in, where requests go or readiness; the PD selectors
-# are refused, as in the proxy, beside --service-discovery outside PD mode; the PD policy flags
-# and --dp-rank-field warn only in the mode where they do nothing); "refused" stops the start
-# naming it (the flags of retries and circuits only when not at their default). PD
-# (--pd-disaggregation, --prefill, --decode) needs --sidecar-port.
-WORKS, ENVOY, INERT, REFUSED = "picker", "envoy", "inert", "refused"
-AUDIT: dict[str, str] = {
-    **{
-        f: WORKS
-        for f in (
-            "--host",
-            "--worker-urls",
-            "--api-key",
-            "--dp-aware",
-            "--worker-startup-timeout-secs",
-            "--worker-startup-check-interval",
-            "--shutdown-grace-period-secs",
-            "--allow-link-local-workers",
-            "--max-targets-per-worker",
-            "--max-targets",
-            "--health-check-port",
-            "--policy",
-            "--p2c-load-metric",
-            "--replica-sync",
-            "--replica-id",
-            "--replica-sync-interval-ms",
-            "--replica-ttl-ms",
-            "--load-monitor-interval",
-            "--disable-load-monitoring",
-            "--routing-key-headers",
-            "--assignment-mode",
-            "--max-idle-secs",
-            "--max-manual-keys",
-            "--cache-threshold",
-            "--balance-abs-threshold",
-            "--balance-rel-threshold",
-            "--eviction-interval-secs",
-            "--max-tree-size",
-            "--disable-retries",
-            "--disable-circuit-breaker",
-            "--health-failure-threshold",
-            "--health-success-threshold",
-            "--health-check-timeout-secs",
-            "--health-check-interval-secs",
-            "--health-check-endpoint",
-            "--disable-health-check",
-            "--max-concurrent-requests",
-            "--queue-size",
-            "--rate-limit-tokens-per-second",
-            "--prometheus-host",
-            "--prometheus-port",
-            "--log-level",
-            "--log-json",
-            "--log-dir",
-            "--decode-input-demand",
-            "--decode-request-weight",
-            "--seed",
-            "--workers",
-            "--decode-kv-fit",
-            "--cache-aware-rank-slack",
-            "--decode-kv-reserve-tokens",
-            "--kv-events",
-            "--kv-events-endpoint",
-            "--block-size",
-            "--kv-events-stale-secs",
-            "--kv-index-max-blocks",
-            "--service-discovery",
-            "--selector",
-            "--service-discovery-port",
-            "--service-discovery-namespace",
-            "--discovery-provider",
-            "--discovery-file",
-            "--discovery-check-interval-secs",
-            "--pd-disaggregation",
-            "--prefill",
-            "--decode",
-        )
-    },
-    **{
-        f: ENVOY
-        for f in (
-            "--request-timeout-secs",
-            "--max-payload-size",
-            "--queue-timeout-secs",
-            "--header-read-timeout-secs",
-            "--idle-connection-timeout-secs",
-            "--upstream-pool-idle-timeout-secs",
-            "--body-read-timeout-secs",
-        )
-    },
-    **{
-        f: INERT
-        for f in (
-            *(flag for _, flag, _ in _INERT),
-            "--cb-window-duration-secs",
-            "--prefill-selector",
-            "--decode-selector",
-        )
-    },
-    **{
-        f: REFUSED
-        for f in (
-            "--cors-allowed-origins",
-            "--tls-cert-path",
-            "--tls-key-path",
-            "--tls-min-version",
-            "--enable-igw",
-            "--model-alias",
-            "--prefill-input-demand",
-            "--speed-aware",
-            "--speed-slo-unmet",
-            "--tokenizer-path",
-            "--model-path",
-            "--chat-template",
-            "--tokenize-timeout-ms",
-            "--tokenizer-cache-enable-l0",
-            "--tokenizer-cache-l0-max-entries",
-            "--tokenizer-cache-l0-max-memory",
-            "--tokenizer-cache-enable-l1",
-            "--tokenizer-cache-l1-max-memory",
-            "--retry-max-retries",
-            "--retry-initial-backoff-ms",
-            "--retry-max-backoff-ms",
-            "--retry-backoff-multiplier",
-            "--retry-jitter-factor",
-            "--cb-failure-threshold",
-            "--cb-success-threshold",
-            "--cb-timeout-duration-secs",
-        )
-    },
-}

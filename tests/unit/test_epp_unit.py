@@ -484,7 +484,7 @@ def test_a_pick_without_body_needs_overrides_the_mode_to_skip_the_body() -> None
 
 # -- every router flag under fastroute epp: works, warned once, or refused ------------------
 from fastroute.cli import build_parser  # noqa: E402
-from fastroute.epp.options import AUDIT, INERT, REFUSED  # noqa: E402
+from fastroute.epp.audit import AUDIT, INERT, REFUSED  # noqa: E402
 from fastroute.flagparse import IgnoredFlag  # noqa: E402
 
 _PRINT = ["epp", "--grpc-port", "9002", "--print-envoy-config", "--envoy-listen-port", "8080"]
@@ -524,6 +524,20 @@ _INERT_SAMPLES = {
 }
 _TOK = ["--tokenizer-path", "/tok"]
 _REFUSED_SAMPLES = {
+    "--priority-scheduler-enabled": ["--priority-scheduler-enabled"],
+    "--priority-scheduler-default-max-class": ["--priority-scheduler-default-max-class", "interactive"],
+    "--priority-scheduler-config": ["--priority-scheduler-config", "/nonexistent/priority.yaml"],
+    "--priority-scheduler-tenant-metric-top-n": ["--priority-scheduler-tenant-metric-top-n", "4"],
+    "--tenant-rate-limit-enabled": ["--tenant-rate-limit-enabled"],
+    "--tenant-rate-limit-config": ["--tenant-rate-limit-config", "/nonexistent/limits.yaml"],
+    "--tenant-api-key": ["--tenant-api-key", "team-a:key-a"],
+    "--trust-tenant-header": ["--trust-tenant-header"],
+    "--tenant-header-name": ["--tenant-header-name", "x-team"],
+    "--worker-overload-shed": ["--worker-overload-shed"],
+    "--worker-overload-waiting-requests": ["--worker-overload-waiting-requests", "4"],
+    "--worker-overload-token-usage": ["--worker-overload-token-usage", "0.5"],
+    "--prefill-overload-uncached-tokens": ["--prefill-overload-uncached-tokens", "1000"],
+    "--flow-max-queued": ["--flow-max-queued", "10"],
     "--cors-allowed-origins": ["--cors-allowed-origins", "https://app.example"],
     "--tls-cert-path": ["--tls-cert-path", "/c.pem", "--tls-key-path", "/k.pem"],
     "--tls-key-path": ["--tls-key-path", "/k.pem", "--tls-cert-path", "/c.pem"],
