@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastroute.cli import main
+from fastroute.config.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

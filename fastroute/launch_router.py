@@ -23,8 +23,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from fastroute import cli
-from fastroute.config import ALL_POLICIES, PREFILL_ONLY_POLICIES, default
+from fastroute.config import ALL_POLICIES, PREFILL_ONLY_POLICIES, cli, default
 from fastroute.names import ASSIGNMENT_MODES
 
 

@@ -19,7 +19,7 @@ ASSIGNMENT_MODE_CODE: dict[str, int] = {name: i for i, name in enumerate(ASSIGNM
 LOAD_METRICS: tuple[str, ...] = ("tokens", "requests", "least_requests")
 LOAD_METRIC_CODE: dict[str, int] = {name: i for i, name in enumerate(LOAD_METRICS)}
 # No aliases: smg's `expected_wait` is another score, not a spelling of `tokens`; it parses
-# and is refused at start-up (fastroute.checks.EXPECTED_WAIT_REFUSAL says why).
+# and is refused at start-up (fastroute.config.checks.EXPECTED_WAIT_REFUSAL says why).
 LOAD_METRIC_ALIASES: dict[str, str] = {}
 REFUSED_LOAD_METRICS: tuple[str, ...] = ("expected_wait",)
 

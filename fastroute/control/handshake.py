@@ -19,8 +19,8 @@ import logging
 import socket
 from typing import Any, Protocol
 
-from fastroute.checks import link_local
 from fastroute.config import Config
+from fastroute.config.checks import link_local
 from fastroute.control import httpclient
 from fastroute.control.httpclient import HttpClientError, HttpTLSClosed, HttpTLSError
 from fastroute.control.rankports import RankLayoutError, RankPorts

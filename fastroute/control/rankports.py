@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-from fastroute.checks import worker_url_problem
 from fastroute.config import Config
+from fastroute.config.checks import worker_url_problem
 from fastroute.control.selfaddr import OwnAddresses, SelfWorker
 from fastroute.control.worker import Worker, address_key
 

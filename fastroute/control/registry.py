@@ -38,8 +38,8 @@ import logging
 from collections.abc import Callable, Mapping
 
 from fastroute.auth import AdminAuth, parse_control_plane_keys
-from fastroute.checks import worker_url_problem
 from fastroute.config import Config
+from fastroute.config.checks import worker_url_problem
 from fastroute.control.admin import AdminAPI
 from fastroute.control.background import Background
 from fastroute.control.handshake import Handshaker, Transient

@@ -206,4 +206,4 @@ class DuplicateWorker(ValueError):
 
 
 class BadWorkerURL(ValueError):
-    """A worker URL that is malformed or not allowed (fastroute.checks.worker_url_problem)."""
+    """A worker URL that is malformed or not allowed (fastroute.config.checks.worker_url_problem)."""

@@ -2,7 +2,7 @@
 and the refusals of what the endpoint picker does not do (yet).
 
 ``fastroute epp`` accepts the usual worker, policy, discovery and metrics flags of the router
-(parsed by :mod:`fastroute.cli` into the same :class:`~fastroute.config.Config`) plus:
+(parsed by :mod:`fastroute.config.cli` into the same :class:`~fastroute.config.Config`) plus:
 
 * ``--grpc-port G`` (required): the ext_proc and gRPC health listener, on ``--host``;
 * ``--print-envoy-config``: print an Envoy bootstrap for this picker and exit, with
@@ -187,7 +187,7 @@ def _value(
 
 
 def split(argv: Sequence[str]) -> tuple[EppOptions, list[str]]:
-    """(the picker's own options, the router flags left for :mod:`fastroute.cli`)."""
+    """(the picker's own options, the router flags left for :mod:`fastroute.config.cli`)."""
     rest: list[str] = []
     found: dict[str, Any] = {}
     args = list(argv)

@@ -24,8 +24,8 @@ from typing import Protocol
 
 import uvloop
 
-from fastroute.checks import ConfigError, open_admin_problem
 from fastroute.config import Config
+from fastroute.config.checks import ConfigError, open_admin_problem
 from fastroute.control.discovery import Discovery, start_discovery
 from fastroute.control.kvevents import KvEvents
 from fastroute.control.metrics import MetricsServer

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from fastroute import __version__
-from fastroute.checks import reachable_host
 from fastroute.config import Config
+from fastroute.config.checks import reachable_host
 from fastroute.core.table import SHM_DIR, TableMemoryError, TargetTable, shm_available, table_bytes
 from fastroute.runtime.probe import ProbeServer
 from fastroute.tls import TLSConfigError, server_context

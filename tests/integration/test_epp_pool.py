@@ -18,8 +18,8 @@ from conftest import call, post, run, until  # noqa: E402
 from kubeapi import KubeApi, inference_pool, pod  # noqa: E402
 from test_discovery import PodWorker, kube_env, pod_workers  # noqa: E402,F401
 
-from fastroute.cli import main  # noqa: E402
 from fastroute.config import Config  # noqa: E402
+from fastroute.config.cli import main  # noqa: E402
 from fastroute.epp.server import EppServer  # noqa: E402
 from tests.integration.envoy_harness import Gateway, free_port  # noqa: E402
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from fastroute.cli import parse_args
+from fastroute.config.cli import parse_args
 from fastroute.dataplane.flowcontrol import CLIENT_GONE, FlowAdmission
 from tests.integration.conftest import RawClient, Router, call, get, post, run, until, workers
 

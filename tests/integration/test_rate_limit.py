@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from fastroute.cli import parse_args
+from fastroute.config.cli import parse_args
 from tests.integration.conftest import Router, call, post, run, workers
 
 
@@ -37,5 +37,5 @@ def test_prefill_admission_gate_refuses_by_name(capsys) -> None:
         parse_args(["--pd-disaggregation", flag, "4"])
     assert flag in capsys.readouterr().err
     # 0 (the gate off) asks for what fastroute does, and the queue flags only mean something
-    # with the gate on: both start (the inventory in fastroute.flags says so).
+    # with the gate on: both start (the inventory in fastroute.config.flags says so).
     parse_args(["--pd-disaggregation", flag, "0", "--prefill-queue-size", "4", "--prefill-queue-timeout-secs", "4"])

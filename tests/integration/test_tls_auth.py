@@ -98,7 +98,7 @@ def test_listener_tls_floor_is_1_2_or_the_flags(pki) -> None:
 
 
 def test_tls_min_version_flag_values(capsys) -> None:
-    from fastroute.cli import parse_args
+    from fastroute.config.cli import parse_args
 
     assert parse_args(["--tls-min-version", "1.3"]).tls_min_version == "1.3"
     assert parse_args([]).tls_min_version == "1.2"

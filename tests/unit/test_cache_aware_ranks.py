@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastroute.cli import parse_args
+from fastroute.config.cli import parse_args
 from fastroute.core import reference as R
 from fastroute.core.cache_aware import CacheAwarePolicy, leg_rank_slack
 from fastroute.core.routing import Router

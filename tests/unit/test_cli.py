@@ -11,16 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from fastroute import cli, log
-from fastroute.cli import IGNORED_FLAGS, build_parser, main, parse_args, parse_namespace
-from fastroute.config import (
-    ENV_DECODE_REQUEST_WEIGHT,
-    ENV_P2C_LOAD_METRIC,
-    SUPPORTED_POLICIES,
-    Config,
-    ConfigError,
-    config_from_args,
-)
+from fastroute import log
+from fastroute.config import Config, ConfigError, cli, config_from_args
+from fastroute.config.cli import IGNORED_FLAGS, build_parser, main, parse_args, parse_namespace
+from fastroute.config.settings import ENV_DECODE_REQUEST_WEIGHT, ENV_P2C_LOAD_METRIC, SUPPORTED_POLICIES
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -583,7 +577,7 @@ def test_ignored_flags_warn_once_each_and_swallow_values(caplog) -> None:
 def test_each_ignored_flag_is_accepted_with_one_warning(flag: str, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="fastroute.config"):
         parse_args([flag, "v", "--router-" + flag[2:]])
-    # One line naming the flag; the reason follows in parentheses (fastroute.flags.TABLE).
+    # One line naming the flag; the reason follows in parentheses (fastroute.config.flags.TABLE).
     assert [line.split(" (", 1)[0] for line in _ignored_lines(caplog)] == [
         f"{flag} is accepted for compatibility and ignored by fastroute"
     ]

@@ -12,7 +12,7 @@ import pytest
 yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
 
-from fastroute.cli import parse_args  # noqa: E402
+from fastroute.config.cli import parse_args  # noqa: E402
 from fastroute.epp.options import refusal, split  # noqa: E402
 from fastroute.epp.pool import pool_spec  # noqa: E402
 

@@ -13,7 +13,7 @@ import pytest
 yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
 
-from fastroute.cli import parse_args  # noqa: E402
+from fastroute.config.cli import parse_args  # noqa: E402
 from fastroute.epp.bootstrap import bootstrap_for  # noqa: E402
 from fastroute.epp.options import refusal, split  # noqa: E402
 from fastroute.epp.sidecar import refusal as sidecar_refusal  # noqa: E402

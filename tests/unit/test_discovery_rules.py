@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from fastroute.cli import parse_args
 from fastroute.config import Config, ConfigError, config_from_args
+from fastroute.config.cli import parse_args
 from fastroute.control.discovery import pod_worker, read_manifest, selector_matches
 from fastroute.kube import kube_config_source, parse_selector
 

@@ -18,8 +18,8 @@ import grpc  # noqa: E402
 from envoy.config.core.v3 import base_pb2  # noqa: E402
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
 
-from fastroute.cli import main  # noqa: E402
 from fastroute.config import Config  # noqa: E402
+from fastroute.config.cli import main  # noqa: E402
 from fastroute.core.routing import Router  # noqa: E402
 from fastroute.core.table import TargetTable  # noqa: E402
 from fastroute.dataplane.admission import Admission  # noqa: E402
@@ -483,9 +483,9 @@ def test_a_pick_without_body_needs_overrides_the_mode_to_skip_the_body() -> None
 
 
 # -- every router flag under fastroute epp: works, warned once, or refused ------------------
-from fastroute.cli import build_parser  # noqa: E402
+from fastroute.config.cli import build_parser  # noqa: E402
+from fastroute.config.flagparse import IgnoredFlag  # noqa: E402
 from fastroute.epp.audit import AUDIT, INERT, REFUSED  # noqa: E402
-from fastroute.flagparse import IgnoredFlag  # noqa: E402
 
 _PRINT = ["epp", "--grpc-port", "9002", "--print-envoy-config", "--envoy-listen-port", "8080"]
 
@@ -592,7 +592,7 @@ def test_every_router_flag_has_its_place_under_epp() -> None:
     named = set()
     for action in parser._actions:
         if isinstance(action, IgnoredFlag) or action.help == "==SUPPRESS==":
-            continue  # the peers' inventory: judged as in the proxy (fastroute.flags)
+            continue  # the peers' inventory: judged as in the proxy (fastroute.config.flags)
         opts = [o for o in action.option_strings if o not in ("-h", "--help", "--version")]
         if opts:
             named.add("--p2c-load-metric" if "--p2c-load-metric" in opts else opts[0])

@@ -1,4 +1,4 @@
-"""The rule and the inventory (fastroute.flags): every smg 1.13 flag either starts the router or
+"""The rule and the inventory (fastroute.config.flags): every smg 1.13 flag either starts the router or
 refuses by name; refused flags accept only their neutral values; docs/flags.md carries the table."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fastroute import flags
-from fastroute.cli import build_parser, parse_args
+from fastroute.config import flags
+from fastroute.config.cli import build_parser, parse_args
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -408,7 +408,7 @@ def test_table_is_consistent() -> None:
 
 def test_docs_carry_the_generated_table() -> None:
     page = (REPO / "docs" / "flags.md").read_text()
-    assert flags.markdown() in page, "regenerate with: python -m fastroute.flags"
+    assert flags.markdown() in page, "regenerate with: python -m fastroute.config.flags"
 
 
 def test_help_calls_no_refused_or_security_flag_ignored() -> None:

@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from fastroute.cli import COMMON_FLAGS
+from fastroute.config.cli import COMMON_FLAGS
 
 
 def _help() -> str:

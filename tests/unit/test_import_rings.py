@@ -4,7 +4,7 @@
 own modules (compiled from their .py, see setup.py). (The breakers, reconciler and routing
 groups it uses are handed in by the runtime.)
 
-And the router as a whole (``fastroute.cli``, which imports every ring) loads no optional
+And the router as a whole (``fastroute.config.cli``, which imports every ring) loads no optional
 dependency of a flag that is off by default: redis (``--replica-sync``), kubernetes_asyncio and
 aiohttp (``--service-discovery``) are imported where those flags start their parts, and grpc
 and Envoy's protos only by ``fastroute epp``."""
@@ -66,7 +66,7 @@ def test_data_plane_module_imports_no_numpy_and_no_core(module: str) -> None:
 _OPTIONAL = ("redis", "kubernetes_asyncio", "aiohttp", "grpc", "grpc_health", "envoy")
 _PROBE_OPTIONAL = """
 import sys
-import fastroute.cli
+import fastroute.config.cli
 print(" ".join(sorted({n.partition(".")[0] for n in sys.modules} & set(sys.argv[1:]))))
 """
 
@@ -83,4 +83,4 @@ def test_router_imports_no_optional_dependency_of_a_flag_left_off() -> None:
         timeout=60,
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [], f"importing fastroute.cli loads {out.stdout.strip()}"
+    assert out.stdout.split() == [], f"importing fastroute.config.cli loads {out.stdout.strip()}"

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from fastroute import cli
+from fastroute.config import cli
 from fastroute.launch_router import RouterArgs, parse_router_args
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fastroute.cli import parse_args, parse_namespace
+from fastroute.config.cli import parse_args, parse_namespace
 
 REPO = Path(__file__).resolve().parents[2]
 

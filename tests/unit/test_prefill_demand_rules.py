@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastroute.cli import parse_args
+from fastroute.config.cli import parse_args
 from fastroute.control.monitor import parse_v1_loads
 from fastroute.core import _policy
 from fastroute.core import reference as R

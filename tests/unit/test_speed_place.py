@@ -172,7 +172,7 @@ def test_speed_aware_refuses_what_it_cannot_do_by_name(cfg: dict, why: str) -> N
 
 
 def test_help_names_the_flag() -> None:
-    from fastroute.cli import build_parser
+    from fastroute.config.cli import build_parser
 
     text = build_parser().format_help()
     assert "--speed-aware" in text and "time per output token" in " ".join(text.split())

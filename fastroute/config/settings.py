@@ -3,7 +3,7 @@
 This module owns the data (field names are the argparse dest names of the sglang-router flags,
 dashes turned into underscores), the defaults (the single source of truth: the CLI reads its
 defaults from the dataclass) and the environment fallbacks; the start-up rules a `Config` is held to
-are `fastroute.checks.validate`'s, and the names the flags accept (policies, modes, environment
+are `fastroute.config.checks.validate`'s, and the names the flags accept (policies, modes, environment
 variables) are `fastroute.names`', re-exported here. It does no I/O beyond reading the environment
 (and, for `--service-discovery`, looking for a Kubernetes credential file, so a router that could
 never find a worker refuses to start) and logs nothing except the one-line "ignored by fastroute"
@@ -23,10 +23,10 @@ from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from fastroute import flags
+import fastroute.config.flags as flags
 from fastroute.auth import split_env_keys
-from fastroute.checks import ConfigError, _strip_url, metric_in_use
-from fastroute.checks import validate as _validate
+from fastroute.config.checks import ConfigError, _strip_url, metric_in_use
+from fastroute.config.checks import validate as _validate
 from fastroute.kube import NO_KUBE_CONFIG, kube_config_source
 from fastroute.names import (
     ALL_POLICIES,
@@ -358,7 +358,7 @@ class Config:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Raise ConfigError naming the first offending flag; no side effects. The rules are
-        :func:`fastroute.checks.validate`'s."""
+        :func:`fastroute.config.checks.validate`'s."""
         _validate(self)
 
 
@@ -438,12 +438,12 @@ def _weight_from_env(environ: dict[str, str] | os._Environ[str]) -> int:
 
 
 def config_from_args(ns: Any, environ: dict[str, str] | None = None) -> Config:
-    """Build and validate a Config from an argparse namespace produced by `fastroute.cli`.
+    """Build and validate a Config from an argparse namespace produced by `fastroute.config.cli`.
 
     Namespace attributes that are Config fields are copied; `prefill`/`decode` arrive raw
     (lists of tokens) and are parsed here; flags left at None fall back to the environment
     (`environ`, default os.environ). Logs one warning per distinct ignored flag recorded in
-    `ns.ignored_flags` and refuses (ConfigError naming it) a flag `fastroute.flags` refuses.
+    `ns.ignored_flags` and refuses (ConfigError naming it) a flag `fastroute.config.flags` refuses.
     Raises ConfigError.
     """
     env = os.environ if environ is None else environ
@@ -474,7 +474,7 @@ def config_from_args(ns: Any, environ: dict[str, str] | None = None) -> Config:
     if not raw.get("control_plane_api_keys"):
         kwargs["control_plane_api_keys"] = split_env_keys(env.get(ENV_CONTROL_PLANE_API_KEYS))
 
-    # Refused flags stop the start before anything else is judged (fastroute.flags: the rule).
+    # Refused flags stop the start before anything else is judged (fastroute.config.flags: the rule).
     try:
         warnings = flags.apply(raw.get("ignored_flags") or ())
     except flags.RefusedFlag as exc:

@@ -1,11 +1,12 @@
 """fastroute's own flags, not in sglang-router: the extensions (decode input demand, KV fit,
 rank fields, ``--workers``...), service discovery and router replicas. Defaults come from
-:class:`fastroute.config.Config`; :func:`fastroute.cli.build_parser` calls these on its parser.
+:class:`fastroute.config.Config`; :func:`fastroute.config.cli.build_parser` calls these on its parser.
 """
 
 from __future__ import annotations
 
-from fastroute.config import (
+from fastroute.config.flagparse import Adder, DiscoveryOption, workers_value
+from fastroute.config.settings import (
     DEMAND_MODES,
     DISCOVERY_PROVIDERS,
     DP_RANK_FIELDS,
@@ -13,7 +14,6 @@ from fastroute.config import (
     KV_EVENTS_MODES,
     default,
 )
-from fastroute.flagparse import Adder, DiscoveryOption, workers_value
 
 
 def add_own_groups(add: Adder) -> None:

@@ -8,7 +8,7 @@ A few peer flags ask for what fastroute already does; they are ``implemented`` h
 silently) because they have no field of their own in :class:`fastroute.config.Config`.
 
 ``TABLE`` is the one inventory: the CLI builds its compatibility flags from it, the config
-applies it, and docs/flags.md's table is generated from it (``python -m fastroute.flags``; a
+applies it, and docs/flags.md's table is generated from it (``python -m fastroute.config.flags``; a
 test checks the page against it). Flags fastroute implements with a field of their own are not listed.
 
 Pure Python with no imports from the rest of fastroute, like :mod:`fastroute.names`.

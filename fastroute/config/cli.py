@@ -7,8 +7,8 @@ flag also answers to its `--router-` spelling (as passed by `sglang.launch_serve
 with no meaning for fastroute are accepted with one warning each.
 
 This module builds the parser (:func:`build_parser`) from the flag definitions, the peers' in
-`fastroute.peerflags` and fastroute's own in `fastroute.ownflags`, both written with the
-machinery of `fastroute.flagparse`; it pre-scans the command line for the peers' flag families,
+`fastroute.config.peerflags` and fastroute's own in `fastroute.config.ownflags`, both written with the
+machinery of `fastroute.config.flagparse`; it pre-scans the command line for the peers' flag families,
 parses, and dispatches. Turning the namespace into a validated `Config` is `fastroute.config`'s
 job; running it is `fastroute.runtime.server.run`'s (a `Server`, or a `Supervisor` under
 `--workers N`). `fastroute demo ...` hands over to `fastroute.sim.demo`.
@@ -22,10 +22,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from fastroute import __version__, flags
-from fastroute.checks import PolicyFileError
-from fastroute.config import Config, ConfigError, config_from_args
-from fastroute.flagparse import (  # noqa: F401 (IGNORED_FLAGS re-exported)
+import fastroute.config.flags as flags
+from fastroute import __version__
+from fastroute.config.checks import PolicyFileError
+from fastroute.config.flagparse import (  # noqa: F401 (IGNORED_FLAGS re-exported)
     IGNORED_FAMILIES,
     IGNORED_FLAGS,
     Adder,
@@ -33,9 +33,10 @@ from fastroute.flagparse import (  # noqa: F401 (IGNORED_FLAGS re-exported)
     canonical,
     wants_json,
 )
+from fastroute.config.ownflags import add_own_groups
+from fastroute.config.peerflags import add_inventory_groups, add_peer_groups
+from fastroute.config.settings import Config, ConfigError, config_from_args
 from fastroute.log import configure_logging, startup_error
-from fastroute.ownflags import add_own_groups
-from fastroute.peerflags import add_inventory_groups, add_peer_groups
 from fastroute.runtime.server import Server, run
 from fastroute.runtime.startup import StartupError
 from fastroute.runtime.supervisor import Supervisor, resolve_processes
@@ -161,7 +162,7 @@ def parse_namespace(
     """Parse flags into a raw namespace (argparse exits with status 2 on a bad flag).
 
     ``ns.ignored_flags`` holds ``(flag, values)`` of every inventory flag given (see
-    :mod:`fastroute.flags`); :func:`fastroute.config.config_from_args` judges them."""
+    :mod:`fastroute.config.flags`); :func:`fastroute.config.config_from_args` judges them."""
     parser = parser or build_parser()
     args = list(sys.argv[1:] if argv is None else argv)
     if isinstance(parser, Parser):

@@ -1,14 +1,15 @@
 """The flags of the peers' command lines (sglang-router 0.3.2, smg 1.13) that fastroute implements,
 in their --help groups, and the inventory groups: peer flags accepted as inert, accepted because
-fastroute already does what they ask, or refused (:mod:`fastroute.flags` has the reasons).
-Defaults come from :class:`fastroute.config.Config`; :func:`fastroute.cli.build_parser` calls
+fastroute already does what they ask, or refused (:mod:`fastroute.config.flags` has the reasons).
+Defaults come from :class:`fastroute.config.Config`; :func:`fastroute.config.cli.build_parser` calls
 these on its parser.
 """
 
 from __future__ import annotations
 
-from fastroute import flags
-from fastroute.config import (
+import fastroute.config.flags as flags
+from fastroute.config.flagparse import BY_STATUS, LOG_LEVEL_CHOICES, Adder, IgnoredFlag, p2c_metric
+from fastroute.config.settings import (
     ALL_POLICIES,
     ENV_CONTROL_PLANE_API_KEYS,
     ENV_P2C_LOAD_METRIC,
@@ -16,7 +17,6 @@ from fastroute.config import (
     SUPPORTED_POLICIES,
     default,
 )
-from fastroute.flagparse import BY_STATUS, LOG_LEVEL_CHOICES, Adder, IgnoredFlag, p2c_metric
 from fastroute.names import ASSIGNMENT_MODES
 
 
@@ -621,7 +621,7 @@ def add_inventory_groups(add: Adder) -> None:
         "Ignored for compatibility",
         "Peer flags that cannot change who gets in, where requests go or readiness: accepted "
         "(with any values) so existing launch scripts keep working, with one warning each "
-        "saying why. The full inventory is docs/flags.md (python -m fastroute.flags).",
+        "saying why. The full inventory is docs/flags.md (python -m fastroute.config.flags).",
     )
     for flag in BY_STATUS[flags.INERT]:
         add(flag, action=IgnoredFlag, metavar="VALUE", help="inert: " + flags.row_of(flag).reason)

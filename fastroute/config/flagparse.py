@@ -1,5 +1,5 @@
 """The argparse machinery of the ``fastroute`` command line, shared by the modules that define
-its flags (:mod:`fastroute.peerflags`, :mod:`fastroute.ownflags`) and by :mod:`fastroute.cli`,
+its flags (:mod:`fastroute.config.peerflags`, :mod:`fastroute.config.ownflags`) and by :mod:`fastroute.config.cli`,
 which builds the parser from them and parses.
 
 * :class:`Parser`: argument errors are start-up refusals (one line, JSON with ``--log-json``);
@@ -9,7 +9,7 @@ which builds the parser from them and parses.
 * :class:`IgnoredFlag`, :class:`DiscoveryOption`: actions that note an inventory flag or a
   discovery sub-flag for :func:`fastroute.config.config_from_args` to judge;
 * the value types (``--workers N|auto``, the power-of-two load metric) and the inventory's
-  flags by status (:mod:`fastroute.flags` is the inventory).
+  flags by status (:mod:`fastroute.config.flags` is the inventory).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import argparse
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from fastroute import flags
-from fastroute.config import P2C_LOAD_METRICS
+import fastroute.config.flags as flags
+from fastroute.config.settings import P2C_LOAD_METRICS
 from fastroute.log import startup_error
 from fastroute.names import REFUSED_LOAD_METRICS
 
@@ -31,7 +31,7 @@ _NEVER_PREFIXED = frozenset({"--host", "--port", "--worker-urls"})
 _OWN_PREFIXED = frozenset(f.name for f in flags.TABLE if f.name.startswith(ROUTER_PREFIX))
 
 # Every peer flag fastroute accepts without a field of its own comes from the one inventory,
-# fastroute.flags.TABLE (implemented / inert / refused, with the reason).
+# fastroute.config.flags.TABLE (implemented / inert / refused, with the reason).
 BY_STATUS: dict[str, tuple[str, ...]] = {
     status: tuple(n for n in flags.COMPAT_NAMES if flags.row_of(n).status == status) for status in flags.STATUSES
 }
@@ -64,7 +64,7 @@ def wants_json(argv: Sequence[str]) -> bool:
 
 
 class IgnoredFlag(argparse.Action):
-    """Swallow a compatibility flag and its values; remember both for fastroute.flags.apply."""
+    """Swallow a compatibility flag and its values; remember both for fastroute.config.flags.apply."""
 
     def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
         kwargs.setdefault("nargs", "*")
@@ -105,7 +105,7 @@ def workers_value(text: str) -> int | str:
 def p2c_metric(text: str) -> str:
     value = text.strip().lower()
     if value in P2C_LOAD_METRICS or value in REFUSED_LOAD_METRICS:
-        return value  # expected_wait parses and is refused with its reason (fastroute.checks)
+        return value  # expected_wait parses and is refused with its reason (fastroute.config.checks)
     raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from " + ", ".join(P2C_LOAD_METRICS) + ")")
 
 
