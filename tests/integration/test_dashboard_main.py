@@ -16,7 +16,7 @@ import pytest
 from fastroute.sim.worker import start_cluster
 from tests.integration.conftest import Router, run, until
 from tests.integration.test_dashboard import CHROMIUM, PREFILL, SIM, DevTools, _names, traffic
-from tests.integration.test_multiproc import MultiRouter
+from tests.integration.test_multiproc import MultiRouter, per_process
 
 H = "127.0.0.1"
 ADMIN, USER = "adm-secret-48", "usr-secret-48"
@@ -143,11 +143,23 @@ def test_workers_n_every_process_shows_every_rank_on_the_main_port() -> None:
             ) as r:
                 want = {f"{u}@{k}" for u in (p.url, d.url) for k in range(3)}
                 async with traffic(r.port, 4):
+                    m = await r.until_metric(
+                        lambda m: (
+                            len(per_process(m, "fastroute_proxy_process_picks_total")) == 2
+                            and min(per_process(m, "fastroute_proxy_process_picks_total").values()) > 0
+                        ),
+                        30.0,
+                        "both proxy processes picking",
+                    )
+                    children = per_process(m, "fastroute_proxy_process_picks_total")
                     for _ in range(8):  # fresh connections: both processes answer some
                         assert (await _get(r.port, "/dashboard/snapshot", USER))[0] == 403
                         status, _, body = await _get(r.port, "/dashboard/snapshot", ADMIN)
                         assert status == 200, body
-                        assert _shown(json.loads(body)) == want
+                        snap = json.loads(body)
+                        assert _shown(snap) == want
+                        # The shared table's picks: both processes', not only the answering one's.
+                        assert sum(x["picks"] for w in snap["workers"] for x in w["ranks"]) >= sum(children.values())
         finally:
             await cluster.stop()
 
