@@ -100,9 +100,9 @@ def test_main_port_snapshot_needs_an_admin_key_and_shows_every_rank() -> None:
     run(go(), 60.0)
 
 
-def test_main_port_snapshot_api_key_and_no_rule() -> None:
+def test_main_port_snapshot_api_key_no_rule_and_closed() -> None:
     """--api-key alone guards the snapshot; with no admin rule at all it is served like the
-    other admin reads in that mode."""
+    other admin reads in that mode; with the admin routes closed it is refused."""
 
     async def go() -> None:
         cluster = await start_cluster(1, 1, SIM, PREFILL)
@@ -116,6 +116,12 @@ def test_main_port_snapshot_api_key_and_no_rule() -> None:
             async with _with(cluster) as r:
                 status, _, body = await _get(r.port, "/dashboard/snapshot")
                 assert status == 200 and _shown(json.loads(body)) == _names(r)
+            # Admin routes closed (fastroute sidecar without keys): no key can open the data.
+            async with _with(cluster, admin_closed=True) as r:
+                for key in (None, "anything"):
+                    status, _, body = await _get(r.port, "/dashboard/snapshot", key)
+                    assert status == 403 and json.loads(body)["error"]["code"] == "admin_api_closed", body
+                assert (await _get(r.port, "/dashboard"))[0] == 200
         finally:
             await cluster.stop()
 
