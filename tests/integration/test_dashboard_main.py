@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
+import shutil
 from pathlib import Path
 
 import aiohttp
@@ -229,6 +231,8 @@ def test_chromium_main_port_asks_for_the_key_then_shows_every_rank(tmp_path: Pat
                 png = tmp_path / "dashboard-main.png"
                 png.write_bytes(base64.b64decode(shot["data"]))
                 print(f"dashboard screenshot: {png}")
+                if os.environ.get("FASTROUTE_SCREENSHOT_DIR"):
+                    shutil.copy(png, Path(os.environ["FASTROUTE_SCREENSHOT_DIR"]) / "dashboard-main.png")
         finally:
             await browser.close()
             await cluster.stop()
