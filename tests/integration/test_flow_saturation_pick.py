@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from fastroute.config.cli import parse_args
 from tests.integration.conftest import DataWorker, Router, call, post, run, until
 from tests.integration.test_flow_saturation import LoadedWorker
 
@@ -118,5 +119,36 @@ def test_pd_both_legs_avoid_saturated_ranks() -> None:
             await _polled(*p, *d)
             await _send(r.port, [f"b{i}" for i in range(12)])
             assert len(p[0].inference()) > 0 and len(d[1].inference()) > 0
+
+    run(body())
+
+
+def test_disable_worker_overload_protection_leaves_no_rank_out(capsys: pytest.CaptureFixture[str]) -> None:
+    # smg's --disable-worker-overload-protection switches both thresholds off; a threshold given
+    # on beside it is refused by name.
+    base = ["--worker-urls", "http://127.0.0.1:1", "--worker-overload-shed", "--disable-worker-overload-protection"]
+    cfg = parse_args(base)
+    assert (cfg.worker_overload_waiting_requests, cfg.worker_overload_token_usage) == (0, 1.0)
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--worker-overload-waiting-requests", "4"])
+    assert "--disable-worker-overload-protection" in capsys.readouterr().err
+
+    async def body() -> None:
+        w = await RankLoads(4).start()
+        async with Router(
+            worker_urls=[w.url],
+            dp_aware=True,
+            dp_rank_field="routed_dp_rank",
+            policy="round_robin",
+            load_monitor_interval=0.1,
+            worker_overload_shed=True,
+            worker_overload_waiting_requests=cfg.worker_overload_waiting_requests,
+            worker_overload_token_usage=cfg.worker_overload_token_usage,
+        ) as r:
+            w.waiting = [8, 8, 8, 8]
+            w.used[3] = 85000
+            await _polled(w)
+            await _send(r.port, [f"a{i}" for i in range(8)])  # none shed
+            assert w.ranks() == Counter({0: 2, 1: 2, 2: 2, 3: 2})
 
     run(body())
