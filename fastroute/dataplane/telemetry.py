@@ -69,18 +69,14 @@ class PathLabels:
     """The label tuples of one model's requests on one inference path."""
 
     __slots__ = ("routed", "routed_stream", "endpoint", "model", "ok")
-    routed: tuple[str, str, str, str]  # smg_router_requests_total (backend, endpoint, model, "false")
-    routed_stream: tuple[str, str, str, str]  # ... the same with stream "true"
-    endpoint: tuple[str, str, str]  # (backend, endpoint, model): duration and request errors
-    model: str  # the model label alone (smg_pd_ttft_seconds)
-    ok: tuple[str, str, str]  # smg_http_responses_total of a 200 on the path ("200", "", path)
 
     def __init__(self, backend: str, endpoint: str, model: str, path: str) -> None:
+        # smg_router_requests_total (backend, endpoint, model, "false"), and with stream "true"
         self.routed = (backend, endpoint, model, "false")
         self.routed_stream = (backend, endpoint, model, "true")
-        self.endpoint = (backend, endpoint, model)
-        self.model = model
-        self.ok = (_STATUS_LABEL[200], "", path)
+        self.endpoint = (backend, endpoint, model)  # duration and request errors
+        self.model = model  # the model label alone (smg_pd_ttft_seconds)
+        self.ok = (_STATUS_LABEL[200], "", path)  # smg_http_responses_total of a 200 on the path
 
 
 class Telemetry:
@@ -165,14 +161,11 @@ class RequestTelemetry(Telemetry):
         "_pick_seconds",
         "_overhead_seconds",
     )
-    stats: Stats
-    backend: str
-    _models: dict[Any, dict[bytes, PathLabels]]
 
     def __init__(self, stats: Stats, backend: str) -> None:
         self.stats = stats
         self.backend = backend  # "regular" or "pd": the backend label
-        self._models = {}
+        self._models: dict[Any, dict[bytes, PathLabels]] = {}
         # Stats makes its dicts and histograms once and only ever updates them in place: the
         # events hold them directly (in the compiled build, typed: see telemetry.pxd).
         self._http_requests = stats.http_requests
