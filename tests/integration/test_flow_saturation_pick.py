@@ -57,7 +57,8 @@ async def _polled(*ws: Any) -> None:
 
 def _gen(tag: str) -> bytes:
     # Texts with nothing in common, so cache_aware spreads them as the others do.
-    return post("/generate", {"text": uuid.uuid4().hex * 8 + " " + tag})
+    # The tag is also the routing key (consistent_hashing).
+    return post("/generate", {"text": uuid.uuid4().hex * 8 + " " + tag}, {"x-smg-routing-key": tag})
 
 
 async def _send(port: int, tags: list[str]) -> None:
@@ -65,7 +66,7 @@ async def _send(port: int, tags: list[str]) -> None:
     assert [r.status for r in res] == [200] * len(tags)
 
 
-@pytest.mark.parametrize("policy", ["round_robin", "power_of_two", "random", "cache_aware"])
+@pytest.mark.parametrize("policy", ["round_robin", "power_of_two", "random", "cache_aware", "consistent_hashing"])
 @pytest.mark.parametrize("flag", ["priority_scheduler_enabled", "worker_overload_shed"])
 def test_dp_requests_land_only_on_free_ranks(policy: str, flag: str) -> None:
     async def body() -> None:
@@ -88,7 +89,7 @@ def test_dp_requests_land_only_on_free_ranks(policy: str, flag: str) -> None:
             # Rank 3 drains: it is picked again; rank 1 is still left out.
             w.used[3] = 0
             await _polled(w)
-            await _send(r.port, [f"b{i}" for i in range(24)])
+            await _send(r.port, [f"b{i}" for i in range(48)])
             later = w.ranks() - got
             assert later[1] == 0 and later[3] > 0, later
 
