@@ -189,13 +189,16 @@ TABLE: tuple[Flag, ...] = (
     Flag(
         "--disable-worker-overload-protection",
         IMPLEMENTED,
-        "fastroute never leaves a worker out for its waiting queue or KV usage, which is what this asks for",
+        "both overload thresholds off (--worker-overload-waiting-requests 0, "
+        "--worker-overload-token-usage 1.0): no rank is left out, held or shed for its waiting "
+        "queue or KV usage",
     ),
     Flag(
         "--worker-overload-protection",
         REFUSED,
         "leaving overloaded workers out of routing is "
-        "not implemented; give --disable-worker-overload-protection to start without it",
+        "implemented only with --priority-scheduler-enabled or --worker-overload-shed (smg does it "
+        "by default); give --disable-worker-overload-protection to start without it",
     ),
     Flag(
         "--worker-stall-secs",

@@ -518,9 +518,10 @@ def add_peer_groups(add: Adder) -> None:
         type=int,
         default=None,
         help="Waiting requests at or above which a rank is saturated: with "
-        "--priority-scheduler-enabled or --worker-overload-shed a request is held (or shed) while "
-        "every rank it could use is saturated (default: 8 there; 0 = not used; without those flags "
-        "only 0 is accepted, leaving overloaded workers out of routing is not implemented).",
+        "--priority-scheduler-enabled or --worker-overload-shed a saturated rank is left out of "
+        "routing while another is not, and a request is held (or shed) while every rank it could "
+        "use is saturated (default: 8 there; 0 = not used; without those flags only 0 is "
+        "accepted).",
     )
     add(
         "--worker-overload-token-usage",

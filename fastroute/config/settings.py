@@ -437,6 +437,22 @@ def _weight_from_env(environ: dict[str, str] | os._Environ[str]) -> int:
         raise ConfigError(ENV_DECODE_REQUEST_WEIGHT, f"{raw!r} is not an integer") from None
 
 
+def _overload_protection_off(kwargs: dict[str, Any]) -> None:
+    """--disable-worker-overload-protection: as smg, both overload thresholds off, so flow
+    control's saturation never holds, sheds or leaves out a rank for them. A threshold given on
+    beside it asks for the opposite: refused."""
+    w = kwargs.get("worker_overload_waiting_requests")
+    u = kwargs.get("worker_overload_token_usage")
+    if w or (u is not None and u < 1.0):
+        raise ConfigError(
+            "--disable-worker-overload-protection",
+            "switches the overload thresholds off; --worker-overload-waiting-requests or "
+            "--worker-overload-token-usage gives one on",
+        )
+    kwargs["worker_overload_waiting_requests"] = 0
+    kwargs["worker_overload_token_usage"] = 1.0
+
+
 def config_from_args(ns: Any, environ: dict[str, str] | None = None) -> Config:
     """Build and validate a Config from an argparse namespace produced by `fastroute.config.cli`.
 
@@ -479,6 +495,8 @@ def config_from_args(ns: Any, environ: dict[str, str] | None = None) -> Config:
         warnings = flags.apply(raw.get("ignored_flags") or ())
     except flags.RefusedFlag as exc:
         raise ConfigError(exc.flag, str(exc).split(": ", 1)[1]) from None
+    if any(flag == "--disable-worker-overload-protection" for flag, _ in raw.get("ignored_flags") or ()):
+        _overload_protection_off(kwargs)
     config = Config(**kwargs)
     if config.discovery == "kubernetes" and kube_config_source(env) is None:
         raise ConfigError("--service-discovery", NO_KUBE_CONFIG)

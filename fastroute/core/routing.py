@@ -112,6 +112,8 @@ class Group:
             int(kv_reserve),
         )
         self._cands = np.zeros(0, dtype=np.int64)
+        self._ring: tuple[np.ndarray, np.ndarray] | None = None  # consistent_hashing's whole ring
+        self._allowed: tuple[int, ...] | None = None  # restrict(): the rows picked among
         self.kv_reserve = int(kv_reserve)
         # The group's policy (core/policies.py): the kernel itself for the compiled policies,
         # else an object that holds the kernel. ``acquire`` is its bound method: one call.
@@ -164,13 +166,42 @@ class Group:
         if len(names) != len(targets):
             raise ValueError("targets and names differ in length")
         self._cands = np.asarray(targets, dtype=np.int64)
+        self._allowed = None
         self.kernel.set_candidates(self._cands)
         if self.policy == "consistent_hashing":
-            self.kernel.set_ring(*build_ring(targets, names))
+            self._ring = build_ring(targets, names)
+            self.kernel.set_ring(*self._ring)
         if self._on_targets is not None:
             self._on_targets(targets, names, self._cands)
         self.targets = targets
         self.names = names
+
+    def restrict(self, rows: Sequence[int] | None) -> None:
+        """Pick only among ``rows``, a subset of the targets (None: all of them again), until
+        the next call or the next change of targets: flow control leaves its saturated ranks
+        out of the pick this way (dataplane/saturation.py). The candidate arrays the policies
+        scan are swapped, so the pick itself does no more work; consistent_hashing keeps its
+        ring, less the left-out ranks' points (their keys move clockwise, the others stay);
+        manual keeps a key on its bound target."""
+        allowed = None if rows is None else tuple(int(t) for t in rows)
+        if allowed == self._allowed:
+            return
+        self._allowed = allowed
+        cands = self._cands if allowed is None else np.asarray(allowed, dtype=np.int64)
+        self.kernel.set_candidates(cands)
+        if self._ring is not None:
+            hashes, owners = self._ring
+            if allowed is not None:
+                keep = np.isin(owners, cands)
+                hashes, owners = hashes[keep], owners[keep]
+            self.kernel.set_ring(hashes, owners)
+        impl: object = self.policy_impl
+        while impl is not None:
+            if isinstance(impl, PrefixTree):
+                impl.targets = self.targets if allowed is None else list(allowed)
+            if isinstance(impl, (PrefixTree, SpeedDecode, SpeedPrefill)):
+                impl.rows = cands
+            impl = getattr(impl, "inner", None)
 
     def track_in(self, ledger: TargetTable) -> None:
         """Also book every lease of this group in ``ledger``: a proxy process's private ledger,

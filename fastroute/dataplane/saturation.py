@@ -18,9 +18,13 @@ its own).
 A rank without a load (never polled, poll failed) or unhealthy is not counted either way: an
 unknown load never holds traffic back, an unhealthy rank is not one a request could use. A
 stage is saturated when it has usable ranks and all of them are saturated; under
-PD the request needs both stages, so either being saturated holds it. The verdict is kept for
+PD the request needs both stages, so either being saturated holds it. When only some of a
+stage's usable ranks are saturated, its group picks among the others (``Group.restrict`` swaps
+the candidate rows the policy scans): nothing is admitted to a saturated rank while another
+could take it, on either leg under PD. The verdict (and the groups' candidates) are kept for
 ``_FRESH`` seconds of loop time: loads change at most once per poll or push, and a burst of
-admissions then reads the table once.
+admissions then reads the table once. Every start of a request asks for the verdict first
+(FlowAdmission), so its first pick never uses candidates older than that.
 """
 
 from __future__ import annotations
@@ -54,8 +58,12 @@ class Saturation:
         if now - self._at < _FRESH:
             return self._verdict
         self._at = now
-        self._verdict = any(self.stage_saturated(role) for role in self._roles)
-        return self._verdict
+        verdict = False
+        for role in self._roles:
+            if self.stage_saturated(role):
+                verdict = True
+        self._verdict = verdict
+        return verdict
 
     def capacity(self) -> int | None:
         """The running-batch limits (max_running_requests) of the usable ranks of the stage that
@@ -85,16 +93,25 @@ class Saturation:
         self._cap_at = -1.0
 
     def stage_saturated(self, role: str) -> bool:
+        """Whether every usable rank of ``role`` is saturated; when only some are, the role's
+        group picks among the others until the next look (``Group.restrict``)."""
         table = self._registry.table
+        group = self._upstreams.group(role)
+        prefill = role == "prefill"
         usable = 0
-        for t in self._upstreams.group(role).targets:
+        full: set[int] = set()
+        for t in group.targets:
             load = table.rank_load(t)
             if load[0] != 1:
                 continue
             usable += 1
-            if not self.rank_saturated(load, role == "prefill"):
-                return False
-        return usable > 0
+            if self.rank_saturated(load, prefill):
+                full.add(t)
+        if full and len(full) < usable:
+            group.restrict([t for t in group.targets if t not in full])
+        else:
+            group.restrict(None)  # none saturated, or all: then the request waits (the gate)
+        return usable > 0 and len(full) == usable
 
     def rank_saturated(self, load: tuple[int, ...], prefill: bool) -> bool:
         _, polled_at, waiting, tokens, max_tokens, uncached, _ = load
