@@ -168,6 +168,8 @@ class Monitor:
         # Rows whose engine pushes its loads (control/kvevents.py): the poll leaves them alone
         # but for the decode KV queue, which a LoadStat does not carry.
         self.pushed: Callable[[int], bool] | None = None
+        # Load polls reuse one kept-alive connection per worker port.
+        self._pool = httpclient.Pool()
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -181,6 +183,7 @@ class Monitor:
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
         await cancel_all(tasks)
+        self._pool.close()
 
     async def _every(self, period: float, tick: Any, st: Any) -> None:
         loop = asyncio.get_running_loop()
@@ -240,7 +243,11 @@ class Monitor:
     def _forget_removed(self) -> None:
         """Drop the poll counters and engine rows of workers no longer registered (a router
         that saw 10,000 workers come and go keeps none of theirs)."""
-        known = {w.url for w in self.registry.workers}
+        workers = self.registry.workers
+        known = {w.url for w in workers}
+        ports = [u for w in workers for u in (w.rank_urls or [w.url])]
+        if len(self._pool) > len(ports):  # connections to removed workers (or resized ones' ports)
+            self._pool.keep_only(ports)
         if len(self.engine) > len(known) or len(self.polls) > 2 * len(known):
             self.engine.forget(known)
             for key in [k for k in self.polls if k[0] not in known]:
@@ -319,11 +326,15 @@ class Monitor:
         try:
             if w.load_path != GET_LOAD:
                 query = _V1_CORE if w.load_path == _V1_CORE else _V1_QUERY
-                status, _, body = await httpclient.request("GET", url + query, headers=headers, timeout=timeout)
+                status, _, body = await httpclient.request(
+                    "GET", url + query, headers=headers, timeout=timeout, pool=self._pool
+                )
                 if status == 400 and query == _V1_QUERY:
                     # An older /v1/loads without the disagg section: core only from now on.
                     w.load_path = query = _V1_CORE
-                    status, _, body = await httpclient.request("GET", url + query, headers=headers, timeout=timeout)
+                    status, _, body = await httpclient.request(
+                        "GET", url + query, headers=headers, timeout=timeout, pool=self._pool
+                    )
                 if status == 200:
                     w.load_path = query if query == _V1_CORE else V1_LOADS
                     doc = (loadwire.decode(body) if typed else None) or json.loads(body)
@@ -333,7 +344,9 @@ class Monitor:
                 else:
                     log.debug("load poll %s%s: HTTP %s", url, V1_LOADS, status)
             if entries is None and w.load_path == GET_LOAD:
-                status, _, body = await httpclient.request("GET", url + GET_LOAD, headers=headers, timeout=timeout)
+                status, _, body = await httpclient.request(
+                    "GET", url + GET_LOAD, headers=headers, timeout=timeout, pool=self._pool
+                )
                 if status == 200:
                     doc = json.loads(body)
                     entries, mode = parse_get_load(doc), "get_load"
