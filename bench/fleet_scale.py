@@ -14,7 +14,8 @@ Sections (each runnable alone, ``--only NAME``):
   ``--ticks`` ticks, and the Redis commands one tick costs (``INFO commandstats``).
 * ``fleet``: ``--servers`` simulated DP-8 servers (``fastroute.sim``, one process) behind a
   real router process (``--dp-aware``): registration time, the router's RSS, its CPU while it
-  only polls, and ``/health`` latency (p50/p99/max) sampled while the polls run.
+  only polls, and ``/health`` latency (p50/p99/max) sampled while the polls run;
+  ``--profile FILE`` runs the router under cProfile (its numbers then include cProfile's cost).
 
 Usage: ``python bench/fleet_scale.py [--only picks|sync|fleet] [--sizes 8 512 4096 8192]
 [--picks N] [--repeats N] [--servers N] [--seconds S]``.  Numbers move with the load of a
