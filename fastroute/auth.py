@@ -44,6 +44,8 @@ ADMIN_METHODS: dict[bytes, tuple[str, ...]] = {
     b"/v1/models": ("GET",),
     b"/readiness": ("GET",),
     b"/health_generate": ("GET",),
+    b"/dashboard": ("GET",),
+    b"/dashboard/snapshot": ("GET",),
 }
 WORKER_ITEM_PREFIX = b"/workers/"  # /workers/<id>: GET, PUT, DELETE on one worker
 
@@ -68,6 +70,12 @@ MANAGEMENT_PATHS: frozenset[bytes] = frozenset(
         b"/get_loads",
     }
 )
+# The live view on the main port (control/dashboard.py). The page holds no data and a browser
+# cannot send a key when it opens a URL, so it is served to anyone; its snapshots (every
+# worker's URL and load) are the admin's: an admin-role control-plane key, else --api-key,
+# refused while the admin routes are closed; open only when no admin rule is configured.
+DASHBOARD_PAGE = b"/dashboard"
+DASHBOARD_SNAPSHOT = b"/dashboard/snapshot"
 # Not a management route, yet it runs a generation on workers: it needs a key whenever any
 # key is configured (AdminAuth.check).
 HEALTH_GENERATE = b"/health_generate"
@@ -181,6 +189,10 @@ class AdminAuth:
     def check(self, method: bytes, path: bytes, got: bytes | None) -> tuple[int, ControlPlaneKey | None]:
         """-> (OK | UNAUTHORIZED | FORBIDDEN, the control-plane key used, if any). FORBIDDEN
         without a key: the management routes are closed (``closed``)."""
+        if path == DASHBOARD_PAGE:
+            return OK, None
+        if path == DASHBOARD_SNAPSHOT:
+            return self._admin_only(got)
         if self.closed and is_management(path):
             return FORBIDDEN, None
         if self.keys and (path == HEALTH_GENERATE or (path in SHARED_READ_PATHS and self.api_key is not None)):
@@ -199,6 +211,18 @@ class AdminAuth:
                 return FORBIDDEN, who
             return OK, who
         return (OK if authorized(self.api_key, path, got) else UNAUTHORIZED), None
+
+    def _admin_only(self, got: bytes | None) -> tuple[int, ControlPlaneKey | None]:
+        """An admin's read: with control-plane keys only the admin role (a user key: FORBIDDEN),
+        else ``--api-key``; FORBIDDEN while closed without keys; open with no rule at all."""
+        if self.closed:
+            return FORBIDDEN, None
+        if self.keys:
+            who = self.principal(got)
+            if who is None:
+                return UNAUTHORIZED, None
+            return (OK if who.role == "admin" else FORBIDDEN), who
+        return (OK if self.api_key is None or matches(self.api_key, got) else UNAUTHORIZED), None
 
 
 _audit_log = logging.getLogger("fastroute.audit")

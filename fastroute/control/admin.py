@@ -24,6 +24,7 @@ from fastroute.auth import ADMIN_METHODS, FORBIDDEN, OK, AdminAuth, ControlPlane
 from fastroute.config import Config
 from fastroute.control import httpclient
 from fastroute.control.background import Background
+from fastroute.control.dashboard import PAGE_POLLED, Dashboard
 from fastroute.control.httpclient import HttpClientError
 from fastroute.control.selfaddr import SelfWorker
 from fastroute.control.worker import BadWorkerURL, DuplicateWorker, Worker, check_fields, normalize_url
@@ -165,6 +166,9 @@ class AdminAPI:
         self.registry = registry
         self.forwarder = forwarder
         self._rng = random.Random(registry.config.seed)
+        # The live view on the main port (GET /dashboard/snapshot), from this process's registry
+        # and the shared table; its ``monitor`` is set where this process polls the engines.
+        self.dashboard = Dashboard(registry.table, registry)
 
     # ---- admin endpoints ----------------------------------------------------------------------
     async def handle_admin(
@@ -588,6 +592,12 @@ class AdminAPI:
             msg = f"Health generate passed on selected worker: {chosen[0].url}"
         return 200, msg.encode(), _TEXT
 
+    async def _dashboard_page(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
+        return 200, PAGE_POLLED, b"text/html; charset=utf-8"
+
+    async def _dashboard_snapshot(self, method: str, query: str, body: bytes) -> tuple[int, bytes, bytes]:
+        return 200, self.dashboard.body("history" in parse_qs(query)), _JSON
+
     # The handler of each path of auth.ADMIN_METHODS but /workers (answered above with
     # /workers/<id>); the table says which methods each takes.
     _HANDLERS: dict[str, Any] = {
@@ -604,6 +614,8 @@ class AdminAPI:
         "/v1/models": _models,
         "/readiness": _readiness,
         "/health_generate": _health_generate,
+        "/dashboard": _dashboard_page,
+        "/dashboard/snapshot": _dashboard_snapshot,
     }
     _ROUTES: dict[str, tuple[tuple[str, ...], Any]] = {
         p: (ADMIN_METHODS[p.encode()], fn) for p, fn in _HANDLERS.items()

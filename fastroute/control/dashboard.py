@@ -1,6 +1,11 @@
-"""The live view: ``GET /dashboard`` on the metrics listener, one self-contained HTML page (no
-script, style or font from anywhere else), fed about once a second over SSE
-(``GET /dashboard/events``) from the router's own state.
+"""The live view: one self-contained HTML page (no script, style or font from anywhere else)
+fed about once a second from the router's own state. Two ways in:
+
+* the metrics listener: ``GET /dashboard``, its snapshots over SSE (``GET /dashboard/events``);
+* the main port (an admin path, auth.py): ``GET /dashboard`` (``PAGE_POLLED``, served without a
+  key: it holds no data) polls ``GET /dashboard/snapshot`` with fetch() and the admin key the
+  page asks for once (a browser's EventSource cannot send an Authorization header). Each proxy
+  process answers from its own registry and the shared table (:meth:`Dashboard.body`).
 
 Each snapshot is read from the shared target table, so every ``--workers N`` process and a
 synced replica's others (their in-flight counts are in the same rows) show the same numbers:
@@ -20,6 +25,7 @@ import asyncio
 import collections
 import json
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +46,15 @@ def _engine_value(rows: Any, rank: int | None, key: str) -> float | None:
 
 
 class Dashboard:
-    """Snapshots of one router's state for the page (``collector``: the metrics Collector,
-    whose ``stats`` the supervisor replaces with its children's views)."""
+    """Snapshots of one router's state for the page: the target ``table``, the ``registry``
+    (its rows and policy groups) and ``stats``, which returns the Stats objects whose pick
+    decisions count (the metrics Collector's, which the supervisor replaces with its children's
+    views; none for a proxy process's own view, whose decisions its groups hold)."""
 
-    def __init__(self, collector: Any) -> None:
-        self.collector = collector
+    def __init__(self, table: Any, registry: Any, stats: Callable[[], Iterable[Any]] = tuple) -> None:
+        self._table = table
+        self._registry = registry
+        self._stats = stats
         self.history: collections.deque = collections.deque(maxlen=_HISTORY)
         self.clients: set[asyncio.StreamWriter] = set()
         # The load monitor (set by the runtime where this process polls): the engines' own
@@ -60,9 +70,8 @@ class Dashboard:
         now = time.monotonic()
         if self._last is not None and now - self._at < _PERIOD * 0.5:
             return self._last
-        c = self.collector
-        snap = c.table.snapshot()
-        registry = c.registry
+        snap = self._table.snapshot()
+        registry = self._registry
         groups = getattr(registry, "_groups", None) or {}
         index = next((g.kv_index for g in groups.values() if getattr(g, "kv_index", None) is not None), None)
         workers: dict[str, dict] = {}
@@ -92,7 +101,7 @@ class Dashboard:
             wd = workers.setdefault(w.url, {"url": w.url, "role": role, "ranks": []})
             wd["ranks"].append(r)
         decisions = reasons.tree_decisions(groups)
-        for s in getattr(c, "stats", None) or []:
+        for s in self._stats() or ():
             for k, v in getattr(s, "decisions", {}).items():
                 if k[1] == reasons.FAMILY:
                     decisions[k] = decisions.get(k, 0) + v
@@ -121,6 +130,12 @@ class Dashboard:
             in_flight[w["role"]] = in_flight.get(w["role"], 0) + sum(r["in_flight"] for r in w["ranks"])
         self.history.append({"time": out["time"], "in_flight": in_flight, "decisions": sum(rates.values())})
         return out
+
+    def body(self, history: bool) -> bytes:
+        """One snapshot as JSON (``GET /dashboard/snapshot``; ``history``: with the last minute,
+        for a page's first poll)."""
+        snap = self.snapshot()
+        return json.dumps(dict(snap, history=list(self.history)) if history else snap, separators=(",", ":")).encode()
 
     async def stream(self, writer: asyncio.StreamWriter, stopping: asyncio.Event) -> None:
         """Serve one page's event stream until it leaves or the listener stops."""
@@ -153,5 +168,9 @@ class Dashboard:
             self.clients.discard(writer)
 
 
-# The page (a file of this package: 'fastroute.control' package data in pyproject.toml).
+# The page (a file of this package: 'fastroute.control' package data in pyproject.toml): as the
+# metrics listener serves it (SSE), and as the main port serves it (polling with the admin key).
 PAGE = (Path(__file__).with_name("dashboard.html")).read_bytes()
+_FEED = b'<body data-feed="events">'
+assert PAGE.count(_FEED) == 1, "dashboard.html: the body names its feed"
+PAGE_POLLED = PAGE.replace(_FEED, b'<body data-feed="poll">')

@@ -626,7 +626,7 @@ class MetricsServer:
         self.collector = collector
         self.server: asyncio.AbstractServer | None = None
         self.port = 0
-        self.dashboard = Dashboard(collector)  # GET /dashboard (control/dashboard.py)
+        self.dashboard = Dashboard(collector.table, collector.registry, lambda: collector.stats)  # GET /dashboard
         self._stopping: asyncio.Event | None = None
 
     def render(self) -> bytes:

@@ -182,6 +182,7 @@ async def assemble(
     if monitor:
         parts.monitor = Monitor(config, registry, table)
         parts.monitor.health_checks = parts.stats.health_checks  # smg_worker_health_checks_total
+        registry.admin.dashboard.monitor = parts.monitor  # the main port's live view: hit rates
     if monitor and config.kv_events != "off":
         parts.kv_events = listen_to_engines(
             config, table, router, registry, parts.monitor, serve if picks is None else picks
