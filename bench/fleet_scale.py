@@ -14,7 +14,8 @@ Sections (each runnable alone, ``--only NAME``):
   ``--ticks`` ticks, and the Redis commands one tick costs (``INFO commandstats``).
 * ``fleet``: ``--servers`` simulated DP-8 servers (``fastroute.sim``, one process) behind a
   real router process (``--dp-aware``): registration time, the router's RSS, its CPU while it
-  only polls, and ``/health`` latency (p50/p99/max) sampled while the polls run.
+  only polls, and ``/health`` latency (p50/p99/max) sampled while the polls run;
+  ``--profile FILE`` runs the router under cProfile (its numbers then include cProfile's cost).
 
 Usage: ``python bench/fleet_scale.py [--only picks|sync|fleet] [--sizes 8 512 4096 8192]
 [--picks N] [--repeats N] [--servers N] [--seconds S]``.  Numbers move with the load of a
@@ -237,7 +238,7 @@ asyncio.run(main(int(sys.argv[1]), int(sys.argv[2])))
 """
 
 
-async def fleet(servers: int, dp: int, seconds: float, interval: float) -> dict[str, float]:
+async def fleet(servers: int, dp: int, seconds: float, interval: float, profile: str = "") -> dict[str, float]:
     from fastroute.sim.http import HttpConnection
 
     sim = subprocess.Popen(
@@ -247,7 +248,9 @@ async def fleet(servers: int, dp: int, seconds: float, interval: float) -> dict[
     ports = json.loads(sim.stdout.readline())
     port, mport = _free_port(), _free_port()
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    argv = [sys.executable, "-m", "fastroute", "--host", "127.0.0.1", "--port", str(port)]
+    # --profile: the router runs under cProfile (its numbers then include cProfile's own cost)
+    prof = ["-m", "cProfile", "-o", profile] if profile else []
+    argv = [sys.executable, *prof, "-m", "fastroute", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport), "--dp-aware"]
     argv += [
         "--policy",
@@ -312,13 +315,14 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--interval", type=float, default=1.0, help="--load-monitor-interval of the router")
+    ap.add_argument("--profile", default="", help="fleet: write the router's cProfile stats to this file")
     a = ap.parse_args()
     if a.only in (None, "picks"):
         print_picks(pick_costs(a.sizes, a.picks, a.repeats), a.sizes)
     if a.only in (None, "sync"):
         print_sync(asyncio.run(sync_costs([512, 4096], [2, 4, 8], a.ticks, a.churn)))
     if a.only in (None, "fleet"):
-        res = asyncio.run(fleet(a.servers, a.dp, a.seconds, a.interval))
+        res = asyncio.run(fleet(a.servers, a.dp, a.seconds, a.interval, a.profile))
         print(json.dumps(res, indent=1))
 
 

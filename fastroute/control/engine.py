@@ -20,6 +20,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from fastroute.control import loadwire
 from fastroute.names import label_value
 
 # (metric family, /v1/loads field) of the per-rank gauges, in smg's order.
@@ -59,6 +60,8 @@ def _number(v: Any) -> float | None:
 def engine_rows(doc: Any, mode: str) -> list[tuple[str, dict[str, float]]]:
     """(dp_rank label, {field: value}) per rank entry of a load answer; fields the answer does
     not carry (or carries as garbage) are left out."""
+    if isinstance(doc, loadwire.V1Loads):  # the typed reading of a well-formed answer
+        return loadwire.engine_rows(doc)
     if mode == "v1_loads":
         entries = doc.get("loads") if isinstance(doc, dict) else None
     else:  # /get_load: an array per rank (num_reqs = running + waiting)
@@ -94,17 +97,41 @@ def engine_rows(doc: Any, mode: str) -> list[tuple[str, dict[str, float]]]:
 
 
 class EngineLoads:
-    """The last usable load answer of every physical worker (written by the Monitor)."""
+    """The last usable load answer of every physical worker (written by the Monitor).
+
+    A poll only keeps the answer; its rows are built when read (a scrape), not on every poll of
+    every worker on the loop that serves requests."""
 
     def __init__(self) -> None:
-        self.rows: dict[str, list[tuple[str, dict[str, float]]]] = {}
+        # url -> (the answer, its mode, its rows once built)
+        self._answers: dict[str, tuple[Any, str, list[tuple[str, dict[str, float]]] | None]] = {}
 
     def update(self, url: str, doc: Any, mode: str) -> None:
-        rows = engine_rows(doc, mode) if doc is not None else []
-        if rows:
-            self.rows[url] = rows
+        if doc is None:
+            self._answers.pop(url, None)
         else:
-            self.rows.pop(url, None)
+            self._answers[url] = (doc, mode, None)
+
+    def __len__(self) -> int:
+        return len(self._answers)
+
+    def forget(self, known: set[str]) -> None:
+        """Drop the answers of workers not in ``known``."""
+        for url in [u for u in self._answers if u not in known]:
+            del self._answers[url]
+
+    @property
+    def rows(self) -> dict[str, list[tuple[str, dict[str, float]]]]:
+        """url -> (dp_rank label, {field: value}) per rank of its last usable answer (a worker
+        whose answer has no usable field is absent)."""
+        out: dict[str, list[tuple[str, dict[str, float]]]] = {}
+        for url, (doc, mode, rows) in list(self._answers.items()):
+            if rows is None:
+                rows = engine_rows(doc, mode)
+                self._answers[url] = (doc, mode, rows)
+            if rows:
+                out[url] = rows
+        return out
 
 
 class EngineCollector:

@@ -2,9 +2,10 @@
 
 Owns the router's *control* traffic to workers: registration handshake, load polls, health
 probes and admin fan-outs (/flush_cache, /metrics, /health_generate, server/model info). It is
-deliberately not used on the request path (the data path has its own pooled upstream): every
-call opens one connection, sends ``Connection: close`` and parses the answer with
-``httptools.HttpResponseParser``. The whole exchange, connect included, is bounded by one
+deliberately not used on the request path (the data path has its own pooled upstream): a call
+opens one connection, sends ``Connection: close`` and parses the answer with
+``httptools.HttpResponseParser``; a call given a :class:`Pool` (the load polls) reuses the
+pool's kept-alive connection to that worker port instead. The whole exchange, connect included, is bounded by one
 total timeout.
 
 Failures are reported as one exception family so callers can treat "worker unreachable"
@@ -16,6 +17,7 @@ exceeded) and :class:`HttpProtocolError` (malformed or truncated response), all 
 from __future__ import annotations
 
 import asyncio
+import functools
 import ssl as _ssl
 from collections.abc import Iterable, Mapping
 from urllib.parse import urlsplit
@@ -28,6 +30,7 @@ __all__ = [
     "HttpTimeout",
     "HttpProtocolError",
     "HttpTLSClosed",
+    "Pool",
     "request",
     "header",
 ]
@@ -116,6 +119,10 @@ def header(headers: HeaderList, name: str) -> str | None:
     return None
 
 
+# Load polls and health probes ask the same few URLs of every worker each interval: parsed once
+# (a thousand workers' polls spent ~10% of their loop time in urlsplit). Bad URLs raise, and
+# are not kept.
+@functools.lru_cache(maxsize=16384)
 def _split_url(url: str) -> tuple[str, int, bool, str, str]:
     """-> (connect host, port, tls, Host header value, path+query)."""
     parts = urlsplit(url)
@@ -136,8 +143,10 @@ def _split_url(url: str) -> tuple[str, int, bool, str, str]:
     return host, port, tls, netloc, target
 
 
-def _encode_request(method: str, netloc: str, target: str, body: bytes, headers: HeadersIn) -> bytes:
-    lines = [f"{method} {target} HTTP/1.1", f"Host: {netloc}", "Connection: close"]
+def _encode_request(method: str, netloc: str, target: str, body: bytes, headers: HeadersIn, close: bool) -> bytes:
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {netloc}"]
+    if close:
+        lines.append("Connection: close")
     if body or method in ("POST", "PUT", "PATCH"):
         lines.append(f"Content-Length: {len(body)}")
     if headers:
@@ -148,25 +157,93 @@ def _encode_request(method: str, netloc: str, target: str, body: bytes, headers:
     return head + body if body else head
 
 
-async def _exchange(method: str, url: str, body: bytes, headers: HeadersIn) -> tuple[int, HeaderList, bytes]:
-    host, port, tls, netloc, target = _split_url(url)
+_Origin = tuple[str, int, bool]  # (connect host, port, tls)
+_Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+class Pool:
+    """Idle keep-alive connections, at most one per origin, for calls repeated every interval
+    (load polls: a new TCP connection per poll and worker was most of a poll's cost on the
+    loop). A connection goes back only after a complete response the server lets live; one
+    the server closed while idle is replaced once, transparently."""
+
+    def __init__(self) -> None:
+        self._idle: dict[_Origin, _Conn] = {}
+
+    def __len__(self) -> int:
+        return len(self._idle)
+
+    def _take(self, origin: _Origin) -> _Conn | None:
+        conn = self._idle.pop(origin, None)
+        if conn is not None and (conn[0].at_eof() or conn[1].is_closing()):
+            conn[1].close()
+            return None
+        return conn
+
+    def _give(self, origin: _Origin, conn: _Conn) -> None:
+        old = self._idle.pop(origin, None)
+        if old is not None:
+            old[1].close()
+        self._idle[origin] = conn
+
+    def keep_only(self, urls: Iterable[str]) -> None:
+        """Close the idle connections to every origin but those of ``urls``."""
+        keep = {_split_url(u)[:3] for u in urls}
+        for origin in [o for o in self._idle if o not in keep]:
+            self._idle.pop(origin)[1].close()
+
+    def close(self) -> None:
+        idle, self._idle = self._idle, {}
+        for _, writer in idle.values():
+            writer.close()
+
+
+class _Stale(Exception):
+    """A reused connection was closed by the server before a byte of the response."""
+
+
+async def _connect(host: str, port: int, tls: bool) -> _Conn:
     try:
-        reader, writer = await asyncio.open_connection(host, port, ssl=_tls_context() if tls else None)
+        return await asyncio.open_connection(host, port, ssl=_tls_context() if tls else None)
     except _ssl.SSLError as exc:  # before OSError: SSLError is one
         raise HttpTLSError(
             f"TLS handshake with {host}:{port} failed: {getattr(exc, 'verify_message', None) or exc.reason or exc}"
         ) from exc
     except OSError as exc:
         raise HttpConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
+
+
+async def _exchange(
+    method: str, url: str, body: bytes, headers: HeadersIn, pool: Pool | None
+) -> tuple[int, HeaderList, bytes]:
+    host, port, tls, netloc, target = _split_url(url)
+    raw = _encode_request(method, netloc, target, body, headers, close=pool is None)
+    if pool is not None:
+        conn = pool._take((host, port, tls))
+        if conn is not None:
+            try:
+                return await _over(conn, raw, url, pool, reused=True)
+            except _Stale:
+                pass  # closed by the server while idle: once more on a new connection
+    return await _over(await _connect(host, port, tls), raw, url, pool, reused=False)
+
+
+async def _over(conn: _Conn, raw: bytes, url: str, pool: Pool | None, reused: bool) -> tuple[int, HeaderList, bytes]:
+    """One request/response on ``conn``; it goes back to ``pool`` when it may carry another."""
+    host, port, tls = _split_url(url)[:3]
+    reader, writer = conn
     col = _Collector()
     parser = httptools.HttpResponseParser(col)
+    keep = False
+    got = 0
     try:
-        writer.write(_encode_request(method, netloc, target, body, headers))
+        writer.write(raw)
         await writer.drain()
-        got = 0
         while not col.complete:
             data = await reader.read(_READ_CHUNK)
             got += len(data)
+            if not data and reused and got == 0:
+                raise _Stale
             if not data and tls and got == 0:
                 raise HttpTLSClosed(f"{host}:{port} closed the TLS connection without answering")
             if not data:
@@ -186,10 +263,22 @@ async def _exchange(method: str, url: str, body: bytes, headers: HeadersIn) -> t
             except httptools.HttpParserError as exc:
                 raise HttpProtocolError(f"malformed response from {url}: {exc}") from exc
         status = parser.get_status_code()
+        # (httptools' should_keep_alive() is reset once the message completes: read the framing)
+        keep = (
+            pool is not None
+            and col.complete
+            and parser.get_http_version() == "1.1"
+            and "close" not in (header(col.headers, "connection") or "").lower()
+        )
     except (ConnectionError, OSError) as exc:
+        if reused and got == 0:
+            raise _Stale from exc
         raise HttpConnectError(f"connection to {host}:{port} failed: {exc}") from exc
     finally:
-        writer.close()
+        if keep and pool is not None:
+            pool._give((host, port, tls), conn)
+        else:
+            writer.close()
     return status, col.headers, b"".join(col.chunks)
 
 
@@ -199,8 +288,10 @@ async def request(
     body: bytes = b"",
     headers: HeadersIn = None,
     timeout: float = 5.0,
+    pool: Pool | None = None,
 ) -> tuple[int, HeaderList, bytes]:
-    """Send one request and return ``(status, headers, body)``.
+    """Send one request and return ``(status, headers, body)``; with ``pool``, over one of its
+    kept-alive connections (else ``Connection: close`` on a new one).
 
     ``headers`` in the result is a list of ``(lower-case name, value)`` string pairs.
     Raises :class:`HttpClientError` subclasses on connect failure, timeout (``timeout`` bounds
@@ -208,6 +299,6 @@ async def request(
     not raised.
     """
     try:
-        return await asyncio.wait_for(_exchange(method, url, body, headers), timeout)
+        return await asyncio.wait_for(_exchange(method, url, body, headers, pool), timeout)
     except asyncio.TimeoutError:
         raise HttpTimeout(f"{method} {url} timed out after {timeout:g}s") from None

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastroute.config import Config
-from fastroute.control import httpclient
+from fastroute.control import httpclient, loadwire
 from fastroute.control.background import cancel_all
 from fastroute.control.engine import EngineLoads
 from fastroute.control.httpclient import HttpClientError
@@ -69,7 +69,10 @@ def _count(v: Any) -> int | None:
 
 
 def parse_v1_loads(doc: Any) -> list[tuple[int | None, RankLoad | None]]:
-    """``/v1/loads`` body -> [(dp_rank or None, load or None if unusable)]."""
+    """``/v1/loads`` body (its JSON or its typed reading) -> [(dp_rank or None, load or None if
+    unusable)]."""
+    if isinstance(doc, loadwire.V1Loads):
+        return loadwire.rank_loads(doc)
     entries = doc.get("loads") if isinstance(doc, dict) else None
     out: list[tuple[int | None, RankLoad | None]] = []
     if not isinstance(entries, list):
@@ -133,6 +136,17 @@ def parse_get_load(doc: Any) -> list[tuple[int | None, RankLoad | None]]:
     return out
 
 
+def max_running_of(doc: Any) -> dict[int | None, int]:
+    """``/v1/loads`` body (JSON or typed) -> {dp_rank: max_running_requests, 0 when absent}."""
+    if isinstance(doc, loadwire.V1Loads):
+        return loadwire.max_running(doc)
+    per_rank: dict[int | None, int] = {}
+    for e in doc.get("loads") or () if isinstance(doc, dict) else ():
+        if isinstance(e, dict):
+            per_rank[_count(e.get("dp_rank"))] = _count(e.get("max_running_requests")) or 0
+    return per_rank
+
+
 class Monitor:
     """Background load polling and health checking for every ready worker of a Registry."""
 
@@ -154,6 +168,8 @@ class Monitor:
         # Rows whose engine pushes its loads (control/kvevents.py): the poll leaves them alone
         # but for the decode KV queue, which a LoadStat does not carry.
         self.pushed: Callable[[int], bool] | None = None
+        # Load polls reuse one kept-alive connection per worker port.
+        self._pool = httpclient.Pool()
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -167,6 +183,7 @@ class Monitor:
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
         await cancel_all(tasks)
+        self._pool.close()
 
     async def _every(self, period: float, tick: Any, st: Any) -> None:
         loop = asyncio.get_running_loop()
@@ -226,10 +243,13 @@ class Monitor:
     def _forget_removed(self) -> None:
         """Drop the poll counters and engine rows of workers no longer registered (a router
         that saw 10,000 workers come and go keeps none of theirs)."""
-        known = {w.url for w in self.registry.workers}
-        if len(self.engine.rows) > len(known) or len(self.polls) > 2 * len(known):
-            for url in [u for u in self.engine.rows if u not in known]:
-                del self.engine.rows[url]
+        workers = self.registry.workers
+        known = {w.url for w in workers}
+        ports = [u for w in workers for u in (w.rank_urls or [w.url])]
+        if len(self._pool) > len(ports):  # connections to removed workers (or resized ones' ports)
+            self._pool.keep_only(ports)
+        if len(self.engine) > len(known) or len(self.polls) > 2 * len(known):
+            self.engine.forget(known)
             for key in [k for k in self.polls if k[0] not in known]:
                 del self.polls[key]
 
@@ -256,10 +276,7 @@ class Monitor:
     def _store_max_running(self, w: Worker, doc: Any) -> None:
         """Each rank's max_running_requests (flow control's capacity; 0 when not reported, and
         a server read as one target reports the sum only when every rank reports one)."""
-        per_rank: dict[int | None, int] = {}
-        for e in doc.get("loads") or () if isinstance(doc, dict) else ():
-            if isinstance(e, dict):
-                per_rank[_count(e.get("dp_rank"))] = _count(e.get("max_running_requests")) or 0
+        per_rank = max_running_of(doc)
         if not w.split:
             vals = list(per_rank.values())
             self.table.set_max_running(w.targets[0], sum(vals) if vals and all(vals) else 0)
@@ -270,7 +287,7 @@ class Monitor:
     async def _poll_rank_ports(self, w: Worker, timeout: float) -> bool:
         """Poll every rank port of a per-rank-port server; each answer is its own rank's."""
         urls = list(w.rank_urls)
-        got = await asyncio.gather(*(self._fetch_loads(w, u, timeout) for u in urls))
+        got = await asyncio.gather(*(self._fetch_loads(w, u, timeout, typed=False) for u in urls))
         for _, mode, _ in got:
             key = (w.url, mode)
             self.polls[key] = self.polls.get(key, 0) + 1
@@ -299,30 +316,37 @@ class Monitor:
         return any_ok
 
     async def _fetch_loads(
-        self, w: Worker, url: str, timeout: float
+        self, w: Worker, url: str, timeout: float, typed: bool = True
     ) -> tuple[list[tuple[int | None, RankLoad | None]] | None, str, Any]:
-        """GET one port's load report -> (entries or None, mode, the JSON answer)."""
+        """GET one port's load report -> (entries or None, mode, the answer: JSON, or with
+        ``typed`` a well-formed /v1/loads answer's typed reading, loadwire.V1Loads)."""
         entries: list[tuple[int | None, RankLoad | None]] | None = None
         mode, doc = "failed", None
         headers = self.registry.auth_headers(w)
         try:
             if w.load_path != GET_LOAD:
                 query = _V1_CORE if w.load_path == _V1_CORE else _V1_QUERY
-                status, _, body = await httpclient.request("GET", url + query, headers=headers, timeout=timeout)
+                status, _, body = await httpclient.request(
+                    "GET", url + query, headers=headers, timeout=timeout, pool=self._pool
+                )
                 if status == 400 and query == _V1_QUERY:
                     # An older /v1/loads without the disagg section: core only from now on.
                     w.load_path = query = _V1_CORE
-                    status, _, body = await httpclient.request("GET", url + query, headers=headers, timeout=timeout)
+                    status, _, body = await httpclient.request(
+                        "GET", url + query, headers=headers, timeout=timeout, pool=self._pool
+                    )
                 if status == 200:
                     w.load_path = query if query == _V1_CORE else V1_LOADS
-                    doc = json.loads(body)
+                    doc = (loadwire.decode(body) if typed else None) or json.loads(body)
                     entries, mode = parse_v1_loads(doc), "v1_loads"
                 elif status == 404:
                     w.load_path = GET_LOAD  # older SGLang: remember, don't ask /v1/loads again
                 else:
                     log.debug("load poll %s%s: HTTP %s", url, V1_LOADS, status)
             if entries is None and w.load_path == GET_LOAD:
-                status, _, body = await httpclient.request("GET", url + GET_LOAD, headers=headers, timeout=timeout)
+                status, _, body = await httpclient.request(
+                    "GET", url + GET_LOAD, headers=headers, timeout=timeout, pool=self._pool
+                )
                 if status == 200:
                     doc = json.loads(body)
                     entries, mode = parse_get_load(doc), "get_load"
