@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from fastroute.control.models import ModelGroups
     from fastroute.dataplane.admission import Admission, Waiter
     from fastroute.dataplane.body import RequestMeta
-    from fastroute.dataplane.exchange import _Exchange
     from fastroute.dataplane.limits import Limits
     from fastroute.dataplane.live import Live
     from fastroute.dataplane.protocol import ClientProtocol
@@ -96,7 +95,7 @@ class Endpoints:
         tel: Telemetry,
         loop: asyncio.AbstractEventLoop,
         tokens: Tokens | None = None,
-        exchange: type[_Exchange] | None = None,
+        exchange: type[Relay] | type[PDRelay] | None = None,
     ) -> None:
         self._limits = limits
         self._upstreams = upstreams
@@ -116,7 +115,9 @@ class Endpoints:
         self._audit = bool(config.control_plane_audit_enabled)
         # The exchange class it starts: Relay, or PDRelay under PD; a subclass that adds to it
         # when one is handed in (--enable-trace, --speed-aware).
-        self.exchange: type[_Exchange] = exchange if exchange is not None else PDRelay if self._pd else Relay
+        self.exchange: type[Relay] | type[PDRelay] = (
+            exchange if exchange is not None else PDRelay if self._pd else Relay
+        )
 
     # -- the inference path -------------------------------------------------------
     def handle(self, proto: ClientProtocol, req: Request) -> None:

@@ -113,20 +113,6 @@ class _Exchange(Leg):
         "ka_sent",
     )
 
-    def __init__(
-        self,
-        client: ClientSide,
-        req: Request,
-        path: bytes,
-        meta: RequestMeta,
-        upstreams: Upstreams,
-        limits: Limits,
-        live: Live,
-        tel: Telemetry,
-        admission: Admission,
-    ) -> None:
-        self._init(client, req, path, meta, upstreams, limits, live, tel, admission)
-
     def _init(
         self,
         client: ClientSide,
@@ -139,10 +125,10 @@ class _Exchange(Leg):
         tel: Telemetry,
         admission: Admission,
     ) -> None:
-        """The fields every exchange starts with. The subclasses' ``__init__`` call this as
-        ``_Exchange._init(self, ...)`` (uvloop's ``_init`` pattern): a C call in the compiled
-        build, where ``super().__init__`` is a Python one (a super object, a lookup, the
-        arguments packed)."""
+        """The fields every exchange starts with (the class is abstract: only Relay and PDRelay
+        are made). Their ``__init__`` call this as ``_Exchange._init(self, ...)`` (uvloop's
+        ``_init`` pattern): a C call in the compiled build, where ``super().__init__`` is a Python
+        one (a super object, a lookup, the arguments packed)."""
         self.client = client
         self.upstreams = upstreams
         self.limits = limits
