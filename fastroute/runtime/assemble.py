@@ -276,6 +276,7 @@ async def drain(
     label: str = "shutdown",
     listener: asyncio.AbstractServer | None = None,
     linger: float = 0.0,
+    shared_port: bool = False,
 ) -> None:
     """Graceful end of an App, as smg drains: ``/readiness`` answers 503 from now on, every
     response closes its connection, and ``listener``, still open, goes on accepting and serving
@@ -284,7 +285,10 @@ async def drain(
     between two requests is not refused, or when ``grace`` runs out; then what is left in flight
     gets until the end of ``grace``, and is aborted with the idle connections. A router with no
     client connection open at all when the drain starts closes at once: an idle router stops
-    without waiting (launchers give it one second before SIGKILL)."""
+    without waiting (launchers give it one second before SIGKILL). Not so a proxy process sharing
+    its port with siblings (``shared_port``, --workers N): closing its listener while they drain
+    would reset the connections the kernel had already queued on it, so it lingers as a busy one
+    does and answers them (503 on /readiness)."""
     app.endpoints.draining = True
     app.stop_accepting()
     loop = asyncio.get_running_loop()
@@ -292,7 +296,7 @@ async def drain(
     deadline = now + grace
     if listener is not None:
         linger = min(linger, grace)
-        if not app.active and not app.live.handshaking and not app.live.connections:
+        if not shared_port and not app.active and not app.live.handshaking and not app.live.connections:
             linger = 0.0  # nobody connected: nobody between two requests either
         quiet_since = now
         while now < deadline:

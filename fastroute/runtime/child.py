@@ -109,7 +109,13 @@ async def serve_child(state_dir: str, slot: int) -> int:
     await stop.wait()
     # Readiness 503 at once; the shared port goes on accepting here while requests arrive.
     await drain(
-        app, float(cfg.shutdown_grace_period_secs), log, f"proxy process {slot}", listener=listener, linger=DRAIN_LINGER
+        app,
+        float(cfg.shutdown_grace_period_secs),
+        log,
+        f"proxy process {slot}",
+        listener=listener,
+        linger=DRAIN_LINGER,
+        shared_port=True,  # the siblings drain on the same SO_REUSEPORT port
     )
     bg.cancel()
     try:
