@@ -67,13 +67,14 @@ import asyncio
 import logging
 import os
 import socket
+import sys
 from typing import Any
 
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from fastroute.control.background import cancel_all
-from fastroute.control.syncdelta import LOG_KEY, SEQ_KEY, TICK, Names, Published, View
+from fastroute.control.syncdelta import LOG_KEY, ROWS_PREFIX, SEQ_KEY, TICK, Names, Published, View
 from fastroute.core.routing import hash64
 from fastroute.core.table import (
     CIRCUIT_OPEN,
@@ -89,6 +90,11 @@ from fastroute.core.table import (
     COL_OTHERS_TOKENS,
     TargetTable,
 )
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _timeout
+else:  # redis-py depends on it below 3.11.3
+    from async_timeout import timeout as _timeout
 
 log = logging.getLogger("fastroute.replica")
 
@@ -179,30 +185,34 @@ class ReplicaSync:
         self._order_keys: dict[str, int] = {}
         self._est_kept: dict[int, int] = {}  # row -> estimate left at the last tick
         self._task: asyncio.Task | None = None
-        timeout = max(0.05, min(1.0, ttl / 2))
+        timeout = self._deadline = max(0.05, min(1.0, ttl / 2))
         # Deferred: redis adds ~6 MB of RSS at import and only --replica-sync uses it.
         import redis.asyncio as aioredis
         from redis.asyncio.retry import Retry  # the asyncio client's own (redis.retry's is converted)
         from redis.backoff import NoBackoff
-        from redis.exceptions import RedisError
+        from redis.exceptions import NoScriptError, RedisError
+        from redis.exceptions import TimeoutError as RedisTimeout
 
         # What a failed tick or withdrawal raises (RedisError known only once redis is loaded).
         self._failures = (RedisError, OSError, asyncio.TimeoutError)
-        # No retries inside the client: this task retries with its own backoff, and a command
-        # never waits longer than the timeout.
+        self._timed_out = RedisTimeout
+        self._no_script = NoScriptError
+        # No retries inside the client: this task retries with its own backoff. A tick's call
+        # is bounded as a whole (``_deadline``), not per socket operation: redis-py bounds each
+        # send with a task of its own (asyncio.wait_for), a good share of a tick's CPU.
         self.client = aioredis.from_url(
             url,
-            socket_timeout=timeout,
             socket_connect_timeout=timeout,
             retry=Retry(NoBackoff(), 0),
             retry_on_timeout=False,
             health_check_interval=0,
         )
         self._script = self.client.register_script(TICK)
+        self._conn: Any = None  # the connection ticks run on, held between ticks
         # What changed since the last tick, both ways (control/syncdelta.py).
         self._names = Names()
         self._pub = Published()
-        self._view = View()
+        self._view = View(self._names)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -225,6 +235,7 @@ class ReplicaSync:
                 pipe.hdel(LOAD_KEY, self.id)
                 pipe.hdel(OWNER_KEY, self.id)
                 pipe.hdel(SEQ_KEY, self.id)
+                pipe.delete(ROWS_PREFIX + self.id)
                 await asyncio.wait_for(pipe.execute(), self.ttl)
             except self._failures:
                 pass  # the entry ages out after the TTL instead
@@ -254,32 +265,36 @@ class ReplicaSync:
         """Publish what changed, read what the live replicas changed (whole where this view
         does not follow them), store the others' sums; returns the live peers."""
         try:
-            rebuilt = self._names.refresh(self.table, self.registry)
-            payload, delta = self._pub.update(self.table, self._names, rebuilt)
+            if self._names.refresh(self.table, self.registry):
+                # names are indexed per host: a new index starts a new view, read whole
+                self._view = View(self._names)
+                self._store_order_keys()
+            delta = self._pub.update(self.table, self._names)
             view = self._view
-            reply = await asyncio.wait_for(
-                self._script(
-                    keys=[BEAT_KEY, LOAD_KEY, OWNER_KEY, LOG_KEY, SEQ_KEY],
-                    args=[
-                        self.id,
-                        payload,
-                        int(self.ttl * 1000),
-                        self.nonce,
-                        MAX_ENTRY_BYTES,
-                        delta,
-                        view.cursor,
-                        view.known(),
-                        2 if self._pub.reset else 1 if delta else 0,
-                    ],
-                ),
-                self.ttl,
-            )
+            try:
+                async with _timeout(self._deadline):
+                    reply = await self._eval(
+                        (BEAT_KEY, LOAD_KEY, OWNER_KEY, LOG_KEY, SEQ_KEY, ROWS_PREFIX + self.id),
+                        (
+                            self.id,
+                            ROWS_PREFIX,
+                            int(self.ttl * 1000),
+                            self.nonce,
+                            MAX_ENTRY_BYTES,
+                            delta,
+                            view.cursor,
+                            view.known(),
+                            2 if self._pub.reset else 1 if delta else 0,
+                        ),
+                    )
+            except TimeoutError:
+                raise self._timed_out(f"replica sync tick: no answer within {self._deadline:.2f} s") from None
             self._pub.reset = False
             peers, ids = self._read(reply)
-            self._apply_view(rebuilt)
+            self._apply_view()
         except BaseException:
             # Unknown what reached Redis or this view: publish and read everything whole next tick.
-            self._pub, self._view = Published(), View()
+            self._pub, self._view = Published(), View(self._names)
             raise
         own = self.id.encode()
         ids.sort()
@@ -287,10 +302,34 @@ class ReplicaSync:
         self.table.count_sync_tick()
         return peers
 
+    async def _eval(self, keys: tuple, args: tuple) -> Any:
+        """One call of the tick's script on a connection held between ticks (redis-py's
+        command path around it, a pool checkout and its retry wrapper, is most of a tick's
+        client cost); loaded again when Redis lost it (restart, SCRIPT FLUSH)."""
+        conn = self._conn
+        if conn is None:
+            conn = self._conn = await self.client.connection_pool.get_connection()
+        try:
+            try:
+                await conn.send_command("EVALSHA", self._script.sha, len(keys), *keys, *args, check_health=False)
+                return await conn.read_response()
+            except self._no_script:
+                await conn.send_command("SCRIPT", "LOAD", TICK, check_health=False)
+                await conn.read_response()
+                await conn.send_command("EVALSHA", self._script.sha, len(keys), *keys, *args, check_health=False)
+                return await conn.read_response()
+        except BaseException:
+            self._conn = None  # unknown state (a reply may still come): a new connection next tick
+            await conn.disconnect(nowait=True)
+            await self.client.connection_pool.release(conn)
+            raise
+
     def _read(self, reply: list) -> tuple[int, list[bytes]]:
         """Take one tick's reply into the view: payloads of the peers read whole, then the
         new entries of the peers it follows. Returns (live peers, sorted ids with this one)."""
-        repaired, prev, cursor, nlive = reply[0], reply[1], reply[2], int(reply[3])
+        repaired, prev, cursor, nlive, lost = reply[0], reply[1], reply[2], int(reply[3]), reply[4]
+        if lost:  # this replica's entries were dropped (taken for dead, deleted): republish whole
+            self._pub.reset = True
         if repaired:
             self._skip(
                 "repaired",
@@ -301,8 +340,8 @@ class ReplicaSync:
         view = self._view
         own = self.id.encode()
         ids, peers, live, whole, now_seq = [own], 0, set(), set(), {}
-        end = 4 + 4 * nlive
-        for i in range(4, end, 4):
+        end = 5 + 4 * nlive
+        for i in range(5, end, 4):
             pid, seq, kind, value = reply[i : i + 4]
             if pid == own:
                 continue
@@ -316,8 +355,7 @@ class ReplicaSync:
                 self._skip("oversize", f"replica {pid!r} has a {value}-byte entry (limit {MAX_ENTRY_BYTES})")
                 view.forget(pid)
                 continue
-            state: dict[str, list[int]] = {}
-            good, bad = decode(value, state)
+            good, bad = view.set_all(pid, value, COUNT_LIMIT)
             if bad:
                 self._skip("bad_line", f"replica {pid!r} sent {bad} malformed or out-of-range line(s)", bad)
             if not good and bad:  # garbage only is not a router replica
@@ -325,13 +363,12 @@ class ReplicaSync:
                 continue
             peers += 1
             ids.append(pid)
-            view.set_all(pid, state)
             whole.add(pid)
             if seq:
                 view.seq[pid] = int(seq)
             else:  # no entries to follow (written by hand): read whole every tick
                 view.seq.pop(pid, None)
-        for pid in [p for p in (*view.peers, *view.seq) if p not in live]:
+        for pid in [p for p in (*view.slot, *view.seq) if p not in live]:
             view.forget(pid)  # gone: its counts leave the sums
         for i in range(end, len(reply), 4):
             pid, seq, kind, value = reply[i : i + 4]
@@ -346,11 +383,9 @@ class ReplicaSync:
                     self._skip("oversize", f"replica {pid!r} has a {value}-byte entry (limit {MAX_ENTRY_BYTES})")
                 del view.seq[pid]
                 continue
-            lines: dict[str, list[int]] = {}
-            good, bad = decode(value, lines)
+            good, bad = view.set_lines(pid, value, COUNT_LIMIT)
             if bad:
                 self._skip("bad_line", f"replica {pid!r} sent {bad} malformed or out-of-range line(s)", bad)
-            view.set_lines(pid, lines)
             view.seq[pid] = n
         for pid, n in now_seq.items():
             if view.seq.get(pid) != n:  # entries this view did not get (trimmed, Redis restarted)
@@ -358,39 +393,27 @@ class ReplicaSync:
         view.cursor = cursor
         return peers, ids
 
-    def _apply_view(self, rebuilt: bool) -> None:
-        """Store the sums of the names that changed (all of them when the target set changed)
-        and age the estimates of every row that holds one."""
-        view = self._view
-        if rebuilt or view.full:
-            self.apply({name: list(v) for name, v in view.sums.items()})
-            view.dirty.clear()
-            view.full = False
-            return
+    def _apply_view(self) -> None:
+        """Store the sums of the names that changed (all of them on a new view) and age the
+        estimates of every row that holds one."""
         cells = self.table.cells
-        cap = COUNT_LIMIT - 1
-        aged = set()
-        for name in view.dirty:
-            v = view.sums.get(name, (0, 0, 0))
-            r, k, o = min(v[0], cap), min(v[1], cap), 1 if v[2] else 0
-            for t in self._names.rows.get(name, ()):
-                if cells.load(t, COL_ALLOCATED) == 0:
-                    continue
-                prev = cells.load(t, COL_OTHERS_IN_FLIGHT)
-                self._store(t, COL_OTHERS_IN_FLIGHT, r)
-                self._store(t, COL_OTHERS_TOKENS, k)
-                self._store(t, COL_OTHERS_OPEN, o)
-                self._age_estimate(t, max(0, r - prev))
-                aged.add(t)
-        view.dirty.clear()
-        snap = self._pub.snap
         held = set(self._est_kept)
+        snap = self._pub.snap
         if snap is not None:
-            held.update(np.flatnonzero(snap[:, COL_OTHERS_EST]).tolist())
-        for t in held - aged:
-            if t < self.table.capacity:
-                self._age_estimate(t, 0)
-        self._cleared = not view.sums
+            held.update(np.flatnonzero(snap[:, 3]).tolist())  # SNAP_COLS: the others' estimates
+        held = {t for t in held if t < self.table.capacity}
+        before = {t: cells.load(t, COL_OTHERS_IN_FLIGHT) for t in held}
+        self._view.store(self.table, COUNT_LIMIT)
+        for t, prev in before.items():
+            self._age_estimate(t, max(0, cells.load(t, COL_OTHERS_IN_FLIGHT) - prev))
+        self._cleared = self._view.empty()
+
+    def _store_order_keys(self) -> None:
+        """The shared tie-break order of every row in use (a hash of its name)."""
+        for name, rows in self._names.rows.items():
+            key = self._order_key(name)
+            for t in rows:
+                self._store(t, COL_ORDER_KEY, key)
 
     def _skip(self, what: str, why: str, n: int = 1) -> None:
         """Count skipped input; warned once per kind for the life of the sync."""
@@ -494,7 +517,7 @@ class ReplicaSync:
                 self._store(t, col, 0)
         self.table.set_replicas(0, 0)
         self._est_kept.clear()
-        self._view = View()  # the columns are empty: the next view starts whole
+        self._view = View(self._names)  # the columns are empty: the next view starts whole
         self._cleared = True
 
     async def _loop(self, st: Any) -> None:

@@ -77,6 +77,34 @@ def store_polled(
 def snapshot(tab: _Table, n: int) -> npt.NDArray[np.int64]:
     """Atomic-load copy of the first ``n`` rows (0 <= n <= rows)."""
 
+def snapshot_cols(tab: _Table, n: int, cols: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """Atomic-load copy of the columns ``cols`` of the first ``n`` rows: (n, len(cols))."""
+
+def sync_decode(
+    data: bytes,
+    index: dict[bytes, int],
+    into: npt.NDArray[np.int64],
+    mark: npt.NDArray[np.uint8],
+    touched: list[int],
+    add: bool,
+    limit: int,
+) -> tuple[int, int]:
+    """Read a replica's ``name\\trequests\\ttokens\\topen`` lines into ``into[index[name]]``
+    (sum repeated names when ``add``, else the last wins); names first seen since ``mark`` was
+    cleared are appended to ``touched``. Returns (good lines, skipped lines)."""
+
+def sync_store(
+    tab: _Table,
+    vals: npt.NDArray[np.int64],
+    slots: npt.NDArray[np.int64],
+    names: npt.NDArray[np.int64],
+    starts: npt.NDArray[np.int64],
+    rows: npt.NDArray[np.int64],
+    limit: int,
+) -> None:
+    """Store the others' sums of ``names`` over the peers' ``slots`` of ``vals`` (slots, names,
+    3) into the others columns of their allocated rows ``rows[starts[n]:starts[n + 1]]``."""
+
 class Picker:
     """A candidate set with its policy, compiled: ``acquire`` picks and books in one call.
 

@@ -10,13 +10,14 @@ winner, so the I/O layer never loops over targets in Python.
 """
 cimport cython
 from libc.stdint cimport int64_t, uint64_t
+from cpython.bytes cimport PyBytes_FromStringAndSize
 from fastroute.core._atomic cimport fr_load_i64, fr_store_i64, fr_add_i64, fr_cas_i64
 from fastroute.core._layout cimport (
     COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS, COL_POLLED_RUNNING, COL_POLLED_WAITING,
     COL_POLLED_TOKENS, COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_TOKENS_AT_POLL, HDR_UNDERFLOWS,
     NCOLS, NHDR, COL_CIRCUIT, COL_CB_FAILS, CIRCUIT_CLOSED, row_tokens, COL_OTHERS_EST,
     COL_OTHERS_EST_TOKENS, HDR_REPLICAS, HDR_REPLICA_SLOT, HDR_SYNC_TICKS, COL_POLLED_UNCACHED,
-    COL_POLLED_KV_QUEUE, COL_OTHERS_IN_FLIGHT,
+    COL_POLLED_KV_QUEUE, COL_OTHERS_IN_FLIGHT, COL_OTHERS_TOKENS, COL_OTHERS_OPEN, COL_ALLOCATED,
 )
 from fastroute.core._policy cimport (
     pick_round_robin, pick_random, pick_p2c, pick_demand, pick_ring, pick_kv_fit, kv_free,
@@ -290,6 +291,163 @@ def snapshot(int64_t[:, ::1] tab, int64_t n):
         for c in range(NCOLS):
             o[t, c] = fr_load_i64(&tab[t, c])
     return out
+
+
+
+
+def snapshot_cols(int64_t[:, ::1] tab, int64_t n, const int64_t[::1] cols):
+    """Atomic-load copy of the columns ``cols`` of the first n rows, (n, len(cols))."""
+    cdef Py_ssize_t j
+    cdef int64_t t
+    if tab.shape[1] != NCOLS:
+        raise ValueError(f"not a target table: {tab.shape[1]} columns, expected {NCOLS}")
+    if n < 0 or n > tab.shape[0]:
+        raise ValueError(f"snapshot of {n} rows from a table of {tab.shape[0]}")
+    for j in range(cols.shape[0]):
+        if cols[j] < 0 or cols[j] >= NCOLS:
+            raise IndexError(f"column {cols[j]} out of range 0..{NCOLS - 1}")
+    out = np.empty((n, cols.shape[0]), dtype=np.int64)
+    cdef int64_t[:, ::1] o = out
+    for t in range(n):
+        for j in range(cols.shape[0]):
+            o[t, j] = fr_load_i64(&tab[t, cols[j]])
+    return out
+
+# ---- replica sync (fastroute/control/syncdelta.py): a peer's lines in, the others' sums out ----
+
+cdef inline int _sync_number(const unsigned char[::1] d, Py_ssize_t a, Py_ssize_t b,
+                             uint64_t *out, bint *neg) noexcept:
+    """One count field: an optional sign and ASCII digits, 1..19 characters in all; 0 when it is
+    not one (stricter than Python's int(): no spaces, no underscores)."""
+    cdef uint64_t v = 0
+    cdef Py_ssize_t i = a
+    neg[0] = False
+    if b - a < 1 or b - a > 19:
+        return 0
+    if d[i] == 45 or d[i] == 43:  # '-' / '+'
+        neg[0] = d[i] == 45
+        i += 1
+        if i == b:
+            return 0
+    while i < b:
+        if d[i] < 48 or d[i] > 57:
+            return 0
+        v = v * 10 + (d[i] - 48)
+        i += 1
+    out[0] = v
+    return 1
+
+
+def sync_decode(const unsigned char[::1] data, dict index, int64_t[:, ::1] into,
+                unsigned char[::1] mark, list touched, bint add, int64_t limit):
+    """Read ``name\\trequests\\ttokens\\topen`` lines into ``into[index[name]]`` (names this host
+    does not know are read and dropped); a name seen the first time since ``mark`` was cleared
+    is appended to ``touched``. ``add``: sum repeated names (a whole payload), else the last
+    line of a name wins (a delta of absolute values). A line that is not four tab-separated
+    fields, or a count past ``limit``, is skipped; a negative count is 0, sums stay below
+    ``limit``. Returns (good lines, skipped lines)."""
+    cdef Py_ssize_t n = data.shape[0], start = 0, end
+    cdef Py_ssize_t tabs[3]
+    cdef int ntab
+    cdef uint64_t r, k, o
+    cdef bint nr, nk, no
+    cdef int64_t good = 0, bad = 0, idx, cap = limit - 1
+    if into.shape[1] != 3 or mark.shape[0] < into.shape[0] or limit <= 0:
+        raise ValueError("sync_decode: into must be (names, 3) and mark cover every name")
+    while start < n:
+        end = start
+        ntab = 0
+        while end < n and data[end] != 10:
+            if data[end] == 9:
+                if ntab < 3:
+                    tabs[ntab] = end
+                ntab += 1
+            end += 1
+        if ntab != 3 or not (
+            _sync_number(data, tabs[0] + 1, tabs[1], &r, &nr)
+            and _sync_number(data, tabs[1] + 1, tabs[2], &k, &nk)
+            and _sync_number(data, tabs[2] + 1, end, &o, &no)
+        ) or (not nr and r >= <uint64_t>limit) or (not nk and k >= <uint64_t>limit):
+            if end > start:
+                bad += 1
+            elif end < n:
+                bad += 1  # an empty line
+            start = end + 1
+            continue
+        good += 1
+        found = index.get(PyBytes_FromStringAndSize(<const char *>&data[start], tabs[0] - start))
+        start = end + 1
+        if found is None:
+            continue
+        idx = found
+        if idx < 0 or idx >= into.shape[0]:
+            raise IndexError(f"sync_decode: index maps a name to {idx}, outside 0..{into.shape[0] - 1}")
+        if nr:
+            r = 0
+        if nk:
+            k = 0
+        o = 1 if o else 0  # any nonzero count, either sign
+        if mark[idx] == 0:
+            mark[idx] = 1
+            touched.append(idx)
+        if add:
+            into[idx, 0] = min(into[idx, 0] + <int64_t>r, cap)
+            into[idx, 1] = min(into[idx, 1] + <int64_t>k, cap)
+            into[idx, 2] = into[idx, 2] | <int64_t>o
+        else:
+            into[idx, 0] = <int64_t>r
+            into[idx, 1] = <int64_t>k
+            into[idx, 2] = <int64_t>o
+    return good, bad
+
+
+cdef inline void _store_changed(int64_t *cell, int64_t v) noexcept nogil:
+    if fr_load_i64(cell) != v:  # an unchanged cell is not written (the pickers' cache lines)
+        fr_store_i64(cell, v)
+
+
+def sync_store(int64_t[:, ::1] tab, const int64_t[:, :, ::1] vals, const int64_t[::1] slots,
+               const int64_t[::1] names, const int64_t[::1] starts, const int64_t[::1] rows,
+               int64_t limit):
+    """Store the others' sums of each name in ``names`` (over the peers' ``slots`` of
+    ``vals``: requests and tokens capped below ``limit``, open if any) into the others columns
+    of the allocated rows ``rows[starts[name]:starts[name + 1]]`` of the table."""
+    cdef Py_ssize_t i, j, s
+    cdef int64_t name, t, r, k, o, v, w, cap = limit - 1
+    if tab.shape[1] != NCOLS:
+        raise ValueError(f"not a target table: {tab.shape[1]} columns, expected {NCOLS}")
+    if vals.shape[2] != 3 or starts.shape[0] != vals.shape[1] + 1 or limit <= 0:
+        raise ValueError("sync_store: vals must be (slots, names, 3) and starts hold names + 1 bounds")
+    for j in range(slots.shape[0]):
+        if slots[j] < 0 or slots[j] >= vals.shape[0]:
+            raise IndexError(f"sync_store: slot {slots[j]} outside 0..{vals.shape[0] - 1}")
+    for i in range(names.shape[0]):
+        name = names[i]
+        if name < 0 or name >= vals.shape[1]:
+            raise IndexError(f"sync_store: name {name} outside 0..{vals.shape[1] - 1}")
+        if starts[name] < 0 or starts[name] > starts[name + 1] or starts[name + 1] > rows.shape[0]:
+            raise IndexError(f"sync_store: rows of name {name} outside the rows given")
+        for s in range(starts[name], starts[name + 1]):
+            if rows[s] < 0 or rows[s] >= tab.shape[0]:
+                raise IndexError(f"sync_store: row {rows[s]} outside the table")
+    for i in range(names.shape[0]):
+        name = names[i]
+        r = k = o = 0
+        for j in range(slots.shape[0]):
+            # each term is clamped to 0..cap (cap < 2^62): a sum of two never overflows
+            v = min(max(vals[slots[j], name, 0], 0), cap)
+            w = min(max(vals[slots[j], name, 1], 0), cap)
+            r = min(r + v, cap)
+            k = min(k + w, cap)
+            o |= vals[slots[j], name, 2]
+        o = 1 if o else 0
+        for s in range(starts[name], starts[name + 1]):
+            t = rows[s]
+            if fr_load_i64(&tab[t, COL_ALLOCATED]) == 0:
+                continue
+            _store_changed(&tab[t, COL_OTHERS_IN_FLIGHT], r)
+            _store_changed(&tab[t, COL_OTHERS_TOKENS], k)
+            _store_changed(&tab[t, COL_OTHERS_OPEN], o)
 
 
 cdef class Picker:

@@ -252,9 +252,9 @@ def test_workers_2_publishes_the_host_once(redis_server):
                 try:
 
                     def published() -> tuple[list[bytes], int]:
-                        load = client.hgetall("fastroute:{replicas}:load")
-                        total = sum(int(line.split(b"\t")[1]) for v in load.values() for line in v.splitlines())
-                        return sorted(load), total
+                        ids = sorted(client.zrange("fastroute:{replicas}:beat", 0, -1))
+                        rows = client.hgetall("fastroute:{replicas}:rows:host1")  # name -> r, k, open
+                        return ids, sum(int(v.split(b"\t")[0]) for v in rows.values())
 
                     await until(
                         lambda: published() == ([b"host1"], 6),
