@@ -11,7 +11,9 @@ Sections (each runnable alone, ``--only NAME``):
   changing their in-flight count at every replica between two ticks, at 512 and 4,096 targets and 2, 4
   and 8 replicas: the CPU of one replica's tick (``time.process_time`` around it: encode,
   the script call, decoding the peers' entries, applying them to the table), median of
-  ``--ticks`` ticks, and the Redis commands one tick costs (``INFO commandstats``).
+  ``--ticks`` ticks, on uvloop as in the router (``--loop asyncio`` for the default loop),
+  the Redis commands one tick costs (``INFO commandstats``) and what that makes per second for
+  all the replicas at the default 10 ms interval.
 * ``fleet``: ``--servers`` simulated DP-8 servers (``fastroute.sim``, one process) behind a
   real router process (``--dp-aware``): registration time, the router's RSS, its CPU while it
   only polls, and ``/health`` latency (p50/p99/max) sampled while the polls run;
@@ -186,12 +188,15 @@ def _redis_calls(admin) -> tuple[int, int]:
 
 
 def print_sync(costs: dict[tuple[int, int], dict[str, float]]) -> None:
-    print("| targets | replicas | one tick's CPU | round trips per tick | Redis commands per tick |")
-    print("|---|---|---|---|---|")
+    print(
+        "| targets | replicas | one tick's CPU | round trips per tick | Redis commands per tick "
+        "| Redis commands/s (all replicas, 10 ms ticks) |"
+    )
+    print("|---|---|---|---|---|---|")
     for (n, k), row in costs.items():
         print(
             f"| {n:,} | {k} | {row['tick_us']:,.0f} us | {row['round_trips_per_tick']:.1f} "
-            f"| {row['redis_commands_per_tick']:.1f} |"
+            f"| {row['redis_commands_per_tick']:.1f} | {row['redis_commands_per_tick'] * k * 100:,.0f} |"
         )
 
 
@@ -308,6 +313,7 @@ def main() -> None:
     ap.add_argument("--only", choices=("picks", "sync", "fleet"), default=None)
     ap.add_argument("--ticks", type=int, default=50)
     ap.add_argument("--churn", type=float, default=0.05, help="share of targets whose load moves per replica per tick")
+    ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="sync: the event loop of the ticks")
     ap.add_argument("--sizes", type=int, nargs="+", default=[8, 512, 4096, 8192])
     ap.add_argument("--picks", type=int, default=20_000)
     ap.add_argument("--repeats", type=int, default=5)
@@ -320,7 +326,12 @@ def main() -> None:
     if a.only in (None, "picks"):
         print_picks(pick_costs(a.sizes, a.picks, a.repeats), a.sizes)
     if a.only in (None, "sync"):
-        print_sync(asyncio.run(sync_costs([512, 4096], [2, 4, 8], a.ticks, a.churn)))
+        runner = asyncio.run
+        if a.loop == "uvloop":
+            import uvloop
+
+            runner = uvloop.run
+        print_sync(runner(sync_costs([512, 4096], [2, 4, 8], a.ticks, a.churn)))
     if a.only in (None, "fleet"):
         res = asyncio.run(fleet(a.servers, a.dp, a.seconds, a.interval, a.profile))
         print(json.dumps(res, indent=1))

@@ -70,7 +70,6 @@ import socket
 import sys
 from typing import Any
 
-import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from fastroute.control.background import cancel_all
@@ -94,7 +93,7 @@ from fastroute.core.table import (
 if sys.version_info >= (3, 11):
     from asyncio import timeout as _timeout
 else:  # redis-py depends on it below 3.11.3
-    from async_timeout import timeout as _timeout
+    from async_timeout import timeout as _timeout  # type: ignore[import-not-found]
 
 log = logging.getLogger("fastroute.replica")
 
@@ -187,6 +186,7 @@ class ReplicaSync:
         self._task: asyncio.Task | None = None
         timeout = self._deadline = max(0.05, min(1.0, ttl / 2))
         # Deferred: redis adds ~6 MB of RSS at import and only --replica-sync uses it.
+        import hiredis
         import redis.asyncio as aioredis
         from redis.asyncio.retry import Retry  # the asyncio client's own (redis.retry's is converted)
         from redis.backoff import NoBackoff
@@ -197,11 +197,13 @@ class ReplicaSync:
         self._failures = (RedisError, OSError, asyncio.TimeoutError)
         self._timed_out = RedisTimeout
         self._no_script = NoScriptError
+        self._pack = hiredis.pack_command
         # No retries inside the client: this task retries with its own backoff. A tick's call
         # is bounded as a whole (``_deadline``), not per socket operation: redis-py bounds each
         # send with a task of its own (asyncio.wait_for), a good share of a tick's CPU.
         self.client = aioredis.from_url(
             url,
+            socket_timeout=None,
             socket_connect_timeout=timeout,
             retry=Retry(NoBackoff(), 0),
             retry_on_timeout=False,
@@ -309,14 +311,16 @@ class ReplicaSync:
         conn = self._conn
         if conn is None:
             conn = self._conn = await self.client.connection_pool.get_connection()
+        # packed by hiredis in one call (redis-py's packer encodes argument by argument)
+        call = self._pack(("EVALSHA", self._script.sha, len(keys), *keys, *args))
         try:
             try:
-                await conn.send_command("EVALSHA", self._script.sha, len(keys), *keys, *args, check_health=False)
+                await conn.send_packed_command(call, check_health=False)
                 return await conn.read_response()
             except self._no_script:
                 await conn.send_command("SCRIPT", "LOAD", TICK, check_health=False)
                 await conn.read_response()
-                await conn.send_command("EVALSHA", self._script.sha, len(keys), *keys, *args, check_health=False)
+                await conn.send_packed_command(call, check_health=False)
                 return await conn.read_response()
         except BaseException:
             self._conn = None  # unknown state (a reply may still come): a new connection next tick
@@ -397,16 +401,12 @@ class ReplicaSync:
         """Store the sums of the names that changed (all of them on a new view) and age the
         estimates of every row that holds one."""
         cells = self.table.cells
-        held = set(self._est_kept)
-        snap = self._pub.snap
-        if snap is not None:
-            held.update(np.flatnonzero(snap[:, 3]).tolist())  # SNAP_COLS: the others' estimates
-        held = {t for t in held if t < self.table.capacity}
+        held = {t for t in (*self._est_kept, *self._pub.held) if t < self.table.capacity}
         before = {t: cells.load(t, COL_OTHERS_IN_FLIGHT) for t in held}
         self._view.store(self.table, COUNT_LIMIT)
         for t, prev in before.items():
             self._age_estimate(t, max(0, cells.load(t, COL_OTHERS_IN_FLIGHT) - prev))
-        self._cleared = self._view.empty()
+        self._cleared = False  # (cleared again, at no cost when empty, if Redis goes away)
 
     def _store_order_keys(self) -> None:
         """The shared tie-break order of every row in use (a hash of its name)."""

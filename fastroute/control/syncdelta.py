@@ -203,7 +203,7 @@ class Published:
     def __init__(self) -> None:
         self._vals: np.ndarray | None = None  # (names, 3) last published: requests, tokens, open
         self._names: list[str] = []  # the names those rows stand for
-        self.snap: np.ndarray | None = None  # the rows copied at the last update (SNAP_COLS)
+        self.held: list[int] = []  # rows holding an estimate of the others' placements
         # A new publisher does not know what its followers or its hash hold (a tick failed
         # half-way, or this is the first): its first entry is its whole state, replaces its
         # hash and skips a number, so they read it whole.
@@ -211,7 +211,16 @@ class Published:
 
     def update(self, table: Any, names: Names) -> bytes:
         """The delta since the last call (the whole state after a reset)."""
-        snap = self.snap = _ledger.snapshot_cols(table.array, names.end, SNAP_COLS)
+        old, old_names = self._vals, self._names
+        self.held = []
+        if names.single is not None and old is not None and old_names is names.names:
+            # the common tick: one compiled pass over the rows, Python for changed names only
+            at = _ledger.sync_changed(table.array, names.single, old, self.held)
+            if self.reset:
+                at = _nonzero(old)
+            return "".join(_line(names.names[i], v) for i, v in zip(at, old[at].tolist())).encode()
+        snap = _ledger.snapshot_cols(table.array, names.end, SNAP_COLS)
+        self.held = np.flatnonzero(snap[:, 3]).tolist()  # SNAP_COLS: the others' estimates
         rows = snap[names.single] if names.single is not None else snap[names.row_ids]
         mine = rows[:, :3].copy()
         mine[:, 2] = mine[:, 2] == CIRCUIT_OPEN
@@ -221,15 +230,13 @@ class Published:
             cur = np.zeros((len(names.names), 3), np.int64)
             np.add.at(cur, names.row_name, mine)
             np.minimum(cur[:, 2], 1, out=cur[:, 2])
-        old, old_names = self._vals, self._names
         self._vals, self._names = cur, names.names
         if self.reset:
-            return "".join(
-                _line(names.names[i], v) for i, v in zip(_nonzero(cur), cur[_nonzero(cur)].tolist())
-            ).encode()
+            at = _nonzero(cur)
+            return "".join(_line(names.names[i], v) for i, v in zip(at, cur[at].tolist())).encode()
         if old is not None and old_names is names.names:
-            at = np.flatnonzero((cur != old).any(axis=1))
-            return "".join(_line(names.names[i], v) for i, v in zip(at.tolist(), cur[at].tolist())).encode()
+            at = np.flatnonzero((cur != old).any(axis=1)).tolist()
+            return "".join(_line(names.names[i], v) for i, v in zip(at, cur[at].tolist())).encode()
         # the names changed: compare by name (absent means zero)
         before = (
             {old_names[i]: v for i, v in zip(_nonzero(old), old[_nonzero(old)].tolist())} if old is not None else {}
@@ -321,7 +328,3 @@ class View:
         self.mark[self.touched] = 0
         self.touched = []
         return names
-
-    def empty(self) -> bool:
-        """Nothing any peer publishes is stored."""
-        return not any(self.vals[s].any() for s in self.slot.values())

@@ -80,6 +80,10 @@ def snapshot(tab: _Table, n: int) -> npt.NDArray[np.int64]:
 def snapshot_cols(tab: _Table, n: int, cols: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     """Atomic-load copy of the columns ``cols`` of the first ``n`` rows: (n, len(cols))."""
 
+def sync_changed(tab: _Table, rows: npt.NDArray[np.int64], seen: npt.NDArray[np.int64], held: list[int]) -> list[int]:
+    """Names (``rows[i]`` the one row of name i) whose requests, tokens or open circuit differ
+    from ``seen[i]`` (updated in place); rows holding an others' estimate go to ``held``."""
+
 def sync_decode(
     data: bytes,
     index: dict[bytes, int],

@@ -15,7 +15,7 @@ from fastroute.core._atomic cimport fr_load_i64, fr_store_i64, fr_add_i64, fr_ca
 from fastroute.core._layout cimport (
     COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS, COL_POLLED_RUNNING, COL_POLLED_WAITING,
     COL_POLLED_TOKENS, COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_TOKENS_AT_POLL, HDR_UNDERFLOWS,
-    NCOLS, NHDR, COL_CIRCUIT, COL_CB_FAILS, CIRCUIT_CLOSED, row_tokens, COL_OTHERS_EST,
+    NCOLS, NHDR, COL_CIRCUIT, COL_CB_FAILS, CIRCUIT_CLOSED, CIRCUIT_OPEN, row_tokens, COL_OTHERS_EST,
     COL_OTHERS_EST_TOKENS, HDR_REPLICAS, HDR_REPLICA_SLOT, HDR_SYNC_TICKS, COL_POLLED_UNCACHED,
     COL_POLLED_KV_QUEUE, COL_OTHERS_IN_FLIGHT, COL_OTHERS_TOKENS, COL_OTHERS_OPEN, COL_ALLOCATED,
 )
@@ -400,6 +400,35 @@ def sync_decode(const unsigned char[::1] data, dict index, int64_t[:, ::1] into,
             into[idx, 2] = <int64_t>o
     return good, bad
 
+
+def sync_changed(int64_t[:, ::1] tab, const int64_t[::1] rows, int64_t[:, ::1] seen, list held):
+    """This replica's side of a tick when every name has one row (``rows[i]`` the row of name
+    i): the names whose requests, tokens or open circuit differ from ``seen[i]`` (updated in
+    place) are returned; rows holding an estimate of the others' placements are appended to
+    ``held``."""
+    cdef Py_ssize_t i
+    cdef int64_t t, r, k, o
+    cdef list out = []
+    if tab.shape[1] != NCOLS:
+        raise ValueError(f"not a target table: {tab.shape[1]} columns, expected {NCOLS}")
+    if seen.shape[0] != rows.shape[0] or seen.shape[1] != 3:
+        raise ValueError("sync_changed: seen must be (len(rows), 3)")
+    for i in range(rows.shape[0]):
+        if rows[i] < 0 or rows[i] >= tab.shape[0]:
+            raise IndexError(f"sync_changed: row {rows[i]} outside the table")
+    for i in range(rows.shape[0]):
+        t = rows[i]
+        r = fr_load_i64(&tab[t, COL_IN_FLIGHT])
+        k = fr_load_i64(&tab[t, COL_IN_FLIGHT_TOKENS])
+        o = 1 if fr_load_i64(&tab[t, COL_CIRCUIT]) == CIRCUIT_OPEN else 0
+        if fr_load_i64(&tab[t, COL_OTHERS_EST]) != 0:
+            held.append(t)
+        if r != seen[i, 0] or k != seen[i, 1] or o != seen[i, 2]:
+            seen[i, 0] = r
+            seen[i, 1] = k
+            seen[i, 2] = o
+            out.append(i)
+    return out
 
 cdef inline void _store_changed(int64_t *cell, int64_t v) noexcept nogil:
     if fr_load_i64(cell) != v:  # an unchanged cell is not written (the pickers' cache lines)
