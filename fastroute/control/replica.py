@@ -74,6 +74,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from fastroute.control.background import cancel_all
 from fastroute.control.syncdelta import LOG_KEY, ROWS_PREFIX, SEQ_KEY, TICK, Names, Published, View
+from fastroute.control.syncpace import WAKE_CHANNEL, Pace
 from fastroute.core.routing import hash64
 from fastroute.core.table import (
     CIRCUIT_OPEN,
@@ -215,6 +216,7 @@ class ReplicaSync:
         self._names = Names()
         self._pub = Published()
         self._view = View(self._names)
+        self._pace = Pace(self.client, replica_id, interval, ttl)  # control/syncpace.py
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -223,6 +225,7 @@ class ReplicaSync:
 
             self._bg = Background()
         self._task = self._bg.spawn("replica sync", self._loop, initial=BACKOFF_INITIAL, cap=BACKOFF_MAX)
+        self._pace.start()
         log.info("replica sync: %s as %r every %.0f ms (ttl %.1f s)", self.url, self.id, self.interval * 1000, self.ttl)
 
     async def stop(self) -> None:
@@ -230,6 +233,7 @@ class ReplicaSync:
         if self._task is not None:
             await cancel_all([self._task])
             self._task = None
+        await self._pace.stop()
         if self.up:
             try:
                 pipe = self.client.pipeline(transaction=True)
@@ -263,15 +267,21 @@ class ReplicaSync:
             out[name] = (r, k, o) if prev is None else (prev[0] + r, prev[1] + k, prev[2] or o)
         return out
 
-    async def tick(self) -> int:
+    async def tick(self, force: bool = True) -> int | None:
         """Publish what changed, read what the live replicas changed (whole where this view
-        does not follow them), store the others' sums; returns the live peers."""
+        does not follow them), store the others' sums; returns the live peers. Unless
+        ``force``, a tick with nothing to send and nothing due (control/syncpace.py) calls no
+        Redis and returns None."""
+        now = asyncio.get_running_loop().time()
         try:
             if self._names.refresh(self.table, self.registry):
                 # names are indexed per host: a new index starts a new view, read whole
                 self._view = View(self._names)
                 self._store_order_keys()
             delta = self._pub.update(self.table, self._names)
+            if not (force or delta or self._pub.reset or self._pub.held or self._est_kept or self._pace.due(now)):
+                self.table.count_sync_tick()  # a sync that found nothing new: the view is current
+                return None
             view = self._view
             try:
                 async with _timeout(self._deadline):
@@ -287,13 +297,14 @@ class ReplicaSync:
                             view.cursor,
                             view.known(),
                             2 if self._pub.reset else 1 if delta else 0,
+                            WAKE_CHANNEL,
                         ),
                     )
             except TimeoutError:
                 raise self._timed_out(f"replica sync tick: no answer within {self._deadline:.2f} s") from None
             self._pub.reset = False
             peers, ids = self._read(reply)
-            self._apply_view()
+            stored = self._apply_view()
         except BaseException:
             # Unknown what reached Redis or this view: publish and read everything whole next tick.
             self._pub, self._view = Published(), View(self._names)
@@ -302,6 +313,7 @@ class ReplicaSync:
         ids.sort()
         self.table.set_replicas(len(ids), ids.index(own))
         self.table.count_sync_tick()
+        self._pace.ticked(now, bool(delta or stored))
         return peers
 
     async def _eval(self, keys: tuple, args: tuple) -> Any:
@@ -397,16 +409,17 @@ class ReplicaSync:
         view.cursor = cursor
         return peers, ids
 
-    def _apply_view(self) -> None:
+    def _apply_view(self) -> bool:
         """Store the sums of the names that changed (all of them on a new view) and age the
-        estimates of every row that holds one."""
+        estimates of every row that holds one; True when some name was stored."""
         cells = self.table.cells
         held = {t for t in (*self._est_kept, *self._pub.held) if t < self.table.capacity}
         before = {t: cells.load(t, COL_OTHERS_IN_FLIGHT) for t in held}
-        self._view.store(self.table, COUNT_LIMIT)
+        stored = self._view.store(self.table, COUNT_LIMIT)
         for t, prev in before.items():
             self._age_estimate(t, max(0, cells.load(t, COL_OTHERS_IN_FLIGHT) - prev))
         self._cleared = False  # (cleared again, at no cost when empty, if Redis goes away)
+        return bool(stored)
 
     def _store_order_keys(self) -> None:
         """The shared tie-break order of every row in use (a hash of its name)."""
@@ -527,7 +540,7 @@ class ReplicaSync:
         backoff = BACKOFF_INITIAL
         while True:
             try:
-                peers = await self.tick()
+                peers = await self.tick(force=False)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # nothing may end the sync (and leave up at 1)
@@ -548,6 +561,9 @@ class ReplicaSync:
                     self._clear()  # the last view is older than the TTL: stale, not load
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX)
+                continue
+            if peers is None:  # nothing changed anywhere, no heartbeat due: no Redis call
+                await asyncio.sleep(self.interval)
                 continue
             self.peers = peers
             if self.up is False:

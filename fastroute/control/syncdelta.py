@@ -38,7 +38,8 @@ ROWS_PREFIX = "fastroute:{replicas}:rows:"
 # ARGV: id, rows key prefix, ttl ms, nonce, max entry bytes, delta, cursor (last stream id read,
 # '0-0' none), known peer ids (newline-joined), the step of this replica's entry number: 0
 # appends nothing (no change), 1 the delta, 2 after a reset (the delta is the whole state and
-# replaces the hash; even an empty one: its followers miss a number and read it whole).
+# replaces the hash; even an empty one: its followers miss a number and read it whole), the
+# wake channel (a changing tick publishes this replica's id there: control/syncpace.py).
 # Returns {repaired, previous nonce, cursor, live count, lost (1: this replica's state in Redis
 # is gone or was repaired, publish it whole again), (id, seq, kind, value) per live
 # replica..., (id, seq, kind, value) per new stream entry of a known peer...}; kind 0: nothing
@@ -74,6 +75,7 @@ if step > 0 then
   if #del > 0 then redis.call('HDEL', KEYS[6], unpack(del)) end
   local seq = redis.call('HINCRBY', KEYS[5], ARGV[1], step)
   redis.call('XADD', KEYS[4], 'MINID', '~', tostring(now - 3 * ttl), '*', 'i', ARGV[1], 's', seq, 'd', ARGV[6])
+  redis.call('PUBLISH', ARGV[10], ARGV[1])
 end
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
 if #dead > 0 then
