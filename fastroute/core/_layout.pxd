@@ -8,7 +8,7 @@
 # the shared tie-break order); 21..22 what the last poll said of queued work; 23 the rank's
 # max_running_requests (flow control's capacity).
 from libc.stdint cimport int64_t
-from fastroute.core._atomic cimport fr_load_i64
+from fastroute.core._atomic cimport fr_load_i64, fr_add_i64, fr_store_i64
 
 cdef enum:
     COL_IN_FLIGHT = 0            # requests booked and not yet released (router-side, live)
@@ -47,7 +47,12 @@ cdef enum:
     HDR_REPLICAS = 4             # live router replicas, this one included (0 or 1: alone)
     HDR_REPLICA_SLOT = 5         # this replica's place among them (sorted replica ids)
     HDR_SYNC_TICKS = 6           # successful sync ticks (a picker sees a new view when it moves)
-    NHDR = 8
+    HDR_FEED_ON = 7              # 1 once a picker keeps a load index: writers publish changed rows
+    HDR_FEED_AT = 8              # rows published so far: the next feed position (own cache line)
+    HDR_FEED = 16                # the feed: a ring of HDR_FEED_SLOTS cells, (position << bits) | row
+    HDR_FEED_SLOTS = 4096        # a power of two
+    HDR_FEED_ROW_BITS = 24       # a row id's bits in a feed cell (--max-targets <= 2^24)
+    NHDR = 4112                  # HDR_FEED + HDR_FEED_SLOTS
 
 # Values of COL_CIRCUIT (fastroute.names spells the same codes for the Python side).
 cdef enum:
@@ -88,3 +93,15 @@ cdef inline int64_t row_pending(const int64_t *row) noexcept nogil:
         return live
     est = polled + live - fr_load_i64(&row[COL_TOKENS_AT_POLL])
     return est if est > 0 else 0
+
+
+cdef inline void feed_publish(int64_t *header, int64_t t) noexcept nogil:
+    # Tell the pickers' load indexes (_index.pxd) that row t changed a cell their key reads.
+    # Called after the write; every caller's write is a read-modify-write (a full barrier), so
+    # a picker that turns the feed on and then reads the rows sees the write or its notice.
+    cdef int64_t i
+    if fr_load_i64(&header[HDR_FEED_ON]) == 0:
+        return
+    i = fr_add_i64(&header[HDR_FEED_AT], 1)
+    fr_store_i64(&header[HDR_FEED + (i & (HDR_FEED_SLOTS - 1))],
+                 ((i & ((<int64_t>1 << (63 - HDR_FEED_ROW_BITS)) - 1)) << HDR_FEED_ROW_BITS) | t)

@@ -195,6 +195,39 @@ def demand(tab: np.ndarray, cands, tokens: int, weight: int, rng: Rng) -> int:
     return best
 
 
+INDEX_MIN_CANDS = 64  # _index.pxd: a Picker indexes a least_requests or demand pick from here up
+
+
+def index_key(tab: np.ndarray, t: int, kind: str, weight: int = 0) -> tuple[int, int, int] | None:
+    """``_index.leaf_key``: a candidate's key in a Picker's load index (``kind`` least_requests
+    or demand), None when it is not eligible.  An eligible polled candidate's class (0) beats an
+    unpolled one's (1): the scan's "only polled rows when any is"."""
+    if not _row_eligible(tab, t):
+        return None
+    if kind == "demand":
+        return (0, pending(tab, t) + weight * requests(tab, t), 0)
+    if tab[t, COL_POLLED_AT] >= 0:
+        return (0, requests(tab, t), int(tab[t, COL_POLLED_TOKENS]))
+    return (1, requests(tab, t), 0)
+
+
+def index_ties(tab: np.ndarray, cands, kind: str, weight: int = 0) -> list[int]:
+    """The candidates tied at the least index key, in candidate order."""
+    keys = [(int(t), index_key(tab, int(t), kind, weight)) for t in cands]
+    live = [k for _, k in keys if k is not None]
+    if not live:
+        return []
+    low = min(live)
+    return [t for t, k in keys if k == low]
+
+
+def indexed_pick(tab: np.ndarray, cands, kind: str, weight: int, rng: Rng) -> int:
+    """A Picker's pick through its load index: the r-th of the tied minimum in candidate order,
+    r drawn once below their number (no draw when nothing is eligible)."""
+    ties = index_ties(tab, cands, kind, weight)
+    return ties[rng.below(len(ties))] if ties else -1
+
+
 def ring_lookup(tab: np.ndarray, ring_hash: np.ndarray, ring_target: np.ndarray, key: int) -> int:
     n = len(ring_hash)
     if n == 0:
