@@ -7,7 +7,7 @@
 # 18..20 the replicas' coordination (estimated placements of the others since the last sync,
 # the shared tie-break order); 21..22 what the last poll said of queued work; 23 the rank's
 # max_running_requests (flow control's capacity).
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, INT64_MIN
 from fastroute.core._atomic cimport fr_load_i64, fr_add_i64, fr_store_i64
 
 cdef enum:
@@ -105,3 +105,26 @@ cdef inline void feed_publish(int64_t *header, int64_t t) noexcept nogil:
     i = fr_add_i64(&header[HDR_FEED_AT], 1)
     fr_store_i64(&header[HDR_FEED + (i & (HDR_FEED_SLOTS - 1))],
                  ((i & ((<int64_t>1 << (63 - HDR_FEED_ROW_BITS)) - 1)) << HDR_FEED_ROW_BITS) | t)
+
+
+cdef inline int64_t row_kv_free(const int64_t *row) noexcept nogil:
+    # Estimated free KV tokens of a rank now, or INT64_MIN when its capacity is unknown.
+    # The poll says what the engine had allocated then; since then the router booked and
+    # released input tokens on this rank, so used ~= polled used + (in-flight tokens now - at the
+    # poll).  Requests still in prefill or in the prealloc queue hold no KV in the engine yet but
+    # will, so the rank is never credited with less than all its in-flight input tokens.  "The
+    # router" is every replica: in-flight tokens are this host's plus the other replicas' last
+    # published ones, and the poll stamps that same sum (``_ledger.store_polled``).  A rank whose
+    # last poll had requests in the decode prealloc or retracted queue was out of KV then,
+    # whatever its count says: it is credited with none free (0 at most).
+    cdef int64_t cap = fr_load_i64(&row[COL_POLLED_MAX_TOKENS])
+    cdef int64_t used, live
+    if cap <= 0 or fr_load_i64(&row[COL_POLLED_AT]) < 0:
+        return INT64_MIN
+    live = row_tokens(row)
+    used = fr_load_i64(&row[COL_POLLED_TOKENS]) + live - fr_load_i64(&row[COL_TOKENS_AT_POLL])
+    if used < live:
+        used = live
+    if fr_load_i64(&row[COL_POLLED_KV_QUEUE]) > 0 and used < cap:
+        used = cap
+    return cap - used

@@ -369,12 +369,8 @@ cdef class Picker:
     cdef int64_t coord_burst         # share of recent picks that were not a view's first, /1024
     cdef readonly int64_t coordinated_picks
     cdef public bint tokens_until_answer   # leases count input tokens until answered()
-    cdef int idx_kind                # the load index (_index.pxd): INDEX_NONE or its key
-    cdef int64_t idx_size            # leaves (a power of two >= candidates)
-    cdef int64_t idx_pos             # the next feed position it reads
-    cdef int64_t[::1] idx_nodes      # 4 cells per node, nodes 1 .. 2 x size - 1
-    cdef int64_t[::1] idx_leaf_of    # table row -> leaf, -1: not a candidate
-    cdef readonly int64_t index_rebuilds
+    cdef ix.Index idx                # the load index (_index.pxd); kind INDEX_NONE: none
+    cdef object idx_keep             # the arrays its pointers are into
 
     def __init__(self, table_array, header_array, str policy, str metric="tokens", int demand=0,
                  int64_t weight=0, seed=None, int kv_fit=0, int64_t kv_reserve=0):
@@ -440,88 +436,80 @@ cdef class Picker:
         self._index_setup(arr)
 
     cdef int _index_setup(self, arr) except -1:
-        # A load index over the candidates when the pick is a least_requests or demand minimum
-        # over enough of them (distinct rows: each leaf must have a row of its own).
+        # A load index over the candidates when the pick is a least_requests, demand or KV-fit
+        # minimum over enough of them (distinct rows: each leaf must have a row of its own).
         cdef int kind = ix.INDEX_NONE
         cdef int64_t size = 1, cur = 0
-        if arr.shape[0] >= ix.INDEX_MIN_CANDS and self.kv_fit != MODE_ON:
-            if self.demand == MODE_ON:
+        cdef int64_t[::1] nodes, leaf_of
+        if arr.shape[0] >= ix.INDEX_MIN_CANDS:
+            if self.kv_fit == MODE_ON:
+                kind = ix.INDEX_NONE if self.demand == MODE_ON else ix.INDEX_KV_FIT
+            elif self.demand == MODE_ON:
                 kind = ix.INDEX_DEMAND
             elif self.kind == KIND_P2C and self.metric == METRIC_LEAST_REQUESTS:
                 kind = ix.INDEX_LEAST_REQUESTS
         if kind != ix.INDEX_NONE and np.unique(arr).shape[0] != arr.shape[0]:
             kind = ix.INDEX_NONE
-        self.idx_kind = kind
+        self.idx.kind = kind
+        self.idx_keep = None
         if kind == ix.INDEX_NONE:
-            self.idx_nodes = None
-            self.idx_leaf_of = None
             return 0
         while size < arr.shape[0]:
             size <<= 1
-        self.idx_size = size
-        self.idx_nodes = np.zeros(8 * size, dtype=np.int64)
+        nodes = np.zeros(2 * ix.NODE * size, dtype=np.int64)
         leaf_of = np.full(int(arr.max()) + 1, -1, dtype=np.int64)
-        leaf_of[arr] = np.arange(arr.shape[0], dtype=np.int64)
-        self.idx_leaf_of = leaf_of
+        np.asarray(leaf_of)[arr] = np.arange(arr.shape[0], dtype=np.int64)
+        self.idx_keep = (nodes, leaf_of, self.cands)
+        self.idx.size = size
+        self.idx.n = arr.shape[0]
+        self.idx.weight = self.weight
+        self.idx.mapped = leaf_of.shape[0]
+        self.idx.nodes = &nodes[0]
+        self.idx.leaf_of = &leaf_of[0]
+        self.idx.tab = &self.tab[0, 0]
+        self.idx.cands = &self.cands[0]
+        self.idx.header = &self.header[0]
         # Writers publish from now on (a read-modify-write: see _layout.feed_publish).
         fr_cas_i64(&self.header[HDR_FEED_ON], &cur, 1)
-        self._index_rebuild()
+        ix.index_rebuild(&self.idx)
         return 0
 
-    cdef void _index_rebuild(self) noexcept nogil:
-        # The feed position first, then the rows: a write after the rows were read is in the feed.
-        self.idx_pos = fr_load_i64(&self.header[HDR_FEED_AT])
-        ix.build(&self.idx_nodes[0], self.idx_size, &self.tab[0, 0], &self.cands[0],
-                 self.cands.shape[0], self.idx_kind, self.weight)
-        self.index_rebuilds += 1
-
-    cdef void _index_drain(self) noexcept nogil:
-        cdef int64_t pos = ix.drain(&self.idx_nodes[0], self.idx_size, &self.tab[0, 0],
-                                    &self.idx_leaf_of[0], self.idx_leaf_of.shape[0], &self.header[0],
-                                    self.idx_pos, self.idx_kind, self.weight)
-        if pos < 0:
-            self._index_rebuild()
-        else:
-            self.idx_pos = pos
-
-    cdef int64_t _index_pick(self, int64_t tokens) noexcept nogil:
-        # The indexed minimum: drain the feed, descend, and check the leaf against its row (a
-        # writer may be between its write and its notice); a stale leaf is corrected and the
-        # descent repeated, a few times at most, then the scan decides.
-        cdef int64_t leaf, t, attempt
-        cdef int64_t k[4]
-        self._index_drain()
-        for attempt in range(3):
-            leaf = ix.descend(&self.idx_nodes[0], self.idx_size, &self.rng)
-            if leaf < 0:
-                return -1
-            t = self.cands[leaf]
-            ix.leaf_key(&self.tab[t, 0], self.idx_kind, self.weight, k)
-            if ix.leaf_is(&self.idx_nodes[0], self.idx_size, leaf, k):
-                return t
-            ix.set_leaf(&self.idx_nodes[0], self.idx_size, leaf, k)
-        if self.idx_kind == ix.INDEX_DEMAND:
+    cdef int64_t _index_pick(self, int64_t tokens, int64_t need) noexcept nogil:
+        # The indexed pick, or the scan when the index disagrees with a row (see index_pick).
+        cdef int64_t t = ix.index_pick(&self.idx, &self.rng, need)
+        if t != ix.PICK_SCAN:
+            return t
+        if self.idx.kind == ix.INDEX_KV_FIT:
+            return pick_kv_fit(self.tab, self.cands, tokens, need, False, self.weight, &self.rng)
+        if self.idx.kind == ix.INDEX_DEMAND:
             return pick_demand(self.tab, self.cands, tokens, self.weight, &self.rng)
         return pick_p2c(self.tab, self.cands, self.metric, &self.rng)
 
-    def indexed_ties(self):
-        """The candidates the load index holds tied at the minimum now (after reading the feed),
-        in candidate order: [] when none is eligible, None when the picker keeps no index."""
+    def indexed_ties(self, int64_t need=0):
+        """What the load index draws the next pick from (after reading the feed), in candidate
+        order: the tied minimum; for KV fit those where ``need`` fits, or if none does, the most
+        free KV.  [] when none is eligible; None when the picker keeps no index."""
+        cdef int64_t best[4]
         cdef int64_t leaf
-        cdef int64_t *nodes
-        if self.idx_kind == ix.INDEX_NONE:
+        if self.idx.kind == ix.INDEX_NONE:
             return None
-        self._index_drain()
-        nodes = &self.idx_nodes[0]
-        if nodes[4] == ix.CLS_NONE:
-            return []
-        return [int(self.cands[leaf]) for leaf in range(self.cands.shape[0])
-                if ix.key_cmp(nodes + 4 * (self.idx_size + leaf), nodes + 4) == 0]
+        ix.index_drain(&self.idx)
+        best[0] = best[1] = best[2] = best[3] = 0
+        if self.idx.kind == ix.INDEX_KV_FIT:
+            ix.fit_search(&self.idx, need, best, -1)
+        return [int(self.cands[leaf]) for leaf in range(self.idx.n)
+                if ix.index_is_tie(&self.idx, leaf, need, best)]
 
     @property
     def indexed(self):
-        """The load index's key: "least_requests", "demand", or None (the picker scans)."""
-        return {ix.INDEX_LEAST_REQUESTS: "least_requests", ix.INDEX_DEMAND: "demand"}.get(self.idx_kind)
+        """The load index's key: least_requests, demand, kv_fit, or None (the picker scans)."""
+        return {ix.INDEX_LEAST_REQUESTS: "least_requests", ix.INDEX_DEMAND: "demand",
+                ix.INDEX_KV_FIT: "kv_fit"}.get(self.idx.kind)
+
+    @property
+    def index_rebuilds(self):
+        """Times the load index was built from the rows (set, or fallen behind the feed)."""
+        return self.idx.rebuilds
 
     def set_ring(self, hashes, targets):
         h = np.ascontiguousarray(hashes, dtype=np.uint64)
@@ -535,8 +523,8 @@ cdef class Picker:
 
     cdef int64_t _legacy(self, const unsigned char *key, Py_ssize_t klen) noexcept nogil:
         if self.kind == KIND_P2C:
-            if self.idx_kind == ix.INDEX_LEAST_REQUESTS:
-                return self._index_pick(0)
+            if self.idx.kind == ix.INDEX_LEAST_REQUESTS:
+                return self._index_pick(0, 0)
             return pick_p2c(self.tab, self.cands, self.metric, &self.rng)
         if self.kind == KIND_ROUND_ROBIN:
             return pick_round_robin(self.tab, self.cands, &self.cursor)
@@ -562,7 +550,13 @@ cdef class Picker:
                 self.kv_fit == MODE_ON or self.demand == MODE_ON
                 or (self.kind == KIND_P2C and self.metric == METRIC_LEAST_REQUESTS)) and not self._idle():
             return self._coordinated(tokens, need, n)
-        if self.kv_fit != 0:
+        if self.idx.kind == ix.INDEX_KV_FIT:
+            f = self._index_pick(tokens, need)
+            if f == -2:
+                self.kv_fallback += 1
+            else:
+                return f
+        elif self.kv_fit != 0:
             f = pick_kv_fit(self.tab, self.cands, tokens, tokens + out_tokens + self.kv_reserve,
                             self.demand == MODE_ON, self.weight, &self.rng)
             if f == -2:
@@ -570,8 +564,8 @@ cdef class Picker:
             elif self.kv_fit == MODE_ON:
                 return f
         if self.demand == MODE_ON:
-            if self.idx_kind == ix.INDEX_DEMAND:
-                a = self._index_pick(tokens)
+            if self.idx.kind == ix.INDEX_DEMAND:
+                a = self._index_pick(tokens, 0)
             else:
                 a = pick_demand(self.tab, self.cands, tokens, self.weight, &self.rng)
             self._count_kv(a, f, tokens + out_tokens + self.kv_reserve)

@@ -45,7 +45,9 @@ def table():
 
 
 def picker(tab: TargetTable, cands, kind: str = "least_requests", weight: int = 0, seed: int = 7):
-    if kind == "demand":
+    if kind == "kv_fit":
+        p = _ledger.Picker(tab.array, tab.header, "power_of_two", "tokens", kv_fit=2, kv_reserve=weight, seed=seed)
+    elif kind == "demand":
         p = _ledger.Picker(tab.array, tab.header, "random", "tokens", demand=2, weight=weight, seed=seed)
     else:
         p = _ledger.Picker(tab.array, tab.header, "power_of_two", "least_requests", seed=seed)
@@ -53,8 +55,8 @@ def picker(tab: TargetTable, cands, kind: str = "least_requests", weight: int = 
     return p
 
 
-def ties(tab: TargetTable, cands, kind: str = "least_requests", weight: int = 0) -> list[int]:
-    return R.index_ties(tab.snapshot(), cands, kind, weight)
+def ties(tab: TargetTable, cands, kind: str = "least_requests", weight: int = 0, need: int = 0) -> list[int]:
+    return R.index_ties(tab.snapshot(), cands, kind, 0 if kind == "kv_fit" else weight, need)
 
 
 def test_index_is_kept_only_where_it_pays():
@@ -68,9 +70,13 @@ def test_index_is_kept_only_where_it_pays():
         p = _ledger.Picker(tab.array, tab.header, "power_of_two", "tokens", seed=1)
         p.set_candidates(np.arange(100))
         assert p.indexed is None and p.indexed_ties() is None  # power_of_two samples two
-        p = _ledger.Picker(tab.array, tab.header, "power_of_two", "least_requests", kv_fit=2, seed=1)
+        assert picker(tab, range(100), "kv_fit").indexed == "kv_fit"
+        p = _ledger.Picker(tab.array, tab.header, "power_of_two", "least_requests", kv_fit=1, seed=1)
         p.set_candidates(np.arange(100))
-        assert p.indexed is None  # KV fit on decides the pick
+        assert p.indexed == "least_requests"  # KV fit in shadow: the pick is least_requests'
+        p = _ledger.Picker(tab.array, tab.header, "random", demand=2, kv_fit=2, seed=1)
+        p.set_candidates(np.arange(100))
+        assert p.indexed is None  # KV fit ranked by demand: scanned
         p = picker(tab, list(range(80)) + [3])
         assert p.indexed is None  # a row twice: no leaf of its own
     finally:
@@ -78,20 +84,27 @@ def test_index_is_kept_only_where_it_pays():
         tab.unlink()
 
 
-@pytest.mark.parametrize("kind,weight", [("least_requests", 0), ("demand", 0), ("demand", 50)])
+@pytest.mark.parametrize(
+    "kind,weight", [("least_requests", 0), ("demand", 0), ("demand", 50), ("kv_fit", 0), ("kv_fit", 600)]
+)
 @pytest.mark.parametrize("seed", range(4))
 def test_picks_match_the_twin_draw_for_draw(table, kind, weight, seed):
+    # (kv_fit: weight is the KV reserve; capacities tight enough that some ranks do not fit)
     rs = np.random.default_rng(seed)
     cands = rs.choice(200, N, replace=False)
     for t in cands:
         if rs.random() < 0.7:
-            table.set_polled(int(t), 0, 0, int(rs.integers(0, 3)) * 100, 10_000, uncached=int(rs.integers(-1, 2)) * 50)
+            used = int(rs.integers(0, 3)) * 100
+            table.set_polled(int(t), 0, 0, used, int(rs.integers(1, 4)) * 400, uncached=int(rs.integers(-1, 2)) * 50)
     p = picker(table, cands, kind, weight, seed=seed)
     rng = R.Rng(seed)
     leases = []
     for i in range(300):
-        want = R.indexed_pick(table.snapshot(), cands, kind, weight, rng)
-        lease = p.acquire(int(rs.integers(0, 200)))
+        tokens = int(rs.integers(0, 200))
+        want = R.indexed_pick(table.snapshot(), cands, kind, 0 if kind == "kv_fit" else weight, rng, tokens + weight)
+        if want == -2:  # KV fit: no capacity known, the usual pick decides (not the index's)
+            break
+        lease = p.acquire(tokens)
         assert (lease.target if lease else -1) == want, i
         leases.append(lease)
         if rs.random() < 0.4:
@@ -123,12 +136,14 @@ OPS = st.lists(
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=OPS, weight=st.sampled_from([0, 7]))
-def test_index_agrees_with_a_full_scan_after_any_writes(table, ops, weight):
+@given(ops=OPS, weight=st.sampled_from([0, 7]), need=st.sampled_from([0, 300, 900]))
+def test_index_agrees_with_a_full_scan_after_any_writes(table, ops, weight, need):
     lr_cands = np.arange(0, 128)
     dm_cands = np.arange(64, 200)[::-1]  # another group, overlapping, in another order
+    kv_cands = np.arange(30, 200, 2)
     lr = picker(table, lr_cands)
     dm = picker(table, dm_cands, "demand", weight)
+    kv = picker(table, kv_cands, "kv_fit")
     leases = []
     try:
         for op, a, b in ops:
@@ -140,7 +155,9 @@ def test_index_agrees_with_a_full_scan_after_any_writes(table, ops, weight):
             elif op == "release" and leases:
                 leases.pop(a % len(leases)).release()
             elif op == "poll":
-                table.set_polled(t, 1, 0, b, 100_000, uncached=(b if a % 3 == 0 else -1))
+                table.set_polled(
+                    t, 1, 0, b, 1_000 if a % 2 else -1, uncached=(b if a % 3 == 0 else -1), kv_queue=a % 7 // 6
+                )
             elif op == "unpoll":
                 table.mark_unpolled(t)
             elif op == "health":
@@ -155,6 +172,7 @@ def test_index_agrees_with_a_full_scan_after_any_writes(table, ops, weight):
             else:
                 table.cells.add(t, COL_OTHERS_EST, 1)
             assert lr.indexed_ties() == ties(table, lr_cands)
+            assert kv.indexed_ties(need) == ties(table, kv_cands, "kv_fit", need=need)
         assert dm.indexed_ties() == ties(table, dm_cands, "demand", weight)
     finally:
         for lease in leases:
@@ -214,17 +232,18 @@ def _writer(name: str, seed: int, rounds: int, barrier, out) -> None:
     rs = np.random.default_rng(seed)
     lr = picker(tab, np.arange(0, 160), seed=seed)
     dm = picker(tab, np.arange(40, 200), "demand", 5, seed=seed + 1)
+    kv = picker(tab, np.arange(0, 200, 2), "kv_fit", seed=seed + 2)
     leases = []
     for _ in range(rounds):
         r = rs.random()
         if r < 0.45:
-            lease = (lr if rs.random() < 0.5 else dm).acquire(int(rs.integers(1, 300)))
+            lease = (lr, dm, kv)[int(rs.integers(0, 3))].acquire(int(rs.integers(1, 300)))
             if lease is not None:
                 leases.append(lease)
         elif r < 0.85 and leases:
             leases.pop(int(rs.integers(0, len(leases)))).release()
         elif r < 0.95:
-            tab.set_polled(int(rs.integers(0, 200)), 1, 0, int(rs.integers(0, 4)) * 100, 100_000)
+            tab.set_polled(int(rs.integers(0, 200)), 1, 0, int(rs.integers(0, 4)) * 100, 2_000)
         else:
             tab.set_healthy(int(rs.integers(0, 200)), bool(rs.random() < 0.7))
     barrier.wait()  # both writers done: the table is quiet
@@ -233,13 +252,14 @@ def _writer(name: str, seed: int, rounds: int, barrier, out) -> None:
             seed,
             lr.indexed_ties() == R.index_ties(tab.snapshot(), np.arange(0, 160), "least_requests"),
             dm.indexed_ties() == R.index_ties(tab.snapshot(), np.arange(40, 200), "demand", 5),
+            kv.indexed_ties(700) == R.index_ties(tab.snapshot(), np.arange(0, 200, 2), "kv_fit", need=700),
             len(leases),
         )
     )
     barrier.wait()  # the other has checked too: now release
     for lease in leases:
         lease.release()
-    del lr, dm
+    del lr, dm, kv
     tab.close()
 
 
@@ -255,8 +275,8 @@ def test_two_processes_writing_one_table_leave_every_index_true(table):
     for proc in procs:
         proc.join(timeout=60)
         assert proc.exitcode == 0
-    assert all(r[1] and r[2] for r in results), results
-    assert sum(r[3] for r in results) > 0  # they held bookings while checking
+    assert all(r[1] and r[2] and r[3] for r in results), results
+    assert sum(r[4] for r in results) > 0  # they held bookings while checking
     # Everything released: this process's index agrees too, and every count is back to zero.
     assert mine.indexed_ties() == ties(table, cands)
     assert all(table.in_flight(t) == 0 for t in range(200))
