@@ -281,3 +281,36 @@ def test_two_processes_writing_one_table_leave_every_index_true(table):
     assert mine.indexed_ties() == ties(table, cands)
     assert all(table.in_flight(t) == 0 for t in range(200))
     assert table.underflows == 0
+
+
+def test_a_fleet_sized_group_picks_as_the_twin_and_never_rebuilds_in_steady_state():
+    # 8,192 candidates (a tree 13 levels deep); two groups booking and releasing on the same
+    # table read each other's notices from the feed and never fall back to a rebuild.
+    n = 8192
+    tab = TargetTable(n)
+    try:
+        rs = np.random.default_rng(5)
+        for t in range(n):
+            tab.alloc()
+            tab.set_polled(t, 0, 0, int(rs.integers(0, 4)), 1_000_000)
+        lr = picker(tab, range(n), seed=21)
+        dm = picker(tab, range(n - 1, -1, -1), "demand", 3, seed=22)
+        built = lr.index_rebuilds, dm.index_rebuilds
+        held = []
+        for i in range(3000):
+            held.append((lr if i % 2 else dm).acquire(int(rs.integers(0, 50))))
+            if len(held) > 200:
+                held.pop(int(rs.integers(0, len(held)))).release()
+        assert (lr.index_rebuilds, dm.index_rebuilds) == built
+        rng = R.Rng(77)
+        check = picker(tab, range(n), seed=77)
+        snap = tab.snapshot()
+        assert [check.pick() for _ in range(20)] == [
+            R.indexed_pick(snap, range(n), "least_requests", 0, rng) for _ in range(20)
+        ]
+        for lease in held:
+            lease.release()
+        assert lr.indexed_ties() == ties(tab, range(n))
+    finally:
+        tab.close()
+        tab.unlink()
