@@ -124,9 +124,10 @@ class Picker:
         """Times the load index was built from the rows (set, or fallen behind the feed)."""
     @property
     def indexed(self) -> str | None:
-        """The load index's key (least_requests, demand), or None: the picker scans."""
-    def indexed_ties(self) -> list[int] | None:
-        """The candidates the load index holds tied at the minimum (None: no index)."""
+        """The load index's key (least_requests, demand, kv_fit), or None: the picker scans."""
+    def indexed_ties(self, need: int = 0) -> list[int] | None:
+        """What the load index draws the next pick from, in candidate order: the tied minimum
+        (KV fit: among the ranks where ``need`` fits, or the most free KV); None: no index."""
     def __init__(
         self,
         table_array: _Table,
