@@ -320,6 +320,7 @@ class View:
         if names:
             _ledger.sync_store(
                 table.array,
+                table.header,
                 self.vals,
                 np.fromiter(self.slot.values(), np.int64, len(self.slot)),
                 np.array(names, np.int64),

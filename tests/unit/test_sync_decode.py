@@ -16,6 +16,8 @@ from fastroute.core.table import (
     COL_OTHERS_IN_FLIGHT,
     COL_OTHERS_OPEN,
     COL_OTHERS_TOKENS,
+    HDR_FEED_AT,
+    HDR_FEED_ON,
     TargetTable,
 )
 
@@ -53,6 +55,9 @@ def test_compiled_store_caps_sums_over_peers_and_writes_every_row_of_a_name():
     tab = TargetTable(8)
     try:
         rows = [tab.alloc() for _ in range(3)]
+        tab.header[HDR_FEED_ON] = 1  # a picker keeps a load index: writers publish changed rows
+        start = int(tab.header[HDR_FEED_AT])
+        assert start == 0
         vals = np.zeros((3, 2, 3), np.int64)
         vals[0, 0] = (COUNT_LIMIT - 1, 5, 0)
         vals[1, 0] = (COUNT_LIMIT - 1, 7, 1)
@@ -62,9 +67,17 @@ def test_compiled_store_caps_sums_over_peers_and_writes_every_row_of_a_name():
         starts = np.array([0, 2, 3], np.int64)
         by_name = np.array([rows[0], rows[2], rows[1]], np.int64)
         _ledger.sync_store(
-            tab.array, vals, np.array([0, 1, 2], np.int64), np.array([0, 1], np.int64), starts, by_name, COUNT_LIMIT
+            tab.array,
+            tab.header,
+            vals,
+            np.array([0, 1, 2], np.int64),
+            np.array([0, 1], np.int64),
+            starts,
+            by_name,
+            COUNT_LIMIT,
         )
         cols = (COL_OTHERS_IN_FLIGHT, COL_OTHERS_TOKENS, COL_OTHERS_OPEN)
+        assert tab.header[HDR_FEED_AT] == 3  # every row that changed told the load indexes
         assert [[tab.get(t, c) for c in cols] for t in rows] == [
             [COUNT_LIMIT - 1, 21, 1],
             [2, 20, 0],
@@ -72,9 +85,10 @@ def test_compiled_store_caps_sums_over_peers_and_writes_every_row_of_a_name():
         ]
         # a slot no longer read (a peer gone) leaves the sums
         _ledger.sync_store(
-            tab.array, vals, np.array([0], np.int64), np.array([0], np.int64), starts, by_name, COUNT_LIMIT
+            tab.array, tab.header, vals, np.array([0], np.int64), np.array([0], np.int64), starts, by_name, COUNT_LIMIT
         )
         assert [tab.get(rows[0], c) for c in cols] == [COUNT_LIMIT - 1, 5, 0]
+        assert tab.header[HDR_FEED_AT] == 5  # name 0's two rows; name 1 was not stored
     finally:
         tab.close()
         tab.unlink()
