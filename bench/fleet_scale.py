@@ -13,7 +13,9 @@ Sections (each runnable alone, ``--only NAME``):
   the script call, decoding the peers' entries, applying them to the table), median of
   ``--ticks`` ticks, on uvloop as in the router (``--loop asyncio`` for the default loop),
   the Redis commands one tick costs (``INFO commandstats``) and what that makes per second for
-  all the replicas at the default 10 ms interval.
+  all the replicas at the default 10 ms interval; then 8 replicas' running sync loops at 512
+  targets: Redis commands per second while no load moves (quiet ticks space out to
+  heartbeats) and while every replica's load moves every 10 ms.
 * ``fleet``: ``--servers`` simulated DP-8 servers (``fastroute.sim``, one process) behind a
   real router process (``--dp-aware``): registration time, the router's RSS, its CPU while it
   only polls, and ``/health`` latency (p50/p99/max) sampled while the polls run;
@@ -191,6 +193,47 @@ def _redis_calls(admin) -> tuple[int, int]:
     return trips, sum(calls.values())
 
 
+async def sync_rates(n: int, k: int, seconds: float) -> dict[str, float]:
+    """Redis commands per second of ``k`` replicas' running sync loops (10 ms interval, 3 s
+    TTL) at ``n`` targets: quiet (no load moves; after 3 s for the heartbeats to space out),
+    then busy (every replica's load moves every 10 ms)."""
+    import redis as redis_sync
+
+    from fastroute.control.replica import ReplicaSync
+    from fastroute.sim.redisproc import RedisProcess
+
+    with RedisProcess() as rp:
+        admin = redis_sync.Redis.from_url(rp.url)
+        tables, syncs = [], []
+        for i in range(k):
+            tab = TargetTable(n)
+            for _ in range(n):
+                tab.alloc()
+            tables.append(tab)
+            syncs.append(ReplicaSync(rp.url, f"r{i}", tab, _Targets(n), 0.01, 3.0))
+        try:
+            for s in syncs:
+                s.start()
+            await asyncio.sleep(3.0)
+            c0 = _redis_calls(admin)[1]
+            await asyncio.sleep(seconds)
+            quiet = (_redis_calls(admin)[1] - c0) / seconds
+            rs = np.random.default_rng(2)
+            c0 = _redis_calls(admin)[1]
+            for step in range(int(seconds / 0.01)):
+                for tab in tables:
+                    tab.cells.store(int(rs.integers(0, n)), 0, step % 4)
+                await asyncio.sleep(0.01)
+            busy = (_redis_calls(admin)[1] - c0) / seconds
+        finally:
+            for s in syncs:
+                await s.stop()
+            for tab in tables:
+                tab.close()
+                tab.unlink()
+    return {"quiet": quiet, "busy": busy}
+
+
 def print_sync(costs: dict[tuple[int, int], dict[str, float]]) -> None:
     print(
         "| targets | replicas | one tick's CPU | round trips per tick | Redis commands per tick "
@@ -356,6 +399,11 @@ def main() -> None:
 
             runner = uvloop.run
         print_sync(runner(sync_costs([512, 4096], [2, 4, 8], a.ticks, a.churn)))
+        rates = runner(sync_rates(512, 8, 3.0))
+        print(
+            f"8 replicas x 512 targets, running loops: {rates['quiet']:,.0f} Redis commands/s quiet, "
+            f"{rates['busy']:,.0f} busy"
+        )
     if a.only in (None, "fleet"):
         res = asyncio.run(fleet(a.servers, a.dp, a.seconds, a.interval, a.profile, a.stalls))
         print(json.dumps(res, indent=1))

@@ -217,6 +217,7 @@ class ReplicaSync:
         self._pub = Published()
         self._view = View(self._names)
         self._pace = Pace(self.client, replica_id, interval, ttl)  # control/syncpace.py
+        self._renew_at = 0.0  # loop time the keys' expiry is renewed next
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -298,6 +299,7 @@ class ReplicaSync:
                             view.known(),
                             2 if self._pub.reset else 1 if delta else 0,
                             WAKE_CHANNEL,
+                            1 if now >= self._renew_at else 0,
                         ),
                     )
             except TimeoutError:
@@ -312,6 +314,8 @@ class ReplicaSync:
         own = self.id.encode()
         ids.sort()
         self.table.set_replicas(len(ids), ids.index(own))
+        if now >= self._renew_at:
+            self._renew_at = now + self.ttl  # the keys' expiry was renewed (ten TTLs)
         self.table.count_sync_tick()
         self._pace.ticked(now, bool(delta or stored))
         return peers

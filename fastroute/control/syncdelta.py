@@ -39,7 +39,8 @@ ROWS_PREFIX = "fastroute:{replicas}:rows:"
 # '0-0' none), known peer ids (newline-joined), the step of this replica's entry number: 0
 # appends nothing (no change), 1 the delta, 2 after a reset (the delta is the whole state and
 # replaces the hash; even an empty one: its followers miss a number and read it whole), the
-# wake channel (a changing tick publishes this replica's id there: control/syncpace.py).
+# wake channel (a changing tick publishes this replica's id there: control/syncpace.py), 1 to
+# renew the keys' expiry (ten TTLs: the replica asks at least once a TTL, not every tick).
 # Returns {repaired, previous nonce, cursor, live count, lost (1: this replica's state in Redis
 # is gone or was repaired, publish it whole again), (id, seq, kind, value) per live
 # replica..., (id, seq, kind, value) per new stream entry of a known peer...}; kind 0: nothing
@@ -87,14 +88,17 @@ if #dead > 0 then
   for i, id in ipairs(dead) do gone[i] = ARGV[2] .. id end
   redis.call('DEL', unpack(gone))
 end
-for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, ttl * 10) end
+if ARGV[11] == '1' then
+  for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, ttl * 10) end
+end
 local known = {}
 for id in string.gmatch(ARGV[8], '[^\\n]+') do known[id] = true end
 local last = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)
 local live = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. (now - ttl), '+inf')
 local out = {repaired, prev, (#last > 0) and last[1][1] or ARGV[7], #live, lost}
-for _, id in ipairs(live) do
-  local seq = redis.call('HGET', KEYS[5], id) or ''
+local seqs = redis.call('HMGET', KEYS[5], unpack(live))
+for i, id in ipairs(live) do
+  local seq = seqs[i] or ''
   out[#out + 1] = id
   out[#out + 1] = seq
   if id == ARGV[1] or (known[id] and seq ~= '') then
