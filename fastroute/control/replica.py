@@ -14,14 +14,16 @@ supervisor under ``--workers N`` (whose table holds every proxy process's bookin
 
 Redis layout: keys under one hash tag (one cluster slot), ``fastroute:{replicas}:beat`` (a
 sorted set: replica id -> Redis server time in ms of its last publish),
-``fastroute:{replicas}:load`` (a hash: replica id -> its payload, one ``name\\trequests\\ttokens\\t
-open`` line per target that has anything to say), ``fastroute:{replicas}:log`` (a stream: each
-tick's changed lines per replica, numbered in ``fastroute:{replicas}:seq``; see
-control/syncdelta.py). One Lua script per tick, atomic on the server and timed by the server's
-clock (hosts' clocks never compared), stores this replica's heartbeat, payload and changes, drops
-every replica silent for ``--replica-ttl-ms`` (killed or partitioned) and returns the live
-replicas with the payloads of those this replica does not follow yet and the changes of those it
-does. The keys expire after ten TTLs of silence. A restarted replica gets
+``fastroute:{replicas}:rows:<id>`` (a hash per replica: target name -> ``requests\\ttokens\\topen``
+for each target that has anything to say, built by the script from the replica's changes),
+``fastroute:{replicas}:log`` (a stream: each tick's changed lines per replica, numbered in
+``fastroute:{replicas}:seq``; see control/syncdelta.py), ``fastroute:{replicas}:load`` (read
+only: a payload of such lines per id, for entries written by hand). One Lua script per tick,
+atomic on the server and timed by the server's clock (hosts' clocks never compared), stores this
+replica's heartbeat and changes, drops every replica silent for ``--replica-ttl-ms`` (killed or
+partitioned) and returns the live replicas with the whole state of those this replica does not
+follow yet and the changes of those it does. The keys expire after ten TTLs of silence. Ticks
+follow the change rate (control/syncpace.py). A restarted replica gets
 a new id (the default contains the pid) and starts from its own empty table; a stopping replica
 deletes its entry so the others drop it at once.
 
