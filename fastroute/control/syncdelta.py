@@ -122,6 +122,9 @@ for i, id in ipairs(live) do
       local lines = {}
       for i = 1, #h, 2 do lines[#lines + 1] = h[i] .. '\\t' .. h[i + 1] .. '\\n' end
       body = table.concat(lines)
+    elseif n == 0 and redis.call('HSTRLEN', KEYS[2], id) <= cap then
+      -- a replica of the version before (its whole payload in the load hash), mid-upgrade
+      body = redis.call('HGET', KEYS[2], id) or ''
     end
     if n * 8 > cap or #body > cap then
       out[#out + 1] = 2
@@ -309,12 +312,25 @@ class View:
         """Replace everything a peer published by its whole payload; (good, bad) lines."""
         slot = self._slot(peer)
         self._zero(slot)
-        return _ledger.sync_decode(payload, self.names.index, self.vals[slot], self.mark, self.touched, True, limit)
+        got = _ledger.sync_decode(payload, self.names.index, self.vals[slot], self.mark, self.touched, True, limit)
+        self._release_if_empty(peer, slot)
+        return got
 
     def set_lines(self, peer: bytes, delta: bytes, limit: int) -> tuple[int, int]:
         """Apply a peer's changed names (absolute values; zeros: idle now); (good, bad)."""
+        new = peer not in self.slot
         slot = self._slot(peer)
-        return _ledger.sync_decode(delta, self.names.index, self.vals[slot], self.mark, self.touched, False, limit)
+        got = _ledger.sync_decode(delta, self.names.index, self.vals[slot], self.mark, self.touched, False, limit)
+        if new:
+            self._release_if_empty(peer, slot)
+        return got
+
+    def _release_if_empty(self, peer: bytes, slot: int) -> None:
+        # A peer with nothing on this host's names holds no slot: peers that only write names
+        # unknown here (or a flood of fake ones) cost no (names x 3) array each.
+        if not self.vals[slot].any():
+            del self.slot[peer]
+            self._free.append(slot)
 
     def store(self, table: Any, limit: int) -> list[int]:
         """Store the sums of the touched names (every name on a new view) into the table's

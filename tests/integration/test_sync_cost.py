@@ -95,3 +95,25 @@ def test_a_replica_whose_state_redis_lost_publishes_it_whole_again(redis_server)
                 await late.close()
 
     run(body(), 30)
+
+
+def test_a_peer_of_the_version_before_is_read_from_its_whole_payload(redis_server):  # noqa: F811
+    """Mid-upgrade: a replica of the previous version numbers its entries but keeps its whole
+    state only as a payload in the load hash (no rows hash); a new replica reads that."""
+
+    async def body():
+        client = redis.Redis.from_url(redis_server.url)
+        me = _Replica(redis_server.url, "new")
+        try:
+            sec, usec = client.time()
+            client.zadd("fastroute:{replicas}:beat", {"old": sec * 1000 + usec // 1000 + 60_000})
+            client.hset("fastroute:{replicas}:seq", "old", 7)
+            names = _Targets(N)
+            client.hset("fastroute:{replicas}:load", "old", f"{names.target_name(0)}\t4\t40\t0\n".encode())
+            assert await me.sync.tick() == 1
+            assert me.table.get(0, COL_OTHERS_IN_FLIGHT) == 4
+        finally:
+            client.close()
+            await me.close()
+
+    run(body(), 30)
