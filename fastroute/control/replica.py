@@ -304,7 +304,7 @@ class ReplicaSync:
                             1 if now >= self._renew_at else 0,
                         ),
                     )
-            except TimeoutError:
+            except asyncio.TimeoutError:  # (the builtin on 3.11+, its own class on 3.10)
                 raise self._timed_out(f"replica sync tick: no answer within {self._deadline:.2f} s") from None
             self._pub.reset = False
             peers, ids = self._read(reply)
