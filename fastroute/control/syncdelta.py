@@ -312,7 +312,7 @@ class View:
         """Replace everything a peer published by its whole payload; (good, bad) lines."""
         slot = self._slot(peer)
         self._zero(slot)
-        got = _ledger.sync_decode(payload, self.names.index, self.vals[slot], self.mark, self.touched, True, limit)
+        got = _ledger.sync_decode(payload, self.names.index, self.vals, slot, self.mark, self.touched, True, limit)
         self._release_if_empty(peer, slot)
         return got
 
@@ -320,7 +320,7 @@ class View:
         """Apply a peer's changed names (absolute values; zeros: idle now); (good, bad)."""
         new = peer not in self.slot
         slot = self._slot(peer)
-        got = _ledger.sync_decode(delta, self.names.index, self.vals[slot], self.mark, self.touched, False, limit)
+        got = _ledger.sync_decode(delta, self.names.index, self.vals, slot, self.mark, self.touched, False, limit)
         if new:
             self._release_if_empty(peer, slot)
         return got
@@ -348,6 +348,7 @@ class View:
                 self.names.by_name,
                 limit,
             )
-        self.mark[self.touched] = 0
-        self.touched = []
+        if self.touched:
+            self.mark.fill(0)
+            self.touched = []
         return names

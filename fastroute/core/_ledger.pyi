@@ -90,13 +90,14 @@ def sync_changed(tab: _Table, rows: npt.NDArray[np.int64], seen: npt.NDArray[np.
 def sync_decode(
     data: bytes,
     index: dict[bytes, int],
-    into: npt.NDArray[np.int64],
+    vals: npt.NDArray[np.int64],
+    slot: int,
     mark: npt.NDArray[np.uint8],
     touched: list[int],
     add: bool,
     limit: int,
 ) -> tuple[int, int]:
-    """Read a replica's ``name\\trequests\\ttokens\\topen`` lines into ``into[index[name]]``
+    """Read a replica's ``name\\trequests\\ttokens\\topen`` lines into ``vals[slot, index[name]]``
     (sum repeated names when ``add``, else the last wins); names first seen since ``mark`` was
     cleared are appended to ``touched``. Returns (good lines, skipped lines)."""
 

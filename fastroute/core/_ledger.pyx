@@ -378,9 +378,9 @@ cdef inline int _sync_number(const unsigned char[::1] d, Py_ssize_t a, Py_ssize_
     return 1
 
 
-def sync_decode(const unsigned char[::1] data, dict index, int64_t[:, ::1] into,
+def sync_decode(const unsigned char[::1] data, dict index, int64_t[:, :, ::1] vals, Py_ssize_t slot,
                 unsigned char[::1] mark, list touched, bint add, int64_t limit):
-    """Read ``name\\trequests\\ttokens\\topen`` lines into ``into[index[name]]`` (names this host
+    """Read ``name\\trequests\\ttokens\\topen`` lines into ``vals[slot, index[name]]`` (names this host
     does not know are read and dropped); a name seen the first time since ``mark`` was cleared
     is appended to ``touched``. ``add``: sum repeated names (a whole payload), else the last
     line of a name wins (a delta of absolute values). A line that is not four tab-separated
@@ -392,8 +392,11 @@ def sync_decode(const unsigned char[::1] data, dict index, int64_t[:, ::1] into,
     cdef uint64_t r, k, o
     cdef bint nr, nk, no
     cdef int64_t good = 0, bad = 0, idx, cap = limit - 1
-    if into.shape[1] != 3 or mark.shape[0] < into.shape[0] or limit <= 0:
-        raise ValueError("sync_decode: into must be (names, 3) and mark cover every name")
+    if vals.shape[2] != 3 or mark.shape[0] < vals.shape[1] or limit <= 0:
+        raise ValueError("sync_decode: vals must be (slots, names, 3) and mark cover every name")
+    if slot < 0 or slot >= vals.shape[0]:
+        raise IndexError(f"sync_decode: slot {slot} outside 0..{vals.shape[0] - 1}")
+    cdef int64_t[:, ::1] into = vals[slot]
     while start < n:
         end = start
         ntab = 0

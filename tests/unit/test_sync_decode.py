@@ -41,10 +41,11 @@ def test_compiled_decode_agrees_with_the_reference(lines, trailing):
     want: dict[str, list[int]] = {}
     want_counts = decode(payload, want)
     index = {n.encode(): i for i, n in enumerate(NAMES)}
-    into = np.zeros((len(NAMES), 3), np.int64)
+    vals = np.zeros((2, len(NAMES), 3), np.int64)
+    into = vals[1]
     mark = np.zeros(len(NAMES), np.uint8)
     touched: list[int] = []
-    got_counts = _ledger.sync_decode(payload, index, into, mark, touched, True, COUNT_LIMIT)
+    got_counts = _ledger.sync_decode(payload, index, vals, 1, mark, touched, True, COUNT_LIMIT)
     assert got_counts == want_counts
     got = {NAMES[i]: into[i].tolist() for i in touched}
     assert got == {n: v for n, v in want.items() if n in NAMES}
@@ -97,8 +98,8 @@ def test_compiled_store_caps_sums_over_peers_and_writes_every_row_of_a_name():
 def test_compiled_decode_takes_digits_only():
     """What a replica writes is digits with an optional sign: Python's int() extras (spaces,
     underscores) are skipped as malformed lines."""
-    into = np.zeros((1, 3), np.int64)
+    vals = np.zeros((1, 1, 3), np.int64)
     got = _ledger.sync_decode(
-        b"x\t 1\t0\t0\nx\t1_0\t0\t0\nx\t3\t4\t-2\n", {b"x": 0}, into, np.zeros(1, np.uint8), [], True, COUNT_LIMIT
+        b"x\t 1\t0\t0\nx\t1_0\t0\t0\nx\t3\t4\t-2\n", {b"x": 0}, vals, 0, np.zeros(1, np.uint8), [], True, COUNT_LIMIT
     )
-    assert got == (1, 2) and into.tolist() == [[3, 4, 1]]
+    assert got == (1, 2) and vals[0].tolist() == [[3, 4, 1]]
