@@ -47,7 +47,7 @@ from fastroute.epp.decide import Decider
 from fastroute.epp.fallback import Fallbacks, cluster_endpoints
 from fastroute.epp.options import MAX_STREAMS, MESSAGE_HEADROOM, SILENT_TIMEOUT, GrpcTls
 from fastroute.epp.service import ExternalProcessor
-from fastroute.runtime.assemble import Assembly, assemble, stop_in_order
+from fastroute.runtime.assemble import Assembly, assemble, freeze_heap, stop_in_order
 from fastroute.runtime.startup import StartupError, new_table, own_listeners, start_probe, stop_on_signals
 
 log = logging.getLogger("fastroute.epp")
@@ -203,6 +203,7 @@ class EppServer:
             parts.monitor.start()
         self.replica = await start_replica_sync(cfg, self.table, parts.registry, parts.metrics, self.grpc_port)
         self._sweeper = loop.create_task(self._sweep())
+        freeze_heap()  # as the proxy: a collection walks what the streams made, not the start-up heap
 
     def _announce(self, address: str) -> None:
         cfg = self.config
