@@ -41,7 +41,7 @@ from fastroute.core.table import TargetTable
 from fastroute.epp.options import GrpcTls
 from fastroute.epp.server import EppServer
 from fastroute.log import configure_logging
-from fastroute.runtime.assemble import assemble, freeze_heap
+from fastroute.runtime.assemble import assemble
 from fastroute.runtime.child import SEED_STRIDE, STATS_INTERVAL, _die_with_parent, _load_config
 from fastroute.runtime.startup import stop_on_signals
 from fastroute.runtime.supervisor import Supervisor
@@ -123,7 +123,7 @@ class EppChild(EppServer):
         self._health = loop.create_task(self._health_loop())
         self._sweeper = loop.create_task(self._sweep())
         self._sync = loop.create_task(self._follow(os.getppid()))
-        freeze_heap()
+        self._freeze(parts.registry)
 
     def report(self) -> None:
         """This process's Stats for the supervisor's ``/metrics`` and its readiness."""

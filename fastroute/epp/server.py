@@ -48,6 +48,7 @@ from fastroute.epp.fallback import Fallbacks, cluster_endpoints
 from fastroute.epp.options import MAX_STREAMS, MESSAGE_HEADROOM, SILENT_TIMEOUT, GrpcTls
 from fastroute.epp.service import ExternalProcessor
 from fastroute.runtime.assemble import Assembly, assemble, freeze_heap, stop_in_order
+from fastroute.runtime.heap import Refreezer
 from fastroute.runtime.startup import StartupError, new_table, own_listeners, start_probe, stop_on_signals
 
 log = logging.getLogger("fastroute.epp")
@@ -158,6 +159,7 @@ class EppServer:
         self.probe: Any = None  # --health-check-port: /health, /liveness, /readiness
         self.replica: ReplicaSync | None = None  # --replica-sync
         self._sweeper: asyncio.Task | None = None
+        self._refreeze: Refreezer | None = None  # refreezes the heap once the worker set settles
         self._serving: bool | None = None
         self._health_lock = asyncio.Lock()
         self._health_due = asyncio.Event()
@@ -203,7 +205,14 @@ class EppServer:
             parts.monitor.start()
         self.replica = await start_replica_sync(cfg, self.table, parts.registry, parts.metrics, self.grpc_port)
         self._sweeper = loop.create_task(self._sweep())
-        freeze_heap()  # as the proxy: a collection walks what the streams made, not the start-up heap
+        self._freeze(parts.registry)
+
+    def _freeze(self, registry: Any) -> None:
+        """As the proxy: a collection walks what the streams made, not the start-up heap; the
+        heap is frozen again once a changed worker set has settled (:mod:`fastroute.runtime.heap`)."""
+        freeze_heap()
+        self._refreeze = Refreezer(asyncio.get_running_loop())
+        registry.add_listener(self._refreeze.changed)
 
     def _announce(self, address: str) -> None:
         cfg = self.config
@@ -381,6 +390,8 @@ class EppServer:
                 await self._set_health(False)
             if self._sweeper is not None:
                 self._sweeper.cancel()
+            if self._refreeze is not None:
+                self._refreeze.close()
             if self._health is not None:
                 self._health.cancel()
             if self.grpc is not None:
