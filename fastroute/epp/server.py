@@ -314,6 +314,8 @@ class EppServer:
             self.probe = None
         if self.grpc is not None:
             await self.grpc.stop(0)
+        if self.parts is not None and self.parts.kv_events is not None:
+            await self.parts.kv_events.stop()
         if self.parts is not None and self.parts.metrics is not None:
             await self.parts.metrics.stop()
         if self.table is not None:
@@ -405,7 +407,9 @@ class EppServer:
                     b.close("shutdown")
             p = self.parts
             if p is not None:
-                await stop_in_order(self.pool, self.discovery, self.replica, p.monitor, p.registry, p.metrics)
+                await stop_in_order(
+                    self.pool, self.discovery, self.replica, p.monitor, p.kv_events, p.registry, p.metrics
+                )
         finally:
             if self.table is not None:
                 self.table.close()

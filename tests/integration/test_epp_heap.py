@@ -6,6 +6,7 @@ every few thousand streams and cost a share of every decision)."""
 from __future__ import annotations
 
 import gc
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -75,3 +76,23 @@ def test_a_worker_added_later_is_frozen_once_the_set_settles(quick: None) -> Non
             await epp.stop(grace=0.5)
 
     run(body(), 60)
+
+
+def test_a_stopped_picker_leaves_no_engine_event_context_open() -> None:
+    """--kv-events auto (the default) opens a ZMQ context for the engines' pushed events; the
+    picker's stop closes it as the proxy's does, instead of leaving it to a later collection
+    (which warned "Unclosed context" in whatever test or request happened to be running)."""
+
+    async def body() -> None:
+        (w,) = await workers(1)
+        epp = await start_epp(w, policy="round_robin")
+        assert epp.parts is not None and epp.parts.kv_events is not None
+        await epp.stop(grace=0.5)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", ResourceWarning)
+        run(body(), 60)
+        gc.unfreeze()  # the picker froze its heap: let the collector see the context again
+        gc.collect()
+    unclosed = [str(w.message) for w in seen if "Unclosed context" in str(w.message)]
+    assert not unclosed, unclosed
