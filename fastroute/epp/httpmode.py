@@ -116,9 +116,11 @@ class HttpProcessor:
         self._answers: dict[tuple[Any, ...], bytes] = {}  # (endpoint, auth, headers) -> answer
         self.server: asyncio.AbstractServer | None = None
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> None:
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: _Conn(self), host, port, reuse_address=True)
+        self.server = await loop.create_server(
+            lambda: _Conn(self), host, port, reuse_address=True, reuse_port=reuse_port or None
+        )
 
     async def stop(self) -> None:
         if self.server is not None:
@@ -196,7 +198,14 @@ class HttpProcessor:
             booking.close("error")
             raise
         booking.seen = d.loop.time()
+        return self._hold(rid, booking, pick)
+
+    def _hold(self, rid: str, booking: Booking, pick: Pick) -> bytes:
+        """Keep the booking until its response headers; the answer routing to ``pick``."""
         self.held[rid] = booking
+        return self._routed(pick)
+
+    def _routed(self, pick: Pick) -> bytes:
         key = (pick.endpoint, pick.auth, pick.headers)
         answer = self._answers.get(key)
         if answer is None:
