@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
 
 from fastroute.sim.params import SimParams
 from fastroute.sim.server import SimWorker
@@ -117,3 +119,31 @@ def test_two_http_pickers_release_after_client_resets_and_envoy_killed() -> None
             await w.stop()
 
     run(body(), 150)
+
+
+def test_a_killed_http_picker_process_gives_its_leases_back_once() -> None:
+    """The supervisor ends a dead process's lease rows before subtracting its ledger: the
+    response headers that later name those leases (reaching the survivor or the replacement)
+    release nothing a second time."""
+
+    async def body() -> None:
+        w = SimWorker("regular", SimParams(dp_size=8, time_scale=2.0), H, rank_ports=True)
+        await w.start()
+        try:
+            async with Gateway([w.rank_url(0)], *FLAGS) as g:
+                clients = await _open_64(g, w, 100)
+                pids = await _per_process(g, "fastroute_proxy_process_pid")
+                held = await _per_process(g, "fastroute_proxy_process_in_flight_requests")
+                victim = max(held, key=lambda k: held[k])
+                os.kill(int(pids[victim]), signal.SIGKILL)
+                await g.until_in_flight(lambda f: sum(f.values()) == 64 - held[victim], 15, "the dead one's reclaimed")
+                for c in clients:  # the requests were routed already: they all complete
+                    resp = await c.response(timeout=60)
+                    assert resp.status == 200, resp.body
+                    c.close()
+                await _all_back(g, "the survivor's released at the answers")
+                await _until_reclaimed(g, "process_exit", held[victim])
+        finally:
+            await w.stop()
+
+    run(body(), 120)
