@@ -47,6 +47,10 @@ PATH = b"/process"
 ANSWERS_KEPT = 4096  # routed answers kept by (endpoint, auth, headers): a few per target
 MAX_MESSAGE = 1 << 20  # one JSON ProcessingRequest of headers (Envoy's are at most 96 KiB)
 _RESPONSE_HEADERS = b'{"response_headers":{}}'
+# How Envoy's (compact) JSON of a response-headers call begins: such a call is a release, and
+# nothing in it is read but what names the lease, so it is answered without a JSON parse
+# (HttpProcessor._released; any other spelling takes the parse).
+_RESPONSE_PREFIX = b'{"response_headers":'
 
 
 def _reply(status: int, body: bytes, keep: bool) -> bytes:
@@ -137,6 +141,10 @@ class HttpProcessor:
     def handle_now(self, rid: str, body: bytes) -> bytes | None:
         """One ProcessingRequest (JSON) -> the ProcessingResponse (JSON), answered at once; None
         when the request must wait for an admission slot (then :meth:`handle`)."""
+        if body.startswith(_RESPONSE_PREFIX):
+            done = self._released(rid, body)
+            if done is not None:
+                return done
         doc = _parse(body)
         if "request_headers" not in doc:
             return self._other(rid, doc)
@@ -152,6 +160,10 @@ class HttpProcessor:
 
     async def handle(self, rid: str, body: bytes) -> bytes:
         """:meth:`handle_now` that waits in the admission queue when it is full."""
+        if body.startswith(_RESPONSE_PREFIX):
+            done = self._released(rid, body)
+            if done is not None:
+                return done
         doc = _parse(body)
         if "request_headers" not in doc:
             return self._other(rid, doc)
@@ -213,6 +225,14 @@ class HttpProcessor:
                 self._answers.clear()
             answer = self._answers[key] = routed_json(pick)
         return answer
+
+    def _released(self, rid: str, body: bytes) -> bytes | None:
+        """A response-headers call, answered without parsing it: the lease of stream ``rid``
+        ends (None: parse it instead)."""
+        done = self.held.pop(rid, None)
+        if done is not None:
+            done.close("response_headers")
+        return _RESPONSE_HEADERS
 
     def _other(self, rid: str, doc: dict[str, Any]) -> bytes:
         if "response_headers" in doc:

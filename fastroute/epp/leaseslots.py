@@ -28,6 +28,7 @@ a late response-headers call for one of them finds nothing to release.
 
 from __future__ import annotations
 
+import re
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -51,6 +52,8 @@ NAMESPACE = LEASE_NAMESPACE  # dynamic metadata namespace the picker sets and En
 KEY = "id"
 SLOTS = 1 << 14  # lease rows per picker process: requests one process may hold at once
 _STATE, _TARGET, _TOKENS = 0, 1, 2
+# The lease's id in a response-headers call's forwarded metadata, found without a JSON parse.
+_LEASE_ID = re.compile(rb'"%s"\s*:\s*\{\s*"%s"\s*:\s*"([0-9.]{5,40})"' % (re.escape(NAMESPACE.encode()), KEY.encode()))
 _COLS = 4
 
 
@@ -219,6 +222,13 @@ class SharedHttpProcessor(HttpProcessor):
             return _json(immediate(err))
         answer = self._routed(pick)  # ...,"dynamic_metadata":{"envoy.lb":{...}}}
         return answer[:-2] + b',"%s":{"%s":"%s"}}}' % (NAMESPACE.encode(), KEY.encode(), lease_id)
+
+    def _released(self, rid: str, body: bytes) -> bytes | None:
+        hit = _LEASE_ID.search(body)
+        if hit is None:
+            return None  # parsed instead (_other)
+        self.slots.end(hit.group(1).decode())
+        return _RESPONSE_HEADERS
 
     def _other(self, rid: str, doc: dict[str, Any]) -> bytes:
         if "response_headers" in doc:
