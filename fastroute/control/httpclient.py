@@ -24,6 +24,9 @@ from urllib.parse import urlsplit
 
 import httptools
 
+# asyncio.timeout (Python 3.11+); wait_for on 3.10.
+_timeout = getattr(asyncio, "timeout", None)
+
 __all__ = [
     "HttpClientError",
     "HttpConnectError",
@@ -299,6 +302,11 @@ async def request(
     not raised.
     """
     try:
-        return await asyncio.wait_for(_exchange(method, url, body, headers, pool), timeout)
+        if _timeout is None:  # Python 3.10
+            return await asyncio.wait_for(_exchange(method, url, body, headers, pool), timeout)
+        # A deadline on this task, not wait_for's task per request (a fleet's polls made a
+        # thousand a second).
+        async with _timeout(timeout):
+            return await _exchange(method, url, body, headers, pool)
     except asyncio.TimeoutError:
         raise HttpTimeout(f"{method} {url} timed out after {timeout:g}s") from None

@@ -24,7 +24,7 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastroute.config import Config
@@ -147,6 +147,42 @@ def max_running_of(doc: Any) -> dict[int | None, int]:
     return per_rank
 
 
+async def spread(workers: list[Worker], period: float, visit: Callable[[Worker], Awaitable[None]]) -> None:
+    """``visit`` every worker once: up to SPREAD_FROM of them at once, more spread evenly over
+    SPREAD_SHARE of ``period`` with at most POLL_CONCURRENCY visits in flight.
+
+    A visit's task is made only when its turn comes: a fleet's thousand tasks made together at
+    the start of a tick each held the loop for a step, and sleeping through most of the
+    interval they lived long enough to reach the collector's oldest generation, whose full
+    collections (tens of milliseconds over a fleet's objects) then came every second."""
+    if len(workers) <= SPREAD_FROM:
+        await asyncio.gather(*(visit(w) for w in workers))
+        return
+    loop = asyncio.get_running_loop()
+    gate = asyncio.Semaphore(POLL_CONCURRENCY)
+    span = period * SPREAD_SHARE / len(workers)
+    started = loop.time()
+    tasks: list[asyncio.Task[None]] = []
+
+    async def gated(w: Worker) -> None:
+        try:
+            await visit(w)
+        finally:
+            gate.release()
+
+    try:
+        for i, w in enumerate(workers):
+            due = started + span * i - loop.time()
+            if due > 0:
+                await asyncio.sleep(due)
+            await gate.acquire()
+            tasks.append(loop.create_task(gated(w)))
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()  # a no-op on the finished ones; a cancelled tick leaves no visit behind
+
+
 class Monitor:
     """Background load polling and health checking for every ready worker of a Registry."""
 
@@ -219,26 +255,19 @@ class Monitor:
 
     async def poll_once(self) -> None:
         """Poll every ready worker once and write the results to the table. Up to SPREAD_FROM
-        workers are polled at once; more are spread over SPREAD_SHARE of the interval, at most
-        POLL_CONCURRENCY in flight, so a fleet's polls never arrive on the loop together."""
+        workers are polled at once; more are spread over SPREAD_SHARE of the interval (see
+        :func:`spread`)."""
         workers = self.registry.ready_workers()
         self._forget_removed()
         if not workers:
             return
         timeout = self._poll_timeout()
-        if len(workers) <= SPREAD_FROM:
-            await asyncio.gather(*(self.poll_worker(w, timeout) for w in workers))
-            return
-        span = float(self.config.load_monitor_interval) * SPREAD_SHARE / len(workers)
-        gate = asyncio.Semaphore(POLL_CONCURRENCY)
 
-        async def one(i: int, w: Worker) -> None:
-            await asyncio.sleep(span * i)
-            async with gate:
-                if w.status == "ready":
-                    await self.poll_worker(w, timeout)
+        async def one(w: Worker) -> None:
+            if w.status == "ready":
+                await self.poll_worker(w, timeout)
 
-        await asyncio.gather(*(one(i, w) for i, w in enumerate(workers)))
+        await spread(workers, float(self.config.load_monitor_interval), one)
 
     def _forget_removed(self) -> None:
         """Drop the poll counters and engine rows of workers no longer registered (a router
@@ -451,8 +480,13 @@ class Monitor:
     async def check_once(self) -> None:
         """Probe every ready worker once, concurrently, and apply the thresholds."""
         workers = self.registry.ready_workers()
+
+        async def one(w: Worker) -> None:
+            if w.status == "ready":
+                await self.check_worker(w)
+
         if workers:
-            await asyncio.gather(*(self.check_worker(w) for w in workers))
+            await spread(workers, float(self.config.health_check_interval_secs), one)
 
     async def check_worker(self, w: Worker) -> bool:
         """One health probe of one physical worker (of each rank port of a per-rank-port

@@ -30,6 +30,7 @@ from fastroute.core.routing import Router
 from fastroute.core.table import TargetTable
 from fastroute.log import configure_logging
 from fastroute.runtime.assemble import DRAIN_LINGER, assemble, drain, freeze_heap, listen
+from fastroute.runtime.heap import Refreezer
 from fastroute.runtime.startup import stop_on_signals, tls_context
 
 # "fastroute.supervisor": the name operators filter process events on.
@@ -77,6 +78,7 @@ async def serve_child(state_dir: str, slot: int) -> int:
     stop_on_signals(loop, stop.set)
     listener = await listen(app, cfg.host, int(info["port"]), reuse_port=True, tls=tls_context(cfg))
     freeze_heap()
+    registry.add_listener(Refreezer(loop).changed)
     app.start()
     report_path = os.path.join(state_dir, f"stats-{slot}.pickle")
 

@@ -36,6 +36,7 @@ from fastroute.core.routing import Router
 from fastroute.core.table import TargetTable
 from fastroute.dataplane.app import App
 from fastroute.runtime.assemble import DRAIN_LINGER, assemble, drain, freeze_heap, listen, stop_in_order
+from fastroute.runtime.heap import Refreezer
 from fastroute.runtime.probe import ProbeServer
 from fastroute.runtime.startup import announce, new_table, own_listeners, start_probe, stop_on_signals, tls_context
 
@@ -48,6 +49,9 @@ class Process(Protocol):
     async def start(self) -> None: ...
 
     async def stop(self, grace: float | None = None, linger: float = 0.0) -> None: ...
+
+    @property
+    def registry(self) -> Registry | None: ...
 
 
 class Server:
@@ -148,7 +152,11 @@ async def serve(config: Config, factory: Callable[[Config], Process] = Server) -
     stop_on_signals(loop, stop.set)
     await server.start()
     freeze_heap()
+    refreeze = Refreezer(loop)
+    if server.registry is not None:
+        server.registry.add_listener(refreeze.changed)
     await stop.wait()
+    refreeze.close()
     log.info("shutdown: draining (grace %ss): /readiness 503, requests still served", config.shutdown_grace_period_secs)
     await server.stop(linger=DRAIN_LINGER)
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from tests.integration.conftest import DataWorker, Router, run, until
@@ -13,10 +14,13 @@ class _Timed(DataWorker):
     def __init__(self) -> None:
         super().__init__(dp_size=1)
         self.polled: list[float] = []
+        self.probed: list[float] = []
 
     def control(self, path: str) -> tuple[int, bytes] | None:
         if path.startswith("/v1/loads"):
             self.polled.append(time.monotonic())
+        elif path == "/health":
+            self.probed.append(time.monotonic())
         return super().control(path)
 
 
@@ -31,6 +35,53 @@ def test_forty_workers_are_polled_over_the_interval() -> None:
                 assert second[-1] - second[0] >= 0.5  # spread over most of the 1 s interval
                 gaps = [b - a for a, b in zip(second, second[1:])]
                 assert max(gaps) < 0.2  # and evenly, not in two bursts
+        finally:
+            for w in ws:
+                await w.stop()
+
+    run(go(), timeout=60)
+
+
+def test_a_tick_makes_no_task_per_worker_ahead_of_its_turn() -> None:
+    """A poll's task is made when its turn comes, not all at the start of the tick: forty
+    workers add a handful of tasks to the loop at any moment, not forty sleeping ones (which
+    lived long enough to be promoted to the collector's oldest generation every tick)."""
+
+    async def go() -> None:
+        ws = [await _Timed().start() for _ in range(40)]
+        try:
+            async with Router(worker_urls=[w.url for w in ws], load_monitor_interval=1.0):
+                await until(lambda: all(len(w.polled) >= 2 for w in ws), 10.0, "first rounds")
+                base = len(asyncio.all_tasks())
+                peak, rounds = base, min(len(w.polled) for w in ws)
+                while min(len(w.polled) for w in ws) < rounds + 2:  # two whole ticks sampled
+                    peak = max(peak, len(asyncio.all_tasks()))
+                    await asyncio.sleep(0.002)
+                # before: 40 tasks sleeping towards their turn at every tick start
+                assert peak - base <= 8, (base, peak)
+        finally:
+            for w in ws:
+                await w.stop()
+
+    run(go(), timeout=60)
+
+
+def test_forty_workers_are_probed_over_the_health_interval() -> None:
+    async def go() -> None:
+        ws = [await _Timed().start() for _ in range(40)]
+        try:
+            async with Router(
+                worker_urls=[w.url for w in ws],
+                disable_health_check=False,
+                health_check_interval_secs=1,
+                disable_load_monitoring=True,
+            ):
+                await until(lambda: all(len(w.probed) >= 3 for w in ws), 15.0, "three probes each")
+                # The third: registration probed each once, and the first tick may cut short.
+                third = sorted(w.probed[2] for w in ws)
+                assert third[-1] - third[0] >= 0.5  # spread over most of the 1 s interval
+                gaps = [b - a for a, b in zip(third, third[1:])]
+                assert max(gaps) < 0.2
         finally:
             for w in ws:
                 await w.stop()
