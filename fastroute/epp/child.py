@@ -80,7 +80,10 @@ class EppSupervisor(Supervisor):
             await super()._teardown()
         finally:
             if self._lease_rows is not None:
-                self._lease_rows.close()
+                try:
+                    self._lease_rows.close()
+                except BufferError:  # a view still held: the mapping goes with the process
+                    pass
                 self._lease_rows.unlink()
                 self._lease_rows = None
 

@@ -196,13 +196,10 @@ class LeaseSlots:
         return len(done)
 
     def close(self) -> None:
+        """End this process's leases (shutdown). The mappings stay until the process exits: a
+        call still arriving on an open connection finds them."""
         for b in list(self._mine.values()):
             b.close("shutdown")
-        del self._arr
-        self._cells = None  # type: ignore[assignment]
-        self._shm.close()
-        for x in self._ledgers:
-            x.close()
 
 
 class SharedHttpProcessor(HttpProcessor):
