@@ -103,3 +103,31 @@ def test_http_mode_fail_close_fails_the_request_when_the_picker_is_gone() -> Non
             assert len(a.inference()) == 1 and outsider.inference() == []
 
     run(body(), 90)
+
+
+def test_http_mode_a_picker_that_stops_answering_times_out_into_the_failure_mode() -> None:
+    """A picker that is stopped (SIGSTOP: connected, silent) costs the message timeout of the
+    printed http_service (10 s here); then FailOpen sends the request round robin and
+    FailClose fails it. Nothing is booked by the stopped picker's answers."""
+
+    async def body() -> None:
+        a, b = await workers(2)
+        for mode, ok in (("FailOpen", True), ("FailClose", False)):
+            flags = (*HTTP, "--policy", "round_robin", "--failure-mode", mode)
+            async with Gateway([a.url, b.url], *flags) as g:
+                assert g.epp is not None
+                before = len(a.inference()) + len(b.inference())
+                g.epp.send_signal(signal.SIGSTOP)
+                try:
+                    r = await call(g.port, post("/generate", {"text": mode}), timeout=30)
+                finally:
+                    g.epp.send_signal(signal.SIGCONT)
+                served = len(a.inference()) + len(b.inference()) - before
+                if ok:
+                    assert r.status == 200 and served == 1, (r.status, r.body)
+                    rec = (a.inference() + b.inference())[-1]
+                    assert HEADER not in rec.headers  # the fallback route, not a pick
+                else:
+                    assert r.status >= 500 and served == 0, (r.status, r.body)
+
+    run(body(), 120)
