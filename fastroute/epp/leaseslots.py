@@ -138,7 +138,6 @@ class LeaseSlots:
         self._ledgers = [TargetTable.attach(x) for x in ledgers]
         self._free = list(range(SLOTS - 1, -1, -1))
         self._mine: dict[int, Any] = {}  # row index -> the booking holding it
-        self.elsewhere = 0  # leases of this process ended by another one (counted here)
 
     def hold(self, booking: Any) -> bytes | None:
         """Put ``booking``'s lease in a row of this process -> the lease's id for the
@@ -192,7 +191,6 @@ class LeaseSlots:
         done = [b for b in self._mine.values() if b.lease is not None and b.lease.ended]
         for b in done:
             b.close("response_headers")
-        self.elsewhere += len(done)
         return len(done)
 
     def close(self) -> None:
@@ -209,10 +207,10 @@ class SharedHttpProcessor(HttpProcessor):
 
     def __init__(self, decider: Any, slots: LeaseSlots) -> None:
         super().__init__(decider)
-        self.slots = slots
+        self._slots = slots
 
     def _hold(self, rid: str, booking: Any, pick: Any) -> bytes:
-        lease_id = self.slots.hold(booking)
+        lease_id = self._slots.hold(booking)
         if lease_id is None:
             booking.close("refused")
             err = RouterError(503, "lease_rows_full", f"this picker process holds {SLOTS} requests already")
@@ -224,20 +222,20 @@ class SharedHttpProcessor(HttpProcessor):
         hit = _LEASE_ID.search(body)
         if hit is None:
             return None  # parsed instead (_other)
-        self.slots.end(hit.group(1).decode())
+        self._slots.end(hit.group(1).decode())
         return _RESPONSE_HEADERS
 
     def _other(self, rid: str, doc: dict[str, Any]) -> bytes:
         if "response_headers" in doc:
             ns = doc.get("metadata_context", {}).get("filter_metadata", {}).get(NAMESPACE)
             if isinstance(ns, dict) and KEY in ns:
-                self.slots.end(ns[KEY])
+                self._slots.end(ns[KEY])
             return _RESPONSE_HEADERS
         return b"{}"
 
     def forget_closed(self) -> None:
-        self.slots.collect()
+        self._slots.collect()
 
     async def stop(self) -> None:
         await super().stop()
-        self.slots.close()
+        self._slots.close()
