@@ -152,7 +152,7 @@ class HttpProcessor:
         if refused is not None:
             return refused
         d = self.decider
-        if not d.admission.try_enter():
+        if not d.admission.try_enter() and not (self._freed() and d.admission.try_enter()):
             return None
         booking = Booking(d)
         booking.slot = True
@@ -171,6 +171,7 @@ class HttpProcessor:
         if refused is not None:
             return refused
         booking = Booking(self.decider)
+        self._freed()
         try:
             await self.decider.admit(booking)
         except RouterError as exc:
@@ -225,6 +226,11 @@ class HttpProcessor:
                 self._answers.clear()
             answer = self._answers[key] = routed_json(pick)
         return answer
+
+    def _freed(self) -> bool:
+        """Admission is full: close the bookings whose leases ended elsewhere (True when
+        some slot came back). Only --workers N ends them elsewhere."""
+        return False
 
     def _released(self, rid: str, body: bytes) -> bytes | None:
         """A response-headers call, answered without parsing it: the lease of stream ``rid``

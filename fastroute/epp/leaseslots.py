@@ -20,8 +20,9 @@ ends exactly once and the per-process ledgers stay exact for the supervisor's re
 
 Only the booking process allocates rows in its region, from a local free list; a row goes back to
 it when the local booking is closed. A booking ended by another process keeps its admission slot
-(``--max-concurrent-requests``, per process) until the booking process's next sweep notices
-(:meth:`LeaseSlots.collect`, at most ``SWEEP_EVERY`` later). When a picker process dies the
+(``--max-concurrent-requests``, per process) until the booking process collects it
+(:meth:`LeaseSlots.collect`): when a new request finds admission full, or at the next sweep
+(at most ``SWEEP_EVERY`` later) for a request already queued. When a picker process dies the
 supervisor ends every held row of its region (:func:`retire`) before subtracting its ledger, so
 a late response-headers call for one of them finds nothing to release.
 """
@@ -235,6 +236,11 @@ class SharedHttpProcessor(HttpProcessor):
 
     def forget_closed(self) -> None:
         self._slots.collect()
+
+    def _freed(self) -> bool:
+        # A lease another process ended keeps its admission slot until collected: at the
+        # sweep, or here, when a new request finds admission full.
+        return self._slots.collect() > 0
 
     async def stop(self) -> None:
         await super().stop()

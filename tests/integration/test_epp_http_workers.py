@@ -20,7 +20,7 @@ import signal
 
 from fastroute.sim.params import SimParams
 from fastroute.sim.server import SimWorker
-from tests.integration.conftest import RawClient, post, run
+from tests.integration.conftest import RawClient, call, post, run, workers
 from tests.integration.envoy_harness import Gateway
 
 H = "127.0.0.1"
@@ -147,3 +147,30 @@ def test_a_killed_http_picker_process_gives_its_leases_back_once() -> None:
             await w.stop()
 
     run(body(), 120)
+
+
+def test_an_admission_slot_comes_back_when_another_process_ends_the_lease() -> None:
+    """--max-concurrent-requests 16 per process, no queue, and never more than 16 requests at
+    once in all: no process is ever legitimately full. A request ended by the other process's
+    response-headers call must not keep its booking process's slot, or the requests there are
+    shed (429) once such slots pile up, until that process's sweep."""
+
+    async def body() -> None:
+        (w,) = await workers(1)
+        flags = (*FLAGS, "--max-concurrent-requests", "16", "--queue-size", "0")
+        async with Gateway([w.url], *flags) as g:
+
+            async def loop(k: int) -> list[int]:
+                out = []
+                for i in range(12):
+                    r = await call(g.port, post("/generate", {"text": f"a{k}.{i}"}), timeout=10)
+                    out.append(r.status)
+                return out
+
+            statuses = [s for got in await asyncio.gather(*(loop(k) for k in range(16))) for s in got]
+            assert statuses == [200] * len(statuses), sorted(statuses)
+            picks = await _per_process(g, "fastroute_proxy_process_picks_total")
+            assert len(picks) == 2 and all(v > 0 for v in picks.values()), picks
+            await _all_back(g, "all released")
+
+    run(body(), 90)
