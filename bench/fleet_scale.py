@@ -15,10 +15,13 @@ Sections (each runnable alone, ``--only NAME``):
 * ``fleet``: ``--servers`` simulated DP-8 servers (``fastroute.sim``, one process) behind a
   real router process (``--dp-aware``): registration time, the router's RSS, its CPU while it
   only polls, and ``/health`` latency (p50/p99/max) sampled while the polls run;
-  ``--profile FILE`` runs the router under cProfile (its numbers then include cProfile's cost).
+  ``--profile FILE`` runs the router under cProfile (its numbers then include cProfile's cost);
+  ``--stalls`` runs it under ``bench/loopwatch.py`` and adds its loop's stalls counted in CPU
+  time (intervals over 3 ms, over 10 ms, the longest) and its full collections in the window,
+  which unlike ``/health`` latency do not move with other work on the machine.
 
 Usage: ``python bench/fleet_scale.py [--only picks|sync|fleet] [--sizes 8 512 4096 8192]
-[--picks N] [--repeats N] [--servers N] [--seconds S]``.  Numbers move with the load of a
+[--picks N] [--repeats N] [--servers N] [--seconds S] [--stalls]``.  Numbers move with the load of a
 shared machine: compare rows of one run.
 """
 
@@ -32,6 +35,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -238,7 +242,9 @@ asyncio.run(main(int(sys.argv[1]), int(sys.argv[2])))
 """
 
 
-async def fleet(servers: int, dp: int, seconds: float, interval: float, profile: str = "") -> dict[str, float]:
+async def fleet(
+    servers: int, dp: int, seconds: float, interval: float, profile: str = "", stalls: bool = False
+) -> dict[str, float]:
     from fastroute.sim.http import HttpConnection
 
     sim = subprocess.Popen(
@@ -250,7 +256,10 @@ async def fleet(servers: int, dp: int, seconds: float, interval: float, profile:
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     # --profile: the router runs under cProfile (its numbers then include cProfile's own cost)
     prof = ["-m", "cProfile", "-o", profile] if profile else []
-    argv = [sys.executable, *prof, "-m", "fastroute", "--host", "127.0.0.1", "--port", str(port)]
+    # --stalls: the router runs under bench/loopwatch.py (its loop's stalls in CPU time)
+    watch_out = os.path.join(tempfile.mkdtemp(prefix="fleet-stalls-"), "stalls.json") if stalls else ""
+    watch = [os.path.join(REPO, "bench", "loopwatch.py"), watch_out] if stalls else []
+    argv = [sys.executable, *prof, *watch, "-m", "fastroute", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport), "--dp-aware"]
     argv += [
         "--policy",
@@ -300,6 +309,15 @@ async def fleet(servers: int, dp: int, seconds: float, interval: float, profile:
         proc.wait(10)
         sim.stdin.close()
         sim.wait(30)
+    if stalls:
+        with open(watch_out) as f:
+            seen = json.load(f)
+        inside = [ms for t, ms in seen["stalls"] if w0 <= t <= end]
+        res["stalls_over_3ms"] = len(inside)
+        res["stalls_over_10ms"] = sum(1 for ms in inside if ms > 10)
+        res["stall_max_cpu_ms"] = max(inside, default=0.0)
+        res["full_collections"] = sum(1 for t, _ in seen["gen2"] if w0 <= t <= end)
+        res["full_collection_max_cpu_ms"] = max((ms for t, ms in seen["gen2"] if w0 <= t <= end), default=0.0)
     return res
 
 
@@ -316,13 +334,19 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--interval", type=float, default=1.0, help="--load-monitor-interval of the router")
     ap.add_argument("--profile", default="", help="fleet: write the router's cProfile stats to this file")
+    ap.add_argument(
+        "--stalls",
+        action="store_true",
+        help="fleet: also count the router loop's stalls in CPU time (bench/loopwatch.py): intervals of the"
+        " loop that used over 3 ms of CPU, and full collections, while /health is sampled",
+    )
     a = ap.parse_args()
     if a.only in (None, "picks"):
         print_picks(pick_costs(a.sizes, a.picks, a.repeats), a.sizes)
     if a.only in (None, "sync"):
         print_sync(asyncio.run(sync_costs([512, 4096], [2, 4, 8], a.ticks, a.churn)))
     if a.only in (None, "fleet"):
-        res = asyncio.run(fleet(a.servers, a.dp, a.seconds, a.interval, a.profile))
+        res = asyncio.run(fleet(a.servers, a.dp, a.seconds, a.interval, a.profile, a.stalls))
         print(json.dumps(res, indent=1))
 
 

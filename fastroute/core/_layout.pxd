@@ -7,8 +7,8 @@
 # 18..20 the replicas' coordination (estimated placements of the others since the last sync,
 # the shared tie-break order); 21..22 what the last poll said of queued work; 23 the rank's
 # max_running_requests (flow control's capacity).
-from libc.stdint cimport int64_t
-from fastroute.core._atomic cimport fr_load_i64
+from libc.stdint cimport int64_t, INT64_MIN
+from fastroute.core._atomic cimport fr_load_i64, fr_add_i64, fr_store_i64
 
 cdef enum:
     COL_IN_FLIGHT = 0            # requests booked and not yet released (router-side, live)
@@ -47,7 +47,12 @@ cdef enum:
     HDR_REPLICAS = 4             # live router replicas, this one included (0 or 1: alone)
     HDR_REPLICA_SLOT = 5         # this replica's place among them (sorted replica ids)
     HDR_SYNC_TICKS = 6           # successful sync ticks (a picker sees a new view when it moves)
-    NHDR = 8
+    HDR_FEED_ON = 7              # 1 once a picker keeps a load index: writers publish changed rows
+    HDR_FEED_AT = 8              # rows published so far: the next feed position (own cache line)
+    HDR_FEED = 16                # the feed: a ring of HDR_FEED_SLOTS cells, (position << bits) | row
+    HDR_FEED_SLOTS = 4096        # a power of two
+    HDR_FEED_ROW_BITS = 24       # a row id's bits in a feed cell (--max-targets <= 2^24)
+    NHDR = 4112                  # HDR_FEED + HDR_FEED_SLOTS
 
 # Values of COL_CIRCUIT (fastroute.names spells the same codes for the Python side).
 cdef enum:
@@ -88,3 +93,38 @@ cdef inline int64_t row_pending(const int64_t *row) noexcept nogil:
         return live
     est = polled + live - fr_load_i64(&row[COL_TOKENS_AT_POLL])
     return est if est > 0 else 0
+
+
+cdef inline void feed_publish(int64_t *header, int64_t t) noexcept nogil:
+    # Tell the pickers' load indexes (_index.pxd) that row t changed a cell their key reads.
+    # Called after the write; every caller's write is a read-modify-write (a full barrier), so
+    # a picker that turns the feed on and then reads the rows sees the write or its notice.
+    cdef int64_t i
+    if fr_load_i64(&header[HDR_FEED_ON]) == 0:
+        return
+    i = fr_add_i64(&header[HDR_FEED_AT], 1)
+    fr_store_i64(&header[HDR_FEED + (i & (HDR_FEED_SLOTS - 1))],
+                 ((i & ((<int64_t>1 << (63 - HDR_FEED_ROW_BITS)) - 1)) << HDR_FEED_ROW_BITS) | t)
+
+
+cdef inline int64_t row_kv_free(const int64_t *row) noexcept nogil:
+    # Estimated free KV tokens of a rank now, or INT64_MIN when its capacity is unknown.
+    # The poll says what the engine had allocated then; since then the router booked and
+    # released input tokens on this rank, so used ~= polled used + (in-flight tokens now - at the
+    # poll).  Requests still in prefill or in the prealloc queue hold no KV in the engine yet but
+    # will, so the rank is never credited with less than all its in-flight input tokens.  "The
+    # router" is every replica: in-flight tokens are this host's plus the other replicas' last
+    # published ones, and the poll stamps that same sum (``_ledger.store_polled``).  A rank whose
+    # last poll had requests in the decode prealloc or retracted queue was out of KV then,
+    # whatever its count says: it is credited with none free (0 at most).
+    cdef int64_t cap = fr_load_i64(&row[COL_POLLED_MAX_TOKENS])
+    cdef int64_t used, live
+    if cap <= 0 or fr_load_i64(&row[COL_POLLED_AT]) < 0:
+        return INT64_MIN
+    live = row_tokens(row)
+    used = fr_load_i64(&row[COL_POLLED_TOKENS]) + live - fr_load_i64(&row[COL_TOKENS_AT_POLL])
+    if used < live:
+        used = live
+    if fr_load_i64(&row[COL_POLLED_KV_QUEUE]) > 0 and used < cap:
+        used = cap
+    return cap - used

@@ -46,7 +46,8 @@ class Cells:
     def rows(self) -> int: ...
     @property
     def cols(self) -> int: ...
-    def __init__(self, table_array: npt.NDArray[np.int64]) -> None: ...
+    def __init__(self, table_array: _Table, header_array: _Header | None = None) -> None:
+        """With the table's header, every write is published to the pickers' load indexes."""
     def load(self, t: int, col: int) -> int: ...
     def store(self, t: int, col: int, v: int) -> None: ...
     def add(self, t: int, col: int, v: int) -> int:
@@ -71,8 +72,10 @@ def store_polled(
     at_ms: int,
     uncached: int = ...,
     kv_queue: int = ...,
+    header: _Header | None = ...,
 ) -> None:
-    """Store one poll of target ``t``; the poll time is written last."""
+    """Store one poll of target ``t``; the poll time is written last.  With the table's
+    ``header`` the row is published to the pickers' load indexes."""
 
 def snapshot(tab: _Table, n: int) -> npt.NDArray[np.int64]:
     """Atomic-load copy of the first ``n`` rows (0 <= n <= rows)."""
@@ -116,6 +119,15 @@ class Picker:
     @property
     def candidates(self) -> npt.NDArray[np.int64]:
         """A copy of the current candidate rows."""
+    @property
+    def index_rebuilds(self) -> int:
+        """Times the load index was built from the rows (set, or fallen behind the feed)."""
+    @property
+    def indexed(self) -> str | None:
+        """The load index's key (least_requests, demand, kv_fit), or None: the picker scans."""
+    def indexed_ties(self, need: int = 0) -> list[int] | None:
+        """What the load index draws the next pick from, in candidate order: the tied minimum
+        (KV fit: among the ranks where ``need`` fits, or the most free KV); None: no index."""
     def __init__(
         self,
         table_array: _Table,

@@ -16,12 +16,13 @@ from fastroute.core._layout cimport (
     COL_POLLED_TOKENS, COL_POLLED_AT, COL_POLLED_MAX_TOKENS, COL_TOKENS_AT_POLL, HDR_UNDERFLOWS,
     NCOLS, NHDR, COL_CIRCUIT, COL_CB_FAILS, CIRCUIT_CLOSED, row_tokens, COL_OTHERS_EST,
     COL_OTHERS_EST_TOKENS, HDR_REPLICAS, HDR_REPLICA_SLOT, HDR_SYNC_TICKS, COL_POLLED_UNCACHED,
-    COL_POLLED_KV_QUEUE, COL_OTHERS_IN_FLIGHT,
+    COL_POLLED_KV_QUEUE, COL_OTHERS_IN_FLIGHT, HDR_FEED_ON, HDR_FEED_AT, feed_publish,
 )
 from fastroute.core._policy cimport (
     pick_round_robin, pick_random, pick_p2c, pick_demand, pick_ring, pick_kv_fit, kv_free,
     pick_coordinated, hash_bytes, MODE_SHADOW, MODE_ON, METRIC_LEAST_REQUESTS,
 )
+from fastroute.core cimport _index as ix
 import os
 
 import numpy as np
@@ -63,6 +64,14 @@ cdef inline bint _dec_floor(int64_t *cell, int64_t v) noexcept nogil:
             return True
 
 
+cdef inline void _swap(int64_t *cell, int64_t v) noexcept nogil:
+    # A store as a read-modify-write (a full barrier): a write published to the feed must not
+    # let the feed switch's load pass it (see _layout.feed_publish).
+    cdef int64_t cur = fr_load_i64(cell)
+    while not fr_cas_i64(cell, &cur, v):
+        pass
+
+
 cdef inline void _release_tokens(int64_t *row, int64_t tokens, int64_t *header) noexcept nogil:
     if not _dec_floor(&row[COL_IN_FLIGHT_TOKENS], tokens):
         fr_add_i64(&header[HDR_UNDERFLOWS], 1)
@@ -96,6 +105,7 @@ cdef class Lease:
         if self._own != NULL:
             _release_tokens(self._own, self.tokens, self._header)
         _release_tokens(self._row, self.tokens, self._header)
+        feed_publish(self._header, self.target)
         self.tokens = 0
         return True
 
@@ -108,6 +118,7 @@ cdef class Lease:
         if self._own != NULL:
             _release(self._own, self.tokens, self._header)
         _release(self._row, self.tokens, self._header)
+        feed_publish(self._header, self.target)
         return True
 
     @property
@@ -129,6 +140,7 @@ cdef Lease _new_lease(int64_t[:, ::1] tab, int64_t *header, int64_t t, int64_t t
     lease._until_answer = False
     lease._keep = keep
     _book(lease._row, tokens)
+    feed_publish(header, t)
     # Table first, then the own ledger (see release for the reverse order).
     if own_base != NULL:
         lease._own = own_base + t * NCOLS
@@ -170,8 +182,10 @@ def stress_book_release(int64_t[:, ::1] tab, int64_t[::1] header, const int64_t[
         for r in range(rounds):
             for k in range(targets.shape[0]):
                 _book(&tab[targets[k], 0], tokens)
+                feed_publish(&header[0], targets[k])
             for k in range(targets.shape[0]):
                 _release(&tab[targets[k], 0], tokens, &header[0])
+                feed_publish(&header[0], targets[k])
 
 
 # ---- atomic access for the Python side of the table (monitor, metrics, tests) --------------------
@@ -189,11 +203,19 @@ cdef class Cells:
     cdef int64_t[:, ::1] tab
     cdef readonly int64_t rows
     cdef readonly int cols
+    cdef int64_t[::1] header       # the table's header: writes are published to its feed
+    cdef int64_t *feed             # &header[0], or NULL (a header's own Cells, a plain array)
 
-    def __init__(self, table_array):
+    def __init__(self, table_array, header_array=None):
         self.tab = table_array
         self.rows = self.tab.shape[0]
         self.cols = <int>self.tab.shape[1]
+        self.feed = NULL
+        if header_array is not None:
+            self.header = header_array
+            if self.header.shape[0] < NHDR or self.cols != NCOLS:
+                raise ValueError(f"a table's Cells need its {NCOLS} columns and {NHDR} header cells")
+            self.feed = &self.header[0]
 
     cdef inline int _cell(self, int64_t t, int col) except -1:
         # One unsigned compare per index also rejects negatives (they wrap to huge values).
@@ -209,16 +231,26 @@ cdef class Cells:
 
     cpdef void store(self, int64_t t, int col, int64_t v) except *:
         self._cell(t, col)
-        fr_store_i64(&self.tab[t, col], v)
+        if self.feed == NULL:
+            fr_store_i64(&self.tab[t, col], v)
+            return
+        _swap(&self.tab[t, col], v)
+        feed_publish(self.feed, t)
 
     cpdef int64_t add(self, int64_t t, int col, int64_t v) except? -1:
         """Adds ``v``; returns the value after the addition (this caller's own result)."""
         self._cell(t, col)
-        return fr_add_i64(&self.tab[t, col], v) + v
+        cdef int64_t was = fr_add_i64(&self.tab[t, col], v)
+        if self.feed != NULL:
+            feed_publish(self.feed, t)
+        return was + v
 
     cpdef bint cas(self, int64_t t, int col, int64_t expected, int64_t desired) except -1:
         self._cell(t, col)
-        return fr_cas_i64(&self.tab[t, col], &expected, desired) != 0
+        cdef bint done = fr_cas_i64(&self.tab[t, col], &expected, desired) != 0
+        if done and self.feed != NULL:
+            feed_publish(self.feed, t)
+        return done
 
     cpdef int64_t ok_closed(self, int64_t t) except? -1:
         """A success on target ``t``: returns its circuit state; when closed, also ends a
@@ -258,10 +290,13 @@ cdef class Cells:
 
 def store_polled(int64_t[:, ::1] tab, int64_t t, int64_t running, int64_t waiting,
                  int64_t tokens, int64_t max_tokens, int64_t at_ms, int64_t uncached=-1,
-                 int64_t kv_queue=0):
-    """Store one poll of target ``t`` (the monitor's write)."""
+                 int64_t kv_queue=0, int64_t[::1] header=None):
+    """Store one poll of target ``t`` (the monitor's write); with the table's ``header``, the
+    row is published to the pickers' load indexes."""
     if tab.shape[1] != NCOLS:
         raise ValueError(f"not a target table: {tab.shape[1]} columns, expected {NCOLS}")
+    if header is not None and header.shape[0] < NHDR:
+        raise ValueError(f"table header has {header.shape[0]} cells, expected {NHDR}")
     if t < 0 or t >= tab.shape[0]:
         raise IndexError(f"target {t} out of range")
     # POLLED_AT goes last: a reader that sees the new timestamp sees the new values too.
@@ -273,7 +308,11 @@ def store_polled(int64_t[:, ::1] tab, int64_t t, int64_t running, int64_t waitin
     fr_store_i64(&tab[t, COL_POLLED_KV_QUEUE], kv_queue)
     # The in-flight tokens of every replica at this poll: kv_free counts bookings since then.
     fr_store_i64(&tab[t, COL_TOKENS_AT_POLL], row_tokens(&tab[t, 0]))
-    fr_store_i64(&tab[t, COL_POLLED_AT], at_ms)
+    if header is None:
+        fr_store_i64(&tab[t, COL_POLLED_AT], at_ms)
+    else:
+        _swap(&tab[t, COL_POLLED_AT], at_ms)
+        feed_publish(&header[0], t)
 
 
 def snapshot(int64_t[:, ::1] tab, int64_t n):
@@ -330,6 +369,8 @@ cdef class Picker:
     cdef int64_t coord_burst         # share of recent picks that were not a view's first, /1024
     cdef readonly int64_t coordinated_picks
     cdef public bint tokens_until_answer   # leases count input tokens until answered()
+    cdef ix.Index idx                # the load index (_index.pxd); kind INDEX_NONE: none
+    cdef object idx_keep             # the arrays its pointers are into
 
     def __init__(self, table_array, header_array, str policy, str metric="tokens", int demand=0,
                  int64_t weight=0, seed=None, int kv_fit=0, int64_t kv_reserve=0):
@@ -392,6 +433,83 @@ cdef class Picker:
         self.coord_n = 0
         if self.cursor >= arr.shape[0]:
             self.cursor = 0
+        self._index_setup(arr)
+
+    cdef int _index_setup(self, arr) except -1:
+        # A load index over the candidates when the pick is a least_requests, demand or KV-fit
+        # minimum over enough of them (distinct rows: each leaf must have a row of its own).
+        cdef int kind = ix.INDEX_NONE
+        cdef int64_t size = 1, cur = 0
+        cdef int64_t[::1] nodes, leaf_of
+        if arr.shape[0] >= ix.INDEX_MIN_CANDS:
+            if self.kv_fit == MODE_ON:
+                kind = ix.INDEX_NONE if self.demand == MODE_ON else ix.INDEX_KV_FIT
+            elif self.demand == MODE_ON:
+                kind = ix.INDEX_DEMAND
+            elif self.kind == KIND_P2C and self.metric == METRIC_LEAST_REQUESTS:
+                kind = ix.INDEX_LEAST_REQUESTS
+        if kind != ix.INDEX_NONE and np.unique(arr).shape[0] != arr.shape[0]:
+            kind = ix.INDEX_NONE
+        self.idx.kind = kind
+        self.idx_keep = None
+        if kind == ix.INDEX_NONE:
+            return 0
+        while size < arr.shape[0]:
+            size <<= 1
+        nodes = np.zeros(2 * ix.NODE * size, dtype=np.int64)
+        leaf_of = np.full(int(arr.max()) + 1, -1, dtype=np.int64)
+        np.asarray(leaf_of)[arr] = np.arange(arr.shape[0], dtype=np.int64)
+        self.idx_keep = (nodes, leaf_of, self.cands)
+        self.idx.size = size
+        self.idx.n = arr.shape[0]
+        self.idx.weight = self.weight
+        self.idx.mapped = leaf_of.shape[0]
+        self.idx.nodes = &nodes[0]
+        self.idx.leaf_of = &leaf_of[0]
+        self.idx.tab = &self.tab[0, 0]
+        self.idx.cands = &self.cands[0]
+        self.idx.header = &self.header[0]
+        # Writers publish from now on (a read-modify-write: see _layout.feed_publish).
+        fr_cas_i64(&self.header[HDR_FEED_ON], &cur, 1)
+        ix.index_rebuild(&self.idx)
+        return 0
+
+    cdef int64_t _index_pick(self, int64_t tokens, int64_t need) noexcept nogil:
+        # The indexed pick, or the scan when the index disagrees with a row (see index_pick).
+        cdef int64_t t = ix.index_pick(&self.idx, &self.rng, need)
+        if t != ix.PICK_SCAN:
+            return t
+        if self.idx.kind == ix.INDEX_KV_FIT:
+            return pick_kv_fit(self.tab, self.cands, tokens, need, False, self.weight, &self.rng)
+        if self.idx.kind == ix.INDEX_DEMAND:
+            return pick_demand(self.tab, self.cands, tokens, self.weight, &self.rng)
+        return pick_p2c(self.tab, self.cands, self.metric, &self.rng)
+
+    def indexed_ties(self, int64_t need=0):
+        """What the load index draws the next pick from (after reading the feed), in candidate
+        order: the tied minimum; for KV fit those where ``need`` fits, or if none does, the most
+        free KV.  [] when none is eligible; None when the picker keeps no index."""
+        cdef int64_t best[4]
+        cdef int64_t leaf
+        if self.idx.kind == ix.INDEX_NONE:
+            return None
+        ix.index_drain(&self.idx)
+        best[0] = best[1] = best[2] = best[3] = 0
+        if self.idx.kind == ix.INDEX_KV_FIT:
+            ix.fit_search(&self.idx, need, best, -1)
+        return [int(self.cands[leaf]) for leaf in range(self.idx.n)
+                if ix.index_is_tie(&self.idx, leaf, need, best)]
+
+    @property
+    def indexed(self):
+        """The load index's key: least_requests, demand, kv_fit, or None (the picker scans)."""
+        return {ix.INDEX_LEAST_REQUESTS: "least_requests", ix.INDEX_DEMAND: "demand",
+                ix.INDEX_KV_FIT: "kv_fit"}.get(self.idx.kind)
+
+    @property
+    def index_rebuilds(self):
+        """Times the load index was built from the rows (set, or fallen behind the feed)."""
+        return self.idx.rebuilds
 
     def set_ring(self, hashes, targets):
         h = np.ascontiguousarray(hashes, dtype=np.uint64)
@@ -405,6 +523,8 @@ cdef class Picker:
 
     cdef int64_t _legacy(self, const unsigned char *key, Py_ssize_t klen) noexcept nogil:
         if self.kind == KIND_P2C:
+            if self.idx.kind == ix.INDEX_LEAST_REQUESTS:
+                return self._index_pick(0, 0)
             return pick_p2c(self.tab, self.cands, self.metric, &self.rng)
         if self.kind == KIND_ROUND_ROBIN:
             return pick_round_robin(self.tab, self.cands, &self.cursor)
@@ -430,7 +550,13 @@ cdef class Picker:
                 self.kv_fit == MODE_ON or self.demand == MODE_ON
                 or (self.kind == KIND_P2C and self.metric == METRIC_LEAST_REQUESTS)) and not self._idle():
             return self._coordinated(tokens, need, n)
-        if self.kv_fit != 0:
+        if self.idx.kind == ix.INDEX_KV_FIT:
+            f = self._index_pick(tokens, need)
+            if f == -2:
+                self.kv_fallback += 1
+            else:
+                return f
+        elif self.kv_fit != 0:
             f = pick_kv_fit(self.tab, self.cands, tokens, tokens + out_tokens + self.kv_reserve,
                             self.demand == MODE_ON, self.weight, &self.rng)
             if f == -2:
@@ -438,7 +564,10 @@ cdef class Picker:
             elif self.kv_fit == MODE_ON:
                 return f
         if self.demand == MODE_ON:
-            a = pick_demand(self.tab, self.cands, tokens, self.weight, &self.rng)
+            if self.idx.kind == ix.INDEX_DEMAND:
+                a = self._index_pick(tokens, 0)
+            else:
+                a = pick_demand(self.tab, self.cands, tokens, self.weight, &self.rng)
             self._count_kv(a, f, tokens + out_tokens + self.kv_reserve)
             return a
         a = self._legacy(k, klen)
@@ -515,6 +644,7 @@ cdef class Picker:
             fr_add_i64(&row[COL_OTHERS_EST], 1)
             if self.coord_tokens:
                 fr_add_i64(&row[COL_OTHERS_EST_TOKENS], tokens)
+            feed_publish(&self.header[0], t)
         self.coordinated_picks += 1
         self.coord_n = 0
 

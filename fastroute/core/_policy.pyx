@@ -13,9 +13,9 @@ from fastroute.core._layout cimport (
     COL_TOKENS_AT_POLL, COL_CB_FAILS, COL_CB_OKS, COL_CB_OPENED_AT, COL_OTHERS_OPEN,
     COL_OTHERS_IN_FLIGHT, COL_OTHERS_TOKENS, COL_OTHERS_EST, COL_OTHERS_EST_TOKENS, COL_ORDER_KEY,
     NCOLS, HDR_MAGIC, HDR_CAPACITY, HDR_UNDERFLOWS, HDR_GENERATION, HDR_REPLICAS, HDR_REPLICA_SLOT,
-    HDR_SYNC_TICKS, NHDR,
+    HDR_SYNC_TICKS, NHDR, HDR_FEED_ON, HDR_FEED_AT, HDR_FEED, HDR_FEED_SLOTS, HDR_FEED_ROW_BITS,
     CIRCUIT_CLOSED, CIRCUIT_OPEN, CIRCUIT_HALF_OPEN, row_eligible, row_requests, row_tokens,
-    row_pending, COL_POLLED_UNCACHED, COL_POLLED_KV_QUEUE, COL_POLLED_MAX_RUNNING,
+    row_pending, row_kv_free, COL_POLLED_UNCACHED, COL_POLLED_KV_QUEUE, COL_POLLED_MAX_RUNNING,
 )
 from fastroute.core._random cimport mix64, rng_below, reservoir_step
 import numpy as np
@@ -219,27 +219,9 @@ cdef int64_t pick_ring(const int64_t[:, ::1] tab, const uint64_t[::1] ring_hash,
 
 
 cdef int64_t kv_free(const int64_t[:, ::1] tab, int64_t t) noexcept nogil:
-    """Estimated free KV tokens of a rank now, or INT64_MIN when its capacity is unknown.
-
-    The poll says what the engine had allocated then; since then the router booked and released
-    input tokens on this rank, so used ~= polled used + (in-flight tokens now - at the poll).
-    Requests still in prefill or in the prealloc queue hold no KV in the engine yet but will,
-    so the rank is never credited with less than all its in-flight input tokens.  "The router"
-    is every replica: in-flight tokens are this host's plus the other replicas' last published
-    ones, and the poll stamps that same sum (``_ledger.store_polled``).  A rank whose last poll
-    had requests in the decode prealloc or retracted queue was out of KV then, whatever its
-    count says: it is credited with none free (0 at most)."""
-    cdef int64_t cap = fr_load_i64(&tab[t, COL_POLLED_MAX_TOKENS])
-    cdef int64_t used, live
-    if cap <= 0 or fr_load_i64(&tab[t, COL_POLLED_AT]) < 0:
-        return INT64_MIN
-    live = row_tokens(&tab[t, 0])
-    used = fr_load_i64(&tab[t, COL_POLLED_TOKENS]) + live - fr_load_i64(&tab[t, COL_TOKENS_AT_POLL])
-    if used < live:
-        used = live
-    if fr_load_i64(&tab[t, COL_POLLED_KV_QUEUE]) > 0 and used < cap:
-        used = cap
-    return cap - used
+    """Estimated free KV tokens of a rank now, or INT64_MIN when its capacity is unknown
+    (``_layout.row_kv_free``)."""
+    return row_kv_free(&tab[t, 0])
 
 
 cdef inline int64_t eligible_free(const int64_t[:, ::1] tab, int64_t t) noexcept nogil:
@@ -544,6 +526,8 @@ def layout():
         HDR_MAGIC=HDR_MAGIC, HDR_CAPACITY=HDR_CAPACITY, HDR_UNDERFLOWS=HDR_UNDERFLOWS,
         HDR_GENERATION=HDR_GENERATION, HDR_REPLICAS=HDR_REPLICAS,
         HDR_REPLICA_SLOT=HDR_REPLICA_SLOT, HDR_SYNC_TICKS=HDR_SYNC_TICKS, NHDR=NHDR,
+        HDR_FEED_ON=HDR_FEED_ON, HDR_FEED_AT=HDR_FEED_AT, HDR_FEED=HDR_FEED,
+        HDR_FEED_SLOTS=HDR_FEED_SLOTS, HDR_FEED_ROW_BITS=HDR_FEED_ROW_BITS,
         CIRCUIT_CLOSED=CIRCUIT_CLOSED, CIRCUIT_OPEN=CIRCUIT_OPEN,
         CIRCUIT_HALF_OPEN=CIRCUIT_HALF_OPEN,
         METRIC_TOKENS=METRIC_TOKENS, METRIC_REQUESTS=METRIC_REQUESTS,

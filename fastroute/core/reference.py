@@ -195,6 +195,54 @@ def demand(tab: np.ndarray, cands, tokens: int, weight: int, rng: Rng) -> int:
     return best
 
 
+INDEX_MIN_CANDS = 64  # _index.pxd: a Picker indexes a least_requests or demand pick from here up
+
+
+def index_key(tab: np.ndarray, t: int, kind: str, weight: int = 0) -> tuple[int, int, int] | None:
+    """``_index.leaf_key``: a candidate's key in a Picker's load index (``kind`` least_requests,
+    demand or kv_fit), None when it is not eligible (or, for kv_fit, of unknown capacity).  An
+    eligible polled candidate's class (0) beats an unpolled one's (1): the scan's "only polled
+    rows when any is"; kv_fit's key is (0, requests, -free KV)."""
+    if not _row_eligible(tab, t):
+        return None
+    if kind == "kv_fit":
+        free = free_kv(tab, t)
+        return None if free is None else (0, requests(tab, t), -free)
+    if kind == "demand":
+        return (0, pending(tab, t) + weight * requests(tab, t), 0)
+    if tab[t, COL_POLLED_AT] >= 0:
+        return (0, requests(tab, t), int(tab[t, COL_POLLED_TOKENS]))
+    return (1, requests(tab, t), 0)
+
+
+def index_ties(tab: np.ndarray, cands, kind: str, weight: int = 0, need: int = 0) -> list[int]:
+    """What a load index draws from, in candidate order: the candidates tied at the least key;
+    for kv_fit those among the ones where ``need`` fits, or if none fits, those with the most
+    free KV."""
+    keys = [(int(t), index_key(tab, int(t), kind, weight)) for t in cands]
+    live = [(t, k) for t, k in keys if k is not None]
+    if kind == "kv_fit":
+        fit = [(t, k) for t, k in live if -k[2] >= need]
+        if not fit:
+            most = max((-k[2] for _, k in live), default=None)
+            return [t for t, k in live if -k[2] == most]
+        live = fit
+    if not live:
+        return []
+    low = min(k for _, k in live)
+    return [t for t, k in live if k == low]
+
+
+def indexed_pick(tab: np.ndarray, cands, kind: str, weight: int, rng: Rng, need: int = 0) -> int:
+    """A Picker's pick through its load index: the r-th of ``index_ties`` in candidate order,
+    r drawn once below their number (no draw when there is none: -1, or for kv_fit -2 when no
+    eligible candidate has a known capacity)."""
+    ties = index_ties(tab, cands, kind, weight, need)
+    if not ties:
+        return -2 if kind == "kv_fit" else -1
+    return ties[rng.below(len(ties))]
+
+
 def ring_lookup(tab: np.ndarray, ring_hash: np.ndarray, ring_target: np.ndarray, key: int) -> int:
     n = len(ring_hash)
     if n == 0:

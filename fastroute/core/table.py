@@ -55,9 +55,14 @@ HDR_GENERATION = 3
 HDR_REPLICAS = 4  # live synced replicas, this one included (0/1: alone)
 HDR_REPLICA_SLOT = 5  # this replica's place among them
 HDR_SYNC_TICKS = 6  # successful sync ticks
-NHDR = 8
+HDR_FEED_ON = 7  # 1 once a picker keeps a load index (core/_index.pxd): writers publish rows
+HDR_FEED_AT = 8  # rows published so far
+HDR_FEED = 16  # the feed ring of rows published: (position << HDR_FEED_ROW_BITS) | row
+HDR_FEED_SLOTS = 4096
+HDR_FEED_ROW_BITS = 24
+NHDR = HDR_FEED + HDR_FEED_SLOTS
 
-MAGIC = 0x66726F7574653031  # "frout01" in ASCII
+MAGIC = 0x66726F7574653032  # "frout02" in ASCII (02: the header holds the load index feed)
 
 # Rows of a table by default (--max-targets): 1,000 servers of 8 DP ranks each, with room.
 DEFAULT_CAPACITY = 8192
@@ -128,8 +133,8 @@ class TargetTable:
             if name is None:
                 raise ValueError("attaching needs the table's name")
             self._shm = _attach_untracked(name)
-            hdr = np.ndarray((NHDR,), np.int64, buffer=self._shm.buf)
-            if int(hdr[HDR_MAGIC]) != MAGIC:
+            hdr = np.ndarray((min(NHDR, self._shm.size // 8),), np.int64, buffer=self._shm.buf)
+            if hdr.shape[0] < NHDR or int(hdr[HDR_MAGIC]) != MAGIC:
                 del hdr
                 self._shm.close()
                 raise ValueError(f"shared memory {name!r} is not a fastroute target table")
@@ -143,12 +148,14 @@ class TargetTable:
         # Atomic accessors holding the buffers once (no buffer setup per call).
         self._hcells = _ledger.Cells(self.header.reshape(1, NHDR))
         self.array = np.ndarray((capacity, NCOLS), dtype=np.int64, buffer=self._shm.buf, offset=NHDR * 8)
-        self.cells = _ledger.Cells(self.array)
+        # Writes through it are published to the pickers' load indexes (the header's feed).
+        self.cells = _ledger.Cells(self.array, self.header)
         if create:
             self.array[:] = 0
             self.array[:, COL_POLLED_AT] = -1
             self.array[:, COL_POLLED_MAX_TOKENS] = -1
             self.header[:] = 0
+            self.header[HDR_FEED:] = -1  # no notice written yet at any position of the feed
             self.header[HDR_CAPACITY] = capacity
             self.header[HDR_MAGIC] = MAGIC
 
@@ -201,6 +208,7 @@ class TargetTable:
             int(time.time() * 1000),
             int(uncached),
             int(kv_queue),
+            self.header,
         )
 
     def set_kv_queue(self, t: int, kv_queue: int) -> None:
