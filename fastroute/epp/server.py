@@ -228,18 +228,22 @@ class EppServer:
         host, port = self.grpc_host, self.grpc_port
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
-    async def _serve_http(self, parts: Assembly) -> str:
-        """--epp-mode http: the decider and the HTTP/1.1 listener on ``--grpc-port``."""
-        from fastroute.epp.httpmode import HttpProcessor
-
+    async def _serve_http(self, parts: Assembly, reuse_port: bool = False) -> str:
+        """--epp-mode http: the decider and the HTTP/1.1 listener on ``--grpc-port``
+        (``reuse_port``: beside the other picker processes of ``--workers N``)."""
         self._make_decider(parts)
         assert self.decider is not None
-        self.http = HttpProcessor(self.decider)
+        self.http = self._http_processor(self.decider)
         try:
-            await self.http.start(self.grpc_host, self.grpc_port)
+            await self.http.start(self.grpc_host, self.grpc_port, reuse_port)
         except OSError as exc:
             raise StartupError(f"--grpc-port: cannot listen on {self._address()} ({exc})") from None
         return self._address() + " (HTTP/1.1)"
+
+    def _http_processor(self, decider: Decider) -> Any:
+        from fastroute.epp.httpmode import HttpProcessor
+
+        return HttpProcessor(decider)
 
     def _make_decider(self, parts: Assembly) -> None:
         cfg = self.config
@@ -366,9 +370,9 @@ class EppServer:
                 assert d is not None  # the sweep starts after start() built the decider
                 if d.admission.queue:
                     d.admission.expire(now)
-                d.check_silent(now)
-                if self.http is not None:
+                if self.http is not None:  # before the silence bound: leases ended elsewhere
                     self.http.forget_closed()
+                d.check_silent(now)
                 await self._set_health(self.ready())
                 if now >= next_leak:
                     next_leak = now + LEAK_EVERY
