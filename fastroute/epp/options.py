@@ -106,7 +106,8 @@ picker options:
   --epp-mode M                  grpc (default: ext_proc gRPC streams) or http (the picker
                                 serves Envoy's ext_proc http_service on --grpc-port over
                                 HTTP/1.1: picks on the headers only, a lease ends at the
-                                response headers; give it to the picker and to
+                                response headers, in whichever process of --workers N
+                                gets them; give it to the picker and to
                                 --print-envoy-config)
   --fallback-endpoints N        name up to N next-best endpoints after the picked one (the
                                 protocol's fallback list); the printed Envoy retries a refused
@@ -381,10 +382,8 @@ def refusal(
     --epp-mode http, why a pick would need the body, or "" when it needs none)."""
     if http_mode:
         return f"argument --epp-mode: http serves picks made on the request headers; {http_mode} (use --epp-mode grpc)"
-    if http_mode is not None:
-        for given, flag in ((processes > 1, "--workers"), (fallbacks > 0, "--fallback-endpoints")):
-            if given:
-                return f"argument --epp-mode: http is not built with {flag} (use --epp-mode grpc)"
+    if http_mode is not None and fallbacks > 0:
+        return "argument --epp-mode: http is not built with --fallback-endpoints (use --epp-mode grpc)"
     if fallbacks > 0:
         if sidecar_port is not None or config.pd_disaggregation:
             return (

@@ -47,7 +47,8 @@ from fastroute.epp.decide import Decider
 from fastroute.epp.fallback import Fallbacks, cluster_endpoints
 from fastroute.epp.options import MAX_STREAMS, MESSAGE_HEADROOM, SILENT_TIMEOUT, GrpcTls
 from fastroute.epp.service import ExternalProcessor
-from fastroute.runtime.assemble import Assembly, assemble, stop_in_order
+from fastroute.runtime.assemble import Assembly, assemble, freeze_heap, stop_in_order
+from fastroute.runtime.heap import Refreezer
 from fastroute.runtime.startup import StartupError, new_table, own_listeners, start_probe, stop_on_signals
 
 log = logging.getLogger("fastroute.epp")
@@ -158,6 +159,7 @@ class EppServer:
         self.probe: Any = None  # --health-check-port: /health, /liveness, /readiness
         self.replica: ReplicaSync | None = None  # --replica-sync
         self._sweeper: asyncio.Task | None = None
+        self._refreeze: Refreezer | None = None  # refreezes the heap once the worker set settles
         self._serving: bool | None = None
         self._health_lock = asyncio.Lock()
         self._health_due = asyncio.Event()
@@ -203,6 +205,14 @@ class EppServer:
             parts.monitor.start()
         self.replica = await start_replica_sync(cfg, self.table, parts.registry, parts.metrics, self.grpc_port)
         self._sweeper = loop.create_task(self._sweep())
+        self._freeze(parts.registry)
+
+    def _freeze(self, registry: Any) -> None:
+        """As the proxy: a collection walks what the streams made, not the start-up heap; the
+        heap is frozen again once a changed worker set has settled (:mod:`fastroute.runtime.heap`)."""
+        freeze_heap()
+        self._refreeze = Refreezer(asyncio.get_running_loop())
+        registry.add_listener(self._refreeze.changed)
 
     def _announce(self, address: str) -> None:
         cfg = self.config
@@ -218,18 +228,22 @@ class EppServer:
         host, port = self.grpc_host, self.grpc_port
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
-    async def _serve_http(self, parts: Assembly) -> str:
-        """--epp-mode http: the decider and the HTTP/1.1 listener on ``--grpc-port``."""
-        from fastroute.epp.httpmode import HttpProcessor
-
+    async def _serve_http(self, parts: Assembly, reuse_port: bool = False) -> str:
+        """--epp-mode http: the decider and the HTTP/1.1 listener on ``--grpc-port``
+        (``reuse_port``: beside the other picker processes of ``--workers N``)."""
         self._make_decider(parts)
         assert self.decider is not None
-        self.http = HttpProcessor(self.decider)
+        self.http = self._http_processor(self.decider)
         try:
-            await self.http.start(self.grpc_host, self.grpc_port)
+            await self.http.start(self.grpc_host, self.grpc_port, reuse_port)
         except OSError as exc:
             raise StartupError(f"--grpc-port: cannot listen on {self._address()} ({exc})") from None
         return self._address() + " (HTTP/1.1)"
+
+    def _http_processor(self, decider: Decider) -> Any:
+        from fastroute.epp.httpmode import HttpProcessor
+
+        return HttpProcessor(decider)
 
     def _make_decider(self, parts: Assembly) -> None:
         cfg = self.config
@@ -304,6 +318,8 @@ class EppServer:
             self.probe = None
         if self.grpc is not None:
             await self.grpc.stop(0)
+        if self.parts is not None and self.parts.kv_events is not None:
+            await self.parts.kv_events.stop()
         if self.parts is not None and self.parts.metrics is not None:
             await self.parts.metrics.stop()
         if self.table is not None:
@@ -354,9 +370,9 @@ class EppServer:
                 assert d is not None  # the sweep starts after start() built the decider
                 if d.admission.queue:
                     d.admission.expire(now)
-                d.check_silent(now)
-                if self.http is not None:
+                if self.http is not None:  # before the silence bound: leases ended elsewhere
                     self.http.forget_closed()
+                d.check_silent(now)
                 await self._set_health(self.ready())
                 if now >= next_leak:
                     next_leak = now + LEAK_EVERY
@@ -380,6 +396,8 @@ class EppServer:
                 await self._set_health(False)
             if self._sweeper is not None:
                 self._sweeper.cancel()
+            if self._refreeze is not None:
+                self._refreeze.close()
             if self._health is not None:
                 self._health.cancel()
             if self.grpc is not None:
@@ -393,7 +411,9 @@ class EppServer:
                     b.close("shutdown")
             p = self.parts
             if p is not None:
-                await stop_in_order(self.pool, self.discovery, self.replica, p.monitor, p.registry, p.metrics)
+                await stop_in_order(
+                    self.pool, self.discovery, self.replica, p.monitor, p.kv_events, p.registry, p.metrics
+                )
         finally:
             if self.table is not None:
                 self.table.close()
