@@ -113,6 +113,15 @@ cdef inline bint same(const int64_t *x, const int64_t *y) noexcept nogil:
             and x[5] == y[5])
 
 
+cdef inline void copy_node(int64_t *n, const int64_t *k) noexcept nogil:
+    n[0] = k[0]
+    n[1] = k[1]
+    n[2] = k[2]
+    n[3] = k[3]
+    n[4] = k[4]
+    n[5] = k[5]
+
+
 cdef inline bint node_pull(int64_t *nodes, int64_t j) noexcept nogil:
     # Node j from its two children; False when it did not change (nor will its ancestors).
     cdef int64_t *n = nodes + NODE * j
@@ -130,12 +139,7 @@ cdef inline bint node_pull(int64_t *nodes, int64_t j) noexcept nogil:
     k[5] = l[5] + r[5] if l[4] == r[4] else big[5]
     if same(n, k):
         return False
-    n[0] = k[0]
-    n[1] = k[1]
-    n[2] = k[2]
-    n[3] = k[3]
-    n[4] = k[4]
-    n[5] = k[5]
+    copy_node(n, k)
     return True
 
 
@@ -144,12 +148,7 @@ cdef inline void set_leaf(Index *x, int64_t leaf, const int64_t *k) noexcept nog
     cdef int64_t *n = x.nodes + NODE * j
     if same(n, k):
         return
-    n[0] = k[0]
-    n[1] = k[1]
-    n[2] = k[2]
-    n[3] = k[3]
-    n[4] = k[4]
-    n[5] = k[5]
+    copy_node(n, k)
     j >>= 1
     while j >= 1 and node_pull(x.nodes, j):
         j >>= 1
