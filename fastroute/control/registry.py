@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections import deque
 from collections.abc import Callable, Mapping
 
 from fastroute.auth import AdminAuth, parse_control_plane_keys
@@ -70,6 +71,13 @@ log = logging.getLogger("fastroute.workers")
 
 
 DP_RECHECK_MIN_SECS = 5.0
+# Activations sync their role's group on the next loop step, each sync O(targets) with its
+# listeners: a fleet turning ready one worker per step made that O(workers x targets). After
+# STORM_SYNCS syncs within STORM_WINDOW seconds, the next waits STORM_DELAY and covers every
+# activation since (a worker is then routable up to STORM_DELAY after /workers lists it ready).
+STORM_SYNCS = 4
+STORM_WINDOW = 0.1
+STORM_DELAY = 0.05
 
 
 class Registry:
@@ -87,6 +95,8 @@ class Registry:
         self._by_addr: dict[tuple[str, int], Worker] = {}
         self._by_id: dict[str, Worker] = {}
         self._sync_soon: set[str] = set()  # roles whose group sync is scheduled
+        # When the last STORM_SYNCS activation syncs ran (a storm defers the next one).
+        self._recent_syncs: deque[float] = deque(maxlen=STORM_SYNCS)
         # The supervised background tasks of this process (fastroute.control.background).
         self.background = Background(config.seed)
         # Indexed by table row; None for rows not owned by a worker. Entries of removed workers
@@ -517,7 +527,14 @@ class Registry:
         handled. A removal syncs at once (its rows may be reused right after)."""
         if soon:
             if not self._sync_soon:
-                asyncio.get_running_loop().call_soon(self._sync_pending)
+                loop = asyncio.get_running_loop()
+                recent = self._recent_syncs
+                if len(recent) == STORM_SYNCS and loop.time() - recent[0] < STORM_WINDOW:
+                    # A registration storm (a fleet turning ready one worker per loop step):
+                    # one sync per STORM_DELAY for all of them instead of one per worker.
+                    loop.call_later(STORM_DELAY, self._sync_pending)
+                else:
+                    loop.call_soon(self._sync_pending)
             self._sync_soon.add(role)
             return
         self._sync_soon.discard(role)
@@ -532,6 +549,8 @@ class Registry:
             cb(role)
 
     def _sync_pending(self) -> None:
+        if self._sync_soon:
+            self._recent_syncs.append(asyncio.get_running_loop().time())
         for role in sorted(self._sync_soon):
             self._sync_group(role)
 

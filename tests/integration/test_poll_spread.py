@@ -87,3 +87,30 @@ def test_forty_workers_are_probed_over_the_health_interval() -> None:
                 await w.stop()
 
     run(go(), timeout=60)
+
+
+def test_a_registration_storm_syncs_the_group_once_per_batch_not_per_worker() -> None:
+    """Each activation used to sync its role's group (O(targets), with every listener) on the
+    next loop step: a fleet turning ready one worker per step cost O(workers x targets). Past
+    a burst of syncs, the next one waits a little and covers every activation since."""
+
+    async def go() -> None:
+        ws = [await DataWorker(dp_size=1).start() for _ in range(97)]
+        try:
+            async with Router(worker_urls=[ws[0].url]) as r:
+                reg = r.server.registry
+                syncs: list[str] = []
+                reg.add_listener(syncs.append)
+                loop = asyncio.get_running_loop()
+                for w in ws[1:]:  # one activation per loop step, as a fleet's handshakes end
+                    reg.add_worker(w.url, "regular")
+                until_all = loop.time() + 30
+                while len(reg.group("regular").targets) < len(ws) and loop.time() < until_all:
+                    await asyncio.sleep(0)
+                assert len(reg.group("regular").targets) == len(ws)  # everyone routable
+                assert len(syncs) <= 48, len(syncs)  # before: one sync per worker (96)
+        finally:
+            for w in ws:
+                await w.stop()
+
+    run(go(), timeout=120)
