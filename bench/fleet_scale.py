@@ -336,7 +336,8 @@ async def fleet(
                 raise RuntimeError("the router exited")
             await asyncio.sleep(0.2)
         # ready once every worker answered /v1/loads once (registration ends with a poll)
-        res["register_s"] = time.monotonic() - t0
+        registered = time.monotonic()
+        res["register_s"] = registered - t0
         await asyncio.sleep(2 * interval)
         cpu0, w0 = _proc_cpu_s(proc.pid), time.monotonic()
         lat = []
@@ -365,6 +366,10 @@ async def fleet(
         res["stalls_over_10ms"] = sum(1 for ms in inside if ms > 10)
         res["stall_max_cpu_ms"] = max(inside, default=0.0)
         res["full_collections"] = sum(1 for t, _ in seen["gen2"] if w0 <= t <= end)
+        # while the fleet registered (from the router's start to the last worker listed)
+        during = [ms for t, ms in seen["stalls"] if t <= registered]
+        res["registration_stalls_over_3ms"] = len(during)
+        res["registration_stall_cpu_ms"] = round(sum(during), 1)
         res["full_collection_max_cpu_ms"] = max((ms for t, ms in seen["gen2"] if w0 <= t <= end), default=0.0)
     return res
 

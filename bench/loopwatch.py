@@ -61,13 +61,13 @@ def main() -> None:
 
     import fastroute.runtime.server as server
 
-    freeze = server.freeze_heap
+    start = server.Server.start
 
-    def freeze_and_probe() -> None:  # serve() calls it once the router has started
-        freeze()
+    async def probe_and_start(self: server.Server) -> None:  # from the router's first step
         _start_probe()
+        await start(self)
 
-    server.freeze_heap = freeze_and_probe
+    server.Server.start = probe_and_start  # type: ignore[method-assign]
 
     def dump() -> None:
         with open(out, "w") as f:
