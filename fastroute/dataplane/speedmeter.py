@@ -81,6 +81,32 @@ def metered(book: Any, pd: bool) -> Any:
     what they relay into ``book`` (a ``fastroute.core.speed.SpeedBook``, handed in by the
     runtime: the data plane imports no core module)."""
 
+    def refused_at_start(x: Any) -> bool:
+        """At a request's first attempt, read its SLO headers; True when they refuse it (the
+        client has been answered). Any earlier attempt's SLO hold is dropped."""
+        if not x.tries:
+            x.slo, bad = _slo_of(x)
+            refused = _refusal(bad, book, x.meta.input_tokens, x.slo)
+            if refused is not None:
+                x._fail_client(refused)
+                return True
+        drop_held(x)
+        return False
+
+    def attempt_with_slo(x: Any, base: Any) -> None:
+        """``base.attempt`` with the request's SLO visible to the speed-aware pick."""
+        book.next_slo = x.slo
+        try:
+            base.attempt(x)
+        finally:
+            book.next_slo = _NO_SLO
+
+    def drop_held(x: Any) -> None:
+        held = getattr(x, "held", None)
+        x.held = None
+        if held is not None:
+            book.drop_slo(held, x.slo[1])
+
     class MeteredRelay(Relay):
         __slots__ = ("meter", "tail", "slo", "held")
 
@@ -91,32 +117,17 @@ def metered(book: Any, pd: bool) -> Any:
         def attempt(self) -> None:
             self.meter = None
             self.tail = b""
-            if not self.tries:
-                self.slo, bad = _slo_of(self)
-                refused = _refusal(bad, book, self.meta.input_tokens, self.slo)
-                if refused is not None:
-                    self._fail_client(refused)
-                    return
-            self._drop()
-            book.next_slo = self.slo
-            try:
-                Relay.attempt(self)
-            finally:
-                book.next_slo = _NO_SLO
+            if refused_at_start(self):
+                return
+            attempt_with_slo(self, Relay)
             if self.slo[1] > 0 and self.leases:
                 self.held = book.hold_slo(self.target, self.slo[1])
-
-        def _drop(self) -> None:
-            held = getattr(self, "held", None)
-            self.held = None
-            if held is not None:
-                book.drop_slo(held, self.slo[1])
 
         def _close_books(self) -> None:
             try:
                 Relay._close_books(self)
             finally:
-                self._drop()
+                drop_held(self)
 
         def up_body(self, data: bytes) -> None:
             if 200 <= self.status < 300:
@@ -151,32 +162,17 @@ def metered(book: Any, pd: bool) -> Any:
             self.p_done_at = -1.0
             self.p_sent = monotonic()
             self.p_idle = False
-            if not self.tries:
-                self.slo, bad = _slo_of(self)
-                refused = _refusal(bad, book, self.meta.input_tokens, self.slo)
-                if refused is not None:
-                    self._fail_client(refused)
-                    return
-            self._drop()
-            book.next_slo = self.slo
-            try:
-                PDRelay.attempt(self)
-            finally:
-                book.next_slo = _NO_SLO
+            if refused_at_start(self):
+                return
+            attempt_with_slo(self, PDRelay)
             if self.slo[1] > 0 and len(self.leases) == 2:
                 self.held = book.hold_slo(self.d.target, self.slo[1])
-
-        def _drop(self) -> None:
-            held = getattr(self, "held", None)
-            self.held = None
-            if held is not None:
-                book.drop_slo(held, self.slo[1])
 
         def _close_books(self) -> None:
             try:
                 PDRelay._close_books(self)
             finally:
-                self._drop()
+                drop_held(self)
             t = self.p.target
             # A prefill that found its rank idle: its time to answer is compute, not queueing.
             self.p_idle = book.idle_prefill(t)
