@@ -175,22 +175,10 @@ class SpeedDecode:
             if t is not None:
                 return t
         live = self.candidates(tokens, out_tokens)
-        if not live:
-            return None
-        ratio = book.slope_ratio()
-        lines: dict[str, tuple[float, float]] = {}
-        busiest: dict[str, int] = {}
-        for t in live:
-            s = book.server(t)
-            if s is None:
-                return None
-            if s not in lines:
-                f = book.steps.get(s)
-                ln = f.line(ratio) if f is not None else None
-                if ln is None:
-                    return None  # a server not measured yet
-                lines[s] = ln
-                busiest[s] = book.busiest(s)
+        got = self._lines(live) if live else None
+        if got is None:
+            return None  # no candidate, or a server not measured yet
+        lines, busiest = got
         at_ref = [a + b * REF_BATCH for a, b in lines.values()]
         if max(at_ref) <= min(at_ref) * (1.0 + EQUAL_WITHIN):
             return None  # the same hardware: the group's policy, exactly
