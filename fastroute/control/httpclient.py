@@ -42,6 +42,9 @@ HeadersIn = Mapping[str, str] | Iterable[tuple[str, str]] | None
 HeaderList = list[tuple[str, str]]
 
 _READ_CHUNK = 65536
+# A worker's answer to a control call (loads, server info, a /metrics fan-out) is read whole:
+# past this many bytes it is refused as malformed, not buffered without end.
+MAX_RESPONSE_BYTES = 64 << 20
 
 
 class HttpClientError(Exception):
@@ -245,6 +248,8 @@ async def _over(conn: _Conn, raw: bytes, url: str, pool: Pool | None, reused: bo
         while not col.complete:
             data = await reader.read(_READ_CHUNK)
             got += len(data)
+            if got > MAX_RESPONSE_BYTES:
+                raise HttpProtocolError(f"the response from {url} exceeds {MAX_RESPONSE_BYTES} bytes")
             if not data and reused and got == 0:
                 raise _Stale
             if not data and tls and got == 0:
