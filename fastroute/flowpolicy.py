@@ -29,6 +29,17 @@ from typing import Any
 
 import yaml  # type: ignore[import-untyped]
 
+
+def flow_enabled(config: Any) -> bool:
+    """Whether any flow-control flag is given (else the plain admission stays)."""
+    return bool(
+        config.priority_scheduler_enabled
+        or config.tenant_rate_limit_enabled
+        or config.tenant_api_key
+        or config.worker_overload_shed
+    )
+
+
 # The classes, highest first: a smaller index is served first.
 CLASSES: tuple[str, ...] = ("system", "interactive", "default", "bulk")
 DEFAULT_CLASS = 2

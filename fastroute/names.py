@@ -76,3 +76,6 @@ DISCOVERY_PROVIDERS: tuple[str, ...] = ("kubernetes", "file")
 ENV_P2C_LOAD_METRIC = "SGLANG_ROUTER_P2C_LOAD_METRIC"
 ENV_DECODE_REQUEST_WEIGHT = "FASTROUTE_DECODE_REQUEST_WEIGHT"
 ENV_CONTROL_PLANE_API_KEYS = "CONTROL_PLANE_API_KEYS"
+
+# The policies --speed-aware places beside (stateless ones: the speed pick replaces theirs).
+SPEED_POLICIES = ("power_of_two", "random", "round_robin")

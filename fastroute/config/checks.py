@@ -15,6 +15,7 @@ import socket
 from typing import Any
 from urllib.parse import urlsplit
 
+from fastroute import flowpolicy
 from fastroute.auth import ControlPlaneKeyError, parse_control_plane_keys
 from fastroute.control import otlp
 from fastroute.flowpolicy import CLASSES, PolicyError, load_rate_limits, load_scheduler, parse_tenant_keys
@@ -32,6 +33,7 @@ from fastroute.names import (
     POLICIES,
     PREFILL_ONLY_POLICIES,
     REFUSED_LOAD_METRICS,
+    SPEED_POLICIES,
 )
 
 
@@ -342,8 +344,7 @@ def _validate_flow(c: Any) -> None:
             "--priority-scheduler-enabled" if c.priority_scheduler_enabled else "--worker-overload-shed",
             "the saturation gate does not read --enable-igw's per-model groups",
         )
-    flow = c.priority_scheduler_enabled or c.tenant_rate_limit_enabled or c.tenant_api_key or c.worker_overload_shed
-    if flow and c.rate_limit_tokens_per_second is not None:
+    if flowpolicy.flow_enabled(c) and c.rate_limit_tokens_per_second is not None:
         raise ConfigError(
             "--rate-limit-tokens-per-second",
             "the legacy token bucket does not combine with the flow-control flags "
@@ -626,7 +627,7 @@ def _validate_speed(c: Any) -> None:
     if c.speed_aware == "off":
         return
     decoding = c.decode_policy if c.pd_disaggregation else c.policy
-    if decoding not in ("power_of_two", "random", "round_robin"):
+    if decoding not in SPEED_POLICIES:
         raise ConfigError(
             "--speed-aware",
             f"places decode targets itself; the {decoding} policy keeps state of its own picks "

@@ -27,6 +27,7 @@ import fastroute.config.flags as flags
 from fastroute.auth import split_env_keys
 from fastroute.config.checks import ConfigError, _strip_url, metric_in_use
 from fastroute.config.checks import validate as _validate
+from fastroute.flowpolicy import flow_enabled
 from fastroute.kube import NO_KUBE_CONFIG, kube_config_source
 from fastroute.names import (
     ALL_POLICIES,
@@ -43,6 +44,7 @@ from fastroute.names import (
     POLICIES,
     PREFILL_ONLY_POLICIES,
     REFUSED_LOAD_METRICS,
+    SPEED_POLICIES,
 )
 
 __all__ = [
@@ -516,6 +518,13 @@ def config_from_args(ns: Any, environ: dict[str, str] | None = None) -> Config:
         if getattr(config, field_name) != default(field_name) and not used(config):
             warnings.append(f"{flag} is accepted and ignored by fastroute (only used with {needs})")
     warnings += _p2c_warnings(config, env, raw.get("p2c_load_metric") is not None)
+    prefill = config.prefill_policy or config.policy
+    if config.speed_aware != "off" and config.pd_disaggregation and prefill not in SPEED_POLICIES:
+        warnings.append(
+            f"--speed-aware places PD prefills only under --prefill-policy power_of_two, random or "
+            f"round_robin: the {prefill} prefill policy places them as before and x-slo-ttft-ms targets "
+            "are neither placed nor refused"
+        )
     # One warning per flag, in the order the flags were given.
     first = {flag: i for i, flag in reversed(list(enumerate(given)))}
     for line in sorted(warnings, key=lambda w: first.get(w.split(" ", 1)[0], len(given))):
@@ -575,6 +584,26 @@ _COMPANIONS: tuple[tuple[str, str, str, Any], ...] = (
     ("block_size", "--block-size", "--kv-events-endpoint", lambda c: c.kv_events_endpoint is not None),
     ("kv_events_stale_secs", "--kv-events-stale-secs", "--kv-events auto", lambda c: c.kv_events != "off"),
     ("kv_index_max_blocks", "--kv-index-max-blocks", "--kv-events auto", lambda c: c.kv_events != "off"),
+    (
+        "priority_scheduler_config",
+        "--priority-scheduler-config",
+        "--priority-scheduler-enabled",
+        lambda c: c.priority_scheduler_enabled,
+    ),
+    (
+        "priority_scheduler_default_max_class",
+        "--priority-scheduler-default-max-class",
+        "--priority-scheduler-enabled",
+        lambda c: c.priority_scheduler_enabled,
+    ),
+    (
+        "tenant_rate_limit_config",
+        "--tenant-rate-limit-config",
+        "--tenant-rate-limit-enabled",
+        lambda c: c.tenant_rate_limit_enabled,
+    ),
+    ("trust_tenant_header", "--trust-tenant-header", "a flow-control flag", flow_enabled),
+    ("tenant_header_name", "--tenant-header-name", "a flow-control flag", flow_enabled),
 )
 
 

@@ -23,7 +23,7 @@ from fastroute.core.policies import ManualKeys, Policy, PrefixTree, make_policy
 from fastroute.core.speed import SpeedBook
 from fastroute.core.speedplace import SpeedDecode, SpeedPrefill
 from fastroute.core.table import TargetTable
-from fastroute.names import LOAD_METRICS, MODE_CODE, POLICIES
+from fastroute.names import LOAD_METRICS, MODE_CODE, POLICIES, SPEED_POLICIES
 
 RING_POINTS_PER_TARGET = 160
 
@@ -146,7 +146,7 @@ class Group:
                 int(kv_reserve),
                 seed ^ 0x5EED,
             )
-        elif book is not None and speed_role == "prefill" and policy in ("power_of_two", "random", "round_robin"):
+        elif book is not None and speed_role == "prefill" and policy in SPEED_POLICIES:
             self.policy_impl = SpeedPrefill(self.kernel, self.policy_impl, book, router.table.array, mode)
         self.acquire = self.policy_impl.acquire
         self._on_targets = getattr(self.policy_impl, "set_targets", None)

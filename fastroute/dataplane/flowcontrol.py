@@ -57,6 +57,7 @@ from fastroute.flowpolicy import (
     SchedulerPolicy,
     Tenants,
     class_index,
+    flow_enabled,
     load_rate_limits,
     load_scheduler,
     parse_tenant_keys,
@@ -73,16 +74,6 @@ RATE_LIMITED = "tenant_rate_limit_exceeded"
 OVERLOAD_SHED = "worker_overload_protection_shed"
 CLIENT_GONE = "scheduler_client_cancelled"
 SHED = "scheduler_shed"  # fastroute's: a waiter dropped for a higher class (--flow-max-queued)
-
-
-def enabled(config: Any) -> bool:
-    """Whether any flow-control flag is given (else the plain admission stays)."""
-    return bool(
-        config.priority_scheduler_enabled
-        or config.tenant_rate_limit_enabled
-        or config.tenant_api_key
-        or config.worker_overload_shed
-    )
 
 
 def _no_answer(exc: RouterError) -> None:
@@ -505,7 +496,7 @@ def _flow_headers(fwd: bytes) -> dict[bytes, bytes]:
 def install(config: Any, loop: Any, limits: Any, upstreams: Any, registry: Any) -> FlowAdmission | None:
     """The App's admission when a flow flag is given (its ``begin`` is wired by the App), else
     None (the plain Admission stays)."""
-    if not enabled(config):
+    if not flow_enabled(config):
         return None
     policy = (
         load_scheduler(config.priority_scheduler_config, config.priority_scheduler_default_max_class)

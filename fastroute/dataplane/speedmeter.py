@@ -64,7 +64,7 @@ def _refusal(exc: ValueError | None, book: Any, tokens: int, slo: tuple[float, f
             503,
             CODE_SLO_UNATTAINABLE,
             "No worker is predicted to meet the request's latency targets (x-slo-ttft-ms / x-slo-tpot-ms)",
-            headers=((b"Retry-After", b"1"), (b"x-smg-error-code", CODE_SLO_UNATTAINABLE.encode())),
+            headers=((b"Retry-After", b"1"),),  # send_error adds x-smg-error-code
         )
     return None
 

@@ -705,6 +705,11 @@ def test_main_picks_one_process_or_a_supervisor(monkeypatch, restore_root_loggin
         (["--tokenizer-cache-l1-max-memory", "1000"], "--tokenizer-cache-enable-l1"),
         (["--block-size", "64"], "--kv-events-endpoint"),
         (["--kv-events", "off", "--kv-index-max-blocks", "10"], "--kv-events auto"),
+        (["--priority-scheduler-config", "/s.yaml"], "--priority-scheduler-enabled"),
+        (["--priority-scheduler-default-max-class", "bulk"], "--priority-scheduler-enabled"),
+        (["--tenant-rate-limit-config", "/r.yaml"], "--tenant-rate-limit-enabled"),
+        (["--trust-tenant-header"], "a flow-control flag"),
+        (["--tenant-header-name", "x-team"], "a flow-control flag"),
     ],
 )
 def test_a_tokenizer_or_kv_event_setting_without_its_feature_warns_once(argv: list[str], needs: str, caplog) -> None:
@@ -713,3 +718,16 @@ def test_a_tokenizer_or_kv_event_setting_without_its_feature_warns_once(argv: li
         parse_args(["--worker-urls", "http://127.0.0.1:1", *argv])
     said = [r.getMessage() for r in caplog.records if "is accepted and ignored" in r.getMessage()]
     assert said == [f"{flag} is accepted and ignored by fastroute (only used with {needs})"]
+
+
+def test_speed_aware_pd_with_a_prefill_policy_it_cannot_place_beside_warns_once(caplog) -> None:
+    argv = ["--pd-disaggregation", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+    argv += ["--decode-policy", "power_of_two", "--speed-aware", "on"]
+    with caplog.at_level(logging.WARNING, logger="fastroute.config"):
+        parse_args(argv)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("--speed-aware places")]
+    assert len(said) == 1 and "the cache_aware prefill policy" in said[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fastroute.config"):
+        parse_args([*argv, "--prefill-policy", "power_of_two"])
+    assert not [r for r in caplog.records if r.getMessage().startswith("--speed-aware places")]
