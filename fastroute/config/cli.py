@@ -188,7 +188,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 
 def _epp(args: list[str]) -> int:
     """``fastroute epp``: the router's flags plus the picker's (fastroute.epp.options)."""
-    from fastroute.epp.options import HELP, EppError, inert_flags, option_warnings, refusal, split
+    from fastroute.epp.options import FLOW_FLAGS, HELP, EppError, inert_flags, option_warnings, refusal, split
 
     head = args[: args.index("--")] if "--" in args else args
     if "-h" in head or "--help" in head:
@@ -208,7 +208,7 @@ def _epp(args: list[str]) -> int:
     ns = parse_namespace(rest, parser)
     try:
         configure_logging(ns.log_level, ns.log_dir, json_lines=ns.log_json)
-        config = config_from_args(ns)
+        config = config_from_args(ns, said_elsewhere={flag for _, flag in FLOW_FLAGS})  # refused below
     except OSError as exc:
         parser.error(f"argument --log-dir: {exc}")
     except ConfigError as exc:

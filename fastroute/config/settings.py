@@ -455,13 +455,14 @@ def _overload_protection_off(kwargs: dict[str, Any]) -> None:
     kwargs["worker_overload_token_usage"] = 1.0
 
 
-def config_from_args(ns: Any, environ: dict[str, str] | None = None) -> Config:
+def config_from_args(ns: Any, environ: dict[str, str] | None = None, said_elsewhere: Iterable[str] = ()) -> Config:
     """Build and validate a Config from an argparse namespace produced by `fastroute.config.cli`.
 
     Namespace attributes that are Config fields are copied; `prefill`/`decode` arrive raw
     (lists of tokens) and are parsed here; flags left at None fall back to the environment
     (`environ`, default os.environ). Logs one warning per distinct ignored flag recorded in
-    `ns.ignored_flags` and refuses (ConfigError naming it) a flag `fastroute.config.flags` refuses.
+    `ns.ignored_flags` and refuses (ConfigError naming it) a flag `fastroute.config.flags` refuses;
+    no warning for the flags in `said_elsewhere` (their caller explains them itself).
     Raises ConfigError.
     """
     env = os.environ if environ is None else environ
@@ -525,10 +526,12 @@ def config_from_args(ns: Any, environ: dict[str, str] | None = None) -> Config:
             f"round_robin: the {prefill} prefill policy places them as before and x-slo-ttft-ms targets "
             "are neither placed nor refused"
         )
-    # One warning per flag, in the order the flags were given.
+    # One warning per flag, in the order the flags were given; none for a flag the caller
+    # (fastroute epp) warns about itself.
     first = {flag: i for i, flag in reversed(list(enumerate(given)))}
     for line in sorted(warnings, key=lambda w: first.get(w.split(" ", 1)[0], len(given))):
-        logger.warning("%s", line)
+        if line.split(" ", 1)[0] not in said_elsewhere:
+            logger.warning("%s", line)
     return config
 
 

@@ -280,7 +280,7 @@ def envoy_bootstrap(
         retry = ""
         cluster = _ORIGINAL_DST.format(endpoints=ENDPOINTS_CLUSTER, upstream_pool=pool, header=HEADER)
     received = '"%s"' % METADATA_NAMESPACE
-    if mode == "http" and processes > 1:
+    if mode == "http":  # whatever --workers the picker runs with: a lease id comes back
         forwarded += ', "%s"' % LEASE_NAMESPACE
         received += ', "%s"' % LEASE_NAMESPACE
     if fallback:

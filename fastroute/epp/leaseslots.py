@@ -144,7 +144,9 @@ class LeaseSlots:
         """Put ``booking``'s lease in a row of this process -> the lease's id for the
         metadata; None when all rows are taken (the caller refuses the request)."""
         if not self._free:
-            return None
+            self.collect()  # rows whose lease another process ended come back first
+            if not self._free:
+                return None
         i = self._free.pop()
         lease = booking.lease
         row = self._base + i
@@ -179,11 +181,15 @@ class LeaseSlots:
         tokens = self._cells.load(row, _TOKENS)
         ledger = self._ledgers[process].cells
         table = self._table.cells
-        # Lease.release's order: the booking process's ledger, then the table; a count found
+        # Lease.release's order: the booking process's ledger, then the table. A ledger that no
+        # longer holds it was reclaimed (its process died): the supervisor gave that whole
+        # ledger back to the table then, so the table is not touched again. A table count found
         # at zero is not applied (nor its tokens) and is counted as an underflow.
-        for cells in (ledger, table):
-            if not _take(cells, target, COL_IN_FLIGHT, 1) or not _take(cells, target, COL_IN_FLIGHT_TOKENS, tokens):
-                self._header.add(0, HDR_UNDERFLOWS, 1)
+        if not _take(ledger, target, COL_IN_FLIGHT, 1):
+            return True
+        _take(ledger, target, COL_IN_FLIGHT_TOKENS, tokens)
+        if not _take(table, target, COL_IN_FLIGHT, 1) or not _take(table, target, COL_IN_FLIGHT_TOKENS, tokens):
+            self._header.add(0, HDR_UNDERFLOWS, 1)
         return True
 
     def collect(self) -> int:

@@ -114,3 +114,41 @@ def test_a_dead_process_rows_end_before_its_ledger_is_reclaimed(two: Any) -> Non
     assert _counts(table, ledgers, 3) == (1, 5, 0, 1) and table.underflows == 0
     other.close("response_headers")
     assert _counts(table, ledgers, 3) == (0, 0, 0, 0)
+
+
+def test_a_release_racing_the_reclaim_of_a_dead_process_subtracts_the_table_once(two: Any) -> None:
+    """Process 1 wins the row of process 0's lease; before it subtracts, process 0 dies and the
+    supervisor gives its whole ledger (this lease included) back to the table. Process 1 then
+    finds the ledger empty and leaves the table alone: subtracting it again would take process
+    1's own request off the count."""
+    table, ledgers, _, (p0, p1) = two
+    lease_id = p0.hold(_Booking(_Both(table, ledgers[0], 2, 4))).decode()
+    mine = _Booking(_Both(table, ledgers[1], 2, 6))
+    p1.hold(mine)
+    assert _counts(table, ledgers, 2) == (2, 10, 1, 1)
+    assert reclaim(table, ledgers[0]) == (1, 4)  # the supervisor, between the CAS and the subtraction
+    assert p1.end(lease_id) is True
+    assert _counts(table, ledgers, 2) == (1, 6, 0, 1) and table.underflows == 0
+    mine.close("response_headers")
+    assert _counts(table, ledgers, 2) == (0, 0, 0, 0)
+
+
+def test_a_full_process_takes_back_rows_another_process_ended_before_refusing(two: Any) -> None:
+    table, ledgers, _, (p0, p1) = two
+    ids = [p0.hold(_Booking(_Both(table, ledgers[0], 1, 0))) for _ in range(leaseslots.SLOTS)]
+    assert all(i is not None for i in ids)
+    assert p1.end(ids[0].decode()) is True  # its response headers reached the other process
+    late = _Booking(_Both(table, ledgers[0], 1, 0))
+    assert p0.hold(late) is not None  # the ended lease's row, not 503 lease_rows_full
+    assert p0.hold(_Booking(_Both(table, ledgers[0], 1, 0))) is None  # truly full now
+
+
+def test_every_http_mode_bootstrap_carries_the_lease_namespace_back() -> None:
+    """A bootstrap printed without --workers still brings the lease id back: a picker then run
+    with --workers N would otherwise hold every lease until the silence bound."""
+    from fastroute.epp.bootstrap import LEASE_NAMESPACE, envoy_bootstrap
+
+    for processes in (1, 2):
+        printed = envoy_bootstrap(9002, 8080, processes=processes, mode="http")
+        assert printed.count(LEASE_NAMESPACE) == 2, processes  # received and forwarded
+    assert LEASE_NAMESPACE not in envoy_bootstrap(9002, 8080, processes=2)  # gRPC mode: no lease ids
