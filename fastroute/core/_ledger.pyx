@@ -66,12 +66,13 @@ cdef inline bint _dec_floor(int64_t *cell, int64_t v) noexcept nogil:
             return True
 
 
-cdef inline void _swap(int64_t *cell, int64_t v) noexcept nogil:
+cdef inline int64_t _swap(int64_t *cell, int64_t v) noexcept nogil:
     # A store as a read-modify-write (a full barrier): a write published to the feed must not
-    # let the feed switch's load pass it (see _layout.feed_publish).
+    # let the feed switch's load pass it (see _layout.feed_publish).  Returns the value before.
     cdef int64_t cur = fr_load_i64(cell)
     while not fr_cas_i64(cell, &cur, v):
         pass
+    return cur
 
 
 cdef inline void _release_tokens(int64_t *row, int64_t tokens, int64_t *header) noexcept nogil:
@@ -236,8 +237,8 @@ cdef class Cells:
         if self.feed == NULL:
             fr_store_i64(&self.tab[t, col], v)
             return
-        _swap(&self.tab[t, col], v)
-        feed_publish(self.feed, t)
+        if _swap(&self.tab[t, col], v) != v:  # a rewrite of the same value (a health round) changes no key
+            feed_publish(self.feed, t)
 
     cpdef int64_t add(self, int64_t t, int col, int64_t v) except? -1:
         """Adds ``v``; returns the value after the addition (this caller's own result)."""

@@ -314,3 +314,17 @@ def test_a_fleet_sized_group_picks_as_the_twin_and_never_rebuilds_in_steady_stat
     finally:
         tab.close()
         tab.unlink()
+
+
+def test_a_rewrite_of_the_same_value_posts_no_notice(table):
+    # A health round rewrites every target's health: posting each would overrun the ring of a
+    # fleet (over HDR_FEED_SLOTS targets) every round and make every indexed picker rebuild.
+    cands = np.arange(100)
+    p = picker(table, cands)
+    at = int(table.header[HDR_FEED_AT])
+    for t in range(100):
+        table.set_healthy(t, True)  # already healthy
+    assert int(table.header[HDR_FEED_AT]) == at
+    table.set_healthy(5, False)  # a change is still posted, and the index follows it
+    assert int(table.header[HDR_FEED_AT]) == at + 1
+    assert p.indexed_ties() == ties(table, cands) and 5 not in p.indexed_ties()
