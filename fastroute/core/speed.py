@@ -232,9 +232,6 @@ class SpeedBook:
     def server(self, t: int) -> str | None:
         return self._server.get(t)
 
-    def ranks(self, server: str) -> list[int]:
-        return self._ranks.get(server, [])
-
     def busiest(self, server: str) -> int:
         """In-flight requests of the server's busiest rank (the batch the fit's x counts)."""
         tab = self.tab

@@ -83,7 +83,7 @@ def _no_answer(exc: RouterError) -> None:
 class FlowWaiter(Waiter):
     """One queued request: the plain waiter, its class and tenant, and when it is promoted."""
 
-    __slots__ = ("cls", "tenant", "at", "promote_at", "held", "refuse")
+    __slots__ = ("cls", "tenant", "promote_at", "held", "refuse")
 
     def __init__(
         self,
@@ -92,13 +92,11 @@ class FlowWaiter(Waiter):
         deadline: float,
         cls: int,
         tenant: str,
-        at: float,
         promote_at: float,
     ) -> None:
         super().__init__(start, expired, deadline)
         self.cls = cls
         self.tenant = tenant
-        self.at = at
         self.promote_at = promote_at
         self.held: Any = None  # the tenant budget it reserved (given back if it never starts)
         self.refuse: Callable[[RouterError], None] = _no_answer  # answer it with this error
@@ -308,9 +306,7 @@ class FlowAdmission(Admission):
         def expired() -> None:
             refuse(self._timeout_error())
 
-        w = FlowWaiter(
-            start, expired, now + spec.queue_timeout_secs, cls, tenant, now, now + spec.starvation_threshold_secs
-        )
+        w = FlowWaiter(start, expired, now + spec.queue_timeout_secs, cls, tenant, now + spec.starvation_threshold_secs)
         w.held = held
         w.refuse = refuse
         cq.push(w)
