@@ -58,6 +58,7 @@ POLICIES = [
     ("demand", "power_of_two", "tokens", "on", "off"),
     ("kv_fit", "power_of_two", "tokens", "off", "on"),
     ("cache_aware", "cache_aware", "tokens", "off", "off"),
+    ("cache_aware + kv_fit", "cache_aware", "tokens", "off", "on"),
 ]
 
 

@@ -8,7 +8,9 @@
 # class 1 never polled: requests, 0), so an eligible polled leaf always beats an unpolled one,
 # which is the scan's "only polled rows when any is"; demand (class 0: pending tokens + weight x
 # requests); KV fit (class 0, a rank of known capacity: requests, -free KV); the prefix tree's
-# (class 0: requests, the second aggregate the most requests, for cache_aware's balance rule).  Class 2 is a leaf
+# (class 0: requests, the second aggregate the most requests, for cache_aware's balance rule);
+# cache_aware's KV-fit check (class 0: free KV, INT64_MIN when the capacity is unknown, so the
+# root holds the least free KV of any eligible rank).  Class 2 is a leaf
 # that is not eligible (or, for KV fit, of unknown capacity), with a count of 0.  A pick draws
 # one number below the count of the tied minimum and descends to that tie in candidate order:
 # uniform over the exact minimum, as the scan's reservoir is.
@@ -37,6 +39,7 @@ cdef enum:
     INDEX_DEMAND = 2
     INDEX_KV_FIT = 3
     INDEX_TREE = 4               # cache_aware's tree: requests, and the most requests below a node
+    INDEX_LEAST_FREE = 5         # cache_aware's KV fit: free KV (INT64_MIN unknown), least at the root
     INDEX_MIN_CANDS = 64         # fewer candidates are scanned (the scan is as cheap)
     CLS_POLLED = 0
     CLS_UNPOLLED = 1
@@ -96,6 +99,10 @@ cdef inline void leaf_key(const Index *x, int64_t t, int64_t *k) noexcept nogil:
         k[2] = 0
         k[4] = k[1]
         k[5] = 1
+    elif x.kind == INDEX_LEAST_FREE:
+        k[0] = CLS_POLLED
+        k[1] = row_kv_free(row)
+        k[2] = 0
     elif fr_load_i64(&row[COL_POLLED_AT]) >= 0:
         k[0] = CLS_POLLED
         k[1] = row_requests(row)

@@ -74,6 +74,12 @@ class PrefixTree:
     def choices(self, text: str | bytes | None, targets: list[int], scan: bool = False) -> tuple[int, list[int]]:
         """(reason, sorted targets) the next pick of this text may choose; draws and inserts
         nothing.  ``scan``: read the rows as the scan does even with a load index (tests)."""
+    def kv_all_fit(self, targets: list[int], need: int) -> bool:
+        """Whether every eligible row of ``targets`` has a known capacity with ``need`` tokens
+        of KV free, from an index of their free KV (False also when that needs a scan)."""
+    def kv_check(self, target: int, need: int) -> bool:
+        """Whether ``target`` is eligible with ``need`` tokens free, read from its row (a
+        disagreeing free-KV leaf is corrected)."""
     def match(self, text: str | bytes, targets: Sequence[int]) -> tuple[int, list[int]]:
         """(longest match in bytes, eligible targets holding it); inserts nothing."""
     def insert(self, text: str | bytes, target: int) -> None: ...

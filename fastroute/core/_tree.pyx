@@ -39,7 +39,9 @@ from libc.string cimport memchr, memcpy
 from cpython.mem cimport PyMem_Malloc, PyMem_Realloc, PyMem_Free
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from fastroute.core._atomic cimport fr_cas_i64
-from fastroute.core._layout cimport NCOLS, NHDR, HDR_FEED_ON, HDR_FEED_SLOTS, row_eligible, row_requests
+from fastroute.core._layout cimport (
+    NCOLS, NHDR, HDR_FEED_ON, HDR_FEED_SLOTS, row_eligible, row_requests, row_kv_free,
+)
 from fastroute.core._random cimport reservoir_step, rng_below
 from fastroute.core cimport _index as ix
 
@@ -159,6 +161,11 @@ cdef class PrefixTree:
     cdef bint _lx_tried              # this candidate list was looked at for an index
     cdef bint w_index                # the current pick reads eligibility and loads from lx
     cdef readonly int64_t index_fallbacks   # picks the index disagreed with a row on
+    # KV fit (policies.PrefixTree): the group's rows keyed by free KV (INDEX_LEAST_FREE), so
+    # that "every eligible rank fits" -- the filter keeps every candidate -- needs no scan.
+    cdef ix.Index kx
+    cdef object _kx_obj              # the list it indexes (identity, as the candidates)
+    cdef object _kx_keep
 
     cdef uint64_t stamp
     cdef uint64_t rng
@@ -1007,6 +1014,64 @@ cdef class PrefixTree:
                 out.append(self.cand[leaf])
         _require(len(out) == root[3], "load index tie count")
         return sorted(out)
+
+    def kv_all_fit(self, targets, int64_t need):
+        """Whether every eligible row of ``targets`` has a known capacity with ``need`` tokens
+        of KV free (and one is eligible), from an index of their free KV: KV fit's filter would
+        keep them all.  False also when that is not known without a scan: fewer than 64 or
+        repeated rows, no header (the caller filters).  ``targets`` is cached by identity."""
+        cdef const int64_t *root
+        if targets is not self._kx_obj or len(targets) != self.kx.n:
+            self._kx_setup(targets)
+        if self.kx.kind == ix.INDEX_NONE:
+            return False
+        ix.index_drain(&self.kx)
+        root = self.kx.nodes + ix.NODE
+        return root[0] == ix.CLS_POLLED and root[1] >= need
+
+    def kv_check(self, int64_t target, int64_t need):
+        """Whether ``target`` is eligible with ``need`` tokens of KV free, read from its row;
+        a leaf of the free-KV index that disagrees with the row (a lost notice) is corrected."""
+        cdef int64_t leaf
+        cdef int64_t k[6]
+        if not 0 <= target < self._nrows:
+            raise IndexError(f"target {target} out of range")
+        if self.kx.kind != ix.INDEX_NONE and target < self.kx.mapped and self.kx.leaf_of[target] >= 0:
+            leaf = self.kx.leaf_of[target]
+            ix.leaf_key(&self.kx, target, k)
+            ix.set_leaf(&self.kx, leaf, k)
+        return row_eligible(self._rows + target * NCOLS) and row_kv_free(self._rows + target * NCOLS) >= need
+
+    cdef int _kx_setup(self, targets) except -1:
+        cdef int64_t size = 1, cur = 0, i, t, n = len(targets)
+        cdef int64_t[::1] nodes, leaf_of, cands
+        self._kx_obj = targets
+        self._kx_keep = None
+        self.kx.kind = ix.INDEX_NONE
+        self.kx.n = n
+        if self._hdr.shape[0] == 0 or n < ix.INDEX_MIN_CANDS:
+            return 0
+        cands = np.asarray(targets, dtype=np.int64).copy()
+        if np.unique(cands).shape[0] != n or cands[np.argmin(cands)] < 0 or cands[np.argmax(cands)] >= self._nrows:
+            return 0
+        while size < n:
+            size <<= 1
+        leaf_of = np.full(int(np.max(cands)) + 1, -1, dtype=np.int64)
+        np.asarray(leaf_of)[cands] = np.arange(n, dtype=np.int64)
+        nodes = np.zeros(2 * ix.NODE * size, dtype=np.int64)
+        self._kx_keep = (nodes, leaf_of, cands)
+        self.kx.kind = ix.INDEX_LEAST_FREE
+        self.kx.size = size
+        self.kx.weight = 0
+        self.kx.mapped = leaf_of.shape[0]
+        self.kx.nodes = &nodes[0]
+        self.kx.leaf_of = &leaf_of[0]
+        self.kx.tab = self._rows
+        self.kx.cands = &cands[0]
+        self.kx.header = &self._hdr[0]
+        fr_cas_i64(&self._hdr[HDR_FEED_ON], &cur, 1)
+        ix.index_rebuild(&self.kx)
+        return 0
 
     @property
     def indexed(self):

@@ -19,9 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastroute.core import _ledger, _tree
+from fastroute.core import _ledger, _policy, _tree
 from fastroute.core import reference as R
 from fastroute.core.cache_aware import CacheAwarePolicy
+from fastroute.core.routing import Router
 from fastroute.core.table import (
     CIRCUIT_CLOSED,
     CIRCUIT_OPEN,
@@ -30,8 +31,10 @@ from fastroute.core.table import (
     COL_OTHERS_IN_FLIGHT,
     COL_OTHERS_OPEN,
     COL_OTHERS_TOKENS,
+    COL_POLLED_TOKENS,
     TargetTable,
 )
+from tests.stubs import StubMeta
 
 N = 96  # above INDEX_MIN_CANDS (64), not a power of two (padding leaves)
 ROWS = 200
@@ -414,3 +417,116 @@ def test_a_fleet_sized_group_never_rebuilds_in_steady_state():
     finally:
         tab.close()
         tab.unlink()
+
+
+# ---- cache_aware with KV fit: the filter skipped when every eligible rank fits ----------------
+
+
+def all_fit(tab: TargetTable, cands, need: int) -> bool:
+    """From the rows: every eligible candidate has a known capacity with ``need`` free (and one
+    is eligible), i.e. ``_policy.narrow`` keeps every eligible candidate."""
+    live = [t for t in cands if R._row_eligible(tab.array, t)]
+    free = [_policy.free_kv(tab.array, t) for t in live]
+    return bool(live) and all(f is not None and f >= need for f in free)
+
+
+KV_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["book", "release", "poll", "unpoll", "health", "circuit", "others", "queue"]),
+        st.integers(0, 10_000),
+        st.integers(0, 900),
+    ),
+    min_size=1,
+    max_size=50,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=KV_OPS, seed=st.integers(0, 2**32))
+def test_the_free_kv_index_says_all_fit_exactly_when_the_filter_keeps_all(table, ops, seed):
+    cands = random.Random(seed).sample(range(ROWS), N)
+    for t in range(ROWS):
+        table.set_polled(t, 0, 0, 0, 2_000)  # every rank known, 2,000 tokens free
+    tr = tree(table)
+    kernel = booker(table)
+    leases = []
+    try:
+        for op, a, b in ops:
+            t = a % ROWS
+            if op == "book":
+                leases.append(kernel.book_target(t, b))
+            elif op == "release" and leases:
+                leases.pop(a % len(leases)).release()
+            elif op == "poll":
+                table.set_polled(t, 1, 0, b, 1_000 if a % 4 else -1)
+            elif op == "unpoll":
+                table.mark_unpolled(t)
+            elif op == "health":
+                table.set_healthy(t, a % 3 != 0)
+            elif op == "circuit":
+                table.set_circuit(t, CIRCUIT_OPEN if a % 2 else CIRCUIT_CLOSED)
+            elif op == "others":
+                table.cells.store(t, COL_OTHERS_TOKENS, b)
+            else:
+                table.set_kv_queue(t, a % 2)
+            for need in (0, 300, 900, 1_500):
+                want = all_fit(table, cands, need)
+                assert tr.kv_all_fit(cands, need) == want, (op, need)
+                if want:  # the filter's own answer: every eligible candidate fits
+                    fits = _policy.narrow(table.array, np.asarray(cands), 0, need, 2, 0, 0)[1]
+                    assert sorted(fits) == sorted(t for t in cands if R._row_eligible(table.array, t))
+    finally:
+        for lease in leases:
+            lease.release()
+        reset(table)
+
+
+def test_kv_fit_on_keeps_the_tree_indexed_while_every_rank_fits_and_filters_when_not(table):
+    ids = list(range(96))
+    for t in ids:
+        table.set_polled(t, 0, 0, 0, 10_000)
+    g = Router(table, seed=3).group(ids, "cache_aware", kv_fit="on")
+    tr = g.policy_impl.tree_policy.tree
+    held = [g.acquire(100, None, StubMeta(text=f"prompt {i % 7}")) for i in range(200)]
+    assert tr.indexed  # the group's own list every pick: the filter was skipped
+    for lease in held:
+        lease.release()
+    for t in ids[8:]:
+        table.set_polled(t, 0, 0, 9_950, 10_000)  # 50 free: a 100-token request fits only 0..7
+    for i in range(100):
+        lease = g.acquire(100, None, StubMeta(text=f"prompt {i % 7}"))
+        assert lease.target < 8, i
+        lease.release()
+    assert not tr.indexed  # filtered: the tree was handed the fitting ranks
+
+
+def test_kv_fit_shadow_counts_agreement_on_the_skipped_filter(table):
+    ids = list(range(80))
+    for t in ids:
+        table.set_polled(t, 0, 0, 0, 10_000)
+    g = Router(table, seed=3).group(ids, "cache_aware", kv_fit="shadow")
+    for i in range(50):
+        g.acquire(10, None, StubMeta(text=f"p{i}")).release()
+    assert g.policy_impl.kv_counts == [50, 0, 0]
+
+
+def test_a_rank_that_stopped_fitting_without_a_notice_is_not_chosen(table):
+    # A writer that died between its write and its notice: the free-KV index still says the rank
+    # fits; the tree chooses it (the only empty tree), the check reads its row and the filter
+    # decides instead.
+    ids = list(range(80))
+    for t in ids:
+        table.set_polled(t, 0, 0, 0, 10_000)
+    g = Router(table, seed=3).group(ids, "cache_aware", kv_fit="on")
+    tr = g.policy_impl.tree_policy.tree
+    for t in ids[1:]:
+        tr.insert(b"held %d" % t, t)
+    g.acquire(1, None, StubMeta(text="warm")).release()
+    g.acquire(1, None, StubMeta(text="held 5")).release()
+    assert tr.kv_all_fit(g.policy_impl.targets, 500)
+    assert tr.choices(b"a new prompt", g.policy_impl.targets)[1] == [0]
+    table.array[0, COL_POLLED_TOKENS] = 9_900  # 100 free, no notice
+    lease = g.acquire(400, None, StubMeta(text="a new prompt"))
+    assert lease.target != 0 and _policy.free_kv(table.array, lease.target) >= 400
+    lease.release()
+    assert not tr.kv_all_fit(g.policy_impl.targets, 500)  # the leaf was corrected
