@@ -32,6 +32,13 @@ def _gen(tag: str, headers: dict[str, str] | None = None) -> bytes:
     return post("/generate", {"text": tag}, headers)
 
 
+def _limited(cfg: str, w: Any) -> Router:
+    """A router over ``w`` with the tenant rate limits of ``cfg`` and the tenant header trusted."""
+    return Router(
+        worker_urls=[w.url], tenant_rate_limit_enabled=True, tenant_rate_limit_config=cfg, trust_tenant_header=True
+    )
+
+
 async def _send(port: int, data: bytes) -> Any:
     return await call(port, data, timeout=15.0)
 
@@ -258,9 +265,7 @@ def test_tenant_request_and_token_limits(tmp_path: Path) -> None:
 
     async def body() -> None:
         (w,) = await workers(1)
-        async with Router(
-            worker_urls=[w.url], tenant_rate_limit_enabled=True, tenant_rate_limit_config=cfg, trust_tenant_header=True
-        ) as r:
+        async with _limited(cfg, w) as r:
             flow = _flow(r)
             # Requests per minute (default policy, per tenant): the third is refused.
             for tag in ("r0", "r1"):
@@ -493,9 +498,7 @@ def test_what_is_kept_per_tenant_stays_bounded(tmp_path: Path, monkeypatch: pyte
 
     async def body() -> None:
         (w,) = await workers(1)
-        async with Router(
-            worker_urls=[w.url], tenant_rate_limit_enabled=True, tenant_rate_limit_config=cfg, trust_tenant_header=True
-        ) as r:
+        async with _limited(cfg, w) as r:
             flow = _flow(r)
             busy = {"x-smg-tenant-id": "busy"}
             codes = [(await _send(r.port, _gen(f"b{i}", busy))).status for i in range(3)]
