@@ -158,6 +158,20 @@ class Picker:
     def index_rebuilds(self) -> int:
         """Times the load index was built from the rows (set, or fallen behind the feed)."""
     @property
+    def coordinated_indexed(self) -> bool:
+        """Whether the coordinated index is built (a synced pick over enough candidates)."""
+    @property
+    def coordinated_idle(self) -> bool | None:
+        """The coordinated index's idle test (after reading the feed); None when not built."""
+    @property
+    def coordinated_rebuilds(self) -> int:
+        """Times the coordinated index was built from the rows."""
+    def coordinated_plan(
+        self, tokens: int = 0, need: int = 0, n: int = 2, slot: int = 0, strict: bool = False
+    ) -> tuple[int, list[int]] | None:
+        """The synced replicas' plan from the coordinated index, as ``_policy.coordinated``;
+        None when the picker keeps no such index."""
+    @property
     def indexed(self) -> str | None:
         """The load index's key (least_requests, demand, kv_fit), or None: the picker scans."""
     def indexed_ties(self, need: int = 0) -> list[int] | None:

@@ -25,6 +25,7 @@ from fastroute.core._policy cimport (
     pick_coordinated, hash_bytes, MODE_SHADOW, MODE_ON, METRIC_LEAST_REQUESTS,
 )
 from fastroute.core cimport _index as ix
+from fastroute.core cimport _coindex as cx
 import os
 
 import numpy as np
@@ -568,6 +569,9 @@ cdef class Picker:
     cdef public bint tokens_until_answer   # leases count input tokens until answered()
     cdef ix.Index idx                # the load index (_index.pxd); kind INDEX_NONE: none
     cdef object idx_keep             # the arrays its pointers are into
+    cdef cx.Coord cidx               # the coordinated index (_coindex.pxd), built at first use
+    cdef object cidx_keep            # the arrays its pointers are into
+    cdef bint cidx_ok                # the candidates and policy call for it (synced replicas)
 
     def __init__(self, table_array, header_array, str policy, str metric="tokens", int demand=0,
                  int64_t weight=0, seed=None, int kv_fit=0, int64_t kv_reserve=0):
@@ -631,12 +635,61 @@ cdef class Picker:
         if self.cursor >= arr.shape[0]:
             self.cursor = 0
         self._index_setup(arr)
+        self._coord_drop()
+        self.cidx_ok = (arr.shape[0] >= ix.INDEX_MIN_CANDS and self._plans()
+                        and np.unique(arr).shape[0] == arr.shape[0])
+
+    cdef inline bint _plans(self) noexcept:
+        # Whether this picker plans with synced replicas (pick_coordinated).
+        return (self.kv_fit == MODE_ON or self.demand == MODE_ON
+                or (self.kind == KIND_P2C and self.metric == METRIC_LEAST_REQUESTS))
+
+    cdef int _coord_setup(self) except -1:
+        # The coordinated index over the candidates (the first synced pick after they are set).
+        cdef int64_t size = 1
+        cdef int64_t[::1] leaves, nodes, extra, leaf_of
+        arr = np.asarray(self.cands)
+        while size < arr.shape[0]:
+            size <<= 1
+        leaves = np.zeros(cx.LEAF * size, dtype=np.int64)
+        nodes = np.zeros(cx.CN * 2 * size, dtype=np.int64)
+        extra = np.zeros(size, dtype=np.int64)
+        leaf_of = np.full(int(arr.max()) + 1, -1, dtype=np.int64)
+        np.asarray(leaf_of)[arr] = np.arange(arr.shape[0], dtype=np.int64)
+        self.cidx_keep = (leaves, nodes, extra, leaf_of, self.cands)
+        self.cidx.demand = self.demand == MODE_ON
+        self.cidx.kv = self.kv_fit == MODE_ON
+        self.cidx.weight = self.weight
+        self.cidx.size = size
+        self.cidx.n = arr.shape[0]
+        self.cidx.mapped = leaf_of.shape[0]
+        self.cidx.leaves = &leaves[0]
+        self.cidx.nodes = &nodes[0]
+        self.cidx.extra = &extra[0]
+        self.cidx.leaf_of = &leaf_of[0]
+        self.cidx.tab = &self.tab[0, 0]
+        self.cidx.cands = &self.cands[0]
+        self.cidx.header = &self.header[0]
+        self._feed_on()  # writers publish from now on; then the rows are read
+        self.cidx.on = True
+        cx.coord_rebuild(&self.cidx)
+        return 0
+
+    cdef void _coord_drop(self) noexcept:
+        if self.cidx.on:
+            self.cidx.on = False
+            self.cidx_keep = None
+
+    cdef void _feed_on(self) noexcept:
+        # Writers publish from now on (a read-modify-write: see _layout.feed_publish).
+        cdef int64_t cur = 0
+        fr_cas_i64(&self.header[HDR_FEED_ON], &cur, 1)
 
     cdef int _index_setup(self, arr) except -1:
         # A load index over the candidates when the pick is a least_requests, demand or KV-fit
         # minimum over enough of them (distinct rows: each leaf must have a row of its own).
         cdef int kind = ix.INDEX_NONE
-        cdef int64_t size = 1, cur = 0
+        cdef int64_t size = 1
         cdef int64_t[::1] nodes, leaf_of
         if arr.shape[0] >= ix.INDEX_MIN_CANDS:
             if self.kv_fit == MODE_ON:
@@ -666,8 +719,7 @@ cdef class Picker:
         self.idx.tab = &self.tab[0, 0]
         self.idx.cands = &self.cands[0]
         self.idx.header = &self.header[0]
-        # Writers publish from now on (a read-modify-write: see _layout.feed_publish).
-        fr_cas_i64(&self.header[HDR_FEED_ON], &cur, 1)
+        self._feed_on()  # writers publish from now on; then the rows are read
         ix.index_rebuild(&self.idx)
         return 0
 
@@ -702,6 +754,44 @@ cdef class Picker:
         """The load index's key: least_requests, demand, kv_fit, or None (the picker scans)."""
         return {ix.INDEX_LEAST_REQUESTS: "least_requests", ix.INDEX_DEMAND: "demand",
                 ix.INDEX_KV_FIT: "kv_fit"}.get(self.idx.kind)
+
+    def coordinated_plan(self, int64_t tokens=0, int64_t need=0, int64_t n=2, int64_t slot=0,
+                         bint strict=False):
+        """The synced replicas' plan from the coordinated index (built if need be; nothing is
+        booked): (this replica's target, the n placements), as ``_policy.coordinated``; (-1,
+        []) when none is eligible; None when the picker keeps no such index (the scan plans)
+        or its leaves kept disagreeing with their rows (the pick then scans)."""
+        cdef int64_t m = self.cands.shape[0], t
+        if not self.cidx_ok:
+            return None
+        if n < 1 or n > MAX_SLOTS or not 0 <= slot < n:
+            raise ValueError(f"need 1 <= n <= {MAX_SLOTS} and 0 <= slot < n")
+        if self.cidx.on:
+            cx.coord_drain(&self.cidx)
+        else:
+            self._coord_setup()
+        t = cx.coord_plan(&self.cidx, tokens, need, n, slot, strict, &self.scratch[2 * m])
+        if t < 0:
+            return (-1, []) if t == -1 else None
+        return t, [int(x) for x in self.scratch[2 * m:2 * m + n]]
+
+    @property
+    def coordinated_indexed(self):
+        """Whether the coordinated index is built (a synced pick over enough candidates)."""
+        return bool(self.cidx.on)
+
+    @property
+    def coordinated_idle(self):
+        """The coordinated index's idle test (after reading the feed); None when not built."""
+        if not self.cidx.on:
+            return None
+        cx.coord_drain(&self.cidx)
+        return bool(cx.coord_idle(&self.cidx))
+
+    @property
+    def coordinated_rebuilds(self):
+        """Times the coordinated index was built from the rows."""
+        return self.cidx.rebuilds
 
     @property
     def index_rebuilds(self):
@@ -743,10 +833,17 @@ cdef class Picker:
             klen = len(key)
         self.coord_n = 0
         n = fr_load_i64(&self.header[HDR_REPLICAS])
-        if n > 1 and self.cands.shape[0] > 0 and (
-                self.kv_fit == MODE_ON or self.demand == MODE_ON
-                or (self.kind == KIND_P2C and self.metric == METRIC_LEAST_REQUESTS)) and not self._idle():
+        if n > 1 and self.cidx_ok:
+            if self.cidx.on:
+                cx.coord_drain(&self.cidx)
+            else:
+                self._coord_setup()
+            if not cx.coord_idle(&self.cidx):
+                return self._coordinated(tokens, need, n)
+        elif n > 1 and self.cands.shape[0] > 0 and self._plans() and not self._idle():
             return self._coordinated(tokens, need, n)
+        elif self.cidx.on:
+            self._coord_drop()  # alone again: the writers need not publish for it
         if self.idx.kind == ix.INDEX_KV_FIT:
             f = self._index_pick(tokens, need)
             if f == -2:
@@ -815,9 +912,13 @@ cdef class Picker:
             n = MAX_SLOTS
         if slot < 0 or slot >= n:
             slot = slot % n if slot > 0 else 0
-        t = pick_coordinated(self.tab, self.cands, tokens, need, self.demand == MODE_ON,
-                             self.weight, self.kv_fit == MODE_ON, n, slot, strict, &self.scratch[0],
-                             &self.scratch[2 * m])
+        t = cx.COORD_SCAN
+        if self.cidx.on:
+            t = cx.coord_plan(&self.cidx, tokens, need, n, slot, strict, &self.scratch[2 * m])
+        if t == cx.COORD_SCAN:
+            t = pick_coordinated(self.tab, self.cands, tokens, need, self.demand == MODE_ON,
+                                 self.weight, self.kv_fit == MODE_ON, n, slot, strict,
+                                 &self.scratch[0], &self.scratch[2 * m])
         if t >= 0:
             self.coord_n = n
             self.coord_slot = self.scratch[2 * m + 2 * n]   # the place it took
