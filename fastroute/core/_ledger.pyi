@@ -189,8 +189,12 @@ class Picker:
         kv_fit: int = 0,
         kv_reserve: int = 0,
     ) -> None: ...
-    def set_own_ledger(self, own_array: _Table | None) -> None:
-        """Also book every lease in this process's private ledger (same shape as the table)."""
+    def set_own_ledger(self, own_array: _Table | None, own_header: _Header | None = None) -> None:
+        """Also book every lease in this process's private ledger (same shape as the table);
+        with its header, count the feed uses of this picker's indexes there too."""
+    @property
+    def feed_uses(self) -> int:
+        """Indexes this picker keeps (load, coordinated): each holds the header's feed on."""
     def set_candidates(self, cands: npt.ArrayLike) -> None: ...
     def set_ring(self, hashes: npt.ArrayLike, targets: npt.ArrayLike) -> None: ...
     def pick(self, tokens: int = 0, key: bytes | None = None, out_tokens: int = 0) -> int:

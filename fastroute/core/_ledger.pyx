@@ -26,6 +26,7 @@ from fastroute.core._policy cimport (
 )
 from fastroute.core cimport _index as ix
 from fastroute.core cimport _coindex as cx
+import mmap
 import os
 
 import numpy as np
@@ -529,6 +530,17 @@ def sync_store(int64_t[:, ::1] tab, int64_t[::1] header, const int64_t[:, :, ::1
                 feed_publish(&header[0], t)
 
 
+cdef bint _mapped(obj):
+    # Whether an array's memory is still there: False once the mmap it views was closed
+    # (TargetTable.close() unmaps its segment whoever still holds its arrays).
+    while obj is not None:
+        if isinstance(obj, mmap.mmap):
+            return not obj.closed
+        obj = obj.obj if isinstance(obj, memoryview) else getattr(obj, "base", None)
+    return True
+
+
+@cython.no_gc_clear  # __dealloc__ gives back the picker's feed uses through its header
 cdef class Picker:
     """A candidate set with its policy, compiled: ``acquire(tokens, key)`` picks and books.
 
@@ -572,6 +584,9 @@ cdef class Picker:
     cdef cx.Coord cidx               # the coordinated index (_coindex.pxd), built at first use
     cdef object cidx_keep            # the arrays its pointers are into
     cdef bint cidx_ok                # the candidates and policy call for it (synced replicas)
+    cdef readonly int64_t feed_uses  # indexes held: each keeps the header's feed on
+    cdef int64_t[::1] own_hdr        # the own ledger's header: its feed uses, for a reclaim
+    cdef int64_t *own_hdr_base
 
     def __init__(self, table_array, header_array, str policy, str metric="tokens", int demand=0,
                  int64_t weight=0, seed=None, int kv_fit=0, int64_t kv_reserve=0):
@@ -611,10 +626,46 @@ cdef class Picker:
         self.coord_burst = 0
         self.tokens_until_answer = False
         self.own_base = NULL
+        self.own_hdr_base = NULL
 
-    def set_own_ledger(self, own_array):
+    def __dealloc__(self):
+        # A table or own ledger closed under the picker (its mapping gone) is not written: the
+        # uses stay counted (the safe side), in the table for whoever still maps it and in the
+        # own ledger, from which the supervisor gives them back when this process exits.
+        if self.feed_uses == 0 or not _mapped(self.keep[1]):
+            return
+        if self.own_hdr_base != NULL and not _mapped(self.own_hdr):
+            return
+        self._feed_use(-self.feed_uses)
+
+    cdef void _feed_use(self, int64_t d) noexcept:
+        # Take (d > 0) or give back (d < 0) uses of the header's feed: writers publish while
+        # any index holds one (_layout.feed_publish).  Taken in the table before the own
+        # ledger's header and given back in the reverse order: a process killed between the
+        # two leaves the table a use too many (the feed stays on: work, never a stale index),
+        # never one too few; its supervisor gives back what the own ledger holds.
+        if d > 0:
+            fr_add_i64(&self.header[HDR_FEED_ON], d)  # a read-modify-write: see feed_publish
+        if self.own_hdr_base != NULL:
+            fr_add_i64(&self.own_hdr_base[HDR_FEED_ON], d)
+        if d < 0:
+            fr_add_i64(&self.header[HDR_FEED_ON], d)
+        self.feed_uses += d
+
+    def set_own_ledger(self, own_array, own_header=None):
         """Also book every lease in ``own_array`` (this process's private ledger, same shape as
-        the table), so a supervisor can subtract exactly what a dead process held."""
+        the table), so a supervisor can subtract exactly what a dead process held; with the
+        ledger's ``own_header``, count there too the feed uses of this picker's indexes."""
+        if self.own_hdr_base != NULL:
+            fr_add_i64(&self.own_hdr_base[HDR_FEED_ON], -self.feed_uses)
+            self.own_hdr = None
+            self.own_hdr_base = NULL
+        if own_header is not None and own_array is not None:
+            if own_header.shape[0] < NHDR:
+                raise ValueError(f"the own ledger's header has {own_header.shape[0]} cells, expected {NHDR}")
+            self.own_hdr = own_header
+            self.own_hdr_base = &self.own_hdr[0]
+            fr_add_i64(&self.own_hdr_base[HDR_FEED_ON], self.feed_uses)
         if own_array is None:
             self.own = None
             self.own_base = NULL
@@ -670,7 +721,7 @@ cdef class Picker:
         self.cidx.tab = &self.tab[0, 0]
         self.cidx.cands = &self.cands[0]
         self.cidx.header = &self.header[0]
-        self._feed_on()  # writers publish from now on; then the rows are read
+        self._feed_use(1)  # writers publish from now on; then the rows are read
         self.cidx.on = True
         cx.coord_rebuild(&self.cidx)
         return 0
@@ -679,11 +730,7 @@ cdef class Picker:
         if self.cidx.on:
             self.cidx.on = False
             self.cidx_keep = None
-
-    cdef void _feed_on(self) noexcept:
-        # Writers publish from now on (a read-modify-write: see _layout.feed_publish).
-        cdef int64_t cur = 0
-        fr_cas_i64(&self.header[HDR_FEED_ON], &cur, 1)
+            self._feed_use(-1)
 
     cdef int _index_setup(self, arr) except -1:
         # A load index over the candidates when the pick is a least_requests, demand or KV-fit
@@ -691,6 +738,10 @@ cdef class Picker:
         cdef int kind = ix.INDEX_NONE
         cdef int64_t size = 1
         cdef int64_t[::1] nodes, leaf_of
+        if self.idx.kind != ix.INDEX_NONE:
+            self.idx.kind = ix.INDEX_NONE
+            self.idx_keep = None
+            self._feed_use(-1)
         if arr.shape[0] >= ix.INDEX_MIN_CANDS:
             if self.kv_fit == MODE_ON:
                 kind = ix.INDEX_NONE if self.demand == MODE_ON else ix.INDEX_KV_FIT
@@ -719,7 +770,7 @@ cdef class Picker:
         self.idx.tab = &self.tab[0, 0]
         self.idx.cands = &self.cands[0]
         self.idx.header = &self.header[0]
-        self._feed_on()  # writers publish from now on; then the rows are read
+        self._feed_use(1)  # writers publish from now on; then the rows are read
         ix.index_rebuild(&self.idx)
         return 0
 
