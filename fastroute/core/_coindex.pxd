@@ -15,10 +15,13 @@
 #
 # A plan takes the least leaf (KV fit with a known capacity anywhere: the least leaf where the
 # need fits, else the roomiest), then charges it in place (cost + 1, or + tokens + weight; free
-# KV - tokens) and walks up, n times; afterwards every leaf it charged is read again from its
-# row.  The first time a plan reaches a leaf, the leaf is checked against its row (a writer
-# between its write and its feed notice): a leaf that differs is corrected and the plan starts
-# over (a few times, then the caller scans).
+# KV - tokens) and walks up, n times.  A plan that is booked keeps its charges: the booking
+# writes each charged row (this replica's lease, the others' estimates) and posts it, and the
+# next drain finds the leaf already equal to its row (no walk) unless the row moved otherwise;
+# a plan that is not booked reads every leaf it charged again from its row.  The first time a
+# plan reaches a leaf, the leaf is checked against its row (a writer between its write and its
+# feed notice): a leaf that differs is corrected and the plan starts over (a few times, then
+# the caller scans).  The roomiest leaf of a node is kept under KV fit only.
 #
 # The tree is fed as the load index is (_index.pxd): by the table header's feed, drained before
 # each use, rebuilt when it fell behind.  A separate structure from _index.Index so the two
@@ -124,9 +127,11 @@ cdef inline void coord_up(Coord *c, int64_t leaf) noexcept nogil:
         l = lc[0]
         r = rc[0]
         w = l if coord_less(c.leaves, l, r) else r
-        l = lc[1]
-        r = rc[1]
-        m = l if coord_roomier(c.leaves, l, r) else r
+        m = -1
+        if c.kv:
+            l = lc[1]
+            r = rc[1]
+            m = l if coord_roomier(c.leaves, l, r) else r
         b = lc[2] + rc[2]
         if w == nd[0] and m == nd[1] and b == nd[2] and w != leaf and m != leaf:
             return
@@ -173,9 +178,11 @@ cdef inline void coord_rebuild(Coord *c) noexcept nogil:
         l = nd[CN * j]                   # node 2j's cells start CN x j cells after node j's
         r = nd[CN * j + CN]
         nd[0] = l if coord_less(c.leaves, l, r) else r
-        l = nd[CN * j + 1]
-        r = nd[CN * j + CN + 1]
-        nd[1] = l if coord_roomier(c.leaves, l, r) else r
+        nd[1] = -1
+        if c.kv:
+            l = nd[CN * j + 1]
+            r = nd[CN * j + CN + 1]
+            nd[1] = l if coord_roomier(c.leaves, l, r) else r
         nd[2] = nd[CN * j + 2] + nd[CN * j + CN + 2]
         j -= 1
     c.rebuilds += 1
@@ -260,10 +267,12 @@ cdef inline void coord_restore(Coord *c, const int64_t *picks, int64_t s) noexce
 
 
 cdef inline int64_t coord_plan(Coord *c, int64_t tokens, int64_t need, int64_t n, int64_t slot,
-                               bint strict, int64_t *picks) noexcept nogil:
+                               bint strict, int64_t *picks, bint keep) noexcept nogil:
     # pick_coordinated from the tree (after a drain): picks[0..n) the placements' rows,
     # picks[n..2n) their cost levels, picks[2n] this replica's place; returns its row, -1 when
-    # nothing is eligible, COORD_SCAN when leaves kept disagreeing with their rows.
+    # nothing is eligible, COORD_SCAN when leaves kept disagreeing with their rows.  keep: the
+    # caller books every placement (each charged row is then written and posted), so the
+    # charges stay in the tree.
     cdef int64_t s, leaf, level, ties, step = tokens + c.weight if c.demand else 1
     cdef int64_t k[LEAF]
     cdef int64_t *x
@@ -304,7 +313,11 @@ cdef inline int64_t coord_plan(Coord *c, int64_t tokens, int64_t need, int64_t n
             s += 1
         if s < n:
             continue
-        coord_restore(c, picks, n)
+        if keep:
+            for s in range(n):
+                c.extra[c.leaf_of[picks[s]]] = 0
+        else:
+            coord_restore(c, picks, n)
         ties = 0
         for s in range(n):
             if picks[n + s] == picks[n]:

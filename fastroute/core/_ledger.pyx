@@ -821,7 +821,7 @@ cdef class Picker:
             cx.coord_drain(&self.cidx)
         else:
             self._coord_setup()
-        t = cx.coord_plan(&self.cidx, tokens, need, n, slot, strict, &self.scratch[2 * m])
+        t = cx.coord_plan(&self.cidx, tokens, need, n, slot, strict, &self.scratch[2 * m], False)
         if t < 0:
             return (-1, []) if t == -1 else None
         return t, [int(x) for x in self.scratch[2 * m:2 * m + n]]
@@ -876,6 +876,10 @@ cdef class Picker:
         With KV fit on, the candidates are first narrowed to the ranks where this request's
         input + ``out_tokens`` + the configured reserve fit in estimated free KV (see
         ``_policy.kv_free``); in shadow the usual pick is dispatched and agreement counted."""
+        return self._pick(tokens, key, out_tokens, False)
+
+    cdef int64_t _pick(self, int64_t tokens, bytes key, int64_t out_tokens, bint booking) except? -9:
+        # booking: acquire() books what a coordinated plan placed (its charges may stay).
         cdef const unsigned char *k = NULL
         cdef Py_ssize_t klen = 0
         cdef int64_t a, b, f = -2, n, need = tokens + out_tokens + self.kv_reserve
@@ -890,9 +894,9 @@ cdef class Picker:
             else:
                 self._coord_setup()
             if not cx.coord_idle(&self.cidx):
-                return self._coordinated(tokens, need, n)
+                return self._coordinated(tokens, need, n, booking)
         elif n > 1 and self.cands.shape[0] > 0 and self._plans() and not self._idle():
-            return self._coordinated(tokens, need, n)
+            return self._coordinated(tokens, need, n, False)
         elif self.cidx.on:
             self._coord_drop()  # alone again: the writers need not publish for it
         if self.idx.kind == ix.INDEX_KV_FIT:
@@ -942,7 +946,7 @@ cdef class Picker:
                 return False
         return True
 
-    cdef int64_t _coordinated(self, int64_t tokens, int64_t need, int64_t n) noexcept:
+    cdef int64_t _coordinated(self, int64_t tokens, int64_t need, int64_t n, bint booking) noexcept:
         # Synced replicas (see pick_coordinated): this replica's place in the sequence of the
         # next n placements; acquire() books the rest as the others' estimate.
         cdef int64_t slot = fr_load_i64(&self.header[HDR_REPLICA_SLOT])
@@ -965,7 +969,7 @@ cdef class Picker:
             slot = slot % n if slot > 0 else 0
         t = cx.COORD_SCAN
         if self.cidx.on:
-            t = cx.coord_plan(&self.cidx, tokens, need, n, slot, strict, &self.scratch[2 * m])
+            t = cx.coord_plan(&self.cidx, tokens, need, n, slot, strict, &self.scratch[2 * m], booking)
         if t == cx.COORD_SCAN:
             t = pick_coordinated(self.tab, self.cands, tokens, need, self.demand == MODE_ON,
                                  self.weight, self.kv_fit == MODE_ON, n, slot, strict,
@@ -1010,7 +1014,7 @@ cdef class Picker:
     def acquire(self, int64_t tokens=0, bytes key=None, text=None, int64_t out_tokens=0):
         """Pick and book in one call; returns a Lease, or None when no target is eligible.
         ``text`` is accepted for call compatibility with text-aware policies and ignored."""
-        cdef int64_t t = self.pick(tokens, key, out_tokens)
+        cdef int64_t t = self._pick(tokens, key, out_tokens, True)
         cdef Lease lease
         if t < 0:
             return None
