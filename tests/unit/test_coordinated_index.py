@@ -267,3 +267,27 @@ def test_a_burst_over_three_replicas_of_a_fleet_fills_distinct_ranks():
         for tab in tabs:
             tab.close()
             tab.unlink()
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_look_without_booking_leaves_the_index_as_the_rows_are(table, mode):
+    """A booked plan keeps its charges in the tree (the bookings post those rows); a pick that
+    books nothing must not: the next plan is still the scan's."""
+    rs = np.random.default_rng(9)
+    cands = np.arange(20, 180)
+    reset(table)
+    scramble(table, rs, range(ROWS), 30)
+    table.set_replicas(8, 2)
+    p = picker(table, cands, mode, 2)
+    try:
+        for _ in range(5):
+            p.pick(80)
+        assert p.coordinated_indexed
+        assert p.coordinated_plan(80, 80, 8, 2, True) == scan(table, cands, mode, 2, 80, 80, 8, 2, True)
+        lease = p.acquire(80)  # booked: the charges stay, and the rows now say the same
+        assert lease is not None
+        assert p.coordinated_plan(80, 80, 8, 2, True) == scan(table, cands, mode, 2, 80, 80, 8, 2, True)
+        lease.release()
+    finally:
+        table.set_replicas(0, 0)
+        reset(table)
