@@ -24,8 +24,8 @@ from fastroute.core._policy cimport (
     pick_round_robin, pick_random, pick_p2c, pick_demand, pick_ring, pick_kv_fit, kv_free,
     pick_coordinated, hash_bytes, MODE_SHADOW, MODE_ON, METRIC_LEAST_REQUESTS,
 )
-from fastroute.core cimport _index as ix
-from fastroute.core cimport _coindex as cx
+cimport fastroute.core._index as ix
+cimport fastroute.core._coindex as cx
 import mmap
 import os
 
