@@ -34,18 +34,21 @@ checked against its leaf and a disagreement (a lost notice) is corrected and sca
 Every allocation goes through ``PyMem_*`` so ``tracemalloc`` sees the tree.  The object is not
 thread-safe; it is used with the GIL held, from one event loop.
 """
+cimport cython
 from libc.stdint cimport int32_t, int64_t, uint64_t, uint8_t, INT64_MAX, INT64_MIN
 from libc.string cimport memchr, memcpy
 from cpython.mem cimport PyMem_Malloc, PyMem_Realloc, PyMem_Free
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
-from fastroute.core._atomic cimport fr_cas_i64
+from fastroute.core._atomic cimport fr_add_i64
 from fastroute.core._layout cimport (
     NCOLS, NHDR, HDR_FEED_ON, HDR_FEED_SLOTS, row_eligible, row_requests, row_kv_free,
 )
 from fastroute.core._random cimport reservoir_step, rng_below
-from fastroute.core cimport _index as ix
+cimport fastroute.core._index as ix
 
 import numpy as np
+
+from fastroute.core._ledger import mapped
 
 cdef extern from "Python.h":
     const char *PyUnicode_AsUTF8AndSize(object s, Py_ssize_t *size) except NULL
@@ -112,6 +115,7 @@ cdef inline int _require(bint ok, str what) except -1:
     return 0
 
 
+@cython.no_gc_clear  # __dealloc__ gives back the tree's feed uses through its header
 cdef class PrefixTree:
     """Radix tree + cache_aware pick over one shared target table (see the module docstring)."""
 
@@ -164,6 +168,7 @@ cdef class PrefixTree:
     # KV fit (policies.PrefixTree): the group's rows keyed by free KV (INDEX_LEAST_FREE), so
     # that "every eligible rank fits" -- the filter keeps every candidate -- needs no scan.
     cdef ix.Index kx
+    cdef bint _lx_use, _kx_use       # this tree's uses of the header's feed (one per index kept)
     cdef object _kx_obj              # the list it indexes (identity, as the candidates)
     cdef object _kx_keep
 
@@ -222,6 +227,11 @@ cdef class PrefixTree:
         return 0
 
     def __dealloc__(self):
+        # A table closed under the tree (its mapping gone) is not written: its uses stay
+        # counted, the safe side (the feed stays on: work for writers, never a stale index).
+        if (self._lx_use or self._kx_use) and mapped(self._array):
+            self._feed(&self._lx_use, False)
+            self._feed(&self._kx_use, False)
         self._free_all()
         PyMem_Free(self.slot_of)
         PyMem_Free(self.slot_head)
@@ -529,6 +539,7 @@ cdef class PrefixTree:
         self.free_slot = s
         self._cand_obj = None
         self.lx.kind = ix.INDEX_NONE
+        self._feed(&self._lx_use, False)
 
     # ---- candidates ----------------------------------------------------------------------------
     cdef int _load_cands(self, targets) except -1:
@@ -543,6 +554,7 @@ cdef class PrefixTree:
             self.cand_cap = n
         self._cand_obj = None
         self.lx.kind = ix.INDEX_NONE      # a new list: indexed from its second pick
+        self._feed(&self._lx_use, False)
         self._lx_tried = False
         for i in range(n):
             t = targets[i]
@@ -552,10 +564,19 @@ cdef class PrefixTree:
         self._cand_obj = targets
         return 0
 
+    cdef void _feed(self, bint *held, bint want) noexcept:
+        # Take or give back one index's use of the header's feed: writers publish while any
+        # index of any process holds one (_layout.feed_publish; Picker._feed_use).  A process
+        # that dies holding one leaves the feed on: work for writers, never a stale index.
+        if held[0] == want:
+            return
+        fr_add_i64(&self._hdr[HDR_FEED_ON], 1 if want else -1)   # a read-modify-write
+        held[0] = want
+
     cdef int _index_setup(self) except -1:
         # The current candidates, used a second time: index them when they are many, distinct,
         # and the header's feed can be read (see the field comments).
-        cdef int64_t size = 1, cur = 0, i, t, mx = 0
+        cdef int64_t size = 1, i, t, mx = 0
         cdef int64_t[::1] nodes, snodes, leaf_of
         self._lx_tried = True
         if self._hdr.shape[0] == 0 or self.ncand < ix.INDEX_MIN_CANDS:
@@ -591,8 +612,7 @@ cdef class PrefixTree:
         self.sx = self.lx
         self.sx.kind = ix.INDEX_NONE
         self.sx.nodes = &snodes[0]
-        # Writers publish from now on (a read-modify-write: see _layout.feed_publish).
-        fr_cas_i64(&self._hdr[HDR_FEED_ON], &cur, 1)
+        self._feed(&self._lx_use, True)   # writers publish from now on; then the rows are read
         ix.index_rebuild(&self.lx)
         self._sx_rebuild()
         return 0
@@ -1043,11 +1063,12 @@ cdef class PrefixTree:
         return row_eligible(self._rows + target * NCOLS) and row_kv_free(self._rows + target * NCOLS) >= need
 
     cdef int _kx_setup(self, targets) except -1:
-        cdef int64_t size = 1, cur = 0, i, t, n = len(targets)
+        cdef int64_t size = 1, i, t, n = len(targets)
         cdef int64_t[::1] nodes, leaf_of, cands
         self._kx_obj = targets
         self._kx_keep = None
         self.kx.kind = ix.INDEX_NONE
+        self._feed(&self._kx_use, False)
         self.kx.n = n
         if self._hdr.shape[0] == 0 or n < ix.INDEX_MIN_CANDS:
             return 0
@@ -1069,7 +1090,7 @@ cdef class PrefixTree:
         self.kx.tab = self._rows
         self.kx.cands = &cands[0]
         self.kx.header = &self._hdr[0]
-        fr_cas_i64(&self._hdr[HDR_FEED_ON], &cur, 1)
+        self._feed(&self._kx_use, True)
         ix.index_rebuild(&self.kx)
         return 0
 
