@@ -14,11 +14,12 @@ payload lines by the script) when it does not know the peer yet, when a number i
 requests, tokens, open``; zeros for a target that fell idle), so applying one twice changes
 nothing. Everything stays one script call, one round trip, per tick.
 
-:class:`Published` finds this replica's changes (a compiled copy of the table's rows and NumPy
-per name, then Python only for the lines that changed); :class:`View` holds what each peer
-published in one array (peer slot x local name x requests/tokens/open), decoded by compiled
-code (``_ledger.sync_decode``), and stores the sums of the names that changed into the table
-(``_ledger.sync_store``): no Python per line or per row on a tick.
+:class:`Published` finds this replica's changes and writes their lines in one compiled pass
+over its rows (``_ledger.sync_encode``; a copy of the rows and NumPy per name when a name has
+two rows); :class:`View` holds what each peer published in one array (peer slot x local name x
+requests/tokens/open), decoded by compiled code (``_ledger.sync_decode``), and stores the sums
+of the names that changed into the table (``_ledger.sync_store``): no Python per line or per
+row on a tick.
 """
 
 from __future__ import annotations
@@ -180,6 +181,8 @@ class Names:
         self.single: np.ndarray | None = None  # the row of each name when every name has one
         self.starts = np.zeros(1, np.int64)  # rows of name i: by_name[starts[i]:starts[i + 1]]
         self.by_name = np.zeros(0, np.int64)
+        self.utf8 = b""  # every name's UTF-8, name i at utf8[at[i]:at[i + 1]] (the compiled encoder's)
+        self.at = np.zeros(1, np.int64)
 
     def refresh(self, table: Any, registry: Any) -> bool:
         """Rebuild when the target set changed; True when it did."""
@@ -195,6 +198,9 @@ class Names:
         self.rows = rows
         self.names = list(rows)
         self.index = {name.encode(): i for i, name in enumerate(self.names)}
+        self.utf8 = b"".join(self.index)
+        self.at = np.zeros(len(rows) + 1, np.int64)
+        self.at[1:] = np.cumsum([len(b) for b in self.index])
         pairs = [(t, i) for i, ts in enumerate(rows.values()) for t in ts]
         self.row_ids = np.array([t for t, _ in pairs], np.int64)
         self.row_name = np.array([i for _, i in pairs], np.int64)
@@ -213,6 +219,7 @@ class Published:
         self._vals: np.ndarray | None = None  # (names, 3) last published: requests, tokens, open
         self._names: list[str] = []  # the names those rows stand for
         self.held: list[int] = []  # rows holding an estimate of the others' placements
+        self._out = np.zeros(0, np.uint8)  # the compiled encoder's buffer, kept between ticks
         # A new publisher does not know what its followers or its hash hold (a tick failed
         # half-way, or this is the first): its first entry is its whole state, replaces its
         # hash and skips a number, so they read it whole.
@@ -223,11 +230,14 @@ class Published:
         old, old_names = self._vals, self._names
         self.held = []
         if names.single is not None and old is not None and old_names is names.names:
-            # the common tick: one compiled pass over the rows, Python for changed names only
-            at = _ledger.sync_changed(table.array, names.single, old, self.held)
-            if self.reset:
-                at = _nonzero(old)
-            return "".join(_line(names.names[i], v) for i, v in zip(at, old[at].tolist())).encode()
+            # the common tick: one compiled pass over the rows finds and writes the changed lines
+            args = (table.array, names.single, old, self.held, names.utf8, names.at)
+            out = _ledger.sync_encode(*args, self._out, self.reset)
+            if out is None:  # the names grew since the buffer was sized
+                self._out = np.zeros(len(names.utf8) + 64 * len(names.names), np.uint8)
+                out = _ledger.sync_encode(*args, self._out, self.reset)
+            assert out is not None  # (sized for every name)
+            return out
         snap = _ledger.snapshot_cols(table.array, names.end, SNAP_COLS)
         self.held = np.flatnonzero(snap[:, 3]).tolist()  # SNAP_COLS: the others' estimates
         rows = snap[names.single] if names.single is not None else snap[names.row_ids]

@@ -83,9 +83,21 @@ def snapshot(tab: _Table, n: int) -> npt.NDArray[np.int64]:
 def snapshot_cols(tab: _Table, n: int, cols: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     """Atomic-load copy of the columns ``cols`` of the first ``n`` rows: (n, len(cols))."""
 
-def sync_changed(tab: _Table, rows: npt.NDArray[np.int64], seen: npt.NDArray[np.int64], held: list[int]) -> list[int]:
-    """Names (``rows[i]`` the one row of name i) whose requests, tokens or open circuit differ
-    from ``seen[i]`` (updated in place); rows holding an others' estimate go to ``held``."""
+def sync_encode(
+    tab: _Table,
+    rows: npt.NDArray[np.int64],
+    seen: npt.NDArray[np.int64],
+    held: list[int],
+    names: bytes,
+    offsets: npt.NDArray[np.int64],
+    out: npt.NDArray[np.uint8],
+    every: bool,
+) -> bytes | None:
+    """The ``name\\trequests\\ttokens\\topen`` lines of the names (``rows[i]`` the one row of
+    name i, ``names[offsets[i]:offsets[i + 1]]`` its UTF-8) whose requests, tokens or open
+    circuit differ from ``seen[i]`` (updated in place; ``every``: of each nonzero name), written
+    through ``out``; rows holding an others' estimate go to ``held``. None when ``out`` is
+    shorter than ``len(names) + 64 * len(rows)`` bytes."""
 
 def sync_decode(
     data: bytes,

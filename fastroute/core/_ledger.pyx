@@ -11,6 +11,7 @@ winner, so the I/O layer never loops over targets in Python.
 cimport cython
 from libc.stdint cimport int64_t, uint64_t
 from cpython.bytes cimport PyBytes_FromStringAndSize
+from libc.string cimport memcpy
 from fastroute.core._atomic cimport fr_load_i64, fr_store_i64, fr_add_i64, fr_cas_i64
 from fastroute.core._layout cimport (
     COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS, COL_POLLED_RUNNING, COL_POLLED_WAITING,
@@ -445,34 +446,85 @@ def sync_decode(const unsigned char[::1] data, dict index, int64_t[:, :, ::1] va
     return good, bad
 
 
-def sync_changed(int64_t[:, ::1] tab, const int64_t[::1] rows, int64_t[:, ::1] seen, list held):
+cdef inline Py_ssize_t _put_count(unsigned char *p, int64_t v) noexcept nogil:
+    """The decimal digits of ``v`` (a '-' first when negative) at ``p``; returns their number
+    (at most 20)."""
+    cdef unsigned char rev[20]
+    cdef uint64_t u = <uint64_t>v
+    cdef Py_ssize_t n = 0, i = 0
+    if v < 0:
+        p[0] = 45
+        i = 1
+        u = <uint64_t>0 - u  # INT64_MIN's magnitude fits in uint64
+    while True:
+        rev[n] = 48 + <unsigned char>(u % 10)
+        n += 1
+        u //= 10
+        if u == 0:
+            break
+    while n:
+        n -= 1
+        p[i] = rev[n]
+        i += 1
+    return i
+
+
+def sync_encode(int64_t[:, ::1] tab, const int64_t[::1] rows, int64_t[:, ::1] seen, list held,
+                const unsigned char[::1] names, const int64_t[::1] offsets, unsigned char[::1] out,
+                bint every):
     """This replica's side of a tick when every name has one row (``rows[i]`` the row of name
-    i): the names whose requests, tokens or open circuit differ from ``seen[i]`` (updated in
-    place) are returned; rows holding an estimate of the others' placements are appended to
-    ``held``."""
-    cdef Py_ssize_t i
+    i), in one pass: each name whose requests, tokens or open circuit differ from ``seen[i]``
+    (updated in place) is written to ``out`` as a ``name\\trequests\\ttokens\\topen\\n`` line
+    (``every``: each name with anything nonzero, changed or not); name i is
+    ``names[offsets[i]:offsets[i + 1]]`` (UTF-8). Rows holding an estimate of the others'
+    placements are appended to ``held``. Returns the payload, or None when ``out`` is shorter
+    than the payload could be (``seen`` and ``held`` untouched: call again with
+    ``len(names) + 64 * len(rows)`` bytes)."""
+    cdef Py_ssize_t i, n = rows.shape[0], w = 0, a, b
     cdef int64_t t, r, k, o
-    cdef list out = []
+    cdef bint changed
     if tab.shape[1] != NCOLS:
         raise ValueError(f"not a target table: {tab.shape[1]} columns, expected {NCOLS}")
-    if seen.shape[0] != rows.shape[0] or seen.shape[1] != 3:
-        raise ValueError("sync_changed: seen must be (len(rows), 3)")
-    for i in range(rows.shape[0]):
+    if seen.shape[0] != n or seen.shape[1] != 3 or offsets.shape[0] != n + 1:
+        raise ValueError("sync_encode: seen must be (len(rows), 3) and offsets hold len(rows) + 1 bounds")
+    if offsets[0] < 0 or offsets[n] > names.shape[0]:
+        raise IndexError("sync_encode: offsets outside the names")
+    for i in range(n):
         if rows[i] < 0 or rows[i] >= tab.shape[0]:
-            raise IndexError(f"sync_changed: row {rows[i]} outside the table")
-    for i in range(rows.shape[0]):
+            raise IndexError(f"sync_encode: row {rows[i]} outside the table")
+        if offsets[i] > offsets[i + 1]:
+            raise IndexError(f"sync_encode: name {i} ends before it starts")
+    # a line is its name, three counts of at most 20 characters and four separators
+    if out.shape[0] < offsets[n] - offsets[0] + 64 * n:
+        return None
+    for i in range(n):
         t = rows[i]
         r = fr_load_i64(&tab[t, COL_IN_FLIGHT])
         k = fr_load_i64(&tab[t, COL_IN_FLIGHT_TOKENS])
         o = 1 if fr_load_i64(&tab[t, COL_CIRCUIT]) == CIRCUIT_OPEN else 0
         if fr_load_i64(&tab[t, COL_OTHERS_EST]) != 0:
             held.append(t)
-        if r != seen[i, 0] or k != seen[i, 1] or o != seen[i, 2]:
+        changed = r != seen[i, 0] or k != seen[i, 1] or o != seen[i, 2]
+        if changed:
             seen[i, 0] = r
             seen[i, 1] = k
             seen[i, 2] = o
-            out.append(i)
-    return out
+        if not ((r or k or o) if every else changed):
+            continue
+        a = offsets[i]
+        b = offsets[i + 1]
+        if b > a:
+            memcpy(&out[w], &names[a], b - a)
+        w += b - a
+        out[w] = 9
+        w += 1 + _put_count(&out[w + 1], r)
+        out[w] = 9
+        w += 1 + _put_count(&out[w + 1], k)
+        out[w] = 9
+        out[w + 1] = 48 + <unsigned char>o
+        out[w + 2] = 10
+        w += 3
+    return PyBytes_FromStringAndSize(<const char *>&out[0], w) if w else b""
 
 cdef inline bint _store_changed(int64_t *cell, int64_t v) noexcept nogil:
     if fr_load_i64(cell) != v:  # an unchanged cell is not written (the pickers' cache lines)

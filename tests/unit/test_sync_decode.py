@@ -1,8 +1,9 @@
 """The compiled reading of replica-sync lines (``_ledger.sync_decode``) takes what the Python
 reference (``control.replica.decode``) takes, skips what it skips and sums the same, over random
-payloads that mix good lines, out-of-range and negative counts, and garbage; and
+payloads that mix good lines, out-of-range and negative counts, and garbage;
 ``_ledger.sync_store`` stores the capped sums over peers into the others columns of every row
-of a name."""
+of a name; and ``_ledger.sync_encode`` finds and writes this replica's changed lines as the
+Python formatting (``control.syncdelta._line``) does."""
 
 from __future__ import annotations
 
@@ -11,8 +12,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastroute.control.replica import COUNT_LIMIT, decode
+from fastroute.control.syncdelta import _line
 from fastroute.core import _ledger
 from fastroute.core.table import (
+    CIRCUIT_CLOSED,
+    CIRCUIT_HALF_OPEN,
+    CIRCUIT_OPEN,
+    COL_CIRCUIT,
+    COL_IN_FLIGHT,
+    COL_IN_FLIGHT_TOKENS,
+    COL_OTHERS_EST,
     COL_OTHERS_IN_FLIGHT,
     COL_OTHERS_OPEN,
     COL_OTHERS_TOKENS,
@@ -103,3 +112,63 @@ def test_compiled_decode_takes_digits_only():
         b"x\t 1\t0\t0\nx\t1_0\t0\t0\nx\t3\t4\t-2\n", {b"x": 0}, vals, 0, np.zeros(1, np.uint8), [], True, COUNT_LIMIT
     )
     assert got == (1, 2) and vals[0].tolist() == [[3, 4, 1]]
+
+
+INT64 = st.one_of(st.integers(-5, 5000), st.integers(-(2**63), 2**63 - 1), st.sampled_from([-(2**63), 2**63 - 1]))
+ROW = st.tuples(
+    st.text(max_size=12),  # a name (any UTF-8)
+    INT64,  # requests
+    INT64,  # tokens
+    st.sampled_from([CIRCUIT_CLOSED, CIRCUIT_OPEN, CIRCUIT_HALF_OPEN]),
+    st.integers(0, 3),  # the others' estimate
+    st.booleans(),  # seen holds the current values
+    st.tuples(st.integers(-3, 3), st.integers(-3, 3), st.integers(0, 1)),  # else these
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(ROW, max_size=10, unique_by=lambda r: r[0]), st.booleans(), st.randoms(use_true_random=False))
+def test_compiled_encode_agrees_with_the_reference(rows, every, rnd):
+    tab = TargetTable(16)
+    try:
+        at = [tab.alloc() for _ in range(16)]
+        rnd.shuffle(at)  # name i's row is any row
+        at = at[: len(rows)]
+        seen = np.zeros((len(rows), 3), np.int64)
+        for i, (_, r, k, circuit, est, same, other) in enumerate(rows):
+            t = at[i]
+            for col, v in (
+                (COL_IN_FLIGHT, r),
+                (COL_IN_FLIGHT_TOKENS, k),
+                (COL_CIRCUIT, circuit),
+                (COL_OTHERS_EST, est),
+            ):
+                tab.cells.store(t, col, v)
+            seen[i] = (r, k, int(circuit == CIRCUIT_OPEN)) if same else other
+        # the reference: Python over the same rows
+        want_seen, want_lines, want_held = seen.copy(), [], []
+        for i, (name, r, k, circuit, est, _, _) in enumerate(rows):
+            cur = [r, k, int(circuit == CIRCUIT_OPEN)]
+            changed = cur != want_seen[i].tolist()
+            want_seen[i] = cur
+            if est:
+                want_held.append(at[i])
+            if any(cur) if every else changed:
+                want_lines.append(_line(name, cur))
+        utf8 = [n.encode() for n, *_ in rows]
+        offsets = np.zeros(len(rows) + 1, np.int64)
+        offsets[1:] = np.cumsum([len(b) for b in utf8])
+        args = (tab.array, np.array(at, np.int64), seen, [], b"".join(utf8), offsets)
+        if rows:
+            short = np.zeros(int(offsets[-1]) + 64 * len(rows) - 1, np.uint8)
+            before = seen.copy()
+            assert _ledger.sync_encode(*args, short, every) is None
+            assert (seen == before).all() and args[3] == []  # nothing done with a short buffer
+        out = np.zeros(int(offsets[-1]) + 64 * len(rows), np.uint8)
+        got = _ledger.sync_encode(*args, out, every)
+        assert got == "".join(want_lines).encode()
+        assert seen.tolist() == want_seen.tolist()
+        assert args[3] == want_held
+    finally:
+        tab.close()
+        tab.unlink()
