@@ -16,10 +16,10 @@ nothing. Everything stays one script call, one round trip, per tick.
 
 :class:`Published` finds this replica's changes and writes their lines in one compiled pass
 over its rows (``_ledger.sync_encode``; a copy of the rows and NumPy per name when a name has
-two rows); :class:`View` holds what each peer published in one array (peer slot x local name x
-requests/tokens/open), decoded by compiled code (``_ledger.sync_decode``), and stores the sums
-of the names that changed into the table (``_ledger.sync_store``): no Python per line or per
-row on a tick.
+two rows); :class:`View` holds what each peer published in one array (local name x peer slot
+x requests/tokens/open: a name's sum reads adjacent cells), decoded by compiled code
+(``_ledger.sync_decode``), and stores the sums of the names that changed into the table
+(``_ledger.sync_store``): no Python per line or per row on a tick.
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ def _nonzero(a: np.ndarray) -> list[int]:
 
 
 class View:
-    """What each known peer published, per local name, in one array (peer slot x name x
+    """What each known peer published, per local name, in one array (name x peer slot x
     requests/tokens/open); ``touched`` collects the names whose sums may have changed since
     the caller last stored them."""
 
@@ -282,7 +282,7 @@ class View:
         self.names = names
         self.seq: dict[bytes, int] = {}  # last entry applied per followed peer
         self.slot: dict[bytes, int] = {}  # the vals slot of each peer read
-        self.vals = np.zeros((8, len(names.names), 3), np.int64)
+        self.vals = np.zeros((len(names.names), 8, 3), np.int64)  # a name's peers side by side
         self._free = list(range(7, -1, -1))
         self.mark = np.zeros(len(names.names), np.uint8)
         self.touched: list[int] = []
@@ -302,18 +302,18 @@ class View:
             self._free.append(slot)
 
     def _zero(self, slot: int) -> None:
-        for i in np.flatnonzero(self.vals[slot].any(axis=1)).tolist():
+        for i in np.flatnonzero(self.vals[:, slot].any(axis=1)).tolist():
             if not self.mark[i]:
                 self.mark[i] = 1
                 self.touched.append(i)
-        self.vals[slot] = 0
+        self.vals[:, slot] = 0
 
     def _slot(self, peer: bytes) -> int:
         slot = self.slot.get(peer)
         if slot is None:
             if not self._free:
-                n = len(self.vals)
-                self.vals = np.concatenate((self.vals, np.zeros_like(self.vals)))
+                n = self.vals.shape[1]
+                self.vals = np.concatenate((self.vals, np.zeros_like(self.vals)), axis=1)
                 self._free = list(range(2 * n - 1, n - 1, -1))
             slot = self.slot[peer] = self._free.pop()
         return slot
@@ -338,7 +338,7 @@ class View:
     def _release_if_empty(self, peer: bytes, slot: int) -> None:
         # A peer with nothing on this host's names holds no slot: peers that only write names
         # unknown here (or a flood of fake ones) cost no (names x 3) array each.
-        if not self.vals[slot].any():
+        if not self.vals[:, slot].any():
             del self.slot[peer]
             self._free.append(slot)
 

@@ -109,7 +109,7 @@ def sync_decode(
     add: bool,
     limit: int,
 ) -> tuple[int, int]:
-    """Read a replica's ``name\\trequests\\ttokens\\topen`` lines into ``vals[slot, index[name]]``
+    """Read a replica's ``name\\trequests\\ttokens\\topen`` lines into ``vals[index[name], slot]``
     (sum repeated names when ``add``, else the last wins); names first seen since ``mark`` was
     cleared are appended to ``touched``. Returns (good lines, skipped lines)."""
 
@@ -123,7 +123,7 @@ def sync_store(
     rows: npt.NDArray[np.int64],
     limit: int,
 ) -> None:
-    """Store the others' sums of ``names`` over the peers' ``slots`` of ``vals`` (slots, names,
+    """Store the others' sums of ``names`` over the peers' ``slots`` of ``vals`` (names, slots,
     3) into the others columns of their allocated rows ``rows[starts[n]:starts[n + 1]]``,
     publishing each row that changed to the pickers' load indexes (the table's ``header``)."""
 

@@ -382,7 +382,7 @@ cdef inline int _sync_number(const unsigned char[::1] d, Py_ssize_t a, Py_ssize_
 
 def sync_decode(const unsigned char[::1] data, dict index, int64_t[:, :, ::1] vals, Py_ssize_t slot,
                 unsigned char[::1] mark, list touched, bint add, int64_t limit):
-    """Read ``name\\trequests\\ttokens\\topen`` lines into ``vals[slot, index[name]]`` (names this host
+    """Read ``name\\trequests\\ttokens\\topen`` lines into ``vals[index[name], slot]`` (names this host
     does not know are read and dropped); a name seen the first time since ``mark`` was cleared
     is appended to ``touched``. ``add``: sum repeated names (a whole payload), else the last
     line of a name wins (a delta of absolute values). A line that is not four tab-separated
@@ -394,11 +394,11 @@ def sync_decode(const unsigned char[::1] data, dict index, int64_t[:, :, ::1] va
     cdef uint64_t r, k, o
     cdef bint nr, nk, no
     cdef int64_t good = 0, bad = 0, idx, cap = limit - 1
-    if vals.shape[2] != 3 or mark.shape[0] < vals.shape[1] or limit <= 0:
-        raise ValueError("sync_decode: vals must be (slots, names, 3) and mark cover every name")
-    if slot < 0 or slot >= vals.shape[0]:
-        raise IndexError(f"sync_decode: slot {slot} outside 0..{vals.shape[0] - 1}")
-    cdef int64_t[:, ::1] into = vals[slot]
+    cdef int64_t *into
+    if vals.shape[2] != 3 or mark.shape[0] < vals.shape[0] or limit <= 0:
+        raise ValueError("sync_decode: vals must be (names, slots, 3) and mark cover every name")
+    if slot < 0 or slot >= vals.shape[1]:
+        raise IndexError(f"sync_decode: slot {slot} outside 0..{vals.shape[1] - 1}")
     while start < n:
         end = start
         ntab = 0
@@ -425,8 +425,9 @@ def sync_decode(const unsigned char[::1] data, dict index, int64_t[:, :, ::1] va
         if found is None:
             continue
         idx = found
-        if idx < 0 or idx >= into.shape[0]:
-            raise IndexError(f"sync_decode: index maps a name to {idx}, outside 0..{into.shape[0] - 1}")
+        if idx < 0 or idx >= vals.shape[0]:
+            raise IndexError(f"sync_decode: index maps a name to {idx}, outside 0..{vals.shape[0] - 1}")
+        into = &vals[idx, slot, 0]
         if nr:
             r = 0
         if nk:
@@ -436,13 +437,13 @@ def sync_decode(const unsigned char[::1] data, dict index, int64_t[:, :, ::1] va
             mark[idx] = 1
             touched.append(idx)
         if add:
-            into[idx, 0] = min(into[idx, 0] + <int64_t>r, cap)
-            into[idx, 1] = min(into[idx, 1] + <int64_t>k, cap)
-            into[idx, 2] = into[idx, 2] | <int64_t>o
+            into[0] = min(into[0] + <int64_t>r, cap)
+            into[1] = min(into[1] + <int64_t>k, cap)
+            into[2] = into[2] | <int64_t>o
         else:
-            into[idx, 0] = <int64_t>r
-            into[idx, 1] = <int64_t>k
-            into[idx, 2] = <int64_t>o
+            into[0] = <int64_t>r
+            into[1] = <int64_t>k
+            into[2] = <int64_t>o
     return good, bad
 
 
@@ -537,22 +538,22 @@ def sync_store(int64_t[:, ::1] tab, int64_t[::1] header, const int64_t[:, :, ::1
                const int64_t[::1] names, const int64_t[::1] starts, const int64_t[::1] rows,
                int64_t limit):
     """Store the others' sums of each name in ``names`` (over the peers' ``slots`` of
-    ``vals``: requests and tokens capped below ``limit``, open if any) into the others columns
+    ``vals`` (names, slots, 3): a name's peers side by side; requests and tokens capped below ``limit``, open if any) into the others columns
     of the allocated rows ``rows[starts[name]:starts[name + 1]]`` of the table; a row whose
     cells changed is published to the pickers' load indexes (the table's ``header``)."""
     cdef Py_ssize_t i, j, s
     cdef int64_t name, t, r, k, o, v, w, cap = limit - 1
     cdef bint moved
     _check_arrays(tab, header)
-    if vals.shape[2] != 3 or starts.shape[0] != vals.shape[1] + 1 or limit <= 0:
-        raise ValueError("sync_store: vals must be (slots, names, 3) and starts hold names + 1 bounds")
+    if vals.shape[2] != 3 or starts.shape[0] != vals.shape[0] + 1 or limit <= 0:
+        raise ValueError("sync_store: vals must be (names, slots, 3) and starts hold names + 1 bounds")
     for j in range(slots.shape[0]):
-        if slots[j] < 0 or slots[j] >= vals.shape[0]:
-            raise IndexError(f"sync_store: slot {slots[j]} outside 0..{vals.shape[0] - 1}")
+        if slots[j] < 0 or slots[j] >= vals.shape[1]:
+            raise IndexError(f"sync_store: slot {slots[j]} outside 0..{vals.shape[1] - 1}")
     for i in range(names.shape[0]):
         name = names[i]
-        if name < 0 or name >= vals.shape[1]:
-            raise IndexError(f"sync_store: name {name} outside 0..{vals.shape[1] - 1}")
+        if name < 0 or name >= vals.shape[0]:
+            raise IndexError(f"sync_store: name {name} outside 0..{vals.shape[0] - 1}")
         if starts[name] < 0 or starts[name] > starts[name + 1] or starts[name + 1] > rows.shape[0]:
             raise IndexError(f"sync_store: rows of name {name} outside the rows given")
         for s in range(starts[name], starts[name + 1]):
@@ -563,11 +564,11 @@ def sync_store(int64_t[:, ::1] tab, int64_t[::1] header, const int64_t[:, :, ::1
         r = k = o = 0
         for j in range(slots.shape[0]):
             # each term is clamped to 0..cap (cap < 2^62): a sum of two never overflows
-            v = min(max(vals[slots[j], name, 0], 0), cap)
-            w = min(max(vals[slots[j], name, 1], 0), cap)
+            v = min(max(vals[name, slots[j], 0], 0), cap)
+            w = min(max(vals[name, slots[j], 1], 0), cap)
             r = min(r + v, cap)
             k = min(k + w, cap)
-            o |= vals[slots[j], name, 2]
+            o |= vals[name, slots[j], 2]
         o = 1 if o else 0
         for s in range(starts[name], starts[name + 1]):
             t = rows[s]

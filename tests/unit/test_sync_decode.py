@@ -50,8 +50,8 @@ def test_compiled_decode_agrees_with_the_reference(lines, trailing):
     want: dict[str, list[int]] = {}
     want_counts = decode(payload, want)
     index = {n.encode(): i for i, n in enumerate(NAMES)}
-    vals = np.zeros((2, len(NAMES), 3), np.int64)
-    into = vals[1]
+    vals = np.zeros((len(NAMES), 2, 3), np.int64)
+    into = vals[:, 1]
     mark = np.zeros(len(NAMES), np.uint8)
     touched: list[int] = []
     got_counts = _ledger.sync_decode(payload, index, vals, 1, mark, touched, True, COUNT_LIMIT)
@@ -68,11 +68,11 @@ def test_compiled_store_caps_sums_over_peers_and_writes_every_row_of_a_name():
         tab.header[HDR_FEED_ON] = 1  # a picker keeps a load index: writers publish changed rows
         start = int(tab.header[HDR_FEED_AT])
         assert start == 0
-        vals = np.zeros((3, 2, 3), np.int64)
+        vals = np.zeros((2, 3, 3), np.int64)  # name x peer slot x (requests, tokens, open)
         vals[0, 0] = (COUNT_LIMIT - 1, 5, 0)
-        vals[1, 0] = (COUNT_LIMIT - 1, 7, 1)
-        vals[2, 0] = (COUNT_LIMIT - 1, 9, 0)
-        vals[0, 1] = (2, 20, 0)
+        vals[0, 1] = (COUNT_LIMIT - 1, 7, 1)
+        vals[0, 2] = (COUNT_LIMIT - 1, 9, 0)
+        vals[1, 0] = (2, 20, 0)
         # name 0 has rows 0 and 2 (a removed worker's row still draining), name 1 row 1
         starts = np.array([0, 2, 3], np.int64)
         by_name = np.array([rows[0], rows[2], rows[1]], np.int64)
@@ -111,7 +111,7 @@ def test_compiled_decode_takes_digits_only():
     got = _ledger.sync_decode(
         b"x\t 1\t0\t0\nx\t1_0\t0\t0\nx\t3\t4\t-2\n", {b"x": 0}, vals, 0, np.zeros(1, np.uint8), [], True, COUNT_LIMIT
     )
-    assert got == (1, 2) and vals[0].tolist() == [[3, 4, 1]]
+    assert got == (1, 2) and vals[:, 0].tolist() == [[3, 4, 1]]
 
 
 INT64 = st.one_of(st.integers(-5, 5000), st.integers(-(2**63), 2**63 - 1), st.sampled_from([-(2**63), 2**63 - 1]))
