@@ -173,7 +173,7 @@ class Names:
     def __init__(self) -> None:
         self.key: tuple[int, int] | None = None
         self.names: list[str] = []
-        self.index: dict[bytes, int] = {}  # name (UTF-8) -> its position in names
+        self.index = _ledger.NameIndex(())  # name (UTF-8) -> its position in names
         self.rows: dict[str, list[int]] = {}
         self.end = 0  # one past the last row in use
         self.row_ids = np.zeros(0, np.int64)  # rows in use
@@ -181,8 +181,6 @@ class Names:
         self.single: np.ndarray | None = None  # the row of each name when every name has one
         self.starts = np.zeros(1, np.int64)  # rows of name i: by_name[starts[i]:starts[i + 1]]
         self.by_name = np.zeros(0, np.int64)
-        self.utf8 = b""  # every name's UTF-8, name i at utf8[at[i]:at[i + 1]] (the compiled encoder's)
-        self.at = np.zeros(1, np.int64)
 
     def refresh(self, table: Any, registry: Any) -> bool:
         """Rebuild when the target set changed; True when it did."""
@@ -197,10 +195,7 @@ class Names:
                 rows.setdefault(registry.target_name(t), []).append(t)
         self.rows = rows
         self.names = list(rows)
-        self.index = {name.encode(): i for i, name in enumerate(self.names)}
-        self.utf8 = b"".join(self.index)
-        self.at = np.zeros(len(rows) + 1, np.int64)
-        self.at[1:] = np.cumsum([len(b) for b in self.index])
+        self.index = _ledger.NameIndex(name.encode() for name in self.names)
         pairs = [(t, i) for i, ts in enumerate(rows.values()) for t in ts]
         self.row_ids = np.array([t for t, _ in pairs], np.int64)
         self.row_name = np.array([i for _, i in pairs], np.int64)
@@ -231,10 +226,10 @@ class Published:
         self.held = []
         if names.single is not None and old is not None and old_names is names.names:
             # the common tick: one compiled pass over the rows finds and writes the changed lines
-            args = (table.array, names.single, old, self.held, names.utf8, names.at)
+            args = (table.array, names.single, old, self.held, names.index.utf8, names.index.at)
             out = _ledger.sync_encode(*args, self._out, self.reset)
             if out is None:  # the names grew since the buffer was sized
-                self._out = np.zeros(len(names.utf8) + 64 * len(names.names), np.uint8)
+                self._out = np.zeros(len(names.index.utf8) + 64 * len(names.names), np.uint8)
                 out = _ledger.sync_encode(*args, self._out, self.reset)
             assert out is not None  # (sized for every name)
             return out

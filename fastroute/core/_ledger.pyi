@@ -7,6 +7,7 @@ compiled code behind it runs without bounds checks.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -83,6 +84,18 @@ def snapshot(tab: _Table, n: int) -> npt.NDArray[np.int64]:
 def snapshot_cols(tab: _Table, n: int, cols: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     """Atomic-load copy of the columns ``cols`` of the first ``n`` rows: (n, len(cols))."""
 
+class NameIndex:
+    """Target names (UTF-8, position i the i-th given; ValueError on a repeat) in one buffer
+    (``utf8``, name i at ``utf8[at[i]:at[i + 1]]``) with a hash table of their positions, read
+    by the sync's compiled code without a Python object per lookup."""
+
+    utf8: bytes
+    at: npt.NDArray[np.int64]
+    def __init__(self, names: Iterable[bytes]) -> None: ...
+    def find(self, name: bytes) -> int | None:
+        """The position of ``name``, or None."""
+    def __len__(self) -> int: ...
+
 def sync_encode(
     tab: _Table,
     rows: npt.NDArray[np.int64],
@@ -101,7 +114,7 @@ def sync_encode(
 
 def sync_decode(
     data: bytes,
-    index: dict[bytes, int],
+    index: NameIndex,
     vals: npt.NDArray[np.int64],
     slot: int,
     mark: npt.NDArray[np.uint8],

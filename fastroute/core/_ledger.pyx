@@ -11,7 +11,7 @@ winner, so the I/O layer never loops over targets in Python.
 cimport cython
 from libc.stdint cimport int64_t, uint64_t
 from cpython.bytes cimport PyBytes_FromStringAndSize
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 from fastroute.core._atomic cimport fr_load_i64, fr_store_i64, fr_add_i64, fr_cas_i64
 from fastroute.core._layout cimport (
     COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS, COL_POLLED_RUNNING, COL_POLLED_WAITING,
@@ -26,6 +26,7 @@ from fastroute.core._policy cimport (
     pick_coordinated, hash_bytes, MODE_SHADOW, MODE_ON, METRIC_LEAST_REQUESTS,
 )
 from fastroute.core cimport _index as ix
+from fastroute.core._random cimport mix64
 import os
 
 import numpy as np
@@ -357,6 +358,104 @@ def snapshot_cols(int64_t[:, ::1] tab, int64_t n, const int64_t[::1] cols):
 
 # ---- replica sync (fastroute/control/syncdelta.py): a peer's lines in, the others' sums out ----
 
+cdef extern from *:
+    void _prefetch "__builtin_prefetch"(const void *addr) noexcept nogil
+
+cdef enum:
+    # Lines sync_decode parses before it looks their names up: the lookups' cache misses
+    # (a slot, the name's bytes, the peer's cells) are then in flight together.
+    DECODE_BATCH = 16
+    # a NameIndex slot: the name's hash (0: empty), position, offset in utf8, length
+    SLOT_HASH = 0
+    SLOT_POS = 1
+    SLOT_AT = 2
+    SLOT_LEN = 3
+
+
+cdef class NameIndex:
+    """This host's target names (UTF-8, position i the i-th given) and the position of each, for
+    the sync's compiled code: the names in one buffer (``utf8``, name i at
+    ``utf8[at[i]:at[i + 1]]``) and an open-addressing table of their hashes checked against
+    those bytes, so a lookup makes no Python object (a dict needs a bytes key per line)."""
+
+    cdef readonly bytes utf8
+    cdef readonly object at
+    cdef const unsigned char[::1] _utf8
+    cdef int64_t[:, ::1] _slots  # SLOT_* per slot, a cache line holds two
+    cdef uint64_t _mask
+
+    def __init__(self, names):
+        names = list(names)
+        cdef Py_ssize_t n = len(names), i, cap = 16
+        cdef uint64_t h, j
+        self.utf8 = b"".join(names)
+        at = np.zeros(n + 1, np.int64)
+        at[1:] = np.cumsum([len(b) for b in names])
+        self.at = at
+        self._utf8 = self.utf8
+        cdef const int64_t[::1] offs = at
+        while cap < 2 * n:
+            cap *= 2
+        self._slots = np.zeros((cap, 4), np.int64)
+        self._mask = cap - 1
+        for i in range(n):
+            if self.find(names[i]) is not None:
+                raise ValueError(f"NameIndex: {names[i]!r} given twice")
+            h = self._hashed(self._name(offs[i]), offs[i + 1] - offs[i])
+            j = h & self._mask
+            while self._slots[j, SLOT_HASH] != 0:
+                j = (j + 1) & self._mask
+            self._slots[j, SLOT_HASH] = <int64_t>h
+            self._slots[j, SLOT_POS] = i
+            self._slots[j, SLOT_AT] = offs[i]
+            self._slots[j, SLOT_LEN] = offs[i + 1] - offs[i]
+
+    cdef inline const unsigned char *_name(self, int64_t at) noexcept nogil:
+        return &self._utf8[at] if at < self._utf8.shape[0] else NULL
+
+    cdef inline uint64_t _hashed(self, const unsigned char *p, Py_ssize_t n) noexcept nogil:
+        # eight bytes a step (a name is ~30 bytes: a byte-wise hash was most of a lookup)
+        cdef uint64_t h = <uint64_t>n * <uint64_t>0x9E3779B97F4A7C15, w = 0
+        cdef Py_ssize_t i = 0
+        while i + 8 <= n:
+            memcpy(&w, p + i, 8)
+            h = (h ^ w) * <uint64_t>0xFF51AFD7ED558CCD
+            h ^= h >> 32
+            i += 8
+        if i < n:
+            w = 0
+            memcpy(&w, p + i, n - i)
+            h = (h ^ w) * <uint64_t>0xFF51AFD7ED558CCD
+        h = mix64(h)
+        return h if h != 0 else 1
+
+    cdef inline const int64_t *_first(self, uint64_t h) noexcept nogil:
+        return &self._slots[h & self._mask, 0]
+
+    cdef Py_ssize_t _lookup(self, const unsigned char *p, Py_ssize_t n, uint64_t h) noexcept nogil:
+        """The position of the name ``p[:n]`` of hash ``h``, or -1."""
+        cdef uint64_t j = h & self._mask
+        cdef const int64_t *e
+        while True:
+            e = &self._slots[j, 0]
+            if e[SLOT_HASH] == 0:
+                return -1
+            if <uint64_t>e[SLOT_HASH] == h and e[SLOT_LEN] == n and (
+                n == 0 or memcmp(&self._utf8[e[SLOT_AT]], p, n) == 0
+            ):
+                return e[SLOT_POS]
+            j = (j + 1) & self._mask
+
+    def find(self, const unsigned char[::1] name):
+        """The position of ``name``, or None."""
+        cdef const unsigned char *p = &name[0] if name.shape[0] else NULL
+        cdef Py_ssize_t i = self._lookup(p, name.shape[0], self._hashed(p, name.shape[0]))
+        return None if i < 0 else i
+
+    def __len__(self):
+        return len(self.at) - 1
+
+
 cdef inline int _sync_number(const unsigned char[::1] d, Py_ssize_t a, Py_ssize_t b,
                              uint64_t *out, bint *neg) noexcept:
     """One count field: an optional sign and ASCII digits, 1..19 characters in all; 0 when it is
@@ -380,7 +479,7 @@ cdef inline int _sync_number(const unsigned char[::1] d, Py_ssize_t a, Py_ssize_
     return 1
 
 
-def sync_decode(const unsigned char[::1] data, dict index, int64_t[:, :, ::1] vals, Py_ssize_t slot,
+def sync_decode(const unsigned char[::1] data, NameIndex index not None, int64_t[:, :, ::1] vals, Py_ssize_t slot,
                 unsigned char[::1] mark, list touched, bint add, int64_t limit):
     """Read ``name\\trequests\\ttokens\\topen`` lines into ``vals[index[name], slot]`` (names this host
     does not know are read and dropped); a name seen the first time since ``mark`` was cleared
@@ -390,60 +489,79 @@ def sync_decode(const unsigned char[::1] data, dict index, int64_t[:, :, ::1] va
     ``limit``. Returns (good lines, skipped lines)."""
     cdef Py_ssize_t n = data.shape[0], start = 0, end
     cdef Py_ssize_t tabs[3]
-    cdef int ntab
+    cdef int ntab, nb, b
     cdef uint64_t r, k, o
     cdef bint nr, nk, no
     cdef int64_t good = 0, bad = 0, idx, cap = limit - 1
     cdef int64_t *into
+    cdef const int64_t *e
+    # a batch of parsed lines: name start and length, its hash, the counts, then its position
+    cdef Py_ssize_t b_at[DECODE_BATCH]
+    cdef Py_ssize_t b_len[DECODE_BATCH]
+    cdef uint64_t b_hash[DECODE_BATCH]
+    cdef int64_t b_val[DECODE_BATCH][3]
+    cdef int64_t b_pos[DECODE_BATCH]
     if vals.shape[2] != 3 or mark.shape[0] < vals.shape[0] or limit <= 0:
         raise ValueError("sync_decode: vals must be (names, slots, 3) and mark cover every name")
     if slot < 0 or slot >= vals.shape[1]:
         raise IndexError(f"sync_decode: slot {slot} outside 0..{vals.shape[1] - 1}")
+    if len(index) > vals.shape[0]:
+        raise IndexError(f"sync_decode: {len(index)} names, vals holds {vals.shape[0]}")
     while start < n:
-        end = start
-        ntab = 0
-        while end < n and data[end] != 10:
-            if data[end] == 9:
-                if ntab < 3:
-                    tabs[ntab] = end
-                ntab += 1
-            end += 1
-        if ntab != 3 or not (
-            _sync_number(data, tabs[0] + 1, tabs[1], &r, &nr)
-            and _sync_number(data, tabs[1] + 1, tabs[2], &k, &nk)
-            and _sync_number(data, tabs[2] + 1, end, &o, &no)
-        ) or (not nr and r >= <uint64_t>limit) or (not nk and k >= <uint64_t>limit):
-            if end > start:
-                bad += 1
-            elif end < n:
-                bad += 1  # an empty line
+        nb = 0
+        while start < n and nb < DECODE_BATCH:
+            end = start
+            ntab = 0
+            while end < n and data[end] != 10:
+                if data[end] == 9:
+                    if ntab < 3:
+                        tabs[ntab] = end
+                    ntab += 1
+                end += 1
+            if ntab != 3 or not (
+                _sync_number(data, tabs[0] + 1, tabs[1], &r, &nr)
+                and _sync_number(data, tabs[1] + 1, tabs[2], &k, &nk)
+                and _sync_number(data, tabs[2] + 1, end, &o, &no)
+            ) or (not nr and r >= <uint64_t>limit) or (not nk and k >= <uint64_t>limit):
+                if end > start:
+                    bad += 1
+                elif end < n:
+                    bad += 1  # an empty line
+                start = end + 1
+                continue
+            good += 1
+            b_at[nb] = start
+            b_len[nb] = tabs[0] - start
+            b_hash[nb] = index._hashed(&data[start], b_len[nb])
+            _prefetch(index._first(b_hash[nb]))
+            b_val[nb][0] = 0 if nr else <int64_t>r
+            b_val[nb][1] = 0 if nk else <int64_t>k
+            b_val[nb][2] = 1 if o else 0  # any nonzero count, either sign
+            nb += 1
             start = end + 1
-            continue
-        good += 1
-        found = index.get(PyBytes_FromStringAndSize(<const char *>&data[start], tabs[0] - start))
-        start = end + 1
-        if found is None:
-            continue
-        idx = found
-        if idx < 0 or idx >= vals.shape[0]:
-            raise IndexError(f"sync_decode: index maps a name to {idx}, outside 0..{vals.shape[0] - 1}")
-        into = &vals[idx, slot, 0]
-        if nr:
-            r = 0
-        if nk:
-            k = 0
-        o = 1 if o else 0  # any nonzero count, either sign
-        if mark[idx] == 0:
-            mark[idx] = 1
-            touched.append(idx)
-        if add:
-            into[0] = min(into[0] + <int64_t>r, cap)
-            into[1] = min(into[1] + <int64_t>k, cap)
-            into[2] = into[2] | <int64_t>o
-        else:
-            into[0] = <int64_t>r
-            into[1] = <int64_t>k
-            into[2] = <int64_t>o
+        for b in range(nb):  # the first slots are in cache: fetch the names and cells they hold
+            e = index._first(b_hash[b])
+            if e[SLOT_HASH] != 0:
+                _prefetch(&index._utf8[e[SLOT_AT]] if e[SLOT_LEN] else NULL)
+                _prefetch(&vals[e[SLOT_POS], slot, 0])
+        for b in range(nb):
+            b_pos[b] = index._lookup(&data[b_at[b]], b_len[b], b_hash[b])
+        for b in range(nb):
+            idx = b_pos[b]
+            if idx < 0:
+                continue
+            into = &vals[idx, slot, 0]
+            if mark[idx] == 0:
+                mark[idx] = 1
+                touched.append(idx)
+            if add:
+                into[0] = min(into[0] + b_val[b][0], cap)
+                into[1] = min(into[1] + b_val[b][1], cap)
+                into[2] = into[2] | b_val[b][2]
+            else:
+                into[0] = b_val[b][0]
+                into[1] = b_val[b][1]
+                into[2] = b_val[b][2]
     return good, bad
 
 
@@ -499,6 +617,11 @@ def sync_encode(int64_t[:, ::1] tab, const int64_t[::1] rows, int64_t[:, ::1] se
     if out.shape[0] < offsets[n] - offsets[0] + 64 * n:
         return None
     for i in range(n):
+        if i + 8 < n:  # a row's cells span three cache lines: ask for those of rows ahead
+            t = rows[i + 8]
+            _prefetch(&tab[t, COL_IN_FLIGHT])
+            _prefetch(&tab[t, COL_CIRCUIT])
+            _prefetch(&tab[t, COL_OTHERS_EST])
         t = rows[i]
         r = fr_load_i64(&tab[t, COL_IN_FLIGHT])
         k = fr_load_i64(&tab[t, COL_IN_FLIGHT_TOKENS])
@@ -560,6 +683,15 @@ def sync_store(int64_t[:, ::1] tab, int64_t[::1] header, const int64_t[:, :, ::1
             if rows[s] < 0 or rows[s] >= tab.shape[0]:
                 raise IndexError(f"sync_store: row {rows[s]} outside the table")
     for i in range(names.shape[0]):
+        # names ahead: their peers' cells and bounds now, their rows' cells a little later
+        if i + 8 < names.shape[0]:
+            _prefetch(&vals[names[i + 8], 0, 0])
+            _prefetch(&vals[names[i + 8], vals.shape[1] - 1, 2])
+            _prefetch(&starts[names[i + 8]])
+        if i + 4 < names.shape[0] and starts[names[i + 4]] < starts[names[i + 4] + 1]:
+            t = rows[starts[names[i + 4]]]
+            _prefetch(&tab[t, COL_ALLOCATED])
+            _prefetch(&tab[t, COL_OTHERS_TOKENS])
         name = names[i]
         r = k = o = 0
         for j in range(slots.shape[0]):

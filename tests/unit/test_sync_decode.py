@@ -8,6 +8,7 @@ Python formatting (``control.syncdelta._line``) does."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -49,7 +50,7 @@ def test_compiled_decode_agrees_with_the_reference(lines, trailing):
     payload = ("\n".join(lines) + ("\n" if trailing and lines else "")).encode()
     want: dict[str, list[int]] = {}
     want_counts = decode(payload, want)
-    index = {n.encode(): i for i, n in enumerate(NAMES)}
+    index = _ledger.NameIndex(n.encode() for n in NAMES)
     vals = np.zeros((len(NAMES), 2, 3), np.int64)
     into = vals[:, 1]
     mark = np.zeros(len(NAMES), np.uint8)
@@ -109,7 +110,14 @@ def test_compiled_decode_takes_digits_only():
     underscores) are skipped as malformed lines."""
     vals = np.zeros((1, 1, 3), np.int64)
     got = _ledger.sync_decode(
-        b"x\t 1\t0\t0\nx\t1_0\t0\t0\nx\t3\t4\t-2\n", {b"x": 0}, vals, 0, np.zeros(1, np.uint8), [], True, COUNT_LIMIT
+        b"x\t 1\t0\t0\nx\t1_0\t0\t0\nx\t3\t4\t-2\n",
+        _ledger.NameIndex([b"x"]),
+        vals,
+        0,
+        np.zeros(1, np.uint8),
+        [],
+        True,
+        COUNT_LIMIT,
     )
     assert got == (1, 2) and vals[:, 0].tolist() == [[3, 4, 1]]
 
@@ -172,3 +180,18 @@ def test_compiled_encode_agrees_with_the_reference(rows, every, rnd):
     finally:
         tab.close()
         tab.unlink()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=6), max_size=40, unique=True), st.lists(st.binary(max_size=6), max_size=20))
+def test_name_index_finds_what_a_dict_finds(names, probes):
+    """The compiled name table (hashes checked against the bytes, linear probing) answers as a
+    dict of the same names, for names that are prefixes of each other, empty, or absent."""
+    index = _ledger.NameIndex(names)
+    want = {n: i for i, n in enumerate(names)}
+    assert len(index) == len(names) and index.utf8 == b"".join(names)
+    for p in names + probes:
+        assert index.find(p) == want.get(p)
+    if names:
+        with pytest.raises(ValueError):
+            _ledger.NameIndex([*names, names[0]])
