@@ -16,8 +16,13 @@ cdef class Chat:
 
     cdef int add(self, Py_ssize_t start, Py_ssize_t raw, Py_ssize_t chars, int flags) except -1
 
+cdef class Ids:
+    cdef readonly Py_ssize_t count
+    cdef bytes body
+    cdef Py_ssize_t start, stop  # the array's bytes in the body, brackets included
+
 cdef class FieldScan:
     cdef readonly tuple names, keys
-    cdef readonly Py_ssize_t messages_at
+    cdef readonly Py_ssize_t messages_at, ids_at
 
     cpdef object scan(self, bytes body)

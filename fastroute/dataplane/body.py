@@ -60,6 +60,7 @@ from functools import lru_cache
 from typing import Any, Protocol
 
 from fastroute.dataplane._jsonscan import Chat as _Chat
+from fastroute.dataplane._jsonscan import Ids as _Ids
 from fastroute.dataplane._splice import object_bounds, with_int
 from fastroute.dataplane.fields import PICKERS as _PICKERS
 from fastroute.dataplane.fields import Message as _Message
@@ -217,6 +218,8 @@ class RequestMeta:
         value = obj.get("prompt") if self.path == COMPLETIONS else obj.get("text")
         if value is None and self.path != COMPLETIONS:
             value = obj.get("input_ids")
+        if type(value) is _Ids:  # fields.py's scan: the text from the body's bytes
+            return value.text(ROUTING_IDS_MAX)
         if type(value) is list and value and type(value[0]) in (list, str):
             value = value[0]  # a batch: route by its first prompt
         if type(value) is list:
@@ -233,6 +236,8 @@ class RequestMeta:
         if obj is None:
             obj = self.fields = _PICKERS[self.path].pick(self.body)  # type: ignore[arg-type]
         ids = obj.get("input_ids")
+        if type(ids) is _Ids:
+            ids = ids.tolist()
         ids = ids[0] if type(ids) is list and ids and type(ids[0]) is list else ids
         return ids if type(ids) is list and ids and type(ids[0]) is int else None
 
@@ -286,7 +291,9 @@ _ID_LISTS = "a list of token ids or a list of lists of token ids"
 def _parse_generate(obj: dict, meta: RequestMeta) -> None:
     ids = obj.get("input_ids")
     text = obj.get("text")
-    if ids is not None:
+    if type(ids) is _Ids:  # fields.py's scan: a flat list of ids, counted as it went
+        meta.input_tokens = len(ids)
+    elif ids is not None:
         if type(ids) is not list:
             raise _bad("'input_ids' must be a list of token ids or a list of lists of token ids")
         if ids and type(ids[0]) is list:

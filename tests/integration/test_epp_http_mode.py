@@ -19,6 +19,12 @@ FLAGS = ("--epp-mode", "http", "--policy", "power_of_two", "--p2c-load-metric", 
 HEADER = "x-gateway-destination-endpoint"
 
 
+# --silent-stream-timeout-secs where a test waits for it: long enough to open 64 requests and
+# see them all held before the first lease ends (5-6 s after its pick, at the once-a-second
+# sweep); with 1 s a loaded machine saw the first leases end before the last were booked.
+SILENT = "5"
+
+
 async def _open_64(g: Gateway, ws: list) -> list[RawClient]:
     for w in ws:
         w.hold()  # held before the answer's head
@@ -58,7 +64,7 @@ def test_held_requests_book_8_each_and_release_at_the_answer() -> None:
 def test_client_reset_and_envoy_killed_release_at_the_silence_bound() -> None:
     async def body() -> None:
         ws = await workers(8)
-        async with Gateway([w.url for w in ws], *FLAGS, "--silent-stream-timeout-secs", "1") as g:
+        async with Gateway([w.url for w in ws], *FLAGS, "--silent-stream-timeout-secs", SILENT) as g:
             clients = await _open_64(g, ws)
             for c in clients:
                 c.close()  # the clients are gone: Envoy tells the picker nothing
@@ -208,8 +214,8 @@ def test_64_requests_land_8_per_rank_of_a_dp8_server_and_come_back() -> None:
                     c.close()
                 await g.until_in_flight(lambda f: sum(f.values()) == 0, 10, "released at the answers")
                 assert _reclaimed_silent(await g.metrics()) == 0
-            # a 1 s bound: the only end Envoy gives a reset or killed stream in this mode
-            async with Gateway([w.rank_url(0)], *FLAGS, "--silent-stream-timeout-secs", "1") as g:
+            # the silence bound: the only end Envoy gives a reset or killed stream in this mode
+            async with Gateway([w.rank_url(0)], *FLAGS, "--silent-stream-timeout-secs", SILENT) as g:
                 for c in await open_64(g):
                     c.close()  # client reset: Envoy tells the picker nothing
                 await g.until_in_flight(lambda f: sum(f.values()) == 0, 15, "released by the silence bound")

@@ -24,6 +24,7 @@ from tests.integration.conftest import RawClient, call, post, run, workers
 from tests.integration.envoy_harness import Gateway
 
 H = "127.0.0.1"
+SILENT = 5  # --silent-stream-timeout-secs of the client-reset test
 FLAGS = ("--epp-mode", "http", "--policy", "power_of_two", "--p2c-load-metric", "least_requests", "--workers", "2")
 
 
@@ -97,10 +98,14 @@ def test_two_http_pickers_book_8_per_rank_and_release_at_the_answers() -> None:
 
 def test_two_http_pickers_release_after_client_resets_and_envoy_killed() -> None:
     async def body() -> None:
+        # 400 tokens hold a request ~17 s, past the silent bound. The bound must leave time to
+        # open all 64 and see them held (a lease ends 5-6 s after its pick, at the once-a-second
+        # sweep): 1 s made the test fail on a loaded machine, the first leases ending before the
+        # last were booked.
         w = SimWorker("regular", SimParams(dp_size=8, time_scale=1.0), H, rank_ports=True)
         await w.start()
         try:
-            async with Gateway([w.rank_url(0)], *FLAGS, "--silent-stream-timeout-secs", "1") as g:
+            async with Gateway([w.rank_url(0)], *FLAGS, "--silent-stream-timeout-secs", str(SILENT)) as g:
                 clients = await _open_64(g, w, 400)
                 for c in clients:
                     c.close()  # Envoy tells the pickers nothing: the booking process's bound ends them

@@ -16,8 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastroute.dataplane._jsonscan import Chat, use_avx2
+from fastroute.dataplane._jsonscan import Chat, Ids, use_avx2
 from fastroute.dataplane.fields import PICKERS, Message
+from fastroute.dataplane.idtext import ids_text
 
 GEN = PICKERS["/generate"]
 CHAT = PICKERS["/v1/chat/completions"]
@@ -73,12 +74,21 @@ def _chat_view(messages: list) -> tuple:
     return ("chat", len(messages), sum((len(t) + 3) >> 2 for t in texts), "\n".join(texts) if texts else None)
 
 
+def _ids_view(ids: list) -> tuple:
+    """What an Ids stands for, from json's list: count, the list, routing texts (cut and whole)."""
+    assert all(type(i) is int and 0 <= i < 10**18 for i in ids), "an Ids for another shape"
+    return ("ids", len(ids), ids, ids_text(ids, 2), ids_text(ids, 8192))
+
+
 def _as_json(out: dict, want: dict) -> dict:
     got = {}
     for k, v in out.items():
         if k == "messages" and type(v) is Chat:
             got[k] = ("chat", v.count, v.tokens, v.routing_text())
             want[k] = _chat_view(want[k])
+        elif k == "input_ids" and type(v) is Ids:
+            got[k] = ("ids", len(v), v.tolist(), v.text(2), v.text(8192))
+            want[k] = _ids_view(want[k])
         else:
             got[k] = v
     return got
