@@ -330,6 +330,35 @@ class View:
             self._release_if_empty(peer, slot)
         return got
 
+    def follow(self, reply: list, start: int, whole: set[bytes], limit: int, max_bytes: int) -> list[tuple]:
+        """Apply the new entries of the peers this view follows (``reply[start:]``, an (id,
+        number, kind, value) each): the next entry of a peer holding a slot in one compiled
+        call (``_ledger.sync_entries``), the rest here in order (a missing number or an
+        oversize entry: the peer is read whole next tick). Returns what was skipped, as
+        (what, why, count) for the caller to count and log."""
+        rest, bad, who = _ledger.sync_entries(
+            reply, start, self.seq, self.slot, whole, self.names.index, self.vals, self.mark, self.touched, limit
+        )
+        skips = [("bad_line", f"replica {who!r} sent {bad} malformed or out-of-range line(s)", bad)] if bad else []
+        for i in rest:
+            pid, seq, kind, value = reply[i : i + 4]
+            last = self.seq.get(pid)
+            if pid in whole or last is None:
+                continue
+            n = int(seq)
+            if n <= last:
+                continue
+            if kind == 2 or n != last + 1:  # oversize, or an entry missing: read it whole next tick
+                if kind == 2:
+                    skips.append(("oversize", f"replica {pid!r} has a {value}-byte entry (limit {max_bytes})", 1))
+                del self.seq[pid]
+                continue
+            _, bad = self.set_lines(pid, value, limit)
+            if bad:
+                skips.append(("bad_line", f"replica {pid!r} sent {bad} malformed or out-of-range line(s)", bad))
+            self.seq[pid] = n
+        return skips
+
     def _release_if_empty(self, peer: bytes, slot: int) -> None:
         # A peer with nothing on this host's names holds no slot: peers that only write names
         # unknown here (or a flood of fake ones) cost no (names x 3) array each.

@@ -126,6 +126,23 @@ def sync_decode(
     (sum repeated names when ``add``, else the last wins); names first seen since ``mark`` was
     cleared are appended to ``touched``. Returns (good lines, skipped lines)."""
 
+def sync_entries(
+    reply: list[Any],
+    start: int,
+    seq: dict[bytes, int],
+    slots: dict[bytes, int],
+    whole: set[bytes],
+    index: NameIndex,
+    vals: npt.NDArray[np.int64],
+    mark: npt.NDArray[np.uint8],
+    touched: list[int],
+    limit: int,
+) -> tuple[list[int], int, Any]:
+    """Apply the next entry (``reply[start:]``, (id, number, kind, value) each) of every peer in
+    ``seq`` (not in ``whole``) holding a slot in ``slots``; entries numbered at most the last are
+    passed over; the other entries (oversize, a gap, no slot) and all later ones of their peer
+    are left: returns (their positions, skipped lines, a peer that sent some)."""
+
 def sync_store(
     tab: _Table,
     header: _Header,

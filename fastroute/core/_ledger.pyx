@@ -10,7 +10,7 @@ winner, so the I/O layer never loops over targets in Python.
 """
 cimport cython
 from libc.stdint cimport int64_t, uint64_t
-from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.string cimport memcmp, memcpy
 from fastroute.core._atomic cimport fr_load_i64, fr_store_i64, fr_add_i64, fr_cas_i64
 from fastroute.core._layout cimport (
@@ -456,7 +456,7 @@ cdef class NameIndex:
         return len(self.at) - 1
 
 
-cdef inline int _sync_number(const unsigned char[::1] d, Py_ssize_t a, Py_ssize_t b,
+cdef inline int _sync_number(const unsigned char *d, Py_ssize_t a, Py_ssize_t b,
                              uint64_t *out, bint *neg) noexcept:
     """One count field: an optional sign and ASCII digits, 1..19 characters in all; 0 when it is
     not one (stricter than Python's int(): no spaces, no underscores)."""
@@ -487,7 +487,72 @@ def sync_decode(const unsigned char[::1] data, NameIndex index not None, int64_t
     line of a name wins (a delta of absolute values). A line that is not four tab-separated
     fields, or a count past ``limit``, is skipped; a negative count is 0, sums stay below
     ``limit``. Returns (good lines, skipped lines)."""
-    cdef Py_ssize_t n = data.shape[0], start = 0, end
+    if vals.shape[2] != 3 or mark.shape[0] < vals.shape[0] or limit <= 0:
+        raise ValueError("sync_decode: vals must be (names, slots, 3) and mark cover every name")
+    if slot < 0 or slot >= vals.shape[1]:
+        raise IndexError(f"sync_decode: slot {slot} outside 0..{vals.shape[1] - 1}")
+    if len(index) > vals.shape[0]:
+        raise IndexError(f"sync_decode: {len(index)} names, vals holds {vals.shape[0]}")
+    if data.shape[0] == 0:
+        return 0, 0
+    return _decode(&data[0], data.shape[0], index, vals, slot, mark, touched, add, limit)
+
+
+def sync_entries(list reply, Py_ssize_t start, dict seq, dict slots, set whole, NameIndex index not None,
+                 int64_t[:, :, ::1] vals, unsigned char[::1] mark, list touched, int64_t limit):
+    """The new entries of the peers a view follows, from a tick's reply (``reply[start:]``, an
+    (id, number, kind, value) each), applied in one call as ``control/replica.py`` reads them: an
+    entry of a peer not in ``seq`` or read whole this tick (``whole``), or numbered at most the
+    last applied, is passed over; the next entry of a peer that has a slot (``slots``) is
+    decoded into it (``sync_decode``, the last line of a name winning) and its number stored.
+    Any other entry (oversize, a number missing, a peer without a slot) and every later entry
+    of that peer are left to the caller: returns (their positions in order, skipped lines, a
+    peer that sent some)."""
+    cdef Py_ssize_t i, n = len(reply), slot
+    cdef int64_t good, bad, bad_total = 0
+    cdef object pid, last, kind, value, num, bad_peer = None
+    cdef list later = []
+    cdef set held = set()
+    if (n - start) % 4 or start < 0:
+        raise ValueError(f"sync_entries: {n - start} fields from {start} are not whole entries")
+    if vals.shape[2] != 3 or mark.shape[0] < vals.shape[0] or limit <= 0 or len(index) > vals.shape[0]:
+        raise ValueError("sync_entries: vals must be (names, slots, 3) and mark cover every name")
+    for i in range(start, n, 4):
+        pid = reply[i]
+        if pid in held:
+            later.append(i)
+            continue
+        last = seq.get(pid)
+        if last is None or pid in whole:
+            continue
+        num = int(reply[i + 1])
+        if num <= last:
+            continue
+        kind = reply[i + 2]
+        value = reply[i + 3]
+        got = slots.get(pid)
+        if kind == 2 or num != last + 1 or got is None or type(value) is not bytes:
+            later.append(i)
+            held.add(pid)
+            continue
+        slot = got
+        if slot < 0 or slot >= vals.shape[1]:
+            raise IndexError(f"sync_entries: slot {slot} outside 0..{vals.shape[1] - 1}")
+        if PyBytes_GET_SIZE(value):
+            good, bad = _decode(<const unsigned char *>PyBytes_AS_STRING(value), PyBytes_GET_SIZE(value),
+                                index, vals, slot, mark, touched, False, limit)
+            if bad:
+                bad_total += bad
+                bad_peer = pid
+        seq[pid] = num
+    return later, bad_total, bad_peer
+
+
+cdef (int64_t, int64_t) _decode(const unsigned char *data, Py_ssize_t n, NameIndex index,
+                                int64_t[:, :, ::1] vals, Py_ssize_t slot, unsigned char[::1] mark,
+                                list touched, bint add, int64_t limit) except *:
+    # sync_decode's work, its arguments checked by the caller
+    cdef Py_ssize_t start = 0, end
     cdef Py_ssize_t tabs[3]
     cdef int ntab, nb, b
     cdef uint64_t r, k, o
@@ -501,12 +566,6 @@ def sync_decode(const unsigned char[::1] data, NameIndex index not None, int64_t
     cdef uint64_t b_hash[DECODE_BATCH]
     cdef int64_t b_val[DECODE_BATCH][3]
     cdef int64_t b_pos[DECODE_BATCH]
-    if vals.shape[2] != 3 or mark.shape[0] < vals.shape[0] or limit <= 0:
-        raise ValueError("sync_decode: vals must be (names, slots, 3) and mark cover every name")
-    if slot < 0 or slot >= vals.shape[1]:
-        raise IndexError(f"sync_decode: slot {slot} outside 0..{vals.shape[1] - 1}")
-    if len(index) > vals.shape[0]:
-        raise IndexError(f"sync_decode: {len(index)} names, vals holds {vals.shape[0]}")
     while start < n:
         nb = 0
         while start < n and nb < DECODE_BATCH:
