@@ -6,6 +6,12 @@ Sections (each runnable alone, ``--only NAME``):
 * ``picks``: ns per pick + book + release through the compiled group (``core.routing``) per
   policy, at 8, 512, 4,096 and 8,192 targets of one table, every target polled and idle, a
   request of 100 input tokens; the fastest of ``--repeats`` timed loops of ``--picks`` calls.
+* ``coordinated``: the same loop for the policies synced replicas plan with (least_requests,
+  demand, KV fit), the header saying ``--replicas`` (8) live replicas, every target busy at
+  the others (1-3 requests in flight there: the view is never idle) and one sync tick for the
+  whole loop, so every pick after the first plans ``--replicas`` placements and books the
+  others' as their estimate.  ``--tree DIR`` imports ``fastroute`` from another built
+  checkout (e.g. ``/work/main``) to measure before and after in one run.
 * ``sync``: one replica sync tick (``control.replica.ReplicaSync.tick`` against a real
   ``redis-server``) with every target busy at every replica and ``--churn`` of them (5%)
   changing their in-flight count at every replica between two ticks, at 512 and 4,096 targets and 2, 4
@@ -24,7 +30,8 @@ Sections (each runnable alone, ``--only NAME``):
   time (intervals over 3 ms, over 10 ms, the longest) and its full collections in the window,
   which unlike ``/health`` latency do not move with other work on the machine.
 
-Usage: ``python bench/fleet_scale.py [--only picks|sync|fleet] [--sizes 8 512 4096 8192]
+Usage: ``python bench/fleet_scale.py [--only picks|coordinated|sync|fleet] [--replicas N] [--tree DIR]
+[--sizes 8 512 4096 8192]
 [--picks N] [--repeats N] [--servers N] [--seconds S] [--stalls]``.  Numbers move with the load of a
 shared machine: compare rows of one run.
 """
@@ -46,7 +53,9 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+# --tree DIR: the fastroute package of another built checkout (a before/after comparison)
+TREE = Path(sys.argv[sys.argv.index("--tree") + 1]).resolve() if "--tree" in sys.argv[:-1] else REPO
+sys.path.insert(0, str(TREE))
 
 from fastroute.core.routing import Router  # noqa: E402
 from fastroute.core.table import TargetTable  # noqa: E402
@@ -58,6 +67,7 @@ POLICIES = [
     ("demand", "power_of_two", "tokens", "on", "off"),
     ("kv_fit", "power_of_two", "tokens", "off", "on"),
     ("cache_aware", "cache_aware", "tokens", "off", "off"),
+    ("cache_aware + kv_fit", "cache_aware", "tokens", "off", "on"),
 ]
 
 
@@ -104,6 +114,42 @@ def pick_costs(sizes: list[int], picks: int, repeats: int) -> dict[str, dict[int
     finally:
         table.close()
         table.unlink()
+    return out
+
+
+def coordinated_costs(sizes: list[int], picks: int, repeats: int, replicas: int) -> dict[str, dict[int, float]]:
+    """ns per acquire + release of a synced replica's planned pick, per policy and target count."""
+    from fastroute.core.table import COL_ORDER_KEY, COL_OTHERS_IN_FLIGHT
+
+    out: dict[str, dict[int, float]] = {}
+    for label, policy, metric, demand, kv in POLICIES:
+        if label not in ("least_requests", "demand", "kv_fit"):
+            continue
+        row = out.setdefault(label, {})
+        for n in sizes:
+            table = TargetTable(n)
+            try:
+                for _ in range(n):
+                    t = table.alloc()
+                    table.set_polled(t, 1, 0, 100, max_tokens=1_000_000)
+                    table.cells.store(t, COL_ORDER_KEY, (t * 2654435761) % (1 << 31))
+                    table.cells.store(t, COL_OTHERS_IN_FLIGHT, 1 + t % 3)
+                table.set_replicas(replicas, 3)
+                table.count_sync_tick()
+                g = Router(table, seed=1).group(list(range(n)), policy, load_metric=metric, demand=demand, kv_fit=kv)
+                acquire = g.acquire
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter_ns()
+                    for _ in range(picks):
+                        acquire(100).release()
+                    times.append((time.perf_counter_ns() - t0) / picks)
+                assert g.kernel.coordinated_picks == picks * repeats  # every pick was planned
+                row[n] = min(times)
+                del g, acquire
+            finally:
+                table.close()
+                table.unlink()
     return out
 
 
@@ -376,7 +422,9 @@ async def fleet(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", choices=("picks", "sync", "fleet"), default=None)
+    ap.add_argument("--only", choices=("picks", "coordinated", "sync", "fleet"), default=None)
+    ap.add_argument("--replicas", type=int, default=8, help="coordinated: live synced replicas the header says")
+    ap.add_argument("--tree", default=str(REPO), help="import fastroute from this built checkout (before/after runs)")
     ap.add_argument("--ticks", type=int, default=50)
     ap.add_argument("--churn", type=float, default=0.05, help="share of targets whose load moves per replica per tick")
     ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="sync: the event loop of the ticks")
@@ -397,6 +445,11 @@ def main() -> None:
     a = ap.parse_args()
     if a.only in (None, "picks"):
         print_picks(pick_costs(a.sizes, a.picks, a.repeats), a.sizes)
+    if a.only in (None, "coordinated"):
+        import fastroute
+
+        print(f"coordinated picks, {a.replicas} replicas, fastroute from {Path(fastroute.__file__).parent.parent}")
+        print_picks(coordinated_costs(a.sizes, a.picks, a.repeats, a.replicas), a.sizes)
     if a.only in (None, "sync"):
         runner = asyncio.run
         if a.loop == "uvloop":

@@ -30,7 +30,13 @@ log = logging.getLogger("fastroute.monitor")
 
 def reclaim(table: TargetTable, ledger: TargetTable) -> tuple[int, int]:
     """Subtract everything ``ledger`` (a dead process's bookings) holds from ``table`` and zero
-    the ledger -> (requests, tokens) reclaimed.  Only call once the ledger's owner is gone."""
+    the ledger -> (requests, tokens) reclaimed.  Only call once the ledger's owner is gone.
+    The feed uses its pickers' load indexes held (the ledger header's count) are given back
+    too, so writers stop publishing once no live process keeps an index."""
+    uses = ledger.feed_uses
+    if uses:
+        table.give_back_feed_uses(uses)
+        ledger.give_back_feed_uses(uses)
     reqs = toks = 0
     # One snapshot, walked as plain ints: runs once per process exit, not per request.
     for t, row in enumerate(ledger.snapshot().tolist()):

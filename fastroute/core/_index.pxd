@@ -7,7 +7,10 @@
 # _policy.pyx compares: least_requests (class 0 polled: requests across replicas, polled tokens;
 # class 1 never polled: requests, 0), so an eligible polled leaf always beats an unpolled one,
 # which is the scan's "only polled rows when any is"; demand (class 0: pending tokens + weight x
-# requests); KV fit (class 0, a rank of known capacity: requests, -free KV).  Class 2 is a leaf
+# requests); KV fit (class 0, a rank of known capacity: requests, -free KV); the prefix tree's
+# (class 0: requests, the second aggregate the most requests, for cache_aware's balance rule);
+# cache_aware's KV-fit check (class 0: free KV, INT64_MIN when the capacity is unknown, so the
+# root holds the least free KV of any eligible rank).  Class 2 is a leaf
 # that is not eligible (or, for KV fit, of unknown capacity), with a count of 0.  A pick draws
 # one number below the count of the tied minimum and descends to that tie in candidate order:
 # uniform over the exact minimum, as the scan's reservoir is.
@@ -35,6 +38,8 @@ cdef enum:
     INDEX_LEAST_REQUESTS = 1
     INDEX_DEMAND = 2
     INDEX_KV_FIT = 3
+    INDEX_TREE = 4               # cache_aware's tree: requests, and the most requests below a node
+    INDEX_LEAST_FREE = 5         # cache_aware's KV fit: free KV (INT64_MIN unknown), least at the root
     INDEX_MIN_CANDS = 64         # fewer candidates are scanned (the scan is as cheap)
     CLS_POLLED = 0
     CLS_UNPOLLED = 1
@@ -87,6 +92,16 @@ cdef inline void leaf_key(const Index *x, int64_t t, int64_t *k) noexcept nogil:
     elif x.kind == INDEX_DEMAND:
         k[0] = CLS_POLLED
         k[1] = row_pending(row) + x.weight * row_requests(row)
+        k[2] = 0
+    elif x.kind == INDEX_TREE:
+        k[0] = CLS_POLLED
+        k[1] = row_requests(row)
+        k[2] = 0
+        k[4] = k[1]
+        k[5] = 1
+    elif x.kind == INDEX_LEAST_FREE:
+        k[0] = CLS_POLLED
+        k[1] = row_kv_free(row)
         k[2] = 0
     elif fr_load_i64(&row[COL_POLLED_AT]) >= 0:
         k[0] = CLS_POLLED
@@ -207,6 +222,51 @@ cdef inline void index_drain(Index *x) noexcept nogil:
         index_rebuild(x)
     else:
         x.pos = hole
+
+
+cdef inline int64_t index_drain_report(Index *x, int64_t *out) noexcept nogil:
+    # index_drain, and the leaves whose eligibility (their tie count) it changed into out (room
+    # for HDR_FEED_SLOTS: a drain reads each notice once).  Returns how many, or -1 when it
+    # rebuilt the index instead (any leaf may have changed).  For an owner that keeps a second
+    # tree over the same leaves keyed by eligibility (the prefix tree's smallest-tree index).
+    cdef int64_t end = fr_load_i64(&x.header[HDR_FEED_AT])
+    cdef int64_t i, v, row, leaf, hole = -1, count = 0
+    cdef int64_t k[6]
+    cdef int64_t tag_mask = (<int64_t>1 << (63 - HDR_FEED_ROW_BITS)) - 1
+    if end - x.pos > HDR_FEED_SLOTS:
+        index_rebuild(x)
+        return -1
+    for i in range(x.pos, end):
+        v = fr_load_i64(&x.header[HDR_FEED + (i & (HDR_FEED_SLOTS - 1))])
+        if (v >> HDR_FEED_ROW_BITS) != (i & tag_mask):
+            if hole < 0:
+                hole = i
+            continue
+        row = v & ((<int64_t>1 << HDR_FEED_ROW_BITS) - 1)
+        if row < x.mapped:
+            leaf = x.leaf_of[row]
+            if leaf >= 0:
+                leaf_key(x, row, k)
+                if x.nodes[NODE * (x.size + leaf) + 3] != k[3]:
+                    out[count] = leaf
+                    count += 1
+                set_leaf(x, leaf, k)
+    if hole < 0:
+        x.pos = end
+    elif end - hole > HDR_FEED_SLOTS // 2:
+        index_rebuild(x)
+        return -1
+    else:
+        x.pos = hole
+    return count
+
+
+cdef inline void nodes_build(int64_t *nodes, int64_t size) noexcept nogil:
+    # Every inner node from its children (the leaves written), bottom-up.
+    cdef int64_t j = size - 1
+    while j >= 1:
+        node_pull(nodes, j)
+        j -= 1
 
 
 cdef inline int64_t down_min(const int64_t *nodes, int64_t size, int64_t j, int64_t r) noexcept nogil:

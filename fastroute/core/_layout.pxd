@@ -47,7 +47,7 @@ cdef enum:
     HDR_REPLICAS = 4             # live router replicas, this one included (0 or 1: alone)
     HDR_REPLICA_SLOT = 5         # this replica's place among them (sorted replica ids)
     HDR_SYNC_TICKS = 6           # successful sync ticks (a picker sees a new view when it moves)
-    HDR_FEED_ON = 7              # 1 once a picker keeps a load index: writers publish changed rows
+    HDR_FEED_ON = 7              # indexes kept by pickers (every process): writers publish while > 0
     HDR_FEED_AT = 8              # rows published so far: the next feed position (own cache line)
     HDR_FEED = 16                # the feed: a ring of HDR_FEED_SLOTS cells, (position << bits) | row
     HDR_FEED_SLOTS = 4096        # a power of two

@@ -200,6 +200,20 @@ class Picker:
     def index_rebuilds(self) -> int:
         """Times the load index was built from the rows (set, or fallen behind the feed)."""
     @property
+    def coordinated_indexed(self) -> bool:
+        """Whether the coordinated index is built (a synced pick over enough candidates)."""
+    @property
+    def coordinated_idle(self) -> bool | None:
+        """The coordinated index's idle test (after reading the feed); None when not built."""
+    @property
+    def coordinated_rebuilds(self) -> int:
+        """Times the coordinated index was built from the rows."""
+    def coordinated_plan(
+        self, tokens: int = 0, need: int = 0, n: int = 2, slot: int = 0, strict: bool = False
+    ) -> tuple[int, list[int]] | None:
+        """The synced replicas' plan from the coordinated index, as ``_policy.coordinated``;
+        None when the picker keeps no such index."""
+    @property
     def indexed(self) -> str | None:
         """The load index's key (least_requests, demand, kv_fit), or None: the picker scans."""
     def indexed_ties(self, need: int = 0) -> list[int] | None:
@@ -217,8 +231,12 @@ class Picker:
         kv_fit: int = 0,
         kv_reserve: int = 0,
     ) -> None: ...
-    def set_own_ledger(self, own_array: _Table | None) -> None:
-        """Also book every lease in this process's private ledger (same shape as the table)."""
+    def set_own_ledger(self, own_array: _Table | None, own_header: _Header | None = None) -> None:
+        """Also book every lease in this process's private ledger (same shape as the table);
+        with its header, count the feed uses of this picker's indexes there too."""
+    @property
+    def feed_uses(self) -> int:
+        """Indexes this picker keeps (load, coordinated): each holds the header's feed on."""
     def set_candidates(self, cands: npt.ArrayLike) -> None: ...
     def set_ring(self, hashes: npt.ArrayLike, targets: npt.ArrayLike) -> None: ...
     def pick(self, tokens: int = 0, key: bytes | None = None, out_tokens: int = 0) -> int:
@@ -229,3 +247,6 @@ class Picker:
         """Pick and book in one call; None when no target is eligible.  ``text`` is ignored."""
     def book_target(self, t: int, tokens: int = 0) -> Lease:
         """Book a target chosen elsewhere (the cache_aware tree); returns its Lease."""
+
+def mapped(obj: object) -> bool:
+    """Whether an array's memory is still there (False once the mmap it views was closed)."""

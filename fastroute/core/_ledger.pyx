@@ -25,8 +25,10 @@ from fastroute.core._policy cimport (
     pick_round_robin, pick_random, pick_p2c, pick_demand, pick_ring, pick_kv_fit, kv_free,
     pick_coordinated, hash_bytes, MODE_SHADOW, MODE_ON, METRIC_LEAST_REQUESTS,
 )
-from fastroute.core cimport _index as ix
+cimport fastroute.core._index as ix
+cimport fastroute.core._coindex as cx
 from fastroute.core._random cimport mix64
+import mmap
 import os
 
 import numpy as np
@@ -772,6 +774,17 @@ def sync_store(int64_t[:, ::1] tab, int64_t[::1] header, const int64_t[:, :, ::1
                 feed_publish(&header[0], t)
 
 
+cpdef bint mapped(obj):
+    """Whether an array's memory is still there: False once the mmap it views was closed
+    (TargetTable.close() unmaps its segment whoever still holds its arrays)."""
+    while obj is not None:
+        if isinstance(obj, mmap.mmap):
+            return not obj.closed
+        obj = obj.obj if isinstance(obj, memoryview) else getattr(obj, "base", None)
+    return True
+
+
+@cython.no_gc_clear  # __dealloc__ gives back the picker's feed uses through its header
 cdef class Picker:
     """A candidate set with its policy, compiled: ``acquire(tokens, key)`` picks and books.
 
@@ -812,6 +825,12 @@ cdef class Picker:
     cdef public bint tokens_until_answer   # leases count input tokens until answered()
     cdef ix.Index idx                # the load index (_index.pxd); kind INDEX_NONE: none
     cdef object idx_keep             # the arrays its pointers are into
+    cdef cx.Coord cidx               # the coordinated index (_coindex.pxd), built at first use
+    cdef object cidx_keep            # the arrays its pointers are into
+    cdef bint cidx_ok                # the candidates and policy call for it (synced replicas)
+    cdef readonly int64_t feed_uses  # indexes held: each keeps the header's feed on
+    cdef int64_t[::1] own_hdr        # the own ledger's header: its feed uses, for a reclaim
+    cdef int64_t *own_hdr_base
 
     def __init__(self, table_array, header_array, str policy, str metric="tokens", int demand=0,
                  int64_t weight=0, seed=None, int kv_fit=0, int64_t kv_reserve=0):
@@ -851,10 +870,46 @@ cdef class Picker:
         self.coord_burst = 0
         self.tokens_until_answer = False
         self.own_base = NULL
+        self.own_hdr_base = NULL
 
-    def set_own_ledger(self, own_array):
+    def __dealloc__(self):
+        # A table or own ledger closed under the picker (its mapping gone) is not written: the
+        # uses stay counted (the safe side), in the table for whoever still maps it and in the
+        # own ledger, from which the supervisor gives them back when this process exits.
+        if self.feed_uses == 0 or not mapped(self.keep[1]):
+            return
+        if self.own_hdr_base != NULL and not mapped(self.own_hdr):
+            return
+        self._feed_use(-self.feed_uses)
+
+    cdef void _feed_use(self, int64_t d) noexcept:
+        # Take (d > 0) or give back (d < 0) uses of the header's feed: writers publish while
+        # any index holds one (_layout.feed_publish).  Taken in the table before the own
+        # ledger's header and given back in the reverse order: a process killed between the
+        # two leaves the table a use too many (the feed stays on: work, never a stale index),
+        # never one too few; its supervisor gives back what the own ledger holds.
+        if d > 0:
+            fr_add_i64(&self.header[HDR_FEED_ON], d)  # a read-modify-write: see feed_publish
+        if self.own_hdr_base != NULL:
+            fr_add_i64(&self.own_hdr_base[HDR_FEED_ON], d)
+        if d < 0:
+            fr_add_i64(&self.header[HDR_FEED_ON], d)
+        self.feed_uses += d
+
+    def set_own_ledger(self, own_array, own_header=None):
         """Also book every lease in ``own_array`` (this process's private ledger, same shape as
-        the table), so a supervisor can subtract exactly what a dead process held."""
+        the table), so a supervisor can subtract exactly what a dead process held; with the
+        ledger's ``own_header``, count there too the feed uses of this picker's indexes."""
+        if self.own_hdr_base != NULL:
+            fr_add_i64(&self.own_hdr_base[HDR_FEED_ON], -self.feed_uses)
+            self.own_hdr = None
+            self.own_hdr_base = NULL
+        if own_header is not None and own_array is not None:
+            if own_header.shape[0] < NHDR:
+                raise ValueError(f"the own ledger's header has {own_header.shape[0]} cells, expected {NHDR}")
+            self.own_hdr = own_header
+            self.own_hdr_base = &self.own_hdr[0]
+            fr_add_i64(&self.own_hdr_base[HDR_FEED_ON], self.feed_uses)
         if own_array is None:
             self.own = None
             self.own_base = NULL
@@ -875,13 +930,62 @@ cdef class Picker:
         if self.cursor >= arr.shape[0]:
             self.cursor = 0
         self._index_setup(arr)
+        self._coord_drop()
+        self.cidx_ok = (arr.shape[0] >= ix.INDEX_MIN_CANDS and self._plans()
+                        and np.unique(arr).shape[0] == arr.shape[0])
+
+    cdef inline bint _plans(self) noexcept:
+        # Whether this picker plans with synced replicas (pick_coordinated).
+        return (self.kv_fit == MODE_ON or self.demand == MODE_ON
+                or (self.kind == KIND_P2C and self.metric == METRIC_LEAST_REQUESTS))
+
+    cdef int _coord_setup(self) except -1:
+        # The coordinated index over the candidates (the first synced pick after they are set).
+        cdef int64_t size = 1
+        cdef int64_t[::1] leaves, nodes, extra, leaf_of
+        arr = np.asarray(self.cands)
+        while size < arr.shape[0]:
+            size <<= 1
+        leaves = np.zeros(cx.LEAF * size, dtype=np.int64)
+        nodes = np.zeros(cx.CN * 2 * size, dtype=np.int64)
+        extra = np.zeros(size, dtype=np.int64)
+        leaf_of = np.full(int(arr.max()) + 1, -1, dtype=np.int64)
+        np.asarray(leaf_of)[arr] = np.arange(arr.shape[0], dtype=np.int64)
+        self.cidx_keep = (leaves, nodes, extra, leaf_of, self.cands)
+        self.cidx.demand = self.demand == MODE_ON
+        self.cidx.kv = self.kv_fit == MODE_ON
+        self.cidx.weight = self.weight
+        self.cidx.size = size
+        self.cidx.n = arr.shape[0]
+        self.cidx.mapped = leaf_of.shape[0]
+        self.cidx.leaves = &leaves[0]
+        self.cidx.nodes = &nodes[0]
+        self.cidx.extra = &extra[0]
+        self.cidx.leaf_of = &leaf_of[0]
+        self.cidx.tab = &self.tab[0, 0]
+        self.cidx.cands = &self.cands[0]
+        self.cidx.header = &self.header[0]
+        self._feed_use(1)  # writers publish from now on; then the rows are read
+        self.cidx.on = True
+        cx.coord_rebuild(&self.cidx)
+        return 0
+
+    cdef void _coord_drop(self) noexcept:
+        if self.cidx.on:
+            self.cidx.on = False
+            self.cidx_keep = None
+            self._feed_use(-1)
 
     cdef int _index_setup(self, arr) except -1:
         # A load index over the candidates when the pick is a least_requests, demand or KV-fit
         # minimum over enough of them (distinct rows: each leaf must have a row of its own).
         cdef int kind = ix.INDEX_NONE
-        cdef int64_t size = 1, cur = 0
+        cdef int64_t size = 1
         cdef int64_t[::1] nodes, leaf_of
+        if self.idx.kind != ix.INDEX_NONE:
+            self.idx.kind = ix.INDEX_NONE
+            self.idx_keep = None
+            self._feed_use(-1)
         if arr.shape[0] >= ix.INDEX_MIN_CANDS:
             if self.kv_fit == MODE_ON:
                 kind = ix.INDEX_NONE if self.demand == MODE_ON else ix.INDEX_KV_FIT
@@ -910,8 +1014,7 @@ cdef class Picker:
         self.idx.tab = &self.tab[0, 0]
         self.idx.cands = &self.cands[0]
         self.idx.header = &self.header[0]
-        # Writers publish from now on (a read-modify-write: see _layout.feed_publish).
-        fr_cas_i64(&self.header[HDR_FEED_ON], &cur, 1)
+        self._feed_use(1)  # writers publish from now on; then the rows are read
         ix.index_rebuild(&self.idx)
         return 0
 
@@ -947,6 +1050,44 @@ cdef class Picker:
         return {ix.INDEX_LEAST_REQUESTS: "least_requests", ix.INDEX_DEMAND: "demand",
                 ix.INDEX_KV_FIT: "kv_fit"}.get(self.idx.kind)
 
+    def coordinated_plan(self, int64_t tokens=0, int64_t need=0, int64_t n=2, int64_t slot=0,
+                         bint strict=False):
+        """The synced replicas' plan from the coordinated index (built if need be; nothing is
+        booked): (this replica's target, the n placements), as ``_policy.coordinated``; (-1,
+        []) when none is eligible; None when the picker keeps no such index (the scan plans)
+        or its leaves kept disagreeing with their rows (the pick then scans)."""
+        cdef int64_t m = self.cands.shape[0], t
+        if not self.cidx_ok:
+            return None
+        if n < 1 or n > MAX_SLOTS or not 0 <= slot < n:
+            raise ValueError(f"need 1 <= n <= {MAX_SLOTS} and 0 <= slot < n")
+        if self.cidx.on:
+            cx.coord_drain(&self.cidx)
+        else:
+            self._coord_setup()
+        t = cx.coord_plan(&self.cidx, tokens, need, n, slot, strict, &self.scratch[2 * m], False)
+        if t < 0:
+            return (-1, []) if t == -1 else None
+        return t, [int(x) for x in self.scratch[2 * m:2 * m + n]]
+
+    @property
+    def coordinated_indexed(self):
+        """Whether the coordinated index is built (a synced pick over enough candidates)."""
+        return bool(self.cidx.on)
+
+    @property
+    def coordinated_idle(self):
+        """The coordinated index's idle test (after reading the feed); None when not built."""
+        if not self.cidx.on:
+            return None
+        cx.coord_drain(&self.cidx)
+        return bool(cx.coord_idle(&self.cidx))
+
+    @property
+    def coordinated_rebuilds(self):
+        """Times the coordinated index was built from the rows."""
+        return self.cidx.rebuilds
+
     @property
     def index_rebuilds(self):
         """Times the load index was built from the rows (set, or fallen behind the feed)."""
@@ -979,6 +1120,10 @@ cdef class Picker:
         With KV fit on, the candidates are first narrowed to the ranks where this request's
         input + ``out_tokens`` + the configured reserve fit in estimated free KV (see
         ``_policy.kv_free``); in shadow the usual pick is dispatched and agreement counted."""
+        return self._pick(tokens, key, out_tokens, False)
+
+    cdef int64_t _pick(self, int64_t tokens, bytes key, int64_t out_tokens, bint booking) except? -9:
+        # booking: acquire() books what a coordinated plan placed (its charges may stay).
         cdef const unsigned char *k = NULL
         cdef Py_ssize_t klen = 0
         cdef int64_t a, b, f = -2, n, need = tokens + out_tokens + self.kv_reserve
@@ -987,10 +1132,17 @@ cdef class Picker:
             klen = len(key)
         self.coord_n = 0
         n = fr_load_i64(&self.header[HDR_REPLICAS])
-        if n > 1 and self.cands.shape[0] > 0 and (
-                self.kv_fit == MODE_ON or self.demand == MODE_ON
-                or (self.kind == KIND_P2C and self.metric == METRIC_LEAST_REQUESTS)) and not self._idle():
-            return self._coordinated(tokens, need, n)
+        if n > 1 and self.cidx_ok:
+            if self.cidx.on:
+                cx.coord_drain(&self.cidx)
+            else:
+                self._coord_setup()
+            if not cx.coord_idle(&self.cidx):
+                return self._coordinated(tokens, need, n, booking)
+        elif n > 1 and self.cands.shape[0] > 0 and self._plans() and not self._idle():
+            return self._coordinated(tokens, need, n, False)
+        elif self.cidx.on:
+            self._coord_drop()  # alone again: the writers need not publish for it
         if self.idx.kind == ix.INDEX_KV_FIT:
             f = self._index_pick(tokens, need)
             if f == -2:
@@ -1038,7 +1190,7 @@ cdef class Picker:
                 return False
         return True
 
-    cdef int64_t _coordinated(self, int64_t tokens, int64_t need, int64_t n) noexcept:
+    cdef int64_t _coordinated(self, int64_t tokens, int64_t need, int64_t n, bint booking) noexcept:
         # Synced replicas (see pick_coordinated): this replica's place in the sequence of the
         # next n placements; acquire() books the rest as the others' estimate.
         cdef int64_t slot = fr_load_i64(&self.header[HDR_REPLICA_SLOT])
@@ -1059,9 +1211,13 @@ cdef class Picker:
             n = MAX_SLOTS
         if slot < 0 or slot >= n:
             slot = slot % n if slot > 0 else 0
-        t = pick_coordinated(self.tab, self.cands, tokens, need, self.demand == MODE_ON,
-                             self.weight, self.kv_fit == MODE_ON, n, slot, strict, &self.scratch[0],
-                             &self.scratch[2 * m])
+        t = cx.COORD_SCAN
+        if self.cidx.on:
+            t = cx.coord_plan(&self.cidx, tokens, need, n, slot, strict, &self.scratch[2 * m], booking)
+        if t == cx.COORD_SCAN:
+            t = pick_coordinated(self.tab, self.cands, tokens, need, self.demand == MODE_ON,
+                                 self.weight, self.kv_fit == MODE_ON, n, slot, strict,
+                                 &self.scratch[0], &self.scratch[2 * m])
         if t >= 0:
             self.coord_n = n
             self.coord_slot = self.scratch[2 * m + 2 * n]   # the place it took
@@ -1102,7 +1258,7 @@ cdef class Picker:
     def acquire(self, int64_t tokens=0, bytes key=None, text=None, int64_t out_tokens=0):
         """Pick and book in one call; returns a Lease, or None when no target is eligible.
         ``text`` is accepted for call compatibility with text-aware policies and ignored."""
-        cdef int64_t t = self.pick(tokens, key, out_tokens)
+        cdef int64_t t = self._pick(tokens, key, out_tokens, True)
         cdef Lease lease
         if t < 0:
             return None

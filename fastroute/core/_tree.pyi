@@ -19,8 +19,10 @@ class TreeCorrupt(RuntimeError):
 class PrefixTree:
     """Radix tree of request text (UTF-8 bytes) shared by the targets of one group.
 
-    ``array`` is the target table's int64 (rows, 16) array; it is read for eligibility
-    (healthy, circuit) and in-flight counts, never written.
+    ``array`` is the target table's int64 (rows, 24) array; it is read for eligibility
+    (healthy, circuit) and in-flight counts, never written.  With the table's ``header`` a
+    candidate list of 64 or more distinct rows, used twice running, is read through a load
+    index fed by the header's feed instead of scanned per pick.
     """
 
     cache_threshold: float
@@ -42,6 +44,15 @@ class PrefixTree:
     @property
     def evicted_bytes(self) -> int: ...
     @property
+    def index_fallbacks(self) -> int:
+        """Picks whose chosen row disagreed with the load index (corrected, then scanned)."""
+    @property
+    def indexed(self) -> bool:
+        """Whether the current candidates are read through the load index (else scanned)."""
+    @property
+    def index_rebuilds(self) -> int:
+        """Times the load index was built from the rows."""
+    @property
     def node_count(self) -> int:
         """Live nodes, the root included."""
     @property
@@ -55,10 +66,20 @@ class PrefixTree:
         balance_rel_threshold: float = 1.5,
         max_tree_size: int = 67108864,
         seed: int = 0,
+        header: np.ndarray | None = None,
     ) -> None: ...
     def pick(self, text: str | bytes | None, targets: list[int]) -> int:
         """Chosen target row (text inserted under it), or -1 when none is eligible.
         ``targets`` is cached by identity: pass a new list when the set changes."""
+    def choices(self, text: str | bytes | None, targets: list[int], scan: bool = False) -> tuple[int, list[int]]:
+        """(reason, sorted targets) the next pick of this text may choose; draws and inserts
+        nothing.  ``scan``: read the rows as the scan does even with a load index (tests)."""
+    def kv_all_fit(self, targets: list[int], need: int) -> bool:
+        """Whether every eligible row of ``targets`` has a known capacity with ``need`` tokens
+        of KV free, from an index of their free KV (False also when that needs a scan)."""
+    def kv_check(self, target: int, need: int) -> bool:
+        """Whether ``target`` is eligible with ``need`` tokens free, read from its row (a
+        disagreeing free-KV leaf is corrected)."""
     def match(self, text: str | bytes, targets: Sequence[int]) -> tuple[int, list[int]]:
         """(longest match in bytes, eligible targets holding it); inserts nothing."""
     def insert(self, text: str | bytes, target: int) -> None: ...

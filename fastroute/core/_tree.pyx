@@ -20,16 +20,35 @@ the bound holds after every pick, the work is proportional to what was inserted 
 evicted at most once), and no sweep over the whole tree ever stalls the event loop.  A node whose
 last holder goes is childless (prefix-closure) and is freed at once.
 
+Cost per pick.  Under 64 candidates a pick scans them (eligibility stamped per slot for the walk,
+min and max in-flight requests, the least-loaded and smallest-tree choices).  A list of 64 or
+more distinct rows, used twice running (the Group's own list; KV-fit narrowing hands over a new
+list per pick and keeps the scan), is indexed instead: a tournament tree over the candidates
+keyed by in-flight requests (``_index.pxd`` INDEX_TREE: its root holds the least load, how many
+hold it and the most), fed by the table header's feed as the Picker's is, and a second tree over
+the same leaves keyed by bytes held among the eligible.  A holder's eligibility at the walk is
+its leaf's; a least-loaded or smallest-tree choice is a descent to a drawn tie.  So a pick costs
+the feed notices since the last one times log2(candidates), plus the walk; the chosen row is
+checked against its leaf and a disagreement (a lost notice) is corrected and scanned.
+
 Every allocation goes through ``PyMem_*`` so ``tracemalloc`` sees the tree.  The object is not
 thread-safe; it is used with the GIL held, from one event loop.
 """
-from libc.stdint cimport int32_t, int64_t, uint64_t, uint8_t, INT64_MAX
+cimport cython
+from libc.stdint cimport int32_t, int64_t, uint64_t, uint8_t, INT64_MAX, INT64_MIN
 from libc.string cimport memchr, memcpy
 from cpython.mem cimport PyMem_Malloc, PyMem_Realloc, PyMem_Free
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
-from fastroute.core._atomic cimport fr_load_i64
-from fastroute.core._layout cimport NCOLS, row_eligible, row_requests
-from fastroute.core._random cimport reservoir_step
+from fastroute.core._atomic cimport fr_add_i64
+from fastroute.core._layout cimport (
+    NCOLS, NHDR, HDR_FEED_ON, HDR_FEED_SLOTS, row_eligible, row_requests, row_kv_free,
+)
+from fastroute.core._random cimport reservoir_step, rng_below
+cimport fastroute.core._index as ix
+
+import numpy as np
+
+from fastroute.core._ledger import mapped
 
 cdef extern from "Python.h":
     const char *PyUnicode_AsUTF8AndSize(object s, Py_ssize_t *size) except NULL
@@ -96,6 +115,7 @@ cdef inline int _require(bint ok, str what) except -1:
     return 0
 
 
+@cython.no_gc_clear  # __dealloc__ gives back the tree's feed uses through its header
 cdef class PrefixTree:
     """Radix tree + cache_aware pick over one shared target table (see the module docstring)."""
 
@@ -132,6 +152,26 @@ cdef class PrefixTree:
     cdef int32_t w_node, w_split, w_best
     cdef int64_t w_pos, w_split_m, w_best_len
 
+    # The load index (_index.pxd, kind INDEX_TREE) over a candidate list used twice running, of
+    # INDEX_MIN_CANDS or more distinct rows, when the table's header was given: min and max
+    # in-flight requests at its root, the least-loaded draw by descent, a holder's eligibility
+    # read from its leaf at the walk.  sx: a second tree over the same leaves keyed (eligible,
+    # bytes held), for the smallest tree.  With no index the pick scans (_prepare_scan).
+    cdef int64_t[::1] _hdr           # the table's header, or an empty view (no index)
+    cdef ix.Index lx
+    cdef ix.Index sx
+    cdef object _lx_keep             # the arrays lx and sx point into
+    cdef int64_t *_changed           # index_drain_report's leaves (HDR_FEED_SLOTS)
+    cdef bint _lx_tried              # this candidate list was looked at for an index
+    cdef bint w_index                # the current pick reads eligibility and loads from lx
+    cdef readonly int64_t index_fallbacks   # picks the index disagreed with a row on
+    # KV fit (policies.PrefixTree): the group's rows keyed by free KV (INDEX_LEAST_FREE), so
+    # that "every eligible rank fits" -- the filter keeps every candidate -- needs no scan.
+    cdef ix.Index kx
+    cdef bint _lx_use, _kx_use       # this tree's uses of the header's feed (one per index kept)
+    cdef object _kx_obj              # the list it indexes (identity, as the candidates)
+    cdef object _kx_keep
+
     cdef uint64_t stamp
     cdef uint64_t rng
     cdef int64_t min_load, max_load
@@ -148,9 +188,15 @@ cdef class PrefixTree:
 
     def __cinit__(self, array, double cache_threshold=0.3, int64_t balance_abs_threshold=64,
                   double balance_rel_threshold=1.5, int64_t max_tree_size=67108864,
-                  uint64_t seed=0):
+                  uint64_t seed=0, header=None):
         cdef int64_t i
         self._array = array
+        if header is None:
+            self._hdr = np.zeros(0, dtype=np.int64)
+        else:
+            self._hdr = header
+            if self._hdr.shape[0] < NHDR:
+                raise ValueError("not a target table header")
         self._tab = array
         self._nrows = self._tab.shape[0]
         if self._tab.shape[1] != NCOLS:
@@ -181,6 +227,11 @@ cdef class PrefixTree:
         return 0
 
     def __dealloc__(self):
+        # A table closed under the tree (its mapping gone) is not written: its uses stay
+        # counted, the safe side (the feed stays on: work for writers, never a stale index).
+        if (self._lx_use or self._kx_use) and mapped(self._array):
+            self._feed(&self._lx_use, False)
+            self._feed(&self._kx_use, False)
         self._free_all()
         PyMem_Free(self.slot_of)
         PyMem_Free(self.slot_head)
@@ -193,6 +244,7 @@ cdef class PrefixTree:
         PyMem_Free(self.cand_load)
         PyMem_Free(self.cand_ok)
         PyMem_Free(self.path)
+        PyMem_Free(self._changed)
 
     cdef void _free_all(self) noexcept:
         cdef int32_t i
@@ -486,6 +538,8 @@ cdef class PrefixTree:
         self.slot_head[s] = self.free_slot     # free-list link while unused
         self.free_slot = s
         self._cand_obj = None
+        self.lx.kind = ix.INDEX_NONE
+        self._feed(&self._lx_use, False)
 
     # ---- candidates ----------------------------------------------------------------------------
     cdef int _load_cands(self, targets) except -1:
@@ -499,6 +553,9 @@ cdef class PrefixTree:
                 raise MemoryError()
             self.cand_cap = n
         self._cand_obj = None
+        self.lx.kind = ix.INDEX_NONE      # a new list: indexed from its second pick
+        self._feed(&self._lx_use, False)
+        self._lx_tried = False
         for i in range(n):
             t = targets[i]
             self.cand[i] = t
@@ -507,15 +564,132 @@ cdef class PrefixTree:
         self._cand_obj = targets
         return 0
 
-    cdef Py_ssize_t _prepare(self, targets) except -1:
+    cdef void _feed(self, bint *held, bint want) noexcept:
+        # Take or give back one index's use of the header's feed: writers publish while any
+        # index of any process holds one (_layout.feed_publish; Picker._feed_use).  A process
+        # that dies holding one leaves the feed on: work for writers, never a stale index.
+        if held[0] == want:
+            return
+        fr_add_i64(&self._hdr[HDR_FEED_ON], 1 if want else -1)   # a read-modify-write
+        held[0] = want
+
+    cdef int _index_setup(self) except -1:
+        # The current candidates, used a second time: index them when they are many, distinct,
+        # and the header's feed can be read (see the field comments).
+        cdef int64_t size = 1, i, t, mx = 0
+        cdef int64_t[::1] nodes, snodes, leaf_of
+        self._lx_tried = True
+        if self._hdr.shape[0] == 0 or self.ncand < ix.INDEX_MIN_CANDS:
+            return 0
+        while size < self.ncand:
+            size <<= 1
+        for i in range(self.ncand):
+            if self.cand[i] > mx:
+                mx = self.cand[i]
+        leaf_of = np.full(mx + 1, -1, dtype=np.int64)
+        for i in range(self.ncand):
+            t = self.cand[i]
+            if leaf_of[t] >= 0:
+                return 0                  # a row listed twice: leaves must be rows of their own
+            leaf_of[t] = i
+        if self._changed == NULL:
+            self._changed = <int64_t *>PyMem_Malloc(HDR_FEED_SLOTS * sizeof(int64_t))
+            if self._changed == NULL:
+                raise MemoryError()
+        nodes = np.zeros(2 * ix.NODE * size, dtype=np.int64)
+        snodes = np.zeros(2 * ix.NODE * size, dtype=np.int64)
+        self._lx_keep = (nodes, snodes, leaf_of)
+        self.lx.kind = ix.INDEX_TREE
+        self.lx.size = size
+        self.lx.n = self.ncand
+        self.lx.weight = 0
+        self.lx.mapped = leaf_of.shape[0]
+        self.lx.nodes = &nodes[0]
+        self.lx.leaf_of = &leaf_of[0]
+        self.lx.tab = self._rows
+        self.lx.cands = self.cand
+        self.lx.header = &self._hdr[0]
+        self.sx = self.lx
+        self.sx.kind = ix.INDEX_NONE
+        self.sx.nodes = &snodes[0]
+        self._feed(&self._lx_use, True)   # writers publish from now on; then the rows are read
+        ix.index_rebuild(&self.lx)
+        self._sx_rebuild()
+        return 0
+
+    cdef void _sx_key(self, int64_t leaf, int64_t *k) noexcept:
+        # The smallest-tree key of a leaf: bytes held when its load leaf is eligible.
+        cdef const int64_t *n = self.lx.nodes + ix.NODE * (self.lx.size + leaf)
+        if leaf < self.lx.n and n[3] > 0:
+            k[0] = ix.CLS_POLLED
+            k[1] = self.slot_size[self.cand_slot[leaf]]
+            k[3] = 1
+        else:
+            k[0] = ix.CLS_NONE
+            k[1] = 0
+            k[3] = 0
+        k[2] = 0
+        k[4] = INT64_MIN
+        k[5] = 0
+
+    cdef void _sx_rebuild(self) noexcept:
+        cdef int64_t leaf
+        for leaf in range(self.sx.size):
+            self._sx_key(leaf, self.sx.nodes + ix.NODE * (self.sx.size + leaf))
+        ix.nodes_build(self.sx.nodes, self.sx.size)
+
+    cdef inline void _sx_update(self, int64_t leaf) noexcept:
+        cdef int64_t k[6]
+        self._sx_key(leaf, k)
+        ix.set_leaf(&self.sx, leaf, k)
+
+    cdef inline int64_t _leaf_of_slot(self, int32_t slot) noexcept:
+        cdef int64_t t = self.slot_target[slot]
+        if t < 0 or t >= self.lx.mapped:
+            return -1
+        return self.lx.leaf_of[t]
+
+    cdef inline void _size_changed(self, int32_t slot) noexcept:
+        # Once per slot per operation that changed its bytes held (insert, evict).
+        cdef int64_t leaf
+        if self.lx.kind != ix.INDEX_NONE:
+            leaf = self._leaf_of_slot(slot)
+            if leaf >= 0:
+                self._sx_update(leaf)
+
+    cdef Py_ssize_t _prepare(self, targets, bint scan) except -1:
+        # Identity cache: the Group passes the same list object until set_targets replaces it.
+        if targets is not self._cand_obj or len(targets) != self.ncand:
+            self._load_cands(targets)
+        elif self.lx.kind == ix.INDEX_NONE and not self._lx_tried:
+            self._index_setup()
+        if self.lx.kind != ix.INDEX_NONE and not scan:
+            return self._prepare_index()
+        return self._prepare_scan()
+
+    cdef Py_ssize_t _prepare_index(self) noexcept:
+        # Read the feed (the smallest-tree keys follow the leaves whose eligibility changed);
+        # the root holds the least load, how many hold it, and the most.
+        cdef int64_t i, count = ix.index_drain_report(&self.lx, self._changed)
+        cdef const int64_t *root = self.lx.nodes + ix.NODE
+        if count < 0:
+            self._sx_rebuild()
+        for i in range(count):
+            self._sx_update(self._changed[i])
+        self.w_index = True
+        if root[0] == ix.CLS_NONE:
+            return 0
+        self.min_load = root[1]
+        self.max_load = root[4]
+        return root[3]
+
+    cdef Py_ssize_t _prepare_scan(self) noexcept:
         # One pass over the candidates: eligibility (stamped per slot for the tree walk) and the
         # in-flight counts the balance rule and the least-loaded pick read.
         cdef Py_ssize_t i, ne = 0
         cdef const int64_t *row
         cdef int64_t load, mn = INT64_MAX, mx = -1
-        # Identity cache: the Group passes the same list object until set_targets replaces it.
-        if targets is not self._cand_obj or len(targets) != self.ncand:
-            self._load_cands(targets)
+        self.w_index = False
         self.stamp += 1
         for i in range(self.ncand):
             row = self._rows + self.cand[i] * NCOLS
@@ -543,9 +717,30 @@ cdef class PrefixTree:
                     ne -= 1
         return ne
 
+    cdef inline bint _ok(self, int32_t slot) noexcept:
+        # Whether a slot may be chosen in this pick: stamped by the scan, or, with the index, a
+        # candidate whose leaf is eligible (and within the rank slack).
+        cdef int64_t leaf
+        cdef const int64_t *n
+        if not self.w_index:
+            return self.slot_stamp[slot] == self.stamp
+        leaf = self._leaf_of_slot(slot)
+        if leaf < 0:
+            return False
+        n = self.lx.nodes + ix.NODE * (self.lx.size + leaf)
+        return n[3] > 0 and (self.rank_slack < 0 or n[1] <= self.min_load + self.rank_slack)
+
+    cdef inline int64_t _load(self, int32_t slot) noexcept:
+        if self.w_index:
+            return self.lx.nodes[ix.NODE * (self.lx.size + self._leaf_of_slot(slot)) + 1]
+        return row_requests(self._rows + self.slot_target[slot] * NCOLS)
+
     cdef Py_ssize_t _least_loaded(self) noexcept:
         cdef Py_ssize_t i, best = -1
         cdef int64_t ties = 0
+        if self.w_index:            # uniform over the tied minimum, as the reservoir is
+            return ix.down_min(self.lx.nodes, self.lx.size, 1,
+                               <int64_t>rng_below(&self.rng, <uint64_t>self.lx.nodes[ix.NODE + 3]))
         for i in range(self.ncand):
             if self.cand_ok[i] and self.cand_load[i] == self.min_load:
                 if reservoir_step(&self.rng, &ties):      # each tie wins 1/N
@@ -556,6 +751,9 @@ cdef class PrefixTree:
         cdef Py_ssize_t i, best = -1
         cdef int64_t ties = 0
         cdef int64_t size, best_size = INT64_MAX
+        if self.w_index:
+            return ix.down_min(self.sx.nodes, self.sx.size, 1,
+                               <int64_t>rng_below(&self.rng, <uint64_t>self.sx.nodes[ix.NODE + 3]))
         for i in range(self.ncand):
             if not self.cand_ok[i]:
                 continue
@@ -569,11 +767,25 @@ cdef class PrefixTree:
                     best = i
         return best
 
+    cdef bint _leaf_current(self, int32_t slot) noexcept:
+        # The chosen slot's leaf against its row; a stale leaf (a notice lost by a writer that
+        # died between its write and its notice) is corrected and the pick is made again by scan.
+        cdef int64_t leaf = self._leaf_of_slot(slot)
+        cdef int64_t k[6]
+        if leaf < 0:
+            return False
+        ix.leaf_key(&self.lx, self.cand[leaf], k)
+        if ix.same(self.lx.nodes + ix.NODE * (self.lx.size + leaf), k):
+            return True
+        ix.set_leaf(&self.lx, leaf, k)
+        self._sx_update(leaf)
+        return False
+
     cdef int32_t _random_holder(self, int32_t x) noexcept:
         cdef int32_t e = self.nodes[x].holders, best = -1
         cdef int64_t ties = 0
         while e >= 0:
-            if self.slot_stamp[self.ents[e].slot] == self.stamp:
+            if self._ok(self.ents[e].slot):
                 if reservoir_step(&self.rng, &ties):
                     best = self.ents[e].slot
             e = self.ents[e].nnext
@@ -586,8 +798,8 @@ cdef class PrefixTree:
         cdef int64_t ties = 0, load, best_load = INT64_MAX
         while e >= 0:
             slot = self.ents[e].slot
-            if self.slot_stamp[slot] == self.stamp:
-                load = row_requests(self._rows + self.slot_target[slot] * NCOLS)
+            if self._ok(slot):
+                load = self._load(slot)
                 if load < best_load:
                     best, best_load, ties = slot, load, 1
                 elif load == best_load and reservoir_step(&self.rng, &ties):
@@ -598,7 +810,7 @@ cdef class PrefixTree:
     cdef inline bint _held_by_eligible(self, int32_t x) noexcept:
         cdef int32_t e = self.nodes[x].holders
         while e >= 0:
-            if self.slot_stamp[self.ents[e].slot] == self.stamp:
+            if self._ok(self.ents[e].slot):
                 return True
             e = self.ents[e].nnext
         return False
@@ -696,18 +908,18 @@ cdef class PrefixTree:
             self._touch(self.path[i], slot)
         if self.slot_size[slot] > self.max_tree_size:
             self._evict(slot, self.max_tree_size)
+        self._size_changed(slot)
         return 0
 
     # ---- Python API ----------------------------------------------------------------------------
     def pick(self, text, targets):
         """The target for a request with this text (None: least in-flight), or -1 when no
         candidate is eligible.  Inserts the text under the chosen target; books nothing."""
-        cdef const unsigned char *s
-        cdef Py_ssize_t n, ne, i
+        cdef const unsigned char *s = NULL
+        cdef Py_ssize_t n, ne
         cdef int32_t slot
-        cdef bint imbalanced
         cdef object keep = None
-        ne = self._prepare(targets)
+        ne = self._prepare(targets, False)
         if ne == 0:
             self.last_reason = R_NONE
             return -1
@@ -727,47 +939,183 @@ cdef class PrefixTree:
             n = PyBytes_GET_SIZE(text)
         else:
             raise TypeError(f"text must be str, bytes or None, not {type(text).__name__}")
+        slot = self._decide(s, n)
+        if self.w_index and not self._leaf_current(slot):
+            self.index_fallbacks += 1
+            if self._prepare(targets, True) == 0:
+                self.last_reason = R_NONE
+                return -1
+            slot = self._decide(s, n)
+        if self.last_reason == R_BALANCE:
+            self.balanced += 1
+        elif self.last_reason == R_HIT:
+            self.hits += 1
+        elif self.last_reason != R_NO_TEXT:
+            self.misses += 1
+        if n > 0:
+            self._insert_walked(s, n, slot)
+        return self.slot_target[slot]
+
+    cdef int32_t _decide(self, const unsigned char *s, Py_ssize_t n) except -2:
+        # The slot a prepared pick chooses for text s[:n] (the three rules); sets last_reason.
+        cdef bint imbalanced
         if n == 0:
             self.last_reason = R_NO_TEXT
             self.last_match = 0
-            return self.cand[self._least_loaded()]
+            return self.cand_slot[self._least_loaded()]
         self._walk(s, n)
         self.last_match = self.w_best_len
         imbalanced = (self.max_load - self.min_load > self.balance_abs_threshold
                       and <double>self.max_load > <double>self.min_load * self.balance_rel_threshold)
         if imbalanced:
-            i = self._least_loaded()
-            slot = self.cand_slot[i]
-            self.balanced += 1
             self.last_reason = R_BALANCE
-        elif self.w_best >= 0 and <double>self.w_best_len > self.cache_threshold * <double>n:
-            slot = (self._random_holder(self.w_best) if self.rank_slack < 0
-                    else self._least_loaded_holder(self.w_best))
-            self.hits += 1
+            return self.cand_slot[self._least_loaded()]
+        if self.w_best >= 0 and <double>self.w_best_len > self.cache_threshold * <double>n:
             self.last_reason = R_HIT
-        elif self.rank_slack >= 0:
-            slot = self.cand_slot[self._least_loaded()]
-            self.misses += 1
+            return (self._random_holder(self.w_best) if self.rank_slack < 0
+                    else self._least_loaded_holder(self.w_best))
+        if self.rank_slack >= 0:
             self.last_reason = R_LEAST
-        else:
-            slot = self.cand_slot[self._smallest()]
-            self.misses += 1
-            self.last_reason = R_SMALLEST
-        self._insert_walked(s, n, slot)
-        return self.slot_target[slot]
+            return self.cand_slot[self._least_loaded()]
+        self.last_reason = R_SMALLEST
+        return self.cand_slot[self._smallest()]
+
+    def choices(self, text, targets, bint scan=False):
+        """(reason, sorted targets) the next pick of this text may choose, drawing and inserting
+        nothing; ``scan`` reads the rows as the scan does even when a load index is kept.  For
+        tests: the index's choice sets against the scan's, its tie counts against its leaves."""
+        cdef bytes b = b"" if text is None else (
+            text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text))
+        cdef Py_ssize_t n = len(b), i
+        cdef int32_t e
+        if self._prepare(targets, scan) == 0:
+            return R_NONE, []
+        if n == 0:
+            return R_NO_TEXT, self._least_set()
+        self._walk(<const unsigned char *>PyBytes_AS_STRING(b), n)
+        if (self.max_load - self.min_load > self.balance_abs_threshold
+                and <double>self.max_load > <double>self.min_load * self.balance_rel_threshold):
+            return R_BALANCE, self._least_set()
+        if self.w_best >= 0 and <double>self.w_best_len > self.cache_threshold * <double>n:
+            who = {}
+            e = self.nodes[self.w_best].holders
+            while e >= 0:
+                if self._ok(self.ents[e].slot):
+                    who[self.slot_target[self.ents[e].slot]] = self._load(self.ents[e].slot)
+                e = self.ents[e].nnext
+            if self.rank_slack >= 0:
+                low = min(who.values())
+                return R_HIT, sorted(t for t, v in who.items() if v == low)
+            return R_HIT, sorted(who)
+        if self.rank_slack >= 0:
+            return R_LEAST, self._least_set()
+        if not self.w_index:
+            sizes = {self.cand[i]: self.slot_size[self.cand_slot[i]]
+                     for i in range(self.ncand) if self.cand_ok[i]}
+            low = min(sizes.values())
+            return R_SMALLEST, sorted(t for t, v in sizes.items() if v == low)
+        return R_SMALLEST, self._tied_leaves(&self.sx)
+
+    cdef list _least_set(self):
+        if not self.w_index:
+            return sorted(self.cand[i] for i in range(self.ncand)
+                          if self.cand_ok[i] and self.cand_load[i] == self.min_load)
+        return self._tied_leaves(&self.lx)
+
+    cdef list _tied_leaves(self, ix.Index *x):
+        # The leaves holding x's root key, checked against the root's tie count.
+        cdef const int64_t *root = x.nodes + ix.NODE
+        cdef const int64_t *n
+        cdef int64_t leaf
+        out = []
+        for leaf in range(self.ncand):
+            n = x.nodes + ix.NODE * (x.size + leaf)
+            if n[3] > 0 and ix.key_cmp(n, root) == 0:
+                out.append(self.cand[leaf])
+        _require(len(out) == root[3], "load index tie count")
+        return sorted(out)
+
+    def kv_all_fit(self, targets, int64_t need):
+        """Whether every eligible row of ``targets`` has a known capacity with ``need`` tokens
+        of KV free (and one is eligible), from an index of their free KV: KV fit's filter would
+        keep them all.  False also when that is not known without a scan: fewer than 64 or
+        repeated rows, no header (the caller filters).  ``targets`` is cached by identity."""
+        cdef const int64_t *root
+        if targets is not self._kx_obj or len(targets) != self.kx.n:
+            self._kx_setup(targets)
+        if self.kx.kind == ix.INDEX_NONE:
+            return False
+        ix.index_drain(&self.kx)
+        root = self.kx.nodes + ix.NODE
+        return root[0] == ix.CLS_POLLED and root[1] >= need
+
+    def kv_check(self, int64_t target, int64_t need):
+        """Whether ``target`` is eligible with ``need`` tokens of KV free, read from its row;
+        a leaf of the free-KV index that disagrees with the row (a lost notice) is corrected."""
+        cdef int64_t leaf
+        cdef int64_t k[6]
+        if not 0 <= target < self._nrows:
+            raise IndexError(f"target {target} out of range")
+        if self.kx.kind != ix.INDEX_NONE and target < self.kx.mapped and self.kx.leaf_of[target] >= 0:
+            leaf = self.kx.leaf_of[target]
+            ix.leaf_key(&self.kx, target, k)
+            ix.set_leaf(&self.kx, leaf, k)
+        return row_eligible(self._rows + target * NCOLS) and row_kv_free(self._rows + target * NCOLS) >= need
+
+    cdef int _kx_setup(self, targets) except -1:
+        cdef int64_t size = 1, i, t, n = len(targets)
+        cdef int64_t[::1] nodes, leaf_of, cands
+        self._kx_obj = targets
+        self._kx_keep = None
+        self.kx.kind = ix.INDEX_NONE
+        self._feed(&self._kx_use, False)
+        self.kx.n = n
+        if self._hdr.shape[0] == 0 or n < ix.INDEX_MIN_CANDS:
+            return 0
+        cands = np.asarray(targets, dtype=np.int64).copy()
+        if np.unique(cands).shape[0] != n or cands[np.argmin(cands)] < 0 or cands[np.argmax(cands)] >= self._nrows:
+            return 0
+        while size < n:
+            size <<= 1
+        leaf_of = np.full(int(np.max(cands)) + 1, -1, dtype=np.int64)
+        np.asarray(leaf_of)[cands] = np.arange(n, dtype=np.int64)
+        nodes = np.zeros(2 * ix.NODE * size, dtype=np.int64)
+        self._kx_keep = (nodes, leaf_of, cands)
+        self.kx.kind = ix.INDEX_LEAST_FREE
+        self.kx.size = size
+        self.kx.weight = 0
+        self.kx.mapped = leaf_of.shape[0]
+        self.kx.nodes = &nodes[0]
+        self.kx.leaf_of = &leaf_of[0]
+        self.kx.tab = self._rows
+        self.kx.cands = &cands[0]
+        self.kx.header = &self._hdr[0]
+        self._feed(&self._kx_use, True)
+        ix.index_rebuild(&self.kx)
+        return 0
+
+    @property
+    def indexed(self):
+        """Whether the current candidates are read through the load index (else scanned)."""
+        return self.lx.kind != ix.INDEX_NONE
+
+    @property
+    def index_rebuilds(self):
+        """Times the load index was built from the rows (new candidates, or behind the feed)."""
+        return self.lx.rebuilds
 
     def match(self, text, targets):
         """(match length in bytes, sorted eligible targets holding the longest match); no insert."""
         cdef bytes b = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
         cdef int32_t e
         out = []
-        self._prepare(targets)
+        self._prepare(targets, False)
         self._walk(<const unsigned char *>PyBytes_AS_STRING(b), len(b))
         if self.w_best < 0:
             return 0, out
         e = self.nodes[self.w_best].holders
         while e >= 0:
-            if self.slot_stamp[self.ents[e].slot] == self.stamp:
+            if self._ok(self.ents[e].slot):
                 out.append(self.slot_target[self.ents[e].slot])
             e = self.ents[e].nnext
         return self.w_best_len, sorted(out)
@@ -777,6 +1125,7 @@ cdef class PrefixTree:
         cdef bytes b = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
         cdef int32_t slot = self._slot(target)
         self.stamp += 1
+        self.w_index = False                      # the walk marks nothing as eligible
         if len(b):
             self._walk(<const unsigned char *>PyBytes_AS_STRING(b), len(b))
             self._insert_walked(<const unsigned char *>PyBytes_AS_STRING(b), len(b), slot)
@@ -805,6 +1154,7 @@ cdef class PrefixTree:
         for s in range(self.nslots):
             if self.slot_target[s] >= 0:
                 self._evict(s, lim)
+                self._size_changed(s)
         return self.evicted_bytes - before
 
     def size(self, int64_t target):
@@ -839,6 +1189,8 @@ cdef class PrefixTree:
                 self.slot_tail[s] = -1
                 self.slot_size[s] = 0
         self._root()
+        if self.lx.kind != ix.INDEX_NONE:
+            self._sx_rebuild()
 
     def check(self):
         """Verify every structural invariant, raising TreeCorrupt on the first broken one;

@@ -90,6 +90,7 @@ class CacheAwarePolicy:
             float(params["balance_rel_threshold"]),
             int(params["max_tree_size"]),
             int(seed) & 0xFFFFFFFFFFFFFFFF,
+            header=table.header,
         )
         self.tree.rank_slack = int(rank_slack)
         self.rank_slack = int(rank_slack)

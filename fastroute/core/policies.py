@@ -169,6 +169,16 @@ class PrefixTree:
         fits = ties = None
         if self.narrowing:
             need = tokens + out_tokens + self.kv_reserve
+            tree = self.tree_policy.tree
+            # KV fit alone and every eligible rank fits (the tree's free-KV index says so): the
+            # filter would keep them all, so the tree picks over the group's own list (its load
+            # index) and the chosen row is checked (a notice may have been lost); else filter.
+            if not self.demand and tree.kv_all_fit(cands, need):
+                t = self._choose(meta, cands, tokens)
+                if t >= 0 and tree.kv_check(t, need):
+                    if self.kv_fit == _SHADOW:
+                        self.kv_counts[0] += 1
+                    return self.kernel.book_target(t, tokens)
             choose, fits, ties, no_capacity = _policy.narrow(
                 self.tab, self.rows, tokens, need, self.kv_fit, self.demand, self.weight
             )
@@ -176,10 +186,7 @@ class PrefixTree:
                 self.kv_counts[2] += 1  # no capacity known: the usual policy decides
             if choose is not None:
                 cands = choose
-        t = self._precise(meta, cands, tokens) if self.kv_index is not None else FALL_BACK
-        if t == FALL_BACK:
-            # The request's text is computed here, only for this policy (a join for chat).
-            t = self.tree_policy.pick(meta.routing_text() if meta is not None else None, cands)
+        t = self._choose(meta, cands, tokens)
         if t < 0:
             return None
         if fits is not None and self.kv_fit == _SHADOW:
@@ -187,6 +194,14 @@ class PrefixTree:
         if ties is not None and self.demand == _SHADOW:
             self.demand_counts[0 if t in ties else 1] += 1
         return self.kernel.book_target(t, tokens)
+
+    def _choose(self, meta: Any, cands: Any, tokens: int) -> int:
+        """The engine-reported pick, or the tree's: a target, or -1 when none is eligible."""
+        t = self._precise(meta, cands, tokens) if self.kv_index is not None else FALL_BACK
+        if t == FALL_BACK:
+            # The request's text is computed here, only for this policy (a join for chat).
+            t = self.tree_policy.pick(meta.routing_text() if meta is not None else None, cands)
+        return t
 
     def _precise(self, meta: Any, cands: Sequence[int], tokens: int) -> int:
         """The engine-reported pick (core/kvindex.py) among ``cands``: a target, -1 when none

@@ -205,8 +205,9 @@ class Group:
 
     def track_in(self, ledger: TargetTable) -> None:
         """Also book every lease of this group in ``ledger``: a proxy process's private ledger,
-        from which the supervisor reclaims exactly what the process held if it dies."""
-        self.kernel.set_own_ledger(ledger.array)
+        from which the supervisor reclaims exactly what the process held if it dies (its
+        bookings, and the feed uses of its load indexes)."""
+        self.kernel.set_own_ledger(ledger.array, ledger.header)
 
     @property
     def kv_counts(self) -> dict[str, int]:

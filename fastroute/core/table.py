@@ -55,7 +55,7 @@ HDR_GENERATION = 3
 HDR_REPLICAS = 4  # live synced replicas, this one included (0/1: alone)
 HDR_REPLICA_SLOT = 5  # this replica's place among them
 HDR_SYNC_TICKS = 6  # successful sync ticks
-HDR_FEED_ON = 7  # 1 once a picker keeps a load index (core/_index.pxd): writers publish rows
+HDR_FEED_ON = 7  # indexes pickers keep (core/_index.pxd, _coindex.pxd): writers publish while > 0
 HDR_FEED_AT = 8  # rows published so far
 HDR_FEED = 16  # the feed ring of rows published: (position << HDR_FEED_ROW_BITS) | row
 HDR_FEED_SLOTS = 4096
@@ -246,6 +246,15 @@ class TargetTable:
         turns the coordinated pick off."""
         self._hcells.store(0, HDR_REPLICAS, int(n))
         self._hcells.store(0, HDR_REPLICA_SLOT, int(slot))
+
+    @property
+    def feed_uses(self) -> int:
+        """Load indexes kept over this table (HDR_FEED_ON): writers publish rows while > 0."""
+        return self._hcells.load(0, HDR_FEED_ON)
+
+    def give_back_feed_uses(self, n: int) -> None:
+        """Subtract ``n`` feed uses a dead process's pickers held (its ledger's count)."""
+        self._hcells.add(0, HDR_FEED_ON, -int(n))
 
     def count_sync_tick(self) -> None:
         self._hcells.add(0, HDR_SYNC_TICKS, 1)

@@ -33,10 +33,17 @@ flow admission's ``try_enter`` always declines so every parsed request comes her
 
 Every refusal carries its JSON reason, ``x-smg-error-code`` and ``Retry-After`` and is counted
 by (tenant, class, reason) in ``fastroute_flow_refusals_total``.
+
+A tenant is whatever the client makes it (its address; any header value with
+``--trust-tenant-header``), so what is kept per tenant is bounded: past ``COUNTED_KEYS`` counter
+entries the least counted tenants fold into ``other`` (the busiest ``TENANTS_AFTER_FOLD`` keep
+their names), and past ``BUCKETS_KEPT`` rate-limit scopes the refilled ones are forgotten (a
+fresh scope is a full one: nothing changes for that tenant), then the oldest.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections import OrderedDict
@@ -74,6 +81,10 @@ RATE_LIMITED = "tenant_rate_limit_exceeded"
 OVERLOAD_SHED = "worker_overload_protection_shed"
 CLIENT_GONE = "scheduler_client_cancelled"
 SHED = "scheduler_shed"  # fastroute's: a waiter dropped for a higher class (--flow-max-queued)
+COUNTED_KEYS = 8192  # entries of the refusal or admission counters before a fold
+TENANTS_AFTER_FOLD = 1024  # tenants that keep their name at a fold (the metrics show the top N of them)
+BUCKETS_KEPT = 65536  # rate-limit scopes (tenant, rule) kept
+OTHER = "other"  # the tenant label of what was folded (as flowmetrics' top-N)
 
 
 def _no_answer(exc: RouterError) -> None:
@@ -229,7 +240,10 @@ class FlowAdmission(Admission):
 
     def _refused(self, tenant: str, cls: int, reason: str) -> None:
         k = (tenant, self.class_name(cls), reason)
-        self.refusals[k] = self.refusals.get(k, 0) + 1
+        d = self.refusals
+        d[k] = d.get(k, 0) + 1
+        if len(d) > COUNTED_KEYS:
+            _fold(d)
 
     def _refuse(self, proto: Any, req: Any, tenant: str, cls: int, exc: RouterError) -> None:
         self._refused(tenant, cls, exc.code)
@@ -341,7 +355,10 @@ class FlowAdmission(Admission):
 
     def _note_admitted(self, tenant: str, cls: int) -> None:
         k = (tenant, self.class_name(cls))
-        self.admitted[k] = self.admitted.get(k, 0) + 1
+        d = self.admitted
+        d[k] = d.get(k, 0) + 1
+        if len(d) > COUNTED_KEYS:
+            _fold(d)
 
     def slots(self) -> float:
         """Requests that may run at once (module docstring, step 5)."""
@@ -475,8 +492,46 @@ class FlowAdmission(Admission):
         key = (tenant, rule.rule_id)
         b = self._buckets.get(key)
         if b is None:
+            if len(self._buckets) >= BUCKETS_KEPT:
+                self._forget_buckets()
             b = self._buckets[key] = (Bucket(float(rule.tokens_per_minute)), Bucket(float(rule.requests_per_minute)))
         return b
+
+    def _forget_buckets(self) -> None:
+        """Make room among the rate-limit scopes: drop those refilled by now (a new one starts
+        full, so nothing changes for them), then, if that freed less than a quarter, the oldest
+        (their tenant may get up to a minute's allowance again)."""
+        now = self.loop.time()
+        kept = self._buckets
+        full = [k for k, (tb, rb) in kept.items() if tb.fill(now) >= tb.per_minute and rb.fill(now) >= rb.per_minute]
+        for k in full:
+            del kept[k]
+        excess = len(kept) - BUCKETS_KEPT * 3 // 4
+        if excess > 0:
+            for k in list(itertools.islice(kept, excess)):
+                del kept[k]
+        log.info(
+            "flow control: forgot %d tenant rate-limit scopes (%d refilled), %d kept",
+            len(full) + max(0, excess),
+            len(full),
+            len(kept),
+        )
+
+
+def _fold(d: dict) -> None:
+    """Fold the counters of all but the busiest TENANTS_AFTER_FOLD tenants into OTHER, in
+    place (the Stats hold this dict)."""
+    per_tenant: dict[str, int] = {}
+    for k, v in d.items():
+        per_tenant[k[0]] = per_tenant.get(k[0], 0) + v
+    named = set(sorted(per_tenant, key=lambda t: (-per_tenant[t], t))[:TENANTS_AFTER_FOLD])
+    out: dict = {}
+    for k, v in d.items():
+        key = k if k[0] in named else (OTHER, *k[1:])
+        out[key] = out.get(key, 0) + v
+    d.clear()
+    d.update(out)
+    log.info("flow control: counters of %d tenants folded into %r", len(per_tenant) - len(named), OTHER)
 
 
 def _flow_headers(fwd: bytes) -> dict[bytes, bytes]:

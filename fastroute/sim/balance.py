@@ -86,6 +86,9 @@ def fastroute_cells(sweep: bool = False) -> list[Cell]:
             "fastroute",
             ["--policy", "power_of_two", "--p2c-load-metric", "least_requests"] + base,
         ),
+        # The default policy; its decode leg under --dp-aware keeps ranks within 0 requests of the
+        # least loaded (rank slack 0) and lets the tree break the ties.
+        Cell("cache_aware", "fastroute", ["--policy", "cache_aware"] + base),
     ]
     weights = [0, 100_000, 200_000, 500_000, 1_000_000] if sweep else [0, 1_000_000]
     for w in weights:

@@ -32,6 +32,13 @@ def _gen(tag: str, headers: dict[str, str] | None = None) -> bytes:
     return post("/generate", {"text": tag}, headers)
 
 
+def _limited(cfg: str, w: Any) -> Router:
+    """A router over ``w`` with the tenant rate limits of ``cfg`` and the tenant header trusted."""
+    return Router(
+        worker_urls=[w.url], tenant_rate_limit_enabled=True, tenant_rate_limit_config=cfg, trust_tenant_header=True
+    )
+
+
 async def _send(port: int, data: bytes) -> Any:
     return await call(port, data, timeout=15.0)
 
@@ -258,9 +265,7 @@ def test_tenant_request_and_token_limits(tmp_path: Path) -> None:
 
     async def body() -> None:
         (w,) = await workers(1)
-        async with Router(
-            worker_urls=[w.url], tenant_rate_limit_enabled=True, tenant_rate_limit_config=cfg, trust_tenant_header=True
-        ) as r:
+        async with _limited(cfg, w) as r:
             flow = _flow(r)
             # Requests per minute (default policy, per tenant): the third is refused.
             for tag in ("r0", "r1"):
@@ -475,5 +480,42 @@ def test_at_the_total_bound_the_lowest_class_is_shed_first() -> None:
             assert [x.status for x in rest] == [200] * 4
             assert [rec.json["text"] for rec in w.inference()] == ["first", "inter0", "inter1", "default0"]
             assert flow.refusals[("ip:127.0.0.1", "bulk", "scheduler_shed")] == 2
+
+    run(body())
+
+
+def test_what_is_kept_per_tenant_stays_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tenants are what clients make them (any value of a trusted header): the counters fold
+    the least counted into ``other`` and the rate-limit scopes forget the oldest, so 300
+    one-request tenants keep neither growing. Caps lowered here; the defaults are 8,192 counter
+    entries (1,024 named after a fold) and 65,536 scopes."""
+    from fastroute.dataplane import flowcontrol
+
+    monkeypatch.setattr(flowcontrol, "COUNTED_KEYS", 40)
+    monkeypatch.setattr(flowcontrol, "TENANTS_AFTER_FOLD", 8)
+    monkeypatch.setattr(flowcontrol, "BUCKETS_KEPT", 24)
+    cfg = _yaml(tmp_path, "default_policy:\n  tokens_per_minute: 100000\n  requests_per_minute: 2\n")
+
+    async def body() -> None:
+        (w,) = await workers(1)
+        async with _limited(cfg, w) as r:
+            flow = _flow(r)
+            busy = {"x-smg-tenant-id": "busy"}
+            codes = [(await _send(r.port, _gen(f"b{i}", busy))).status for i in range(3)]
+            assert codes == [200, 200, 429]  # two a minute
+            sizes = []
+            for i in range(300):
+                resp = await _send(r.port, _gen(f"t{i}", {"x-smg-tenant-id": f"t{i}"}))
+                assert resp.status == 200
+                sizes.append((len(flow.admitted), len(flow.refusals), len(flow._buckets)))
+            assert max(s[0] for s in sizes) <= 40 and max(s[2] for s in sizes) <= 24, sizes[-5:]
+            # nothing counted is lost: folded counts are under "other"
+            assert sum(flow.admitted.values()) == 302
+            assert flow.admitted[("header:busy", "default")] == 2  # the busiest keep their name
+            assert flow.admitted[("other", "default")] > 200
+            assert flow.refusals == {("header:busy", "default", "tenant_rate_limit_exceeded"): 1}
+            text = r.server.metrics.render().decode()
+            assert 'fastroute_flow_admitted_total{class="default",tenant="other"}' in text
+            assert flow.running == 0
 
     run(body())

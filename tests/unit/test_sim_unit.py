@@ -293,8 +293,16 @@ def test_balance_stats_of_known_samples() -> None:
 
 def test_matrix_and_table_shape() -> None:
     labels = [c.label for c in fastroute_cells()]
-    assert labels == ["round_robin", "p2c tokens", "p2c requests", "p2c least_requests", "demand W=0", "demand W=1e+06"]
-    assert len(fastroute_cells(sweep=True)) == 4 + 5
+    assert labels == [
+        "round_robin",
+        "p2c tokens",
+        "p2c requests",
+        "p2c least_requests",
+        "cache_aware",
+        "demand W=0",
+        "demand W=1e+06",
+    ]
+    assert len(fastroute_cells(sweep=True)) == 5 + 5
     load = {
         k: 1.0
         for k in (
