@@ -11,7 +11,7 @@ winner, so the I/O layer never loops over targets in Python.
 cimport cython
 from libc.stdint cimport int64_t, uint64_t
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from libc.string cimport memcmp, memcpy
+from libc.string cimport memchr, memcmp, memcpy
 from fastroute.core._atomic cimport fr_load_i64, fr_store_i64, fr_add_i64, fr_cas_i64
 from fastroute.core._layout cimport (
     COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS, COL_POLLED_RUNNING, COL_POLLED_WAITING,
@@ -562,6 +562,7 @@ cdef (int64_t, int64_t) _decode(const unsigned char *data, Py_ssize_t n, NameInd
     cdef int64_t good = 0, bad = 0, idx, cap = limit - 1
     cdef int64_t *into
     cdef const int64_t *e
+    cdef const unsigned char *hit
     # a batch of parsed lines: name start and length, its hash, the counts, then its position
     cdef Py_ssize_t b_at[DECODE_BATCH]
     cdef Py_ssize_t b_len[DECODE_BATCH]
@@ -571,14 +572,20 @@ cdef (int64_t, int64_t) _decode(const unsigned char *data, Py_ssize_t n, NameInd
     while start < n:
         nb = 0
         while start < n and nb < DECODE_BATCH:
-            end = start
+            # the line's end and its tabs, found by memchr (a line is ~45 bytes: byte by byte
+            # was most of a decode's instructions)
+            hit = <const unsigned char *>memchr(data + start, 10, n - start)
+            end = hit - data if hit != NULL else n
             ntab = 0
-            while end < n and data[end] != 10:
-                if data[end] == 9:
-                    if ntab < 3:
-                        tabs[ntab] = end
-                    ntab += 1
-                end += 1
+            hit = data + start
+            while ntab < 4:
+                hit = <const unsigned char *>memchr(hit, 9, end - (hit - data))
+                if hit == NULL:
+                    break
+                if ntab < 3:
+                    tabs[ntab] = hit - data
+                ntab += 1
+                hit += 1
             if ntab != 3 or not (
                 _sync_number(data, tabs[0] + 1, tabs[1], &r, &nr)
                 and _sync_number(data, tabs[1] + 1, tabs[2], &k, &nk)
