@@ -48,7 +48,7 @@ cimport fastroute.core._index as ix
 
 import numpy as np
 
-from fastroute.core._ledger import mapped
+from fastroute.core._ledger import mapped as _mapped
 
 cdef extern from "Python.h":
     const char *PyUnicode_AsUTF8AndSize(object s, Py_ssize_t *size) except NULL
@@ -229,7 +229,7 @@ cdef class PrefixTree:
     def __dealloc__(self):
         # A table closed under the tree (its mapping gone) is not written: its uses stay
         # counted, the safe side (the feed stays on: work for writers, never a stale index).
-        if (self._lx_use or self._kx_use) and mapped(self._array):
+        if (self._lx_use or self._kx_use) and _mapped(self._array):
             self._feed(&self._lx_use, False)
             self._feed(&self._kx_use, False)
         self._free_all()
