@@ -392,23 +392,8 @@ class ReplicaSync:
                 view.seq.pop(pid, None)
         for pid in [p for p in (*view.slot, *view.seq) if p not in live]:
             view.forget(pid)  # gone: its counts leave the sums
-        for i in range(end, len(reply), 4):
-            pid, seq, kind, value = reply[i : i + 4]
-            last = view.seq.get(pid)
-            if pid in whole or last is None:
-                continue
-            n = int(seq)
-            if n <= last:
-                continue
-            if kind == 2 or n != last + 1:  # oversize, or an entry missing: read it whole next tick
-                if kind == 2:
-                    self._skip("oversize", f"replica {pid!r} has a {value}-byte entry (limit {MAX_ENTRY_BYTES})")
-                del view.seq[pid]
-                continue
-            good, bad = view.set_lines(pid, value, COUNT_LIMIT)
-            if bad:
-                self._skip("bad_line", f"replica {pid!r} sent {bad} malformed or out-of-range line(s)", bad)
-            view.seq[pid] = n
+        for what, why, n in view.follow(reply, end, whole, COUNT_LIMIT, MAX_ENTRY_BYTES):
+            self._skip(what, why, n)
         for pid, n in now_seq.items():
             if view.seq.get(pid) != n:  # entries this view did not get (trimmed, Redis restarted)
                 view.seq.pop(pid, None)

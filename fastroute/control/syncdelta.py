@@ -14,10 +14,11 @@ payload lines by the script) when it does not know the peer yet, when a number i
 requests, tokens, open``; zeros for a target that fell idle), so applying one twice changes
 nothing. Everything stays one script call, one round trip, per tick.
 
-:class:`Published` finds this replica's changes (a compiled copy of the table's rows and NumPy
-per name, then Python only for the lines that changed); :class:`View` holds what each peer
-published in one array (peer slot x local name x requests/tokens/open), decoded by compiled
-code (``_ledger.sync_decode``), and stores the sums of the names that changed into the table
+:class:`Published` finds this replica's changes and writes their lines in one compiled pass
+over its rows (``_ledger.sync_encode``; a copy of the rows and NumPy per name when a name has
+two rows); :class:`View` holds what each peer published in one array (local name x peer slot
+x requests/tokens/open: a name's sum reads adjacent cells), decoded by compiled code
+(``_ledger.sync_decode``), and stores the sums of the names that changed into the table
 (``_ledger.sync_store``): no Python per line or per row on a tick.
 """
 
@@ -172,7 +173,7 @@ class Names:
     def __init__(self) -> None:
         self.key: tuple[int, int] | None = None
         self.names: list[str] = []
-        self.index: dict[bytes, int] = {}  # name (UTF-8) -> its position in names
+        self.index = _ledger.NameIndex(())  # name (UTF-8) -> its position in names
         self.rows: dict[str, list[int]] = {}
         self.end = 0  # one past the last row in use
         self.row_ids = np.zeros(0, np.int64)  # rows in use
@@ -194,7 +195,7 @@ class Names:
                 rows.setdefault(registry.target_name(t), []).append(t)
         self.rows = rows
         self.names = list(rows)
-        self.index = {name.encode(): i for i, name in enumerate(self.names)}
+        self.index = _ledger.NameIndex(name.encode() for name in self.names)
         pairs = [(t, i) for i, ts in enumerate(rows.values()) for t in ts]
         self.row_ids = np.array([t for t, _ in pairs], np.int64)
         self.row_name = np.array([i for _, i in pairs], np.int64)
@@ -213,6 +214,7 @@ class Published:
         self._vals: np.ndarray | None = None  # (names, 3) last published: requests, tokens, open
         self._names: list[str] = []  # the names those rows stand for
         self.held: list[int] = []  # rows holding an estimate of the others' placements
+        self._out = np.zeros(0, np.uint8)  # the compiled encoder's buffer, kept between ticks
         # A new publisher does not know what its followers or its hash hold (a tick failed
         # half-way, or this is the first): its first entry is its whole state, replaces its
         # hash and skips a number, so they read it whole.
@@ -223,11 +225,14 @@ class Published:
         old, old_names = self._vals, self._names
         self.held = []
         if names.single is not None and old is not None and old_names is names.names:
-            # the common tick: one compiled pass over the rows, Python for changed names only
-            at = _ledger.sync_changed(table.array, names.single, old, self.held)
-            if self.reset:
-                at = _nonzero(old)
-            return "".join(_line(names.names[i], v) for i, v in zip(at, old[at].tolist())).encode()
+            # the common tick: one compiled pass over the rows finds and writes the changed lines
+            args = (table.array, names.single, old, self.held, names.index.utf8, names.index.at)
+            out = _ledger.sync_encode(*args, self._out, self.reset)
+            if out is None:  # the names grew since the buffer was sized
+                self._out = np.zeros(len(names.index.utf8) + 64 * len(names.names), np.uint8)
+                out = _ledger.sync_encode(*args, self._out, self.reset)
+            assert out is not None  # (sized for every name)
+            return out
         snap = _ledger.snapshot_cols(table.array, names.end, SNAP_COLS)
         self.held = np.flatnonzero(snap[:, 3]).tolist()  # SNAP_COLS: the others' estimates
         rows = snap[names.single] if names.single is not None else snap[names.row_ids]
@@ -264,7 +269,7 @@ def _nonzero(a: np.ndarray) -> list[int]:
 
 
 class View:
-    """What each known peer published, per local name, in one array (peer slot x name x
+    """What each known peer published, per local name, in one array (name x peer slot x
     requests/tokens/open); ``touched`` collects the names whose sums may have changed since
     the caller last stored them."""
 
@@ -272,7 +277,7 @@ class View:
         self.names = names
         self.seq: dict[bytes, int] = {}  # last entry applied per followed peer
         self.slot: dict[bytes, int] = {}  # the vals slot of each peer read
-        self.vals = np.zeros((8, len(names.names), 3), np.int64)
+        self.vals = np.zeros((len(names.names), 8, 3), np.int64)  # a name's peers side by side
         self._free = list(range(7, -1, -1))
         self.mark = np.zeros(len(names.names), np.uint8)
         self.touched: list[int] = []
@@ -292,18 +297,18 @@ class View:
             self._free.append(slot)
 
     def _zero(self, slot: int) -> None:
-        for i in np.flatnonzero(self.vals[slot].any(axis=1)).tolist():
+        for i in np.flatnonzero(self.vals[:, slot].any(axis=1)).tolist():
             if not self.mark[i]:
                 self.mark[i] = 1
                 self.touched.append(i)
-        self.vals[slot] = 0
+        self.vals[:, slot] = 0
 
     def _slot(self, peer: bytes) -> int:
         slot = self.slot.get(peer)
         if slot is None:
             if not self._free:
-                n = len(self.vals)
-                self.vals = np.concatenate((self.vals, np.zeros_like(self.vals)))
+                n = self.vals.shape[1]
+                self.vals = np.concatenate((self.vals, np.zeros_like(self.vals)), axis=1)
                 self._free = list(range(2 * n - 1, n - 1, -1))
             slot = self.slot[peer] = self._free.pop()
         return slot
@@ -325,10 +330,39 @@ class View:
             self._release_if_empty(peer, slot)
         return got
 
+    def follow(self, reply: list, start: int, whole: set[bytes], limit: int, max_bytes: int) -> list[tuple]:
+        """Apply the new entries of the peers this view follows (``reply[start:]``, an (id,
+        number, kind, value) each): the next entry of a peer holding a slot in one compiled
+        call (``_ledger.sync_entries``), the rest here in order (a missing number or an
+        oversize entry: the peer is read whole next tick). Returns what was skipped, as
+        (what, why, count) for the caller to count and log."""
+        rest, bad, who = _ledger.sync_entries(
+            reply, start, self.seq, self.slot, whole, self.names.index, self.vals, self.mark, self.touched, limit
+        )
+        skips = [("bad_line", f"replica {who!r} sent {bad} malformed or out-of-range line(s)", bad)] if bad else []
+        for i in rest:
+            pid, seq, kind, value = reply[i : i + 4]
+            last = self.seq.get(pid)
+            if pid in whole or last is None:
+                continue
+            n = int(seq)
+            if n <= last:
+                continue
+            if kind == 2 or n != last + 1:  # oversize, or an entry missing: read it whole next tick
+                if kind == 2:
+                    skips.append(("oversize", f"replica {pid!r} has a {value}-byte entry (limit {max_bytes})", 1))
+                del self.seq[pid]
+                continue
+            _, bad = self.set_lines(pid, value, limit)
+            if bad:
+                skips.append(("bad_line", f"replica {pid!r} sent {bad} malformed or out-of-range line(s)", bad))
+            self.seq[pid] = n
+        return skips
+
     def _release_if_empty(self, peer: bytes, slot: int) -> None:
         # A peer with nothing on this host's names holds no slot: peers that only write names
         # unknown here (or a flood of fake ones) cost no (names x 3) array each.
-        if not self.vals[slot].any():
+        if not self.vals[:, slot].any():
             del self.slot[peer]
             self._free.append(slot)
 

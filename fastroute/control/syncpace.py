@@ -10,6 +10,14 @@ quiet tick, up to a third of ``--replica-ttl-ms``, so a quiet replica is still b
 more within the TTL its peers drop it after. Any change (here or at a peer) returns to the
 configured interval at once. While the wake channel is not subscribed (connecting, Redis
 gone) every tick runs the script: without wakes, slowing down would delay what peers publish.
+
+A subscribed connection only reads, so one the network drops without a reset (a NAT or load
+balancer forgetting an idle flow, a partition) would never fail: wakes would stop and a quiet
+replica would see its peers' changes only at its heartbeats. The listener therefore sends a
+PING on it whenever it has read nothing for a liveness period (the sync interval, at least,
+and at most a second or a sixth of the TTL); a PING unanswered for another period ends the
+connection: ticks run every interval again until the channel is subscribed anew (the first such
+loss is a WARNING, later ones INFO).
 """
 
 from __future__ import annotations
@@ -22,6 +30,10 @@ log = logging.getLogger("fastroute.replica")
 
 WAKE_CHANNEL = "fastroute:{replicas}:wake"
 LISTEN_BACKOFF = (0.1, 5.0)  # first and last wait before subscribing again after a failure
+
+
+class WakeSilent(Exception):
+    """The wake connection answered no PING within the liveness period."""
 
 
 class Pace:
@@ -37,6 +49,9 @@ class Pace:
         self._woken = True
         self.listening = False  # the wake channel is subscribed
         self._task: asyncio.Task | None = None
+        # read nothing this long: PING; that long again without an answer: the link is dead
+        self._alive_every = max(interval, min(1.0, ttl / 6))
+        self._silent_logged = False
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._listen(), name="replica sync wakes")
@@ -71,10 +86,16 @@ class Pace:
             pubsub = self._client.pubsub()
             try:
                 await pubsub.subscribe(WAKE_CHANNEL)
+                pinged = False  # a PING is unanswered
                 while True:
-                    msg = await pubsub.get_message(timeout=None)
+                    msg = await pubsub.get_message(timeout=self._alive_every)
                     if msg is None:
+                        if pinged:
+                            raise WakeSilent(f"no answer to a PING within {self._alive_every:.2f} s")
+                        await asyncio.wait_for(pubsub.ping(), self._alive_every)  # (at most once a period)
+                        pinged = True
                         continue
+                    pinged = False  # whatever came, the link carries it
                     if msg["type"] == "subscribe":
                         self.listening = True
                         self._woken = True  # changes made while not listening
@@ -85,7 +106,15 @@ class Pace:
                 raise
             except Exception as exc:  # Redis gone: tick at the interval until subscribed again
                 if self.listening:
-                    log.info("replica sync: wake channel lost (%s); ticking every interval", exc)
+                    if isinstance(exc, (WakeSilent, asyncio.TimeoutError)) and not self._silent_logged:
+                        self._silent_logged = True
+                        log.warning(
+                            "replica sync: the wake channel's connection went silent (%s); ticking every "
+                            "interval until it is subscribed again (later losses are logged at INFO)",
+                            exc,
+                        )
+                    else:
+                        log.info("replica sync: wake channel lost (%s); ticking every interval", exc)
                 self.listening = False
                 self._woken = True
                 await asyncio.sleep(wait)

@@ -7,6 +7,7 @@ compiled code behind it runs without bounds checks.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -83,13 +84,37 @@ def snapshot(tab: _Table, n: int) -> npt.NDArray[np.int64]:
 def snapshot_cols(tab: _Table, n: int, cols: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     """Atomic-load copy of the columns ``cols`` of the first ``n`` rows: (n, len(cols))."""
 
-def sync_changed(tab: _Table, rows: npt.NDArray[np.int64], seen: npt.NDArray[np.int64], held: list[int]) -> list[int]:
-    """Names (``rows[i]`` the one row of name i) whose requests, tokens or open circuit differ
-    from ``seen[i]`` (updated in place); rows holding an others' estimate go to ``held``."""
+class NameIndex:
+    """Target names (UTF-8, position i the i-th given; ValueError on a repeat) in one buffer
+    (``utf8``, name i at ``utf8[at[i]:at[i + 1]]``) with a hash table of their positions, read
+    by the sync's compiled code without a Python object per lookup."""
+
+    utf8: bytes
+    at: npt.NDArray[np.int64]
+    def __init__(self, names: Iterable[bytes]) -> None: ...
+    def find(self, name: bytes) -> int | None:
+        """The position of ``name``, or None."""
+    def __len__(self) -> int: ...
+
+def sync_encode(
+    tab: _Table,
+    rows: npt.NDArray[np.int64],
+    seen: npt.NDArray[np.int64],
+    held: list[int],
+    names: bytes,
+    offsets: npt.NDArray[np.int64],
+    out: npt.NDArray[np.uint8],
+    every: bool,
+) -> bytes | None:
+    """The ``name\\trequests\\ttokens\\topen`` lines of the names (``rows[i]`` the one row of
+    name i, ``names[offsets[i]:offsets[i + 1]]`` its UTF-8) whose requests, tokens or open
+    circuit differ from ``seen[i]`` (updated in place; ``every``: of each nonzero name), written
+    through ``out``; rows holding an others' estimate go to ``held``. None when ``out`` is
+    shorter than ``len(names) + 64 * len(rows)`` bytes."""
 
 def sync_decode(
     data: bytes,
-    index: dict[bytes, int],
+    index: NameIndex,
     vals: npt.NDArray[np.int64],
     slot: int,
     mark: npt.NDArray[np.uint8],
@@ -97,9 +122,26 @@ def sync_decode(
     add: bool,
     limit: int,
 ) -> tuple[int, int]:
-    """Read a replica's ``name\\trequests\\ttokens\\topen`` lines into ``vals[slot, index[name]]``
+    """Read a replica's ``name\\trequests\\ttokens\\topen`` lines into ``vals[index[name], slot]``
     (sum repeated names when ``add``, else the last wins); names first seen since ``mark`` was
     cleared are appended to ``touched``. Returns (good lines, skipped lines)."""
+
+def sync_entries(
+    reply: list[Any],
+    start: int,
+    seq: dict[bytes, int],
+    slots: dict[bytes, int],
+    whole: set[bytes],
+    index: NameIndex,
+    vals: npt.NDArray[np.int64],
+    mark: npt.NDArray[np.uint8],
+    touched: list[int],
+    limit: int,
+) -> tuple[list[int], int, Any]:
+    """Apply the next entry (``reply[start:]``, (id, number, kind, value) each) of every peer in
+    ``seq`` (not in ``whole``) holding a slot in ``slots``; entries numbered at most the last are
+    passed over; the other entries (oversize, a gap, no slot) and all later ones of their peer
+    are left: returns (their positions, skipped lines, a peer that sent some)."""
 
 def sync_store(
     tab: _Table,
@@ -111,7 +153,7 @@ def sync_store(
     rows: npt.NDArray[np.int64],
     limit: int,
 ) -> None:
-    """Store the others' sums of ``names`` over the peers' ``slots`` of ``vals`` (slots, names,
+    """Store the others' sums of ``names`` over the peers' ``slots`` of ``vals`` (names, slots,
     3) into the others columns of their allocated rows ``rows[starts[n]:starts[n + 1]]``,
     publishing each row that changed to the pickers' load indexes (the table's ``header``)."""
 

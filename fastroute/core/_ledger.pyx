@@ -10,7 +10,8 @@ winner, so the I/O layer never loops over targets in Python.
 """
 cimport cython
 from libc.stdint cimport int64_t, uint64_t
-from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from libc.string cimport memchr, memcmp, memcpy
 from fastroute.core._atomic cimport fr_load_i64, fr_store_i64, fr_add_i64, fr_cas_i64
 from fastroute.core._layout cimport (
     COL_IN_FLIGHT, COL_IN_FLIGHT_TOKENS, COL_PICKS, COL_POLLED_RUNNING, COL_POLLED_WAITING,
@@ -26,6 +27,7 @@ from fastroute.core._policy cimport (
 )
 cimport fastroute.core._index as ix
 cimport fastroute.core._coindex as cx
+from fastroute.core._random cimport mix64
 import mmap
 import os
 
@@ -358,7 +360,105 @@ def snapshot_cols(int64_t[:, ::1] tab, int64_t n, const int64_t[::1] cols):
 
 # ---- replica sync (fastroute/control/syncdelta.py): a peer's lines in, the others' sums out ----
 
-cdef inline int _sync_number(const unsigned char[::1] d, Py_ssize_t a, Py_ssize_t b,
+cdef extern from *:
+    void _prefetch "__builtin_prefetch"(const void *addr) noexcept nogil
+
+cdef enum:
+    # Lines sync_decode parses before it looks their names up: the lookups' cache misses
+    # (a slot, the name's bytes, the peer's cells) are then in flight together.
+    DECODE_BATCH = 16
+    # a NameIndex slot: the name's hash (0: empty), position, offset in utf8, length
+    SLOT_HASH = 0
+    SLOT_POS = 1
+    SLOT_AT = 2
+    SLOT_LEN = 3
+
+
+cdef class NameIndex:
+    """This host's target names (UTF-8, position i the i-th given) and the position of each, for
+    the sync's compiled code: the names in one buffer (``utf8``, name i at
+    ``utf8[at[i]:at[i + 1]]``) and an open-addressing table of their hashes checked against
+    those bytes, so a lookup makes no Python object (a dict needs a bytes key per line)."""
+
+    cdef readonly bytes utf8
+    cdef readonly object at
+    cdef const unsigned char[::1] _utf8
+    cdef int64_t[:, ::1] _slots  # SLOT_* per slot, a cache line holds two
+    cdef uint64_t _mask
+
+    def __init__(self, names):
+        names = list(names)
+        cdef Py_ssize_t n = len(names), i, cap = 16
+        cdef uint64_t h, j
+        self.utf8 = b"".join(names)
+        at = np.zeros(n + 1, np.int64)
+        at[1:] = np.cumsum([len(b) for b in names])
+        self.at = at
+        self._utf8 = self.utf8
+        cdef const int64_t[::1] offs = at
+        while cap < 2 * n:
+            cap *= 2
+        self._slots = np.zeros((cap, 4), np.int64)
+        self._mask = cap - 1
+        for i in range(n):
+            if self.find(names[i]) is not None:
+                raise ValueError(f"NameIndex: {names[i]!r} given twice")
+            h = self._hashed(self._name(offs[i]), offs[i + 1] - offs[i])
+            j = h & self._mask
+            while self._slots[j, SLOT_HASH] != 0:
+                j = (j + 1) & self._mask
+            self._slots[j, SLOT_HASH] = <int64_t>h
+            self._slots[j, SLOT_POS] = i
+            self._slots[j, SLOT_AT] = offs[i]
+            self._slots[j, SLOT_LEN] = offs[i + 1] - offs[i]
+
+    cdef inline const unsigned char *_name(self, int64_t at) noexcept nogil:
+        return &self._utf8[at] if at < self._utf8.shape[0] else NULL
+
+    cdef inline uint64_t _hashed(self, const unsigned char *p, Py_ssize_t n) noexcept nogil:
+        # eight bytes a step (a name is ~30 bytes: a byte-wise hash was most of a lookup)
+        cdef uint64_t h = <uint64_t>n * <uint64_t>0x9E3779B97F4A7C15, w = 0
+        cdef Py_ssize_t i = 0
+        while i + 8 <= n:
+            memcpy(&w, p + i, 8)
+            h = (h ^ w) * <uint64_t>0xFF51AFD7ED558CCD
+            h ^= h >> 32
+            i += 8
+        if i < n:
+            w = 0
+            memcpy(&w, p + i, n - i)
+            h = (h ^ w) * <uint64_t>0xFF51AFD7ED558CCD
+        h = mix64(h)
+        return h if h != 0 else 1
+
+    cdef inline const int64_t *_first(self, uint64_t h) noexcept nogil:
+        return &self._slots[h & self._mask, 0]
+
+    cdef Py_ssize_t _lookup(self, const unsigned char *p, Py_ssize_t n, uint64_t h) noexcept nogil:
+        """The position of the name ``p[:n]`` of hash ``h``, or -1."""
+        cdef uint64_t j = h & self._mask
+        cdef const int64_t *e
+        while True:
+            e = &self._slots[j, 0]
+            if e[SLOT_HASH] == 0:
+                return -1
+            if <uint64_t>e[SLOT_HASH] == h and e[SLOT_LEN] == n and (
+                n == 0 or memcmp(&self._utf8[e[SLOT_AT]], p, n) == 0
+            ):
+                return e[SLOT_POS]
+            j = (j + 1) & self._mask
+
+    def find(self, const unsigned char[::1] name):
+        """The position of ``name``, or None."""
+        cdef const unsigned char *p = &name[0] if name.shape[0] else NULL
+        cdef Py_ssize_t i = self._lookup(p, name.shape[0], self._hashed(p, name.shape[0]))
+        return None if i < 0 else i
+
+    def __len__(self):
+        return len(self.at) - 1
+
+
+cdef inline int _sync_number(const unsigned char *d, Py_ssize_t a, Py_ssize_t b,
                              uint64_t *out, bint *neg) noexcept:
     """One count field: an optional sign and ASCII digits, 1..19 characters in all; 0 when it is
     not one (stricter than Python's int(): no spaces, no underscores)."""
@@ -381,100 +481,242 @@ cdef inline int _sync_number(const unsigned char[::1] d, Py_ssize_t a, Py_ssize_
     return 1
 
 
-def sync_decode(const unsigned char[::1] data, dict index, int64_t[:, :, ::1] vals, Py_ssize_t slot,
+def sync_decode(const unsigned char[::1] data, NameIndex index not None, int64_t[:, :, ::1] vals, Py_ssize_t slot,
                 unsigned char[::1] mark, list touched, bint add, int64_t limit):
-    """Read ``name\\trequests\\ttokens\\topen`` lines into ``vals[slot, index[name]]`` (names this host
+    """Read ``name\\trequests\\ttokens\\topen`` lines into ``vals[index[name], slot]`` (names this host
     does not know are read and dropped); a name seen the first time since ``mark`` was cleared
     is appended to ``touched``. ``add``: sum repeated names (a whole payload), else the last
     line of a name wins (a delta of absolute values). A line that is not four tab-separated
     fields, or a count past ``limit``, is skipped; a negative count is 0, sums stay below
     ``limit``. Returns (good lines, skipped lines)."""
-    cdef Py_ssize_t n = data.shape[0], start = 0, end
+    if vals.shape[2] != 3 or mark.shape[0] < vals.shape[0] or limit <= 0:
+        raise ValueError("sync_decode: vals must be (names, slots, 3) and mark cover every name")
+    if slot < 0 or slot >= vals.shape[1]:
+        raise IndexError(f"sync_decode: slot {slot} outside 0..{vals.shape[1] - 1}")
+    if len(index) > vals.shape[0]:
+        raise IndexError(f"sync_decode: {len(index)} names, vals holds {vals.shape[0]}")
+    if data.shape[0] == 0:
+        return 0, 0
+    return _decode(&data[0], data.shape[0], index, vals, slot, mark, touched, add, limit)
+
+
+def sync_entries(list reply, Py_ssize_t start, dict seq, dict slots, set whole, NameIndex index not None,
+                 int64_t[:, :, ::1] vals, unsigned char[::1] mark, list touched, int64_t limit):
+    """The new entries of the peers a view follows, from a tick's reply (``reply[start:]``, an
+    (id, number, kind, value) each), applied in one call as ``control/replica.py`` reads them: an
+    entry of a peer not in ``seq`` or read whole this tick (``whole``), or numbered at most the
+    last applied, is passed over; the next entry of a peer that has a slot (``slots``) is
+    decoded into it (``sync_decode``, the last line of a name winning) and its number stored.
+    Any other entry (oversize, a number missing, a peer without a slot) and every later entry
+    of that peer are left to the caller: returns (their positions in order, skipped lines, a
+    peer that sent some)."""
+    cdef Py_ssize_t i, n = len(reply), slot
+    cdef int64_t good, bad, bad_total = 0
+    cdef object pid, last, kind, value, num, bad_peer = None
+    cdef list later = []
+    cdef set held = set()
+    if (n - start) % 4 or start < 0:
+        raise ValueError(f"sync_entries: {n - start} fields from {start} are not whole entries")
+    if vals.shape[2] != 3 or mark.shape[0] < vals.shape[0] or limit <= 0 or len(index) > vals.shape[0]:
+        raise ValueError("sync_entries: vals must be (names, slots, 3) and mark cover every name")
+    for i in range(start, n, 4):
+        pid = reply[i]
+        if pid in held:
+            later.append(i)
+            continue
+        last = seq.get(pid)
+        if last is None or pid in whole:
+            continue
+        num = int(reply[i + 1])
+        if num <= last:
+            continue
+        kind = reply[i + 2]
+        value = reply[i + 3]
+        got = slots.get(pid)
+        if kind == 2 or num != last + 1 or got is None or type(value) is not bytes:
+            later.append(i)
+            held.add(pid)
+            continue
+        slot = got
+        if slot < 0 or slot >= vals.shape[1]:
+            raise IndexError(f"sync_entries: slot {slot} outside 0..{vals.shape[1] - 1}")
+        if PyBytes_GET_SIZE(value):
+            good, bad = _decode(<const unsigned char *>PyBytes_AS_STRING(value), PyBytes_GET_SIZE(value),
+                                index, vals, slot, mark, touched, False, limit)
+            if bad:
+                bad_total += bad
+                bad_peer = pid
+        seq[pid] = num
+    return later, bad_total, bad_peer
+
+
+cdef (int64_t, int64_t) _decode(const unsigned char *data, Py_ssize_t n, NameIndex index,
+                                int64_t[:, :, ::1] vals, Py_ssize_t slot, unsigned char[::1] mark,
+                                list touched, bint add, int64_t limit) except *:
+    # sync_decode's work, its arguments checked by the caller
+    cdef Py_ssize_t start = 0, end
     cdef Py_ssize_t tabs[3]
-    cdef int ntab
+    cdef int ntab, nb, b
     cdef uint64_t r, k, o
     cdef bint nr, nk, no
     cdef int64_t good = 0, bad = 0, idx, cap = limit - 1
-    if vals.shape[2] != 3 or mark.shape[0] < vals.shape[1] or limit <= 0:
-        raise ValueError("sync_decode: vals must be (slots, names, 3) and mark cover every name")
-    if slot < 0 or slot >= vals.shape[0]:
-        raise IndexError(f"sync_decode: slot {slot} outside 0..{vals.shape[0] - 1}")
-    cdef int64_t[:, ::1] into = vals[slot]
+    cdef int64_t *into
+    cdef const int64_t *e
+    cdef const unsigned char *hit
+    # a batch of parsed lines: name start and length, its hash, the counts, then its position
+    cdef Py_ssize_t b_at[DECODE_BATCH]
+    cdef Py_ssize_t b_len[DECODE_BATCH]
+    cdef uint64_t b_hash[DECODE_BATCH]
+    cdef int64_t b_val[DECODE_BATCH][3]
+    cdef int64_t b_pos[DECODE_BATCH]
     while start < n:
-        end = start
-        ntab = 0
-        while end < n and data[end] != 10:
-            if data[end] == 9:
+        nb = 0
+        while start < n and nb < DECODE_BATCH:
+            # the line's end and its tabs, found by memchr (a line is ~45 bytes: byte by byte
+            # was most of a decode's instructions)
+            hit = <const unsigned char *>memchr(data + start, 10, n - start)
+            end = hit - data if hit != NULL else n
+            ntab = 0
+            hit = data + start
+            while ntab < 4:
+                hit = <const unsigned char *>memchr(hit, 9, end - (hit - data))
+                if hit == NULL:
+                    break
                 if ntab < 3:
-                    tabs[ntab] = end
+                    tabs[ntab] = hit - data
                 ntab += 1
-            end += 1
-        if ntab != 3 or not (
-            _sync_number(data, tabs[0] + 1, tabs[1], &r, &nr)
-            and _sync_number(data, tabs[1] + 1, tabs[2], &k, &nk)
-            and _sync_number(data, tabs[2] + 1, end, &o, &no)
-        ) or (not nr and r >= <uint64_t>limit) or (not nk and k >= <uint64_t>limit):
-            if end > start:
-                bad += 1
-            elif end < n:
-                bad += 1  # an empty line
+                hit += 1
+            if ntab != 3 or not (
+                _sync_number(data, tabs[0] + 1, tabs[1], &r, &nr)
+                and _sync_number(data, tabs[1] + 1, tabs[2], &k, &nk)
+                and _sync_number(data, tabs[2] + 1, end, &o, &no)
+            ) or (not nr and r >= <uint64_t>limit) or (not nk and k >= <uint64_t>limit):
+                if end > start:
+                    bad += 1
+                elif end < n:
+                    bad += 1  # an empty line
+                start = end + 1
+                continue
+            good += 1
+            b_at[nb] = start
+            b_len[nb] = tabs[0] - start
+            b_hash[nb] = index._hashed(&data[start], b_len[nb])
+            _prefetch(index._first(b_hash[nb]))
+            b_val[nb][0] = 0 if nr else <int64_t>r
+            b_val[nb][1] = 0 if nk else <int64_t>k
+            b_val[nb][2] = 1 if o else 0  # any nonzero count, either sign
+            nb += 1
             start = end + 1
-            continue
-        good += 1
-        found = index.get(PyBytes_FromStringAndSize(<const char *>&data[start], tabs[0] - start))
-        start = end + 1
-        if found is None:
-            continue
-        idx = found
-        if idx < 0 or idx >= into.shape[0]:
-            raise IndexError(f"sync_decode: index maps a name to {idx}, outside 0..{into.shape[0] - 1}")
-        if nr:
-            r = 0
-        if nk:
-            k = 0
-        o = 1 if o else 0  # any nonzero count, either sign
-        if mark[idx] == 0:
-            mark[idx] = 1
-            touched.append(idx)
-        if add:
-            into[idx, 0] = min(into[idx, 0] + <int64_t>r, cap)
-            into[idx, 1] = min(into[idx, 1] + <int64_t>k, cap)
-            into[idx, 2] = into[idx, 2] | <int64_t>o
-        else:
-            into[idx, 0] = <int64_t>r
-            into[idx, 1] = <int64_t>k
-            into[idx, 2] = <int64_t>o
+        for b in range(nb):  # the first slots are in cache: fetch the names and cells they hold
+            e = index._first(b_hash[b])
+            if e[SLOT_HASH] != 0:
+                _prefetch(&index._utf8[e[SLOT_AT]] if e[SLOT_LEN] else NULL)
+                _prefetch(&vals[e[SLOT_POS], slot, 0])
+        for b in range(nb):
+            b_pos[b] = index._lookup(&data[b_at[b]], b_len[b], b_hash[b])
+        for b in range(nb):
+            idx = b_pos[b]
+            if idx < 0:
+                continue
+            into = &vals[idx, slot, 0]
+            if mark[idx] == 0:
+                mark[idx] = 1
+                touched.append(idx)
+            if add:
+                into[0] = min(into[0] + b_val[b][0], cap)
+                into[1] = min(into[1] + b_val[b][1], cap)
+                into[2] = into[2] | b_val[b][2]
+            else:
+                into[0] = b_val[b][0]
+                into[1] = b_val[b][1]
+                into[2] = b_val[b][2]
     return good, bad
 
 
-def sync_changed(int64_t[:, ::1] tab, const int64_t[::1] rows, int64_t[:, ::1] seen, list held):
+cdef inline Py_ssize_t _put_count(unsigned char *p, int64_t v) noexcept nogil:
+    """The decimal digits of ``v`` (a '-' first when negative) at ``p``; returns their number
+    (at most 20)."""
+    cdef unsigned char rev[20]
+    cdef uint64_t u = <uint64_t>v
+    cdef Py_ssize_t n = 0, i = 0
+    if v < 0:
+        p[0] = 45
+        i = 1
+        u = <uint64_t>0 - u  # INT64_MIN's magnitude fits in uint64
+    while True:
+        rev[n] = 48 + <unsigned char>(u % 10)
+        n += 1
+        u //= 10
+        if u == 0:
+            break
+    while n:
+        n -= 1
+        p[i] = rev[n]
+        i += 1
+    return i
+
+
+def sync_encode(int64_t[:, ::1] tab, const int64_t[::1] rows, int64_t[:, ::1] seen, list held,
+                const unsigned char[::1] names, const int64_t[::1] offsets, unsigned char[::1] out,
+                bint every):
     """This replica's side of a tick when every name has one row (``rows[i]`` the row of name
-    i): the names whose requests, tokens or open circuit differ from ``seen[i]`` (updated in
-    place) are returned; rows holding an estimate of the others' placements are appended to
-    ``held``."""
-    cdef Py_ssize_t i
+    i), in one pass: each name whose requests, tokens or open circuit differ from ``seen[i]``
+    (updated in place) is written to ``out`` as a ``name\\trequests\\ttokens\\topen\\n`` line
+    (``every``: each name with anything nonzero, changed or not); name i is
+    ``names[offsets[i]:offsets[i + 1]]`` (UTF-8). Rows holding an estimate of the others'
+    placements are appended to ``held``. Returns the payload, or None when ``out`` is shorter
+    than the payload could be (``seen`` and ``held`` untouched: call again with
+    ``len(names) + 64 * len(rows)`` bytes)."""
+    cdef Py_ssize_t i, n = rows.shape[0], w = 0, a, b
     cdef int64_t t, r, k, o
-    cdef list out = []
+    cdef bint changed
     if tab.shape[1] != NCOLS:
         raise ValueError(f"not a target table: {tab.shape[1]} columns, expected {NCOLS}")
-    if seen.shape[0] != rows.shape[0] or seen.shape[1] != 3:
-        raise ValueError("sync_changed: seen must be (len(rows), 3)")
-    for i in range(rows.shape[0]):
+    if seen.shape[0] != n or seen.shape[1] != 3 or offsets.shape[0] != n + 1:
+        raise ValueError("sync_encode: seen must be (len(rows), 3) and offsets hold len(rows) + 1 bounds")
+    if offsets[0] < 0 or offsets[n] > names.shape[0]:
+        raise IndexError("sync_encode: offsets outside the names")
+    for i in range(n):
         if rows[i] < 0 or rows[i] >= tab.shape[0]:
-            raise IndexError(f"sync_changed: row {rows[i]} outside the table")
-    for i in range(rows.shape[0]):
+            raise IndexError(f"sync_encode: row {rows[i]} outside the table")
+        if offsets[i] > offsets[i + 1]:
+            raise IndexError(f"sync_encode: name {i} ends before it starts")
+    # a line is its name, three counts of at most 20 characters and four separators
+    if out.shape[0] < offsets[n] - offsets[0] + 64 * n:
+        return None
+    for i in range(n):
+        if i + 8 < n:  # a row's cells span three cache lines: ask for those of rows ahead
+            t = rows[i + 8]
+            _prefetch(&tab[t, COL_IN_FLIGHT])
+            _prefetch(&tab[t, COL_CIRCUIT])
+            _prefetch(&tab[t, COL_OTHERS_EST])
         t = rows[i]
         r = fr_load_i64(&tab[t, COL_IN_FLIGHT])
         k = fr_load_i64(&tab[t, COL_IN_FLIGHT_TOKENS])
         o = 1 if fr_load_i64(&tab[t, COL_CIRCUIT]) == CIRCUIT_OPEN else 0
         if fr_load_i64(&tab[t, COL_OTHERS_EST]) != 0:
             held.append(t)
-        if r != seen[i, 0] or k != seen[i, 1] or o != seen[i, 2]:
+        changed = r != seen[i, 0] or k != seen[i, 1] or o != seen[i, 2]
+        if changed:
             seen[i, 0] = r
             seen[i, 1] = k
             seen[i, 2] = o
-            out.append(i)
-    return out
+        if not ((r or k or o) if every else changed):
+            continue
+        a = offsets[i]
+        b = offsets[i + 1]
+        if b > a:
+            memcpy(&out[w], &names[a], b - a)
+        w += b - a
+        out[w] = 9
+        w += 1 + _put_count(&out[w + 1], r)
+        out[w] = 9
+        w += 1 + _put_count(&out[w + 1], k)
+        out[w] = 9
+        out[w + 1] = 48 + <unsigned char>o
+        out[w + 2] = 10
+        w += 3
+    return PyBytes_FromStringAndSize(<const char *>&out[0], w) if w else b""
 
 cdef inline bint _store_changed(int64_t *cell, int64_t v) noexcept nogil:
     if fr_load_i64(cell) != v:  # an unchanged cell is not written (the pickers' cache lines)
@@ -487,37 +729,46 @@ def sync_store(int64_t[:, ::1] tab, int64_t[::1] header, const int64_t[:, :, ::1
                const int64_t[::1] names, const int64_t[::1] starts, const int64_t[::1] rows,
                int64_t limit):
     """Store the others' sums of each name in ``names`` (over the peers' ``slots`` of
-    ``vals``: requests and tokens capped below ``limit``, open if any) into the others columns
+    ``vals`` (names, slots, 3): a name's peers side by side; requests and tokens capped below ``limit``, open if any) into the others columns
     of the allocated rows ``rows[starts[name]:starts[name + 1]]`` of the table; a row whose
     cells changed is published to the pickers' load indexes (the table's ``header``)."""
     cdef Py_ssize_t i, j, s
     cdef int64_t name, t, r, k, o, v, w, cap = limit - 1
     cdef bint moved
     _check_arrays(tab, header)
-    if vals.shape[2] != 3 or starts.shape[0] != vals.shape[1] + 1 or limit <= 0:
-        raise ValueError("sync_store: vals must be (slots, names, 3) and starts hold names + 1 bounds")
+    if vals.shape[2] != 3 or starts.shape[0] != vals.shape[0] + 1 or limit <= 0:
+        raise ValueError("sync_store: vals must be (names, slots, 3) and starts hold names + 1 bounds")
     for j in range(slots.shape[0]):
-        if slots[j] < 0 or slots[j] >= vals.shape[0]:
-            raise IndexError(f"sync_store: slot {slots[j]} outside 0..{vals.shape[0] - 1}")
+        if slots[j] < 0 or slots[j] >= vals.shape[1]:
+            raise IndexError(f"sync_store: slot {slots[j]} outside 0..{vals.shape[1] - 1}")
     for i in range(names.shape[0]):
         name = names[i]
-        if name < 0 or name >= vals.shape[1]:
-            raise IndexError(f"sync_store: name {name} outside 0..{vals.shape[1] - 1}")
+        if name < 0 or name >= vals.shape[0]:
+            raise IndexError(f"sync_store: name {name} outside 0..{vals.shape[0] - 1}")
         if starts[name] < 0 or starts[name] > starts[name + 1] or starts[name + 1] > rows.shape[0]:
             raise IndexError(f"sync_store: rows of name {name} outside the rows given")
         for s in range(starts[name], starts[name + 1]):
             if rows[s] < 0 or rows[s] >= tab.shape[0]:
                 raise IndexError(f"sync_store: row {rows[s]} outside the table")
     for i in range(names.shape[0]):
+        # names ahead: their peers' cells and bounds now, their rows' cells a little later
+        if i + 8 < names.shape[0]:
+            _prefetch(&vals[names[i + 8], 0, 0])
+            _prefetch(&vals[names[i + 8], vals.shape[1] - 1, 2])
+            _prefetch(&starts[names[i + 8]])
+        if i + 4 < names.shape[0] and starts[names[i + 4]] < starts[names[i + 4] + 1]:
+            t = rows[starts[names[i + 4]]]
+            _prefetch(&tab[t, COL_ALLOCATED])
+            _prefetch(&tab[t, COL_OTHERS_TOKENS])
         name = names[i]
         r = k = o = 0
         for j in range(slots.shape[0]):
             # each term is clamped to 0..cap (cap < 2^62): a sum of two never overflows
-            v = min(max(vals[slots[j], name, 0], 0), cap)
-            w = min(max(vals[slots[j], name, 1], 0), cap)
+            v = min(max(vals[name, slots[j], 0], 0), cap)
+            w = min(max(vals[name, slots[j], 1], 0), cap)
             r = min(r + v, cap)
             k = min(k + w, cap)
-            o |= vals[slots[j], name, 2]
+            o |= vals[name, slots[j], 2]
         o = 1 if o else 0
         for s in range(starts[name], starts[name + 1]):
             t = rows[s]
