@@ -176,13 +176,13 @@ def test_the_idle_test_reads_one_cell_and_follows_every_writer(table):
     lease.release()
     assert p.coordinated_idle is True
     # the replica sync's store of the others' sums (syncdelta's path)
-    vals = np.zeros((2, 1, 3), dtype=np.int64)
-    vals[1, 0] = (2, 100, 0)
+    vals = np.zeros((1, 2, 3), dtype=np.int64)  # (names, peer slots, values)
+    vals[0, 1] = (2, 100, 0)
     starts = np.array([0, 1], dtype=np.int64)
     rows = np.array([127], dtype=np.int64)
     _ledger.sync_store(table.array, table.header, vals, np.array([1]), np.array([0]), starts, rows, 1 << 40)
     assert table.array[127, COL_OTHERS_IN_FLIGHT] == 2 and p.coordinated_idle is False
-    vals[1, 0] = (0, 0, 0)
+    vals[0, 1] = (0, 0, 0)
     _ledger.sync_store(table.array, table.header, vals, np.array([1]), np.array([0]), starts, rows, 1 << 40)
     assert p.coordinated_idle is True
     table.set_healthy(3, False)
