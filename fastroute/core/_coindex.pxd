@@ -25,13 +25,12 @@
 #
 # The tree is fed as the load index is (_index.pxd): by the table header's feed, drained before
 # each use, rebuilt when it fell behind.  A separate structure from _index.Index so the two
-# evolve apart; only the feed's cell format is shared (_layout.pxd).
+# evolve apart; only the feed (its cells, and how a reader walks them) is shared (_layout.pxd).
 from libc.stdint cimport int64_t, INT64_MIN
 from fastroute.core._atomic cimport fr_load_i64
 from fastroute.core._layout cimport (
     COL_IN_FLIGHT, COL_OTHERS_IN_FLIGHT, COL_OTHERS_EST, COL_ORDER_KEY, NCOLS, row_eligible,
-    row_requests, row_pending, row_kv_free, HDR_FEED_AT, HDR_FEED, HDR_FEED_SLOTS,
-    HDR_FEED_ROW_BITS,
+    row_requests, row_pending, row_kv_free, HDR_FEED_AT, HDR_FEED_SLOTS, feed_row, feed_next,
 )
 
 cdef enum:
@@ -189,33 +188,22 @@ cdef inline void coord_rebuild(Coord *c) noexcept nogil:
 
 
 cdef inline void coord_drain(Coord *c) noexcept nogil:
-    # Re-read the rows published since c.pos (the rules of _index.index_drain: a notice not
-    # written yet is read again next time, until the ring moves half its length past it).
+    # Re-read the rows published since c.pos (the rules of _index.index_drain).
     cdef int64_t end = fr_load_i64(&c.header[HDR_FEED_AT])
-    cdef int64_t i, v, row, leaf, hole = -1
+    cdef int64_t i, row, leaf, hole = -1
     cdef int64_t k[LEAF]
-    cdef int64_t tag_mask = (<int64_t>1 << (63 - HDR_FEED_ROW_BITS)) - 1
     if end - c.pos > HDR_FEED_SLOTS:
         coord_rebuild(c)
         return
     for i in range(c.pos, end):
-        v = fr_load_i64(&c.header[HDR_FEED + (i & (HDR_FEED_SLOTS - 1))])
-        if (v >> HDR_FEED_ROW_BITS) != (i & tag_mask):
-            if hole < 0:
-                hole = i
-            continue
-        row = v & ((<int64_t>1 << HDR_FEED_ROW_BITS) - 1)
-        if row < c.mapped:
+        row = feed_row(c.header, i, &hole)
+        if 0 <= row < c.mapped:
             leaf = c.leaf_of[row]
             if leaf >= 0:
                 coord_read(c, row, k)
                 coord_set(c, leaf, k)
-    if hole < 0:
-        c.pos = end
-    elif end - hole > HDR_FEED_SLOTS // 2:
+    if feed_next(end, hole, &c.pos):
         coord_rebuild(c)
-    else:
-        c.pos = hole
 
 
 cdef inline bint coord_idle(const Coord *c) noexcept nogil:

@@ -29,7 +29,7 @@ from libc.stdint cimport int64_t, uint64_t, INT64_MIN
 from fastroute.core._atomic cimport fr_load_i64
 from fastroute.core._layout cimport (
     COL_POLLED_AT, COL_POLLED_TOKENS, NCOLS, row_eligible, row_requests, row_pending, row_kv_free,
-    HDR_FEED_AT, HDR_FEED, HDR_FEED_SLOTS, HDR_FEED_ROW_BITS,
+    HDR_FEED_AT, HDR_FEED_SLOTS, feed_row, feed_next,
 )
 from fastroute.core._random cimport rng_below
 
@@ -193,71 +193,35 @@ cdef inline void index_rebuild(Index *x) noexcept nogil:
 
 
 cdef inline void index_drain(Index *x) noexcept nogil:
-    # Re-read the rows published since x.pos.  A cell whose notice is not written yet (a writer
-    # between its two steps, or one that died there) is read again next time with everything
-    # after it (re-reading a row is harmless), until the ring moves half its length past it;
-    # then, or when the ring has moved past what it holds, the index is rebuilt.
-    cdef int64_t end = fr_load_i64(&x.header[HDR_FEED_AT])
-    cdef int64_t i, v, row, leaf, hole = -1
-    cdef int64_t k[6]
-    cdef int64_t tag_mask = (<int64_t>1 << (63 - HDR_FEED_ROW_BITS)) - 1
-    if end - x.pos > HDR_FEED_SLOTS:
-        index_rebuild(x)
-        return
-    for i in range(x.pos, end):
-        v = fr_load_i64(&x.header[HDR_FEED + (i & (HDR_FEED_SLOTS - 1))])
-        if (v >> HDR_FEED_ROW_BITS) != (i & tag_mask):
-            if hole < 0:
-                hole = i
-            continue
-        row = v & ((<int64_t>1 << HDR_FEED_ROW_BITS) - 1)
-        if row < x.mapped:
-            leaf = x.leaf_of[row]
-            if leaf >= 0:
-                leaf_key(x, row, k)
-                set_leaf(x, leaf, k)
-    if hole < 0:
-        x.pos = end
-    elif end - hole > HDR_FEED_SLOTS // 2:
-        index_rebuild(x)
-    else:
-        x.pos = hole
+    # Re-read the rows published since x.pos (_layout.feed_row / feed_next); rebuild when the
+    # ring has moved past what it holds or half its length past a notice never written.
+    index_drain_report(x, NULL)
 
 
 cdef inline int64_t index_drain_report(Index *x, int64_t *out) noexcept nogil:
-    # index_drain, and the leaves whose eligibility (their tie count) it changed into out (room
-    # for HDR_FEED_SLOTS: a drain reads each notice once).  Returns how many, or -1 when it
-    # rebuilt the index instead (any leaf may have changed).  For an owner that keeps a second
-    # tree over the same leaves keyed by eligibility (the prefix tree's smallest-tree index).
+    # index_drain, and (``out`` not NULL, room for HDR_FEED_SLOTS: a drain reads each notice
+    # once) the leaves whose eligibility (their tie count) it changed.  Returns how many, or -1
+    # when it rebuilt the index instead (any leaf may have changed).  For an owner that keeps a
+    # second tree over the same leaves keyed by eligibility (the prefix tree's smallest tree).
     cdef int64_t end = fr_load_i64(&x.header[HDR_FEED_AT])
-    cdef int64_t i, v, row, leaf, hole = -1, count = 0
+    cdef int64_t i, row, leaf, hole = -1, count = 0
     cdef int64_t k[6]
-    cdef int64_t tag_mask = (<int64_t>1 << (63 - HDR_FEED_ROW_BITS)) - 1
     if end - x.pos > HDR_FEED_SLOTS:
         index_rebuild(x)
         return -1
     for i in range(x.pos, end):
-        v = fr_load_i64(&x.header[HDR_FEED + (i & (HDR_FEED_SLOTS - 1))])
-        if (v >> HDR_FEED_ROW_BITS) != (i & tag_mask):
-            if hole < 0:
-                hole = i
-            continue
-        row = v & ((<int64_t>1 << HDR_FEED_ROW_BITS) - 1)
-        if row < x.mapped:
+        row = feed_row(x.header, i, &hole)
+        if 0 <= row < x.mapped:
             leaf = x.leaf_of[row]
             if leaf >= 0:
                 leaf_key(x, row, k)
-                if x.nodes[NODE * (x.size + leaf) + 3] != k[3]:
+                if out != NULL and x.nodes[NODE * (x.size + leaf) + 3] != k[3]:
                     out[count] = leaf
                     count += 1
                 set_leaf(x, leaf, k)
-    if hole < 0:
-        x.pos = end
-    elif end - hole > HDR_FEED_SLOTS // 2:
+    if feed_next(end, hole, &x.pos):
         index_rebuild(x)
         return -1
-    else:
-        x.pos = hole
     return count
 
 

@@ -107,6 +107,31 @@ cdef inline void feed_publish(int64_t *header, int64_t t) noexcept nogil:
                  ((i & ((<int64_t>1 << (63 - HDR_FEED_ROW_BITS)) - 1)) << HDR_FEED_ROW_BITS) | t)
 
 
+cdef inline int64_t feed_row(const int64_t *header, int64_t i, int64_t *hole) noexcept nogil:
+    # A reader's (an index's drain) notice i: the row it names, or -1 when its cell is not
+    # written yet (a writer between its two steps, or one that died there); the first such i
+    # is kept in ``hole``, from which feed_next re-reads.
+    cdef int64_t v = fr_load_i64(&header[HDR_FEED + (i & (HDR_FEED_SLOTS - 1))])
+    if (v >> HDR_FEED_ROW_BITS) != (i & ((<int64_t>1 << (63 - HDR_FEED_ROW_BITS)) - 1)):
+        if hole[0] < 0:
+            hole[0] = i
+        return -1
+    return v & ((<int64_t>1 << HDR_FEED_ROW_BITS) - 1)
+
+
+cdef inline bint feed_next(int64_t end, int64_t hole, int64_t *pos) noexcept nogil:
+    # After reading the notices up to ``end``: where the next drain starts (a notice not written
+    # yet is read again then, with everything after it: re-reading a row is harmless); True
+    # when the reader must rebuild instead (the ring moved half its length past that notice).
+    if hole < 0:
+        pos[0] = end
+        return False
+    if end - hole > HDR_FEED_SLOTS // 2:
+        return True
+    pos[0] = hole
+    return False
+
+
 cdef inline int64_t row_kv_free(const int64_t *row) noexcept nogil:
     # Estimated free KV tokens of a rank now, or INT64_MIN when its capacity is unknown.
     # The poll says what the engine had allocated then; since then the router booked and
