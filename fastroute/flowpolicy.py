@@ -40,6 +40,29 @@ def flow_enabled(config: Any) -> bool:
     )
 
 
+# The tenant label of the counts of tenants past a bound (the metrics' top N, the counters' fold).
+OTHER_TENANT = "other"
+
+
+def fold_tenants(counters: list[dict], keep: int) -> list[dict]:
+    """``counters`` (keys whose first item is a tenant) with every tenant but the ``keep``
+    most counted over all of them (ties by name) merged into OTHER_TENANT: new dicts, the same
+    totals."""
+    per_tenant: dict[str, int] = {}
+    for d in counters:
+        for k, v in d.items():
+            per_tenant[k[0]] = per_tenant.get(k[0], 0) + v
+    named = set(sorted(per_tenant, key=lambda t: (-per_tenant[t], t))[:keep])
+    out = []
+    for d in counters:
+        folded: dict = {}
+        for k, v in d.items():
+            key = k if k[0] in named else (OTHER_TENANT, *k[1:])
+            folded[key] = folded.get(key, 0) + v
+        out.append(folded)
+    return out
+
+
 # The classes, highest first: a smaller index is served first.
 CLASSES: tuple[str, ...] = ("system", "interactive", "default", "bulk")
 DEFAULT_CLASS = 2

@@ -10,37 +10,27 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily
 
+from fastroute.flowpolicy import fold_tenants
+
 
 def flow_families(refusals: dict, admitted: dict, top_n: int) -> Any:
     """The flow-control series (none before flow control counted anything); tenants past the
     ``top_n`` busiest are labelled ``other``."""
     if not refusals and not admitted:
         return
-    per_tenant: dict[str, int] = {}
-    for d in (refusals, admitted):
-        for k, v in d.items():
-            per_tenant[k[0]] = per_tenant.get(k[0], 0) + v
-    named = set(sorted(per_tenant, key=lambda t: (-per_tenant[t], t))[:top_n])
-
-    def folded(d: dict) -> dict:
-        out: dict = {}
-        for k, v in d.items():
-            key = (k[0] if k[0] in named else "other",) + tuple(k[1:])
-            out[key] = out.get(key, 0) + v
-        return out
-
+    refusals, admitted = fold_tenants([refusals, admitted], top_n)
     c = CounterMetricFamily(
         "fastroute_flow_refusals",
         "Requests flow control refused before any byte reached a worker, by tenant, class and "
         "reason (smg's error code; scheduler_client_cancelled: the client left while queued)",
         labels=["tenant", "class", "reason"],
     )
-    for k, v in sorted(folded(refusals).items()):
+    for k, v in sorted(refusals.items()):
         c.add_metric(list(k), float(v))
     yield c
     c = CounterMetricFamily(
         "fastroute_flow_admitted", "Requests flow control admitted, by tenant and class", labels=["tenant", "class"]
     )
-    for k, v in sorted(folded(admitted).items()):
+    for k, v in sorted(admitted.items()):
         c.add_metric(list(k), float(v))
     yield c

@@ -36,9 +36,10 @@ by (tenant, class, reason) in ``fastroute_flow_refusals_total``.
 
 A tenant is whatever the client makes it (its address; any header value with
 ``--trust-tenant-header``), so what is kept per tenant is bounded: past ``COUNTED_KEYS`` counter
-entries the least counted tenants fold into ``other`` (the busiest ``TENANTS_AFTER_FOLD`` keep
-their names), and past ``BUCKETS_KEPT`` rate-limit scopes the refilled ones are forgotten (a
-fresh scope is a full one: nothing changes for that tenant), then the oldest.
+entries the least counted tenants fold into ``other`` (flowpolicy.fold_tenants; the busiest
+``TENANTS_AFTER_FOLD``, and at most half of them, keep their names), and past ``BUCKETS_KEPT``
+rate-limit scopes the refilled ones are forgotten (a fresh scope is a full one: nothing changes
+for that tenant), then the oldest.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from fastroute.dataplane.saturation import Saturation
 from fastroute.errors import RouterError
 from fastroute.flowpolicy import (
     CLASSES,
+    OTHER_TENANT,
     Bucket,
     ClassSpec,
     RateLimits,
@@ -65,6 +67,7 @@ from fastroute.flowpolicy import (
     Tenants,
     class_index,
     flow_enabled,
+    fold_tenants,
     load_rate_limits,
     load_scheduler,
     parse_tenant_keys,
@@ -84,7 +87,6 @@ SHED = "scheduler_shed"  # fastroute's: a waiter dropped for a higher class (--f
 COUNTED_KEYS = 8192  # entries of the refusal or admission counters before a fold
 TENANTS_AFTER_FOLD = 1024  # tenants that keep their name at a fold (the metrics show the top N of them)
 BUCKETS_KEPT = 65536  # rate-limit scopes (tenant, rule) kept
-OTHER = "other"  # the tenant label of what was folded (as flowmetrics' top-N)
 
 
 def _no_answer(exc: RouterError) -> None:
@@ -519,19 +521,16 @@ class FlowAdmission(Admission):
 
 
 def _fold(d: dict) -> None:
-    """Fold the counters of all but the busiest TENANTS_AFTER_FOLD tenants into OTHER, in
-    place (the Stats hold this dict)."""
-    per_tenant: dict[str, int] = {}
-    for k, v in d.items():
-        per_tenant[k[0]] = per_tenant.get(k[0], 0) + v
-    named = set(sorted(per_tenant, key=lambda t: (-per_tenant[t], t))[:TENANTS_AFTER_FOLD])
-    out: dict = {}
-    for k, v in d.items():
-        key = k if k[0] in named else (OTHER, *k[1:])
-        out[key] = out.get(key, 0) + v
+    """Fold the counters of all but the busiest tenants into OTHER_TENANT, in place (the Stats
+    hold this dict): at most TENANTS_AFTER_FOLD keep their names, and never more than half of
+    them, so a fold always frees entries and the next one is as far away (a tenant may have many
+    class and reason entries)."""
+    tenants = len({k[0] for k in d})
+    keep = min(TENANTS_AFTER_FOLD, tenants // 2)
+    (folded,) = fold_tenants([d], keep)
     d.clear()
-    d.update(out)
-    log.info("flow control: counters of %d tenants folded into %r", len(per_tenant) - len(named), OTHER)
+    d.update(folded)
+    log.info("flow control: counters of %d tenants folded into %r", tenants - keep, OTHER_TENANT)
 
 
 def _flow_headers(fwd: bytes) -> dict[bytes, bytes]:
