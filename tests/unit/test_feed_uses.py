@@ -251,6 +251,30 @@ def test_a_picker_that_outlives_its_table_s_mapping_leaves_without_a_crash():
     assert out.returncode == 0 and out.stdout.strip() == "left", out
 
 
+def test_a_tree_that_outlives_its_table_s_mapping_leaves_without_a_crash():
+    """The same for a cache_aware tree's index: its use is not given back into an unmapped
+    segment."""
+    script = (
+        "import gc\n"
+        "from fastroute.core import _tree\n"
+        "from fastroute.core.table import TargetTable\n"
+        "tab = TargetTable(128)\n"
+        "[tab.alloc() for _ in range(100)]\n"
+        "t = _tree.PrefixTree(tab.array, seed=1, header=tab.header)\n"
+        "cands = list(range(100))\n"
+        "t.pick('x', cands)\n"
+        "t.pick('x', cands)\n"
+        "assert t.indexed and tab.feed_uses == 1\n"
+        "tab.close()\n"
+        "tab.unlink()\n"
+        "del t\n"
+        "gc.collect()\n"
+        "print('left')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "left", out
+
+
 def test_cache_aware_trees_hold_uses_of_their_own():
     """A PrefixTree's load index (and its free-KV index) counts in HDR_FEED_ON like a picker's:
     a tree indexing its candidates keeps writers publishing after every picker's index is gone,
