@@ -10,34 +10,16 @@ import asyncio
 
 import redis
 
-from fastroute.control.replica import ReplicaSync
-from fastroute.core.table import COL_IN_FLIGHT, COL_OTHERS_IN_FLIGHT, TargetTable
+from fastroute.core.table import COL_IN_FLIGHT, COL_OTHERS_IN_FLIGHT
 from tests.integration.conftest import run, until
 from tests.integration.redis_fixture import redis_server  # noqa: F401  (the fixture)
+from tests.integration.sync_replicas import Replica
 
 N = 16
 
 
-class _Targets:
-    def __init__(self, n: int) -> None:
-        self.target_info = [("w", r) for r in range(n)]
-        self.background = None
-
-    def target_name(self, t: int) -> str:
-        return f"http://10.3.0.{t // 8}:30000@{t % 8}"
-
-
-class _Replica:
-    def __init__(self, url: str, rid: str, interval: float, ttl: float) -> None:
-        self.table = TargetTable(N)
-        for _ in range(N):
-            self.table.alloc()
-        self.sync = ReplicaSync(url, rid, self.table, _Targets(N), interval, ttl)
-
-    async def close(self) -> None:
-        await self.sync.stop()
-        self.table.close()
-        self.table.unlink()
+def _replica(url: str, rid: str, interval: float, ttl: float) -> Replica:
+    return Replica(url, rid, interval, ttl, N, "10.3.0")
 
 
 def _commands(client: redis.Redis) -> int:
@@ -48,7 +30,7 @@ def _commands(client: redis.Redis) -> int:
 
 def test_quiet_replicas_send_far_fewer_commands_than_busy_ones_and_stay_live(redis_server):  # noqa: F811
     async def body():
-        reps = [_Replica(redis_server.url, f"r{i}", 0.02, 3.0) for i in range(2)]
+        reps = [_replica(redis_server.url, f"r{i}", 0.02, 3.0) for i in range(2)]
         client = redis.Redis.from_url(redis_server.url)
         try:
             for r in reps:
@@ -82,8 +64,8 @@ def test_a_change_after_a_quiet_spell_reaches_a_peer_within_about_one_interval(r
     async def body():
         interval = 0.25
         # ttl 30 s: quiet heartbeats may be up to 10 s apart, so only a wake explains a fast view
-        a = _Replica(redis_server.url, "a", interval, 30.0)
-        b = _Replica(redis_server.url, "b", interval, 30.0)
+        a = _replica(redis_server.url, "a", interval, 30.0)
+        b = _replica(redis_server.url, "b", interval, 30.0)
         try:
             for r in (a, b):
                 r.sync.start()

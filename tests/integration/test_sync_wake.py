@@ -10,21 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from fastroute.control.replica import ReplicaSync
-from fastroute.core.table import COL_IN_FLIGHT, COL_OTHERS_IN_FLIGHT, TargetTable
+from fastroute.core.table import COL_IN_FLIGHT, COL_OTHERS_IN_FLIGHT
 from tests.integration.conftest import run, until
 from tests.integration.redis_fixture import redis_server  # noqa: F401  (the fixture)
+from tests.integration.sync_replicas import Replica
 
 N = 8
-
-
-class _Targets:
-    def __init__(self, n: int) -> None:
-        self.target_info = [("w", r) for r in range(n)]
-        self.background = None
-
-    def target_name(self, t: int) -> str:
-        return f"http://10.4.0.{t // 8}:30000@{t % 8}"
 
 
 class SilencingProxy:
@@ -80,17 +71,8 @@ class SilencingProxy:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-class _Replica:
-    def __init__(self, url: str, rid: str, interval: float, ttl: float) -> None:
-        self.table = TargetTable(N)
-        for _ in range(N):
-            self.table.alloc()
-        self.sync = ReplicaSync(url, rid, self.table, _Targets(N), interval, ttl)
-
-    async def close(self) -> None:
-        await self.sync.stop()
-        self.table.close()
-        self.table.unlink()
+def _replica(url: str, rid: str, interval: float, ttl: float) -> Replica:
+    return Replica(url, rid, interval, ttl, N, "10.4.0")
 
 
 def test_a_silently_dropped_wake_connection_is_replaced_and_wakes_resume(redis_server, caplog):  # noqa: F811
@@ -99,8 +81,8 @@ def test_a_silently_dropped_wake_connection_is_replaced_and_wakes_resume(redis_s
         # ttl 30 s: quiet heartbeats up to 10 s apart, so only a wake explains a view within 4 s
         proxy = SilencingProxy(redis_server.port)
         proxy_url = f"redis://127.0.0.1:{await proxy.start()}/0"
-        a = _Replica(redis_server.url, "a", interval, 30.0)
-        b = _Replica(proxy_url, "b", interval, 30.0)  # b reads its wakes through the proxy
+        a = _replica(redis_server.url, "a", interval, 30.0)
+        b = _replica(proxy_url, "b", interval, 30.0)  # b reads its wakes through the proxy
         loop = asyncio.get_running_loop()
         try:
             for r in (a, b):
