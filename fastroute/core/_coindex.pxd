@@ -30,7 +30,8 @@ from libc.stdint cimport int64_t, INT64_MIN
 from fastroute.core._atomic cimport fr_load_i64
 from fastroute.core._layout cimport (
     COL_IN_FLIGHT, COL_OTHERS_IN_FLIGHT, COL_OTHERS_EST, COL_ORDER_KEY, NCOLS, row_eligible,
-    row_requests, row_pending, row_kv_free, HDR_FEED_AT, HDR_FEED_SLOTS, feed_row, feed_next,
+    row_requests, row_pending, row_kv_free, HDR_FEED_AT, HDR_FEED_SLOTS, feed_row, feed_next, plan_level,
+    plan_place,
 )
 
 cdef enum:
@@ -261,7 +262,7 @@ cdef inline int64_t coord_plan(Coord *c, int64_t tokens, int64_t need, int64_t n
     # nothing is eligible, COORD_SCAN when leaves kept disagreeing with their rows.  keep: the
     # caller books every placement (each charged row is then written and posted), so the
     # charges stay in the tree.
-    cdef int64_t s, leaf, level, ties, step = tokens + c.weight if c.demand else 1
+    cdef int64_t s, leaf, step = tokens + c.weight if c.demand else 1
     cdef int64_t k[LEAF]
     cdef int64_t *x
     cdef bint known, fits
@@ -289,10 +290,7 @@ cdef inline int64_t coord_plan(Coord *c, int64_t tokens, int64_t need, int64_t n
                     coord_set(c, leaf, k)
                     break
             picks[s] = c.cands[leaf]
-            if fits:
-                picks[n + s] = x[1] + tokens if c.demand else x[1]
-            else:
-                picks[n + s] = (<int64_t>1 << 62) - x[3]  # _policy's LEVEL_NO_FIT - free
+            picks[n + s] = plan_level(x[1] + tokens if c.demand else x[1], fits, x[3])
             c.extra[leaf] += 1
             x[1] += step
             if known:
@@ -306,10 +304,5 @@ cdef inline int64_t coord_plan(Coord *c, int64_t tokens, int64_t need, int64_t n
                 c.extra[c.leaf_of[picks[s]]] = 0
         else:
             coord_restore(c, picks, n)
-        ties = 0
-        for s in range(n):
-            if picks[n + s] == picks[n]:
-                ties += 1
-        picks[2 * n] = slot if strict else slot % ties
-        return picks[picks[2 * n]]
+        return plan_place(picks, n, slot, strict)
     return COORD_SCAN

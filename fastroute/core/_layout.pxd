@@ -107,6 +107,24 @@ cdef inline void feed_publish(int64_t *header, int64_t t) noexcept nogil:
                  ((i & ((<int64_t>1 << (63 - HDR_FEED_ROW_BITS)) - 1)) << HDR_FEED_ROW_BITS) | t)
 
 
+cdef inline int64_t plan_level(int64_t cost, bint fits, int64_t free) noexcept nogil:
+    # A coordinated placement's level (_policy.pick_coordinated, _coindex.coord_plan): its cost
+    # where the need fits, else below every fitting level by its free KV (more free, lower).
+    return cost if fits else (<int64_t>1 << 62) - free
+
+
+cdef inline int64_t plan_place(int64_t *picks, int64_t n, int64_t slot, bint strict) noexcept nogil:
+    # This replica's place among the n placements of a plan (picks[0..n) rows, picks[n..2n)
+    # levels): ``slot`` when strict, else slot modulo the placements as good as the first.
+    # Written to picks[2n]; returns its row.
+    cdef int64_t s, ties = 0
+    for s in range(n):
+        if picks[n + s] == picks[n]:
+            ties += 1
+    picks[2 * n] = slot if strict else slot % ties
+    return picks[picks[2 * n]]
+
+
 cdef inline int64_t feed_row(const int64_t *header, int64_t i, int64_t *hole) noexcept nogil:
     # A reader's (an index's drain) notice i: the row it names, or -1 when its cell is not
     # written yet (a writer between its two steps, or one that died there); the first such i

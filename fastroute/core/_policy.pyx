@@ -13,7 +13,7 @@ from fastroute.core._layout cimport (
     COL_TOKENS_AT_POLL, COL_CB_FAILS, COL_CB_OKS, COL_CB_OPENED_AT, COL_OTHERS_OPEN,
     COL_OTHERS_IN_FLIGHT, COL_OTHERS_TOKENS, COL_OTHERS_EST, COL_OTHERS_EST_TOKENS, COL_ORDER_KEY,
     NCOLS, HDR_MAGIC, HDR_CAPACITY, HDR_UNDERFLOWS, HDR_GENERATION, HDR_REPLICAS, HDR_REPLICA_SLOT,
-    HDR_SYNC_TICKS, NHDR, HDR_FEED_ON, HDR_FEED_AT, HDR_FEED, HDR_FEED_SLOTS, HDR_FEED_ROW_BITS,
+    HDR_SYNC_TICKS, NHDR, plan_level, plan_place, HDR_FEED_ON, HDR_FEED_AT, HDR_FEED, HDR_FEED_SLOTS, HDR_FEED_ROW_BITS,
     CIRCUIT_CLOSED, CIRCUIT_OPEN, CIRCUIT_HALF_OPEN, row_eligible, row_requests, row_tokens,
     row_pending, row_kv_free, COL_POLLED_UNCACHED, COL_POLLED_KV_QUEUE, COL_POLLED_MAX_RUNNING,
 )
@@ -274,7 +274,6 @@ cdef int64_t pick_kv_fit(const int64_t[:, ::1] tab, const int64_t[::1] cands, in
 
 
 # Cost level of a placement where nothing fits (above every cost of a fitting one).
-cdef int64_t LEVEL_NO_FIT = <int64_t>1 << 62
 
 
 cdef int64_t pick_coordinated(const int64_t[:, ::1] tab, const int64_t[::1] cands, int64_t tokens,
@@ -295,7 +294,7 @@ cdef int64_t pick_coordinated(const int64_t[:, ::1] tab, const int64_t[::1] cand
     ``picks[0..n)`` receives the sequence (candidate rows), ``picks[n..2n)`` each placement's
     cost level, ``picks[2n]`` the index of this replica's own.  -1 when nothing is eligible."""
     cdef Py_ssize_t m = cands.shape[0], k, best
-    cdef int64_t s, t, r, cost, free, key, best_cost = 0, best_key = 0, best_free = 0, ties
+    cdef int64_t s, t, r, cost, free, key, best_cost = 0, best_key = 0, best_free = 0
     cdef bint known = False, fits, best_fits = False, better
     for k in range(2 * m):
         extra[k] = 0
@@ -334,15 +333,10 @@ cdef int64_t pick_coordinated(const int64_t[:, ::1] tab, const int64_t[::1] cand
         if best < 0:
             return -1
         picks[s] = cands[best]
-        picks[n + s] = best_cost if best_fits else LEVEL_NO_FIT - best_free
+        picks[n + s] = plan_level(best_cost, best_fits, best_free)
         extra[best] += 1
         extra[m + best] += tokens
-    ties = 0
-    for s in range(n):
-        if picks[n + s] == picks[n]:
-            ties += 1
-    picks[2 * n] = slot if strict else slot % ties
-    return picks[picks[2 * n]]
+    return plan_place(picks, n, slot, strict)
 
 
 # ---- thin Python wrappers, for tests and the reference comparison ------------------------------
