@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -229,45 +230,36 @@ def test_a_dead_proxy_process_s_uses_are_given_back_with_its_leases():
             t.unlink()
 
 
-def test_a_picker_that_outlives_its_table_s_mapping_leaves_without_a_crash():
-    """A table closed (unmapped) while a picker with an index still holds it: the picker's
-    release of its feed use must not write into the unmapped segment (a crash at collection)."""
-    script = (
-        "import gc, numpy as np\n"
+_HOLDERS = {
+    "picker": (
         "from fastroute.core import _ledger\n"
-        "from fastroute.core.table import TargetTable\n"
-        "tab = TargetTable(128)\n"
-        "[tab.alloc() for _ in range(100)]\n"
         "p = _ledger.Picker(tab.array, tab.header, 'power_of_two', 'least_requests', seed=1)\n"
         "p.set_candidates(np.arange(100))\n"
         "assert p.feed_uses == 1\n"
-        "tab.close()\n"
-        "tab.unlink()\n"
-        "del p\n"
-        "gc.collect()\n"
-        "print('left')\n"
-    )
-    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and out.stdout.strip() == "left", out
-
-
-def test_a_tree_that_outlives_its_table_s_mapping_leaves_without_a_crash():
-    """The same for a cache_aware tree's index: its use is not given back into an unmapped
-    segment."""
-    script = (
-        "import gc\n"
+    ),
+    "tree": (
         "from fastroute.core import _tree\n"
+        "p = _tree.PrefixTree(tab.array, seed=1, header=tab.header)\n"
+        "cands = list(range(100))\n"  # indexed from the same list's second pick
+        "p.pick('x', cands)\n"
+        "p.pick('x', cands)\n"
+        "assert p.indexed and tab.feed_uses == 1\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("holder", sorted(_HOLDERS))
+def test_an_index_that_outlives_its_table_s_mapping_leaves_without_a_crash(holder: str) -> None:
+    """A table closed (unmapped) while a picker or a cache_aware tree with an index still holds
+    it: giving back its feed use must not write into the unmapped segment (a crash at
+    collection)."""
+    script = (
+        "import gc, numpy as np\n"
         "from fastroute.core.table import TargetTable\n"
         "tab = TargetTable(128)\n"
-        "[tab.alloc() for _ in range(100)]\n"
-        "t = _tree.PrefixTree(tab.array, seed=1, header=tab.header)\n"
-        "cands = list(range(100))\n"
-        "t.pick('x', cands)\n"
-        "t.pick('x', cands)\n"
-        "assert t.indexed and tab.feed_uses == 1\n"
-        "tab.close()\n"
+        "[tab.alloc() for _ in range(100)]\n" + _HOLDERS[holder] + "tab.close()\n"
         "tab.unlink()\n"
-        "del t\n"
+        "del p\n"
         "gc.collect()\n"
         "print('left')\n"
     )
